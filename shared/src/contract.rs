@@ -1,0 +1,333 @@
+//! The admission contract: what a gateway asks, what the limiter answers, and how the answer becomes an
+//! HTTP response.
+//!
+//! These are wire types (serde, camelCase) shared by the agent and by tests; the decision core does not
+//! depend on them. The HTTP mapping is pure so that the agent's HTTP and gRPC surfaces and the tests
+//! agree on it:
+//! - allowed -> 200 (the request proceeds; admission is not a promise of backend success, I11);
+//! - rate or concurrency exceeded -> 429 with `Retry-After: max(1, ceil(ms / 1000))`, omitted when the
+//!   request can never succeed (`retryAfterMs = -1`);
+//! - a fail-closed limiter outage or a broken policy -> 503, never 429;
+//! - `RateLimit` / `RateLimit-Policy` fields only for authenticated callers and only for their own scope;
+//! - error bodies are RFC 9457 problem details.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{DecisionId, RouteGroup, TenantId};
+
+/// Longest principal id or API key id accepted, in bytes (I10). They are hashed, never stored raw.
+pub const MAX_PRINCIPAL_ID_LEN: usize = 256;
+
+/// The kind of verified identity a request carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrincipalType {
+    /// A user, from a verified token.
+    User,
+    /// An API key, looked up server-side.
+    ApiKey,
+    /// A client address, before authentication (coarse limits only).
+    Ip,
+}
+
+impl PrincipalType {
+    /// The principal-type segment of a store key: `u`, `k` or `ip`.
+    pub fn key_segment(self) -> &'static str {
+        match self {
+            PrincipalType::User => "u",
+            PrincipalType::ApiKey => "k",
+            PrincipalType::Ip => "ip",
+        }
+    }
+
+    /// Whether the caller proved who it is. Unauthenticated callers learn nothing about limits.
+    pub fn is_authenticated(self) -> bool {
+        !matches!(self, PrincipalType::Ip)
+    }
+}
+
+/// Who the request is from, derived by the gateway from verified credentials only.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Principal {
+    /// The identity kind.
+    #[serde(rename = "type")]
+    pub kind: PrincipalType,
+    /// The identity (user id, or the client address for `ip`). Never stored raw: keys hold its HMAC.
+    pub id: String,
+    /// The API key the request came with, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_id: Option<String>,
+}
+
+/// The admission request a gateway sends for every request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AdmissionRequest {
+    /// Minted at ingress and stable across retries: the idempotency scope of the decision.
+    pub request_id: DecisionId,
+    /// The verified tenant.
+    pub tenant_id: TenantId,
+    /// The verified principal.
+    pub principal: Principal,
+    /// The route group the request maps to, e.g. `read`.
+    pub route_group: RouteGroup,
+    /// The HTTP method, for logs and matching.
+    pub method: String,
+    /// Cost in whole units (default 1); a policy may override it per route group.
+    #[serde(default = "one")]
+    pub cost_hint: u64,
+    /// The policy bundle version the gateway evaluated against, if it tracks one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_epoch: Option<u64>,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// A request field that failed validation beyond its type.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct RequestError {
+    /// The offending field's JSON path, e.g. `principal.id`.
+    pub field: &'static str,
+    /// What was wrong.
+    pub message: &'static str,
+}
+
+impl AdmissionRequest {
+    /// Checks what serde cannot: bounded, non-empty identities, a plausible method and a cost in
+    /// `[1, 2^30]` units.
+    pub fn validate(&self) -> Result<(), RequestError> {
+        let bounded = |s: &str| !s.is_empty() && s.len() <= MAX_PRINCIPAL_ID_LEN;
+        if !bounded(&self.principal.id) {
+            return Err(RequestError {
+                field: "principal.id",
+                message: "must be 1 to 256 bytes",
+            });
+        }
+        if let Some(key) = &self.principal.api_key_id
+            && !bounded(key)
+        {
+            return Err(RequestError {
+                field: "principal.apiKeyId",
+                message: "must be 1 to 256 bytes",
+            });
+        }
+        if self.method.is_empty()
+            || self.method.len() > 16
+            || !self.method.bytes().all(|b| b.is_ascii_uppercase())
+        {
+            return Err(RequestError {
+                field: "method",
+                message: "must be an upper-case HTTP method of at most 16 letters",
+            });
+        }
+        if !(1..=(1 << 30)).contains(&self.cost_hint) {
+            return Err(RequestError {
+                field: "costHint",
+                message: "must be an integer in [1, 2^30]",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Which rule said no.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeniedScope {
+    /// A per-principal rule.
+    User,
+    /// A tenant-wide rule.
+    Tenant,
+    /// A tenant-wide rule for one route group.
+    Route,
+    /// The leased global pool.
+    Global,
+    /// A concurrency cap.
+    Concurrency,
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Reason {
+    /// A rate rule is exhausted.
+    RateExceeded,
+    /// A concurrency cap is full.
+    ConcurrencyExceeded,
+    /// The store is unavailable and the rule fails closed.
+    LimiterUnavailable,
+    /// The policy cannot be evaluated (a defect to alert on).
+    PolicyError,
+}
+
+/// The decision: a structured record first, an HTTP response second.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Decision {
+    /// Whether the request may proceed.
+    pub allowed: bool,
+    /// The request's id, echoed.
+    pub decision_id: DecisionId,
+    /// The rule the decision is attributed to (the denying rule, or the most constraining one).
+    pub policy_id: Option<String>,
+    /// The policy bundle version the decision was made against.
+    pub policy_version: u64,
+    /// Which scope denied; `None` when allowed.
+    pub denied_scope: Option<DeniedScope>,
+    /// Why it was denied; `None` when allowed.
+    pub reason: Option<Reason>,
+    /// The attributed rule's limit, in whole units (internal; exposure to clients is separate).
+    pub limit: u64,
+    /// What is left of it, in whole units.
+    pub remaining: u64,
+    /// When to retry in ms; 0 when allowed; -1 when the request can never succeed.
+    pub retry_after_ms: i64,
+    /// True when the decision was made without the shared store (a bounded local fallback).
+    pub fallback: bool,
+}
+
+/// `application/problem+json`.
+pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
+
+/// The HTTP status for a decision.
+pub fn http_status(decision: &Decision) -> u16 {
+    if decision.allowed {
+        return 200;
+    }
+    match decision.reason {
+        Some(Reason::LimiterUnavailable) | Some(Reason::PolicyError) => 503,
+        Some(Reason::RateExceeded) | Some(Reason::ConcurrencyExceeded) | None => 429,
+    }
+}
+
+/// The `Retry-After` value in whole seconds for a hint in ms: `max(1, ceil(ms / 1000))`, or `None` when
+/// the request can never succeed (negative hint). Rounding up is deliberate: a client that came back
+/// early would be denied again.
+pub fn retry_after_seconds(retry_after_ms: i64) -> Option<u64> {
+    let ms = u64::try_from(retry_after_ms).ok()?;
+    Some(ms.div_ceil(1_000).max(1))
+}
+
+/// The `Retry-After` header for a decision: only on denials with a finite hint.
+pub fn retry_after_header(decision: &Decision) -> Option<u64> {
+    if decision.allowed {
+        return None;
+    }
+    retry_after_seconds(decision.retry_after_ms)
+}
+
+/// One quota as a caller may see it, in the units of the RateLimit header draft.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuotaView {
+    /// The policy name shown to the caller (a rule id; its charset needs no escaping).
+    pub policy_name: String,
+    /// Quota units per window (`q`).
+    pub quota_units: u64,
+    /// Window length in seconds (`w`).
+    pub window_seconds: u64,
+    /// Units left (`r`).
+    pub remaining_units: u64,
+    /// Seconds until more is available (`t`).
+    pub reset_seconds: u64,
+}
+
+fn sf_string(value: &str) -> String {
+    // A Structured Fields sf-string: printable ASCII, with `"` and `\` escaped; anything else dropped.
+    let mut out = String::with_capacity(value.len() + 2);
+    out.push('"');
+    for c in value.chars().filter(|c| (' '..='~').contains(c)) {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
+/// The `RateLimit-Policy` and `RateLimit` field values (draft-ietf-httpapi-ratelimit-headers), e.g.
+/// `"read";q=20;w=10` and `"read";r=0;t=1`, or `None` when the caller must not see them: callers that
+/// did not authenticate, and scopes that are not the caller's own (a user is not told its tenant's
+/// remaining quota).
+pub fn rate_limit_fields(
+    caller: PrincipalType,
+    scope: DeniedScope,
+    view: &QuotaView,
+) -> Option<(String, String)> {
+    if !caller.is_authenticated() || scope != DeniedScope::User {
+        return None;
+    }
+    let name = sf_string(&view.policy_name);
+    Some((
+        format!("{name};q={};w={}", view.quota_units, view.window_seconds),
+        format!("{name};r={};t={}", view.remaining_units, view.reset_seconds),
+    ))
+}
+
+/// An RFC 9457 problem details body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Problem {
+    /// A URI naming the problem type; `about:blank` when the status says it all.
+    #[serde(rename = "type")]
+    pub type_uri: String,
+    /// A short summary of the problem type.
+    pub title: String,
+    /// The HTTP status.
+    pub status: u16,
+    /// What happened, for a human.
+    pub detail: String,
+    /// The request field at fault, when there is one (e.g. `rules[2].capacityMillis`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// The decision this problem belongs to, when there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision_id: Option<String>,
+}
+
+impl Problem {
+    /// A problem of type `about:blank`.
+    pub fn new(status: u16, title: impl Into<String>, detail: impl Into<String>) -> Self {
+        Self {
+            type_uri: "about:blank".to_owned(),
+            title: title.into(),
+            status,
+            detail: detail.into(),
+            field: None,
+            decision_id: None,
+        }
+    }
+
+    /// Names the field at fault.
+    pub fn with_field(mut self, field: impl Into<String>) -> Self {
+        self.field = Some(field.into());
+        self
+    }
+
+    /// The body for a denied decision. Unauthenticated callers get a generic text with no policy names,
+    /// limits or counts.
+    pub fn for_denial(decision: &Decision, caller: PrincipalType) -> Self {
+        let status = http_status(decision);
+        let mut problem = if status == 503 {
+            Self::new(
+                503,
+                "Rate limiter unavailable",
+                "The request could not be checked against its quota. Retry later.",
+            )
+        } else {
+            Self::new(
+                429,
+                "Rate limit exceeded",
+                "Too many requests. Retry after the interval given.",
+            )
+        };
+        if caller.is_authenticated() {
+            problem.decision_id = Some(decision.decision_id.to_string());
+        }
+        problem
+    }
+}

@@ -1,0 +1,292 @@
+//! The store key model and keyed principal hashes.
+//!
+//! `rl:v<stateVersion>:{t:<tenant>}:<principalType>:<principalHash>:<routeGroup>`
+//! - `rl` keeps limiter keys apart from anything else in the store;
+//! - `v<stateVersion>` names the state shape (fields and units), bumped only when that changes, never
+//!   when a limit changes (limits travel as script arguments and stored tokens are clamped);
+//! - `{t:<tenant>}` is the Redis Cluster hash tag: every key of one tenant shares one slot, so one script
+//!   can decide all of a request's rules atomically (I2);
+//! - the principal part is `u`/`k`/`ip` and the first 16 hex characters of
+//!   HMAC-SHA256(pepper, identity), or `tenant` and the tenant id for tenant-wide keys. Raw user ids, API
+//!   keys and addresses never appear in a key;
+//! - the route group, or `*` for a rule that spans all route groups.
+//!
+//! Every segment is built from validated identifiers whose charsets exclude `{`, `}` and `:`, so no
+//! input can shape another tenant's key.
+
+use std::fmt;
+use std::net::IpAddr;
+
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+
+use crate::contract::PrincipalType;
+use crate::ids::{DecisionId, RouteGroup, TenantId};
+
+/// The current state-shape version: token buckets in millitokens and epoch ms.
+pub const STATE_VERSION: u32 = 1;
+
+/// Shortest accepted pepper, in bytes.
+pub const MIN_PEPPER_LEN: usize = 16;
+
+/// The secret key of principal hashes. Its `Debug` never shows the bytes.
+#[derive(Clone)]
+pub struct Pepper(Vec<u8>);
+
+/// A pepper that is too short to be a secret.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the HMAC pepper must be at least {MIN_PEPPER_LEN} bytes, got {0}")]
+pub struct PepperTooShort(pub usize);
+
+impl Pepper {
+    /// Wraps secret bytes (at least [`MIN_PEPPER_LEN`]).
+    pub fn new(bytes: Vec<u8>) -> Result<Self, PepperTooShort> {
+        if bytes.len() < MIN_PEPPER_LEN {
+            return Err(PepperTooShort(bytes.len()));
+        }
+        Ok(Self(bytes))
+    }
+}
+
+impl fmt::Debug for Pepper {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Pepper(<redacted>)")
+    }
+}
+
+/// Prefix lengths used to key anonymous (IP) principals: the HMAC input is the prefix, not the
+/// address, so one host cannot mint fresh buckets by rotating through addresses it controls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpPrefixes {
+    /// Prefix length for IPv4, 1 to 32 (default 32).
+    pub v4_bits: u8,
+    /// Prefix length for IPv6, 1 to 128 (default 64).
+    pub v6_bits: u8,
+}
+
+impl Default for IpPrefixes {
+    fn default() -> Self {
+        Self {
+            v4_bits: 32,
+            v6_bits: 64,
+        }
+    }
+}
+
+/// The canonical `address/bits` text of the prefix of `addr`.
+pub fn ip_prefix(addr: IpAddr, prefixes: IpPrefixes) -> String {
+    match addr {
+        IpAddr::V4(v4) => {
+            let bits = u32::from(prefixes.v4_bits.clamp(1, 32));
+            let mask = u32::MAX << (32 - bits);
+            let net = std::net::Ipv4Addr::from(u32::from(v4) & mask);
+            format!("{net}/{bits}")
+        }
+        IpAddr::V6(v6) => {
+            let bits = u32::from(prefixes.v6_bits.clamp(1, 128));
+            let mask = u128::MAX << (128 - bits);
+            let net = std::net::Ipv6Addr::from(u128::from(v6) & mask);
+            format!("{net}/{bits}")
+        }
+    }
+}
+
+/// The 16-hex-character keyed hash of a principal.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PrincipalHash(String);
+
+impl PrincipalHash {
+    /// The hash text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PrincipalHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Hashes a principal: `hex(HMAC-SHA256(pepper, "<type>:<identity>"))[..16]`. For `ip` principals the
+/// identity is the configured prefix of the address when `id` parses as one.
+pub fn principal_hash(
+    pepper: &Pepper,
+    kind: PrincipalType,
+    id: &str,
+    prefixes: IpPrefixes,
+) -> PrincipalHash {
+    let identity = match (kind, id.parse::<IpAddr>()) {
+        (PrincipalType::Ip, Ok(addr)) => ip_prefix(addr, prefixes),
+        _ => id.to_owned(),
+    };
+    let mut mac = match <Hmac<Sha256> as KeyInit>::new_from_slice(&pepper.0) {
+        Ok(mac) => mac,
+        // HMAC accepts keys of any length; this arm cannot be reached.
+        Err(_) => return PrincipalHash(String::from("0000000000000000")),
+    };
+    mac.update(kind.key_segment().as_bytes());
+    mac.update(b":");
+    mac.update(identity.as_bytes());
+    let digest = mac.finalize().into_bytes();
+    PrincipalHash(hex::encode(&digest[..8]))
+}
+
+/// The route-group segment of a key: the group, or `*` for all groups.
+pub fn route_segment(route_group: Option<&RouteGroup>) -> &str {
+    route_group.map_or("*", RouteGroup::as_str)
+}
+
+/// The hash tag of a tenant's keys, `{t:<tenant>}`.
+pub fn hash_tag(tenant: &TenantId) -> String {
+    format!("{{t:{tenant}}}")
+}
+
+/// The key of a per-principal rule.
+pub fn principal_key(
+    tenant: &TenantId,
+    kind: PrincipalType,
+    hash: &PrincipalHash,
+    route_group: Option<&RouteGroup>,
+) -> String {
+    format!(
+        "rl:v{STATE_VERSION}:{}:{}:{}:{}",
+        hash_tag(tenant),
+        kind.key_segment(),
+        hash,
+        route_segment(route_group)
+    )
+}
+
+/// The key of a tenant-wide rule (`route_group = None`) or of a tenant's route budget.
+pub fn tenant_key(tenant: &TenantId, route_group: Option<&RouteGroup>) -> String {
+    format!(
+        "rl:v{STATE_VERSION}:{}:tenant:{}:{}",
+        hash_tag(tenant),
+        tenant,
+        route_segment(route_group)
+    )
+}
+
+/// The concurrency-lease set that belongs to a rule key.
+pub fn concurrency_key(rule_key: &str) -> String {
+    format!("{rule_key}:cc")
+}
+
+/// The idempotency record of a decision, under the tenant's tag so it shares the rules' slot.
+pub fn decision_key(tenant: &TenantId, decision_id: &DecisionId) -> String {
+    format!("rl:v{STATE_VERSION}:{}:d:{decision_id}", hash_tag(tenant))
+}
+
+/// The hash tag a key belongs to (the text between the first `{` and the next `}`), as Redis Cluster
+/// computes slots.
+pub fn key_hash_tag(key: &str) -> Option<&str> {
+    let open = key.find('{')?;
+    let close = key[open + 1..].find('}')? + open + 1;
+    (close > open + 1).then(|| &key[open + 1..close])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pepper() -> Pepper {
+        Pepper::new(b"test-pepper-0123456789".to_vec()).expect("long enough")
+    }
+
+    fn tenant(t: &str) -> TenantId {
+        TenantId::parse(t).expect("tenant")
+    }
+
+    #[test]
+    fn keys_follow_the_model() {
+        let read = RouteGroup::parse("read").expect("route");
+        let hash = principal_hash(
+            &pepper(),
+            PrincipalType::User,
+            "U-17",
+            IpPrefixes::default(),
+        );
+        assert_eq!(hash.as_str().len(), 16);
+        assert!(hash.as_str().bytes().all(|b| b.is_ascii_hexdigit()));
+        let key = principal_key(&tenant("atlas"), PrincipalType::User, &hash, Some(&read));
+        assert_eq!(key, format!("rl:v1:{{t:atlas}}:u:{hash}:read"));
+        assert_eq!(
+            tenant_key(&tenant("atlas"), None),
+            "rl:v1:{t:atlas}:tenant:atlas:*"
+        );
+        assert_eq!(key_hash_tag(&key), Some("t:atlas"));
+        assert_eq!(
+            key_hash_tag(&tenant_key(&tenant("atlas"), None)),
+            Some("t:atlas")
+        );
+        let d = DecisionId::parse("r-e41").expect("decision");
+        assert_eq!(
+            decision_key(&tenant("atlas"), &d),
+            "rl:v1:{t:atlas}:d:r-e41"
+        );
+    }
+
+    #[test]
+    fn raw_identities_never_appear_in_keys() {
+        let hash = principal_hash(
+            &pepper(),
+            PrincipalType::User,
+            "U-17",
+            IpPrefixes::default(),
+        );
+        let key = principal_key(&tenant("atlas"), PrincipalType::User, &hash, None);
+        assert!(!key.contains("U-17"));
+        let ip = principal_hash(
+            &pepper(),
+            PrincipalType::Ip,
+            "203.0.113.9",
+            IpPrefixes::default(),
+        );
+        assert!(!principal_key(&tenant("atlas"), PrincipalType::Ip, &ip, None).contains("203.0"));
+    }
+
+    #[test]
+    fn hashes_depend_on_pepper_type_and_identity() {
+        let p = IpPrefixes::default();
+        let other = Pepper::new(b"another-pepper-0123456".to_vec()).expect("pepper");
+        let a = principal_hash(&pepper(), PrincipalType::User, "U-17", p);
+        assert_eq!(a, principal_hash(&pepper(), PrincipalType::User, "U-17", p));
+        assert_ne!(a, principal_hash(&other, PrincipalType::User, "U-17", p));
+        assert_ne!(
+            a,
+            principal_hash(&pepper(), PrincipalType::ApiKey, "U-17", p)
+        );
+        assert_ne!(a, principal_hash(&pepper(), PrincipalType::User, "U-18", p));
+    }
+
+    #[test]
+    fn ipv6_principals_are_keyed_by_their_prefix() {
+        let p = IpPrefixes::default();
+        let a = principal_hash(&pepper(), PrincipalType::Ip, "2001:db8:1:2::1", p);
+        let b = principal_hash(&pepper(), PrincipalType::Ip, "2001:db8:1:2:ffff::9", p);
+        let c = principal_hash(&pepper(), PrincipalType::Ip, "2001:db8:1:3::1", p);
+        assert_eq!(a, b, "same /64");
+        assert_ne!(a, c, "different /64");
+        assert_eq!(
+            ip_prefix("2001:db8:1:2::1".parse().expect("ip"), p),
+            "2001:db8:1:2::/64"
+        );
+        assert_eq!(
+            ip_prefix(
+                "203.0.113.9".parse().expect("ip"),
+                IpPrefixes {
+                    v4_bits: 24,
+                    v6_bits: 64
+                }
+            ),
+            "203.0.113.0/24"
+        );
+    }
+
+    #[test]
+    fn short_peppers_are_refused_and_never_printed() {
+        assert_eq!(Pepper::new(vec![1; 15]).err(), Some(PepperTooShort(15)));
+        assert_eq!(format!("{:?}", pepper()), "Pepper(<redacted>)");
+    }
+}

@@ -1,0 +1,343 @@
+//! Leases of global quota: pool configuration, the grant arithmetic, and the overshoot bound.
+//!
+//! The allocator holds each tenant pool's global quota `G` (whole tokens) for the current window and
+//! grants regions chunks of it. This module is the pure part of that: given a pool's configuration, its
+//! window state and a request, what is granted, until when, and what the window has left. The allocator
+//! adds persistence, idempotency by lease id (a retry returns the stored grant and calls nothing here),
+//! and epoch fencing around it; the simulator runs the same functions.
+//!
+//! Invariants enforced here:
+//! - grants in one window never exceed `G`: `granted = min(want, chunk, remaining)`;
+//! - a clamped lease never outlives its window: `expires_at = min(now + lease_ttl, window_end)`.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU64;
+
+use crate::MAX_RULE_PARAMETER;
+use crate::ids::{Epoch, LeaseId, RegionId};
+use crate::window::Window;
+
+/// A pool configuration that failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct PoolConfigError {
+    /// The offending field, as named on the wire (`limit`, `windowMs`, ...).
+    pub field: &'static str,
+    /// What was wrong.
+    pub message: String,
+}
+
+fn config_error(field: &'static str, message: impl Into<String>) -> PoolConfigError {
+    PoolConfigError {
+        field,
+        message: message.into(),
+    }
+}
+
+/// Smallest window length, in ms.
+pub const MIN_WINDOW_MS: u64 = 1_000;
+/// Smallest lease TTL, in ms.
+pub const MIN_LEASE_TTL_MS: u64 = 100;
+/// Most regions one pool may span (I10).
+pub const MAX_REGIONS_PER_POOL: usize = 64;
+
+/// A validated pool configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PoolConfig {
+    limit_tokens: u64,
+    window_ms: NonZeroU64,
+    chunk_tokens: u64,
+    lease_ttl_ms: u64,
+    fallback_per_region_tokens: u64,
+    regions: Vec<RegionId>,
+}
+
+impl PoolConfig {
+    /// Validates: limit in `[1, 2^40]`, `windowMs >= 1000` (and at most 2^40), `1 <= chunk <= limit`,
+    /// `100 <= leaseTtlMs <= windowMs`, `fallbackPerRegion <= 2^40`, regions non-empty, unique, at most
+    /// [`MAX_REGIONS_PER_POOL`].
+    pub fn new(
+        limit_tokens: u64,
+        window_ms: u64,
+        chunk_tokens: u64,
+        lease_ttl_ms: u64,
+        fallback_per_region_tokens: u64,
+        regions: Vec<RegionId>,
+    ) -> Result<Self, PoolConfigError> {
+        if !(1..=MAX_RULE_PARAMETER).contains(&limit_tokens) {
+            return Err(config_error("limit", "must be an integer in [1, 2^40]"));
+        }
+        let window = NonZeroU64::new(window_ms)
+            .filter(|w| (MIN_WINDOW_MS..=MAX_RULE_PARAMETER).contains(&w.get()))
+            .ok_or_else(|| config_error("windowMs", "must be an integer in [1000, 2^40]"))?;
+        if chunk_tokens < 1 || chunk_tokens > limit_tokens {
+            return Err(config_error(
+                "chunk",
+                "must be at least 1 and at most limit",
+            ));
+        }
+        if lease_ttl_ms < MIN_LEASE_TTL_MS || lease_ttl_ms > window_ms {
+            return Err(config_error(
+                "leaseTtlMs",
+                "must be at least 100 and at most windowMs",
+            ));
+        }
+        if fallback_per_region_tokens > MAX_RULE_PARAMETER {
+            return Err(config_error(
+                "fallbackPerRegion",
+                "must be an integer in [0, 2^40]",
+            ));
+        }
+        if regions.is_empty() {
+            return Err(config_error("regions", "must name at least one region"));
+        }
+        if regions.len() > MAX_REGIONS_PER_POOL {
+            return Err(config_error("regions", "must name at most 64 regions"));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(dup) = regions.iter().find(|r| !seen.insert(*r)) {
+            return Err(config_error(
+                "regions",
+                format!("region {dup} is listed twice"),
+            ));
+        }
+        Ok(Self {
+            limit_tokens,
+            window_ms: window,
+            chunk_tokens,
+            lease_ttl_ms,
+            fallback_per_region_tokens,
+            regions,
+        })
+    }
+
+    /// The global quota `G` per window, in tokens.
+    pub fn limit_tokens(&self) -> u64 {
+        self.limit_tokens
+    }
+    /// Window length, in ms.
+    pub fn window_ms(&self) -> NonZeroU64 {
+        self.window_ms
+    }
+    /// Largest grant, in tokens.
+    pub fn chunk_tokens(&self) -> u64 {
+        self.chunk_tokens
+    }
+    /// Lease time to live before clamping, in ms.
+    pub fn lease_ttl_ms(&self) -> u64 {
+        self.lease_ttl_ms
+    }
+    /// Tokens each region may admit per window when it cannot reach the allocator.
+    pub fn fallback_per_region_tokens(&self) -> u64 {
+        self.fallback_per_region_tokens
+    }
+    /// The regions allowed to take grants from this pool.
+    pub fn regions(&self) -> &[RegionId] {
+        &self.regions
+    }
+    /// The window containing `now_ms`.
+    pub fn window_at(&self, now_ms: u64) -> Window {
+        Window::containing(now_ms, self.window_ms)
+    }
+}
+
+/// Whether lease expiry is clamped to the end of its window. Production always clamps; the simulator
+/// turns it off to show the carry-over term of the bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LeaseClamping {
+    /// `expires_at = min(now + ttl, window_end)`: tokens of one window cannot be spent in the next.
+    Clamped,
+    /// `expires_at = now + ttl`: up to a chunk per region can carry over into the next window.
+    Unclamped,
+}
+
+/// A pool's accounting for one window.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PoolWindowState {
+    /// The window this state belongs to.
+    pub window: Window,
+    /// Tokens not yet granted in this window.
+    pub remaining_tokens: u64,
+    /// Tokens granted in this window, per region.
+    pub granted_by_region: BTreeMap<RegionId, u64>,
+}
+
+impl PoolWindowState {
+    /// A fresh window with the whole quota.
+    pub fn fresh(config: &PoolConfig, window: Window) -> Self {
+        Self {
+            window,
+            remaining_tokens: config.limit_tokens,
+            granted_by_region: BTreeMap::new(),
+        }
+    }
+
+    /// Tokens granted so far in the window.
+    pub fn granted_tokens(&self) -> u64 {
+        self.granted_by_region.values().sum()
+    }
+}
+
+/// What a region asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GrantRequest {
+    /// Idempotency key chosen by the agent.
+    pub lease_id: LeaseId,
+    /// The asking region.
+    pub region: RegionId,
+    /// Tokens wanted (at least 1).
+    pub want_tokens: u64,
+}
+
+/// A grant: the answer to a [`GrantRequest`], and the record the allocator stores under its lease id.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Grant {
+    /// The request's lease id.
+    pub lease_id: LeaseId,
+    /// The region the lease belongs to.
+    pub region: RegionId,
+    /// Tokens granted: `min(want, chunk, remaining)`, 0 when the window is exhausted.
+    pub granted_tokens: u64,
+    /// The allocator epoch that granted it.
+    pub epoch: Epoch,
+    /// The window the tokens belong to.
+    pub window: Window,
+    /// No token of this lease may be spent at or after this instant, epoch ms.
+    pub expires_at_ms: u64,
+    /// When nothing was granted, the time to the next window in ms; otherwise 0.
+    pub retry_after_ms: u64,
+}
+
+/// Why a grant request was refused outright.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GrantError {
+    /// The region is not configured on the pool.
+    #[error("region {0} may not take grants from this pool")]
+    RegionNotInPool(RegionId),
+    /// `want` was zero.
+    #[error("want must be at least 1")]
+    ZeroWant,
+}
+
+/// Grants from a pool at `now_ms`. `state` is the pool's stored window state, if any; a state of an
+/// earlier window is replaced by a fresh window (unspent quota never carries over).
+pub fn grant(
+    config: &PoolConfig,
+    state: Option<&PoolWindowState>,
+    epoch: Epoch,
+    now_ms: u64,
+    request: &GrantRequest,
+    clamping: LeaseClamping,
+) -> Result<(Grant, PoolWindowState), GrantError> {
+    if !config.regions.contains(&request.region) {
+        return Err(GrantError::RegionNotInPool(request.region.clone()));
+    }
+    if request.want_tokens == 0 {
+        return Err(GrantError::ZeroWant);
+    }
+    let window = config.window_at(now_ms);
+    let mut next = match state {
+        // A stored window at or after now's (the allocator's clock stepped back) is kept: never refill
+        // a window that was already handed out.
+        Some(s) if s.window.start_ms >= window.start_ms => s.clone(),
+        _ => PoolWindowState::fresh(config, window),
+    };
+    let granted_tokens = request
+        .want_tokens
+        .min(config.chunk_tokens)
+        .min(next.remaining_tokens);
+    next.remaining_tokens -= granted_tokens;
+    if granted_tokens > 0 {
+        *next
+            .granted_by_region
+            .entry(request.region.clone())
+            .or_insert(0) += granted_tokens;
+    }
+    debug_assert!(next.granted_tokens() + next.remaining_tokens == config.limit_tokens);
+    let unclamped_expiry_ms = now_ms.saturating_add(config.lease_ttl_ms);
+    let expires_at_ms = match (granted_tokens, clamping) {
+        (0, _) => now_ms,
+        (_, LeaseClamping::Clamped) => unclamped_expiry_ms.min(next.window.end_ms),
+        (_, LeaseClamping::Unclamped) => unclamped_expiry_ms,
+    };
+    debug_assert!(clamping == LeaseClamping::Unclamped || expires_at_ms <= next.window.end_ms);
+    let retry_after_ms = if granted_tokens == 0 {
+        next.window.ms_until_end(now_ms).max(1)
+    } else {
+        0
+    };
+    let grant = Grant {
+        lease_id: request.lease_id,
+        region: request.region.clone(),
+        granted_tokens,
+        epoch,
+        window: next.window,
+        expires_at_ms,
+        retry_after_ms,
+    };
+    Ok((grant, next))
+}
+
+/// The terms of the overshoot bound for one window:
+/// `admitted <= G + unclamped carry-over + fallback allowances + lost grant records`.
+///
+/// Every design choice that can admit more than `G` adds exactly one term, so the bound is a design
+/// output that operators tune with chunk, TTL and fallback, and that the simulator and the ledger check
+/// recorded windows against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct OvershootBound {
+    /// `G`, the pool's limit per window, in tokens.
+    pub limit_tokens: u64,
+    /// Tokens granted in an earlier window that may be spent in this one (0 when leases are clamped).
+    pub unclamped_carry_over_tokens: u64,
+    /// Tokens regions may admit on their own while the allocator is unreachable.
+    pub fallback_allowance_tokens: u64,
+    /// Tokens re-granted because an allocator failover lost grant records (0 on a consensus store).
+    pub lost_grant_record_tokens: u64,
+}
+
+impl OvershootBound {
+    /// The worst case a design admits in one window, from the pool's configuration:
+    /// carry-over is `chunk x regions x max_leases_per_region` when unclamped, fallback is
+    /// `fallbackPerRegion x regions`, and `lost_grant_record_tokens` is supplied by the caller (0 for an
+    /// etcd-backed allocator, whose committed grants survive failover).
+    pub fn for_design(
+        config: &PoolConfig,
+        clamping: LeaseClamping,
+        max_leases_per_region: u64,
+        lost_grant_record_tokens: u64,
+    ) -> Self {
+        let regions = config.regions.len() as u64;
+        let unclamped_carry_over_tokens = match clamping {
+            LeaseClamping::Clamped => 0,
+            LeaseClamping::Unclamped => config
+                .chunk_tokens
+                .saturating_mul(regions)
+                .saturating_mul(max_leases_per_region),
+        };
+        Self {
+            limit_tokens: config.limit_tokens,
+            unclamped_carry_over_tokens,
+            fallback_allowance_tokens: config.fallback_per_region_tokens.saturating_mul(regions),
+            lost_grant_record_tokens,
+        }
+    }
+
+    /// The bound: the sum of all terms, in tokens.
+    pub fn total_tokens(&self) -> u64 {
+        self.limit_tokens
+            .saturating_add(self.unclamped_carry_over_tokens)
+            .saturating_add(self.fallback_allowance_tokens)
+            .saturating_add(self.lost_grant_record_tokens)
+    }
+
+    /// Whether `admitted_tokens` in a window is within the bound.
+    pub fn holds(&self, admitted_tokens: u64) -> bool {
+        admitted_tokens <= self.total_tokens()
+    }
+}
+
+/// Admitted tokens beyond the limit: `max(0, admitted - limit)`.
+pub fn overshoot_tokens(admitted_tokens: u64, limit_tokens: u64) -> u64 {
+    admitted_tokens.saturating_sub(limit_tokens)
+}

@@ -1,0 +1,43 @@
+//! # allot-shared: the pure quota core
+//!
+//! Everything a quota decision needs, as plain data and pure functions of `(state, now_ms, arguments)`.
+//! The Redis scripts, the in-process stores, the allocator, the agents and the simulator all call into
+//! this crate or are checked against it, so there is exactly one definition of "correct".
+//!
+//! ## Units
+//! - Token amounts inside rules are **millitokens** (`1 token = 1_000 millitokens`), integers.
+//! - Pool quotas handed out by the allocator are whole **tokens** (one token admits one unit of cost).
+//! - Time is integer **epoch milliseconds** (`_ms`), passed in by the caller. This crate never reads a clock.
+//!
+//! ## Architecture invariants
+//! - No I/O, no async runtime, no clock: every function here is deterministic in its arguments.
+//! - Nothing here panics on input: parsing and validation return errors that name the offending field.
+//!
+//! ## Map
+//! - [`ids`]: validated identifiers (tenant, pool, region, lease, epoch, decision, rule, route group).
+//! - [`limit`]: the per-key algorithms (token bucket, GCRA, fixed window, sliding log, sliding counter,
+//!   concurrency semaphore) and all-or-nothing evaluation of several rules.
+//! - [`window`] and [`lease`]: quota windows, lease grants clamped to their window, and the overshoot bound.
+//! - [`contract`]: the admission request and decision, and their HTTP mapping.
+//! - [`policy`]: policy bundles, their validation, canonical checksum and rule matching.
+//! - [`keys`]: the store key model and keyed principal hashes.
+
+pub mod contract;
+pub mod ids;
+pub mod keys;
+pub mod lease;
+pub mod limit;
+pub mod policy;
+pub mod window;
+
+/// Millitokens in one token.
+pub const MILLITOKENS_PER_TOKEN: u64 = 1_000;
+
+/// Largest value allowed for any rule parameter (capacity, refill, period, cost, slack): 2^40.
+///
+/// Together with [`MAX_CAPACITY_TIMES_PERIOD`] it keeps every product the algorithms form below 2^53,
+/// so the Lua scripts (whose numbers are IEEE doubles) compute exactly what this crate computes.
+pub const MAX_RULE_PARAMETER: u64 = 1 << 40;
+
+/// Largest allowed `capacity_millitokens * period_ms` of a rate rule: 2^52.
+pub const MAX_CAPACITY_TIMES_PERIOD: u64 = 1 << 52;

@@ -1,0 +1,416 @@
+//! Policy bundles: the reference design's example parses, every validation rule rejects with the rule
+//! id and the field, the checksum is canonical, and matching orders rules user -> route -> tenant.
+
+use allot_shared::contract::PrincipalType;
+use allot_shared::ids::{RouteGroup, TenantId};
+use allot_shared::policy::{FailMode, Limit, PolicyError, Scope, parse_bundle};
+use serde_json::{Value, json};
+
+const NORTHSTAR: &str = include_str!("data/northstar-bundle.json");
+
+fn northstar() -> Value {
+    serde_json::from_str(NORTHSTAR).expect("the example is JSON")
+}
+
+/// The example bundle with rule `index` changed by `edit`.
+fn with_rule(index: usize, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) -> String {
+    let mut bundle = northstar();
+    let rule = bundle["rules"][index]
+        .as_object_mut()
+        .expect("rules are objects");
+    edit(rule);
+    bundle.to_string()
+}
+
+fn rejected(json: &str) -> PolicyError {
+    parse_bundle(json).expect_err("the bundle must be rejected")
+}
+
+#[test]
+fn the_reference_example_parses() {
+    let draft = parse_bundle(NORTHSTAR).expect("valid");
+    assert_eq!(draft.version, Some(42));
+    assert_eq!(draft.rules.len(), 5);
+    let export = &draft.rules[2];
+    assert_eq!(export.id.as_str(), "export-tenant");
+    assert_eq!(export.scope, Scope::Tenant);
+    assert_eq!(export.cost_millitokens, 10_000);
+    assert!(export.idempotent);
+    assert_eq!(export.fail_mode, FailMode::Closed);
+    assert_eq!(export.concurrency.map(|c| c.max_in_flight()), Some(3));
+    assert!(matches!(draft.rules[4].limit, Limit::Global(ref pool) if pool.as_str() == "api"));
+}
+
+#[test]
+fn every_validation_rule_names_the_rule_and_the_field() {
+    let cases: Vec<(String, &str, &str)> = vec![
+        (
+            with_rule(0, |r| {
+                r.insert("costMillis".into(), json!(30_000));
+            }),
+            "rules[0].costMillis",
+            "could never be admitted",
+        ),
+        (
+            with_rule(0, |r| {
+                r.insert("refillMillis".into(), json!(0));
+            }),
+            "rules[0].refillMillis",
+            "never refills",
+        ),
+        (
+            with_rule(1, |r| {
+                r.insert("capacityMillis".into(), json!(1u64 << 41));
+            }),
+            "rules[1].capacityMillis",
+            "[0, 2^40]",
+        ),
+        (
+            with_rule(1, |r| {
+                r.insert("capacityMillis".into(), json!(-5));
+            }),
+            "rules[1].capacityMillis",
+            "got -5",
+        ),
+        (
+            with_rule(1, |r| {
+                r.insert("periodMs".into(), json!(1.5));
+            }),
+            "rules[1].periodMs",
+            "got 1.5",
+        ),
+        (
+            with_rule(1, |r| {
+                r.insert("capacityMillis".into(), json!("nan"));
+            }),
+            "rules[1].capacityMillis",
+            "integer",
+        ),
+        (
+            with_rule(1, |r| {
+                r.insert("capacityMillis".into(), json!(1u64 << 40));
+                r.insert("periodMs".into(), json!(1u64 << 13));
+            }),
+            "rules[1].capacityMillis",
+            "2^52",
+        ),
+        (
+            with_rule(2, |r| {
+                r.remove("failMode");
+            }),
+            "rules[2].failMode",
+            "is required",
+        ),
+        (
+            with_rule(0, |r| {
+                r.remove("localCapacityMillis");
+            }),
+            "rules[0].localCapacityMillis",
+            "local_bounded",
+        ),
+        (
+            with_rule(2, |r| {
+                r.insert("capacityMilis".into(), json!(1));
+            }),
+            "rules[2].capacityMilis",
+            "unknown field",
+        ),
+        (
+            with_rule(4, |r| {
+                r.remove("pool");
+            }),
+            "rules[4].pool",
+            "hash tag",
+        ),
+        (
+            with_rule(1, |r| {
+                r.insert("id".into(), json!("read-user-v3"));
+            }),
+            "rules[1].id",
+            "duplicates the id",
+        ),
+        (
+            with_rule(1, |r| {
+                r.insert("tenant".into(), json!("at}las"));
+            }),
+            "rules[1].tenant",
+            "tenant id may only contain",
+        ),
+        (
+            with_rule(3, |r| {
+                r.insert("costMillis".into(), json!(1_500));
+            }),
+            "rules[3].costMillis",
+            "multiple of 1000",
+        ),
+    ];
+    for (json, field, needle) in cases {
+        let err = rejected(&json);
+        assert_eq!(err.field, field, "{err}");
+        assert!(err.message.contains(needle), "{field}: {err}");
+        assert!(err.rule_id.is_some(), "{field}: the rule is named: {err}");
+        assert!(err.to_string().starts_with("rule "), "{err}");
+    }
+}
+
+#[test]
+fn duplicate_keys_are_rejected() {
+    // A second per-user rule on route group read would write the same key as read-user-v3.
+    let mut bundle = northstar();
+    let mut copy = bundle["rules"][0].clone();
+    copy["id"] = json!("read-user-v4");
+    bundle["rules"].as_array_mut().expect("array").push(copy);
+    let err = rejected(&bundle.to_string());
+    assert!(err.message.contains("share a store key"), "{err}");
+
+    // A route-scope rule writes the same tenant key as a tenant-scope rule on that route group.
+    let mut route = northstar();
+    route["rules"].as_array_mut().expect("array").push(json!({
+        "id": "export-route", "scope": "route", "routeGroup": "export", "algorithm": "gcra",
+        "capacityMillis": 10000, "refillMillis": 1000, "periodMs": 1000, "costMillis": 10000,
+        "failMode": "closed" }));
+    let err = rejected(&route.to_string());
+    assert!(err.message.contains("rule export-tenant"), "{err}");
+
+    // The same rule limited to another route group has its own key.
+    bundle["rules"][5]["routeGroup"] = json!("search");
+    assert!(parse_bundle(&bundle.to_string()).is_ok());
+
+    // An exemption for one tenant may reuse the shape: it replaces the rule for that tenant.
+    bundle["rules"][5]["routeGroup"] = json!("read");
+    bundle["rules"][5]["tenant"] = json!("birch");
+    bundle["rules"][5]["exempt"] = json!(true);
+    bundle["rules"][5]["owner"] = json!("partner-team");
+    let draft = parse_bundle(&bundle.to_string()).expect("an exemption is not a duplicate");
+    let sealed = draft.seal(43, None);
+    let birch = TenantId::parse("birch").expect("tenant");
+    let atlas = TenantId::parse("atlas").expect("tenant");
+    let read = RouteGroup::parse("read").expect("route");
+    let ids = |tenant: &TenantId| -> Vec<String> {
+        sealed
+            .regional_rules_for(tenant, &read, PrincipalType::User)
+            .iter()
+            .map(|r| r.id.to_string())
+            .collect()
+    };
+    assert_eq!(ids(&birch), vec!["read-user-v4"]);
+    assert_eq!(ids(&atlas), vec!["read-user-v3", "tenant-atlas-minute"]);
+}
+
+#[test]
+fn exemptions_need_a_cap_an_owner_and_a_tenant() {
+    let exempt = |edit: fn(&mut serde_json::Map<String, Value>)| {
+        with_rule(0, |r| {
+            r.insert("exempt".into(), json!(true));
+            r.insert("owner".into(), json!("sre"));
+            r.insert("tenant".into(), json!("atlas"));
+            edit(r);
+        })
+    };
+    assert!(parse_bundle(&exempt(|_| {})).is_ok());
+    let err = rejected(&exempt(|r| {
+        r.remove("owner");
+    }));
+    assert_eq!(err.field, "rules[0].owner");
+    let err = rejected(&exempt(|r| {
+        r.remove("tenant");
+    }));
+    assert!(err.message.contains("may not match every tenant"), "{err}");
+    let err = rejected(&exempt(|r| {
+        r.remove("capacityMillis");
+    }));
+    assert_eq!(
+        err.field, "rules[0].capacityMillis",
+        "an exemption without a cap: {err}"
+    );
+}
+
+#[test]
+fn more_than_eight_rules_for_one_request_are_rejected() {
+    let rules: Vec<Value> = (0..9)
+        .map(|n| {
+            json!({ "id": format!("r{n}"), "scope": "route", "routeGroup": format!("g{n}"),
+                    "algorithm": "gcra", "capacityMillis": 1000, "refillMillis": 1000, "periodMs": 1000,
+                    "failMode": "closed" })
+        })
+        .collect();
+    // Nine rules on nine route groups: any one request matches one of them.
+    assert!(parse_bundle(&json!({ "rules": rules }).to_string()).is_ok());
+    // Nine tenant-specific route rules never meet in one request (one tenant each), plus eight
+    // per-user rules on distinct route groups.
+    let overlapping: Vec<Value> = (0..9)
+        .map(|n| {
+            json!({ "id": format!("r{n}"), "scope": "route", "routeGroup": "read", "tenant": format!("t{n}"),
+                    "algorithm": "gcra", "capacityMillis": 1000, "refillMillis": 1000, "periodMs": 1000,
+                    "failMode": "closed" })
+        })
+        .chain((0..8).map(|n| {
+            json!({ "id": format!("u{n}"), "scope": "user", "routeGroup": format!("x{n}"),
+                    "algorithm": "gcra", "capacityMillis": 1000, "refillMillis": 1000, "periodMs": 1000,
+                    "failMode": "closed" })
+        }))
+        .collect();
+    assert!(parse_bundle(&json!({ "rules": overlapping }).to_string()).is_ok());
+    // Nine per-user rules that all apply to a request on route group read.
+    let too_many: Vec<Value> = (0..9)
+        .map(|n| {
+            json!({ "id": format!("u{n}"), "scope": "user", "routeGroup": "read",
+                    "algorithm": "gcra", "capacityMillis": 1000, "refillMillis": 1000, "periodMs": 1000,
+                    "failMode": "closed" })
+        })
+        .collect();
+    let err = rejected(&json!({ "rules": too_many }).to_string());
+    assert!(
+        err.message.contains("9 rules would apply to one request"),
+        "{err}"
+    );
+    assert!(err.message.contains("at most 8"), "{err}");
+}
+
+#[test]
+fn the_checksum_is_canonical_and_verified() {
+    let draft = parse_bundle(NORTHSTAR).expect("valid");
+    let sealed = draft
+        .clone()
+        .seal(42, Some("2026-11-06T09:30:00Z".to_owned()));
+    assert!(sealed.checksum().starts_with("sha256:"));
+    assert_eq!(sealed.checksum().len(), "sha256:".len() + 64);
+
+    // Reformatted, keys reordered, defaults written out: the same checksum.
+    let mut reordered = northstar();
+    for rule in reordered["rules"].as_array_mut().expect("array") {
+        let object = rule.as_object_mut().expect("object");
+        let mut keys: Vec<String> = object.keys().cloned().collect();
+        keys.reverse();
+        let reversed: serde_json::Map<String, Value> = keys
+            .into_iter()
+            .map(|k| (k.clone(), object[&k].clone()))
+            .collect();
+        *object = reversed;
+    }
+    reordered["rules"][3]["costMillis"] = json!(1000);
+    let pretty = serde_json::to_string_pretty(&reordered).expect("json");
+    let again = parse_bundle(&pretty)
+        .expect("valid")
+        .seal(42, Some("2026-11-06T09:30:00Z".to_owned()));
+    assert_eq!(sealed.checksum(), again.checksum());
+
+    // A published bundle round-trips through its wire form and verifies.
+    let wire = sealed.to_json().to_string();
+    let verified = parse_bundle(&wire)
+        .expect("valid")
+        .into_verified()
+        .expect("checksum matches");
+    assert_eq!(verified, sealed);
+
+    // Any change to the content breaks the checksum.
+    let mut tampered = sealed.to_json();
+    tampered["rules"][0]["capacityMillis"] = json!(40000);
+    let err = parse_bundle(&tampered.to_string())
+        .expect("still a valid policy")
+        .into_verified()
+        .expect_err("the checksum no longer matches");
+    assert_eq!(err.field, "checksum");
+    let mut bumped = sealed.to_json();
+    bumped["bundleVersion"] = json!(43);
+    assert!(
+        parse_bundle(&bumped.to_string())
+            .expect("valid")
+            .into_verified()
+            .is_err()
+    );
+}
+
+#[test]
+fn versions_only_go_up() {
+    let v42 = parse_bundle(NORTHSTAR).expect("valid").seal(42, None);
+    let v41 = parse_bundle(NORTHSTAR).expect("valid").seal(41, None);
+    let v43 = parse_bundle(NORTHSTAR).expect("valid").seal(43, None);
+    assert!(v42.is_superseded_by(&v43));
+    assert!(
+        !v42.is_superseded_by(&v41),
+        "a late old snapshot never overwrites a newer one"
+    );
+    assert!(!v42.is_superseded_by(&v42.clone()));
+    // A rollback is a new, higher version with the old content.
+    assert!(v43.is_superseded_by(&parse_bundle(NORTHSTAR).expect("valid").seal(44, None)));
+}
+
+#[test]
+fn file_bundles_get_a_version_and_a_checksum() {
+    let file = r#"{ "rules": [ { "id": "read", "scope": "user", "algorithm": "token_bucket",
+        "capacityMillis": 20000, "refillMillis": 2000, "periodMs": 1000, "failMode": "closed" } ] }"#;
+    let bundle = parse_bundle(file)
+        .expect("valid")
+        .into_file_bundle()
+        .expect("sealed");
+    assert_eq!(bundle.version(), 1);
+    assert!(bundle.checksum().starts_with("sha256:"));
+    let wrong = file.replacen("{ \"rules\"", "{ \"checksum\": \"sha256:00\", \"rules\"", 1);
+    assert!(
+        parse_bundle(&wrong)
+            .expect("valid")
+            .into_file_bundle()
+            .is_err()
+    );
+}
+
+#[test]
+fn matching_orders_user_route_tenant_and_separates_global_rules() {
+    let bundle = parse_bundle(NORTHSTAR).expect("valid").seal(42, None);
+    let atlas = TenantId::parse("atlas").expect("tenant");
+    let birch = TenantId::parse("birch").expect("tenant");
+    let read = RouteGroup::parse("read").expect("route");
+    let export = RouteGroup::parse("export").expect("route");
+    let ids = |rules: Vec<&allot_shared::policy::Rule>| -> Vec<String> {
+        rules.iter().map(|r| r.id.to_string()).collect()
+    };
+    assert_eq!(
+        ids(bundle.regional_rules_for(&atlas, &read, PrincipalType::User)),
+        vec!["read-user-v3", "tenant-atlas-minute"]
+    );
+    assert_eq!(
+        ids(bundle.regional_rules_for(&atlas, &export, PrincipalType::ApiKey)),
+        vec!["export-tenant", "tenant-atlas-minute"]
+    );
+    assert_eq!(
+        ids(bundle.regional_rules_for(&birch, &read, PrincipalType::Ip)),
+        vec!["read-user-v3", "anon-ip"]
+    );
+    assert_eq!(
+        ids(bundle.global_rules_for(&birch, &read, PrincipalType::User)),
+        vec!["global-catalog"]
+    );
+    assert!(
+        bundle
+            .global_rules_for(&birch, &export, PrincipalType::User)
+            .is_empty()
+    );
+}
+
+#[test]
+fn hostile_documents_are_rejected_without_panicking() {
+    for doc in [
+        "",
+        "null",
+        "[]",
+        "{\"rules\": {}}",
+        "{\"rules\": [1]}",
+        "{\"rules\": [{}]}",
+        "{\"bundleVersion\": 0, \"rules\": []}",
+        "{\"rules\": [], \"extra\": 1}",
+        "{\"rules\": [{\"id\": \"\\u0000\"}]}",
+        "{\"rules\": [{\"id\": \"x\", \"scope\": \"galaxy\"}]}",
+    ] {
+        let err = rejected(doc);
+        assert!(!err.message.is_empty(), "{doc}: {err}");
+    }
+    let huge: Vec<Value> = (0..1_001)
+        .map(|n| json!({ "id": format!("r{n}") }))
+        .collect();
+    assert!(
+        rejected(&json!({ "rules": huge }).to_string())
+            .message
+            .contains("at most 1000")
+    );
+}
