@@ -6,7 +6,7 @@ use allot_shared::ids::{RouteGroup, TenantId};
 use allot_shared::policy::{FailMode, Limit, PolicyError, Scope, parse_bundle};
 use serde_json::{Value, json};
 
-const NORTHSTAR: &str = include_str!("data/northstar-bundle.json");
+const NORTHSTAR: &str = include_str!("../../deploy/examples/northstar-bundle.json");
 
 fn northstar() -> Value {
     serde_json::from_str(NORTHSTAR).expect("the example is JSON")

@@ -1,5 +1,11 @@
-//! Partition drills: the shipped allocator and agent logic under virtual time and injected faults,
-//! measuring overshoot and stranded tokens against the stated bound.
+//! Partition drills and the `allot` command.
+//!
+//! Drills run the shipped allocator and agent logic under virtual time and injected faults, measuring
+//! overshoot and stranded tokens against the stated bound. Until they land, this crate hosts the
+//! operator tools of the `allot` binary that need only the pure core ([`tools`]).
 //!
 //! Architecture invariant: drills run the real crates through their store, clock and transport seams;
-//! they never re-implement the algorithms.
+//! they never re-implement the algorithms. This is the only crate that may depend on both the allocator
+//! and the region agent.
+
+pub mod tools;

@@ -1,0 +1,246 @@
+//! Operator tools over the pure core: check a policy bundle file, and compute a pool's overshoot bound.
+//!
+//! Each returns the text to print, or a one-line error, so the binary stays a thin argument parser and
+//! the output is tested here.
+
+use std::fmt::Write as _;
+
+use allot_shared::ids::RegionId;
+use allot_shared::lease::{LeaseClamping, OvershootBound, PoolConfig};
+use allot_shared::limit::multi::Algorithm;
+use allot_shared::policy::{FailMode, Limit, PolicyBundle, parse_bundle};
+
+/// Largest bundle file read, in bytes (I10).
+pub const MAX_BUNDLE_FILE_BYTES: u64 = 4 << 20;
+
+/// Loads a bundle file the way an agent's `--policy-file` does: validated, a missing version is 1, a
+/// missing checksum is computed and a present one verified.
+pub fn load_bundle_file(path: &std::path::Path) -> Result<PolicyBundle, String> {
+    let size = std::fs::metadata(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .len();
+    if size > MAX_BUNDLE_FILE_BYTES {
+        return Err(format!(
+            "{}: {size} bytes is larger than the {MAX_BUNDLE_FILE_BYTES}-byte limit for a bundle",
+            path.display()
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    parse_bundle(&text)
+        .and_then(|draft| draft.into_file_bundle())
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn describe_algorithm(limit: &Limit) -> String {
+    match limit {
+        Limit::Global(pool) => format!("lease from pool {pool}"),
+        Limit::Regional(Algorithm::TokenBucket(b)) => format!(
+            "token_bucket {} mt, +{} mt / {} ms",
+            b.capacity_millitokens(),
+            b.refill_millitokens(),
+            b.period_ms()
+        ),
+        Limit::Regional(Algorithm::Gcra(g)) => {
+            format!("gcra, burst tolerance {} ms", g.burst_tolerance_ms())
+        }
+        Limit::Regional(Algorithm::FixedWindow(w)) => {
+            format!("fixed_window {} / window", w.limit_units())
+        }
+        Limit::Regional(Algorithm::SlidingCounter(_)) => "sliding_counter".to_owned(),
+        Limit::Regional(Algorithm::SlidingLog(_)) => "sliding_log".to_owned(),
+    }
+}
+
+/// `allot policy check FILE`: a summary of a valid bundle, one line per rule.
+pub fn policy_check(path: &std::path::Path) -> Result<String, String> {
+    let bundle = load_bundle_file(path)?;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "valid bundle: version {}, {} rules, {}",
+        bundle.version(),
+        bundle.rules().len(),
+        bundle.checksum()
+    );
+    for rule in bundle.rules() {
+        let fail = match rule.fail_mode {
+            FailMode::Closed => "fails closed".to_owned(),
+            FailMode::LocalBounded(local) => format!(
+                "falls back to a local {} mt bucket",
+                local.capacity_millitokens()
+            ),
+        };
+        let _ = writeln!(
+            out,
+            "  {:<24} {:<7} {:<52} {}",
+            rule.id.as_str(),
+            format!("{:?}", rule.scope).to_lowercase(),
+            describe_algorithm(&rule.limit),
+            fail
+        );
+    }
+    Ok(out)
+}
+
+/// The inputs of `allot bound`.
+#[derive(Debug, Clone)]
+pub struct BoundArgs {
+    /// `G`, tokens per window.
+    pub limit_tokens: u64,
+    /// Window length, ms.
+    pub window_ms: u64,
+    /// Largest grant, tokens.
+    pub chunk_tokens: u64,
+    /// Lease TTL, ms.
+    pub lease_ttl_ms: u64,
+    /// Fallback allowance per region per window, tokens.
+    pub fallback_per_region_tokens: u64,
+    /// Number of regions.
+    pub regions: usize,
+    /// Whether leases are left unclamped (never in production).
+    pub unclamped: bool,
+    /// Leases a region may hold at once (a prefetched renewal makes it 2).
+    pub max_leases_per_region: u64,
+    /// Tokens re-granted because an asynchronous allocator store lost grant records (0 with etcd).
+    pub lost_grant_record_tokens: u64,
+}
+
+/// `allot bound`: the worst case one window can admit, term by term.
+pub fn bound_report(args: &BoundArgs) -> Result<String, String> {
+    let regions = (0..args.regions)
+        .map(|n| RegionId::parse(&format!("r{n}")))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let config = PoolConfig::new(
+        args.limit_tokens,
+        args.window_ms,
+        args.chunk_tokens,
+        args.lease_ttl_ms,
+        args.fallback_per_region_tokens,
+        regions,
+    )
+    .map_err(|e| format!("invalid pool: {e}"))?;
+    let clamping = if args.unclamped {
+        LeaseClamping::Unclamped
+    } else {
+        LeaseClamping::Clamped
+    };
+    let bound = OvershootBound::for_design(
+        &config,
+        clamping,
+        args.max_leases_per_region,
+        args.lost_grant_record_tokens,
+    );
+    let limit = bound.limit_tokens;
+    let percent = |tokens: u64| tokens as f64 * 100.0 / limit as f64;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "admitted per window <= {} tokens",
+        bound.total_tokens()
+    );
+    let _ = writeln!(out, "  G (limit)                    {limit:>10}");
+    for (name, tokens) in [
+        ("unclamped carry-over", bound.unclamped_carry_over_tokens),
+        ("fallback allowances", bound.fallback_allowance_tokens),
+        ("lost grant records", bound.lost_grant_record_tokens),
+    ] {
+        let _ = writeln!(
+            out,
+            "  + {name:<26} {tokens:>10}  (+{:.1}% of G)",
+            percent(tokens)
+        );
+    }
+    let stranded = config.chunk_tokens().saturating_mul(args.regions as u64);
+    let _ = writeln!(
+        out,
+        "stranded per window at most {stranded} tokens (one chunk per region left in leases that expire)"
+    );
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args() -> BoundArgs {
+        BoundArgs {
+            limit_tokens: 1_000,
+            window_ms: 60_000,
+            chunk_tokens: 100,
+            lease_ttl_ms: 15_000,
+            fallback_per_region_tokens: 100,
+            regions: 2,
+            unclamped: false,
+            max_leases_per_region: 1,
+            lost_grant_record_tokens: 0,
+        }
+    }
+
+    #[test]
+    fn bound_report_shows_each_term() {
+        let text = bound_report(&args()).expect("valid");
+        assert!(
+            text.starts_with("admitted per window <= 1200 tokens"),
+            "{text}"
+        );
+        assert!(
+            text.contains("fallback allowances               200  (+20.0% of G)"),
+            "{text}"
+        );
+        let unclamped = bound_report(&BoundArgs {
+            unclamped: true,
+            ..args()
+        })
+        .expect("valid");
+        assert!(
+            unclamped.starts_with("admitted per window <= 1400 tokens"),
+            "{unclamped}"
+        );
+    }
+
+    #[test]
+    fn bound_report_rejects_invalid_pools_in_one_line() {
+        let err = bound_report(&BoundArgs {
+            chunk_tokens: 2_000,
+            ..args()
+        })
+        .expect_err("chunk above limit");
+        assert_eq!(
+            err,
+            "invalid pool: chunk: must be at least 1 and at most limit"
+        );
+    }
+
+    #[test]
+    fn policy_check_summarises_the_example_bundle() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/examples/northstar-bundle.json");
+        let text = policy_check(&path).expect("the example is valid");
+        assert!(
+            text.starts_with("valid bundle: version 42, 5 rules, sha256:"),
+            "{text}"
+        );
+        assert!(text.contains("export-tenant"), "{text}");
+        assert!(text.contains("lease from pool api"), "{text}");
+    }
+
+    #[test]
+    fn policy_check_errors_name_the_file_and_field() {
+        let dir = std::env::temp_dir().join(format!("allot-policy-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("bad.json");
+        std::fs::write(
+            &path,
+            r#"{"rules":[{"id":"x","scope":"user","algorithm":"gcra"}]}"#,
+        )
+        .expect("write");
+        let err = policy_check(&path).expect_err("invalid");
+        assert!(
+            err.contains("bad.json: rule x: rules[0].capacityMillis: is required"),
+            "{err}"
+        );
+        assert!(!err.contains('\n'), "one line");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+}
