@@ -1,7 +1,16 @@
 //! The home-region allocator.
 //!
 //! It owns each tenant pool's global quota per window and hands regions chunks of it as leases. The grant
-//! arithmetic itself is pure and lives in `allot_shared::lease`; this crate will hold the etcd-backed
-//! store, leadership and epoch fencing, the operator HTTP API and the SQL ledger around it.
+//! arithmetic is pure and lives in `allot_shared::lease`; this crate adds what makes it safe to run as a
+//! service: state in etcd behind the [`kv::Kv`] seam, leadership with a strictly increasing epoch that
+//! fences off a deposed leader, per-pool serialised grants committed in groups, and the HTTP API.
 //!
 //! Architecture invariant: this crate never depends on `allot-region-agent`.
+
+pub mod clock;
+pub mod grants;
+pub mod http;
+pub mod kv;
+pub mod leader;
+pub mod pools;
+pub mod server;

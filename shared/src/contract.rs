@@ -287,6 +287,9 @@ pub struct Problem {
     /// The decision this problem belongs to, when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decision_id: Option<String>,
+    /// Further members specific to the problem (e.g. `leader` on a follower's 503).
+    #[serde(flatten)]
+    pub extensions: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Problem {
@@ -299,7 +302,14 @@ impl Problem {
             detail: detail.into(),
             field: None,
             decision_id: None,
+            extensions: serde_json::Map::new(),
         }
+    }
+
+    /// Adds a member to the body.
+    pub fn with_extension(mut self, name: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.extensions.insert(name.to_owned(), value.into());
+        self
     }
 
     /// Names the field at fault.

@@ -151,30 +151,36 @@ pub enum LeaseClamping {
     Unclamped,
 }
 
-/// A pool's accounting for one window.
+/// A pool's accounting for one window: what each region was granted. What remains is derived from the
+/// limit in force, never stored, so an operator changing the limit mid-window takes effect at once
+/// (a lowered limit below what was already granted leaves nothing, it never goes negative).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolWindowState {
     /// The window this state belongs to.
     pub window: Window,
-    /// Tokens not yet granted in this window.
-    pub remaining_tokens: u64,
     /// Tokens granted in this window, per region.
     pub granted_by_region: BTreeMap<RegionId, u64>,
 }
 
 impl PoolWindowState {
-    /// A fresh window with the whole quota.
-    pub fn fresh(config: &PoolConfig, window: Window) -> Self {
+    /// A fresh window: nothing granted.
+    pub fn fresh(window: Window) -> Self {
         Self {
             window,
-            remaining_tokens: config.limit_tokens,
             granted_by_region: BTreeMap::new(),
         }
     }
 
     /// Tokens granted so far in the window.
     pub fn granted_tokens(&self) -> u64 {
-        self.granted_by_region.values().sum()
+        self.granted_by_region
+            .values()
+            .fold(0u64, |sum, granted| sum.saturating_add(*granted))
+    }
+
+    /// Tokens not yet granted under `config`'s limit.
+    pub fn remaining_tokens(&self, config: &PoolConfig) -> u64 {
+        config.limit_tokens.saturating_sub(self.granted_tokens())
     }
 }
 
@@ -240,20 +246,22 @@ pub fn grant(
         // A stored window at or after now's (the allocator's clock stepped back) is kept: never refill
         // a window that was already handed out.
         Some(s) if s.window.start_ms >= window.start_ms => s.clone(),
-        _ => PoolWindowState::fresh(config, window),
+        _ => PoolWindowState::fresh(window),
     };
     let granted_tokens = request
         .want_tokens
         .min(config.chunk_tokens)
-        .min(next.remaining_tokens);
-    next.remaining_tokens -= granted_tokens;
+        .min(next.remaining_tokens(config));
     if granted_tokens > 0 {
         *next
             .granted_by_region
             .entry(request.region.clone())
             .or_insert(0) += granted_tokens;
     }
-    debug_assert!(next.granted_tokens() + next.remaining_tokens == config.limit_tokens);
+    debug_assert!(
+        granted_tokens == 0 || next.granted_tokens() <= config.limit_tokens,
+        "a grant never takes a window past its limit"
+    );
     let unclamped_expiry_ms = now_ms.saturating_add(config.lease_ttl_ms);
     let expires_at_ms = match (granted_tokens, clamping) {
         (0, _) => now_ms,

@@ -14,6 +14,7 @@
 //! - Nothing here panics on input: parsing and validation return errors that name the offending field.
 //!
 //! ## Map
+//! - [`clock`]: the clock seam (a trait and a manual clock; no clock is read here).
 //! - [`ids`]: validated identifiers (tenant, pool, region, lease, epoch, decision, rule, route group).
 //! - [`limit`]: the per-key algorithms (token bucket, GCRA, fixed window, sliding log, sliding counter,
 //!   concurrency semaphore) and all-or-nothing evaluation of several rules.
@@ -22,6 +23,7 @@
 //! - [`policy`]: policy bundles, their validation, canonical checksum and rule matching.
 //! - [`keys`]: the store key model and keyed principal hashes.
 
+pub mod clock;
 pub mod contract;
 pub mod ids;
 pub mod keys;

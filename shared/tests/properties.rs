@@ -159,7 +159,7 @@ proptest! {
             let remaining_before = state
                 .as_ref()
                 .filter(|s: &&allot_shared::lease::PoolWindowState| s.window == config.window_at(now))
-                .map_or(limit, |s| s.remaining_tokens);
+                .map_or(limit, |s| s.remaining_tokens(&config));
             let (g, next) = grant(&config, state.as_ref(), Epoch(3), now, &request, LeaseClamping::Clamped)
                 .expect("grant");
             prop_assert_eq!(g.granted_tokens, want.min(chunk).min(remaining_before));
@@ -168,7 +168,7 @@ proptest! {
             let total = granted_in_window.entry(g.window.start_ms).or_insert(0u64);
             *total += g.granted_tokens;
             prop_assert!(*total <= limit);
-            prop_assert_eq!(next.granted_tokens() + next.remaining_tokens, limit);
+            prop_assert_eq!(next.granted_tokens() + next.remaining_tokens(&config), limit);
             state = Some(next);
         }
     }

@@ -485,7 +485,7 @@ fn lease_grants_clamp_and_exhaust() {
     )
     .expect("grant");
     assert_eq!(g.granted_tokens, 40);
-    assert_eq!(next.remaining_tokens, 0);
+    assert_eq!(next.remaining_tokens(&config), 0);
     assert_eq!(
         g.window,
         Window {

@@ -1,0 +1,18 @@
+//! The allocator's only reader of the OS clock. Everything else takes a [`Clock`].
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+pub use allot_shared::clock::{Clock, ManualClock};
+
+/// Wall-clock time from the OS. The allocator's clock is the single authority on window boundaries.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    #[allow(clippy::disallowed_methods)]
+    fn now_ms(&self) -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+}

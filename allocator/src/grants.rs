@@ -1,0 +1,544 @@
+//! Granting: one serialised worker per pool, committing the grants it has queued in one transaction.
+//!
+//! A pool's window is one hot key, and optimistic compare-and-put on one hot key collapses under
+//! contention (most attempts conflict). So the leader never lets grants for one pool race: each pool has
+//! one worker task that takes every pending request off its queue (up to [`MAX_BATCH`]), decides them in
+//! order with the pure `allot_shared::lease::grant`, and commits the new window and all new grant
+//! records in ONE transaction guarded by:
+//! - the leader fence (a deposed leader's write fails),
+//! - the pool configuration's and the window's revisions (nobody else changed them),
+//! - every new grant key being absent (a lease id is never granted twice, even across leaders).
+//!
+//! Because of the last guard, retrying a transaction whose outcome is unknown (a timeout) is safe: if it
+//! had applied, the retry fails its guard and the grants are answered from the stored records. A new
+//! leader trusts nothing cached: each worker reloads configuration and window from the store when the
+//! epoch changes or a transaction fails.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use allot_shared::ids::{LeaseId, PoolId, TenantId};
+use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig, PoolWindowState, grant};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::clock::Clock;
+use crate::kv::{Compare, Kv, KvError, Op};
+use crate::leader::{LeaderRecord, Leadership, Role, current_leader};
+use crate::pools::{
+    GrantRecord, PoolStoreError, StoredWindow, encode_record, get_grant, get_pool, get_window,
+    grant_key, window_key,
+};
+
+/// Most grants committed in one transaction.
+pub const MAX_BATCH: usize = 256;
+/// Pending grants queued per pool before new ones are refused as overloaded (I10).
+pub const QUEUE_PER_POOL: usize = 4_096;
+/// Transaction attempts per batch before giving up.
+pub const MAX_TXN_ATTEMPTS: usize = 5;
+/// How long a caller waits for its grant.
+pub const GRANT_DEADLINE: Duration = Duration::from_secs(10);
+/// A pool worker with nothing to do for this long exits (it is re-created on demand).
+pub const WORKER_IDLE: Duration = Duration::from_secs(60);
+/// Recently committed grants remembered per pool for answering retries without the store.
+pub const RECENT_GRANTS_PER_POOL: usize = 8_192;
+
+/// Why a grant was not answered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GrantFailure {
+    /// This node does not lead; the leader, when known.
+    #[error("this allocator is not the leader")]
+    NotLeader(Option<LeaderRecord>),
+    /// No such pool.
+    #[error("no such pool")]
+    UnknownPool,
+    /// The region may not take grants from the pool.
+    #[error("region {0} may not take grants from this pool")]
+    RegionNotInPool(String),
+    /// `want` was 0.
+    #[error("want must be at least 1")]
+    ZeroWant,
+    /// Too many grants queued for this pool.
+    #[error("too many grant requests queued for this pool")]
+    Overloaded,
+    /// The store failed; the caller may retry with the same lease id.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+}
+
+impl From<PoolStoreError> for GrantFailure {
+    fn from(error: PoolStoreError) -> Self {
+        GrantFailure::Unavailable(error.to_string())
+    }
+}
+
+impl From<KvError> for GrantFailure {
+    fn from(error: KvError) -> Self {
+        GrantFailure::Unavailable(error.to_string())
+    }
+}
+
+type Reply = oneshot::Sender<Result<GrantRecord, GrantFailure>>;
+
+struct Pending {
+    request: GrantRequest,
+    reply: Reply,
+}
+
+type PoolKey = (TenantId, PoolId);
+
+struct Shared {
+    kv: Arc<dyn Kv>,
+    clock: Arc<dyn Clock>,
+    role: watch::Receiver<Role>,
+    clamping: LeaseClamping,
+    workers: Mutex<HashMap<PoolKey, mpsc::Sender<Pending>>>,
+    /// Store leases that carry grant records, by (window end, window length) in ms.
+    record_leases: Mutex<HashMap<(u64, u64), i64>>,
+}
+
+/// The grant service: routes each request to its pool's worker.
+#[derive(Clone)]
+pub struct Grantor {
+    shared: Arc<Shared>,
+}
+
+impl Grantor {
+    /// A grantor over `kv`, granting while `role` says this node leads. Production always clamps
+    /// leases to their window; [`LeaseClamping::Unclamped`] exists for drills.
+    pub fn new(
+        kv: Arc<dyn Kv>,
+        clock: Arc<dyn Clock>,
+        role: watch::Receiver<Role>,
+        clamping: LeaseClamping,
+    ) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                kv,
+                clock,
+                role,
+                clamping,
+                workers: Mutex::new(HashMap::new()),
+                record_leases: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Grants from `tenant`/`pool`. Idempotent by `request.lease_id`.
+    pub async fn grant(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        request: GrantRequest,
+    ) -> Result<GrantRecord, GrantFailure> {
+        if request.want_tokens == 0 {
+            return Err(GrantFailure::ZeroWant);
+        }
+        if !matches!(*self.shared.role.borrow(), Role::Leader(_)) {
+            return Err(GrantFailure::NotLeader(
+                current_leader(&*self.shared.kv).await.ok().flatten(),
+            ));
+        }
+        let (reply, answer) = oneshot::channel();
+        let mut pending = Pending { request, reply };
+        let key = (tenant.clone(), pool.clone());
+        // A worker that exited while idle is replaced once.
+        for _ in 0..2 {
+            let sender = self.worker(&key);
+            match sender.try_send(pending) {
+                Ok(()) => {
+                    return match tokio::time::timeout(GRANT_DEADLINE, answer).await {
+                        Ok(Ok(result)) => result,
+                        _ => Err(GrantFailure::Unavailable(
+                            "no answer from the pool worker in time".to_owned(),
+                        )),
+                    };
+                }
+                Err(mpsc::error::TrySendError::Full(_)) => return Err(GrantFailure::Overloaded),
+                Err(mpsc::error::TrySendError::Closed(returned)) => {
+                    self.lock_workers().remove(&key);
+                    pending = returned;
+                }
+            }
+        }
+        Err(GrantFailure::Unavailable(
+            "pool worker unavailable".to_owned(),
+        ))
+    }
+
+    fn lock_workers(&self) -> std::sync::MutexGuard<'_, HashMap<PoolKey, mpsc::Sender<Pending>>> {
+        self.shared
+            .workers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn worker(&self, key: &PoolKey) -> mpsc::Sender<Pending> {
+        let mut workers = self.lock_workers();
+        if let Some(sender) = workers.get(key).filter(|s| !s.is_closed()) {
+            return sender.clone();
+        }
+        let (sender, receiver) = mpsc::channel(QUEUE_PER_POOL);
+        workers.insert(key.clone(), sender.clone());
+        let worker = PoolWorker {
+            shared: self.shared.clone(),
+            tenant: key.0.clone(),
+            pool: key.1.clone(),
+            cache: None,
+            recent: HashMap::new(),
+        };
+        tokio::spawn(worker.run(receiver));
+        sender
+    }
+}
+
+/// What a worker believes about its pool, valid only for the epoch it was loaded in.
+struct Cached {
+    epoch_leadership: Leadership,
+    config: PoolConfig,
+    pool_revision: i64,
+    window: Option<PoolWindowState>,
+    window_revision: i64,
+}
+
+struct PoolWorker {
+    shared: Arc<Shared>,
+    tenant: TenantId,
+    pool: PoolId,
+    cache: Option<Cached>,
+    recent: HashMap<LeaseId, GrantRecord>,
+}
+
+enum Attempt {
+    Done,
+    Retry,
+}
+
+impl PoolWorker {
+    async fn run(mut self, mut receiver: mpsc::Receiver<Pending>) {
+        loop {
+            let first = match tokio::time::timeout(WORKER_IDLE, receiver.recv()).await {
+                Ok(Some(first)) => first,
+                // Idle or every sender gone: exit; the grantor starts a new worker on demand.
+                _ => return,
+            };
+            let mut batch = vec![first];
+            while batch.len() < MAX_BATCH {
+                match receiver.try_recv() {
+                    Ok(next) => batch.push(next),
+                    Err(_) => break,
+                }
+            }
+            self.process(batch).await;
+        }
+    }
+
+    fn leadership(&self) -> Option<Leadership> {
+        match *self.shared.role.borrow() {
+            Role::Leader(leadership) => Some(leadership),
+            _ => None,
+        }
+    }
+
+    async fn process(&mut self, mut batch: Vec<Pending>) {
+        for _ in 0..MAX_TXN_ATTEMPTS {
+            let Some(leadership) = self.leadership() else {
+                let leader = current_leader(&*self.shared.kv).await.ok().flatten();
+                return reply_all(batch, Err(GrantFailure::NotLeader(leader)));
+            };
+            if self
+                .cache
+                .as_ref()
+                .is_none_or(|c| c.epoch_leadership != leadership)
+            {
+                match self.load(leadership).await {
+                    Ok(true) => {}
+                    Ok(false) => return reply_all(batch, Err(GrantFailure::UnknownPool)),
+                    Err(failure) => return reply_all(batch, Err(failure)),
+                }
+            }
+            batch = self.answer_known(batch);
+            if batch.is_empty() {
+                return;
+            }
+            match self.attempt(leadership, &mut batch).await {
+                Attempt::Done => return,
+                Attempt::Retry => {
+                    self.cache = None;
+                    // A broken fence means another node leads now: stop, and say who.
+                    if let Ok(current) = self.shared.kv.get(crate::leader::LEADER_KEY).await
+                        && current.as_ref().map(|c| c.mod_revision)
+                            != Some(leadership.leader_revision)
+                    {
+                        let leader = current.and_then(|c| serde_json::from_slice(&c.value).ok());
+                        return reply_all(batch, Err(GrantFailure::NotLeader(leader)));
+                    }
+                    batch = self.answer_from_store(batch).await;
+                    if batch.is_empty() {
+                        return;
+                    }
+                }
+            }
+        }
+        reply_all(
+            batch,
+            Err(GrantFailure::Unavailable(
+                "could not commit the grants; retry with the same lease id".to_owned(),
+            )),
+        );
+    }
+
+    /// Loads configuration and window from the store. `Ok(false)` when the pool does not exist.
+    async fn load(&mut self, leadership: Leadership) -> Result<bool, GrantFailure> {
+        let kv = &*self.shared.kv;
+        let Some((stored_pool, pool_revision)) = get_pool(kv, &self.tenant, &self.pool).await?
+        else {
+            self.cache = None;
+            return Ok(false);
+        };
+        let config = stored_pool
+            .spec
+            .validate()
+            .map_err(|e| GrantFailure::Unavailable(format!("stored pool is invalid: {e}")))?;
+        let (window, window_revision) = match get_window(kv, &self.tenant, &self.pool).await? {
+            Some((window, revision)) => (Some(window), revision),
+            None => (None, 0),
+        };
+        self.cache = Some(Cached {
+            epoch_leadership: leadership,
+            config,
+            pool_revision,
+            window,
+            window_revision,
+        });
+        Ok(true)
+    }
+
+    /// Answers requests whose lease id this worker committed recently.
+    fn answer_known(&self, batch: Vec<Pending>) -> Vec<Pending> {
+        let mut rest = Vec::with_capacity(batch.len());
+        for pending in batch {
+            match self.recent.get(&pending.request.lease_id) {
+                Some(record) => {
+                    let _ = pending.reply.send(Ok(record.clone()));
+                }
+                None => rest.push(pending),
+            }
+        }
+        rest
+    }
+
+    /// Answers requests whose grant records exist in the store (committed by an earlier attempt whose
+    /// answer was lost, or by another leader).
+    async fn answer_from_store(&mut self, batch: Vec<Pending>) -> Vec<Pending> {
+        let mut rest = Vec::with_capacity(batch.len());
+        for pending in batch {
+            match get_grant(
+                &*self.shared.kv,
+                &self.tenant,
+                &self.pool,
+                &pending.request.lease_id,
+            )
+            .await
+            {
+                Ok(Some(record)) => {
+                    self.remember(&record);
+                    let _ = pending.reply.send(Ok(record));
+                }
+                Ok(None) => rest.push(pending),
+                Err(failure) => {
+                    let _ = pending.reply.send(Err(failure.into()));
+                }
+            }
+        }
+        rest
+    }
+
+    fn remember(&mut self, record: &GrantRecord) {
+        if self.recent.len() >= RECENT_GRANTS_PER_POOL {
+            // Forgetting only costs a store read on a later retry; correctness rests on the store.
+            self.recent.clear();
+        }
+        self.recent.insert(record.lease_id, record.clone());
+    }
+
+    /// Decides the batch and commits it in one transaction.
+    async fn attempt(&mut self, leadership: Leadership, batch: &mut Vec<Pending>) -> Attempt {
+        let Some(cache) = self.cache.as_ref() else {
+            return Attempt::Retry;
+        };
+        let now_ms = self.shared.clock.now_ms();
+        let plan = plan_batch(
+            &cache.config,
+            cache.window.as_ref(),
+            leadership.epoch,
+            now_ms,
+            self.shared.clamping,
+            batch.iter().map(|p| &p.request),
+        );
+        let (pool_revision, window_revision) = (cache.pool_revision, cache.window_revision);
+        if let (false, Some(window_state)) = (plan.new_records.is_empty(), plan.window.as_ref()) {
+            let record_lease = match self.record_lease(window_state, now_ms).await {
+                Ok(lease) => lease,
+                Err(_) => return Attempt::Retry,
+            };
+            let window_key = window_key(&self.tenant, &self.pool);
+            let mut compares = vec![
+                leadership.fence(),
+                Compare::ModRevision {
+                    key: crate::pools::pool_key(&self.tenant, &self.pool),
+                    revision: pool_revision,
+                },
+                Compare::ModRevision {
+                    key: window_key.clone(),
+                    revision: window_revision,
+                },
+            ];
+            let mut ops = vec![Op::Put {
+                key: window_key,
+                value: encode_record(&StoredWindow::from(window_state)),
+                lease: None,
+            }];
+            for record in &plan.new_records {
+                let key = grant_key(&self.tenant, &self.pool, &record.lease_id);
+                compares.push(Compare::ModRevision {
+                    key: key.clone(),
+                    revision: 0,
+                });
+                ops.push(Op::Put {
+                    key,
+                    value: encode_record(record),
+                    lease: Some(record_lease),
+                });
+            }
+            match self.shared.kv.txn(compares, ops).await {
+                Ok(outcome) if outcome.succeeded => {
+                    if let Some(cache) = self.cache.as_mut() {
+                        debug_assert!(
+                            window_state.granted_tokens() <= cache.config.limit_tokens(),
+                            "committed grants never exceed the pool"
+                        );
+                        cache.window = plan.window.clone();
+                        cache.window_revision = outcome.revision;
+                    }
+                }
+                Ok(_) => return Attempt::Retry,
+                Err(KvError::LeaseNotFound(_)) => {
+                    self.forget_record_lease(window_state);
+                    return Attempt::Retry;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, tenant = %self.tenant, pool = %self.pool, "grant commit failed");
+                    return Attempt::Retry;
+                }
+            }
+        }
+        for record in &plan.new_records {
+            self.remember(record);
+        }
+        for (pending, answer) in batch.drain(..).zip(plan.answers) {
+            let _ = pending.reply.send(answer);
+        }
+        Attempt::Done
+    }
+
+    /// The store lease for grant records of `window`: it outlives the window's end by one window
+    /// length, so records are kept at least that long and then vanish (bounded retention).
+    async fn record_lease(&self, window: &PoolWindowState, now_ms: u64) -> Result<i64, KvError> {
+        let key = (window.window.end_ms, window.window.length_ms());
+        if let Some(&lease) = self
+            .shared
+            .record_leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(lease);
+        }
+        let ttl_ms = window.window.end_ms.saturating_sub(now_ms) + window.window.length_ms();
+        let ttl_s = i64::try_from(ttl_ms.div_ceil(1_000)).unwrap_or(i64::MAX);
+        let lease = self.shared.kv.grant_lease(ttl_s).await?;
+        let mut leases = self
+            .shared
+            .record_leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        leases.retain(|(end, length), _| end.saturating_add(*length) > now_ms);
+        leases.insert(key, lease);
+        Ok(lease)
+    }
+
+    fn forget_record_lease(&self, window: &PoolWindowState) {
+        self.shared
+            .record_leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&(window.window.end_ms, window.window.length_ms()));
+    }
+}
+
+fn reply_all(batch: Vec<Pending>, result: Result<GrantRecord, GrantFailure>) {
+    for pending in batch {
+        let _ = pending.reply.send(result.clone());
+    }
+}
+
+/// The decisions for one batch, before commit.
+#[derive(Debug)]
+pub struct BatchPlan {
+    /// One answer per request, in order.
+    pub answers: Vec<Result<GrantRecord, GrantFailure>>,
+    /// The grant records to create (granted > 0, one per distinct lease id).
+    pub new_records: Vec<GrantRecord>,
+    /// The window after the batch.
+    pub window: Option<PoolWindowState>,
+}
+
+/// Decides a batch in order, as one leader would one request at a time. A lease id repeated inside the
+/// batch gets the first occurrence's answer and is granted once. Pure: the commit is the caller's.
+pub fn plan_batch<'a>(
+    config: &PoolConfig,
+    window: Option<&PoolWindowState>,
+    epoch: allot_shared::ids::Epoch,
+    now_ms: u64,
+    clamping: LeaseClamping,
+    requests: impl Iterator<Item = &'a GrantRequest>,
+) -> BatchPlan {
+    let mut window = window.cloned();
+    let mut answers = Vec::new();
+    let mut new_records = Vec::new();
+    let mut first_answer: HashMap<LeaseId, usize> = HashMap::new();
+    for request in requests {
+        if let Some(&first) = first_answer.get(&request.lease_id) {
+            let repeated = answers
+                .get(first)
+                .cloned()
+                .unwrap_or(Err(GrantFailure::Unavailable(
+                    "inconsistent batch".to_owned(),
+                )));
+            answers.push(repeated);
+            continue;
+        }
+        first_answer.insert(request.lease_id, answers.len());
+        let answer = match grant(config, window.as_ref(), epoch, now_ms, request, clamping) {
+            Ok((granted, next)) => {
+                let record = GrantRecord::from(&granted);
+                if record.granted > 0 {
+                    new_records.push(record.clone());
+                    window = Some(next);
+                }
+                Ok(record)
+            }
+            Err(allot_shared::lease::GrantError::RegionNotInPool(region)) => {
+                Err(GrantFailure::RegionNotInPool(region.to_string()))
+            }
+            Err(allot_shared::lease::GrantError::ZeroWant) => Err(GrantFailure::ZeroWant),
+        };
+        answers.push(answer);
+    }
+    BatchPlan {
+        answers,
+        new_records,
+        window,
+    }
+}

@@ -1,0 +1,506 @@
+//! The allocator's HTTP API (axum): pools for operators, grants for agents, health for orchestrators.
+//!
+//! Wire types are JSON in camelCase; every error is an RFC 9457 problem+json body that names the field
+//! at fault. Operator endpoints need the operator bearer token and agent endpoints the agent token: a
+//! missing or unknown token is 401, a valid token of the other role 403. Every request is bounded: body
+//! size, time and concurrency (I10).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allot_shared::contract::{PROBLEM_CONTENT_TYPE, Problem};
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::lease::GrantRequest;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use subtle::ConstantTimeEq;
+use tokio::sync::watch;
+
+use crate::clock::Clock;
+use crate::grants::{GrantFailure, Grantor};
+use crate::kv::Kv;
+use crate::leader::Role;
+use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
+
+/// Largest request body, in bytes.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Longest a request may take.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
+/// Most requests served at once; more wait in the listener's backlog.
+pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
+
+/// Bearer tokens by role. Tokens are compared in constant time.
+#[derive(Clone, Default)]
+pub struct Tokens {
+    /// Tokens that may configure pools and policies.
+    pub operator: Vec<String>,
+    /// Tokens that may take grants and send reports.
+    pub agent: Vec<String>,
+}
+
+impl std::fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Tokens {{ operator: {} token(s), agent: {} token(s) }}",
+            self.operator.len(),
+            self.agent.len()
+        )
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Caller {
+    Operator,
+    Agent,
+}
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct ApiState {
+    /// The store.
+    pub kv: Arc<dyn Kv>,
+    /// The grant service.
+    pub grantor: Grantor,
+    /// This node's role.
+    pub role: watch::Receiver<Role>,
+    /// The allocator clock.
+    pub clock: Arc<dyn Clock>,
+    /// Accepted bearer tokens.
+    pub tokens: Arc<Tokens>,
+}
+
+/// An error answered as problem+json.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    problem: Box<Problem>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, title: &str, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            problem: Box::new(Problem::new(status.as_u16(), title, detail)),
+        }
+    }
+
+    fn invalid(field: impl Into<String>, detail: impl Into<String>) -> Self {
+        let mut error = Self::new(StatusCode::BAD_REQUEST, "Invalid request", detail);
+        error.problem = Box::new(error.problem.with_field(field));
+        error
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = serde_json::to_vec(&self.problem).unwrap_or_default();
+        let mut response = (self.status, body).into_response();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(PROBLEM_CONTENT_TYPE),
+        );
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}
+
+fn json_response<T: Serialize>(status: StatusCode, value: &T) -> Response {
+    let body = serde_json::to_vec(value).unwrap_or_default();
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn token_matches(candidates: &[String], token: &str) -> bool {
+    // Check every candidate so the time taken does not reveal which one matched.
+    candidates.iter().fold(false, |found, candidate| {
+        found | bool::from(candidate.as_bytes().ct_eq(token.as_bytes()))
+    })
+}
+
+fn authorize(state: &ApiState, headers: &HeaderMap, needed: Caller) -> Result<(), ApiError> {
+    let unauthorized = || {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            "send Authorization: Bearer <token>",
+        )
+    };
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(unauthorized)?;
+    let caller = if token_matches(&state.tokens.operator, token) {
+        Caller::Operator
+    } else if token_matches(&state.tokens.agent, token) {
+        Caller::Agent
+    } else {
+        return Err(unauthorized());
+    };
+    if caller != needed {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            match needed {
+                Caller::Operator => "this endpoint needs an operator token",
+                Caller::Agent => "this endpoint needs an agent token",
+            },
+        ));
+    }
+    Ok(())
+}
+
+/// Parses a JSON body, naming the field at fault on error.
+fn parse_json<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, ApiError> {
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !is_json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "Unsupported media type",
+            "send the body as Content-Type: application/json",
+        ));
+    }
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+        let path = error.path().to_string();
+        let inner = error.into_inner();
+        let field = match path.as_str() {
+            "." | "?" | "" => "body".to_owned(),
+            _ => path,
+        };
+        ApiError::invalid(field, inner.to_string())
+    })?;
+    deserializer
+        .end()
+        .map_err(|e| ApiError::invalid("body", e.to_string()))?;
+    Ok(value)
+}
+
+fn parse_id<T>(
+    field: &str,
+    value: &str,
+    parse: fn(&str) -> Result<T, allot_shared::ids::IdError>,
+) -> Result<T, ApiError> {
+    parse(value).map_err(|e| ApiError::invalid(field, e.to_string()))
+}
+
+fn store_error(error: PoolStoreError) -> ApiError {
+    match error {
+        PoolStoreError::Invalid(invalid) => ApiError::invalid(invalid.field, invalid.message),
+        PoolStoreError::Contended => {
+            ApiError::new(StatusCode::CONFLICT, "Conflict", error.to_string())
+        }
+        other => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Store unavailable",
+            other.to_string(),
+        ),
+    }
+}
+
+/// The pool as answered by the API: its spec flattened, its version, and when asked the live window.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolView {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// The configuration.
+    #[serde(flatten)]
+    pub spec: PoolSpec,
+    /// The configuration's version.
+    pub version: u64,
+    /// Last update, epoch ms.
+    pub updated_at_ms: u64,
+    /// The current window, on `GET /v1/pools/{tenant}/{pool}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<LiveWindow>,
+}
+
+/// A pool's current window.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LiveWindow {
+    /// Window start, epoch ms.
+    pub window_start_ms: u64,
+    /// Window end, epoch ms.
+    pub window_end_ms: u64,
+    /// Tokens not yet granted.
+    pub remaining: u64,
+    /// Tokens granted per region.
+    pub granted_by_region: std::collections::BTreeMap<RegionId, u64>,
+    /// Leases of this window that have not expired.
+    pub leases_outstanding: u64,
+}
+
+fn view(tenant: TenantId, pool: PoolId, stored: StoredPool) -> PoolView {
+    PoolView {
+        tenant,
+        pool,
+        spec: stored.spec,
+        version: stored.version,
+        updated_at_ms: stored.updated_at_ms,
+        window: None,
+    }
+}
+
+async fn put_pool(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Operator)?;
+    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
+    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    let spec: PoolSpec = parse_json(&headers, &body)?;
+    let stored = pools::put_pool(&*state.kv, &tenant, &pool, spec, state.clock.now_ms())
+        .await
+        .map_err(store_error)?;
+    tracing::info!(%tenant, %pool, version = stored.version, "pool configured");
+    Ok(json_response(StatusCode::OK, &view(tenant, pool, stored)))
+}
+
+async fn get_pool(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Operator)?;
+    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
+    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    let kv = &*state.kv;
+    let (stored, _) = pools::get_pool(kv, &tenant, &pool)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "Not found", "no such pool"))?;
+    let config = stored.spec.validate().map_err(|e| store_error(e.into()))?;
+    let now_ms = state.clock.now_ms();
+    let current = config.window_at(now_ms);
+    let window = pools::get_window(kv, &tenant, &pool)
+        .await
+        .map_err(store_error)?
+        .map(|(w, _)| w)
+        .filter(|w| w.window == current)
+        .unwrap_or_else(|| allot_shared::lease::PoolWindowState::fresh(current));
+    let leases_outstanding = pools::list_grants(kv, &tenant, &pool)
+        .await
+        .map_err(store_error)?
+        .iter()
+        .filter(|g| g.window_start_ms == current.start_ms && g.expires_at_ms > now_ms)
+        .count() as u64;
+    let mut answer = view(tenant, pool, stored);
+    answer.window = Some(LiveWindow {
+        window_start_ms: current.start_ms,
+        window_end_ms: current.end_ms,
+        remaining: window.remaining_tokens(&config),
+        granted_by_region: window.granted_by_region,
+        leases_outstanding,
+    });
+    Ok(json_response(StatusCode::OK, &answer))
+}
+
+async fn delete_pool(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Operator)?;
+    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
+    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    if !pools::delete_pool(&*state.kv, &tenant, &pool)
+        .await
+        .map_err(store_error)?
+    {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "Not found",
+            "no such pool",
+        ));
+    }
+    tracing::info!(%tenant, %pool, "pool deleted");
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `GET /v1/pools` answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PoolList {
+    /// Every pool, without live windows.
+    pub pools: Vec<PoolView>,
+}
+
+async fn list_pools(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Operator)?;
+    let pools = pools::list_pools(&*state.kv)
+        .await
+        .map_err(store_error)?
+        .into_iter()
+        .map(|(tenant, pool, stored)| view(tenant, pool, stored))
+        .collect();
+    Ok(json_response(StatusCode::OK, &PoolList { pools }))
+}
+
+/// `POST /v1/grants` body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GrantBody {
+    /// Idempotency key, a UUID v7.
+    pub lease_id: LeaseId,
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// The asking region.
+    pub region: RegionId,
+    /// Tokens wanted.
+    pub want: u64,
+}
+
+async fn post_grant(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Agent)?;
+    let body: GrantBody = parse_json(&headers, &body)?;
+    if body.want == 0 {
+        return Err(ApiError::invalid("want", "must be at least 1"));
+    }
+    let request = GrantRequest {
+        lease_id: body.lease_id,
+        region: body.region,
+        want_tokens: body.want,
+    };
+    match state.grantor.grant(&body.tenant, &body.pool, request).await {
+        Ok(record) => Ok(json_response(StatusCode::OK, &record)),
+        Err(failure) => Err(grant_error(failure)),
+    }
+}
+
+fn grant_error(failure: GrantFailure) -> ApiError {
+    let detail = failure.to_string();
+    match failure {
+        GrantFailure::NotLeader(leader) => {
+            let mut error =
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "Not the leader", detail);
+            if let Some(leader) = leader {
+                error.problem = Box::new(
+                    error
+                        .problem
+                        .with_extension("leader", leader.advertise_url)
+                        .with_extension("leaderEpoch", leader.epoch.0),
+                );
+            }
+            error
+        }
+        GrantFailure::UnknownPool => ApiError::new(StatusCode::NOT_FOUND, "Not found", detail),
+        GrantFailure::RegionNotInPool(_) => {
+            let mut error = ApiError::new(StatusCode::FORBIDDEN, "Forbidden", detail);
+            error.problem = Box::new(error.problem.with_field("region"));
+            error
+        }
+        GrantFailure::ZeroWant => ApiError::invalid("want", detail),
+        GrantFailure::Overloaded | GrantFailure::Unavailable(_) => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "Unavailable", detail)
+        }
+    }
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(state): State<ApiState>) -> Response {
+    let role = state.role.borrow().clone();
+    match role {
+        Role::Leader(leadership) => (
+            StatusCode::OK,
+            format!("leader, epoch {}\n", leadership.epoch),
+        )
+            .into_response(),
+        Role::Follower(Some(leader)) => (
+            StatusCode::OK,
+            format!(
+                "follower of {} (epoch {})\n",
+                leader.advertise_url, leader.epoch
+            ),
+        )
+            .into_response(),
+        Role::Follower(None) | Role::Unknown => {
+            (StatusCode::SERVICE_UNAVAILABLE, "no known leader\n").into_response()
+        }
+    }
+}
+
+/// Rewrites error responses produced outside the handlers (body too large, method not allowed,
+/// timeouts) as problem+json, so every error a client sees has one shape.
+async fn problem_for_plain_errors(response: Response) -> Response {
+    let status = response.status();
+    let is_problem = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(PROBLEM_CONTENT_TYPE.as_bytes()));
+    if !(status.is_client_error() || status.is_server_error()) || is_problem {
+        return response;
+    }
+    let text = axum::body::to_bytes(response.into_body(), 1_024)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let title = status.canonical_reason().unwrap_or("Error");
+    let detail = if text.is_empty() { title.to_owned() } else { text };
+    ApiError::new(status, title, detail).into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "Not found", "no such endpoint")
+}
+
+/// The API router with its bounds.
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/v1/pools", get(list_pools))
+        .route(
+            "/v1/pools/{tenant}/{pool}",
+            get(get_pool).put(put_pool).delete(delete_pool),
+        )
+        .route("/v1/grants", post(post_grant))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(tower::limit::ConcurrencyLimitLayer::new(
+            MAX_CONCURRENT_REQUESTS,
+        ))
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::SERVICE_UNAVAILABLE,
+            REQUEST_TIMEOUT,
+        ))
+        // Outermost, so it also sees what the layers above answer on their own.
+        .layer(axum::middleware::map_response(problem_for_plain_errors))
+        .with_state(state)
+}

@@ -1,0 +1,316 @@
+//! Pool configuration and the records the allocator keeps in its store.
+//!
+//! Layout (all values JSON):
+//! - `/allot/pools/<tenant>/<pool>`: the pool's configuration and its version;
+//! - `/allot/windows/<tenant>/<pool>`: the current window's grants per region;
+//! - `/allot/grants/<tenant>/<pool>/<leaseId>`: every grant, attached to a store lease that outlives
+//!   the window by at least one window length (bounded retention; a retry older than that is moot).
+
+use std::collections::BTreeMap;
+
+use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::lease::{Grant, PoolConfig, PoolConfigError, PoolWindowState};
+use allot_shared::window::Window;
+use serde::{Deserialize, Serialize};
+
+use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, Op};
+
+/// Key of a pool's configuration.
+pub fn pool_key(tenant: &TenantId, pool: &PoolId) -> String {
+    format!("/allot/pools/{tenant}/{pool}")
+}
+
+/// Key of a pool's current window.
+pub fn window_key(tenant: &TenantId, pool: &PoolId) -> String {
+    format!("/allot/windows/{tenant}/{pool}")
+}
+
+/// Prefix of a pool's grant records.
+pub fn grant_prefix(tenant: &TenantId, pool: &PoolId) -> String {
+    format!("/allot/grants/{tenant}/{pool}/")
+}
+
+/// Key of one grant record.
+pub fn grant_key(tenant: &TenantId, pool: &PoolId, lease: &LeaseId) -> String {
+    format!("{}{lease}", grant_prefix(tenant, pool))
+}
+
+/// A pool's configuration as operators write it (`PUT /v1/pools/{tenant}/{pool}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolSpec {
+    /// `G`: tokens per window.
+    pub limit: u64,
+    /// Window length, ms.
+    pub window_ms: u64,
+    /// Largest grant, tokens.
+    pub chunk: u64,
+    /// Lease TTL before clamping, ms.
+    pub lease_ttl_ms: u64,
+    /// Tokens each region may admit per window while the allocator is unreachable.
+    pub fallback_per_region: u64,
+    /// Regions allowed to take grants.
+    pub regions: Vec<RegionId>,
+}
+
+impl PoolSpec {
+    /// Validates into the core's [`PoolConfig`].
+    pub fn validate(&self) -> Result<PoolConfig, PoolConfigError> {
+        PoolConfig::new(
+            self.limit,
+            self.window_ms,
+            self.chunk,
+            self.lease_ttl_ms,
+            self.fallback_per_region,
+            self.regions.clone(),
+        )
+    }
+}
+
+/// A stored pool: its spec, version and last update.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredPool {
+    /// The configuration.
+    pub spec: PoolSpec,
+    /// Starts at 1, +1 per update.
+    pub version: u64,
+    /// When it was last written, epoch ms (allocator clock).
+    pub updated_at_ms: u64,
+}
+
+/// The stored form of a window's accounting.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredWindow {
+    /// Window start, epoch ms.
+    pub window_start_ms: u64,
+    /// Window end, epoch ms.
+    pub window_end_ms: u64,
+    /// Tokens granted per region.
+    pub granted_by_region: BTreeMap<RegionId, u64>,
+}
+
+impl From<&PoolWindowState> for StoredWindow {
+    fn from(state: &PoolWindowState) -> Self {
+        Self {
+            window_start_ms: state.window.start_ms,
+            window_end_ms: state.window.end_ms,
+            granted_by_region: state.granted_by_region.clone(),
+        }
+    }
+}
+
+impl From<StoredWindow> for PoolWindowState {
+    fn from(stored: StoredWindow) -> Self {
+        Self {
+            window: Window {
+                start_ms: stored.window_start_ms,
+                end_ms: stored.window_end_ms,
+            },
+            granted_by_region: stored.granted_by_region,
+        }
+    }
+}
+
+/// A grant as stored and as answered (`POST /v1/grants`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrantRecord {
+    /// The request's lease id.
+    pub lease_id: LeaseId,
+    /// The region it was granted to.
+    pub region: RegionId,
+    /// Tokens granted.
+    pub granted: u64,
+    /// The granting leader's epoch.
+    pub epoch: Epoch,
+    /// Window start, epoch ms.
+    pub window_start_ms: u64,
+    /// Window end, epoch ms.
+    pub window_end_ms: u64,
+    /// No token may be spent at or after this instant, epoch ms.
+    pub expires_at_ms: u64,
+    /// When nothing was granted, ms until the next window; else 0.
+    pub retry_after_ms: u64,
+}
+
+impl From<&Grant> for GrantRecord {
+    fn from(grant: &Grant) -> Self {
+        Self {
+            lease_id: grant.lease_id,
+            region: grant.region.clone(),
+            granted: grant.granted_tokens,
+            epoch: grant.epoch,
+            window_start_ms: grant.window.start_ms,
+            window_end_ms: grant.window.end_ms,
+            expires_at_ms: grant.expires_at_ms,
+            retry_after_ms: grant.retry_after_ms,
+        }
+    }
+}
+
+/// Failure of a pool operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolStoreError {
+    /// The spec is invalid.
+    #[error("{0}")]
+    Invalid(#[from] PoolConfigError),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] KvError),
+    /// The stored value could not be decoded (a bug or a foreign writer).
+    #[error("stored value at {0} is not readable")]
+    Corrupt(String),
+    /// Concurrent writers kept winning.
+    #[error("the pool changed concurrently too often; retry")]
+    Contended,
+}
+
+fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T, PoolStoreError> {
+    serde_json::from_slice(bytes).map_err(|_| PoolStoreError::Corrupt(key.to_owned()))
+}
+
+fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serializing these plain records cannot fail.
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+/// Reads a pool and the revision of its key.
+pub async fn get_pool(
+    kv: &dyn Kv,
+    tenant: &TenantId,
+    pool: &PoolId,
+) -> Result<Option<(StoredPool, i64)>, PoolStoreError> {
+    let key = pool_key(tenant, pool);
+    match kv.get(&key).await? {
+        None => Ok(None),
+        Some(v) => Ok(Some((decode(&key, &v.value)?, v.mod_revision))),
+    }
+}
+
+/// Creates or replaces a pool, bumping its version. Concurrent writers are serialised by the store.
+pub async fn put_pool(
+    kv: &dyn Kv,
+    tenant: &TenantId,
+    pool: &PoolId,
+    spec: PoolSpec,
+    now_ms: u64,
+) -> Result<StoredPool, PoolStoreError> {
+    spec.validate()?;
+    let key = pool_key(tenant, pool);
+    for _ in 0..8 {
+        let existing = get_pool(kv, tenant, pool).await?;
+        let (version, revision) = existing
+            .as_ref()
+            .map_or((1, 0), |(stored, revision)| (stored.version + 1, *revision));
+        let stored = StoredPool {
+            spec: spec.clone(),
+            version,
+            updated_at_ms: now_ms,
+        };
+        let outcome = kv
+            .txn(
+                vec![Compare::ModRevision {
+                    key: key.clone(),
+                    revision,
+                }],
+                vec![Op::Put {
+                    key: key.clone(),
+                    value: encode(&stored),
+                    lease: None,
+                }],
+            )
+            .await?;
+        if outcome.succeeded {
+            return Ok(stored);
+        }
+    }
+    Err(PoolStoreError::Contended)
+}
+
+/// Deletes a pool and its window record. Returns whether it existed. Outstanding leases stay valid
+/// until they expire (no refunds, no revocations); new grants get 404.
+pub async fn delete_pool(
+    kv: &dyn Kv,
+    tenant: &TenantId,
+    pool: &PoolId,
+) -> Result<bool, PoolStoreError> {
+    let key = pool_key(tenant, pool);
+    let existed = kv.get(&key).await?.is_some();
+    kv.txn(
+        vec![],
+        vec![
+            Op::Delete { key },
+            Op::Delete {
+                key: window_key(tenant, pool),
+            },
+        ],
+    )
+    .await?;
+    Ok(existed)
+}
+
+/// Lists pools (at most [`MAX_PREFIX_KEYS`]).
+pub async fn list_pools(
+    kv: &dyn Kv,
+) -> Result<Vec<(TenantId, PoolId, StoredPool)>, PoolStoreError> {
+    let mut pools = Vec::new();
+    for (key, value) in kv.get_prefix("/allot/pools/", MAX_PREFIX_KEYS).await? {
+        let mut parts = key.trim_start_matches("/allot/pools/").splitn(2, '/');
+        let (Some(tenant), Some(pool)) = (parts.next(), parts.next()) else {
+            return Err(PoolStoreError::Corrupt(key));
+        };
+        let tenant = TenantId::parse(tenant).map_err(|_| PoolStoreError::Corrupt(key.clone()))?;
+        let pool = PoolId::parse(pool).map_err(|_| PoolStoreError::Corrupt(key.clone()))?;
+        pools.push((tenant, pool, decode(&key, &value.value)?));
+    }
+    Ok(pools)
+}
+
+/// Reads a pool's current window record.
+pub async fn get_window(
+    kv: &dyn Kv,
+    tenant: &TenantId,
+    pool: &PoolId,
+) -> Result<Option<(PoolWindowState, i64)>, PoolStoreError> {
+    let key = window_key(tenant, pool);
+    match kv.get(&key).await? {
+        None => Ok(None),
+        Some(v) => {
+            let stored: StoredWindow = decode(&key, &v.value)?;
+            Ok(Some((stored.into(), v.mod_revision)))
+        }
+    }
+}
+
+/// Reads one grant record.
+pub async fn get_grant(
+    kv: &dyn Kv,
+    tenant: &TenantId,
+    pool: &PoolId,
+    lease: &LeaseId,
+) -> Result<Option<GrantRecord>, PoolStoreError> {
+    let key = grant_key(tenant, pool, lease);
+    match kv.get(&key).await? {
+        None => Ok(None),
+        Some(v) => Ok(Some(decode(&key, &v.value)?)),
+    }
+}
+
+/// Reads a pool's grant records (at most [`MAX_PREFIX_KEYS`]).
+pub async fn list_grants(
+    kv: &dyn Kv,
+    tenant: &TenantId,
+    pool: &PoolId,
+) -> Result<Vec<GrantRecord>, PoolStoreError> {
+    kv.get_prefix(&grant_prefix(tenant, pool), MAX_PREFIX_KEYS)
+        .await?
+        .into_iter()
+        .map(|(key, value)| decode(&key, &value.value))
+        .collect()
+}
+
+pub(crate) fn encode_record<T: Serialize>(value: &T) -> Vec<u8> {
+    encode(value)
+}

@@ -1,0 +1,229 @@
+//! Assembling and running an allocator: store, election, grant service and HTTP API.
+//!
+//! `run` takes a bound listener and a shutdown future, so `main` and the tests drive the same code:
+//! tests bind port 0 and start real allocators in-process.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use allot_shared::lease::LeaseClamping;
+use clap::Parser;
+use futures::FutureExt;
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::clock::{Clock, SystemClock};
+use crate::grants::Grantor;
+use crate::http::{ApiState, Tokens, router};
+use crate::kv::Kv;
+use crate::kv::etcd::EtcdKv;
+use crate::kv::memory::MemoryKv;
+use crate::leader::{ElectionConfig, Role, run_election};
+
+/// Shortest accepted bearer token, in characters.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// Command-line flags; each also reads an `ALLOT_*` environment variable, and any flag left unset
+/// falls back to the TOML file given with `--config`. Precedence: flag, environment, file, default.
+#[derive(Debug, Clone, Default, Parser)]
+#[command(
+    name = "allocator",
+    version,
+    about = "Allot's home-region allocator: grants regions leases of each tenant pool's global quota."
+)]
+pub struct Args {
+    /// Address to serve the HTTP API on [default: 127.0.0.1:7600].
+    #[arg(long, env = "ALLOT_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// etcd endpoints, comma-separated (e.g. http://10.0.0.1:2379,http://10.0.0.2:2379). Without it the
+    /// allocator runs on an embedded in-process store that forgets everything on restart: not for
+    /// production.
+    #[arg(long, env = "ALLOT_ETCD", value_delimiter = ',')]
+    pub etcd: Option<Vec<String>>,
+    /// File with the operator bearer tokens, one per line (required).
+    #[arg(long, env = "ALLOT_OPERATOR_TOKEN_FILE")]
+    pub operator_token_file: Option<PathBuf>,
+    /// File with the agent bearer tokens, one per line (required).
+    #[arg(long, env = "ALLOT_AGENT_TOKEN_FILE")]
+    pub agent_token_file: Option<PathBuf>,
+    /// This node's id in leader election [default: the listen address].
+    #[arg(long, env = "ALLOT_NODE_ID")]
+    pub node_id: Option<String>,
+    /// URL that agents and followers use to reach this node [default: http://<listen>].
+    #[arg(long, env = "ALLOT_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    /// Leader lease TTL in seconds: how long a crashed leader holds on before a successor takes over
+    /// [default: 5].
+    #[arg(long, env = "ALLOT_LEADER_LEASE_TTL_S")]
+    pub leader_lease_ttl_s: Option<i64>,
+    /// TOML file with any of the settings above (keys as the flags, with underscores).
+    #[arg(long, env = "ALLOT_CONFIG")]
+    pub config: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileSettings {
+    listen: Option<SocketAddr>,
+    etcd: Option<Vec<String>>,
+    operator_token_file: Option<PathBuf>,
+    agent_token_file: Option<PathBuf>,
+    node_id: Option<String>,
+    advertise_url: Option<String>,
+    leader_lease_ttl_s: Option<i64>,
+}
+
+/// Resolved settings.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// etcd endpoints; empty for the embedded store.
+    pub etcd: Vec<String>,
+    /// Accepted tokens.
+    pub tokens: Tokens,
+    /// Election id.
+    pub node_id: String,
+    /// Advertised URL.
+    pub advertise_url: String,
+    /// Leader lease TTL, seconds.
+    pub leader_lease_ttl_s: i64,
+}
+
+fn read_tokens(flag: &str, path: Option<&Path>) -> Result<Vec<String>, String> {
+    let path = path.ok_or_else(|| format!("--{flag} is required"))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("--{flag} {}: {e}", path.display()))?;
+    let tokens: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .map(str::to_owned)
+        .collect();
+    if tokens.is_empty() {
+        return Err(format!("--{flag} {}: no token in the file", path.display()));
+    }
+    if let Some(short) = tokens.iter().position(|t| t.len() < MIN_TOKEN_LEN) {
+        return Err(format!(
+            "--{flag} {}: token on line {} is shorter than {MIN_TOKEN_LEN} characters",
+            path.display(),
+            short + 1
+        ));
+    }
+    Ok(tokens)
+}
+
+impl Args {
+    /// Resolves flags, environment, the TOML file and defaults into settings, or a one-line error.
+    pub fn resolve(self) -> Result<Settings, String> {
+        let file: FileSettings = match &self.config {
+            None => FileSettings::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("--config {}: {e}", path.display()))?;
+                toml::from_str(&text)
+                    .map_err(|e| format!("--config {}: {}", path.display(), e.message()))?
+            }
+        };
+        let listen = self
+            .listen
+            .or(file.listen)
+            .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7600)));
+        let operator_token_file = self.operator_token_file.or(file.operator_token_file);
+        let agent_token_file = self.agent_token_file.or(file.agent_token_file);
+        let tokens = Tokens {
+            operator: read_tokens("operator-token-file", operator_token_file.as_deref())?,
+            agent: read_tokens("agent-token-file", agent_token_file.as_deref())?,
+        };
+        let leader_lease_ttl_s = self
+            .leader_lease_ttl_s
+            .or(file.leader_lease_ttl_s)
+            .unwrap_or(5);
+        if !(1..=600).contains(&leader_lease_ttl_s) {
+            return Err(format!(
+                "--leader-lease-ttl-s must be in [1, 600], got {leader_lease_ttl_s}"
+            ));
+        }
+        Ok(Settings {
+            listen,
+            etcd: self.etcd.or(file.etcd).unwrap_or_default(),
+            tokens,
+            node_id: self
+                .node_id
+                .or(file.node_id)
+                .unwrap_or_else(|| listen.to_string()),
+            advertise_url: self
+                .advertise_url
+                .or(file.advertise_url)
+                .unwrap_or_else(|| format!("http://{listen}")),
+            leader_lease_ttl_s,
+        })
+    }
+}
+
+/// Opens the store the settings name: etcd, or the embedded store (announced loudly).
+pub async fn open_store(settings: &Settings, clock: Arc<dyn Clock>) -> Result<Arc<dyn Kv>, String> {
+    if settings.etcd.is_empty() {
+        let warning = "no --etcd given: running on the EMBEDDED in-process store. It is not durable \
+                       and not shared: a restart forgets every pool and grant. Not for production.";
+        tracing::warn!("{warning}");
+        eprintln!("allocator: WARNING: {warning}");
+        return Ok(Arc::new(MemoryKv::new(clock)));
+    }
+    let kv = EtcdKv::connect(&settings.etcd)
+        .await
+        .map_err(|e| format!("cannot connect to etcd at {}: {e}", settings.etcd.join(",")))?;
+    Ok(Arc::new(kv))
+}
+
+/// Serves the allocator on `listener` over `kv` until `shutdown` resolves, then stops taking requests,
+/// finishes those in flight and gives up leadership.
+pub async fn run(
+    settings: Settings,
+    kv: Arc<dyn Kv>,
+    clock: Arc<dyn Clock>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let (role_sender, role) = watch::channel(Role::Unknown);
+    let shutdown = shutdown.shared();
+    let election = tokio::spawn(run_election(
+        kv.clone(),
+        clock.clone(),
+        ElectionConfig {
+            node_id: settings.node_id.clone(),
+            advertise_url: settings.advertise_url.clone(),
+            lease_ttl_s: settings.leader_lease_ttl_s,
+        },
+        role_sender,
+        shutdown.clone(),
+    ));
+    let grantor = Grantor::new(
+        kv.clone(),
+        clock.clone(),
+        role.clone(),
+        LeaseClamping::Clamped,
+    );
+    let state = ApiState {
+        kv,
+        grantor,
+        role,
+        clock,
+        tokens: Arc::new(settings.tokens),
+    };
+    tracing::info!(listen = %settings.listen, node = %settings.node_id, "allocator serving");
+    let served = axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    if let Err(error) = election.await {
+        tracing::warn!(%error, "election task ended abnormally");
+    }
+    served
+}
+
+/// The production clock.
+pub fn system_clock() -> Arc<dyn Clock> {
+    Arc::new(SystemClock)
+}

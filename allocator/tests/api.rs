@@ -1,0 +1,287 @@
+//! The HTTP API's contract: names, status codes, problem+json bodies that name the field, token roles,
+//! and bad input that changes nothing. Runs the real server in-process on the embedded store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allot_allocator::clock::{Clock, SystemClock};
+use allot_allocator::http::Tokens;
+use allot_allocator::kv::memory::MemoryKv;
+use allot_allocator::server::{Settings, run};
+use serde_json::{Value, json};
+
+const OPERATOR: &str = "operator-token-for-tests-0001";
+const AGENT: &str = "agent-token-for-tests-000001";
+
+struct Server {
+    url: String,
+    client: reqwest::Client,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn start() -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let settings = Settings {
+        listen: addr,
+        etcd: vec![],
+        tokens: Tokens {
+            operator: vec![OPERATOR.to_owned()],
+            agent: vec![AGENT.to_owned()],
+        },
+        node_id: "test".to_owned(),
+        advertise_url: format!("http://{addr}"),
+        leader_lease_ttl_s: 5,
+    };
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let kv = Arc::new(MemoryKv::new(clock.clone()));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(run(settings, kv, clock, listener, async move {
+        let _ = stopped.await;
+    }));
+    let server = Server {
+        url: format!("http://{addr}"),
+        client: reqwest::Client::new(),
+        _stop: stop,
+    };
+    for _ in 0..200 {
+        if let Ok(r) = server
+            .client
+            .get(format!("{}/readyz", server.url))
+            .send()
+            .await
+            && r.status() == 200
+        {
+            return server;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the allocator never became ready");
+}
+
+fn pool_body() -> Value {
+    json!({ "limit": 1000, "windowMs": 60000, "chunk": 100, "leaseTtlMs": 15000,
+            "fallbackPerRegion": 100, "regions": ["eu", "us"] })
+}
+
+impl Server {
+    async fn put_pool(&self, path: &str, token: &str, body: String) -> (u16, Value) {
+        let response = self
+            .client
+            .put(format!("{}/v1/pools/{path}", self.url))
+            .bearer_auth(token)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("send");
+        let status = response.status().as_u16();
+        if status != 200 {
+            assert_eq!(
+                response.headers()["content-type"],
+                "application/problem+json",
+                "errors are problem+json"
+            );
+        }
+        (status, response.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn get(&self, path: &str, token: &str) -> (u16, Value) {
+        let response = self
+            .client
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("send");
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(Value::Null))
+    }
+}
+
+#[tokio::test]
+async fn pools_round_trip_with_versions() {
+    let server = start().await;
+    let (status, body) = server
+        .put_pool("atlas/api", OPERATOR, pool_body().to_string())
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(body["version"], 1);
+    assert_eq!(body["limit"], 1000);
+    let (_, body) = server
+        .put_pool("atlas/api", OPERATOR, pool_body().to_string())
+        .await;
+    assert_eq!(body["version"], 2, "every update bumps the version");
+    let (status, body) = server.get("/v1/pools/atlas/api", OPERATOR).await;
+    assert_eq!(status, 200);
+    assert_eq!(body["window"]["remaining"], 1000);
+    assert_eq!(body["window"]["leasesOutstanding"], 0);
+    let (_, list) = server.get("/v1/pools", OPERATOR).await;
+    assert_eq!(list["pools"].as_array().map(Vec::len), Some(1));
+    let deleted = server
+        .client
+        .delete(format!("{}/v1/pools/atlas/api", server.url))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("delete");
+    assert_eq!(deleted.status(), 204);
+    assert_eq!(server.get("/v1/pools/atlas/api", OPERATOR).await.0, 404);
+}
+
+#[tokio::test]
+async fn bad_pools_are_refused_naming_the_field_and_change_nothing() {
+    let server = start().await;
+    let with = |field: &str, value: Value| {
+        let mut body = pool_body();
+        body[field] = value;
+        body.to_string()
+    };
+    let cases: Vec<(String, &str)> = vec![
+        (with("limit", json!(0)), "limit"),
+        (with("limit", json!(1u64 << 41)), "limit"),
+        (with("limit", json!(-1)), "limit"),
+        (with("limit", json!("1000")), "limit"),
+        (with("limit", json!(1.5)), "limit"),
+        (with("windowMs", json!(999)), "windowMs"),
+        (with("chunk", json!(0)), "chunk"),
+        (with("chunk", json!(1001)), "chunk"),
+        (with("leaseTtlMs", json!(99)), "leaseTtlMs"),
+        (with("leaseTtlMs", json!(60001)), "leaseTtlMs"),
+        (with("fallbackPerRegion", json!(-1)), "fallbackPerRegion"),
+        (with("regions", json!([])), "regions"),
+        (with("regions", json!(["eu", "eu"])), "regions"),
+        (with("regions", json!(["EU"])), "regions[0]"),
+        (with("surprise", json!(1)), "surprise"),
+        ("{".to_owned(), "body"),
+        ("[]".to_owned(), "body"),
+        (format!("{} trailing", pool_body()), "body"),
+    ];
+    for (body, field) in cases {
+        let (status, problem) = server.put_pool("atlas/api", OPERATOR, body.clone()).await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(problem["field"], field, "{body}: {problem}");
+        assert_eq!(problem["status"], 400);
+    }
+    let (status, problem) = server
+        .put_pool("At}las/api", OPERATOR, pool_body().to_string())
+        .await;
+    assert_eq!((status, problem["field"].as_str()), (400, Some("tenant")));
+    assert_eq!(
+        server.get("/v1/pools/atlas/api", OPERATOR).await.0,
+        404,
+        "nothing was stored"
+    );
+
+    // A 10 MB body is refused before it is read.
+    let huge = format!("{{\"limit\":1,\"pad\":\"{}\"}}", "x".repeat(10 << 20));
+    let (status, _) = server.put_pool("atlas/api", OPERATOR, huge).await;
+    assert_eq!(status, 413);
+    // Not JSON at all.
+    let response = server
+        .client
+        .put(format!("{}/v1/pools/atlas/api", server.url))
+        .bearer_auth(OPERATOR)
+        .header("content-type", "text/plain")
+        .body(pool_body().to_string())
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(response.status(), 415);
+}
+
+#[tokio::test]
+async fn tokens_have_roles() {
+    let server = start().await;
+    let body = pool_body().to_string();
+    assert_eq!(server.put_pool("atlas/api", "", body.clone()).await.0, 401);
+    assert_eq!(
+        server
+            .put_pool("atlas/api", "not-a-known-token-000", body.clone())
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        server.put_pool("atlas/api", AGENT, body.clone()).await.0,
+        403
+    );
+    let grant = json!({ "leaseId": allot_shared::ids::LeaseId::from_parts(1, 1), "tenant": "atlas",
+                        "pool": "api", "region": "eu", "want": 1 });
+    let as_operator = server
+        .client
+        .post(format!("{}/v1/grants", server.url))
+        .bearer_auth(OPERATOR)
+        .json(&grant)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(as_operator.status(), 403);
+    let missing = server
+        .client
+        .post(format!("{}/v1/grants", server.url))
+        .json(&grant)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(missing.status(), 401);
+}
+
+#[tokio::test]
+async fn grants_over_http() {
+    let server = start().await;
+    assert_eq!(
+        server
+            .put_pool("atlas/api", OPERATOR, pool_body().to_string())
+            .await
+            .0,
+        200
+    );
+    let post = |body: Value| {
+        server
+            .client
+            .post(format!("{}/v1/grants", server.url))
+            .bearer_auth(AGENT)
+            .json(&body)
+            .send()
+    };
+    let lease = allot_shared::ids::LeaseId::from_parts(1, 42);
+    let body =
+        json!({ "leaseId": lease, "tenant": "atlas", "pool": "api", "region": "eu", "want": 150 });
+    let first: Value = post(body.clone())
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+    for field in [
+        "leaseId",
+        "granted",
+        "epoch",
+        "windowStartMs",
+        "windowEndMs",
+        "expiresAtMs",
+        "retryAfterMs",
+    ] {
+        assert!(first.get(field).is_some(), "{field} in {first}");
+    }
+    assert_eq!(first["granted"], 100);
+    let again: Value = post(body).await.expect("send").json().await.expect("json");
+    assert_eq!(again, first);
+    let status = |body: Value| async { post(body).await.expect("send").status().as_u16() };
+    let bad_lease = json!({ "leaseId": "9f3a61c2-e07b-4d18-8a2b-0c1d2e3f4a5b", "tenant": "atlas", "pool": "api", "region": "eu", "want": 1 });
+    assert_eq!(status(bad_lease).await, 400, "a v4 UUID is not a lease id");
+    let zero =
+        json!({ "leaseId": lease, "tenant": "atlas", "pool": "api", "region": "eu", "want": 0 });
+    assert_eq!(status(zero).await, 400);
+    let foreign = json!({ "leaseId": allot_shared::ids::LeaseId::from_parts(1, 43), "tenant": "atlas", "pool": "api", "region": "ap", "want": 1 });
+    assert_eq!(status(foreign).await, 403);
+    let unknown = json!({ "leaseId": allot_shared::ids::LeaseId::from_parts(1, 44), "tenant": "atlas", "pool": "nope", "region": "eu", "want": 1 });
+    assert_eq!(status(unknown).await, 404);
+    let (_, view) = server.get("/v1/pools/atlas/api", OPERATOR).await;
+    assert_eq!(view["window"]["remaining"], 900);
+    assert_eq!(view["window"]["grantedByRegion"]["eu"], 100);
+    assert_eq!(view["window"]["leasesOutstanding"], 1);
+}

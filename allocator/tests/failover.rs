@@ -1,0 +1,264 @@
+//! Two real allocator processes on a real 3-member etcd cluster, under load: the leader is killed
+//! (SIGKILL, no goodbye), the follower takes over with a higher epoch, and no grant is lost or
+//! duplicated. Then an etcd member dies too, and grants carry on once the cluster has a quorum.
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use allot_allocator::pools::GrantRecord;
+use allot_shared::ids::LeaseId;
+use allot_testkit::EtcdCluster;
+use serde_json::json;
+
+const OPERATOR_TOKEN: &str = "operator-token-for-tests-0001";
+const AGENT_TOKEN: &str = "agent-token-for-tests-000001";
+
+struct Allocator {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Allocator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn start_allocator(dir: &std::path::Path, name: &str, etcd: &[String]) -> Allocator {
+    let port = free_port();
+    let operator = dir.join("operator.tokens");
+    let agent = dir.join("agent.tokens");
+    std::fs::write(&operator, OPERATOR_TOKEN).expect("token file");
+    std::fs::write(&agent, AGENT_TOKEN).expect("token file");
+    let log = std::fs::File::create(dir.join(format!("{name}.log"))).expect("log");
+    let child = Command::new(env!("CARGO_BIN_EXE_allocator"))
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--etcd", &etcd.join(",")])
+        .args(["--node-id", name])
+        .args(["--leader-lease-ttl-s", "2"])
+        .arg("--operator-token-file")
+        .arg(&operator)
+        .arg("--agent-token-file")
+        .arg(&agent)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("the allocator binary starts");
+    Allocator {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+    }
+}
+
+async fn ready_text(client: &reqwest::Client, url: &str) -> Option<String> {
+    let response = client.get(format!("{url}/readyz")).send().await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    response.text().await.ok()
+}
+
+async fn wait_until(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    for _ in 0..300 {
+        if check().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+/// Sends one grant, trying each allocator until one answers; `None` when none did (yet).
+async fn grant_once(
+    client: &reqwest::Client,
+    urls: &[String],
+    lease: LeaseId,
+    want: u64,
+) -> Option<GrantRecord> {
+    for url in urls {
+        let Ok(response) = client
+            .post(format!("{url}/v1/grants"))
+            .bearer_auth(AGENT_TOKEN)
+            .json(&json!({ "leaseId": lease, "tenant": "atlas", "pool": "api", "region": "eu", "want": want }))
+            .send()
+            .await
+        else {
+            continue;
+        };
+        if response.status().is_success() {
+            return response.json().await.ok();
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
+    let mut etcd = EtcdCluster::start(3);
+    let endpoints = etcd.endpoints();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("client");
+
+    let a = start_allocator(dir.path(), "alloc-a", &endpoints);
+    wait_until("a leads", async || {
+        ready_text(&client, &a.url)
+            .await
+            .is_some_and(|t| t.starts_with("leader"))
+    })
+    .await;
+    let b = start_allocator(dir.path(), "alloc-b", &endpoints);
+    wait_until("b follows a", async || {
+        ready_text(&client, &b.url)
+            .await
+            .is_some_and(|t| t.starts_with("follower"))
+    })
+    .await;
+
+    // A follower answers grants with 503 naming the leader.
+    let refused = client
+        .post(format!("{}/v1/grants", b.url))
+        .bearer_auth(AGENT_TOKEN)
+        .json(&json!({ "leaseId": LeaseId::from_parts(1, 1), "tenant": "atlas", "pool": "api", "region": "eu", "want": 1 }))
+        .send()
+        .await
+        .expect("b answers");
+    assert_eq!(refused.status(), 503);
+    let problem: serde_json::Value = refused.json().await.expect("problem json");
+    assert_eq!(problem["leader"], json!(a.url));
+
+    let pool = json!({ "limit": 100000, "windowMs": 60000, "chunk": 10, "leaseTtlMs": 15000,
+                       "fallbackPerRegion": 0, "regions": ["eu", "us"] });
+    let put = client
+        .put(format!("{}/v1/pools/atlas/api", a.url))
+        .bearer_auth(OPERATOR_TOKEN)
+        .json(&pool)
+        .send()
+        .await
+        .expect("put pool");
+    assert_eq!(put.status(), 200);
+
+    // Load: 8 clients, each retrying its current lease id until some allocator answers it.
+    let urls = vec![a.url.clone(), b.url.clone()];
+    let stop = Arc::new(AtomicBool::new(false));
+    let answered = Arc::new(AtomicU64::new(0));
+    let mut clients = Vec::new();
+    for c in 0..8u64 {
+        let (client, urls, stop, answered) =
+            (client.clone(), urls.clone(), stop.clone(), answered.clone());
+        clients.push(tokio::spawn(async move {
+            let mut answers: Vec<(LeaseId, GrantRecord, u32)> = Vec::new();
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let lease = LeaseId::from_parts(c + 1, u128::from(c * 1_000_000 + n));
+                let mut tries = 0;
+                let record = loop {
+                    tries += 1;
+                    if let Some(record) = grant_once(&client, &urls, lease, 1 + n % 10).await {
+                        break record;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                };
+                // Ask once more: the same answer, never a second grant.
+                let again = grant_once(&client, &urls, lease, 10).await;
+                if let Some(again) = again {
+                    assert_eq!(again, record, "a retry returns the stored answer");
+                }
+                answers.push((lease, record, tries));
+                answered.fetch_add(1, Ordering::SeqCst);
+                n += 1;
+            }
+            answers
+        }));
+    }
+
+    wait_until("grants flow", async || {
+        answered.load(Ordering::SeqCst) >= 80
+    })
+    .await;
+    let before_kill = answered.load(Ordering::SeqCst);
+    drop(a); // SIGKILL: the leader lease is not revoked; b must wait it out.
+    wait_until("b leads", async || {
+        ready_text(&client, &b.url)
+            .await
+            .is_some_and(|t| t.starts_with("leader"))
+    })
+    .await;
+    wait_until("grants flow again", async || {
+        answered.load(Ordering::SeqCst) >= before_kill + 80
+    })
+    .await;
+
+    // Now lose an etcd member (the etcd leader): a quorum of two remains and grants continue.
+    let etcd_leader = etcd.leader_index();
+    etcd.stop_member(etcd_leader);
+    let before_member_loss = answered.load(Ordering::SeqCst);
+    wait_until("grants flow without the etcd leader", async || {
+        answered.load(Ordering::SeqCst) >= before_member_loss + 40
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+
+    let mut by_lease: HashMap<LeaseId, GrantRecord> = HashMap::new();
+    let mut epochs = Vec::new();
+    for task in clients {
+        for (lease, record, _) in task.await.expect("client") {
+            epochs.push(record.epoch);
+            assert!(
+                by_lease.insert(lease, record).is_none(),
+                "one answer per lease id"
+            );
+        }
+    }
+    let first_epoch = epochs.iter().min().copied().expect("grants");
+    let last_epoch = epochs.iter().max().copied().expect("grants");
+    assert!(
+        last_epoch > first_epoch,
+        "the new leader stamps a higher epoch"
+    );
+
+    // Every answered grant is in etcd exactly as answered: nothing lost, nothing rewritten.
+    let kv = allot_allocator::kv::etcd::EtcdKv::connect(&etcd.endpoints())
+        .await
+        .expect("connect");
+    let tenant = allot_shared::ids::TenantId::parse("atlas").expect("tenant");
+    let pool_id = allot_shared::ids::PoolId::parse("api").expect("pool");
+    let stored: HashMap<LeaseId, GrantRecord> =
+        allot_allocator::pools::list_grants(&kv, &tenant, &pool_id)
+            .await
+            .expect("grants")
+            .into_iter()
+            .map(|g| (g.lease_id, g))
+            .collect();
+    for (lease, record) in &by_lease {
+        assert_eq!(
+            stored.get(lease),
+            Some(record),
+            "grant {lease} is stored as answered"
+        );
+    }
+    assert_eq!(
+        stored.len(),
+        by_lease.len(),
+        "no grant nobody was told about"
+    );
+    // And no window granted more than its limit.
+    let mut per_window: BTreeMap<u64, u64> = BTreeMap::new();
+    for record in stored.values() {
+        *per_window.entry(record.window_start_ms).or_default() += record.granted;
+    }
+    assert!(per_window.values().all(|granted| *granted <= 100_000));
+}

@@ -1,0 +1,311 @@
+//! The grant service against both stores: no window ever grants more than G, a retried lease id never
+//! grants twice (even when the retries race), leases never outlive their window, and a deposed leader
+//! cannot grant. Every scenario runs on the embedded store and on a real etcd.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use allot_allocator::clock::{Clock, ManualClock};
+use allot_allocator::grants::{GrantFailure, Grantor};
+use allot_allocator::kv::Kv;
+use allot_allocator::kv::etcd::EtcdKv;
+use allot_allocator::kv::memory::MemoryKv;
+use allot_allocator::leader::{Leadership, Role, try_acquire};
+use allot_allocator::pools::{GrantRecord, PoolSpec, get_grant, list_grants, put_pool};
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::lease::{GrantRequest, LeaseClamping};
+use allot_testkit::EtcdCluster;
+use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
+
+/// 2026-01-01T00:00:10Z: 10 s into a minute window.
+const T0_MS: u64 = 1_767_225_610_000;
+
+fn tenant() -> TenantId {
+    TenantId::parse("atlas").expect("tenant")
+}
+
+fn pool() -> PoolId {
+    PoolId::parse("api").expect("pool")
+}
+
+fn region(name: &str) -> RegionId {
+    RegionId::parse(name).expect("region")
+}
+
+fn spec(limit: u64, chunk: u64) -> PoolSpec {
+    PoolSpec {
+        limit,
+        window_ms: 60_000,
+        chunk,
+        lease_ttl_ms: 15_000,
+        fallback_per_region: 100,
+        regions: vec![region("eu"), region("us")],
+    }
+}
+
+fn lease(n: u64) -> LeaseId {
+    LeaseId::from_parts(T0_MS, u128::from(n) + 1)
+}
+
+/// A leader over `kv` with a manual clock, and its grant service.
+async fn leader(kv: Arc<dyn Kv>) -> (Grantor, Arc<ManualClock>, Leadership) {
+    let clock = Arc::new(ManualClock::new(T0_MS));
+    let leadership = try_acquire(&*kv, "node-a", "http://a", 30)
+        .await
+        .expect("store")
+        .expect("the first node leads");
+    let (sender, role) = watch::channel(Role::Leader(leadership));
+    // The role never changes in these tests; a dropped sender leaves the last value readable.
+    drop(sender);
+    let grantor = Grantor::new(kv, clock.clone(), role, LeaseClamping::Clamped);
+    (grantor, clock, leadership)
+}
+
+async fn configure(kv: &dyn Kv, limit: u64, chunk: u64) {
+    put_pool(kv, &tenant(), &pool(), spec(limit, chunk), T0_MS)
+        .await
+        .expect("pool configured");
+}
+
+fn request(n: u64, region_name: &str, want: u64) -> GrantRequest {
+    GrantRequest {
+        lease_id: lease(n),
+        region: region(region_name),
+        want_tokens: want,
+    }
+}
+
+/// 64 clients with random wants, each retrying its own lease ids at random, all at once.
+async fn concurrent_clients_never_exceed_the_pool(kv: Arc<dyn Kv>) {
+    configure(&*kv, 1_000, 100).await;
+    let (grantor, _clock, _) = leader(kv.clone()).await;
+    let mut tasks = Vec::new();
+    for client in 0..64u64 {
+        let grantor = grantor.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(client);
+            let mut answers: Vec<(u64, GrantRecord)> = Vec::new();
+            for attempt in 0..6u64 {
+                let n = client * 100 + attempt;
+                let want = rng.random_range(1..=150);
+                let region_name = if client % 10 == 0 { "us" } else { "eu" };
+                let record = grantor
+                    .grant(&tenant(), &pool(), request(n, region_name, want))
+                    .await
+                    .expect("granted");
+                answers.push((n, record));
+                // Retry an earlier lease id now and then, as after a lost reply; the retry's own
+                // want is ignored.
+                if rng.random_bool(0.5) {
+                    let (old, first) = answers[rng.random_range(0..answers.len())].clone();
+                    let again = grantor
+                        .grant(&tenant(), &pool(), request(old, region_name, 1))
+                        .await
+                        .expect("granted");
+                    assert_eq!(again, first, "a retry returns the original answer");
+                }
+            }
+            answers
+        }));
+    }
+    let mut granted_by_window: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut seen: HashMap<LeaseId, GrantRecord> = HashMap::new();
+    for task in tasks {
+        for (n, record) in task.await.expect("client task") {
+            let id = lease(n);
+            assert!(
+                record.expires_at_ms <= record.window_end_ms,
+                "clamped to the window"
+            );
+            assert!(record.granted <= 100, "never more than a chunk");
+            if let Some(previous) = seen.insert(id, record.clone()) {
+                assert_eq!(previous, record);
+                continue;
+            }
+            *granted_by_window.entry(record.window_start_ms).or_default() += record.granted;
+        }
+    }
+    assert_eq!(granted_by_window.len(), 1);
+    let total: u64 = granted_by_window.values().sum();
+    assert_eq!(total, 1_000, "the pool is used up exactly, never exceeded");
+    // What the store recorded agrees with what the clients were told.
+    let stored: u64 = list_grants(&*kv, &tenant(), &pool())
+        .await
+        .expect("grants")
+        .iter()
+        .map(|g| g.granted)
+        .sum();
+    assert_eq!(stored, 1_000);
+}
+
+/// Ten simultaneous retries of one lease id: one grant.
+async fn racing_retries_grant_once(kv: Arc<dyn Kv>) {
+    configure(&*kv, 1_000, 100).await;
+    let (grantor, _clock, _) = leader(kv.clone()).await;
+    let answers = futures_join(
+        (0..10)
+            .map(|_| {
+                let grantor = grantor.clone();
+                tokio::spawn(async move {
+                    grantor
+                        .grant(&tenant(), &pool(), request(7, "eu", 60))
+                        .await
+                        .expect("granted")
+                })
+            })
+            .collect(),
+    )
+    .await;
+    assert!(answers.iter().all(|a| *a == answers[0]));
+    assert_eq!(answers[0].granted, 60);
+    let records = list_grants(&*kv, &tenant(), &pool()).await.expect("grants");
+    assert_eq!(records.len(), 1);
+}
+
+async fn futures_join<T: Send + 'static>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(task.await.expect("task"));
+    }
+    out
+}
+
+/// Partial grant at the tail, 0 with the time to the next window once exhausted, a full pool again
+/// in the next window, and leases clamped to the window's end.
+async fn tail_exhaustion_and_clamping(kv: Arc<dyn Kv>) {
+    configure(&*kv, 250, 100).await;
+    let (grantor, clock, leadership) = leader(kv.clone()).await;
+    let (atlas, api) = (tenant(), pool());
+    let g = |n, want| grantor.grant(&atlas, &api, request(n, "eu", want));
+    assert_eq!(g(1, 100).await.expect("grant").granted, 100);
+    assert_eq!(g(2, 100).await.expect("grant").granted, 100);
+    let tail = g(3, 100).await.expect("grant");
+    assert_eq!(tail.granted, 50, "partial grant at the tail");
+    assert_eq!(tail.epoch, leadership.epoch);
+    let none = g(4, 100).await.expect("grant");
+    assert_eq!(none.granted, 0);
+    assert_eq!(none.retry_after_ms, 50_000, "until the next window");
+    // 55 s into the window a 15 s lease is clamped to the window's end.
+    clock.advance(45_000);
+    assert_eq!(g(5, 1).await.expect("grant").granted, 0);
+    clock.advance(5_000);
+    let next = g(6, 100).await.expect("grant");
+    assert_eq!(next.granted, 100, "a new window starts full");
+    assert_eq!(next.window_start_ms, T0_MS - 10_000 + 60_000);
+    clock.set(next.window_end_ms - 5_000);
+    let clamped = g(7, 10).await.expect("grant");
+    assert_eq!(clamped.expires_at_ms, clamped.window_end_ms);
+    // Unknown pools and foreign regions are refused.
+    let other = PoolId::parse("other").expect("pool");
+    assert_eq!(
+        grantor.grant(&tenant(), &other, request(8, "eu", 1)).await,
+        Err(GrantFailure::UnknownPool)
+    );
+    assert!(matches!(
+        grantor.grant(&tenant(), &pool(), request(9, "ap", 1)).await,
+        Err(GrantFailure::RegionNotInPool(_))
+    ));
+}
+
+/// A leader whose term has ended cannot grant, even with its old proof of leadership in hand.
+async fn a_deposed_leader_cannot_grant(kv: Arc<dyn Kv>) {
+    configure(&*kv, 1_000, 100).await;
+    let (old, _clock, old_leadership) = leader(kv.clone()).await;
+    assert_eq!(
+        old.grant(&tenant(), &pool(), request(1, "eu", 10))
+            .await
+            .expect("grant")
+            .granted,
+        10
+    );
+    // Its lease ends (a long pause, a partition); another node takes over with a higher epoch.
+    kv.revoke(old_leadership.lease).await.expect("revoke");
+    let new = try_acquire(&*kv, "node-b", "http://b", 30)
+        .await
+        .expect("store")
+        .expect("node b leads");
+    assert!(new.epoch > old_leadership.epoch);
+    // The old grantor still believes it leads: its write must be fenced off.
+    let refused = old.grant(&tenant(), &pool(), request(2, "eu", 10)).await;
+    match refused {
+        Err(GrantFailure::NotLeader(Some(leader))) => {
+            assert_eq!(
+                (leader.node_id.as_str(), leader.epoch),
+                ("node-b", new.epoch)
+            );
+        }
+        other => {
+            panic!("a deposed leader's grant must be refused naming the new leader: {other:?}")
+        }
+    }
+    assert_eq!(
+        get_grant(&*kv, &tenant(), &pool(), &lease(2))
+            .await
+            .expect("read"),
+        None,
+        "and nothing was written"
+    );
+    // The new leader grants, stamping its own epoch, and the old grant is still answered as it was.
+    let (_sender, role) = watch::channel(Role::Leader(new));
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(T0_MS));
+    let grantor = Grantor::new(kv.clone(), clock, role, LeaseClamping::Clamped);
+    let fresh = grantor
+        .grant(&tenant(), &pool(), request(3, "eu", 10))
+        .await
+        .expect("grant");
+    assert_eq!(fresh.epoch, new.epoch);
+    let replay = grantor
+        .grant(&tenant(), &pool(), request(1, "eu", 99))
+        .await
+        .expect("grant");
+    assert_eq!((replay.granted, replay.epoch), (10, old_leadership.epoch));
+}
+
+fn memory() -> Arc<dyn Kv> {
+    Arc::new(MemoryKv::new(Arc::new(ManualClock::new(T0_MS))))
+}
+
+async fn etcd(cluster: &EtcdCluster) -> Arc<dyn Kv> {
+    Arc::new(
+        EtcdKv::connect(&cluster.endpoints())
+            .await
+            .expect("connect"),
+    )
+}
+
+macro_rules! on_both_stores {
+    ($scenario:ident, $memory_test:ident, $etcd_test:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $memory_test() {
+            $scenario(memory()).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $etcd_test() {
+            let cluster = EtcdCluster::single();
+            $scenario(etcd(&cluster).await).await;
+        }
+    };
+}
+
+on_both_stores!(
+    concurrent_clients_never_exceed_the_pool,
+    memory_concurrent_clients_never_exceed_the_pool,
+    etcd_concurrent_clients_never_exceed_the_pool
+);
+on_both_stores!(
+    racing_retries_grant_once,
+    memory_racing_retries_grant_once,
+    etcd_racing_retries_grant_once
+);
+on_both_stores!(
+    tail_exhaustion_and_clamping,
+    memory_tail_exhaustion_and_clamping,
+    etcd_tail_exhaustion_and_clamping
+);
+on_both_stores!(
+    a_deposed_leader_cannot_grant,
+    memory_a_deposed_leader_cannot_grant,
+    etcd_a_deposed_leader_cannot_grant
+);

@@ -1,0 +1,225 @@
+//! One contract for the allocator's store seam, run against the in-process store and a real etcd.
+//! Whatever the allocator relies on from etcd must hold for both.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allot_allocator::clock::ManualClock;
+use allot_allocator::kv::etcd::EtcdKv;
+use allot_allocator::kv::memory::MemoryKv;
+use allot_allocator::kv::{Compare, Kv, KvError, Op};
+use allot_testkit::EtcdCluster;
+
+fn put(key: &str, value: &str) -> Op {
+    Op::Put {
+        key: key.to_owned(),
+        value: value.as_bytes().to_vec(),
+        lease: None,
+    }
+}
+
+fn absent(key: &str) -> Compare {
+    Compare::ModRevision {
+        key: key.to_owned(),
+        revision: 0,
+    }
+}
+
+async fn value_of(kv: &dyn Kv, key: &str) -> Option<String> {
+    kv.get(key)
+        .await
+        .expect("get")
+        .map(|v| String::from_utf8(v.value).expect("utf-8"))
+}
+
+/// The behaviour both stores must share.
+async fn contract(kv: &dyn Kv) {
+    // Absent keys read as None; a put is visible with the transaction's revision.
+    assert_eq!(kv.get("/c/a").await.expect("get"), None);
+    let first = kv.txn(vec![], vec![put("/c/a", "1")]).await.expect("txn");
+    assert!(first.succeeded);
+    let a = kv.get("/c/a").await.expect("get").expect("present");
+    assert_eq!(
+        (a.value.as_slice(), a.mod_revision),
+        (b"1".as_slice(), first.revision)
+    );
+
+    // Create-if-absent: revision 0 means absent.
+    let again = kv
+        .txn(vec![absent("/c/a")], vec![put("/c/a", "2")])
+        .await
+        .expect("txn");
+    assert!(!again.succeeded, "the key exists");
+    assert_eq!(
+        value_of(kv, "/c/a").await.as_deref(),
+        Some("1"),
+        "a failed txn applies nothing"
+    );
+
+    // Compare-and-put on the modification revision; all ops of one txn share one new revision.
+    let guarded = Compare::ModRevision {
+        key: "/c/a".to_owned(),
+        revision: a.mod_revision,
+    };
+    let both = kv
+        .txn(
+            vec![guarded.clone()],
+            vec![put("/c/a", "2"), put("/c/b", "x")],
+        )
+        .await
+        .expect("txn");
+    assert!(both.succeeded);
+    assert!(
+        both.revision > first.revision,
+        "revisions strictly increase"
+    );
+    let b = kv.get("/c/b").await.expect("get").expect("present");
+    assert_eq!(b.mod_revision, both.revision);
+    assert!(
+        !kv.txn(vec![guarded], vec![put("/c/a", "3")])
+            .await
+            .expect("txn")
+            .succeeded
+    );
+
+    // Value compares.
+    let value_is_2 = Compare::Value {
+        key: "/c/a".to_owned(),
+        value: b"2".to_vec(),
+    };
+    assert!(
+        kv.txn(vec![value_is_2.clone()], vec![])
+            .await
+            .expect("txn")
+            .succeeded
+    );
+    let value_is_x = Compare::Value {
+        key: "/c/missing".to_owned(),
+        value: b"x".to_vec(),
+    };
+    assert!(
+        !kv.txn(vec![value_is_x], vec![])
+            .await
+            .expect("txn")
+            .succeeded
+    );
+
+    // Prefix reads: key order, the limit, and nothing outside the prefix.
+    for key in ["/c/p/3", "/c/p/1", "/c/p/2", "/c/q/1"] {
+        kv.txn(vec![], vec![put(key, key)]).await.expect("txn");
+    }
+    let keys: Vec<String> = kv
+        .get_prefix("/c/p/", 10)
+        .await
+        .expect("prefix")
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(keys, vec!["/c/p/1", "/c/p/2", "/c/p/3"]);
+    assert_eq!(kv.get_prefix("/c/p/", 2).await.expect("prefix").len(), 2);
+
+    // Deletes.
+    kv.txn(
+        vec![],
+        vec![Op::Delete {
+            key: "/c/q/1".to_owned(),
+        }],
+    )
+    .await
+    .expect("txn");
+    assert_eq!(kv.get("/c/q/1").await.expect("get"), None);
+
+    // Leases: keys die with a revoked lease; a dead lease can neither be kept alive nor written to.
+    let lease = kv.grant_lease(30).await.expect("lease");
+    assert!(kv.keep_alive(lease).await.expect("keep alive") > 0);
+    let leased = Op::Put {
+        key: "/c/leased".to_owned(),
+        value: b"v".to_vec(),
+        lease: Some(lease),
+    };
+    assert!(
+        kv.txn(vec![], vec![leased.clone()])
+            .await
+            .expect("txn")
+            .succeeded
+    );
+    kv.revoke(lease).await.expect("revoke");
+    assert_eq!(
+        kv.get("/c/leased").await.expect("get"),
+        None,
+        "revoked with its lease"
+    );
+    assert_eq!(
+        kv.keep_alive(lease).await,
+        Err(KvError::LeaseNotFound(lease))
+    );
+    assert_eq!(
+        kv.txn(vec![], vec![leased]).await,
+        Err(KvError::LeaseNotFound(lease))
+    );
+    kv.revoke(lease).await.expect("revoking twice is fine");
+}
+
+#[tokio::test]
+async fn memory_store_meets_the_contract() {
+    let kv = MemoryKv::new(Arc::new(ManualClock::new(1_000_000)));
+    contract(&kv).await;
+}
+
+#[tokio::test]
+async fn etcd_store_meets_the_contract() {
+    let etcd = EtcdCluster::single();
+    let kv = EtcdKv::connect(&etcd.endpoints()).await.expect("connect");
+    contract(&kv).await;
+}
+
+#[tokio::test]
+async fn memory_leases_expire_on_the_injected_clock() {
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let kv = MemoryKv::new(clock.clone());
+    let lease = kv.grant_lease(5).await.expect("lease");
+    let op = Op::Put {
+        key: "/e".to_owned(),
+        value: b"v".to_vec(),
+        lease: Some(lease),
+    };
+    let written = kv.txn(vec![], vec![op]).await.expect("txn");
+    clock.advance(4_999);
+    assert!(kv.get("/e").await.expect("get").is_some());
+    assert_eq!(
+        kv.keep_alive(lease).await,
+        Ok(5),
+        "renewed for 5 s from now"
+    );
+    clock.advance(4_999);
+    assert!(kv.get("/e").await.expect("get").is_some());
+    clock.advance(1);
+    assert_eq!(kv.get("/e").await.expect("get"), None, "expired");
+    // The expiry is a write: it consumed a revision, like etcd's.
+    let after = kv.txn(vec![], vec![put("/f", "v")]).await.expect("txn");
+    assert_eq!(after.revision, written.revision + 2);
+}
+
+#[tokio::test]
+async fn etcd_leases_expire() {
+    let etcd = EtcdCluster::single();
+    let kv = EtcdKv::connect(&etcd.endpoints()).await.expect("connect");
+    let lease = kv.grant_lease(1).await.expect("lease");
+    let op = Op::Put {
+        key: "/e".to_owned(),
+        value: b"v".to_vec(),
+        lease: Some(lease),
+    };
+    kv.txn(vec![], vec![op]).await.expect("txn");
+    assert!(kv.get("/e").await.expect("get").is_some());
+    let mut waited = Duration::ZERO;
+    while kv.get("/e").await.expect("get").is_some() {
+        assert!(waited < Duration::from_secs(15), "the lease never expired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waited += Duration::from_millis(100);
+    }
+    assert!(matches!(
+        kv.keep_alive(lease).await,
+        Err(KvError::LeaseNotFound(_))
+    ));
+}
