@@ -87,6 +87,17 @@ struct Pending {
 
 type PoolKey = (TenantId, PoolId);
 
+/// Grants just committed to the store, for the ledger.
+#[derive(Debug, Clone)]
+pub struct CommittedGrants {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// The new grant records.
+    pub records: Vec<GrantRecord>,
+}
+
 struct Shared {
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
@@ -95,6 +106,9 @@ struct Shared {
     workers: Mutex<HashMap<PoolKey, mpsc::Sender<Pending>>>,
     /// Store leases that carry grant records, by (window end, window length) in ms.
     record_leases: Mutex<HashMap<(u64, u64), i64>>,
+    /// Where committed grants are sent for the ledger. Bounded: when it is full the copy is skipped
+    /// (and logged); the ledger's reconciliation from the store fills the gap.
+    commit_feed: Option<mpsc::Sender<CommittedGrants>>,
 }
 
 /// The grant service: routes each request to its pool's worker.
@@ -105,12 +119,14 @@ pub struct Grantor {
 
 impl Grantor {
     /// A grantor over `kv`, granting while `role` says this node leads. Production always clamps
-    /// leases to their window; [`LeaseClamping::Unclamped`] exists for drills.
+    /// leases to their window; [`LeaseClamping::Unclamped`] exists for drills. Committed grants are
+    /// sent to `commit_feed` when given.
     pub fn new(
         kv: Arc<dyn Kv>,
         clock: Arc<dyn Clock>,
         role: watch::Receiver<Role>,
         clamping: LeaseClamping,
+        commit_feed: Option<mpsc::Sender<CommittedGrants>>,
     ) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -120,6 +136,7 @@ impl Grantor {
                 clamping,
                 workers: Mutex::new(HashMap::new()),
                 record_leases: Mutex::new(HashMap::new()),
+                commit_feed,
             }),
         }
     }
@@ -435,6 +452,17 @@ impl PoolWorker {
         }
         for record in &plan.new_records {
             self.remember(record);
+        }
+        if let (Some(feed), false) = (&self.shared.commit_feed, plan.new_records.is_empty()) {
+            let committed = CommittedGrants {
+                tenant: self.tenant.clone(),
+                pool: self.pool.clone(),
+                records: plan.new_records.clone(),
+            };
+            if feed.try_send(committed).is_err() {
+                tracing::warn!(tenant = %self.tenant, pool = %self.pool,
+                    "ledger feed full; these grants reach the ledger at the next reconciliation");
+            }
         }
         for (pending, answer) in batch.drain(..).zip(plan.answers) {
             let _ = pending.reply.send(answer);

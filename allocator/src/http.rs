@@ -26,6 +26,7 @@ use crate::clock::Clock;
 use crate::grants::{GrantFailure, Grantor};
 use crate::kv::Kv;
 use crate::leader::Role;
+use crate::ledger::{Ledger, LedgerError, PoolChange, Report};
 use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
 
 /// Largest request body, in bytes.
@@ -74,6 +75,8 @@ pub struct ApiState {
     pub clock: Arc<dyn Clock>,
     /// Accepted bearer tokens.
     pub tokens: Arc<Tokens>,
+    /// The accounting ledger.
+    pub ledger: Ledger,
 }
 
 /// An error answered as problem+json.
@@ -130,6 +133,19 @@ fn token_matches(candidates: &[String], token: &str) -> bool {
     candidates.iter().fold(false, |found, candidate| {
         found | bool::from(candidate.as_bytes().ct_eq(token.as_bytes()))
     })
+}
+
+/// Who made a change, for the ledger: the role and a short fingerprint of the token (never the token).
+fn actor(headers: &HeaderMap) -> String {
+    use sha2::Digest;
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default()
+        .trim();
+    let digest = sha2::Sha256::digest(token.as_bytes());
+    format!("operator:{}", hex::encode(&digest[..4]))
 }
 
 fn authorize(state: &ApiState, headers: &HeaderMap, needed: Caller) -> Result<(), ApiError> {
@@ -275,9 +291,24 @@ async fn put_pool(
     let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
     let pool = parse_id("pool", &pool, PoolId::parse)?;
     let spec: PoolSpec = parse_json(&headers, &body)?;
-    let stored = pools::put_pool(&*state.kv, &tenant, &pool, spec, state.clock.now_ms())
+    let now_ms = state.clock.now_ms();
+    let stored = pools::put_pool(&*state.kv, &tenant, &pool, spec, now_ms)
         .await
         .map_err(store_error)?;
+    let config_json = serde_json::to_string(&stored.spec).unwrap_or_default();
+    state
+        .ledger
+        .record_pool_change(&PoolChange {
+            change_id: &change_id(now_ms),
+            tenant: &tenant,
+            pool: &pool,
+            version: stored.version,
+            actor: &actor(&headers),
+            changed_at_ms: now_ms,
+            config_json: &config_json,
+        })
+        .await
+        .map_err(ledger_error)?;
     tracing::info!(%tenant, %pool, version = stored.version, "pool configured");
     Ok(json_response(StatusCode::OK, &view(tenant, pool, stored)))
 }
@@ -339,6 +370,20 @@ async fn delete_pool(
             "no such pool",
         ));
     }
+    let now_ms = state.clock.now_ms();
+    state
+        .ledger
+        .record_pool_change(&PoolChange {
+            change_id: &change_id(now_ms),
+            tenant: &tenant,
+            pool: &pool,
+            version: 0,
+            actor: &actor(&headers),
+            changed_at_ms: now_ms,
+            config_json: "{}",
+        })
+        .await
+        .map_err(ledger_error)?;
     tracing::info!(%tenant, %pool, "pool deleted");
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -430,6 +475,103 @@ fn grant_error(failure: GrantFailure) -> ApiError {
     }
 }
 
+fn change_id(now_ms: u64) -> String {
+    LeaseId::from_parts(now_ms, rand::random::<u128>()).to_string()
+}
+
+fn ledger_error(error: LedgerError) -> ApiError {
+    match error {
+        LedgerError::Invalid { field, message } => ApiError::invalid(field, message),
+        other => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Ledger unavailable",
+            other.to_string(),
+        ),
+    }
+}
+
+async fn post_report(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Agent)?;
+    let report: Report = parse_json(&headers, &body)?;
+    // Grants reach the ledger asynchronously and a report may overtake them. etcd is the authority:
+    // copy what the ledger lacks from there before checking the report against it.
+    let ids: Vec<LeaseId> = report.leases.iter().map(|l| l.lease_id).collect();
+    let missing = state
+        .ledger
+        .missing_grants(&ids)
+        .await
+        .map_err(ledger_error)?;
+    let mut found = Vec::new();
+    for lease in missing {
+        if let Some(record) = pools::get_grant(&*state.kv, &report.tenant, &report.pool, &lease)
+            .await
+            .map_err(store_error)?
+        {
+            found.push(record);
+        }
+    }
+    if !found.is_empty() {
+        state
+            .ledger
+            .record_grants(&report.tenant, &report.pool, &found)
+            .await
+            .map_err(ledger_error)?;
+    }
+    let receipt = state
+        .ledger
+        .record_report(&report, state.clock.now_ms())
+        .await
+        .map_err(ledger_error)?;
+    Ok(json_response(StatusCode::OK, &receipt))
+}
+
+/// `GET /v1/pools/{tenant}/{pool}/windows` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WindowsQuery {
+    /// How many of the latest windows (default 10, at most 1,000).
+    pub last: Option<u64>,
+}
+
+/// `GET /v1/pools/{tenant}/{pool}/windows` answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct WindowList {
+    /// Newest first.
+    pub windows: Vec<crate::ledger::WindowRow>,
+}
+
+async fn get_windows(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    query: Result<axum::extract::Query<WindowsQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Operator)?;
+    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
+    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    let axum::extract::Query(query) =
+        query.map_err(|e| ApiError::invalid("last", e.body_text()))?;
+    let last = query.last.unwrap_or(10);
+    if !(1..=crate::ledger::MAX_WINDOWS).contains(&last) {
+        return Err(ApiError::invalid("last", "must be in [1, 1000]"));
+    }
+    let (stored, _) = pools::get_pool(&*state.kv, &tenant, &pool)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "Not found", "no such pool"))?;
+    let config = stored.spec.validate().map_err(|e| store_error(e.into()))?;
+    let windows = state
+        .ledger
+        .windows(&tenant, &pool, &config, last, state.clock.now_ms())
+        .await
+        .map_err(ledger_error)?;
+    Ok(json_response(StatusCode::OK, &WindowList { windows }))
+}
+
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -472,7 +614,11 @@ async fn problem_for_plain_errors(response: Response) -> Response {
         .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
         .unwrap_or_default();
     let title = status.canonical_reason().unwrap_or("Error");
-    let detail = if text.is_empty() { title.to_owned() } else { text };
+    let detail = if text.is_empty() {
+        title.to_owned()
+    } else {
+        text
+    };
     ApiError::new(status, title, detail).into_response()
 }
 
@@ -490,7 +636,9 @@ pub fn router(state: ApiState) -> Router {
             "/v1/pools/{tenant}/{pool}",
             get(get_pool).put(put_pool).delete(delete_pool),
         )
+        .route("/v1/pools/{tenant}/{pool}/windows", get(get_windows))
         .route("/v1/grants", post(post_grant))
+        .route("/v1/reports", post(post_report))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(tower::limit::ConcurrencyLimitLayer::new(

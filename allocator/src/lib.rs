@@ -12,5 +12,6 @@ pub mod grants;
 pub mod http;
 pub mod kv;
 pub mod leader;
+pub mod ledger;
 pub mod pools;
 pub mod server;

@@ -15,12 +15,14 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::clock::{Clock, SystemClock};
-use crate::grants::Grantor;
+use crate::grants::{CommittedGrants, Grantor};
 use crate::http::{ApiState, Tokens, router};
 use crate::kv::Kv;
 use crate::kv::etcd::EtcdKv;
 use crate::kv::memory::MemoryKv;
 use crate::leader::{ElectionConfig, Role, run_election};
+use crate::ledger::Ledger;
+use crate::pools::{list_grants, list_pools};
 
 /// Shortest accepted bearer token, in characters.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -58,6 +60,12 @@ pub struct Args {
     /// [default: 5].
     #[arg(long, env = "ALLOT_LEADER_LEASE_TTL_S")]
     pub leader_lease_ttl_s: Option<i64>,
+    /// The accounting ledger: sqlite://<file> or postgres://... [default: sqlite://<data-dir>/allot.db].
+    #[arg(long, env = "ALLOT_LEDGER")]
+    pub ledger: Option<String>,
+    /// Directory for local files (the default SQLite ledger) [default: ./allot-data].
+    #[arg(long, env = "ALLOT_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
     /// TOML file with any of the settings above (keys as the flags, with underscores).
     #[arg(long, env = "ALLOT_CONFIG")]
     pub config: Option<PathBuf>,
@@ -73,6 +81,8 @@ struct FileSettings {
     node_id: Option<String>,
     advertise_url: Option<String>,
     leader_lease_ttl_s: Option<i64>,
+    ledger: Option<String>,
+    data_dir: Option<PathBuf>,
 }
 
 /// Resolved settings.
@@ -90,6 +100,8 @@ pub struct Settings {
     pub advertise_url: String,
     /// Leader lease TTL, seconds.
     pub leader_lease_ttl_s: i64,
+    /// The ledger URL.
+    pub ledger_url: String,
 }
 
 fn read_tokens(flag: &str, path: Option<&Path>) -> Result<Vec<String>, String> {
@@ -146,7 +158,20 @@ impl Args {
                 "--leader-lease-ttl-s must be in [1, 600], got {leader_lease_ttl_s}"
             ));
         }
+        let data_dir = self
+            .data_dir
+            .or(file.data_dir)
+            .unwrap_or_else(|| PathBuf::from("allot-data"));
+        let ledger_url = match self.ledger.or(file.ledger) {
+            Some(url) => url,
+            None => {
+                std::fs::create_dir_all(&data_dir)
+                    .map_err(|e| format!("--data-dir {}: {e}", data_dir.display()))?;
+                format!("sqlite://{}", data_dir.join("allot.db").display())
+            }
+        };
         Ok(Settings {
+            ledger_url,
             listen,
             etcd: self.etcd.or(file.etcd).unwrap_or_default(),
             tokens,
@@ -178,11 +203,62 @@ pub async fn open_store(settings: &Settings, clock: Arc<dyn Clock>) -> Result<Ar
     Ok(Arc::new(kv))
 }
 
+/// Grants copied to the ledger per batch of the feed, and the feed's capacity in batches (I10).
+pub const LEDGER_FEED_BATCHES: usize = 1_024;
+/// How often every pool's grant records in the store are reconciled into the ledger.
+pub const LEDGER_RECONCILE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Copies committed grants into the ledger, and periodically reconciles the ledger with the store
+/// so that a grant the feed dropped (full, or the database was down) still arrives.
+async fn feed_ledger(
+    ledger: Ledger,
+    kv: Arc<dyn Kv>,
+    mut feed: tokio::sync::mpsc::Receiver<CommittedGrants>,
+    shutdown: impl Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    let mut reconcile = tokio::time::interval(LEDGER_RECONCILE_INTERVAL);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => return,
+            committed = feed.recv() => {
+                let Some(committed) = committed else { return };
+                if let Err(error) = ledger
+                    .record_grants(&committed.tenant, &committed.pool, &committed.records)
+                    .await
+                {
+                    tracing::warn!(%error, "could not copy grants to the ledger; reconciliation will");
+                }
+            }
+            _ = reconcile.tick() => {
+                if let Err(error) = reconcile_grants(&ledger, &*kv).await {
+                    tracing::warn!(%error, "ledger reconciliation failed");
+                }
+            }
+        }
+    }
+}
+
+/// Copies every grant record in the store that the ledger lacks.
+pub async fn reconcile_grants(ledger: &Ledger, kv: &dyn Kv) -> Result<(), String> {
+    for (tenant, pool, _) in list_pools(kv).await.map_err(|e| e.to_string())? {
+        let records = list_grants(kv, &tenant, &pool)
+            .await
+            .map_err(|e| e.to_string())?;
+        ledger
+            .record_grants(&tenant, &pool, &records)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
 /// Serves the allocator on `listener` over `kv` until `shutdown` resolves, then stops taking requests,
 /// finishes those in flight and gives up leadership.
 pub async fn run(
     settings: Settings,
     kv: Arc<dyn Kv>,
+    ledger: Ledger,
     clock: Arc<dyn Clock>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -200,11 +276,19 @@ pub async fn run(
         role_sender,
         shutdown.clone(),
     ));
+    let (feed_sender, feed) = tokio::sync::mpsc::channel(LEDGER_FEED_BATCHES);
+    let ledger_task = tokio::spawn(feed_ledger(
+        ledger.clone(),
+        kv.clone(),
+        feed,
+        shutdown.clone(),
+    ));
     let grantor = Grantor::new(
         kv.clone(),
         clock.clone(),
         role.clone(),
         LeaseClamping::Clamped,
+        Some(feed_sender),
     );
     let state = ApiState {
         kv,
@@ -212,6 +296,7 @@ pub async fn run(
         role,
         clock,
         tokens: Arc::new(settings.tokens),
+        ledger,
     };
     tracing::info!(listen = %settings.listen, node = %settings.node_id, "allocator serving");
     let served = axum::serve(listener, router(state))
@@ -219,6 +304,9 @@ pub async fn run(
         .await;
     if let Err(error) = election.await {
         tracing::warn!(%error, "election task ended abnormally");
+    }
+    if let Err(error) = ledger_task.await {
+        tracing::warn!(%error, "ledger task ended abnormally");
     }
     served
 }

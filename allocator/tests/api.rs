@@ -7,6 +7,7 @@ use std::time::Duration;
 use allot_allocator::clock::{Clock, SystemClock};
 use allot_allocator::http::Tokens;
 use allot_allocator::kv::memory::MemoryKv;
+use allot_allocator::ledger::Ledger;
 use allot_allocator::server::{Settings, run};
 use serde_json::{Value, json};
 
@@ -17,6 +18,7 @@ struct Server {
     url: String,
     client: reqwest::Client,
     _stop: tokio::sync::oneshot::Sender<()>,
+    _dir: tempfile::TempDir,
 }
 
 async fn start() -> Server {
@@ -34,17 +36,26 @@ async fn start() -> Server {
         node_id: "test".to_owned(),
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 5,
+        ledger_url: String::new(),
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let kv = Arc::new(MemoryKv::new(clock.clone()));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = Ledger::connect(&format!(
+        "sqlite://{}",
+        dir.path().join("ledger.db").display()
+    ))
+    .await
+    .expect("ledger");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(run(settings, kv, clock, listener, async move {
+    tokio::spawn(run(settings, kv, ledger, clock, listener, async move {
         let _ = stopped.await;
     }));
     let server = Server {
         url: format!("http://{addr}"),
         client: reqwest::Client::new(),
         _stop: stop,
+        _dir: dir,
     };
     for _ in 0..200 {
         if let Ok(r) = server
@@ -284,4 +295,92 @@ async fn grants_over_http() {
     assert_eq!(view["window"]["remaining"], 900);
     assert_eq!(view["window"]["grantedByRegion"]["eu"], 100);
     assert_eq!(view["window"]["leasesOutstanding"], 1);
+}
+
+#[tokio::test]
+async fn reports_reach_the_windows_view() {
+    let server = start().await;
+    assert_eq!(
+        server
+            .put_pool("atlas/api", OPERATOR, pool_body().to_string())
+            .await
+            .0,
+        200
+    );
+    let lease = allot_shared::ids::LeaseId::from_parts(1, 7);
+    let grant: Value = server
+        .client
+        .post(format!("{}/v1/grants", server.url))
+        .bearer_auth(AGENT)
+        .json(&json!({ "leaseId": lease, "tenant": "atlas", "pool": "api", "region": "eu", "want": 100 }))
+        .send()
+        .await
+        .expect("grant")
+        .json()
+        .await
+        .expect("json");
+    let window_start = grant["windowStartMs"].clone();
+    let report = |id: &str, spent: u64| {
+        json!({ "reportId": id, "region": "eu", "tenant": "atlas", "pool": "api",
+                "windowStartMs": window_start, "leases": [{ "leaseId": lease, "spent": spent }],
+                "fallbackAdmitted": 3 })
+    };
+    let post = |body: Value| {
+        server
+            .client
+            .post(format!("{}/v1/reports", server.url))
+            .bearer_auth(AGENT)
+            .json(&body)
+            .send()
+    };
+    // The report may overtake the grant's copy into the ledger: it is fetched from the store.
+    let first = post(report("rep-1", 60)).await.expect("report");
+    assert_eq!(first.status(), 200);
+    assert_eq!(
+        first.json::<Value>().await.expect("json")["duplicate"],
+        false
+    );
+    let again: Value = post(report("rep-1", 60))
+        .await
+        .expect("report")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(again["duplicate"], true);
+    let too_much = post(report("rep-2", 101)).await.expect("report");
+    assert_eq!(too_much.status(), 400);
+    assert_eq!(
+        too_much.json::<Value>().await.expect("json")["field"],
+        "leases[0].spent"
+    );
+
+    let (status, windows) = server
+        .get("/v1/pools/atlas/api/windows?last=5", OPERATOR)
+        .await;
+    assert_eq!(status, 200, "{windows}");
+    let row = &windows["windows"][0];
+    assert_eq!(row["granted"], 100);
+    assert_eq!(row["spent"], 60);
+    assert_eq!(row["fallbackAdmitted"], 3);
+    assert_eq!(row["admitted"], 63);
+    assert_eq!(row["limit"], 1000);
+    assert_eq!(row["bound"], 1200);
+    assert_eq!(
+        server
+            .get("/v1/pools/atlas/api/windows?last=0", OPERATOR)
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        server
+            .get("/v1/pools/atlas/api/windows?last=x", OPERATOR)
+            .await
+            .0,
+        400
+    );
+    assert_eq!(
+        server.get("/v1/pools/atlas/none/windows", OPERATOR).await.0,
+        404
+    );
 }

@@ -47,6 +47,8 @@ fn start_allocator(dir: &std::path::Path, name: &str, etcd: &[String]) -> Alloca
         .args(["--etcd", &etcd.join(",")])
         .args(["--node-id", name])
         .args(["--leader-lease-ttl-s", "2"])
+        .arg("--data-dir")
+        .arg(dir.join(name))
         .arg("--operator-token-file")
         .arg(&operator)
         .arg("--agent-token-file")

@@ -58,7 +58,7 @@ async fn leader(kv: Arc<dyn Kv>) -> (Grantor, Arc<ManualClock>, Leadership) {
     let (sender, role) = watch::channel(Role::Leader(leadership));
     // The role never changes in these tests; a dropped sender leaves the last value readable.
     drop(sender);
-    let grantor = Grantor::new(kv, clock.clone(), role, LeaseClamping::Clamped);
+    let grantor = Grantor::new(kv, clock.clone(), role, LeaseClamping::Clamped, None);
     (grantor, clock, leadership)
 }
 
@@ -249,7 +249,7 @@ async fn a_deposed_leader_cannot_grant(kv: Arc<dyn Kv>) {
     // The new leader grants, stamping its own epoch, and the old grant is still answered as it was.
     let (_sender, role) = watch::channel(Role::Leader(new));
     let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(T0_MS));
-    let grantor = Grantor::new(kv.clone(), clock, role, LeaseClamping::Clamped);
+    let grantor = Grantor::new(kv.clone(), clock, role, LeaseClamping::Clamped, None);
     let fresh = grantor
         .grant(&tenant(), &pool(), request(3, "eu", 10))
         .await

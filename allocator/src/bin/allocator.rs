@@ -50,6 +50,13 @@ async fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let ledger = match allot_allocator::ledger::Ledger::connect(&settings.ledger_url).await {
+        Ok(ledger) => ledger,
+        Err(error) => {
+            eprintln!("allocator: ledger {}: {error}", settings.ledger_url);
+            return ExitCode::from(1);
+        }
+    };
     let listener = match tokio::net::TcpListener::bind(settings.listen).await {
         Ok(listener) => listener,
         Err(error) => {
@@ -57,7 +64,7 @@ async fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match run(settings, kv, clock, listener, shutdown_signal()).await {
+    match run(settings, kv, ledger, clock, listener, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("allocator: {error}");

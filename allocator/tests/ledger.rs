@@ -1,0 +1,299 @@
+//! The ledger on SQLite and on PostgreSQL: migrations, idempotent grants and reports, validation that
+//! writes nothing, and per-window accounting (spent, stranded, unreported, fallback, overshoot, bound).
+//!
+//! PostgreSQL tests use the server named by `ALLOT_TEST_POSTGRES_URL` (scripts/test sets it), each
+//! in a database of its own, created and dropped by the test.
+
+use allot_allocator::ledger::{LeaseSpendReport, Ledger, LedgerError, PoolChange, Report};
+use allot_allocator::pools::GrantRecord;
+use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::lease::PoolConfig;
+use sqlx::Connection;
+
+const WINDOW_MS: u64 = 60_000;
+const W0: u64 = 1_767_225_600_000;
+
+fn tenant() -> TenantId {
+    TenantId::parse("atlas").expect("tenant")
+}
+fn pool() -> PoolId {
+    PoolId::parse("api").expect("pool")
+}
+fn region(name: &str) -> RegionId {
+    RegionId::parse(name).expect("region")
+}
+fn lease(n: u128) -> LeaseId {
+    LeaseId::from_parts(W0, n)
+}
+
+fn config() -> PoolConfig {
+    PoolConfig::new(
+        1_000,
+        WINDOW_MS,
+        100,
+        15_000,
+        100,
+        vec![region("eu"), region("us")],
+    )
+    .expect("valid")
+}
+
+fn grant(
+    n: u128,
+    region_name: &str,
+    window_start_ms: u64,
+    granted: u64,
+    expires_at_ms: u64,
+) -> GrantRecord {
+    GrantRecord {
+        lease_id: lease(n),
+        region: region(region_name),
+        granted,
+        epoch: Epoch(1),
+        window_start_ms,
+        window_end_ms: window_start_ms + WINDOW_MS,
+        expires_at_ms,
+        retry_after_ms: 0,
+    }
+}
+
+fn report(
+    id: &str,
+    region_name: &str,
+    window_start_ms: u64,
+    leases: Vec<(u128, u64, bool)>,
+    fallback: u64,
+) -> Report {
+    Report {
+        report_id: id.to_owned(),
+        region: region(region_name),
+        tenant: tenant(),
+        pool: pool(),
+        window_start_ms,
+        leases: leases
+            .into_iter()
+            .map(|(n, spent, final_report)| LeaseSpendReport {
+                lease_id: lease(n),
+                spent,
+                final_report,
+            })
+            .collect(),
+        fallback_admitted: fallback,
+    }
+}
+
+async fn accounting(ledger: Ledger) {
+    ledger
+        .record_pool_change(&PoolChange {
+            change_id: "c-1",
+            tenant: &tenant(),
+            pool: &pool(),
+            version: 1,
+            actor: "operator:test",
+            changed_at_ms: W0,
+            config_json: "{}",
+        })
+        .await
+        .expect("pool change");
+    let grants = vec![
+        grant(1, "eu", W0, 100, W0 + 15_000),
+        grant(2, "eu", W0, 100, W0 + 30_000),
+        grant(3, "us", W0, 50, W0 + 60_000),
+        grant(4, "eu", W0 + WINDOW_MS, 100, W0 + WINDOW_MS + 15_000),
+    ];
+    ledger
+        .record_grants(&tenant(), &pool(), &grants)
+        .await
+        .expect("grants");
+    ledger
+        .record_grants(&tenant(), &pool(), &grants[..1])
+        .await
+        .expect("a repeated grant is ignored");
+    assert_eq!(
+        ledger
+            .missing_grants(&[lease(1), lease(9)])
+            .await
+            .expect("lookup"),
+        vec![lease(9)]
+    );
+
+    // Bad reports are refused, naming the field, and write nothing.
+    let cases = [
+        (
+            report("r-bad-1", "eu", W0, vec![(9, 1, false)], 0),
+            "leases[0]",
+        ),
+        (
+            report("r-bad-2", "eu", W0, vec![(1, 101, false)], 0),
+            "leases[0].spent",
+        ),
+        (
+            report("r-bad-3", "us", W0, vec![(1, 10, false)], 0),
+            "leases[0]",
+        ),
+    ];
+    for (bad, field) in cases {
+        match ledger.record_report(&bad, W0).await {
+            Err(LedgerError::Invalid { field: got, .. }) => assert_eq!(got, field),
+            other => panic!("{field}: expected a refusal, got {other:?}"),
+        }
+    }
+    let before = ledger
+        .windows(&tenant(), &pool(), &config(), 10, W0 + 1)
+        .await
+        .expect("windows");
+    assert!(
+        before.iter().all(|w| w.spent == 0),
+        "refused reports wrote nothing"
+    );
+
+    // Cumulative spends: the largest value counts, a replayed report id is not applied again.
+    let first = ledger
+        .record_report(
+            &report("r-1", "eu", W0, vec![(1, 40, false), (2, 10, false)], 30),
+            W0 + 1_000,
+        )
+        .await
+        .expect("report");
+    assert!(!first.duplicate);
+    let again = ledger
+        .record_report(
+            &report("r-1", "eu", W0, vec![(1, 40, false), (2, 10, false)], 30),
+            W0 + 1_000,
+        )
+        .await
+        .expect("report");
+    assert!(again.duplicate);
+    ledger
+        .record_report(
+            &report("r-2", "eu", W0, vec![(1, 90, true)], 50),
+            W0 + 16_000,
+        )
+        .await
+        .expect("report");
+    ledger
+        .record_report(
+            &report("r-3", "eu", W0, vec![(1, 80, false)], 20),
+            W0 + 17_000,
+        )
+        .await
+        .expect("a late, smaller report changes nothing");
+    ledger
+        .record_report(
+            &report("r-4", "us", W0, vec![(3, 50, true)], 5),
+            W0 + 61_000,
+        )
+        .await
+        .expect("report");
+
+    // At W0 + 61 s, window 0 is over: lease 1 (final, 90 of 100) strands 10; lease 2 expired without
+    // a final report: 90 unreported; lease 3 spent all of it.
+    let windows = ledger
+        .windows(&tenant(), &pool(), &config(), 10, W0 + 61_000)
+        .await
+        .expect("windows");
+    assert_eq!(windows.len(), 2);
+    assert_eq!(windows[0].window_start_ms, W0 + WINDOW_MS, "newest first");
+    let w0 = &windows[1];
+    assert_eq!(w0.granted, 250);
+    assert_eq!(w0.granted_by_region.get(&region("eu")), Some(&200));
+    assert_eq!(w0.spent, 90 + 10 + 50);
+    assert_eq!(w0.stranded, 10);
+    assert_eq!(w0.unreported, 90);
+    assert_eq!(w0.fallback_admitted, 55);
+    assert_eq!(w0.fallback_admitted_by_region.get(&region("eu")), Some(&50));
+    assert_eq!(w0.admitted, 205);
+    assert_eq!(w0.overshoot, 0);
+    assert_eq!((w0.limit, w0.bound), (1_000, 1_200));
+    let only_last = ledger
+        .windows(&tenant(), &pool(), &config(), 1, W0 + 61_000)
+        .await
+        .expect("windows");
+    assert_eq!(only_last.len(), 1);
+}
+
+async fn sqlite_ledger() -> (Ledger, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    (Ledger::connect(&url).await.expect("sqlite ledger"), dir)
+}
+
+/// A fresh PostgreSQL database, dropped when the guard goes.
+struct PostgresDatabase {
+    server: String,
+    name: String,
+}
+
+impl PostgresDatabase {
+    async fn create() -> (Self, String) {
+        let server = std::env::var("ALLOT_TEST_POSTGRES_URL").expect(
+            "ALLOT_TEST_POSTGRES_URL must name a PostgreSQL server (scripts/test sets it, e.g. \
+             postgres://postgres@127.0.0.1:5432)",
+        );
+        let server = server.trim_end_matches('/').to_owned();
+        let name = format!(
+            "allot_test_{}_{}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
+        let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres"))
+            .await
+            .expect("connect to the PostgreSQL server");
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut admin)
+            .await
+            .expect("create the test database");
+        let url = format!("{server}/{name}");
+        (Self { server, name }, url)
+    }
+}
+
+impl Drop for PostgresDatabase {
+    fn drop(&mut self) {
+        let (server, name) = (self.server.clone(), self.name.clone());
+        // Drop on a fresh runtime in a thread: Drop cannot await, and the test's runtime may be gone.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async {
+                let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres"))
+                    .await
+                    .ok()?;
+                sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                    .execute(&mut admin)
+                    .await
+                    .ok()
+            })
+        })
+        .join();
+    }
+}
+
+#[tokio::test]
+async fn sqlite_accounting() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    accounting(ledger).await;
+}
+
+#[tokio::test]
+async fn postgres_accounting() {
+    let (_database, url) = PostgresDatabase::create().await;
+    let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+    accounting(ledger).await;
+}
+
+#[tokio::test]
+async fn migrations_are_idempotent_and_urls_are_checked() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    Ledger::connect(&url).await.expect("first start");
+    Ledger::connect(&url)
+        .await
+        .expect("second start applies nothing new");
+    assert!(matches!(
+        Ledger::connect("mysql://localhost/x").await,
+        Err(LedgerError::UnsupportedUrl(_))
+    ));
+}
