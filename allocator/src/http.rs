@@ -27,7 +27,9 @@ use crate::grants::{GrantFailure, Grantor};
 use crate::kv::Kv;
 use crate::leader::Role;
 use crate::ledger::{Ledger, LedgerError, PoolChange, Report};
+use crate::policies::{self, AgentStatus, PolicyStoreError};
 use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
+use allot_shared::policy::parse_bundle;
 
 /// Largest request body, in bytes.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -572,6 +574,211 @@ async fn get_windows(
     Ok(json_response(StatusCode::OK, &WindowList { windows }))
 }
 
+fn authorize_either(state: &ApiState, headers: &HeaderMap) -> Result<(), ApiError> {
+    authorize(state, headers, Caller::Operator).or_else(|error| {
+        if error.status == StatusCode::FORBIDDEN {
+            authorize(state, headers, Caller::Agent)
+        } else {
+            Err(error)
+        }
+    })
+}
+
+fn policy_error(error: PolicyStoreError) -> ApiError {
+    match error {
+        PolicyStoreError::Invalid(invalid) => {
+            let detail = invalid.to_string();
+            ApiError::invalid(invalid.field, detail)
+        }
+        PolicyStoreError::UnknownVersion(_) | PolicyStoreError::NothingCurrent => {
+            ApiError::new(StatusCode::NOT_FOUND, "Not found", error.to_string())
+        }
+        PolicyStoreError::Contended => {
+            ApiError::new(StatusCode::CONFLICT, "Conflict", error.to_string())
+        }
+        other => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Store unavailable",
+            other.to_string(),
+        ),
+    }
+}
+
+fn bundle_response(bundle: &allot_shared::policy::PolicyBundle) -> Response {
+    let mut response = json_response(StatusCode::OK, &bundle.to_json());
+    if let Ok(etag) = HeaderValue::from_str(&format!("\"{}\"", bundle.checksum())) {
+        response.headers_mut().insert(header::ETAG, etag);
+    }
+    response
+}
+
+/// `PUT /v1/policies` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublishQuery {
+    /// Comma-separated regions to stage the bundle to before everyone.
+    pub canary: Option<String>,
+}
+
+async fn put_policy(
+    State(state): State<ApiState>,
+    query: Result<axum::extract::Query<PublishQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Operator)?;
+    let axum::extract::Query(query) =
+        query.map_err(|e| ApiError::invalid("canary", e.body_text()))?;
+    let canary = query
+        .canary
+        .map(|list| {
+            list.split(',')
+                .map(|r| parse_id("canary", r.trim(), RegionId::parse))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .transpose()?;
+    let text = std::str::from_utf8(&body).map_err(|_| ApiError::invalid("body", "not UTF-8"))?;
+    let draft = parse_bundle(text).map_err(|e| policy_error(e.into()))?;
+    let now_ms = state.clock.now_ms();
+    let published_at = allot_shared::window::rfc3339_utc(now_ms);
+    let bundle = policies::publish(&*state.kv, draft, published_at, canary)
+        .await
+        .map_err(policy_error)?;
+    state
+        .ledger
+        .record_bundle(&bundle, &actor(&headers), now_ms)
+        .await
+        .map_err(ledger_error)?;
+    tracing::info!(
+        version = bundle.version(),
+        checksum = bundle.checksum(),
+        "policy published"
+    );
+    Ok(bundle_response(&bundle))
+}
+
+/// `GET /v1/policies/current` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CurrentQuery {
+    /// The asking region: a canary region gets the staged bundle.
+    pub region: Option<String>,
+}
+
+async fn get_current_policy(
+    State(state): State<ApiState>,
+    query: Result<axum::extract::Query<CurrentQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize_either(&state, &headers)?;
+    let axum::extract::Query(query) =
+        query.map_err(|e| ApiError::invalid("region", e.body_text()))?;
+    let region = query
+        .region
+        .map(|r| parse_id("region", &r, RegionId::parse))
+        .transpose()?;
+    let bundle = policies::current_for(&*state.kv, region.as_ref())
+        .await
+        .map_err(policy_error)?;
+    Ok(bundle_response(&bundle))
+}
+
+async fn get_policy_version(
+    State(state): State<ApiState>,
+    Path(version): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize_either(&state, &headers)?;
+    let version: u64 = version
+        .parse()
+        .map_err(|_| ApiError::invalid("version", "must be a positive integer"))?;
+    let bundle = policies::get_bundle(&*state.kv, version)
+        .await
+        .map_err(policy_error)?;
+    Ok(bundle_response(&bundle))
+}
+
+async fn promote_policy(
+    State(state): State<ApiState>,
+    Path(version): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Operator)?;
+    let version: u64 = version
+        .parse()
+        .map_err(|_| ApiError::invalid("version", "must be a positive integer"))?;
+    let rollout = policies::promote(&*state.kv, version)
+        .await
+        .map_err(policy_error)?;
+    tracing::info!(version, "policy promoted");
+    Ok(json_response(StatusCode::OK, &rollout))
+}
+
+async fn post_agent_status(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Agent)?;
+    let mut status: AgentStatus = parse_json(&headers, &body)?;
+    let valid_agent = !status.agent_id.is_empty()
+        && status.agent_id.len() <= 64
+        && status
+            .agent_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !valid_agent {
+        return Err(ApiError::invalid(
+            "agentId",
+            "must be 1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-'",
+        ));
+    }
+    status.reported_at_ms = state.clock.now_ms();
+    policies::report_agent(&*state.kv, &status)
+        .await
+        .map_err(policy_error)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `GET /v1/policies/status` answer: the rollout and what every live agent runs.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyStatus {
+    /// What regions should run.
+    pub rollout: policies::Rollout,
+    /// Agents that reported recently.
+    pub agents: Vec<AgentStatus>,
+    /// Lowest version an agent runs.
+    pub min_version: Option<u64>,
+    /// Highest version an agent runs.
+    pub max_version: Option<u64>,
+    /// Agents running something else than what their region should run.
+    pub agents_behind: usize,
+}
+
+async fn get_policy_status(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Caller::Operator)?;
+    let rollout = policies::rollout(&*state.kv).await.map_err(policy_error)?;
+    let agents = policies::agent_statuses(&*state.kv, state.clock.now_ms())
+        .await
+        .map_err(policy_error)?;
+    let agents_behind = agents
+        .iter()
+        .filter(|a| a.version != rollout.version_for(Some(&a.region)))
+        .count();
+    let status = PolicyStatus {
+        min_version: agents.iter().map(|a| a.version).min(),
+        max_version: agents.iter().map(|a| a.version).max(),
+        agents_behind,
+        rollout,
+        agents,
+    };
+    Ok(json_response(StatusCode::OK, &status))
+}
+
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -639,6 +846,14 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/pools/{tenant}/{pool}/windows", get(get_windows))
         .route("/v1/grants", post(post_grant))
         .route("/v1/reports", post(post_report))
+        .route("/v1/policies", axum::routing::put(put_policy))
+        .route("/v1/policies/current", get(get_current_policy))
+        .route(
+            "/v1/policies/status",
+            get(get_policy_status).post(post_agent_status),
+        )
+        .route("/v1/policies/{version}", get(get_policy_version))
+        .route("/v1/policies/{version}/promote", post(promote_policy))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(tower::limit::ConcurrencyLimitLayer::new(

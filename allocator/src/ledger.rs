@@ -68,6 +68,17 @@ enum PoolConfigHistory {
 }
 
 #[derive(Iden, Clone, Copy)]
+enum PolicyBundles {
+    Table,
+    Version,
+    Checksum,
+    PublishedAt,
+    Actor,
+    StoredAtMs,
+    BundleJson,
+}
+
+#[derive(Iden, Clone, Copy)]
 enum Grants {
     Table,
     LeaseId,
@@ -334,6 +345,43 @@ impl Ledger {
                 i64_of(change.changed_at_ms).into(),
                 change.config_json.into(),
             ])
+            .to_owned();
+        on_db!(self, statement, |sql, values, pool| {
+            sqlx::query_with(&sql, values).execute(pool).await?;
+        });
+        Ok(())
+    }
+
+    /// Records a published policy bundle (once per version).
+    pub async fn record_bundle(
+        &self,
+        bundle: &allot_shared::policy::PolicyBundle,
+        actor: &str,
+        stored_at_ms: u64,
+    ) -> Result<(), LedgerError> {
+        let statement = Query::insert()
+            .into_table(PolicyBundles::Table)
+            .columns([
+                PolicyBundles::Version,
+                PolicyBundles::Checksum,
+                PolicyBundles::PublishedAt,
+                PolicyBundles::Actor,
+                PolicyBundles::StoredAtMs,
+                PolicyBundles::BundleJson,
+            ])
+            .values_panic([
+                i64_of(bundle.version()).into(),
+                bundle.checksum().into(),
+                bundle.published_at().unwrap_or_default().into(),
+                actor.into(),
+                i64_of(stored_at_ms).into(),
+                bundle.to_json().to_string().into(),
+            ])
+            .on_conflict(
+                OnConflict::column(PolicyBundles::Version)
+                    .do_nothing()
+                    .to_owned(),
+            )
             .to_owned();
         on_db!(self, statement, |sql, values, pool| {
             sqlx::query_with(&sql, values).execute(pool).await?;

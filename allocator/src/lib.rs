@@ -13,5 +13,6 @@ pub mod http;
 pub mod kv;
 pub mod leader;
 pub mod ledger;
+pub mod policies;
 pub mod pools;
 pub mod server;

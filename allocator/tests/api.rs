@@ -384,3 +384,131 @@ async fn reports_reach_the_windows_view() {
         404
     );
 }
+
+#[tokio::test]
+async fn policies_publish_stage_promote_and_report() {
+    let server = start().await;
+    let bundle = include_str!("../../deploy/examples/northstar-bundle.json");
+    let publish = |query: &'static str, body: String| {
+        server
+            .client
+            .put(format!("{}/v1/policies{query}", server.url))
+            .bearer_auth(OPERATOR)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let current = |region: &'static str| {
+        server
+            .client
+            .get(format!(
+                "{}/v1/policies/current?region={region}",
+                server.url
+            ))
+            .bearer_auth(AGENT)
+            .send()
+    };
+    assert_eq!(
+        current("eu").await.expect("get").status(),
+        404,
+        "nothing current yet"
+    );
+
+    // The example's own bundleVersion (42) is ignored: the control plane assigns versions.
+    let first: Value = publish("", bundle.to_owned())
+        .await
+        .expect("publish")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(first["bundleVersion"], 1);
+    assert!(
+        first["checksum"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("sha256:"))
+    );
+    let staged = publish("?canary=eu", bundle.replace("20000", "30000"))
+        .await
+        .expect("publish");
+    assert_eq!(staged.status(), 200);
+    let eu: Value = current("eu")
+        .await
+        .expect("get")
+        .json()
+        .await
+        .expect("json");
+    let us: Value = current("us")
+        .await
+        .expect("get")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(
+        (eu["bundleVersion"].as_u64(), us["bundleVersion"].as_u64()),
+        (Some(2), Some(1))
+    );
+
+    // Agents report what they run; the status shows the skew.
+    for (region, agent, version) in [("eu", "eu-1", 2), ("us", "us-1", 1), ("us", "us-2", 0)] {
+        let response = server
+            .client
+            .post(format!("{}/v1/policies/status", server.url))
+            .bearer_auth(AGENT)
+            .json(&json!({ "region": region, "agentId": agent, "version": version }))
+            .send()
+            .await
+            .expect("report");
+        assert_eq!(response.status(), 204);
+    }
+    let (_, status) = server.get("/v1/policies/status", OPERATOR).await;
+    assert_eq!(status["rollout"]["current"], 1);
+    assert_eq!(status["rollout"]["canary"]["version"], 2);
+    assert_eq!(
+        (status["minVersion"].as_u64(), status["maxVersion"].as_u64()),
+        (Some(0), Some(2))
+    );
+    assert_eq!(status["agentsBehind"], 1, "us-2 runs nothing yet");
+
+    let promoted = server
+        .client
+        .post(format!("{}/v1/policies/2/promote", server.url))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("promote");
+    assert_eq!(promoted.status(), 200);
+    let us: Value = current("us")
+        .await
+        .expect("get")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(us["bundleVersion"], 2);
+    let (status, old) = server.get("/v1/policies/1", OPERATOR).await;
+    assert_eq!((status, old["bundleVersion"].as_u64()), (200, Some(1)));
+    assert_eq!(server.get("/v1/policies/9", OPERATOR).await.0, 404);
+    assert_eq!(server.get("/v1/policies/x", OPERATOR).await.0, 400);
+
+    // An invalid bundle is refused naming the rule's field; nothing is published.
+    let invalid = bundle.replacen("\"costMillis\": 1000,", "\"costMillis\": 99999,", 1);
+    let refused = publish("", invalid).await.expect("publish");
+    assert_eq!(refused.status(), 400);
+    let problem: Value = refused.json().await.expect("json");
+    assert_eq!(problem["field"], "rules[0].costMillis");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("read-user-v3")),
+        "{problem}"
+    );
+    let (_, status) = server.get("/v1/policies/status", OPERATOR).await;
+    assert_eq!(status["rollout"]["latest"], 2);
+    // Staging to an invalid region is refused.
+    assert_eq!(
+        publish("?canary=E%7DU", bundle.to_owned())
+            .await
+            .expect("publish")
+            .status(),
+        400
+    );
+}

@@ -50,6 +50,34 @@ impl Window {
     }
 }
 
+/// Formats epoch milliseconds as an RFC 3339 UTC timestamp, e.g. `2026-11-06T09:30:00.000Z`.
+pub fn rfc3339_utc(epoch_ms: u64) -> String {
+    let seconds = epoch_ms / 1_000;
+    let (days, second_of_day) = (seconds / 86_400, seconds % 86_400);
+    // Civil date from days since 1970-01-01 (the proleptic Gregorian calendar), after H. Hinnant.
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let day_of_era = z % 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let shifted_month = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * shifted_month + 2) / 5 + 1;
+    let month = if shifted_month < 10 {
+        shifted_month + 3
+    } else {
+        shifted_month - 9
+    };
+    let year = year_of_era + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        second_of_day / 3_600,
+        second_of_day / 60 % 60,
+        second_of_day % 60,
+        epoch_ms % 1_000
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,5 +100,13 @@ mod tests {
         assert_eq!(w.next().start_ms, 120_000);
         assert_eq!(w.ms_until_end(110_000), 10_000);
         assert_eq!(Window::containing(120_000, len(60_000)).start_ms, 120_000);
+    }
+
+    #[test]
+    fn rfc3339_formatting() {
+        assert_eq!(rfc3339_utc(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_utc(1_762_421_400_000), "2025-11-06T09:30:00.000Z");
+        assert_eq!(rfc3339_utc(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(rfc3339_utc(1_767_225_599_999), "2025-12-31T23:59:59.999Z");
     }
 }

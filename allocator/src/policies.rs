@@ -1,0 +1,261 @@
+//! Policy bundles in the control plane: publish (validated, versioned, checksummed), stage to canary
+//! regions, promote, and track which version every agent runs.
+//!
+//! Store layout (values JSON):
+//! - `/allot/policies/bundles/<version, zero-padded>`: each published bundle, immutable;
+//! - `/allot/policies/rollout`: `{current, canary: {version, regions}}`: what regions should run;
+//! - `/allot/policies/agents/<region>/<agent>`: the version an agent last said it runs; reports older
+//!   than [`AGENT_STATUS_MAX_AGE_MS`] drop out of the status (and are deleted).
+//!
+//! Versions only go up: publishing assigns the next version in a transaction guarded by the rollout
+//! record's revision, so two operators publishing at once get two distinct versions. A rollback is a
+//! new version with older content.
+
+use allot_shared::ids::RegionId;
+use allot_shared::policy::{DraftBundle, PolicyBundle, PolicyError, parse_bundle};
+use serde::{Deserialize, Serialize};
+
+use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, Op};
+
+const BUNDLE_PREFIX: &str = "/allot/policies/bundles/";
+const ROLLOUT_KEY: &str = "/allot/policies/rollout";
+const AGENT_PREFIX: &str = "/allot/policies/agents/";
+/// How long an agent's status report counts, in ms.
+pub const AGENT_STATUS_MAX_AGE_MS: u64 = 120_000;
+
+fn bundle_key(version: u64) -> String {
+    format!("{BUNDLE_PREFIX}{version:020}")
+}
+
+/// Which bundle regions should run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Rollout {
+    /// The version every region runs (0 before the first promotion).
+    pub current: u64,
+    /// A newer version staged to a few regions first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<Canary>,
+    /// The highest version ever published.
+    pub latest: u64,
+}
+
+/// A staged version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Canary {
+    /// The staged version.
+    pub version: u64,
+    /// The regions that run it before everyone.
+    pub regions: Vec<RegionId>,
+}
+
+impl Rollout {
+    /// The version `region` should run.
+    pub fn version_for(&self, region: Option<&RegionId>) -> u64 {
+        match (&self.canary, region) {
+            (Some(canary), Some(region)) if canary.regions.contains(region) => canary.version,
+            _ => self.current,
+        }
+    }
+}
+
+/// What an agent says it runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentStatus {
+    /// The agent's region.
+    pub region: RegionId,
+    /// The agent's id (1 to 64 characters of `[A-Za-z0-9._-]`).
+    pub agent_id: String,
+    /// The bundle version it runs.
+    pub version: u64,
+    /// When it said so, epoch ms.
+    #[serde(default)]
+    pub reported_at_ms: u64,
+}
+
+/// A policy operation failure.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyStoreError {
+    /// The bundle is invalid.
+    #[error(transparent)]
+    Invalid(#[from] PolicyError),
+    /// No such version.
+    #[error("no bundle with version {0}")]
+    UnknownVersion(u64),
+    /// Nothing has been published or promoted yet.
+    #[error("no policy bundle is current yet")]
+    NothingCurrent,
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] KvError),
+    /// A stored value is unreadable.
+    #[error("stored policy data at {0} is not readable")]
+    Corrupt(String),
+    /// Concurrent publishers kept winning.
+    #[error("policies changed concurrently too often; retry")]
+    Contended,
+}
+
+async fn read_rollout(kv: &dyn Kv) -> Result<(Rollout, i64), PolicyStoreError> {
+    match kv.get(ROLLOUT_KEY).await? {
+        None => Ok((Rollout::default(), 0)),
+        Some(v) => Ok((
+            serde_json::from_slice(&v.value)
+                .map_err(|_| PolicyStoreError::Corrupt(ROLLOUT_KEY.to_owned()))?,
+            v.mod_revision,
+        )),
+    }
+}
+
+/// The rollout record.
+pub async fn rollout(kv: &dyn Kv) -> Result<Rollout, PolicyStoreError> {
+    Ok(read_rollout(kv).await?.0)
+}
+
+/// Publishes a draft as the next version. With `canary` regions it is staged to them; otherwise it
+/// becomes current at once.
+pub async fn publish(
+    kv: &dyn Kv,
+    draft: DraftBundle,
+    published_at: String,
+    canary: Option<Vec<RegionId>>,
+) -> Result<PolicyBundle, PolicyStoreError> {
+    for _ in 0..8 {
+        let (mut rollout, revision) = read_rollout(kv).await?;
+        let version = rollout.latest + 1;
+        let bundle = draft.clone().seal(version, Some(published_at.clone()));
+        rollout.latest = version;
+        match &canary {
+            Some(regions) if !regions.is_empty() => {
+                rollout.canary = Some(Canary {
+                    version,
+                    regions: regions.clone(),
+                });
+            }
+            _ => {
+                rollout.current = version;
+                rollout.canary = None;
+            }
+        }
+        let outcome = kv
+            .txn(
+                vec![Compare::ModRevision {
+                    key: ROLLOUT_KEY.to_owned(),
+                    revision,
+                }],
+                vec![
+                    Op::Put {
+                        key: bundle_key(version),
+                        value: bundle.to_json().to_string().into_bytes(),
+                        lease: None,
+                    },
+                    Op::Put {
+                        key: ROLLOUT_KEY.to_owned(),
+                        value: serde_json::to_vec(&rollout).unwrap_or_default(),
+                        lease: None,
+                    },
+                ],
+            )
+            .await?;
+        if outcome.succeeded {
+            return Ok(bundle);
+        }
+    }
+    Err(PolicyStoreError::Contended)
+}
+
+/// Makes `version` current for every region (ending its canary, if any).
+pub async fn promote(kv: &dyn Kv, version: u64) -> Result<Rollout, PolicyStoreError> {
+    get_bundle(kv, version).await?;
+    for _ in 0..8 {
+        let (mut rollout, revision) = read_rollout(kv).await?;
+        rollout.current = version;
+        if rollout
+            .canary
+            .as_ref()
+            .is_some_and(|c| c.version <= version)
+        {
+            rollout.canary = None;
+        }
+        let outcome = kv
+            .txn(
+                vec![Compare::ModRevision {
+                    key: ROLLOUT_KEY.to_owned(),
+                    revision,
+                }],
+                vec![Op::Put {
+                    key: ROLLOUT_KEY.to_owned(),
+                    value: serde_json::to_vec(&rollout).unwrap_or_default(),
+                    lease: None,
+                }],
+            )
+            .await?;
+        if outcome.succeeded {
+            return Ok(rollout);
+        }
+    }
+    Err(PolicyStoreError::Contended)
+}
+
+/// Reads a published bundle, verifying its checksum.
+pub async fn get_bundle(kv: &dyn Kv, version: u64) -> Result<PolicyBundle, PolicyStoreError> {
+    let key = bundle_key(version);
+    let stored = kv
+        .get(&key)
+        .await?
+        .ok_or(PolicyStoreError::UnknownVersion(version))?;
+    let text =
+        String::from_utf8(stored.value).map_err(|_| PolicyStoreError::Corrupt(key.clone()))?;
+    Ok(parse_bundle(&text)?.into_verified()?)
+}
+
+/// The bundle `region` should run.
+pub async fn current_for(
+    kv: &dyn Kv,
+    region: Option<&RegionId>,
+) -> Result<PolicyBundle, PolicyStoreError> {
+    let version = rollout(kv).await?.version_for(region);
+    if version == 0 {
+        return Err(PolicyStoreError::NothingCurrent);
+    }
+    get_bundle(kv, version).await
+}
+
+/// Records what an agent runs.
+pub async fn report_agent(kv: &dyn Kv, status: &AgentStatus) -> Result<(), PolicyStoreError> {
+    kv.txn(
+        vec![],
+        vec![Op::Put {
+            key: format!("{AGENT_PREFIX}{}/{}", status.region, status.agent_id),
+            value: serde_json::to_vec(status).unwrap_or_default(),
+            lease: None,
+        }],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Agents that reported within [`AGENT_STATUS_MAX_AGE_MS`] of `now_ms`. Older reports are deleted
+/// (an agent that stopped reporting is gone), which keeps the set bounded.
+pub async fn agent_statuses(
+    kv: &dyn Kv,
+    now_ms: u64,
+) -> Result<Vec<AgentStatus>, PolicyStoreError> {
+    let mut fresh = Vec::new();
+    let mut stale = Vec::new();
+    for (key, value) in kv.get_prefix(AGENT_PREFIX, MAX_PREFIX_KEYS).await? {
+        let status: AgentStatus = serde_json::from_slice(&value.value)
+            .map_err(|_| PolicyStoreError::Corrupt(key.clone()))?;
+        if now_ms.saturating_sub(status.reported_at_ms) <= AGENT_STATUS_MAX_AGE_MS {
+            fresh.push(status);
+        } else {
+            stale.push(Op::Delete { key });
+        }
+    }
+    if !stale.is_empty() {
+        kv.txn(vec![], stale).await?;
+    }
+    Ok(fresh)
+}
