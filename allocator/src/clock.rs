@@ -16,3 +16,20 @@ impl Clock for SystemClock {
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
     }
 }
+
+/// Measures elapsed time for metrics (monotonic). Never used for decisions.
+#[derive(Debug, Clone, Copy)]
+pub struct Stopwatch(std::time::Instant);
+
+impl Stopwatch {
+    /// Starts measuring.
+    #[allow(clippy::disallowed_methods)]
+    pub fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    /// Seconds since start.
+    pub fn elapsed_seconds(&self) -> f64 {
+        self.0.elapsed().as_secs_f64()
+    }
+}

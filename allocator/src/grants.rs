@@ -148,6 +148,30 @@ impl Grantor {
         pool: &PoolId,
         request: GrantRequest,
     ) -> Result<GrantRecord, GrantFailure> {
+        let stopwatch = crate::clock::Stopwatch::start();
+        let want = request.want_tokens;
+        let result = self.grant_unmeasured(tenant, pool, request).await;
+        let outcome = match &result {
+            Ok(record) if record.granted == 0 => "exhausted",
+            Ok(record) if record.granted < want => "partial",
+            Ok(_) => "granted",
+            Err(GrantFailure::NotLeader(_)) => "not_leader",
+            Err(GrantFailure::UnknownPool) => "unknown_pool",
+            Err(GrantFailure::RegionNotInPool(_) | GrantFailure::ZeroWant) => "refused",
+            Err(GrantFailure::Overloaded) => "overloaded",
+            Err(GrantFailure::Unavailable(_)) => "unavailable",
+        };
+        metrics::counter!(crate::metrics::GRANTS, "outcome" => outcome).increment(1);
+        metrics::histogram!(crate::metrics::GRANT_SECONDS).record(stopwatch.elapsed_seconds());
+        result
+    }
+
+    async fn grant_unmeasured(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        request: GrantRequest,
+    ) -> Result<GrantRecord, GrantFailure> {
         if request.want_tokens == 0 {
             return Err(GrantFailure::ZeroWant);
         }
@@ -430,6 +454,15 @@ impl PoolWorker {
             }
             match self.shared.kv.txn(compares, ops).await {
                 Ok(outcome) if outcome.succeeded => {
+                    metrics::histogram!(crate::metrics::GRANT_BATCH)
+                        .record(plan.new_records.len() as f64);
+                    let granted: u64 = plan.new_records.iter().map(|r| r.granted).sum();
+                    metrics::counter!(crate::metrics::TOKENS_GRANTED).increment(granted);
+                    if let Some(cache) = self.cache.as_ref() {
+                        metrics::gauge!(crate::metrics::POOL_REMAINING,
+                            "tenant" => self.tenant.to_string(), "pool" => self.pool.to_string())
+                        .set(window_state.remaining_tokens(&cache.config) as f64);
+                    }
                     if let Some(cache) = self.cache.as_mut() {
                         debug_assert!(
                             window_state.granted_tokens() <= cache.config.limit_tokens(),
@@ -445,6 +478,8 @@ impl PoolWorker {
                     return Attempt::Retry;
                 }
                 Err(error) => {
+                    metrics::counter!(crate::metrics::STORE_ERRORS, "op" => "grant_txn")
+                        .increment(1);
                     tracing::warn!(%error, tenant = %self.tenant, pool = %self.pool, "grant commit failed");
                     return Attempt::Retry;
                 }
@@ -460,6 +495,7 @@ impl PoolWorker {
                 records: plan.new_records.clone(),
             };
             if feed.try_send(committed).is_err() {
+                metrics::counter!(crate::metrics::LEDGER_FEED_FULL).increment(1);
                 tracing::warn!(tenant = %self.tenant, pool = %self.pool,
                     "ledger feed full; these grants reach the ledger at the next reconciliation");
             }

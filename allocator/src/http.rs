@@ -779,6 +779,22 @@ async fn get_policy_status(
     Ok(json_response(StatusCode::OK, &status))
 }
 
+async fn metrics_text() -> Response {
+    match crate::metrics::handle() {
+        Some(handle) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            handle.render(),
+        )
+            .into_response(),
+        None => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Metrics unavailable",
+            "another metrics recorder is installed in this process",
+        )
+        .into_response(),
+    }
+}
+
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -838,6 +854,7 @@ pub fn router(state: ApiState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
         .route("/v1/pools", get(list_pools))
         .route(
             "/v1/pools/{tenant}/{pool}",

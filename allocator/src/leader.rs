@@ -209,6 +209,12 @@ pub async fn run_election(
                 }
             }
         };
+        let (epoch, leading) = match &next {
+            Role::Leader(leadership) => (leadership.epoch.0 as f64, 1.0),
+            _ => (0.0, 0.0),
+        };
+        metrics::gauge!(crate::metrics::LEADER_EPOCH).set(epoch);
+        metrics::gauge!(crate::metrics::IS_LEADER).set(leading);
         role.send_if_modified(|r| {
             let changed = *r != next;
             *r = next;

@@ -13,6 +13,7 @@ pub mod http;
 pub mod kv;
 pub mod leader;
 pub mod ledger;
+pub mod metrics;
 pub mod policies;
 pub mod pools;
 pub mod server;

@@ -263,6 +263,8 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    // Install the recorder before anything records.
+    let _ = crate::metrics::handle();
     let (role_sender, role) = watch::channel(Role::Unknown);
     let shutdown = shutdown.shared();
     let election = tokio::spawn(run_election(

@@ -295,6 +295,26 @@ async fn grants_over_http() {
     assert_eq!(view["window"]["remaining"], 900);
     assert_eq!(view["window"]["grantedByRegion"]["eu"], 100);
     assert_eq!(view["window"]["leasesOutstanding"], 1);
+
+    let metrics = server
+        .client
+        .get(format!("{}/metrics", server.url))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains("allot_grants_total{outcome=\"partial\"} 2"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("allot_tokens_granted_total"), "{metrics}");
+    assert!(metrics.contains("allot_is_leader 1"), "{metrics}");
+    assert!(
+        metrics.contains("allot_pool_remaining_tokens{tenant=\"atlas\",pool=\"api\"}"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

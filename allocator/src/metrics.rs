@@ -1,0 +1,46 @@
+//! Prometheus metrics of the allocator.
+//!
+//! Label values are bounded sets only: outcomes, and tenant and pool ids (configured by operators,
+//! validated charset). Never principals, tokens or lease ids.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+/// Grant requests by outcome: `granted`, `partial`, `exhausted`, `not_leader`, `unknown_pool`,
+/// `refused`, `overloaded`, `unavailable`.
+pub const GRANTS: &str = "allot_grants_total";
+/// Tokens granted.
+pub const TOKENS_GRANTED: &str = "allot_tokens_granted_total";
+/// Grant latency, seconds, as seen by the API.
+pub const GRANT_SECONDS: &str = "allot_grant_seconds";
+/// Grants committed per store transaction.
+pub const GRANT_BATCH: &str = "allot_grant_batch_size";
+/// Store operations that failed, by `op`.
+pub const STORE_ERRORS: &str = "allot_store_errors_total";
+/// This node's epoch while it leads, 0 otherwise.
+pub const LEADER_EPOCH: &str = "allot_leader_epoch";
+/// 1 while this node leads.
+pub const IS_LEADER: &str = "allot_is_leader";
+/// Tokens not yet granted in the current window, by `tenant` and `pool`.
+pub const POOL_REMAINING: &str = "allot_pool_remaining_tokens";
+/// Committed grants the ledger feed could not take (reconciliation copies them later).
+pub const LEDGER_FEED_FULL: &str = "allot_ledger_feed_full_total";
+
+/// The process-wide Prometheus recorder (installed on first use) and its handle for `/metrics`.
+pub fn handle() -> Option<PrometheusHandle> {
+    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets(&[
+                    0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                ])
+                .ok()?
+                .build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).ok()?;
+            Some(handle)
+        })
+        .clone()
+}
