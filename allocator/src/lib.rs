@@ -8,6 +8,7 @@
 //! Architecture invariant: this crate never depends on `allot-region-agent`.
 
 pub mod clock;
+pub mod ctl;
 pub mod grants;
 pub mod http;
 pub mod kv;

@@ -1,76 +1,11 @@
 //! The HTTP API's contract: names, status codes, problem+json bodies that name the field, token roles,
 //! and bad input that changes nothing. Runs the real server in-process on the embedded store.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use allot_allocator::clock::{Clock, SystemClock};
-use allot_allocator::http::Tokens;
-use allot_allocator::kv::memory::MemoryKv;
-use allot_allocator::ledger::Ledger;
-use allot_allocator::server::{Settings, run};
 use serde_json::{Value, json};
 
-const OPERATOR: &str = "operator-token-for-tests-0001";
-const AGENT: &str = "agent-token-for-tests-000001";
+mod common;
 
-struct Server {
-    url: String,
-    client: reqwest::Client,
-    _stop: tokio::sync::oneshot::Sender<()>,
-    _dir: tempfile::TempDir,
-}
-
-async fn start() -> Server {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let settings = Settings {
-        listen: addr,
-        etcd: vec![],
-        tokens: Tokens {
-            operator: vec![OPERATOR.to_owned()],
-            agent: vec![AGENT.to_owned()],
-        },
-        node_id: "test".to_owned(),
-        advertise_url: format!("http://{addr}"),
-        leader_lease_ttl_s: 5,
-        ledger_url: String::new(),
-    };
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let kv = Arc::new(MemoryKv::new(clock.clone()));
-    let dir = tempfile::tempdir().expect("temp dir");
-    let ledger = Ledger::connect(&format!(
-        "sqlite://{}",
-        dir.path().join("ledger.db").display()
-    ))
-    .await
-    .expect("ledger");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(run(settings, kv, ledger, clock, listener, async move {
-        let _ = stopped.await;
-    }));
-    let server = Server {
-        url: format!("http://{addr}"),
-        client: reqwest::Client::new(),
-        _stop: stop,
-        _dir: dir,
-    };
-    for _ in 0..200 {
-        if let Ok(r) = server
-            .client
-            .get(format!("{}/readyz", server.url))
-            .send()
-            .await
-            && r.status() == 200
-        {
-            return server;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("the allocator never became ready");
-}
+use common::{AGENT, OPERATOR, Server, start};
 
 fn pool_body() -> Value {
     json!({ "limit": 1000, "windowMs": 60000, "chunk": 100, "leaseTtlMs": 15000,

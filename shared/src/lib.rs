@@ -22,6 +22,7 @@
 //! - [`contract`]: the admission request and decision, and their HTTP mapping.
 //! - [`policy`]: policy bundles, their validation, canonical checksum and rule matching.
 //! - [`keys`]: the store key model and keyed principal hashes.
+//! - [`replay`]: offline replay of recorded requests against a bundle (denial rate per rule).
 
 pub mod clock;
 pub mod contract;
@@ -30,6 +31,7 @@ pub mod keys;
 pub mod lease;
 pub mod limit;
 pub mod policy;
+pub mod replay;
 pub mod window;
 
 /// Millitokens in one token.

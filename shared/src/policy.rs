@@ -169,6 +169,27 @@ impl Rule {
     pub fn to_json(&self) -> Value {
         self.canonical.clone()
     }
+
+    /// The store key this rule uses for a request of `tenant` by a principal of `principal_type`
+    /// whose keyed hash is `principal_hash`; `None` for global (leased) rules, which have no regional
+    /// key. Every key carries the tenant's hash tag.
+    pub fn key_for(
+        &self,
+        tenant: &TenantId,
+        principal_type: PrincipalType,
+        principal_hash: &crate::keys::PrincipalHash,
+    ) -> Option<String> {
+        let route_group = self.matcher.route_group.as_ref();
+        match key_shape(self)?.0 {
+            KeyKind::Principal => Some(crate::keys::principal_key(
+                tenant,
+                principal_type,
+                principal_hash,
+                route_group,
+            )),
+            KeyKind::Tenant => Some(crate::keys::tenant_key(tenant, route_group)),
+        }
+    }
 }
 
 /// A parsed and validated bundle whose version and checksum may still be missing (a file written by

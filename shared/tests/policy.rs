@@ -414,3 +414,45 @@ fn hostile_documents_are_rejected_without_panicking() {
             .contains("at most 1000")
     );
 }
+
+#[test]
+fn replay_counts_denials_per_rule() {
+    use allot_shared::contract::{AdmissionRequest, Principal};
+    use allot_shared::ids::DecisionId;
+    use allot_shared::keys::Pepper;
+    use allot_shared::replay::{ReplaySample, replay};
+
+    let samples: Vec<ReplaySample> = (0..25)
+        .map(|n| ReplaySample {
+            at_ms: 1_000_000,
+            request: AdmissionRequest {
+                request_id: DecisionId::parse(&format!("r-{n}")).expect("id"),
+                tenant_id: TenantId::parse("birch").expect("tenant"),
+                principal: Principal {
+                    kind: PrincipalType::User,
+                    id: "U-17".to_owned(),
+                    api_key_id: None,
+                },
+                route_group: RouteGroup::parse("read").expect("route"),
+                method: "GET".to_owned(),
+                cost_hint: 1,
+                policy_epoch: None,
+            },
+        })
+        .collect();
+    let pepper = Pepper::new(b"replay-pepper-0123456789".to_vec()).expect("pepper");
+    let current = parse_bundle(NORTHSTAR).expect("valid").seal(42, None);
+    let report = replay(&current, &samples, &pepper);
+    assert_eq!(
+        (report.requests, report.denied),
+        (25, 5),
+        "P-READ admits a burst of 20"
+    );
+    assert_eq!(report.rules["read-user-v3"].evaluated, 25);
+    assert_eq!(report.rules["read-user-v3"].denied, 5);
+    assert_eq!(report.not_replayed.get("global-catalog"), Some(&25));
+
+    let looser = NORTHSTAR.replacen("\"capacityMillis\": 20000", "\"capacityMillis\": 30000", 1);
+    let candidate = parse_bundle(&looser).expect("valid").seal(43, None);
+    assert_eq!(replay(&candidate, &samples, &pepper).denied, 0);
+}

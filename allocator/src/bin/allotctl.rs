@@ -1,0 +1,307 @@
+//! `allotctl`: operate Allot's allocator. Parses arguments and calls `allot_allocator::ctl`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use allot_allocator::ctl::{
+    Call, Target, bundle_file, perform, render, replay_comparison, sample_file,
+};
+use allot_shared::ids::LeaseId;
+use clap::{Parser, Subcommand};
+use reqwest::Method;
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(
+    name = "allotctl",
+    version,
+    about = "Operate Allot's allocator: pools, windows, policies, grants."
+)]
+struct Cli {
+    /// The allocator's URL.
+    #[arg(
+        long,
+        global = true,
+        env = "ALLOT_SERVER",
+        default_value = "http://127.0.0.1:7600"
+    )]
+    server: String,
+    /// Bearer token (operator token for most commands, agent token for `grant`).
+    #[arg(long, global = true, env = "ALLOT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the bearer token (first line).
+    #[arg(long, global = true, env = "ALLOT_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// Print the API's JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Tenant pools.
+    Pools {
+        #[command(subcommand)]
+        command: PoolsCommand,
+    },
+    /// Per-window accounting of a pool, newest first.
+    Windows {
+        tenant: String,
+        pool: String,
+        /// How many windows.
+        #[arg(long, default_value_t = 10)]
+        last: u64,
+    },
+    /// Policy bundles.
+    Policies {
+        #[command(subcommand)]
+        command: PoliciesCommand,
+    },
+    /// Take a grant, as an agent would (for drills). Needs an agent token.
+    Grant {
+        tenant: String,
+        pool: String,
+        /// The asking region.
+        #[arg(long)]
+        region: String,
+        /// Tokens wanted.
+        #[arg(long)]
+        want: u64,
+        /// Repeat an earlier request by its lease id (default: a new one).
+        #[arg(long)]
+        lease_id: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum PoolsCommand {
+    /// Create or replace a pool.
+    Set {
+        tenant: String,
+        pool: String,
+        /// G: tokens per window.
+        #[arg(long)]
+        limit: u64,
+        /// Window length, ms.
+        #[arg(long, default_value_t = 60_000)]
+        window_ms: u64,
+        /// Largest grant, tokens.
+        #[arg(long)]
+        chunk: u64,
+        /// Lease TTL, ms.
+        #[arg(long, default_value_t = 15_000)]
+        lease_ttl_ms: u64,
+        /// Fallback allowance per region per window, tokens.
+        #[arg(long, default_value_t = 0)]
+        fallback: u64,
+        /// Regions, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        regions: Vec<String>,
+    },
+    /// Show a pool and its live window.
+    Get { tenant: String, pool: String },
+    /// List pools.
+    List,
+    /// Delete a pool.
+    Delete { tenant: String, pool: String },
+}
+
+#[derive(Subcommand)]
+enum PoliciesCommand {
+    /// Publish a bundle file as the next version (optionally to canary regions first).
+    Publish {
+        file: PathBuf,
+        /// Regions to stage it to, comma-separated.
+        #[arg(long)]
+        canary: Option<String>,
+    },
+    /// Make a version current everywhere.
+    Promote { version: u64 },
+    /// Show a bundle: `current` (optionally for a region) or a version.
+    Get {
+        #[arg(default_value = "current")]
+        version: String,
+        /// The region asking (canary regions get the staged bundle).
+        #[arg(long)]
+        region: Option<String>,
+    },
+    /// The rollout and the version every agent runs.
+    Status,
+    /// Replay recorded requests against a candidate bundle, beside the current one.
+    Replay {
+        /// The candidate bundle file.
+        #[arg(long)]
+        bundle: PathBuf,
+        /// JSON lines of {"atMs", "request"} (the agents' decision log).
+        #[arg(long)]
+        sample: PathBuf,
+        /// Compare with this file instead of the allocator's current bundle.
+        #[arg(long)]
+        current: Option<PathBuf>,
+    },
+}
+
+fn pool_path(tenant: &str, pool: &str) -> String {
+    format!("/v1/pools/{}/{}", encode(tenant), encode(pool))
+}
+
+/// Percent-encodes a path segment (ids are validated server-side; this only keeps the URL intact).
+fn encode(segment: &str) -> String {
+    segment
+        .bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            other => format!("%{other:02X}"),
+        })
+        .collect()
+}
+
+fn call(method: Method, path: String, body: Option<String>) -> Call {
+    Call { method, path, body }
+}
+
+async fn execute(cli: Cli) -> Result<String, String> {
+    let token = match (&cli.token, &cli.token_file) {
+        (Some(token), _) => Some(token.clone()),
+        (None, Some(path)) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| format!("--token-file {}: {e}", path.display()))?
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_owned(),
+        ),
+        (None, None) => None,
+    };
+    let target = Target {
+        server: cli.server.clone(),
+        token,
+    };
+    let json = cli.json;
+    let request = match cli.command {
+        Command::Pools { command } => match command {
+            PoolsCommand::Set {
+                tenant,
+                pool,
+                limit,
+                window_ms,
+                chunk,
+                lease_ttl_ms,
+                fallback,
+                regions,
+            } => {
+                let body = json!({ "limit": limit, "windowMs": window_ms, "chunk": chunk,
+                    "leaseTtlMs": lease_ttl_ms, "fallbackPerRegion": fallback, "regions": regions });
+                call(
+                    Method::PUT,
+                    pool_path(&tenant, &pool),
+                    Some(body.to_string()),
+                )
+            }
+            PoolsCommand::Get { tenant, pool } => {
+                call(Method::GET, pool_path(&tenant, &pool), None)
+            }
+            PoolsCommand::List => call(Method::GET, "/v1/pools".to_owned(), None),
+            PoolsCommand::Delete { tenant, pool } => {
+                call(Method::DELETE, pool_path(&tenant, &pool), None)
+            }
+        },
+        Command::Windows { tenant, pool, last } => call(
+            Method::GET,
+            format!("{}/windows?last={last}", pool_path(&tenant, &pool)),
+            None,
+        ),
+        Command::Grant {
+            tenant,
+            pool,
+            region,
+            want,
+            lease_id,
+        } => {
+            let lease = match lease_id {
+                Some(text) => LeaseId::parse(&text).map_err(|e| format!("--lease-id: {e}"))?,
+                None => LeaseId::from_parts(
+                    allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock),
+                    rand::random(),
+                ),
+            };
+            let body = json!({ "leaseId": lease, "tenant": tenant, "pool": pool, "region": region, "want": want });
+            call(
+                Method::POST,
+                "/v1/grants".to_owned(),
+                Some(body.to_string()),
+            )
+        }
+        Command::Policies { command } => match command {
+            PoliciesCommand::Publish { file, canary } => {
+                let text = allot_allocator::ctl::read_input(&file)?;
+                let query = canary
+                    .map(|c| format!("?canary={}", encode(&c).replace("%2C", ",")))
+                    .unwrap_or_default();
+                call(Method::PUT, format!("/v1/policies{query}"), Some(text))
+            }
+            PoliciesCommand::Promote { version } => call(
+                Method::POST,
+                format!("/v1/policies/{version}/promote"),
+                None,
+            ),
+            PoliciesCommand::Get { version, region } => {
+                let query = region
+                    .map(|r| format!("?region={}", encode(&r)))
+                    .unwrap_or_default();
+                call(
+                    Method::GET,
+                    format!("/v1/policies/{}{query}", encode(&version)),
+                    None,
+                )
+            }
+            PoliciesCommand::Status => call(Method::GET, "/v1/policies/status".to_owned(), None),
+            PoliciesCommand::Replay {
+                bundle,
+                sample,
+                current,
+            } => {
+                let candidate = bundle_file(&bundle)?;
+                let samples = sample_file(&sample)?;
+                let current = match current {
+                    Some(path) => bundle_file(&path)?,
+                    None => {
+                        let value = perform(
+                            &target,
+                            call(Method::GET, "/v1/policies/current".to_owned(), None),
+                        )
+                        .await?;
+                        allot_shared::policy::parse_bundle(&value.to_string())
+                            .and_then(|d| d.into_verified())
+                            .map_err(|e| format!("the current bundle: {e}"))?
+                    }
+                };
+                return Ok(replay_comparison(&current, &candidate, &samples, json));
+            }
+        },
+    };
+    let value = perform(&target, request).await?;
+    Ok(if json {
+        format!("{value}\n")
+    } else {
+        render(&value)
+    })
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match execute(cli).await {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(message) => {
+            eprintln!("allotctl: {message}");
+            ExitCode::from(1)
+        }
+    }
+}

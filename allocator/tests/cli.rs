@@ -1,0 +1,194 @@
+//! `allotctl` against a real allocator: every command's happy path, the `--json` output, and one-line
+//! errors with a non-zero exit.
+
+mod common;
+
+use std::process::Output;
+
+use common::{AGENT, OPERATOR, start};
+
+async fn allotctl(server: &str, token: &str, args: &[&str]) -> Output {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_allotctl"));
+    command
+        .args(["--server", server, "--token", token])
+        .args(args)
+        .env_remove("ALLOT_TOKEN")
+        .env_remove("ALLOT_SERVER");
+    command.output().await.expect("allotctl runs")
+}
+
+fn stdout(output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "allotctl failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_drive_the_allocator_with_allotctl() {
+    let server = start().await;
+    let url = server.url.as_str();
+    let set = allotctl(
+        url,
+        OPERATOR,
+        &[
+            "pools",
+            "set",
+            "atlas",
+            "api",
+            "--limit",
+            "1000",
+            "--chunk",
+            "100",
+            "--fallback",
+            "100",
+            "--regions",
+            "eu,us",
+        ],
+    )
+    .await;
+    assert!(stdout(&set).contains("version: 1"));
+    let list = stdout(&allotctl(url, OPERATOR, &["pools", "list"]).await);
+    assert!(
+        list.lines().nth(1).is_some_and(|l| l.starts_with("atlas")),
+        "{list}"
+    );
+
+    let grant = stdout(
+        &allotctl(
+            url,
+            AGENT,
+            &[
+                "--json", "grant", "atlas", "api", "--region", "eu", "--want", "40",
+            ],
+        )
+        .await,
+    );
+    let grant: serde_json::Value = serde_json::from_str(&grant).expect("--json prints JSON");
+    assert_eq!(grant["granted"], 40);
+    let lease = grant["leaseId"].as_str().expect("lease id");
+    let again = stdout(
+        &allotctl(
+            url,
+            AGENT,
+            &[
+                "--json",
+                "grant",
+                "atlas",
+                "api",
+                "--region",
+                "eu",
+                "--want",
+                "99",
+                "--lease-id",
+                lease,
+            ],
+        )
+        .await,
+    );
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&again).expect("json")["granted"],
+        40
+    );
+
+    let windows =
+        stdout(&allotctl(url, OPERATOR, &["windows", "atlas", "api", "--last", "3"]).await);
+    assert!(windows.lines().count() >= 2, "{windows}");
+    assert!(
+        windows.lines().nth(1).is_some_and(|l| l.contains(" 40 ")),
+        "{windows}"
+    );
+
+    let bundle = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/examples/northstar-bundle.json"
+    );
+    let published = stdout(&allotctl(url, OPERATOR, &["policies", "publish", bundle]).await);
+    assert!(
+        published.starts_with("bundle version 1 (5 rules), sha256:"),
+        "{published}"
+    );
+    let status = stdout(&allotctl(url, OPERATOR, &["policies", "status"]).await);
+    assert!(status.starts_with("current v1, latest v1"), "{status}");
+
+    // Replay a small sample offline against a candidate that allows a bigger burst.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let sample = dir.path().join("sample.jsonl");
+    let lines: Vec<String> = (0..25)
+        .map(|n| {
+            serde_json::json!({ "atMs": 1_000_000, "request": { "requestId": format!("r-{n}"), "tenantId": "birch",
+                "principal": { "type": "user", "id": "U-17" }, "routeGroup": "read", "method": "GET" } })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&sample, lines.join("\n")).expect("sample");
+    let candidate = dir.path().join("candidate.json");
+    let text = std::fs::read_to_string(bundle).expect("bundle");
+    std::fs::write(
+        &candidate,
+        text.replacen("\"capacityMillis\": 20000", "\"capacityMillis\": 30000", 1),
+    )
+    .expect("candidate");
+    let replay = stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &[
+                "policies",
+                "replay",
+                "--bundle",
+                candidate.to_str().expect("path"),
+                "--sample",
+                sample.to_str().expect("path"),
+            ],
+        )
+        .await,
+    );
+    assert!(
+        replay.starts_with("25 requests: denied 20.00% now (v1), 0.00% with the candidate"),
+        "{replay}"
+    );
+    assert!(replay.contains("read-user-v3"), "{replay}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_one_line_with_a_non_zero_exit() {
+    let server = start().await;
+    let url = server.url.as_str();
+    let bad = allotctl(
+        url,
+        OPERATOR,
+        &[
+            "pools",
+            "set",
+            "atlas",
+            "api",
+            "--limit",
+            "10",
+            "--chunk",
+            "100",
+            "--regions",
+            "eu",
+        ],
+    )
+    .await;
+    assert_eq!(bad.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with(
+            "allotctl: 400 Bad Request: must be at least 1 and at most limit (field chunk)"
+        ),
+        "{stderr}"
+    );
+    let unauthorized = allotctl(url, "wrong-token-0000000000", &["pools", "list"]).await;
+    assert_eq!(unauthorized.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&unauthorized.stderr).starts_with("allotctl: 401"));
+    let unreachable = allotctl("http://127.0.0.1:9", OPERATOR, &["pools", "list"]).await;
+    assert_eq!(unreachable.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&unreachable.stderr).starts_with("allotctl: cannot reach"));
+    let usage = allotctl(url, OPERATOR, &["pools", "frobnicate"]).await;
+    assert_eq!(usage.status.code(), Some(2), "usage errors exit 2");
+}
