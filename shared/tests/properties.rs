@@ -71,7 +71,11 @@ proptest! {
                 if let Some(old) = state {
                     prop_assert!(write.state.updated_at_ms >= old.updated_at_ms);
                 }
-                prop_assert_eq!(write.ttl_ms, bucket.full_refill_ms() + bucket.slack_ms());
+                // The key lives until the stored state would be full again.
+                prop_assert_eq!(
+                    write.ttl_ms,
+                    write.state.updated_at_ms - now + bucket.full_refill_ms() + bucket.slack_ms()
+                );
                 state = Some(write.state);
             } else {
                 prop_assert_eq!(d.write, None);
@@ -279,4 +283,40 @@ proptest! {
             }
         }
     }
+}
+
+/// Regression (found by the limiter's differential tests): a sliding counter whose stored window
+/// starts inside the current one (its window length changed) must not underflow the retry hint.
+#[test]
+fn sliding_counter_with_a_misaligned_stored_window_does_not_underflow() {
+    use allot_shared::limit::sliding_counter::SlidingCounterState;
+    let counter = SlidingCounter::new(1, 1_000).expect("valid");
+    let state = SlidingCounterState {
+        window_start_ms: 1_000_500,
+        current_units: 1,
+        previous_units: 0,
+    };
+    let d = counter.decide(Some(&state), 1_000_700, 1).expect("valid");
+    assert!(!d.allowed);
+    // Decided as if at the stored window's start (the strict reading), the hint is a full window
+    // past it: conservative, never optimistic.
+    assert_eq!(d.retry, RetryAfter::Ms(1_800));
+    let at_hint = counter
+        .decide(Some(&state), 1_000_700 + 1_800, 1)
+        .expect("valid");
+    assert!(at_hint.allowed);
+}
+
+/// After a clock step back, a token bucket key lives until its (later) stored time plus a full refill.
+#[test]
+fn token_bucket_ttl_covers_a_stored_time_ahead_of_now() {
+    let bucket = TokenBucket::new(20_000, 2_000, 1_000, 5_000).expect("valid");
+    let ahead = TokenBucketState {
+        tokens_millitokens: 5_000,
+        updated_at_ms: 100_000,
+    };
+    let d = bucket.decide(Some(&ahead), 80_000, 1_000).expect("valid");
+    let write = d.write.expect("admitted");
+    assert_eq!(write.state.updated_at_ms, 100_000);
+    assert_eq!(write.ttl_ms, 20_000 + 15_000);
 }

@@ -59,6 +59,11 @@ impl Semaphore {
         self.max_in_flight
     }
 
+    /// How long a lease lasts unless renewed, in ms.
+    pub fn lease_ttl_ms(&self) -> u64 {
+        self.lease_ttl_ms
+    }
+
     fn live(state: Option<&SemaphoreState>, now_ms: u64) -> Vec<HeldLease> {
         state
             .map(|s| {

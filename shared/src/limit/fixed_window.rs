@@ -39,6 +39,11 @@ impl FixedWindow {
         self.limit_units
     }
 
+    /// The window length, in ms.
+    pub fn window_ms(&self) -> u64 {
+        self.window_ms
+    }
+
     /// Units left in the window of `now_ms` without admitting anything.
     pub fn available_units(&self, state: Option<&FixedWindowState>, now_ms: u64) -> u64 {
         let current_start_ms = now_ms - now_ms % self.window_ms;

@@ -44,6 +44,21 @@ impl Gcra {
         })
     }
 
+    /// Capacity in millitokens.
+    pub fn capacity_millitokens(&self) -> u64 {
+        self.capacity_millitokens
+    }
+
+    /// Refill amount per period, in millitokens.
+    pub fn refill_millitokens(&self) -> u64 {
+        self.refill_millitokens
+    }
+
+    /// Refill period, in ms.
+    pub fn period_ms(&self) -> u64 {
+        self.period_ms
+    }
+
     /// Burst tolerance `B`, in ms: `floor(capacity * period / refill)`.
     pub fn burst_tolerance_ms(&self) -> u64 {
         self.capacity_millitokens * self.period_ms / self.refill_millitokens

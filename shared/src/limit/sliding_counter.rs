@@ -39,6 +39,16 @@ impl SlidingCounter {
         })
     }
 
+    /// The limit, in units.
+    pub fn limit_units(&self) -> u64 {
+        self.limit_units
+    }
+
+    /// The window length, in ms.
+    pub fn window_ms(&self) -> u64 {
+        self.window_ms
+    }
+
     /// Rolls the stored state forward to the window of `now_ms`. Returns the state and the effective
     /// time: a stored window later than now's (the clock moved backwards) is kept, and the decision is
     /// taken as if at that window's start, which weighs the previous window fully (stricter).
@@ -119,10 +129,13 @@ impl SlidingCounter {
             // Only in the next window, where the current count becomes the weighted one (cur > 0).
             (w - elapsed) + earliest(cur, (limit - cost) * w)
         };
-        let retry_ms = to_u64(wait) + (effective_now_ms - now_ms);
+        // The wait counts from the effective time; a stored window that starts after `now` (the clock
+        // stepped back) adds the gap, one that started before `now` (its length changed) takes it
+        // off. Signed, and at least 1 ms.
+        let retry_ms = (wait as i128 + i128::from(effective_now_ms) - i128::from(now_ms)).max(1);
         Ok(Decision::deny(
             to_u64(remaining),
-            RetryAfter::Ms(retry_ms.max(1)),
+            RetryAfter::Ms(u64::try_from(retry_ms).unwrap_or(u64::MAX)),
         ))
     }
 }

@@ -42,6 +42,16 @@ impl SlidingLog {
         })
     }
 
+    /// The limit, in units.
+    pub fn limit_units(&self) -> u64 {
+        self.limit_units
+    }
+
+    /// The window length, in ms.
+    pub fn window_ms(&self) -> u64 {
+        self.window_ms
+    }
+
     /// Units left in the trailing window of `now_ms` without admitting anything.
     pub fn available_units(&self, state: Option<&SlidingLogState>, now_ms: u64) -> u64 {
         let live = state.map_or(0, |s| {
@@ -101,10 +111,16 @@ impl SlidingLog {
         );
         debug_assert!(entries.len() as u64 <= self.limit_units);
         let remaining = self.limit_units - entries.len() as u64;
+        // The key must live until its newest entry leaves the window; after a clock step back that
+        // entry can be later than now.
+        let newest_ms = entries
+            .last()
+            .map_or(now_ms, |e| e.admitted_at_ms.max(now_ms));
+        let ttl_ms = newest_ms + self.window_ms - now_ms;
         Ok(Decision::allow(
             remaining,
             SlidingLogState { entries },
-            self.window_ms,
+            ttl_ms,
         ))
     }
 }

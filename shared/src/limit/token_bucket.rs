@@ -121,7 +121,11 @@ impl TokenBucket {
                 tokens_millitokens: remaining,
                 updated_at_ms,
             };
-            return Ok(Decision::allow(remaining, new_state, self.ttl_ms()));
+            // The state refills from `updated_at`, which a clock that stepped back leaves ahead of
+            // now: the key must live until that state is full, or a missing key (full) would read
+            // early.
+            let ttl_ms = (updated_at_ms - now_ms) + self.ttl_ms();
+            return Ok(Decision::allow(remaining, new_state, ttl_ms));
         }
         let deficit = cost_millitokens - tokens;
         // deficit <= capacity, so deficit * period <= 2^52.
