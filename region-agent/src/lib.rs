@@ -4,4 +4,12 @@
 //! per-user, per-route and per-tenant rules on Redis, and fall back to a bounded allowance when the
 //! allocator is unreachable. The decision arithmetic it relies on is pure and lives in `allot_shared`.
 //!
+//! ## Map
+//! - [`clock`]: the agent's only reader of the OS clock.
+//! - [`limiter`]: the regional limiter: one atomic store call decides every regional rule of a request
+//!   (Lua scripts on Redis, or the in-process store that behaves identically).
+//!
 //! Architecture invariant: this crate never depends on `allot-allocator`.
+
+pub mod clock;
+pub mod limiter;

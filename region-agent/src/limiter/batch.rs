@@ -1,0 +1,558 @@
+//! What one store call decides: the regional rules of one request, as keys, algorithms and costs.
+//!
+//! A [`RuleBatch`] is validated once, when it is built, so that stores never see a batch the scripts
+//! would have to reject for its shape: 1 to 8 rules, distinct keys, and every key under the tenant's
+//! hash tag (one Redis Cluster slot, so one script decides them atomically, I2). Costs are not
+//! checked here: the pure core (in-process) and the script (Redis) check them identically and reject
+//! an invalid one as a policy fault.
+//!
+//! [`plan_request`] maps a request and a validated policy bundle to its batch: the rules from
+//! `PolicyBundle::regional_rules_for` in evaluation order, their keys from `allot_shared::keys`, and
+//! costs of `rule.cost_millitokens x costHint`.
+
+use allot_shared::MAX_RULE_PARAMETER;
+use allot_shared::contract::AdmissionRequest;
+use allot_shared::ids::{DecisionId, RuleId, TenantId};
+use allot_shared::keys::{self, IpPrefixes, Pepper};
+use allot_shared::limit::ParamError;
+use allot_shared::limit::fixed_window::FixedWindow;
+use allot_shared::limit::gcra::Gcra;
+use allot_shared::limit::multi::{Algorithm, MAX_RULES_PER_REQUEST};
+use allot_shared::limit::sliding_counter::SlidingCounter;
+use allot_shared::limit::sliding_log::SlidingLog;
+use allot_shared::limit::token_bucket::TokenBucket;
+use allot_shared::policy::{Limit, PolicyBundle, Rule, Scope};
+
+/// How long a decision record lives when a rule asks for one (`idempotent`), in ms: long enough to
+/// cover a call's deadline and its retries, short enough that records stay few (the reference
+/// design's example: 30 s at 100 exports/s is 3,000 records).
+pub const DEFAULT_DECISION_RECORD_TTL_MS: u64 = 30_000;
+
+/// An algorithm's parameters as numbers, which the Lua scripts need as arguments.
+///
+/// (The validated `Algorithm` types of `allot_shared` do not expose all of them, so the batch
+/// carries both: these numbers for the scripts and the [`Algorithm`] built from them for the pure
+/// core.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RuleParams {
+    /// A token bucket (millitokens and ms).
+    TokenBucket {
+        /// Capacity, in millitokens.
+        capacity_millitokens: u64,
+        /// Refill per period, in millitokens.
+        refill_millitokens: u64,
+        /// Refill period, in ms.
+        period_ms: u64,
+        /// TTL slack after the full-refill time, in ms.
+        slack_ms: u64,
+    },
+    /// GCRA, with a token bucket's parameters (millitokens and ms).
+    Gcra {
+        /// Burst capacity, in millitokens.
+        capacity_millitokens: u64,
+        /// Refill per period, in millitokens.
+        refill_millitokens: u64,
+        /// Refill period, in ms.
+        period_ms: u64,
+    },
+    /// An epoch-aligned fixed window.
+    FixedWindow {
+        /// Units admitted per window.
+        limit_units: u64,
+        /// Window length, in ms.
+        window_ms: u64,
+    },
+    /// A sliding approximate counter.
+    SlidingCounter {
+        /// Units admitted per trailing window (estimated).
+        limit_units: u64,
+        /// Window length, in ms.
+        window_ms: u64,
+    },
+    /// A sliding log (unit cost only).
+    SlidingLog {
+        /// Units admitted per trailing window.
+        limit_units: u64,
+        /// Window length, in ms.
+        window_ms: u64,
+    },
+}
+
+impl RuleParams {
+    /// Validates the parameters into the pure core's algorithm.
+    pub fn algorithm(&self) -> Result<Algorithm, ParamError> {
+        Ok(match *self {
+            RuleParams::TokenBucket {
+                capacity_millitokens,
+                refill_millitokens,
+                period_ms,
+                slack_ms,
+            } => Algorithm::TokenBucket(TokenBucket::new(
+                capacity_millitokens,
+                refill_millitokens,
+                period_ms,
+                slack_ms,
+            )?),
+            RuleParams::Gcra {
+                capacity_millitokens,
+                refill_millitokens,
+                period_ms,
+            } => Algorithm::Gcra(Gcra::new(
+                capacity_millitokens,
+                refill_millitokens,
+                period_ms,
+            )?),
+            RuleParams::FixedWindow {
+                limit_units,
+                window_ms,
+            } => Algorithm::FixedWindow(FixedWindow::new(limit_units, window_ms)?),
+            RuleParams::SlidingCounter {
+                limit_units,
+                window_ms,
+            } => Algorithm::SlidingCounter(SlidingCounter::new(limit_units, window_ms)?),
+            RuleParams::SlidingLog {
+                limit_units,
+                window_ms,
+            } => Algorithm::SlidingLog(SlidingLog::new(limit_units, window_ms)?),
+        })
+    }
+
+    /// The parameters of a validated algorithm.
+    pub fn from_algorithm(algorithm: &Algorithm) -> Self {
+        match algorithm {
+            Algorithm::TokenBucket(b) => RuleParams::TokenBucket {
+                capacity_millitokens: b.capacity_millitokens(),
+                refill_millitokens: b.refill_millitokens(),
+                period_ms: b.period_ms(),
+                slack_ms: b.slack_ms(),
+            },
+            Algorithm::Gcra(g) => RuleParams::Gcra {
+                capacity_millitokens: g.capacity_millitokens(),
+                refill_millitokens: g.refill_millitokens(),
+                period_ms: g.period_ms(),
+            },
+            Algorithm::FixedWindow(w) => RuleParams::FixedWindow {
+                limit_units: w.limit_units(),
+                window_ms: w.window_ms(),
+            },
+            Algorithm::SlidingCounter(c) => RuleParams::SlidingCounter {
+                limit_units: c.limit_units(),
+                window_ms: c.window_ms(),
+            },
+            Algorithm::SlidingLog(l) => RuleParams::SlidingLog {
+                limit_units: l.limit_units(),
+                window_ms: l.window_ms(),
+            },
+        }
+    }
+}
+
+/// One rule of a batch: its store key, its algorithm and the request's cost against it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchRule {
+    key: String,
+    params: RuleParams,
+    algorithm: Algorithm,
+    cost_millitokens: u64,
+}
+
+impl BatchRule {
+    /// A rule on `key` with validated `params`. The cost (millitokens; a multiple of 1,000 for window
+    /// algorithms) is checked when the store decides.
+    pub fn new(key: String, params: RuleParams, cost_millitokens: u64) -> Result<Self, ParamError> {
+        let algorithm = params.algorithm()?;
+        Ok(Self {
+            key,
+            params,
+            algorithm,
+            cost_millitokens,
+        })
+    }
+
+    /// The rule's store key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The parameters as numbers.
+    pub fn params(&self) -> &RuleParams {
+        &self.params
+    }
+
+    /// The validated algorithm.
+    pub fn algorithm(&self) -> &Algorithm {
+        &self.algorithm
+    }
+
+    /// The request's cost against this rule, in millitokens.
+    pub fn cost_millitokens(&self) -> u64 {
+        self.cost_millitokens
+    }
+}
+
+/// A batch that cannot be sent to a store.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BatchError {
+    /// No rules, or more than [`MAX_RULES_PER_REQUEST`].
+    #[error("a batch holds 1 to {MAX_RULES_PER_REQUEST} rules, got {0}")]
+    RuleCount(usize),
+    /// A key outside the tenant's hash tag: it could live in another slot (CROSSSLOT at runtime).
+    #[error("key {key} is not under the tenant's hash tag {{{expected_tag}}}")]
+    ForeignKey {
+        /// The offending key.
+        key: String,
+        /// The tag every key must carry, without braces.
+        expected_tag: String,
+    },
+    /// Two rules on one key would read the same state and overwrite each other.
+    #[error("key {0} appears twice in one batch")]
+    DuplicateKey(String),
+    /// A decision record TTL above 2^40 ms.
+    #[error("decision record ttl {0} ms is above 2^40")]
+    RecordTtl(u64),
+    /// `cost_millitokens x costHint` does not fit in 64 bits.
+    #[error("rule {rule_id}: cost {cost_millitokens} x costHint {cost_hint} overflows")]
+    CostOverflow {
+        /// The rule.
+        rule_id: RuleId,
+        /// The rule's cost per unit, in millitokens.
+        cost_millitokens: u64,
+        /// The request's cost hint, in units.
+        cost_hint: u64,
+    },
+    /// A global (leased) rule: it has no regional key.
+    #[error("rule {0} is global: it is spent from leases, not decided by the regional store")]
+    NotRegional(RuleId),
+    /// A regional rule whose parameters could not be read back from the bundle (a bundle format
+    /// this agent does not understand).
+    #[error("rule {0}: its algorithm parameters could not be read")]
+    UnreadableParams(RuleId),
+}
+
+/// Every regional rule of one request, ready for one atomic store call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleBatch {
+    decision_id: DecisionId,
+    record_key: String,
+    record_ttl_ms: u64,
+    rules: Vec<BatchRule>,
+}
+
+impl RuleBatch {
+    /// A batch for `tenant`'s request `decision_id`. `record_ttl_ms = 0` means no decision record;
+    /// otherwise an admission is recorded for that long and replayed to a retry with the same id.
+    pub fn new(
+        tenant: &TenantId,
+        decision_id: DecisionId,
+        record_ttl_ms: u64,
+        rules: Vec<BatchRule>,
+    ) -> Result<Self, BatchError> {
+        if rules.is_empty() || rules.len() > MAX_RULES_PER_REQUEST {
+            return Err(BatchError::RuleCount(rules.len()));
+        }
+        if record_ttl_ms > MAX_RULE_PARAMETER {
+            return Err(BatchError::RecordTtl(record_ttl_ms));
+        }
+        let tag = keys::hash_tag(tenant);
+        let expected_tag = tag.trim_start_matches('{').trim_end_matches('}');
+        for (index, rule) in rules.iter().enumerate() {
+            if keys::key_hash_tag(&rule.key) != Some(expected_tag) {
+                return Err(BatchError::ForeignKey {
+                    key: rule.key.clone(),
+                    expected_tag: expected_tag.to_owned(),
+                });
+            }
+            if rules[..index].iter().any(|earlier| earlier.key == rule.key) {
+                return Err(BatchError::DuplicateKey(rule.key.clone()));
+            }
+        }
+        let record_key = keys::decision_key(tenant, &decision_id);
+        debug_assert_eq!(keys::key_hash_tag(&record_key), Some(expected_tag));
+        Ok(Self {
+            decision_id,
+            record_key,
+            record_ttl_ms,
+            rules,
+        })
+    }
+
+    /// The request's decision id: the sliding log's member and the decision record's name.
+    pub fn decision_id(&self) -> &DecisionId {
+        &self.decision_id
+    }
+
+    /// The decision record's key (always present: it also routes the call to the tenant's slot).
+    pub fn record_key(&self) -> &str {
+        &self.record_key
+    }
+
+    /// How long an admission is recorded, in ms; 0 = no record.
+    pub fn record_ttl_ms(&self) -> u64 {
+        self.record_ttl_ms
+    }
+
+    /// The rules, in evaluation order.
+    pub fn rules(&self) -> &[BatchRule] {
+        &self.rules
+    }
+}
+
+/// A request's batch beside the policy rules it came from: `rules[i]` is batch rule `i`, so a
+/// denial's index names its rule (and scope).
+#[derive(Debug, Clone)]
+pub struct PlannedBatch<'a> {
+    /// What the store decides.
+    pub batch: RuleBatch,
+    /// The policy rules, in the batch's order.
+    pub rules: Vec<&'a Rule>,
+}
+
+/// Maps a validated request to the store call for its regional rules, or `None` when no regional
+/// rule applies. A decision record of `record_ttl_ms` is requested when any of the rules is
+/// `idempotent`.
+///
+/// The request must have passed `AdmissionRequest::validate` (its principal id is hashed, never
+/// stored).
+pub fn plan_request<'a>(
+    bundle: &'a PolicyBundle,
+    request: &AdmissionRequest,
+    pepper: &Pepper,
+    ip_prefixes: IpPrefixes,
+    record_ttl_ms: u64,
+) -> Result<Option<PlannedBatch<'a>>, BatchError> {
+    let tenant = &request.tenant_id;
+    let kind = request.principal.kind;
+    let rules = bundle.regional_rules_for(tenant, &request.route_group, kind);
+    if rules.is_empty() {
+        return Ok(None);
+    }
+    // The keyed hash of the principal, computed once and only if a user-scope rule needs it.
+    let principal_hash = std::cell::OnceCell::new();
+    let mut batch_rules = Vec::with_capacity(rules.len());
+    for rule in &rules {
+        let route_group = rule.matcher.route_group.as_ref();
+        let key = match rule.scope {
+            Scope::User => {
+                let hash = principal_hash.get_or_init(|| {
+                    keys::principal_hash(pepper, kind, &request.principal.id, ip_prefixes)
+                });
+                keys::principal_key(tenant, kind, hash, route_group)
+            }
+            Scope::Route | Scope::Tenant => keys::tenant_key(tenant, route_group),
+            // Leased from an allocator pool, never decided by the regional store.
+            Scope::Global => return Err(BatchError::NotRegional(rule.id.clone())),
+        };
+        let cost_millitokens = rule
+            .cost_millitokens
+            .checked_mul(request.cost_hint)
+            .ok_or_else(|| BatchError::CostOverflow {
+                rule_id: rule.id.clone(),
+                cost_millitokens: rule.cost_millitokens,
+                cost_hint: request.cost_hint,
+            })?;
+        let Limit::Regional(algorithm) = &rule.limit else {
+            return Err(BatchError::NotRegional(rule.id.clone()));
+        };
+        let params = RuleParams::from_algorithm(algorithm);
+        let batch_rule = BatchRule::new(key, params, cost_millitokens)
+            .map_err(|_| BatchError::UnreadableParams(rule.id.clone()))?;
+        debug_assert_eq!(batch_rule.algorithm(), algorithm);
+        batch_rules.push(batch_rule);
+    }
+    let record_ttl_ms = if rules.iter().any(|rule| rule.idempotent) {
+        record_ttl_ms
+    } else {
+        0
+    };
+    let batch = RuleBatch::new(
+        tenant,
+        request.request_id.clone(),
+        record_ttl_ms,
+        batch_rules,
+    )?;
+    Ok(Some(PlannedBatch { batch, rules }))
+}
+
+#[cfg(test)]
+mod tests {
+    use allot_shared::contract::{Principal, PrincipalType};
+    use allot_shared::ids::RouteGroup;
+    use allot_shared::policy::parse_bundle;
+
+    use super::*;
+
+    const BUNDLE: &str = r#"{
+        "rules": [
+            {"id": "tenant-all", "scope": "tenant", "algorithm": "token_bucket",
+             "capacityMillis": 1000000, "refillMillis": 1000000, "periodMs": 60000,
+             "failMode": "closed"},
+            {"id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
+             "capacityMillis": 20000, "refillMillis": 2000, "periodMs": 1000, "failMode": "closed"},
+            {"id": "read-route", "scope": "route", "routeGroup": "read", "algorithm": "sliding_log",
+             "limit": 50, "windowMs": 10000, "failMode": "closed", "idempotent": true},
+            {"id": "export-user", "scope": "user", "routeGroup": "export", "algorithm": "gcra",
+             "capacityMillis": 20000, "refillMillis": 2000, "periodMs": 1000, "costMillis": 10000,
+             "failMode": "closed"}
+        ]
+    }"#;
+
+    fn tenant() -> TenantId {
+        TenantId::parse("atlas").expect("tenant")
+    }
+
+    fn request(route: &str, cost_hint: u64) -> AdmissionRequest {
+        AdmissionRequest {
+            request_id: DecisionId::parse("r-1").expect("id"),
+            tenant_id: tenant(),
+            principal: Principal {
+                kind: PrincipalType::User,
+                id: "U-17".to_owned(),
+                api_key_id: None,
+            },
+            route_group: RouteGroup::parse(route).expect("route"),
+            method: "GET".to_owned(),
+            cost_hint,
+            policy_epoch: None,
+        }
+    }
+
+    fn pepper() -> Pepper {
+        Pepper::new(b"test-pepper-0123456789".to_vec()).expect("pepper")
+    }
+
+    #[test]
+    fn a_request_maps_to_its_rules_in_evaluation_order_with_scaled_costs() {
+        let bundle = parse_bundle(BUNDLE)
+            .expect("valid")
+            .into_file_bundle()
+            .expect("sealed");
+        let planned = plan_request(
+            &bundle,
+            &request("read", 3),
+            &pepper(),
+            IpPrefixes::default(),
+            30_000,
+        )
+        .expect("plannable")
+        .expect("rules apply");
+        let ids: Vec<&str> = planned.rules.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["read-user", "read-route", "tenant-all"]);
+        let batch = &planned.batch;
+        let hash = keys::principal_hash(
+            &pepper(),
+            PrincipalType::User,
+            "U-17",
+            IpPrefixes::default(),
+        );
+        let read = RouteGroup::parse("read").expect("route");
+        let keys: Vec<&str> = batch.rules().iter().map(BatchRule::key).collect();
+        assert_eq!(
+            keys,
+            [
+                keys::principal_key(&tenant(), PrincipalType::User, &hash, Some(&read)).as_str(),
+                keys::tenant_key(&tenant(), Some(&read)).as_str(),
+                keys::tenant_key(&tenant(), None).as_str(),
+            ]
+        );
+        let costs: Vec<u64> = batch
+            .rules()
+            .iter()
+            .map(BatchRule::cost_millitokens)
+            .collect();
+        assert_eq!(costs, [3_000, 3_000, 3_000]);
+        assert_eq!(
+            batch.rules()[1].params(),
+            &RuleParams::SlidingLog {
+                limit_units: 50,
+                window_ms: 10_000
+            }
+        );
+        assert_eq!(batch.record_ttl_ms(), 30_000, "read-route is idempotent");
+        assert_eq!(batch.record_key(), "rl:v1:{t:atlas}:d:r-1");
+    }
+
+    #[test]
+    fn gcra_parameters_are_read_back_exactly_and_records_only_when_asked() {
+        let bundle = parse_bundle(BUNDLE)
+            .expect("valid")
+            .into_file_bundle()
+            .expect("sealed");
+        let planned = plan_request(
+            &bundle,
+            &request("export", 1),
+            &pepper(),
+            IpPrefixes::default(),
+            30_000,
+        )
+        .expect("plannable")
+        .expect("rules apply");
+        assert_eq!(
+            planned.batch.rules()[0].params(),
+            &RuleParams::Gcra {
+                capacity_millitokens: 20_000,
+                refill_millitokens: 2_000,
+                period_ms: 1_000
+            }
+        );
+        assert_eq!(planned.batch.rules()[0].cost_millitokens(), 10_000);
+        assert_eq!(
+            planned.batch.record_ttl_ms(),
+            0,
+            "no idempotent rule applies"
+        );
+    }
+
+    #[test]
+    fn batches_refuse_foreign_tags_duplicate_keys_and_bad_sizes() {
+        let params = RuleParams::FixedWindow {
+            limit_units: 5,
+            window_ms: 1_000,
+        };
+        let rule = |key: &str| BatchRule::new(key.to_owned(), params, 1_000).expect("valid");
+        let id = || DecisionId::parse("r-1").expect("id");
+        let own = "rl:v1:{t:atlas}:tenant:atlas:*";
+        assert!(matches!(
+            RuleBatch::new(
+                &tenant(),
+                id(),
+                0,
+                vec![rule("rl:v1:{t:birch}:tenant:birch:*")]
+            ),
+            Err(BatchError::ForeignKey { .. })
+        ));
+        assert!(matches!(
+            RuleBatch::new(&tenant(), id(), 0, vec![rule("no-tag")]),
+            Err(BatchError::ForeignKey { .. })
+        ));
+        assert_eq!(
+            RuleBatch::new(&tenant(), id(), 0, vec![rule(own), rule(own)]),
+            Err(BatchError::DuplicateKey(own.to_owned()))
+        );
+        assert_eq!(
+            RuleBatch::new(&tenant(), id(), 0, vec![]),
+            Err(BatchError::RuleCount(0))
+        );
+        let nine = (0..9)
+            .map(|i| rule(&format!("rl:v1:{{t:atlas}}:x:{i}")))
+            .collect();
+        assert_eq!(
+            RuleBatch::new(&tenant(), id(), 0, nine),
+            Err(BatchError::RuleCount(9))
+        );
+        assert_eq!(
+            RuleBatch::new(&tenant(), id(), (1 << 40) + 1, vec![rule(own)]),
+            Err(BatchError::RecordTtl((1 << 40) + 1))
+        );
+        assert!(
+            BatchRule::new(
+                own.to_owned(),
+                RuleParams::FixedWindow {
+                    limit_units: 0,
+                    window_ms: 1
+                },
+                1_000
+            )
+            .is_err()
+        );
+    }
+}

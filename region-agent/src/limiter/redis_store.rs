@@ -1,0 +1,369 @@
+//! The Redis limiter store: the Lua scripts on a single Redis or a Redis Cluster.
+//!
+//! Scripts are loaded with `SCRIPT LOAD` when the store connects and called with `EVALSHA`. The
+//! script cache is volatile (a restart, a failover or `SCRIPT FLUSH` empties it), so a `NOSCRIPT`
+//! reply loads the script again and retries once: `NOSCRIPT` means the script did not run, so the
+//! retry cannot double-debit. On a cluster the reload goes only to the node that owns the call's
+//! slot, so a shard that is down elsewhere cannot fail it.
+//!
+//! Every call runs under one deadline (`call_timeout`, a tokio timeout) covering the reload and the
+//! retry too. What a failure means is classified in [`StoreError`].
+//!
+//! The cluster client never re-sends a command by itself (`retries(0)`): after a dropped connection
+//! the script may have run, and re-sending a non-idempotent decision would debit twice (I6). Such a
+//! failure is returned as [`StoreError::Ambiguous`] for the caller to handle with its decision record;
+//! a redirect (`MOVED`/`ASK`, after resharding) is returned as [`StoreError::NotExecuted`] and the
+//! client refreshes its slot map for the next call.
+//!
+//! Production calls always let the script read the server's clock (`TIME`). Only this crate's tests
+//! can make the store send a time of its own.
+
+#[cfg(test)]
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+#[cfg(test)]
+use allot_shared::clock::Clock;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErrorKind};
+
+use super::batch::RuleBatch;
+use super::scripts::{
+    CONCURRENCY_SOURCE, DECIDE_SOURCE, SERVER_TIME, decide_args, decide_keys, lease_args,
+    parse_decide_reply, parse_lease_reply,
+};
+use super::store::{
+    BatchDecision, LeaseCall, LeaseOperation, LeaseOutcome, LimiterStore, Rejection, StoreError,
+};
+
+/// Default budget of one store call (`EVALSHA`, and a reload and retry after `NOSCRIPT`): the
+/// limiter sits on every request's path, so a slow store must turn into a degraded decision quickly.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_millis(25);
+
+/// Default budget for opening a connection.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Timeouts of a [`RedisStore`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedisStoreConfig {
+    /// Deadline of one call, reload and retry included.
+    pub call_timeout: Duration,
+    /// Deadline for opening a connection.
+    pub connect_timeout: Duration,
+}
+
+impl Default for RedisStoreConfig {
+    fn default() -> Self {
+        Self {
+            call_timeout: DEFAULT_CALL_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+        }
+    }
+}
+
+/// A script's source and the SHA-1 that `EVALSHA` names it by.
+#[derive(Debug)]
+struct Script {
+    source: &'static str,
+    sha: String,
+}
+
+impl Script {
+    fn new(source: &'static str) -> Self {
+        Self {
+            source,
+            sha: redis::Script::new(source).get_hash().to_owned(),
+        }
+    }
+
+    fn evalsha(&self, keys: &[&str], args: &[String]) -> Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&self.sha).arg(keys.len()).arg(keys).arg(args);
+        cmd
+    }
+
+    fn load(&self) -> Cmd {
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(self.source);
+        cmd
+    }
+}
+
+/// The two topologies a store runs on. Both handles are cheap to clone and multiplex their calls
+/// over shared connections.
+#[derive(Clone)]
+pub(crate) enum Connection {
+    /// One Redis; reconnects by itself after a restart or failover.
+    Single(ConnectionManager),
+    /// A Redis Cluster; every call of a request goes to the node owning its tenant's slot.
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    pub(crate) async fn query<T: FromRedisValue>(&mut self, cmd: &Cmd) -> RedisResult<T> {
+        match self {
+            Connection::Single(connection) => cmd.query_async(connection).await,
+            Connection::Cluster(connection) => cmd.query_async(connection).await,
+        }
+    }
+
+    /// Loads `script` where a call on `routing_key` runs: the one server, or the node owning the
+    /// key's slot.
+    async fn load_for(&mut self, script: &Script, routing_key: &str) -> RedisResult<String> {
+        match self {
+            Connection::Single(connection) => script.load().query_async(connection).await,
+            Connection::Cluster(connection) => {
+                let node = Route::with_key(routing_key, SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
+                let reply = connection.route_command(script.load(), routing).await?;
+                Ok(String::from_redis_value(reply)?)
+            }
+        }
+    }
+
+    /// Loads `script` on every server (when connecting).
+    async fn load_everywhere(&mut self, script: &Script) -> RedisResult<()> {
+        // On a cluster, SCRIPT LOAD is routed to every node and succeeds only if all do.
+        self.query::<redis::Value>(&script.load()).await.map(drop)
+    }
+}
+
+/// Where the scripts take `now` from.
+#[derive(Clone)]
+enum ScriptTime {
+    /// The server's `TIME`: always, in production.
+    Server,
+    /// A test clock, sent as the scripts' `now_ms` argument.
+    #[cfg(test)]
+    Driven(Arc<dyn Clock>),
+}
+
+/// A limiter store on Redis (single server or cluster). See the module docs.
+pub struct RedisStore {
+    connection: Connection,
+    decide_script: Script,
+    concurrency_script: Script,
+    call_timeout: Duration,
+    time: ScriptTime,
+    /// `NOSCRIPT` replies answered by loading the script again (telemetry and tests).
+    script_reloads: AtomicU64,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let topology = match self.connection {
+            Connection::Single(_) => "single",
+            Connection::Cluster(_) => "cluster",
+        };
+        f.debug_struct("RedisStore")
+            .field("topology", &topology)
+            .field("call_timeout", &self.call_timeout)
+            .field("script_reloads", &self.script_reloads())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connects to one Redis at `url` (`redis://host:port`) and loads the scripts.
+    pub async fn connect(url: &str, config: RedisStoreConfig) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(not_connected)?;
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.connect_timeout))
+            .set_response_timeout(Some(config.call_timeout));
+        let manager = ConnectionManager::new_with_config(client, manager_config)
+            .await
+            .map_err(not_connected)?;
+        Self::load_scripts(Connection::Single(manager), config).await
+    }
+
+    /// Connects to a Redis Cluster through any of `seed_urls` and loads the scripts on every node.
+    pub async fn connect_cluster(
+        seed_urls: &[String],
+        config: RedisStoreConfig,
+    ) -> Result<Self, StoreError> {
+        let client = ClusterClientBuilder::new(seed_urls.iter().map(String::as_str))
+            // Never re-send: a command re-sent after a dropped connection may debit twice (I6).
+            .retries(0)
+            .connection_timeout(config.connect_timeout)
+            .response_timeout(config.call_timeout)
+            .build()
+            .map_err(not_connected)?;
+        let connection = client.get_async_connection().await.map_err(not_connected)?;
+        Self::load_scripts(Connection::Cluster(connection), config).await
+    }
+
+    async fn load_scripts(
+        mut connection: Connection,
+        config: RedisStoreConfig,
+    ) -> Result<Self, StoreError> {
+        let store = Self {
+            connection: connection.clone(),
+            decide_script: Script::new(DECIDE_SOURCE),
+            concurrency_script: Script::new(CONCURRENCY_SOURCE),
+            call_timeout: config.call_timeout,
+            time: ScriptTime::Server,
+            script_reloads: AtomicU64::new(0),
+        };
+        for script in [&store.decide_script, &store.concurrency_script] {
+            connection
+                .load_everywhere(script)
+                .await
+                .map_err(not_connected)?;
+        }
+        Ok(store)
+    }
+
+    /// How many `NOSCRIPT` replies were answered by loading a script again.
+    pub fn script_reloads(&self) -> u64 {
+        self.script_reloads.load(Ordering::Relaxed)
+    }
+
+    /// Makes the scripts take `now` from `clock` instead of the server's `TIME`, so differential
+    /// tests can drive time. Keys then expire on that clock too (`PEXPIREAT now + ttl`): tests keep
+    /// it ahead of the real clock, where Redis's own expiry cannot interfere.
+    #[cfg(test)]
+    pub(crate) fn with_test_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.time = ScriptTime::Driven(clock);
+        self
+    }
+
+    fn now_arg(&self) -> u64 {
+        match &self.time {
+            ScriptTime::Server => SERVER_TIME,
+            #[cfg(test)]
+            ScriptTime::Driven(clock) => clock.now_ms(),
+        }
+    }
+
+    /// Runs `script` under the call deadline: `EVALSHA`, and after `NOSCRIPT` one load and one retry.
+    async fn run(
+        &self,
+        script: &Script,
+        keys: &[&str],
+        args: &[String],
+    ) -> Result<Vec<i64>, StoreError> {
+        let call = async {
+            let mut connection = self.connection.clone();
+            let evalsha = script.evalsha(keys, args);
+            match connection.query::<Vec<i64>>(&evalsha).await {
+                Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    self.script_reloads.fetch_add(1, Ordering::Relaxed);
+                    // Expected after a restart, a failover or a flush; frequent ones mean trouble.
+                    tracing::warn!(sha = %script.sha, "NOSCRIPT: loading the limiter script again");
+                    let routing_key = keys.first().copied().unwrap_or_default();
+                    // The script did not run, so neither a failed load nor the retry can double-debit.
+                    connection
+                        .load_for(script, routing_key)
+                        .await
+                        .map_err(|error| StoreError::NotExecuted {
+                            detail: format!("reloading the script after NOSCRIPT: {error}"),
+                        })?;
+                    connection.query(&evalsha).await.map_err(classify)
+                }
+                reply => reply.map_err(classify),
+            }
+        };
+        tokio::time::timeout(self.call_timeout, call)
+            .await
+            .map_err(|_| StoreError::Ambiguous {
+                detail: format!("no reply within {:?}", self.call_timeout),
+            })?
+    }
+
+    /// The store's connection, for tests that inspect keys directly.
+    #[cfg(test)]
+    pub(crate) fn connection(&self) -> Connection {
+        self.connection.clone()
+    }
+
+    /// Runs the decide script with raw arguments: for tests of the script's own validation.
+    #[cfg(test)]
+    pub(crate) async fn run_decide_raw(
+        &self,
+        keys: &[&str],
+        args: &[String],
+    ) -> Result<Vec<i64>, StoreError> {
+        self.run(&self.decide_script, keys, args).await
+    }
+
+    async fn lease(
+        &self,
+        call: &LeaseCall,
+        operation: LeaseOperation,
+    ) -> Result<LeaseOutcome, StoreError> {
+        let args = lease_args(operation, call, self.now_arg());
+        let reply = self
+            .run(&self.concurrency_script, &[call.key()], &args)
+            .await?;
+        parse_lease_reply(&reply).map_err(|detail| StoreError::MalformedReply { detail })
+    }
+}
+
+#[async_trait::async_trait]
+impl LimiterStore for RedisStore {
+    async fn decide(&self, batch: &RuleBatch) -> Result<BatchDecision, StoreError> {
+        let args = decide_args(batch, self.now_arg());
+        let reply = self
+            .run(&self.decide_script, &decide_keys(batch), &args)
+            .await?;
+        parse_decide_reply(batch, &reply).map_err(|detail| StoreError::MalformedReply { detail })
+    }
+
+    async fn acquire_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.lease(call, LeaseOperation::Acquire).await
+    }
+
+    async fn renew_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.lease(call, LeaseOperation::Renew).await
+    }
+
+    async fn release_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.lease(call, LeaseOperation::Release).await
+    }
+}
+
+fn not_connected(error: RedisError) -> StoreError {
+    StoreError::NotExecuted {
+        detail: format!("connecting: {error}"),
+    }
+}
+
+/// Classifies a failed `EVALSHA` by what it tells about the script having run (module docs of
+/// [`super::store`]).
+fn classify(error: RedisError) -> StoreError {
+    let detail = error.to_string();
+    if let Some(code) = error.code() {
+        // The server answered with an error. Our scripts write only after every check and every
+        // read, and Redis refuses a script's first write under memory pressure and never a later
+        // one, so no error reply leaves a partial write behind.
+        let rejected = |kind| StoreError::Rejected {
+            kind,
+            detail: detail.clone(),
+        };
+        return match code {
+            "ALLOT_ARG" => rejected(Rejection::InvalidArgument),
+            "ALLOT_STATE" | "WRONGTYPE" => rejected(Rejection::StateMismatch),
+            // A Lua runtime error, or keys in two slots: defects, not conditions to retry.
+            "ERR" | "CROSSSLOT" => rejected(Rejection::ScriptDefect),
+            // BUSY, LOADING, READONLY, OOM, MOVED, ASK, TRYAGAIN, CLUSTERDOWN, MASTERDOWN, NOSCRIPT
+            // (twice), NOPERM...: the server did not run the script to a write.
+            _ => StoreError::NotExecuted { detail },
+        };
+    }
+    match error.kind() {
+        ErrorKind::Io if error.is_connection_refusal() => StoreError::NotExecuted { detail },
+        // Sent, or possibly sent: the script may have run.
+        ErrorKind::Io => StoreError::Ambiguous { detail },
+        ErrorKind::Parse | ErrorKind::UnexpectedReturnType => StoreError::MalformedReply { detail },
+        ErrorKind::ClusterConnectionNotFound
+        | ErrorKind::Client
+        | ErrorKind::InvalidClientConfig
+        | ErrorKind::AuthenticationFailed => StoreError::NotExecuted { detail },
+        // Anything else: assume the worst that is safe.
+        _ => StoreError::Ambiguous { detail },
+    }
+}

@@ -1,0 +1,269 @@
+//! The Lua scripts and the Rust half of their contracts: how a batch or a lease call becomes
+//! `KEYS`/`ARGV`, and how a reply becomes a decision. The contracts themselves are documented at the
+//! top of each script (`scripts/decide.lua`, `scripts/concurrency.lua`); this module must follow them
+//! field by field.
+
+use allot_shared::limit::RetryAfter;
+use allot_shared::limit::multi::MAX_RULES_PER_REQUEST;
+
+use super::batch::{RuleBatch, RuleParams};
+use super::store::{BatchDecision, LeaseCall, LeaseOperation, LeaseOutcome};
+
+/// The multi-rule decision script.
+pub(crate) const DECIDE_SOURCE: &str = include_str!("scripts/decide.lua");
+
+/// The concurrency-lease script.
+pub(crate) const CONCURRENCY_SOURCE: &str = include_str!("scripts/concurrency.lua");
+
+/// `ARGV[1]` of both scripts when the script must read the server's clock (`TIME`). Every production
+/// call sends it; only tests send a time of their own.
+pub(crate) const SERVER_TIME: u64 = 0;
+
+/// Fields per rule in the decide script's `ARGV`: algorithm, four parameters, cost.
+const ARGS_PER_RULE: usize = 6;
+
+/// Fields before the first rule in the decide script's `ARGV`: now, decision id, record TTL, n.
+const ARGS_BEFORE_RULES: usize = 4;
+
+/// The decide script's `KEYS`: the decision record, then one key per rule.
+pub(crate) fn decide_keys(batch: &RuleBatch) -> Vec<&str> {
+    std::iter::once(batch.record_key())
+        .chain(batch.rules().iter().map(|rule| rule.key()))
+        .collect()
+}
+
+/// The decide script's `ARGV` for `batch` at `now_ms` ([`SERVER_TIME`] in production).
+pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64) -> Vec<String> {
+    let mut args = Vec::with_capacity(ARGS_BEFORE_RULES + ARGS_PER_RULE * batch.rules().len());
+    args.push(now_ms.to_string());
+    args.push(batch.decision_id().to_string());
+    args.push(batch.record_ttl_ms().to_string());
+    args.push(batch.rules().len().to_string());
+    for rule in batch.rules() {
+        let (code, p1, p2, p3, p4) = match *rule.params() {
+            RuleParams::TokenBucket {
+                capacity_millitokens,
+                refill_millitokens,
+                period_ms,
+                slack_ms,
+            } => (
+                "tb",
+                capacity_millitokens,
+                refill_millitokens,
+                period_ms,
+                slack_ms,
+            ),
+            RuleParams::Gcra {
+                capacity_millitokens,
+                refill_millitokens,
+                period_ms,
+            } => (
+                "gcra",
+                capacity_millitokens,
+                refill_millitokens,
+                period_ms,
+                0,
+            ),
+            RuleParams::FixedWindow {
+                limit_units,
+                window_ms,
+            } => ("fw", limit_units, window_ms, 0, 0),
+            RuleParams::SlidingCounter {
+                limit_units,
+                window_ms,
+            } => ("sc", limit_units, window_ms, 0, 0),
+            RuleParams::SlidingLog {
+                limit_units,
+                window_ms,
+            } => ("sl", limit_units, window_ms, 0, 0),
+        };
+        args.push(code.to_owned());
+        args.extend([p1, p2, p3, p4, rule.cost_millitokens()].map(|n| n.to_string()));
+    }
+    args
+}
+
+/// Parses the decide script's reply `{allowed, denied_by, retry_ms, replayed, remaining...}`,
+/// checking it against the contract; the error says what broke it.
+pub(crate) fn parse_decide_reply(
+    batch: &RuleBatch,
+    reply: &[i64],
+) -> Result<BatchDecision, String> {
+    let [allowed, denied_by, retry_ms, replayed, remaining @ ..] = reply else {
+        return Err(format!("{} fields, fewer than 5", reply.len()));
+    };
+    let count = batch.rules().len();
+    let replayed = match replayed {
+        0 => false,
+        1 => true,
+        other => return Err(format!("replayed = {other}")),
+    };
+    // A replay carries the recorded decision's rules, which may have been a different set.
+    let expected_rules = if replayed {
+        1..=MAX_RULES_PER_REQUEST
+    } else {
+        count..=count
+    };
+    if !expected_rules.contains(&remaining.len()) {
+        return Err(format!(
+            "{} remaining values for {count} rules",
+            remaining.len()
+        ));
+    }
+    let remaining = remaining
+        .iter()
+        .map(|&value| u64::try_from(value).map_err(|_| format!("remaining = {value}")))
+        .collect::<Result<Vec<u64>, String>>()?;
+    let retry = match *retry_ms {
+        -1 => RetryAfter::Never,
+        ms if ms >= 0 => RetryAfter::Ms(ms.unsigned_abs()),
+        other => return Err(format!("retry = {other}")),
+    };
+    let denied_by = match (*allowed, usize::try_from(*denied_by)) {
+        (1, Ok(0)) if retry == RetryAfter::Ms(0) => None,
+        (0, Ok(index))
+            if (1..=count).contains(&index) && retry != RetryAfter::Ms(0) && !replayed =>
+        {
+            Some(index - 1)
+        }
+        _ => {
+            return Err(format!(
+                "allowed = {allowed}, denied_by = {denied_by}, retry = {retry_ms}, replayed = {replayed}"
+            ));
+        }
+    };
+    Ok(BatchDecision {
+        allowed: denied_by.is_none(),
+        denied_by,
+        retry,
+        remaining,
+        replayed,
+    })
+}
+
+/// The concurrency script's `ARGV` for `operation` at `now_ms` ([`SERVER_TIME`] in production).
+pub(crate) fn lease_args(operation: LeaseOperation, call: &LeaseCall, now_ms: u64) -> Vec<String> {
+    let name = match operation {
+        LeaseOperation::Acquire => "acquire",
+        LeaseOperation::Renew => "renew",
+        LeaseOperation::Release => "release",
+    };
+    vec![
+        name.to_owned(),
+        now_ms.to_string(),
+        call.lease_id().to_string(),
+        call.max_in_flight().to_string(),
+        call.lease_ttl_ms().to_string(),
+    ]
+}
+
+/// Parses the concurrency script's reply `{held, in_flight}`.
+pub(crate) fn parse_lease_reply(reply: &[i64]) -> Result<LeaseOutcome, String> {
+    match *reply {
+        [held @ (0 | 1), in_flight] if in_flight >= 0 => Ok(LeaseOutcome {
+            held: held == 1,
+            in_flight: in_flight.unsigned_abs(),
+        }),
+        _ => Err(format!("expected {{held, in_flight}}, got {reply:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use allot_shared::ids::{DecisionId, TenantId};
+
+    use super::*;
+    use crate::limiter::batch::BatchRule;
+
+    fn batch() -> RuleBatch {
+        let tenant = TenantId::parse("atlas").expect("tenant");
+        let rules = vec![
+            BatchRule::new(
+                "rl:v1:{t:atlas}:u:1:read".to_owned(),
+                RuleParams::TokenBucket {
+                    capacity_millitokens: 20_000,
+                    refill_millitokens: 2_000,
+                    period_ms: 1_000,
+                    slack_ms: 5_000,
+                },
+                1_000,
+            )
+            .expect("valid"),
+            BatchRule::new(
+                "rl:v1:{t:atlas}:tenant:atlas:*".to_owned(),
+                RuleParams::SlidingLog {
+                    limit_units: 20,
+                    window_ms: 10_000,
+                },
+                1_000,
+            )
+            .expect("valid"),
+        ];
+        RuleBatch::new(
+            &tenant,
+            DecisionId::parse("r-7").expect("id"),
+            30_000,
+            rules,
+        )
+        .expect("valid")
+    }
+
+    #[test]
+    fn arguments_follow_the_documented_layout() {
+        let batch = batch();
+        assert_eq!(
+            decide_keys(&batch),
+            [
+                "rl:v1:{t:atlas}:d:r-7",
+                "rl:v1:{t:atlas}:u:1:read",
+                "rl:v1:{t:atlas}:tenant:atlas:*"
+            ]
+        );
+        assert_eq!(
+            decide_args(&batch, SERVER_TIME),
+            [
+                "0", "r-7", "30000", "2", //
+                "tb", "20000", "2000", "1000", "5000", "1000", //
+                "sl", "20", "10000", "0", "0", "1000",
+            ]
+        );
+    }
+
+    #[test]
+    fn replies_are_checked_against_the_contract() {
+        let batch = batch();
+        let allowed = parse_decide_reply(&batch, &[1, 0, 0, 0, 19_000, 19]).expect("valid");
+        assert!(allowed.allowed && !allowed.replayed);
+        assert_eq!(allowed.remaining, [19_000, 19]);
+        let denied = parse_decide_reply(&batch, &[0, 2, -1, 0, 0, 0]).expect("valid");
+        assert_eq!(
+            (denied.denied_by, denied.retry),
+            (Some(1), RetryAfter::Never)
+        );
+        let replay =
+            parse_decide_reply(&batch, &[1, 0, 0, 1, 5]).expect("a replay may differ in length");
+        assert!(replay.replayed);
+        for broken in [
+            &[1, 0, 0, 0, 19_000][..], // one remaining for two rules
+            &[0, 0, 500, 0, 0, 0],     // denied by nobody
+            &[1, 1, 0, 0, 0, 0],       // allowed and denied
+            &[0, 3, 500, 0, 0, 0],     // no rule 3
+            &[0, 1, 0, 0, 0, 0],       // a denial without a hint
+            &[0, 1, -2, 0, 0, 0],      // an impossible hint
+            &[1, 0, 0, 0, -1, 0],      // negative remaining
+            &[1, 0, 0, 2, 0, 0],       // replayed = 2
+            &[1, 0, 0],                // too short
+        ] {
+            assert!(parse_decide_reply(&batch, broken).is_err(), "{broken:?}");
+        }
+        assert_eq!(
+            parse_lease_reply(&[1, 3]),
+            Ok(LeaseOutcome {
+                held: true,
+                in_flight: 3
+            })
+        );
+        assert!(parse_lease_reply(&[2, 3]).is_err());
+        assert!(parse_lease_reply(&[1]).is_err());
+    }
+}

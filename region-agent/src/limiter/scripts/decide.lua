@@ -1,0 +1,524 @@
+--[[ decide.lua: one all-or-nothing decision over every regional rule of one request.
+
+The reference is allot_shared::limit::multi::decide_all: this script must return exactly what it
+returns (allowed, first denying rule, retry hint, per-rule remaining) and write exactly its writes.
+
+KEYS[1]        the decision record (a string). Read and written only when ARGV[3] > 0.
+KEYS[2..n+1]   one key per rule, all distinct. Every key, KEYS[1] included, carries the same
+               {t:<tenant>} hash tag, so they share one Redis Cluster slot and this one script
+               decides them atomically.
+
+ARGV[1]  now_ms          "0": read the server clock (TIME). Production always sends "0".
+                         A value in [1, 2^50] is a test clock: differential tests drive time with
+                         it, and key expiry follows it (PEXPIREAT now + ttl).
+ARGV[2]  decision_id     1 to 64 bytes: the sliding log's member.
+ARGV[3]  record_ttl_ms   0: no decision record. In [1, 2^40]: an admission is recorded under
+                         KEYS[1] for this long, and a call that finds the record replays it
+                         without deciding (or debiting) again.
+ARGV[4]  n               the number of rules, 1 to 8. #KEYS = n + 1 and #ARGV = 4 + 6n.
+ARGV[5 + 6(i-1) .. 10 + 6(i-1)]  rule i (1-based), six fields:
+         algorithm  p1                    p2                  p3         p4        p5
+         "tb"       capacity_millitokens  refill_millitokens  period_ms  slack_ms  cost_millitokens
+         "gcra"     capacity_millitokens  refill_millitokens  period_ms  0         cost_millitokens
+         "fw" "sc" "sl"  limit_units      window_ms           0          0         cost_millitokens
+         Window algorithms count whole units: their cost must be a multiple of 1000 millitokens,
+         and exactly 1000 for the sliding log (one entry per request).
+
+Every number is a decimal integer string (no sign, exponent, fraction, hex, "nan" or "inf").
+Parameters lie in [1, 2^40] (slack in [0, 2^40]) and capacity x period (limit x window) is at
+most 2^52: then every intermediate value stays below 2^53, where Lua's doubles are exact
+integers, and this script computes exactly what the Rust core computes.
+
+Reply {allowed, denied_by, retry_ms, replayed, remaining_1, ..., remaining_n}:
+  allowed     1 or 0.
+  denied_by   1-based index of the first denying rule, 0 when allowed.
+  retry_ms    0 when allowed; otherwise the maximum over denying rules, -1 (never) dominating.
+  replayed    1 when the reply is a stored decision record, else 0.
+  remaining   per rule, in its unit (millitokens or units): after the debit when allowed,
+              untouched when denied. A replay returns the remaining of the recorded decision.
+Error replies (nothing is written; the client treats them as a fault, never as a denial):
+  ALLOT_ARG    an argument failed validation (a policy or client defect).
+  ALLOT_STATE  a key holds the state of another algorithm, or a corrupt value.
+
+Stored state, one key per rule:
+  tb    hash {tk = tokens (millitokens), ts = updated at (ms)}
+  gcra  string: the theoretical arrival time (ms)
+  fw    hash {w = window start (ms), n = units admitted in it}
+  sc    hash {w = current window start (ms), cur = its units, prev = the previous window's units}
+  sl    sorted set: member = decision id, score = admission time (ms)
+  the decision record: string "remaining_1 ... remaining_n" of an admission
+A denial writes nothing. Every write sets the key's expiry in the same script, at the TTL the
+pure core computes (PEXPIREAT now + ttl, which on the server clock equals PEXPIRE ttl).
+]]
+
+local TWO_40 = 1099511627776
+local TWO_50 = 1125899906842624
+local TWO_52 = 4503599627370496
+local TWO_53 = 9007199254740992
+local MAX_RULES = 8
+local MILLITOKENS_PER_UNIT = 1000
+local MAX_DECISION_ID_BYTES = 64
+
+-- A decimal integer argument in [min, max], or nil. The pattern refuses what tonumber would
+-- accept ("1e3", "0x10", " 1", "inf", "nan"); `value ~= value` is the NaN guard behind it.
+local function integer(text, min, max)
+  if type(text) ~= 'string' or #text == 0 or #text > 16 or not string.find(text, '^%d+$') then
+    return nil
+  end
+  local value = tonumber(text)
+  if value == nil or value ~= value or value < min or value > max then
+    return nil
+  end
+  return value
+end
+
+-- Integers leave the script through '%d': tostring and table.concat keep only 14 digits.
+local function text(value)
+  return string.format('%d', value)
+end
+
+-- floor(a / b) for integers 0 <= a < 2^53 and b >= 1. The double quotient is off by less than
+-- 1/b, which never reaches the next integer, so math.floor yields the exact integer quotient.
+local function div_floor(a, b)
+  return math.floor(a / b)
+end
+
+-- ceil(a / b) under the same bounds (a + b - 1 stays below 2^53: a <= 2^52 + 2^40, b <= 2^40).
+local function div_ceil(a, b)
+  return math.floor((a + b - 1) / b)
+end
+
+local function arg_error(message)
+  return { err = 'ALLOT_ARG ' .. message }
+end
+
+local function state_error(where, message)
+  return { err = 'ALLOT_STATE ' .. where .. ': ' .. message }
+end
+
+-- Header -------------------------------------------------------------------------------------
+
+local n = integer(ARGV[4], 1, MAX_RULES)
+if n == nil then
+  return arg_error('n must be 1 to ' .. MAX_RULES)
+end
+if #KEYS ~= n + 1 or #ARGV ~= 4 + 6 * n then
+  return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (4 + 6 * n) .. ' arguments')
+end
+local decision_id = ARGV[2]
+if #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
+  return arg_error('decision id must be 1 to ' .. MAX_DECISION_ID_BYTES .. ' bytes')
+end
+local record_ttl_ms = integer(ARGV[3], 0, TWO_40)
+if record_ttl_ms == nil then
+  return arg_error('record ttl must be in [0, 2^40]')
+end
+local now
+if ARGV[1] == '0' then
+  local time = redis.call('TIME')
+  now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+else
+  now = integer(ARGV[1], 1, TWO_50)
+  if now == nil then
+    return arg_error('now must be 0 (server clock) or in [1, 2^50]')
+  end
+end
+local seen_keys = {}
+for k = 2, n + 1 do
+  if seen_keys[KEYS[k]] then
+    return arg_error('rule key ' .. KEYS[k] .. ' appears twice')
+  end
+  seen_keys[KEYS[k]] = true
+end
+
+-- Replay -------------------------------------------------------------------------------------
+
+if record_ttl_ms > 0 then
+  local record = redis.pcall('GET', KEYS[1])
+  if type(record) == 'table' and record.err then
+    return state_error('decision record', 'the key is not a string')
+  end
+  if record then
+    local reply = { 1, 0, 0, 1 }
+    for field in string.gmatch(record, '%S+') do
+      local remaining = integer(field, 0, TWO_53)
+      if remaining == nil then
+        return state_error('decision record', 'corrupt value')
+      end
+      reply[#reply + 1] = remaining
+    end
+    if #reply < 5 or #reply > 4 + MAX_RULES then
+      return state_error('decision record', 'corrupt value')
+    end
+    return reply
+  end
+end
+
+-- Stored state -------------------------------------------------------------------------------
+
+local HASH_FIELDS = { 'tk', 'ts', 'w', 'n', 'cur', 'prev' }
+local HASH_SHAPES = {
+  tb = { tk = true, ts = true },
+  fw = { w = true, n = true },
+  sc = { w = true, cur = true, prev = true },
+}
+
+-- The hash of a tb, fw or sc rule: nil when absent, a table of its fields, or an error reply.
+local function read_hash(rule_index, key, kind)
+  local values = redis.pcall('HMGET', key, unpack(HASH_FIELDS))
+  if values.err then
+    return nil, state_error('rule ' .. rule_index, 'the key is not a hash')
+  end
+  local fields, present, expected = {}, 0, HASH_SHAPES[kind]
+  for f = 1, #HASH_FIELDS do
+    local name, value = HASH_FIELDS[f], values[f]
+    if value then
+      if not expected[name] then
+        return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' belongs to another algorithm')
+      end
+      fields[name] = integer(value, 0, TWO_53)
+      if fields[name] == nil then
+        return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is not an integer')
+      end
+      present = present + 1
+    end
+  end
+  if present == 0 then
+    return nil
+  end
+  for name in pairs(expected) do
+    if fields[name] == nil then
+      return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is missing')
+    end
+  end
+  return fields
+end
+
+-- The GCRA key: nil when absent, the stored TAT, or an error reply.
+local function read_tat(rule_index, key)
+  local stored = redis.pcall('GET', key)
+  if type(stored) == 'table' and stored.err then
+    return nil, state_error('rule ' .. rule_index, 'the key is not a string')
+  end
+  if not stored then
+    return nil
+  end
+  local tat = integer(stored, 0, TWO_53)
+  if tat == nil then
+    return nil, state_error('rule ' .. rule_index, 'the TAT is not an integer')
+  end
+  return tat
+end
+
+-- The sliding-log key, read against now: {live_count = entries admitted after now - window (later
+-- than now too, if the clock stepped back), replay = this decision id is one of them}; or an error
+-- reply. An entry admitted exactly a window ago has left.
+local function read_log(rule_index, key, window, now)
+  local live_from = '(' .. text(now - window)
+  local live_count = redis.pcall('ZCOUNT', key, live_from, '+inf')
+  if type(live_count) == 'table' and live_count.err then
+    return nil, state_error('rule ' .. rule_index, 'the key is not a sorted set')
+  end
+  local admitted_at = redis.call('ZSCORE', key, decision_id)
+  local replay = admitted_at and tonumber(admitted_at) > now - window
+  return { live_count = live_count, live_from = live_from, replay = replay }
+end
+
+local function read_state(rule, now)
+  if rule.kind == 'gcra' then
+    return read_tat(rule.index, rule.key)
+  elseif rule.kind == 'sl' then
+    return read_log(rule.index, rule.key, rule.window, now)
+  end
+  return read_hash(rule.index, rule.key, rule.kind)
+end
+
+-- Rules ----------------------------------------------------------------------------------------
+-- Each decide_* returns an outcome:
+--   allowed    this rule admits the request
+--   remaining  after this rule's own decision (after its debit when allowed)
+--   available  what it holds without debiting, reported when another rule denies
+--   retry      when denied: ms, or -1 for never
+--   write      when allowed: a function performing the write, or nil (a sliding-log replay)
+-- Costs are in the rule's unit: millitokens for tb and gcra, units for fw, sc and sl.
+
+local function never()
+  return { allowed = false, remaining = 0, available = 0, retry = -1 }
+end
+
+local function decide_token_bucket(rule, state, now)
+  if rule.cost > rule.capacity then return never() end
+  local full_refill_ms = div_ceil(rule.capacity * rule.period, rule.refill)
+  local tokens = rule.capacity
+  if state then
+    local delta_ms = math.min(math.max(now - state.ts, 0), full_refill_ms)
+    -- delta_ms * refill <= capacity * period + refill < 2^53. The min also clamps tokens stored
+    -- under a larger capacity: a tightened policy applies on the next call.
+    tokens = math.min(state.tk + div_floor(delta_ms * rule.refill, rule.period), rule.capacity)
+  end
+  if tokens < rule.cost then
+    -- deficit <= capacity, so deficit * period <= 2^52.
+    local retry = div_ceil((rule.cost - tokens) * rule.period, rule.refill)
+    return { allowed = false, remaining = tokens, available = tokens, retry = retry }
+  end
+  local remaining = tokens - rule.cost
+  -- A clock that stepped back never moves the stored time back.
+  local updated_at = state and math.max(state.ts, now) or now
+  -- The key lives until the stored state would be full again: full refill + slack counted from
+  -- updated_at, which a clock that stepped back leaves ahead of now (as the core does).
+  local expires_at = updated_at + full_refill_ms + rule.slack
+  return {
+    allowed = true, remaining = remaining, available = tokens,
+    write = function()
+      redis.call('HSET', rule.key, 'tk', text(remaining), 'ts', text(updated_at))
+      redis.call('PEXPIREAT', rule.key, text(expires_at))
+    end,
+  }
+end
+
+local function decide_gcra(rule, tat, now)
+  if rule.cost > rule.capacity then return never() end
+  local burst_ms = div_floor(rule.capacity * rule.period, rule.refill)
+  -- span <= burst, so span * refill <= capacity * period <= 2^52.
+  local function millitokens_in(span_ms)
+    return div_floor(span_ms * rule.refill, rule.period)
+  end
+  -- How far the TAT runs ahead of now (0 for a fresh key or a TAT in the past). The core's
+  -- new_tat - now is used + increment; it is compared term by term so no sum passes 2^53.
+  local used_ms = math.max((tat or now) - now, 0)
+  local increment_ms = div_ceil(rule.cost * rule.period, rule.refill)
+  local available = millitokens_in(burst_ms - math.min(used_ms, burst_ms))
+  if used_ms > burst_ms or increment_ms > burst_ms - used_ms then
+    -- The excess of used + increment over the tolerance.
+    local retry = (used_ms - burst_ms) + increment_ms
+    return { allowed = false, remaining = available, available = available, retry = retry }
+  end
+  -- Admitted: new_tat = now + used + increment <= now + burst, and the key lives until then.
+  local new_tat = now + used_ms + increment_ms
+  return {
+    allowed = true, remaining = millitokens_in(burst_ms - used_ms - increment_ms), available = available,
+    write = function()
+      redis.call('SET', rule.key, text(new_tat), 'PXAT', text(new_tat))
+    end,
+  }
+end
+
+local function decide_fixed_window(rule, state, now)
+  local current_start = now - now % rule.window
+  -- A stored window later than now's (the clock stepped back) is kept: stricter, never a reset.
+  local window_start, count = current_start, 0
+  if state and state.w >= current_start then
+    window_start, count = state.w, state.n
+  end
+  local available = math.max(rule.limit - count, 0)
+  if rule.cost > rule.limit then return never() end
+  local left_ms = window_start + rule.window - now
+  if count + rule.cost > rule.limit then
+    return { allowed = false, remaining = available, available = available, retry = left_ms }
+  end
+  local new_count = count + rule.cost
+  return {
+    allowed = true, remaining = rule.limit - new_count, available = available,
+    write = function()
+      redis.call('HSET', rule.key, 'w', text(window_start), 'n', text(new_count))
+      redis.call('PEXPIREAT', rule.key, text(now + left_ms))
+    end,
+  }
+end
+
+local function decide_sliding_counter(rule, state, now)
+  if rule.cost > rule.limit then return never() end
+  local w = rule.window
+  local start = now - now % w
+  -- Roll the stored windows forward to now's. `effective` is the time the estimate is taken at: a
+  -- stored window later than now's (the clock stepped back) is kept and judged at its start.
+  local window_start, cur, prev, effective = start, 0, 0, now
+  if state then
+    if state.w > start then
+      window_start, cur, prev, effective = state.w, state.cur, state.prev, state.w
+    elseif state.w == start then
+      cur, prev = state.cur, state.prev
+    elseif start - state.w == w then
+      prev = state.cur
+    end
+  end
+  local elapsed = effective - window_start
+  -- headroom = limit * w - (prev * (w - elapsed) + cur * w), subtracted term by term so that it
+  -- stays exact: a term above the headroom (even one past 2^53, after a window change) already
+  -- means "over", and comparing it needs no exactness.
+  local headroom, over = rule.limit * w, false
+  for _, term in ipairs({ prev * (w - elapsed), cur * w }) do
+    if term > headroom then
+      over = true
+      break
+    end
+    headroom = headroom - term
+  end
+  local available = over and 0 or div_floor(headroom, w)
+  local cost_scaled = rule.cost * w
+  if not over and cost_scaled <= headroom then
+    local new_cur = cur + rule.cost
+    -- The state matters until both counts have aged out: the end of the next window.
+    local expires_at = window_start + 2 * w
+    return {
+      allowed = true, remaining = div_floor(headroom - cost_scaled, w), available = available,
+      write = function()
+        redis.call('HSET', rule.key, 'w', text(window_start), 'cur', text(new_cur), 'prev', text(prev))
+        redis.call('PEXPIREAT', rule.key, text(expires_at))
+      end,
+    }
+  end
+  -- The earliest elapsed time e with weight * (w - e) <= slack is w - floor(slack / weight).
+  local wait
+  if cur + rule.cost <= rule.limit then
+    -- Within this window (prev > 0 here, or the request would have been admitted).
+    wait = (w - div_floor((rule.limit - cur - rule.cost) * w, prev)) - elapsed
+  else
+    -- Only in the next window, where the current count becomes the weighted one (cur > 0 here).
+    wait = (w - elapsed) + (w - div_floor((rule.limit - rule.cost) * w, cur))
+  end
+  local retry = math.max(wait + (effective - now), 1)
+  return { allowed = false, remaining = available, available = available, retry = retry }
+end
+
+local function decide_sliding_log(rule, log, now)
+  local available = math.max(rule.limit - log.live_count, 0)
+  if log.replay then
+    -- A retry of an admitted request: allowed again, counted once, nothing written.
+    return { allowed = true, remaining = available, available = available }
+  end
+  if log.live_count >= rule.limit then
+    local oldest = redis.call('ZRANGEBYSCORE', rule.key, log.live_from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    local retry = math.max(tonumber(oldest[2]) + rule.window - now, 1)
+    return { allowed = false, remaining = 0, available = available, retry = retry }
+  end
+  return {
+    allowed = true, remaining = rule.limit - log.live_count - 1, available = available,
+    write = function()
+      -- Trim the entries that have left the window, so the set holds at most `limit` members. The
+      -- key lives until its newest entry leaves the window; after a clock step back that entry can
+      -- be later than now (as the core does).
+      local newest = redis.call('ZRANGE', rule.key, -1, -1, 'WITHSCORES')
+      local newest_at = math.max(tonumber(newest[2]) or now, now)
+      redis.call('ZREMRANGEBYSCORE', rule.key, '-inf', text(now - rule.window))
+      redis.call('ZADD', rule.key, text(now), decision_id)
+      redis.call('PEXPIREAT', rule.key, text(newest_at + rule.window))
+    end,
+  }
+end
+
+local DECIDE = {
+  tb = decide_token_bucket,
+  gcra = decide_gcra,
+  fw = decide_fixed_window,
+  sc = decide_sliding_counter,
+  sl = decide_sliding_log,
+}
+
+-- Arguments ----------------------------------------------------------------------------------
+
+-- Rule i's algorithm and parameters: a rule table, or nil and an error reply.
+local function parse_rule(i)
+  local base = 5 + 6 * (i - 1)
+  local kind = ARGV[base]
+  local rule = { index = i, kind = kind, key = KEYS[i + 1], cost_text = ARGV[base + 5] }
+  local where = 'rule ' .. i .. ' (' .. kind .. '): '
+  if kind == 'tb' or kind == 'gcra' then
+    rule.capacity = integer(ARGV[base + 1], 1, TWO_40)
+    rule.refill = integer(ARGV[base + 2], 1, TWO_40)
+    rule.period = integer(ARGV[base + 3], 1, TWO_40)
+    if kind == 'tb' then
+      rule.slack = integer(ARGV[base + 4], 0, TWO_40)
+    elseif ARGV[base + 4] == '0' then
+      rule.slack = 0
+    end
+    if not (rule.capacity and rule.refill and rule.period and rule.slack) then
+      return nil, arg_error(where .. 'capacity, refill and period must be in [1, 2^40], slack in [0, 2^40]')
+    end
+    -- Both factors are at most 2^40: an inexact product is above 2^53, so the test still holds.
+    if rule.capacity * rule.period > TWO_52 then
+      return nil, arg_error(where .. 'capacity x period must be at most 2^52')
+    end
+  elseif kind == 'fw' or kind == 'sc' or kind == 'sl' then
+    rule.limit = integer(ARGV[base + 1], 1, TWO_40)
+    rule.window = integer(ARGV[base + 2], 1, TWO_40)
+    if not (rule.limit and rule.window and ARGV[base + 3] == '0' and ARGV[base + 4] == '0') then
+      return nil, arg_error(where .. 'limit and window must be in [1, 2^40], then two zeros')
+    end
+    if rule.limit * rule.window > TWO_52 then
+      return nil, arg_error(where .. 'limit x window must be at most 2^52')
+    end
+  else
+    return nil, arg_error(where .. 'unknown algorithm')
+  end
+  return rule
+end
+
+-- Sets rule.cost in the rule's own unit; returns an error reply when the cost is invalid.
+local function check_cost(rule)
+  local where = 'rule ' .. rule.index .. ' (' .. rule.kind .. '): '
+  local cost_millitokens = integer(rule.cost_text, 1, TWO_40 * MILLITOKENS_PER_UNIT)
+  if rule.kind == 'tb' or rule.kind == 'gcra' then
+    if cost_millitokens == nil or cost_millitokens > TWO_40 then
+      return arg_error(where .. 'cost must be in [1, 2^40] millitokens')
+    end
+    rule.cost = cost_millitokens
+    return nil
+  end
+  if cost_millitokens == nil or cost_millitokens % MILLITOKENS_PER_UNIT ~= 0 then
+    return arg_error(where .. 'cost must be a positive multiple of 1000 millitokens')
+  end
+  rule.cost = cost_millitokens / MILLITOKENS_PER_UNIT
+  if rule.kind == 'sl' and rule.cost ~= 1 then
+    return arg_error(where .. 'cost must be exactly 1000 millitokens for the sliding log')
+  end
+  return nil
+end
+
+-- Decide -------------------------------------------------------------------------------------
+-- Rule by rule in evaluation order, like the pure core: the parameters, then the stored state's
+-- shape, then the cost, then the decision. Every error returns before anything is written.
+
+local outcomes = {}
+for i = 1, n do
+  local rule, problem = parse_rule(i)
+  if problem then return problem end
+  local state
+  state, problem = read_state(rule, now)
+  if problem then return problem end
+  problem = check_cost(rule)
+  if problem then return problem end
+  outcomes[i] = DECIDE[rule.kind](rule, state, now)
+end
+
+local denied_by, retry = 0, 0
+for i = 1, n do
+  local outcome = outcomes[i]
+  if not outcome.allowed then
+    if denied_by == 0 then denied_by = i end
+    -- The hint is the maximum over denying rules; never (-1) dominates every wait.
+    if retry ~= -1 and (outcome.retry == -1 or outcome.retry > retry) then
+      retry = outcome.retry
+    end
+  end
+end
+
+local reply = { denied_by == 0 and 1 or 0, denied_by, retry, 0 }
+for i = 1, n do
+  local outcome = outcomes[i]
+  -- When another rule denied, an admitting rule reports what it holds, undebited.
+  local report_available = denied_by ~= 0 and outcome.allowed
+  reply[4 + i] = report_available and outcome.available or outcome.remaining
+end
+
+if denied_by == 0 then
+  for i = 1, n do
+    if outcomes[i].write then outcomes[i].write() end
+  end
+  if record_ttl_ms > 0 then
+    local remaining = {}
+    for i = 1, n do remaining[i] = text(reply[4 + i]) end
+    redis.call('SET', KEYS[1], table.concat(remaining, ' '), 'PXAT', text(now + record_ttl_ms))
+  end
+end
+return reply

@@ -1,0 +1,770 @@
+//! Differential tests: random request sequences against three implementations of one semantics.
+//!
+//! 1. The reference: `allot_shared`'s pure functions over a plain map of key -> (state, expiry),
+//!    written here as simply as possible.
+//! 2. The [`InProcessStore`](crate::limiter::InProcessStore).
+//! 3. The Lua scripts on a real Redis (single node, and a 3-master cluster), driven by the scripts'
+//!    test clock.
+//!
+//! Each case draws a pool of up to 8 rules (mixed algorithms, small and extreme parameters), then a
+//! sequence of steps: requests over random subsets of the pool with random costs (including costs
+//! above capacity and invalid ones), repeated decision ids, decision records, parameter changes
+//! (tightened capacities, redrawn parameters) and clock steps (forward, backward, jumps of years).
+//! After every step the three must agree on the decision (allowed, denying index, retry hint,
+//! remaining, replay) or the rejection, and on every key's stored state and expiry.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use allot_shared::limit::RetryAfter;
+use allot_shared::limit::concurrency::SemaphoreState;
+use allot_shared::limit::multi::{MultiRuleError, RuleInput, State, decide_all};
+use allot_shared::{MAX_CAPACITY_TIMES_PERIOD, MAX_RULE_PARAMETER};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+use super::harness::{FUTURE_BASE_MS, Subject, decision_id, rule_key, tenant};
+use crate::limiter::batch::{BatchRule, RuleBatch, RuleParams};
+use crate::limiter::in_process::Stored;
+use crate::limiter::store::{BatchDecision, LeaseCall, LeaseOutcome, Rejection, StoreError};
+
+/// The pure core over a map, with Redis's expiry rule (a key is gone once `now > expires_at`).
+#[derive(Debug, Default)]
+struct Reference {
+    keys: HashMap<String, (Stored, u64)>,
+}
+
+impl Reference {
+    fn live(&mut self, key: &str, now_ms: u64) -> Option<Stored> {
+        if self.keys.get(key).is_some_and(|(_, at)| *at < now_ms) {
+            self.keys.remove(key);
+        }
+        self.keys.get(key).map(|(value, _)| value.clone())
+    }
+
+    fn decide(&mut self, batch: &RuleBatch, now_ms: u64) -> Result<BatchDecision, Rejection> {
+        if batch.record_ttl_ms() > 0
+            && let Some(Stored::Record(recorded)) = self.live(batch.record_key(), now_ms)
+        {
+            return Ok(BatchDecision {
+                replayed: true,
+                ..recorded
+            });
+        }
+        let states: Vec<Option<State>> = batch
+            .rules()
+            .iter()
+            .map(|rule| match self.live(rule.key(), now_ms) {
+                Some(Stored::Rule(state)) => Some(state),
+                None => None,
+                Some(other) => panic!("a rule key holds {other:?}"),
+            })
+            .collect();
+        let inputs: Vec<RuleInput<'_>> = batch
+            .rules()
+            .iter()
+            .zip(&states)
+            .map(|(rule, state)| RuleInput {
+                algorithm: rule.algorithm(),
+                state: state.as_ref(),
+                cost_millitokens: rule.cost_millitokens(),
+            })
+            .collect();
+        let decision =
+            decide_all(&inputs, now_ms, batch.decision_id().as_str()).map_err(|e| match e {
+                MultiRuleError::StateMismatch { .. } => Rejection::StateMismatch,
+                MultiRuleError::Param { .. } | MultiRuleError::RuleCount(_) => {
+                    Rejection::InvalidArgument
+                }
+            })?;
+        let outcome = BatchDecision::from_multi(&decision);
+        for (rule, write) in batch.rules().iter().zip(decision.writes) {
+            if let Some(write) = write {
+                let value = (Stored::Rule(write.state), now_ms + write.ttl_ms);
+                self.keys.insert(rule.key().to_owned(), value);
+            }
+        }
+        if decision.allowed && batch.record_ttl_ms() > 0 {
+            let value = (
+                Stored::Record(outcome.clone()),
+                now_ms + batch.record_ttl_ms(),
+            );
+            self.keys.insert(batch.record_key().to_owned(), value);
+        }
+        Ok(outcome)
+    }
+
+    fn lease(&mut self, operation: Operation, call: &LeaseCall, now_ms: u64) -> LeaseOutcome {
+        let key = call.key();
+        let state = match self.live(key, now_ms) {
+            Some(Stored::Leases(state)) => Some(state),
+            None => None,
+            Some(other) => panic!("a lease key holds {other:?}"),
+        };
+        let semaphore = call.semaphore();
+        let id = call.lease_id().as_str();
+        let live = |state: &Option<SemaphoreState>| {
+            state.as_ref().map_or(0, |s| {
+                s.leases.iter().filter(|l| l.expires_at_ms > now_ms).count() as u64
+            })
+        };
+        match operation {
+            Operation::Acquire => {
+                let acquire = semaphore.acquire(state.as_ref(), now_ms, id);
+                if let Some((leases, ttl_ms)) = acquire.write {
+                    let value = (Stored::Leases(leases), now_ms + ttl_ms);
+                    self.keys.insert(key.to_owned(), value);
+                }
+                LeaseOutcome {
+                    held: acquire.acquired,
+                    in_flight: acquire.in_flight,
+                }
+            }
+            Operation::Renew => match semaphore.renew(state.as_ref(), now_ms, id) {
+                Some((leases, ttl_ms)) => {
+                    let in_flight = leases.leases.len() as u64;
+                    let value = (Stored::Leases(leases), now_ms + ttl_ms);
+                    self.keys.insert(key.to_owned(), value);
+                    LeaseOutcome {
+                        held: true,
+                        in_flight,
+                    }
+                }
+                None => LeaseOutcome {
+                    held: false,
+                    in_flight: live(&state),
+                },
+            },
+            Operation::Release => {
+                let was_held = state.as_ref().is_some_and(|s| {
+                    s.leases
+                        .iter()
+                        .any(|l| l.lease_id == id && l.expires_at_ms > now_ms)
+                });
+                let rest = semaphore.release(state.as_ref(), now_ms, id);
+                let in_flight = rest.leases.len() as u64;
+                if rest.leases.is_empty() {
+                    self.keys.remove(key);
+                } else if let Some(entry) = self.keys.get_mut(key) {
+                    entry.0 = Stored::Leases(rest);
+                }
+                LeaseOutcome {
+                    held: was_held,
+                    in_flight,
+                }
+            }
+        }
+    }
+}
+
+// Strategies -----------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    TokenBucket,
+    Gcra,
+    FixedWindow,
+    SlidingCounter,
+    SlidingLog,
+}
+
+fn kind() -> impl Strategy<Value = Kind> {
+    prop_oneof![
+        Just(Kind::TokenBucket),
+        Just(Kind::Gcra),
+        Just(Kind::FixedWindow),
+        Just(Kind::SlidingCounter),
+        Just(Kind::SlidingLog),
+    ]
+}
+
+/// A capacity (or limit) and a period (or window) with `capacity x period <= 2^52`: mostly small
+/// (so requests run out and windows roll), sometimes at the validated extremes (where Lua's doubles
+/// must still be exact).
+fn amount_and_period(small_amount: u64, small_period: u64) -> impl Strategy<Value = (u64, u64)> {
+    let extreme = (1u64..=MAX_RULE_PARAMETER).prop_flat_map(|amount| {
+        let max_period = (MAX_CAPACITY_TIMES_PERIOD / amount).clamp(1, MAX_RULE_PARAMETER);
+        (Just(amount), prop_oneof![Just(max_period), 1..=max_period])
+    });
+    prop_oneof![
+        6 => (1..=small_amount, 1..=small_period),
+        1 => extreme,
+    ]
+}
+
+fn refill() -> impl Strategy<Value = u64> {
+    prop_oneof![4 => 1u64..=5_000, 1 => 1u64..=MAX_RULE_PARAMETER, 1 => Just(MAX_RULE_PARAMETER)]
+}
+
+fn params(kind: Kind) -> BoxedStrategy<RuleParams> {
+    match kind {
+        Kind::TokenBucket => (amount_and_period(50_000, 5_000), refill(), 0u64..=10_000)
+            .prop_map(
+                |((capacity_millitokens, period_ms), refill_millitokens, slack_ms)| {
+                    RuleParams::TokenBucket {
+                        capacity_millitokens,
+                        refill_millitokens,
+                        period_ms,
+                        slack_ms,
+                    }
+                },
+            )
+            .boxed(),
+        Kind::Gcra => (amount_and_period(50_000, 5_000), refill())
+            .prop_map(
+                |((capacity_millitokens, period_ms), refill_millitokens)| RuleParams::Gcra {
+                    capacity_millitokens,
+                    refill_millitokens,
+                    period_ms,
+                },
+            )
+            .boxed(),
+        Kind::FixedWindow | Kind::SlidingCounter | Kind::SlidingLog => amount_and_period(8, 5_000)
+            .prop_map(move |(limit_units, window_ms)| match kind {
+                Kind::FixedWindow => RuleParams::FixedWindow {
+                    limit_units,
+                    window_ms,
+                },
+                Kind::SlidingCounter => RuleParams::SlidingCounter {
+                    limit_units,
+                    window_ms,
+                },
+                _ => RuleParams::SlidingLog {
+                    limit_units,
+                    window_ms,
+                },
+            })
+            .boxed(),
+    }
+}
+
+/// A rule of the pool: its parameters now, and another draw of the same algorithm to switch to.
+#[derive(Debug, Clone)]
+struct PoolRule {
+    params: RuleParams,
+    alternative: RuleParams,
+}
+
+fn pool() -> impl Strategy<Value = Vec<PoolRule>> {
+    prop::collection::vec(kind(), 1..=8).prop_flat_map(|kinds| {
+        kinds
+            .into_iter()
+            .map(|kind| {
+                (params(kind), params(kind)).prop_map(|(params, alternative)| PoolRule {
+                    params,
+                    alternative,
+                })
+            })
+            .collect::<Vec<_>>()
+    })
+}
+
+/// How a step moves the clock, in ms: mostly forward a little, sometimes back, sometimes years on.
+fn clock_step() -> impl Strategy<Value = i64> {
+    prop_oneof![
+        6 => 0i64..2_000,
+        2 => -5_000i64..0,
+        1 => 0i64..(1 << 36),
+    ]
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    /// A request over some pool rules (index into the pool, cost draw).
+    Request {
+        rules: Vec<(usize, (u8, u64))>,
+        /// `Some(k)`: reuse the k-th most recent decision id (a retry); `None`: a fresh id.
+        repeat_id: Option<usize>,
+        record_ttl_ms: u64,
+    },
+    /// A policy change to pool rule `rule`: tightened to `percent` of its capacity (limit), or
+    /// switched to its alternative parameters.
+    Change {
+        rule: usize,
+        tighten_percent: Option<u64>,
+    },
+}
+
+fn step() -> impl Strategy<Value = (i64, Step)> {
+    let request = (
+        prop::collection::vec((any::<usize>(), any::<(u8, u64)>()), 1..=8),
+        prop_oneof![4 => Just(None), 1 => (0usize..4).prop_map(Some)],
+        prop_oneof![3 => Just(0u64), 1 => 1u64..5_000, 1 => Just(30_000u64)],
+    )
+        .prop_map(|(rules, repeat_id, record_ttl_ms)| Step::Request {
+            rules,
+            repeat_id,
+            record_ttl_ms,
+        });
+    let change =
+        (any::<usize>(), prop::option::of(1u64..100)).prop_map(|(rule, tighten_percent)| {
+            Step::Change {
+                rule,
+                tighten_percent,
+            }
+        });
+    (clock_step(), prop_oneof![8 => request, 1 => change])
+}
+
+/// The cost of a request against a rule, from a random draw: mostly within capacity, sometimes
+/// above it (never admitted), rarely invalid (a policy fault for the whole batch).
+fn cost_millitokens(params: &RuleParams, (variant, raw): (u8, u64)) -> u64 {
+    match *params {
+        RuleParams::TokenBucket {
+            capacity_millitokens: capacity,
+            ..
+        }
+        | RuleParams::Gcra {
+            capacity_millitokens: capacity,
+            ..
+        } => match variant % 64 {
+            0 => MAX_RULE_PARAMETER + 1 + raw % 1_000,
+            1..=4 => capacity + 1 + raw % 1_000,
+            5..=40 => 1 + raw % (capacity / 8).max(1),
+            _ => 1 + raw % capacity,
+        },
+        RuleParams::FixedWindow { limit_units, .. }
+        | RuleParams::SlidingCounter { limit_units, .. } => match variant % 64 {
+            0 => 1_000 * (1 + raw % 3) + 1 + raw % 999,
+            1..=4 => 1_000 * (limit_units + 1 + raw % 3),
+            _ => 1_000 * (1 + raw % limit_units.min(3)),
+        },
+        RuleParams::SlidingLog { .. } => {
+            if variant % 64 == 0 {
+                2_000
+            } else {
+                1_000
+            }
+        }
+    }
+}
+
+fn tightened(params: RuleParams, percent: u64) -> RuleParams {
+    let shrink = |amount: u64| (amount * percent / 100).max(1);
+    match params {
+        RuleParams::TokenBucket {
+            capacity_millitokens,
+            refill_millitokens,
+            period_ms,
+            slack_ms,
+        } => RuleParams::TokenBucket {
+            capacity_millitokens: shrink(capacity_millitokens),
+            refill_millitokens,
+            period_ms,
+            slack_ms,
+        },
+        RuleParams::Gcra {
+            capacity_millitokens,
+            refill_millitokens,
+            period_ms,
+        } => RuleParams::Gcra {
+            capacity_millitokens: shrink(capacity_millitokens),
+            refill_millitokens,
+            period_ms,
+        },
+        RuleParams::FixedWindow {
+            limit_units,
+            window_ms,
+        } => RuleParams::FixedWindow {
+            limit_units: shrink(limit_units),
+            window_ms,
+        },
+        RuleParams::SlidingCounter {
+            limit_units,
+            window_ms,
+        } => RuleParams::SlidingCounter {
+            limit_units: shrink(limit_units),
+            window_ms,
+        },
+        RuleParams::SlidingLog {
+            limit_units,
+            window_ms,
+        } => RuleParams::SlidingLog {
+            limit_units: shrink(limit_units),
+            window_ms,
+        },
+    }
+}
+
+// Running ----------------------------------------------------------------------------------------
+
+/// How often each kind of outcome came up, so a generator that stopped reaching one (and made the
+/// comparison vacuous for it) fails the test.
+#[derive(Debug, Default)]
+struct Tally {
+    allowed_multi_rule: u64,
+    denied_with_a_wait: u64,
+    denied_never: u64,
+    rejected: u64,
+    replayed_records: u64,
+    clock_steps_back: u64,
+}
+
+impl Tally {
+    fn count(&mut self, outcome: &Result<BatchDecision, Rejection>, rules: usize) {
+        match outcome {
+            Ok(decision) if decision.replayed => self.replayed_records += 1,
+            Ok(decision) if decision.allowed => self.allowed_multi_rule += u64::from(rules > 1),
+            Ok(decision) if decision.retry == RetryAfter::Never => self.denied_never += 1,
+            Ok(_) => self.denied_with_a_wait += 1,
+            Err(_) => self.rejected += 1,
+        }
+    }
+
+    fn assert_every_outcome_was_reached(&self) {
+        let counts = [
+            self.allowed_multi_rule,
+            self.denied_with_a_wait,
+            self.denied_never,
+            self.rejected,
+            self.replayed_records,
+            self.clock_steps_back,
+        ];
+        assert!(
+            counts.iter().all(|&n| n > 0),
+            "an outcome was never reached: {self:?}"
+        );
+    }
+}
+
+/// Tenants are unique per case, so cases never share keys on the long-lived Redis.
+static NEXT_CASE: AtomicU64 = AtomicU64::new(0);
+
+fn rejection_of(result: Result<BatchDecision, StoreError>) -> Result<BatchDecision, Rejection> {
+    result.map_err(|error| match error {
+        StoreError::Rejected { kind, .. } => kind,
+        other => panic!("a store failed instead of deciding: {other}"),
+    })
+}
+
+fn normalized(state: Option<Stored>) -> Option<Stored> {
+    match state {
+        Some(Stored::Rule(State::SlidingLog(mut log))) => {
+            log.entries
+                .sort_by(|a, b| (a.admitted_at_ms, &a.member).cmp(&(b.admitted_at_ms, &b.member)));
+            Some(Stored::Rule(State::SlidingLog(log)))
+        }
+        Some(Stored::Leases(mut leases)) => {
+            leases.leases.sort_by(|a, b| {
+                (a.expires_at_ms, &a.lease_id).cmp(&(b.expires_at_ms, &b.lease_id))
+            });
+            Some(Stored::Leases(leases))
+        }
+        other => other,
+    }
+}
+
+async fn run_decisions(
+    tally: &RefCell<Tally>,
+    redis: &Subject,
+    start_offset_ms: u64,
+    mut pool: Vec<PoolRule>,
+    steps: Vec<(i64, Step)>,
+) -> Result<(), TestCaseError> {
+    let case = NEXT_CASE.fetch_add(1, Ordering::Relaxed);
+    let tenant = tenant(&format!("case-{case}"));
+    let in_process = Subject::in_process();
+    let mut reference = Reference::default();
+    let mut now_ms = FUTURE_BASE_MS + start_offset_ms;
+    let mut ids: Vec<String> = Vec::new();
+    let key_of = |index: usize| rule_key(&tenant, &format!("rule-{index}"));
+    for (number, (clock_step, step)) in steps.into_iter().enumerate() {
+        now_ms = now_ms.saturating_add_signed(clock_step).max(FUTURE_BASE_MS);
+        tally.borrow_mut().clock_steps_back += u64::from(clock_step < 0);
+        let (rules, repeat_id, record_ttl_ms) = match step {
+            Step::Change {
+                rule,
+                tighten_percent,
+            } => {
+                let pool_len = pool.len();
+                let rule = &mut pool[rule % pool_len];
+                rule.params = match tighten_percent {
+                    Some(percent) => tightened(rule.params, percent),
+                    None => {
+                        let redrawn = rule.alternative;
+                        rule.alternative = rule.params;
+                        redrawn
+                    }
+                };
+                continue;
+            }
+            Step::Request {
+                rules,
+                repeat_id,
+                record_ttl_ms,
+            } => (rules, repeat_id, record_ttl_ms),
+        };
+        let mut chosen: Vec<usize> = Vec::new();
+        let mut batch_rules = Vec::new();
+        for (index, draw) in rules {
+            let index = index % pool.len();
+            if chosen.contains(&index) {
+                continue;
+            }
+            chosen.push(index);
+            let params = pool[index].params;
+            let cost = cost_millitokens(&params, draw);
+            batch_rules.push(BatchRule::new(key_of(index), params, cost).expect("valid"));
+        }
+        let id = match repeat_id {
+            Some(back) if !ids.is_empty() => ids[ids.len() - 1 - back % ids.len()].clone(),
+            _ => format!("r-{number}"),
+        };
+        ids.push(id.clone());
+        let batch = RuleBatch::new(&tenant, decision_id(&id), record_ttl_ms, batch_rules)
+            .expect("a valid batch");
+        for subject in [&in_process, redis] {
+            subject.set_now(now_ms);
+        }
+        let expected = reference.decide(&batch, now_ms);
+        let from_memory = rejection_of(in_process.decide(&batch).await);
+        let from_redis = rejection_of(redis.decide(&batch).await);
+        prop_assert_eq!(
+            &from_memory,
+            &expected,
+            "in-process, step {}: {:?}",
+            number,
+            batch
+        );
+        prop_assert_eq!(
+            &from_redis,
+            &expected,
+            "redis, step {}: {:?}",
+            number,
+            batch
+        );
+        tally.borrow_mut().count(&expected, batch.rules().len());
+
+        // Every key of the pool holds the same state with the same expiry everywhere.
+        for (index, rule) in pool.iter().enumerate() {
+            let key = key_of(index);
+            redis.expire(&[&key]).await;
+            let expected = normalized(reference.live(&key, now_ms));
+            let expected_expiry = reference.keys.get(&key).map(|(_, at)| *at);
+            for (name, subject) in [("in-process", &in_process), ("redis", redis)] {
+                let stored = subject
+                    .rule_state(&key, &rule.params)
+                    .await
+                    .map(Stored::Rule);
+                prop_assert_eq!(
+                    normalized(stored),
+                    expected.clone(),
+                    "{} state of {}, step {}",
+                    name,
+                    key,
+                    number
+                );
+                let expiry = subject.expires_at(&key).await;
+                prop_assert_eq!(
+                    expiry,
+                    expected_expiry,
+                    "{} expiry of {}, step {}",
+                    name,
+                    key,
+                    number
+                );
+            }
+        }
+        // And the decision record.
+        let record_key = batch.record_key();
+        redis.expire(&[record_key]).await;
+        let expected_record = match reference.live(record_key, now_ms) {
+            Some(Stored::Record(recorded)) => Some(recorded.remaining),
+            None => None,
+            Some(other) => panic!("the record key holds {other:?}"),
+        };
+        let expected_expiry = reference.keys.get(record_key).map(|(_, at)| *at);
+        for (name, subject) in [("in-process", &in_process), ("redis", redis)] {
+            prop_assert_eq!(
+                subject.record(record_key).await,
+                expected_record.clone(),
+                "{} record, step {}",
+                name,
+                number
+            );
+            prop_assert_eq!(
+                subject.expires_at(record_key).await,
+                expected_expiry,
+                "{} record expiry, step {}",
+                name,
+                number
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One lease operation of a sequence.
+#[derive(Debug, Clone)]
+struct LeaseStep {
+    clock_step_ms: i64,
+    /// Acquire, renew or release, modulo 3.
+    operation: u8,
+    /// Which of five lease ids, modulo 5.
+    lease: usize,
+    /// A policy change first: the new (max in flight, lease TTL ms).
+    new_semaphore: Option<(u64, u64)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Operation {
+    Acquire,
+    Renew,
+    Release,
+}
+
+async fn run_leases(
+    outcomes: &RefCell<HashMap<(Operation, bool), u64>>,
+    redis: &Subject,
+    start_offset_ms: u64,
+    mut semaphore: (u64, u64),
+    steps: Vec<LeaseStep>,
+) -> Result<(), TestCaseError> {
+    let case = NEXT_CASE.fetch_add(1, Ordering::Relaxed);
+    let key = rule_key(&tenant(&format!("lease-{case}")), "export:cc");
+    let in_process = Subject::in_process();
+    let mut reference = Reference::default();
+    let mut now_ms = FUTURE_BASE_MS + start_offset_ms;
+    for (number, step) in steps.into_iter().enumerate() {
+        let LeaseStep {
+            clock_step_ms,
+            operation,
+            lease,
+            new_semaphore,
+        } = step;
+        now_ms = now_ms
+            .saturating_add_signed(clock_step_ms)
+            .max(FUTURE_BASE_MS);
+        if let Some(new_semaphore) = new_semaphore {
+            semaphore = new_semaphore;
+        }
+        for subject in [&in_process, redis] {
+            subject.set_now(now_ms);
+        }
+        redis.expire(&[&key]).await;
+        let lease_id = decision_id(["a", "b", "c", "d", "e"][lease % 5]);
+        let call = LeaseCall::new(key.clone(), semaphore.0, semaphore.1, lease_id).expect("valid");
+        let operation =
+            [Operation::Acquire, Operation::Renew, Operation::Release][usize::from(operation % 3)];
+        let expected = reference.lease(operation, &call, now_ms);
+        *outcomes
+            .borrow_mut()
+            .entry((operation, expected.held))
+            .or_default() += 1;
+        for (name, subject) in [("in-process", &in_process), ("redis", redis)] {
+            let outcome = match operation {
+                Operation::Acquire => subject.store.acquire_lease(&call).await,
+                Operation::Renew => subject.store.renew_lease(&call).await,
+                Operation::Release => subject.store.release_lease(&call).await,
+            }
+            .expect("the store answers");
+            prop_assert_eq!(
+                outcome,
+                expected,
+                "{} {:?}, step {}",
+                name,
+                operation,
+                number
+            );
+            let leases = subject.leases(&key).await.map(Stored::Leases);
+            let expected_leases =
+                normalized(reference.keys.get(&key).map(|(value, _)| value.clone()));
+            prop_assert_eq!(leases, expected_leases, "{} leases, step {}", name, number);
+            let expected_expiry = reference.keys.get(&key).map(|(_, at)| *at);
+            prop_assert_eq!(
+                subject.expires_at(&key).await,
+                expected_expiry,
+                "{} expiry, step {}",
+                name,
+                number
+            );
+        }
+    }
+    Ok(())
+}
+
+fn runner(cases: u32) -> TestRunner {
+    TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    })
+}
+
+fn check_decisions(redis: &Subject, runtime: &tokio::runtime::Runtime, cases: u32) {
+    let scenario = (
+        0u64..1_000_000,
+        pool(),
+        prop::collection::vec(step(), 1..40),
+    );
+    let tally = RefCell::new(Tally::default());
+    let result = runner(cases).run(&scenario, |(start, pool, steps)| {
+        runtime.block_on(run_decisions(&tally, redis, start, pool, steps))
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+    tally.borrow().assert_every_outcome_was_reached();
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+}
+
+#[test]
+fn decisions_agree_across_the_pure_core_the_in_process_store_and_redis() {
+    let runtime = runtime();
+    let redis = runtime.block_on(Subject::redis_single());
+    check_decisions(&redis, &runtime, 96);
+}
+
+#[test]
+fn decisions_agree_on_a_three_master_cluster() {
+    let runtime = runtime();
+    let redis = runtime.block_on(Subject::redis_cluster());
+    check_decisions(&redis, &runtime, 24);
+}
+
+#[test]
+fn leases_agree_across_the_pure_core_the_in_process_store_and_redis() {
+    let runtime = runtime();
+    let redis = runtime.block_on(Subject::redis_single());
+    let semaphore = (1u64..=4, 1u64..=3_000);
+    let lease_step = (
+        clock_step().prop_map(|step| step.clamp(-2_000, 4_000)),
+        any::<u8>(),
+        any::<usize>(),
+        prop::option::weighted(0.1, semaphore.clone()),
+    )
+        .prop_map(
+            |(clock_step_ms, operation, lease, new_semaphore)| LeaseStep {
+                clock_step_ms,
+                operation,
+                lease,
+                new_semaphore,
+            },
+        );
+    let scenario = (
+        0u64..1_000_000,
+        semaphore,
+        prop::collection::vec(lease_step, 1..40),
+    );
+    let outcomes = RefCell::new(HashMap::new());
+    let result = runner(96).run(&scenario, |(start, semaphore, steps)| {
+        runtime.block_on(run_leases(&outcomes, &redis, start, semaphore, steps))
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+    // Every operation both succeeded and was refused at least once.
+    let outcomes = outcomes.into_inner();
+    assert_eq!(
+        outcomes.len(),
+        6,
+        "an outcome was never reached: {outcomes:?}"
+    );
+}

@@ -1,0 +1,540 @@
+//! What only the Redis store has: the script cache, contention between connections, the server's
+//! clock, the scripts' own argument validation, and a cluster.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allot_shared::limit::RetryAfter;
+use allot_testkit::RedisServer;
+
+use super::harness::{
+    FUTURE_BASE_MS, P_READ, P_TENANT, RECOVERY_DEADLINE, Subject, TEST_CONFIG, batch, decision_id,
+    redis_query, rule_key, tenant,
+};
+use crate::limiter::batch::RuleParams;
+use crate::limiter::redis_store::{Connection, RedisStore};
+use crate::limiter::store::{LeaseCall, LimiterStore, Rejection, StoreError};
+
+/// How often a recovering store is polled.
+const POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+/// One rule of each algorithm, with small parameters.
+fn one_of_each() -> [(&'static str, RuleParams, u64); 5] {
+    [
+        ("tb", P_READ, 1_000),
+        (
+            "gcra",
+            RuleParams::Gcra {
+                capacity_millitokens: 20_000,
+                refill_millitokens: 2_000,
+                period_ms: 1_000,
+            },
+            1_000,
+        ),
+        (
+            "fw",
+            RuleParams::FixedWindow {
+                limit_units: 5,
+                window_ms: 10_000,
+            },
+            1_000,
+        ),
+        (
+            "sc",
+            RuleParams::SlidingCounter {
+                limit_units: 5,
+                window_ms: 10_000,
+            },
+            1_000,
+        ),
+        (
+            "sl",
+            RuleParams::SlidingLog {
+                limit_units: 5,
+                window_ms: 10_000,
+            },
+            1_000,
+        ),
+    ]
+}
+
+/// The server's clock, in epoch ms (floored, as the scripts read it).
+async fn server_time_ms(connection: &Connection) -> u64 {
+    let (seconds, micros): (u64, u64) = redis_query(connection, &redis::cmd("TIME")).await;
+    seconds * 1_000 + micros / 1_000
+}
+
+#[tokio::test]
+async fn a_flushed_script_cache_is_reloaded_once_and_the_call_succeeds() {
+    let s = Subject::redis_single().await;
+    s.set_now(FUTURE_BASE_MS);
+    let atlas = tenant("atlas");
+    let request = |id: &str| batch(&atlas, id, 0, &[("u:17", P_READ, 1_000)]);
+    assert!(s.decide(&request("r-1")).await.expect("decides").allowed);
+    assert_eq!(s.redis_store().script_reloads(), 0);
+
+    let _: String = redis_query(&s.redis_connection(), redis::cmd("SCRIPT").arg("FLUSH")).await;
+    let decision = s
+        .decide(&request("r-2"))
+        .await
+        .expect("decides after NOSCRIPT");
+    assert_eq!(
+        decision.remaining,
+        [18_000],
+        "the state survived; only the script was lost"
+    );
+    assert_eq!(s.redis_store().script_reloads(), 1);
+
+    let lease =
+        LeaseCall::new(rule_key(&atlas, "cc"), 3, 60_000, decision_id("e-1")).expect("valid");
+    assert!(
+        s.store
+            .acquire_lease(&lease)
+            .await
+            .expect("acquires after NOSCRIPT")
+            .held
+    );
+    assert_eq!(
+        s.redis_store().script_reloads(),
+        2,
+        "the lease script was reloaded too"
+    );
+}
+
+#[tokio::test]
+async fn after_a_server_restart_the_store_reconnects_and_reloads_its_scripts() {
+    let mut s = Subject::redis_single().await;
+    s.set_now(FUTURE_BASE_MS);
+    let atlas = tenant("atlas");
+    let request = |id: &str| batch(&atlas, id, 0, &[("u:17", P_READ, 1_000)]);
+    assert_eq!(
+        s.decide(&request("r-1")).await.expect("decides").remaining,
+        [19_000]
+    );
+
+    let server = s.redis.as_mut().expect("a single server");
+    server.stop();
+    server.restart();
+    let attempts = RECOVERY_DEADLINE.as_millis() / POLL_INTERVAL.as_millis();
+    let mut recovered = None;
+    for attempt in 0..attempts {
+        // Straight to the store: the harness's own commands would fail while the server is down.
+        match s
+            .store
+            .decide(&request(&format!("r-retry-{attempt}")))
+            .await
+        {
+            Ok(decision) => {
+                recovered = Some(decision);
+                break;
+            }
+            // While the connection is re-established, calls fail without a decision.
+            Err(StoreError::NotExecuted { .. } | StoreError::Ambiguous { .. }) => {
+                tokio::time::sleep(POLL_INTERVAL).await;
+            }
+            Err(other) => panic!("a restart is not a {other}"),
+        }
+    }
+    let decision = recovered.expect("the store recovers within the deadline");
+    assert_eq!(
+        decision.remaining,
+        [19_000],
+        "nothing was persisted: a fresh bucket"
+    );
+    assert!(
+        s.redis_store().script_reloads() >= 1,
+        "NOSCRIPT was answered by a reload"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racers_for_the_last_token_on_separate_connections_admit_exactly_one() {
+    const RACERS: usize = 32;
+    let server = RedisServer::start();
+    // One token that takes an hour to come back: only the first decision can have it.
+    let one_token = RuleParams::TokenBucket {
+        capacity_millitokens: 1_000,
+        refill_millitokens: 1_000,
+        period_ms: 3_600_000,
+        slack_ms: 0,
+    };
+    let atlas = tenant("atlas");
+    let barrier = Arc::new(tokio::sync::Barrier::new(RACERS));
+    let mut racers = Vec::new();
+    for n in 0..RACERS {
+        // Separate connections, as separate gateways would have; production time (TIME).
+        let store = RedisStore::connect(&server.url(), TEST_CONFIG)
+            .await
+            .expect("connects");
+        let request = batch(&atlas, &format!("r-{n}"), 0, &[("u:17", one_token, 1_000)]);
+        let barrier = barrier.clone();
+        racers.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.decide(&request).await.expect("decides")
+        }));
+    }
+    let mut winners = 0;
+    for racer in racers {
+        let decision = racer.await.expect("the racer finishes");
+        if decision.allowed {
+            winners += 1;
+            assert_eq!(decision.remaining, [0]);
+        } else {
+            assert_eq!(decision.remaining, [0]);
+            assert!(matches!(decision.retry, RetryAfter::Ms(ms) if ms > 0));
+        }
+    }
+    assert_eq!(winners, 1, "exactly one racer gets the last token");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_tasks_never_admit_more_than_capacity_plus_refill_over_elapsed_time() {
+    const TASKS: usize = 64;
+    const CALLS_PER_TASK: usize = 200;
+    const CONNECTIONS: usize = 8;
+    let capacity_millitokens = 100_000;
+    let refill_millitokens = 50_000;
+    let period_ms = 1_000;
+    let cost_millitokens = 1_000;
+    let bucket = RuleParams::TokenBucket {
+        capacity_millitokens,
+        refill_millitokens,
+        period_ms,
+        slack_ms: 5_000,
+    };
+    let server = RedisServer::start();
+    let mut stores = Vec::new();
+    for _ in 0..CONNECTIONS {
+        let store = RedisStore::connect(&server.url(), TEST_CONFIG)
+            .await
+            .expect("connects");
+        stores.push(Arc::new(store));
+    }
+    let clock_connection = stores[0].connection();
+    let atlas = tenant("atlas");
+    let started_ms = server_time_ms(&clock_connection).await;
+    let mut tasks = Vec::new();
+    for task in 0..TASKS {
+        let store = stores[task % CONNECTIONS].clone();
+        let atlas = atlas.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0u64;
+            for call in 0..CALLS_PER_TASK {
+                let id = format!("r-{task}-{call}");
+                let request = batch(&atlas, &id, 0, &[("tenant", bucket, cost_millitokens)]);
+                admitted += u64::from(store.decide(&request).await.expect("decides").allowed);
+            }
+            admitted
+        }));
+    }
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += task.await.expect("the task finishes");
+    }
+    let elapsed_ms = server_time_ms(&clock_connection).await - started_ms;
+    let calls = (TASKS * CALLS_PER_TASK) as u64;
+    // admitted x cost <= capacity + refill x elapsed / period, multiplied through by the period.
+    let admitted_scaled = admitted * cost_millitokens * period_ms;
+    let bound_scaled = capacity_millitokens * period_ms + refill_millitokens * elapsed_ms;
+    assert!(
+        admitted_scaled <= bound_scaled,
+        "{admitted} admitted in {elapsed_ms} ms exceeds capacity + refill x elapsed"
+    );
+    assert!(
+        admitted >= capacity_millitokens / cost_millitokens,
+        "a full bucket admits its capacity first"
+    );
+    assert!(
+        admitted < calls,
+        "the bucket ran dry: {admitted} of {calls} admitted in {elapsed_ms} ms"
+    );
+}
+
+#[tokio::test]
+async fn every_key_a_decision_writes_has_a_ttl_on_the_server_clock() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url(), TEST_CONFIG)
+        .await
+        .expect("connects");
+    let connection = store.connection();
+    let atlas = tenant("atlas");
+    let request = batch(&atlas, "r-ttl", 30_000, &one_of_each());
+    let decision = store.decide(&request).await.expect("decides");
+    assert!(decision.allowed);
+    let expected_ttls_ms = [15_000, 500, 10_000, 20_000, 10_000];
+    for ((name, _, _), ttl_ms) in one_of_each().iter().zip(expected_ttls_ms) {
+        let pttl: i64 =
+            redis_query(&connection, redis::cmd("PTTL").arg(rule_key(&atlas, name))).await;
+        assert!(
+            pttl > 0 && pttl <= ttl_ms,
+            "{name}: PTTL {pttl}, at most {ttl_ms}"
+        );
+    }
+    let pttl: i64 = redis_query(&connection, redis::cmd("PTTL").arg(request.record_key())).await;
+    assert!(pttl > 0 && pttl <= 30_000, "decision record: PTTL {pttl}");
+    let lease =
+        LeaseCall::new(rule_key(&atlas, "cc"), 3, 60_000, decision_id("e-1")).expect("valid");
+    assert!(store.acquire_lease(&lease).await.expect("acquires").held);
+    let pttl: i64 = redis_query(&connection, redis::cmd("PTTL").arg(lease.key())).await;
+    assert!(pttl > 0 && pttl <= 60_000, "lease set: PTTL {pttl}");
+    let keys: i64 = redis_query(&connection, &redis::cmd("DBSIZE")).await;
+    assert_eq!(
+        keys, 7,
+        "five rules, a record and a lease set; nothing else"
+    );
+}
+
+#[tokio::test]
+async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
+    let s = Subject::redis_single().await;
+    let store = s.redis_store();
+    let keys = ["rl:v1:{t:a}:d:r-1", "rl:v1:{t:a}:x"];
+    let now = FUTURE_BASE_MS.to_string();
+    let tb = |fields: [&str; 5]| {
+        let mut args = vec![
+            now.clone(),
+            "r-1".to_owned(),
+            "0".to_owned(),
+            "1".to_owned(),
+            "tb".to_owned(),
+        ];
+        args.extend(fields.map(str::to_owned));
+        args
+    };
+    let with = |kind: &str, fields: [&str; 5]| {
+        let mut args = tb(fields);
+        args[4] = kind.to_owned();
+        args
+    };
+    let valid = tb(["20000", "2000", "1000", "5000", "1000"]);
+    let mut cases: Vec<(&str, Vec<String>)> = vec![
+        ("nan", tb(["nan", "2000", "1000", "5000", "1000"])),
+        ("inf", tb(["20000", "inf", "1000", "5000", "1000"])),
+        ("exponent", tb(["2e4", "2000", "1000", "5000", "1000"])),
+        ("negative", tb(["20000", "2000", "-1000", "5000", "1000"])),
+        ("fraction", tb(["20000", "2000", "1000", "5000", "1000.5"])),
+        ("padded", tb([" 20000", "2000", "1000", "5000", "1000"])),
+        ("hex", tb(["0x4e20", "2000", "1000", "5000", "1000"])),
+        ("empty", tb(["", "2000", "1000", "5000", "1000"])),
+        ("zero refill", tb(["20000", "0", "1000", "5000", "1000"])),
+        (
+            "above 2^40",
+            tb(["1099511627777", "2000", "1000", "5000", "1000"]),
+        ),
+        (
+            "capacity x period above 2^52",
+            tb(["1099511627776", "2000", "4097", "0", "1000"]),
+        ),
+        (
+            "slack above 2^40",
+            tb(["20000", "2000", "1000", "1099511627777", "1000"]),
+        ),
+        (
+            "cost above 2^40",
+            tb(["20000", "2000", "1000", "5000", "1099511627777"]),
+        ),
+        ("cost zero", tb(["20000", "2000", "1000", "5000", "0"])),
+        (
+            "unknown algorithm",
+            with("leaky", ["20000", "2000", "1000", "5000", "1000"]),
+        ),
+        (
+            "gcra with slack",
+            with("gcra", ["20000", "2000", "1000", "5", "1000"]),
+        ),
+        (
+            "window with a third parameter",
+            with("fw", ["5", "1000", "1", "0", "1000"]),
+        ),
+        (
+            "partial window units",
+            with("fw", ["5", "1000", "0", "0", "1500"]),
+        ),
+        (
+            "weighted sliding log",
+            with("sl", ["5", "1000", "0", "0", "2000"]),
+        ),
+    ];
+    let mut header = |field: usize, value: &str, name: &'static str| {
+        let mut args = valid.clone();
+        args[field] = value.to_owned();
+        cases.push((name, args));
+    };
+    header(0, "-5", "negative now");
+    header(0, "1125899906842625", "now above 2^50");
+    header(1, &"x".repeat(65), "a 65-byte decision id");
+    header(2, "1099511627777", "record ttl above 2^40");
+    header(3, "2", "n larger than the keys");
+    header(3, "9", "more than 8 rules");
+    let mut short = valid.clone();
+    short.pop();
+    cases.push(("a missing field", short));
+    for (name, args) in &cases {
+        let refused = store.run_decide_raw(&keys, args).await;
+        assert!(
+            matches!(
+                refused,
+                Err(StoreError::Rejected {
+                    kind: Rejection::InvalidArgument,
+                    ..
+                })
+            ),
+            "{name}: {refused:?}"
+        );
+    }
+    let duplicate = {
+        let mut args = valid.clone();
+        args[3] = "2".to_owned();
+        args.extend(valid[4..].iter().cloned());
+        args
+    };
+    let refused = store
+        .run_decide_raw(&[keys[0], keys[1], keys[1]], &duplicate)
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(StoreError::Rejected {
+                kind: Rejection::InvalidArgument,
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    let exists: i64 = redis_query(&s.redis_connection(), redis::cmd("EXISTS").arg(&keys[..])).await;
+    assert_eq!(exists, 0, "no refused call wrote anything");
+    assert_eq!(
+        store
+            .run_decide_raw(&keys, &valid)
+            .await
+            .expect("the valid call decides"),
+        [1, 0, 0, 0, 19_000]
+    );
+}
+
+#[tokio::test]
+async fn corrupt_state_is_refused_not_reset() {
+    let s = Subject::redis_single().await;
+    s.set_now(FUTURE_BASE_MS);
+    let connection = s.redis_connection();
+    let atlas = tenant("atlas");
+    let key = rule_key(&atlas, "u:17");
+    for (name, fields) in [
+        ("a non-integer", vec!["tk", "abc", "ts", "1"]),
+        ("a missing field", vec!["tk", "5"]),
+        (
+            "a field of another algorithm",
+            vec!["tk", "5", "ts", "1", "n", "2"],
+        ),
+    ] {
+        let _: i64 = redis_query(&connection, redis::cmd("DEL").arg(&key)).await;
+        let _: i64 = redis_query(&connection, redis::cmd("HSET").arg(&key).arg(&fields)).await;
+        let _: i64 = redis_query(&connection, redis::cmd("PEXPIRE").arg(&key).arg(60_000)).await;
+        // Straight to the store: the keys above expire on the real clock, not the test clock.
+        let refused = s
+            .store
+            .decide(&batch(&atlas, "r-1", 0, &[("u:17", P_READ, 1_000)]))
+            .await;
+        assert!(
+            matches!(
+                refused,
+                Err(StoreError::Rejected {
+                    kind: Rejection::StateMismatch,
+                    ..
+                })
+            ),
+            "{name}: {refused:?}"
+        );
+    }
+    // A decision record that is not a string.
+    let request = batch(&atlas, "r-2", 30_000, &[("u:18", P_READ, 1_000)]);
+    let _: i64 = redis_query(
+        &connection,
+        redis::cmd("HSET").arg(request.record_key()).arg("x").arg(1),
+    )
+    .await;
+    let _: i64 = redis_query(
+        &connection,
+        redis::cmd("PEXPIRE").arg(request.record_key()).arg(60_000),
+    )
+    .await;
+    let refused = s.store.decide(&request).await;
+    assert!(
+        matches!(
+            refused,
+            Err(StoreError::Rejected {
+                kind: Rejection::StateMismatch,
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+}
+
+#[tokio::test]
+async fn tenants_spread_over_a_three_master_cluster_each_decide_in_one_slot() {
+    let s = Subject::redis_cluster().await;
+    let now = FUTURE_BASE_MS;
+    s.set_now(now);
+    let connection = s.redis_connection();
+    let tenants: Vec<_> = (0..12).map(|n| tenant(&format!("tenant-{n}"))).collect();
+    for t in &tenants {
+        let request = batch(t, "r-1", 30_000, &one_of_each());
+        let mut slots = Vec::new();
+        for key in
+            std::iter::once(request.record_key()).chain(request.rules().iter().map(|r| r.key()))
+        {
+            let slot: i64 =
+                redis_query(&connection, redis::cmd("CLUSTER").arg("KEYSLOT").arg(key)).await;
+            slots.push(slot);
+        }
+        assert!(
+            slots.windows(2).all(|pair| pair[0] == pair[1]),
+            "{t}: one slot for all keys, got {slots:?}"
+        );
+
+        let first = s.decide(&request).await.expect("decides");
+        assert_eq!(first.remaining, [19_000, 19_000, 4, 4, 4]);
+        let replay = s.decide(&request).await.expect("replays");
+        assert!(
+            replay.replayed && replay.remaining == first.remaining,
+            "{t}: {replay:?}"
+        );
+        // A denial by the tenant bucket leaves every other rule untouched.
+        let denied = batch(
+            t,
+            "r-2",
+            0,
+            &[("tb", P_READ, 1_000), ("tenant", P_TENANT, 1_000_001)],
+        );
+        let decision = s.decide(&denied).await.expect("decides");
+        assert_eq!(
+            (decision.denied_by, decision.retry),
+            (Some(1), RetryAfter::Never)
+        );
+        assert_eq!(decision.remaining, [19_000, 0]);
+        let user = s.token_bucket(&rule_key(t, "tb")).await.expect("exists");
+        assert_eq!(user.tokens_millitokens, 19_000);
+        for (name, _, _) in one_of_each() {
+            let expiry = s.expires_at(&rule_key(t, name)).await;
+            assert!(
+                expiry.is_some_and(|at| at > now),
+                "{t} {name}: every key carries a TTL"
+            );
+        }
+    }
+    // The tenants' slots fall on every master: the script ran on all three.
+    let cluster = s.cluster.as_ref().expect("a cluster");
+    for node in 0..3 {
+        let client = redis::Client::open(cluster.node_url(node)).expect("a node url");
+        let mut direct = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connects");
+        let keys: i64 = redis::cmd("DBSIZE")
+            .query_async(&mut direct)
+            .await
+            .expect("DBSIZE");
+        assert!(keys > 0, "node {node} holds no tenant's keys");
+    }
+}
