@@ -109,6 +109,8 @@ struct Shared {
     /// Where committed grants are sent for the ledger. Bounded: when it is full the copy is skipped
     /// (and logged); the ledger's reconciliation from the store fills the gap.
     commit_feed: Option<mpsc::Sender<CommittedGrants>>,
+    /// Most grants per transaction (1 disables group commit; benchmarks compare both).
+    max_batch: usize,
 }
 
 /// The grant service: routes each request to its pool's worker.
@@ -137,8 +139,18 @@ impl Grantor {
                 workers: Mutex::new(HashMap::new()),
                 record_leases: Mutex::new(HashMap::new()),
                 commit_feed,
+                max_batch: MAX_BATCH,
             }),
         }
+    }
+
+    /// The same grantor committing at most `max_batch` grants per transaction (at least 1, at most
+    /// [`MAX_BATCH`]). Call before the first grant.
+    pub fn with_max_batch(mut self, max_batch: usize) -> Self {
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            shared.max_batch = max_batch.clamp(1, MAX_BATCH);
+        }
+        self
     }
 
     /// Grants from `tenant`/`pool`. Idempotent by `request.lease_id`.
@@ -264,7 +276,7 @@ impl PoolWorker {
                 _ => return,
             };
             let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
+            while batch.len() < self.shared.max_batch {
                 match receiver.try_recv() {
                     Ok(next) => batch.push(next),
                     Err(_) => break,

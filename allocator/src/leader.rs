@@ -161,8 +161,10 @@ pub async fn run_election(
 ) {
     tokio::pin!(shutdown);
     let ttl_ms = u64::try_from(config.lease_ttl_s).unwrap_or(1).max(1) * 1_000;
-    // Renew three times per TTL; campaign at the same pace.
-    let tick = Duration::from_millis(ttl_ms / 3);
+    // A leader renews three times per TTL. Others look for a free leader key at least every second,
+    // so a leader that resigned (revoking its lease) is replaced at once.
+    let renew_every = Duration::from_millis(ttl_ms / 3);
+    let campaign_every = renew_every.min(Duration::from_secs(1));
     let mut last_renewal_ms = 0;
     loop {
         let current = role.borrow().clone();
@@ -220,6 +222,11 @@ pub async fn run_election(
             *r = next;
             changed
         });
+        let tick = if matches!(*role.borrow(), Role::Leader(_)) {
+            renew_every
+        } else {
+            campaign_every
+        };
         tokio::select! {
             () = &mut shutdown => break,
             () = tokio::time::sleep(tick) => {}

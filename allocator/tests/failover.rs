@@ -36,6 +36,15 @@ fn free_port() -> u16 {
 }
 
 fn start_allocator(dir: &std::path::Path, name: &str, etcd: &[String]) -> Allocator {
+    start_allocator_with_ttl(dir, name, etcd, 2)
+}
+
+fn start_allocator_with_ttl(
+    dir: &std::path::Path,
+    name: &str,
+    etcd: &[String],
+    lease_ttl_s: u32,
+) -> Allocator {
     let port = free_port();
     let operator = dir.join("operator.tokens");
     let agent = dir.join("agent.tokens");
@@ -46,7 +55,7 @@ fn start_allocator(dir: &std::path::Path, name: &str, etcd: &[String]) -> Alloca
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .args(["--etcd", &etcd.join(",")])
         .args(["--node-id", name])
-        .args(["--leader-lease-ttl-s", "2"])
+        .args(["--leader-lease-ttl-s", &lease_ttl_s.to_string()])
         .arg("--data-dir")
         .arg(dir.join(name))
         .arg("--operator-token-file")
@@ -263,4 +272,63 @@ async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
         *per_window.entry(record.window_start_ms).or_default() += record.granted;
     }
     assert!(per_window.values().all(|granted| *granted <= 100_000));
+}
+
+/// SIGTERM: the leader stops taking requests, exits cleanly and revokes its lease, so the follower
+/// takes over at once rather than after the lease TTL (30 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_leader_hands_over_at_once() {
+    let etcd = EtcdCluster::single();
+    let endpoints = etcd.endpoints();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("client");
+    // A 30 s leader lease: only a revocation explains a takeover within the wait below (15 s).
+    let start = |name: &str| start_allocator_with_ttl(dir.path(), name, &endpoints, 30);
+    let mut a = start("alloc-a");
+    wait_until("a leads", async || {
+        ready_text(&client, &a.url)
+            .await
+            .is_some_and(|t| t.starts_with("leader"))
+    })
+    .await;
+    let b = start("alloc-b");
+    wait_until("b follows", async || {
+        ready_text(&client, &b.url)
+            .await
+            .is_some_and(|t| t.starts_with("follower"))
+    })
+    .await;
+    let terminated = Command::new("kill")
+        .args(["-TERM", &a.child.id().to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(terminated.success());
+    let mut exited = None;
+    for _ in 0..100 {
+        if let Some(status) = a.child.try_wait().expect("wait") {
+            exited = Some(status);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "the leader exits cleanly: {exited:?}"
+    );
+    // b looks for a free leader key every second: it leads long before a's 30 s lease could lapse.
+    let stopwatch = allot_allocator::clock::Stopwatch::start();
+    wait_until("b leads", async || {
+        ready_text(&client, &b.url)
+            .await
+            .is_some_and(|t| t.starts_with("leader"))
+    })
+    .await;
+    assert!(
+        stopwatch.elapsed_seconds() < 5.0,
+        "took over in {:.1} s",
+        stopwatch.elapsed_seconds()
+    );
 }

@@ -29,12 +29,15 @@ async fn shutdown_signal() {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("ALLOT_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    // ALLOT_LOG sets the filter (default info); ALLOT_LOG_FORMAT=json emits one JSON object per line.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ALLOT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt().with_env_filter(filter);
+    if std::env::var("ALLOT_LOG_FORMAT").is_ok_and(|f| f == "json") {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
     let settings = match Args::parse().resolve() {
         Ok(settings) => settings,
         Err(message) => {

@@ -1,0 +1,204 @@
+//! Grants per second through the allocator's grant service, beside a raw etcd transaction loop of the
+//! same shape, against the same single etcd member, in the same run.
+//!
+//! Shapes: one hot pool (every request on one window key) and 1,000 pools; 1 and 64 concurrent
+//! clients; group commit on (up to 256 grants per transaction) and off (1). The raw loop is what a
+//! naive allocator would do: read the window key, then compare-and-put it; on one hot key most of those
+//! transactions conflict. Run with `scripts/bench` (or `cargo bench -p allot-allocator --bench grants`).
+//! Prints one JSON object per line for the report, and a table.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use allot_allocator::clock::{Clock, Stopwatch, SystemClock};
+use allot_allocator::grants::Grantor;
+use allot_allocator::kv::etcd::EtcdKv;
+use allot_allocator::kv::{Compare, Kv, Op};
+use allot_allocator::leader::{Role, try_acquire};
+use allot_allocator::pools::{PoolSpec, put_pool};
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::lease::{GrantRequest, LeaseClamping};
+use tokio::sync::watch;
+
+const RUN: Duration = Duration::from_secs(4);
+
+fn pools(count: usize) -> Vec<(TenantId, PoolId)> {
+    (0..count)
+        .map(|n| {
+            (
+                TenantId::parse(&format!("t{n}")).expect("tenant"),
+                PoolId::parse("api").expect("pool"),
+            )
+        })
+        .collect()
+}
+
+/// How the raw loop writes.
+#[derive(Clone, Copy)]
+enum Raw {
+    /// One unconditional single-put transaction per operation: the store's ceiling for the shape.
+    Blind,
+    /// Read the key, then compare-and-put it: what a naive allocator does for every grant.
+    CompareAndPut,
+}
+
+/// Successful transactions per second on `keys` keys from `clients` tasks, and the share that
+/// failed their comparison.
+async fn raw_loop(kv: Arc<EtcdKv>, keys: usize, clients: usize, mode: Raw) -> (f64, f64) {
+    let done = Arc::new(AtomicU64::new(0));
+    let conflicts = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for client in 0..clients {
+        let (kv, done, conflicts, stop) =
+            (kv.clone(), done.clone(), conflicts.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = client;
+            while !stop.load(Ordering::Relaxed) {
+                let key = format!("/bench/raw/{}", n % keys);
+                n += clients;
+                let compares = match mode {
+                    Raw::Blind => vec![],
+                    Raw::CompareAndPut => {
+                        let revision = kv
+                            .get(&key)
+                            .await
+                            .ok()
+                            .flatten()
+                            .map_or(0, |v| v.mod_revision);
+                        vec![Compare::ModRevision {
+                            key: key.clone(),
+                            revision,
+                        }]
+                    }
+                };
+                let put = Op::Put {
+                    key,
+                    value: vec![b'x'; 64],
+                    lease: None,
+                };
+                match kv.txn(compares, vec![put]).await {
+                    Ok(o) if o.succeeded => done.fetch_add(1, Ordering::Relaxed),
+                    _ => conflicts.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        }));
+    }
+    let stopwatch = Stopwatch::start();
+    tokio::time::sleep(RUN).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        let _ = task.await;
+    }
+    let seconds = stopwatch.elapsed_seconds();
+    let ok = done.load(Ordering::Relaxed) as f64;
+    let failed = conflicts.load(Ordering::Relaxed) as f64;
+    (ok / seconds, failed / (ok + failed).max(1.0))
+}
+
+/// Grants per second through the grant service.
+async fn grant_loop(
+    grantor: Grantor,
+    targets: Arc<Vec<(TenantId, PoolId)>>,
+    clients: usize,
+) -> f64 {
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for client in 0..clients {
+        let (grantor, targets, done, stop) =
+            (grantor.clone(), targets.clone(), done.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = client;
+            let eu = RegionId::parse("eu").expect("region");
+            while !stop.load(Ordering::Relaxed) {
+                let (tenant, pool) = &targets[n % targets.len()];
+                let request = GrantRequest {
+                    lease_id: LeaseId::from_parts(1, rand::random()),
+                    region: eu.clone(),
+                    want_tokens: 1,
+                };
+                n += clients;
+                if grantor
+                    .grant(tenant, pool, request)
+                    .await
+                    .is_ok_and(|g| g.granted == 1)
+                {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    let stopwatch = Stopwatch::start();
+    tokio::time::sleep(RUN).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        let _ = task.await;
+    }
+    done.load(Ordering::Relaxed) as f64 / stopwatch.elapsed_seconds()
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let etcd = allot_testkit::EtcdCluster::single();
+    let kv = Arc::new(EtcdKv::connect(&etcd.endpoints()).await.expect("connect"));
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let leadership = try_acquire(&*kv, "bench", "http://bench", 60)
+        .await
+        .expect("store")
+        .expect("leads");
+    let (_role_sender, role) = watch::channel(Role::Leader(leadership));
+    let spec = PoolSpec {
+        limit: 1 << 40,
+        window_ms: 3_600_000,
+        chunk: 1,
+        lease_ttl_ms: 60_000,
+        fallback_per_region: 0,
+        regions: vec![RegionId::parse("eu").expect("region")],
+    };
+    let all = pools(1_000);
+    for (tenant, pool) in &all {
+        put_pool(&*kv, tenant, pool, spec.clone(), clock.now_ms())
+            .await
+            .expect("pool");
+    }
+    println!(
+        "{:<12} {:>8} {:>8} {:>10} {:>10} {:>8} {:>10} {:>8} {:>9}",
+        "shape", "clients", "batch", "grants/s", "blind/s", "x blind", "CAS/s", "x CAS", "CAS fail"
+    );
+    for (shape, pool_count) in [("hot pool", 1usize), ("1000 pools", 1_000)] {
+        let targets = Arc::new(all[..pool_count].to_vec());
+        for clients in [1usize, 64] {
+            let (blind, _) = raw_loop(kv.clone(), pool_count, clients, Raw::Blind).await;
+            let (cas, cas_failed) =
+                raw_loop(kv.clone(), pool_count, clients, Raw::CompareAndPut).await;
+            for max_batch in [256usize, 1] {
+                let kv_dyn: Arc<dyn Kv> = kv.clone();
+                let grantor = Grantor::new(
+                    kv_dyn,
+                    clock.clone(),
+                    role.clone(),
+                    LeaseClamping::Clamped,
+                    None,
+                )
+                .with_max_batch(max_batch);
+                let grants = grant_loop(grantor, targets.clone(), clients).await;
+                let (x_blind, x_cas) = (grants / blind.max(1.0), grants / cas.max(1.0));
+                println!(
+                    "{shape:<12} {clients:>8} {max_batch:>8} {grants:>10.0} {blind:>10.0} {x_blind:>8.2} {cas:>10.0} {x_cas:>8.2} {:>8.0}%",
+                    cas_failed * 100.0
+                );
+                let round2 = |x: f64| (x * 100.0).round() / 100.0;
+                println!(
+                    "BENCH {}",
+                    serde_json::json!({ "bench": "allocator_grants", "shape": shape, "clients": clients,
+                        "maxBatch": max_batch, "grantsPerSecond": grants.round(),
+                        "blindTxnPerSecond": blind.round(), "ratioToBlind": round2(x_blind),
+                        "casTxnPerSecond": cas.round(), "ratioToCas": round2(x_cas),
+                        "casConflictShare": round2(cas_failed * 100.0) })
+                );
+            }
+        }
+    }
+}

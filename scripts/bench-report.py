@@ -1,0 +1,92 @@
+"""Renders docs/benchmarks.md from the outputs of scripts/bench (criterion estimates, BENCH lines)."""
+import datetime
+import json
+import os
+import platform
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def machine():
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    rustc = subprocess.run(["rustc", "--version"], capture_output=True, text=True).stdout.strip()
+    return f"{os.cpu_count()} cores ({cpu}), {platform.system()} {platform.release()}, {rustc}"
+
+
+def criterion_means():
+    base = os.path.join(ROOT, "target", "criterion")
+    means = {}
+    if not os.path.isdir(base):
+        return means
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name, "new", "estimates.json")
+        bench = os.path.join(base, name, "new", "benchmark.json")
+        if os.path.exists(path) and os.path.exists(bench):
+            with open(path) as f, open(bench) as g:
+                title = json.load(g).get("title", name)
+                means[title] = json.load(f)["mean"]["point_estimate"]
+    return means
+
+
+def bench_lines(log):
+    rows = []
+    path = os.path.join(ROOT, "target", "bench", log)
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        for line in f:
+            if line.startswith("BENCH "):
+                rows.append(json.loads(line[len("BENCH "):]))
+    return rows
+
+
+def main():
+    print("# Benchmarks")
+    print()
+    print("Reproduce with `scripts/bench` (rewrites this file). Benchmarks are not tests: nothing in the")
+    print("test suite asserts a timing. Every figure stands beside a ceiling measured in the same run.")
+    print()
+    print(f"Last run: {datetime.date.today().isoformat()} on {machine()}.")
+    print()
+    means = criterion_means()
+    if means:
+        print("## Decision core (`allot-shared`, criterion)")
+        print()
+        ceiling = means.get("ceiling: copy the state")
+        print("| decision | ns per decision | x ceiling |")
+        print("| --- | ---: | ---: |")
+        for title, ns in means.items():
+            ratio = f"{ns / ceiling:.1f}" if ceiling else "-"
+            print(f"| {title} | {ns:.1f} | {ratio} |")
+        print()
+        print("The ceiling is reading a stored state and returning it: the floor any decision pays.")
+        print()
+    grants = bench_lines("grants.log")
+    if grants:
+        print("## Allocator grants against raw etcd transaction loops")
+        print()
+        print("One etcd member (started by the bench), grants of 1 token from pools that never run out,")
+        print("4 s per figure. Two ceilings of the same shape and client count, measured in the same run:")
+        print("`blind` is one unconditional single-put transaction per operation (etcd's ceiling);")
+        print("`CAS` reads the key and compares-and-puts it, as a naive allocator would per grant.")
+        print("`x` columns are allocator grants/s divided by the ceiling. `grants per txn` is the group")
+        print("commit limit (1 = no batching).")
+        print()
+        print("| shape | clients | grants per txn | grants/s | blind txn/s | x blind | CAS txn/s | x CAS | CAS conflicts |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in grants:
+            print(f"| {r['shape']} | {r['clients']} | {r['maxBatch']} | {r['grantsPerSecond']:.0f} | "
+                  f"{r['blindTxnPerSecond']:.0f} | {r['ratioToBlind']:.2f} | {r['casTxnPerSecond']:.0f} | "
+                  f"{r['ratioToCas']:.2f} | {r['casConflictShare']:.0f}% |")
+        print()
+
+main()

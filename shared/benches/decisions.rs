@@ -1,0 +1,92 @@
+//! The decision core, in nanoseconds per decision: token bucket, GCRA, three rules at once, and a
+//! lease grant. The ceiling these are compared against is a no-op decision (reading the state and
+//! returning it), measured in the same run.
+
+use std::hint::black_box;
+
+use allot_shared::ids::{Epoch, LeaseId, RegionId};
+use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig, grant};
+use allot_shared::limit::gcra::{Gcra, GcraState};
+use allot_shared::limit::multi::{Algorithm, RuleInput, State, decide_all};
+use allot_shared::limit::token_bucket::{TokenBucket, TokenBucketState};
+use criterion::{Criterion, criterion_group, criterion_main};
+
+fn decisions(c: &mut Criterion) {
+    let bucket = TokenBucket::new(20_000, 2_000, 1_000, 5_000).expect("valid");
+    let state = TokenBucketState {
+        tokens_millitokens: 10_000,
+        updated_at_ms: 1_000_000,
+    };
+    c.bench_function("ceiling: copy the state", |b| {
+        b.iter(|| black_box(*black_box(&state)))
+    });
+    c.bench_function("token bucket", |b| {
+        b.iter(|| bucket.decide(black_box(Some(&state)), black_box(1_000_250), 1_000))
+    });
+    let gcra = Gcra::new(20_000, 2_000, 1_000).expect("valid");
+    let gcra_state = GcraState { tat_ms: 1_005_000 };
+    c.bench_function("gcra", |b| {
+        b.iter(|| gcra.decide(black_box(Some(&gcra_state)), black_box(1_000_250), 1_000))
+    });
+    let rules = [
+        Algorithm::TokenBucket(bucket),
+        Algorithm::TokenBucket(
+            TokenBucket::new(1_000_000, 1_000_000, 60_000, 5_000).expect("valid"),
+        ),
+        Algorithm::Gcra(gcra),
+    ];
+    let states = [
+        State::TokenBucket(state),
+        State::TokenBucket(TokenBucketState {
+            tokens_millitokens: 640_000,
+            updated_at_ms: 1_000_000,
+        }),
+        State::Gcra(gcra_state),
+    ];
+    c.bench_function("multi-rule (3 rules)", |b| {
+        b.iter(|| {
+            let inputs: Vec<RuleInput<'_>> = rules
+                .iter()
+                .zip(&states)
+                .map(|(algorithm, state)| RuleInput {
+                    algorithm,
+                    state: Some(state),
+                    cost_millitokens: 1_000,
+                })
+                .collect();
+            decide_all(black_box(&inputs), black_box(1_000_250), "r-1")
+        })
+    });
+    let config = PoolConfig::new(
+        1_000_000,
+        60_000,
+        100,
+        15_000,
+        100,
+        vec![
+            RegionId::parse("eu").expect("region"),
+            RegionId::parse("us").expect("region"),
+        ],
+    )
+    .expect("valid");
+    let request = GrantRequest {
+        lease_id: LeaseId::from_parts(1, 1),
+        region: RegionId::parse("eu").expect("region"),
+        want_tokens: 100,
+    };
+    c.bench_function("lease grant", |b| {
+        b.iter(|| {
+            grant(
+                &config,
+                None,
+                Epoch(1),
+                black_box(30_000),
+                &request,
+                LeaseClamping::Clamped,
+            )
+        })
+    });
+}
+
+criterion_group!(benches, decisions);
+criterion_main!(benches);
