@@ -604,6 +604,13 @@ fn policy_error(error: PolicyStoreError) -> ApiError {
     }
 }
 
+fn parse_version(text: &str) -> Result<u64, ApiError> {
+    text.parse::<u64>()
+        .ok()
+        .filter(|v| *v > 0)
+        .ok_or_else(|| ApiError::invalid("version", "must be a positive integer"))
+}
+
 fn bundle_response(bundle: &allot_shared::policy::PolicyBundle) -> Response {
     let mut response = json_response(StatusCode::OK, &bundle.to_json());
     if let Ok(etag) = HeaderValue::from_str(&format!("\"{}\"", bundle.checksum())) {
@@ -689,9 +696,7 @@ async fn get_policy_version(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize_either(&state, &headers)?;
-    let version: u64 = version
-        .parse()
-        .map_err(|_| ApiError::invalid("version", "must be a positive integer"))?;
+    let version = parse_version(&version)?;
     let bundle = policies::get_bundle(&*state.kv, version)
         .await
         .map_err(policy_error)?;
@@ -704,9 +709,7 @@ async fn promote_policy(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers, Caller::Operator)?;
-    let version: u64 = version
-        .parse()
-        .map_err(|_| ApiError::invalid("version", "must be a positive integer"))?;
+    let version = parse_version(&version)?;
     let rollout = policies::promote(&*state.kv, version)
         .await
         .map_err(policy_error)?;

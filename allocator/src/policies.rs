@@ -114,6 +114,31 @@ pub async fn rollout(kv: &dyn Kv) -> Result<Rollout, PolicyStoreError> {
     Ok(read_rollout(kv).await?.0)
 }
 
+/// Changes the rollout record under optimistic concurrency (the transaction compares its revision),
+/// writing the extra ops `change` returns in the same transaction. Retries a bounded number of times.
+async fn update_rollout<T>(
+    kv: &dyn Kv,
+    mut change: impl FnMut(&mut Rollout) -> (T, Vec<Op>),
+) -> Result<(Rollout, T), PolicyStoreError> {
+    for _ in 0..8 {
+        let (mut rollout, revision) = read_rollout(kv).await?;
+        let (answer, mut ops) = change(&mut rollout);
+        ops.push(Op::Put {
+            key: ROLLOUT_KEY.to_owned(),
+            value: serde_json::to_vec(&rollout).unwrap_or_default(),
+            lease: None,
+        });
+        let guard = Compare::ModRevision {
+            key: ROLLOUT_KEY.to_owned(),
+            revision,
+        };
+        if kv.txn(vec![guard], ops).await?.succeeded {
+            return Ok((rollout, answer));
+        }
+    }
+    Err(PolicyStoreError::Contended)
+}
+
 /// Publishes a draft as the next version. With `canary` regions it is staged to them; otherwise it
 /// becomes current at once.
 pub async fn publish(
@@ -122,8 +147,7 @@ pub async fn publish(
     published_at: String,
     canary: Option<Vec<RegionId>>,
 ) -> Result<PolicyBundle, PolicyStoreError> {
-    for _ in 0..8 {
-        let (mut rollout, revision) = read_rollout(kv).await?;
+    let (_, bundle) = update_rollout(kv, |rollout| {
         let version = rollout.latest + 1;
         let bundle = draft.clone().seal(version, Some(published_at.clone()));
         rollout.latest = version;
@@ -139,38 +163,21 @@ pub async fn publish(
                 rollout.canary = None;
             }
         }
-        let outcome = kv
-            .txn(
-                vec![Compare::ModRevision {
-                    key: ROLLOUT_KEY.to_owned(),
-                    revision,
-                }],
-                vec![
-                    Op::Put {
-                        key: bundle_key(version),
-                        value: bundle.to_json().to_string().into_bytes(),
-                        lease: None,
-                    },
-                    Op::Put {
-                        key: ROLLOUT_KEY.to_owned(),
-                        value: serde_json::to_vec(&rollout).unwrap_or_default(),
-                        lease: None,
-                    },
-                ],
-            )
-            .await?;
-        if outcome.succeeded {
-            return Ok(bundle);
-        }
-    }
-    Err(PolicyStoreError::Contended)
+        let put = Op::Put {
+            key: bundle_key(version),
+            value: bundle.to_json().to_string().into_bytes(),
+            lease: None,
+        };
+        (bundle, vec![put])
+    })
+    .await?;
+    Ok(bundle)
 }
 
 /// Makes `version` current for every region (ending its canary, if any).
 pub async fn promote(kv: &dyn Kv, version: u64) -> Result<Rollout, PolicyStoreError> {
     get_bundle(kv, version).await?;
-    for _ in 0..8 {
-        let (mut rollout, revision) = read_rollout(kv).await?;
+    let (rollout, ()) = update_rollout(kv, |rollout| {
         rollout.current = version;
         if rollout
             .canary
@@ -179,24 +186,10 @@ pub async fn promote(kv: &dyn Kv, version: u64) -> Result<Rollout, PolicyStoreEr
         {
             rollout.canary = None;
         }
-        let outcome = kv
-            .txn(
-                vec![Compare::ModRevision {
-                    key: ROLLOUT_KEY.to_owned(),
-                    revision,
-                }],
-                vec![Op::Put {
-                    key: ROLLOUT_KEY.to_owned(),
-                    value: serde_json::to_vec(&rollout).unwrap_or_default(),
-                    lease: None,
-                }],
-            )
-            .await?;
-        if outcome.succeeded {
-            return Ok(rollout);
-        }
-    }
-    Err(PolicyStoreError::Contended)
+        ((), Vec::new())
+    })
+    .await?;
+    Ok(rollout)
 }
 
 /// Reads a published bundle, verifying its checksum.
