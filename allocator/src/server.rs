@@ -53,14 +53,14 @@ pub struct Args {
     /// This node's id in leader election [default: the listen address].
     #[arg(long, env = "ALLOT_NODE_ID")]
     pub node_id: Option<String>,
-    /// URL that agents and followers use to reach this node [default: `http://<listen>`].
+    /// URL that agents and followers use to reach this node (default: `http://<listen>`).
     #[arg(long, env = "ALLOT_ADVERTISE_URL")]
     pub advertise_url: Option<String>,
     /// Leader lease TTL in seconds: how long a crashed leader holds on before a successor takes over
     /// [default: 5].
     #[arg(long, env = "ALLOT_LEADER_LEASE_TTL_S")]
     pub leader_lease_ttl_s: Option<i64>,
-    /// The accounting ledger: `sqlite://<file>` or `postgres://...` [default: `sqlite://<data-dir>/allot.db`].
+    /// The accounting ledger: `sqlite://<file>` or `postgres://...` (default: `sqlite://<data-dir>/allot.db`).
     #[arg(long, env = "ALLOT_LEDGER")]
     pub ledger: Option<String>,
     /// Directory for local files (the default SQLite ledger) [default: ./allot-data].
