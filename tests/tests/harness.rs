@@ -364,6 +364,11 @@ const CHILD_MARKER: &str = "ALLOT_TESTS_MISSING_BINARY_CHILD";
 
 #[test]
 fn a_missing_etcd_binary_fails_naming_the_package() {
+    // The child half: this same test, re-run alone in a process of its own with the override set.
+    if std::env::var_os(CHILD_MARKER).is_some() {
+        let _etcd = EtcdCluster::single();
+        return;
+    }
     let missing = Binary::Etcd
         .locate_in(Some(OsStr::new("/nonexistent/etcd")), None)
         .expect_err("the override points nowhere");
@@ -371,9 +376,13 @@ fn a_missing_etcd_binary_fails_naming_the_package() {
 
     // End to end: `EtcdCluster::single()` with ALLOT_ETCD_BIN pointing nowhere.
     // The environment is process-global, so only a child process gets that
-    // override: this test binary, running `start_etcd_in_child` alone.
+    // override: this test binary, running this test alone.
     let output = Command::new(std::env::current_exe().expect("test binary path"))
-        .args(["--exact", "start_etcd_in_child", "--ignored", "--nocapture"])
+        .args([
+            "--exact",
+            "a_missing_etcd_binary_fails_naming_the_package",
+            "--nocapture",
+        ])
         .env("ALLOT_ETCD_BIN", "/nonexistent/etcd")
         .env(CHILD_MARKER, "1")
         .output()
@@ -400,13 +409,5 @@ fn a_missing_etcd_binary_fails_naming_the_package() {
             printed.contains(needle),
             "missing {needle:?} in:\n{printed}"
         );
-    }
-}
-
-#[test]
-#[ignore = "child half of a_missing_etcd_binary_fails_naming_the_package"]
-fn start_etcd_in_child() {
-    if std::env::var_os(CHILD_MARKER).is_some() {
-        let _etcd = EtcdCluster::single();
     }
 }
