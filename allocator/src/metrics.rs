@@ -14,8 +14,10 @@ pub const GRANTS: &str = "allot_grants_total";
 pub const TOKENS_GRANTED: &str = "allot_tokens_granted_total";
 /// Grant latency, seconds, as seen by the API.
 pub const GRANT_SECONDS: &str = "allot_grant_seconds";
-/// Grants committed per store transaction.
+/// Grants of one pool committed together.
 pub const GRANT_BATCH: &str = "allot_grant_batch_size";
+/// Pool commits merged into one store transaction.
+pub const POOLS_PER_TXN: &str = "allot_pools_per_txn";
 /// Store operations that failed, by `op`.
 pub const STORE_ERRORS: &str = "allot_store_errors_total";
 /// This node's epoch while it leads, 0 otherwise.

@@ -223,3 +223,22 @@ async fn etcd_leases_expire() {
         Err(KvError::LeaseNotFound(_))
     ));
 }
+
+async fn oversized_transactions_are_refused(kv: &dyn Kv) {
+    let ops: Vec<Op> = (0..=allot_allocator::kv::MAX_TXN_OPS)
+        .map(|n| put(&format!("/big/{n}"), "v"))
+        .collect();
+    assert!(matches!(kv.txn(vec![], ops).await, Err(KvError::Refused(_))));
+    let fits: Vec<Op> = (0..allot_allocator::kv::MAX_TXN_OPS)
+        .map(|n| put(&format!("/big/{n}"), "v"))
+        .collect();
+    assert!(kv.txn(vec![], fits).await.expect("txn").succeeded);
+}
+
+#[tokio::test]
+async fn both_stores_refuse_oversized_transactions() {
+    oversized_transactions_are_refused(&MemoryKv::new(Arc::new(ManualClock::new(1)))).await;
+    let etcd = EtcdCluster::single();
+    let kv = EtcdKv::connect(&etcd.endpoints()).await.expect("connect");
+    oversized_transactions_are_refused(&kv).await;
+}

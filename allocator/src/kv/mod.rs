@@ -87,6 +87,10 @@ pub enum KvError {
 /// Largest number of keys one prefix read returns (I10).
 pub const MAX_PREFIX_KEYS: usize = 10_000;
 
+/// Most compares, and most ops, in one transaction: etcd's default `--max-txn-ops`. Both stores
+/// refuse a larger transaction.
+pub const MAX_TXN_OPS: usize = 128;
+
 /// The operations the allocator needs from its store.
 #[async_trait]
 pub trait Kv: Send + Sync + 'static {
