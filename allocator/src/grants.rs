@@ -381,8 +381,20 @@ impl PoolWorker {
         loop {
             let first = match tokio::time::timeout(WORKER_IDLE, receiver.recv()).await {
                 Ok(Some(first)) => first,
-                // Idle or every sender gone: exit; the grantor starts a new worker on demand.
-                _ => return,
+                Ok(None) => return,
+                // Idle: stop taking requests (senders now see the queue closed and start a new
+                // worker), answer whatever slipped in meanwhile, and exit.
+                Err(_) => {
+                    receiver.close();
+                    let mut late = Vec::new();
+                    while let Ok(pending) = receiver.try_recv() {
+                        late.push(pending);
+                    }
+                    if !late.is_empty() {
+                        self.process(late).await;
+                    }
+                    return;
+                }
             };
             let mut batch = vec![first];
             while batch.len() < self.shared.max_batch {
