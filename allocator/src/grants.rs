@@ -386,14 +386,19 @@ impl PoolWorker {
                 // worker), answer whatever slipped in meanwhile, and exit.
                 Err(_) => {
                     receiver.close();
-                    let mut late = Vec::new();
-                    while let Ok(pending) = receiver.try_recv() {
-                        late.push(pending);
-                    }
-                    if !late.is_empty() {
+                    loop {
+                        let mut late = Vec::new();
+                        while late.len() < self.shared.max_batch {
+                            match receiver.try_recv() {
+                                Ok(pending) => late.push(pending),
+                                Err(_) => break,
+                            }
+                        }
+                        if late.is_empty() {
+                            return;
+                        }
                         self.process(late).await;
                     }
-                    return;
                 }
             };
             let mut batch = vec![first];
