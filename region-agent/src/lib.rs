@@ -5,9 +5,11 @@
 //! allocator is unreachable. The decision arithmetic it relies on is pure and lives in `allot_shared`.
 //!
 //! ## Map
-//! - [`clock`]: the agent's only reader of the OS clock.
+//! - [`clock`]: the agent's only reader of the OS clock (wall and monotonic).
 //! - [`limiter`]: the regional limiter: one atomic store call decides every regional rule of a request
-//!   (Lua scripts on Redis, or the in-process store that behaves identically).
+//!   (Lua scripts on Redis, or the in-process store that behaves identically), and the client path
+//!   around it (`limiter::Limiter`: deadlines, breakers, fail modes, negative cache, hot tenants,
+//!   cardinality caps).
 //!
 //! Architecture invariant: this crate never depends on `allot-allocator`.
 

@@ -11,9 +11,9 @@
 //! costs of `rule.cost_millitokens x costHint`.
 
 use allot_shared::MAX_RULE_PARAMETER;
-use allot_shared::contract::AdmissionRequest;
+use allot_shared::contract::{AdmissionRequest, PrincipalType};
 use allot_shared::ids::{DecisionId, RuleId, TenantId};
-use allot_shared::keys::{self, IpPrefixes, Pepper};
+use allot_shared::keys::{self, IpPrefixes, Pepper, PrincipalHash};
 use allot_shared::limit::ParamError;
 use allot_shared::limit::fixed_window::FixedWindow;
 use allot_shared::limit::gcra::Gcra;
@@ -22,6 +22,8 @@ use allot_shared::limit::sliding_counter::SlidingCounter;
 use allot_shared::limit::sliding_log::SlidingLog;
 use allot_shared::limit::token_bucket::TokenBucket;
 use allot_shared::policy::{Limit, PolicyBundle, Rule, Scope};
+
+use super::hot_tenants::{sub_slot_key, sub_slot_tag};
 
 /// How long a decision record lives when a rule asks for one (`idempotent`), in ms: long enough to
 /// cover a call's deadline and its retries, short enough that records stay few (the reference
@@ -247,13 +249,43 @@ impl RuleBatch {
         record_ttl_ms: u64,
         rules: Vec<BatchRule>,
     ) -> Result<Self, BatchError> {
+        let tag = keys::hash_tag(tenant);
+        let record_key = keys::decision_key(tenant, &decision_id);
+        Self::under_tag(&tag, record_key, decision_id, record_ttl_ms, rules)
+    }
+
+    /// A batch of a hot tenant's request in sub-slot `sub_slot` (see
+    /// [`hot_tenants`](super::hot_tenants)): every key, the decision record's too, carries the tag
+    /// `{t:<tenant>:<sub_slot>}`.
+    pub fn new_in_sub_slot(
+        tenant: &TenantId,
+        sub_slot: u32,
+        decision_id: DecisionId,
+        record_ttl_ms: u64,
+        rules: Vec<BatchRule>,
+    ) -> Result<Self, BatchError> {
+        let tag = sub_slot_tag(tenant, sub_slot);
+        let record_key = sub_slot_key(&keys::decision_key(tenant, &decision_id), tenant, sub_slot)
+            .map_err(|_| BatchError::ForeignKey {
+                key: keys::decision_key(tenant, &decision_id),
+                expected_tag: tag.clone(),
+            })?;
+        Self::under_tag(&tag, record_key, decision_id, record_ttl_ms, rules)
+    }
+
+    fn under_tag(
+        tag: &str,
+        record_key: String,
+        decision_id: DecisionId,
+        record_ttl_ms: u64,
+        rules: Vec<BatchRule>,
+    ) -> Result<Self, BatchError> {
         if rules.is_empty() || rules.len() > MAX_RULES_PER_REQUEST {
             return Err(BatchError::RuleCount(rules.len()));
         }
         if record_ttl_ms > MAX_RULE_PARAMETER {
             return Err(BatchError::RecordTtl(record_ttl_ms));
         }
-        let tag = keys::hash_tag(tenant);
         let expected_tag = tag.trim_start_matches('{').trim_end_matches('}');
         for (index, rule) in rules.iter().enumerate() {
             if keys::key_hash_tag(&rule.key) != Some(expected_tag) {
@@ -266,7 +298,6 @@ impl RuleBatch {
                 return Err(BatchError::DuplicateKey(rule.key.clone()));
             }
         }
-        let record_key = keys::decision_key(tenant, &decision_id);
         debug_assert_eq!(keys::key_hash_tag(&record_key), Some(expected_tag));
         Ok(Self {
             decision_id,
@@ -298,13 +329,21 @@ impl RuleBatch {
 }
 
 /// A request's batch beside the policy rules it came from: `rules[i]` is batch rule `i`, so a
-/// denial's index names its rule (and scope).
+/// denial's index names its rule (and scope), its fail mode and its local bucket.
 #[derive(Debug, Clone)]
 pub struct PlannedBatch<'a> {
     /// What the store decides.
     pub batch: RuleBatch,
     /// The policy rules, in the batch's order.
     pub rules: Vec<&'a Rule>,
+    /// The request's tenant (the keys' hash tag).
+    pub tenant: TenantId,
+    /// The request's principal type (`ip` marks a pre-authentication request).
+    pub principal_type: PrincipalType,
+    /// The principal's keyed hash, when a per-principal rule applies (it is in that rule's key).
+    pub principal_hash: Option<PrincipalHash>,
+    /// The version of the bundle the rules came from, for the decision record.
+    pub policy_version: u64,
 }
 
 /// Maps a validated request to the store call for its regional rules, or `None` when no regional
@@ -370,7 +409,14 @@ pub fn plan_request<'a>(
         record_ttl_ms,
         batch_rules,
     )?;
-    Ok(Some(PlannedBatch { batch, rules }))
+    Ok(Some(PlannedBatch {
+        batch,
+        rules,
+        tenant: tenant.clone(),
+        principal_type: kind,
+        principal_hash: principal_hash.into_inner(),
+        policy_version: bundle.version(),
+    }))
 }
 
 #[cfg(test)]

@@ -33,13 +33,25 @@
 //! - `scripts/decide.lua`, `scripts/concurrency.lua`: the Lua, each documenting its KEYS/ARGV/reply
 //!   contract; `scripts.rs` is the Rust half of those contracts.
 //! - [`in_process`] and [`redis_store`]: the two stores.
+//! - [`client`]: the client path, [`Limiter::decide`]: one deadline per decision, a bounded
+//!   in-flight count and a [`breaker`] per shard, failures classified by phase, per-rule fail modes
+//!   ([`fallback`] buckets for `local_bounded`, 503 for `closed`), the [`negative_cache`],
+//!   [`hot_tenants`] over sub-slots and the pre-authentication [`cardinality`] cap.
+//! - [`decision`]: a [`LimitDecision`] as the contract's `Decision`.
 //!
-//! Not here yet: the client path's circuit breaker and bounded pool, per-rule fail modes
-//! (`local_bounded`, `closed`), the gateway-side negative cache, hot-tenant sub-slots and
-//! pre-authentication cardinality caps.
+//! Not here yet: concurrency leases through the client path (the store calls exist; the agent
+//! service will acquire and release them beside `decide`).
 
 pub mod batch;
+mod bounded;
+pub mod breaker;
+pub mod cardinality;
+pub mod client;
+pub mod decision;
+pub mod fallback;
+pub mod hot_tenants;
 pub mod in_process;
+pub mod negative_cache;
 pub mod redis_store;
 mod scripts;
 pub mod store;
@@ -51,6 +63,16 @@ pub use batch::{
     BatchError, BatchRule, DEFAULT_DECISION_RECORD_TTL_MS, PlannedBatch, RuleBatch, RuleParams,
     plan_request,
 };
+pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};
+pub use cardinality::{CardinalityConfig, CardinalityRefusal, SourceId};
+pub use client::{
+    DegradeCause, LimitDecision, Limiter, LimiterConfig, LimiterConfigError, LimiterStats, SubSlot,
+    Verdict,
+};
+pub use decision::concurrency_denial;
+pub use fallback::FallbackDecision;
+pub use hot_tenants::HotTenants;
 pub use in_process::{DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore};
+pub use negative_cache::CachedDenial;
 pub use redis_store::{RedisStore, RedisStoreConfig};
 pub use store::{BatchDecision, LeaseCall, LeaseOutcome, LimiterStore, Rejection, StoreError};

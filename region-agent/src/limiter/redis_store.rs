@@ -17,6 +17,13 @@
 //!
 //! Production calls always let the script read the server's clock (`TIME`). Only this crate's tests
 //! can make the store send a time of its own.
+//!
+//! **Shards.** The client path keeps a circuit breaker per shard ([`LimiterStore::shard_of`]). A
+//! single server is one shard. On a cluster the store reads `CLUSTER SLOTS` when it connects and
+//! maps each slot to its master (shard `i` is the `i`-th distinct master in that reply), so a dead
+//! master opens only its own breaker. The map is not refreshed: after a resharding some slots are
+//! grouped with their former master, which only makes breakers coarser (a failover keeps the slot
+//! ranges, so their shard index stays right). If the reply cannot be read, the cluster is one shard.
 
 #[cfg(test)]
 use std::sync::Arc;
@@ -30,6 +37,8 @@ use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErrorKind};
+
+use allot_shared::keys;
 
 use super::batch::RuleBatch;
 use super::scripts::{
@@ -132,6 +141,89 @@ impl Connection {
     }
 }
 
+/// Hash slots in a Redis Cluster.
+const CLUSTER_SLOTS: usize = 16_384;
+
+/// CRC16/XMODEM (polynomial 0x1021, initial value 0), the checksum Redis Cluster slots use.
+fn crc16(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in bytes {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// The cluster slot of `key`: of its hash tag when it has a non-empty one, as Redis computes it.
+pub(crate) fn key_slot(key: &str) -> usize {
+    let hashed = keys::key_hash_tag(key).unwrap_or(key);
+    usize::from(crc16(hashed.as_bytes())) % CLUSTER_SLOTS
+}
+
+/// Which shard owns each slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ShardMap {
+    /// One shard: a single server, or a cluster whose slot map could not be read.
+    One,
+    /// A cluster: `slot_shard[slot]` is an index into `masters`.
+    Masters {
+        masters: Vec<String>,
+        slot_shard: Vec<u16>,
+    },
+}
+
+impl ShardMap {
+    /// Reads a `CLUSTER SLOTS` reply: `[[start, end, [host, port, ...], replicas...], ...]`.
+    fn from_cluster_slots(reply: &redis::Value) -> Option<Self> {
+        let int = |value: &redis::Value| match value {
+            redis::Value::Int(n) => usize::try_from(*n).ok(),
+            _ => None,
+        };
+        let text = |value: &redis::Value| match value {
+            redis::Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+            redis::Value::SimpleString(text) => Some(text.clone()),
+            _ => None,
+        };
+        let redis::Value::Array(ranges) = reply else {
+            return None;
+        };
+        let mut masters: Vec<String> = Vec::new();
+        let mut slot_shard = vec![0u16; CLUSTER_SLOTS];
+        for range in ranges {
+            let redis::Value::Array(fields) = range else {
+                return None;
+            };
+            let (start, end) = (int(fields.first()?)?, int(fields.get(1)?)?);
+            let redis::Value::Array(master) = fields.get(2)? else {
+                return None;
+            };
+            let name = format!("{}:{}", text(master.first()?)?, int(master.get(1)?)?);
+            let index = match masters.iter().position(|known| *known == name) {
+                Some(index) => index,
+                None => {
+                    masters.push(name);
+                    masters.len() - 1
+                }
+            };
+            let index = u16::try_from(index).ok()?;
+            if start > end || end >= CLUSTER_SLOTS {
+                return None;
+            }
+            slot_shard[start..=end].fill(index);
+        }
+        (!masters.is_empty()).then_some(ShardMap::Masters {
+            masters,
+            slot_shard,
+        })
+    }
+}
+
 /// Where the scripts take `now` from.
 #[derive(Clone)]
 enum ScriptTime {
@@ -151,6 +243,8 @@ pub struct RedisStore {
     time: ScriptTime,
     /// `NOSCRIPT` replies answered by loading the script again (telemetry and tests).
     script_reloads: AtomicU64,
+    /// Which master owns each slot, for per-shard breakers.
+    shards: ShardMap,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -192,8 +286,22 @@ impl RedisStore {
             .response_timeout(config.call_timeout)
             .build()
             .map_err(not_connected)?;
-        let connection = client.get_async_connection().await.map_err(not_connected)?;
-        Self::load_scripts(Connection::Cluster(connection), config).await
+        let mut connection = client.get_async_connection().await.map_err(not_connected)?;
+        let mut store = Self::load_scripts(Connection::Cluster(connection.clone()), config).await?;
+        let slots: RedisResult<redis::Value> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async(&mut connection)
+            .await;
+        match slots.map(|reply| ShardMap::from_cluster_slots(&reply)) {
+            Ok(Some(shards)) => store.shards = shards,
+            Ok(None) => {
+                tracing::warn!("unreadable CLUSTER SLOTS reply: one breaker for the cluster")
+            }
+            Err(error) => {
+                tracing::warn!(%error, "CLUSTER SLOTS failed: one breaker for the cluster")
+            }
+        }
+        Ok(store)
     }
 
     async fn load_scripts(
@@ -207,6 +315,7 @@ impl RedisStore {
             call_timeout: config.call_timeout,
             time: ScriptTime::Server,
             script_reloads: AtomicU64::new(0),
+            shards: ShardMap::One,
         };
         for script in [&store.decide_script, &store.concurrency_script] {
             connection
@@ -215,6 +324,22 @@ impl RedisStore {
                 .map_err(not_connected)?;
         }
         Ok(store)
+    }
+
+    /// The masters the client path keeps a breaker for, by shard index (`host:port`); empty for a
+    /// single server.
+    pub fn shard_masters(&self) -> Vec<String> {
+        match &self.shards {
+            ShardMap::One => Vec::new(),
+            ShardMap::Masters { masters, .. } => masters.clone(),
+        }
+    }
+
+    /// The exact `EVALSHA` this store sends to decide `batch`, for benchmarks that compare the client
+    /// path with a raw call of the same script (the script must be loaded: connecting loads it).
+    pub fn decide_command(&self, batch: &RuleBatch) -> Cmd {
+        let args = decide_args(batch, self.now_arg());
+        self.decide_script.evalsha(&decide_keys(batch), &args)
     }
 
     /// How many `NOSCRIPT` replies were answered by loading a script again.
@@ -324,6 +449,22 @@ impl LimiterStore for RedisStore {
     async fn release_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
         self.lease(call, LeaseOperation::Release).await
     }
+
+    fn shard_count(&self) -> usize {
+        match &self.shards {
+            ShardMap::One => 1,
+            ShardMap::Masters { masters, .. } => masters.len(),
+        }
+    }
+
+    fn shard_of(&self, batch: &RuleBatch) -> usize {
+        match &self.shards {
+            ShardMap::One => 0,
+            ShardMap::Masters { slot_shard, .. } => slot_shard
+                .get(key_slot(batch.record_key()))
+                .map_or(0, |&shard| usize::from(shard)),
+        }
+    }
 }
 
 fn not_connected(error: RedisError) -> StoreError {
@@ -365,5 +506,65 @@ fn classify(error: RedisError) -> StoreError {
         | ErrorKind::AuthenticationFailed => StoreError::NotExecuted { detail },
         // Anything else: assume the worst that is safe.
         _ => StoreError::Ambiguous { detail },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_crc16_xmodem_of_the_hash_tag() {
+        assert_eq!(crc16(b"123456789"), 0x31c3, "the CRC16/XMODEM check value");
+        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(key_slot("foo"), 12_182);
+        assert_eq!(
+            key_slot("{user1000}.following"),
+            key_slot("{user1000}.followers")
+        );
+        // An empty first tag: the whole key is hashed.
+        assert_eq!(
+            key_slot("foo{}{bar}"),
+            usize::from(crc16(b"foo{}{bar}")) % CLUSTER_SLOTS
+        );
+        assert_eq!(key_slot("rl:v1:{t:atlas}:d:r-1"), key_slot("t:atlas"));
+    }
+
+    #[test]
+    fn a_cluster_slots_reply_maps_each_slot_to_its_master() {
+        use redis::Value::{Array, BulkString, Int};
+        let node = |port: i64| {
+            Array(vec![
+                BulkString(b"127.0.0.1".to_vec()),
+                Int(port),
+                BulkString(b"id".to_vec()),
+            ])
+        };
+        let reply = Array(vec![
+            Array(vec![Int(0), Int(5_460), node(7000)]),
+            Array(vec![Int(5_461), Int(10_922), node(7001), node(7004)]),
+            Array(vec![Int(10_923), Int(16_383), node(7002)]),
+        ]);
+        let Some(ShardMap::Masters {
+            masters,
+            slot_shard,
+        }) = ShardMap::from_cluster_slots(&reply)
+        else {
+            panic!("a readable reply");
+        };
+        assert_eq!(
+            masters,
+            ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
+        );
+        assert_eq!(
+            (slot_shard[0], slot_shard[5_461], slot_shard[16_383]),
+            (0, 1, 2)
+        );
+        assert_eq!(ShardMap::from_cluster_slots(&Array(vec![Int(1)])), None);
+        assert_eq!(
+            ShardMap::from_cluster_slots(&Array(vec![Array(vec![Int(0), Int(16_384), node(1)])])),
+            None,
+            "a slot out of range"
+        );
     }
 }

@@ -47,6 +47,18 @@ pub trait LimiterStore: Send + Sync {
 
     /// Releases the lease (idempotent). `held` says whether it was live before the call.
     async fn release_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError>;
+
+    /// How many independently failing shards the store's calls spread over (at least 1). The client
+    /// path keeps a circuit breaker and an in-flight bound per shard.
+    fn shard_count(&self) -> usize {
+        1
+    }
+
+    /// The shard that decides `batch`, in `0..shard_count()`.
+    fn shard_of(&self, batch: &RuleBatch) -> usize {
+        let _ = batch;
+        0
+    }
 }
 
 /// The outcome of [`LimiterStore::decide`]: [`MultiDecision`] without the writes (the store made

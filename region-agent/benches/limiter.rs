@@ -1,0 +1,262 @@
+//! Decisions per second and latency of the 3-rule batch through the limiter's client path
+//! (`Limiter::decide`: deadline, breaker, in-flight permit, negative cache, mapping of failures),
+//! beside a raw `EVALSHA` of the same script with the same keys and arguments through the redis
+//! crate, on the same Redis (started by `allot-testkit`), in the same run.
+//!
+//! Shapes: 1 and 64 concurrent callers. Each caller is one user of one tenant, so the user keys
+//! differ and the route and tenant keys are shared (one hot tenant). Budgets are huge so every
+//! decision is an admission: the negative cache never answers, and both paths run the script on
+//! every call.
+//!
+//! The machine may be shared (CI, other builds), so the two paths are measured in alternating
+//! rounds of [`ROUND`] ([`ROUNDS`] each, after a warm-up), and each path's figures pool its rounds:
+//! load that comes and goes hits both paths alike instead of whichever ran during it.
+//!
+//! Prints a table and one `BENCH {json}` line per row: `bench` = "limiter", `callers`, `path`
+//! ("client" | "raw"), `decisionsPerSecond`, `p50Us`, `p99Us`, and `ratio` = this row's
+//! decisions per second over the raw row's with the same callers (1.0 for raw), plus `degraded`
+//! (client decisions the store did not make; expected 0).
+//!
+//! Run with `cargo bench -p allot-region-agent --bench limiter`. Not a test: nothing asserts a
+//! timing.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use allot_region_agent::clock::Stopwatch;
+use allot_region_agent::limiter::{
+    Limiter, LimiterConfig, PlannedBatch, RedisStore, RedisStoreConfig, plan_request,
+};
+use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
+use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::policy::{PolicyBundle, parse_bundle};
+
+/// Latencies kept per caller and round (I10: a stalled round must not eat the machine's memory).
+const MAX_SAMPLES_PER_CALLER: usize = 1_000_000;
+
+/// One measuring round of one path.
+const ROUND: Duration = Duration::from_millis(500);
+/// Rounds per path and caller count (alternating raw, client).
+const ROUNDS: usize = 6;
+const WARM_UP: Duration = Duration::from_millis(500);
+
+/// Three token buckets (user, route, tenant) large enough never to deny during a run.
+const BUNDLE: &str = r#"{
+    "bundleVersion": 1,
+    "rules": [
+        {"id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
+         "capacityMillis": 1000000000000, "refillMillis": 1000000000000, "periodMs": 1000,
+         "failMode": "local_bounded", "localCapacityMillis": 5000, "localRefillMillis": 250},
+        {"id": "read-route", "scope": "route", "routeGroup": "read", "algorithm": "token_bucket",
+         "capacityMillis": 1000000000000, "refillMillis": 1000000000000, "periodMs": 1000,
+         "failMode": "closed"},
+        {"id": "tenant-all", "scope": "tenant", "algorithm": "token_bucket",
+         "capacityMillis": 1000000000000, "refillMillis": 1000000000000, "periodMs": 1000,
+         "failMode": "closed"}
+    ]
+}"#;
+
+fn planned(bundle: &PolicyBundle, caller: usize) -> PlannedBatch<'_> {
+    let request = AdmissionRequest {
+        request_id: DecisionId::parse(&format!("bench-{caller}")).expect("id"),
+        tenant_id: TenantId::parse("atlas").expect("tenant"),
+        principal: Principal {
+            kind: PrincipalType::User,
+            id: format!("U-{caller}"),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse("read").expect("route"),
+        method: "GET".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+    };
+    let pepper = Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper");
+    let planned = plan_request(bundle, &request, &pepper, IpPrefixes::default(), 30_000)
+        .expect("plannable")
+        .expect("rules apply");
+    assert_eq!(planned.batch.rules().len(), 3);
+    planned
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Client,
+    Raw,
+}
+
+impl Path {
+    fn name(self) -> &'static str {
+        match self {
+            Path::Client => "client",
+            Path::Raw => "raw",
+        }
+    }
+}
+
+/// What the rounds of one path measured.
+#[derive(Default)]
+struct Samples {
+    latencies_us: Vec<u64>,
+    seconds: f64,
+    degraded: u64,
+}
+
+impl Samples {
+    fn per_second(&self) -> f64 {
+        self.latencies_us.len() as f64 / self.seconds.max(f64::MIN_POSITIVE)
+    }
+
+    /// The latency at `fraction` (0 to 1), in µs, by nearest rank.
+    fn percentile(&mut self, fraction: f64) -> u64 {
+        if self.latencies_us.is_empty() {
+            return 0;
+        }
+        self.latencies_us.sort_unstable();
+        let last = self.latencies_us.len() - 1;
+        let index = ((last as f64) * fraction).round() as usize;
+        self.latencies_us[index.min(last)]
+    }
+}
+
+/// Everything a round needs.
+#[derive(Clone)]
+struct Subjects {
+    limiter: Arc<Limiter>,
+    store: Arc<RedisStore>,
+    raw: redis::aio::MultiplexedConnection,
+    bundle: Arc<PolicyBundle>,
+}
+
+/// `callers` tasks deciding in a loop on `path` for `run`; adds their latencies (µs) to `samples`.
+async fn measure(
+    path: Path,
+    callers: usize,
+    run: Duration,
+    subjects: &Subjects,
+    samples: &mut Samples,
+) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let degraded = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for caller in 0..callers {
+        let subjects = subjects.clone();
+        let (stop, degraded) = (stop.clone(), degraded.clone());
+        tasks.push(tokio::spawn(async move {
+            let Subjects {
+                limiter,
+                store,
+                mut raw,
+                bundle,
+            } = subjects;
+            let planned = planned(&bundle, caller);
+            let evalsha = store.decide_command(&planned.batch);
+            let mut latencies_us = Vec::with_capacity(50_000);
+            while !stop.load(Ordering::Relaxed) {
+                let stopwatch = Stopwatch::start();
+                match path {
+                    Path::Client => {
+                        let decision = limiter.decide(&planned, None).await;
+                        if decision.degraded.is_some() || !decision.allowed() {
+                            degraded.fetch_add(1, Ordering::Relaxed);
+                            // A degraded decision (open breaker) completes without awaiting
+                            // anything: let the timer and the other callers run.
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                    Path::Raw => {
+                        let reply: Vec<i64> = evalsha.query_async(&mut raw).await.expect("EVALSHA");
+                        assert_eq!(reply.first(), Some(&1), "admitted");
+                    }
+                }
+                if latencies_us.len() < MAX_SAMPLES_PER_CALLER {
+                    latencies_us
+                        .push(u64::try_from(stopwatch.elapsed().as_micros()).unwrap_or(u64::MAX));
+                }
+            }
+            latencies_us
+        }));
+    }
+    let stopwatch = Stopwatch::start();
+    tokio::time::sleep(run).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        samples
+            .latencies_us
+            .extend(task.await.expect("the caller finishes"));
+    }
+    samples.seconds += stopwatch.elapsed().as_secs_f64();
+    samples.degraded += degraded.load(Ordering::Relaxed);
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let server = allot_testkit::RedisServer::start();
+    let store = Arc::new(
+        RedisStore::connect(&server.url(), RedisStoreConfig::default())
+            .await
+            .expect("connects"),
+    );
+    let limiter = Arc::new(
+        Limiter::new(store.clone(), LimiterConfig::default()).expect("the default config is valid"),
+    );
+    let raw = redis::Client::open(server.url())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connects");
+    let bundle = Arc::new(
+        parse_bundle(BUNDLE)
+            .expect("valid")
+            .into_file_bundle()
+            .expect("sealed"),
+    );
+    let subjects = Subjects {
+        limiter: limiter.clone(),
+        store,
+        raw,
+        bundle,
+    };
+    println!(
+        "{:>8} {:>7} {:>12} {:>8} {:>8} {:>7} {:>9}",
+        "callers", "path", "decisions/s", "p50 µs", "p99 µs", "ratio", "degraded"
+    );
+    for callers in [1usize, 64] {
+        let mut warm_up = Samples::default();
+        for path in [Path::Raw, Path::Client] {
+            measure(path, callers, WARM_UP, &subjects, &mut warm_up).await;
+        }
+        let (mut raw, mut client) = (Samples::default(), Samples::default());
+        for _ in 0..ROUNDS {
+            measure(Path::Raw, callers, ROUND, &subjects, &mut raw).await;
+            measure(Path::Client, callers, ROUND, &subjects, &mut client).await;
+        }
+        let raw_per_second = raw.per_second();
+        for (path, samples) in [(Path::Raw, &mut raw), (Path::Client, &mut client)] {
+            let per_second = samples.per_second();
+            let ratio = per_second / raw_per_second.max(1.0);
+            let (p50_us, p99_us) = (samples.percentile(0.50), samples.percentile(0.99));
+            println!(
+                "{callers:>8} {:>7} {per_second:>12.0} {p50_us:>8} {p99_us:>8} {ratio:>7.2} {:>9}",
+                path.name(),
+                samples.degraded
+            );
+            println!(
+                "BENCH {}",
+                serde_json::json!({
+                    "bench": "limiter", "callers": callers, "path": path.name(),
+                    "decisionsPerSecond": per_second.round(),
+                    "p50Us": p50_us, "p99Us": p99_us,
+                    "ratio": (ratio * 100.0).round() / 100.0,
+                    "degraded": samples.degraded,
+                })
+            );
+        }
+    }
+    let stats = limiter.stats();
+    println!(
+        "client path: {} decisions, {} store calls, {} breaker refusals, {} pool exhausted",
+        stats.decisions, stats.store_calls, stats.breaker_refusals, stats.pool_exhausted
+    );
+}

@@ -1,0 +1,636 @@
+//! The client path: one call per request, [`Limiter::decide`], around a [`LimiterStore`], failing in
+//! ways chosen in advance (the reference design's resilience chapter).
+//!
+//! # One decision, step by step
+//!
+//! 1. **Deadline.** The decision gets one deadline, `decision_budget` from now on the monotonic clock;
+//!    every wait below ends by it.
+//! 2. **Hot tenant.** A tenant configured with `k` sub-slots has its batch moved to one of them
+//!    ([`hot_tenants`]).
+//! 3. **Negative cache.** The same key set was denied less than `min(hint, 250 ms)` ago: deny from
+//!    memory, no store call ([`negative_cache`](super::negative_cache)).
+//! 4. **Cardinality.** A pre-authentication (`ip`) request whose source has created its quota of new
+//!    keys this interval is denied, no store call ([`cardinality`](super::cardinality)).
+//! 5. **Breaker.** The shard's circuit breaker is open: degrade at once ([`breaker`](super::breaker)).
+//! 6. **In-flight bound.** A permit of the shard's semaphore (`max_in_flight_per_shard`), waiting at
+//!    most `acquire_wait` (about 1 ms): none free means the shard is saturated, and the decision
+//!    degrades instead of queueing behind others.
+//! 7. **The store call**, bounded by the deadline. Its failure is classified by phase
+//!    ([`StoreError`]):
+//!
+//! | outcome | breaker | then |
+//! | --- | --- | --- |
+//! | a decision | success | answer it; a denial is remembered by the negative cache |
+//! | `NotExecuted` (before send, refused, unreachable) | failure | degrade (nothing ran) |
+//! | `NOSCRIPT` | | handled inside the store: load, retry once |
+//! | `Rejected` (the script refused the arguments) | no verdict | `POLICY_ERROR` (503), no retry; logged as an error |
+//! | `Ambiguous`, or the deadline passed after sending | failure | with a decision record: retry once, same decision id (the script replays a recorded admission); otherwise degrade |
+//! | `MalformedReply` | no verdict | degrade, no retry; logged as an error |
+//! | `KeyCapReached` (in-process store full) | no verdict | degrade |
+//!
+//! An idempotent batch's first attempt gets half of the remaining budget, so a retry after a timeout
+//! still has time; if the retry fails too, the decision reports the first attempt's ambiguity. After
+//! an ambiguous failure without a record the script may have debited: the request is decided by the
+//! fail modes anyway, accepting at most one extra unit, and **nothing is ever refunded** (I4, I6).
+//!
+//! # Degrading: per-rule fail modes
+//!
+//! When the store cannot decide, each rule's `failMode` says what happens; there is no unbounded
+//! fail-open:
+//! - any `closed` rule in the request: `LIMITER_UNAVAILABLE` (503) naming that rule, with a
+//!   conservative retry hint (`unavailable_retry_ms`). Closed wins over `local_bounded`;
+//! - all `local_bounded`: every rule's in-process bucket (local capacity and refill) decides, all or
+//!   nothing, and the decision says `fallback: true` ([`fallback`](super::fallback)). If the bounded
+//!   table of local buckets is full of buckets in use, the request is `LIMITER_UNAVAILABLE` too.
+//!
+//! # Shards
+//!
+//! Breakers and in-flight bounds are per shard as the store reports them
+//! ([`LimiterStore::shard_count`], [`LimiterStore::shard_of`]): one for a single Redis or the
+//! in-process store; one per master for a Redis Cluster (by the slot map read at connect), so a dead
+//! master degrades only the tenants whose slots it owns. (That needs the cluster to keep serving
+//! while a master is down: `cluster-require-full-coverage no` on the limiter's cluster.)
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use allot_shared::contract::PrincipalType;
+use allot_shared::policy::{FailMode, Scope};
+use tokio::sync::{Semaphore, TryAcquireError};
+
+use super::batch::{PlannedBatch, RuleBatch};
+use super::breaker::{BreakerConfig, BreakerSnapshot, CircuitBreaker};
+use super::cardinality::{CardinalityConfig, CardinalityGuard, CardinalityRefusal, SourceId};
+use super::fallback::{DEFAULT_FALLBACK_MAX_BUCKETS, FallbackDecision, LocalBuckets, LocalRule};
+use super::hot_tenants::{self, HotTenants};
+use super::negative_cache::{
+    CachedDenial, DEFAULT_NEGATIVE_CACHE_MAX_ENTRIES, DEFAULT_NEGATIVE_CACHE_TTL_MS, NegativeCache,
+};
+use super::store::{BatchDecision, LimiterStore, StoreError};
+use crate::clock::{MonotonicClock, SystemMonotonicClock, monotonic_now};
+
+/// Default budget of one decision, from its start to its answer: below a gateway's own request
+/// budget, and long enough for a round trip to a healthy regional Redis and one retry.
+pub const DEFAULT_DECISION_BUDGET: Duration = Duration::from_millis(10);
+
+/// Default longest wait for an in-flight permit (the reference design's "about a millisecond").
+pub const DEFAULT_ACQUIRE_WAIT: Duration = Duration::from_millis(1);
+
+/// Default calls in flight per shard. The Redis store multiplexes them over one connection; past
+/// this many, a shard is saturated and waiting would only add latency.
+pub const DEFAULT_MAX_IN_FLIGHT_PER_SHARD: usize = 128;
+
+/// Most calls in flight per shard a configuration may ask for (I10).
+pub const MAX_IN_FLIGHT_PER_SHARD: usize = 65_536;
+
+/// Most shards the client keeps breakers for (I10).
+pub const MAX_SHARDS: usize = 1_024;
+
+/// Default retry hint of a `LIMITER_UNAVAILABLE` answer, in ms: conservative, about one breaker
+/// cool-down.
+pub const DEFAULT_UNAVAILABLE_RETRY_MS: u64 = 1_000;
+
+/// The client path's budgets and bounds.
+#[derive(Debug, Clone)]
+pub struct LimiterConfig {
+    /// One decision's deadline, from start to answer.
+    pub decision_budget: Duration,
+    /// Longest wait for an in-flight permit before degrading.
+    pub acquire_wait: Duration,
+    /// Calls in flight per shard, 1 to [`MAX_IN_FLIGHT_PER_SHARD`].
+    pub max_in_flight_per_shard: usize,
+    /// When a shard's breaker opens and how it recovers.
+    pub breaker: BreakerConfig,
+    /// Longest time a denial is served from memory, in ms (0 turns the negative cache off).
+    pub negative_cache_ttl_ms: u64,
+    /// Cap on the negative cache's key sets.
+    pub negative_cache_max_entries: usize,
+    /// Cap on local fallback buckets.
+    pub fallback_max_buckets: usize,
+    /// Retry hint of a `LIMITER_UNAVAILABLE` answer, in ms.
+    pub unavailable_retry_ms: u64,
+    /// The pre-authentication cardinality cap.
+    pub cardinality: CardinalityConfig,
+    /// Tenants spread over sub-slots.
+    pub hot_tenants: HotTenants,
+}
+
+impl Default for LimiterConfig {
+    fn default() -> Self {
+        Self {
+            decision_budget: DEFAULT_DECISION_BUDGET,
+            acquire_wait: DEFAULT_ACQUIRE_WAIT,
+            max_in_flight_per_shard: DEFAULT_MAX_IN_FLIGHT_PER_SHARD,
+            breaker: BreakerConfig::default(),
+            negative_cache_ttl_ms: DEFAULT_NEGATIVE_CACHE_TTL_MS,
+            negative_cache_max_entries: DEFAULT_NEGATIVE_CACHE_MAX_ENTRIES,
+            fallback_max_buckets: DEFAULT_FALLBACK_MAX_BUCKETS,
+            unavailable_retry_ms: DEFAULT_UNAVAILABLE_RETRY_MS,
+            cardinality: CardinalityConfig::default(),
+            hot_tenants: HotTenants::default(),
+        }
+    }
+}
+
+/// A configuration out of bounds.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("limiter configuration: {0}")]
+pub struct LimiterConfigError(pub &'static str);
+
+impl LimiterConfig {
+    /// Checks every bound.
+    pub fn validate(&self) -> Result<(), LimiterConfigError> {
+        if self.decision_budget.is_zero() {
+            return Err(LimiterConfigError("decision_budget must be positive"));
+        }
+        if !(1..=MAX_IN_FLIGHT_PER_SHARD).contains(&self.max_in_flight_per_shard) {
+            return Err(LimiterConfigError(
+                "max_in_flight_per_shard must be in [1, 65536]",
+            ));
+        }
+        if self.negative_cache_max_entries == 0 || self.fallback_max_buckets == 0 {
+            return Err(LimiterConfigError(
+                "negative_cache_max_entries and fallback_max_buckets must be at least 1",
+            ));
+        }
+        self.breaker.validate().map_err(LimiterConfigError)?;
+        self.cardinality.validate().map_err(LimiterConfigError)?;
+        Ok(())
+    }
+}
+
+/// Why the store did not decide a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DegradeCause {
+    /// The shard's breaker is open (nothing sent).
+    BreakerOpen,
+    /// No in-flight permit within `acquire_wait` (nothing sent).
+    PoolExhausted,
+    /// The store did not run the script: unreachable, refused, busy, redirected.
+    NotExecuted,
+    /// The call was sent and its outcome is unknown: the script may have debited.
+    Ambiguous,
+    /// The decision's deadline passed during the call (ambiguous too).
+    DeadlineExceeded,
+    /// The reply broke the script's contract (the script ran); a defect to alert on.
+    MalformedReply,
+    /// The in-process store holds its maximum of live keys.
+    StoreFull,
+}
+
+/// A request's sub-slot, for a hot tenant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubSlot {
+    /// The sub-slot, in `0..count`.
+    pub index: u32,
+    /// The tenant's sub-slot count `k`.
+    pub count: u32,
+}
+
+/// What decided the request, and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The store decided (possibly a replay of a recorded admission).
+    Store(BatchDecision),
+    /// Denied from the negative cache, without a store call.
+    CachedDenial(CachedDenial),
+    /// Denied by the pre-authentication cardinality cap, without a store call.
+    CardinalityCapped {
+        /// The first per-principal `ip` rule (the one the denial names).
+        rule: usize,
+        /// When the source may create keys again.
+        refusal: CardinalityRefusal,
+    },
+    /// The store could not decide and every rule is `local_bounded`: the local buckets decided.
+    Fallback(FallbackDecision),
+    /// The store could not decide and `rule` fails closed (or its local bucket table is full).
+    Unavailable {
+        /// The rule that could not be decided.
+        rule: usize,
+        /// The retry hint, in ms.
+        retry_ms: u64,
+    },
+    /// The policy cannot be evaluated: the script rejected the call, or the batch could not be
+    /// built. A defect to alert on; never retried.
+    PolicyError,
+}
+
+/// The client path's answer for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LimitDecision {
+    /// The decision.
+    pub verdict: Verdict,
+    /// Why the store did not decide, when it did not (`Fallback` and `Unavailable` verdicts).
+    pub degraded: Option<DegradeCause>,
+    /// Store calls made (0 to 2).
+    pub store_calls: u8,
+    /// The sub-slot the request went to, for a hot tenant.
+    pub sub_slot: Option<SubSlot>,
+}
+
+impl LimitDecision {
+    /// Whether the request may proceed.
+    pub fn allowed(&self) -> bool {
+        match &self.verdict {
+            Verdict::Store(decision) => decision.allowed,
+            Verdict::Fallback(decision) => decision.allowed,
+            Verdict::CachedDenial(_)
+            | Verdict::CardinalityCapped { .. }
+            | Verdict::Unavailable { .. }
+            | Verdict::PolicyError => false,
+        }
+    }
+
+    /// Whether the local fallback decided (the contract's `fallback`).
+    pub fn fallback(&self) -> bool {
+        matches!(self.verdict, Verdict::Fallback(_))
+    }
+}
+
+/// Counters of the client path, for metrics (monotonic totals since the limiter was made).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LimiterStats {
+    /// Calls to [`Limiter::decide`].
+    pub decisions: u64,
+    /// Store calls, retries included.
+    pub store_calls: u64,
+    /// Retries after an ambiguous failure (idempotent batches only).
+    pub store_retries: u64,
+    /// Denials served by the negative cache.
+    pub negative_cache_hits: u64,
+    /// Requests refused by the cardinality cap.
+    pub cardinality_refusals: u64,
+    /// Decisions made by local fallback buckets.
+    pub fallback_decisions: u64,
+    /// `LIMITER_UNAVAILABLE` answers.
+    pub unavailable: u64,
+    /// `POLICY_ERROR` answers.
+    pub policy_errors: u64,
+    /// Degraded decisions whose store was refused by an open breaker.
+    pub breaker_refusals: u64,
+    /// Degraded decisions that found no in-flight permit in time.
+    pub pool_exhausted: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    decisions: AtomicU64,
+    store_calls: AtomicU64,
+    store_retries: AtomicU64,
+    negative_cache_hits: AtomicU64,
+    cardinality_refusals: AtomicU64,
+    fallback_decisions: AtomicU64,
+    unavailable: AtomicU64,
+    policy_errors: AtomicU64,
+    breaker_refusals: AtomicU64,
+    pool_exhausted: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// One shard's breaker and in-flight bound.
+#[derive(Debug)]
+struct Shard {
+    breaker: CircuitBreaker,
+    in_flight: Semaphore,
+}
+
+/// Why a store call produced no decision.
+enum CallFailure {
+    Rejected,
+    Degrade(DegradeCause),
+}
+
+/// The regional limiter's client path. See the module docs.
+pub struct Limiter {
+    store: Arc<dyn LimiterStore>,
+    config: LimiterConfig,
+    /// Breakers, negative-cache entries, fallback buckets and cardinality windows run on it.
+    clock: Arc<dyn MonotonicClock>,
+    shards: Vec<Shard>,
+    negative_cache: NegativeCache,
+    fallback: LocalBuckets,
+    cardinality: CardinalityGuard,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter")
+            .field("config", &self.config)
+            .field("shards", &self.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Limiter {
+    /// A limiter over `store` on the runtime's monotonic clock.
+    pub fn new(
+        store: Arc<dyn LimiterStore>,
+        config: LimiterConfig,
+    ) -> Result<Self, LimiterConfigError> {
+        Self::with_clock(store, config, Arc::new(SystemMonotonicClock::new()))
+    }
+
+    /// A limiter whose breakers, caches, fallback buckets and windows read `clock` (tests step it).
+    /// Deadlines always run on the runtime's clock.
+    pub fn with_clock(
+        store: Arc<dyn LimiterStore>,
+        config: LimiterConfig,
+        clock: Arc<dyn MonotonicClock>,
+    ) -> Result<Self, LimiterConfigError> {
+        config.validate()?;
+        let shard_count = store.shard_count().clamp(1, MAX_SHARDS);
+        let shards = (0..shard_count)
+            .map(|_| Shard {
+                breaker: CircuitBreaker::new(config.breaker),
+                in_flight: Semaphore::new(config.max_in_flight_per_shard),
+            })
+            .collect();
+        Ok(Self {
+            negative_cache: NegativeCache::new(
+                config.negative_cache_ttl_ms,
+                config.negative_cache_max_entries,
+            ),
+            fallback: LocalBuckets::new(config.fallback_max_buckets),
+            cardinality: CardinalityGuard::new(config.cardinality),
+            store,
+            config,
+            clock,
+            shards,
+            counters: Counters::default(),
+        })
+    }
+
+    /// Every shard's breaker, by shard index.
+    pub fn breakers(&self) -> Vec<BreakerSnapshot> {
+        let now_ms = self.clock.elapsed_ms();
+        self.shards
+            .iter()
+            .map(|shard| shard.breaker.snapshot(now_ms))
+            .collect()
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> LimiterStats {
+        let c = &self.counters;
+        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        LimiterStats {
+            decisions: read(&c.decisions),
+            store_calls: read(&c.store_calls),
+            store_retries: read(&c.store_retries),
+            negative_cache_hits: read(&c.negative_cache_hits),
+            cardinality_refusals: read(&c.cardinality_refusals),
+            fallback_decisions: read(&c.fallback_decisions),
+            unavailable: read(&c.unavailable),
+            policy_errors: read(&c.policy_errors),
+            breaker_refusals: read(&c.breaker_refusals),
+            pool_exhausted: read(&c.pool_exhausted),
+        }
+    }
+
+    /// Decides a request's regional rules (module docs). `source` groups pre-authentication
+    /// requests for the cardinality cap ([`SourceId::for_address`]); without it the principal's own
+    /// hash is its source.
+    pub async fn decide(
+        &self,
+        planned: &PlannedBatch<'_>,
+        source: Option<&SourceId>,
+    ) -> LimitDecision {
+        let deadline = monotonic_now() + self.config.decision_budget;
+        bump(&self.counters.decisions);
+        let now_ms = self.clock.elapsed_ms();
+        let answer = |verdict, degraded, store_calls, sub_slot| LimitDecision {
+            verdict,
+            degraded,
+            store_calls,
+            sub_slot,
+        };
+        if planned.rules.len() != planned.batch.rules().len() {
+            tracing::error!(
+                decision_id = %planned.batch.decision_id(),
+                "a planned batch whose rules do not match its policy rules"
+            );
+            bump(&self.counters.policy_errors);
+            return answer(Verdict::PolicyError, None, 0, None);
+        }
+
+        let spread;
+        let (batch, sub_slot) = match self.config.hot_tenants.sub_slots(&planned.tenant) {
+            None => (&planned.batch, None),
+            Some(count) => {
+                let index = hot_tenants::choose_sub_slot(planned, count);
+                match hot_tenants::spread(planned, count, index) {
+                    Ok(moved) => {
+                        spread = moved;
+                        (&spread, Some(SubSlot { index, count }))
+                    }
+                    Err(error) => {
+                        tracing::error!(tenant = %planned.tenant, %error, "cannot spread a hot tenant's batch");
+                        bump(&self.counters.policy_errors);
+                        return answer(Verdict::PolicyError, None, 0, None);
+                    }
+                }
+            }
+        };
+
+        if let Some(hit) = self.negative_cache.check(batch, now_ms) {
+            bump(&self.counters.negative_cache_hits);
+            return answer(Verdict::CachedDenial(hit), None, 0, sub_slot);
+        }
+
+        if let Some((rule, refusal)) = self.check_cardinality(planned, batch, source, now_ms) {
+            bump(&self.counters.cardinality_refusals);
+            return answer(
+                Verdict::CardinalityCapped { rule, refusal },
+                None,
+                0,
+                sub_slot,
+            );
+        }
+
+        let (result, store_calls) = self.call_store(batch, deadline).await;
+        match result {
+            Ok(decision) => {
+                if !decision.allowed {
+                    self.negative_cache.remember(batch, &decision, now_ms);
+                }
+                answer(Verdict::Store(decision), None, store_calls, sub_slot)
+            }
+            Err(CallFailure::Rejected) => {
+                bump(&self.counters.policy_errors);
+                answer(Verdict::PolicyError, None, store_calls, sub_slot)
+            }
+            Err(CallFailure::Degrade(cause)) => {
+                let verdict = self.degrade(planned);
+                answer(verdict, Some(cause), store_calls, sub_slot)
+            }
+        }
+    }
+
+    /// The cardinality cap for pre-authentication requests: `Some` when refused.
+    fn check_cardinality(
+        &self,
+        planned: &PlannedBatch<'_>,
+        batch: &RuleBatch,
+        source: Option<&SourceId>,
+        now_ms: u64,
+    ) -> Option<(usize, CardinalityRefusal)> {
+        if planned.principal_type != PrincipalType::Ip {
+            return None;
+        }
+        let per_principal: Vec<usize> = planned
+            .rules
+            .iter()
+            .enumerate()
+            .filter(|(_, rule)| rule.scope == Scope::User)
+            .map(|(index, _)| index)
+            .collect();
+        let first = *per_principal.first()?;
+        let source = source
+            .map(SourceId::as_str)
+            .or_else(|| planned.principal_hash.as_ref().map(|hash| hash.as_str()))?;
+        let keys: Vec<&str> = per_principal
+            .iter()
+            .filter_map(|&index| batch.rules().get(index).map(|rule| rule.key()))
+            .collect();
+        self.cardinality
+            .admit(source, &keys, now_ms)
+            .err()
+            .map(|refusal| (first, refusal))
+    }
+
+    /// The store call with its breaker, permit, deadline and retry (module docs).
+    async fn call_store(
+        &self,
+        batch: &RuleBatch,
+        deadline: tokio::time::Instant,
+    ) -> (Result<BatchDecision, CallFailure>, u8) {
+        let shard_index = self.store.shard_of(batch) % self.shards.len();
+        let Some(shard) = self.shards.get(shard_index) else {
+            return (Err(CallFailure::Degrade(DegradeCause::NotExecuted)), 0);
+        };
+        let Some(mut breaker_call) = shard.breaker.admit(self.clock.elapsed_ms()) else {
+            bump(&self.counters.breaker_refusals);
+            return (Err(CallFailure::Degrade(DegradeCause::BreakerOpen)), 0);
+        };
+        let _permit = match shard.in_flight.try_acquire() {
+            Ok(permit) => permit,
+            Err(TryAcquireError::NoPermits | TryAcquireError::Closed) => {
+                let wait = self
+                    .config
+                    .acquire_wait
+                    .min(deadline.saturating_duration_since(monotonic_now()));
+                match tokio::time::timeout(wait, shard.in_flight.acquire()).await {
+                    Ok(Ok(permit)) => permit,
+                    // Nothing was sent: the breaker call is dropped without a verdict.
+                    _ => {
+                        bump(&self.counters.pool_exhausted);
+                        return (Err(CallFailure::Degrade(DegradeCause::PoolExhausted)), 0);
+                    }
+                }
+            }
+        };
+        let max_calls: u8 = if batch.record_ttl_ms() > 0 { 2 } else { 1 };
+        let mut calls: u8 = 0;
+        // An earlier attempt's ambiguity: whatever the retry says, the script may have run once.
+        let mut ambiguous: Option<DegradeCause> = None;
+        loop {
+            calls += 1;
+            bump(&self.counters.store_calls);
+            let now = monotonic_now();
+            let call_deadline = if calls < max_calls {
+                now + deadline.saturating_duration_since(now) / 2
+            } else {
+                deadline
+            };
+            let result = tokio::time::timeout_at(call_deadline, self.store.decide(batch)).await;
+            let now_ms = self.clock.elapsed_ms();
+            let degrade = |cause| (Err(CallFailure::Degrade(ambiguous.unwrap_or(cause))), calls);
+            let cause = match result {
+                Ok(Ok(decision)) => {
+                    breaker_call.succeeded();
+                    return (Ok(decision), calls);
+                }
+                Ok(Err(StoreError::Rejected { kind, detail })) => {
+                    tracing::error!(decision_id = %batch.decision_id(), ?kind, %detail,
+                        "the limiter script rejected a call: a policy fault");
+                    return (Err(CallFailure::Rejected), calls);
+                }
+                Ok(Err(StoreError::NotExecuted { detail })) => {
+                    tracing::warn!(%detail, "limiter store did not execute the call; degrading");
+                    breaker_call.finally_failed(now_ms);
+                    return degrade(DegradeCause::NotExecuted);
+                }
+                Ok(Err(StoreError::MalformedReply { detail })) => {
+                    tracing::error!(decision_id = %batch.decision_id(), %detail,
+                        "limiter script reply breaks its contract; degrading");
+                    return degrade(DegradeCause::MalformedReply);
+                }
+                Ok(Err(StoreError::KeyCapReached { max_keys })) => {
+                    tracing::warn!(max_keys, "in-process limiter store is full; degrading");
+                    return degrade(DegradeCause::StoreFull);
+                }
+                Ok(Err(StoreError::Ambiguous { detail })) => {
+                    tracing::warn!(decision_id = %batch.decision_id(), %detail, "ambiguous limiter call");
+                    DegradeCause::Ambiguous
+                }
+                Err(_elapsed) => DegradeCause::DeadlineExceeded,
+            };
+            if calls < max_calls && monotonic_now() < deadline {
+                // The same batch, so the same decision id: a recorded admission is replayed.
+                ambiguous = Some(cause);
+                breaker_call.failed(now_ms);
+                bump(&self.counters.store_retries);
+                continue;
+            }
+            breaker_call.finally_failed(now_ms);
+            return (Err(CallFailure::Degrade(cause)), calls);
+        }
+    }
+
+    /// The per-rule fail modes, when the store could not decide: closed wins; otherwise every
+    /// rule's local bucket decides.
+    fn degrade(&self, planned: &PlannedBatch<'_>) -> Verdict {
+        let unavailable = |rule| {
+            bump(&self.counters.unavailable);
+            Verdict::Unavailable {
+                rule,
+                retry_ms: self.config.unavailable_retry_ms,
+            }
+        };
+        if let Some(rule) = planned
+            .rules
+            .iter()
+            .position(|rule| rule.fail_mode == FailMode::Closed)
+        {
+            return unavailable(rule);
+        }
+        let mut local = Vec::with_capacity(planned.rules.len());
+        for (index, (batch_rule, rule)) in
+            planned.batch.rules().iter().zip(&planned.rules).enumerate()
+        {
+            let FailMode::LocalBounded(bucket) = &rule.fail_mode else {
+                return unavailable(index);
+            };
+            local.push(LocalRule {
+                key: batch_rule.key(),
+                bucket,
+                cost_millitokens: batch_rule.cost_millitokens(),
+            });
+        }
+        match self.fallback.decide(&local, self.clock.elapsed_ms()) {
+            Ok(decision) => {
+                bump(&self.counters.fallback_decisions);
+                Verdict::Fallback(decision)
+            }
+            Err(full) => {
+                tracing::warn!("local fallback table is full of buckets in use");
+                unavailable(full.rule)
+            }
+        }
+    }
+}

@@ -1,0 +1,878 @@
+//! The client path ([`Limiter`]) against real Redis (single and cluster) and, for pure timing, the
+//! in-process store under tokio's paused clock.
+//!
+//! The limiter's breakers, caches, fallback buckets and windows run on a [`ManualMonotonicClock`]
+//! that the tests step; the Redis scripts use the server's `TIME`, as in production.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use allot_shared::contract::{
+    AdmissionRequest, DeniedScope, Principal, PrincipalType, Reason, http_status,
+};
+use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::limit::RetryAfter;
+use allot_shared::policy::{PolicyBundle, parse_bundle};
+use allot_testkit::{RedisCluster, RedisServer};
+
+use super::harness::{RECOVERY_DEADLINE, TEST_CONFIG, redis_query};
+use crate::clock::{ManualClock, ManualMonotonicClock, monotonic_now};
+use crate::limiter::batch::{PlannedBatch, RuleBatch, plan_request};
+use crate::limiter::breaker::{BreakerConfig, BreakerState};
+use crate::limiter::cardinality::{CardinalityConfig, DEFAULT_SOURCE_PREFIXES, SourceId};
+use crate::limiter::client::{DegradeCause, LimitDecision, Limiter, LimiterConfig, Verdict};
+use crate::limiter::hot_tenants::HotTenants;
+use crate::limiter::in_process::InProcessStore;
+use crate::limiter::redis_store::RedisStore;
+use crate::limiter::store::{
+    BatchDecision, LeaseCall, LeaseOutcome, LimiterStore, Rejection, StoreError,
+};
+
+/// The rules the client tests run. Local buckets: 5 tokens, refilling 0.25 per second.
+const BUNDLE: &str = r#"{
+    "bundleVersion": 3,
+    "rules": [
+        {"id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
+         "capacityMillis": 20000, "refillMillis": 2000, "periodMs": 1000,
+         "failMode": "local_bounded", "localCapacityMillis": 5000, "localRefillMillis": 250},
+        {"id": "slow-user", "scope": "user", "routeGroup": "slow", "algorithm": "token_bucket",
+         "capacityMillis": 5000, "refillMillis": 1000, "periodMs": 3600000,
+         "failMode": "local_bounded", "localCapacityMillis": 5000, "localRefillMillis": 250},
+        {"id": "export-user", "scope": "user", "routeGroup": "export", "algorithm": "token_bucket",
+         "capacityMillis": 20000, "refillMillis": 2000, "periodMs": 1000,
+         "failMode": "local_bounded", "localCapacityMillis": 5000, "localRefillMillis": 250},
+        {"id": "export-tenant", "scope": "tenant", "routeGroup": "export",
+         "algorithm": "token_bucket", "capacityMillis": 100000, "refillMillis": 1000,
+         "periodMs": 3600000, "failMode": "closed", "idempotent": true},
+        {"id": "anon-ip", "scope": "user", "principalType": "ip", "routeGroup": "login",
+         "algorithm": "fixed_window", "limit": 20, "windowMs": 10000,
+         "failMode": "local_bounded", "localCapacityMillis": 5000, "localRefillMillis": 500},
+        {"id": "hot-bulk", "scope": "tenant", "tenant": "hot", "routeGroup": "bulk",
+         "algorithm": "token_bucket", "capacityMillis": 50000, "refillMillis": 1000,
+         "periodMs": 3600000, "failMode": "closed"}
+    ]
+}"#;
+
+fn bundle() -> PolicyBundle {
+    parse_bundle(BUNDLE)
+        .expect("a valid bundle")
+        .into_file_bundle()
+        .expect("sealed")
+}
+
+fn pepper() -> Pepper {
+    Pepper::new(b"client-test-pepper-0123".to_vec()).expect("long enough")
+}
+
+/// A request by `principal` (of `kind`) on `route` of `tenant`, with decision id `id`.
+fn plan<'b>(
+    bundle: &'b PolicyBundle,
+    tenant: &str,
+    kind: PrincipalType,
+    principal: &str,
+    route: &str,
+    id: &str,
+) -> PlannedBatch<'b> {
+    let request = AdmissionRequest {
+        request_id: DecisionId::parse(id).expect("a valid decision id"),
+        tenant_id: TenantId::parse(tenant).expect("a valid tenant"),
+        principal: Principal {
+            kind,
+            id: principal.to_owned(),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse(route).expect("a valid route group"),
+        method: "GET".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+    };
+    request.validate().expect("a valid request");
+    plan_request(bundle, &request, &pepper(), IpPrefixes::default(), 30_000)
+        .expect("plannable")
+        .expect("rules apply")
+}
+
+fn user<'b>(bundle: &'b PolicyBundle, route: &str, id: &str) -> PlannedBatch<'b> {
+    plan(bundle, "atlas", PrincipalType::User, "U-17", route, id)
+}
+
+/// A store wrapper that counts calls, remembers their decision ids, and can lose replies, hang or
+/// reject.
+struct Instrumented {
+    inner: Arc<dyn LimiterStore>,
+    calls: AtomicU64,
+    /// The next this many calls run on the inner store, then report `Ambiguous` (a lost reply).
+    lose_replies: AtomicU64,
+    /// Calls never answer (a hung shard).
+    hang: AtomicBool,
+    /// Calls are rejected as invalid arguments (a policy fault).
+    reject: AtomicBool,
+    decision_ids: Mutex<Vec<String>>,
+}
+
+impl Instrumented {
+    fn new(inner: Arc<dyn LimiterStore>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            calls: AtomicU64::new(0),
+            lose_replies: AtomicU64::new(0),
+            hang: AtomicBool::new(false),
+            reject: AtomicBool::new(false),
+            decision_ids: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn decision_ids(&self) -> Vec<String> {
+        self.decision_ids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl LimiterStore for Instrumented {
+    async fn decide(&self, batch: &RuleBatch) -> Result<BatchDecision, StoreError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.decision_ids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(batch.decision_id().to_string());
+        if self.hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        if self.reject.load(Ordering::SeqCst) {
+            return Err(StoreError::Rejected {
+                kind: Rejection::InvalidArgument,
+                detail: "test".to_owned(),
+            });
+        }
+        let decision = self.inner.decide(batch).await?;
+        let lose = self
+            .lose_replies
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if lose {
+            return Err(StoreError::Ambiguous {
+                detail: "the reply was lost (test)".to_owned(),
+            });
+        }
+        Ok(decision)
+    }
+
+    async fn acquire_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.inner.acquire_lease(call).await
+    }
+
+    async fn renew_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.inner.renew_lease(call).await
+    }
+
+    async fn release_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.inner.release_lease(call).await
+    }
+
+    fn shard_count(&self) -> usize {
+        self.inner.shard_count()
+    }
+
+    fn shard_of(&self, batch: &RuleBatch) -> usize {
+        self.inner.shard_of(batch)
+    }
+}
+
+/// Budgets generous enough for a busy 2-core machine; the breaker opens after 3 failures within
+/// 10 s and cools down for 1 s (on the manual clock).
+fn config() -> LimiterConfig {
+    LimiterConfig {
+        decision_budget: Duration::from_secs(2),
+        breaker: BreakerConfig {
+            failure_threshold: 3,
+            failure_window_ms: 10_000,
+            open_ms: 1_000,
+            half_open_probes: 1,
+        },
+        ..LimiterConfig::default()
+    }
+}
+
+/// For tests that stop Redis: a call to a stopped server can wait for the client's reconnection
+/// until the deadline, so the deadline is short (still far above a healthy local round trip).
+fn outage_config() -> LimiterConfig {
+    LimiterConfig {
+        decision_budget: Duration::from_millis(250),
+        ..config()
+    }
+}
+
+struct Setup {
+    limiter: Limiter,
+    store: Arc<Instrumented>,
+    clock: Arc<ManualMonotonicClock>,
+}
+
+fn limiter_over(inner: Arc<dyn LimiterStore>, config: LimiterConfig) -> Setup {
+    let store = Instrumented::new(inner);
+    let clock = Arc::new(ManualMonotonicClock::new(0));
+    let limiter =
+        Limiter::with_clock(store.clone(), config, clock.clone()).expect("a valid config");
+    Setup {
+        limiter,
+        store,
+        clock,
+    }
+}
+
+async fn redis_store(server: &RedisServer) -> Arc<RedisStore> {
+    Arc::new(
+        RedisStore::connect(&server.url(), TEST_CONFIG)
+            .await
+            .expect("connects"),
+    )
+}
+
+/// A token bucket's tokens on Redis.
+async fn redis_tokens(store: &RedisStore, key: &str) -> Option<u64> {
+    let [tokens]: [Option<u64>; 1] =
+        redis_query(&store.connection(), redis::cmd("HMGET").arg(key).arg("tk")).await;
+    tokens
+}
+
+fn store_decision(decision: &LimitDecision) -> &BatchDecision {
+    match &decision.verdict {
+        Verdict::Store(store) => store,
+        other => panic!("expected a store decision, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn with_redis_stopped_local_bounded_rules_answer_within_their_local_bound_and_closed_rules_503()
+ {
+    let mut server = RedisServer::start();
+    let redis = redis_store(&server).await;
+    let s = limiter_over(redis.clone(), outage_config());
+    let bundle = bundle();
+    let before = s.limiter.decide(&user(&bundle, "read", "r-0"), None).await;
+    assert!(before.allowed() && !before.fallback(), "{before:?}");
+
+    server.stop();
+    let mut admitted = 0;
+    for n in 1..=20 {
+        let planned = user(&bundle, "read", &format!("r-{n}"));
+        let decision = s.limiter.decide(&planned, None).await;
+        assert!(decision.fallback(), "{n}: {decision:?}");
+        assert!(decision.degraded.is_some(), "{n}: the store did not decide");
+        let contract = decision.to_contract(&planned);
+        assert!(contract.fallback);
+        if contract.allowed {
+            admitted += 1;
+        } else {
+            assert_eq!(contract.reason, Some(Reason::RateExceeded));
+            assert_eq!(contract.policy_id.as_deref(), Some("read-user"));
+            assert_eq!((contract.limit, contract.remaining), (5, 0));
+            assert_eq!(contract.retry_after_ms, 4_000, "0.25 tokens per second");
+        }
+    }
+    assert_eq!(
+        admitted, 5,
+        "exactly the local capacity: the clock stood still"
+    );
+
+    // Export has a closed tenant rule beside a local_bounded user rule: closed wins.
+    let export = user(&bundle, "export", "e-1");
+    let decision = s.limiter.decide(&export, None).await;
+    let contract = decision.to_contract(&export);
+    assert!(!contract.allowed && !contract.fallback);
+    assert_eq!(contract.reason, Some(Reason::LimiterUnavailable));
+    assert_eq!(contract.policy_id.as_deref(), Some("export-tenant"));
+    assert_eq!(contract.denied_scope, Some(DeniedScope::Tenant));
+    assert_eq!(http_status(&contract), 503);
+    assert_eq!(contract.retry_after_ms, 1_000);
+    assert!(s.limiter.stats().unavailable >= 1);
+}
+
+#[tokio::test]
+async fn the_breaker_opens_on_a_stopped_redis_stops_calling_it_and_recovers_after_a_restart() {
+    let mut server = RedisServer::start();
+    let redis = redis_store(&server).await;
+    let s = limiter_over(redis.clone(), outage_config());
+    let bundle = bundle();
+    assert!(
+        s.limiter
+            .decide(&user(&bundle, "slow", "r-0"), None)
+            .await
+            .allowed()
+    );
+    assert_eq!(s.store.calls(), 1);
+
+    server.stop();
+    for n in 1..=3 {
+        let decision = s
+            .limiter
+            .decide(&user(&bundle, "slow", &format!("r-{n}")), None)
+            .await;
+        assert!(
+            matches!(
+                decision.degraded,
+                Some(
+                    DegradeCause::NotExecuted
+                        | DegradeCause::Ambiguous
+                        | DegradeCause::DeadlineExceeded
+                )
+            ),
+            "{decision:?}"
+        );
+    }
+    assert_eq!(s.store.calls(), 4);
+    assert_eq!(s.limiter.breakers()[0].state, BreakerState::Open);
+    // Open: decisions degrade at once and the store sees nothing.
+    for n in 4..=50 {
+        let decision = s
+            .limiter
+            .decide(&user(&bundle, "slow", &format!("r-{n}")), None)
+            .await;
+        assert_eq!(decision.degraded, Some(DegradeCause::BreakerOpen));
+        assert_eq!(decision.store_calls, 0);
+    }
+    assert_eq!(s.store.calls(), 4, "no call reached the stopped store");
+    assert_eq!(s.limiter.stats().breaker_refusals, 47);
+
+    server.restart();
+    let reloads_before = redis.script_reloads();
+    let started = monotonic_now();
+    let recovered = loop {
+        // Each round is a new cool-down: one probe goes through.
+        s.clock.advance(1_000);
+        let probe = s
+            .limiter
+            .decide(&user(&bundle, "slow", "r-probe"), None)
+            .await;
+        if matches!(probe.verdict, Verdict::Store(_)) {
+            break probe;
+        }
+        assert!(
+            monotonic_now().duration_since(started) < RECOVERY_DEADLINE,
+            "the breaker did not recover: {:?}",
+            s.limiter.breakers()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(recovered.allowed() && !recovered.fallback());
+    assert_eq!(
+        store_decision(&recovered).remaining,
+        [4_000],
+        "a fresh bucket: the restarted server kept nothing"
+    );
+    assert_eq!(s.limiter.breakers()[0].state, BreakerState::Closed);
+    assert!(
+        redis.script_reloads() > reloads_before,
+        "NOSCRIPT after the restart was answered by a reload"
+    );
+    let after = s
+        .limiter
+        .decide(&user(&bundle, "slow", "r-after"), None)
+        .await;
+    assert_eq!(store_decision(&after).remaining, [3_000]);
+}
+
+#[tokio::test]
+async fn a_lost_reply_on_an_idempotent_batch_is_retried_with_the_same_id_and_debits_once() {
+    let server = RedisServer::start();
+    let redis = redis_store(&server).await;
+    let s = limiter_over(redis.clone(), config());
+    let bundle = bundle();
+    let export = user(&bundle, "export", "e-1");
+    assert!(
+        export.batch.record_ttl_ms() > 0,
+        "export-tenant is idempotent"
+    );
+    s.store.lose_replies.store(1, Ordering::SeqCst);
+    let decision = s.limiter.decide(&export, None).await;
+    let store = store_decision(&decision);
+    assert!(store.allowed && store.replayed, "{decision:?}");
+    assert_eq!(store.remaining, [19_000, 99_000]);
+    assert_eq!(decision.store_calls, 2);
+    assert_eq!(s.store.decision_ids(), ["e-1", "e-1"], "same decision id");
+    assert_eq!(s.limiter.stats().store_retries, 1);
+    let keys: Vec<&str> = export.batch.rules().iter().map(|r| r.key()).collect();
+    assert_eq!(redis_tokens(&redis, keys[0]).await, Some(19_000));
+    assert_eq!(
+        redis_tokens(&redis, keys[1]).await,
+        Some(99_000),
+        "debited once"
+    );
+}
+
+#[tokio::test]
+async fn a_lost_reply_without_a_record_degrades_and_accepts_one_extra_unit_without_refund() {
+    let server = RedisServer::start();
+    let redis = redis_store(&server).await;
+    let s = limiter_over(redis.clone(), config());
+    let bundle = bundle();
+    // slow-user: 5 tokens, one more per hour; not idempotent.
+    let slow = user(&bundle, "slow", "s-1");
+    assert_eq!(slow.batch.record_ttl_ms(), 0);
+    s.store.lose_replies.store(1, Ordering::SeqCst);
+    let decision = s.limiter.decide(&slow, None).await;
+    assert_eq!(decision.degraded, Some(DegradeCause::Ambiguous));
+    assert_eq!(decision.store_calls, 1, "no blind retry");
+    assert!(decision.allowed() && decision.fallback(), "{decision:?}");
+    // The script ran: its debit stands (the one extra unit), and nothing gave it back.
+    let key = slow.batch.rules()[0].key();
+    assert_eq!(redis_tokens(&redis, key).await, Some(4_000));
+    let next = s.limiter.decide(&user(&bundle, "slow", "s-2"), None).await;
+    assert_eq!(store_decision(&next).remaining, [3_000], "no refund");
+}
+
+#[tokio::test]
+async fn the_negative_cache_answers_a_flood_against_an_exhausted_key_with_one_store_call() {
+    let server = RedisServer::start();
+    let redis = redis_store(&server).await;
+    let s = limiter_over(redis, config());
+    let bundle = bundle();
+    // slow-user: 5 tokens, one more per hour.
+    for n in 0..5 {
+        assert!(
+            s.limiter
+                .decide(&user(&bundle, "slow", &format!("s-{n}")), None)
+                .await
+                .allowed()
+        );
+    }
+    assert_eq!(s.store.calls(), 5);
+    let mut cached = 0;
+    for n in 5..105 {
+        let planned = user(&bundle, "slow", &format!("s-{n}"));
+        let decision = s.limiter.decide(&planned, None).await;
+        let contract = decision.to_contract(&planned);
+        assert!(!contract.allowed);
+        assert_eq!(contract.reason, Some(Reason::RateExceeded));
+        assert!(
+            contract.retry_after_ms > 3_000_000,
+            "the store's hint, not 250 ms"
+        );
+        cached += usize::from(matches!(decision.verdict, Verdict::CachedDenial(_)));
+    }
+    assert_eq!(s.store.calls(), 6, "one store call for 100 denied attempts");
+    assert_eq!(cached, 99);
+    // Another principal is not affected.
+    let other = plan(&bundle, "atlas", PrincipalType::User, "U-18", "slow", "o-1");
+    assert!(s.limiter.decide(&other, None).await.allowed());
+    assert_eq!(s.store.calls(), 7);
+    // After 250 ms the next attempt reaches the store again (and is denied again).
+    s.clock.advance(249);
+    s.limiter.decide(&user(&bundle, "slow", "s-a"), None).await;
+    assert_eq!(s.store.calls(), 7);
+    s.clock.advance(1);
+    let decision = s.limiter.decide(&user(&bundle, "slow", "s-b"), None).await;
+    assert!(!store_decision(&decision).allowed);
+    assert_eq!(s.store.calls(), 8);
+}
+
+#[tokio::test]
+async fn the_cardinality_cap_refuses_a_sources_new_key_past_its_cap_without_a_store_call() {
+    let server = RedisServer::start();
+    let redis = redis_store(&server).await;
+    let s = limiter_over(
+        redis,
+        LimiterConfig {
+            cardinality: CardinalityConfig {
+                max_keys_per_source: 3,
+                interval_ms: 60_000,
+                max_sources: 100,
+            },
+            ..config()
+        },
+    );
+    let bundle = bundle();
+    let login =
+        |address: &str, id: &str| plan(&bundle, "atlas", PrincipalType::Ip, address, "login", id);
+    let source = |address: &str| SourceId::for_address(&pepper(), address, DEFAULT_SOURCE_PREFIXES);
+    for n in 1..=3 {
+        let address = format!("203.0.113.{n}");
+        let decision = s
+            .limiter
+            .decide(&login(&address, &format!("l-{n}")), Some(&source(&address)))
+            .await;
+        assert!(decision.allowed(), "{n}: {decision:?}");
+    }
+    assert_eq!(s.store.calls(), 3);
+    let fourth = login("203.0.113.4", "l-4");
+    let refused = s
+        .limiter
+        .decide(&fourth, Some(&source("203.0.113.4")))
+        .await;
+    assert!(
+        matches!(refused.verdict, Verdict::CardinalityCapped { rule: 0, .. }),
+        "{refused:?}"
+    );
+    let contract = refused.to_contract(&fourth);
+    assert_eq!(
+        (contract.reason, contract.denied_scope),
+        (Some(Reason::RateExceeded), Some(DeniedScope::User))
+    );
+    assert_eq!(contract.retry_after_ms, 60_000);
+    assert_eq!(http_status(&contract), 429);
+    assert_eq!(
+        s.store.calls(),
+        3,
+        "the refused key never reached the store"
+    );
+    // A key the source already made, and another source, are served.
+    assert!(
+        s.limiter
+            .decide(&login("203.0.113.1", "l-5"), Some(&source("203.0.113.1")))
+            .await
+            .allowed()
+    );
+    assert!(
+        s.limiter
+            .decide(&login("198.51.100.7", "l-6"), Some(&source("198.51.100.7")))
+            .await
+            .allowed()
+    );
+    assert_eq!(s.store.calls(), 5);
+    assert_eq!(s.limiter.stats().cardinality_refusals, 1);
+    // The next interval.
+    s.clock.advance(60_000);
+    assert!(
+        s.limiter
+            .decide(&login("203.0.113.4", "l-7"), Some(&source("203.0.113.4")))
+            .await
+            .allowed()
+    );
+}
+
+#[tokio::test]
+async fn a_hot_tenant_spreads_over_k_sub_slots_on_three_masters_and_its_split_budget_holds() {
+    const K: u32 = 8;
+    const ATTEMPTS: usize = 200;
+    let cluster = RedisCluster::start(3);
+    let redis = Arc::new(
+        RedisStore::connect_cluster(&cluster.seed_urls(), TEST_CONFIG)
+            .await
+            .expect("connects"),
+    );
+    let hot = TenantId::parse("hot").expect("tenant");
+    let s = limiter_over(
+        redis.clone(),
+        LimiterConfig {
+            hot_tenants: HotTenants::new()
+                .with_tenant(hot.clone(), K)
+                .expect("valid"),
+            ..config()
+        },
+    );
+    let bundle = bundle();
+    let mut admitted = 0u64;
+    let mut per_slot = [0u64; K as usize];
+    for n in 0..ATTEMPTS {
+        let planned = plan(
+            &bundle,
+            "hot",
+            PrincipalType::User,
+            &format!("U-{n}"),
+            "bulk",
+            &format!("b-{n}"),
+        );
+        let decision = s.limiter.decide(&planned, None).await;
+        let slot = decision
+            .sub_slot
+            .expect("a hot tenant's request has a sub-slot");
+        assert_eq!(slot.count, K);
+        // Denials come from the store or, for a sub-slot denied < 250 ms ago, the negative cache.
+        assert!(
+            matches!(
+                decision.verdict,
+                Verdict::Store(_) | Verdict::CachedDenial(_)
+            ),
+            "{decision:?}"
+        );
+        if decision.allowed() {
+            admitted += 1;
+            per_slot[slot.index as usize] += 1;
+        }
+        assert_eq!(
+            decision.to_contract(&planned).limit,
+            6,
+            "50 tokens / 8, rounded down to whole tokens"
+        );
+    }
+    // Each part is ceil(50,000 / 8) = 6,250 millitokens: 6 whole requests, 48 in all; the split
+    // can exceed the whole budget by at most k - 1 millitokens of rounding, never a whole request.
+    assert!(admitted <= 50, "{admitted} admitted over a budget of 50");
+    assert_eq!(
+        per_slot, [6; K as usize],
+        "every sub-slot was used up, none overspent"
+    );
+
+    // The sub-slot keys live in k distinct slots, spread over all three masters.
+    let connection = redis.connection();
+    let mut slots = Vec::new();
+    for index in 0..K {
+        let key = format!("rl:v1:{{t:hot:{index}}}:tenant:hot:bulk");
+        let exists: i64 = redis_query(&connection, redis::cmd("EXISTS").arg(&key)).await;
+        assert_eq!(exists, 1, "{key}");
+        let slot: i64 =
+            redis_query(&connection, redis::cmd("CLUSTER").arg("KEYSLOT").arg(&key)).await;
+        slots.push(slot);
+    }
+    slots.sort_unstable();
+    slots.dedup();
+    assert_eq!(slots.len(), K as usize, "k distinct slots");
+    for node in 0..3 {
+        let client = redis::Client::open(cluster.node_url(node)).expect("a node url");
+        let mut direct = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connects");
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("rl:v1:{t:hot:*")
+            .query_async(&mut direct)
+            .await
+            .expect("KEYS");
+        assert!(
+            !keys.is_empty(),
+            "master {node} holds none of the hot tenant's sub-slots"
+        );
+    }
+    let plain: i64 = redis_query(
+        &connection,
+        redis::cmd("EXISTS").arg("rl:v1:{t:hot}:tenant:hot:bulk"),
+    )
+    .await;
+    assert_eq!(plain, 0, "the un-split key is never used");
+}
+
+#[tokio::test]
+async fn a_hot_tenants_principal_always_lands_in_one_sub_slot_and_its_record_too() {
+    let clock = Arc::new(ManualClock::new(1 << 42));
+    let s = limiter_over(
+        Arc::new(InProcessStore::new(clock, 10_000)),
+        LimiterConfig {
+            hot_tenants: HotTenants::new()
+                .with_tenant(TenantId::parse("atlas").expect("tenant"), 4)
+                .expect("valid"),
+            ..config()
+        },
+    );
+    let bundle = bundle();
+    let mut slots = Vec::new();
+    for n in 0..10 {
+        let decision = s
+            .limiter
+            .decide(&user(&bundle, "export", &format!("e-{n}")), None)
+            .await;
+        assert!(decision.allowed());
+        slots.push(decision.sub_slot.expect("spread").index);
+    }
+    slots.dedup();
+    assert_eq!(slots.len(), 1, "one principal, one sub-slot: {slots:?}");
+    // A retry of an admitted idempotent request finds its record in the same sub-slot.
+    let replay = s
+        .limiter
+        .decide(&user(&bundle, "export", "e-0"), None)
+        .await;
+    assert!(store_decision(&replay).replayed, "{replay:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_saturated_shard_degrades_after_about_a_millisecond_and_a_hung_call_at_the_deadline() {
+    let clock = Arc::new(ManualClock::new(1 << 42));
+    let s = limiter_over(
+        Arc::new(InProcessStore::new(clock, 10_000)),
+        LimiterConfig {
+            decision_budget: Duration::from_millis(50),
+            max_in_flight_per_shard: 1,
+            ..config()
+        },
+    );
+    s.store.hang.store(true, Ordering::SeqCst);
+    let s = Arc::new(s);
+    let bundle = Arc::new(bundle());
+    let started = monotonic_now();
+    let hung = {
+        let (s, bundle) = (s.clone(), bundle.clone());
+        tokio::spawn(async move { s.limiter.decide(&user(&bundle, "read", "r-1"), None).await })
+    };
+    // Let the first call take the only permit.
+    while s.store.calls() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let saturated = s.limiter.decide(&user(&bundle, "read", "r-2"), None).await;
+    assert_eq!(saturated.degraded, Some(DegradeCause::PoolExhausted));
+    assert_eq!(saturated.store_calls, 0);
+    assert!(saturated.fallback() && saturated.allowed(), "{saturated:?}");
+    let waited = monotonic_now().duration_since(started);
+    assert!(
+        waited <= Duration::from_millis(2),
+        "waited {waited:?} for a permit"
+    );
+
+    let hung = hung.await.expect("the task ends");
+    assert_eq!(hung.degraded, Some(DegradeCause::DeadlineExceeded));
+    assert!(hung.fallback(), "{hung:?}");
+    assert_eq!(
+        monotonic_now().duration_since(started),
+        Duration::from_millis(50),
+        "one deadline for the whole decision"
+    );
+    assert_eq!(s.store.calls(), 1);
+    assert_eq!(s.limiter.stats().pool_exhausted, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hung_idempotent_call_is_retried_once_within_the_same_deadline() {
+    let clock = Arc::new(ManualClock::new(1 << 42));
+    let s = limiter_over(
+        Arc::new(InProcessStore::new(clock, 10_000)),
+        LimiterConfig {
+            decision_budget: Duration::from_millis(40),
+            ..config()
+        },
+    );
+    s.store.hang.store(true, Ordering::SeqCst);
+    let bundle = bundle();
+    let started = monotonic_now();
+    let decision = s
+        .limiter
+        .decide(&user(&bundle, "export", "e-1"), None)
+        .await;
+    assert_eq!(decision.degraded, Some(DegradeCause::DeadlineExceeded));
+    assert_eq!(
+        decision.store_calls, 2,
+        "the first attempt had half the budget"
+    );
+    assert_eq!(s.store.decision_ids(), ["e-1", "e-1"]);
+    assert_eq!(
+        monotonic_now().duration_since(started),
+        Duration::from_millis(40)
+    );
+    assert_eq!(
+        decision.verdict,
+        Verdict::Unavailable {
+            rule: 1,
+            retry_ms: 1_000
+        }
+    );
+}
+
+#[tokio::test]
+async fn a_script_rejection_is_a_policy_error_and_is_never_retried() {
+    let clock = Arc::new(ManualClock::new(1 << 42));
+    let s = limiter_over(Arc::new(InProcessStore::new(clock, 10_000)), config());
+    s.store.reject.store(true, Ordering::SeqCst);
+    let bundle = bundle();
+    let export = user(&bundle, "export", "e-1");
+    let decision = s.limiter.decide(&export, None).await;
+    assert_eq!(decision.verdict, Verdict::PolicyError);
+    assert_eq!(decision.store_calls, 1, "idempotent, yet not retried");
+    let contract = decision.to_contract(&export);
+    assert_eq!(contract.reason, Some(Reason::PolicyError));
+    assert_eq!(http_status(&contract), 503);
+    // A policy fault says nothing about the shard's health.
+    for n in 0..10 {
+        s.limiter
+            .decide(&user(&bundle, "export", &format!("e-{n}")), None)
+            .await;
+    }
+    assert_eq!(s.limiter.breakers()[0].state, BreakerState::Closed);
+    assert_eq!(s.limiter.stats().policy_errors, 11);
+    assert_eq!(RetryAfter::Never.as_wire_ms(), contract.retry_after_ms);
+}
+
+#[tokio::test]
+async fn a_dead_master_opens_only_its_own_breaker_and_the_other_masters_keep_deciding() {
+    let mut cluster = RedisCluster::start(3);
+    // Let the live masters serve their slots while one is down (the limiter's deployment setting).
+    for node in 0..3 {
+        let client = redis::Client::open(cluster.node_url(node)).expect("a node url");
+        let mut direct = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connects");
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("cluster-require-full-coverage")
+            .arg("no")
+            .query_async(&mut direct)
+            .await
+            .expect("CONFIG SET");
+    }
+    let redis = Arc::new(
+        RedisStore::connect_cluster(&cluster.seed_urls(), TEST_CONFIG)
+            .await
+            .expect("connects"),
+    );
+    assert_eq!(redis.shard_count(), 3, "one shard per master");
+    let masters = redis.shard_masters();
+    let s = limiter_over(redis.clone(), outage_config());
+    assert_eq!(s.limiter.breakers().len(), 3);
+    let bundle = bundle();
+    // A tenant on each shard; the slot map agrees with the servers' own.
+    let connection = redis.connection();
+    let mut tenant_of_shard: Vec<Option<String>> = vec![None; 3];
+    for n in 0..100 {
+        let tenant = format!("tenant-{n}");
+        let planned = plan(&bundle, &tenant, PrincipalType::User, "U-1", "read", "r-0");
+        let slot: i64 = redis_query(
+            &connection,
+            redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(planned.batch.record_key()),
+        )
+        .await;
+        assert_eq!(
+            usize::try_from(slot).expect("a slot"),
+            crate::limiter::redis_store::key_slot(planned.batch.record_key())
+        );
+        tenant_of_shard[redis.shard_of(&planned.batch)].get_or_insert(tenant);
+    }
+    let tenants: Vec<String> = tenant_of_shard
+        .into_iter()
+        .map(|tenant| tenant.expect("100 tenants cover 3 masters"))
+        .collect();
+
+    // Stop the master of shard 0.
+    let port = masters[0].rsplit(':').next().expect("host:port");
+    let victim = (0..3)
+        .find(|&node| cluster.node_url(node).ends_with(&format!(":{port}")))
+        .expect("shard 0's master is a node of the cluster");
+    cluster.stop_node(victim);
+    for n in 0..10 {
+        let id = format!("r-{n}");
+        let down = plan(
+            &bundle,
+            &tenants[0],
+            PrincipalType::User,
+            "U-1",
+            "read",
+            &id,
+        );
+        let decision = s.limiter.decide(&down, None).await;
+        assert!(decision.fallback(), "{n}: {decision:?}");
+        for tenant in &tenants[1..] {
+            let up = plan(&bundle, tenant, PrincipalType::User, "U-1", "read", &id);
+            let decision = s.limiter.decide(&up, None).await;
+            assert!(
+                matches!(decision.verdict, Verdict::Store(_)),
+                "{tenant}: {decision:?}"
+            );
+        }
+    }
+    let states: Vec<BreakerState> = s.limiter.breakers().iter().map(|b| b.state).collect();
+    assert_eq!(
+        states,
+        [
+            BreakerState::Open,
+            BreakerState::Closed,
+            BreakerState::Closed
+        ]
+    );
+}
