@@ -6,6 +6,8 @@
 //!
 //! ## Map
 //! - [`clock`]: the agent's only reader of the OS clock (wall and monotonic).
+//! - [`global`]: the global tier: leases of allocator pools held and spent in memory, renewals sized
+//!   by demand, the bounded fallback allowance, and what is owed to the ledger.
 //! - [`limiter`]: the regional limiter: one atomic store call decides every regional rule of a request
 //!   (Lua scripts on Redis, or the in-process store that behaves identically), and the client path
 //!   around it (`limiter::Limiter`: deadlines, breakers, fail modes, negative cache, hot tenants,
@@ -14,4 +16,5 @@
 //! Architecture invariant: this crate never depends on `allot-allocator`.
 
 pub mod clock;
+pub mod global;
 pub mod limiter;

@@ -1,0 +1,509 @@
+//! One pool held by the agent: the leases it holds for one (tenant, pool), how a request spends
+//! them, when to ask the allocator for more and how much, what may be admitted while the allocator is
+//! unreachable, and what is owed to the ledger.
+//!
+//! Pure and deterministic: time (`now_ms`) and reachability are arguments, so the agent, the tests and
+//! the partition drills run exactly this code. The agent serialises access (one holder per pool); the
+//! hot path (`spend`) is a handful of integer operations and never waits for the allocator.
+//!
+//! Promises, each asserted in debug builds and held by property tests:
+//! - no token is spent at or after its lease's `expiresAtMs` (less a safety margin for clock-rate
+//!   error), so a clamped lease never admits in the next window;
+//! - a grant from an epoch below the highest seen is ignored (a deposed allocator is fenced off here
+//!   too);
+//! - admits from leases never exceed what the leases granted; admits in fallback never exceed the
+//!   pool's `fallbackPerRegion` per window; so per window and region:
+//!   admitted <= granted to this region + fallbackPerRegion;
+//! - nothing is refunded: what a lease did not spend by its end is stranded, and reported as such.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU64;
+
+use allot_shared::ids::{Epoch, LeaseId};
+use allot_shared::window::Window;
+
+/// Leases held at once per pool (the current one and a prefetched renewal, with room to spare).
+pub const MAX_LIVE_LEASES: usize = 4;
+/// Ended leases whose final report has not been acknowledged, kept per pool (I10). Past it the oldest
+/// is dropped (counted; the ledger shows it as unreported).
+pub const MAX_UNREPORTED_LEASES: usize = 1_024;
+/// Windows of fallback admits kept until reported.
+pub const MAX_FALLBACK_WINDOWS: usize = 64;
+/// Demand is measured in buckets of this many ms.
+const RATE_BUCKET_MS: u64 = 1_000;
+/// The spend rate is kept in 1/16 tokens per second, for precision in integers.
+const RATE_SCALE: u64 = 16;
+
+/// What the holder needs to know about its pool (from the last pool configuration the agent saw).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HolderConfig {
+    /// The pool's window length.
+    pub window_ms: NonZeroU64,
+    /// Largest grant the pool gives, tokens: the most a renewal asks for.
+    pub chunk_tokens: u64,
+    /// Lease TTL before clamping, ms: how long a renewal should last at the current rate.
+    pub lease_ttl_ms: u64,
+    /// Tokens this region may admit per window while the allocator is unreachable; 0 fails closed.
+    pub fallback_per_region_tokens: u64,
+    /// Tokens are never spent within this many ms of a lease's end (clock-rate error between the
+    /// agent and the allocator).
+    pub expiry_margin_ms: u64,
+}
+
+/// A grant as the allocator answered it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseGrant {
+    /// The lease id the agent asked with.
+    pub lease_id: LeaseId,
+    /// The granting allocator's epoch.
+    pub epoch: Epoch,
+    /// Tokens granted (0 when the pool is exhausted).
+    pub granted_tokens: u64,
+    /// The window the tokens belong to.
+    pub window: Window,
+    /// No token may be spent at or after this instant, epoch ms.
+    pub expires_at_ms: u64,
+    /// With nothing granted: ms until the pool refills (the next window).
+    pub retry_after_ms: u64,
+}
+
+/// A lease this agent holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldLease {
+    /// The grant.
+    pub grant: LeaseGrant,
+    /// Tokens spent from it.
+    pub spent_tokens: u64,
+    reported_spent_tokens: u64,
+}
+
+impl HeldLease {
+    fn remaining_tokens(&self) -> u64 {
+        self.grant.granted_tokens - self.spent_tokens
+    }
+
+    /// The last instant (exclusive) at which a token may be spent.
+    fn usable_until_ms(&self, margin_ms: u64) -> u64 {
+        self.grant.expires_at_ms.saturating_sub(margin_ms)
+    }
+}
+
+/// What became of a grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrantVerdict {
+    /// Held and spendable.
+    Accepted,
+    /// Nothing was granted: the pool is exhausted until this instant.
+    Exhausted {
+        /// Epoch ms.
+        until_ms: u64,
+    },
+    /// From an epoch below the highest seen: ignored (and to be logged).
+    StaleEpoch {
+        /// The highest epoch seen.
+        highest: Epoch,
+    },
+    /// Already past its usable end on arrival: ignored; its tokens are stranded at the allocator.
+    AlreadyExpired,
+    /// The same lease id is already held.
+    Duplicate,
+}
+
+/// Why a request was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Denial {
+    /// The allocator said the pool is exhausted.
+    PoolExhausted,
+    /// The allocator is unreachable and this window's fallback allowance is spent.
+    FallbackSpent,
+    /// The allocator is unreachable and the pool has no fallback allowance (fails closed).
+    FailClosed,
+    /// The allocator is reachable but no lease is held yet: renew and try again.
+    AwaitingGrant,
+}
+
+/// The outcome of spending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spend {
+    /// Admitted from this lease.
+    Leased(LeaseId),
+    /// Admitted from the fallback allowance of the window starting at this instant.
+    Fallback {
+        /// The window's start, epoch ms.
+        window_start_ms: u64,
+    },
+    /// Not admitted.
+    Denied {
+        /// Why.
+        denial: Denial,
+        /// When to retry, ms.
+        retry_after_ms: u64,
+    },
+}
+
+/// One lease's line in a report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseLine {
+    /// The lease.
+    pub lease_id: LeaseId,
+    /// Its window's start, epoch ms.
+    pub window_start_ms: u64,
+    /// Tokens spent so far (cumulative).
+    pub spent_tokens: u64,
+    /// The lease has ended: this is its final line.
+    pub final_line: bool,
+}
+
+/// One window's fallback admits in a report (cumulative).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FallbackLine {
+    /// The window's start, epoch ms.
+    pub window_start_ms: u64,
+    /// Tokens admitted in fallback so far in that window.
+    pub admitted_tokens: u64,
+}
+
+/// What the holder owes the ledger since the last acknowledged report.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PendingReport {
+    /// Leases whose spend changed, and ended leases not yet reported final.
+    pub leases: Vec<LeaseLine>,
+    /// Windows whose fallback admits changed.
+    pub fallback: Vec<FallbackLine>,
+}
+
+impl PendingReport {
+    /// Whether there is nothing to report.
+    pub fn is_empty(&self) -> bool {
+        self.leases.is_empty() && self.fallback.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct FallbackCount {
+    admitted_tokens: u64,
+    reported_tokens: u64,
+}
+
+/// Demand, as an integer EWMA over one-second buckets (alpha = 1/4).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct SpendRate {
+    bucket_start_ms: u64,
+    bucket_tokens: u64,
+    /// Tokens per second x [`RATE_SCALE`].
+    scaled_per_s: u64,
+}
+
+impl SpendRate {
+    fn roll(&mut self, now_ms: u64) {
+        if now_ms < self.bucket_start_ms + RATE_BUCKET_MS {
+            return;
+        }
+        // A long quiet spell decays the rate to nothing within a few dozen buckets; stop there.
+        for _ in 0..32 {
+            if now_ms < self.bucket_start_ms + RATE_BUCKET_MS {
+                return;
+            }
+            self.scaled_per_s =
+                (self.scaled_per_s * 3 + self.bucket_tokens.saturating_mul(RATE_SCALE)) / 4;
+            self.bucket_tokens = 0;
+            self.bucket_start_ms += RATE_BUCKET_MS;
+        }
+        self.bucket_start_ms = now_ms - now_ms % RATE_BUCKET_MS;
+    }
+
+    fn record(&mut self, now_ms: u64, tokens: u64) {
+        self.roll(now_ms);
+        self.bucket_tokens = self.bucket_tokens.saturating_add(tokens);
+    }
+
+    /// Tokens per second, rounded up, counting the bucket in progress as a floor.
+    fn per_second(&self) -> u64 {
+        self.scaled_per_s
+            .div_ceil(RATE_SCALE)
+            .max(self.bucket_tokens)
+    }
+}
+
+/// The holder of one pool.
+#[derive(Debug, Clone)]
+pub struct PoolHolder {
+    config: HolderConfig,
+    live: Vec<HeldLease>,
+    ended: Vec<HeldLease>,
+    highest_epoch: Epoch,
+    exhausted_until_ms: u64,
+    fallback: BTreeMap<u64, FallbackCount>,
+    rate: SpendRate,
+    last_demand_ms: Option<u64>,
+    renewal_in_flight: bool,
+    dropped_reports: u64,
+    stranded_tokens: u64,
+}
+
+impl PoolHolder {
+    /// An empty holder.
+    pub fn new(config: HolderConfig) -> Self {
+        Self {
+            config,
+            live: Vec::new(),
+            ended: Vec::new(),
+            highest_epoch: Epoch(0),
+            exhausted_until_ms: 0,
+            fallback: BTreeMap::new(),
+            rate: SpendRate::default(),
+            last_demand_ms: None,
+            renewal_in_flight: false,
+            dropped_reports: 0,
+            stranded_tokens: 0,
+        }
+    }
+
+    /// Replaces the configuration (a pool update). Held leases are unaffected.
+    pub fn reconfigure(&mut self, config: HolderConfig) {
+        self.config = config;
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &HolderConfig {
+        &self.config
+    }
+
+    /// Moves leases past their usable end to the ended list; their unspent tokens are stranded.
+    fn expire(&mut self, now_ms: u64) {
+        let margin = self.config.expiry_margin_ms;
+        let (still, done): (Vec<HeldLease>, Vec<HeldLease>) = std::mem::take(&mut self.live)
+            .into_iter()
+            .partition(|l| now_ms < l.usable_until_ms(margin));
+        self.live = still;
+        for lease in done {
+            self.stranded_tokens += lease.remaining_tokens();
+            self.ended.push(lease);
+        }
+        if self.ended.len() > MAX_UNREPORTED_LEASES {
+            let excess = self.ended.len() - MAX_UNREPORTED_LEASES;
+            self.ended.drain(..excess);
+            self.dropped_reports += excess as u64;
+        }
+    }
+
+    /// Takes a grant from the allocator.
+    pub fn accept(&mut self, grant: LeaseGrant, now_ms: u64) -> GrantVerdict {
+        if grant.epoch < self.highest_epoch {
+            return GrantVerdict::StaleEpoch {
+                highest: self.highest_epoch,
+            };
+        }
+        self.highest_epoch = grant.epoch;
+        if grant.granted_tokens == 0 {
+            // The pool refills at the next window at the latest.
+            let until_ms = now_ms.saturating_add(grant.retry_after_ms.max(1));
+            self.exhausted_until_ms = self.exhausted_until_ms.max(until_ms);
+            return GrantVerdict::Exhausted { until_ms };
+        }
+        let held = self
+            .live
+            .iter()
+            .chain(&self.ended)
+            .any(|l| l.grant.lease_id == grant.lease_id);
+        if held {
+            return GrantVerdict::Duplicate;
+        }
+        let lease = HeldLease {
+            grant,
+            spent_tokens: 0,
+            reported_spent_tokens: 0,
+        };
+        if now_ms >= lease.usable_until_ms(self.config.expiry_margin_ms) {
+            self.stranded_tokens += grant.granted_tokens;
+            return GrantVerdict::AlreadyExpired;
+        }
+        self.exhausted_until_ms = 0;
+        self.expire(now_ms);
+        if self.live.len() >= MAX_LIVE_LEASES {
+            // Hold at most a few leases: the oldest one ends early (its rest is stranded).
+            let oldest = self.live.remove(0);
+            self.stranded_tokens += oldest.remaining_tokens();
+            self.ended.push(oldest);
+        }
+        self.live.push(lease);
+        // Spend the lease that ends first first.
+        self.live.sort_by_key(|l| l.grant.expires_at_ms);
+        GrantVerdict::Accepted
+    }
+
+    /// Spends `cost_tokens` (at least 1) at `now_ms`. `allocator_reachable` says whether the agent
+    /// can currently reach the allocator (it decides whether fallback applies).
+    pub fn spend(&mut self, cost_tokens: u64, now_ms: u64, allocator_reachable: bool) -> Spend {
+        let cost_tokens = cost_tokens.max(1);
+        self.expire(now_ms);
+        self.last_demand_ms = Some(now_ms);
+        self.rate.record(now_ms, cost_tokens);
+        let margin = self.config.expiry_margin_ms;
+        if let Some(lease) = self
+            .live
+            .iter_mut()
+            .find(|l| l.remaining_tokens() >= cost_tokens)
+        {
+            debug_assert!(
+                now_ms < lease.usable_until_ms(margin),
+                "no spend at or after a lease's end"
+            );
+            lease.spent_tokens += cost_tokens;
+            debug_assert!(lease.spent_tokens <= lease.grant.granted_tokens);
+            return Spend::Leased(lease.grant.lease_id);
+        }
+        if self.exhausted_until_ms > now_ms {
+            return Spend::Denied {
+                denial: Denial::PoolExhausted,
+                retry_after_ms: self.exhausted_until_ms - now_ms,
+            };
+        }
+        if allocator_reachable {
+            return Spend::Denied {
+                denial: Denial::AwaitingGrant,
+                retry_after_ms: 1,
+            };
+        }
+        let window = Window::containing(now_ms, self.config.window_ms);
+        let until_window_end_ms = window.ms_until_end(now_ms).max(1);
+        let allowance = self.config.fallback_per_region_tokens;
+        if allowance == 0 {
+            return Spend::Denied {
+                denial: Denial::FailClosed,
+                retry_after_ms: until_window_end_ms,
+            };
+        }
+        let count = self.fallback.entry(window.start_ms).or_default();
+        if count.admitted_tokens + cost_tokens > allowance {
+            return Spend::Denied {
+                denial: Denial::FallbackSpent,
+                retry_after_ms: until_window_end_ms,
+            };
+        }
+        count.admitted_tokens += cost_tokens;
+        debug_assert!(count.admitted_tokens <= allowance);
+        if self.fallback.len() > MAX_FALLBACK_WINDOWS
+            && let Some((&oldest, _)) = self.fallback.iter().next()
+        {
+            self.fallback.remove(&oldest);
+            self.dropped_reports += 1;
+        }
+        Spend::Fallback {
+            window_start_ms: window.start_ms,
+        }
+    }
+
+    /// Tokens spendable now from held leases.
+    pub fn available_tokens(&self, now_ms: u64) -> u64 {
+        let margin = self.config.expiry_margin_ms;
+        self.live
+            .iter()
+            .filter(|l| now_ms < l.usable_until_ms(margin))
+            .map(HeldLease::remaining_tokens)
+            .sum()
+    }
+
+    /// How many tokens to ask the allocator for now, if any: when what is held would run out within
+    /// about two allocator round trips at the current rate (the low watermark), ask for what the rate
+    /// spends in a lease TTL, between 1 and the pool's chunk. `None` while a renewal is in flight,
+    /// while the pool is exhausted, or when the pool has seen no demand for a window.
+    pub fn wants(&mut self, now_ms: u64, round_trip_ms: u64) -> Option<u64> {
+        if self.renewal_in_flight || self.exhausted_until_ms > now_ms {
+            return None;
+        }
+        let last_demand_ms = self.last_demand_ms?;
+        self.expire(now_ms);
+        self.rate.roll(now_ms);
+        if self.live.is_empty()
+            && now_ms.saturating_sub(last_demand_ms) > self.config.window_ms.get()
+        {
+            return None;
+        }
+        let per_second = self.rate.per_second().max(1);
+        let horizon_ms = 2 * round_trip_ms + self.config.expiry_margin_ms + RATE_BUCKET_MS;
+        let watermark = (per_second * horizon_ms).div_ceil(1_000);
+        if self.available_tokens(now_ms) > watermark {
+            return None;
+        }
+        let want = (per_second * self.config.lease_ttl_ms).div_ceil(1_000);
+        Some(want.clamp(1, self.config.chunk_tokens.max(1)))
+    }
+
+    /// Marks a renewal as started (single flight per pool).
+    pub fn begin_renewal(&mut self) {
+        self.renewal_in_flight = true;
+    }
+
+    /// Marks the renewal as finished (with or without a grant).
+    pub fn end_renewal(&mut self) {
+        self.renewal_in_flight = false;
+    }
+
+    /// What to report since the last acknowledged report.
+    pub fn pending_report(&mut self, now_ms: u64) -> PendingReport {
+        self.expire(now_ms);
+        let line = |lease: &HeldLease, final_line: bool| LeaseLine {
+            lease_id: lease.grant.lease_id,
+            window_start_ms: lease.grant.window.start_ms,
+            spent_tokens: lease.spent_tokens,
+            final_line,
+        };
+        let mut leases: Vec<LeaseLine> = self
+            .live
+            .iter()
+            .filter(|l| l.spent_tokens != l.reported_spent_tokens)
+            .map(|l| line(l, false))
+            .collect();
+        leases.extend(self.ended.iter().map(|l| line(l, true)));
+        let fallback = self
+            .fallback
+            .iter()
+            .filter(|(_, c)| c.admitted_tokens != c.reported_tokens)
+            .map(|(&window_start_ms, c)| FallbackLine {
+                window_start_ms,
+                admitted_tokens: c.admitted_tokens,
+            })
+            .collect();
+        PendingReport { leases, fallback }
+    }
+
+    /// Records that the allocator acknowledged `report`: final lines are done with; fallback windows
+    /// that are over and fully reported are forgotten.
+    pub fn acknowledge(&mut self, report: &PendingReport, now_ms: u64) {
+        for line in &report.leases {
+            if line.final_line {
+                self.ended.retain(|l| l.grant.lease_id != line.lease_id);
+            } else if let Some(lease) = self
+                .live
+                .iter_mut()
+                .find(|l| l.grant.lease_id == line.lease_id)
+            {
+                lease.reported_spent_tokens = lease.reported_spent_tokens.max(line.spent_tokens);
+            }
+        }
+        for line in &report.fallback {
+            if let Some(count) = self.fallback.get_mut(&line.window_start_ms) {
+                count.reported_tokens = count.reported_tokens.max(line.admitted_tokens);
+            }
+        }
+        let current = Window::containing(now_ms, self.config.window_ms).start_ms;
+        self.fallback
+            .retain(|&start, c| start >= current || c.admitted_tokens != c.reported_tokens);
+    }
+
+    /// Tokens stranded so far (granted to this agent, unspent at the lease's end).
+    pub fn stranded_tokens(&self) -> u64 {
+        self.stranded_tokens
+    }
+
+    /// Report lines dropped because the allocator stayed unreachable past the bounds.
+    pub fn dropped_reports(&self) -> u64 {
+        self.dropped_reports
+    }
+
+    /// The highest allocator epoch seen.
+    pub fn highest_epoch(&self) -> Epoch {
+        self.highest_epoch
+    }
+}

@@ -1,0 +1,13 @@
+//! The global tier: leased chunks of an allocator pool, spent locally.
+//!
+//! Global (cross-tenant or cross-region) budgets cannot share a script with a tenant's regional keys,
+//! so the agent holds leases of them and spends those in memory: no network call on the request path.
+//! [`holder`] is the per-pool state machine (spend, renew, fall back, report); the agent service
+//! (issue 5) drives it with the allocator client, its clock and its reachability.
+
+pub mod holder;
+
+pub use holder::{
+    Denial, FallbackLine, GrantVerdict, HeldLease, HolderConfig, LeaseGrant, LeaseLine,
+    PendingReport, PoolHolder, Spend,
+};

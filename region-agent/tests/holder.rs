@@ -1,0 +1,277 @@
+//! The global tier's pool holder: partitions spend leases, then the fallback allowance, then deny;
+//! stale epochs are ignored; renewals follow demand with single flight; and, over random event
+//! sequences, nothing is admitted past the grants and the allowance of its window.
+
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+
+use allot_region_agent::global::*;
+use allot_shared::ids::{Epoch, LeaseId};
+use allot_shared::window::Window;
+use proptest::prelude::*;
+
+const MINUTE: u64 = 60_000;
+
+fn config(fallback: u64) -> HolderConfig {
+    HolderConfig {
+        window_ms: NonZeroU64::new(MINUTE).expect("non-zero"),
+        chunk_tokens: 100,
+        lease_ttl_ms: 15_000,
+        fallback_per_region_tokens: fallback,
+        expiry_margin_ms: 50,
+    }
+}
+
+fn grant(n: u128, epoch: u64, granted: u64, now: u64) -> LeaseGrant {
+    let window = Window::containing(now, NonZeroU64::new(MINUTE).expect("non-zero"));
+    LeaseGrant {
+        lease_id: LeaseId::from_parts(now, n),
+        epoch: Epoch(epoch),
+        granted_tokens: granted,
+        window,
+        expires_at_ms: (now + 15_000).min(window.end_ms),
+        retry_after_ms: if granted == 0 { window.end_ms - now } else { 0 },
+    }
+}
+
+/// The partition story: held leases first, then the fallback allowance, then a denial until the
+/// window ends; after the heal, the fallback admits are reported for their window.
+#[test]
+fn a_partition_spends_leases_then_fallback_then_denies() {
+    let mut holder = PoolHolder::new(config(3));
+    let t0 = 10 * MINUTE + 1_000;
+    assert_eq!(
+        holder.accept(grant(1, 1, 2, t0), t0),
+        GrantVerdict::Accepted
+    );
+    assert!(matches!(holder.spend(1, t0, false), Spend::Leased(_)));
+    assert!(matches!(holder.spend(1, t0, false), Spend::Leased(_)));
+    for _ in 0..3 {
+        assert_eq!(
+            holder.spend(1, t0 + 1, false),
+            Spend::Fallback {
+                window_start_ms: 10 * MINUTE
+            }
+        );
+    }
+    assert_eq!(
+        holder.spend(1, t0 + 2, false),
+        Spend::Denied {
+            denial: Denial::FallbackSpent,
+            retry_after_ms: MINUTE - 1_002
+        }
+    );
+    // The lease expires while cut off: no token is spent at or after its end.
+    let mut holder = PoolHolder::new(config(0));
+    holder.accept(grant(2, 1, 100, t0), t0);
+    let end = t0 + 15_000;
+    assert!(matches!(holder.spend(1, end - 51, false), Spend::Leased(_)));
+    assert_eq!(
+        holder.spend(1, end - 50, false),
+        Spend::Denied {
+            denial: Denial::FailClosed,
+            retry_after_ms: 11 * MINUTE - (end - 50)
+        },
+        "a pool without fallback fails closed once its lease is over"
+    );
+    assert_eq!(holder.stranded_tokens(), 99);
+    let report = holder.pending_report(end);
+    assert_eq!(report.leases.len(), 1);
+    assert!(report.leases[0].final_line && report.leases[0].spent_tokens == 1);
+}
+
+#[test]
+fn fallback_admits_are_reported_once_per_window_after_the_heal() {
+    let mut holder = PoolHolder::new(config(5));
+    let t0 = 20 * MINUTE;
+    for _ in 0..4 {
+        assert!(matches!(holder.spend(1, t0, false), Spend::Fallback { .. }));
+    }
+    let report = holder.pending_report(t0 + 10);
+    assert_eq!(
+        report.fallback,
+        vec![FallbackLine {
+            window_start_ms: t0,
+            admitted_tokens: 4
+        }]
+    );
+    holder.acknowledge(&report, t0 + 10);
+    assert!(
+        holder.pending_report(t0 + 20).is_empty(),
+        "nothing new to say"
+    );
+    assert!(matches!(
+        holder.spend(1, t0 + 30, false),
+        Spend::Fallback { .. }
+    ));
+    assert_eq!(
+        holder.pending_report(t0 + 40).fallback[0].admitted_tokens,
+        5,
+        "cumulative"
+    );
+}
+
+#[test]
+fn stale_epochs_are_ignored_and_exhaustion_is_cached() {
+    let mut holder = PoolHolder::new(config(0));
+    let t0 = 5 * MINUTE;
+    assert_eq!(
+        holder.accept(grant(1, 7, 10, t0), t0),
+        GrantVerdict::Accepted
+    );
+    assert_eq!(
+        holder.accept(grant(2, 6, 10, t0), t0),
+        GrantVerdict::StaleEpoch { highest: Epoch(7) }
+    );
+    assert_eq!(
+        holder.available_tokens(t0),
+        10,
+        "the stale grant added nothing"
+    );
+    assert_eq!(
+        holder.accept(grant(1, 7, 10, t0), t0),
+        GrantVerdict::Duplicate
+    );
+    let exhausted = grant(3, 7, 0, t0 + 1_000);
+    assert_eq!(
+        holder.accept(exhausted, t0 + 1_000),
+        GrantVerdict::Exhausted {
+            until_ms: 6 * MINUTE
+        }
+    );
+    for _ in 0..10 {
+        assert!(matches!(
+            holder.spend(1, t0 + 2_000, true),
+            Spend::Leased(_)
+        ));
+    }
+    assert_eq!(
+        holder.spend(1, t0 + 2_000, true),
+        Spend::Denied {
+            denial: Denial::PoolExhausted,
+            retry_after_ms: MINUTE - 2_000
+        }
+    );
+    assert_eq!(
+        holder.wants(t0 + 2_000, 50),
+        None,
+        "no renewals while exhausted"
+    );
+    let fresh = grant(4, 8, 0, 6 * MINUTE);
+    assert!(matches!(
+        holder.accept(fresh, 6 * MINUTE),
+        GrantVerdict::Exhausted { .. }
+    ));
+}
+
+#[test]
+fn renewals_follow_demand_with_single_flight() {
+    let mut holder = PoolHolder::new(config(0));
+    let t0 = 3 * MINUTE;
+    assert_eq!(holder.wants(t0, 50), None, "no demand, no lease wanted");
+    assert!(matches!(
+        holder.spend(1, t0, true),
+        Spend::Denied {
+            denial: Denial::AwaitingGrant,
+            ..
+        }
+    ));
+    assert_eq!(holder.wants(t0, 50), Some(15), "1 token/s for a 15 s lease");
+    holder.begin_renewal();
+    assert_eq!(holder.wants(t0, 50), None, "one renewal at a time");
+    holder.end_renewal();
+    holder.accept(grant(1, 1, 15, t0), t0);
+    // Demand of 40 tokens/s for a few seconds raises the ask, bounded by the chunk.
+    let mut now = t0;
+    for second in 0..5 {
+        for _ in 0..40 {
+            holder.spend(1, now, true);
+        }
+        if second == 0 {
+            holder.accept(grant(2, 1, 100, now), now);
+        }
+        now += 1_000;
+    }
+    let want = holder.wants(now, 50).expect("running low");
+    assert!(want > 15 && want <= 100, "demand-weighted ask: {want}");
+}
+
+#[derive(Debug, Clone)]
+enum Event {
+    Grant { granted: u64, epoch_step: i8 },
+    Spend { cost: u64, reachable: bool },
+    Advance { ms: u64 },
+    Report,
+}
+
+fn events() -> impl Strategy<Value = Vec<Event>> {
+    prop::collection::vec(
+        prop_oneof![
+            2 => (0u64..120, -1i8..3).prop_map(|(granted, epoch_step)| Event::Grant { granted, epoch_step }),
+            8 => (1u64..6, any::<bool>()).prop_map(|(cost, reachable)| Event::Spend { cost, reachable }),
+            3 => (0u64..20_000).prop_map(|ms| Event::Advance { ms }),
+            1 => Just(Event::Report),
+        ],
+        1..300,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Per window: admitted from leases never exceeds what those leases granted, no lease is spent
+    /// at or after its end, stale-epoch grants are never spent, and fallback stays within the
+    /// allowance. Hence admitted <= granted + fallbackPerRegion in every window.
+    #[test]
+    fn the_holder_never_admits_past_its_grants_and_allowance(
+        fallback in 0u64..20,
+        start in 0u64..(1 << 40),
+        events in events(),
+    ) {
+        let mut holder = PoolHolder::new(config(fallback));
+        let mut now = start;
+        let mut epoch: u64 = 5;
+        let mut grants: HashMap<LeaseId, (LeaseGrant, bool)> = HashMap::new();
+        let mut spent: HashMap<LeaseId, u64> = HashMap::new();
+        let mut fallback_by_window: HashMap<u64, u64> = HashMap::new();
+        for (n, event) in events.into_iter().enumerate() {
+            match event {
+                Event::Grant { granted, epoch_step } => {
+                    let e = epoch.saturating_add_signed(i64::from(epoch_step)).max(1);
+                    let g = grant(n as u128, e, granted, now);
+                    let verdict = holder.accept(g, now);
+                    let accepted = verdict == GrantVerdict::Accepted;
+                    if accepted { epoch = epoch.max(e); }
+                    if e < holder.highest_epoch().0 { prop_assert!(!accepted); }
+                    grants.insert(g.lease_id, (g, accepted));
+                }
+                Event::Spend { cost, reachable } => match holder.spend(cost, now, reachable) {
+                    Spend::Leased(id) => {
+                        let (g, accepted) = grants[&id];
+                        prop_assert!(accepted, "only accepted grants are spent");
+                        prop_assert!(now < g.expires_at_ms - 50, "no spend within the margin of the end");
+                        prop_assert!(g.window.contains(now), "a clamped lease admits only in its window");
+                        let total = spent.entry(id).or_default();
+                        *total += cost;
+                        prop_assert!(*total <= g.granted_tokens);
+                    }
+                    Spend::Fallback { window_start_ms } => {
+                        prop_assert!(!reachable);
+                        let total = fallback_by_window.entry(window_start_ms).or_default();
+                        *total += cost;
+                        prop_assert!(*total <= fallback);
+                    }
+                    Spend::Denied { retry_after_ms, .. } => prop_assert!(retry_after_ms >= 1),
+                },
+                Event::Advance { ms } => now += ms,
+                Event::Report => {
+                    let report = holder.pending_report(now);
+                    for line in &report.leases {
+                        prop_assert_eq!(line.spent_tokens, spent.get(&line.lease_id).copied().unwrap_or(0));
+                    }
+                    holder.acknowledge(&report, now);
+                }
+            }
+        }
+    }
+}
