@@ -201,8 +201,17 @@ async fn main() {
     }
     println!(
         "{:<12} {:>8} {:>8} {:>10} {:>10} {:>8} {:>10} {:>8} {:>10} {:>8} {:>9}",
-        "shape", "clients", "batch", "grants/s", "blind/s", "x blind", "shaped/s", "x shaped",
-        "CAS/s", "x CAS", "CAS fail"
+        "shape",
+        "clients",
+        "batch",
+        "grants/s",
+        "blind/s",
+        "x blind",
+        "shaped/s",
+        "x shaped",
+        "CAS/s",
+        "x CAS",
+        "CAS fail"
     );
     for (shape, pool_count) in [("hot pool", 1usize), ("1000 pools", 1_000)] {
         let targets = Arc::new(all[..pool_count].to_vec());

@@ -145,9 +145,11 @@ impl Shared {
         if self.commits.send(job).await.is_err() {
             return Err(KvError::Unavailable("the committer has stopped".to_owned()));
         }
-        outcome
-            .await
-            .unwrap_or_else(|_| Err(KvError::Unavailable("the committer dropped a commit".to_owned())))
+        outcome.await.unwrap_or_else(|_| {
+            Err(KvError::Unavailable(
+                "the committer dropped a commit".to_owned(),
+            ))
+        })
     }
 }
 

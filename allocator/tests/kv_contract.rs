@@ -228,7 +228,10 @@ async fn oversized_transactions_are_refused(kv: &dyn Kv) {
     let ops: Vec<Op> = (0..=allot_allocator::kv::MAX_TXN_OPS)
         .map(|n| put(&format!("/big/{n}"), "v"))
         .collect();
-    assert!(matches!(kv.txn(vec![], ops).await, Err(KvError::Refused(_))));
+    assert!(matches!(
+        kv.txn(vec![], ops).await,
+        Err(KvError::Refused(_))
+    ));
     let fits: Vec<Op> = (0..allot_allocator::kv::MAX_TXN_OPS)
         .map(|n| put(&format!("/big/{n}"), "v"))
         .collect();
