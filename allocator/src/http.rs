@@ -390,6 +390,51 @@ async fn delete_pool(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+/// `GET /v1/pools/{tenant}/{pool}/terms` answer: what an agent needs to hold leases of a pool.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolTerms {
+    /// `G`, tokens per window.
+    pub limit: u64,
+    /// Window length, ms.
+    pub window_ms: u64,
+    /// Largest grant, tokens.
+    pub chunk: u64,
+    /// Lease TTL before clamping, ms.
+    pub lease_ttl_ms: u64,
+    /// Tokens a region may admit per window while it cannot reach the allocator.
+    pub fallback_per_region: u64,
+    /// Regions allowed to take grants.
+    pub regions: Vec<RegionId>,
+    /// The configuration's version.
+    pub version: u64,
+}
+
+async fn get_pool_terms(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize_either(&state, &headers)?;
+    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
+    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    let (stored, _) = pools::get_pool(&*state.kv, &tenant, &pool)
+        .await
+        .map_err(store_error)?
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "Not found", "no such pool"))?;
+    let spec = stored.spec;
+    let terms = PoolTerms {
+        limit: spec.limit,
+        window_ms: spec.window_ms,
+        chunk: spec.chunk,
+        lease_ttl_ms: spec.lease_ttl_ms,
+        fallback_per_region: spec.fallback_per_region,
+        regions: spec.regions,
+        version: stored.version,
+    };
+    Ok(json_response(StatusCode::OK, &terms))
+}
+
 /// `GET /v1/pools` answer.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct PoolList {
@@ -864,6 +909,7 @@ pub fn router(state: ApiState) -> Router {
             get(get_pool).put(put_pool).delete(delete_pool),
         )
         .route("/v1/pools/{tenant}/{pool}/windows", get(get_windows))
+        .route("/v1/pools/{tenant}/{pool}/terms", get(get_pool_terms))
         .route("/v1/grants", post(post_grant))
         .route("/v1/reports", post(post_report))
         .route("/v1/policies", axum::routing::put(put_policy))

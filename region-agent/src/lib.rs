@@ -15,6 +15,9 @@
 //!
 //! Architecture invariant: this crate never depends on `allot-allocator`.
 
+pub mod allocator_client;
 pub mod clock;
 pub mod global;
+pub mod http;
 pub mod limiter;
+pub mod service;

@@ -1,0 +1,312 @@
+//! The agent's client of the allocator API: pool terms, grants, reports, policy bundles and status.
+//!
+//! Off the request path only (renewals, reports, polling). Every call has a deadline; with several
+//! allocator URLs it tries the last one that answered first, follows a follower's `503` to the leader
+//! it names, and otherwise moves to the next URL, at most once around the list. The wire types mirror
+//! the allocator's API (`docs/allocator.md`); the end-to-end tests hold the two together.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::policy::{PolicyBundle, parse_bundle};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// Deadline of one allocator call.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why an allocator call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClientError {
+    /// No allocator answered (connection refused, timeout, or only followers without a leader).
+    #[error("allocator unreachable: {0}")]
+    Unreachable(String),
+    /// An allocator answered with an error.
+    #[error("allocator answered {status}: {detail}")]
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// The problem's detail.
+        detail: String,
+    },
+}
+
+impl ClientError {
+    /// Whether the allocator could not be reached (the partition case, where fallback applies).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, ClientError::Unreachable(_))
+            || matches!(self, ClientError::Refused { status, .. } if *status >= 500)
+    }
+}
+
+/// A pool's terms.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolTerms {
+    /// `G`, tokens per window.
+    pub limit: u64,
+    /// Window length, ms.
+    pub window_ms: u64,
+    /// Largest grant, tokens.
+    pub chunk: u64,
+    /// Lease TTL before clamping, ms.
+    pub lease_ttl_ms: u64,
+    /// Tokens a region may admit per window while it cannot reach the allocator.
+    pub fallback_per_region: u64,
+    /// Regions allowed to take grants.
+    pub regions: Vec<RegionId>,
+    /// The configuration's version.
+    pub version: u64,
+}
+
+/// A grant as answered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrantAnswer {
+    /// The request's lease id.
+    pub lease_id: LeaseId,
+    /// Tokens granted.
+    pub granted: u64,
+    /// The granting allocator's epoch.
+    pub epoch: Epoch,
+    /// Window start, epoch ms.
+    pub window_start_ms: u64,
+    /// Window end, epoch ms.
+    pub window_end_ms: u64,
+    /// No token may be spent at or after this instant, epoch ms.
+    pub expires_at_ms: u64,
+    /// With nothing granted, ms until the next window.
+    pub retry_after_ms: u64,
+}
+
+/// One lease's line in a report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReportLease {
+    /// The lease.
+    pub lease_id: LeaseId,
+    /// Tokens spent from it so far (cumulative).
+    pub spent: u64,
+    /// The lease has ended.
+    #[serde(rename = "final")]
+    pub final_report: bool,
+}
+
+/// `POST /v1/reports` body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReportBody {
+    /// Idempotency key.
+    pub report_id: String,
+    /// This agent's region.
+    pub region: RegionId,
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// The window the fallback admits belong to, epoch ms.
+    pub window_start_ms: u64,
+    /// Lease lines.
+    pub leases: Vec<ReportLease>,
+    /// Tokens admitted in fallback in that window so far (cumulative).
+    pub fallback_admitted: u64,
+}
+
+#[derive(Debug, Deserialize)]
+struct ProblemBody {
+    #[serde(default)]
+    detail: String,
+    #[serde(default)]
+    leader: Option<String>,
+}
+
+/// The client.
+#[derive(Debug)]
+pub struct AllocatorClient {
+    urls: Vec<String>,
+    token: String,
+    http: reqwest::Client,
+    preferred: AtomicUsize,
+}
+
+impl AllocatorClient {
+    /// A client of the allocators at `urls` (at least one), authenticating with the agent `token`.
+    pub fn new(urls: Vec<String>, token: String) -> Result<Self, ClientError> {
+        if urls.is_empty() {
+            return Err(ClientError::Unreachable(
+                "no allocator URL configured".to_owned(),
+            ));
+        }
+        let http = reqwest::Client::builder()
+            .timeout(CALL_TIMEOUT)
+            .connect_timeout(CALL_TIMEOUT)
+            .build()
+            .map_err(|e| ClientError::Unreachable(e.to_string()))?;
+        Ok(Self {
+            urls: urls
+                .into_iter()
+                .map(|u| u.trim_end_matches('/').to_owned())
+                .collect(),
+            token,
+            http,
+            preferred: AtomicUsize::new(0),
+        })
+    }
+
+    async fn call<T: DeserializeOwned>(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<Option<T>, ClientError> {
+        let start = self.preferred.load(Ordering::Relaxed);
+        let mut last_error = String::from("no allocator tried");
+        let mut redirect: Option<String> = None;
+        for attempt in 0..=self.urls.len() {
+            let (index, base) = match redirect.take() {
+                Some(leader) => (self.urls.iter().position(|u| *u == leader), leader),
+                None => {
+                    if attempt == self.urls.len() {
+                        break;
+                    }
+                    let index = (start + attempt) % self.urls.len();
+                    (Some(index), self.urls[index].clone())
+                }
+            };
+            let mut request = self
+                .http
+                .request(method.clone(), format!("{base}{path}"))
+                .bearer_auth(&self.token);
+            if let Some(body) = body {
+                request = request.json(body);
+            }
+            let response = match request.send().await {
+                Ok(response) => response,
+                Err(error) => {
+                    last_error = format!("{base}: {error}");
+                    continue;
+                }
+            };
+            let status = response.status();
+            if status.is_success() {
+                if let Some(index) = index {
+                    self.preferred.store(index, Ordering::Relaxed);
+                }
+                let text = response
+                    .text()
+                    .await
+                    .map_err(|e| ClientError::Unreachable(e.to_string()))?;
+                if text.trim().is_empty() {
+                    return Ok(None);
+                }
+                return serde_json::from_str(&text)
+                    .map(Some)
+                    .map_err(|e| ClientError::Refused {
+                        status: status.as_u16(),
+                        detail: format!("unreadable answer: {e}"),
+                    });
+            }
+            let problem: ProblemBody = response.json().await.unwrap_or(ProblemBody {
+                detail: String::new(),
+                leader: None,
+            });
+            if status == reqwest::StatusCode::NOT_FOUND {
+                return Ok(None);
+            }
+            if status == reqwest::StatusCode::SERVICE_UNAVAILABLE
+                && let Some(leader) = problem.leader
+            {
+                last_error = format!("{base}: not the leader");
+                redirect = Some(leader.trim_end_matches('/').to_owned());
+                continue;
+            }
+            if status.is_server_error() {
+                last_error = format!("{base}: {} {}", status.as_u16(), problem.detail);
+                continue;
+            }
+            return Err(ClientError::Refused {
+                status: status.as_u16(),
+                detail: problem.detail,
+            });
+        }
+        Err(ClientError::Unreachable(last_error))
+    }
+
+    /// A pool's terms, or `None` when the pool does not exist.
+    pub async fn pool_terms(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+    ) -> Result<Option<PoolTerms>, ClientError> {
+        self.call(
+            reqwest::Method::GET,
+            &format!("/v1/pools/{tenant}/{pool}/terms"),
+            None,
+        )
+        .await
+    }
+
+    /// Asks for a grant; `None` when the pool does not exist.
+    pub async fn grant(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        region: &RegionId,
+        lease_id: LeaseId,
+        want: u64,
+    ) -> Result<Option<GrantAnswer>, ClientError> {
+        let body = serde_json::json!({ "leaseId": lease_id, "tenant": tenant, "pool": pool,
+            "region": region, "want": want });
+        self.call(reqwest::Method::POST, "/v1/grants", Some(&body))
+            .await
+    }
+
+    /// Sends a report (idempotent by its id).
+    pub async fn report(&self, report: &ReportBody) -> Result<(), ClientError> {
+        let body = serde_json::to_value(report).map_err(|e| ClientError::Refused {
+            status: 0,
+            detail: e.to_string(),
+        })?;
+        self.call::<serde_json::Value>(reqwest::Method::POST, "/v1/reports", Some(&body))
+            .await
+            .map(|_| ())
+    }
+
+    /// The bundle this region should run, verified; `None` when nothing is published.
+    pub async fn current_policy(
+        &self,
+        region: &RegionId,
+    ) -> Result<Option<PolicyBundle>, ClientError> {
+        let value: Option<serde_json::Value> = self
+            .call(
+                reqwest::Method::GET,
+                &format!("/v1/policies/current?region={region}"),
+                None,
+            )
+            .await?;
+        let Some(value) = value else {
+            return Ok(None);
+        };
+        parse_bundle(&value.to_string())
+            .and_then(|draft| draft.into_verified())
+            .map(Some)
+            .map_err(|e| ClientError::Refused {
+                status: 200,
+                detail: format!("the published bundle does not verify: {e}"),
+            })
+    }
+
+    /// Tells the allocator which bundle version this agent runs.
+    pub async fn report_status(
+        &self,
+        region: &RegionId,
+        agent_id: &str,
+        version: u64,
+    ) -> Result<(), ClientError> {
+        let body = serde_json::json!({ "region": region, "agentId": agent_id, "version": version });
+        self.call::<serde_json::Value>(reqwest::Method::POST, "/v1/policies/status", Some(&body))
+            .await
+            .map(|_| ())
+    }
+}

@@ -1,0 +1,206 @@
+//! The gateway-facing HTTP API of the agent.
+//!
+//! - `POST /v1/admit`: the decision as JSON (an RPC: the answer is in the body, status 200).
+//! - `POST /v1/check`: for proxies that want an HTTP answer (forward-auth style): 200 when allowed, 429
+//!   with `Retry-After` when a limit says no, 503 when a fail-closed rule cannot be decided; the body is
+//!   problem+json. Pre-authentication callers (principal type `ip`) get a plain 429 with no limits,
+//!   names or counts.
+//! - `/healthz`, `/readyz`.
+//!
+//! Gateways authenticate with a bearer token; every request is bounded (body, time, concurrency).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allot_shared::contract::{
+    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, http_status, retry_after_header,
+};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+use crate::service::Agent;
+
+/// Largest admission request body, in bytes.
+pub const MAX_BODY_BYTES: usize = 16 * 1024;
+/// Longest a request may take.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// Most requests served at once.
+pub const MAX_CONCURRENT_REQUESTS: usize = 4_096;
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct AgentApi {
+    /// The agent.
+    pub agent: Arc<Agent>,
+    /// Bearer tokens gateways present.
+    pub gateway_tokens: Arc<Vec<String>>,
+}
+
+fn problem(status: StatusCode, problem: Problem) -> Response {
+    let mut response = (status, serde_json::to_vec(&problem).unwrap_or_default()).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(PROBLEM_CONTENT_TYPE),
+    );
+    response
+}
+
+fn invalid(field: &str, detail: &str) -> Response {
+    problem(
+        StatusCode::BAD_REQUEST,
+        Problem::new(400, "Invalid request", detail).with_field(field),
+    )
+}
+
+fn authorized(api: &AgentApi, headers: &HeaderMap) -> Result<(), Box<Response>> {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .unwrap_or_default();
+    let known = api.gateway_tokens.iter().fold(false, |found, candidate| {
+        // Compare every candidate in full: the time taken does not reveal which one matched.
+        found
+            | (candidate.len() == token.len()
+                && candidate
+                    .bytes()
+                    .zip(token.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0)
+    });
+    if known && !token.is_empty() {
+        return Ok(());
+    }
+    Err(Box::new(problem(
+        StatusCode::UNAUTHORIZED,
+        Problem::new(
+            401,
+            "Unauthorized",
+            "send Authorization: Bearer <gateway token>",
+        ),
+    )))
+}
+
+fn parse(headers: &HeaderMap, body: &Bytes) -> Result<AdmissionRequest, Box<Response>> {
+    let is_json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !is_json {
+        return Err(Box::new(problem(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Problem::new(415, "Unsupported media type", "send application/json"),
+        )));
+    }
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+        let field = match error.path().to_string().as_str() {
+            "." | "?" | "" => "body".to_owned(),
+            path => path.to_owned(),
+        };
+        Box::new(invalid(&field, &error.into_inner().to_string()))
+    })
+}
+
+async fn admit(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(response) = authorized(&api, &headers) {
+        return *response;
+    }
+    let request = match parse(&headers, &body) {
+        Ok(request) => request,
+        Err(response) => return *response,
+    };
+    match api.agent.admit(&request).await {
+        Ok(decision) => {
+            let mut response = (
+                StatusCode::OK,
+                serde_json::to_vec(&decision).unwrap_or_default(),
+            )
+                .into_response();
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            response
+        }
+        Err(rejected) => invalid(&rejected.field, &rejected.message),
+    }
+}
+
+async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(response) = authorized(&api, &headers) {
+        return *response;
+    }
+    let request = match parse(&headers, &body) {
+        Ok(request) => request,
+        Err(response) => return *response,
+    };
+    let decision = match api.agent.admit(&request).await {
+        Ok(decision) => decision,
+        Err(rejected) => return invalid(&rejected.field, &rejected.message),
+    };
+    if decision.allowed {
+        return StatusCode::OK.into_response();
+    }
+    let status =
+        StatusCode::from_u16(http_status(&decision)).unwrap_or(StatusCode::TOO_MANY_REQUESTS);
+    let mut response = problem(
+        status,
+        Problem::for_denial(&decision, request.principal.kind),
+    );
+    if let Some(seconds) = retry_after_header(&decision)
+        && let Ok(value) = HeaderValue::from_str(&seconds.to_string())
+    {
+        response.headers_mut().insert(header::RETRY_AFTER, value);
+    }
+    response
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(api): State<AgentApi>) -> Response {
+    match api.agent.bundle() {
+        Some(bundle) => (
+            StatusCode::OK,
+            format!("ready, policy version {}\n", bundle.version()),
+        )
+            .into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "no policy bundle yet\n").into_response(),
+    }
+}
+
+/// The agent's router with its bounds.
+pub fn router(api: AgentApi) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/v1/admit", post(admit))
+        .route("/v1/check", post(check))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(tower::limit::ConcurrencyLimitLayer::new(
+            MAX_CONCURRENT_REQUESTS,
+        ))
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::SERVICE_UNAVAILABLE,
+            REQUEST_TIMEOUT,
+        ))
+        .with_state(api)
+}
+
+/// Serves gateways on `listener` until `shutdown` resolves, finishing requests in flight.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    api: AgentApi,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(api))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

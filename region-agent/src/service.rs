@@ -1,0 +1,503 @@
+//! The agent service: one admission decision per gateway request, from memory and one regional store
+//! call, plus the background work that keeps leases, reports and the policy bundle fresh.
+//!
+//! # Order of a decision
+//! 1. Validate the request; evaluate it against ONE bundle snapshot (its version is in the decision).
+//! 2. **Global rules first**: spend from the pool's leases in memory ([`crate::global`]). A denial
+//!    here costs no store call. When a global rule admits and a later rule denies, the global token
+//!    is spent and reported as spent: accounted for (it counts towards `admitted` in the ledger, the
+//!    conservative side of the bound), never refunded.
+//! 3. **Regional rules** in one atomic store call ([`crate::limiter::Limiter::decide`]).
+//!
+//! The allocator is never called on the request path except when a pool has no lease at all yet (the
+//! first request waits up to [`FIRST_GRANT_WAIT`] for the renewal it triggered).
+
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use allot_shared::contract::{AdmissionRequest, Decision, DeniedScope, Reason};
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::policy::{Limit, PolicyBundle, Rule};
+use allot_shared::window::Window;
+use arc_swap::ArcSwapOption;
+use tokio::sync::Notify;
+
+use crate::allocator_client::{AllocatorClient, PoolTerms, ReportBody, ReportLease};
+use crate::clock::Clock;
+use crate::global::{Denial, HolderConfig, LeaseGrant, PendingReport, PoolHolder, Spend};
+use crate::limiter::{Limiter, plan_request};
+
+/// Longest a request waits for the first grant of a pool it triggered.
+pub const FIRST_GRANT_WAIT: Duration = Duration::from_millis(200);
+/// Most pools an agent holds at once (I10).
+pub const MAX_POOLS: usize = 10_000;
+
+/// The agent's settings.
+#[derive(Debug, Clone)]
+pub struct AgentSettings {
+    /// This agent's region.
+    pub region: RegionId,
+    /// This agent's id, for policy status.
+    pub agent_id: String,
+    /// The HMAC pepper of principal keys.
+    pub pepper: Pepper,
+    /// Prefix lengths of anonymous principals.
+    pub ip_prefixes: IpPrefixes,
+    /// Retention of decision records for idempotent rules, ms.
+    pub decision_record_ttl_ms: u64,
+    /// Safety margin before a lease's end, ms.
+    pub expiry_margin_ms: u64,
+    /// An estimate of the allocator round trip, ms (sizes the renewal watermark).
+    pub allocator_round_trip_ms: u64,
+}
+
+/// Why a request could not even be decided.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct RequestRejected {
+    /// The field at fault.
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+struct PoolSlot {
+    holder: Mutex<PoolHolder>,
+    terms: PoolTerms,
+    renewed: Notify,
+}
+
+/// The agent.
+pub struct Agent {
+    settings: AgentSettings,
+    clock: Arc<dyn Clock>,
+    bundle: ArcSwapOption<PolicyBundle>,
+    limiter: Limiter,
+    allocator: Option<Arc<AllocatorClient>>,
+    pools: Mutex<HashMap<(TenantId, PoolId), Arc<PoolSlot>>>,
+    reachable: AtomicBool,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Agent {
+    /// An agent deciding with `limiter`, taking leases from `allocator` (none: no global rules can be
+    /// served), starting with `bundle` if given.
+    pub fn new(
+        settings: AgentSettings,
+        clock: Arc<dyn Clock>,
+        limiter: Limiter,
+        allocator: Option<Arc<AllocatorClient>>,
+        bundle: Option<PolicyBundle>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            settings,
+            clock,
+            bundle: ArcSwapOption::from(bundle.map(Arc::new)),
+            limiter,
+            allocator,
+            pools: Mutex::new(HashMap::new()),
+            reachable: AtomicBool::new(true),
+        })
+    }
+
+    /// The bundle in force.
+    pub fn bundle(&self) -> Option<Arc<PolicyBundle>> {
+        self.bundle.load_full()
+    }
+
+    /// Installs `candidate` if it is newer than the bundle in force (only higher versions, I13).
+    pub fn offer_bundle(&self, candidate: PolicyBundle) -> bool {
+        let current = self.bundle.load_full();
+        if current
+            .as_ref()
+            .is_some_and(|c| !c.is_superseded_by(&candidate))
+        {
+            return false;
+        }
+        tracing::info!(version = candidate.version(), "policy bundle installed");
+        self.bundle.store(Some(Arc::new(candidate)));
+        true
+    }
+
+    /// Whether the allocator answered the last call.
+    pub fn allocator_reachable(&self) -> bool {
+        self.reachable.load(Ordering::Relaxed)
+    }
+
+    /// Decides one request.
+    pub async fn admit(
+        self: &Arc<Self>,
+        request: &AdmissionRequest,
+    ) -> Result<Decision, RequestRejected> {
+        request.validate().map_err(|e| RequestRejected {
+            field: e.field.to_owned(),
+            message: e.message.to_owned(),
+        })?;
+        let Some(bundle) = self.bundle.load_full() else {
+            return Ok(unavailable(request, 0, None, Reason::PolicyError, 1_000));
+        };
+        let version = bundle.version();
+        let mut fallback = false;
+        let tenant = &request.tenant_id;
+        let kind = request.principal.kind;
+        for rule in bundle.global_rules_for(tenant, &request.route_group, kind) {
+            let Limit::Global(pool) = &rule.limit else {
+                continue;
+            };
+            let cost = (rule.cost_millitokens / 1_000)
+                .saturating_mul(request.cost_hint)
+                .max(1);
+            match self.spend_global(tenant, pool, cost).await {
+                Ok(from_fallback) => fallback |= from_fallback,
+                Err((denial, retry_after_ms, limit)) => {
+                    return Ok(global_denial(
+                        request,
+                        version,
+                        rule,
+                        denial,
+                        retry_after_ms,
+                        limit,
+                    ));
+                }
+            }
+        }
+        let planned = match plan_request(
+            &bundle,
+            request,
+            &self.settings.pepper,
+            self.settings.ip_prefixes,
+            self.settings.decision_record_ttl_ms,
+        ) {
+            Ok(planned) => planned,
+            Err(error) => {
+                tracing::error!(%error, "the bundle cannot be evaluated for a request");
+                return Ok(unavailable(
+                    request,
+                    version,
+                    None,
+                    Reason::PolicyError,
+                    1_000,
+                ));
+            }
+        };
+        let Some(planned) = planned else {
+            return Ok(Decision {
+                allowed: true,
+                decision_id: request.request_id.clone(),
+                policy_id: None,
+                policy_version: version,
+                denied_scope: None,
+                reason: None,
+                limit: 0,
+                remaining: 0,
+                retry_after_ms: 0,
+                fallback,
+            });
+        };
+        let decided = self.limiter.decide(&planned, None).await;
+        let mut decision = decided.to_contract(&planned);
+        decision.fallback |= fallback;
+        Ok(decision)
+    }
+
+    /// Spends `cost` tokens of a global pool. `Ok(true)` when admitted from the fallback allowance.
+    async fn spend_global(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        pool: &PoolId,
+        cost: u64,
+    ) -> Result<bool, (Denial, u64, u64)> {
+        let Some(slot) = self.slot(tenant, pool).await else {
+            return Err((Denial::FailClosed, 1_000, 0));
+        };
+        let limit = slot.terms.limit;
+        for attempt in 0..2 {
+            let now_ms = self.clock.now_ms();
+            let spend = lock(&slot.holder).spend(cost, now_ms, self.allocator_reachable());
+            self.renew_if_wanted(tenant, pool, &slot);
+            match spend {
+                Spend::Leased(_) => return Ok(false),
+                Spend::Fallback { .. } => return Ok(true),
+                Spend::Denied {
+                    denial: Denial::AwaitingGrant,
+                    ..
+                } if attempt == 0 => {
+                    let _ = tokio::time::timeout(FIRST_GRANT_WAIT, slot.renewed.notified()).await;
+                }
+                Spend::Denied {
+                    denial,
+                    retry_after_ms,
+                } => return Err((denial, retry_after_ms, limit)),
+            }
+        }
+        Err((Denial::AwaitingGrant, 100, limit))
+    }
+
+    /// The pool's slot, fetching its terms on first use. `None` when the terms cannot be had (no
+    /// allocator, unknown pool, unreachable on first use, or too many pools).
+    async fn slot(&self, tenant: &TenantId, pool: &PoolId) -> Option<Arc<PoolSlot>> {
+        let key = (tenant.clone(), pool.clone());
+        if let Some(slot) = lock(&self.pools).get(&key) {
+            return Some(slot.clone());
+        }
+        let allocator = self.allocator.as_ref()?;
+        let terms = match allocator.pool_terms(tenant, pool).await {
+            Ok(Some(terms)) => terms,
+            Ok(None) => return None,
+            Err(error) => {
+                self.reachable
+                    .store(!error.is_unreachable(), Ordering::Relaxed);
+                return None;
+            }
+        };
+        let config = HolderConfig {
+            window_ms: NonZeroU64::new(terms.window_ms)?,
+            chunk_tokens: terms.chunk,
+            lease_ttl_ms: terms.lease_ttl_ms,
+            fallback_per_region_tokens: terms.fallback_per_region,
+            expiry_margin_ms: self.settings.expiry_margin_ms,
+        };
+        let mut pools = lock(&self.pools);
+        if pools.len() >= MAX_POOLS && !pools.contains_key(&key) {
+            return None;
+        }
+        let slot = pools
+            .entry(key)
+            .or_insert_with(|| {
+                Arc::new(PoolSlot {
+                    holder: Mutex::new(PoolHolder::new(config)),
+                    terms,
+                    renewed: Notify::new(),
+                })
+            })
+            .clone();
+        Some(slot)
+    }
+
+    /// Starts a renewal (single flight) when the holder wants one.
+    fn renew_if_wanted(self: &Arc<Self>, tenant: &TenantId, pool: &PoolId, slot: &Arc<PoolSlot>) {
+        let Some(allocator) = self.allocator.clone() else {
+            return;
+        };
+        let want = {
+            let mut holder = lock(&slot.holder);
+            let want = holder.wants(self.clock.now_ms(), self.settings.allocator_round_trip_ms);
+            if want.is_some() {
+                holder.begin_renewal();
+            }
+            want
+        };
+        let Some(want) = want else {
+            return;
+        };
+        let (agent, slot, tenant, pool) =
+            (self.clone(), slot.clone(), tenant.clone(), pool.clone());
+        tokio::spawn(async move {
+            let now_ms = agent.clock.now_ms();
+            let lease_id = LeaseId::from_parts(now_ms, rand::random());
+            let answer = allocator
+                .grant(&tenant, &pool, &agent.settings.region, lease_id, want)
+                .await;
+            match answer {
+                Ok(Some(answer)) => {
+                    agent.reachable.store(true, Ordering::Relaxed);
+                    let grant = LeaseGrant {
+                        lease_id: answer.lease_id,
+                        epoch: answer.epoch,
+                        granted_tokens: answer.granted,
+                        window: Window {
+                            start_ms: answer.window_start_ms,
+                            end_ms: answer.window_end_ms,
+                        },
+                        expires_at_ms: answer.expires_at_ms,
+                        retry_after_ms: answer.retry_after_ms,
+                    };
+                    let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
+                    tracing::debug!(?verdict, %tenant, %pool, "grant");
+                }
+                Ok(None) => tracing::warn!(%tenant, %pool, "the pool no longer exists"),
+                Err(error) => {
+                    agent
+                        .reachable
+                        .store(!error.is_unreachable(), Ordering::Relaxed);
+                    tracing::warn!(%error, %tenant, %pool, "renewal failed");
+                }
+            }
+            lock(&slot.holder).end_renewal();
+            slot.renewed.notify_waiters();
+        });
+    }
+
+    /// Sends every pool's pending report lines, one report per (pool, window), and acknowledges what
+    /// the allocator took. Lines that fail stay pending for the next round.
+    pub async fn send_reports(&self) {
+        let Some(allocator) = self.allocator.as_ref() else {
+            return;
+        };
+        let slots: Vec<((TenantId, PoolId), Arc<PoolSlot>)> = lock(&self.pools)
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for ((tenant, pool), slot) in slots {
+            let now_ms = self.clock.now_ms();
+            let pending = lock(&slot.holder).pending_report(now_ms);
+            if pending.is_empty() {
+                continue;
+            }
+            let mut windows: Vec<u64> = pending
+                .leases
+                .iter()
+                .map(|l| l.window_start_ms)
+                .chain(pending.fallback.iter().map(|f| f.window_start_ms))
+                .collect();
+            windows.sort_unstable();
+            windows.dedup();
+            for window_start_ms in windows {
+                let part = PendingReport {
+                    leases: pending
+                        .leases
+                        .iter()
+                        .filter(|l| l.window_start_ms == window_start_ms)
+                        .copied()
+                        .collect(),
+                    fallback: pending
+                        .fallback
+                        .iter()
+                        .filter(|f| f.window_start_ms == window_start_ms)
+                        .copied()
+                        .collect(),
+                };
+                let body = ReportBody {
+                    report_id: LeaseId::from_parts(now_ms, rand::random()).to_string(),
+                    region: self.settings.region.clone(),
+                    tenant: tenant.clone(),
+                    pool: pool.clone(),
+                    window_start_ms,
+                    leases: part
+                        .leases
+                        .iter()
+                        .map(|l| ReportLease {
+                            lease_id: l.lease_id,
+                            spent: l.spent_tokens,
+                            final_report: l.final_line,
+                        })
+                        .collect(),
+                    fallback_admitted: part.fallback.first().map_or(0, |f| f.admitted_tokens),
+                };
+                match allocator.report(&body).await {
+                    Ok(()) => {
+                        self.reachable.store(true, Ordering::Relaxed);
+                        lock(&slot.holder).acknowledge(&part, self.clock.now_ms());
+                    }
+                    Err(error) => {
+                        self.reachable
+                            .store(!error.is_unreachable(), Ordering::Relaxed);
+                        tracing::warn!(%error, %tenant, %pool, "report not taken; kept for the next round");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fetches the bundle this region should run and installs it if newer; tells the allocator what
+    /// runs here.
+    pub async fn refresh_policy(&self) {
+        let Some(allocator) = self.allocator.as_ref() else {
+            return;
+        };
+        match allocator.current_policy(&self.settings.region).await {
+            Ok(Some(bundle)) => {
+                self.offer_bundle(bundle);
+            }
+            Ok(None) => {}
+            Err(error) => {
+                tracing::warn!(%error, "policy refresh failed; keeping the bundle in force")
+            }
+        }
+        let version = self.bundle.load().as_ref().map_or(0, |b| b.version());
+        if let Err(error) = allocator
+            .report_status(&self.settings.region, &self.settings.agent_id, version)
+            .await
+        {
+            tracing::debug!(%error, "policy status not reported");
+        }
+    }
+
+    /// Runs the background loops (reports every `report_every`, policy every `policy_every`) until
+    /// `shutdown` resolves; then sends a last round of reports.
+    pub async fn run_background(
+        self: Arc<Self>,
+        report_every: Duration,
+        policy_every: Duration,
+        shutdown: impl Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        let mut reports = tokio::time::interval(report_every);
+        let mut policy = tokio::time::interval(policy_every);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                _ = reports.tick() => self.send_reports().await,
+                _ = policy.tick() => self.refresh_policy().await,
+            }
+        }
+        self.send_reports().await;
+    }
+}
+
+fn unavailable(
+    request: &AdmissionRequest,
+    version: u64,
+    rule: Option<&Rule>,
+    reason: Reason,
+    retry_after_ms: i64,
+) -> Decision {
+    Decision {
+        allowed: false,
+        decision_id: request.request_id.clone(),
+        policy_id: rule.map(|r| r.id.to_string()),
+        policy_version: version,
+        denied_scope: rule.map(|r| r.scope.denied_scope()),
+        reason: Some(reason),
+        limit: 0,
+        remaining: 0,
+        retry_after_ms,
+        fallback: false,
+    }
+}
+
+fn global_denial(
+    request: &AdmissionRequest,
+    version: u64,
+    rule: &Rule,
+    denial: Denial,
+    retry_after_ms: u64,
+    limit: u64,
+) -> Decision {
+    let (reason, fallback) = match denial {
+        Denial::PoolExhausted => (Reason::RateExceeded, false),
+        Denial::FallbackSpent => (Reason::RateExceeded, true),
+        Denial::FailClosed | Denial::AwaitingGrant => (Reason::LimiterUnavailable, false),
+    };
+    Decision {
+        allowed: false,
+        decision_id: request.request_id.clone(),
+        policy_id: Some(rule.id.to_string()),
+        policy_version: version,
+        denied_scope: Some(DeniedScope::Global),
+        reason: Some(reason),
+        limit,
+        remaining: 0,
+        retry_after_ms: i64::try_from(retry_after_ms).unwrap_or(i64::MAX),
+        fallback,
+    }
+}

@@ -1,0 +1,228 @@
+//! Two regions sharing one global pool, end to end: a real allocator on a real etcd, two agents, each
+//! with its own real Redis for its regional rules, gateways calling the agents' HTTP API.
+//!
+//! G = 1,000 per window, 3,000 attempts spread 90/10 over EU and US: the window never admits more
+//! than G, the busy region gets most of the pool (no static split), and the ledger's window row
+//! agrees with what the agents admitted.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allot_allocator::http::Tokens;
+use allot_allocator::kv::etcd::EtcdKv;
+use allot_allocator::ledger::Ledger;
+use allot_allocator::server::{Settings, run};
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::clock::SystemClock;
+use allot_region_agent::http::{AgentApi, serve};
+use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::ids::RegionId;
+use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_testkit::{EtcdCluster, RedisServer};
+use serde_json::{Value, json};
+
+const OPERATOR: &str = "operator-token-for-e2e-0001";
+const AGENT: &str = "agent-token-for-e2e-000001";
+const GATEWAY: &str = "gateway-token-for-e2e-0001";
+
+fn bundle() -> allot_shared::policy::PolicyBundle {
+    let text = json!({ "rules": [
+        { "id": "tenant-roomy", "scope": "tenant", "algorithm": "token_bucket",
+          "capacityMillis": 100_000_000u64, "refillMillis": 1_000_000, "periodMs": 1000,
+          "failMode": "closed" },
+        { "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" }
+    ]})
+    .to_string();
+    allot_shared::policy::parse_bundle(&text)
+        .and_then(|d| d.into_file_bundle())
+        .expect("valid bundle")
+}
+
+async fn start_agent(
+    region: &str,
+    allocator_url: &str,
+    redis: &RedisServer,
+) -> (Arc<Agent>, String) {
+    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
+        .await
+        .expect("redis");
+    let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
+    let client =
+        AllocatorClient::new(vec![allocator_url.to_owned()], AGENT.to_owned()).expect("client");
+    let settings = AgentSettings {
+        region: RegionId::parse(region).expect("region"),
+        agent_id: format!("{region}-1"),
+        pepper: Pepper::new(b"e2e-pepper-0123456789".to_vec()).expect("pepper"),
+        ip_prefixes: IpPrefixes::default(),
+        decision_record_ttl_ms: 30_000,
+        expiry_margin_ms: 50,
+        allocator_round_trip_ms: 20,
+    };
+    let agent = Agent::new(
+        settings,
+        Arc::new(SystemClock),
+        limiter,
+        Some(Arc::new(client)),
+        Some(bundle()),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let api = AgentApi {
+        agent: agent.clone(),
+        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
+    };
+    tokio::spawn(serve(listener, api, std::future::pending()));
+    (agent, url)
+}
+
+async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let settings = Settings {
+        listen: addr,
+        etcd: etcd.endpoints(),
+        tokens: Tokens {
+            operator: vec![OPERATOR.to_owned()],
+            agent: vec![AGENT.to_owned()],
+        },
+        node_id: "alloc-1".to_owned(),
+        advertise_url: format!("http://{addr}"),
+        leader_lease_ttl_s: 5,
+        ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
+    };
+    let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
+    let ledger = Ledger::connect(&settings.ledger_url).await.expect("ledger");
+    let clock = allot_allocator::server::system_clock();
+    tokio::spawn(run(
+        settings,
+        kv,
+        ledger,
+        clock,
+        listener,
+        std::future::pending(),
+    ));
+    let url = format!("http://{addr}");
+    let client = reqwest::Client::new();
+    for _ in 0..200 {
+        if let Ok(r) = client.get(format!("{url}/readyz")).send().await
+            && r.status() == 200
+        {
+            return url;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the allocator never became ready");
+}
+
+fn request(n: usize, user: &str) -> Value {
+    json!({ "requestId": format!("r-{n}"), "tenantId": "atlas",
+            "principal": { "type": "user", "id": user }, "routeGroup": "read", "method": "GET" })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_regions_share_one_pool_without_overshoot() {
+    let etcd = EtcdCluster::single();
+    let (eu_redis, us_redis) = (RedisServer::start(), RedisServer::start());
+    let dir = tempfile::tempdir().expect("temp dir");
+    let allocator = start_allocator(&etcd, dir.path()).await;
+    let http = reqwest::Client::new();
+    // An hour-long window, so that the whole run is one window.
+    let pool = json!({ "limit": 1000, "windowMs": 3_600_000, "chunk": 100, "leaseTtlMs": 15000,
+                       "fallbackPerRegion": 100, "regions": ["eu", "us"] });
+    let put = http
+        .put(format!("{allocator}/v1/pools/atlas/api"))
+        .bearer_auth(OPERATOR)
+        .json(&pool)
+        .send()
+        .await
+        .expect("put pool");
+    assert_eq!(put.status(), 200);
+    let (eu, eu_url) = start_agent("eu", &allocator, &eu_redis).await;
+    let (us, us_url) = start_agent("us", &allocator, &us_redis).await;
+
+    // 3,000 attempts, 90% at EU, from 8 concurrent gateways.
+    let mut tasks = Vec::new();
+    for gateway in 0..8usize {
+        let (http, eu_url, us_url) = (http.clone(), eu_url.clone(), us_url.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut eu_admitted, mut us_admitted) = (0u64, 0u64);
+            for i in 0..375usize {
+                let n = gateway * 1_000 + i;
+                let to_us = n % 10 == 0;
+                let url = if to_us { &us_url } else { &eu_url };
+                let decision: Value = http
+                    .post(format!("{url}/v1/admit"))
+                    .bearer_auth(GATEWAY)
+                    .json(&request(n, &format!("U-{}", n % 50)))
+                    .send()
+                    .await
+                    .expect("admit")
+                    .json()
+                    .await
+                    .expect("decision json");
+                if decision["allowed"] == true {
+                    if to_us {
+                        us_admitted += 1;
+                    } else {
+                        eu_admitted += 1;
+                    }
+                } else {
+                    assert_eq!(decision["deniedScope"], "global", "{decision}");
+                    assert_eq!(decision["policyVersion"], 1);
+                }
+            }
+            (eu_admitted, us_admitted)
+        }));
+    }
+    let (mut eu_admitted, mut us_admitted) = (0, 0);
+    for task in tasks {
+        let (e, u) = task.await.expect("gateway");
+        eu_admitted += e;
+        us_admitted += u;
+    }
+    let admitted = eu_admitted + us_admitted;
+    assert!(admitted <= 1_000, "admitted {admitted} > G");
+    // What is not admitted sits in leases the regions still hold: at most a chunk per region.
+    assert!(
+        admitted >= 1_000 - 100 * 2,
+        "the pool is used up but for what the leases hold: {admitted} (eu {eu_admitted}, us {us_admitted})"
+    );
+    assert!(us_admitted <= 300);
+    assert!(
+        eu_admitted >= 650,
+        "the busy region gets most of the pool: eu {eu_admitted}, us {us_admitted}"
+    );
+
+    // The agents report; the ledger's window row agrees with what they admitted.
+    eu.send_reports().await;
+    us.send_reports().await;
+    let windows: Value = http
+        .get(format!("{allocator}/v1/pools/atlas/api/windows?last=1"))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("windows")
+        .json()
+        .await
+        .expect("json");
+    let row = &windows["windows"][0];
+    assert_eq!(row["spent"], admitted, "{row}");
+    assert_eq!(row["admitted"], admitted);
+    assert!(
+        row["granted"]
+            .as_u64()
+            .is_some_and(|g| g <= 1_000 && g >= admitted)
+    );
+    assert_eq!(row["overshoot"], 0);
+    assert_eq!(
+        row["grantedByRegion"]["eu"]
+            .as_u64()
+            .map(|g| g >= eu_admitted),
+        Some(true)
+    );
+}
