@@ -3,7 +3,37 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use allot_simulations::dev::{DevOptions, run_dev};
 use allot_simulations::tools::{BoundArgs, bound_report, policy_check};
+
+/// Runs `allot dev` on a runtime until Ctrl-C; prints nothing more on success.
+fn run_dev_blocking(options: DevOptions) -> Result<String, String> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ALLOT_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
+    runtime.block_on(async {
+        let stop = async {
+            let terminate = async {
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(mut signal) => {
+                        signal.recv().await;
+                    }
+                    Err(_) => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                () = terminate => {}
+            }
+        };
+        run_dev(options, stop).await
+    })?;
+    Ok(String::new())
+}
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -19,6 +49,22 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run an allocator and two region agents (eu, us) in this process on in-process stores, with an
+    /// example pool and policy bundle. Not for production.
+    Dev {
+        /// The allocator's port; the agents take the next two.
+        #[arg(long, default_value_t = 7600)]
+        port: u16,
+        /// Directory for the SQLite ledger.
+        #[arg(long, default_value = "allot-data")]
+        data_dir: PathBuf,
+        /// Drive synthetic traffic (90% EU, 10% US) and print a live per-window table.
+        #[arg(long)]
+        demo: bool,
+        /// Demo requests per second.
+        #[arg(long, default_value_t = 40)]
+        demo_rate: u64,
+    },
     /// Policy bundle tools.
     Policy {
         #[command(subcommand)]
@@ -69,6 +115,17 @@ enum PolicyCommand {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Dev {
+            port,
+            data_dir,
+            demo,
+            demo_rate,
+        } => run_dev_blocking(DevOptions {
+            base_port: port,
+            data_dir,
+            demo,
+            demo_rate_per_s: demo_rate,
+        }),
         Command::Policy {
             command: PolicyCommand::Check { file },
         } => policy_check(&file),

@@ -1,0 +1,324 @@
+//! `allot dev`: the whole system in one process on the embedded stores, for trying Allot out.
+//!
+//! An allocator on the in-process store (with a SQLite ledger in `--data-dir`) and two region agents
+//! (`eu`, `us`) on in-process limiter stores, on loopback ports; an example tenant pool
+//! (`atlas`/`api`: 1,000 per minute, chunk 100, fallback 100 per region) and the example policy bundle
+//! (`deploy/examples/northstar-bundle.json`). With `--demo` it drives synthetic traffic, 90% through
+//! EU and 10% through US, and prints a live per-window table. Nothing here is for production: every
+//! store forgets everything when the process ends, and it says so.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use allot_allocator::http::Tokens;
+use allot_allocator::kv::Kv;
+use allot_allocator::kv::memory::MemoryKv;
+use allot_allocator::ledger::Ledger;
+use allot_allocator::pools::{PoolSpec, get_window, put_pool};
+use allot_allocator::server::{Settings, run};
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::http::{AgentApi, serve};
+use allot_region_agent::limiter::{
+    DEFAULT_DECISION_RECORD_TTL_MS, DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter,
+    LimiterConfig,
+};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::clock::Clock;
+use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
+use allot_shared::ids::{DecisionId, PoolId, RegionId, RouteGroup, TenantId};
+use allot_shared::keys::{IpPrefixes, Pepper};
+use tokio::sync::watch;
+
+/// The example bundle, compiled in.
+pub const EXAMPLE_BUNDLE: &str = include_str!("../../deploy/examples/northstar-bundle.json");
+
+/// Settings of `allot dev`.
+#[derive(Debug, Clone)]
+pub struct DevOptions {
+    /// The allocator's port; the agents take the next two.
+    pub base_port: u16,
+    /// Where the SQLite ledger goes.
+    pub data_dir: PathBuf,
+    /// Drive synthetic traffic and print a live table.
+    pub demo: bool,
+    /// Demo requests per second (all regions).
+    pub demo_rate_per_s: u64,
+}
+
+fn token() -> String {
+    hex::encode(rand::random::<[u8; 16]>())
+}
+
+fn id<T>(
+    text: &str,
+    parse: fn(&str) -> Result<T, allot_shared::ids::IdError>,
+) -> Result<T, String> {
+    parse(text).map_err(|e| e.to_string())
+}
+
+/// Runs until `shutdown` resolves.
+pub async fn run_dev(
+    options: DevOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let clock = allot_allocator::server::system_clock();
+    let (operator, agent_token, gateway) = (token(), token(), token());
+    std::fs::create_dir_all(&options.data_dir)
+        .map_err(|e| format!("--data-dir {}: {e}", options.data_dir.display()))?;
+    let allocator_addr = SocketAddr::from(([127, 0, 0, 1], options.base_port));
+    let settings = Settings {
+        listen: allocator_addr,
+        etcd: vec![],
+        tokens: Tokens {
+            operator: vec![operator.clone()],
+            agent: vec![agent_token.clone()],
+        },
+        node_id: "dev".to_owned(),
+        advertise_url: format!("http://{allocator_addr}"),
+        leader_lease_ttl_s: 5,
+        ledger_url: format!(
+            "sqlite://{}",
+            options.data_dir.join("allot-dev.db").display()
+        ),
+    };
+    let kv: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
+    let ledger = Ledger::connect(&settings.ledger_url)
+        .await
+        .map_err(|e| e.to_string())?;
+    let (tenant, pool) = (id("atlas", TenantId::parse)?, id("api", PoolId::parse)?);
+    let regions = vec![id("eu", RegionId::parse)?, id("us", RegionId::parse)?];
+    let spec = PoolSpec {
+        limit: 1_000,
+        window_ms: 60_000,
+        chunk: 100,
+        lease_ttl_ms: 15_000,
+        fallback_per_region: 100,
+        regions: regions.clone(),
+    };
+    put_pool(&*kv, &tenant, &pool, spec, clock.now_ms())
+        .await
+        .map_err(|e| e.to_string())?;
+    let draft = allot_shared::policy::parse_bundle(EXAMPLE_BUNDLE).map_err(|e| e.to_string())?;
+    allot_allocator::policies::publish(
+        &*kv,
+        draft,
+        allot_shared::window::rfc3339_utc(clock.now_ms()),
+        None,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let listener = tokio::net::TcpListener::bind(allocator_addr)
+        .await
+        .map_err(|e| format!("cannot listen on {allocator_addr}: {e}"))?;
+    let (stop, stopped) = watch::channel(false);
+    let stop_signal = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    let allocator_task = tokio::spawn(run(
+        settings,
+        kv.clone(),
+        ledger,
+        clock.clone(),
+        listener,
+        stop_signal(),
+    ));
+    let allocator_url = format!("http://{allocator_addr}");
+    let pepper = Pepper::new(rand::random::<[u8; 32]>().to_vec()).map_err(|e| e.to_string())?;
+    let mut agents = Vec::new();
+    for (offset, region) in regions.iter().enumerate() {
+        let port = options.base_port + 1 + u16::try_from(offset).unwrap_or(0);
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let agent_clock = Arc::new(allot_region_agent::clock::SystemClock);
+        let store = InProcessStore::new(agent_clock.clone(), DEFAULT_IN_PROCESS_MAX_KEYS);
+        let limiter =
+            Limiter::new(Arc::new(store), LimiterConfig::default()).map_err(|e| e.to_string())?;
+        let client = AllocatorClient::new(vec![allocator_url.clone()], agent_token.clone())
+            .map_err(|e| e.to_string())?;
+        let agent = Agent::new(
+            AgentSettings {
+                region: region.clone(),
+                agent_id: format!("{region}-dev"),
+                pepper: pepper.clone(),
+                ip_prefixes: IpPrefixes::default(),
+                decision_record_ttl_ms: DEFAULT_DECISION_RECORD_TTL_MS,
+                expiry_margin_ms: 50,
+                allocator_round_trip_ms: 5,
+            },
+            agent_clock,
+            limiter,
+            Some(Arc::new(client)),
+            None,
+        );
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        let api = AgentApi {
+            agent: agent.clone(),
+            gateway_tokens: Arc::new(vec![gateway.clone()]),
+        };
+        tokio::spawn(serve(listener, api, stop_signal()));
+        tokio::spawn(agent.clone().run_background(
+            Duration::from_secs(1),
+            Duration::from_secs(5),
+            stop_signal(),
+        ));
+        agents.push((region.clone(), addr, agent));
+    }
+    // Load the bundle now rather than at the first background tick.
+    for (_, _, agent) in &agents {
+        agent.refresh_policy().await;
+    }
+    println!(
+        "allot dev: everything in this process on in-process stores (NOT durable, not for production)"
+    );
+    println!("  allocator  {allocator_url}   operator token {operator}");
+    for (region, addr, _) in &agents {
+        println!("  agent {region:<4} http://{addr}");
+    }
+    println!("  gateway token {gateway}");
+    println!(
+        "  pool atlas/api: 1000 per minute, chunk 100, fallback 100 per region, regions eu,us"
+    );
+    println!();
+    println!("try:");
+    println!(
+        "  curl -s -X POST http://{}/v1/admit -H 'authorization: Bearer {gateway}' -H 'content-type: application/json' \\",
+        agents[0].1
+    );
+    println!(
+        "    -d '{{\"requestId\":\"r-1\",\"tenantId\":\"atlas\",\"principal\":{{\"type\":\"user\",\"id\":\"U-17\"}},\"routeGroup\":\"read\",\"method\":\"GET\"}}'"
+    );
+    println!("  allotctl --server {allocator_url} --token {operator} windows atlas api");
+    println!();
+    if options.demo {
+        let demo = tokio::spawn(demo(
+            agents
+                .iter()
+                .map(|(r, _, a)| (r.clone(), a.clone()))
+                .collect(),
+            kv.clone(),
+            clock.clone(),
+            options.demo_rate_per_s,
+        ));
+        shutdown.await;
+        demo.abort();
+    } else {
+        shutdown.await;
+    }
+    println!("allot dev: stopping");
+    let _ = stop.send(true);
+    let _ = allocator_task.await;
+    Ok(())
+}
+
+#[derive(Default)]
+struct Counts {
+    admitted: AtomicU64,
+    denied: AtomicU64,
+    fallback: AtomicU64,
+}
+
+/// Synthetic traffic, 90/10 over the first two agents, and a table every 5 s.
+async fn demo(
+    agents: Vec<(RegionId, Arc<Agent>)>,
+    kv: Arc<dyn Kv>,
+    clock: Arc<dyn Clock>,
+    rate_per_s: u64,
+) {
+    let counts: Vec<Arc<Counts>> = agents.iter().map(|_| Arc::new(Counts::default())).collect();
+    let interval = Duration::from_micros(1_000_000 / rate_per_s.max(1));
+    let driver_counts = counts.clone();
+    let driver_agents = agents.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        let mut n: u64 = 0;
+        loop {
+            tick.tick().await;
+            n += 1;
+            let index = usize::from(n.is_multiple_of(10) && driver_agents.len() > 1);
+            let (agent, counts) = (driver_agents[index].1.clone(), driver_counts[index].clone());
+            let Ok(request_id) = DecisionId::parse(&format!("demo-{n}")) else {
+                continue;
+            };
+            let (Ok(tenant), Ok(route_group)) =
+                (TenantId::parse("atlas"), RouteGroup::parse("read"))
+            else {
+                continue;
+            };
+            let request = AdmissionRequest {
+                request_id,
+                tenant_id: tenant,
+                principal: Principal {
+                    kind: PrincipalType::User,
+                    id: format!("U-{}", n % 200),
+                    api_key_id: None,
+                },
+                route_group,
+                method: "GET".to_owned(),
+                cost_hint: 1,
+                policy_epoch: None,
+            };
+            tokio::spawn(async move {
+                if let Ok(decision) = agent.admit(&request).await {
+                    let counter = if decision.allowed {
+                        &counts.admitted
+                    } else {
+                        &counts.denied
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    if decision.fallback {
+                        counts.fallback.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    let (Ok(tenant), Ok(pool)) = (TenantId::parse("atlas"), PoolId::parse("api")) else {
+        return;
+    };
+    println!(
+        "{:<26} {:>6} {:>9} {:>9} {:>9} {:>9}",
+        "window (UTC)", "region", "admitted", "denied", "fallback", "granted"
+    );
+    let mut table = tokio::time::interval(Duration::from_secs(5));
+    table.tick().await;
+    loop {
+        table.tick().await;
+        let window = get_window(&*kv, &tenant, &pool)
+            .await
+            .ok()
+            .flatten()
+            .map(|(w, _)| w);
+        let mut out = String::new();
+        let start = window.as_ref().map_or(0, |w| w.window.start_ms);
+        for ((region, _), counts) in agents.iter().zip(&counts) {
+            let granted = window
+                .as_ref()
+                .and_then(|w| w.granted_by_region.get(region).copied())
+                .unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "{:<26} {:>6} {:>9} {:>9} {:>9} {:>9}",
+                allot_shared::window::rfc3339_utc(start),
+                region.as_str(),
+                counts.admitted.load(Ordering::Relaxed),
+                counts.denied.load(Ordering::Relaxed),
+                counts.fallback.load(Ordering::Relaxed),
+                granted
+            );
+        }
+        let _ = writeln!(
+            out,
+            "  (G = 1000 per window; counts are since start, granted is this window's; now {})",
+            allot_shared::window::rfc3339_utc(clock.now_ms())
+        );
+        print!("{out}");
+    }
+}
