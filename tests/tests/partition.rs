@@ -1,0 +1,209 @@
+//! A region cut off from the allocator for longer than a lease: it spends what its leases hold, then
+//! its pool's fallback allowance for the window (and says so), then denies until the window ends.
+//! After the allocator is back, the fallback admits reach the ledger and the window stays within
+//! its bound.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allot_allocator::http::Tokens;
+use allot_allocator::kv::etcd::EtcdKv;
+use allot_allocator::ledger::Ledger;
+use allot_allocator::server::{Settings, run};
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::clock::SystemClock;
+use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::contract::{AdmissionRequest, DeniedScope, Principal, PrincipalType, Reason};
+use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
+use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_testkit::EtcdCluster;
+use serde_json::{Value, json};
+
+const OPERATOR: &str = "operator-token-for-e2e-0001";
+const AGENT: &str = "agent-token-for-e2e-000001";
+
+struct RunningAllocator {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+async fn start_allocator(etcd: &[String], dir: &std::path::Path, port: u16) -> RunningAllocator {
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let settings = Settings {
+        listen: addr,
+        etcd: etcd.to_vec(),
+        tokens: Tokens {
+            operator: vec![OPERATOR.to_owned()],
+            agent: vec![AGENT.to_owned()],
+        },
+        node_id: "alloc".to_owned(),
+        advertise_url: format!("http://{addr}"),
+        leader_lease_ttl_s: 2,
+        ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
+    };
+    let kv = Arc::new(EtcdKv::connect(etcd).await.expect("etcd"));
+    let ledger = Ledger::connect(&settings.ledger_url).await.expect("ledger");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(run(
+        settings,
+        kv,
+        ledger,
+        allot_allocator::server::system_clock(),
+        listener,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let client = reqwest::Client::new();
+    for _ in 0..400 {
+        if let Ok(r) = client.get(format!("http://{addr}/readyz")).send().await
+            && r.status() == 200
+            && r.text().await.is_ok_and(|t| t.starts_with("leader"))
+        {
+            return RunningAllocator { stop, task };
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the allocator never became leader");
+}
+
+fn request(n: usize) -> AdmissionRequest {
+    AdmissionRequest {
+        request_id: DecisionId::parse(&format!("p-{n}")).expect("id"),
+        tenant_id: TenantId::parse("atlas").expect("tenant"),
+        principal: Principal {
+            kind: PrincipalType::User,
+            id: format!("U-{n}"),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse("read").expect("route"),
+        method: "GET".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
+    let etcd = EtcdCluster::single();
+    let endpoints = etcd.endpoints();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port");
+    let allocator = start_allocator(&endpoints, dir.path(), port).await;
+    let url = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    // An hour-long window, 1 s leases, 20 tokens of fallback per region.
+    let pool = json!({ "limit": 1000, "windowMs": 3_600_000, "chunk": 10, "leaseTtlMs": 1000,
+                       "fallbackPerRegion": 20, "regions": ["eu", "us"] });
+    let put = http
+        .put(format!("{url}/v1/pools/atlas/api"))
+        .bearer_auth(OPERATOR)
+        .json(&pool)
+        .send()
+        .await
+        .expect("put");
+    assert_eq!(put.status(), 200);
+    let bundle = allot_shared::policy::parse_bundle(
+        &json!({ "rules": [{ "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" }] })
+            .to_string(),
+    )
+    .and_then(|d| d.into_file_bundle())
+    .expect("bundle");
+    let clock = Arc::new(SystemClock);
+    let limiter = Limiter::new(
+        Arc::new(InProcessStore::new(clock.clone(), 1_000)),
+        LimiterConfig::default(),
+    )
+    .expect("limiter");
+    let agent = Agent::new(
+        AgentSettings {
+            region: RegionId::parse("eu").expect("region"),
+            agent_id: "eu-1".to_owned(),
+            pepper: Pepper::new(b"partition-pepper-0123".to_vec()).expect("pepper"),
+            ip_prefixes: IpPrefixes::default(),
+            decision_record_ttl_ms: 30_000,
+            expiry_margin_ms: 50,
+            allocator_round_trip_ms: 20,
+        },
+        clock,
+        limiter,
+        Some(Arc::new(
+            AllocatorClient::new(vec![url.clone()], AGENT.to_owned()).expect("client"),
+        )),
+        Some(bundle),
+    );
+
+    // Connected: leases flow.
+    let mut leased = 0;
+    for n in 0..15 {
+        let d = agent.admit(&request(n)).await.expect("decision");
+        assert!(d.allowed && !d.fallback, "{d:?}");
+        leased += 1;
+    }
+
+    // Cut off: the allocator stops. Wait past every lease's end.
+    let _ = allocator.stop.send(());
+    let _ = allocator.task.await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let mut fallback = 0;
+    let mut denied = 0;
+    for n in 100..130 {
+        let d = agent.admit(&request(n)).await.expect("decision");
+        if d.allowed {
+            assert!(
+                d.fallback,
+                "after the leases end, only fallback admits: {d:?}"
+            );
+            fallback += 1;
+        } else {
+            assert_eq!(d.denied_scope, Some(DeniedScope::Global));
+            assert_eq!(d.reason, Some(Reason::RateExceeded));
+            assert!(
+                d.fallback,
+                "the denial comes from the spent fallback allowance"
+            );
+            assert!(d.retry_after_ms > 0 && d.retry_after_ms <= 3_600_000);
+            denied += 1;
+        }
+    }
+    assert_eq!(
+        (fallback, denied),
+        (20, 10),
+        "exactly the fallback allowance, then denials"
+    );
+    assert!(!agent.allocator_reachable());
+
+    // Healed: the allocator is back (same etcd, same ledger); the agent reports.
+    let allocator = start_allocator(&endpoints, dir.path(), port).await;
+    agent.send_reports().await;
+    let windows: Value = http
+        .get(format!("{url}/v1/pools/atlas/api/windows?last=1"))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("windows")
+        .json()
+        .await
+        .expect("json");
+    let row = &windows["windows"][0];
+    assert_eq!(row["fallbackAdmitted"], 20, "{row}");
+    assert_eq!(row["fallbackAdmittedByRegion"]["eu"], 20);
+    assert_eq!(row["spent"], leased, "{row}");
+    assert_eq!(row["admitted"], leased + 20);
+    assert!(
+        row["admitted"].as_u64() <= row["bound"].as_u64(),
+        "within the bound: {row}"
+    );
+    assert_eq!(row["bound"], 1_000 + 20 * 2);
+    // Connected again, leases flow again and nothing comes from fallback.
+    let d = agent.admit(&request(500)).await.expect("decision");
+    assert!(d.allowed && !d.fallback, "{d:?}");
+    let _ = allocator.stop.send(());
+}
