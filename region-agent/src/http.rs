@@ -38,6 +38,8 @@ pub struct AgentApi {
     pub agent: Arc<Agent>,
     /// Bearer tokens gateways present.
     pub gateway_tokens: Arc<Vec<String>>,
+    /// The Prometheus registry to render at `/metrics` (none: `/metrics` answers 404).
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 fn problem(status: StatusCode, problem: Problem) -> Response {
@@ -161,6 +163,18 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
     response
 }
 
+async fn metrics_text(State(api): State<AgentApi>) -> Response {
+    let Some(handle) = api.metrics.as_ref() else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    api.agent.observe();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        handle.render(),
+    )
+        .into_response()
+}
+
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -181,6 +195,7 @@ pub fn router(api: AgentApi) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
         .route("/v1/admit", post(admit))
         .route("/v1/check", post(check))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -20,4 +20,5 @@ pub mod clock;
 pub mod global;
 pub mod http;
 pub mod limiter;
+pub mod metrics;
 pub mod service;

@@ -28,7 +28,9 @@ use tokio::sync::Notify;
 
 use crate::allocator_client::{AllocatorClient, PoolTerms, ReportBody, ReportLease};
 use crate::clock::Clock;
-use crate::global::{Denial, HolderConfig, LeaseGrant, PendingReport, PoolHolder, Spend};
+use crate::global::{
+    Denial, GrantVerdict, HolderConfig, LeaseGrant, PendingReport, PoolHolder, Spend,
+};
 use crate::limiter::{Limiter, plan_request};
 
 /// Longest a request waits for the first grant of a pool it triggered.
@@ -80,6 +82,8 @@ pub struct Agent {
     allocator: Option<Arc<AllocatorClient>>,
     pools: Mutex<HashMap<(TenantId, PoolId), Arc<PoolSlot>>>,
     reachable: AtomicBool,
+    /// When the bundle in force was installed, epoch ms (0: none).
+    bundle_installed_at_ms: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -98,7 +102,9 @@ impl Agent {
         allocator: Option<Arc<AllocatorClient>>,
         bundle: Option<PolicyBundle>,
     ) -> Arc<Self> {
+        let installed_at_ms = if bundle.is_some() { clock.now_ms() } else { 0 };
         Arc::new(Self {
+            bundle_installed_at_ms: std::sync::atomic::AtomicU64::new(installed_at_ms),
             settings,
             clock,
             bundle: ArcSwapOption::from(bundle.map(Arc::new)),
@@ -125,7 +131,41 @@ impl Agent {
         }
         tracing::info!(version = candidate.version(), "policy bundle installed");
         self.bundle.store(Some(Arc::new(candidate)));
+        self.bundle_installed_at_ms
+            .store(self.clock.now_ms(), Ordering::Relaxed);
         true
+    }
+
+    /// Sets the gauges that describe the agent's state now (called at each metrics scrape).
+    pub fn observe(&self) {
+        use crate::limiter::BreakerState;
+        for (shard, snapshot) in self.limiter.breakers().iter().enumerate() {
+            let state = match snapshot.state {
+                BreakerState::Closed => 0.0,
+                BreakerState::HalfOpen => 1.0,
+                BreakerState::Open => 2.0,
+            };
+            metrics::gauge!(crate::metrics::BREAKER_STATE, "shard" => shard.to_string()).set(state);
+        }
+        let bundle = self.bundle.load();
+        let version = bundle.as_ref().map_or(0, |b| b.version());
+        metrics::gauge!(crate::metrics::POLICY_VERSION).set(version as f64);
+        let installed = self.bundle_installed_at_ms.load(Ordering::Relaxed);
+        if installed > 0 {
+            let age_ms = self.clock.now_ms().saturating_sub(installed);
+            metrics::gauge!(crate::metrics::POLICY_AGE_SECONDS).set(age_ms as f64 / 1_000.0);
+        }
+        metrics::gauge!(crate::metrics::ALLOCATOR_REACHABLE).set(if self.allocator_reachable() {
+            1.0
+        } else {
+            0.0
+        });
+        for ((tenant, pool), slot) in lock(&self.pools).iter() {
+            let stranded = lock(&slot.holder).stranded_tokens();
+            metrics::gauge!(crate::metrics::TOKENS_STRANDED,
+                "tenant" => tenant.to_string(), "pool" => pool.to_string())
+            .set(stranded as f64);
+        }
     }
 
     /// Whether the allocator answered the last call.
@@ -133,8 +173,36 @@ impl Agent {
         self.reachable.load(Ordering::Relaxed)
     }
 
-    /// Decides one request.
+    /// Decides one request, and counts the decision.
     pub async fn admit(
+        self: &Arc<Self>,
+        request: &AdmissionRequest,
+    ) -> Result<Decision, RequestRejected> {
+        let decision = self.decide(request).await?;
+        let scope = decision.denied_scope.map_or("none", |s| match s {
+            DeniedScope::User => "user",
+            DeniedScope::Tenant => "tenant",
+            DeniedScope::Route => "route",
+            DeniedScope::Global => "global",
+            DeniedScope::Concurrency => "concurrency",
+        });
+        let reason = decision.reason.map_or("none", |r| match r {
+            Reason::RateExceeded => "rate_exceeded",
+            Reason::ConcurrencyExceeded => "concurrency_exceeded",
+            Reason::LimiterUnavailable => "limiter_unavailable",
+            Reason::PolicyError => "policy_error",
+        });
+        metrics::counter!(crate::metrics::DECISIONS,
+            "outcome" => if decision.allowed { "allowed" } else { "denied" },
+            "scope" => scope,
+            "reason" => reason,
+            "rule" => decision.policy_id.clone().unwrap_or_default(),
+            "policy_version" => decision.policy_version.to_string())
+        .increment(1);
+        Ok(decision)
+    }
+
+    async fn decide(
         self: &Arc<Self>,
         request: &AdmissionRequest,
     ) -> Result<Decision, RequestRejected> {
@@ -157,7 +225,14 @@ impl Agent {
                 .saturating_mul(request.cost_hint)
                 .max(1);
             match self.spend_global(tenant, pool, cost).await {
-                Ok(from_fallback) => fallback |= from_fallback,
+                Ok(from_fallback) => {
+                    if from_fallback {
+                        metrics::counter!(crate::metrics::FALLBACK_ADMITS,
+                            "tenant" => tenant.to_string(), "pool" => pool.to_string())
+                        .increment(1);
+                    }
+                    fallback |= from_fallback;
+                }
                 Err((denial, retry_after_ms, limit)) => {
                     return Ok(global_denial(
                         request,
@@ -304,9 +379,12 @@ impl Agent {
         tokio::spawn(async move {
             let now_ms = agent.clock.now_ms();
             let lease_id = LeaseId::from_parts(now_ms, rand::random());
+            let stopwatch = crate::clock::Stopwatch::start();
             let answer = allocator
                 .grant(&tenant, &pool, &agent.settings.region, lease_id, want)
                 .await;
+            metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "grant")
+                .record(stopwatch.elapsed().as_secs_f64());
             match answer {
                 Ok(Some(answer)) => {
                     agent.reachable.store(true, Ordering::Relaxed);
@@ -322,13 +400,30 @@ impl Agent {
                         retry_after_ms: answer.retry_after_ms,
                     };
                     let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
-                    tracing::debug!(?verdict, %tenant, %pool, "grant");
+                    let outcome = match verdict {
+                        GrantVerdict::Accepted if answer.granted < want => "partial",
+                        GrantVerdict::Accepted => "granted",
+                        GrantVerdict::Exhausted { .. } => "exhausted",
+                        GrantVerdict::StaleEpoch { .. } => {
+                            tracing::warn!(epoch = %answer.epoch, %tenant, %pool,
+                                "grant from a stale allocator epoch ignored");
+                            "stale_epoch"
+                        }
+                        GrantVerdict::AlreadyExpired | GrantVerdict::Duplicate => "expired",
+                    };
+                    metrics::counter!(crate::metrics::RENEWALS, "outcome" => outcome).increment(1);
+                    if matches!(verdict, GrantVerdict::Accepted) {
+                        metrics::counter!(crate::metrics::TOKENS_GRANTED).increment(answer.granted);
+                    }
                 }
                 Ok(None) => tracing::warn!(%tenant, %pool, "the pool no longer exists"),
                 Err(error) => {
                     agent
                         .reachable
                         .store(!error.is_unreachable(), Ordering::Relaxed);
+                    metrics::counter!(crate::metrics::RENEWALS, "outcome" => "failed").increment(1);
+                    metrics::counter!(crate::metrics::ALLOCATOR_ERRORS, "call" => "grant")
+                        .increment(1);
                     tracing::warn!(%error, %tenant, %pool, "renewal failed");
                 }
             }

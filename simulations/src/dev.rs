@@ -162,6 +162,8 @@ pub async fn run_dev(
         let api = AgentApi {
             agent: agent.clone(),
             gateway_tokens: Arc::new(vec![gateway.clone()]),
+            // The allocator in this process installed the recorder; its registry holds both.
+            metrics: allot_allocator::metrics::handle(),
         };
         tokio::spawn(serve(listener, api, stop_signal()));
         tokio::spawn(agent.clone().run_background(

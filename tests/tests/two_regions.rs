@@ -73,6 +73,7 @@ async fn start_agent(
     let api = AgentApi {
         agent: agent.clone(),
         gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
+        metrics: allot_allocator::metrics::handle(),
     };
     tokio::spawn(serve(listener, api, std::future::pending()));
     (agent, url)
@@ -225,4 +226,24 @@ async fn two_regions_share_one_pool_without_overshoot() {
             .map(|g| g >= eu_admitted),
         Some(true)
     );
+
+    // The agent's metrics count the decisions, and never name a principal.
+    let metrics = http
+        .get(format!("{eu_url}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains("allot_agent_decisions_total{outcome=\"allowed\""),
+        "{metrics}"
+    );
+    assert!(metrics.contains("allot_agent_renewals_total"), "{metrics}");
+    assert!(
+        metrics.contains("allot_agent_policy_version 1"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("U-"), "no raw principal ids in metrics");
 }

@@ -179,6 +179,7 @@ async fn start(args: Args) -> Result<(), String> {
     let api = AgentApi {
         agent,
         gateway_tokens: Arc::new(gateway_tokens),
+        metrics: allot_region_agent::metrics::install(),
     };
     tracing::info!(listen = %args.listen, "region agent serving");
     serve(listener, api, shutdown_signal())

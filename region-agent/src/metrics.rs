@@ -1,0 +1,53 @@
+//! Prometheus metrics of the region agent.
+//!
+//! Label values come from bounded sets only: outcomes, scopes, reasons, rule ids and policy versions
+//! (from the published bundle), tenant and pool ids (operator-configured). Never principals, keys,
+//! addresses or decision ids (those appear nowhere but in keyed hashes).
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+/// Decisions by `outcome` (allowed, denied), `scope`, `reason`, `rule` and `policy_version`.
+pub const DECISIONS: &str = "allot_agent_decisions_total";
+/// Requests admitted from a pool's fallback allowance, by `tenant` and `pool`.
+pub const FALLBACK_ADMITS: &str = "allot_agent_fallback_admits_total";
+/// Lease renewals by `outcome` (granted, partial, exhausted, stale_epoch, expired, failed).
+pub const RENEWALS: &str = "allot_agent_renewals_total";
+/// Tokens granted to this agent.
+pub const TOKENS_GRANTED: &str = "allot_agent_tokens_granted_total";
+/// Tokens this agent's leases left unspent, by `tenant` and `pool` (cumulative).
+pub const TOKENS_STRANDED: &str = "allot_agent_tokens_stranded";
+/// Allocator call latency, seconds, by `call`.
+pub const ALLOCATOR_SECONDS: &str = "allot_agent_allocator_seconds";
+/// Allocator calls that failed, by `call`.
+pub const ALLOCATOR_ERRORS: &str = "allot_agent_allocator_errors_total";
+/// Whether the allocator answered the last call (1) or not (0).
+pub const ALLOCATOR_REACHABLE: &str = "allot_agent_allocator_reachable";
+/// Each limiter shard's breaker: 0 closed, 1 half-open, 2 open, by `shard`.
+pub const BREAKER_STATE: &str = "allot_agent_breaker_state";
+/// The policy bundle version in force.
+pub const POLICY_VERSION: &str = "allot_agent_policy_version";
+/// Seconds since the bundle in force was installed.
+pub const POLICY_AGE_SECONDS: &str = "allot_agent_policy_age_seconds";
+/// Limiter decisions by `path` (store, cached_denial, cardinality, fallback, unavailable).
+pub const LIMITER_DECISIONS: &str = "allot_agent_limiter_decisions";
+
+/// Installs the process-wide Prometheus recorder on first use and returns its handle; `None` when
+/// another recorder is already installed (then pass that recorder's handle around instead).
+pub fn install() -> Option<PrometheusHandle> {
+    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets(&[
+                    0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                ])
+                .ok()?
+                .build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).ok()?;
+            Some(handle)
+        })
+        .clone()
+}
