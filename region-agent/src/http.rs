@@ -134,11 +134,61 @@ async fn admit(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
     }
 }
 
+/// Builds an admission request from `X-Allot-*` headers, for proxies that cannot send a body:
+/// `X-Allot-Request-Id`, `X-Allot-Tenant`, `X-Allot-Principal-Type`, `X-Allot-Principal-Id`,
+/// `X-Allot-Route-Group` (required), `X-Allot-Api-Key-Id`, `X-Allot-Method` (default GET) and
+/// `X-Allot-Cost` (default 1).
+fn from_headers(headers: &HeaderMap) -> Result<AdmissionRequest, Box<Response>> {
+    let get = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let required = |name: &'static str| {
+        get(name).ok_or_else(|| Box::new(invalid(name, "is required without a JSON body")))
+    };
+    let cost = match get("x-allot-cost") {
+        None => 1,
+        Some(text) => text
+            .parse::<u64>()
+            .map_err(|_| Box::new(invalid("x-allot-cost", "must be a positive integer")))?,
+    };
+    let request_id = required("x-allot-request-id")?;
+    let tenant = required("x-allot-tenant")?;
+    let mut principal = serde_json::json!({
+        "type": required("x-allot-principal-type")?,
+        "id": required("x-allot-principal-id")?,
+    });
+    if let Some(key) = get("x-allot-api-key-id") {
+        principal["apiKeyId"] = serde_json::Value::String(key);
+    }
+    let value = serde_json::json!({
+        "requestId": request_id,
+        "tenantId": tenant,
+        "principal": principal,
+        "routeGroup": required("x-allot-route-group")?,
+        "method": get("x-allot-method").unwrap_or_else(|| "GET".to_owned()),
+        "costHint": cost,
+    });
+    serde_path_to_error::deserialize(value).map_err(|error| {
+        Box::new(invalid(
+            &format!("x-allot-{}", error.path()),
+            &error.into_inner().to_string(),
+        ))
+    })
+}
+
 async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(response) = authorized(&api, &headers) {
         return *response;
     }
-    let request = match parse(&headers, &body) {
+    let parsed = if body.is_empty() && headers.contains_key("x-allot-request-id") {
+        from_headers(&headers)
+    } else {
+        parse(&headers, &body)
+    };
+    let request = match parsed {
         Ok(request) => request,
         Err(response) => return *response,
     };

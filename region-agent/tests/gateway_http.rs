@@ -1,0 +1,211 @@
+//! The gateway HTTP API: `/v1/admit` answers decisions as JSON; `/v1/check` answers with the HTTP
+//! status a proxy needs (429 with Retry-After, problem+json), also from `X-Allot-*` headers; callers
+//! who did not authenticate learn nothing about limits; gateways must present a token.
+
+use std::sync::Arc;
+
+use allot_region_agent::clock::SystemClock;
+use allot_region_agent::http::{AgentApi, serve};
+use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::ids::RegionId;
+use allot_shared::keys::{IpPrefixes, Pepper};
+use serde_json::{Value, json};
+
+const GATEWAY: &str = "gateway-token-for-tests-01";
+
+async fn start() -> String {
+    // One token per user per minute; anonymous callers: one per minute per address.
+    let bundle = allot_shared::policy::parse_bundle(
+        &json!({ "rules": [
+            { "id": "per-user", "scope": "user", "principalType": "user", "algorithm": "token_bucket",
+              "capacityMillis": 1000, "refillMillis": 1000, "periodMs": 60000, "failMode": "closed" },
+            { "id": "anon", "scope": "user", "principalType": "ip", "algorithm": "fixed_window",
+              "limit": 1, "windowMs": 60000, "failMode": "closed" }
+        ]})
+        .to_string(),
+    )
+    .and_then(|d| d.into_file_bundle())
+    .expect("bundle");
+    let clock = Arc::new(SystemClock);
+    let limiter = Limiter::new(
+        Arc::new(InProcessStore::new(clock.clone(), 1_000)),
+        LimiterConfig::default(),
+    )
+    .expect("limiter");
+    let agent = Agent::new(
+        AgentSettings {
+            region: RegionId::parse("eu").expect("region"),
+            agent_id: "eu-1".to_owned(),
+            pepper: Pepper::new(b"gateway-pepper-0123456".to_vec()).expect("pepper"),
+            ip_prefixes: IpPrefixes::default(),
+            decision_record_ttl_ms: 30_000,
+            expiry_margin_ms: 50,
+            allocator_round_trip_ms: 20,
+        },
+        clock,
+        limiter,
+        None,
+        Some(bundle),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let api = AgentApi {
+        agent,
+        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
+        metrics: None,
+    };
+    tokio::spawn(serve(listener, api, std::future::pending()));
+    url
+}
+
+fn request(id: &str, kind: &str, who: &str) -> Value {
+    json!({ "requestId": id, "tenantId": "atlas", "principal": { "type": kind, "id": who },
+            "routeGroup": "read", "method": "GET" })
+}
+
+#[tokio::test]
+async fn check_answers_with_the_status_a_proxy_needs() {
+    let url = start().await;
+    let http = reqwest::Client::new();
+    let check = |body: Value| {
+        http.post(format!("{url}/v1/check"))
+            .bearer_auth(GATEWAY)
+            .json(&body)
+            .send()
+    };
+    assert_eq!(
+        check(request("r-1", "user", "U-17"))
+            .await
+            .expect("check")
+            .status(),
+        200
+    );
+    let denied = check(request("r-2", "user", "U-17")).await.expect("check");
+    assert_eq!(denied.status(), 429);
+    assert_eq!(denied.headers()["content-type"], "application/problem+json");
+    let retry: u64 = denied.headers()["retry-after"]
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("seconds");
+    assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    let problem: Value = denied.json().await.expect("json");
+    assert_eq!(
+        problem["decisionId"], "r-2",
+        "an authenticated caller gets its decision id"
+    );
+
+    // /v1/admit answers the decision itself.
+    let decision: Value = http
+        .post(format!("{url}/v1/admit"))
+        .bearer_auth(GATEWAY)
+        .json(&request("r-3", "user", "U-17"))
+        .send()
+        .await
+        .expect("admit")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(decision["allowed"], false);
+    assert_eq!(decision["deniedScope"], "user");
+    assert_eq!(decision["policyId"], "per-user");
+    assert_eq!(decision["reason"], "RATE_EXCEEDED");
+
+    // Anonymous callers learn nothing about limits.
+    assert_eq!(
+        check(request("r-4", "ip", "203.0.113.9"))
+            .await
+            .expect("check")
+            .status(),
+        200
+    );
+    let anon = check(request("r-5", "ip", "203.0.113.9"))
+        .await
+        .expect("check");
+    assert_eq!(anon.status(), 429);
+    let body = anon.text().await.expect("text");
+    for secret in [
+        "anon",
+        "atlas",
+        "\"limit\"",
+        "remaining",
+        "decisionId",
+        "r-5",
+    ] {
+        assert!(
+            !body.contains(secret),
+            "{secret:?} leaked to an anonymous caller: {body}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn check_takes_headers_and_refuses_bad_input() {
+    let url = start().await;
+    let http = reqwest::Client::new();
+    let with_headers = |id: &str, extra: Option<(&str, &str)>| {
+        let mut request = http
+            .post(format!("{url}/v1/check"))
+            .bearer_auth(GATEWAY)
+            .header("x-allot-request-id", id)
+            .header("x-allot-tenant", "atlas")
+            .header("x-allot-principal-type", "user")
+            .header("x-allot-principal-id", "U-99")
+            .header("x-allot-route-group", "read");
+        if let Some((name, value)) = extra {
+            request = request.header(name, value);
+        }
+        request.send()
+    };
+    assert_eq!(
+        with_headers("h-1", None).await.expect("check").status(),
+        200
+    );
+    assert_eq!(
+        with_headers("h-2", None).await.expect("check").status(),
+        429
+    );
+    let bad = with_headers("h-3", Some(("x-allot-cost", "lots")))
+        .await
+        .expect("check");
+    assert_eq!(bad.status(), 400);
+    assert_eq!(
+        bad.json::<Value>().await.expect("json")["field"],
+        "x-allot-cost"
+    );
+    let missing = http
+        .post(format!("{url}/v1/check"))
+        .bearer_auth(GATEWAY)
+        .header("x-allot-request-id", "h-4")
+        .send()
+        .await
+        .expect("check");
+    assert_eq!(missing.status(), 400);
+    assert_eq!(
+        missing.json::<Value>().await.expect("json")["field"],
+        "x-allot-tenant"
+    );
+    let hostile = http
+        .post(format!("{url}/v1/admit"))
+        .bearer_auth(GATEWAY)
+        .json(&json!({ "requestId": "x", "tenantId": "at}las", "principal": { "type": "user", "id": "u" },
+                       "routeGroup": "read", "method": "GET" }))
+        .send()
+        .await
+        .expect("admit");
+    assert_eq!(hostile.status(), 400);
+    assert_eq!(
+        hostile.json::<Value>().await.expect("json")["field"],
+        "tenantId"
+    );
+    let unauthenticated = http
+        .post(format!("{url}/v1/admit"))
+        .json(&request("r-1", "user", "U-1"))
+        .send()
+        .await
+        .expect("admit");
+    assert_eq!(unauthenticated.status(), 401);
+}
