@@ -58,15 +58,10 @@ fn invalid(field: &str, detail: &str) -> Response {
     )
 }
 
-fn authorized(api: &AgentApi, headers: &HeaderMap) -> Result<(), Box<Response>> {
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .unwrap_or_default();
-    let known = api.gateway_tokens.iter().fold(false, |found, candidate| {
-        // Compare every candidate in full: the time taken does not reveal which one matched.
+/// Whether `token` is one of the gateway tokens. Every candidate is compared in full, so the time
+/// taken does not reveal which one matched (or how much of one).
+pub fn token_known(tokens: &[String], token: &str) -> bool {
+    let known = tokens.iter().fold(false, |found, candidate| {
         found
             | (candidate.len() == token.len()
                 && candidate
@@ -75,7 +70,17 @@ fn authorized(api: &AgentApi, headers: &HeaderMap) -> Result<(), Box<Response>> 
                     .fold(0u8, |acc, (a, b)| acc | (a ^ b))
                     == 0)
     });
-    if known && !token.is_empty() {
+    known && !token.is_empty()
+}
+
+fn authorized(api: &AgentApi, headers: &HeaderMap) -> Result<(), Box<Response>> {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .unwrap_or_default();
+    if token_known(&api.gateway_tokens, token) {
         return Ok(());
     }
     Err(Box::new(problem(

@@ -8,6 +8,8 @@
 //! - [`clock`]: the agent's only reader of the OS clock (wall and monotonic).
 //! - [`global`]: the global tier: leases of allocator pools held and spent in memory, renewals sized
 //!   by demand, the bounded fallback allowance, and what is owed to the ledger.
+//! - [`grpc`]: Envoy's rate limit service (v3) over gRPC, from Allot's own wire-compatible proto
+//!   subset; the descriptor mapping and `failure_mode_deny` semantics are documented there.
 //! - [`limiter`]: the regional limiter: one atomic store call decides every regional rule of a request
 //!   (Lua scripts on Redis, or the in-process store that behaves identically), and the client path
 //!   around it (`limiter::Limiter`: deadlines, breakers, fail modes, negative cache, hot tenants,
@@ -17,7 +19,9 @@
 
 pub mod allocator_client;
 pub mod clock;
+pub mod decision_log;
 pub mod global;
+pub mod grpc;
 pub mod http;
 pub mod limiter;
 pub mod metrics;

@@ -84,6 +84,8 @@ pub struct Agent {
     reachable: AtomicBool,
     /// When the bundle in force was installed, epoch ms (0: none).
     bundle_installed_at_ms: std::sync::atomic::AtomicU64,
+    /// The sampled decision log, when configured.
+    decision_log: Mutex<Option<crate::decision_log::DecisionLog>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -112,7 +114,13 @@ impl Agent {
             allocator,
             pools: Mutex::new(HashMap::new()),
             reachable: AtomicBool::new(true),
+            decision_log: Mutex::new(None),
         })
+    }
+
+    /// Starts logging sampled decisions to `log`.
+    pub fn set_decision_log(&self, log: crate::decision_log::DecisionLog) {
+        *lock(&self.decision_log) = Some(log);
     }
 
     /// The bundle in force.
@@ -199,6 +207,9 @@ impl Agent {
             "rule" => decision.policy_id.clone().unwrap_or_default(),
             "policy_version" => decision.policy_version.to_string())
         .increment(1);
+        if let Some(log) = lock(&self.decision_log).as_ref() {
+            log.record(self.clock.now_ms(), request, &decision);
+        }
         Ok(decision)
     }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::clock::SystemClock;
+use allot_region_agent::grpc::serve_grpc;
 use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::limiter::{
     DEFAULT_DECISION_RECORD_TTL_MS, DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter,
@@ -33,6 +34,9 @@ struct Args {
     /// Address to serve gateways on.
     #[arg(long, env = "ALLOT_LISTEN", default_value = "127.0.0.1:7700")]
     listen: SocketAddr,
+    /// Address to serve Envoy's rate limit service (gRPC, RLS v3) on.
+    #[arg(long, env = "ALLOT_GRPC_LISTEN", default_value = "127.0.0.1:8081")]
+    grpc_listen: SocketAddr,
     /// Allocator URLs, comma-separated. Without it only policies without global rules can be served.
     #[arg(long, env = "ALLOT_ALLOCATOR", value_delimiter = ',')]
     allocator: Vec<String>,
@@ -54,6 +58,18 @@ struct Args {
     /// A policy bundle file. Without it the bundle is fetched from the allocator.
     #[arg(long, env = "ALLOT_POLICY_FILE")]
     policy_file: Option<PathBuf>,
+    /// Append sampled decisions to this JSON-lines file (input of `allotctl policies replay`).
+    #[arg(long, env = "ALLOT_DECISION_LOG")]
+    decision_log: Option<PathBuf>,
+    /// Share of allowed decisions logged.
+    #[arg(long, env = "ALLOT_DECISION_LOG_ALLOWED_RATE", default_value_t = 0.01)]
+    decision_log_allowed_rate: f64,
+    /// Share of denied and fallback decisions logged.
+    #[arg(long, env = "ALLOT_DECISION_LOG_DENIED_RATE", default_value_t = 1.0)]
+    decision_log_denied_rate: f64,
+    /// The decision log stops growing at this many bytes.
+    #[arg(long, env = "ALLOT_DECISION_LOG_MAX_BYTES", default_value_t = 1 << 30)]
+    decision_log_max_bytes: u64,
     /// This agent's id in policy status (default: `<region>-<listen port>`).
     #[arg(long, env = "ALLOT_AGENT_ID")]
     agent_id: Option<String>,
@@ -163,10 +179,29 @@ async fn start(args: Args) -> Result<(), String> {
         expiry_margin_ms: 50,
         allocator_round_trip_ms: 20,
     };
+    let log_pepper = settings.pepper.clone();
     let agent = Agent::new(settings, clock, limiter, allocator, bundle);
+    if let Some(path) = args.decision_log {
+        let config = allot_region_agent::decision_log::DecisionLogConfig {
+            path: path.clone(),
+            allowed_rate: args.decision_log_allowed_rate,
+            denied_rate: args.decision_log_denied_rate,
+            max_bytes: args.decision_log_max_bytes,
+        };
+        let log = allot_region_agent::decision_log::DecisionLog::open(
+            config,
+            log_pepper,
+            IpPrefixes::default(),
+        )
+        .map_err(|e| format!("--decision-log {}: {e}", path.display()))?;
+        agent.set_decision_log(log);
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let grpc_listener = tokio::net::TcpListener::bind(args.grpc_listen)
+        .await
+        .map_err(|e| format!("cannot listen on {} (--grpc-listen): {e}", args.grpc_listen))?;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let background = tokio::spawn(agent.clone().run_background(
         Duration::from_secs(1),
@@ -181,13 +216,34 @@ async fn start(args: Args) -> Result<(), String> {
         gateway_tokens: Arc::new(gateway_tokens),
         metrics: allot_region_agent::metrics::install(),
     };
-    tracing::info!(listen = %args.listen, "region agent serving");
-    serve(listener, api, shutdown_signal())
-        .await
-        .map_err(|e| e.to_string())?;
+    tracing::info!(listen = %args.listen, grpc_listen = %args.grpc_listen, "region agent serving");
+    // One signal stops both servers (and, after them, the background work).
+    let (signal_tx, signal_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = signal_tx.send(true);
+    });
+    let signalled = move || {
+        let mut rx = signal_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    let served = tokio::try_join!(
+        async {
+            serve(listener, api.clone(), signalled())
+                .await
+                .map_err(|e| format!("http: {e}"))
+        },
+        async {
+            serve_grpc(grpc_listener, api.clone(), signalled())
+                .await
+                .map_err(|e| format!("grpc: {e}"))
+        },
+    );
     let _ = stop.send(true);
     let _ = background.await;
-    Ok(())
+    served.map(|_| ())
 }
 
 #[tokio::main]

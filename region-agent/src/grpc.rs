@@ -1,0 +1,387 @@
+//! Envoy's rate limit service (v3) over gRPC:
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`.
+//!
+//! The messages come from Allot's own wire-compatible subset of Envoy's API
+//! (`region-agent/proto/envoy_rls_v3_subset*.proto`, generated at build time into `OUT_DIR`).
+//!
+//! # Descriptor mapping
+//! Every descriptor of a request becomes one [`AdmissionRequest`], decided in request order:
+//!
+//! | descriptor entry | admission request | |
+//! |---|---|---|
+//! | `tenant` | `tenantId` | required |
+//! | `user` / `api_key` / `remote_address` | `principal` of type `user` / `api_key` / `ip` | exactly one required |
+//! | `route_group` | `routeGroup` | required |
+//! | `method` | `method` | optional (default `UNKNOWN`, which no method matcher names) |
+//! | any other key | ignored | lets one Envoy action list feed several services |
+//!
+//! - The cost is the descriptor's `hits_addend`, else the request's `hits_addend` when non-zero, else 1
+//!   (a cost must be in `[1, 2^30]`; a descriptor `hits_addend` of 0 is invalid).
+//! - The request id is a fresh random [`DecisionId`] per descriptor: Envoy's calls carry no stable id,
+//!   so an RLS decision is never idempotent across Envoy retries.
+//! - `domain` is not used for matching (the `tenant` entry is); it is only bounded.
+//! - Every descriptor is validated before any is decided; a missing or repeated entry, an invalid
+//!   value, more than [`MAX_DESCRIPTORS`] descriptors or [`MAX_ENTRIES`] entries, or an entry over
+//!   [`MAX_ENTRY_BYTES`] answers `INVALID_ARGUMENT` naming the descriptor and key, and debits nothing.
+//!
+//! # Answer
+//! - allowed -> `OK`; denied (rate or concurrency) -> `OVER_LIMIT`; `overall_code` is `OVER_LIMIT` when
+//!   any descriptor is.
+//! - `duration_until_reset` = the decision's `retryAfterMs` (0 when allowed, and 0 when the request can
+//!   never succeed, `retryAfterMs = -1`).
+//! - `current_limit` = `{requests_per_unit: limit, unit: UNKNOWN, name: policy id}` and
+//!   `limit_remaining` = `remaining`. The unit is `UNKNOWN` on purpose: Allot's rules are token buckets
+//!   and windows of any length, which Envoy's fixed units cannot express; `requests_per_unit` is the
+//!   rule's capacity in whole units and the real timing is in `duration_until_reset`. Both are left
+//!   unset for callers that did not authenticate (principal `ip`) and for denials by a scope that is
+//!   not the caller's own (tenant, route, global, concurrency), as in the HTTP API's `RateLimit` fields:
+//!   Envoy may turn them into response headers.
+//! - `response_headers_to_add` carries `x-allot-decision-id` (the first descriptor's decision id),
+//!   except for unauthenticated callers.
+//!
+//! # Fail-closed outages and `failure_mode_deny`
+//! When a descriptor's decision is a fail-closed outage (reason `LIMITER_UNAVAILABLE` or
+//! `POLICY_ERROR`), the whole call answers gRPC `UNAVAILABLE` instead of `OVER_LIMIT`, so Envoy's own
+//! `failure_mode_deny` decides: `true` turns it into a denial (Envoy answers 500 by default), `false`
+//! lets the request through. Allot's per-rule fail modes have already decided everything they could
+//! (`open` and `local_bounded` rules answer `OK`/`OVER_LIMIT` themselves), so `UNAVAILABLE` only
+//! reaches Envoy for rules that must not be guessed. Descriptors decided before the failing one have
+//! been debited (as with any partial multi-descriptor denial).
+//!
+//! # Authentication and bounds
+//! Gateways send metadata `authorization: Bearer <gateway token>` (the HTTP API's tokens); otherwise
+//! `UNAUTHENTICATED`. Messages are bounded to [`MAX_MESSAGE_BYTES`], calls to
+//! [`crate::http::REQUEST_TIMEOUT`], concurrency to [`crate::http::MAX_CONCURRENT_REQUESTS`] calls.
+
+use std::sync::Arc;
+
+use allot_shared::contract::{
+    AdmissionRequest, Decision, DeniedScope, Principal, PrincipalType, Reason,
+};
+use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+use tonic::{Request, Response, Status};
+
+use crate::http::{AgentApi, MAX_CONCURRENT_REQUESTS, REQUEST_TIMEOUT};
+use crate::service::Agent;
+
+/// The generated messages, server and client (Allot's subset of Envoy's v3 API).
+#[allow(missing_docs, clippy::all, clippy::unwrap_used)]
+pub mod proto {
+    /// `envoy.*`
+    pub mod envoy {
+        /// `envoy.service.*`
+        pub mod service {
+            /// `envoy.service.ratelimit.*`
+            pub mod ratelimit {
+                /// `envoy.service.ratelimit.v3`: the service, request and response.
+                pub mod v3 {
+                    tonic::include_proto!("envoy.service.ratelimit.v3");
+                }
+            }
+        }
+        /// `envoy.extensions.*`
+        pub mod extensions {
+            /// `envoy.extensions.common.*`
+            pub mod common {
+                /// `envoy.extensions.common.ratelimit.*`
+                pub mod ratelimit {
+                    /// `envoy.extensions.common.ratelimit.v3`: descriptors.
+                    pub mod v3 {
+                        tonic::include_proto!("envoy.extensions.common.ratelimit.v3");
+                    }
+                }
+            }
+        }
+        /// `envoy.config.*`
+        pub mod config {
+            /// `envoy.config.core.*`
+            pub mod core {
+                /// `envoy.config.core.v3`: header values.
+                pub mod v3 {
+                    tonic::include_proto!("envoy.config.core.v3");
+                }
+            }
+        }
+    }
+}
+
+use proto::envoy::config::core::v3::HeaderValue;
+use proto::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use proto::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit, rate_limit::Unit,
+};
+use proto::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+
+/// Most descriptors in one call (I10).
+pub const MAX_DESCRIPTORS: usize = 16;
+/// Most entries in one descriptor (I10).
+pub const MAX_ENTRIES: usize = 16;
+/// Longest entry key or value, and longest domain, in bytes (I10).
+pub const MAX_ENTRY_BYTES: usize = 256;
+/// Largest request message, in bytes.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
+/// The response header naming the first descriptor's decision.
+pub const DECISION_ID_HEADER: &str = "x-allot-decision-id";
+/// `method` when a descriptor has none.
+pub const DEFAULT_METHOD: &str = "UNKNOWN";
+
+/// The RLS implementation over an agent.
+#[derive(Clone)]
+pub struct RateLimitApi {
+    agent: Arc<Agent>,
+    gateway_tokens: Arc<Vec<String>>,
+}
+
+impl RateLimitApi {
+    /// Serves `api`'s agent to gateways presenting one of `api`'s tokens.
+    pub fn new(api: &AgentApi) -> Self {
+        Self {
+            agent: api.agent.clone(),
+            gateway_tokens: api.gateway_tokens.clone(),
+        }
+    }
+
+    fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        let token = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .unwrap_or_default();
+        if crate::http::token_known(&self.gateway_tokens, token) {
+            Ok(())
+        } else {
+            Err(Status::unauthenticated(
+                "send metadata authorization: Bearer <gateway token>",
+            ))
+        }
+    }
+}
+
+fn invalid(index: usize, key: &str, message: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("descriptors[{index}].{key}: {message}"))
+}
+
+fn fresh_decision_id() -> DecisionId {
+    // `rls-` and 32 hex digits: 36 characters of [a-z0-9-], always a valid decision id.
+    DecisionId::parse(&format!("rls-{:032x}", rand::random::<u128>()))
+        .expect("a fixed-shape decision id is valid")
+}
+
+/// Turns one descriptor into an admission request, or says which entry is wrong.
+pub fn admission_request(
+    index: usize,
+    descriptor: &RateLimitDescriptor,
+    request_hits: u32,
+) -> Result<AdmissionRequest, Status> {
+    if descriptor.entries.len() > MAX_ENTRIES {
+        return Err(invalid(
+            index,
+            "entries",
+            format_args!("at most {MAX_ENTRIES} entries"),
+        ));
+    }
+    let mut tenant = None;
+    let mut principal = None;
+    let mut route_group = None;
+    let mut method = None;
+    for entry in &descriptor.entries {
+        if entry.key.len() > MAX_ENTRY_BYTES || entry.value.len() > MAX_ENTRY_BYTES {
+            return Err(invalid(
+                index,
+                "entries",
+                format_args!("keys and values are at most {MAX_ENTRY_BYTES} bytes"),
+            ));
+        }
+        let key = entry.key.as_str();
+        let slot_taken = match key {
+            "tenant" => tenant.replace(entry.value.as_str()).is_some(),
+            "user" => principal
+                .replace((PrincipalType::User, entry.value.as_str()))
+                .is_some(),
+            "api_key" => principal
+                .replace((PrincipalType::ApiKey, entry.value.as_str()))
+                .is_some(),
+            "remote_address" => principal
+                .replace((PrincipalType::Ip, entry.value.as_str()))
+                .is_some(),
+            "route_group" => route_group.replace(entry.value.as_str()).is_some(),
+            "method" => method.replace(entry.value.as_str()).is_some(),
+            _ => false,
+        };
+        if slot_taken {
+            return Err(invalid(
+                index,
+                key,
+                "given twice (or more than one of user, api_key, remote_address)",
+            ));
+        }
+    }
+    let tenant = tenant.ok_or_else(|| invalid(index, "tenant", "missing"))?;
+    let tenant_id = TenantId::parse(tenant).map_err(|e| invalid(index, "tenant", e))?;
+    let (kind, id) = principal.ok_or_else(|| {
+        invalid(
+            index,
+            "user",
+            "missing one of user, api_key, remote_address",
+        )
+    })?;
+    let route_group = route_group.ok_or_else(|| invalid(index, "route_group", "missing"))?;
+    let route_group =
+        RouteGroup::parse(route_group).map_err(|e| invalid(index, "route_group", e))?;
+    let cost_hint = match descriptor.hits_addend {
+        Some(hits) => hits,
+        None if request_hits > 0 => u64::from(request_hits),
+        None => 1,
+    };
+    let request = AdmissionRequest {
+        request_id: fresh_decision_id(),
+        tenant_id,
+        principal: Principal {
+            kind,
+            id: id.to_owned(),
+            api_key_id: None,
+        },
+        route_group,
+        method: method.unwrap_or(DEFAULT_METHOD).to_owned(),
+        cost_hint,
+        policy_epoch: None,
+    };
+    request.validate().map_err(|e| {
+        let key = match e.field {
+            "principal.id" => "user",
+            "costHint" => "hits_addend",
+            other => other,
+        };
+        invalid(index, key, e.message)
+    })?;
+    Ok(request)
+}
+
+fn duration_ms(ms: i64) -> prost_types::Duration {
+    let ms = ms.max(0);
+    prost_types::Duration {
+        seconds: ms / 1_000,
+        // In [0, 999_000_000]: fits.
+        nanos: i32::try_from((ms % 1_000) * 1_000_000).unwrap_or(0),
+    }
+}
+
+fn is_outage(decision: &Decision) -> bool {
+    !decision.allowed
+        && matches!(
+            decision.reason,
+            Some(Reason::LimiterUnavailable) | Some(Reason::PolicyError)
+        )
+}
+
+/// The status Envoy gets for one decision (outages are answered before this, as `UNAVAILABLE`).
+pub fn descriptor_status(kind: PrincipalType, decision: &Decision) -> DescriptorStatus {
+    let code = if decision.allowed {
+        Code::Ok
+    } else {
+        Code::OverLimit
+    };
+    let own_scope = matches!(decision.denied_scope, None | Some(DeniedScope::User));
+    let show_limit = kind.is_authenticated() && own_scope;
+    DescriptorStatus {
+        code: code as i32,
+        current_limit: show_limit.then(|| RateLimit {
+            name: decision.policy_id.clone().unwrap_or_default(),
+            requests_per_unit: u32::try_from(decision.limit).unwrap_or(u32::MAX),
+            unit: Unit::Unknown as i32,
+        }),
+        limit_remaining: if show_limit {
+            u32::try_from(decision.remaining).unwrap_or(u32::MAX)
+        } else {
+            0
+        },
+        duration_until_reset: Some(duration_ms(if decision.allowed {
+            0
+        } else {
+            decision.retry_after_ms
+        })),
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimitApi {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.authorize(&request)?;
+        let request = request.into_inner();
+        if request.domain.len() > MAX_ENTRY_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "domain: at most {MAX_ENTRY_BYTES} bytes"
+            )));
+        }
+        if request.descriptors.is_empty() || request.descriptors.len() > MAX_DESCRIPTORS {
+            return Err(Status::invalid_argument(format!(
+                "descriptors: 1 to {MAX_DESCRIPTORS} descriptors"
+            )));
+        }
+        let admissions = request
+            .descriptors
+            .iter()
+            .enumerate()
+            .map(|(index, d)| admission_request(index, d, request.hits_addend))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut statuses = Vec::with_capacity(admissions.len());
+        let mut headers = Vec::new();
+        let mut over = false;
+        for (index, admission) in admissions.iter().enumerate() {
+            let decision = self
+                .agent
+                .admit(admission)
+                .await
+                .map_err(|rejected| invalid(index, &rejected.field, rejected.message))?;
+            if is_outage(&decision) {
+                return Err(Status::unavailable(
+                    "a fail-closed rule could not be decided; Envoy's failure_mode_deny applies",
+                ));
+            }
+            if index == 0 && admission.principal.kind.is_authenticated() {
+                headers.push(HeaderValue {
+                    key: DECISION_ID_HEADER.to_owned(),
+                    value: decision.decision_id.to_string(),
+                });
+            }
+            over |= !decision.allowed;
+            statuses.push(descriptor_status(admission.principal.kind, &decision));
+        }
+        let overall = if over { Code::OverLimit } else { Code::Ok };
+        Ok(Response::new(RateLimitResponse {
+            overall_code: overall as i32,
+            statuses,
+            response_headers_to_add: headers,
+        }))
+    }
+}
+
+/// Serves Envoy's rate limit service on `listener` until `shutdown` resolves, finishing calls in
+/// flight.
+pub async fn serve_grpc(
+    listener: tokio::net::TcpListener,
+    api: AgentApi,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let service = RateLimitServiceServer::new(RateLimitApi::new(&api))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES);
+    tonic::transport::Server::builder()
+        .timeout(REQUEST_TIMEOUT)
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+            MAX_CONCURRENT_REQUESTS,
+        ))
+        .add_service(service)
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener),
+            shutdown,
+        )
+        .await
+}

@@ -1,0 +1,241 @@
+//! Envoy's rate limit service over gRPC, end to end: an agent on the in-process store served on a
+//! loopback port, called with a tonic client generated from the same proto subset.
+
+use std::sync::Arc;
+
+use allot_region_agent::clock::SystemClock;
+use allot_region_agent::grpc::proto::envoy::extensions::common::ratelimit::v3::{
+    RateLimitDescriptor, rate_limit_descriptor::Entry,
+};
+use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::{
+    RateLimitRequest, RateLimitResponse,
+};
+use allot_region_agent::grpc::{DECISION_ID_HEADER, serve_grpc};
+use allot_region_agent::http::AgentApi;
+use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::ids::RegionId;
+use allot_shared::keys::{IpPrefixes, Pepper};
+use tonic::transport::Channel;
+
+const TOKEN: &str = "gateway-token-1";
+
+/// Two tokens per user, refilling one a minute.
+const BUNDLE: &str = r#"{
+    "bundleVersion": 1,
+    "rules": [
+        {"id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
+         "capacityMillis": 2000, "refillMillis": 1000, "periodMs": 60000, "failMode": "closed"}
+    ]
+}"#;
+
+struct Served {
+    client: RateLimitServiceClient<Channel>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+async fn serve(with_bundle: bool) -> Served {
+    let clock = Arc::new(SystemClock);
+    let store = Arc::new(InProcessStore::new(clock.clone(), 1_000));
+    let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
+    let bundle = with_bundle.then(|| {
+        allot_shared::policy::parse_bundle(BUNDLE)
+            .and_then(|draft| draft.into_file_bundle())
+            .expect("a valid bundle")
+    });
+    let settings = AgentSettings {
+        region: RegionId::parse("eu").expect("region"),
+        agent_id: "eu-test".to_owned(),
+        pepper: Pepper::new(b"a pepper of at least sixteen bytes".to_vec()).expect("pepper"),
+        ip_prefixes: IpPrefixes::default(),
+        decision_record_ttl_ms: 60_000,
+        expiry_margin_ms: 50,
+        allocator_round_trip_ms: 20,
+    };
+    let agent = Agent::new(settings, clock, limiter, None, bundle);
+    let api = AgentApi {
+        agent,
+        gateway_tokens: Arc::new(vec![TOKEN.to_owned()]),
+        metrics: None,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve_grpc(listener, api, async move {
+        let _ = stopped.await;
+    }));
+    let client = RateLimitServiceClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    Served {
+        client,
+        stop: Some(stop),
+    }
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(key, value)| Entry {
+                key: (*key).to_owned(),
+                value: (*value).to_owned(),
+            })
+            .collect(),
+        hits_addend: None,
+    }
+}
+
+fn user(name: &str) -> RateLimitDescriptor {
+    descriptor(&[("tenant", "acme"), ("user", name), ("route_group", "read")])
+}
+
+fn request(
+    descriptors: Vec<RateLimitDescriptor>,
+    token: Option<&str>,
+) -> tonic::Request<RateLimitRequest> {
+    let mut request = tonic::Request::new(RateLimitRequest {
+        domain: "envoy".to_owned(),
+        descriptors,
+        hits_addend: 0,
+    });
+    if let Some(token) = token {
+        request.metadata_mut().insert(
+            "authorization",
+            format!("Bearer {token}").parse().expect("metadata value"),
+        );
+    }
+    request
+}
+
+async fn ask(served: &mut Served, descriptors: Vec<RateLimitDescriptor>) -> RateLimitResponse {
+    served
+        .client
+        .should_rate_limit(request(descriptors, Some(TOKEN)))
+        .await
+        .expect("an answer")
+        .into_inner()
+}
+
+#[tokio::test]
+async fn two_calls_pass_and_the_third_is_over_limit_with_its_limit_and_reset() {
+    let mut served = serve(true).await;
+    for _ in 0..2 {
+        let answer = ask(&mut served, vec![user("alice")]).await;
+        assert_eq!(answer.overall_code, Code::Ok as i32);
+        assert_eq!(answer.statuses.len(), 1);
+        assert_eq!(answer.statuses[0].code, Code::Ok as i32);
+        assert!(
+            answer
+                .response_headers_to_add
+                .iter()
+                .any(|h| h.key == DECISION_ID_HEADER && h.value.starts_with("rls-")),
+            "the decision id is added: {:?}",
+            answer.response_headers_to_add
+        );
+    }
+    let answer = ask(&mut served, vec![user("alice")]).await;
+    assert_eq!(answer.overall_code, Code::OverLimit as i32);
+    let status = &answer.statuses[0];
+    assert_eq!(status.code, Code::OverLimit as i32);
+    let reset = status.duration_until_reset.expect("a reset");
+    assert!(reset.seconds > 0 || reset.nanos > 0, "reset {reset:?}");
+    let limit = status.current_limit.as_ref().expect("the user's own limit");
+    assert_eq!(limit.requests_per_unit, 2);
+    assert_eq!(limit.name, "read-user");
+    assert_eq!(status.limit_remaining, 0);
+}
+
+#[tokio::test]
+async fn one_descriptor_over_makes_the_whole_request_over() {
+    let mut served = serve(true).await;
+    let cost_two = RateLimitDescriptor {
+        hits_addend: Some(2),
+        ..user("bob")
+    };
+    assert_eq!(
+        ask(&mut served, vec![cost_two]).await.overall_code,
+        Code::Ok as i32
+    );
+    let answer = ask(&mut served, vec![user("carol"), user("bob")]).await;
+    assert_eq!(answer.overall_code, Code::OverLimit as i32);
+    let codes: Vec<i32> = answer.statuses.iter().map(|s| s.code).collect();
+    assert_eq!(codes, vec![Code::Ok as i32, Code::OverLimit as i32]);
+}
+
+#[tokio::test]
+async fn a_descriptor_without_tenant_is_an_invalid_argument_naming_it() {
+    let mut served = serve(true).await;
+    let status = served
+        .client
+        .should_rate_limit(request(
+            vec![
+                user("dave"),
+                descriptor(&[("user", "dave"), ("route_group", "read")]),
+            ],
+            Some(TOKEN),
+        ))
+        .await
+        .expect_err("rejected");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status.message().contains("descriptors[1].tenant"),
+        "{}",
+        status.message()
+    );
+    // Nothing was debited for the valid first descriptor: dave still has both tokens.
+    for _ in 0..2 {
+        assert_eq!(
+            ask(&mut served, vec![user("dave")]).await.overall_code,
+            Code::Ok as i32
+        );
+    }
+}
+
+#[tokio::test]
+async fn too_many_descriptors_are_an_invalid_argument() {
+    let mut served = serve(true).await;
+    let status = served
+        .client
+        .should_rate_limit(request(vec![user("erin"); 17], Some(TOKEN)))
+        .await
+        .expect_err("rejected");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn a_call_without_a_known_token_is_unauthenticated() {
+    let mut served = serve(true).await;
+    for token in [None, Some("wrong-token")] {
+        let status = served
+            .client
+            .should_rate_limit(request(vec![user("frank")], token))
+            .await
+            .expect_err("rejected");
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    }
+}
+
+#[tokio::test]
+async fn a_fail_closed_outage_is_unavailable_so_failure_mode_deny_decides() {
+    // No policy bundle: every decision is a POLICY_ERROR.
+    let mut served = serve(false).await;
+    let status = served
+        .client
+        .should_rate_limit(request(vec![user("grace")], Some(TOKEN)))
+        .await
+        .expect_err("unavailable");
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+}
