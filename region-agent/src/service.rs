@@ -55,6 +55,9 @@ pub struct AgentSettings {
     pub expiry_margin_ms: u64,
     /// An estimate of the allocator round trip, ms (sizes the renewal watermark).
     pub allocator_round_trip_ms: u64,
+    /// Once the bundle has not been confirmed by the allocator for this long, rules marked `strict`
+    /// fail closed (I13). 0: never. Applies only to bundles that come from an allocator.
+    pub policy_max_age_ms: u64,
 }
 
 /// Why a request could not even be decided.
@@ -84,6 +87,9 @@ pub struct Agent {
     reachable: AtomicBool,
     /// When the bundle in force was installed, epoch ms (0: none).
     bundle_installed_at_ms: std::sync::atomic::AtomicU64,
+    /// When the allocator last confirmed the bundle in force (installed it, or answered the same or
+    /// an older version), epoch ms.
+    bundle_confirmed_at_ms: std::sync::atomic::AtomicU64,
     /// The sampled decision log, when configured.
     decision_log: Mutex<Option<crate::decision_log::DecisionLog>>,
 }
@@ -107,6 +113,7 @@ impl Agent {
         let installed_at_ms = if bundle.is_some() { clock.now_ms() } else { 0 };
         Arc::new(Self {
             bundle_installed_at_ms: std::sync::atomic::AtomicU64::new(installed_at_ms),
+            bundle_confirmed_at_ms: std::sync::atomic::AtomicU64::new(installed_at_ms),
             settings,
             clock,
             bundle: ArcSwapOption::from(bundle.map(Arc::new)),
@@ -141,6 +148,8 @@ impl Agent {
         self.bundle.store(Some(Arc::new(candidate)));
         self.bundle_installed_at_ms
             .store(self.clock.now_ms(), Ordering::Relaxed);
+        self.bundle_confirmed_at_ms
+            .store(self.clock.now_ms(), Ordering::Relaxed);
         true
     }
 
@@ -174,6 +183,16 @@ impl Agent {
                 "tenant" => tenant.to_string(), "pool" => pool.to_string())
             .set(stranded as f64);
         }
+    }
+
+    /// Whether the bundle in force is past its maximum age (strict rules then fail closed).
+    pub fn bundle_is_stale(&self) -> bool {
+        let max_age_ms = self.settings.policy_max_age_ms;
+        if max_age_ms == 0 || self.allocator.is_none() {
+            return false;
+        }
+        let confirmed = self.bundle_confirmed_at_ms.load(Ordering::Relaxed);
+        self.clock.now_ms().saturating_sub(confirmed) > max_age_ms
     }
 
     /// Whether the allocator answered the last call.
@@ -228,6 +247,22 @@ impl Agent {
         let mut fallback = false;
         let tenant = &request.tenant_id;
         let kind = request.principal.kind;
+        if self.bundle_is_stale() {
+            let strict = bundle
+                .regional_rules_for(tenant, &request.route_group, kind)
+                .into_iter()
+                .chain(bundle.global_rules_for(tenant, &request.route_group, kind))
+                .find(|rule| rule.strict);
+            if let Some(rule) = strict {
+                return Ok(unavailable(
+                    request,
+                    version,
+                    Some(rule),
+                    Reason::LimiterUnavailable,
+                    1_000,
+                ));
+            }
+        }
         for rule in bundle.global_rules_for(tenant, &request.route_group, kind) {
             let Limit::Global(pool) = &rule.limit else {
                 continue;
@@ -523,6 +558,8 @@ impl Agent {
         match allocator.current_policy(&self.settings.region).await {
             Ok(Some(bundle)) => {
                 self.offer_bundle(bundle);
+                self.bundle_confirmed_at_ms
+                    .store(self.clock.now_ms(), Ordering::Relaxed);
             }
             Ok(None) => {}
             Err(error) => {

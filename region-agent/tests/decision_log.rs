@@ -53,6 +53,7 @@ async fn logged_decisions_hide_principals_and_replay_to_the_same_denials() {
             decision_record_ttl_ms: 30_000,
             expiry_margin_ms: 50,
             allocator_round_trip_ms: 20,
+            policy_max_age_ms: 0,
         },
         clock,
         limiter,

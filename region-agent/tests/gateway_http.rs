@@ -42,6 +42,7 @@ async fn start() -> String {
             decision_record_ttl_ms: 30_000,
             expiry_margin_ms: 50,
             allocator_round_trip_ms: 20,
+            policy_max_age_ms: 0,
         },
         clock,
         limiter,

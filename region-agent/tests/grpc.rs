@@ -61,6 +61,7 @@ async fn serve(with_bundle: bool) -> Served {
         decision_record_ttl_ms: 60_000,
         expiry_margin_ms: 50,
         allocator_round_trip_ms: 20,
+        policy_max_age_ms: 0,
     };
     let agent = Agent::new(settings, clock, limiter, None, bundle);
     let api = AgentApi {

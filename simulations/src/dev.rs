@@ -150,6 +150,7 @@ pub async fn run_dev(
                 decision_record_ttl_ms: DEFAULT_DECISION_RECORD_TTL_MS,
                 expiry_margin_ms: 50,
                 allocator_round_trip_ms: 5,
+                policy_max_age_ms: 0,
             },
             agent_clock,
             limiter,

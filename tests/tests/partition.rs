@@ -131,6 +131,7 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
             decision_record_ttl_ms: 30_000,
             expiry_margin_ms: 50,
             allocator_round_trip_ms: 20,
+            policy_max_age_ms: 0,
         },
         clock,
         limiter,

@@ -70,6 +70,10 @@ struct Args {
     /// The decision log stops growing at this many bytes.
     #[arg(long, env = "ALLOT_DECISION_LOG_MAX_BYTES", default_value_t = 1 << 30)]
     decision_log_max_bytes: u64,
+    /// Once the bundle has not been confirmed by the allocator for this many ms, rules marked strict
+    /// fail closed (0: never).
+    #[arg(long, env = "ALLOT_POLICY_MAX_AGE_MS", default_value_t = 3_600_000)]
+    policy_max_age_ms: u64,
     /// This agent's id in policy status (default: `<region>-<listen port>`).
     #[arg(long, env = "ALLOT_AGENT_ID")]
     agent_id: Option<String>,
@@ -178,6 +182,7 @@ async fn start(args: Args) -> Result<(), String> {
         decision_record_ttl_ms: DEFAULT_DECISION_RECORD_TTL_MS,
         expiry_margin_ms: 50,
         allocator_round_trip_ms: 20,
+        policy_max_age_ms: args.policy_max_age_ms,
     };
     let log_pepper = settings.pepper.clone();
     let agent = Agent::new(settings, clock, limiter, allocator, bundle);

@@ -1,0 +1,105 @@
+//! A bundle the allocator has not confirmed for longer than the maximum age: rules marked `strict`
+//! fail closed, the others keep being served from the last bundle (I13).
+
+use std::sync::Arc;
+
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::clock::ManualClock;
+use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType, Reason};
+use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
+use allot_shared::keys::{IpPrefixes, Pepper};
+
+fn request(n: usize, route: &str) -> AdmissionRequest {
+    AdmissionRequest {
+        request_id: DecisionId::parse(&format!("s-{n}")).expect("id"),
+        tenant_id: TenantId::parse("atlas").expect("tenant"),
+        principal: Principal {
+            kind: PrincipalType::User,
+            id: "U-1".to_owned(),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse(route).expect("route"),
+        method: "POST".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+    }
+}
+
+#[tokio::test]
+async fn strict_rules_fail_closed_once_the_bundle_is_too_old() {
+    let bundle = allot_shared::policy::parse_bundle(
+        r#"{ "rules": [
+            { "id": "payments-strict", "scope": "user", "routeGroup": "payments", "strict": true,
+              "algorithm": "token_bucket", "capacityMillis": 100000, "refillMillis": 1000,
+              "periodMs": 1000, "failMode": "closed" },
+            { "id": "read-lenient", "scope": "user", "routeGroup": "read",
+              "algorithm": "token_bucket", "capacityMillis": 100000, "refillMillis": 1000,
+              "periodMs": 1000, "failMode": "closed" } ] }"#,
+    )
+    .and_then(|d| d.into_file_bundle())
+    .expect("bundle");
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let limiter = Limiter::new(
+        Arc::new(InProcessStore::new(clock.clone(), 1_000)),
+        LimiterConfig::default(),
+    )
+    .expect("limiter");
+    // An allocator that cannot be reached: the bundle is never confirmed again.
+    let allocator = AllocatorClient::new(
+        vec!["http://127.0.0.1:9".to_owned()],
+        "agent-token-0123456789".to_owned(),
+    )
+    .expect("client");
+    let agent = Agent::new(
+        AgentSettings {
+            region: RegionId::parse("eu").expect("region"),
+            agent_id: "eu-1".to_owned(),
+            pepper: Pepper::new(b"strict-pepper-0123456".to_vec()).expect("pepper"),
+            ip_prefixes: IpPrefixes::default(),
+            decision_record_ttl_ms: 30_000,
+            expiry_margin_ms: 50,
+            allocator_round_trip_ms: 20,
+            policy_max_age_ms: 60_000,
+        },
+        clock.clone(),
+        limiter,
+        Some(Arc::new(allocator)),
+        Some(bundle),
+    );
+    assert!(
+        agent
+            .admit(&request(1, "payments"))
+            .await
+            .expect("decision")
+            .allowed
+    );
+    agent.refresh_policy().await;
+    clock.advance(60_000);
+    assert!(
+        !agent.bundle_is_stale(),
+        "exactly the maximum age is still fresh"
+    );
+    assert!(
+        agent
+            .admit(&request(2, "payments"))
+            .await
+            .expect("decision")
+            .allowed
+    );
+    clock.advance(1);
+    assert!(agent.bundle_is_stale());
+    let strict = agent
+        .admit(&request(3, "payments"))
+        .await
+        .expect("decision");
+    assert!(!strict.allowed);
+    assert_eq!(strict.reason, Some(Reason::LimiterUnavailable));
+    assert_eq!(strict.policy_id.as_deref(), Some("payments-strict"));
+    let lenient = agent.admit(&request(4, "read")).await.expect("decision");
+    assert!(
+        lenient.allowed,
+        "non-strict rules keep the last bundle: {lenient:?}"
+    );
+}
