@@ -13,7 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use allot_shared::contract::{
-    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, http_status, retry_after_header,
+    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, QuotaView, http_status, rate_limit_fields,
+    retry_after_header,
 };
 use axum::Router;
 use axum::body::Bytes;
@@ -201,21 +202,63 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
         Ok(decision) => decision,
         Err(rejected) => return invalid(&rejected.field, &rejected.message),
     };
-    if decision.allowed {
-        return StatusCode::OK.into_response();
-    }
-    let status =
-        StatusCode::from_u16(http_status(&decision)).unwrap_or(StatusCode::TOO_MANY_REQUESTS);
-    let mut response = problem(
-        status,
-        Problem::for_denial(&decision, request.principal.kind),
-    );
+    let mut response = if decision.allowed {
+        StatusCode::OK.into_response()
+    } else {
+        let status =
+            StatusCode::from_u16(http_status(&decision)).unwrap_or(StatusCode::TOO_MANY_REQUESTS);
+        problem(
+            status,
+            Problem::for_denial(&decision, request.principal.kind),
+        )
+    };
     if let Some(seconds) = retry_after_header(&decision)
         && let Ok(value) = HeaderValue::from_str(&seconds.to_string())
     {
         response.headers_mut().insert(header::RETRY_AFTER, value);
     }
+    if let Some((policy, current)) = rate_limit_headers(&api, &request, &decision) {
+        let headers = response.headers_mut();
+        if let (Ok(policy), Ok(current)) = (
+            HeaderValue::from_str(&policy),
+            HeaderValue::from_str(&current),
+        ) {
+            headers.insert("ratelimit-policy", policy);
+            headers.insert("ratelimit", current);
+        }
+    }
     response
+}
+
+/// The `RateLimit-Policy` and `RateLimit` values for the rule a decision names, when the caller may
+/// see them (authenticated, and the rule limits the caller's own principal). A token bucket has no
+/// window, so `w` is its time to refill from empty: an approximation the draft allows.
+fn rate_limit_headers(
+    api: &AgentApi,
+    request: &AdmissionRequest,
+    decision: &allot_shared::contract::Decision,
+) -> Option<(String, String)> {
+    use allot_shared::limit::multi::Algorithm;
+    use allot_shared::policy::Limit;
+    let bundle = api.agent.bundle()?;
+    let rule_id = decision.policy_id.as_deref()?;
+    let rule = bundle.rules().iter().find(|r| r.id.as_str() == rule_id)?;
+    let window_ms = match &rule.limit {
+        Limit::Regional(Algorithm::TokenBucket(b)) => b.full_refill_ms(),
+        Limit::Regional(Algorithm::Gcra(g)) => g.burst_tolerance_ms(),
+        Limit::Regional(Algorithm::FixedWindow(w)) => w.window_ms(),
+        Limit::Regional(Algorithm::SlidingCounter(c)) => c.window_ms(),
+        Limit::Regional(Algorithm::SlidingLog(l)) => l.window_ms(),
+        Limit::Global(_) => return None,
+    };
+    let view = QuotaView {
+        policy_name: rule_id.to_owned(),
+        quota_units: decision.limit,
+        window_seconds: window_ms.div_ceil(1_000).max(1),
+        remaining_units: decision.remaining,
+        reset_seconds: retry_after_header(decision).unwrap_or(0),
+    };
+    rate_limit_fields(request.principal.kind, rule.scope.denied_scope(), &view)
 }
 
 async fn metrics_text(State(api): State<AgentApi>) -> Response {

@@ -93,6 +93,15 @@ async fn check_answers_with_the_status_a_proxy_needs() {
         .parse()
         .expect("seconds");
     assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    // The caller's own limit, in the draft's Structured Fields syntax.
+    assert_eq!(
+        denied.headers()["ratelimit-policy"],
+        "\"per-user\";q=1;w=60"
+    );
+    assert_eq!(
+        denied.headers()["ratelimit"].to_str().expect("ascii"),
+        format!("\"per-user\";r=0;t={retry}")
+    );
     let problem: Value = denied.json().await.expect("json");
     assert_eq!(
         problem["decisionId"], "r-2",
@@ -127,6 +136,11 @@ async fn check_answers_with_the_status_a_proxy_needs() {
         .await
         .expect("check");
     assert_eq!(anon.status(), 429);
+    assert!(
+        anon.headers().get("ratelimit").is_none(),
+        "no limits for anonymous callers"
+    );
+    assert!(anon.headers().get("ratelimit-policy").is_none());
     let body = anon.text().await.expect("text");
     for secret in [
         "anon",
