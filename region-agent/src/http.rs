@@ -5,7 +5,9 @@
 //!   with `Retry-After` when a limit says no, 503 when a fail-closed rule cannot be decided; the body is
 //!   problem+json. Pre-authentication callers (principal type `ip`) get a plain 429 with no limits,
 //!   names or counts.
-//! - `/healthz`, `/readyz`.
+//! - `POST /v1/release`: the same request, when it has finished: gives back its concurrency slots
+//!   (idempotent; a slot a gateway never releases lapses with its lease TTL).
+//! - `/healthz`, `/readyz`, `/metrics`.
 //!
 //! Gateways authenticate with a bearer token; every request is bounded (body, time, concurrency).
 
@@ -261,6 +263,20 @@ fn rate_limit_headers(
     rate_limit_fields(request.principal.kind, rule.scope.denied_scope(), &view)
 }
 
+async fn release(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(response) = authorized(&api, &headers) {
+        return *response;
+    }
+    let request = match parse(&headers, &body) {
+        Ok(request) => request,
+        Err(response) => return *response,
+    };
+    match api.agent.release(&request).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(rejected) => invalid(&rejected.field, &rejected.message),
+    }
+}
+
 async fn metrics_text(State(api): State<AgentApi>) -> Response {
     let Some(handle) = api.metrics.as_ref() else {
         return StatusCode::NOT_FOUND.into_response();
@@ -296,6 +312,7 @@ pub fn router(api: AgentApi) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/v1/admit", post(admit))
         .route("/v1/check", post(check))
+        .route("/v1/release", post(release))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(tower::limit::ConcurrencyLimitLayer::new(
             MAX_CONCURRENT_REQUESTS,

@@ -31,10 +31,12 @@ use crate::clock::Clock;
 use crate::global::{
     Denial, GrantVerdict, HolderConfig, LeaseGrant, PendingReport, PoolHolder, Spend,
 };
-use crate::limiter::{Limiter, plan_request};
+use crate::limiter::{LeaseCall, LeaseOp, Limiter, plan_request};
 
 /// Longest a request waits for the first grant of a pool it triggered.
 pub const FIRST_GRANT_WAIT: Duration = Duration::from_millis(200);
+/// Retry hint of a concurrency denial, ms: a slot frees when a holder finishes, at no known time.
+pub const CONCURRENCY_RETRY_MS: i64 = 1_000;
 /// Most pools an agent holds at once (I10).
 pub const MAX_POOLS: usize = 10_000;
 
@@ -324,10 +326,114 @@ impl Agent {
                 fallback,
             });
         };
+        // Concurrency caps: a slot per rule that has one, taken before the rate decision and given
+        // back (idempotently) if the request is not admitted. The gateway releases it when the
+        // request ends (`release`); a crashed holder's slot lapses with its lease TTL.
+        let mut held = Vec::new();
+        for (index, rule) in planned.rules.iter().enumerate() {
+            let Some(semaphore) = rule.concurrency else {
+                continue;
+            };
+            let Some(batch_rule) = planned.batch.rules().get(index) else {
+                continue;
+            };
+            let Ok(call) = LeaseCall::new(
+                allot_shared::keys::concurrency_key(batch_rule.key()),
+                semaphore.max_in_flight(),
+                semaphore.lease_ttl_ms(),
+                request.request_id.clone(),
+            ) else {
+                continue;
+            };
+            match self.limiter.lease(LeaseOp::Acquire, &call).await {
+                Ok(outcome) if outcome.held => held.push(call),
+                Ok(_) => {
+                    self.release_all(&held).await;
+                    return Ok(Decision {
+                        allowed: false,
+                        decision_id: request.request_id.clone(),
+                        policy_id: Some(rule.id.to_string()),
+                        policy_version: version,
+                        denied_scope: Some(DeniedScope::Concurrency),
+                        reason: Some(Reason::ConcurrencyExceeded),
+                        limit: semaphore.max_in_flight(),
+                        remaining: 0,
+                        // A slot frees when some holder finishes: no computable time.
+                        retry_after_ms: CONCURRENCY_RETRY_MS,
+                        fallback: false,
+                    });
+                }
+                Err(error) => {
+                    tracing::warn!(%error, rule = %rule.id, "concurrency lease call failed");
+                    if matches!(rule.fail_mode, allot_shared::policy::FailMode::Closed) {
+                        self.release_all(&held).await;
+                        return Ok(unavailable(
+                            request,
+                            version,
+                            Some(rule),
+                            Reason::LimiterUnavailable,
+                            1_000,
+                        ));
+                    }
+                    // local_bounded: the rate rule's local bucket still bounds the request.
+                    fallback = true;
+                }
+            }
+        }
         let decided = self.limiter.decide(&planned, None).await;
         let mut decision = decided.to_contract(&planned);
         decision.fallback |= fallback;
+        if !decision.allowed {
+            self.release_all(&held).await;
+        }
         Ok(decision)
+    }
+
+    async fn release_all(&self, calls: &[LeaseCall]) {
+        for call in calls {
+            if let Err(error) = self.limiter.lease(LeaseOp::Release, call).await {
+                // The slot lapses with its lease TTL anyway.
+                tracing::warn!(%error, "concurrency lease not released");
+            }
+        }
+    }
+
+    /// Gives back the concurrency slots `request` holds (call when the request has finished).
+    /// Idempotent: releasing twice, or a slot that lapsed, changes nothing.
+    pub async fn release(&self, request: &AdmissionRequest) -> Result<(), RequestRejected> {
+        request.validate().map_err(|e| RequestRejected {
+            field: e.field.to_owned(),
+            message: e.message.to_owned(),
+        })?;
+        let Some(bundle) = self.bundle.load_full() else {
+            return Ok(());
+        };
+        let Ok(Some(planned)) = plan_request(
+            &bundle,
+            request,
+            &self.settings.pepper,
+            self.settings.ip_prefixes,
+            self.settings.decision_record_ttl_ms,
+        ) else {
+            return Ok(());
+        };
+        let calls: Vec<LeaseCall> = planned
+            .rules
+            .iter()
+            .zip(planned.batch.rules())
+            .filter_map(|(rule, batch_rule)| {
+                let semaphore = rule.concurrency?;
+                LeaseCall::new(
+                    allot_shared::keys::concurrency_key(batch_rule.key()),
+                    semaphore.max_in_flight(),
+                    semaphore.lease_ttl_ms(),
+                    request.request_id.clone(),
+                )
+                .ok()
+            })
+            .collect();
+        self.release_all(&calls).await;
+        Ok(())
     }
 
     /// Spends `cost` tokens of a global pool. `Ok(true)` when admitted from the fallback allowance.

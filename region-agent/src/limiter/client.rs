@@ -326,6 +326,17 @@ impl std::fmt::Debug for Limiter {
     }
 }
 
+/// What to do with a concurrency lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseOp {
+    /// Take a slot (idempotent per lease id).
+    Acquire,
+    /// Extend a held slot.
+    Renew,
+    /// Give the slot back (idempotent).
+    Release,
+}
+
 impl Limiter {
     /// A limiter over `store` on the runtime's monotonic clock.
     pub fn new(
@@ -363,6 +374,29 @@ impl Limiter {
             shards,
             counters: Counters::default(),
         })
+    }
+
+    /// Acquires, renews or releases a concurrency lease, within one decision budget. Leases are
+    /// idempotent by their id (acquire and release), so a caller may retry any of them.
+    pub async fn lease(
+        &self,
+        op: LeaseOp,
+        call: &super::store::LeaseCall,
+    ) -> Result<super::store::LeaseOutcome, StoreError> {
+        let store = &self.store;
+        let call_future = async {
+            match op {
+                LeaseOp::Acquire => store.acquire_lease(call).await,
+                LeaseOp::Renew => store.renew_lease(call).await,
+                LeaseOp::Release => store.release_lease(call).await,
+            }
+        };
+        match tokio::time::timeout(self.config.decision_budget, call_future).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(StoreError::Ambiguous {
+                detail: "the concurrency lease call missed its deadline".to_owned(),
+            }),
+        }
     }
 
     /// Every shard's breaker, by shard index.

@@ -65,6 +65,7 @@ pub use batch::{
 };
 pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};
 pub use cardinality::{CardinalityConfig, CardinalityRefusal, SourceId};
+pub use client::LeaseOp;
 pub use client::{
     DegradeCause, LimitDecision, Limiter, LimiterConfig, LimiterConfigError, LimiterStats, SubSlot,
     Verdict,
