@@ -114,5 +114,24 @@ def main():
                   f"{r['p99Us']} | {r['ratio']:.2f} |")
         print()
 
+    agent = bench_lines("agent.log")
+    if agent:
+        print("## Region agent: admissions over HTTP")
+        print()
+        print("Keep-alive HTTP callers in the bench process (they share the 2 cores with the agent, so")
+        print("figures move by tens of percent between runs). `trivial` is an axum endpoint answering a")
+        print("constant JSON body (the HTTP stack's ceiling); `raw-evalsha` sends the 3-rule script straight")
+        print("to Redis (the store's ceiling). `lease-only` is a policy with one global rule (tokens from")
+        print("leases in memory), compared with `trivial` (target at least 0.7); `lease+3-redis` adds three")
+        print("regional rules in one script call, compared with `raw-evalsha` (target at least 0.8). The")
+        print("allocator is a stub granting chunks of 100; renewals are prefetched off the request path.")
+        print()
+        print("| path | callers | admits/s | p50 us | p99 us | x ceiling | allocator calls per 1,000 admits |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in agent:
+            print(f"| {r['path']} | {r['callers']} | {r['admitsPerSecond']:.0f} | {r['p50Us']} | "
+                  f"{r['p99Us']} | {r['ratio']:.2f} | {r['allocatorCallsPer1000Admits']} |")
+        print()
+
 
 main()

@@ -405,8 +405,8 @@ impl PoolHolder {
     }
 
     /// How many tokens to ask the allocator for now, if any: when what is held would run out within
-    /// about two allocator round trips at the current rate (the low watermark), ask for what the rate
-    /// spends in a lease TTL, between 1 and the pool's chunk. `None` while a renewal is in flight,
+    /// about two allocator round trips at the current rate (the low watermark, at most one chunk), ask
+    /// for what the rate spends in a lease TTL, between 1 and the pool's chunk. `None` while a renewal is in flight,
     /// while the pool is exhausted, or when the pool has seen no demand for a window.
     pub fn wants(&mut self, now_ms: u64, round_trip_ms: u64) -> Option<u64> {
         if self.renewal_in_flight || self.exhausted_until_ms > now_ms {
@@ -422,8 +422,12 @@ impl PoolHolder {
         }
         let per_second = self.rate.per_second().max(1);
         let horizon_ms = 2 * round_trip_ms + self.config.expiry_margin_ms + RATE_BUCKET_MS;
-        let watermark = (per_second * horizon_ms).div_ceil(1_000);
-        if self.available_tokens(now_ms) > watermark {
+        // Never prefetch while a whole chunk is held: a busy pool with a small chunk would otherwise
+        // ask on every spend and hold (and strand) more leases than it can use.
+        let watermark = (per_second * horizon_ms)
+            .div_ceil(1_000)
+            .min(self.config.chunk_tokens.max(1));
+        if self.available_tokens(now_ms) >= watermark && !self.live.is_empty() {
             return None;
         }
         let want = (per_second * self.config.lease_ttl_ms).div_ceil(1_000);

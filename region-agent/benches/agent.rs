@@ -1,0 +1,304 @@
+//! Admissions per second through the agent's HTTP API, beside the ceilings measured in the same run.
+//!
+//! - `trivial`: an axum endpoint that answers a constant JSON body: the HTTP stack's limit here.
+//! - `lease-only`: a policy with one global rule: tokens come from leases held in memory.
+//! - `lease+3-redis`: the same plus three regional rules decided in one Redis script call.
+//! - `raw-evalsha`: the same script and arguments sent straight to Redis (the store's ceiling).
+//!
+//! The allocator is a stub in this process that grants chunks of at most 100 tokens (the agent's hot
+//! path is what is measured; allocator throughput has its own bench). It counts grant calls, to show
+//! how many allocator calls the admits cost (renewals are prefetched off the request path). Keep-alive HTTP clients, 1 and 64 concurrent callers, 3 s per figure.
+//! Prints a table and `BENCH {json}` lines with bench = "agent".
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::clock::{Stopwatch, SystemClock};
+use allot_region_agent::http::{AgentApi, serve};
+use allot_region_agent::limiter::{
+    InProcessStore, Limiter, LimiterConfig, LimiterStore, RedisStore, RedisStoreConfig,
+    plan_request,
+};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
+use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
+use allot_shared::keys::{IpPrefixes, Pepper};
+use axum::Json;
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+
+const RUN: Duration = Duration::from_secs(3);
+const GATEWAY: &str = "gateway-token-for-bench-01";
+
+fn bundle(with_regional: bool) -> allot_shared::policy::PolicyBundle {
+    let mut rules =
+        vec![json!({ "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" })];
+    if with_regional {
+        for (id, scope, route) in [
+            ("user", "user", None),
+            ("route", "route", Some("read")),
+            ("tenant", "tenant", None),
+        ] {
+            let mut rule = json!({ "id": id, "scope": scope, "algorithm": "token_bucket",
+                "capacityMillis": 1_000_000_000u64, "refillMillis": 1_000_000_000u64, "periodMs": 1000,
+                "failMode": "closed" });
+            if let Some(route) = route {
+                rule["routeGroup"] = json!(route);
+            }
+            rules.push(rule);
+        }
+    }
+    allot_shared::policy::parse_bundle(&json!({ "rules": rules }).to_string())
+        .and_then(|d| d.into_file_bundle())
+        .expect("bundle")
+}
+
+/// A stand-in allocator: terms for atlas/api (chunk 100, as in the reference design), and grants of
+/// min(want, 100) tokens per call, counted.
+async fn stub_allocator(grants: Arc<AtomicU64>) -> String {
+    let terms = json!({ "limit": 1u64 << 40, "windowMs": 3_600_000, "chunk": 100, "leaseTtlMs": 600_000,
+                        "fallbackPerRegion": 0, "regions": ["eu"], "version": 1 });
+    let app = axum::Router::new()
+        .route(
+            "/v1/pools/atlas/api/terms",
+            get(move || async move { Json(terms.clone()) }),
+        )
+        .route(
+            "/v1/grants",
+            post(move |Json(body): Json<Value>| {
+                let grants = grants.clone();
+                async move {
+                    grants.fetch_add(1, Ordering::Relaxed);
+                    let now = allot_region_agent::clock::Clock::now_ms(&SystemClock);
+                    let start = now - now % 3_600_000;
+                    Json(
+                        json!({ "leaseId": body["leaseId"], "granted": body["want"].as_u64().unwrap_or(1).min(100), "epoch": 1,
+                        "windowStartMs": start, "windowEndMs": start + 3_600_000,
+                        "expiresAtMs": (now + 600_000).min(start + 3_600_000), "retryAfterMs": 0 }),
+                    )
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+fn request(n: u64) -> AdmissionRequest {
+    AdmissionRequest {
+        request_id: DecisionId::parse(&format!("b-{n}")).expect("id"),
+        tenant_id: TenantId::parse("atlas").expect("tenant"),
+        principal: Principal {
+            kind: PrincipalType::User,
+            id: format!("U-{}", n % 1_000),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse("read").expect("route"),
+        method: "GET".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+    }
+}
+
+async fn start_agent(store: Arc<dyn LimiterStore>, allocator: &str, with_regional: bool) -> String {
+    let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
+    let client = AllocatorClient::new(vec![allocator.to_owned()], "agent-token-bench".to_owned())
+        .expect("client");
+    let agent = Agent::new(
+        AgentSettings {
+            region: RegionId::parse("eu").expect("region"),
+            agent_id: "bench".to_owned(),
+            pepper: Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper"),
+            ip_prefixes: IpPrefixes::default(),
+            decision_record_ttl_ms: 30_000,
+            expiry_margin_ms: 50,
+            allocator_round_trip_ms: 5,
+            policy_max_age_ms: 0,
+        },
+        Arc::new(SystemClock),
+        limiter,
+        Some(Arc::new(client)),
+        Some(bundle(with_regional)),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let api = AgentApi {
+        agent,
+        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
+        metrics: None,
+    };
+    tokio::spawn(serve(listener, api, std::future::pending()));
+    url
+}
+
+struct Figure {
+    per_second: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+/// Drives `callers` keep-alive clients at `url` for [`RUN`]; every answer must be 200 and allowed.
+async fn drive(url: String, callers: u64, admit: bool) -> Figure {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for caller in 0..callers {
+        let (url, stop) = (url.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let mut latencies = Vec::new();
+            let mut n = caller;
+            while !stop.load(Ordering::Relaxed) {
+                let stopwatch = Stopwatch::start();
+                let response = if admit {
+                    http.post(format!("{url}/v1/admit"))
+                        .bearer_auth(GATEWAY)
+                        .json(&request(n))
+                        .send()
+                        .await
+                } else {
+                    http.get(format!("{url}/constant")).send().await
+                };
+                let body: Value = response.expect("answer").json().await.expect("json");
+                assert_eq!(body["allowed"], true, "{body}");
+                latencies.push(stopwatch.elapsed().as_micros() as u64);
+                n += callers;
+            }
+            latencies
+        }));
+    }
+    let stopwatch = Stopwatch::start();
+    tokio::time::sleep(RUN).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut latencies = Vec::new();
+    for task in tasks {
+        latencies.extend(task.await.expect("caller"));
+    }
+    let seconds = stopwatch.elapsed().as_secs_f64();
+    latencies.sort_unstable();
+    let at = |fraction: f64| {
+        latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
+    };
+    Figure {
+        per_second: latencies.len() as f64 / seconds,
+        p50_us: at(0.5),
+        p99_us: at(0.99),
+    }
+}
+
+/// The raw store ceiling: the same script and arguments, EVALSHA from `callers` tasks.
+async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> Figure {
+    let bundle = bundle(true);
+    let pepper = Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper");
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for caller in 0..callers {
+        let (store, stop, bundle, pepper) =
+            (store.clone(), stop.clone(), bundle.clone(), pepper.clone());
+        let client = redis::Client::open(redis_url).expect("client");
+        tasks.push(tokio::spawn(async move {
+            let mut connection = client
+                .get_multiplexed_async_connection()
+                .await
+                .expect("connection");
+            let mut latencies = Vec::new();
+            let mut n = caller;
+            while !stop.load(Ordering::Relaxed) {
+                let planned =
+                    plan_request(&bundle, &request(n), &pepper, IpPrefixes::default(), 30_000)
+                        .expect("plan")
+                        .expect("regional rules");
+                let command = store.decide_command(&planned.batch);
+                let stopwatch = Stopwatch::start();
+                let reply: Vec<i64> = command.query_async(&mut connection).await.expect("EVALSHA");
+                assert_eq!(reply.first(), Some(&1));
+                latencies.push(stopwatch.elapsed().as_micros() as u64);
+                n += callers;
+            }
+            latencies
+        }));
+    }
+    let stopwatch = Stopwatch::start();
+    tokio::time::sleep(RUN).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut latencies = Vec::new();
+    for task in tasks {
+        latencies.extend(task.await.expect("caller"));
+    }
+    let seconds = stopwatch.elapsed().as_secs_f64();
+    latencies.sort_unstable();
+    let at = |fraction: f64| {
+        latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
+    };
+    Figure {
+        per_second: latencies.len() as f64 / seconds,
+        p50_us: at(0.5),
+        p99_us: at(0.99),
+    }
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let redis = allot_testkit::RedisServer::start();
+    let grants = Arc::new(AtomicU64::new(0));
+    let allocator = stub_allocator(grants.clone()).await;
+    let trivial = {
+        let app = axum::Router::new().route(
+            "/constant",
+            get(|| async { Json(json!({ "allowed": true })) }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    };
+    let in_process: Arc<dyn LimiterStore> =
+        Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));
+    let lease_only = start_agent(in_process, &allocator, false).await;
+    let redis_store = Arc::new(
+        RedisStore::connect(&redis.url(), RedisStoreConfig::default())
+            .await
+            .expect("redis"),
+    );
+    let with_redis = start_agent(redis_store.clone(), &allocator, true).await;
+    println!(
+        "{:<14} {:>8} {:>12} {:>8} {:>8} {:>12}",
+        "path", "callers", "admits/s", "p50 us", "p99 us", "x ceiling"
+    );
+    for callers in [1u64, 64] {
+        let ceiling = drive(trivial.clone(), callers, false).await;
+        let raw = raw_evalsha(redis_store.clone(), &redis.url(), callers).await;
+        let admits_before = grants.load(Ordering::Relaxed);
+        let lease = drive(lease_only.clone(), callers, true).await;
+        let redis_path = drive(with_redis.clone(), callers, true).await;
+        let admits = (lease.per_second + redis_path.per_second) * RUN.as_secs_f64();
+        let calls = grants.load(Ordering::Relaxed) - admits_before;
+        for (path, figure, against) in [
+            ("trivial", &ceiling, ceiling.per_second),
+            ("raw-evalsha", &raw, raw.per_second),
+            ("lease-only", &lease, ceiling.per_second),
+            ("lease+3-redis", &redis_path, raw.per_second),
+        ] {
+            let ratio = figure.per_second / against.max(1.0);
+            println!(
+                "{path:<14} {callers:>8} {:>12.0} {:>8} {:>8} {ratio:>12.2}",
+                figure.per_second, figure.p50_us, figure.p99_us
+            );
+            println!(
+                "BENCH {}",
+                json!({ "bench": "agent", "path": path, "callers": callers,
+                    "admitsPerSecond": figure.per_second.round(), "p50Us": figure.p50_us,
+                    "p99Us": figure.p99_us, "ratio": (ratio * 100.0).round() / 100.0,
+                    "allocatorCallsPer1000Admits": if admits > 0.0 { (calls as f64 * 1000.0 / admits * 100.0).round() / 100.0 } else { 0.0 } })
+            );
+        }
+    }
+}
