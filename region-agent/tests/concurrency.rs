@@ -5,11 +5,10 @@
 use std::sync::Arc;
 
 use allot_region_agent::clock::SystemClock;
-use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
-use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::contract::{AdmissionRequest, DeniedScope, Principal, PrincipalType, Reason};
-use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
-use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+
+mod common;
 
 fn export(n: usize, cost: u64) -> AdmissionRequest {
     AdmissionRequest {
@@ -29,33 +28,15 @@ fn export(n: usize, cost: u64) -> AdmissionRequest {
 
 #[tokio::test]
 async fn the_fourth_concurrent_export_is_refused_and_releases_free_slots() {
-    let bundle = allot_shared::policy::parse_bundle(
+    let bundle = common::bundle(
         r#"{ "rules": [ { "id": "export-tenant", "scope": "tenant", "routeGroup": "export",
             "algorithm": "token_bucket", "capacityMillis": 1000000, "refillMillis": 1000000,
             "periodMs": 60000, "costMillis": 10000, "concurrencyMax": 3, "failMode": "closed",
             "idempotent": true } ] }"#,
-    )
-    .and_then(|d| d.into_file_bundle())
-    .expect("bundle");
-    let clock = Arc::new(SystemClock);
-    let limiter = Limiter::new(
-        Arc::new(InProcessStore::new(clock.clone(), 1_000)),
-        LimiterConfig::default(),
-    )
-    .expect("limiter");
-    let agent = Agent::new(
-        AgentSettings {
-            region: RegionId::parse("eu").expect("region"),
-            agent_id: "eu-1".to_owned(),
-            pepper: Pepper::new(b"concurrency-pepper-012".to_vec()).expect("pepper"),
-            ip_prefixes: IpPrefixes::default(),
-            decision_record_ttl_ms: 30_000,
-            expiry_margin_ms: 50,
-            allocator_round_trip_ms: 20,
-            policy_max_age_ms: 0,
-        },
-        clock,
-        limiter,
+    );
+    let agent = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
         None,
         Some(bundle),
     );

@@ -6,46 +6,23 @@ use std::sync::Arc;
 
 use allot_region_agent::clock::SystemClock;
 use allot_region_agent::http::{AgentApi, serve};
-use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
-use allot_region_agent::service::{Agent, AgentSettings};
-use allot_shared::ids::RegionId;
-use allot_shared::keys::{IpPrefixes, Pepper};
 use serde_json::{Value, json};
+
+mod common;
 
 const GATEWAY: &str = "gateway-token-for-tests-01";
 
 async fn start() -> String {
     // One token per user per minute; anonymous callers: one per minute per address.
-    let bundle = allot_shared::policy::parse_bundle(
-        &json!({ "rules": [
+    let bundle = common::bundle(&json!({ "rules": [
             { "id": "per-user", "scope": "user", "principalType": "user", "algorithm": "token_bucket",
               "capacityMillis": 1000, "refillMillis": 1000, "periodMs": 60000, "failMode": "closed" },
             { "id": "anon", "scope": "user", "principalType": "ip", "algorithm": "fixed_window",
               "limit": 1, "windowMs": 60000, "failMode": "closed" }
-        ]})
-        .to_string(),
-    )
-    .and_then(|d| d.into_file_bundle())
-    .expect("bundle");
-    let clock = Arc::new(SystemClock);
-    let limiter = Limiter::new(
-        Arc::new(InProcessStore::new(clock.clone(), 1_000)),
-        LimiterConfig::default(),
-    )
-    .expect("limiter");
-    let agent = Agent::new(
-        AgentSettings {
-            region: RegionId::parse("eu").expect("region"),
-            agent_id: "eu-1".to_owned(),
-            pepper: Pepper::new(b"gateway-pepper-0123456".to_vec()).expect("pepper"),
-            ip_prefixes: IpPrefixes::default(),
-            decision_record_ttl_ms: 30_000,
-            expiry_margin_ms: 50,
-            allocator_round_trip_ms: 20,
-            policy_max_age_ms: 0,
-        },
-        clock,
-        limiter,
+        ]}).to_string());
+    let agent = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
         None,
         Some(bundle),
     );

@@ -4,12 +4,12 @@
 use std::sync::Arc;
 
 use allot_region_agent::allocator_client::AllocatorClient;
-use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
-use allot_region_agent::service::{Agent, AgentSettings};
+use allot_region_agent::service::AgentSettings;
 use allot_shared::clock::ManualClock;
 use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType, Reason};
-use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
-use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+
+mod common;
 
 fn request(n: usize, route: &str) -> AdmissionRequest {
     AdmissionRequest {
@@ -29,7 +29,7 @@ fn request(n: usize, route: &str) -> AdmissionRequest {
 
 #[tokio::test]
 async fn strict_rules_fail_closed_once_the_bundle_is_too_old() {
-    let bundle = allot_shared::policy::parse_bundle(
+    let bundle = common::bundle(
         r#"{ "rules": [
             { "id": "payments-strict", "scope": "user", "routeGroup": "payments", "strict": true,
               "algorithm": "token_bucket", "capacityMillis": 100000, "refillMillis": 1000,
@@ -37,34 +37,21 @@ async fn strict_rules_fail_closed_once_the_bundle_is_too_old() {
             { "id": "read-lenient", "scope": "user", "routeGroup": "read",
               "algorithm": "token_bucket", "capacityMillis": 100000, "refillMillis": 1000,
               "periodMs": 1000, "failMode": "closed" } ] }"#,
-    )
-    .and_then(|d| d.into_file_bundle())
-    .expect("bundle");
+    );
     let clock = Arc::new(ManualClock::new(1_000_000));
-    let limiter = Limiter::new(
-        Arc::new(InProcessStore::new(clock.clone(), 1_000)),
-        LimiterConfig::default(),
-    )
-    .expect("limiter");
     // An allocator that cannot be reached: the bundle is never confirmed again.
     let allocator = AllocatorClient::new(
         vec!["http://127.0.0.1:9".to_owned()],
         "agent-token-0123456789".to_owned(),
     )
     .expect("client");
-    let agent = Agent::new(
-        AgentSettings {
-            region: RegionId::parse("eu").expect("region"),
-            agent_id: "eu-1".to_owned(),
-            pepper: Pepper::new(b"strict-pepper-0123456".to_vec()).expect("pepper"),
-            ip_prefixes: IpPrefixes::default(),
-            decision_record_ttl_ms: 30_000,
-            expiry_margin_ms: 50,
-            allocator_round_trip_ms: 20,
-            policy_max_age_ms: 60_000,
-        },
+    let settings = AgentSettings {
+        policy_max_age_ms: 60_000,
+        ..common::settings()
+    };
+    let agent = common::agent(
+        settings,
         clock.clone(),
-        limiter,
         Some(Arc::new(allocator)),
         Some(bundle),
     );

@@ -1,0 +1,49 @@
+//! Shared test support: an agent on the in-process limiter store.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::clock::Clock;
+use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::ids::RegionId;
+use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::policy::PolicyBundle;
+
+/// The pepper every test agent keys principals with.
+pub const PEPPER: &[u8] = b"region-agent-test-pepper";
+
+/// A bundle from JSON text (version and checksum computed when absent).
+pub fn bundle(json: &str) -> PolicyBundle {
+    allot_shared::policy::parse_bundle(json)
+        .and_then(|draft| draft.into_file_bundle())
+        .expect("a valid bundle")
+}
+
+/// Settings of an `eu` agent whose bundle never ages.
+pub fn settings() -> AgentSettings {
+    AgentSettings {
+        region: RegionId::parse("eu").expect("region"),
+        agent_id: "eu-test".to_owned(),
+        pepper: Pepper::new(PEPPER.to_vec()).expect("pepper"),
+        ip_prefixes: IpPrefixes::default(),
+        decision_record_ttl_ms: 30_000,
+        expiry_margin_ms: 50,
+        allocator_round_trip_ms: 20,
+        policy_max_age_ms: 0,
+    }
+}
+
+/// An agent on an in-process limiter store read on `clock`.
+pub fn agent(
+    settings: AgentSettings,
+    clock: Arc<dyn Clock>,
+    allocator: Option<Arc<AllocatorClient>>,
+    bundle: Option<PolicyBundle>,
+) -> Arc<Agent> {
+    let store = Arc::new(InProcessStore::new(clock.clone(), 1_000));
+    let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
+    Agent::new(settings, clock, limiter, allocator, bundle)
+}
