@@ -19,6 +19,7 @@
 
 pub mod allocator_client;
 pub mod clock;
+pub mod config;
 pub mod decision_log;
 pub mod global;
 pub mod grpc;

@@ -1,14 +1,14 @@
 //! `region-agent`: parses settings, opens the limiter store, loads or fetches the policy, and serves
 //! gateways until SIGTERM or Ctrl-C.
 
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::clock::SystemClock;
+use allot_region_agent::config::{AgentArgs, AgentConfig};
 use allot_region_agent::grpc::serve_grpc;
 use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::limiter::{
@@ -19,65 +19,6 @@ use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::RegionId;
 use allot_shared::keys::{IpPrefixes, Pepper};
 use clap::Parser;
-
-/// Flags; each also reads an `ALLOT_*` environment variable.
-#[derive(Debug, Parser)]
-#[command(
-    name = "region-agent",
-    version,
-    about = "Allot's region agent: admission decisions for gateways."
-)]
-struct Args {
-    /// This agent's region, e.g. eu.
-    #[arg(long, env = "ALLOT_REGION")]
-    region: String,
-    /// Address to serve gateways on.
-    #[arg(long, env = "ALLOT_LISTEN", default_value = "127.0.0.1:7700")]
-    listen: SocketAddr,
-    /// Address to serve Envoy's rate limit service (gRPC, RLS v3) on.
-    #[arg(long, env = "ALLOT_GRPC_LISTEN", default_value = "127.0.0.1:8081")]
-    grpc_listen: SocketAddr,
-    /// Allocator URLs, comma-separated. Without it only policies without global rules can be served.
-    #[arg(long, env = "ALLOT_ALLOCATOR", value_delimiter = ',')]
-    allocator: Vec<String>,
-    /// File with this agent's allocator token (first line).
-    #[arg(long, env = "ALLOT_AGENT_TOKEN_FILE")]
-    agent_token_file: Option<PathBuf>,
-    /// File with the tokens gateways present, one per line (required).
-    #[arg(long, env = "ALLOT_GATEWAY_TOKEN_FILE")]
-    gateway_token_file: PathBuf,
-    /// File with the HMAC pepper for principal keys (at least 16 bytes; required).
-    #[arg(long, env = "ALLOT_PEPPER_FILE")]
-    pepper_file: PathBuf,
-    /// Redis URL of the region's limiter store. Without it the in-process store is used (announced).
-    #[arg(long, env = "ALLOT_REDIS")]
-    redis: Option<String>,
-    /// Redis Cluster seed URLs, comma-separated (instead of --redis).
-    #[arg(long, env = "ALLOT_REDIS_CLUSTER", value_delimiter = ',')]
-    redis_cluster: Vec<String>,
-    /// A policy bundle file. Without it the bundle is fetched from the allocator.
-    #[arg(long, env = "ALLOT_POLICY_FILE")]
-    policy_file: Option<PathBuf>,
-    /// Append sampled decisions to this JSON-lines file (input of `allotctl policies replay`).
-    #[arg(long, env = "ALLOT_DECISION_LOG")]
-    decision_log: Option<PathBuf>,
-    /// Share of allowed decisions logged.
-    #[arg(long, env = "ALLOT_DECISION_LOG_ALLOWED_RATE", default_value_t = 0.01)]
-    decision_log_allowed_rate: f64,
-    /// Share of denied and fallback decisions logged.
-    #[arg(long, env = "ALLOT_DECISION_LOG_DENIED_RATE", default_value_t = 1.0)]
-    decision_log_denied_rate: f64,
-    /// The decision log stops growing at this many bytes.
-    #[arg(long, env = "ALLOT_DECISION_LOG_MAX_BYTES", default_value_t = 1 << 30)]
-    decision_log_max_bytes: u64,
-    /// Once the bundle has not been confirmed by the allocator for this many ms, rules marked strict
-    /// fail closed (0: never).
-    #[arg(long, env = "ALLOT_POLICY_MAX_AGE_MS", default_value_t = 3_600_000)]
-    policy_max_age_ms: u64,
-    /// This agent's id in policy status (default: `<region>-<listen port>`).
-    #[arg(long, env = "ALLOT_AGENT_ID")]
-    agent_id: Option<String>,
-}
 
 fn first_line(flag: &str, path: &Path) -> Result<String, String> {
     std::fs::read_to_string(path)
@@ -107,7 +48,7 @@ async fn shutdown_signal() {
     }
 }
 
-async fn start(args: Args) -> Result<(), String> {
+async fn start(args: AgentConfig) -> Result<(), String> {
     let region = RegionId::parse(&args.region).map_err(|e| format!("--region: {e}"))?;
     let pepper_bytes = std::fs::read(&args.pepper_file)
         .map_err(|e| format!("--pepper-file {}: {e}", args.pepper_file.display()))?;
@@ -171,9 +112,7 @@ async fn start(args: Args) -> Result<(), String> {
         ),
         None => None,
     };
-    let agent_id = args
-        .agent_id
-        .unwrap_or_else(|| format!("{region}-{}", args.listen.port()));
+    let agent_id = args.agent_id.clone();
     let settings = AgentSettings {
         region,
         agent_id,
@@ -259,7 +198,14 @@ async fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    match start(Args::parse()).await {
+    let config = match AgentArgs::parse().resolve() {
+        Ok(config) => config,
+        Err(message) => {
+            eprintln!("region-agent: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    match start(config).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("region-agent: {message}");

@@ -1,0 +1,249 @@
+//! The agent's settings: flags, `ALLOT_*` environment variables and an optional TOML file
+//! (`--config`), in that order of precedence, then defaults.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use serde::Deserialize;
+
+/// Flags; each also reads an `ALLOT_*` environment variable, and any left unset falls back to the
+/// TOML file given with `--config` (keys as the flags, with underscores).
+#[derive(Debug, Clone, Default, Parser)]
+#[command(
+    name = "region-agent",
+    version,
+    about = "Allot's region agent: admission decisions for gateways."
+)]
+pub struct AgentArgs {
+    /// This agent's region, e.g. eu (required).
+    #[arg(long, env = "ALLOT_REGION")]
+    pub region: Option<String>,
+    /// Address to serve gateways on (default 127.0.0.1:7700).
+    #[arg(long, env = "ALLOT_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Address to serve Envoy's rate limit service (gRPC, RLS v3) on (default 127.0.0.1:8081).
+    #[arg(long, env = "ALLOT_GRPC_LISTEN")]
+    pub grpc_listen: Option<SocketAddr>,
+    /// Allocator URLs, comma-separated. Without it only policies without global rules can be served.
+    #[arg(long, env = "ALLOT_ALLOCATOR", value_delimiter = ',')]
+    pub allocator: Option<Vec<String>>,
+    /// File with this agent's allocator token (first line).
+    #[arg(long, env = "ALLOT_AGENT_TOKEN_FILE")]
+    pub agent_token_file: Option<PathBuf>,
+    /// File with the tokens gateways present, one per line (required).
+    #[arg(long, env = "ALLOT_GATEWAY_TOKEN_FILE")]
+    pub gateway_token_file: Option<PathBuf>,
+    /// File with the HMAC pepper for principal keys (at least 16 bytes; required).
+    #[arg(long, env = "ALLOT_PEPPER_FILE")]
+    pub pepper_file: Option<PathBuf>,
+    /// Redis URL of the region's limiter store. Without it the in-process store is used (announced).
+    #[arg(long, env = "ALLOT_REDIS")]
+    pub redis: Option<String>,
+    /// Redis Cluster seed URLs, comma-separated (instead of --redis).
+    #[arg(long, env = "ALLOT_REDIS_CLUSTER", value_delimiter = ',')]
+    pub redis_cluster: Option<Vec<String>>,
+    /// A policy bundle file. Without it the bundle is fetched from the allocator.
+    #[arg(long, env = "ALLOT_POLICY_FILE")]
+    pub policy_file: Option<PathBuf>,
+    /// Append sampled decisions to this JSON-lines file (input of `allotctl policies replay`).
+    #[arg(long, env = "ALLOT_DECISION_LOG")]
+    pub decision_log: Option<PathBuf>,
+    /// Share of allowed decisions logged (default 0.01).
+    #[arg(long, env = "ALLOT_DECISION_LOG_ALLOWED_RATE")]
+    pub decision_log_allowed_rate: Option<f64>,
+    /// Share of denied and fallback decisions logged (default 1.0).
+    #[arg(long, env = "ALLOT_DECISION_LOG_DENIED_RATE")]
+    pub decision_log_denied_rate: Option<f64>,
+    /// The decision log stops growing at this many bytes (default 1 GiB).
+    #[arg(long, env = "ALLOT_DECISION_LOG_MAX_BYTES")]
+    pub decision_log_max_bytes: Option<u64>,
+    /// Once the allocator has not confirmed the bundle for this many ms, rules marked strict fail
+    /// closed (0: never; default 3,600,000).
+    #[arg(long, env = "ALLOT_POLICY_MAX_AGE_MS")]
+    pub policy_max_age_ms: Option<u64>,
+    /// This agent's id in policy status (default: `<region>-<listen port>`).
+    #[arg(long, env = "ALLOT_AGENT_ID")]
+    pub agent_id: Option<String>,
+    /// TOML file with any of the settings above.
+    #[arg(long, env = "ALLOT_CONFIG")]
+    pub config: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileSettings {
+    region: Option<String>,
+    listen: Option<SocketAddr>,
+    grpc_listen: Option<SocketAddr>,
+    allocator: Option<Vec<String>>,
+    agent_token_file: Option<PathBuf>,
+    gateway_token_file: Option<PathBuf>,
+    pepper_file: Option<PathBuf>,
+    redis: Option<String>,
+    redis_cluster: Option<Vec<String>>,
+    policy_file: Option<PathBuf>,
+    decision_log: Option<PathBuf>,
+    decision_log_allowed_rate: Option<f64>,
+    decision_log_denied_rate: Option<f64>,
+    decision_log_max_bytes: Option<u64>,
+    policy_max_age_ms: Option<u64>,
+    agent_id: Option<String>,
+}
+
+/// Resolved settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentConfig {
+    /// The region.
+    pub region: String,
+    /// Gateway HTTP address.
+    pub listen: SocketAddr,
+    /// gRPC address.
+    pub grpc_listen: SocketAddr,
+    /// Allocator URLs (empty: none).
+    pub allocator: Vec<String>,
+    /// The agent token file.
+    pub agent_token_file: Option<PathBuf>,
+    /// The gateway token file.
+    pub gateway_token_file: PathBuf,
+    /// The pepper file.
+    pub pepper_file: PathBuf,
+    /// Single Redis URL.
+    pub redis: Option<String>,
+    /// Redis Cluster seeds (empty: none).
+    pub redis_cluster: Vec<String>,
+    /// A bundle file.
+    pub policy_file: Option<PathBuf>,
+    /// The decision log file.
+    pub decision_log: Option<PathBuf>,
+    /// Sampling of allowed decisions.
+    pub decision_log_allowed_rate: f64,
+    /// Sampling of denied and fallback decisions.
+    pub decision_log_denied_rate: f64,
+    /// Decision log size cap, bytes.
+    pub decision_log_max_bytes: u64,
+    /// Bundle maximum age, ms (0: never).
+    pub policy_max_age_ms: u64,
+    /// The agent id.
+    pub agent_id: String,
+}
+
+impl AgentArgs {
+    /// Merges flags and environment (already in `self`), the TOML file and the defaults, or says in
+    /// one line what is missing or wrong.
+    pub fn resolve(self) -> Result<AgentConfig, String> {
+        let file: FileSettings = match &self.config {
+            None => FileSettings::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("--config {}: {e}", path.display()))?;
+                toml::from_str(&text)
+                    .map_err(|e| format!("--config {}: {}", path.display(), e.message()))?
+            }
+        };
+        let region = self.region.or(file.region).ok_or("--region is required")?;
+        let listen = self
+            .listen
+            .or(file.listen)
+            .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7700)));
+        let rate = |flag: &str, value: f64| {
+            if (0.0..=1.0).contains(&value) {
+                Ok(value)
+            } else {
+                Err(format!("--{flag} must be within [0, 1], got {value}"))
+            }
+        };
+        Ok(AgentConfig {
+            agent_id: self
+                .agent_id
+                .or(file.agent_id)
+                .unwrap_or_else(|| format!("{region}-{}", listen.port())),
+            region,
+            listen,
+            grpc_listen: self
+                .grpc_listen
+                .or(file.grpc_listen)
+                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 8081))),
+            allocator: self.allocator.or(file.allocator).unwrap_or_default(),
+            agent_token_file: self.agent_token_file.or(file.agent_token_file),
+            gateway_token_file: self
+                .gateway_token_file
+                .or(file.gateway_token_file)
+                .ok_or("--gateway-token-file is required")?,
+            pepper_file: self
+                .pepper_file
+                .or(file.pepper_file)
+                .ok_or("--pepper-file is required")?,
+            redis: self.redis.or(file.redis),
+            redis_cluster: self
+                .redis_cluster
+                .or(file.redis_cluster)
+                .unwrap_or_default(),
+            policy_file: self.policy_file.or(file.policy_file),
+            decision_log: self.decision_log.or(file.decision_log),
+            decision_log_allowed_rate: rate(
+                "decision-log-allowed-rate",
+                self.decision_log_allowed_rate
+                    .or(file.decision_log_allowed_rate)
+                    .unwrap_or(0.01),
+            )?,
+            decision_log_denied_rate: rate(
+                "decision-log-denied-rate",
+                self.decision_log_denied_rate
+                    .or(file.decision_log_denied_rate)
+                    .unwrap_or(1.0),
+            )?,
+            decision_log_max_bytes: self
+                .decision_log_max_bytes
+                .or(file.decision_log_max_bytes)
+                .unwrap_or(1 << 30),
+            policy_max_age_ms: self
+                .policy_max_age_ms
+                .or(file.policy_max_age_ms)
+                .unwrap_or(3_600_000),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_beat_the_file_and_the_file_beats_defaults() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("agent.toml");
+        std::fs::write(
+            &path,
+            "region = \"us\"\nlisten = \"127.0.0.1:9700\"\ngateway_token_file = \"/etc/g\"\npepper_file = \"/etc/p\"\npolicy_max_age_ms = 5\n",
+        )
+        .expect("write");
+        let args = AgentArgs {
+            region: Some("eu".to_owned()),
+            config: Some(path.clone()),
+            ..AgentArgs::default()
+        };
+        let config = args.resolve().expect("valid");
+        assert_eq!(config.region, "eu", "the flag wins");
+        assert_eq!(
+            config.listen.port(),
+            9700,
+            "the file fills what flags leave"
+        );
+        assert_eq!(config.policy_max_age_ms, 5);
+        assert_eq!(config.grpc_listen.port(), 8081, "defaults fill the rest");
+        assert_eq!(config.agent_id, "eu-9700");
+
+        std::fs::write(&path, "regoin = \"us\"\n").expect("write");
+        let typo = AgentArgs {
+            config: Some(path.clone()),
+            ..AgentArgs::default()
+        };
+        let error = typo.resolve().expect_err("unknown key");
+        assert!(error.contains("unknown field"), "{error}");
+        assert_eq!(
+            AgentArgs::default().resolve().expect_err("missing"),
+            "--region is required"
+        );
+    }
+}
