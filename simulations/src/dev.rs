@@ -11,14 +11,13 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use allot_allocator::http::Tokens;
 use allot_allocator::kv::Kv;
 use allot_allocator::kv::memory::MemoryKv;
 use allot_allocator::ledger::Ledger;
-use allot_allocator::pools::{PoolSpec, get_window, put_pool};
+use allot_allocator::pools::{PoolSpec, put_pool};
 use allot_allocator::server::{Settings, run};
 use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::http::{AgentApi, serve};
@@ -89,6 +88,7 @@ pub async fn run_dev(
     let ledger = Ledger::connect(&settings.ledger_url)
         .await
         .map_err(|e| e.to_string())?;
+    let demo_ledger = ledger.clone();
     let (tenant, pool) = (id("atlas", TenantId::parse)?, id("api", PoolId::parse)?);
     let regions = vec![id("eu", RegionId::parse)?, id("us", RegionId::parse)?];
     let spec = PoolSpec {
@@ -99,6 +99,7 @@ pub async fn run_dev(
         fallback_per_region: 100,
         regions: regions.clone(),
     };
+    let pool_config = spec.validate().map_err(|e| e.to_string())?;
     put_pool(&*kv, &tenant, &pool, spec, clock.now_ms())
         .await
         .map_err(|e| e.to_string())?;
@@ -114,6 +115,15 @@ pub async fn run_dev(
     let listener = tokio::net::TcpListener::bind(allocator_addr)
         .await
         .map_err(|e| format!("cannot listen on {allocator_addr}: {e}"))?;
+    // The agents stop first, so their last reports still reach the allocator.
+    let (stop_agents, agents_stopped) = watch::channel(false);
+    let agents_stop_signal = move || {
+        let mut stopped = agents_stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    let mut agent_tasks = Vec::new();
     let (stop, stopped) = watch::channel(false);
     let stop_signal = move || {
         let mut stopped = stopped.clone();
@@ -166,12 +176,15 @@ pub async fn run_dev(
             // The allocator in this process installed the recorder; its registry holds both.
             metrics: allot_allocator::metrics::handle(),
         };
-        tokio::spawn(serve(listener, api, stop_signal()));
-        tokio::spawn(agent.clone().run_background(
+        let until_stopped = agents_stop_signal();
+        agent_tasks.push(tokio::spawn(async move {
+            let _ = serve(listener, api, until_stopped).await;
+        }));
+        agent_tasks.push(tokio::spawn(agent.clone().run_background(
             Duration::from_secs(1),
             Duration::from_secs(5),
-            stop_signal(),
-        ));
+            agents_stop_signal(),
+        )));
         agents.push((region.clone(), addr, agent));
     }
     // Load the bundle now rather than at the first background tick.
@@ -206,7 +219,8 @@ pub async fn run_dev(
                 .iter()
                 .map(|(r, _, a)| (r.clone(), a.clone()))
                 .collect(),
-            kv.clone(),
+            demo_ledger,
+            pool_config,
             clock.clone(),
             options.demo_rate_per_s,
         ));
@@ -216,29 +230,33 @@ pub async fn run_dev(
         shutdown.await;
     }
     println!("allot dev: stopping");
+    let _ = stop_agents.send(true);
+    for task in agent_tasks {
+        let _ = task.await;
+    }
     let _ = stop.send(true);
     let _ = allocator_task.await;
     Ok(())
 }
 
-#[derive(Default)]
-struct Counts {
-    admitted: AtomicU64,
-    denied: AtomicU64,
-    fallback: AtomicU64,
-}
+/// Admissions per window and region, counted by the demo's own gateways.
+type WindowCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<(u64, usize), (u64, u64)>>>;
 
-/// Synthetic traffic, 90/10 over the first two agents, and a table every 5 s.
+/// Synthetic traffic, 90/10 over the first two agents, and every 5 s a per-window table: what each
+/// region admitted (from the gateways' side), `G`, and the ledger's view of the window (fallback,
+/// stranded, overshoot and the bound).
 async fn demo(
     agents: Vec<(RegionId, Arc<Agent>)>,
-    kv: Arc<dyn Kv>,
+    ledger: Ledger,
+    config: allot_shared::lease::PoolConfig,
     clock: Arc<dyn Clock>,
     rate_per_s: u64,
 ) {
-    let counts: Vec<Arc<Counts>> = agents.iter().map(|_| Arc::new(Counts::default())).collect();
+    let counts: WindowCounts = Arc::default();
     let interval = Duration::from_micros(1_000_000 / rate_per_s.max(1));
-    let driver_counts = counts.clone();
-    let driver_agents = agents.clone();
+    let (driver_counts, driver_agents, driver_clock) =
+        (counts.clone(), agents.clone(), clock.clone());
+    let window_ms = config.window_ms();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval);
         let mut n: u64 = 0;
@@ -246,13 +264,14 @@ async fn demo(
             tick.tick().await;
             n += 1;
             let index = usize::from(n.is_multiple_of(10) && driver_agents.len() > 1);
-            let (agent, counts) = (driver_agents[index].1.clone(), driver_counts[index].clone());
-            let Ok(request_id) = DecisionId::parse(&format!("demo-{n}")) else {
-                continue;
-            };
-            let (Ok(tenant), Ok(route_group)) =
-                (TenantId::parse("atlas"), RouteGroup::parse("read"))
-            else {
+            let agent = driver_agents[index].1.clone();
+            let counts = driver_counts.clone();
+            let clock = driver_clock.clone();
+            let (Ok(request_id), Ok(tenant), Ok(route_group)) = (
+                DecisionId::parse(&format!("demo-{n}")),
+                TenantId::parse("atlas"),
+                RouteGroup::parse("read"),
+            ) else {
                 continue;
             };
             let request = AdmissionRequest {
@@ -270,14 +289,18 @@ async fn demo(
             };
             tokio::spawn(async move {
                 if let Ok(decision) = agent.admit(&request).await {
-                    let counter = if decision.allowed {
-                        &counts.admitted
+                    let window =
+                        allot_shared::window::Window::containing(clock.now_ms(), window_ms);
+                    let mut counts = counts.lock().unwrap_or_else(|p| p.into_inner());
+                    let entry = counts.entry((window.start_ms, index)).or_default();
+                    if decision.allowed {
+                        entry.0 += 1;
                     } else {
-                        &counts.denied
-                    };
-                    counter.fetch_add(1, Ordering::Relaxed);
-                    if decision.fallback {
-                        counts.fallback.fetch_add(1, Ordering::Relaxed);
+                        entry.1 += 1;
+                    }
+                    // Keep the last few windows only.
+                    while counts.len() > 16 {
+                        counts.pop_first();
                     }
                 }
             });
@@ -286,42 +309,53 @@ async fn demo(
     let (Ok(tenant), Ok(pool)) = (TenantId::parse("atlas"), PoolId::parse("api")) else {
         return;
     };
-    println!(
-        "{:<26} {:>6} {:>9} {:>9} {:>9} {:>9}",
-        "window (UTC)", "region", "admitted", "denied", "fallback", "granted"
-    );
     let mut table = tokio::time::interval(Duration::from_secs(5));
     table.tick().await;
     loop {
         table.tick().await;
-        let window = get_window(&*kv, &tenant, &pool)
+        let rows = ledger
+            .windows(&tenant, &pool, &config, 2, clock.now_ms())
             .await
-            .ok()
-            .flatten()
-            .map(|(w, _)| w);
+            .unwrap_or_default();
+        let counts = counts.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let mut out = String::new();
-        let start = window.as_ref().map_or(0, |w| w.window.start_ms);
-        for ((region, _), counts) in agents.iter().zip(&counts) {
-            let granted = window
-                .as_ref()
-                .and_then(|w| w.granted_by_region.get(region).copied())
-                .unwrap_or(0);
-            let _ = writeln!(
-                out,
-                "{:<26} {:>6} {:>9} {:>9} {:>9} {:>9}",
-                allot_shared::window::rfc3339_utc(start),
-                region.as_str(),
-                counts.admitted.load(Ordering::Relaxed),
-                counts.denied.load(Ordering::Relaxed),
-                counts.fallback.load(Ordering::Relaxed),
-                granted
-            );
-        }
         let _ = writeln!(
             out,
-            "  (G = 1000 per window; counts are since start, granted is this window's; now {})",
-            allot_shared::window::rfc3339_utc(clock.now_ms())
+            "{:<26} {:>6} {:>9} {:>7} {:>6} {:>9} {:>9} {:>10} {:>6}",
+            "window (UTC)",
+            "region",
+            "admitted",
+            "denied",
+            "G",
+            "fallback",
+            "stranded",
+            "overshoot",
+            "bound"
         );
+        let mut starts: Vec<u64> = counts.keys().map(|(start, _)| *start).collect();
+        starts.dedup();
+        for start in starts.iter().rev().take(2).rev() {
+            let row = rows.iter().find(|r| r.window_start_ms == *start);
+            for (index, (region, _)) in agents.iter().enumerate() {
+                let (admitted, denied) = counts.get(&(*start, index)).copied().unwrap_or_default();
+                let fallback = row
+                    .and_then(|r| r.fallback_admitted_by_region.get(region).copied())
+                    .unwrap_or(0);
+                let _ = writeln!(
+                    out,
+                    "{:<26} {:>6} {:>9} {:>7} {:>6} {:>9} {:>9} {:>10} {:>6}",
+                    allot_shared::window::rfc3339_utc(*start),
+                    region.as_str(),
+                    admitted,
+                    denied,
+                    config.limit_tokens(),
+                    fallback,
+                    row.map_or(0, |r| r.stranded),
+                    row.map_or(0, |r| r.overshoot),
+                    row.map_or(0, |r| r.bound),
+                );
+            }
+        }
         print!("{out}");
     }
 }
