@@ -30,7 +30,9 @@ pub const BREAKER_STATE: &str = "allot_agent_breaker_state";
 pub const POLICY_VERSION: &str = "allot_agent_policy_version";
 /// Seconds since the bundle in force was installed.
 pub const POLICY_AGE_SECONDS: &str = "allot_agent_policy_age_seconds";
-/// Limiter decisions by `path` (store, cached_denial, cardinality, fallback, unavailable).
+/// The limiter's counters since start, by `path`: decisions, store_calls, store_retries,
+/// negative_cache_hits, cardinality_refusals, fallback, unavailable, policy_errors, breaker_refusals,
+/// in_flight_exhausted.
 pub const LIMITER_DECISIONS: &str = "allot_agent_limiter_decisions";
 
 /// Installs the process-wide Prometheus recorder on first use and returns its handle; `None` when

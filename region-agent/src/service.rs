@@ -174,6 +174,21 @@ impl Agent {
             let age_ms = self.clock.now_ms().saturating_sub(installed);
             metrics::gauge!(crate::metrics::POLICY_AGE_SECONDS).set(age_ms as f64 / 1_000.0);
         }
+        let stats = self.limiter.stats();
+        for (path, count) in [
+            ("decisions", stats.decisions),
+            ("store_calls", stats.store_calls),
+            ("store_retries", stats.store_retries),
+            ("negative_cache_hits", stats.negative_cache_hits),
+            ("cardinality_refusals", stats.cardinality_refusals),
+            ("fallback", stats.fallback_decisions),
+            ("unavailable", stats.unavailable),
+            ("policy_errors", stats.policy_errors),
+            ("breaker_refusals", stats.breaker_refusals),
+            ("in_flight_exhausted", stats.pool_exhausted),
+        ] {
+            metrics::gauge!(crate::metrics::LIMITER_DECISIONS, "path" => path).set(count as f64);
+        }
         metrics::gauge!(crate::metrics::ALLOCATOR_REACHABLE).set(if self.allocator_reachable() {
             1.0
         } else {
