@@ -125,6 +125,7 @@ def main():
         print("leases in memory), compared with `trivial` (target at least 0.7); `lease+3-redis` adds three")
         print("regional rules in one script call, compared with `raw-evalsha` (target at least 0.8). The")
         print("allocator is a stub granting chunks of 100; renewals are prefetched off the request path.")
+        print("`grpc+3-redis` is the same decision through Envoy's rate limit service (tonic).")
         print()
         print("| path | callers | admits/s | p50 us | p99 us | x ceiling | allocator calls per 1,000 admits |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -3,6 +3,7 @@
 //! - `trivial`: an axum endpoint that answers a constant JSON body: the HTTP stack's limit here.
 //! - `lease-only`: a policy with one global rule: tokens come from leases held in memory.
 //! - `lease+3-redis`: the same plus three regional rules decided in one Redis script call.
+//! - `grpc+3-redis`: the same decisions through Envoy's rate limit service (gRPC, tonic).
 //! - `raw-evalsha`: the same script and arguments sent straight to Redis (the store's ceiling).
 //!
 //! The allocator is a stub in this process that grants chunks of at most 100 tokens (the agent's hot
@@ -105,7 +106,11 @@ fn request(n: u64) -> AdmissionRequest {
     }
 }
 
-async fn start_agent(store: Arc<dyn LimiterStore>, allocator: &str, with_regional: bool) -> String {
+async fn start_agent(
+    store: Arc<dyn LimiterStore>,
+    allocator: &str,
+    with_regional: bool,
+) -> (String, AgentApi) {
     let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
     let client = AllocatorClient::new(vec![allocator.to_owned()], "agent-token-bench".to_owned())
         .expect("client");
@@ -134,8 +139,89 @@ async fn start_agent(store: Arc<dyn LimiterStore>, allocator: &str, with_regiona
         gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
         metrics: None,
     };
-    tokio::spawn(serve(listener, api, std::future::pending()));
-    url
+    tokio::spawn(serve(listener, api.clone(), std::future::pending()));
+    (url, api)
+}
+
+/// Envoy's RLS v3 path: the same agent served over gRPC, called by `callers` tonic clients.
+async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
+    use allot_region_agent::grpc::proto::envoy::extensions::common::ratelimit::v3::{
+        RateLimitDescriptor, rate_limit_descriptor::Entry,
+    };
+    use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::RateLimitRequest;
+    use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(allot_region_agent::grpc::serve_grpc(
+        listener,
+        api,
+        std::future::pending(),
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for caller in 0..callers {
+        let (url, stop) = (url.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut client = RateLimitServiceClient::connect(url).await.expect("connect");
+            let mut latencies = Vec::new();
+            let mut n = caller;
+            while !stop.load(Ordering::Relaxed) {
+                let entry = |key: &str, value: String| Entry {
+                    key: key.to_owned(),
+                    value,
+                };
+                let mut request = tonic::Request::new(RateLimitRequest {
+                    domain: "bench".to_owned(),
+                    descriptors: vec![RateLimitDescriptor {
+                        entries: vec![
+                            entry("tenant", "atlas".to_owned()),
+                            entry("user", format!("U-{}", n % 1_000)),
+                            entry("route_group", "read".to_owned()),
+                        ],
+                        hits_addend: None,
+                    }],
+                    hits_addend: 0,
+                });
+                request.metadata_mut().insert(
+                    "authorization",
+                    format!("Bearer {GATEWAY}").parse().expect("metadata"),
+                );
+                let stopwatch = Stopwatch::start();
+                let answer = client
+                    .should_rate_limit(request)
+                    .await
+                    .expect("answer")
+                    .into_inner();
+                assert_eq!(answer.overall_code, Code::Ok as i32);
+                latencies.push(stopwatch.elapsed().as_micros() as u64);
+                n += callers;
+            }
+            latencies
+        }));
+    }
+    let stopwatch = Stopwatch::start();
+    tokio::time::sleep(RUN).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut latencies = Vec::new();
+    for task in tasks {
+        latencies.extend(task.await.expect("caller"));
+    }
+    figure(latencies, stopwatch.elapsed().as_secs_f64())
+}
+
+fn figure(mut latencies: Vec<u64>, seconds: f64) -> Figure {
+    latencies.sort_unstable();
+    let at = |fraction: f64| {
+        latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
+    };
+    Figure {
+        per_second: latencies.len() as f64 / seconds,
+        p50_us: at(0.5),
+        p99_us: at(0.99),
+    }
 }
 
 struct Figure {
@@ -180,16 +266,7 @@ async fn drive(url: String, callers: u64, admit: bool) -> Figure {
     for task in tasks {
         latencies.extend(task.await.expect("caller"));
     }
-    let seconds = stopwatch.elapsed().as_secs_f64();
-    latencies.sort_unstable();
-    let at = |fraction: f64| {
-        latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
-    };
-    Figure {
-        per_second: latencies.len() as f64 / seconds,
-        p50_us: at(0.5),
-        p99_us: at(0.99),
-    }
+    figure(latencies, stopwatch.elapsed().as_secs_f64())
 }
 
 /// The raw store ceiling: the same script and arguments, EVALSHA from `callers` tasks.
@@ -231,16 +308,7 @@ async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> F
     for task in tasks {
         latencies.extend(task.await.expect("caller"));
     }
-    let seconds = stopwatch.elapsed().as_secs_f64();
-    latencies.sort_unstable();
-    let at = |fraction: f64| {
-        latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
-    };
-    Figure {
-        per_second: latencies.len() as f64 / seconds,
-        p50_us: at(0.5),
-        p99_us: at(0.99),
-    }
+    figure(latencies, stopwatch.elapsed().as_secs_f64())
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -262,13 +330,13 @@ async fn main() {
     };
     let in_process: Arc<dyn LimiterStore> =
         Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));
-    let lease_only = start_agent(in_process, &allocator, false).await;
+    let (lease_only, _) = start_agent(in_process, &allocator, false).await;
     let redis_store = Arc::new(
         RedisStore::connect(&redis.url(), RedisStoreConfig::default())
             .await
             .expect("redis"),
     );
-    let with_redis = start_agent(redis_store.clone(), &allocator, true).await;
+    let (with_redis, with_redis_api) = start_agent(redis_store.clone(), &allocator, true).await;
     println!(
         "{:<14} {:>8} {:>12} {:>8} {:>8} {:>12}",
         "path", "callers", "admits/s", "p50 us", "p99 us", "x ceiling"
@@ -279,13 +347,16 @@ async fn main() {
         let admits_before = grants.load(Ordering::Relaxed);
         let lease = drive(lease_only.clone(), callers, true).await;
         let redis_path = drive(with_redis.clone(), callers, true).await;
-        let admits = (lease.per_second + redis_path.per_second) * RUN.as_secs_f64();
+        let grpc_path = drive_grpc(with_redis_api.clone(), callers).await;
+        let admits =
+            (lease.per_second + redis_path.per_second + grpc_path.per_second) * RUN.as_secs_f64();
         let calls = grants.load(Ordering::Relaxed) - admits_before;
         for (path, figure, against) in [
             ("trivial", &ceiling, ceiling.per_second),
             ("raw-evalsha", &raw, raw.per_second),
             ("lease-only", &lease, ceiling.per_second),
             ("lease+3-redis", &redis_path, raw.per_second),
+            ("grpc+3-redis", &grpc_path, raw.per_second),
         ] {
             let ratio = figure.per_second / against.max(1.0);
             println!(
