@@ -275,3 +275,28 @@ proptest! {
         }
     }
 }
+
+/// Found by the `fallback` drill: in the last moments of a window, a clamped grant would end before
+/// the agent may spend from it and be stranded whole, so the holder waits for the next window instead
+/// of asking on every request.
+#[test]
+fn no_renewal_is_asked_for_when_the_window_ends_within_the_margin_and_a_round_trip() {
+    let mut holder = PoolHolder::new(config(0));
+    let window_end = 4 * MINUTE;
+    // Margin 50 ms + round trip 50 ms: the last 100 ms of the window ask for nothing.
+    let late = window_end - 100;
+    holder.spend(1, late, true);
+    assert_eq!(holder.wants(late, 50), None);
+    // A grant taken there anyway is stranded on arrival.
+    assert_eq!(
+        holder.accept(grant(1, 1, 10, late + 60), late + 60),
+        GrantVerdict::AlreadyExpired
+    );
+    assert_eq!(holder.stranded_tokens(), 10);
+    // Just before that stretch, and from the next window on, the holder asks again.
+    let mut early = PoolHolder::new(config(0));
+    early.spend(1, late - 1, true);
+    assert!(early.wants(late - 1, 50).is_some());
+    holder.spend(1, window_end, true);
+    assert!(holder.wants(window_end, 50).is_some());
+}

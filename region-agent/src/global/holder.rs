@@ -413,6 +413,12 @@ impl PoolHolder {
             return None;
         }
         let last_demand_ms = self.last_demand_ms?;
+        // Leases are clamped to their window: one asked for this close to the window's end would end
+        // before this agent may spend from it and be stranded whole. Wait for the next window.
+        let window = Window::containing(now_ms, self.config.window_ms);
+        if window.ms_until_end(now_ms) <= self.config.expiry_margin_ms + round_trip_ms {
+            return None;
+        }
         self.expire(now_ms);
         self.rate.roll(now_ms);
         if self.live.is_empty()
@@ -504,6 +510,16 @@ impl PoolHolder {
     /// Report lines dropped because the allocator stayed unreachable past the bounds.
     pub fn dropped_reports(&self) -> u64 {
         self.dropped_reports
+    }
+
+    /// The window start (epoch ms) of a lease this holder still knows (live or awaiting its final
+    /// report).
+    pub fn lease_window_start_ms(&self, lease_id: LeaseId) -> Option<u64> {
+        self.live
+            .iter()
+            .chain(&self.ended)
+            .find(|l| l.grant.lease_id == lease_id)
+            .map(|l| l.grant.window.start_ms)
     }
 
     /// The highest allocator epoch seen.
