@@ -1,7 +1,7 @@
 //! Partition drills and the `allot` command.
 //!
-//! Drills run the shipped allocator and agent logic under virtual time and injected faults, measuring
-//! overshoot and stranded tokens against the stated bound. Until they land, this crate hosts the
+//! Drills ([`drill`]) run the shipped allocator and agent logic under virtual time and injected
+//! faults, measuring overshoot and stranded tokens against the stated bound. The crate also hosts the
 //! `allot` binary: [`dev`] (the whole system in one process) and [`tools`] (policy check, bound).
 //!
 //! Architecture invariant: drills run the real crates through their store, clock and transport seams;
@@ -9,4 +9,5 @@
 //! and the region agent.
 
 pub mod dev;
+pub mod drill;
 pub mod tools;

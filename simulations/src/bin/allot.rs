@@ -65,6 +65,12 @@ enum Command {
         #[arg(long, default_value_t = 40)]
         demo_rate: u64,
     },
+    /// Run the built-in partition drills (all, or the named ones) on the shipped allocator and agent
+    /// logic in virtual time; exits non-zero when a drill misses its expected outcome.
+    Drill {
+        /// Drill names (clamped, unclamped, fallback); none runs them all.
+        names: Vec<String>,
+    },
     /// Policy bundle tools.
     Policy {
         #[command(subcommand)]
@@ -126,6 +132,7 @@ fn main() -> ExitCode {
             demo,
             demo_rate_per_s: demo_rate,
         }),
+        Command::Drill { names } => allot_simulations::drill::run_blocking(&names),
         Command::Policy {
             command: PolicyCommand::Check { file },
         } => policy_check(&file),

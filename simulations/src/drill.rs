@@ -1,0 +1,700 @@
+//! Deterministic partition drills: the shipped allocator grant service ([`Grantor`] over the
+//! embedded [`MemoryKv`]) and the shipped agent lease logic ([`PoolHolder`]) driven in virtual time,
+//! with regions cut off from the allocator on a schedule.
+//!
+//! Why: "what does a partition cost us?" needs a number and its proof. Each drill records, per
+//! window, what every region admitted (from leases, carried over from an earlier window's lease, or
+//! in fallback), what it was denied, what the allocator granted and what was stranded, and checks it
+//! against the stated bound (`admitted <= G + carry-over + fallback allowances + lost records`).
+//!
+//! Determinism: one task, one virtual clock, integer demand; the same scenario gives the same table.
+//! Units: tokens are whole requests (cost 1), times are epoch ms.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU64;
+use std::sync::Arc;
+
+use allot_allocator::clock::{Clock, ManualClock};
+use allot_allocator::grants::Grantor;
+use allot_allocator::kv::Kv;
+use allot_allocator::kv::memory::MemoryKv;
+use allot_allocator::leader::{Role, try_acquire};
+use allot_allocator::pools::{PoolSpec, put_pool};
+use allot_region_agent::global::holder::{
+    Denial, GrantVerdict, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
+};
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, overshoot_tokens};
+use allot_shared::window::Window;
+use tokio::sync::watch;
+
+/// 2026-01-01T00:00:00Z: drills start on a window boundary.
+const START_MS: u64 = 1_767_225_600_000;
+/// Virtual time advances in steps of this many ms.
+const TICK_MS: u64 = 100;
+/// The agents' lease safety margin, ms (the shipped default order of magnitude).
+const EXPIRY_MARGIN_MS: u64 = 250;
+/// The allocator round trip the agents assume, ms.
+const ROUND_TRIP_MS: u64 = 20;
+
+/// One region's demand and faults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionPlan {
+    /// The region id.
+    pub region: &'static str,
+    /// Requests per minute, spread evenly over the ticks.
+    pub per_minute: u64,
+    /// Intervals `[from, until)` in ms since the drill's start during which this region cannot reach
+    /// the allocator.
+    pub partitions: Vec<(u64, u64)>,
+}
+
+/// A drill: a pool, regions with demand and faults, and what the run must show.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scenario {
+    /// Short name (`allot drill <name>`).
+    pub name: &'static str,
+    /// One line on what it demonstrates.
+    pub about: &'static str,
+    /// G, tokens per window.
+    pub limit: u64,
+    /// Window length, ms.
+    pub window_ms: u64,
+    /// Largest grant, tokens.
+    pub chunk: u64,
+    /// Lease TTL before clamping, ms.
+    pub lease_ttl_ms: u64,
+    /// Fallback tokens per region per window.
+    pub fallback_per_region: u64,
+    /// Whether leases are clamped to their window.
+    pub clamping: LeaseClamping,
+    /// The regions.
+    pub regions: Vec<RegionPlan>,
+    /// Virtual duration, ms.
+    pub duration_ms: u64,
+    /// What the run must show beyond the bound.
+    pub expect: Expectation,
+}
+
+/// A drill's expected outcome (checked after the run; the bound is always checked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expectation {
+    /// No window admits more than G.
+    NoOvershoot,
+    /// Some window admits more than G only through fallback, and no region exceeds its allowance.
+    FallbackWithinAllowance,
+    /// Some window admits tokens carried over from an earlier window's lease, within the design's
+    /// carry-over term.
+    CarryOverWithinTerm,
+}
+
+/// One region in one window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RegionWindow {
+    /// Requests arriving.
+    pub demand: u64,
+    /// Admitted from leases of this window.
+    pub leased: u64,
+    /// Admitted from leases of an earlier window (unclamped carry-over).
+    pub carried_over: u64,
+    /// Admitted in fallback.
+    pub fallback: u64,
+    /// Denied: the pool is exhausted.
+    pub denied_exhausted: u64,
+    /// Denied: unreachable allocator and the fallback allowance is spent (or zero).
+    pub denied_fallback_spent: u64,
+    /// Denied while waiting for a first grant.
+    pub denied_awaiting: u64,
+    /// Tokens granted to this region for this window.
+    pub granted: u64,
+    /// Tokens that became stranded during this window.
+    pub stranded: u64,
+}
+
+impl RegionWindow {
+    /// Everything admitted.
+    pub fn admitted(&self) -> u64 {
+        self.leased + self.carried_over + self.fallback
+    }
+}
+
+/// One window of a drill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowRecord {
+    /// Window start, ms since the drill's start.
+    pub offset_ms: u64,
+    /// Per region, in scenario order.
+    pub regions: Vec<RegionWindow>,
+}
+
+impl WindowRecord {
+    fn sum(&self, field: impl Fn(&RegionWindow) -> u64) -> u64 {
+        self.regions.iter().map(field).sum()
+    }
+}
+
+/// The result of a drill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrillReport {
+    /// The scenario.
+    pub scenario: Scenario,
+    /// The design's bound per window.
+    pub bound: OvershootBound,
+    /// Every window, in order.
+    pub windows: Vec<WindowRecord>,
+    /// Violated invariants and expectations (empty: the drill passed).
+    pub violations: Vec<String>,
+}
+
+impl DrillReport {
+    /// Whether every invariant and the expectation held.
+    pub fn passed(&self) -> bool {
+        self.violations.is_empty()
+    }
+
+    /// A terminal table: one line per window.
+    pub fn table(&self) -> String {
+        let s = &self.scenario;
+        let mut out = format!(
+            "drill {}: {}\n  G={} window={}ms chunk={} ttl={}ms fallback/region={} leases {}\n  bound per window = {} (G {} + carry-over {} + fallback {} + lost records {})\n",
+            s.name,
+            s.about,
+            s.limit,
+            s.window_ms,
+            s.chunk,
+            s.lease_ttl_ms,
+            s.fallback_per_region,
+            match s.clamping {
+                LeaseClamping::Clamped => "clamped",
+                LeaseClamping::Unclamped => "unclamped",
+            },
+            self.bound.total_tokens(),
+            self.bound.limit_tokens,
+            self.bound.unclamped_carry_over_tokens,
+            self.bound.fallback_allowance_tokens,
+            self.bound.lost_grant_record_tokens,
+        );
+        out.push_str(
+            "  window  region  demand  leased  carried  fallback  denied  granted  stranded\n",
+        );
+        for window in &self.windows {
+            for (plan, r) in s.regions.iter().zip(&window.regions) {
+                out.push_str(&format!(
+                    "  {:>5}s  {:<6}  {:>6}  {:>6}  {:>7}  {:>8}  {:>6}  {:>7}  {:>8}\n",
+                    window.offset_ms / 1_000,
+                    plan.region,
+                    r.demand,
+                    r.leased,
+                    r.carried_over,
+                    r.fallback,
+                    r.denied_exhausted + r.denied_fallback_spent + r.denied_awaiting,
+                    r.granted,
+                    r.stranded,
+                ));
+            }
+            let admitted = window.sum(RegionWindow::admitted);
+            out.push_str(&format!(
+                "  {:>5}s  total   admitted {} of G {} (overshoot {}, bound {})\n",
+                window.offset_ms / 1_000,
+                admitted,
+                s.limit,
+                overshoot_tokens(admitted, s.limit),
+                self.bound.total_tokens(),
+            ));
+        }
+        if self.passed() {
+            out.push_str("  PASS\n");
+        } else {
+            for v in &self.violations {
+                out.push_str(&format!("  FAIL: {v}\n"));
+            }
+        }
+        out
+    }
+}
+
+/// The built-in drills.
+pub fn builtin() -> Vec<Scenario> {
+    let skewed = |eu_partitions: Vec<(u64, u64)>| {
+        vec![
+            RegionPlan {
+                region: "eu",
+                per_minute: 1_200,
+                partitions: eu_partitions,
+            },
+            RegionPlan {
+                region: "us",
+                per_minute: 300,
+                partitions: Vec::new(),
+            },
+        ]
+    };
+    let base = Scenario {
+        name: "clamped",
+        about: "demand 1.5x G, EU 1200/min and US 300/min, leases clamped: nothing beyond G",
+        limit: 1_000,
+        window_ms: 60_000,
+        chunk: 100,
+        lease_ttl_ms: 15_000,
+        fallback_per_region: 100,
+        clamping: LeaseClamping::Clamped,
+        regions: skewed(Vec::new()),
+        duration_ms: 180_000,
+        expect: Expectation::NoOvershoot,
+    };
+    vec![
+        base.clone(),
+        Scenario {
+            name: "unclamped",
+            about: "demand 0.75x G (EU 600/min, US 150/min), leases may outlive their window: carry-over shows",
+            clamping: LeaseClamping::Unclamped,
+            regions: vec![
+                RegionPlan {
+                    region: "eu",
+                    per_minute: 600,
+                    partitions: Vec::new(),
+                },
+                RegionPlan {
+                    region: "us",
+                    per_minute: 150,
+                    partitions: Vec::new(),
+                },
+            ],
+            expect: Expectation::CarryOverWithinTerm,
+            ..base.clone()
+        },
+        Scenario {
+            name: "fallback",
+            about: "EU cut off from the allocator for 90 s from 50 s: bounded fallback, no more",
+            regions: skewed(vec![(50_000, 140_000)]),
+            expect: Expectation::FallbackWithinAllowance,
+            ..base
+        },
+    ]
+}
+
+/// Runs `scenario` to completion.
+pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
+    let clock = Arc::new(ManualClock::new(START_MS));
+    let kv: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
+    let tenant = TenantId::parse("drill").map_err(|e| e.to_string())?;
+    let pool = PoolId::parse("api").map_err(|e| e.to_string())?;
+    let regions = scenario
+        .regions
+        .iter()
+        .map(|plan| RegionId::parse(plan.region).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let spec = PoolSpec {
+        limit: scenario.limit,
+        window_ms: scenario.window_ms,
+        chunk: scenario.chunk,
+        lease_ttl_ms: scenario.lease_ttl_ms,
+        fallback_per_region: scenario.fallback_per_region,
+        regions: regions.clone(),
+    };
+    let config = spec.validate().map_err(|e| e.to_string())?;
+    put_pool(&*kv, &tenant, &pool, spec, START_MS)
+        .await
+        .map_err(|e| e.to_string())?;
+    // The leader key's store lease outlives any drill: failover drills replace it explicitly.
+    let leadership = try_acquire(&*kv, "drill-allocator", "http://drill", 1 << 40)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("the drill allocator did not become leader")?;
+    let (_role_sender, role) = watch::channel(Role::Leader(leadership));
+    let mut allocator = DrillAllocator {
+        grantor: Grantor::new(
+            kv.clone(),
+            clock.clone() as Arc<dyn Clock>,
+            role,
+            scenario.clamping,
+            None,
+        ),
+        tenant,
+        pool,
+        region_count: regions.len(),
+        leases_asked: 0,
+    };
+
+    let window_ms = NonZeroU64::new(scenario.window_ms).ok_or("window_ms must be at least 1")?;
+    let holder_config = HolderConfig {
+        window_ms,
+        chunk_tokens: scenario.chunk,
+        lease_ttl_ms: scenario.lease_ttl_ms,
+        fallback_per_region_tokens: scenario.fallback_per_region,
+        expiry_margin_ms: EXPIRY_MARGIN_MS,
+    };
+    let mut holders: Vec<PoolHolder> = regions
+        .iter()
+        .map(|_| PoolHolder::new(holder_config))
+        .collect();
+    // Demand per tick is per_minute x TICK_MS / 60_000 with the remainder carried (in 1/60_000ths).
+    let mut demand_remainder = vec![0_u64; regions.len()];
+    let mut stranded_seen = vec![0_u64; regions.len()];
+    let mut windows: BTreeMap<u64, Vec<RegionWindow>> = BTreeMap::new();
+
+    let mut elapsed_ms = 0;
+    while elapsed_ms < scenario.duration_ms {
+        let now_ms = START_MS + elapsed_ms;
+        clock.set(now_ms);
+        let window = Window::containing(now_ms, window_ms);
+        for (index, plan) in scenario.regions.iter().enumerate() {
+            let reachable = !plan
+                .partitions
+                .iter()
+                .any(|&(from, until)| (from..until).contains(&elapsed_ms));
+            let holder = &mut holders[index];
+            let arrivals = {
+                let scaled = plan.per_minute * TICK_MS + demand_remainder[index];
+                demand_remainder[index] = scaled % 60_000;
+                scaled / 60_000
+            };
+            for _ in 0..arrivals {
+                let mut outcome = holder.spend(1, now_ms, reachable);
+                if matches!(
+                    outcome,
+                    Spend::Denied {
+                        denial: Denial::AwaitingGrant,
+                        ..
+                    }
+                ) {
+                    // The agent renews on the spot when it holds nothing and can reach the allocator.
+                    allocator
+                        .renew(&regions[index], holder, index, now_ms, &mut windows)
+                        .await?;
+                    outcome = holder.spend(1, now_ms, reachable);
+                }
+                let record = &mut windows
+                    .entry(window.start_ms)
+                    .or_insert_with(|| vec![RegionWindow::default(); regions.len()])[index];
+                record.demand += 1;
+                match outcome {
+                    Spend::Leased(lease) => {
+                        if lease_window(holder, lease).is_some_and(|start| start < window.start_ms)
+                        {
+                            record.carried_over += 1;
+                        } else {
+                            record.leased += 1;
+                        }
+                    }
+                    Spend::Fallback { .. } => record.fallback += 1,
+                    Spend::Denied { denial, .. } => match denial {
+                        Denial::PoolExhausted => record.denied_exhausted += 1,
+                        Denial::FallbackSpent | Denial::FailClosed => {
+                            record.denied_fallback_spent += 1;
+                        }
+                        Denial::AwaitingGrant => record.denied_awaiting += 1,
+                    },
+                }
+            }
+            if reachable && holder.wants(now_ms, ROUND_TRIP_MS).is_some() {
+                allocator
+                    .renew(&regions[index], holder, index, now_ms, &mut windows)
+                    .await?;
+            }
+            // Reports keep the holder's ledger bounded; the drill reads its counters directly.
+            let report = holder.pending_report(now_ms);
+            holder.acknowledge(&report, now_ms);
+            let stranded = holder.stranded_tokens();
+            windows
+                .entry(window.start_ms)
+                .or_insert_with(|| vec![RegionWindow::default(); regions.len()])[index]
+                .stranded += stranded - stranded_seen[index];
+            stranded_seen[index] = stranded;
+        }
+        elapsed_ms += TICK_MS;
+    }
+
+    let bound = OvershootBound::for_design(&config, scenario.clamping, MAX_LIVE_LEASES as u64, 0);
+    let windows: Vec<WindowRecord> = windows
+        .into_iter()
+        .map(|(start_ms, regions)| WindowRecord {
+            offset_ms: start_ms - START_MS,
+            regions,
+        })
+        .collect();
+    let violations = check(scenario, &bound, &windows);
+    Ok(DrillReport {
+        scenario: scenario.clone(),
+        bound,
+        windows,
+        violations,
+    })
+}
+
+/// The window a held lease belongs to, if the holder still knows it.
+fn lease_window(holder: &PoolHolder, lease: LeaseId) -> Option<u64> {
+    holder.lease_window_start_ms(lease)
+}
+
+/// The shipped grant service for the drill's one pool, as the agents reach it.
+struct DrillAllocator {
+    grantor: Grantor,
+    tenant: TenantId,
+    pool: PoolId,
+    region_count: usize,
+    /// Lease ids are made from the virtual time and this counter (unique, reproducible).
+    leases_asked: u128,
+}
+
+impl DrillAllocator {
+    /// One renewal, as the agent's renewal task does it: ask for what the holder wants, record the
+    /// grant against its window, hand it to the holder.
+    async fn renew(
+        &mut self,
+        region: &RegionId,
+        holder: &mut PoolHolder,
+        index: usize,
+        now_ms: u64,
+        windows: &mut BTreeMap<u64, Vec<RegionWindow>>,
+    ) -> Result<(), String> {
+        let Some(want_tokens) = holder.wants(now_ms, ROUND_TRIP_MS) else {
+            return Ok(());
+        };
+        self.leases_asked += 1;
+        holder.begin_renewal();
+        let answer = self
+            .grantor
+            .grant(
+                &self.tenant,
+                &self.pool,
+                GrantRequest {
+                    lease_id: LeaseId::from_parts(now_ms, self.leases_asked),
+                    region: region.clone(),
+                    want_tokens,
+                },
+            )
+            .await;
+        holder.end_renewal();
+        let record = answer.map_err(|e| format!("grant failed: {e}"))?;
+        windows
+            .entry(record.window_start_ms)
+            .or_insert_with(|| vec![RegionWindow::default(); self.region_count])[index]
+            .granted += record.granted;
+        let verdict = holder.accept(
+            LeaseGrant {
+                lease_id: record.lease_id,
+                epoch: record.epoch,
+                granted_tokens: record.granted,
+                window: Window {
+                    start_ms: record.window_start_ms,
+                    end_ms: record.window_end_ms,
+                },
+                expires_at_ms: record.expires_at_ms,
+                retry_after_ms: record.retry_after_ms,
+            },
+            now_ms,
+        );
+        if let GrantVerdict::StaleEpoch { highest } = verdict {
+            return Err(format!(
+                "a grant from a stale epoch reached the holder (highest {highest:?})"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Invariants on the recorded history, then the scenario's expectation.
+fn check(scenario: &Scenario, bound: &OvershootBound, windows: &[WindowRecord]) -> Vec<String> {
+    let mut violations = Vec::new();
+    let regions = scenario.regions.len() as u64;
+    for window in windows {
+        let at = window.offset_ms / 1_000;
+        let admitted = window.sum(RegionWindow::admitted);
+        let granted = window.sum(|r| r.granted);
+        if !bound.holds(admitted) {
+            violations.push(format!(
+                "window {at}s admitted {admitted} > bound {}",
+                bound.total_tokens()
+            ));
+        }
+        if granted > scenario.limit {
+            violations.push(format!(
+                "window {at}s granted {granted} > G {}",
+                scenario.limit
+            ));
+        }
+        let leased = window.sum(|r| r.leased);
+        if leased > granted {
+            violations.push(format!(
+                "window {at}s spent {leased} leased tokens of {granted} granted"
+            ));
+        }
+        for (plan, r) in scenario.regions.iter().zip(&window.regions) {
+            if r.fallback > scenario.fallback_per_region {
+                violations.push(format!(
+                    "window {at}s region {} admitted {} in fallback > allowance {}",
+                    plan.region, r.fallback, scenario.fallback_per_region
+                ));
+            }
+        }
+        let carried = window.sum(|r| r.carried_over);
+        if carried > bound.unclamped_carry_over_tokens {
+            violations.push(format!(
+                "window {at}s carried over {carried} > term {}",
+                bound.unclamped_carry_over_tokens
+            ));
+        }
+    }
+    let max_admitted = windows
+        .iter()
+        .map(|w| w.sum(RegionWindow::admitted))
+        .max()
+        .unwrap_or(0);
+    let total_fallback: u64 = windows.iter().map(|w| w.sum(|r| r.fallback)).sum();
+    let total_carried: u64 = windows.iter().map(|w| w.sum(|r| r.carried_over)).sum();
+    match scenario.expect {
+        Expectation::NoOvershoot => {
+            if max_admitted > scenario.limit {
+                violations.push(format!(
+                    "expected no overshoot; a window admitted {max_admitted} > G {}",
+                    scenario.limit
+                ));
+            }
+            if total_fallback + total_carried > 0 {
+                violations.push("expected neither fallback nor carry-over".to_owned());
+            }
+            // Clamped leases strand at most about a chunk per region per window (what is held when
+            // the window ends).
+            let stranded_cap = scenario.chunk * regions;
+            for window in windows {
+                let stranded = window.sum(|r| r.stranded);
+                if stranded > stranded_cap {
+                    violations.push(format!(
+                        "window {}s stranded {stranded} > chunk x regions {stranded_cap}",
+                        window.offset_ms / 1_000
+                    ));
+                }
+            }
+        }
+        Expectation::FallbackWithinAllowance => {
+            if total_fallback == 0 {
+                violations.push("expected fallback admits during the partition".to_owned());
+            }
+            if max_admitted > scenario.limit + scenario.fallback_per_region * regions {
+                violations.push(format!(
+                    "expected at most G + fallback x regions; a window admitted {max_admitted}"
+                ));
+            }
+        }
+        Expectation::CarryOverWithinTerm => {
+            if total_carried == 0 {
+                violations.push("expected carry-over from unclamped leases".to_owned());
+            }
+        }
+    }
+    violations
+}
+
+/// Runs the named drills (all when `names` is empty) on a single-threaded runtime: the table for
+/// each, and an error naming the failed ones.
+pub fn run_blocking(names: &[String]) -> Result<String, String> {
+    let all = builtin();
+    let chosen: Vec<Scenario> = if names.is_empty() {
+        all
+    } else {
+        let mut chosen = Vec::new();
+        for name in names {
+            let scenario = all.iter().find(|s| s.name == name).ok_or_else(|| {
+                let known: Vec<&str> = all.iter().map(|s| s.name).collect();
+                format!("no drill named {name:?} (known: {})", known.join(", "))
+            })?;
+            chosen.push(scenario.clone());
+        }
+        chosen
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start a runtime: {e}"))?;
+    let mut out = String::new();
+    let mut failed = Vec::new();
+    for scenario in &chosen {
+        let report = runtime.block_on(run(scenario))?;
+        out.push_str(&report.table());
+        out.push('\n');
+        if !report.passed() {
+            failed.push(scenario.name);
+        }
+    }
+    if failed.is_empty() {
+        Ok(out)
+    } else {
+        Err(format!("{out}drills failed: {}", failed.join(", ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn window(admitted_leased: u64, granted: u64, fallback: u64) -> WindowRecord {
+        WindowRecord {
+            offset_ms: 0,
+            regions: vec![RegionWindow {
+                demand: admitted_leased + fallback,
+                leased: admitted_leased,
+                fallback,
+                granted,
+                ..RegionWindow::default()
+            }],
+        }
+    }
+
+    fn scenario() -> Scenario {
+        builtin().remove(0)
+    }
+
+    fn bound() -> OvershootBound {
+        OvershootBound {
+            limit_tokens: 1_000,
+            unclamped_carry_over_tokens: 0,
+            fallback_allowance_tokens: 200,
+            lost_grant_record_tokens: 0,
+        }
+    }
+
+    #[test]
+    fn a_window_within_g_passes_the_checks() {
+        assert_eq!(
+            check(&scenario(), &bound(), &[window(990, 1_000, 0)]),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn the_checker_catches_admits_beyond_the_bound_and_grants_beyond_g() {
+        let violations = check(&scenario(), &bound(), &[window(1_150, 1_150, 100)]);
+        assert!(
+            violations.iter().any(|v| v.contains("> bound 1200")),
+            "{violations:?}"
+        );
+        assert!(
+            violations.iter().any(|v| v.contains("granted 1150 > G")),
+            "{violations:?}"
+        );
+        assert!(
+            violations
+                .iter()
+                .any(|v| v.contains("expected no overshoot")),
+            "{violations:?}"
+        );
+    }
+
+    #[test]
+    fn the_checker_catches_spending_more_than_was_granted_and_fallback_beyond_the_allowance() {
+        let violations = check(&scenario(), &bound(), &[window(500, 400, 101)]);
+        assert!(
+            violations
+                .iter()
+                .any(|v| v.contains("spent 500 leased tokens of 400")),
+            "{violations:?}"
+        );
+        assert!(
+            violations
+                .iter()
+                .any(|v| v.contains("101 in fallback > allowance 100")),
+            "{violations:?}"
+        );
+    }
+}

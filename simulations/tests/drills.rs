@@ -1,0 +1,130 @@
+//! The built-in drills on the shipped allocator and agent logic: each meets its expected outcome, the
+//! numbers are the ones the design predicts, and a run is reproducible.
+
+use allot_simulations::drill::{DrillReport, Scenario, builtin, run};
+
+fn scenario(name: &str) -> Scenario {
+    builtin()
+        .into_iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no drill {name}"))
+}
+
+fn drill(name: &str) -> DrillReport {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let report = runtime.block_on(run(&scenario(name))).expect("drill runs");
+    assert!(report.passed(), "{}", report.table());
+    report
+}
+
+#[test]
+fn clamped_leases_never_admit_beyond_g_and_a_saturated_pool_is_nearly_used_up() {
+    let report = drill("clamped");
+    let s = &report.scenario;
+    assert_eq!(report.windows.len(), 3);
+    for w in &report.windows {
+        let admitted: u64 = w.regions.iter().map(|r| r.admitted()).sum();
+        let granted: u64 = w.regions.iter().map(|r| r.granted).sum();
+        let stranded: u64 = w.regions.iter().map(|r| r.stranded).sum();
+        // Demand is 1.5 x G: the pool runs out, so at most the stranded remainder is unused.
+        assert!(admitted <= s.limit, "{}", report.table());
+        assert!(granted <= s.limit);
+        assert_eq!(admitted + stranded, granted, "{}", report.table());
+        assert!(admitted + s.chunk * 2 >= s.limit, "{}", report.table());
+        assert!(
+            w.regions
+                .iter()
+                .all(|r| r.fallback == 0 && r.carried_over == 0)
+        );
+        // The skew shows: EU (1200/min) gets most of the pool, US (300/min) most of its demand.
+        assert!(w.regions[0].admitted() > 3 * w.regions[1].admitted());
+    }
+}
+
+#[test]
+fn a_partitioned_region_admits_exactly_its_fallback_allowance_and_the_window_stays_within_the_bound()
+ {
+    let report = drill("fallback");
+    let s = &report.scenario;
+    // EU is cut off for the whole of the 60 s window: demand 1200, admitted exactly the allowance.
+    let cut = &report.windows[1];
+    assert_eq!(cut.regions[0].fallback, s.fallback_per_region);
+    assert_eq!(cut.regions[0].leased, 0);
+    assert_eq!(cut.regions[0].granted, 0);
+    assert_eq!(
+        cut.regions[0].denied_fallback_spent,
+        cut.regions[0].demand - s.fallback_per_region
+    );
+    // The window where EU comes back: fallback and leases together exceed G, by no more than the
+    // fallback term.
+    let healed = &report.windows[2];
+    let admitted: u64 = healed.regions.iter().map(|r| r.admitted()).sum();
+    assert!(admitted > s.limit, "{}", report.table());
+    assert!(
+        admitted <= s.limit + s.fallback_per_region * 2,
+        "{}",
+        report.table()
+    );
+    assert!(report.bound.holds(admitted));
+}
+
+#[test]
+fn unclamped_leases_carry_tokens_into_the_next_window_within_the_carry_over_term() {
+    let report = drill("unclamped");
+    assert_eq!(
+        report.windows[0]
+            .regions
+            .iter()
+            .map(|r| r.carried_over)
+            .sum::<u64>(),
+        0
+    );
+    let carried: u64 = report.windows[1..]
+        .iter()
+        .flat_map(|w| &w.regions)
+        .map(|r| r.carried_over)
+        .sum();
+    assert!(carried > 0, "{}", report.table());
+    assert!(report.bound.unclamped_carry_over_tokens > 0);
+    for w in &report.windows {
+        let carried: u64 = w.regions.iter().map(|r| r.carried_over).sum();
+        assert!(carried <= report.bound.unclamped_carry_over_tokens);
+    }
+}
+
+#[test]
+fn the_same_drill_gives_the_same_report() {
+    for s in builtin() {
+        let first = drill(s.name);
+        let second = drill(s.name);
+        assert_eq!(first, second);
+        assert_eq!(first.table(), second.table());
+    }
+}
+
+#[test]
+fn allot_drill_runs_the_suite_and_names_unknown_drills_in_one_line() {
+    let allot = env!("CARGO_BIN_EXE_allot");
+    let suite = std::process::Command::new(allot)
+        .arg("drill")
+        .output()
+        .expect("allot runs");
+    let stdout = String::from_utf8_lossy(&suite.stdout);
+    assert!(suite.status.success(), "{stdout}");
+    assert_eq!(
+        stdout.matches("  PASS").count(),
+        builtin().len(),
+        "{stdout}"
+    );
+    let unknown = std::process::Command::new(allot)
+        .args(["drill", "nope"])
+        .output()
+        .expect("allot runs");
+    assert_eq!(unknown.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("no drill named \"nope\""), "{stderr}");
+}
