@@ -17,14 +17,17 @@ use std::sync::Arc;
 use allot_allocator::clock::{Clock, ManualClock};
 use allot_allocator::grants::Grantor;
 use allot_allocator::kv::Kv;
+use allot_allocator::kv::Op;
 use allot_allocator::kv::memory::MemoryKv;
-use allot_allocator::leader::{Role, try_acquire};
-use allot_allocator::pools::{PoolSpec, put_pool};
+use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
+use allot_allocator::pools::{PoolSpec, get_window, put_pool};
 use allot_region_agent::global::holder::{
     Denial, GrantVerdict, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
 };
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
-use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, overshoot_tokens};
+use allot_shared::lease::{
+    GrantRequest, LeaseClamping, OvershootBound, PoolConfig, overshoot_tokens,
+};
 use allot_shared::window::Window;
 use tokio::sync::watch;
 
@@ -72,8 +75,21 @@ pub struct Scenario {
     pub regions: Vec<RegionPlan>,
     /// Virtual duration, ms.
     pub duration_ms: u64,
+    /// An allocator failover, if any.
+    pub failover: Option<Failover>,
     /// What the run must show beyond the bound.
     pub expect: Expectation,
+}
+
+/// The leading allocator is replaced by a new one at `at_ms` (ms since the drill's start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failover {
+    /// When, ms since the drill's start.
+    pub at_ms: u64,
+    /// Whether the new leader sees the committed grants (etcd: yes). When not, it starts from a
+    /// store that kept pool configurations and the epoch but lost every window's grants, as an
+    /// asynchronously replicated store can: the lost-record term of the bound.
+    pub records_kept: bool,
 }
 
 /// A drill's expected outcome (checked after the run; the bound is always checked).
@@ -86,6 +102,8 @@ pub enum Expectation {
     /// Some window admits tokens carried over from an earlier window's lease, within the design's
     /// carry-over term.
     CarryOverWithinTerm,
+    /// Some window admits more than G, by no more than the grants the failover lost.
+    OvershootWithinLostRecords,
 }
 
 /// One region in one window.
@@ -123,6 +141,9 @@ impl RegionWindow {
 pub struct WindowRecord {
     /// Window start, ms since the drill's start.
     pub offset_ms: u64,
+    /// Tokens granted in this window by an allocator whose records a failover lost (the bound's
+    /// lost-record term for this window).
+    pub lost_grant_record_tokens: u64,
     /// Per region, in scenario order.
     pub regions: Vec<RegionWindow>,
 }
@@ -193,13 +214,19 @@ impl DrillReport {
                 ));
             }
             let admitted = window.sum(RegionWindow::admitted);
+            let lost = window.lost_grant_record_tokens;
             out.push_str(&format!(
-                "  {:>5}s  total   admitted {} of G {} (overshoot {}, bound {})\n",
+                "  {:>5}s  total   admitted {} of G {} (overshoot {}, bound {}{})\n",
                 window.offset_ms / 1_000,
                 admitted,
                 s.limit,
                 overshoot_tokens(admitted, s.limit),
-                self.bound.total_tokens(),
+                self.bound.total_tokens() + lost,
+                if lost > 0 {
+                    format!(" with {lost} lost grant records")
+                } else {
+                    String::new()
+                },
             ));
         }
         if self.passed() {
@@ -240,6 +267,7 @@ pub fn builtin() -> Vec<Scenario> {
         clamping: LeaseClamping::Clamped,
         regions: skewed(Vec::new()),
         duration_ms: 180_000,
+        failover: None,
         expect: Expectation::NoOvershoot,
     };
     vec![
@@ -268,6 +296,25 @@ pub fn builtin() -> Vec<Scenario> {
             about: "EU cut off from the allocator for 90 s from 50 s: bounded fallback, no more",
             regions: skewed(vec![(50_000, 140_000)]),
             expect: Expectation::FallbackWithinAllowance,
+            ..base.clone()
+        },
+        Scenario {
+            name: "failover-etcd",
+            about: "the leading allocator is replaced at 30 s; the new leader reads the committed grants",
+            failover: Some(Failover {
+                at_ms: 30_000,
+                records_kept: true,
+            }),
+            ..base.clone()
+        },
+        Scenario {
+            name: "failover-lost",
+            about: "the same failover on a store that lost the window's grants: the lost-record term",
+            failover: Some(Failover {
+                at_ms: 30_000,
+                records_kept: false,
+            }),
+            expect: Expectation::OvershootWithinLostRecords,
             ..base
         },
     ]
@@ -301,8 +348,12 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
         .await
         .map_err(|e| e.to_string())?
         .ok_or("the drill allocator did not become leader")?;
-    let (_role_sender, role) = watch::channel(Role::Leader(leadership));
+    let (role_sender, role) = watch::channel(Role::Leader(leadership));
     let mut allocator = DrillAllocator {
+        kv: kv.clone(),
+        leadership,
+        role_sender,
+        clamping: scenario.clamping,
         grantor: Grantor::new(
             kv.clone(),
             clock.clone() as Arc<dyn Clock>,
@@ -333,11 +384,20 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
     let mut stranded_seen = vec![0_u64; regions.len()];
     let mut windows: BTreeMap<u64, Vec<RegionWindow>> = BTreeMap::new();
 
+    let mut lost_by_window: BTreeMap<u64, u64> = BTreeMap::new();
     let mut elapsed_ms = 0;
     while elapsed_ms < scenario.duration_ms {
         let now_ms = START_MS + elapsed_ms;
         clock.set(now_ms);
         let window = Window::containing(now_ms, window_ms);
+        if let Some(failover) = scenario.failover
+            && failover.at_ms == elapsed_ms
+        {
+            let lost = allocator
+                .fail_over(&config, &clock, failover.records_kept, now_ms)
+                .await?;
+            *lost_by_window.entry(window.start_ms).or_default() += lost;
+        }
         for (index, plan) in scenario.regions.iter().enumerate() {
             let reachable = !plan
                 .partitions
@@ -410,6 +470,7 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
         .into_iter()
         .map(|(start_ms, regions)| WindowRecord {
             offset_ms: start_ms - START_MS,
+            lost_grant_record_tokens: lost_by_window.get(&start_ms).copied().unwrap_or(0),
             regions,
         })
         .collect();
@@ -429,6 +490,11 @@ fn lease_window(holder: &PoolHolder, lease: LeaseId) -> Option<u64> {
 
 /// The shipped grant service for the drill's one pool, as the agents reach it.
 struct DrillAllocator {
+    kv: Arc<dyn Kv>,
+    leadership: Leadership,
+    /// Keeps the current leader's role readable.
+    role_sender: watch::Sender<Role>,
+    clamping: LeaseClamping,
     grantor: Grantor,
     tenant: TenantId,
     pool: PoolId,
@@ -438,6 +504,103 @@ struct DrillAllocator {
 }
 
 impl DrillAllocator {
+    /// Replaces the leader: the old one loses its store lease (it crashed or was partitioned away),
+    /// a new one takes over with the next epoch. Returns the tokens granted in the current window
+    /// that the new leader cannot see (0 when records are kept).
+    async fn fail_over(
+        &mut self,
+        config: &PoolConfig,
+        clock: &Arc<ManualClock>,
+        records_kept: bool,
+        now_ms: u64,
+    ) -> Result<u64, String> {
+        let deposed = std::mem::replace(
+            &mut self.grantor,
+            Grantor::new(
+                self.kv.clone(),
+                clock.clone() as Arc<dyn Clock>,
+                self.role_sender.subscribe(),
+                self.clamping,
+                None,
+            ),
+        );
+        self.kv
+            .revoke(self.leadership.lease)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut lost = 0;
+        if !records_kept {
+            let current = config.window_at(now_ms);
+            lost = get_window(&*self.kv, &self.tenant, &self.pool)
+                .await
+                .map_err(|e| e.to_string())?
+                .filter(|(state, _)| state.window == current)
+                .map_or(0, |(state, _)| state.granted_tokens());
+            // The replica the new leader reads kept configurations and the epoch, not the grants.
+            let replica: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
+            for (key, value) in self
+                .kv
+                .get_prefix("/allot/", 10_000)
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                if key.starts_with("/allot/pools/") || key == EPOCH_KEY {
+                    replica
+                        .txn(
+                            Vec::new(),
+                            vec![Op::Put {
+                                key,
+                                value: value.value,
+                                lease: None,
+                            }],
+                        )
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+            self.kv = replica;
+        }
+        let leadership = try_acquire(&*self.kv, "drill-allocator-2", "http://drill-2", 1 << 40)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("the new allocator did not become leader")?;
+        debug_assert!(leadership.epoch > self.leadership.epoch);
+        self.leadership = leadership;
+        let (role_sender, role) = watch::channel(Role::Leader(leadership));
+        self.role_sender = role_sender;
+        self.grantor = Grantor::new(
+            self.kv.clone(),
+            clock.clone() as Arc<dyn Clock>,
+            role,
+            self.clamping,
+            None,
+        );
+        if records_kept {
+            // The deposed leader still believes it leads; its writes must be fenced off.
+            self.leases_asked += 1;
+            let region = config
+                .regions()
+                .first()
+                .cloned()
+                .ok_or("a pool has at least one region")?;
+            let attempt = deposed
+                .grant(
+                    &self.tenant,
+                    &self.pool,
+                    GrantRequest {
+                        lease_id: LeaseId::from_parts(now_ms, self.leases_asked),
+                        region,
+                        want_tokens: 1,
+                    },
+                )
+                .await;
+            if attempt.is_ok() {
+                return Err("a deposed allocator granted after the failover".to_owned());
+            }
+        }
+        Ok(lost)
+    }
+
     /// One renewal, as the agent's renewal task does it: ask for what the holder wants, record the
     /// grant against its window, hand it to the holder.
     async fn renew(
@@ -502,13 +665,17 @@ fn check(scenario: &Scenario, bound: &OvershootBound, windows: &[WindowRecord]) 
         let at = window.offset_ms / 1_000;
         let admitted = window.sum(RegionWindow::admitted);
         let granted = window.sum(|r| r.granted);
+        let bound = OvershootBound {
+            lost_grant_record_tokens: window.lost_grant_record_tokens,
+            ..*bound
+        };
         if !bound.holds(admitted) {
             violations.push(format!(
                 "window {at}s admitted {admitted} > bound {}",
                 bound.total_tokens()
             ));
         }
-        if granted > scenario.limit {
+        if granted > scenario.limit + window.lost_grant_record_tokens {
             violations.push(format!(
                 "window {at}s granted {granted} > G {}",
                 scenario.limit
@@ -577,6 +744,17 @@ fn check(scenario: &Scenario, bound: &OvershootBound, windows: &[WindowRecord]) 
                 ));
             }
         }
+        Expectation::OvershootWithinLostRecords => {
+            let lost: u64 = windows.iter().map(|w| w.lost_grant_record_tokens).sum();
+            if lost == 0 || max_admitted <= scenario.limit {
+                violations.push(format!(
+                    "expected an overshoot from {lost} lost grant records; the most a window admitted was {max_admitted}"
+                ));
+            }
+            if total_fallback + total_carried > 0 {
+                violations.push("expected neither fallback nor carry-over".to_owned());
+            }
+        }
         Expectation::CarryOverWithinTerm => {
             if total_carried == 0 {
                 violations.push("expected carry-over from unclamped leases".to_owned());
@@ -631,6 +809,7 @@ mod tests {
     fn window(admitted_leased: u64, granted: u64, fallback: u64) -> WindowRecord {
         WindowRecord {
             offset_ms: 0,
+            lost_grant_record_tokens: 0,
             regions: vec![RegionWindow {
                 demand: admitted_leased + fallback,
                 leased: admitted_leased,

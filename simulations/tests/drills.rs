@@ -128,3 +128,35 @@ fn allot_drill_runs_the_suite_and_names_unknown_drills_in_one_line() {
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.contains("no drill named \"nope\""), "{stderr}");
 }
+
+#[test]
+fn a_failover_on_etcd_semantics_changes_nothing_and_fences_the_deposed_leader() {
+    // The run fails (an Err, not a report) if the deposed allocator's grant is accepted.
+    let failover = drill("failover-etcd");
+    let steady = drill("clamped");
+    assert_eq!(failover.windows, steady.windows, "{}", failover.table());
+    assert!(
+        failover
+            .windows
+            .iter()
+            .all(|w| w.lost_grant_record_tokens == 0)
+    );
+}
+
+#[test]
+fn a_failover_that_loses_grant_records_overshoots_by_at_most_what_was_lost() {
+    let report = drill("failover-lost");
+    let s = &report.scenario;
+    let first = &report.windows[0];
+    let admitted: u64 = first.regions.iter().map(|r| r.admitted()).sum();
+    let lost = first.lost_grant_record_tokens;
+    // At 30 s the old leader had granted about half the pool; the new one grants G again.
+    assert!((300..=s.limit).contains(&lost), "lost {lost}");
+    assert!(admitted > s.limit, "{}", report.table());
+    assert!(admitted <= s.limit + lost, "{}", report.table());
+    // The next windows are back to normal.
+    for w in &report.windows[1..] {
+        assert_eq!(w.lost_grant_record_tokens, 0);
+        assert!(w.regions.iter().map(|r| r.admitted()).sum::<u64>() <= s.limit);
+    }
+}
