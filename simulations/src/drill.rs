@@ -75,10 +75,25 @@ pub struct Scenario {
     pub regions: Vec<RegionPlan>,
     /// Virtual duration, ms.
     pub duration_ms: u64,
+    /// How G is laid out over pools.
+    pub layout: PoolLayout,
     /// An allocator failover, if any.
     pub failover: Option<Failover>,
     /// What the run must show beyond the bound.
     pub expect: Expectation,
+}
+
+/// How the tenant's quota is laid out over allocator pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolLayout {
+    /// One pool of G shared by every region, leased on demand (Allot's design).
+    Shared,
+    /// One pool per region, each of this many tokens per window: G each models independent
+    /// regional limiters (up to regions x G), G / regions a static split.
+    PerRegion {
+        /// Tokens per window in each region's pool.
+        per_region_limit: u64,
+    },
 }
 
 /// The leading allocator is replaced by a new one at `at_ms` (ms since the drill's start).
@@ -104,6 +119,12 @@ pub enum Expectation {
     CarryOverWithinTerm,
     /// Some window admits more than G, by no more than the grants the failover lost.
     OvershootWithinLostRecords,
+    /// Some window admits more than G (independent regional limits), within regions x G.
+    OvershootAcrossRegions,
+    /// Some region is denied while the tenant's quota still had tokens (a static split).
+    DeniedWhileTokensLeft,
+    /// No overshoot, and no region is ever denied while the tenant's quota had tokens.
+    NoDenialWhileTokensLeft,
 }
 
 /// One region in one window.
@@ -123,6 +144,9 @@ pub struct RegionWindow {
     pub denied_fallback_spent: u64,
     /// Denied while waiting for a first grant.
     pub denied_awaiting: u64,
+    /// Of the pool-exhausted denials, those while the tenant's whole quota (G) was not yet granted
+    /// in this window: the cost of a static split.
+    pub denied_while_tokens_left: u64,
     /// Tokens granted to this region for this window.
     pub granted: u64,
     /// Tokens that became stranded during this window.
@@ -177,7 +201,7 @@ impl DrillReport {
     pub fn table(&self) -> String {
         let s = &self.scenario;
         let mut out = format!(
-            "drill {}: {}\n  G={} window={}ms chunk={} ttl={}ms fallback/region={} leases {}\n  bound per window = {} (G {} + carry-over {} + fallback {} + lost records {})\n",
+            "drill {}: {}\n  G={} window={}ms chunk={} ttl={}ms fallback/region={} leases {}\n  bound per window = {} (pool limits {} + carry-over {} + fallback {} + lost records {})\n",
             s.name,
             s.about,
             s.limit,
@@ -196,12 +220,12 @@ impl DrillReport {
             self.bound.lost_grant_record_tokens,
         );
         out.push_str(
-            "  window  region  demand  leased  carried  fallback  denied  granted  stranded\n",
+            "  window  region  demand  leased  carried  fallback  denied  (tokens left)  granted  stranded\n",
         );
         for window in &self.windows {
             for (plan, r) in s.regions.iter().zip(&window.regions) {
                 out.push_str(&format!(
-                    "  {:>5}s  {:<6}  {:>6}  {:>6}  {:>7}  {:>8}  {:>6}  {:>7}  {:>8}\n",
+                    "  {:>5}s  {:<6}  {:>6}  {:>6}  {:>7}  {:>8}  {:>6}  {:>13}  {:>7}  {:>8}\n",
                     window.offset_ms / 1_000,
                     plan.region,
                     r.demand,
@@ -209,6 +233,7 @@ impl DrillReport {
                     r.carried_over,
                     r.fallback,
                     r.denied_exhausted + r.denied_fallback_spent + r.denied_awaiting,
+                    r.denied_while_tokens_left,
                     r.granted,
                     r.stranded,
                 ));
@@ -256,6 +281,20 @@ pub fn builtin() -> Vec<Scenario> {
             },
         ]
     };
+    let nine_to_one = || {
+        vec![
+            RegionPlan {
+                region: "eu",
+                per_minute: 900,
+                partitions: Vec::new(),
+            },
+            RegionPlan {
+                region: "us",
+                per_minute: 100,
+                partitions: Vec::new(),
+            },
+        ]
+    };
     let base = Scenario {
         name: "clamped",
         about: "demand 1.5x G, EU 1200/min and US 300/min, leases clamped: nothing beyond G",
@@ -267,6 +306,7 @@ pub fn builtin() -> Vec<Scenario> {
         clamping: LeaseClamping::Clamped,
         regions: skewed(Vec::new()),
         duration_ms: 180_000,
+        layout: PoolLayout::Shared,
         failover: None,
         expect: Expectation::NoOvershoot,
     };
@@ -315,6 +355,32 @@ pub fn builtin() -> Vec<Scenario> {
                 records_kept: false,
             }),
             expect: Expectation::OvershootWithinLostRecords,
+            ..base.clone()
+        },
+        Scenario {
+            name: "independent",
+            about: "each region enforces G on its own (no allocator): admits up to regions x G",
+            layout: PoolLayout::PerRegion {
+                per_region_limit: 1_000,
+            },
+            expect: Expectation::OvershootAcrossRegions,
+            ..base.clone()
+        },
+        Scenario {
+            name: "static-split",
+            about: "G split 500/500 under EU 900/min, US 100/min: EU denied while US's half lies idle",
+            layout: PoolLayout::PerRegion {
+                per_region_limit: 500,
+            },
+            regions: nine_to_one(),
+            expect: Expectation::DeniedWhileTokensLeft,
+            ..base.clone()
+        },
+        Scenario {
+            name: "demand-weighted",
+            about: "one shared pool under EU 900/min, US 100/min: leases follow demand",
+            regions: nine_to_one(),
+            expect: Expectation::NoDenialWhileTokensLeft,
             ..base
         },
     ]
@@ -331,18 +397,49 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
         .iter()
         .map(|plan| RegionId::parse(plan.region).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()?;
-    let spec = PoolSpec {
-        limit: scenario.limit,
+    let spec = |limit: u64, regions: Vec<RegionId>| PoolSpec {
+        limit,
         window_ms: scenario.window_ms,
         chunk: scenario.chunk,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region: scenario.fallback_per_region,
-        regions: regions.clone(),
+        regions,
     };
-    let config = spec.validate().map_err(|e| e.to_string())?;
-    put_pool(&*kv, &tenant, &pool, spec, START_MS)
-        .await
+    // The tenant's quota as one pool: the bound's terms are computed from it.
+    let config = spec(scenario.limit, regions.clone())
+        .validate()
         .map_err(|e| e.to_string())?;
+    let (pools, pool_limits) = match scenario.layout {
+        PoolLayout::Shared => {
+            put_pool(
+                &*kv,
+                &tenant,
+                &pool,
+                spec(scenario.limit, regions.clone()),
+                START_MS,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            (vec![pool; regions.len()], scenario.limit)
+        }
+        PoolLayout::PerRegion { per_region_limit } => {
+            let mut pools = Vec::new();
+            for region in &regions {
+                let id = PoolId::parse(&format!("{pool}-{region}")).map_err(|e| e.to_string())?;
+                put_pool(
+                    &*kv,
+                    &tenant,
+                    &id,
+                    spec(per_region_limit, vec![region.clone()]),
+                    START_MS,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                pools.push(id);
+            }
+            (pools, per_region_limit * regions.len() as u64)
+        }
+    };
     // The leader key's store lease outlives any drill: failover drills replace it explicitly.
     let leadership = try_acquire(&*kv, "drill-allocator", "http://drill", 1 << 40)
         .await
@@ -362,7 +459,7 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
             None,
         ),
         tenant,
-        pool,
+        pools,
         region_count: regions.len(),
         leases_asked: 0,
     };
@@ -424,9 +521,11 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
                         .await?;
                     outcome = holder.spend(1, now_ms, reachable);
                 }
-                let record = &mut windows
+                let row = windows
                     .entry(window.start_ms)
-                    .or_insert_with(|| vec![RegionWindow::default(); regions.len()])[index];
+                    .or_insert_with(|| vec![RegionWindow::default(); regions.len()]);
+                let granted_in_window: u64 = row.iter().map(|r| r.granted).sum();
+                let record = &mut row[index];
                 record.demand += 1;
                 match outcome {
                     Spend::Leased(lease) => {
@@ -439,7 +538,12 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
                     }
                     Spend::Fallback { .. } => record.fallback += 1,
                     Spend::Denied { denial, .. } => match denial {
-                        Denial::PoolExhausted => record.denied_exhausted += 1,
+                        Denial::PoolExhausted => {
+                            record.denied_exhausted += 1;
+                            if granted_in_window < scenario.limit {
+                                record.denied_while_tokens_left += 1;
+                            }
+                        }
                         Denial::FallbackSpent | Denial::FailClosed => {
                             record.denied_fallback_spent += 1;
                         }
@@ -465,7 +569,10 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
         elapsed_ms += TICK_MS;
     }
 
-    let bound = OvershootBound::for_design(&config, scenario.clamping, MAX_LIVE_LEASES as u64, 0);
+    let bound = OvershootBound {
+        limit_tokens: pool_limits,
+        ..OvershootBound::for_design(&config, scenario.clamping, MAX_LIVE_LEASES as u64, 0)
+    };
     let windows: Vec<WindowRecord> = windows
         .into_iter()
         .map(|(start_ms, regions)| WindowRecord {
@@ -497,7 +604,8 @@ struct DrillAllocator {
     clamping: LeaseClamping,
     grantor: Grantor,
     tenant: TenantId,
-    pool: PoolId,
+    /// The pool each region draws from, by region index.
+    pools: Vec<PoolId>,
     region_count: usize,
     /// Lease ids are made from the virtual time and this counter (unique, reproducible).
     leases_asked: u128,
@@ -531,11 +639,15 @@ impl DrillAllocator {
         let mut lost = 0;
         if !records_kept {
             let current = config.window_at(now_ms);
-            lost = get_window(&*self.kv, &self.tenant, &self.pool)
-                .await
-                .map_err(|e| e.to_string())?
-                .filter(|(state, _)| state.window == current)
-                .map_or(0, |(state, _)| state.granted_tokens());
+            let mut pools = self.pools.clone();
+            pools.dedup();
+            for pool in &pools {
+                lost += get_window(&*self.kv, &self.tenant, pool)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .filter(|(state, _)| state.window == current)
+                    .map_or(0, |(state, _)| state.granted_tokens());
+            }
             // The replica the new leader reads kept configurations and the epoch, not the grants.
             let replica: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
             for (key, value) in self
@@ -586,7 +698,7 @@ impl DrillAllocator {
             let attempt = deposed
                 .grant(
                     &self.tenant,
-                    &self.pool,
+                    &self.pools[0],
                     GrantRequest {
                         lease_id: LeaseId::from_parts(now_ms, self.leases_asked),
                         region,
@@ -620,7 +732,7 @@ impl DrillAllocator {
             .grantor
             .grant(
                 &self.tenant,
-                &self.pool,
+                &self.pools[index],
                 GrantRequest {
                     lease_id: LeaseId::from_parts(now_ms, self.leases_asked),
                     region: region.clone(),
@@ -675,10 +787,10 @@ fn check(scenario: &Scenario, bound: &OvershootBound, windows: &[WindowRecord]) 
                 bound.total_tokens()
             ));
         }
-        if granted > scenario.limit + window.lost_grant_record_tokens {
+        if granted > bound.limit_tokens + window.lost_grant_record_tokens {
             violations.push(format!(
-                "window {at}s granted {granted} > G {}",
-                scenario.limit
+                "window {at}s granted {granted} > the pools' limits {}",
+                bound.limit_tokens
             ));
         }
         let leased = window.sum(|r| r.leased);
@@ -710,6 +822,10 @@ fn check(scenario: &Scenario, bound: &OvershootBound, windows: &[WindowRecord]) 
         .unwrap_or(0);
     let total_fallback: u64 = windows.iter().map(|w| w.sum(|r| r.fallback)).sum();
     let total_carried: u64 = windows.iter().map(|w| w.sum(|r| r.carried_over)).sum();
+    let denied_while_left: u64 = windows
+        .iter()
+        .map(|w| w.sum(|r| r.denied_while_tokens_left))
+        .sum();
     match scenario.expect {
         Expectation::NoOvershoot => {
             if max_admitted > scenario.limit {
@@ -753,6 +869,32 @@ fn check(scenario: &Scenario, bound: &OvershootBound, windows: &[WindowRecord]) 
             }
             if total_fallback + total_carried > 0 {
                 violations.push("expected neither fallback nor carry-over".to_owned());
+            }
+        }
+        Expectation::OvershootAcrossRegions => {
+            if max_admitted <= scenario.limit || max_admitted > scenario.limit * regions {
+                violations.push(format!(
+                    "expected a window above G {} and within regions x G; the most was {max_admitted}",
+                    scenario.limit
+                ));
+            }
+        }
+        Expectation::DeniedWhileTokensLeft => {
+            if max_admitted > scenario.limit {
+                violations.push(format!("a window admitted {max_admitted} > G"));
+            }
+            if denied_while_left == 0 {
+                violations.push("expected denials while the quota had tokens".to_owned());
+            }
+        }
+        Expectation::NoDenialWhileTokensLeft => {
+            if max_admitted > scenario.limit {
+                violations.push(format!("a window admitted {max_admitted} > G"));
+            }
+            if denied_while_left > 0 {
+                violations.push(format!(
+                    "{denied_while_left} denials while the quota had tokens"
+                ));
             }
         }
         Expectation::CarryOverWithinTerm => {
@@ -849,7 +991,9 @@ mod tests {
             "{violations:?}"
         );
         assert!(
-            violations.iter().any(|v| v.contains("granted 1150 > G")),
+            violations
+                .iter()
+                .any(|v| v.contains("granted 1150 > the pools' limits 1000")),
             "{violations:?}"
         );
         assert!(

@@ -160,3 +160,54 @@ fn a_failover_that_loses_grant_records_overshoots_by_at_most_what_was_lost() {
         assert!(w.regions.iter().map(|r| r.admitted()).sum::<u64>() <= s.limit);
     }
 }
+
+fn admitted(report: &DrillReport, window: usize, region: usize) -> u64 {
+    report.windows[window].regions[region].admitted()
+}
+
+#[test]
+fn independent_regional_limits_admit_up_to_regions_times_g() {
+    let report = drill("independent");
+    let s = &report.scenario;
+    for (w, window) in report.windows.iter().enumerate() {
+        // EU's demand (1200) exceeds its own G, so it admits all of it; US admits its demand but
+        // the request it waited on for its first grant.
+        assert_eq!(admitted(&report, w, 0), s.limit);
+        let total: u64 = window.regions.iter().map(|r| r.admitted()).sum();
+        assert!(
+            total > s.limit && total <= 2 * s.limit,
+            "{}",
+            report.table()
+        );
+    }
+}
+
+#[test]
+fn a_static_split_denies_the_busy_region_while_the_quiet_region_holds_the_rest() {
+    let split = drill("static-split");
+    let weighted = drill("demand-weighted");
+    for w in 0..split.windows.len() {
+        let eu = &split.windows[w].regions[0];
+        // EU gets exactly its half; every one of its other requests is denied with quota to spare.
+        assert_eq!(eu.admitted(), 500);
+        assert_eq!(eu.denied_while_tokens_left, eu.demand - 500);
+        // One shared pool leased on demand serves EU far better, with no such denial anywhere.
+        assert!(
+            admitted(&weighted, w, 0) >= 500 + 300,
+            "{}",
+            weighted.table()
+        );
+        assert!(
+            weighted.windows[w]
+                .regions
+                .iter()
+                .all(|r| r.denied_while_tokens_left == 0)
+        );
+        let total: u64 = weighted.windows[w]
+            .regions
+            .iter()
+            .map(|r| r.admitted())
+            .sum();
+        assert!(total <= weighted.scenario.limit);
+    }
+}
