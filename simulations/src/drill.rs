@@ -128,7 +128,8 @@ pub enum Expectation {
 }
 
 /// One region in one window.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct RegionWindow {
     /// Requests arriving.
     pub demand: u64,
@@ -195,6 +196,58 @@ impl DrillReport {
     /// Whether every invariant and the expectation held.
     pub fn passed(&self) -> bool {
         self.violations.is_empty()
+    }
+
+    /// The report for machines: the scenario, the bound's terms, every window with its regions, and
+    /// the violations.
+    pub fn json(&self) -> serde_json::Value {
+        let s = &self.scenario;
+        let windows: Vec<serde_json::Value> = self
+            .windows
+            .iter()
+            .map(|w| {
+                let regions: Vec<serde_json::Value> = s
+                    .regions
+                    .iter()
+                    .zip(&w.regions)
+                    .map(|(plan, r)| {
+                        let mut value = serde_json::json!(r);
+                        value["region"] = serde_json::json!(plan.region);
+                        value["admitted"] = serde_json::json!(r.admitted());
+                        value
+                    })
+                    .collect();
+                let admitted = w.sum(RegionWindow::admitted);
+                serde_json::json!({
+                    "offsetMs": w.offset_ms,
+                    "admitted": admitted,
+                    "overshoot": overshoot_tokens(admitted, s.limit),
+                    "bound": self.bound.total_tokens() + w.lost_grant_record_tokens,
+                    "lostGrantRecordTokens": w.lost_grant_record_tokens,
+                    "regions": regions,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "name": s.name,
+            "about": s.about,
+            "limit": s.limit,
+            "windowMs": s.window_ms,
+            "chunk": s.chunk,
+            "leaseTtlMs": s.lease_ttl_ms,
+            "fallbackPerRegion": s.fallback_per_region,
+            "clamped": s.clamping == LeaseClamping::Clamped,
+            "bound": {
+                "limitTokens": self.bound.limit_tokens,
+                "unclampedCarryOverTokens": self.bound.unclamped_carry_over_tokens,
+                "fallbackAllowanceTokens": self.bound.fallback_allowance_tokens,
+                "lostGrantRecordTokens": self.bound.lost_grant_record_tokens,
+                "totalTokens": self.bound.total_tokens(),
+            },
+            "windows": windows,
+            "passed": self.passed(),
+            "violations": self.violations,
+        })
     }
 
     /// A terminal table: one line per window.
@@ -906,9 +959,9 @@ fn check(scenario: &Scenario, bound: &OvershootBound, windows: &[WindowRecord]) 
     violations
 }
 
-/// Runs the named drills (all when `names` is empty) on a single-threaded runtime: the table for
-/// each, and an error naming the failed ones.
-pub fn run_blocking(names: &[String]) -> Result<String, String> {
+/// Runs the named drills (all when `names` is empty) on a single-threaded runtime: the table (or,
+/// with `json`, a JSON array) for each, and an error naming the failed ones.
+pub fn run_blocking(names: &[String], json: bool) -> Result<String, String> {
     let all = builtin();
     let chosen: Vec<Scenario> = if names.is_empty() {
         all
@@ -929,13 +982,22 @@ pub fn run_blocking(names: &[String]) -> Result<String, String> {
         .map_err(|e| format!("cannot start a runtime: {e}"))?;
     let mut out = String::new();
     let mut failed = Vec::new();
+    let mut reports = Vec::new();
     for scenario in &chosen {
         let report = runtime.block_on(run(scenario))?;
-        out.push_str(&report.table());
-        out.push('\n');
+        if json {
+            reports.push(report.json());
+        } else {
+            out.push_str(&report.table());
+            out.push('\n');
+        }
         if !report.passed() {
             failed.push(scenario.name);
         }
+    }
+    if json {
+        out = serde_json::to_string_pretty(&reports).map_err(|e| e.to_string())?;
+        out.push('\n');
     }
     if failed.is_empty() {
         Ok(out)

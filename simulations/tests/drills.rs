@@ -211,3 +211,30 @@ fn a_static_split_denies_the_busy_region_while_the_quiet_region_holds_the_rest()
         assert!(total <= weighted.scenario.limit);
     }
 }
+
+#[test]
+fn allot_drill_json_carries_every_window_and_the_bound_terms() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_allot"))
+        .args(["drill", "--json", "fallback"])
+        .output()
+        .expect("allot runs");
+    assert!(output.status.success());
+    let reports: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let report = &reports[0];
+    assert_eq!(report["name"], "fallback");
+    assert_eq!(report["passed"], true);
+    assert_eq!(report["bound"]["totalTokens"], 1_200);
+    let expected = drill("fallback");
+    let windows = report["windows"].as_array().expect("windows");
+    assert_eq!(windows.len(), expected.windows.len());
+    assert_eq!(windows[1]["regions"][0]["region"], "eu");
+    assert_eq!(windows[1]["regions"][0]["fallback"], 100);
+    assert_eq!(
+        windows[2]["admitted"],
+        expected.windows[2]
+            .regions
+            .iter()
+            .map(|r| r.admitted())
+            .sum::<u64>()
+    );
+}

@@ -68,8 +68,11 @@ enum Command {
     /// Run the built-in partition drills (all, or the named ones) on the shipped allocator and agent
     /// logic in virtual time; exits non-zero when a drill misses its expected outcome.
     Drill {
-        /// Drill names (clamped, unclamped, fallback); none runs them all.
+        /// Drill names (see docs/drills.md); none runs them all.
         names: Vec<String>,
+        /// Print the reports as JSON instead of tables.
+        #[arg(long)]
+        json: bool,
     },
     /// Policy bundle tools.
     Policy {
@@ -132,7 +135,7 @@ fn main() -> ExitCode {
             demo,
             demo_rate_per_s: demo_rate,
         }),
-        Command::Drill { names } => allot_simulations::drill::run_blocking(&names),
+        Command::Drill { names, json } => allot_simulations::drill::run_blocking(&names, json),
         Command::Policy {
             command: PolicyCommand::Check { file },
         } => policy_check(&file),
