@@ -1045,41 +1045,26 @@ mod tests {
         );
     }
 
+    /// Fails unless one of `violations` contains `needle`.
+    fn assert_violation(violations: &[String], needle: &str) {
+        assert!(
+            violations.iter().any(|v| v.contains(needle)),
+            "no violation mentions {needle:?}: {violations:?}"
+        );
+    }
+
     #[test]
     fn the_checker_catches_admits_beyond_the_bound_and_grants_beyond_g() {
         let violations = check(&scenario(), &bound(), &[window(1_150, 1_150, 100)]);
-        assert!(
-            violations.iter().any(|v| v.contains("> bound 1200")),
-            "{violations:?}"
-        );
-        assert!(
-            violations
-                .iter()
-                .any(|v| v.contains("granted 1150 > the pools' limits 1000")),
-            "{violations:?}"
-        );
-        assert!(
-            violations
-                .iter()
-                .any(|v| v.contains("expected no overshoot")),
-            "{violations:?}"
-        );
+        assert_violation(&violations, "> bound 1200");
+        assert_violation(&violations, "granted 1150 > the pools' limits 1000");
+        assert_violation(&violations, "expected no overshoot");
     }
 
     #[test]
     fn the_checker_catches_spending_more_than_was_granted_and_fallback_beyond_the_allowance() {
         let violations = check(&scenario(), &bound(), &[window(500, 400, 101)]);
-        assert!(
-            violations
-                .iter()
-                .any(|v| v.contains("spent 500 leased tokens of 400")),
-            "{violations:?}"
-        );
-        assert!(
-            violations
-                .iter()
-                .any(|v| v.contains("101 in fallback > allowance 100")),
-            "{violations:?}"
-        );
+        assert_violation(&violations, "spent 500 leased tokens of 400");
+        assert_violation(&violations, "101 in fallback > allowance 100");
     }
 }
