@@ -574,15 +574,15 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
                         .await?;
                     outcome = holder.spend(1, now_ms, reachable);
                 }
-                let row = windows
-                    .entry(window.start_ms)
-                    .or_insert_with(|| vec![RegionWindow::default(); regions.len()]);
+                let row = window_row(&mut windows, window.start_ms, regions.len());
                 let granted_in_window: u64 = row.iter().map(|r| r.granted).sum();
                 let record = &mut row[index];
                 record.demand += 1;
                 match outcome {
                     Spend::Leased(lease) => {
-                        if lease_window(holder, lease).is_some_and(|start| start < window.start_ms)
+                        if holder
+                            .lease_window_start_ms(lease)
+                            .is_some_and(|start| start < window.start_ms)
                         {
                             record.carried_over += 1;
                         } else {
@@ -604,7 +604,7 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
                     },
                 }
             }
-            if reachable && holder.wants(now_ms, ROUND_TRIP_MS).is_some() {
+            if reachable {
                 allocator
                     .renew(&regions[index], holder, index, now_ms, &mut windows)
                     .await?;
@@ -613,10 +613,8 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
             let report = holder.pending_report(now_ms);
             holder.acknowledge(&report, now_ms);
             let stranded = holder.stranded_tokens();
-            windows
-                .entry(window.start_ms)
-                .or_insert_with(|| vec![RegionWindow::default(); regions.len()])[index]
-                .stranded += stranded - stranded_seen[index];
+            window_row(&mut windows, window.start_ms, regions.len())[index].stranded +=
+                stranded - stranded_seen[index];
             stranded_seen[index] = stranded;
         }
         elapsed_ms += TICK_MS;
@@ -643,9 +641,15 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
     })
 }
 
-/// The window a held lease belongs to, if the holder still knows it.
-fn lease_window(holder: &PoolHolder, lease: LeaseId) -> Option<u64> {
-    holder.lease_window_start_ms(lease)
+/// The per-region records of the window starting at `start_ms` (epoch ms), created empty.
+fn window_row(
+    windows: &mut BTreeMap<u64, Vec<RegionWindow>>,
+    start_ms: u64,
+    region_count: usize,
+) -> &mut Vec<RegionWindow> {
+    windows
+        .entry(start_ms)
+        .or_insert_with(|| vec![RegionWindow::default(); region_count])
 }
 
 /// The shipped grant service for the drill's one pool, as the agents reach it.
@@ -795,10 +799,8 @@ impl DrillAllocator {
             .await;
         holder.end_renewal();
         let record = answer.map_err(|e| format!("grant failed: {e}"))?;
-        windows
-            .entry(record.window_start_ms)
-            .or_insert_with(|| vec![RegionWindow::default(); self.region_count])[index]
-            .granted += record.granted;
+        window_row(windows, record.window_start_ms, self.region_count)[index].granted +=
+            record.granted;
         let verdict = holder.accept(
             LeaseGrant {
                 lease_id: record.lease_id,
