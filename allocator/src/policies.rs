@@ -247,8 +247,10 @@ pub async fn agent_statuses(
             stale.push(Op::Delete { key });
         }
     }
-    if !stale.is_empty() {
-        kv.txn(vec![], stale).await?;
+    // One transaction may hold at most MAX_TXN_OPS operations; a larger sweep in one would be
+    // refused every time and the stale set would only grow.
+    for chunk in stale.chunks(crate::kv::MAX_TXN_OPS) {
+        kv.txn(vec![], chunk.to_vec()).await?;
     }
     Ok(fresh)
 }
