@@ -342,6 +342,9 @@ impl Grantor {
         if let Some(sender) = workers.get(key).filter(|s| !s.is_closed()) {
             return sender.clone();
         }
+        // Workers exit when idle (or find no pool); forget them here so the map holds live pools
+        // only, whatever names callers send.
+        workers.retain(|_, sender| !sender.is_closed());
         let (sender, receiver) = mpsc::channel(QUEUE_PER_POOL);
         workers.insert(key.clone(), sender.clone());
         let worker = PoolWorker {
