@@ -36,7 +36,7 @@ use crate::limiter::{LeaseCall, LeaseOp, Limiter, plan_request};
 /// Longest a request waits for the first grant of a pool it triggered.
 pub const FIRST_GRANT_WAIT: Duration = Duration::from_millis(200);
 /// Retry hint of a concurrency denial, ms: a slot frees when a holder finishes, at no known time.
-pub const CONCURRENCY_RETRY_MS: i64 = 1_000;
+pub const CONCURRENCY_RETRY_MS: u64 = 1_000;
 /// Most pools an agent holds at once (I10).
 pub const MAX_POOLS: usize = 10_000;
 
@@ -364,19 +364,11 @@ impl Agent {
                 Ok(outcome) if outcome.held => held.push(call),
                 Ok(_) => {
                     self.release_all(&held).await;
-                    return Ok(Decision {
-                        allowed: false,
-                        decision_id: request.request_id.clone(),
-                        policy_id: Some(rule.id.to_string()),
-                        policy_version: version,
-                        denied_scope: Some(DeniedScope::Concurrency),
-                        reason: Some(Reason::ConcurrencyExceeded),
-                        limit: semaphore.max_in_flight(),
-                        remaining: 0,
-                        // A slot frees when some holder finishes: no computable time.
-                        retry_after_ms: CONCURRENCY_RETRY_MS,
-                        fallback: false,
-                    });
+                    return Ok(crate::limiter::concurrency_denial(
+                        &planned,
+                        index,
+                        CONCURRENCY_RETRY_MS,
+                    ));
                 }
                 Err(error) => {
                     tracing::warn!(%error, rule = %rule.id, "concurrency lease call failed");
