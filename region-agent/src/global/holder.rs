@@ -272,11 +272,17 @@ impl PoolHolder {
     /// Moves leases past their usable end to the ended list; their unspent tokens are stranded.
     fn expire(&mut self, now_ms: u64) {
         let margin = self.config.expiry_margin_ms;
-        let (still, done): (Vec<HeldLease>, Vec<HeldLease>) = std::mem::take(&mut self.live)
-            .into_iter()
-            .partition(|l| now_ms < l.usable_until_ms(margin));
-        self.live = still;
-        for lease in done {
+        // `live` is sorted by end (see `accept`): the ended leases are a prefix, and the common
+        // case (none ended) allocates nothing.
+        debug_assert!(
+            self.live
+                .windows(2)
+                .all(|w| w[0].grant.expires_at_ms <= w[1].grant.expires_at_ms)
+        );
+        let ended = self
+            .live
+            .partition_point(|l| now_ms >= l.usable_until_ms(margin));
+        for lease in self.live.drain(..ended) {
             self.stranded_tokens += lease.remaining_tokens();
             self.ended.push(lease);
         }
