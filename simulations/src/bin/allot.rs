@@ -103,8 +103,9 @@ enum Command {
         /// Leave leases unclamped (a lease may outlive its window). Production always clamps.
         #[arg(long)]
         unclamped: bool,
-        /// Leases a region may hold at once (2 with a prefetched renewal).
-        #[arg(long, default_value_t = 1)]
+        /// Leases a region's agent may hold at once (the shipped agent's limit by default; the
+        /// carry-over term grows with it when leases are unclamped).
+        #[arg(long, default_value_t = allot_region_agent::global::holder::MAX_LIVE_LEASES as u64)]
         max_leases_per_region: u64,
         /// Tokens re-granted after an allocator failover lost grant records (0 with etcd).
         #[arg(long, default_value_t = 0)]
