@@ -35,6 +35,9 @@ use crate::limiter::{LeaseCall, LeaseOp, Limiter, plan_request};
 
 /// Longest a request waits for the first grant of a pool it triggered.
 pub const FIRST_GRANT_WAIT: Duration = Duration::from_millis(200);
+/// Tokens are never spent within this many ms of a lease's end (clock-rate error between the agent
+/// and the allocator): the shipped default.
+pub const DEFAULT_EXPIRY_MARGIN_MS: u64 = 50;
 /// Retry hint of a concurrency denial, ms: a slot frees when a holder finishes, at no known time.
 pub const CONCURRENCY_RETRY_MS: u64 = 1_000;
 /// Most pools an agent holds at once (I10).

@@ -158,7 +158,7 @@ pub async fn run_dev(
                 pepper: pepper.clone(),
                 ip_prefixes: IpPrefixes::default(),
                 decision_record_ttl_ms: DEFAULT_DECISION_RECORD_TTL_MS,
-                expiry_margin_ms: 50,
+                expiry_margin_ms: allot_region_agent::service::DEFAULT_EXPIRY_MARGIN_MS,
                 allocator_round_trip_ms: 5,
                 policy_max_age_ms: 0,
             },

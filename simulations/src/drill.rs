@@ -24,6 +24,7 @@ use allot_allocator::pools::{PoolSpec, get_window, put_pool};
 use allot_region_agent::global::holder::{
     Denial, GrantVerdict, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
 };
+use allot_region_agent::service::DEFAULT_EXPIRY_MARGIN_MS;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{
     GrantRequest, LeaseClamping, OvershootBound, PoolConfig, overshoot_tokens,
@@ -35,8 +36,6 @@ use tokio::sync::watch;
 const START_MS: u64 = 1_767_225_600_000;
 /// Virtual time advances in steps of this many ms.
 const TICK_MS: u64 = 100;
-/// The agents' lease safety margin, ms (the shipped default order of magnitude).
-const EXPIRY_MARGIN_MS: u64 = 250;
 /// The allocator round trip the agents assume, ms.
 const ROUND_TRIP_MS: u64 = 20;
 
@@ -523,7 +522,7 @@ pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
         chunk_tokens: scenario.chunk,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region,
-        expiry_margin_ms: EXPIRY_MARGIN_MS,
+        expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS,
     };
     let mut holders: Vec<PoolHolder> = regions
         .iter()

@@ -170,8 +170,7 @@ fn independent_regional_limits_admit_up_to_regions_times_g() {
     let report = drill("independent");
     let s = &report.scenario;
     for (w, window) in report.windows.iter().enumerate() {
-        // EU's demand (1200) exceeds its own G, so it admits all of it; US admits its demand but
-        // the request it waited on for its first grant.
+        // EU's demand (1200) exceeds its own G, so it admits exactly G; US's (300) fits in its own.
         assert_eq!(admitted(&report, w, 0), s.limit);
         let total: u64 = window.regions.iter().map(|r| r.admitted()).sum();
         assert!(
@@ -236,5 +235,39 @@ fn allot_drill_json_carries_every_window_and_the_bound_terms() {
             .iter()
             .map(|r| r.admitted())
             .sum::<u64>()
+    );
+}
+
+fn admitted_per_window(report: &DrillReport, region: Option<usize>) -> Vec<u64> {
+    report
+        .windows
+        .iter()
+        .map(|w| match region {
+            Some(index) => w.regions[index].admitted(),
+            None => w.regions.iter().map(|r| r.admitted()).sum(),
+        })
+        .collect()
+}
+
+/// The figures docs/drills.md quotes are the ones the drills produce.
+#[test]
+fn the_figures_in_the_drill_docs_are_what_the_drills_produce() {
+    assert_eq!(
+        admitted_per_window(&drill("clamped"), None),
+        [988, 994, 994]
+    );
+    let fallback = drill("fallback");
+    assert_eq!(admitted_per_window(&fallback, None)[2], 1_079);
+    assert_eq!(fallback.windows[1].regions[1].stranded, 12);
+    let lost = drill("failover-lost");
+    assert_eq!(lost.windows[0].lost_grant_record_tokens, 880);
+    assert_eq!(admitted_per_window(&lost, None)[0], 1_500);
+    assert_eq!(
+        admitted_per_window(&drill("independent"), None),
+        [1_300, 1_300, 1_300]
+    );
+    assert_eq!(
+        admitted_per_window(&drill("demand-weighted"), Some(0)),
+        [865, 880, 880]
     );
 }
