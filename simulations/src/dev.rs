@@ -239,6 +239,18 @@ pub async fn run_dev(
     Ok(())
 }
 
+/// Most demo requests awaiting an answer at once.
+const MAX_DEMO_IN_FLIGHT: usize = 1_024;
+
+/// Aborts a task when dropped (the demo's traffic driver stops with the demo).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Admissions per window and region, counted by the demo's own gateways.
 type WindowCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<(u64, usize), (u64, u64)>>>;
 
@@ -257,11 +269,18 @@ async fn demo(
     let (driver_counts, driver_agents, driver_clock) =
         (counts.clone(), agents.clone(), clock.clone());
     let window_ms = config.window_ms();
-    tokio::spawn(async move {
+    // Aborted with the demo; its requests live in a bounded set that is aborted with it.
+    let _driver = AbortOnDrop(tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval);
+        let mut in_flight = tokio::task::JoinSet::new();
         let mut n: u64 = 0;
         loop {
             tick.tick().await;
+            while in_flight.try_join_next().is_some() {}
+            if in_flight.len() >= MAX_DEMO_IN_FLIGHT {
+                // The agents are slower than the demo rate: skip this request (I10).
+                continue;
+            }
             n += 1;
             let index = usize::from(n.is_multiple_of(10) && driver_agents.len() > 1);
             let agent = driver_agents[index].1.clone();
@@ -287,7 +306,7 @@ async fn demo(
                 cost_hint: 1,
                 policy_epoch: None,
             };
-            tokio::spawn(async move {
+            in_flight.spawn(async move {
                 if let Ok(decision) = agent.admit(&request).await {
                     let window =
                         allot_shared::window::Window::containing(clock.now_ms(), window_ms);
@@ -305,7 +324,7 @@ async fn demo(
                 }
             });
         }
-    });
+    }));
     let (Ok(tenant), Ok(pool)) = (TenantId::parse("atlas"), PoolId::parse("api")) else {
         return;
     };
