@@ -114,6 +114,9 @@ async fn grant_once(
     None
 }
 
+/// A client gives up on one lease after this many tries, 20 ms apart (far beyond a failover).
+const MAX_GRANT_TRIES: u32 = 3_000;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
     let mut etcd = EtcdCluster::start(3);
@@ -178,6 +181,10 @@ async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
                 let mut tries = 0;
                 let record = loop {
                     tries += 1;
+                    assert!(
+                        tries <= MAX_GRANT_TRIES,
+                        "no allocator answered a grant in {MAX_GRANT_TRIES} tries"
+                    );
                     if let Some(record) = grant_once(&client, &urls, lease, 1 + n % 10).await {
                         break record;
                     }

@@ -47,7 +47,10 @@ fn request(id: &str, kind: &str, who: &str) -> Value {
 #[tokio::test]
 async fn check_answers_with_the_status_a_proxy_needs() {
     let url = start().await;
-    let http = reqwest::Client::new();
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
     let check = |body: Value| {
         http.post(format!("{url}/v1/check"))
             .bearer_auth(GATEWAY)
@@ -137,7 +140,10 @@ async fn check_answers_with_the_status_a_proxy_needs() {
 #[tokio::test]
 async fn check_takes_headers_and_refuses_bad_input() {
     let url = start().await;
-    let http = reqwest::Client::new();
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
     let with_headers = |id: &str, extra: Option<(&str, &str)>| {
         let mut request = http
             .post(format!("{url}/v1/check"))

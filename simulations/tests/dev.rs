@@ -40,7 +40,10 @@ async fn allot_dev_serves_and_stops() {
             let _ = stopped.await;
         },
     ));
-    let client = reqwest::Client::new();
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
     for port in [base, base + 1, base + 2] {
         let mut ready = false;
         for _ in 0..200 {

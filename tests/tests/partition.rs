@@ -58,7 +58,10 @@ async fn start_allocator(etcd: &[String], dir: &std::path::Path, port: u16) -> R
             let _ = stopped.await;
         },
     ));
-    let client = reqwest::Client::new();
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
     for _ in 0..400 {
         if let Ok(r) = client.get(format!("http://{addr}/readyz")).send().await
             && r.status() == 200
@@ -98,7 +101,10 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
         .expect("free port");
     let allocator = start_allocator(&endpoints, dir.path(), port).await;
     let url = format!("http://127.0.0.1:{port}");
-    let http = reqwest::Client::new();
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
     // An hour-long window, 1 s leases, 20 tokens of fallback per region.
     let pool = json!({ "limit": 1000, "windowMs": 3_600_000, "chunk": 10, "leaseTtlMs": 1000,
                        "fallbackPerRegion": 20, "regions": ["eu", "us"] });

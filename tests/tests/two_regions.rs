@@ -109,7 +109,10 @@ async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> String {
         std::future::pending(),
     ));
     let url = format!("http://{addr}");
-    let client = reqwest::Client::new();
+    let client = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
     for _ in 0..200 {
         if let Ok(r) = client.get(format!("{url}/readyz")).send().await
             && r.status() == 200
@@ -132,7 +135,10 @@ async fn two_regions_share_one_pool_without_overshoot() {
     let (eu_redis, us_redis) = (RedisServer::start(), RedisServer::start());
     let dir = tempfile::tempdir().expect("temp dir");
     let allocator = start_allocator(&etcd, dir.path()).await;
-    let http = reqwest::Client::new();
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
     // An hour-long window, so that the whole run is one window.
     let pool = json!({ "limit": 1000, "windowMs": 3_600_000, "chunk": 100, "leaseTtlMs": 15000,
                        "fallbackPerRegion": 100, "regions": ["eu", "us"] });

@@ -54,7 +54,10 @@ pub async fn start() -> Server {
     }));
     let server = Server {
         url: format!("http://{addr}"),
-        client: reqwest::Client::new(),
+        client: reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(5))
+            .build()
+            .expect("http client"),
         _stop: stop,
         _dir: dir,
     };
