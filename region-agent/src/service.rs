@@ -96,7 +96,8 @@ pub struct Agent {
     /// an older version), epoch ms.
     bundle_confirmed_at_ms: std::sync::atomic::AtomicU64,
     /// The sampled decision log, when configured.
-    decision_log: Mutex<Option<crate::decision_log::DecisionLog>>,
+    /// Set once at startup; read lock-free on every admit.
+    decision_log: std::sync::OnceLock<crate::decision_log::DecisionLog>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -126,13 +127,16 @@ impl Agent {
             allocator,
             pools: Mutex::new(HashMap::new()),
             reachable: AtomicBool::new(true),
-            decision_log: Mutex::new(None),
+            decision_log: std::sync::OnceLock::new(),
         })
     }
 
-    /// Starts logging sampled decisions to `log`.
+    /// Starts logging sampled decisions to `log`. Once per agent: a second log is refused (and
+    /// warned about), never swapped in under running requests.
     pub fn set_decision_log(&self, log: crate::decision_log::DecisionLog) {
-        *lock(&self.decision_log) = Some(log);
+        if self.decision_log.set(log).is_err() {
+            tracing::warn!("a decision log is already set; the new one is ignored");
+        }
     }
 
     /// The bundle in force.
@@ -246,7 +250,7 @@ impl Agent {
             "rule" => decision.policy_id.clone().unwrap_or_default(),
             "policy_version" => decision.policy_version.to_string())
         .increment(1);
-        if let Some(log) = lock(&self.decision_log).as_ref() {
+        if let Some(log) = self.decision_log.get() {
             log.record(self.clock.now_ms(), request, &decision);
         }
         Ok(decision)
