@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 
 /// Deadline of one allocator call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest answer body read from an allocator (the biggest is a policy bundle: at most 1,000 rules);
+/// a longer one is refused, not buffered (I10).
+pub const MAX_ANSWER_BYTES: usize = 4 << 20;
 
 /// Why an allocator call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -130,6 +133,36 @@ pub struct AllocatorClient {
     preferred: AtomicUsize,
 }
 
+/// Reads an answer's body, refusing one longer than `limit` bytes without buffering the rest.
+async fn read_capped(
+    mut response: reqwest::Response,
+    limit: usize,
+) -> Result<Vec<u8>, ClientError> {
+    let status = response.status().as_u16();
+    let too_long = || ClientError::Refused {
+        status,
+        detail: format!("answer longer than {limit} bytes"),
+    };
+    if response
+        .content_length()
+        .is_some_and(|length| length > limit as u64)
+    {
+        return Err(too_long());
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|e| ClientError::Unreachable(e.to_string()))?
+    {
+        if body.len() + chunk.len() > limit {
+            return Err(too_long());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
 impl AllocatorClient {
     /// A client of the allocators at `urls` (at least one), authenticating with the agent `token`.
     pub fn new(urls: Vec<String>, token: String) -> Result<Self, ClientError> {
@@ -193,21 +226,22 @@ impl AllocatorClient {
                 if let Some(index) = index {
                     self.preferred.store(index, Ordering::Relaxed);
                 }
-                let text = response
-                    .text()
-                    .await
-                    .map_err(|e| ClientError::Unreachable(e.to_string()))?;
-                if text.trim().is_empty() {
+                let body = read_capped(response, MAX_ANSWER_BYTES).await?;
+                if body.iter().all(u8::is_ascii_whitespace) {
                     return Ok(None);
                 }
-                return serde_json::from_str(&text)
+                return serde_json::from_slice(&body)
                     .map(Some)
                     .map_err(|e| ClientError::Refused {
                         status: status.as_u16(),
                         detail: format!("unreadable answer: {e}"),
                     });
             }
-            let problem: ProblemBody = response.json().await.unwrap_or(ProblemBody {
+            let problem: ProblemBody = match read_capped(response, MAX_ANSWER_BYTES).await {
+                Ok(body) => serde_json::from_slice(&body).ok(),
+                Err(_) => None,
+            }
+            .unwrap_or(ProblemBody {
                 detail: String::new(),
                 leader: None,
             });

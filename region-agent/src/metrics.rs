@@ -34,6 +34,11 @@ pub const POLICY_AGE_SECONDS: &str = "allot_agent_policy_age_seconds";
 /// negative_cache_hits, cardinality_refusals, fallback, unavailable, policy_errors, breaker_refusals,
 /// in_flight_exhausted.
 pub const LIMITER_DECISIONS: &str = "allot_agent_limiter_decisions";
+/// Pools the agent holds terms and leases for.
+pub const POOLS_HELD: &str = "allot_agent_pools";
+/// Report lines dropped since start because the allocator stayed unreachable past the holders'
+/// bounds (leases then show as unreported in the ledger; fallback windows go unaccounted).
+pub const REPORT_LINES_DROPPED: &str = "allot_agent_report_lines_dropped";
 
 /// Installs the process-wide Prometheus recorder on first use and returns its handle; `None` when
 /// another recorder is already installed (then pass that recorder's handle around instead).

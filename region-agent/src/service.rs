@@ -14,11 +14,11 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use allot_shared::contract::{AdmissionRequest, Decision, DeniedScope, Reason};
+use allot_shared::contract::{AdmissionRequest, Decision, DeniedScope, PrincipalType, Reason};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::keys::{IpPrefixes, Pepper};
 use allot_shared::policy::{Limit, PolicyBundle, Rule};
@@ -31,7 +31,9 @@ use crate::clock::Clock;
 use crate::global::{
     Denial, GrantVerdict, HolderConfig, LeaseGrant, PendingReport, PoolHolder, Spend,
 };
-use crate::limiter::{LeaseCall, LeaseOp, Limiter, plan_request};
+use crate::limiter::{
+    DEFAULT_SOURCE_PREFIXES, LeaseCall, LeaseOp, Limiter, SourceId, plan_request,
+};
 
 /// Longest a request waits for the first grant of a pool it triggered.
 pub const FIRST_GRANT_WAIT: Duration = Duration::from_millis(200);
@@ -42,6 +44,24 @@ pub const DEFAULT_EXPIRY_MARGIN_MS: u64 = 50;
 pub const CONCURRENCY_RETRY_MS: u64 = 1_000;
 /// Most pools an agent holds at once (I10).
 pub const MAX_POOLS: usize = 10_000;
+/// After a pool's terms could not be fetched (allocator unreachable), requests for it fail closed
+/// from memory for this long, ms, instead of each calling the allocator again.
+pub const TERMS_RETRY_MS: u64 = 1_000;
+/// After the allocator said a pool does not exist, requests for it are denied from memory for this
+/// long, ms.
+pub const UNKNOWN_POOL_RETRY_MS: u64 = 5_000;
+/// A held pool's terms are fetched again at most this often, ms (a pool update reaches the agent
+/// within about this long).
+pub const TERMS_REFRESH_MS: u64 = 30_000;
+/// Most pool terms fetched again in one upkeep round (the rest wait for the next round).
+pub const MAX_TERMS_REFRESH_PER_ROUND: usize = 64;
+/// A pool with no demand for this long, and nothing held or owed, is forgotten, ms.
+pub const POOL_IDLE_MS: u64 = 600_000;
+/// Longest one round of background work (reports, or policy and pool upkeep) may take; a round cut
+/// short loses nothing (unacknowledged report lines stay pending).
+pub const ROUND_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest the last round of reports at shutdown may take.
+pub const FINAL_REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The agent's settings.
 #[derive(Debug, Clone)]
@@ -77,9 +97,37 @@ pub struct RequestRejected {
 
 struct PoolSlot {
     holder: Mutex<PoolHolder>,
-    terms: PoolTerms,
+    /// `G` of the terms in force, tokens (read on every global denial).
+    limit: AtomicU64,
+    /// The terms in force and when they were last fetched, epoch ms.
+    terms: Mutex<(PoolTerms, u64)>,
     renewed: Notify,
+    /// Set (under the holder's lock) when the slot is forgotten: a request that still holds it
+    /// looks the pool up again instead of spending on a holder nobody reports.
+    evicted: AtomicBool,
 }
+
+impl PoolSlot {
+    fn new(config: HolderConfig, terms: PoolTerms, fetched_at_ms: u64) -> Self {
+        Self {
+            holder: Mutex::new(PoolHolder::new(config)),
+            limit: AtomicU64::new(terms.limit),
+            terms: Mutex::new((terms, fetched_at_ms)),
+            renewed: Notify::new(),
+            evicted: AtomicBool::new(false),
+        }
+    }
+}
+
+/// A pool whose terms the agent does not hold.
+enum Lookup {
+    /// Being fetched; the sender is dropped when the fetch ends (single flight).
+    Fetching(tokio::sync::watch::Receiver<()>),
+    /// Could not be had; requests fail closed from memory until then, epoch ms.
+    Missing { retry_at_ms: u64 },
+}
+
+type PoolKey = (TenantId, PoolId);
 
 /// The agent.
 pub struct Agent {
@@ -88,7 +136,13 @@ pub struct Agent {
     bundle: ArcSwapOption<PolicyBundle>,
     limiter: Limiter,
     allocator: Option<Arc<AllocatorClient>>,
-    pools: Mutex<HashMap<(TenantId, PoolId), Arc<PoolSlot>>>,
+    pools: Mutex<HashMap<PoolKey, Arc<PoolSlot>>>,
+    /// Pools being looked up, or recently not found (at most [`MAX_POOLS`]).
+    lookups: Mutex<HashMap<PoolKey, Lookup>>,
+    /// Report lines dropped by holders since forgotten (the live ones count their own).
+    dropped_reports_of_evicted: AtomicU64,
+    /// Where the next report round starts, so a round cut short does not starve the same pools.
+    report_cursor: AtomicUsize,
     reachable: AtomicBool,
     /// When the bundle in force was installed, epoch ms (0: none).
     bundle_installed_at_ms: std::sync::atomic::AtomicU64,
@@ -126,6 +180,9 @@ impl Agent {
             limiter,
             allocator,
             pools: Mutex::new(HashMap::new()),
+            lookups: Mutex::new(HashMap::new()),
+            dropped_reports_of_evicted: AtomicU64::new(0),
+            report_cursor: AtomicUsize::new(0),
             reachable: AtomicBool::new(true),
             decision_log: std::sync::OnceLock::new(),
         })
@@ -201,12 +258,27 @@ impl Agent {
         } else {
             0.0
         });
-        for ((tenant, pool), slot) in lock(&self.pools).iter() {
-            let stranded = lock(&slot.holder).stranded_tokens();
+        let pools = lock(&self.pools);
+        let mut dropped = self.dropped_reports_of_evicted.load(Ordering::Relaxed);
+        for ((tenant, pool), slot) in pools.iter() {
+            let holder = lock(&slot.holder);
+            dropped += holder.dropped_reports();
             metrics::gauge!(crate::metrics::TOKENS_STRANDED,
                 "tenant" => tenant.to_string(), "pool" => pool.to_string())
-            .set(stranded as f64);
+            .set(holder.stranded_tokens() as f64);
         }
+        metrics::gauge!(crate::metrics::POOLS_HELD).set(pools.len() as f64);
+        metrics::gauge!(crate::metrics::REPORT_LINES_DROPPED).set(dropped as f64);
+    }
+
+    /// Pools held now (with terms), and pools being looked up or recently not found.
+    pub fn pool_counts(&self) -> (usize, usize) {
+        (lock(&self.pools).len(), lock(&self.lookups).len())
+    }
+
+    /// The regional limiter's counters.
+    pub fn limiter_stats(&self) -> crate::limiter::LimiterStats {
+        self.limiter.stats()
     }
 
     /// Whether the bundle in force is past its maximum age (strict rules then fail closed).
@@ -394,7 +466,17 @@ impl Agent {
                 }
             }
         }
-        let decided = self.limiter.decide(&planned, None).await;
+        // Pre-authentication requests count against the cardinality cap of their source: the
+        // coarse prefix of the client address (/24, /48), so the addresses one party controls share
+        // one count. Authenticated principals are not capped.
+        let source = (kind == PrincipalType::Ip).then(|| {
+            SourceId::for_address(
+                &self.settings.pepper,
+                &request.principal.id,
+                DEFAULT_SOURCE_PREFIXES,
+            )
+        });
+        let decided = self.limiter.decide(&planned, source.as_ref()).await;
         let mut decision = decided.to_contract(&planned);
         decision.fallback |= fallback;
         if !decision.allowed {
@@ -457,13 +539,26 @@ impl Agent {
         pool: &PoolId,
         cost: u64,
     ) -> Result<bool, (Denial, u64, u64)> {
-        let Some(slot) = self.slot(tenant, pool).await else {
-            return Err((Denial::FailClosed, 1_000, 0));
+        let Some(mut slot) = self.slot(tenant, pool).await else {
+            return Err((Denial::FailClosed, TERMS_RETRY_MS, 0));
         };
-        let limit = slot.terms.limit;
         for attempt in 0..2 {
             let now_ms = self.clock.now_ms();
-            let spend = lock(&slot.holder).spend(cost, now_ms, self.allocator_reachable());
+            let spend = {
+                let mut holder = lock(&slot.holder);
+                if slot.evicted.load(Ordering::Acquire) {
+                    drop(holder);
+                    // Forgotten between the lookup and now (idle for minutes): look it up again.
+                    match self.slot(tenant, pool).await {
+                        Some(fresh) => slot = fresh,
+                        None => return Err((Denial::FailClosed, TERMS_RETRY_MS, 0)),
+                    }
+                    lock(&slot.holder).spend(cost, now_ms, self.allocator_reachable())
+                } else {
+                    holder.spend(cost, now_ms, self.allocator_reachable())
+                }
+            };
+            let limit = slot.limit.load(Ordering::Relaxed);
             self.renew_if_wanted(tenant, pool, &slot);
             match spend {
                 Spend::Leased(_) => return Ok(false),
@@ -480,48 +575,191 @@ impl Agent {
                 } => return Err((denial, retry_after_ms, limit)),
             }
         }
-        Err((Denial::AwaitingGrant, 100, limit))
+        Err((
+            Denial::AwaitingGrant,
+            100,
+            slot.limit.load(Ordering::Relaxed),
+        ))
     }
 
     /// The pool's slot, fetching its terms on first use. `None` when the terms cannot be had (no
-    /// allocator, unknown pool, unreachable on first use, or too many pools).
-    async fn slot(&self, tenant: &TenantId, pool: &PoolId) -> Option<Arc<PoolSlot>> {
+    /// allocator, unknown pool, unreachable, or too many pools).
+    ///
+    /// Off the hot path by construction: one fetch per pool at a time (the others wait for it, up
+    /// to [`FIRST_GRANT_WAIT`]), the fetch runs on its own task with the client's deadline, and a
+    /// failed lookup is remembered ([`TERMS_RETRY_MS`], [`UNKNOWN_POOL_RETRY_MS`]) so a flood of
+    /// requests for a missing pool costs one allocator call per interval, not one per request.
+    async fn slot(self: &Arc<Self>, tenant: &TenantId, pool: &PoolId) -> Option<Arc<PoolSlot>> {
         let key = (tenant.clone(), pool.clone());
         if let Some(slot) = lock(&self.pools).get(&key) {
             return Some(slot.clone());
         }
-        let allocator = self.allocator.as_ref()?;
-        let terms = match allocator.pool_terms(tenant, pool).await {
-            Ok(Some(terms)) => terms,
-            Ok(None) => return None,
+        let allocator = self.allocator.clone()?;
+        let mut fetched = {
+            let mut lookups = lock(&self.lookups);
+            // The fetch may have finished since the first look (it installs, then forgets).
+            if let Some(slot) = lock(&self.pools).get(&key) {
+                return Some(slot.clone());
+            }
+            let now_ms = self.clock.now_ms();
+            match lookups.get(&key) {
+                Some(Lookup::Missing { retry_at_ms }) if now_ms < *retry_at_ms => return None,
+                Some(Lookup::Fetching(fetched)) => fetched.clone(),
+                _ => {
+                    if lookups.len() >= MAX_POOLS {
+                        lookups.retain(|_, lookup| {
+                            !matches!(lookup, Lookup::Missing { retry_at_ms } if *retry_at_ms <= now_ms)
+                        });
+                        if lookups.len() >= MAX_POOLS {
+                            return None;
+                        }
+                    }
+                    let (done, fetched) = tokio::sync::watch::channel(());
+                    lookups.insert(key.clone(), Lookup::Fetching(fetched.clone()));
+                    tokio::spawn(self.clone().fetch_terms(allocator, key.clone(), done));
+                    fetched
+                }
+            }
+        };
+        // Ends when the fetch's sender is dropped; the fetch goes on without a caller who stops
+        // waiting.
+        let _ = tokio::time::timeout(FIRST_GRANT_WAIT, fetched.changed()).await;
+        lock(&self.pools).get(&key).cloned()
+    }
+
+    /// Fetches a pool's terms and installs its slot, or remembers why not. Dropping `done` wakes
+    /// the requests waiting for it.
+    async fn fetch_terms(
+        self: Arc<Self>,
+        allocator: Arc<AllocatorClient>,
+        key: PoolKey,
+        done: tokio::sync::watch::Sender<()>,
+    ) {
+        let (tenant, pool) = &key;
+        let stopwatch = crate::clock::Stopwatch::start();
+        let answer = allocator.pool_terms(tenant, pool).await;
+        metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
+            .record(stopwatch.elapsed().as_secs_f64());
+        let now_ms = self.clock.now_ms();
+        let retry_in_ms = match answer {
+            Ok(Some(terms)) => {
+                self.reachable.store(true, Ordering::Relaxed);
+                match self.holder_config(&terms) {
+                    Some(config) => {
+                        let mut pools = lock(&self.pools);
+                        if pools.len() < MAX_POOLS {
+                            pools
+                                .entry(key.clone())
+                                .or_insert_with(|| Arc::new(PoolSlot::new(config, terms, now_ms)));
+                            None
+                        } else {
+                            tracing::warn!(max = MAX_POOLS, "agent holds its maximum of pools");
+                            Some(TERMS_RETRY_MS)
+                        }
+                    }
+                    None => {
+                        tracing::error!(%tenant, %pool, "pool terms with a zero window ignored");
+                        Some(UNKNOWN_POOL_RETRY_MS)
+                    }
+                }
+            }
+            Ok(None) => {
+                tracing::debug!(%tenant, %pool, "no such pool at the allocator");
+                Some(UNKNOWN_POOL_RETRY_MS)
+            }
             Err(error) => {
                 self.reachable
                     .store(!error.is_unreachable(), Ordering::Relaxed);
-                return None;
+                metrics::counter!(crate::metrics::ALLOCATOR_ERRORS, "call" => "terms").increment(1);
+                tracing::warn!(%error, %tenant, %pool, "pool terms not fetched");
+                Some(TERMS_RETRY_MS)
             }
         };
-        let config = HolderConfig {
+        let mut lookups = lock(&self.lookups);
+        match retry_in_ms {
+            None => lookups.remove(&key),
+            Some(retry_ms) => lookups.insert(
+                key,
+                Lookup::Missing {
+                    retry_at_ms: now_ms.saturating_add(retry_ms),
+                },
+            ),
+        };
+        drop(lookups);
+        drop(done);
+    }
+
+    fn holder_config(&self, terms: &PoolTerms) -> Option<HolderConfig> {
+        Some(HolderConfig {
             window_ms: NonZeroU64::new(terms.window_ms)?,
             chunk_tokens: terms.chunk,
             lease_ttl_ms: terms.lease_ttl_ms,
             fallback_per_region_tokens: terms.fallback_per_region,
             expiry_margin_ms: self.settings.expiry_margin_ms,
-        };
-        let mut pools = lock(&self.pools);
-        if pools.len() >= MAX_POOLS && !pools.contains_key(&key) {
-            return None;
+        })
+    }
+
+    /// Pool upkeep: forgets pools idle for [`POOL_IDLE_MS`] with nothing held or owed, and fetches
+    /// the terms of pools last fetched [`TERMS_REFRESH_MS`] ago or more (at most
+    /// [`MAX_TERMS_REFRESH_PER_ROUND`] per call), so pool updates reach the holders.
+    pub async fn maintain_pools(&self) {
+        let now_ms = self.clock.now_ms();
+        let slots: Vec<(PoolKey, Arc<PoolSlot>)> = lock(&self.pools)
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut stale = Vec::new();
+        for (key, slot) in slots {
+            let mut pools = lock(&self.pools);
+            let mut holder = lock(&slot.holder);
+            let current = pools.get(&key).is_some_and(|s| Arc::ptr_eq(s, &slot));
+            if current && holder.is_idle(now_ms, POOL_IDLE_MS) {
+                slot.evicted.store(true, Ordering::Release);
+                self.dropped_reports_of_evicted
+                    .fetch_add(holder.dropped_reports(), Ordering::Relaxed);
+                pools.remove(&key);
+                continue;
+            }
+            drop((holder, pools));
+            let fetched_at_ms = lock(&slot.terms).1;
+            if now_ms.saturating_sub(fetched_at_ms) >= TERMS_REFRESH_MS {
+                stale.push((fetched_at_ms, key, slot));
+            }
         }
-        let slot = pools
-            .entry(key)
-            .or_insert_with(|| {
-                Arc::new(PoolSlot {
-                    holder: Mutex::new(PoolHolder::new(config)),
-                    terms,
-                    renewed: Notify::new(),
-                })
-            })
-            .clone();
-        Some(slot)
+        let Some(allocator) = self.allocator.as_ref() else {
+            return;
+        };
+        // Longest unrefreshed first.
+        stale.sort_by_key(|(fetched_at_ms, _, _)| *fetched_at_ms);
+        for (_, (tenant, pool), slot) in stale.into_iter().take(MAX_TERMS_REFRESH_PER_ROUND) {
+            match allocator.pool_terms(&tenant, &pool).await {
+                Ok(Some(terms)) => {
+                    self.reachable.store(true, Ordering::Relaxed);
+                    let Some(config) = self.holder_config(&terms) else {
+                        continue;
+                    };
+                    let mut in_force = lock(&slot.terms);
+                    if in_force.0 != terms {
+                        tracing::info!(%tenant, %pool, version = terms.version, "pool terms updated");
+                        lock(&slot.holder).reconfigure(config);
+                        slot.limit.store(terms.limit, Ordering::Relaxed);
+                        in_force.0 = terms;
+                    }
+                    in_force.1 = self.clock.now_ms();
+                }
+                Ok(None) => {
+                    // Deleted: its leases run out, renewals answer nothing; it is forgotten when idle.
+                    tracing::warn!(%tenant, %pool, "a held pool no longer exists at the allocator");
+                    lock(&slot.terms).1 = self.clock.now_ms();
+                }
+                Err(error) => {
+                    self.reachable
+                        .store(!error.is_unreachable(), Ordering::Relaxed);
+                    tracing::debug!(%error, "pool terms not refreshed; next round");
+                    return;
+                }
+            }
+        }
     }
 
     /// Starts a renewal (single flight) when the holder wants one.
@@ -604,11 +842,20 @@ impl Agent {
         let Some(allocator) = self.allocator.as_ref() else {
             return;
         };
-        let slots: Vec<((TenantId, PoolId), Arc<PoolSlot>)> = lock(&self.pools)
+        let mut slots: Vec<(PoolKey, Arc<PoolSlot>)> = lock(&self.pools)
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
+        if slots.is_empty() {
+            return;
+        }
+        // Start where the last round stopped: a round cut short by its deadline must not leave
+        // the same pools unreported every time.
+        slots.sort_by(|a, b| a.0.cmp(&b.0));
+        let start = self.report_cursor.load(Ordering::Relaxed) % slots.len();
+        slots.rotate_left(start);
         for ((tenant, pool), slot) in slots {
+            self.report_cursor.fetch_add(1, Ordering::Relaxed);
             let now_ms = self.clock.now_ms();
             let pending = lock(&slot.holder).pending_report(now_ms);
             if pending.is_empty() {
@@ -695,25 +942,64 @@ impl Agent {
         }
     }
 
-    /// Runs the background loops (reports every `report_every`, policy every `policy_every`) until
-    /// `shutdown` resolves; then sends a last round of reports.
+    /// Runs the background loops until `shutdown` resolves: reports every `report_every`; policy
+    /// refresh and pool upkeep every `policy_every`. The loops are independent (a slow allocator
+    /// holds up neither the other loop nor shutdown), each round has [`ROUND_TIMEOUT`], and a last
+    /// round of reports is sent within [`FINAL_REPORT_TIMEOUT`].
     pub async fn run_background(
         self: Arc<Self>,
         report_every: Duration,
         policy_every: Duration,
         shutdown: impl Future<Output = ()>,
     ) {
-        tokio::pin!(shutdown);
-        let mut reports = tokio::time::interval(report_every);
-        let mut policy = tokio::time::interval(policy_every);
-        loop {
-            tokio::select! {
-                () = &mut shutdown => break,
-                _ = reports.tick() => self.send_reports().await,
-                _ = policy.tick() => self.refresh_policy().await,
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let signal = async {
+            shutdown.await;
+            let _ = stop.send(true);
+        };
+        let reports = every(report_every, stopped.clone(), "reports", || {
+            self.send_reports()
+        });
+        let upkeep = every(policy_every, stopped, "policy and pool upkeep", || async {
+            self.refresh_policy().await;
+            self.maintain_pools().await;
+        });
+        tokio::join!(signal, reports, upkeep);
+        if tokio::time::timeout(FINAL_REPORT_TIMEOUT, self.send_reports())
+            .await
+            .is_err()
+        {
+            tracing::warn!("the last reports did not reach the allocator before shutdown");
+        }
+    }
+}
+
+/// Runs `round` every `period` until `stopped` turns true; a round is cut at [`ROUND_TIMEOUT`] or
+/// at the stop.
+async fn every<F, Fut>(
+    period: Duration,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+    name: &'static str,
+    round: F,
+) where
+    F: Fn() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stopped.wait_for(|stop| *stop) => return,
+            _ = ticks.tick() => {}
+        }
+        tokio::select! {
+            _ = stopped.wait_for(|stop| *stop) => return,
+            finished = tokio::time::timeout(ROUND_TIMEOUT, round()) => {
+                if finished.is_err() {
+                    tracing::warn!(round = name, "background round cut at its deadline");
+                }
             }
         }
-        self.send_reports().await;
     }
 }
 

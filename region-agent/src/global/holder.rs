@@ -508,6 +508,25 @@ impl PoolHolder {
             .retain(|&start, c| start >= current || c.admitted_tokens != c.reported_tokens);
     }
 
+    /// Whether forgetting this holder loses nothing: no lease held or owed a final report, no
+    /// renewal in flight, every fallback admit reported and none counted in the current window
+    /// (forgetting that count would re-open the window's allowance), and no demand for `idle_ms`.
+    pub fn is_idle(&mut self, now_ms: u64, idle_ms: u64) -> bool {
+        self.expire(now_ms);
+        let current = Window::containing(now_ms, self.config.window_ms).start_ms;
+        let quiet = self
+            .last_demand_ms
+            .is_none_or(|last| now_ms.saturating_sub(last) >= idle_ms);
+        quiet
+            && !self.renewal_in_flight
+            && self.live.is_empty()
+            && self.ended.is_empty()
+            && self
+                .fallback
+                .iter()
+                .all(|(&start, c)| start < current && c.admitted_tokens == c.reported_tokens)
+    }
+
     /// Tokens stranded so far (granted to this agent, unspent at the lease's end).
     pub fn stranded_tokens(&self) -> u64 {
         self.stranded_tokens

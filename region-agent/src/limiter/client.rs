@@ -376,13 +376,45 @@ impl Limiter {
         })
     }
 
-    /// Acquires, renews or releases a concurrency lease, within one decision budget. Leases are
-    /// idempotent by their id (acquire and release), so a caller may retry any of them.
+    /// Acquires, renews or releases a concurrency lease, within one decision budget, through the
+    /// same shard breaker and in-flight permits as decisions: an open breaker or a full shard
+    /// answers `NotExecuted` at once (nothing sent), so a store outage costs lease calls no more
+    /// than it costs decisions. Leases are idempotent by their id (acquire and release), so a
+    /// caller may retry any of them.
     pub async fn lease(
         &self,
         op: LeaseOp,
         call: &super::store::LeaseCall,
     ) -> Result<super::store::LeaseOutcome, StoreError> {
+        let deadline = monotonic_now() + self.config.decision_budget;
+        let shard_index = self.store.shard_of_key(call.key()) % self.shards.len();
+        let Some(shard) = self.shards.get(shard_index) else {
+            return Err(StoreError::NotExecuted {
+                detail: "no shard for the lease key".to_owned(),
+            });
+        };
+        let Some(breaker_call) = shard.breaker.admit(self.clock.elapsed_ms()) else {
+            bump(&self.counters.breaker_refusals);
+            return Err(StoreError::NotExecuted {
+                detail: "the shard's breaker is open".to_owned(),
+            });
+        };
+        let _permit = match shard.in_flight.try_acquire() {
+            Ok(permit) => permit,
+            Err(TryAcquireError::NoPermits | TryAcquireError::Closed) => {
+                let wait = self.config.acquire_wait;
+                match tokio::time::timeout(wait, shard.in_flight.acquire()).await {
+                    Ok(Ok(permit)) => permit,
+                    // Nothing was sent: the breaker call is dropped without a verdict.
+                    _ => {
+                        bump(&self.counters.pool_exhausted);
+                        return Err(StoreError::NotExecuted {
+                            detail: "the shard's in-flight calls are at their bound".to_owned(),
+                        });
+                    }
+                }
+            }
+        };
         let store = &self.store;
         let call_future = async {
             match op {
@@ -391,12 +423,28 @@ impl Limiter {
                 LeaseOp::Release => store.release_lease(call).await,
             }
         };
-        match tokio::time::timeout(self.config.decision_budget, call_future).await {
+        let result = match tokio::time::timeout_at(deadline, call_future).await {
             Ok(outcome) => outcome,
             Err(_) => Err(StoreError::Ambiguous {
                 detail: "the concurrency lease call missed its deadline".to_owned(),
             }),
+        };
+        let now_ms = self.clock.elapsed_ms();
+        // The verdicts of the decision path's table (module docs): a reply is a success; a call
+        // not executed or ambiguous is a failure; a rejection, a malformed reply or a full
+        // in-process store say nothing about the store's health.
+        match &result {
+            Ok(_) => breaker_call.succeeded(),
+            Err(StoreError::NotExecuted { .. } | StoreError::Ambiguous { .. }) => {
+                breaker_call.finally_failed(now_ms);
+            }
+            Err(
+                StoreError::Rejected { .. }
+                | StoreError::MalformedReply { .. }
+                | StoreError::KeyCapReached { .. },
+            ) => {}
         }
+        result
     }
 
     /// Every shard's breaker, by shard index.

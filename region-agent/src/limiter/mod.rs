@@ -64,7 +64,7 @@ pub use batch::{
     plan_request,
 };
 pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};
-pub use cardinality::{CardinalityConfig, CardinalityRefusal, SourceId};
+pub use cardinality::{CardinalityConfig, CardinalityRefusal, DEFAULT_SOURCE_PREFIXES, SourceId};
 pub use client::LeaseOp;
 pub use client::{
     DegradeCause, LimitDecision, Limiter, LimiterConfig, LimiterConfigError, LimiterStats, SubSlot,

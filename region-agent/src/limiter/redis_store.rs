@@ -465,6 +465,15 @@ impl LimiterStore for RedisStore {
                 .map_or(0, |&shard| usize::from(shard)),
         }
     }
+
+    fn shard_of_key(&self, key: &str) -> usize {
+        match &self.shards {
+            ShardMap::One => 0,
+            ShardMap::Masters { slot_shard, .. } => slot_shard
+                .get(key_slot(key))
+                .map_or(0, |&shard| usize::from(shard)),
+        }
+    }
 }
 
 fn not_connected(error: RedisError) -> StoreError {

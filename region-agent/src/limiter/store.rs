@@ -59,6 +59,12 @@ pub trait LimiterStore: Send + Sync {
         let _ = batch;
         0
     }
+
+    /// The shard that holds `key` (a concurrency lease's key), in `0..shard_count()`.
+    fn shard_of_key(&self, key: &str) -> usize {
+        let _ = key;
+        0
+    }
 }
 
 /// The outcome of [`LimiterStore::decide`]: [`MultiDecision`] without the writes (the store made

@@ -22,7 +22,9 @@ use crate::clock::{ManualClock, ManualMonotonicClock, monotonic_now};
 use crate::limiter::batch::{PlannedBatch, RuleBatch, plan_request};
 use crate::limiter::breaker::{BreakerConfig, BreakerState};
 use crate::limiter::cardinality::{CardinalityConfig, DEFAULT_SOURCE_PREFIXES, SourceId};
-use crate::limiter::client::{DegradeCause, LimitDecision, Limiter, LimiterConfig, Verdict};
+use crate::limiter::client::{
+    DegradeCause, LeaseOp, LimitDecision, Limiter, LimiterConfig, Verdict,
+};
 use crate::limiter::hot_tenants::HotTenants;
 use crate::limiter::in_process::InProcessStore;
 use crate::limiter::redis_store::RedisStore;
@@ -110,6 +112,8 @@ struct Instrumented {
     /// Calls are rejected as invalid arguments (a policy fault).
     reject: AtomicBool,
     decision_ids: Mutex<Vec<String>>,
+    /// Concurrency lease calls that reached the store.
+    lease_calls: AtomicU64,
 }
 
 impl Instrumented {
@@ -121,6 +125,7 @@ impl Instrumented {
             hang: AtomicBool::new(false),
             reject: AtomicBool::new(false),
             decision_ids: Mutex::new(Vec::new()),
+            lease_calls: AtomicU64::new(0),
         })
     }
 
@@ -167,6 +172,10 @@ impl LimiterStore for Instrumented {
     }
 
     async fn acquire_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.lease_calls.fetch_add(1, Ordering::SeqCst);
+        if self.hang.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         self.inner.acquire_lease(call).await
     }
 
@@ -184,6 +193,10 @@ impl LimiterStore for Instrumented {
 
     fn shard_of(&self, batch: &RuleBatch) -> usize {
         self.inner.shard_of(batch)
+    }
+
+    fn shard_of_key(&self, key: &str) -> usize {
+        self.inner.shard_of_key(key)
     }
 }
 
@@ -725,6 +738,68 @@ async fn a_saturated_shard_degrades_after_about_a_millisecond_and_a_hung_call_at
     );
     assert_eq!(s.store.calls(), 1);
     assert_eq!(s.limiter.stats().pool_exhausted, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrency_lease_calls_share_the_shards_breaker_and_stop_calling_a_hung_store() {
+    let clock = Arc::new(ManualClock::new(1 << 42));
+    let s = limiter_over(
+        Arc::new(InProcessStore::new(clock, 10_000)),
+        LimiterConfig {
+            decision_budget: Duration::from_millis(50),
+            ..config()
+        },
+    );
+    let call = |n: u32| {
+        LeaseCall::new(
+            "{t:atlas}:c:export".to_owned(),
+            3,
+            60_000,
+            DecisionId::parse(&format!("lease-{n}")).expect("id"),
+        )
+        .expect("a valid lease call")
+    };
+    s.store.hang.store(true, Ordering::SeqCst);
+    for n in 0..3 {
+        let started = monotonic_now();
+        let failed = s.limiter.lease(LeaseOp::Acquire, &call(n)).await;
+        assert!(
+            matches!(failed, Err(StoreError::Ambiguous { .. })),
+            "{failed:?}"
+        );
+        assert_eq!(
+            monotonic_now().duration_since(started),
+            Duration::from_millis(50),
+            "a lease call has the decision budget"
+        );
+    }
+    assert_eq!(s.store.lease_calls.load(Ordering::SeqCst), 3);
+    // Three failures open the shard's breaker: lease calls and decisions are refused unsent.
+    let refused = s.limiter.lease(LeaseOp::Acquire, &call(3)).await;
+    assert!(
+        matches!(refused, Err(StoreError::NotExecuted { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(
+        s.store.lease_calls.load(Ordering::SeqCst),
+        3,
+        "nothing sent"
+    );
+    let bundle = bundle();
+    let decision = s.limiter.decide(&user(&bundle, "read", "r-1"), None).await;
+    assert_eq!(decision.degraded, Some(DegradeCause::BreakerOpen));
+    assert_eq!(s.store.calls(), 0);
+    assert_eq!(s.limiter.stats().breaker_refusals, 2);
+    // After the cool-down a probe goes through and closes the breaker again.
+    s.store.hang.store(false, Ordering::SeqCst);
+    s.clock.advance(1_000);
+    let held = s
+        .limiter
+        .lease(LeaseOp::Acquire, &call(4))
+        .await
+        .expect("the probe reaches the store");
+    assert!(held.held);
+    assert_eq!(s.limiter.breakers()[0].state, BreakerState::Closed);
 }
 
 #[tokio::test(start_paused = true)]

@@ -1,0 +1,196 @@
+//! How the agent learns a pool's terms: one allocator call per pool however many requests arrive at
+//! once, failures remembered instead of retried per request, terms refreshed in the background, and
+//! idle pools forgotten. Against a stand-in allocator that counts its calls.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::service::{
+    Agent, POOL_IDLE_MS, TERMS_REFRESH_MS, TERMS_RETRY_MS, UNKNOWN_POOL_RETRY_MS,
+};
+use allot_shared::clock::ManualClock;
+use allot_shared::contract::{
+    AdmissionRequest, Decision, DeniedScope, Principal, PrincipalType, Reason,
+};
+use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+mod common;
+
+const GLOBAL_ONLY: &str = r#"{ "rules": [
+    { "id": "global-read", "scope": "global", "routeGroup": "read", "pool": "api",
+      "failMode": "closed" } ] }"#;
+
+/// What the stand-in allocator answers, and what it was asked.
+struct Fake {
+    /// `G` of the terms it serves; `None`: the pool does not exist.
+    limit: Mutex<Option<u64>>,
+    /// How long a terms answer takes.
+    terms_delay: Duration,
+    terms_calls: AtomicU64,
+}
+
+async fn terms(State(fake): State<Arc<Fake>>) -> Response {
+    fake.terms_calls.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(fake.terms_delay).await;
+    let limit = *fake.limit.lock().expect("lock");
+    match limit {
+        None => StatusCode::NOT_FOUND.into_response(),
+        Some(limit) => Json(serde_json::json!({
+            "limit": limit, "windowMs": 60_000, "chunk": 100, "leaseTtlMs": 15_000,
+            "fallbackPerRegion": 0, "regions": ["eu"], "version": limit,
+        }))
+        .into_response(),
+    }
+}
+
+/// Every grant answers "exhausted": the request is denied with the pool's `G` as its limit, which
+/// shows the terms in force.
+async fn grant(Json(body): Json<serde_json::Value>) -> Response {
+    Json(serde_json::json!({
+        "leaseId": body["leaseId"], "granted": 0, "epoch": 1,
+        "windowStartMs": 0, "windowEndMs": 60_000, "expiresAtMs": 0, "retryAfterMs": 1_000,
+    }))
+    .into_response()
+}
+
+async fn allocator(fake: Arc<Fake>) -> Arc<AllocatorClient> {
+    let app = axum::Router::new()
+        .route("/v1/pools/{tenant}/{pool}/terms", get(terms))
+        .route("/v1/grants", post(grant))
+        .with_state(fake);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Arc::new(
+        AllocatorClient::new(
+            vec![format!("http://{address}")],
+            "agent-token-0123456789".to_owned(),
+        )
+        .expect("client"),
+    )
+}
+
+fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
+    Arc::new(Fake {
+        limit: Mutex::new(limit),
+        terms_delay,
+        terms_calls: AtomicU64::new(0),
+    })
+}
+
+fn request(n: u64) -> AdmissionRequest {
+    AdmissionRequest {
+        request_id: DecisionId::parse(&format!("t-{n}")).expect("id"),
+        tenant_id: TenantId::parse("atlas").expect("tenant"),
+        principal: Principal {
+            kind: PrincipalType::User,
+            id: "U-1".to_owned(),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse("read").expect("route"),
+        method: "GET".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+    }
+}
+
+async fn setup(fake: &Arc<Fake>) -> (Arc<Agent>, Arc<ManualClock>) {
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let agent = common::agent(
+        common::settings(),
+        clock.clone(),
+        Some(allocator(fake.clone()).await),
+        Some(common::bundle(GLOBAL_ONLY)),
+    );
+    (agent, clock)
+}
+
+async fn admit(agent: &Arc<Agent>, n: u64) -> Decision {
+    agent.admit(&request(n)).await.expect("decision")
+}
+
+#[tokio::test]
+async fn concurrent_requests_for_a_new_pool_fetch_its_terms_once() {
+    let fake = fake(Some(1_000), Duration::from_millis(100));
+    let (agent, _clock) = setup(&fake).await;
+    let mut requests = tokio::task::JoinSet::new();
+    for n in 0..32 {
+        let agent = agent.clone();
+        requests.spawn(async move { admit(&agent, n).await });
+    }
+    let decisions: Vec<Decision> = requests.join_all().await;
+    assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 1, "single flight");
+    assert!(
+        decisions.iter().any(|d| d.limit == 1_000),
+        "the pool's terms were installed: {decisions:?}"
+    );
+    assert_eq!(agent.pool_counts(), (1, 0), "one pool held, no lookup left");
+}
+
+#[tokio::test]
+async fn an_unknown_pool_is_asked_for_once_per_interval_not_per_request() {
+    let fake = fake(None, Duration::ZERO);
+    let (agent, clock) = setup(&fake).await;
+    for n in 0..20 {
+        let decision = admit(&agent, n).await;
+        assert!(!decision.allowed);
+        assert_eq!(decision.denied_scope, Some(DeniedScope::Global));
+        assert_eq!(decision.reason, Some(Reason::LimiterUnavailable));
+        assert_eq!(decision.retry_after_ms, TERMS_RETRY_MS as i64);
+    }
+    assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 1);
+    clock.advance(UNKNOWN_POOL_RETRY_MS - 1);
+    admit(&agent, 20).await;
+    assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 1);
+    // The pool is created; the next look after the interval finds it.
+    *fake.limit.lock().expect("lock") = Some(700);
+    clock.advance(1);
+    let decision = admit(&agent, 21).await;
+    assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 2);
+    assert_eq!(decision.limit, 700);
+    assert_eq!(decision.reason, Some(Reason::RateExceeded));
+}
+
+#[tokio::test]
+async fn held_terms_are_refreshed_in_the_background_and_idle_pools_forgotten() {
+    let fake = fake(Some(1_000), Duration::ZERO);
+    let (agent, clock) = setup(&fake).await;
+    assert_eq!(admit(&agent, 0).await.limit, 1_000);
+    assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 1);
+
+    // The operator halves the pool. Upkeep before the refresh interval asks nothing.
+    *fake.limit.lock().expect("lock") = Some(500);
+    clock.advance(TERMS_REFRESH_MS - 1);
+    agent.maintain_pools().await;
+    assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 1);
+    assert_eq!(admit(&agent, 1).await.limit, 1_000);
+    clock.advance(1);
+    agent.maintain_pools().await;
+    assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        admit(&agent, 2).await.limit,
+        500,
+        "the update reached the holder"
+    );
+
+    // Demand stops: the pool is kept until it has been idle for POOL_IDLE_MS, then forgotten.
+    clock.advance(POOL_IDLE_MS - 1);
+    agent.maintain_pools().await;
+    assert_eq!(agent.pool_counts().0, 1);
+    clock.advance(1);
+    agent.maintain_pools().await;
+    assert_eq!(agent.pool_counts(), (0, 0));
+    // A request after that looks the pool up again.
+    let calls = fake.terms_calls.load(Ordering::SeqCst);
+    assert_eq!(admit(&agent, 3).await.limit, 500);
+    assert_eq!(fake.terms_calls.load(Ordering::SeqCst), calls + 1);
+}
