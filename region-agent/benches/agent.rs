@@ -124,6 +124,7 @@ async fn start_agent(
             expiry_margin_ms: 50,
             allocator_round_trip_ms: 5,
             policy_max_age_ms: 0,
+            region_agents: 1,
         },
         Arc::new(SystemClock),
         limiter,

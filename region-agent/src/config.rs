@@ -62,6 +62,10 @@ pub struct AgentArgs {
     /// closed (0: never; default 3,600,000).
     #[arg(long, env = "ALLOT_POLICY_MAX_AGE_MS")]
     pub policy_max_age_ms: Option<u64>,
+    /// How many agents serve this region (default 1). Each takes `fallbackPerRegion / N` per window
+    /// in a partition, so the region as a whole stays within its allowance.
+    #[arg(long, env = "ALLOT_REGION_AGENTS")]
+    pub region_agents: Option<u64>,
     /// This agent's id in policy status (default: `<region>-<listen port>`).
     #[arg(long, env = "ALLOT_AGENT_ID")]
     pub agent_id: Option<String>,
@@ -88,6 +92,7 @@ struct FileSettings {
     decision_log_denied_rate: Option<f64>,
     decision_log_max_bytes: Option<u64>,
     policy_max_age_ms: Option<u64>,
+    region_agents: Option<u64>,
     agent_id: Option<String>,
 }
 
@@ -124,6 +129,8 @@ pub struct AgentConfig {
     pub decision_log_max_bytes: u64,
     /// Bundle maximum age, ms (0: never).
     pub policy_max_age_ms: u64,
+    /// Agents serving this region (at least 1).
+    pub region_agents: u64,
     /// The agent id.
     pub agent_id: String,
 }
@@ -201,6 +208,10 @@ impl AgentArgs {
                 .policy_max_age_ms
                 .or(file.policy_max_age_ms)
                 .unwrap_or(3_600_000),
+            region_agents: match self.region_agents.or(file.region_agents).unwrap_or(1) {
+                0 => return Err("--region-agents: must be at least 1".to_owned()),
+                n => n,
+            },
         })
     }
 }

@@ -34,6 +34,9 @@ pub const POLICY_AGE_SECONDS: &str = "allot_agent_policy_age_seconds";
 /// negative_cache_hits, cardinality_refusals, fallback, unavailable, policy_errors, breaker_refusals,
 /// in_flight_exhausted.
 pub const LIMITER_DECISIONS: &str = "allot_agent_limiter_decisions";
+/// Tokens this agent may admit per window of a pool while cut off from the allocator:
+/// `fallbackPerRegion / region agents`.
+pub const FALLBACK_ALLOWANCE: &str = "allot_agent_fallback_allowance_tokens";
 /// Pools the agent holds terms and leases for.
 pub const POOLS_HELD: &str = "allot_agent_pools";
 /// Report lines dropped since start because the allocator stayed unreachable past the holders'

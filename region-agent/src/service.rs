@@ -83,6 +83,10 @@ pub struct AgentSettings {
     /// Once the bundle has not been confirmed by the allocator for this long, rules marked `strict`
     /// fail closed (I13). 0: never. Applies only to bundles that come from an allocator.
     pub policy_max_age_ms: u64,
+    /// Agents serving this region (at least 1): each applies `fallbackPerRegion / region_agents`
+    /// tokens per window in a partition, so the region's agents together stay within the pool's
+    /// allowance (the bound's fallback term is per region, not per agent process).
+    pub region_agents: u64,
 }
 
 /// Why a request could not even be decided.
@@ -266,6 +270,9 @@ impl Agent {
             metrics::gauge!(crate::metrics::TOKENS_STRANDED,
                 "tenant" => tenant.to_string(), "pool" => pool.to_string())
             .set(holder.stranded_tokens() as f64);
+            metrics::gauge!(crate::metrics::FALLBACK_ALLOWANCE,
+                "tenant" => tenant.to_string(), "pool" => pool.to_string())
+            .set(holder.config().fallback_per_region_tokens as f64);
         }
         metrics::gauge!(crate::metrics::POOLS_HELD).set(pools.len() as f64);
         metrics::gauge!(crate::metrics::REPORT_LINES_DROPPED).set(dropped as f64);
@@ -694,7 +701,8 @@ impl Agent {
             window_ms: NonZeroU64::new(terms.window_ms)?,
             chunk_tokens: terms.chunk,
             lease_ttl_ms: terms.lease_ttl_ms,
-            fallback_per_region_tokens: terms.fallback_per_region,
+            fallback_per_region_tokens: terms.fallback_per_region
+                / self.settings.region_agents.max(1),
             expiry_margin_ms: self.settings.expiry_margin_ms,
         })
     }

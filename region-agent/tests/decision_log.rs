@@ -54,6 +54,7 @@ async fn logged_decisions_hide_principals_and_replay_to_the_same_denials() {
             expiry_margin_ms: 50,
             allocator_round_trip_ms: 20,
             policy_max_age_ms: 0,
+            region_agents: 1,
         },
         clock,
         limiter,

@@ -62,6 +62,7 @@ async fn serve(with_bundle: bool) -> Served {
         expiry_margin_ms: 50,
         allocator_round_trip_ms: 20,
         policy_max_age_ms: 0,
+        region_agents: 1,
     };
     let agent = Agent::new(settings, clock, limiter, None, bundle);
     let api = AgentApi {

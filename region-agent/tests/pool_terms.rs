@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::service::{
-    Agent, POOL_IDLE_MS, TERMS_REFRESH_MS, TERMS_RETRY_MS, UNKNOWN_POOL_RETRY_MS,
+    Agent, AgentSettings, POOL_IDLE_MS, TERMS_REFRESH_MS, TERMS_RETRY_MS, UNKNOWN_POOL_RETRY_MS,
 };
 use allot_shared::clock::ManualClock;
 use allot_shared::contract::{
@@ -34,6 +34,10 @@ struct Fake {
     /// How long a terms answer takes.
     terms_delay: Duration,
     terms_calls: AtomicU64,
+    /// `fallbackPerRegion` of the terms.
+    fallback_per_region: u64,
+    /// Grants answer 503 (the allocator has lost its store): the agent is cut off from quota.
+    grants_unavailable: bool,
 }
 
 async fn terms(State(fake): State<Arc<Fake>>) -> Response {
@@ -44,7 +48,7 @@ async fn terms(State(fake): State<Arc<Fake>>) -> Response {
         None => StatusCode::NOT_FOUND.into_response(),
         Some(limit) => Json(serde_json::json!({
             "limit": limit, "windowMs": 60_000, "chunk": 100, "leaseTtlMs": 15_000,
-            "fallbackPerRegion": 0, "regions": ["eu"], "version": limit,
+            "fallbackPerRegion": fake.fallback_per_region, "regions": ["eu"], "version": limit,
         }))
         .into_response(),
     }
@@ -52,7 +56,10 @@ async fn terms(State(fake): State<Arc<Fake>>) -> Response {
 
 /// Every grant answers "exhausted": the request is denied with the pool's `G` as its limit, which
 /// shows the terms in force.
-async fn grant(Json(body): Json<serde_json::Value>) -> Response {
+async fn grant(State(fake): State<Arc<Fake>>, Json(body): Json<serde_json::Value>) -> Response {
+    if fake.grants_unavailable {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
     Json(serde_json::json!({
         "leaseId": body["leaseId"], "granted": 0, "epoch": 1,
         "windowStartMs": 0, "windowEndMs": 60_000, "expiresAtMs": 0, "retryAfterMs": 1_000,
@@ -84,6 +91,8 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         limit: Mutex::new(limit),
         terms_delay,
         terms_calls: AtomicU64::new(0),
+        fallback_per_region: 0,
+        grants_unavailable: false,
     })
 }
 
@@ -104,9 +113,13 @@ fn request(n: u64) -> AdmissionRequest {
 }
 
 async fn setup(fake: &Arc<Fake>) -> (Arc<Agent>, Arc<ManualClock>) {
+    setup_with(fake, common::settings()).await
+}
+
+async fn setup_with(fake: &Arc<Fake>, settings: AgentSettings) -> (Arc<Agent>, Arc<ManualClock>) {
     let clock = Arc::new(ManualClock::new(1_000_000));
     let agent = common::agent(
-        common::settings(),
+        settings,
         clock.clone(),
         Some(allocator(fake.clone()).await),
         Some(common::bundle(GLOBAL_ONLY)),
@@ -193,4 +206,33 @@ async fn held_terms_are_refreshed_in_the_background_and_idle_pools_forgotten() {
     let calls = fake.terms_calls.load(Ordering::SeqCst);
     assert_eq!(admit(&agent, 3).await.limit, 500);
     assert_eq!(fake.terms_calls.load(Ordering::SeqCst), calls + 1);
+}
+
+#[tokio::test]
+async fn several_agents_in_a_region_share_its_fallback_allowance() {
+    let fake = Arc::new(Fake {
+        fallback_per_region: 10,
+        grants_unavailable: true,
+        ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
+    });
+    let settings = AgentSettings {
+        region_agents: 3,
+        ..common::settings()
+    };
+    let (agent, _clock) = setup_with(&fake, settings).await;
+    let decisions: Vec<Decision> = {
+        let mut decisions = Vec::new();
+        for n in 0..10 {
+            decisions.push(admit(&agent, n).await);
+        }
+        decisions
+    };
+    let fallback_admits = decisions.iter().filter(|d| d.allowed && d.fallback).count();
+    assert_eq!(
+        fallback_admits, 3,
+        "10 / 3 agents, rounded down: {decisions:?}"
+    );
+    let last = decisions.last().expect("ten decisions");
+    assert!(!last.allowed && last.fallback);
+    assert_eq!(last.reason, Some(Reason::RateExceeded));
 }

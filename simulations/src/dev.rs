@@ -161,6 +161,7 @@ pub async fn run_dev(
                 expiry_margin_ms: allot_region_agent::service::DEFAULT_EXPIRY_MARGIN_MS,
                 allocator_round_trip_ms: 5,
                 policy_max_age_ms: 0,
+                region_agents: 1,
             },
             agent_clock,
             limiter,

@@ -88,6 +88,7 @@ async fn agent_on(redis: &RedisServer) -> Arc<Agent> {
             expiry_margin_ms: 50,
             allocator_round_trip_ms: 20,
             policy_max_age_ms: 0,
+            region_agents: 1,
         },
         Arc::new(SystemClock),
         limiter,

@@ -138,6 +138,7 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
             expiry_margin_ms: 50,
             allocator_round_trip_ms: 20,
             policy_max_age_ms: 0,
+            region_agents: 1,
         },
         clock,
         limiter,

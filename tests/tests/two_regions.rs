@@ -59,6 +59,7 @@ async fn start_agent(
         expiry_margin_ms: 50,
         allocator_round_trip_ms: 20,
         policy_max_age_ms: 0,
+        region_agents: 1,
     };
     let agent = Agent::new(
         settings,

@@ -122,6 +122,7 @@ async fn start(args: AgentConfig) -> Result<(), String> {
         expiry_margin_ms: allot_region_agent::service::DEFAULT_EXPIRY_MARGIN_MS,
         allocator_round_trip_ms: 20,
         policy_max_age_ms: args.policy_max_age_ms,
+        region_agents: args.region_agents,
     };
     let log_pepper = settings.pepper.clone();
     let agent = Agent::new(settings, clock, limiter, allocator, bundle);

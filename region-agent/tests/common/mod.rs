@@ -33,6 +33,7 @@ pub fn settings() -> AgentSettings {
         expiry_margin_ms: 50,
         allocator_round_trip_ms: 20,
         policy_max_age_ms: 0,
+        region_agents: 1,
     }
 }
 
