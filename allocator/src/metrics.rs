@@ -5,7 +5,7 @@
 
 use std::sync::OnceLock;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Grant requests by outcome: `granted`, `partial`, `exhausted`, `not_leader`, `unknown_pool`,
 /// `refused`, `overloaded`, `unavailable`.
@@ -28,16 +28,32 @@ pub const IS_LEADER: &str = "allot_is_leader";
 pub const POOL_REMAINING: &str = "allot_pool_remaining_tokens";
 /// Committed grants the ledger feed could not take (reconciliation copies them later).
 pub const LEDGER_FEED_FULL: &str = "allot_ledger_feed_full_total";
+/// The bundle version every region should run (the rollout's current version).
+pub const POLICY_CURRENT_VERSION: &str = "allot_policy_current_version";
+/// Tokens admitted in a pool's latest settled window, by `tenant` and `pool` (from the ledger:
+/// spent from leases plus fallback admits).
+pub const WINDOW_ADMITTED: &str = "allot_pool_window_admitted_tokens";
+/// The stated bound of that window (G + carry-over + fallback terms), by `tenant` and `pool`.
+pub const WINDOW_BOUND: &str = "allot_pool_window_bound_tokens";
+/// Tokens admitted beyond G in that window, by `tenant` and `pool`.
+pub const WINDOW_OVERSHOOT: &str = "allot_pool_window_overshoot_tokens";
 
 /// The process-wide Prometheus recorder (installed on first use) and its handle for `/metrics`.
 pub fn handle() -> Option<PrometheusHandle> {
     static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
+            // Sizes (grants per pool commit, pools per transaction) get count buckets; everything
+            // else is a latency in seconds.
+            let sizes = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
             let recorder = PrometheusBuilder::new()
                 .set_buckets(&[
                     0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                 ])
+                .ok()?
+                .set_buckets_for_metric(Matcher::Full(GRANT_BATCH.to_owned()), &sizes)
+                .ok()?
+                .set_buckets_for_metric(Matcher::Full(POOLS_PER_TXN.to_owned()), &sizes)
                 .ok()?
                 .build_recorder();
             let handle = recorder.handle();

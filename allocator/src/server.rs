@@ -213,6 +213,7 @@ pub const LEDGER_RECONCILE_INTERVAL: std::time::Duration = std::time::Duration::
 async fn feed_ledger(
     ledger: Ledger,
     kv: Arc<dyn Kv>,
+    clock: Arc<dyn Clock>,
     mut feed: tokio::sync::mpsc::Receiver<CommittedGrants>,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -234,6 +235,9 @@ async fn feed_ledger(
                 if let Err(error) = reconcile_grants(&ledger, &*kv).await {
                     tracing::warn!(%error, "ledger reconciliation failed");
                 }
+                if let Err(error) = publish_ledger_gauges(&ledger, &*kv, clock.now_ms()).await {
+                    tracing::warn!(%error, "ledger gauges not updated");
+                }
             }
         }
     }
@@ -249,6 +253,47 @@ pub async fn reconcile_grants(ledger: &Ledger, kv: &dyn Kv) -> Result<(), String
             .record_grants(&tenant, &pool, &records)
             .await
             .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Most pools whose last window is published as gauges per round (I10).
+pub const MAX_WINDOW_GAUGE_POOLS: usize = 1_000;
+/// A window's row is published once it ended this long ago, ms: its last reports (every second,
+/// and a final one at lease expiry) have arrived by then.
+pub const WINDOW_GAUGE_SETTLE_MS: u64 = 5_000;
+
+/// Publishes the ledger's view as gauges: the rollout's current bundle version, and for each pool
+/// (at most [`MAX_WINDOW_GAUGE_POOLS`]) the admitted tokens and the bound of its latest settled
+/// window, so an alert can compare them (`allot_pool_window_admitted_tokens` >
+/// `allot_pool_window_bound_tokens`).
+pub async fn publish_ledger_gauges(
+    ledger: &Ledger,
+    kv: &dyn Kv,
+    now_ms: u64,
+) -> Result<(), String> {
+    let rollout = crate::policies::rollout(kv)
+        .await
+        .map_err(|e| e.to_string())?;
+    metrics::gauge!(crate::metrics::POLICY_CURRENT_VERSION).set(rollout.current as f64);
+    let pools = list_pools(kv).await.map_err(|e| e.to_string())?;
+    for (tenant, pool, stored) in pools.into_iter().take(MAX_WINDOW_GAUGE_POOLS) {
+        let Ok(config) = stored.spec.validate() else {
+            continue;
+        };
+        let rows = ledger
+            .windows(&tenant, &pool, &config, 3, now_ms)
+            .await
+            .map_err(|e| e.to_string())?;
+        let settled = rows
+            .iter()
+            .find(|row| row.window_end_ms.saturating_add(WINDOW_GAUGE_SETTLE_MS) <= now_ms);
+        if let Some(row) = settled {
+            let labels = [("tenant", tenant.to_string()), ("pool", pool.to_string())];
+            metrics::gauge!(crate::metrics::WINDOW_ADMITTED, &labels).set(row.admitted as f64);
+            metrics::gauge!(crate::metrics::WINDOW_BOUND, &labels).set(row.bound as f64);
+            metrics::gauge!(crate::metrics::WINDOW_OVERSHOOT, &labels).set(row.overshoot as f64);
+        }
     }
     Ok(())
 }
@@ -282,6 +327,7 @@ pub async fn run(
     let ledger_task = tokio::spawn(feed_ledger(
         ledger.clone(),
         kv.clone(),
+        clock.clone(),
         feed,
         shutdown.clone(),
     ));

@@ -37,6 +37,13 @@ pub const LIMITER_DECISIONS: &str = "allot_agent_limiter_decisions";
 /// Tokens this agent may admit per window of a pool while cut off from the allocator:
 /// `fallbackPerRegion / region agents`.
 pub const FALLBACK_ALLOWANCE: &str = "allot_agent_fallback_allowance_tokens";
+/// Latency of one limiter store call (a script call, each retry counted alone), seconds, by
+/// `shard`.
+pub const STORE_SECONDS: &str = "allot_agent_store_seconds";
+/// Requests that needed a global token when the agent held none, by `tenant`, `pool` and
+/// `pool_state`: `available` (the allocator had not said the pool is exhausted: the region ran dry
+/// before its renewal arrived) or `exhausted`.
+pub const LEASE_DEPLETIONS: &str = "allot_agent_lease_depletions_total";
 /// Pools the agent holds terms and leases for.
 pub const POOLS_HELD: &str = "allot_agent_pools";
 /// Report lines dropped since start because the allocator stayed unreachable past the holders'

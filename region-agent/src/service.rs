@@ -567,6 +567,23 @@ impl Agent {
             };
             let limit = slot.limit.load(Ordering::Relaxed);
             self.renew_if_wanted(tenant, pool, &slot);
+            let depleted = match spend {
+                Spend::Denied {
+                    denial: Denial::AwaitingGrant,
+                    ..
+                } if attempt == 0 => Some("available"),
+                Spend::Denied {
+                    denial: Denial::PoolExhausted,
+                    ..
+                } => Some("exhausted"),
+                _ => None,
+            };
+            if let Some(pool_state) = depleted {
+                metrics::counter!(crate::metrics::LEASE_DEPLETIONS,
+                    "tenant" => tenant.to_string(), "pool" => pool.to_string(),
+                    "pool_state" => pool_state)
+                .increment(1);
+            }
             match spend {
                 Spend::Leased(_) => return Ok(false),
                 Spend::Fallback { .. } => return Ok(true),

@@ -11,7 +11,7 @@ use std::time::Duration;
 use allot_allocator::http::Tokens;
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::ledger::Ledger;
-use allot_allocator::server::{Settings, run};
+use allot_allocator::server::{Settings, WINDOW_GAUGE_SETTLE_MS, publish_ledger_gauges, run};
 use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::clock::SystemClock;
 use allot_region_agent::http::{AgentApi, serve};
@@ -254,4 +254,44 @@ async fn two_regions_share_one_pool_without_overshoot() {
         "{metrics}"
     );
     assert!(!metrics.contains("U-"), "no raw principal ids in metrics");
+    // Store latency per shard, and the requests that found the region without a lease.
+    assert!(
+        metrics.contains("allot_agent_store_seconds_bucket{shard=\"0\""),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            "allot_agent_lease_depletions_total{tenant=\"atlas\",pool=\"api\",pool_state=\"available\"}"
+        ),
+        "{metrics}"
+    );
+
+    // Once the window has settled, the allocator publishes the ledger's row as gauges for the
+    // overshoot alert.
+    let kv = EtcdKv::connect(&etcd.endpoints()).await.expect("etcd");
+    let ledger = Ledger::connect(&format!(
+        "sqlite://{}",
+        dir.path().join("ledger.db").display()
+    ))
+    .await
+    .expect("ledger");
+    let window_end_ms = row["windowEndMs"].as_u64().expect("window end");
+    publish_ledger_gauges(&ledger, &kv, window_end_ms + WINDOW_GAUGE_SETTLE_MS)
+        .await
+        .expect("gauges");
+    let rendered = allot_allocator::metrics::handle()
+        .expect("recorder")
+        .render();
+    for (name, value) in [
+        ("allot_pool_window_admitted_tokens", admitted),
+        ("allot_pool_window_bound_tokens", 1_000 + 2 * 100),
+        ("allot_pool_window_overshoot_tokens", 0),
+    ] {
+        let line = format!("{name}{{tenant=\"atlas\",pool=\"api\"}} {value}");
+        assert!(rendered.contains(&line), "no {line:?} in {rendered}");
+    }
+    assert!(
+        rendered.contains("allot_policy_current_version 0"),
+        "{rendered}"
+    );
 }

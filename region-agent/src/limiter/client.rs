@@ -296,6 +296,19 @@ fn bump(counter: &AtomicU64) {
 struct Shard {
     breaker: CircuitBreaker,
     in_flight: Semaphore,
+    /// The shard's store-call latency histogram, registered on first use (after the recorder is
+    /// installed) so the hot path neither formats nor allocates a label.
+    latency: std::sync::OnceLock<metrics::Histogram>,
+}
+
+impl Shard {
+    fn record_latency(&self, index: usize, seconds: f64) {
+        self.latency
+            .get_or_init(
+                || metrics::histogram!(crate::metrics::STORE_SECONDS, "shard" => index.to_string()),
+            )
+            .record(seconds);
+    }
 }
 
 /// Why a store call produced no decision.
@@ -359,6 +372,7 @@ impl Limiter {
             .map(|_| Shard {
                 breaker: CircuitBreaker::new(config.breaker),
                 in_flight: Semaphore::new(config.max_in_flight_per_shard),
+                latency: std::sync::OnceLock::new(),
             })
             .collect();
         Ok(Self {
@@ -630,6 +644,10 @@ impl Limiter {
                 deadline
             };
             let result = tokio::time::timeout_at(call_deadline, self.store.decide(batch)).await;
+            shard.record_latency(
+                shard_index,
+                monotonic_now().duration_since(now).as_secs_f64(),
+            );
             let now_ms = self.clock.elapsed_ms();
             let degrade = |cause| (Err(CallFailure::Degrade(ambiguous.unwrap_or(cause))), calls);
             let cause = match result {
