@@ -792,22 +792,22 @@ impl Agent {
         let Some(allocator) = self.allocator.clone() else {
             return;
         };
-        let want = {
+        let asked = {
             let mut holder = lock(&slot.holder);
-            let want = holder.wants(self.clock.now_ms(), self.settings.allocator_round_trip_ms);
-            if want.is_some() {
+            let now_ms = self.clock.now_ms();
+            let want = holder.wants(now_ms, self.settings.allocator_round_trip_ms);
+            want.map(|want| {
                 holder.begin_renewal();
-            }
-            want
+                let fresh = LeaseId::from_parts(now_ms, rand::random());
+                (want, holder.renewal_lease_id(fresh))
+            })
         };
-        let Some(want) = want else {
+        let Some((want, lease_id)) = asked else {
             return;
         };
         let (agent, slot, tenant, pool) =
             (self.clone(), slot.clone(), tenant.clone(), pool.clone());
         tokio::spawn(async move {
-            let now_ms = agent.clock.now_ms();
-            let lease_id = LeaseId::from_parts(now_ms, rand::random());
             let stopwatch = crate::clock::Stopwatch::start();
             let answer = allocator
                 .grant(&tenant, &pool, &agent.settings.region, lease_id, want)
@@ -845,8 +845,14 @@ impl Agent {
                         metrics::counter!(crate::metrics::TOKENS_GRANTED).increment(answer.granted);
                     }
                 }
-                Ok(None) => tracing::warn!(%tenant, %pool, "the pool no longer exists"),
+                Ok(None) => {
+                    lock(&slot.holder).renewal_failed(lease_id, false);
+                    tracing::warn!(%tenant, %pool, "the pool no longer exists");
+                }
                 Err(error) => {
+                    // No answer (or a 5xx): the grant may have been committed; ask again with
+                    // the same lease id. A refusal is final.
+                    lock(&slot.holder).renewal_failed(lease_id, error.is_unreachable());
                     agent
                         .reachable
                         .store(!error.is_unreachable(), Ordering::Relaxed);

@@ -300,3 +300,26 @@ fn no_renewal_is_asked_for_when_the_window_ends_within_the_margin_and_a_round_tr
     holder.spend(1, window_end, true);
     assert!(holder.wants(window_end, 50).is_some());
 }
+
+/// A renewal whose answer was lost is asked again with the same lease id (the allocator answers it
+/// with the grant it may have committed); a refusal, or the answer arriving, ends that.
+#[test]
+fn a_lost_renewal_answer_is_asked_again_with_the_same_lease_id() {
+    let mut holder = PoolHolder::new(config(0));
+    let t0 = 10 * MINUTE + 1_000;
+    let first = LeaseId::from_parts(t0, 1);
+    let second = LeaseId::from_parts(t0 + 100, 2);
+    assert_eq!(holder.renewal_lease_id(first), first);
+    holder.renewal_failed(first, true);
+    assert_eq!(holder.renewal_lease_id(second), first, "the lost one again");
+    // The answer to the retry arrives: the next renewal is a new lease.
+    assert_eq!(
+        holder.accept(grant(1, 1, 10, t0), t0 + 100),
+        GrantVerdict::Accepted
+    );
+    assert_eq!(holder.renewal_lease_id(second), second);
+    // A refusal (the pool is gone, a 4xx) is final: nothing to recover.
+    holder.renewal_failed(second, false);
+    let third = LeaseId::from_parts(t0 + 200, 3);
+    assert_eq!(holder.renewal_lease_id(third), third);
+}

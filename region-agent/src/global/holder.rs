@@ -237,6 +237,9 @@ pub struct PoolHolder {
     rate: SpendRate,
     last_demand_ms: Option<u64>,
     renewal_in_flight: bool,
+    /// The lease id of a renewal whose answer never arrived: the allocator may have granted it, so
+    /// the next renewal asks with the same id and gets that grant back instead of stranding it.
+    unanswered_lease: Option<LeaseId>,
     dropped_reports: u64,
     stranded_tokens: u64,
 }
@@ -254,6 +257,7 @@ impl PoolHolder {
             rate: SpendRate::default(),
             last_demand_ms: None,
             renewal_in_flight: false,
+            unanswered_lease: None,
             dropped_reports: 0,
             stranded_tokens: 0,
         }
@@ -295,6 +299,9 @@ impl PoolHolder {
 
     /// Takes a grant from the allocator.
     pub fn accept(&mut self, grant: LeaseGrant, now_ms: u64) -> GrantVerdict {
+        if self.unanswered_lease == Some(grant.lease_id) {
+            self.unanswered_lease = None;
+        }
         if grant.epoch < self.highest_epoch {
             return GrantVerdict::StaleEpoch {
                 highest: self.highest_epoch,
@@ -454,6 +461,18 @@ impl PoolHolder {
     /// Marks the renewal as finished (with or without a grant).
     pub fn end_renewal(&mut self) {
         self.renewal_in_flight = false;
+    }
+
+    /// The lease id to ask the next renewal with: the id of a renewal whose answer was lost, if any
+    /// (idempotent by lease id, the allocator answers it with what it granted then), else `fresh`.
+    pub fn renewal_lease_id(&self, fresh: LeaseId) -> LeaseId {
+        self.unanswered_lease.unwrap_or(fresh)
+    }
+
+    /// Records how the renewal asked with `lease_id` failed: `ambiguous` (no answer: the allocator
+    /// may have granted) keeps the id for the next renewal; a refusal forgets it.
+    pub fn renewal_failed(&mut self, lease_id: LeaseId, ambiguous: bool) {
+        self.unanswered_lease = ambiguous.then_some(lease_id);
     }
 
     /// What to report since the last acknowledged report.
