@@ -566,6 +566,10 @@ impl Agent {
                 }
             };
             let limit = slot.limit.load(Ordering::Relaxed);
+            // Registered before the renewal can start, so its end cannot be missed.
+            let renewed = slot.renewed.notified();
+            tokio::pin!(renewed);
+            renewed.as_mut().enable();
             self.renew_if_wanted(tenant, pool, &slot);
             let depleted = match spend {
                 Spend::Denied {
@@ -591,7 +595,11 @@ impl Agent {
                     denial: Denial::AwaitingGrant,
                     ..
                 } if attempt == 0 => {
-                    let _ = tokio::time::timeout(FIRST_GRANT_WAIT, slot.renewed.notified()).await;
+                    // Wait for the renewal in flight, if any (none: it already ended, or none was
+                    // wanted; try again at once).
+                    if lock(&slot.holder).renewal_in_flight() {
+                        let _ = tokio::time::timeout(FIRST_GRANT_WAIT, renewed).await;
+                    }
                 }
                 Spend::Denied {
                     denial,
@@ -1066,6 +1074,8 @@ fn global_denial(
     let (reason, fallback) = match denial {
         Denial::PoolExhausted => (Reason::RateExceeded, false),
         Denial::FallbackSpent => (Reason::RateExceeded, true),
+        // The window's quota can no longer be leased; the pool refills when it ends.
+        Denial::WindowEnding => (Reason::RateExceeded, false),
         Denial::FailClosed | Denial::AwaitingGrant => (Reason::LimiterUnavailable, false),
     };
     Decision {

@@ -176,11 +176,17 @@ fn renewals_follow_demand_with_single_flight() {
             ..
         }
     ));
-    assert_eq!(holder.wants(t0, 50), Some(15), "1 token/s for a 15 s lease");
+    // One request so far: the rate, as if its second closed now, is a quarter token per second
+    // (EWMA alpha 1/4): 3.75 tokens for a 15 s lease, rounded up.
+    assert_eq!(
+        holder.wants(t0, 50),
+        Some(4),
+        "a quarter token/s for a 15 s lease"
+    );
     holder.begin_renewal();
     assert_eq!(holder.wants(t0, 50), None, "one renewal at a time");
     holder.end_renewal();
-    holder.accept(grant(1, 1, 15, t0), t0);
+    holder.accept(grant(1, 1, 4, t0), t0);
     // Demand of 40 tokens/s for a few seconds raises the ask, bounded by the chunk.
     let mut now = t0;
     for second in 0..5 {

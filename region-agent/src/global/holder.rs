@@ -31,8 +31,10 @@ pub const MAX_UNREPORTED_LEASES: usize = 1_024;
 pub const MAX_FALLBACK_WINDOWS: usize = 64;
 /// Demand is measured in buckets of this many ms.
 const RATE_BUCKET_MS: u64 = 1_000;
-/// The spend rate is kept in 1/16 tokens per second, for precision in integers.
-const RATE_SCALE: u64 = 16;
+/// The spend rate is kept in 1/1024 tokens per second, for precision in integers: a pool spending a
+/// token every few seconds must not be sized as if it spent one every second (with a long lease
+/// TTL that over-asks by the TTL in seconds, and strands it).
+const RATE_SCALE: u64 = 1_024;
 
 /// What the holder needs to know about its pool (from the last pool configuration the agent saw).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,6 +122,9 @@ pub enum Denial {
     FailClosed,
     /// The allocator is reachable but no lease is held yet: renew and try again.
     AwaitingGrant,
+    /// No lease is held and the window ends within the expiry margin plus a round trip: a lease
+    /// asked for now would end before it could be spent. The pool refills when the window ends.
+    WindowEnding,
 }
 
 /// The outcome of spending.
@@ -185,29 +190,59 @@ struct FallbackCount {
     reported_tokens: u64,
 }
 
-/// Demand, as an integer EWMA over one-second buckets (alpha = 1/4).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Demand, as two integer EWMAs over one-second buckets: a fast one (alpha 1/4) that says how soon
+/// what is held runs out, and a slow one that sizes leases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct SpendRate {
     bucket_start_ms: u64,
     bucket_tokens: u64,
-    /// Tokens per second x [`RATE_SCALE`].
+    /// Tokens per second x [`RATE_SCALE`] (alpha 1/4: follows demand within seconds).
     scaled_per_s: u64,
+    /// The same, averaged over about one lease TTL, at most a minute (alpha 1/`slow_buckets`):
+    /// steady enough to size a lease even when tokens are seconds apart. (Longer spans strand less
+    /// but follow a demand rise so slowly that leases come out small and renewals double: measured
+    /// with the 24-hour drill, docs/drills.md.)
+    slow_scaled_per_s: u64,
+    /// Buckets the slow average spans: the lease TTL in seconds, 4 to 64.
+    slow_buckets: u64,
 }
 
+/// Buckets the slow demand average spans for a lease TTL: the TTL in seconds, 4 to 64.
+fn slow_buckets(lease_ttl_ms: u64) -> u64 {
+    (lease_ttl_ms / RATE_BUCKET_MS).clamp(4, 64)
+}
+
+/// Most buckets one roll decays (a quiet spell longer than this leaves both averages near zero).
+const MAX_ROLLED_BUCKETS: u32 = 1_024;
+
 impl SpendRate {
+    fn new(lease_ttl_ms: u64) -> Self {
+        Self {
+            bucket_start_ms: 0,
+            bucket_tokens: 0,
+            scaled_per_s: 0,
+            slow_scaled_per_s: 0,
+            slow_buckets: slow_buckets(lease_ttl_ms),
+        }
+    }
+
     fn roll(&mut self, now_ms: u64) {
         if now_ms < self.bucket_start_ms + RATE_BUCKET_MS {
             return;
         }
-        // A long quiet spell decays the rate to nothing within a few dozen buckets; stop there.
-        for _ in 0..32 {
+        let n = self.slow_buckets;
+        for _ in 0..MAX_ROLLED_BUCKETS {
             if now_ms < self.bucket_start_ms + RATE_BUCKET_MS {
                 return;
             }
-            self.scaled_per_s =
-                (self.scaled_per_s * 3 + self.bucket_tokens.saturating_mul(RATE_SCALE)) / 4;
+            let bucket = self.bucket_tokens.saturating_mul(RATE_SCALE);
+            self.scaled_per_s = (self.scaled_per_s * 3 + bucket) / 4;
+            self.slow_scaled_per_s = (self.slow_scaled_per_s.saturating_mul(n - 1) + bucket) / n;
             self.bucket_tokens = 0;
             self.bucket_start_ms += RATE_BUCKET_MS;
+            if self.scaled_per_s == 0 && self.slow_scaled_per_s == 0 {
+                break;
+            }
         }
         self.bucket_start_ms = now_ms - now_ms % RATE_BUCKET_MS;
     }
@@ -217,11 +252,27 @@ impl SpendRate {
         self.bucket_tokens = self.bucket_tokens.saturating_add(tokens);
     }
 
-    /// Tokens per second, rounded up, counting the bucket in progress as a floor.
-    fn per_second(&self) -> u64 {
-        self.scaled_per_s
-            .div_ceil(RATE_SCALE)
-            .max(self.bucket_tokens)
+    /// Tokens per second x [`RATE_SCALE`], at least 1, as if the bucket in progress closed now: how
+    /// soon what is held runs out (a burst counts at once). Sets the renewal watermark.
+    fn urgency(&self) -> u64 {
+        let with_bucket = (self.scaled_per_s.saturating_mul(3)
+            + self.bucket_tokens.saturating_mul(RATE_SCALE))
+            / 4;
+        with_bucket.max(self.scaled_per_s).max(1)
+    }
+
+    /// Tokens per second x [`RATE_SCALE`], at least 1, over closed buckets only: what a lease should
+    /// hold. Renewals are asked right after a spend, so counting the bucket in progress would size
+    /// every lease of a sparse pool as if a token a second were spent (and strand the excess);
+    /// with no closed bucket yet, the bucket in progress is all there is.
+    fn sizing(&self) -> u64 {
+        if self.scaled_per_s == 0 {
+            return self.urgency();
+        }
+        // A demand rise shows in the fast average first: follow it up at once, down slowly.
+        self.slow_scaled_per_s
+            .max(self.scaled_per_s.min(self.slow_scaled_per_s * 2))
+            .max(1)
     }
 }
 
@@ -237,6 +288,8 @@ pub struct PoolHolder {
     rate: SpendRate,
     last_demand_ms: Option<u64>,
     renewal_in_flight: bool,
+    /// The allocator round trip the agent last sized renewals with, ms (from `wants`).
+    round_trip_ms: u64,
     /// The lease id of a renewal whose answer never arrived: the allocator may have granted it, so
     /// the next renewal asks with the same id and gets that grant back instead of stranding it.
     unanswered_lease: Option<LeaseId>,
@@ -254,9 +307,10 @@ impl PoolHolder {
             highest_epoch: Epoch(0),
             exhausted_until_ms: 0,
             fallback: BTreeMap::new(),
-            rate: SpendRate::default(),
+            rate: SpendRate::new(config.lease_ttl_ms),
             last_demand_ms: None,
             renewal_in_flight: false,
+            round_trip_ms: 0,
             unanswered_lease: None,
             dropped_reports: 0,
             stranded_tokens: 0,
@@ -265,6 +319,7 @@ impl PoolHolder {
 
     /// Replaces the configuration (a pool update). Held leases are unaffected.
     pub fn reconfigure(&mut self, config: HolderConfig) {
+        self.rate.slow_buckets = slow_buckets(config.lease_ttl_ms);
         self.config = config;
     }
 
@@ -372,14 +427,20 @@ impl PoolHolder {
                 retry_after_ms: self.exhausted_until_ms - now_ms,
             };
         }
+        let window = Window::containing(now_ms, self.config.window_ms);
+        let until_window_end_ms = window.ms_until_end(now_ms).max(1);
         if allocator_reachable {
+            if window.ms_until_end(now_ms) <= self.config.expiry_margin_ms + self.round_trip_ms {
+                return Spend::Denied {
+                    denial: Denial::WindowEnding,
+                    retry_after_ms: until_window_end_ms,
+                };
+            }
             return Spend::Denied {
                 denial: Denial::AwaitingGrant,
                 retry_after_ms: 1,
             };
         }
-        let window = Window::containing(now_ms, self.config.window_ms);
-        let until_window_end_ms = window.ms_until_end(now_ms).max(1);
         let allowance = self.config.fallback_per_region_tokens;
         if allowance == 0 {
             return Spend::Denied {
@@ -425,6 +486,7 @@ impl PoolHolder {
         if self.renewal_in_flight || self.exhausted_until_ms > now_ms {
             return None;
         }
+        self.round_trip_ms = round_trip_ms;
         let last_demand_ms = self.last_demand_ms?;
         // Leases are clamped to their window: one asked for this close to the window's end would end
         // before this agent may spend from it and be stranded whole. Wait for the next window.
@@ -439,23 +501,35 @@ impl PoolHolder {
         {
             return None;
         }
-        let per_second = self.rate.per_second().max(1);
+        let per_ms = RATE_SCALE * 1_000;
         let horizon_ms = 2 * round_trip_ms + self.config.expiry_margin_ms + RATE_BUCKET_MS;
         // Never prefetch while a whole chunk is held: a busy pool with a small chunk would otherwise
         // ask on every spend and hold (and strand) more leases than it can use.
-        let watermark = (per_second * horizon_ms)
-            .div_ceil(1_000)
+        let watermark = self
+            .rate
+            .urgency()
+            .saturating_mul(horizon_ms)
+            .div_ceil(per_ms)
             .min(self.config.chunk_tokens.max(1));
         if self.available_tokens(now_ms) >= watermark && !self.live.is_empty() {
             return None;
         }
-        let want = (per_second * self.config.lease_ttl_ms).div_ceil(1_000);
+        let want = self
+            .rate
+            .sizing()
+            .saturating_mul(self.config.lease_ttl_ms)
+            .div_ceil(per_ms);
         Some(want.clamp(1, self.config.chunk_tokens.max(1)))
     }
 
     /// Marks a renewal as started (single flight per pool).
     pub fn begin_renewal(&mut self) {
         self.renewal_in_flight = true;
+    }
+
+    /// Whether a renewal is in flight.
+    pub fn renewal_in_flight(&self) -> bool {
+        self.renewal_in_flight
     }
 
     /// Marks the renewal as finished (with or without a grant).

@@ -65,14 +65,30 @@ enum Command {
         #[arg(long, default_value_t = 40)]
         demo_rate: u64,
     },
-    /// Run the built-in partition drills (all, or the named ones) on the shipped allocator and agent
-    /// logic in virtual time; exits non-zero when a drill misses its expected outcome.
+    /// Run partition drills (the built-in suite, named ones, or scenario files) on the shipped
+    /// allocator and agent logic in virtual time; exits non-zero when a drill misses its expected
+    /// outcome or breaks an invariant.
     Drill {
-        /// Drill names (see docs/drills.md); none runs them all.
+        /// Built-in drill names (see docs/drills.md); none and no --file runs them all.
         names: Vec<String>,
+        /// A scenario file (TOML, see simulations/scenarios/); repeatable.
+        #[arg(long = "file")]
+        files: Vec<PathBuf>,
         /// Print the reports as JSON instead of tables.
         #[arg(long)]
         json: bool,
+        /// Write a self-contained HTML report with plots to this file.
+        #[arg(long)]
+        report: Option<PathBuf>,
+        /// Run with this seed instead of the scenario's.
+        #[arg(long, conflicts_with = "seeds")]
+        seed: Option<u64>,
+        /// Run seeds 0 to N-1 and print the shortest reproduction of the first failure.
+        #[arg(long)]
+        seeds: Option<u64>,
+        /// Run for this long instead of the scenario's duration, ms.
+        #[arg(long)]
+        duration_ms: Option<u64>,
     },
     /// Policy bundle tools.
     Policy {
@@ -136,7 +152,23 @@ fn main() -> ExitCode {
             demo,
             demo_rate_per_s: demo_rate,
         }),
-        Command::Drill { names, json } => allot_simulations::drill::run_blocking(&names, json),
+        Command::Drill {
+            names,
+            files,
+            json,
+            report,
+            seed,
+            seeds,
+            duration_ms,
+        } => allot_simulations::drill::run_blocking(&allot_simulations::drill::DrillOptions {
+            names,
+            files,
+            json,
+            report,
+            seed,
+            seeds,
+            duration_ms,
+        }),
         Command::Policy {
             command: PolicyCommand::Check { file },
         } => policy_check(&file),

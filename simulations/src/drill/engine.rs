@@ -1,0 +1,988 @@
+//! The drill engine: the shipped allocator grant service ([`Grantor`] over the embedded
+//! [`MemoryKv`]) and the shipped agent lease logic ([`PoolHolder`]) driven in virtual time, with
+//! the scenario's demand and faults applied at their seams (the store, the clock, the transport).
+//!
+//! Each tick, for every region and tenant: grant answers that have arrived are handed to the holder;
+//! the tick's requests are spent as the agent spends them (a request finding no lease triggers a
+//! renewal and waits for it up to [`FIRST_GRANT_WAIT`], as the agent does; every spend may start a
+//! single-flight renewal); reports are acknowledged every [`REPORT_EVERY_MS`] while the allocator is
+//! reachable. Faults act where they would in production: a partition fails the agent's calls, lost
+//! answers are granted but never delivered, latency delays delivery, a crash loses the agent's
+//! memory, a skewed clock is the agent's clock.
+//!
+//! Determinism: one task, one virtual clock, a seeded generator for every random choice; the same
+//! scenario and seed give the same report, byte for byte. Units: tokens (cost 1 per request), ms.
+
+use std::num::NonZeroU64;
+use std::sync::Arc;
+
+use allot_allocator::clock::{Clock, ManualClock};
+use allot_allocator::grants::Grantor;
+use allot_allocator::kv::memory::MemoryKv;
+use allot_allocator::kv::{Kv, Op};
+use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
+use allot_allocator::pools::{GrantRecord, PoolSpec, get_window, put_pool};
+use allot_region_agent::global::holder::{
+    Denial, GrantVerdict, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
+};
+use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, PoolConfig};
+use allot_shared::window::Window;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
+
+use super::check::{TenantChecker, check_expectation};
+use super::scenario::{Fault, PoolLayout, Scenario};
+
+/// 2026-01-01T00:00:00Z: drills start on a window boundary.
+pub const START_MS: u64 = 1_767_225_600_000;
+/// The allocator round trip without faults, ms (the agents size their renewal watermark with it).
+pub const ROUND_TRIP_MS: u64 = 20;
+/// Agents report (and the holders forget what was acknowledged) this often, ms.
+pub const REPORT_EVERY_MS: u64 = 1_000;
+/// Most violation lines a report keeps (the rest are counted) (I10).
+pub const MAX_VIOLATION_LINES: usize = 100;
+
+/// One region in one window, summed over the drill's tenants.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RegionWindow {
+    /// Requests arriving.
+    pub demand: u64,
+    /// Admitted from leases of this window.
+    pub leased: u64,
+    /// Admitted from leases of an earlier window (unclamped carry-over).
+    pub carried_over: u64,
+    /// Admitted in fallback.
+    pub fallback: u64,
+    /// Denied: the pool is exhausted.
+    pub denied_exhausted: u64,
+    /// Denied: unreachable allocator and the fallback allowance is spent (or zero).
+    pub denied_fallback_spent: u64,
+    /// Denied after waiting for a grant that did not arrive in time.
+    pub denied_awaiting: u64,
+    /// Denied in the last moments of a window with no lease held (a lease asked for then would end
+    /// before it could be spent); retried when the window ends.
+    pub denied_window_end: u64,
+    /// Not served: the agent was down, or had no pool terms (fails closed).
+    pub denied_unavailable: u64,
+    /// Of the pool-exhausted denials, those while the tenant's whole quota (G) was not yet granted
+    /// in this window: the cost of a static split.
+    pub denied_while_tokens_left: u64,
+    /// Tokens granted to this region for this window.
+    pub granted: u64,
+    /// Tokens that became stranded during this window (unspent at a lease's end, or held by an
+    /// agent that crashed).
+    pub stranded: u64,
+    /// Grant answers lost on the way back.
+    pub answers_lost: u64,
+    /// Tokens of lost answers recovered by asking again with the same lease id.
+    pub recovered_tokens: u64,
+    /// Admits that never reached the ledger: a crashed agent's last report interval.
+    pub unreported: u64,
+    /// Tokens spent at or after their lease's end, in true time (an invariant violation unless the
+    /// scenario expects it).
+    pub spent_after_lease_end: u64,
+    /// Decisions that waited for a grant.
+    pub waited: u64,
+    /// The longest such wait, ms.
+    pub max_wait_ms: u64,
+}
+
+impl RegionWindow {
+    /// Everything admitted.
+    pub fn admitted(&self) -> u64 {
+        self.leased + self.carried_over + self.fallback
+    }
+
+    /// Every denial.
+    pub fn denied(&self) -> u64 {
+        self.denied_exhausted
+            + self.denied_fallback_spent
+            + self.denied_awaiting
+            + self.denied_window_end
+            + self.denied_unavailable
+    }
+
+    pub(super) fn add(&mut self, other: &RegionWindow) {
+        self.demand += other.demand;
+        self.leased += other.leased;
+        self.carried_over += other.carried_over;
+        self.fallback += other.fallback;
+        self.denied_exhausted += other.denied_exhausted;
+        self.denied_fallback_spent += other.denied_fallback_spent;
+        self.denied_awaiting += other.denied_awaiting;
+        self.denied_window_end += other.denied_window_end;
+        self.denied_unavailable += other.denied_unavailable;
+        self.denied_while_tokens_left += other.denied_while_tokens_left;
+        self.granted += other.granted;
+        self.stranded += other.stranded;
+        self.answers_lost += other.answers_lost;
+        self.recovered_tokens += other.recovered_tokens;
+        self.unreported += other.unreported;
+        self.spent_after_lease_end += other.spent_after_lease_end;
+        self.waited += other.waited;
+        self.max_wait_ms = self.max_wait_ms.max(other.max_wait_ms);
+    }
+}
+
+/// One window of a drill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowRecord {
+    /// Window start, ms since the drill's start.
+    pub offset_ms: u64,
+    /// Tokens granted in this window by an allocator whose records a failover lost (the bound's
+    /// lost-record term for this window, summed over tenants).
+    pub lost_grant_record_tokens: u64,
+    /// Per region, in scenario order, summed over tenants.
+    pub regions: Vec<RegionWindow>,
+}
+
+impl WindowRecord {
+    /// A sum over the regions.
+    pub fn sum(&self, field: impl Fn(&RegionWindow) -> u64) -> u64 {
+        self.regions.iter().map(field).sum()
+    }
+}
+
+/// How long a region took to get back to normal leasing after the last fault healed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Convergence {
+    /// The last fault's end, ms since the start.
+    pub healed_at_ms: u64,
+    /// Per region: ms after the heal until the last abnormal decision (fallback, waiting for or
+    /// lacking a grant, agent down); 0 when none followed the heal.
+    pub after_ms: [u64; super::scenario::MAX_REGIONS],
+    /// The limit: `converge_within_ttls` lease TTLs, ms.
+    pub limit_ms: u64,
+}
+
+/// The result of a drill.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrillReport {
+    /// The scenario.
+    pub scenario: Scenario,
+    /// The seed the run used.
+    pub seed: u64,
+    /// The design's bound per tenant and window (without lost records).
+    pub bound: OvershootBound,
+    /// Every window, in order.
+    pub windows: Vec<WindowRecord>,
+    /// Convergence after the last healing fault, if any.
+    pub convergence: Option<Convergence>,
+    /// Violated invariants and expectations (empty: the drill passed), at most
+    /// [`MAX_VIOLATION_LINES`].
+    pub violations: Vec<String>,
+    /// Violations beyond those listed.
+    pub violations_not_listed: u64,
+}
+
+impl DrillReport {
+    /// Whether every invariant and the expectation held.
+    pub fn passed(&self) -> bool {
+        self.violations.is_empty()
+    }
+}
+
+/// A grant answer on its way to an agent.
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    deliver_at_ms: u64,
+    lease_id: LeaseId,
+    /// `None`: the answer is lost.
+    answer: Option<LeaseGrant>,
+}
+
+/// One tenant's pool in one region's agent.
+#[derive(Debug, Default)]
+struct HeldPool {
+    /// `None` until the agent has the pool's terms (at start, after a restart).
+    holder: Option<PoolHolder>,
+    in_flight: Option<InFlight>,
+    /// Lease ends in true time, to check that nothing is spent past them.
+    lease_ends: Vec<(LeaseId, u64)>,
+    /// A lease whose grant was committed but whose answer was lost.
+    committed_unanswered: Option<LeaseId>,
+    demand_remainder: u64,
+    stranded_seen: u64,
+    admitted_since_report: u64,
+}
+
+/// One region's agent process.
+#[derive(Debug)]
+struct RegionAgent {
+    region: RegionId,
+    /// What the agent believes after its last allocator call (it decides whether fallback applies).
+    believes_reachable: bool,
+    /// Down until this instant (ms since the start) after a crash.
+    down_until_ms: Option<u64>,
+    pools: Vec<HeldPool>,
+}
+
+/// The faults acting on one region during one tick.
+#[derive(Debug, Clone, Copy, Default)]
+struct RegionConditions {
+    partitioned: bool,
+    loss_percent: u64,
+    added_ms: u64,
+    clock_offset_ms: i64,
+}
+
+fn conditions(scenario: &Scenario, region: &str, elapsed_ms: u64) -> RegionConditions {
+    let mut c = RegionConditions::default();
+    for fault in scenario.faults.iter().filter(|f| f.touches(region)) {
+        match *fault {
+            Fault::Partition {
+                from_ms, until_ms, ..
+            } if (from_ms..until_ms).contains(&elapsed_ms) => c.partitioned = true,
+            Fault::AnswerLoss {
+                from_ms,
+                until_ms,
+                percent,
+                ..
+            } if (from_ms..until_ms).contains(&elapsed_ms) => {
+                c.loss_percent = c.loss_percent.max(percent);
+            }
+            Fault::Latency {
+                from_ms,
+                until_ms,
+                added_ms,
+                ..
+            } if (from_ms..until_ms).contains(&elapsed_ms) => c.added_ms += added_ms,
+            Fault::ClockSkew {
+                offset_ms,
+                rate_ppm,
+                ..
+            } => {
+                let drift = i64::try_from(elapsed_ms)
+                    .unwrap_or(i64::MAX)
+                    .saturating_mul(rate_ppm)
+                    / 1_000_000;
+                c.clock_offset_ms += offset_ms + drift;
+            }
+            _ => {}
+        }
+    }
+    c
+}
+
+/// Poisson-distributed arrivals with mean `mean` (Knuth's method for small means, a rounded normal
+/// approximation above 30).
+fn poisson(rng: &mut StdRng, mean: f64) -> u64 {
+    if mean <= 0.0 {
+        return 0;
+    }
+    if mean > 30.0 {
+        // Box-Muller.
+        let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+        let u2: f64 = rng.random::<f64>();
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        return (mean + z * mean.sqrt()).round().max(0.0) as u64;
+    }
+    let limit = (-mean).exp();
+    let mut product = rng.random::<f64>();
+    let mut count = 0;
+    while product > limit {
+        product *= rng.random::<f64>();
+        count += 1;
+    }
+    count
+}
+
+/// Runs `scenario` with its own seed and duration.
+pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
+    run_with(scenario, scenario.seed, scenario.duration_ms).await
+}
+
+/// Runs `scenario` with `seed` for `duration_ms` (a shorter run reproduces a failure faster).
+pub async fn run_with(
+    scenario: &Scenario,
+    seed: u64,
+    duration_ms: u64,
+) -> Result<DrillReport, String> {
+    scenario.validate()?;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let clock = Arc::new(ManualClock::new(START_MS));
+    let kv: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
+    let pool_id = PoolId::parse("api").map_err(|e| e.to_string())?;
+    let regions = scenario
+        .regions
+        .iter()
+        .map(|plan| RegionId::parse(&plan.region).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let tenant_count = usize::try_from(scenario.tenants).map_err(|e| e.to_string())?;
+    let tenants = (0..tenant_count)
+        .map(|t| {
+            let name = if tenant_count == 1 {
+                "drill".to_owned()
+            } else {
+                format!("t{t:05}")
+            };
+            TenantId::parse(&name).map_err(|e| e.to_string())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let spec = |limit: u64, regions: Vec<RegionId>| PoolSpec {
+        limit,
+        window_ms: scenario.window_ms,
+        chunk: scenario.chunk,
+        lease_ttl_ms: scenario.lease_ttl_ms,
+        fallback_per_region: scenario.fallback_per_region,
+        regions,
+    };
+    // The tenant's quota as one pool: the bound's terms are computed from it.
+    let config = spec(scenario.limit, regions.clone())
+        .validate()
+        .map_err(|e| e.to_string())?;
+    let mut pools: Vec<Vec<PoolId>> = Vec::with_capacity(tenant_count);
+    let pool_limits = match scenario.layout {
+        PoolLayout::Shared => scenario.limit,
+        PoolLayout::PerRegion { per_region_limit } => per_region_limit * regions.len() as u64,
+    };
+    for tenant in &tenants {
+        match scenario.layout {
+            PoolLayout::Shared => {
+                put_pool(
+                    &*kv,
+                    tenant,
+                    &pool_id,
+                    spec(scenario.limit, regions.clone()),
+                    START_MS,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                pools.push(vec![pool_id.clone(); regions.len()]);
+            }
+            PoolLayout::PerRegion { per_region_limit } => {
+                let mut per_region = Vec::new();
+                for region in &regions {
+                    let id =
+                        PoolId::parse(&format!("{pool_id}-{region}")).map_err(|e| e.to_string())?;
+                    put_pool(
+                        &*kv,
+                        tenant,
+                        &id,
+                        spec(per_region_limit, vec![region.clone()]),
+                        START_MS,
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                    per_region.push(id);
+                }
+                pools.push(per_region);
+            }
+        }
+    }
+    // The leader key's store lease outlives any drill: failover drills replace it explicitly.
+    let leadership = try_acquire(&*kv, "drill-allocator", "http://drill", 1 << 40)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("the drill allocator did not become leader")?;
+    let (role_sender, role) = watch::channel(Role::Leader(leadership));
+    let mut allocator = DrillAllocator {
+        kv: kv.clone(),
+        leadership,
+        role_sender,
+        clamping: scenario.clamping,
+        grantor: Grantor::new(
+            kv.clone(),
+            clock.clone() as Arc<dyn Clock>,
+            role,
+            scenario.clamping,
+            None,
+        ),
+        tenants: tenants.clone(),
+        pools,
+        leases_asked: 0,
+    };
+
+    let window_ms = NonZeroU64::new(scenario.window_ms).ok_or("window_ms must be at least 1")?;
+    let holder_config = HolderConfig {
+        window_ms,
+        chunk_tokens: scenario.chunk,
+        lease_ttl_ms: scenario.lease_ttl_ms,
+        fallback_per_region_tokens: scenario.fallback_per_region,
+        expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS,
+    };
+    let mut agents: Vec<RegionAgent> = regions
+        .iter()
+        .map(|region| RegionAgent {
+            region: region.clone(),
+            believes_reachable: true,
+            down_until_ms: None,
+            pools: (0..tenant_count).map(|_| HeldPool::default()).collect(),
+        })
+        .collect();
+    let bound = OvershootBound {
+        limit_tokens: pool_limits,
+        ..OvershootBound::for_design(&config, scenario.clamping, MAX_LIVE_LEASES as u64, 0)
+    };
+    let mut checker = TenantChecker::new(scenario, bound, tenant_count, regions.len());
+    let first_grant_wait_ms = u64::try_from(FIRST_GRANT_WAIT.as_millis()).unwrap_or(u64::MAX);
+    let heals_at_ms = scenario.heals_at_ms();
+    let mut last_abnormal_ms: Vec<Option<u64>> = vec![None; regions.len()];
+    let tick_ms = scenario.tick_ms;
+
+    let mut elapsed_ms = 0;
+    while elapsed_ms < duration_ms {
+        let now_ms = START_MS + elapsed_ms;
+        clock.set(now_ms);
+        let window = Window::containing(now_ms, window_ms);
+        checker.roll_to(window.start_ms - START_MS);
+        for fault in &scenario.faults {
+            if let Fault::Failover {
+                at_ms,
+                records_kept,
+            } = *fault
+                && (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms)
+            {
+                let lost = allocator
+                    .fail_over(&config, &clock, records_kept, now_ms)
+                    .await?;
+                for (tenant, lost) in lost.into_iter().enumerate() {
+                    checker.add_lost(tenant, lost);
+                }
+            }
+        }
+        for (r, agent) in agents.iter_mut().enumerate() {
+            let plan = &scenario.regions[r];
+            let c = conditions(scenario, &plan.region, elapsed_ms);
+            let agent_now_ms = now_ms.saturating_add_signed(c.clock_offset_ms);
+            // A crash this tick: everything in memory is gone.
+            for fault in &scenario.faults {
+                if let Fault::AgentRestart { at_ms, down_ms, .. } = *fault
+                    && fault.touches(&plan.region)
+                    && (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms)
+                {
+                    for (t, held) in agent.pools.iter_mut().enumerate() {
+                        let record = checker.record(t, r);
+                        if let Some(holder) = &held.holder {
+                            record.stranded += holder.available_tokens(agent_now_ms);
+                        }
+                        if let Some(InFlight {
+                            answer: Some(answer),
+                            ..
+                        }) = held.in_flight
+                        {
+                            record.stranded += answer.granted_tokens;
+                        }
+                        record.unreported += held.admitted_since_report;
+                        *held = HeldPool::default();
+                    }
+                    agent.believes_reachable = true;
+                    agent.down_until_ms = Some(at_ms + down_ms);
+                }
+            }
+            let down = agent.down_until_ms.is_some_and(|until| elapsed_ms < until);
+            let report_due = elapsed_ms % REPORT_EVERY_MS.max(tick_ms) == 0;
+            let mut abnormal = down;
+            for t in 0..tenant_count {
+                let arrivals = {
+                    let held = &mut agent.pools[t];
+                    let per_minute = plan.per_minute_at(elapsed_ms, scenario.duration_ms);
+                    if plan.random {
+                        poisson(&mut rng, per_minute as f64 * tick_ms as f64 / 60_000.0)
+                    } else {
+                        let scaled = per_minute * tick_ms + held.demand_remainder;
+                        held.demand_remainder = scaled % 60_000;
+                        scaled / 60_000
+                    }
+                };
+                if down {
+                    let record = checker.record(t, r);
+                    record.demand += arrivals;
+                    record.denied_unavailable += arrivals;
+                    continue;
+                }
+                let mut step = Step {
+                    allocator: &mut allocator,
+                    rng: &mut rng,
+                    checker: &mut checker,
+                    region: &agent.region,
+                    believes_reachable: &mut agent.believes_reachable,
+                    held: &mut agent.pools[t],
+                    tenant: t,
+                    region_index: r,
+                    c,
+                    now_ms,
+                    agent_now_ms,
+                    window_start_ms: window.start_ms,
+                    tick_ms,
+                    first_grant_wait_ms,
+                    limit: scenario.limit,
+                };
+                abnormal |= step.run(arrivals, holder_config, report_due).await?;
+            }
+            if abnormal {
+                last_abnormal_ms[r] = Some(elapsed_ms);
+            }
+        }
+        elapsed_ms += tick_ms;
+    }
+    let windows = checker.finish();
+    let mut violations = checker.violations;
+    let mut not_listed = checker.violations_not_listed;
+    let convergence = heals_at_ms
+        .filter(|&h| h < duration_ms)
+        .map(|healed_at_ms| {
+            let mut after_ms = [0; super::scenario::MAX_REGIONS];
+            for (r, last) in last_abnormal_ms.iter().enumerate() {
+                if let Some(last) = *last
+                    && last >= healed_at_ms
+                {
+                    after_ms[r] = last + tick_ms - healed_at_ms;
+                }
+            }
+            Convergence {
+                healed_at_ms,
+                after_ms,
+                limit_ms: scenario.converge_within_ttls * scenario.lease_ttl_ms,
+            }
+        });
+    if let Some(c) = &convergence {
+        for (r, plan) in scenario.regions.iter().enumerate() {
+            if c.after_ms[r] > c.limit_ms {
+                violations.push(format!(
+                    "region {} converged {} ms after the heal at {} ms, later than {} lease TTLs ({} ms)",
+                    plan.region, c.after_ms[r], c.healed_at_ms, scenario.converge_within_ttls, c.limit_ms
+                ));
+            }
+        }
+    }
+    check_expectation(scenario, &windows, &mut violations);
+    if violations.len() > MAX_VIOLATION_LINES {
+        not_listed += (violations.len() - MAX_VIOLATION_LINES) as u64;
+        violations.truncate(MAX_VIOLATION_LINES);
+    }
+    Ok(DrillReport {
+        scenario: Scenario {
+            duration_ms,
+            ..scenario.clone()
+        },
+        seed,
+        bound,
+        windows,
+        convergence,
+        violations,
+        violations_not_listed: not_listed,
+    })
+}
+
+/// One tenant's pool in one region's agent during one tick.
+struct Step<'a> {
+    allocator: &'a mut DrillAllocator,
+    rng: &'a mut StdRng,
+    checker: &'a mut TenantChecker,
+    region: &'a RegionId,
+    believes_reachable: &'a mut bool,
+    held: &'a mut HeldPool,
+    tenant: usize,
+    region_index: usize,
+    c: RegionConditions,
+    now_ms: u64,
+    agent_now_ms: u64,
+    window_start_ms: u64,
+    tick_ms: u64,
+    first_grant_wait_ms: u64,
+    limit: u64,
+}
+
+impl Step<'_> {
+    /// Serves `arrivals` requests; returns whether any decision was abnormal (fallback, waiting
+    /// for or lacking a grant).
+    async fn run(
+        &mut self,
+        arrivals: u64,
+        config: HolderConfig,
+        report_due: bool,
+    ) -> Result<bool, String> {
+        let mut abnormal = false;
+        if self.held.holder.is_none() && !self.c.partitioned {
+            // The agent fetches the pool's terms on first use.
+            self.held.holder = Some(PoolHolder::new(config));
+        }
+        if let Some(f) = self.held.in_flight
+            && f.deliver_at_ms <= self.now_ms
+        {
+            self.deliver(f)?;
+        }
+        if self.held.holder.is_none() {
+            let record = self.checker.record(self.tenant, self.region_index);
+            record.demand += arrivals;
+            record.denied_unavailable += arrivals;
+            return Ok(arrivals > 0);
+        }
+        for _ in 0..arrivals {
+            let mut outcome = self.spend();
+            let mut wait_ms = 0;
+            if matches!(
+                outcome,
+                Spend::Denied {
+                    denial: Denial::AwaitingGrant,
+                    ..
+                }
+            ) {
+                // As the agent: start a renewal (single flight), wait for the one in flight (up to
+                // FIRST_GRANT_WAIT), then spend again.
+                let answered_in_ms = self.renew().await?;
+                wait_ms = match (self.held.in_flight, answered_in_ms) {
+                    (Some(f), _) => {
+                        let arrives_in_ms = f.deliver_at_ms.saturating_sub(self.now_ms);
+                        if arrives_in_ms <= self.first_grant_wait_ms {
+                            self.deliver(f)?;
+                            arrives_in_ms
+                        } else {
+                            self.first_grant_wait_ms
+                        }
+                    }
+                    // Answered within the call; or nothing asked, or the call failed at once.
+                    (None, Some(ms)) => ms,
+                    (None, None) => 0,
+                };
+                outcome = self.spend();
+            }
+            let granted_in_window = self.checker.granted_in_window(self.tenant);
+            let record = self.checker.record(self.tenant, self.region_index);
+            record.demand += 1;
+            if wait_ms > 0 {
+                record.waited += 1;
+                record.max_wait_ms = record.max_wait_ms.max(wait_ms);
+            }
+            match outcome {
+                Spend::Leased(lease) => {
+                    let holder = self.held.holder.as_ref();
+                    if holder
+                        .and_then(|h| h.lease_window_start_ms(lease))
+                        .is_some_and(|start| start < self.window_start_ms)
+                    {
+                        record.carried_over += 1;
+                    } else {
+                        record.leased += 1;
+                    }
+                    if self
+                        .held
+                        .lease_ends
+                        .iter()
+                        .any(|&(id, end)| self.now_ms >= end && id == lease)
+                    {
+                        record.spent_after_lease_end += 1;
+                    }
+                    self.held.admitted_since_report += 1;
+                }
+                Spend::Fallback { .. } => {
+                    record.fallback += 1;
+                    self.held.admitted_since_report += 1;
+                    abnormal = true;
+                }
+                Spend::Denied { denial, .. } => match denial {
+                    Denial::PoolExhausted => {
+                        record.denied_exhausted += 1;
+                        if granted_in_window < self.limit {
+                            record.denied_while_tokens_left += 1;
+                        }
+                    }
+                    Denial::FallbackSpent | Denial::FailClosed => {
+                        record.denied_fallback_spent += 1;
+                        abnormal = true;
+                    }
+                    Denial::AwaitingGrant => {
+                        record.denied_awaiting += 1;
+                        abnormal = true;
+                    }
+                    Denial::WindowEnding => record.denied_window_end += 1,
+                },
+            }
+            // As the agent: every spend may start a renewal.
+            self.renew().await?;
+        }
+        if arrivals == 0 {
+            self.renew().await?;
+        }
+        let Some(holder) = self.held.holder.as_mut() else {
+            return Ok(abnormal);
+        };
+        // Reports cost an allocation each; one with nothing new since the last is skipped (ended
+        // leases then wait for the next report, within the holder's bounds).
+        if report_due && !self.c.partitioned && self.held.admitted_since_report > 0 {
+            let report = holder.pending_report(self.agent_now_ms);
+            holder.acknowledge(&report, self.agent_now_ms);
+            self.held.admitted_since_report = 0;
+        }
+        let stranded = holder.stranded_tokens();
+        self.checker.record(self.tenant, self.region_index).stranded +=
+            stranded - self.held.stranded_seen;
+        self.held.stranded_seen = stranded;
+        let horizon = self.now_ms.saturating_sub(self.tick_ms);
+        self.held.lease_ends.retain(|&(_, end)| end >= horizon);
+        Ok(abnormal)
+    }
+
+    fn spend(&mut self) -> Spend {
+        match self.held.holder.as_mut() {
+            Some(holder) => holder.spend(1, self.agent_now_ms, *self.believes_reachable),
+            None => Spend::Denied {
+                denial: Denial::FailClosed,
+                retry_after_ms: 1_000,
+            },
+        }
+    }
+
+    /// Starts a renewal when the holder wants one and none is in flight. Returns the answer's
+    /// delay, ms, when the allocator was reached (the answer is delivered at once when it arrives
+    /// before the next tick).
+    async fn renew(&mut self) -> Result<Option<u64>, String> {
+        let Some(holder) = self.held.holder.as_mut() else {
+            return Ok(None);
+        };
+        let Some(want_tokens) = holder.wants(self.agent_now_ms, ROUND_TRIP_MS) else {
+            return Ok(None);
+        };
+        holder.begin_renewal();
+        self.allocator.leases_asked += 1;
+        let fresh = LeaseId::from_parts(self.now_ms, self.allocator.leases_asked);
+        let lease_id = holder.renewal_lease_id(fresh);
+        if self.c.partitioned {
+            // The call fails at once: nothing reached the allocator.
+            holder.end_renewal();
+            holder.renewal_failed(lease_id, true);
+            *self.believes_reachable = false;
+            return Ok(None);
+        }
+        let record = self
+            .allocator
+            .grant(
+                self.tenant,
+                self.region_index,
+                self.region,
+                lease_id,
+                want_tokens,
+            )
+            .await?;
+        let retry_of_committed = self.held.committed_unanswered == Some(lease_id);
+        if !retry_of_committed {
+            let window_start_ms = record.window_start_ms;
+            self.checker.add_granted(
+                self.tenant,
+                self.region_index,
+                window_start_ms,
+                record.granted,
+            );
+        }
+        let lost = self.c.loss_percent > 0 && self.rng.random_range(0..100) < self.c.loss_percent;
+        let answer = LeaseGrant {
+            lease_id: record.lease_id,
+            epoch: record.epoch,
+            granted_tokens: record.granted,
+            window: Window {
+                start_ms: record.window_start_ms,
+                end_ms: record.window_end_ms,
+            },
+            expires_at_ms: record.expires_at_ms,
+            retry_after_ms: record.retry_after_ms,
+        };
+        let flight = InFlight {
+            deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.c.added_ms,
+            lease_id,
+            answer: (!lost).then_some(answer),
+        };
+        if lost {
+            self.checker
+                .record(self.tenant, self.region_index)
+                .answers_lost += 1;
+        }
+        self.held.in_flight = Some(flight);
+        // An answer (or, lost, the call's failure) due before the next tick is in hand for the
+        // next tick's requests.
+        let delay_ms = flight.deliver_at_ms - self.now_ms;
+        if delay_ms < self.tick_ms {
+            self.deliver(flight)?;
+        }
+        Ok(Some(delay_ms))
+    }
+
+    /// Hands an answer (or its loss) to the holder.
+    fn deliver(&mut self, flight: InFlight) -> Result<(), String> {
+        self.held.in_flight = None;
+        let Some(holder) = self.held.holder.as_mut() else {
+            return Ok(());
+        };
+        holder.end_renewal();
+        let Some(grant) = flight.answer else {
+            holder.renewal_failed(flight.lease_id, true);
+            self.held.committed_unanswered = Some(flight.lease_id);
+            *self.believes_reachable = false;
+            return Ok(());
+        };
+        *self.believes_reachable = true;
+        let recovered = self.held.committed_unanswered == Some(grant.lease_id);
+        if recovered {
+            self.held.committed_unanswered = None;
+        }
+        match holder.accept(grant, self.agent_now_ms) {
+            GrantVerdict::Accepted => {
+                self.held
+                    .lease_ends
+                    .push((grant.lease_id, grant.expires_at_ms));
+                if recovered {
+                    self.checker
+                        .record(self.tenant, self.region_index)
+                        .recovered_tokens += grant.granted_tokens;
+                }
+            }
+            GrantVerdict::StaleEpoch { highest } => {
+                return Err(format!(
+                    "a grant from a stale epoch reached the holder (highest {highest:?})"
+                ));
+            }
+            GrantVerdict::Exhausted { .. }
+            | GrantVerdict::AlreadyExpired
+            | GrantVerdict::Duplicate => {}
+        }
+        Ok(())
+    }
+}
+
+/// The shipped grant service for the drill's pools, as the agents reach it.
+struct DrillAllocator {
+    kv: Arc<dyn Kv>,
+    leadership: Leadership,
+    /// Keeps the current leader's role readable.
+    role_sender: watch::Sender<Role>,
+    clamping: LeaseClamping,
+    grantor: Grantor,
+    tenants: Vec<TenantId>,
+    /// The pool each region draws from, by tenant and region index.
+    pools: Vec<Vec<PoolId>>,
+    /// Lease ids are made from the virtual time and this counter (unique, reproducible).
+    leases_asked: u128,
+}
+
+impl DrillAllocator {
+    async fn grant(
+        &mut self,
+        tenant: usize,
+        region_index: usize,
+        region: &RegionId,
+        lease_id: LeaseId,
+        want_tokens: u64,
+    ) -> Result<GrantRecord, String> {
+        self.grantor
+            .grant(
+                &self.tenants[tenant],
+                &self.pools[tenant][region_index],
+                GrantRequest {
+                    lease_id,
+                    region: region.clone(),
+                    want_tokens,
+                },
+            )
+            .await
+            .map_err(|e| format!("grant failed: {e}"))
+    }
+
+    /// Replaces the leader: the old one loses its store lease (it crashed or was partitioned away),
+    /// a new one takes over with the next epoch. Returns, per tenant, the tokens granted in the
+    /// current window that the new leader cannot see (0 when records are kept).
+    async fn fail_over(
+        &mut self,
+        config: &PoolConfig,
+        clock: &Arc<ManualClock>,
+        records_kept: bool,
+        now_ms: u64,
+    ) -> Result<Vec<u64>, String> {
+        let deposed = std::mem::replace(
+            &mut self.grantor,
+            Grantor::new(
+                self.kv.clone(),
+                clock.clone() as Arc<dyn Clock>,
+                self.role_sender.subscribe(),
+                self.clamping,
+                None,
+            ),
+        );
+        self.kv
+            .revoke(self.leadership.lease)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut lost = vec![0; self.tenants.len()];
+        if !records_kept {
+            let current = config.window_at(now_ms);
+            for (t, tenant) in self.tenants.iter().enumerate() {
+                let mut pools = self.pools[t].clone();
+                pools.dedup();
+                for pool in &pools {
+                    lost[t] += get_window(&*self.kv, tenant, pool)
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .filter(|(state, _)| state.window == current)
+                        .map_or(0, |(state, _)| state.granted_tokens());
+                }
+            }
+            // The replica the new leader reads kept configurations and the epoch, not the grants.
+            let replica: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
+            let mut puts = Vec::new();
+            for (key, value) in self
+                .kv
+                .get_prefix("/allot/", 1 << 20)
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                if key.starts_with("/allot/pools/") || key == EPOCH_KEY {
+                    puts.push(Op::Put {
+                        key,
+                        value: value.value,
+                        lease: None,
+                    });
+                }
+            }
+            for batch in puts.chunks(allot_allocator::kv::MAX_TXN_OPS) {
+                replica
+                    .txn(Vec::new(), batch.to_vec())
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            self.kv = replica;
+        }
+        let leadership = try_acquire(&*self.kv, "drill-allocator-2", "http://drill-2", 1 << 40)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("the new allocator did not become leader")?;
+        debug_assert!(leadership.epoch > self.leadership.epoch);
+        self.leadership = leadership;
+        let (role_sender, role) = watch::channel(Role::Leader(leadership));
+        self.role_sender = role_sender;
+        self.grantor = Grantor::new(
+            self.kv.clone(),
+            clock.clone() as Arc<dyn Clock>,
+            role,
+            self.clamping,
+            None,
+        );
+        if records_kept {
+            // The deposed leader still believes it leads; its writes must be fenced off.
+            self.leases_asked += 1;
+            let region = config
+                .regions()
+                .first()
+                .cloned()
+                .ok_or("a pool has at least one region")?;
+            let attempt = deposed
+                .grant(
+                    &self.tenants[0],
+                    &self.pools[0][0],
+                    GrantRequest {
+                        lease_id: LeaseId::from_parts(now_ms, self.leases_asked),
+                        region,
+                        want_tokens: 1,
+                    },
+                )
+                .await;
+            if attempt.is_ok() {
+                return Err("a deposed allocator granted after the failover".to_owned());
+            }
+        }
+        Ok(lost)
+    }
+}

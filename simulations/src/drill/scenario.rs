@@ -1,0 +1,519 @@
+//! What a drill runs: a pool, regions with demand over time, faults over time, and the outcome the
+//! run must show. Scenarios are TOML files (`simulations/scenarios/*.toml` are the built-in suite);
+//! every field is checked before a run, and every error names the field.
+
+use allot_shared::ids::RegionId;
+use allot_shared::lease::LeaseClamping;
+use serde::{Deserialize, Serialize};
+
+/// Virtual time advances in steps of this many ms unless a scenario says otherwise.
+pub const DEFAULT_TICK_MS: u64 = 100;
+/// Most tenants one drill simulates (each has its own pool and agents' holders) (I10).
+pub const MAX_TENANTS: u64 = 100_000;
+/// Most regions one drill simulates.
+pub const MAX_REGIONS: usize = 16;
+/// Longest virtual duration, ms (7 days).
+pub const MAX_DURATION_MS: u64 = 7 * 24 * 3_600_000;
+/// Most faults per scenario.
+pub const MAX_FAULTS: usize = 64;
+/// Largest clock rate error an agent may be given, parts per million.
+pub const MAX_RATE_PPM: i64 = 100_000;
+/// A region name in a fault that means every region (a full split).
+pub const ALL_REGIONS: &str = "*";
+
+/// A drill: a pool, regions with demand, faults, and what the run must show.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Short name (`allot drill <name>`): lowercase letters, digits and `-`.
+    pub name: String,
+    /// One line on what it demonstrates.
+    #[serde(default)]
+    pub about: String,
+    /// Seed of every random choice (random demand, answer loss). Printed with the report.
+    #[serde(default)]
+    pub seed: u64,
+    /// G, tokens per window.
+    pub limit: u64,
+    /// Window length, ms (a multiple of `tick_ms`).
+    pub window_ms: u64,
+    /// Largest grant, tokens.
+    pub chunk: u64,
+    /// Lease TTL before clamping, ms.
+    pub lease_ttl_ms: u64,
+    /// Fallback tokens per region per window.
+    pub fallback_per_region: u64,
+    /// Whether leases are clamped to their window (`"clamped"`, the default, or `"unclamped"`).
+    #[serde(default = "clamped", with = "clamping_text")]
+    pub clamping: LeaseClamping,
+    /// Tenants, each with its own pool of G and the same demand (default 1).
+    #[serde(default = "one")]
+    pub tenants: u64,
+    /// Virtual time step, ms (default 100).
+    #[serde(default = "default_tick_ms")]
+    pub tick_ms: u64,
+    /// Virtual duration, ms.
+    pub duration_ms: u64,
+    /// The regions and their demand.
+    pub regions: Vec<RegionPlan>,
+    /// How G is laid out over allocator pools.
+    #[serde(default)]
+    pub layout: PoolLayout,
+    /// Faults over time.
+    #[serde(default)]
+    pub faults: Vec<Fault>,
+    /// What the run must show beyond the bound and the invariants.
+    pub expect: Expectation,
+    /// After the last fault ends, every region must be back to normal leasing (no fallback, no
+    /// waiting for grants, no agent down) within this many lease TTLs (default 2).
+    #[serde(default = "two")]
+    pub converge_within_ttls: u64,
+}
+
+fn clamped() -> LeaseClamping {
+    LeaseClamping::Clamped
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn two() -> u64 {
+    2
+}
+
+fn default_tick_ms() -> u64 {
+    DEFAULT_TICK_MS
+}
+
+mod clamping_text {
+    use allot_shared::lease::LeaseClamping;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &LeaseClamping, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(match value {
+            LeaseClamping::Clamped => "clamped",
+            LeaseClamping::Unclamped => "unclamped",
+        })
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<LeaseClamping, D::Error> {
+        match String::deserialize(d)?.as_str() {
+            "clamped" => Ok(LeaseClamping::Clamped),
+            "unclamped" => Ok(LeaseClamping::Unclamped),
+            other => Err(serde::de::Error::custom(format!(
+                "clamping must be \"clamped\" or \"unclamped\", not {other:?}"
+            ))),
+        }
+    }
+}
+
+/// One region's demand.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionPlan {
+    /// The region id.
+    pub region: String,
+    /// Requests per minute per tenant at the start.
+    pub per_minute: u64,
+    /// Requests per minute at the end: demand ramps linearly from `per_minute` (absent: constant).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ramp_to_per_minute: Option<u64>,
+    /// Intervals of different demand (a burst, or a lull), replacing the base rate while they last.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bursts: Vec<Burst>,
+    /// Arrivals per tick are Poisson-distributed around the rate (seeded) instead of evenly spread.
+    #[serde(default)]
+    pub random: bool,
+}
+
+impl RegionPlan {
+    /// Requests per minute per tenant at `elapsed_ms` into a drill of `duration_ms`.
+    pub fn per_minute_at(&self, elapsed_ms: u64, duration_ms: u64) -> u64 {
+        if let Some(burst) = self
+            .bursts
+            .iter()
+            .find(|b| (b.from_ms..b.until_ms).contains(&elapsed_ms))
+        {
+            return burst.per_minute;
+        }
+        match self.ramp_to_per_minute {
+            None => self.per_minute,
+            Some(to) => {
+                let span = u128::from(duration_ms.max(1));
+                let at = u128::from(elapsed_ms.min(duration_ms));
+                let (from, to) = (u128::from(self.per_minute), u128::from(to));
+                let rate = if to >= from {
+                    from + (to - from) * at / span
+                } else {
+                    from - (from - to) * at / span
+                };
+                u64::try_from(rate).unwrap_or(u64::MAX)
+            }
+        }
+    }
+}
+
+/// Demand different from the base rate over `[from_ms, until_ms)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Burst {
+    /// Start, ms since the drill's start.
+    pub from_ms: u64,
+    /// End (exclusive), ms since the drill's start.
+    pub until_ms: u64,
+    /// Requests per minute per tenant meanwhile.
+    pub per_minute: u64,
+}
+
+/// How the tenant's quota is laid out over allocator pools.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PoolLayout {
+    /// One pool of G shared by every region, leased on demand (Allot's design).
+    #[default]
+    Shared,
+    /// One pool per region, each of this many tokens per window: G each models independent
+    /// regional limiters (up to regions x G), G / regions a static split.
+    PerRegion {
+        /// Tokens per window in each region's pool.
+        per_region_limit: u64,
+    },
+}
+
+/// Something going wrong, on a schedule. Times are ms since the drill's start; `region` is a region
+/// id or `"*"` for every region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Fault {
+    /// The region cannot reach the allocator at all (calls fail at once).
+    Partition {
+        /// The region cut off (`"*"`: a full split).
+        region: String,
+        /// Start.
+        from_ms: u64,
+        /// End (exclusive).
+        until_ms: u64,
+    },
+    /// Asymmetric loss: grant requests reach the allocator (and are granted) but this share of the
+    /// answers never comes back.
+    AnswerLoss {
+        /// The region.
+        region: String,
+        /// Start.
+        from_ms: u64,
+        /// End (exclusive).
+        until_ms: u64,
+        /// Answers lost, percent (0 to 100), drawn from the seeded generator.
+        percent: u64,
+    },
+    /// Grant answers arrive this much later than the usual round trip.
+    Latency {
+        /// The region.
+        region: String,
+        /// Start.
+        from_ms: u64,
+        /// End (exclusive).
+        until_ms: u64,
+        /// Added one-way delay of an answer, ms.
+        added_ms: u64,
+    },
+    /// The leading allocator is replaced by a new one.
+    Failover {
+        /// When.
+        at_ms: u64,
+        /// Whether the new leader sees the committed grants (etcd: yes). When not, it starts from a
+        /// store that kept pool configurations and the epoch but lost every window's grants, as an
+        /// asynchronously replicated store can: the lost-record term of the bound.
+        records_kept: bool,
+    },
+    /// The region's agent crashes and restarts: its leases, unreported spend and fallback counts
+    /// are lost; while down, its requests are not served; on restart it needs the allocator for
+    /// its pools' terms.
+    AgentRestart {
+        /// The region.
+        region: String,
+        /// When it crashes.
+        at_ms: u64,
+        /// How long it is down.
+        down_ms: u64,
+    },
+    /// The region's agent clock is off: by `offset_ms` from the start, plus `rate_ppm` parts per
+    /// million of the elapsed time (for the whole drill).
+    ClockSkew {
+        /// The region.
+        region: String,
+        /// Offset, ms (negative: the agent's clock is behind).
+        offset_ms: i64,
+        /// Rate error, parts per million (negative: the agent's clock runs slow).
+        rate_ppm: i64,
+    },
+}
+
+impl Fault {
+    /// The region the fault concerns (`None` for an allocator failover).
+    pub fn region(&self) -> Option<&str> {
+        match self {
+            Fault::Partition { region, .. }
+            | Fault::AnswerLoss { region, .. }
+            | Fault::Latency { region, .. }
+            | Fault::AgentRestart { region, .. }
+            | Fault::ClockSkew { region, .. } => Some(region),
+            Fault::Failover { .. } => None,
+        }
+    }
+
+    /// Whether the fault touches `region`.
+    pub fn touches(&self, region: &str) -> bool {
+        self.region()
+            .is_some_and(|r| r == ALL_REGIONS || r == region)
+    }
+
+    /// When the fault is over (ms since the start), for faults that heal; clock skew and failovers
+    /// are not healed.
+    pub fn heals_at_ms(&self) -> Option<u64> {
+        match self {
+            Fault::Partition { until_ms, .. }
+            | Fault::AnswerLoss { until_ms, .. }
+            | Fault::Latency { until_ms, .. } => Some(*until_ms),
+            Fault::AgentRestart { at_ms, down_ms, .. } => Some(at_ms.saturating_add(*down_ms)),
+            Fault::Failover { .. } | Fault::ClockSkew { .. } => None,
+        }
+    }
+}
+
+/// A drill's expected outcome (checked after the run; the bound and the invariants are always
+/// checked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Expectation {
+    /// No window admits more than G.
+    NoOvershoot,
+    /// Some window admits more than G only through fallback, and no region exceeds its allowance.
+    FallbackWithinAllowance,
+    /// Some window admits tokens carried over from an earlier window's lease, within the design's
+    /// carry-over term.
+    CarryOverWithinTerm,
+    /// Some window admits more than G, by no more than the grants the failover lost.
+    OvershootWithinLostRecords,
+    /// Some window admits more than G (independent regional limits), within regions x G.
+    OvershootAcrossRegions,
+    /// Some region is denied while the tenant's quota still had tokens (a static split).
+    DeniedWhileTokensLeft,
+    /// No overshoot, and no region is ever denied while the tenant's quota had tokens.
+    NoDenialWhileTokensLeft,
+    /// Nothing beyond the bound and the invariants (for faults whose outcome depends on the seed).
+    WithinBound,
+    /// An agent spends a lease after its end (a clock error beyond the safety margin): the checker
+    /// must see it. The invariant is then reported, not failed.
+    SpendPastLeaseEnd,
+}
+
+impl Scenario {
+    /// A scenario from TOML text, checked.
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        let scenario: Scenario = toml::from_str(text).map_err(|e| {
+            // One line: the message, and where.
+            let line = e
+                .span()
+                .map(|span| text[..span.start.min(text.len())].lines().count().max(1));
+            match line {
+                Some(line) => format!("line {line}: {}", e.message()),
+                None => e.message().to_owned(),
+            }
+        })?;
+        scenario.validate()?;
+        Ok(scenario)
+    }
+
+    /// The scenario as TOML text.
+    pub fn to_toml(&self) -> Result<String, String> {
+        toml::to_string(self).map_err(|e| e.to_string())
+    }
+
+    /// Checks every field; the error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        let fail = |field: &str, message: String| Err(format!("{field}: {message}"));
+        if self.name.is_empty()
+            || self.name.len() > 64
+            || !self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            return fail("name", "1 to 64 of a-z, 0-9 and -".into());
+        }
+        if self.limit == 0 {
+            return fail("limit", "must be at least 1".into());
+        }
+        if self.tick_ms == 0 || self.tick_ms > 60_000 {
+            return fail("tick_ms", "must be 1 to 60000".into());
+        }
+        if self.window_ms == 0 || !self.window_ms.is_multiple_of(self.tick_ms) {
+            return fail(
+                "window_ms",
+                format!("must be a positive multiple of tick_ms ({})", self.tick_ms),
+            );
+        }
+        if self.chunk == 0 || self.lease_ttl_ms == 0 {
+            return fail("chunk", "chunk and lease_ttl_ms must be at least 1".into());
+        }
+        if !(1..=MAX_TENANTS).contains(&self.tenants) {
+            return fail("tenants", format!("must be 1 to {MAX_TENANTS}"));
+        }
+        if self.duration_ms < self.tick_ms || self.duration_ms > MAX_DURATION_MS {
+            return fail(
+                "duration_ms",
+                format!("must be tick_ms to {MAX_DURATION_MS}"),
+            );
+        }
+        if self.regions.is_empty() || self.regions.len() > MAX_REGIONS {
+            return fail("regions", format!("1 to {MAX_REGIONS} regions"));
+        }
+        for (index, plan) in self.regions.iter().enumerate() {
+            let field = format!("regions[{index}]");
+            if RegionId::parse(&plan.region).is_err() {
+                return fail(&format!("{field}.region"), "not a valid region id".into());
+            }
+            if self.regions[..index]
+                .iter()
+                .any(|other| other.region == plan.region)
+            {
+                return fail(&format!("{field}.region"), "listed twice".into());
+            }
+            for (b, burst) in plan.bursts.iter().enumerate() {
+                if burst.from_ms >= burst.until_ms {
+                    return fail(
+                        &format!("{field}.bursts[{b}]"),
+                        "from_ms must be before until_ms".into(),
+                    );
+                }
+            }
+        }
+        if let PoolLayout::PerRegion { per_region_limit } = self.layout
+            && per_region_limit == 0
+        {
+            return fail("layout.per_region_limit", "must be at least 1".into());
+        }
+        if self.faults.len() > MAX_FAULTS {
+            return fail("faults", format!("at most {MAX_FAULTS}"));
+        }
+        for (index, fault) in self.faults.iter().enumerate() {
+            let field = format!("faults[{index}]");
+            if let Some(region) = fault.region()
+                && region != ALL_REGIONS
+                && !self.regions.iter().any(|p| p.region == region)
+            {
+                return fail(
+                    &format!("{field}.region"),
+                    format!("{region:?} is not one of the scenario's regions"),
+                );
+            }
+            match fault {
+                Fault::Partition {
+                    from_ms, until_ms, ..
+                }
+                | Fault::Latency {
+                    from_ms, until_ms, ..
+                }
+                | Fault::AnswerLoss {
+                    from_ms, until_ms, ..
+                } if from_ms >= until_ms => {
+                    return fail(field.as_str(), "from_ms must be before until_ms".into());
+                }
+                Fault::AnswerLoss { percent, .. } if *percent > 100 => {
+                    return fail(&format!("{field}.percent"), "0 to 100".into());
+                }
+                Fault::AgentRestart {
+                    region, down_ms, ..
+                } if region == ALL_REGIONS || *down_ms == 0 => {
+                    return fail(
+                        field.as_str(),
+                        "an agent restart names one region and lasts at least 1 ms".into(),
+                    );
+                }
+                Fault::ClockSkew {
+                    offset_ms,
+                    rate_ppm,
+                    ..
+                } if offset_ms.unsigned_abs() > self.window_ms || rate_ppm.abs() > MAX_RATE_PPM => {
+                    return fail(
+                        field.as_str(),
+                        format!("offset_ms within one window and rate_ppm within +-{MAX_RATE_PPM}"),
+                    );
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// When the last healing fault ends, ms since the start (`None`: no such fault).
+    pub fn heals_at_ms(&self) -> Option<u64> {
+        self.faults.iter().filter_map(Fault::heals_at_ms).max()
+    }
+}
+
+/// The built-in suite: the reference design's table of drills (files under
+/// `simulations/scenarios/`, compiled in).
+pub const BUILTIN: [(&str, &str); 14] = [
+    ("clamped", include_str!("../../scenarios/clamped.toml")),
+    ("unclamped", include_str!("../../scenarios/unclamped.toml")),
+    ("fallback", include_str!("../../scenarios/fallback.toml")),
+    (
+        "failover-etcd",
+        include_str!("../../scenarios/failover-etcd.toml"),
+    ),
+    (
+        "failover-lost",
+        include_str!("../../scenarios/failover-lost.toml"),
+    ),
+    (
+        "independent",
+        include_str!("../../scenarios/independent.toml"),
+    ),
+    (
+        "static-split",
+        include_str!("../../scenarios/static-split.toml"),
+    ),
+    (
+        "demand-weighted",
+        include_str!("../../scenarios/demand-weighted.toml"),
+    ),
+    (
+        "full-split",
+        include_str!("../../scenarios/full-split.toml"),
+    ),
+    (
+        "answer-loss",
+        include_str!("../../scenarios/answer-loss.toml"),
+    ),
+    ("latency", include_str!("../../scenarios/latency.toml")),
+    (
+        "agent-restart",
+        include_str!("../../scenarios/agent-restart.toml"),
+    ),
+    (
+        "clock-skew",
+        include_str!("../../scenarios/clock-skew.toml"),
+    ),
+    (
+        "clock-skew-beyond-margin",
+        include_str!("../../scenarios/clock-skew-beyond-margin.toml"),
+    ),
+];
+
+/// The built-in drills, parsed.
+pub fn builtin() -> Vec<Scenario> {
+    BUILTIN
+        .iter()
+        .filter_map(|(name, text)| match Scenario::from_toml(text) {
+            Ok(scenario) => Some(scenario),
+            Err(error) => {
+                // Unreachable in a tested build: a test parses every built-in file.
+                tracing::error!(%name, %error, "a built-in scenario does not parse");
+                None
+            }
+        })
+        .collect()
+}
