@@ -411,3 +411,97 @@ fn a_missing_etcd_binary_fails_naming_the_package() {
         );
     }
 }
+
+/// An echo server on a loopback port, for the proxy test.
+fn echo_server() -> std::net::SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let address = listener.local_addr().expect("address");
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut buffer = [0u8; 1024];
+                while let Ok(n) = stream.read(&mut buffer) {
+                    if n == 0 || stream.write_all(&buffer[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    address
+}
+
+/// Sends `message` through a new connection to `address` and reads the echo; `None` when the
+/// connection is closed or nothing comes back within `timeout`.
+fn echo_through(
+    address: std::net::SocketAddr,
+    message: &[u8],
+    timeout: Duration,
+) -> Option<Vec<u8>> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).ok()?;
+    stream.set_read_timeout(Some(timeout)).ok()?;
+    stream.write_all(message).ok()?;
+    let mut answer = vec![0u8; message.len()];
+    stream.read_exact(&mut answer).ok()?;
+    Some(answer)
+}
+
+#[test]
+// The proxy's hold and latency are about wall-clock time; this test measures them on it.
+#[allow(clippy::disallowed_methods)]
+fn the_fault_proxy_passes_refuses_holds_and_delays_traffic() {
+    use allot_testkit::{FaultProxy, ProxyMode};
+    let proxy = FaultProxy::start(echo_server());
+    let timeout = Duration::from_millis(300);
+    assert_eq!(
+        echo_through(proxy.address(), b"ping", timeout).as_deref(),
+        Some(&b"ping"[..])
+    );
+    // A connection open across a cut is shut down.
+    let mut open = std::net::TcpStream::connect(proxy.address()).expect("connects");
+    proxy.set_mode(ProxyMode::Refuse);
+    assert_eq!(
+        echo_through(proxy.address(), b"ping", timeout),
+        None,
+        "refused"
+    );
+    {
+        use std::io::{Read, Write};
+        open.set_read_timeout(Some(timeout)).expect("timeout");
+        let _ = open.write_all(b"ping");
+        let mut buffer = [0u8; 4];
+        assert!(
+            matches!(open.read(&mut buffer), Ok(0) | Err(_)),
+            "the open connection was cut"
+        );
+    }
+    proxy.set_mode(ProxyMode::Hold);
+    let started = std::time::Instant::now();
+    assert_eq!(
+        echo_through(proxy.address(), b"ping", timeout),
+        None,
+        "held"
+    );
+    assert!(
+        started.elapsed() >= timeout,
+        "a held connection is silent, not closed"
+    );
+    proxy.set_mode(ProxyMode::Pass);
+    assert_eq!(
+        echo_through(proxy.address(), b"pong", timeout).as_deref(),
+        Some(&b"pong"[..])
+    );
+    proxy.set_latency(Duration::from_millis(150));
+    let started = std::time::Instant::now();
+    assert_eq!(
+        echo_through(proxy.address(), b"late", Duration::from_secs(2)).as_deref(),
+        Some(&b"late"[..])
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "150 ms each way"
+    );
+}

@@ -9,6 +9,9 @@
 //! - [`RedisServer`]: one `redis-server`.
 //! - [`RedisCluster`]: a Redis Cluster of masters whose nodes can be stopped and
 //!   restarted.
+//! - [`FaultProxy`]: a TCP proxy that passes, refuses or holds traffic and adds
+//!   latency, for partitions between real processes.
+//! - [`workspace_binary`]: this workspace's own binaries, to run as processes.
 //!
 //! # Guarantees
 //!
@@ -44,8 +47,12 @@ mod binary;
 mod etcd;
 mod net;
 mod process;
+mod proxy;
 mod redis;
+mod workspace;
 
 pub use binary::{Binary, MissingBinary};
 pub use etcd::EtcdCluster;
+pub use proxy::{FaultProxy, MAX_CONNECTIONS, ProxyMode};
 pub use redis::{RedisCluster, RedisServer};
+pub use workspace::workspace_binary;
