@@ -237,4 +237,33 @@ fn allot_drill_runs_files_writes_the_report_and_refuses_bad_files_in_one_line() 
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("bad.toml"), "{stderr}");
+
+    // A failing drill names its shortest reproduction: here, the partition is in the second window.
+    let failing = dir.path().join("failing.toml");
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scenarios/fallback.toml"
+    ))
+    .expect("fallback.toml")
+    .replace(
+        "expect = \"fallback_within_allowance\"",
+        "expect = \"no_overshoot\"",
+    )
+    .replace("from_ms = 50000", "from_ms = 70000")
+    .replace("until_ms = 140000", "until_ms = 90000");
+    std::fs::write(&failing, text).expect("write");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_allot"))
+        .args(["drill", "--file"])
+        .arg(&failing)
+        .output()
+        .expect("allot runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains(&format!(
+            "shortest reproduction: allot drill --file {} --seed 0 --duration-ms 120000",
+            failing.display()
+        )),
+        "{stderr}"
+    );
 }

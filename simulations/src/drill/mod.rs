@@ -38,26 +38,27 @@ pub struct DrillOptions {
 /// Most seeds one `--seeds` search runs per drill (I10).
 pub const MAX_SEEDS: u64 = 10_000;
 
-/// The scenarios `options` names: built-in ones, then files.
-pub fn chosen(options: &DrillOptions) -> Result<Vec<Scenario>, String> {
+/// The scenarios `options` names: built-in ones, then files; each with how to name it on the
+/// command line (its name, or `--file <path>`).
+pub fn chosen(options: &DrillOptions) -> Result<Vec<(Scenario, String)>, String> {
     let all = builtin();
     let mut chosen = Vec::new();
     if options.names.is_empty() && options.files.is_empty() {
-        chosen = all.clone();
+        chosen = all.iter().map(|s| (s.clone(), s.name.clone())).collect();
     }
     for name in &options.names {
         let scenario = all.iter().find(|s| &s.name == name).ok_or_else(|| {
             let known: Vec<&str> = all.iter().map(|s| s.name.as_str()).collect();
             format!("no drill named {name:?} (known: {})", known.join(", "))
         })?;
-        chosen.push(scenario.clone());
+        chosen.push((scenario.clone(), name.clone()));
     }
     for file in &options.files {
         let text =
             std::fs::read_to_string(file).map_err(|e| format!("--file {}: {e}", file.display()))?;
-        chosen.push(
-            Scenario::from_toml(&text).map_err(|e| format!("--file {}: {e}", file.display()))?,
-        );
+        let scenario =
+            Scenario::from_toml(&text).map_err(|e| format!("--file {}: {e}", file.display()))?;
+        chosen.push((scenario, format!("--file {}", file.display())));
     }
     Ok(chosen)
 }
@@ -73,16 +74,27 @@ pub async fn shortest_failure(
         if report.passed() {
             continue;
         }
-        let windows = scenario.duration_ms.div_ceil(scenario.window_ms);
-        for count in 1..windows {
-            let shorter = run_with(scenario, seed, count * scenario.window_ms).await?;
-            if !shorter.passed() {
-                return Ok(Some(shorter));
-            }
-        }
-        return Ok(Some(report));
+        let shortest = shortest_for_seed(scenario, seed, scenario.duration_ms).await?;
+        return Ok(Some(run_with(scenario, seed, shortest).await?));
     }
     Ok(None)
+}
+
+/// The fewest whole windows (as a duration, ms) of `scenario` with `seed` that still fail, up to
+/// `duration_ms`.
+pub async fn shortest_for_seed(
+    scenario: &Scenario,
+    seed: u64,
+    duration_ms: u64,
+) -> Result<u64, String> {
+    let windows = duration_ms.div_ceil(scenario.window_ms);
+    for count in 1..windows {
+        let shorter = count * scenario.window_ms;
+        if !run_with(scenario, seed, shorter).await?.passed() {
+            return Ok(shorter);
+        }
+    }
+    Ok(duration_ms)
 }
 
 /// Runs the chosen drills on a single-threaded runtime: the table (or, with `json`, a JSON array)
@@ -96,14 +108,14 @@ pub fn run_blocking(options: &DrillOptions) -> Result<String, String> {
     let mut out = String::new();
     let mut failed = Vec::new();
     let mut reports = Vec::new();
-    for scenario in &chosen {
+    for (scenario, invocation) in &chosen {
         let stopwatch = allot_allocator::clock::Stopwatch::start();
         let report = if let Some(seeds) = options.seeds {
             match runtime.block_on(shortest_failure(scenario, seeds))? {
                 Some(failure) => {
                     out.push_str(&format!(
-                        "drill {} fails; shortest reproduction: allot drill {} --seed {} --duration-ms {}\n",
-                        scenario.name, scenario.name, failure.seed, failure.scenario.duration_ms
+                        "drill {} fails; shortest reproduction: allot drill {invocation} --seed {} --duration-ms {}\n",
+                        scenario.name, failure.seed, failure.scenario.duration_ms
                     ));
                     failure
                 }
@@ -119,7 +131,15 @@ pub fn run_blocking(options: &DrillOptions) -> Result<String, String> {
         } else {
             let seed = options.seed.unwrap_or(scenario.seed);
             let duration_ms = options.duration_ms.unwrap_or(scenario.duration_ms);
-            runtime.block_on(run_with(scenario, seed, duration_ms))?
+            let report = runtime.block_on(run_with(scenario, seed, duration_ms))?;
+            if !report.passed() {
+                let shortest = runtime.block_on(shortest_for_seed(scenario, seed, duration_ms))?;
+                out.push_str(&format!(
+                    "drill {} fails; shortest reproduction: allot drill {invocation} --seed {seed} --duration-ms {shortest}\n",
+                    scenario.name
+                ));
+            }
+            report
         };
         let wall_s = stopwatch.elapsed_seconds();
         if !options.json {
