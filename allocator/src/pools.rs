@@ -133,6 +133,11 @@ pub struct GrantRecord {
     pub expires_at_ms: u64,
     /// When nothing was granted, ms until the next window; else 0.
     pub retry_after_ms: u64,
+    /// When it was granted (this allocator's clock), epoch ms; 0 in records stored before the
+    /// field existed. `expiresAtMs - issuedAtMs` is how long the lease lasts: agents measure that
+    /// on their own monotonic clock, so their wall clocks need not agree with the allocator's.
+    #[serde(default)]
+    pub issued_at_ms: u64,
 }
 
 impl From<&Grant> for GrantRecord {
@@ -146,6 +151,7 @@ impl From<&Grant> for GrantRecord {
             window_end_ms: grant.window.end_ms,
             expires_at_ms: grant.expires_at_ms,
             retry_after_ms: grant.retry_after_ms,
+            issued_at_ms: grant.issued_at_ms,
         }
     }
 }

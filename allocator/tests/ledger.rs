@@ -54,6 +54,7 @@ fn grant(
         window_end_ms: window_start_ms + WINDOW_MS,
         expires_at_ms,
         retry_after_ms: 0,
+        issued_at_ms: window_start_ms,
     }
 }
 

@@ -81,6 +81,9 @@ pub struct GrantAnswer {
     pub expires_at_ms: u64,
     /// With nothing granted, ms until the next window.
     pub retry_after_ms: u64,
+    /// When it was granted, on the allocator's clock, epoch ms (0: not said).
+    #[serde(default)]
+    pub issued_at_ms: u64,
 }
 
 /// One lease's line in a report.

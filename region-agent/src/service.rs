@@ -816,6 +816,7 @@ impl Agent {
         let (agent, slot, tenant, pool) =
             (self.clone(), slot.clone(), tenant.clone(), pool.clone());
         tokio::spawn(async move {
+            let asked_at_ms = agent.clock.now_ms();
             let stopwatch = crate::clock::Stopwatch::start();
             let answer = allocator
                 .grant(&tenant, &pool, &agent.settings.region, lease_id, want)
@@ -835,7 +836,8 @@ impl Agent {
                         },
                         expires_at_ms: answer.expires_at_ms,
                         retry_after_ms: answer.retry_after_ms,
-                    };
+                    }
+                    .on_agent_clock(answer.issued_at_ms, asked_at_ms);
                     let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
                     let outcome = match verdict {
                         GrantVerdict::Accepted if answer.granted < want => "partial",

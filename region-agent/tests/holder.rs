@@ -329,3 +329,33 @@ fn a_lost_renewal_answer_is_asked_again_with_the_same_lease_id() {
     let third = LeaseId::from_parts(t0 + 200, 3);
     assert_eq!(holder.renewal_lease_id(third), third);
 }
+
+/// A grant's end is moved onto the agent's clock: the lease lasts what the allocator granted,
+/// counted from when the agent asked, whatever the offset between the two clocks.
+#[test]
+fn a_lease_lasts_its_granted_length_on_the_agents_clock() {
+    let issued_at = 10 * MINUTE + 1_000;
+    let allocator_grant = grant(1, 1, 10, issued_at);
+    assert_eq!(allocator_grant.expires_at_ms, issued_at + 15_000);
+    // The agent's clock is 700 ms behind; it asked 20 ms (true time) before the grant was issued.
+    let asked_at = issued_at - 700 - 20;
+    let local = allocator_grant.on_agent_clock(issued_at, asked_at);
+    assert_eq!(local.expires_at_ms, asked_at + 15_000);
+    assert_eq!(
+        local.window, allocator_grant.window,
+        "the window stays the allocator's"
+    );
+    let mut holder = PoolHolder::new(config(0));
+    assert_eq!(holder.accept(local, asked_at + 20), GrantVerdict::Accepted);
+    // Spendable until 50 ms before the end on the agent's clock, not after.
+    assert!(matches!(
+        holder.spend(1, asked_at + 15_000 - 51, true),
+        Spend::Leased(_)
+    ));
+    assert!(!matches!(
+        holder.spend(1, asked_at + 15_000 - 50, true),
+        Spend::Leased(_)
+    ));
+    // An allocator that does not say when it issued leaves the grant as it is.
+    assert_eq!(allocator_grant.on_agent_clock(0, asked_at), allocator_grant);
+}

@@ -212,6 +212,9 @@ pub struct Grant {
     pub expires_at_ms: u64,
     /// When nothing was granted, the time to the next window in ms; otherwise 0.
     pub retry_after_ms: u64,
+    /// When it was granted (the allocator's clock), epoch ms: with `expires_at_ms`, how long the
+    /// lease lasts, which an agent measures on its own monotonic clock.
+    pub issued_at_ms: u64,
 }
 
 /// Why a grant request was refused outright.
@@ -282,7 +285,9 @@ pub fn grant(
         window: next.window,
         expires_at_ms,
         retry_after_ms,
+        issued_at_ms: now_ms,
     };
+    debug_assert!(grant.expires_at_ms >= grant.issued_at_ms || grant.granted_tokens == 0);
     Ok((grant, next))
 }
 

@@ -69,6 +69,25 @@ pub struct LeaseGrant {
     pub retry_after_ms: u64,
 }
 
+impl LeaseGrant {
+    /// The grant with its end moved onto the agent's clock: the lease lasts `expires_at_ms -
+    /// issued_at_ms` (the allocator's own measure) from `asked_at_ms`, when the agent asked, on
+    /// the agent's clock. The grant was issued after the agent asked, so the lease ends on the
+    /// agent's clock no later than on the allocator's, whatever the offset between the two clocks:
+    /// only their rates must agree, within the expiry margin over a lease. `issued_at_ms` 0 (an
+    /// allocator that does not say) leaves the grant as it is.
+    pub fn on_agent_clock(self, issued_at_ms: u64, asked_at_ms: u64) -> Self {
+        if issued_at_ms == 0 {
+            return self;
+        }
+        let lasts_ms = self.expires_at_ms.saturating_sub(issued_at_ms);
+        Self {
+            expires_at_ms: asked_at_ms.saturating_add(lasts_ms),
+            ..self
+        }
+    }
+}
+
 /// A lease this agent holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeldLease {

@@ -191,6 +191,8 @@ impl DrillReport {
 #[derive(Debug, Clone, Copy)]
 struct InFlight {
     deliver_at_ms: u64,
+    /// The lease's end on the allocator's (true) clock, to check spends against.
+    true_expires_at_ms: u64,
     lease_id: LeaseId,
     /// `None`: the answer is lost.
     answer: Option<LeaseGrant>,
@@ -781,8 +783,11 @@ impl Step<'_> {
             },
             expires_at_ms: record.expires_at_ms,
             retry_after_ms: record.retry_after_ms,
-        };
+        }
+        // As the agent: the lease's length is measured on the agent's clock from when it asked.
+        .on_agent_clock(record.issued_at_ms, self.agent_now_ms);
         let flight = InFlight {
+            true_expires_at_ms: record.expires_at_ms,
             deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.c.added_ms,
             lease_id,
             answer: (!lost).then_some(answer),
@@ -824,7 +829,7 @@ impl Step<'_> {
             GrantVerdict::Accepted => {
                 self.held
                     .lease_ends
-                    .push((grant.lease_id, grant.expires_at_ms));
+                    .push((grant.lease_id, flight.true_expires_at_ms));
                 if recovered {
                     self.checker
                         .record(self.tenant, self.region_index)

@@ -498,8 +498,8 @@ pub const BUILTIN: [(&str, &str); 14] = [
         include_str!("../../scenarios/clock-skew.toml"),
     ),
     (
-        "clock-skew-beyond-margin",
-        include_str!("../../scenarios/clock-skew-beyond-margin.toml"),
+        "clock-rate-beyond-margin",
+        include_str!("../../scenarios/clock-rate-beyond-margin.toml"),
     ),
 ];
 
