@@ -314,6 +314,33 @@ impl RateLimitService for RateLimitApi {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        let stopwatch = crate::clock::Stopwatch::start();
+        let answer = self.decide(request).await;
+        let code = match &answer {
+            Ok(response) if response.get_ref().overall_code == Code::OverLimit as i32 => {
+                "over_limit"
+            }
+            Ok(_) => "ok",
+            Err(status) => match status.code() {
+                tonic::Code::InvalidArgument => "invalid_argument",
+                tonic::Code::Unauthenticated => "unauthenticated",
+                tonic::Code::Unavailable => "unavailable",
+                _ => "other_error",
+            },
+        };
+        metrics::counter!(crate::metrics::RLS_REQUESTS, "code" => code).increment(1);
+        metrics::histogram!(crate::metrics::RLS_SECONDS).record(stopwatch.elapsed().as_secs_f64());
+        answer
+    }
+}
+
+impl RateLimitApi {
+    /// One `ShouldRateLimit` call: every descriptor decided in order, the first outage answering
+    /// `UNAVAILABLE` (so Envoy's `failure_mode_deny` decides).
+    async fn decide(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
         self.authorize(&request)?;
         let request = request.into_inner();
         if request.domain.len() > MAX_ENTRY_BYTES {

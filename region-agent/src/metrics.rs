@@ -44,6 +44,11 @@ pub const STORE_SECONDS: &str = "allot_agent_store_seconds";
 /// `pool_state`: `available` (the allocator had not said the pool is exhausted: the region ran dry
 /// before its renewal arrived) or `exhausted`.
 pub const LEASE_DEPLETIONS: &str = "allot_agent_lease_depletions_total";
+/// Envoy RLS `ShouldRateLimit` calls by `code`: ok, over_limit, invalid_argument,
+/// unauthenticated, unavailable, other_error.
+pub const RLS_REQUESTS: &str = "allot_agent_rls_requests_total";
+/// Latency of one `ShouldRateLimit` call (all its descriptors), seconds.
+pub const RLS_SECONDS: &str = "allot_agent_rls_seconds";
 /// Pools the agent holds terms and leases for.
 pub const POOLS_HELD: &str = "allot_agent_pools";
 /// Report lines dropped since start because the allocator stayed unreachable past the holders'

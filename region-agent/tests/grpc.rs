@@ -133,6 +133,8 @@ async fn ask(served: &mut Served, descriptors: Vec<RateLimitDescriptor>) -> Rate
 
 #[tokio::test]
 async fn two_calls_pass_and_the_third_is_over_limit_with_its_limit_and_reset() {
+    // This test's process owns the global recorder (nextest runs each test in its own process).
+    let metrics = allot_region_agent::metrics::install().expect("the recorder");
     let mut served = serve(true).await;
     for _ in 0..2 {
         let answer = ask(&mut served, vec![user("alice")]).await;
@@ -158,6 +160,19 @@ async fn two_calls_pass_and_the_third_is_over_limit_with_its_limit_and_reset() {
     assert_eq!(limit.requests_per_unit, 2);
     assert_eq!(limit.name, "read-user");
     assert_eq!(status.limit_remaining, 0);
+    let rendered = metrics.render();
+    assert!(
+        rendered.contains("allot_agent_rls_requests_total{code=\"ok\"} 2"),
+        "{rendered}"
+    );
+    assert!(
+        rendered.contains("allot_agent_rls_requests_total{code=\"over_limit\"} 1"),
+        "{rendered}"
+    );
+    assert!(
+        rendered.contains("allot_agent_rls_seconds_count 3"),
+        "{rendered}"
+    );
 }
 
 #[tokio::test]
