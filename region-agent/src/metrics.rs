@@ -73,3 +73,65 @@ pub fn install() -> Option<PrometheusHandle> {
         })
         .clone()
 }
+
+/// Most label sets [`DecisionCounters`] keeps handles for (I10): outcomes x scopes x reasons x
+/// rules x bundle versions seen; past it, labels are built on each decision (correct, slower).
+pub const MAX_DECISION_COUNTERS: usize = 4_096;
+
+/// The handles of [`DECISIONS`] by label set, so that counting a decision neither formats nor
+/// allocates its labels (the registry lookup and the label strings cost more than the rest of a
+/// lease-only decision). Handles are made on first use, after the recorder is installed.
+#[derive(Debug, Default)]
+pub struct DecisionCounters {
+    /// `(outcome, scope, reason, policy version)` -> rule -> counter.
+    handles: std::sync::RwLock<
+        std::collections::HashMap<
+            (&'static str, &'static str, &'static str, u64),
+            std::collections::HashMap<String, metrics::Counter>,
+        >,
+    >,
+    /// Handles kept, over all label sets.
+    kept: std::sync::atomic::AtomicUsize,
+}
+
+impl DecisionCounters {
+    /// The counter of one label set.
+    pub fn counter(
+        &self,
+        outcome: &'static str,
+        scope: &'static str,
+        reason: &'static str,
+        rule: &str,
+        policy_version: u64,
+    ) -> metrics::Counter {
+        let key = (outcome, scope, reason, policy_version);
+        {
+            let handles = self
+                .handles
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(counter) = handles.get(&key).and_then(|rules| rules.get(rule)) {
+                return counter.clone();
+            }
+        }
+        let counter = metrics::counter!(DECISIONS,
+            "outcome" => outcome,
+            "scope" => scope,
+            "reason" => reason,
+            "rule" => rule.to_owned(),
+            "policy_version" => policy_version.to_string());
+        use std::sync::atomic::Ordering;
+        if self.kept.load(Ordering::Relaxed) < MAX_DECISION_COUNTERS {
+            let mut handles = self
+                .handles
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let rules = handles.entry(key).or_default();
+            if !rules.contains_key(rule) {
+                rules.insert(rule.to_owned(), counter.clone());
+                self.kept.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        counter
+    }
+}

@@ -156,6 +156,7 @@ pub struct Agent {
     /// The sampled decision log, when configured.
     /// Set once at startup; read lock-free on every admit.
     decision_log: std::sync::OnceLock<crate::decision_log::DecisionLog>,
+    decision_counters: crate::metrics::DecisionCounters,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -189,6 +190,7 @@ impl Agent {
             report_cursor: AtomicUsize::new(0),
             reachable: AtomicBool::new(true),
             decision_log: std::sync::OnceLock::new(),
+            decision_counters: crate::metrics::DecisionCounters::default(),
         })
     }
 
@@ -322,13 +324,16 @@ impl Agent {
             Reason::LimiterUnavailable => "limiter_unavailable",
             Reason::PolicyError => "policy_error",
         });
-        metrics::counter!(crate::metrics::DECISIONS,
-            "outcome" => if decision.allowed { "allowed" } else { "denied" },
-            "scope" => scope,
-            "reason" => reason,
-            "rule" => decision.policy_id.clone().unwrap_or_default(),
-            "policy_version" => decision.policy_version.to_string())
-        .increment(1);
+        let outcome = if decision.allowed { "allowed" } else { "denied" };
+        self.decision_counters
+            .counter(
+                outcome,
+                scope,
+                reason,
+                decision.policy_id.as_deref().unwrap_or_default(),
+                decision.policy_version,
+            )
+            .increment(1);
         if let Some(log) = self.decision_log.get() {
             log.record(self.clock.now_ms(), request, &decision);
         }

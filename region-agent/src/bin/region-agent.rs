@@ -20,6 +20,11 @@ use allot_shared::ids::RegionId;
 use allot_shared::keys::{IpPrefixes, Pepper};
 use clap::Parser;
 
+/// mimalloc: fewer cycles per allocation than the system allocator on the request path (measured
+/// by the agent benchmark, docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn first_line(flag: &str, path: &Path) -> Result<String, String> {
     std::fs::read_to_string(path)
         .map_err(|e| format!("--{flag} {}: {e}", path.display()))?
