@@ -174,6 +174,7 @@ async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
         tasks.push(tokio::spawn(async move {
             let mut client = RateLimitServiceClient::connect(url).await.expect("connect");
             let mut latencies = Vec::new();
+            let mut unavailable = 0u64;
             let mut n = caller;
             while !stop.load(Ordering::Relaxed) {
                 let entry = |key: &str, value: String| Entry {
@@ -197,29 +198,34 @@ async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
                     format!("Bearer {GATEWAY}").parse().expect("metadata"),
                 );
                 let stopwatch = Stopwatch::start();
-                let answer = client
-                    .should_rate_limit(request)
-                    .await
-                    .expect("answer")
-                    .into_inner();
-                assert_eq!(answer.overall_code, Code::Ok as i32);
+                match client.should_rate_limit(request).await {
+                    Ok(answer) => {
+                        assert_eq!(answer.into_inner().overall_code, Code::Ok as i32);
+                    }
+                    // A Redis call past the decision budget under a fail-closed rule: counted.
+                    Err(status) if status.code() == tonic::Code::Unavailable => unavailable += 1,
+                    Err(status) => panic!("answer: {status:?}"),
+                }
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
-            latencies
+            (latencies, unavailable)
         }));
     }
     let stopwatch = Stopwatch::start();
     tokio::time::sleep(RUN).await;
     stop.store(true, Ordering::Relaxed);
     let mut latencies = Vec::new();
+    let mut unavailable = 0;
     for task in tasks {
-        latencies.extend(task.await.expect("caller"));
+        let (caller_latencies, caller_unavailable) = task.await.expect("caller");
+        latencies.extend(caller_latencies);
+        unavailable += caller_unavailable;
     }
-    figure(latencies, stopwatch.elapsed().as_secs_f64())
+    figure(latencies, unavailable, stopwatch.elapsed().as_secs_f64())
 }
 
-fn figure(mut latencies: Vec<u64>, seconds: f64) -> Figure {
+fn figure(mut latencies: Vec<u64>, unavailable: u64, seconds: f64) -> Figure {
     latencies.sort_unstable();
     let at = |fraction: f64| {
         latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
@@ -228,6 +234,7 @@ fn figure(mut latencies: Vec<u64>, seconds: f64) -> Figure {
         per_second: latencies.len() as f64 / seconds,
         p50_us: at(0.5),
         p99_us: at(0.99),
+        unavailable_share: unavailable as f64 / latencies.len().max(1) as f64,
     }
 }
 
@@ -235,9 +242,12 @@ struct Figure {
     per_second: f64,
     p50_us: u64,
     p99_us: u64,
+    /// Share of answers that were LIMITER_UNAVAILABLE (a store call past the decision budget).
+    unavailable_share: f64,
 }
 
-/// Drives `callers` keep-alive clients at `url` for [`RUN`]; every answer must be 200 and allowed.
+/// Drives `callers` keep-alive clients at `url` for [`RUN`]; every answer is allowed, or counted as
+/// unavailable (a store call past the decision budget).
 async fn drive(url: String, callers: u64, admit: bool) -> Figure {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
@@ -246,6 +256,7 @@ async fn drive(url: String, callers: u64, admit: bool) -> Figure {
         tasks.push(tokio::spawn(async move {
             let http = reqwest::Client::new();
             let mut latencies = Vec::new();
+            let mut unavailable = 0u64;
             let mut n = caller;
             while !stop.load(Ordering::Relaxed) {
                 let stopwatch = Stopwatch::start();
@@ -259,21 +270,29 @@ async fn drive(url: String, callers: u64, admit: bool) -> Figure {
                     .send()
                     .await;
                 let body: Value = response.expect("answer").json().await.expect("json");
-                assert_eq!(body["allowed"], true, "{body}");
+                if body["reason"] == "LIMITER_UNAVAILABLE" {
+                    // A Redis call past the decision budget under a fail-closed rule: counted.
+                    unavailable += 1;
+                } else {
+                    assert_eq!(body["allowed"], true, "{body}");
+                }
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
-            latencies
+            (latencies, unavailable)
         }));
     }
     let stopwatch = Stopwatch::start();
     tokio::time::sleep(RUN).await;
     stop.store(true, Ordering::Relaxed);
     let mut latencies = Vec::new();
+    let mut unavailable = 0;
     for task in tasks {
-        latencies.extend(task.await.expect("caller"));
+        let (caller_latencies, caller_unavailable) = task.await.expect("caller");
+        latencies.extend(caller_latencies);
+        unavailable += caller_unavailable;
     }
-    figure(latencies, stopwatch.elapsed().as_secs_f64())
+    figure(latencies, unavailable, stopwatch.elapsed().as_secs_f64())
 }
 
 /// The raw store ceiling: the same script and arguments, EVALSHA from `callers` tasks.
@@ -305,17 +324,20 @@ async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> F
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
-            latencies
+            (latencies, 0)
         }));
     }
     let stopwatch = Stopwatch::start();
     tokio::time::sleep(RUN).await;
     stop.store(true, Ordering::Relaxed);
     let mut latencies = Vec::new();
+    let mut unavailable = 0;
     for task in tasks {
-        latencies.extend(task.await.expect("caller"));
+        let (caller_latencies, caller_unavailable) = task.await.expect("caller");
+        latencies.extend(caller_latencies);
+        unavailable += caller_unavailable;
     }
-    figure(latencies, stopwatch.elapsed().as_secs_f64())
+    figure(latencies, unavailable, stopwatch.elapsed().as_secs_f64())
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -376,6 +398,7 @@ async fn main() {
                 json!({ "bench": "agent", "path": path, "callers": callers,
                     "admitsPerSecond": figure.per_second.round(), "p50Us": figure.p50_us,
                     "p99Us": figure.p99_us, "ratio": (ratio * 100.0).round() / 100.0,
+                    "unavailablePercent": (figure.unavailable_share * 10_000.0).round() / 100.0,
                     "allocatorCallsPer1000Admits": if admits > 0.0 { (calls as f64 * 1000.0 / admits * 100.0).round() / 100.0 } else { 0.0 } })
             );
         }

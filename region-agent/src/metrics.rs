@@ -78,18 +78,18 @@ pub fn install() -> Option<PrometheusHandle> {
 /// rules x bundle versions seen; past it, labels are built on each decision (correct, slower).
 pub const MAX_DECISION_COUNTERS: usize = 4_096;
 
+/// The fixed labels of a decision: outcome, scope, reason, policy version.
+type DecisionLabels = (&'static str, &'static str, &'static str, u64);
+/// Counter handles by rule id.
+type CountersByRule = std::collections::HashMap<String, metrics::Counter>;
+
 /// The handles of [`DECISIONS`] by label set, so that counting a decision neither formats nor
 /// allocates its labels (the registry lookup and the label strings cost more than the rest of a
 /// lease-only decision). Handles are made on first use, after the recorder is installed.
 #[derive(Debug, Default)]
 pub struct DecisionCounters {
     /// `(outcome, scope, reason, policy version)` -> rule -> counter.
-    handles: std::sync::RwLock<
-        std::collections::HashMap<
-            (&'static str, &'static str, &'static str, u64),
-            std::collections::HashMap<String, metrics::Counter>,
-        >,
-    >,
+    handles: std::sync::RwLock<std::collections::HashMap<DecisionLabels, CountersByRule>>,
     /// Handles kept, over all label sets.
     kept: std::sync::atomic::AtomicUsize,
 }

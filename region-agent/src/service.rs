@@ -324,7 +324,11 @@ impl Agent {
             Reason::LimiterUnavailable => "limiter_unavailable",
             Reason::PolicyError => "policy_error",
         });
-        let outcome = if decision.allowed { "allowed" } else { "denied" };
+        let outcome = if decision.allowed {
+            "allowed"
+        } else {
+            "denied"
+        };
         self.decision_counters
             .counter(
                 outcome,

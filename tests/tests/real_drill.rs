@@ -11,7 +11,8 @@
 //!
 //! Then, once every lease has ended and been reported, the ledger must account for exactly the
 //! admits the load generator saw, every window must be within its bound (G + fallback allowances),
-//! EU must have admitted in fallback, and no process may have panicked.
+//! EU must have admitted in fallback, no process may have panicked, and no raw user id, API key or
+//! token may appear in any process's log or in the agents' metrics.
 //!
 //! Short form (about 40 s of load) in the test suite; `ALLOT_REAL_DRILL_SCALE=10` stretches every
 //! phase tenfold (`simulations/real-drill` runs it).
@@ -133,6 +134,15 @@ async fn role(client: &reqwest::Client, url: &str) -> Option<String> {
     response.text().await.ok()
 }
 
+/// The raw identities the load uses: none may ever appear in a log line or a metric label.
+fn raw_user(n: u64) -> String {
+    format!("user-rawid-{:04}", n % 20)
+}
+
+fn raw_api_key(n: u64) -> String {
+    format!("key-rawsecret-{:04}", n % 7)
+}
+
 /// What the load generator saw, per region.
 #[derive(Default)]
 struct Counts {
@@ -168,7 +178,8 @@ async fn drive(
         tasks.spawn(async move {
             let _permit = permit;
             let body = json!({ "requestId": format!("d-{n}"), "tenantId": "drill",
-                "principal": { "type": "user", "id": format!("U-{}", n % 20) },
+                "principal": { "type": "user", "id": raw_user(n),
+                               "apiKeyId": raw_api_key(n) },
                 "routeGroup": "read", "method": "GET" });
             let answer = client
                 .post(format!("{agent}/v1/admit"))
@@ -507,6 +518,15 @@ async fn real_processes_through_partitions_failovers_and_restarts_stay_within_th
         us_counts.failed.load(Ordering::SeqCst) + eu_counts.failed.load(Ordering::SeqCst) == 0,
         "every request got a decision; {summary}"
     );
+    // Nothing raw in logs or metrics: the processes only ever saw keyed hashes of the principals.
+    let mut exposed: Vec<String> = Vec::new();
+    for (_, url) in &agents {
+        if let Ok(response) = client.get(format!("{url}/metrics")).send().await
+            && let Ok(text) = response.text().await
+        {
+            exposed.push(text);
+        }
+    }
     for process in allocators
         .iter()
         .map(|(p, _, _)| p)
@@ -518,6 +538,19 @@ async fn real_processes_through_partitions_failovers_and_restarts_stay_within_th
             "{} panicked:\n{log}",
             process.name
         );
+        exposed.push(log);
+    }
+    assert!(
+        exposed.len() >= 6,
+        "every log and both agents' metrics were read"
+    );
+    for text in &exposed {
+        for raw in ["user-rawid-", "key-rawsecret-", GATEWAY, AGENT, OPERATOR] {
+            assert!(
+                !text.contains(raw),
+                "a raw identifier or token ({raw}) appears in a log or in metrics"
+            );
+        }
     }
     drop(agents);
     drop(allocators);
