@@ -408,21 +408,64 @@ pub struct PoolTerms {
     pub regions: Vec<RegionId>,
     /// The configuration's version.
     pub version: u64,
+    /// With `?region=`: what that region has reported admitting in fallback in the current window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_in_window: Option<FallbackInWindow>,
+}
+
+/// A region's fallback admits in one window, as the ledger holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FallbackInWindow {
+    /// The window's start, epoch ms (this allocator's clock).
+    pub window_start_ms: u64,
+    /// Tokens admitted in fallback so far, as reported.
+    pub admitted: u64,
+}
+
+/// `GET /v1/pools/{tenant}/{pool}/terms` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TermsQuery {
+    region: Option<String>,
 }
 
 async fn get_pool_terms(
     State(state): State<ApiState>,
     Path((tenant, pool)): Path<(String, String)>,
+    query: Result<axum::extract::Query<TermsQuery>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize_either(&state, &headers)?;
     let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
     let pool = parse_id("pool", &pool, PoolId::parse)?;
+    let axum::extract::Query(query) =
+        query.map_err(|e| ApiError::invalid("region", e.body_text()))?;
+    let region = query
+        .region
+        .as_deref()
+        .map(|region| parse_id("region", region, RegionId::parse))
+        .transpose()?;
     let (stored, _) = pools::get_pool(&*state.kv, &tenant, &pool)
         .await
         .map_err(store_error)?
         .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "Not found", "no such pool"))?;
     let spec = stored.spec;
+    let fallback_in_window = match (&region, std::num::NonZeroU64::new(spec.window_ms)) {
+        (Some(region), Some(window_ms)) => {
+            let window = allot_shared::window::Window::containing(state.clock.now_ms(), window_ms);
+            let admitted = state
+                .ledger
+                .fallback_admitted(&tenant, &pool, region, window.start_ms)
+                .await
+                .map_err(ledger_error)?;
+            Some(FallbackInWindow {
+                window_start_ms: window.start_ms,
+                admitted,
+            })
+        }
+        _ => None,
+    };
     let terms = PoolTerms {
         limit: spec.limit,
         window_ms: spec.window_ms,
@@ -431,6 +474,7 @@ async fn get_pool_terms(
         fallback_per_region: spec.fallback_per_region,
         regions: spec.regions,
         version: stored.version,
+        fallback_in_window,
     };
     Ok(json_response(StatusCode::OK, &terms))
 }

@@ -639,6 +639,36 @@ impl Ledger {
         Ok(ReportReceipt { duplicate: false })
     }
 
+    /// Tokens `region` has reported admitting in fallback from `pool` in the window starting at
+    /// `window_start_ms` (0 when none). A restarting agent starts its count for the window here,
+    /// so a restart does not re-open the region's allowance.
+    pub async fn fallback_admitted(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        region: &RegionId,
+        window_start_ms: u64,
+    ) -> Result<u64, LedgerError> {
+        let statement = Query::select()
+            .column(FallbackAdmits::WindowStartMs)
+            .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
+            .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
+            .from(FallbackAdmits::Table)
+            .and_where(Expr::col(FallbackAdmits::Tenant).eq(tenant.as_str()))
+            .and_where(Expr::col(FallbackAdmits::Pool).eq(pool.as_str()))
+            .and_where(Expr::col(FallbackAdmits::Region).eq(region.as_str()))
+            .and_where(Expr::col(FallbackAdmits::WindowStartMs).eq(i64_of(window_start_ms)))
+            .to_owned();
+        let rows: Vec<RegionAmount> = on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        });
+        Ok(rows
+            .iter()
+            .map(|row| u64::try_from(row.amount).unwrap_or(0))
+            .max()
+            .unwrap_or(0))
+    }
+
     /// The last `last` windows of a pool that saw grants or fallback admits, newest first.
     pub async fn windows(
         &self,

@@ -338,6 +338,28 @@ async fn reports_reach_the_windows_view() {
         server.get("/v1/pools/atlas/none/windows", OPERATOR).await.0,
         404
     );
+
+    // A restarting agent asks for the terms with its region: the window's reported fallback comes
+    // with them, so it does not admit the allowance twice.
+    let (status, terms) = server
+        .get("/v1/pools/atlas/api/terms?region=eu", AGENT)
+        .await;
+    assert_eq!(status, 200, "{terms}");
+    assert_eq!(terms["fallbackInWindow"]["admitted"], 3, "{terms}");
+    assert_eq!(terms["fallbackInWindow"]["windowStartMs"], window_start);
+    let (_, us) = server
+        .get("/v1/pools/atlas/api/terms?region=us", AGENT)
+        .await;
+    assert_eq!(us["fallbackInWindow"]["admitted"], 0, "{us}");
+    let (_, plain) = server.get("/v1/pools/atlas/api/terms", AGENT).await;
+    assert!(plain.get("fallbackInWindow").is_none(), "{plain}");
+    let (status, problem) = server
+        .get("/v1/pools/atlas/api/terms?region=Europe!", AGENT)
+        .await;
+    assert_eq!(status, 400);
+    assert_eq!(problem["field"], "region", "{problem}");
+    let (status, problem) = server.get("/v1/pools/atlas/api/terms?zone=eu", AGENT).await;
+    assert_eq!(status, 400, "{problem}");
 }
 
 #[tokio::test]

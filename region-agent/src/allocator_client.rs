@@ -61,6 +61,19 @@ pub struct PoolTerms {
     pub regions: Vec<RegionId>,
     /// The configuration's version.
     pub version: u64,
+    /// When asked for a region: what it has reported admitting in fallback in the current window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_in_window: Option<FallbackInWindow>,
+}
+
+/// A region's fallback admits in one window, as the allocator's ledger holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FallbackInWindow {
+    /// The window's start, epoch ms.
+    pub window_start_ms: u64,
+    /// Tokens admitted in fallback so far, as reported.
+    pub admitted: u64,
 }
 
 /// A grant as answered.
@@ -270,15 +283,18 @@ impl AllocatorClient {
         Err(ClientError::Unreachable(last_error))
     }
 
-    /// A pool's terms, or `None` when the pool does not exist.
+    /// A pool's terms, or `None` when the pool does not exist; with `region`, also what that
+    /// region has reported admitting in fallback in the current window.
     pub async fn pool_terms(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
+        region: Option<&RegionId>,
     ) -> Result<Option<PoolTerms>, ClientError> {
+        let query = region.map_or(String::new(), |region| format!("?region={region}"));
         self.call(
             reqwest::Method::GET,
-            &format!("/v1/pools/{tenant}/{pool}/terms"),
+            &format!("/v1/pools/{tenant}/{pool}/terms{query}"),
             None,
         )
         .await

@@ -678,20 +678,29 @@ impl Agent {
     ) {
         let (tenant, pool) = &key;
         let stopwatch = crate::clock::Stopwatch::start();
-        let answer = allocator.pool_terms(tenant, pool).await;
+        let answer = allocator
+            .pool_terms(tenant, pool, Some(&self.settings.region))
+            .await;
         metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
             .record(stopwatch.elapsed().as_secs_f64());
         let now_ms = self.clock.now_ms();
         let retry_in_ms = match answer {
-            Ok(Some(terms)) => {
+            Ok(Some(mut terms)) => {
                 self.reachable.store(true, Ordering::Relaxed);
+                // What the region already admitted in fallback this window (a restart must not
+                // re-open the allowance); not part of the terms kept and compared.
+                let fallback_in_window = terms.fallback_in_window.take();
                 match self.holder_config(&terms) {
                     Some(config) => {
                         let mut pools = lock(&self.pools);
                         if pools.len() < MAX_POOLS {
-                            pools
-                                .entry(key.clone())
-                                .or_insert_with(|| Arc::new(PoolSlot::new(config, terms, now_ms)));
+                            pools.entry(key.clone()).or_insert_with(|| {
+                                let slot = PoolSlot::new(config, terms, now_ms);
+                                if let Some(f) = fallback_in_window {
+                                    lock(&slot.holder).seed_fallback(f.window_start_ms, f.admitted);
+                                }
+                                Arc::new(slot)
+                            });
                             None
                         } else {
                             tracing::warn!(max = MAX_POOLS, "agent holds its maximum of pools");
@@ -774,7 +783,7 @@ impl Agent {
         // Longest unrefreshed first.
         stale.sort_by_key(|(fetched_at_ms, _, _)| *fetched_at_ms);
         for (_, (tenant, pool), slot) in stale.into_iter().take(MAX_TERMS_REFRESH_PER_ROUND) {
-            match allocator.pool_terms(&tenant, &pool).await {
+            match allocator.pool_terms(&tenant, &pool, None).await {
                 Ok(Some(terms)) => {
                     self.reachable.store(true, Ordering::Relaxed);
                     let Some(config) = self.holder_config(&terms) else {

@@ -38,6 +38,8 @@ struct Fake {
     fallback_per_region: u64,
     /// Grants answer 503 (the allocator has lost its store): the agent is cut off from quota.
     grants_unavailable: bool,
+    /// What the region already admitted in fallback this window, per the ledger.
+    fallback_in_window: u64,
 }
 
 async fn terms(State(fake): State<Arc<Fake>>) -> Response {
@@ -49,6 +51,8 @@ async fn terms(State(fake): State<Arc<Fake>>) -> Response {
         Some(limit) => Json(serde_json::json!({
             "limit": limit, "windowMs": 60_000, "chunk": 100, "leaseTtlMs": 15_000,
             "fallbackPerRegion": fake.fallback_per_region, "regions": ["eu"], "version": limit,
+            // The agent's clock starts at 1,000,000 ms: its minute window starts at 960,000.
+            "fallbackInWindow": { "windowStartMs": 960_000, "admitted": fake.fallback_in_window },
         }))
         .into_response(),
     }
@@ -93,6 +97,7 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         terms_calls: AtomicU64::new(0),
         fallback_per_region: 0,
         grants_unavailable: false,
+        fallback_in_window: 0,
     })
 }
 
@@ -235,4 +240,26 @@ async fn several_agents_in_a_region_share_its_fallback_allowance() {
     let last = decisions.last().expect("ten decisions");
     assert!(!last.allowed && last.fallback);
     assert_eq!(last.reason, Some(Reason::RateExceeded));
+}
+
+#[tokio::test]
+async fn a_restarted_agent_counts_the_fallback_its_region_already_admitted_this_window() {
+    let fake = Arc::new(Fake {
+        fallback_per_region: 10,
+        grants_unavailable: true,
+        fallback_in_window: 8,
+        ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
+    });
+    let (agent, _clock) = setup(&fake).await;
+    let mut fallback_admits = 0;
+    for n in 0..10 {
+        let decision = admit(&agent, n).await;
+        if decision.allowed && decision.fallback {
+            fallback_admits += 1;
+        }
+    }
+    assert_eq!(
+        fallback_admits, 2,
+        "10 allowed, 8 already admitted before the restart"
+    );
 }

@@ -274,4 +274,7 @@ fn the_figures_in_the_drill_docs_are_what_the_drills_produce() {
     // 900/min for the 5 s the agent is down: 75 requests not served.
     assert_eq!(restart.windows[1].regions[0].denied_unavailable, 75);
     assert_eq!(restart.windows[1].regions[0].unreported, 14);
+    // Fallback, heal, restart, fallback again in the same window: one allowance, not two.
+    let again = drill("agent-restart-fallback");
+    assert_eq!(again.windows[1].regions[0].fallback, 100);
 }

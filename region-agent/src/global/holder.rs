@@ -639,6 +639,19 @@ impl PoolHolder {
                 .all(|(&start, c)| start < current && c.admitted_tokens == c.reported_tokens)
     }
 
+    /// Starts the fallback count of the window starting at `window_start_ms` at `admitted_tokens`
+    /// (already reported): what the region's agents admitted in fallback in that window before this
+    /// holder existed, as the ledger holds it. A restarted agent thus cannot admit the window's
+    /// allowance a second time.
+    pub fn seed_fallback(&mut self, window_start_ms: u64, admitted_tokens: u64) {
+        if admitted_tokens == 0 {
+            return;
+        }
+        let count = self.fallback.entry(window_start_ms).or_default();
+        count.admitted_tokens = count.admitted_tokens.max(admitted_tokens);
+        count.reported_tokens = count.reported_tokens.max(admitted_tokens);
+    }
+
     /// Tokens stranded so far (granted to this agent, unspent at the lease's end).
     pub fn stranded_tokens(&self) -> u64 {
         self.stranded_tokens

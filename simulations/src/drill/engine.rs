@@ -217,6 +217,9 @@ struct HeldPool {
 #[derive(Debug)]
 struct RegionAgent {
     region: RegionId,
+    /// Per tenant, the fallback admits the ledger holds for this region: (window start, tokens).
+    /// Survives a crash: it is the allocator's, handed to a restarting agent with the pool's terms.
+    ledger_fallback: Vec<(u64, u64)>,
     /// What the agent believes after its last allocator call (it decides whether fallback applies).
     believes_reachable: bool,
     /// Down until this instant (ms since the start) after a crash.
@@ -412,6 +415,7 @@ pub async fn run_with(
         .iter()
         .map(|region| RegionAgent {
             region: region.clone(),
+            ledger_fallback: vec![(0, 0); tenant_count],
             believes_reachable: true,
             down_until_ms: None,
             pools: (0..tenant_count).map(|_| HeldPool::default()).collect(),
@@ -505,6 +509,7 @@ pub async fn run_with(
                     region: &agent.region,
                     believes_reachable: &mut agent.believes_reachable,
                     held: &mut agent.pools[t],
+                    ledger_fallback: &mut agent.ledger_fallback[t],
                     tenant: t,
                     region_index: r,
                     c,
@@ -580,6 +585,7 @@ struct Step<'a> {
     region: &'a RegionId,
     believes_reachable: &'a mut bool,
     held: &'a mut HeldPool,
+    ledger_fallback: &'a mut (u64, u64),
     tenant: usize,
     region_index: usize,
     c: RegionConditions,
@@ -602,8 +608,14 @@ impl Step<'_> {
     ) -> Result<bool, String> {
         let mut abnormal = false;
         if self.held.holder.is_none() && !self.c.partitioned {
-            // The agent fetches the pool's terms on first use.
-            self.held.holder = Some(PoolHolder::new(config));
+            // The agent fetches the pool's terms on first use, with what its region already
+            // admitted in fallback this window (as the ledger holds it).
+            let mut holder = PoolHolder::new(config);
+            let (window_start_ms, admitted) = *self.ledger_fallback;
+            if window_start_ms == self.window_start_ms {
+                holder.seed_fallback(window_start_ms, admitted);
+            }
+            self.held.holder = Some(holder);
         }
         if let Some(f) = self.held.in_flight
             && f.deliver_at_ms <= self.now_ms
@@ -709,6 +721,14 @@ impl Step<'_> {
         // leases then wait for the next report, within the holder's bounds).
         if report_due && !self.c.partitioned && self.held.admitted_since_report > 0 {
             let report = holder.pending_report(self.agent_now_ms);
+            for line in &report.fallback {
+                let (window_start_ms, admitted) = self.ledger_fallback;
+                if line.window_start_ms > *window_start_ms {
+                    *self.ledger_fallback = (line.window_start_ms, line.admitted_tokens);
+                } else if line.window_start_ms == *window_start_ms {
+                    *admitted = (*admitted).max(line.admitted_tokens);
+                }
+            }
             holder.acknowledge(&report, self.agent_now_ms);
             self.held.admitted_since_report = 0;
         }

@@ -456,7 +456,7 @@ impl Scenario {
 
 /// The built-in suite: the reference design's table of drills (files under
 /// `simulations/scenarios/`, compiled in).
-pub const BUILTIN: [(&str, &str); 14] = [
+pub const BUILTIN: [(&str, &str); 15] = [
     ("clamped", include_str!("../../scenarios/clamped.toml")),
     ("unclamped", include_str!("../../scenarios/unclamped.toml")),
     ("fallback", include_str!("../../scenarios/fallback.toml")),
@@ -492,6 +492,10 @@ pub const BUILTIN: [(&str, &str); 14] = [
     (
         "agent-restart",
         include_str!("../../scenarios/agent-restart.toml"),
+    ),
+    (
+        "agent-restart-fallback",
+        include_str!("../../scenarios/agent-restart-fallback.toml"),
     ),
     (
         "clock-skew",
