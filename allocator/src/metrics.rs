@@ -28,6 +28,8 @@ pub const IS_LEADER: &str = "allot_is_leader";
 pub const POOL_REMAINING: &str = "allot_pool_remaining_tokens";
 /// Committed grants the ledger feed could not take (reconciliation copies them later).
 pub const LEDGER_FEED_FULL: &str = "allot_ledger_feed_full_total";
+/// Ledger reconciliation rounds that read a listing at its key cap, by `listing` (pools, grants).
+pub const LEDGER_RECONCILE_TRUNCATED: &str = "allot_ledger_reconcile_truncated_total";
 /// The bundle version every region should run (the rollout's current version).
 pub const POLICY_CURRENT_VERSION: &str = "allot_policy_current_version";
 /// Tokens admitted in a pool's latest settled window, by `tenant` and `pool` (from the ledger:

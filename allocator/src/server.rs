@@ -214,6 +214,7 @@ async fn feed_ledger(
     ledger: Ledger,
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
+    role: watch::Receiver<Role>,
     mut feed: tokio::sync::mpsc::Receiver<CommittedGrants>,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -232,6 +233,11 @@ async fn feed_ledger(
                 }
             }
             _ = reconcile.tick() => {
+                // The leader's ledger is the one reports reach; a follower would re-read every
+                // pool's grants for nothing.
+                if !matches!(*role.borrow(), Role::Leader(_)) {
+                    continue;
+                }
                 if let Err(error) = reconcile_grants(&ledger, &*kv).await {
                     tracing::warn!(%error, "ledger reconciliation failed");
                 }
@@ -243,12 +249,30 @@ async fn feed_ledger(
     }
 }
 
-/// Copies every grant record in the store that the ledger lacks.
+/// Copies every grant record in the store that the ledger lacks. Listings stop at
+/// [`MAX_PREFIX_KEYS`](crate::kv::MAX_PREFIX_KEYS) keys (I10); reaching that is logged and counted
+/// (`allot_ledger_reconcile_truncated_total`), never silent.
 pub async fn reconcile_grants(ledger: &Ledger, kv: &dyn Kv) -> Result<(), String> {
-    for (tenant, pool, _) in list_pools(kv).await.map_err(|e| e.to_string())? {
+    let truncated = |what: &str| {
+        tracing::warn!(
+            what,
+            max = crate::kv::MAX_PREFIX_KEYS,
+            "ledger reconciliation read a listing at its cap; the rest waits for a later round"
+        );
+        metrics::counter!(crate::metrics::LEDGER_RECONCILE_TRUNCATED, "listing" => what.to_owned())
+            .increment(1);
+    };
+    let pools = list_pools(kv).await.map_err(|e| e.to_string())?;
+    if pools.len() >= crate::kv::MAX_PREFIX_KEYS {
+        truncated("pools");
+    }
+    for (tenant, pool, _) in pools {
         let records = list_grants(kv, &tenant, &pool)
             .await
             .map_err(|e| e.to_string())?;
+        if records.len() >= crate::kv::MAX_PREFIX_KEYS {
+            truncated("grants");
+        }
         ledger
             .record_grants(&tenant, &pool, &records)
             .await
@@ -328,6 +352,7 @@ pub async fn run(
         ledger.clone(),
         kv.clone(),
         clock.clone(),
+        role.clone(),
         feed,
         shutdown.clone(),
     ));
