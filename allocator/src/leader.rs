@@ -169,26 +169,36 @@ pub async fn run_election(
     loop {
         let current = role.borrow().clone();
         let next = match current {
-            Role::Leader(leadership) => match kv.keep_alive(leadership.lease).await {
-                Ok(_) => {
-                    last_renewal_ms = clock.now_ms();
-                    Role::Leader(leadership)
+            // A renewal that hangs counts as failed once a renewal period has passed: the loop must
+            // get back to the step-down check below, whatever the store does.
+            Role::Leader(leadership) => {
+                match tokio::time::timeout(renew_every, kv.keep_alive(leadership.lease)).await {
+                    Ok(Ok(_)) => {
+                        last_renewal_ms = clock.now_ms();
+                        Role::Leader(leadership)
+                    }
+                    Ok(Err(KvError::LeaseNotFound(_))) => {
+                        tracing::warn!(epoch = %leadership.epoch, "leader lease lost; stepping down");
+                        Role::Unknown
+                    }
+                    failed => {
+                        let error = match failed {
+                            Ok(Err(error)) => error.to_string(),
+                            _ => format!("no answer within {renew_every:?}"),
+                        };
+                        // Step down before the store could have expired the lease: past that point
+                        // another node may lead, and although the fence stops our writes, we must stop
+                        // claiming (/readyz, metrics, answers to agents).
+                        if clock.now_ms().saturating_sub(last_renewal_ms) >= ttl_ms * 2 / 3 {
+                            tracing::warn!(%error, "cannot renew the leader lease; stepping down");
+                            Role::Unknown
+                        } else {
+                            tracing::warn!(%error, "leader lease renewal failed; retrying");
+                            Role::Leader(leadership)
+                        }
+                    }
                 }
-                Err(KvError::LeaseNotFound(_)) => {
-                    tracing::warn!(epoch = %leadership.epoch, "leader lease lost; stepping down");
-                    Role::Unknown
-                }
-                // Step down before the store could have expired the lease: past that point another
-                // node may lead, and although the fence stops our writes, we must stop claiming.
-                Err(error) if clock.now_ms().saturating_sub(last_renewal_ms) >= ttl_ms * 2 / 3 => {
-                    tracing::warn!(%error, "cannot renew the leader lease; stepping down");
-                    Role::Unknown
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "leader lease renewal failed; retrying");
-                    Role::Leader(leadership)
-                }
-            },
+            }
             Role::Unknown | Role::Follower(_) => {
                 match try_acquire(
                     &*kv,
