@@ -11,8 +11,8 @@
 //!
 //! Then, once every lease has ended and been reported, the ledger must account for exactly the
 //! admits the load generator saw, every window must be within its bound (G + fallback allowances),
-//! EU must have admitted in fallback, no process may have panicked, and no raw user id, API key or
-//! token may appear in any process's log or in the agents' metrics.
+//! EU must have admitted in fallback, no process may have panicked, and no raw user id, API key id,
+//! client address or token may appear in any process's log or in the agents' metrics.
 //!
 //! Short form (about 40 s of load) in the test suite; `ALLOT_REAL_DRILL_SCALE=10` stretches every
 //! phase tenfold (`simulations/real-drill` runs it).
@@ -143,6 +143,10 @@ fn raw_api_key(n: u64) -> String {
     format!("key-rawsecret-{:04}", n % 7)
 }
 
+fn raw_address(n: u64) -> String {
+    format!("203.0.113.{}", n % 50)
+}
+
 /// What the load generator saw, per region.
 #[derive(Default)]
 struct Counts {
@@ -177,10 +181,14 @@ async fn drive(
         let (client, agent, counts) = (client.clone(), agent.clone(), counts.clone());
         tasks.spawn(async move {
             let _permit = permit;
+            // Every tenth caller is not signed in yet: an `ip` principal.
+            let principal = if n.is_multiple_of(10) {
+                json!({ "type": "ip", "id": raw_address(n) })
+            } else {
+                json!({ "type": "user", "id": raw_user(n), "apiKeyId": raw_api_key(n) })
+            };
             let body = json!({ "requestId": format!("d-{n}"), "tenantId": "drill",
-                "principal": { "type": "user", "id": raw_user(n),
-                               "apiKeyId": raw_api_key(n) },
-                "routeGroup": "read", "method": "GET" });
+                "principal": principal, "routeGroup": "read", "method": "GET" });
             let answer = client
                 .post(format!("{agent}/v1/admit"))
                 .bearer_auth(GATEWAY)
@@ -545,7 +553,14 @@ async fn real_processes_through_partitions_failovers_and_restarts_stay_within_th
         "every log and both agents' metrics were read"
     );
     for text in &exposed {
-        for raw in ["user-rawid-", "key-rawsecret-", GATEWAY, AGENT, OPERATOR] {
+        for raw in [
+            "user-rawid-",
+            "key-rawsecret-",
+            "203.0.113.",
+            GATEWAY,
+            AGENT,
+            OPERATOR,
+        ] {
             assert!(
                 !text.contains(raw),
                 "a raw identifier or token ({raw}) appears in a log or in metrics"
