@@ -122,15 +122,12 @@ async fn start_agent(
         .expect("client");
     let agent = Agent::new(
         AgentSettings {
-            region: RegionId::parse("eu").expect("region"),
-            agent_id: "bench".to_owned(),
-            pepper: Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper"),
-            ip_prefixes: IpPrefixes::default(),
-            decision_record_ttl_ms: 30_000,
-            expiry_margin_ms: 50,
             allocator_round_trip_ms: 5,
-            policy_max_age_ms: 0,
-            region_agents: 1,
+            ..AgentSettings::new(
+                RegionId::parse("eu").expect("region"),
+                "bench".to_owned(),
+                Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper"),
+            )
         },
         Arc::new(SystemClock),
         limiter,

@@ -89,6 +89,30 @@ pub struct AgentSettings {
     pub region_agents: u64,
 }
 
+/// The allocator round trip the shipped binary sizes renewals with, ms.
+pub const DEFAULT_ALLOCATOR_ROUND_TRIP_MS: u64 = 20;
+
+impl AgentSettings {
+    /// Settings of agent `agent_id` in `region` keying principals with `pepper`, everything else at
+    /// its shipped default: /32 and /64 address keys, decision records for
+    /// [`DEFAULT_DECISION_RECORD_TTL_MS`](crate::limiter::DEFAULT_DECISION_RECORD_TTL_MS), the
+    /// [`DEFAULT_EXPIRY_MARGIN_MS`] margin, a [`DEFAULT_ALLOCATOR_ROUND_TRIP_MS`] round trip, a
+    /// bundle that never ages, one agent in the region.
+    pub fn new(region: RegionId, agent_id: String, pepper: Pepper) -> Self {
+        Self {
+            region,
+            agent_id,
+            pepper,
+            ip_prefixes: IpPrefixes::default(),
+            decision_record_ttl_ms: crate::limiter::DEFAULT_DECISION_RECORD_TTL_MS,
+            expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS,
+            allocator_round_trip_ms: DEFAULT_ALLOCATOR_ROUND_TRIP_MS,
+            policy_max_age_ms: 0,
+            region_agents: 1,
+        }
+    }
+}
+
 /// Why a request could not even be decided.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]

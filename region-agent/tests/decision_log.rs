@@ -45,17 +45,11 @@ async fn logged_decisions_hide_principals_and_replay_to_the_same_denials() {
     )
     .expect("limiter");
     let agent = Agent::new(
-        AgentSettings {
-            region: RegionId::parse("eu").expect("region"),
-            agent_id: "eu-1".to_owned(),
-            pepper: pepper.clone(),
-            ip_prefixes: IpPrefixes::default(),
-            decision_record_ttl_ms: 30_000,
-            expiry_margin_ms: 50,
-            allocator_round_trip_ms: 20,
-            policy_max_age_ms: 0,
-            region_agents: 1,
-        },
+        AgentSettings::new(
+            RegionId::parse("eu").expect("region"),
+            "eu-1".to_owned(),
+            pepper.clone(),
+        ),
         clock,
         limiter,
         None,

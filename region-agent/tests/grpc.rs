@@ -17,7 +17,7 @@ use allot_region_agent::http::AgentApi;
 use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::RegionId;
-use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::keys::Pepper;
 use tonic::transport::Channel;
 
 const TOKEN: &str = "gateway-token-1";
@@ -54,15 +54,12 @@ async fn serve(with_bundle: bool) -> Served {
             .expect("a valid bundle")
     });
     let settings = AgentSettings {
-        region: RegionId::parse("eu").expect("region"),
-        agent_id: "eu-test".to_owned(),
-        pepper: Pepper::new(b"a pepper of at least sixteen bytes".to_vec()).expect("pepper"),
-        ip_prefixes: IpPrefixes::default(),
         decision_record_ttl_ms: 60_000,
-        expiry_margin_ms: 50,
-        allocator_round_trip_ms: 20,
-        policy_max_age_ms: 0,
-        region_agents: 1,
+        ..AgentSettings::new(
+            RegionId::parse("eu").expect("region"),
+            "eu-test".to_owned(),
+            Pepper::new(b"a pepper of at least sixteen bytes".to_vec()).expect("pepper"),
+        )
     };
     let agent = Agent::new(settings, clock, limiter, None, bundle);
     let api = AgentApi {

@@ -22,14 +22,13 @@ use allot_allocator::server::{Settings, run};
 use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::limiter::{
-    DEFAULT_DECISION_RECORD_TTL_MS, DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter,
-    LimiterConfig,
+    DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter, LimiterConfig,
 };
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::clock::Clock;
 use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
 use allot_shared::ids::{DecisionId, PoolId, RegionId, RouteGroup, TenantId};
-use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::keys::Pepper;
 use tokio::sync::watch;
 
 /// The example bundle, compiled in.
@@ -153,15 +152,8 @@ pub async fn run_dev(
             .map_err(|e| e.to_string())?;
         let agent = Agent::new(
             AgentSettings {
-                region: region.clone(),
-                agent_id: format!("{region}-dev"),
-                pepper: pepper.clone(),
-                ip_prefixes: IpPrefixes::default(),
-                decision_record_ttl_ms: DEFAULT_DECISION_RECORD_TTL_MS,
-                expiry_margin_ms: allot_region_agent::service::DEFAULT_EXPIRY_MARGIN_MS,
                 allocator_round_trip_ms: 5,
-                policy_max_age_ms: 0,
-                region_agents: 1,
+                ..AgentSettings::new(region.clone(), format!("{region}-dev"), pepper.clone())
             },
             agent_clock,
             limiter,

@@ -79,17 +79,11 @@ async fn agent_on(redis: &RedisServer) -> Arc<Agent> {
         .expect("redis");
     let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
     Agent::new(
-        AgentSettings {
-            region: RegionId::parse("eu").expect("region"),
-            agent_id: "gateway-a".to_owned(),
-            pepper: Pepper::new(PEPPER.to_vec()).expect("pepper"),
-            ip_prefixes: IpPrefixes::default(),
-            decision_record_ttl_ms: 30_000,
-            expiry_margin_ms: 50,
-            allocator_round_trip_ms: 20,
-            policy_max_age_ms: 0,
-            region_agents: 1,
-        },
+        AgentSettings::new(
+            RegionId::parse("eu").expect("region"),
+            "gateway-a".to_owned(),
+            Pepper::new(PEPPER.to_vec()).expect("pepper"),
+        ),
         Arc::new(SystemClock),
         limiter,
         None,

@@ -16,7 +16,7 @@ use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::contract::{AdmissionRequest, DeniedScope, Principal, PrincipalType, Reason};
 use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
-use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::keys::Pepper;
 use allot_testkit::EtcdCluster;
 use serde_json::{Value, json};
 
@@ -129,17 +129,11 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
     )
     .expect("limiter");
     let agent = Agent::new(
-        AgentSettings {
-            region: RegionId::parse("eu").expect("region"),
-            agent_id: "eu-1".to_owned(),
-            pepper: Pepper::new(b"partition-pepper-0123".to_vec()).expect("pepper"),
-            ip_prefixes: IpPrefixes::default(),
-            decision_record_ttl_ms: 30_000,
-            expiry_margin_ms: 50,
-            allocator_round_trip_ms: 20,
-            policy_max_age_ms: 0,
-            region_agents: 1,
-        },
+        AgentSettings::new(
+            RegionId::parse("eu").expect("region"),
+            "eu-1".to_owned(),
+            Pepper::new(b"partition-pepper-0123".to_vec()).expect("pepper"),
+        ),
         clock,
         limiter,
         Some(Arc::new(

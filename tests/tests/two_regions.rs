@@ -18,7 +18,7 @@ use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::RegionId;
-use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::keys::Pepper;
 use allot_testkit::{EtcdCluster, RedisServer};
 use serde_json::{Value, json};
 
@@ -50,17 +50,11 @@ async fn start_agent(
     let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
     let client =
         AllocatorClient::new(vec![allocator_url.to_owned()], AGENT.to_owned()).expect("client");
-    let settings = AgentSettings {
-        region: RegionId::parse(region).expect("region"),
-        agent_id: format!("{region}-1"),
-        pepper: Pepper::new(b"e2e-pepper-0123456789".to_vec()).expect("pepper"),
-        ip_prefixes: IpPrefixes::default(),
-        decision_record_ttl_ms: 30_000,
-        expiry_margin_ms: 50,
-        allocator_round_trip_ms: 20,
-        policy_max_age_ms: 0,
-        region_agents: 1,
-    };
+    let settings = AgentSettings::new(
+        RegionId::parse(region).expect("region"),
+        format!("{region}-1"),
+        Pepper::new(b"e2e-pepper-0123456789".to_vec()).expect("pepper"),
+    );
     let agent = Agent::new(
         settings,
         Arc::new(SystemClock),

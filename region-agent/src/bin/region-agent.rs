@@ -12,8 +12,8 @@ use allot_region_agent::config::{AgentArgs, AgentConfig};
 use allot_region_agent::grpc::serve_grpc;
 use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::limiter::{
-    DEFAULT_DECISION_RECORD_TTL_MS, DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter,
-    LimiterConfig, LimiterStore, RedisStore, RedisStoreConfig,
+    DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter, LimiterConfig, LimiterStore, RedisStore,
+    RedisStoreConfig,
 };
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::RegionId;
@@ -119,15 +119,9 @@ async fn start(args: AgentConfig) -> Result<(), String> {
     };
     let agent_id = args.agent_id.clone();
     let settings = AgentSettings {
-        region,
-        agent_id,
-        pepper,
-        ip_prefixes: IpPrefixes::default(),
-        decision_record_ttl_ms: DEFAULT_DECISION_RECORD_TTL_MS,
-        expiry_margin_ms: allot_region_agent::service::DEFAULT_EXPIRY_MARGIN_MS,
-        allocator_round_trip_ms: 20,
         policy_max_age_ms: args.policy_max_age_ms,
         region_agents: args.region_agents,
+        ..AgentSettings::new(region, agent_id, pepper)
     };
     let log_pepper = settings.pepper.clone();
     let agent = Agent::new(settings, clock, limiter, allocator, bundle);

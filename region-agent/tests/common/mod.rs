@@ -9,7 +9,7 @@ use allot_region_agent::clock::Clock;
 use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::RegionId;
-use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::keys::Pepper;
 use allot_shared::policy::PolicyBundle;
 
 /// The pepper every test agent keys principals with.
@@ -24,17 +24,11 @@ pub fn bundle(json: &str) -> PolicyBundle {
 
 /// Settings of an `eu` agent whose bundle never ages.
 pub fn settings() -> AgentSettings {
-    AgentSettings {
-        region: RegionId::parse("eu").expect("region"),
-        agent_id: "eu-test".to_owned(),
-        pepper: Pepper::new(PEPPER.to_vec()).expect("pepper"),
-        ip_prefixes: IpPrefixes::default(),
-        decision_record_ttl_ms: 30_000,
-        expiry_margin_ms: 50,
-        allocator_round_trip_ms: 20,
-        policy_max_age_ms: 0,
-        region_agents: 1,
-    }
+    AgentSettings::new(
+        RegionId::parse("eu").expect("region"),
+        "eu-test".to_owned(),
+        Pepper::new(PEPPER.to_vec()).expect("pepper"),
+    )
 }
 
 /// An agent on an in-process limiter store read on `clock`.
