@@ -79,6 +79,8 @@ pub struct ApiState {
     pub tokens: Arc<Tokens>,
     /// The accounting ledger.
     pub ledger: Ledger,
+    /// The store lease agent status keys are written with.
+    pub status_leases: Arc<policies::StatusLeases>,
 }
 
 /// An error answered as problem+json.
@@ -826,9 +828,14 @@ async fn post_agent_status(
         ));
     }
     status.reported_at_ms = state.clock.now_ms();
-    policies::report_agent(&*state.kv, &status)
-        .await
-        .map_err(policy_error)?;
+    policies::report_agent(
+        &*state.kv,
+        &status,
+        &state.status_leases,
+        status.reported_at_ms,
+    )
+    .await
+    .map_err(policy_error)?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

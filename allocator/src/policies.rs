@@ -5,7 +5,8 @@
 //! - `/allot/policies/bundles/<version, zero-padded>`: each published bundle, immutable;
 //! - `/allot/policies/rollout`: `{current, canary: {version, regions}}`: what regions should run;
 //! - `/allot/policies/agents/<region>/<agent>`: the version an agent last said it runs; reports older
-//!   than [`AGENT_STATUS_MAX_AGE_MS`] drop out of the status (and are deleted).
+//!   than [`AGENT_STATUS_MAX_AGE_MS`] drop out of the status (and are deleted); their keys carry a
+//!   rotating store lease ([`StatusLeases`]), so they leave the store even if nobody reads it.
 //!
 //! Versions only go up: publishing assigns the next version in a transaction guarded by the rollout
 //! record's revision, so two operators publishing at once get two distinct versions. A rollback is a
@@ -217,17 +218,71 @@ pub async fn current_for(
 }
 
 /// Records what an agent runs.
-pub async fn report_agent(kv: &dyn Kv, status: &AgentStatus) -> Result<(), PolicyStoreError> {
-    kv.txn(
-        vec![],
+pub async fn report_agent(
+    kv: &dyn Kv,
+    status: &AgentStatus,
+    leases: &StatusLeases,
+    now_ms: u64,
+) -> Result<(), PolicyStoreError> {
+    let put = |lease| {
         vec![Op::Put {
             key: format!("{AGENT_PREFIX}{}/{}", status.region, status.agent_id),
             value: serde_json::to_vec(status).unwrap_or_default(),
-            lease: None,
-        }],
-    )
-    .await?;
+            lease: Some(lease),
+        }]
+    };
+    let lease = leases.lease(kv, now_ms).await?;
+    match kv.txn(vec![], put(lease)).await {
+        Err(KvError::LeaseNotFound(_)) => {
+            // The store dropped the lease early (a restored snapshot, a clock jump): take another.
+            leases.forget(lease).await;
+            let lease = leases.lease(kv, now_ms).await?;
+            kv.txn(vec![], put(lease)).await?;
+        }
+        outcome => {
+            outcome?;
+        }
+    }
     Ok(())
+}
+
+/// An agent status key's store lease lasts this long, s: the key of an agent that stops reporting
+/// leaves the store within it, even if nobody reads the status (I10).
+pub const AGENT_STATUS_LEASE_TTL_S: i64 = 120;
+/// Status keys are written with a new lease this often, ms (half the TTL): a reporting agent's key
+/// moves to the newest lease with its next report, so no lease is ever renewed.
+pub const AGENT_STATUS_LEASE_ROTATE_MS: u64 = 60_000;
+
+/// The store lease agent status keys are written with, taken anew every
+/// [`AGENT_STATUS_LEASE_ROTATE_MS`]: a key lives at most [`AGENT_STATUS_LEASE_TTL_S`] after its
+/// last report, and at most about three leases are alive at once.
+#[derive(Debug, Default)]
+pub struct StatusLeases {
+    /// The lease in use and when it was taken (allocator clock, ms).
+    current: tokio::sync::Mutex<Option<(i64, u64)>>,
+}
+
+impl StatusLeases {
+    /// The lease to write a status with at `now_ms`, taking a new one when due.
+    pub async fn lease(&self, kv: &dyn Kv, now_ms: u64) -> Result<i64, PolicyStoreError> {
+        let mut current = self.current.lock().await;
+        if let Some((lease, taken_at_ms)) = *current
+            && now_ms.saturating_sub(taken_at_ms) < AGENT_STATUS_LEASE_ROTATE_MS
+        {
+            return Ok(lease);
+        }
+        let lease = kv.grant_lease(AGENT_STATUS_LEASE_TTL_S).await?;
+        *current = Some((lease, now_ms));
+        Ok(lease)
+    }
+
+    /// Stops using `lease` (the store no longer has it).
+    pub async fn forget(&self, lease: i64) {
+        let mut current = self.current.lock().await;
+        if current.is_some_and(|(held, _)| held == lease) {
+            *current = None;
+        }
+    }
 }
 
 /// Agents that reported within [`AGENT_STATUS_MAX_AGE_MS`] of `now_ms`. Older reports are deleted
@@ -253,4 +308,60 @@ pub async fn agent_statuses(
         kv.txn(vec![], chunk.to_vec()).await?;
     }
     Ok(fresh)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::clock::{Clock, ManualClock};
+    use crate::kv::memory::MemoryKv;
+
+    fn status(agent: &str, now_ms: u64) -> AgentStatus {
+        AgentStatus {
+            region: RegionId::parse("eu").expect("region"),
+            agent_id: agent.to_owned(),
+            version: 1,
+            reported_at_ms: now_ms,
+        }
+    }
+
+    async fn keys(kv: &MemoryKv) -> Vec<String> {
+        kv.get_prefix(AGENT_PREFIX, 100)
+            .await
+            .expect("listing")
+            .into_iter()
+            .map(|(key, _)| key)
+            .collect()
+    }
+
+    /// A status key leaves the store once its agent stops reporting, though nobody reads the
+    /// status; a reporting agent's key survives every lease rotation.
+    #[tokio::test]
+    async fn status_keys_expire_with_their_rotating_lease_unless_reported_again() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let kv = MemoryKv::new(clock.clone() as Arc<dyn Clock>);
+        let leases = StatusLeases::default();
+        let start = clock.now_ms();
+        report_agent(&kv, &status("quiet", start), &leases, start)
+            .await
+            .expect("report");
+        for step in 1..=60u64 {
+            clock.advance(5_000);
+            let now = clock.now_ms();
+            report_agent(&kv, &status("busy", now), &leases, now)
+                .await
+                .expect("report");
+            let present = keys(&kv).await;
+            assert!(present.iter().any(|k| k.ends_with("/busy")), "step {step}");
+            let quiet_alive = present.iter().any(|k| k.ends_with("/quiet"));
+            let elapsed_s = step * 5;
+            if elapsed_s < 120 {
+                assert!(quiet_alive, "still within its lease at {elapsed_s} s");
+            } else {
+                assert!(!quiet_alive, "gone after its lease at {elapsed_s} s");
+            }
+        }
+    }
 }

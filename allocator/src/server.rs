@@ -370,6 +370,7 @@ pub async fn run(
         clock,
         tokens: Arc::new(settings.tokens),
         ledger,
+        status_leases: Arc::default(),
     };
     tracing::info!(listen = %settings.listen, node = %settings.node_id, "allocator serving");
     let served = axum::serve(listener, router(state))
