@@ -22,7 +22,8 @@ use crate::kv::etcd::EtcdKv;
 use crate::kv::memory::MemoryKv;
 use crate::leader::{ElectionConfig, Role, run_election};
 use crate::ledger::Ledger;
-use crate::pools::{list_grants, list_pools};
+use crate::pools::{StoredPool, list_grants, list_pools};
+use allot_shared::ids::{PoolId, TenantId};
 
 /// Shortest accepted bearer token, in characters.
 pub const MIN_TOKEN_LEN: usize = 16;
@@ -238,10 +239,20 @@ async fn feed_ledger(
                 if !matches!(*role.borrow(), Role::Leader(_)) {
                     continue;
                 }
-                if let Err(error) = reconcile_grants(&ledger, &*kv).await {
+                // One listing of the pools serves both passes.
+                let pools = match list_pools(&*kv).await {
+                    Ok(pools) => pools,
+                    Err(error) => {
+                        tracing::warn!(%error, "ledger round skipped: pools not listed");
+                        continue;
+                    }
+                };
+                if let Err(error) = reconcile_grants(&ledger, &*kv, &pools).await {
                     tracing::warn!(%error, "ledger reconciliation failed");
                 }
-                if let Err(error) = publish_ledger_gauges(&ledger, &*kv, clock.now_ms()).await {
+                if let Err(error) =
+                    publish_ledger_gauges(&ledger, &*kv, &pools, clock.now_ms()).await
+                {
                     tracing::warn!(%error, "ledger gauges not updated");
                 }
             }
@@ -249,10 +260,14 @@ async fn feed_ledger(
     }
 }
 
-/// Copies every grant record in the store that the ledger lacks. Listings stop at
-/// [`MAX_PREFIX_KEYS`](crate::kv::MAX_PREFIX_KEYS) keys (I10); reaching that is logged and counted
-/// (`allot_ledger_reconcile_truncated_total`), never silent.
-pub async fn reconcile_grants(ledger: &Ledger, kv: &dyn Kv) -> Result<(), String> {
+/// Copies every grant record of `pools` (as [`list_pools`] returns them) that the ledger lacks.
+/// Listings stop at [`MAX_PREFIX_KEYS`](crate::kv::MAX_PREFIX_KEYS) keys (I10); reaching that is
+/// logged and counted (`allot_ledger_reconcile_truncated_total`), never silent.
+pub async fn reconcile_grants(
+    ledger: &Ledger,
+    kv: &dyn Kv,
+    pools: &[(TenantId, PoolId, StoredPool)],
+) -> Result<(), String> {
     let truncated = |what: &str| {
         tracing::warn!(
             what,
@@ -262,19 +277,18 @@ pub async fn reconcile_grants(ledger: &Ledger, kv: &dyn Kv) -> Result<(), String
         metrics::counter!(crate::metrics::LEDGER_RECONCILE_TRUNCATED, "listing" => what.to_owned())
             .increment(1);
     };
-    let pools = list_pools(kv).await.map_err(|e| e.to_string())?;
     if pools.len() >= crate::kv::MAX_PREFIX_KEYS {
         truncated("pools");
     }
     for (tenant, pool, _) in pools {
-        let records = list_grants(kv, &tenant, &pool)
+        let records = list_grants(kv, tenant, pool)
             .await
             .map_err(|e| e.to_string())?;
         if records.len() >= crate::kv::MAX_PREFIX_KEYS {
             truncated("grants");
         }
         ledger
-            .record_grants(&tenant, &pool, &records)
+            .record_grants(tenant, pool, &records)
             .await
             .map_err(|e| e.to_string())?;
     }
@@ -294,19 +308,19 @@ pub const WINDOW_GAUGE_SETTLE_MS: u64 = 5_000;
 pub async fn publish_ledger_gauges(
     ledger: &Ledger,
     kv: &dyn Kv,
+    pools: &[(TenantId, PoolId, StoredPool)],
     now_ms: u64,
 ) -> Result<(), String> {
     let rollout = crate::policies::rollout(kv)
         .await
         .map_err(|e| e.to_string())?;
     metrics::gauge!(crate::metrics::POLICY_CURRENT_VERSION).set(rollout.current as f64);
-    let pools = list_pools(kv).await.map_err(|e| e.to_string())?;
-    for (tenant, pool, stored) in pools.into_iter().take(MAX_WINDOW_GAUGE_POOLS) {
+    for (tenant, pool, stored) in pools.iter().take(MAX_WINDOW_GAUGE_POOLS) {
         let Ok(config) = stored.spec.validate() else {
             continue;
         };
         let rows = ledger
-            .windows(&tenant, &pool, &config, 3, now_ms)
+            .windows(tenant, pool, &config, 3, now_ms)
             .await
             .map_err(|e| e.to_string())?;
         let settled = rows

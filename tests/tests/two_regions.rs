@@ -270,7 +270,10 @@ async fn two_regions_share_one_pool_without_overshoot() {
     .await
     .expect("ledger");
     let window_end_ms = row["windowEndMs"].as_u64().expect("window end");
-    publish_ledger_gauges(&ledger, &kv, window_end_ms + WINDOW_GAUGE_SETTLE_MS)
+    let pools = allot_allocator::pools::list_pools(&kv)
+        .await
+        .expect("pools");
+    publish_ledger_gauges(&ledger, &kv, &pools, window_end_ms + WINDOW_GAUGE_SETTLE_MS)
         .await
         .expect("gauges");
     let rendered = allot_allocator::metrics::handle()
