@@ -29,6 +29,8 @@ use crate::leader::Role;
 use crate::ledger::{Ledger, LedgerError, PoolChange, Report};
 use crate::policies::{self, AgentStatus, PolicyStoreError};
 use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
+/// The terms answer's wire types, shared with the agent's client.
+pub use allot_shared::lease::{FallbackInWindow, PoolTerms};
 use allot_shared::policy::parse_bundle;
 
 /// Largest request body, in bytes.
@@ -390,39 +392,6 @@ async fn delete_pool(
         .map_err(ledger_error)?;
     tracing::info!(%tenant, %pool, "pool deleted");
     Ok(StatusCode::NO_CONTENT.into_response())
-}
-
-/// `GET /v1/pools/{tenant}/{pool}/terms` answer: what an agent needs to hold leases of a pool.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PoolTerms {
-    /// `G`, tokens per window.
-    pub limit: u64,
-    /// Window length, ms.
-    pub window_ms: u64,
-    /// Largest grant, tokens.
-    pub chunk: u64,
-    /// Lease TTL before clamping, ms.
-    pub lease_ttl_ms: u64,
-    /// Tokens a region may admit per window while it cannot reach the allocator.
-    pub fallback_per_region: u64,
-    /// Regions allowed to take grants.
-    pub regions: Vec<RegionId>,
-    /// The configuration's version.
-    pub version: u64,
-    /// With `?region=`: what that region has reported admitting in fallback in the current window.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fallback_in_window: Option<FallbackInWindow>,
-}
-
-/// A region's fallback admits in one window, as the ledger holds them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct FallbackInWindow {
-    /// The window's start, epoch ms (this allocator's clock).
-    pub window_start_ms: u64,
-    /// Tokens admitted in fallback so far, as reported.
-    pub admitted: u64,
 }
 
 /// `GET /v1/pools/{tenant}/{pool}/terms` query.
