@@ -771,6 +771,7 @@ impl Agent {
             fallback_per_region_tokens: terms.fallback_per_region
                 / self.settings.region_agents.max(1),
             expiry_margin_ms: self.settings.expiry_margin_ms,
+            round_trip_ms: self.settings.allocator_round_trip_ms,
         })
     }
 
@@ -845,7 +846,7 @@ impl Agent {
         let asked = {
             let mut holder = lock(&slot.holder);
             let now_ms = self.clock.now_ms();
-            let want = holder.wants(now_ms, self.settings.allocator_round_trip_ms);
+            let want = holder.wants(now_ms);
             want.map(|want| {
                 holder.begin_renewal();
                 let fresh = LeaseId::from_parts(now_ms, rand::random());

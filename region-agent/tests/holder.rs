@@ -19,6 +19,7 @@ fn config(fallback: u64) -> HolderConfig {
         lease_ttl_ms: 15_000,
         fallback_per_region_tokens: fallback,
         expiry_margin_ms: 50,
+        round_trip_ms: 50,
     }
 }
 
@@ -153,7 +154,7 @@ fn stale_epochs_are_ignored_and_exhaustion_is_cached() {
         }
     );
     assert_eq!(
-        holder.wants(t0 + 2_000, 50),
+        holder.wants(t0 + 2_000),
         None,
         "no renewals while exhausted"
     );
@@ -168,7 +169,7 @@ fn stale_epochs_are_ignored_and_exhaustion_is_cached() {
 fn renewals_follow_demand_with_single_flight() {
     let mut holder = PoolHolder::new(config(0));
     let t0 = 3 * MINUTE;
-    assert_eq!(holder.wants(t0, 50), None, "no demand, no lease wanted");
+    assert_eq!(holder.wants(t0), None, "no demand, no lease wanted");
     assert!(matches!(
         holder.spend(1, t0, true),
         Spend::Denied {
@@ -179,12 +180,12 @@ fn renewals_follow_demand_with_single_flight() {
     // One request so far: the rate, as if its second closed now, is a quarter token per second
     // (EWMA alpha 1/4): 3.75 tokens for a 15 s lease, rounded up.
     assert_eq!(
-        holder.wants(t0, 50),
+        holder.wants(t0),
         Some(4),
         "a quarter token/s for a 15 s lease"
     );
     holder.begin_renewal();
-    assert_eq!(holder.wants(t0, 50), None, "one renewal at a time");
+    assert_eq!(holder.wants(t0), None, "one renewal at a time");
     holder.end_renewal();
     holder.accept(grant(1, 1, 4, t0), t0);
     // Demand of 40 tokens/s for a few seconds raises the ask, bounded by the chunk.
@@ -198,7 +199,7 @@ fn renewals_follow_demand_with_single_flight() {
         }
         now += 1_000;
     }
-    let want = holder.wants(now, 50).expect("running low");
+    let want = holder.wants(now).expect("running low");
     assert!(want > 15 && want <= 100, "demand-weighted ask: {want}");
 }
 
@@ -292,7 +293,7 @@ fn no_renewal_is_asked_for_when_the_window_ends_within_the_margin_and_a_round_tr
     // Margin 50 ms + round trip 50 ms: the last 100 ms of the window ask for nothing.
     let late = window_end - 100;
     holder.spend(1, late, true);
-    assert_eq!(holder.wants(late, 50), None);
+    assert_eq!(holder.wants(late), None);
     // A grant taken there anyway is stranded on arrival.
     assert_eq!(
         holder.accept(grant(1, 1, 10, late + 60), late + 60),
@@ -302,9 +303,9 @@ fn no_renewal_is_asked_for_when_the_window_ends_within_the_margin_and_a_round_tr
     // Just before that stretch, and from the next window on, the holder asks again.
     let mut early = PoolHolder::new(config(0));
     early.spend(1, late - 1, true);
-    assert!(early.wants(late - 1, 50).is_some());
+    assert!(early.wants(late - 1).is_some());
     holder.spend(1, window_end, true);
-    assert!(holder.wants(window_end, 50).is_some());
+    assert!(holder.wants(window_end).is_some());
 }
 
 /// A renewal whose answer was lost is asked again with the same lease id (the allocator answers it

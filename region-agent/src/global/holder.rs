@@ -50,6 +50,9 @@ pub struct HolderConfig {
     /// Tokens are never spent within this many ms of a lease's end (clock-rate error between the
     /// agent and the allocator).
     pub expiry_margin_ms: u64,
+    /// The allocator round trip the agent assumes, ms: sizes the renewal watermark, and no lease is
+    /// asked for (or waited for) within `expiry_margin_ms + round_trip_ms` of a window's end.
+    pub round_trip_ms: u64,
 }
 
 /// A grant as the allocator answered it.
@@ -307,8 +310,6 @@ pub struct PoolHolder {
     rate: SpendRate,
     last_demand_ms: Option<u64>,
     renewal_in_flight: bool,
-    /// The allocator round trip the agent last sized renewals with, ms (from `wants`).
-    round_trip_ms: u64,
     /// The lease id of a renewal whose answer never arrived: the allocator may have granted it, so
     /// the next renewal asks with the same id and gets that grant back instead of stranding it.
     unanswered_lease: Option<LeaseId>,
@@ -329,7 +330,6 @@ impl PoolHolder {
             rate: SpendRate::new(config.lease_ttl_ms),
             last_demand_ms: None,
             renewal_in_flight: false,
-            round_trip_ms: 0,
             unanswered_lease: None,
             dropped_reports: 0,
             stranded_tokens: 0,
@@ -449,7 +449,9 @@ impl PoolHolder {
         let window = Window::containing(now_ms, self.config.window_ms);
         let until_window_end_ms = window.ms_until_end(now_ms).max(1);
         if allocator_reachable {
-            if window.ms_until_end(now_ms) <= self.config.expiry_margin_ms + self.round_trip_ms {
+            if window.ms_until_end(now_ms)
+                <= self.config.expiry_margin_ms + self.config.round_trip_ms
+            {
                 return Spend::Denied {
                     denial: Denial::WindowEnding,
                     retry_after_ms: until_window_end_ms,
@@ -501,11 +503,11 @@ impl PoolHolder {
     /// about two allocator round trips at the current rate (the low watermark, at most one chunk), ask
     /// for what the rate spends in a lease TTL, between 1 and the pool's chunk. `None` while a renewal is in flight,
     /// while the pool is exhausted, or when the pool has seen no demand for a window.
-    pub fn wants(&mut self, now_ms: u64, round_trip_ms: u64) -> Option<u64> {
+    pub fn wants(&mut self, now_ms: u64) -> Option<u64> {
         if self.renewal_in_flight || self.exhausted_until_ms > now_ms {
             return None;
         }
-        self.round_trip_ms = round_trip_ms;
+        let round_trip_ms = self.config.round_trip_ms;
         let last_demand_ms = self.last_demand_ms?;
         // Leases are clamped to their window: one asked for this close to the window's end would end
         // before this agent may spend from it and be stranded whole. Wait for the next window.

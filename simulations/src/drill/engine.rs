@@ -410,6 +410,7 @@ pub async fn run_with(
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region,
         expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS,
+        round_trip_ms: ROUND_TRIP_MS,
     };
     let mut agents: Vec<RegionAgent> = regions
         .iter()
@@ -758,7 +759,7 @@ impl Step<'_> {
         let Some(holder) = self.held.holder.as_mut() else {
             return Ok(None);
         };
-        let Some(want_tokens) = holder.wants(self.agent_now_ms, ROUND_TRIP_MS) else {
+        let Some(want_tokens) = holder.wants(self.agent_now_ms) else {
             return Ok(None);
         };
         holder.begin_renewal();
