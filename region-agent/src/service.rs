@@ -157,6 +157,58 @@ enum Lookup {
 
 type PoolKey = (TenantId, PoolId);
 
+/// The pools an agent holds, by tenant then pool: a request finds its pool from the ids it already
+/// has, without building (allocating) a key.
+#[derive(Default)]
+struct PoolSlots {
+    by_tenant: HashMap<TenantId, HashMap<PoolId, Arc<PoolSlot>>>,
+    len: usize,
+}
+
+impl PoolSlots {
+    fn get(&self, tenant: &TenantId, pool: &PoolId) -> Option<&Arc<PoolSlot>> {
+        self.by_tenant.get(tenant)?.get(pool)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The slot of `key`, made by `make` when absent.
+    fn get_or_insert_with(&mut self, key: PoolKey, make: impl FnOnce() -> Arc<PoolSlot>) {
+        let pools = self.by_tenant.entry(key.0).or_default();
+        if let std::collections::hash_map::Entry::Vacant(vacant) = pools.entry(key.1) {
+            vacant.insert(make());
+            self.len += 1;
+        }
+    }
+
+    fn remove(&mut self, (tenant, pool): &PoolKey) {
+        let Some(pools) = self.by_tenant.get_mut(tenant) else {
+            return;
+        };
+        if pools.remove(pool).is_some() {
+            self.len -= 1;
+        }
+        if pools.is_empty() {
+            self.by_tenant.remove(tenant);
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = ((&TenantId, &PoolId), &Arc<PoolSlot>)> {
+        self.by_tenant.iter().flat_map(|(tenant, pools)| {
+            pools.iter().map(move |(pool, slot)| ((tenant, pool), slot))
+        })
+    }
+
+    /// Every slot with its key, for work done outside the lock.
+    fn snapshot(&self) -> Vec<(PoolKey, Arc<PoolSlot>)> {
+        self.iter()
+            .map(|((tenant, pool), slot)| ((tenant.clone(), pool.clone()), slot.clone()))
+            .collect()
+    }
+}
+
 /// The agent.
 pub struct Agent {
     settings: AgentSettings,
@@ -164,7 +216,7 @@ pub struct Agent {
     bundle: ArcSwapOption<PolicyBundle>,
     limiter: Limiter,
     allocator: Option<Arc<AllocatorClient>>,
-    pools: Mutex<HashMap<PoolKey, Arc<PoolSlot>>>,
+    pools: Mutex<PoolSlots>,
     /// Pools being looked up, or recently not found (at most [`MAX_POOLS`]).
     lookups: Mutex<HashMap<PoolKey, Lookup>>,
     /// Report lines dropped by holders since forgotten (the live ones count their own).
@@ -208,7 +260,7 @@ impl Agent {
             bundle: ArcSwapOption::from(bundle.map(Arc::new)),
             limiter,
             allocator,
-            pools: Mutex::new(HashMap::new()),
+            pools: Mutex::new(PoolSlots::default()),
             lookups: Mutex::new(HashMap::new()),
             dropped_reports_of_evicted: AtomicU64::new(0),
             report_cursor: AtomicUsize::new(0),
@@ -655,15 +707,15 @@ impl Agent {
     /// failed lookup is remembered ([`TERMS_RETRY_MS`], [`UNKNOWN_POOL_RETRY_MS`]) so a flood of
     /// requests for a missing pool costs one allocator call per interval, not one per request.
     async fn slot(self: &Arc<Self>, tenant: &TenantId, pool: &PoolId) -> Option<Arc<PoolSlot>> {
-        let key = (tenant.clone(), pool.clone());
-        if let Some(slot) = lock(&self.pools).get(&key) {
+        if let Some(slot) = lock(&self.pools).get(tenant, pool) {
             return Some(slot.clone());
         }
         let allocator = self.allocator.clone()?;
+        let key = (tenant.clone(), pool.clone());
         let mut fetched = {
             let mut lookups = lock(&self.lookups);
             // The fetch may have finished since the first look (it installs, then forgets).
-            if let Some(slot) = lock(&self.pools).get(&key) {
+            if let Some(slot) = lock(&self.pools).get(tenant, pool) {
                 return Some(slot.clone());
             }
             let now_ms = self.clock.now_ms();
@@ -689,7 +741,7 @@ impl Agent {
         // Ends when the fetch's sender is dropped; the fetch goes on without a caller who stops
         // waiting.
         let _ = tokio::time::timeout(FIRST_GRANT_WAIT, fetched.changed()).await;
-        lock(&self.pools).get(&key).cloned()
+        lock(&self.pools).get(tenant, pool).cloned()
     }
 
     /// Fetches a pool's terms and installs its slot, or remembers why not. Dropping `done` wakes
@@ -718,7 +770,7 @@ impl Agent {
                     Some(config) => {
                         let mut pools = lock(&self.pools);
                         if pools.len() < MAX_POOLS {
-                            pools.entry(key.clone()).or_insert_with(|| {
+                            pools.get_or_insert_with(key.clone(), || {
                                 let slot = PoolSlot::new(config, terms, now_ms);
                                 if let Some(f) = fallback_in_window {
                                     lock(&slot.holder).seed_fallback(f.window_start_ms, f.admitted);
@@ -780,15 +832,14 @@ impl Agent {
     /// [`MAX_TERMS_REFRESH_PER_ROUND`] per call), so pool updates reach the holders.
     pub async fn maintain_pools(&self) {
         let now_ms = self.clock.now_ms();
-        let slots: Vec<(PoolKey, Arc<PoolSlot>)> = lock(&self.pools)
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let slots = lock(&self.pools).snapshot();
         let mut stale = Vec::new();
         for (key, slot) in slots {
             let mut pools = lock(&self.pools);
             let mut holder = lock(&slot.holder);
-            let current = pools.get(&key).is_some_and(|s| Arc::ptr_eq(s, &slot));
+            let current = pools
+                .get(&key.0, &key.1)
+                .is_some_and(|s| Arc::ptr_eq(s, &slot));
             if current && holder.is_idle(now_ms, POOL_IDLE_MS) {
                 slot.evicted.store(true, Ordering::Release);
                 self.dropped_reports_of_evicted
@@ -926,10 +977,7 @@ impl Agent {
         let Some(allocator) = self.allocator.as_ref() else {
             return;
         };
-        let mut slots: Vec<(PoolKey, Arc<PoolSlot>)> = lock(&self.pools)
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let mut slots = lock(&self.pools).snapshot();
         if slots.is_empty() {
             return;
         }
