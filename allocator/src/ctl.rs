@@ -227,6 +227,61 @@ pub fn render(value: &Value) -> String {
         }
         return out;
     }
+    if let Some(tokens) = value.get("tokens").and_then(Value::as_array) {
+        let _ = writeln!(
+            out,
+            "{:<22} {:<8} {:<10} {:<6} name",
+            "id", "role", "region", "source"
+        );
+        for token in tokens {
+            let _ = writeln!(
+                out,
+                "{:<22} {:<8} {:<10} {:<6} {}",
+                text(&token["id"]),
+                text(&token["role"]),
+                token["region"].as_str().unwrap_or("*"),
+                text(&token["source"]),
+                token["name"].as_str().unwrap_or("")
+            );
+        }
+        return out;
+    }
+    if let Some(token) = value.get("token").and_then(Value::as_str) {
+        let _ = writeln!(
+            out,
+            "minted {} ({}{}); the token is shown only now:\n{token}",
+            text(&value["id"]),
+            text(&value["role"]),
+            value["region"]
+                .as_str()
+                .map(|r| format!(", region {r}"))
+                .unwrap_or_default()
+        );
+        return out;
+    }
+    if let Some(entries) = value.get("entries").and_then(Value::as_array) {
+        let _ = writeln!(
+            out,
+            "{:<24} {:<28} {:<15} {:<24} {:>7}  detail",
+            "at", "actor", "action", "target", "version"
+        );
+        for entry in entries {
+            let at = entry["atMs"]
+                .as_u64()
+                .map_or_else(|| "?".to_owned(), allot_shared::window::rfc3339_utc);
+            let _ = writeln!(
+                out,
+                "{:<24} {:<28} {:<15} {:<24} {:>7}  {}",
+                at,
+                text(&entry["actor"]),
+                text(&entry["action"]),
+                text(&entry["target"]),
+                text(&entry["version"]),
+                entry["detail"].as_str().unwrap_or("")
+            );
+        }
+        return out;
+    }
     if let Some(windows) = value.get("windows").and_then(Value::as_array) {
         let _ = writeln!(
             out,

@@ -1,9 +1,11 @@
 //! The allocator's HTTP API (axum): pools for operators, grants for agents, health for orchestrators.
 //!
 //! Wire types are JSON in camelCase; every error is an RFC 9457 problem+json body that names the field
-//! at fault. Operator endpoints need the operator bearer token and agent endpoints the agent token: a
-//! missing or unknown token is 401, a valid token of the other role 403. Every request is bounded: body
-//! size, time and concurrency (I10).
+//! at fault. Every endpoint needs a bearer token ([`crate::auth`]): viewers read, authors also change
+//! pools and policies, admins also manage tokens, agents take grants and report for their own region.
+//! A missing or unknown token is 401 (the same answer for both), a known token without the role 403.
+//! Every change is written to the ledger's audit log with its actor and version. Every request is
+//! bounded: body size, time and concurrency (I10).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,14 +21,16 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use subtle::ConstantTimeEq;
 use tokio::sync::watch;
 
+/// The token files' lines (see [`crate::auth`]).
+pub use crate::auth::Tokens;
+use crate::auth::{self, Credential, Holder, OperatorRole, TokenBook, TokenStoreError};
 use crate::clock::Clock;
 use crate::grants::{GrantFailure, Grantor};
 use crate::kv::Kv;
 use crate::leader::Role;
-use crate::ledger::{Ledger, LedgerError, PoolChange, Report};
+use crate::ledger::{AuditEntry, Ledger, LedgerError, PoolChange, Report};
 use crate::policies::{self, AgentStatus, PolicyStoreError};
 use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
 /// The terms answer's wire types, shared with the agent's client.
@@ -40,30 +44,15 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// Most requests served at once; more wait in the listener's backlog.
 pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
 
-/// Bearer tokens by role. Tokens are compared in constant time.
-#[derive(Clone, Default)]
-pub struct Tokens {
-    /// Tokens that may configure pools and policies.
-    pub operator: Vec<String>,
-    /// Tokens that may take grants and send reports.
-    pub agent: Vec<String>,
-}
-
-impl std::fmt::Debug for Tokens {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Tokens {{ operator: {} token(s), agent: {} token(s) }}",
-            self.operator.len(),
-            self.agent.len()
-        )
-    }
-}
-
+/// What a handler needs of its caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Caller {
-    Operator,
+enum Needs {
+    /// An operator with at least this role.
+    Operator(OperatorRole),
+    /// A region agent.
     Agent,
+    /// Any operator, or an agent.
+    Reader,
 }
 
 /// What the handlers share.
@@ -78,7 +67,7 @@ pub struct ApiState {
     /// The allocator clock.
     pub clock: Arc<dyn Clock>,
     /// Accepted bearer tokens.
-    pub tokens: Arc<Tokens>,
+    pub tokens: Arc<TokenBook>,
     /// The accounting ledger.
     pub ledger: Ledger,
     /// The store lease agent status keys are written with.
@@ -134,56 +123,122 @@ fn json_response<T: Serialize>(status: StatusCode, value: &T) -> Response {
     response
 }
 
-fn token_matches(candidates: &[String], token: &str) -> bool {
-    // Check every candidate so the time taken does not reveal which one matched.
-    candidates.iter().fold(false, |found, candidate| {
-        found | bool::from(candidate.as_bytes().ct_eq(token.as_bytes()))
-    })
-}
-
-/// Who made a change, for the ledger: the role and a short fingerprint of the token (never the token).
-fn actor(headers: &HeaderMap) -> String {
-    use sha2::Digest;
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or_default()
-        .trim();
-    let digest = sha2::Sha256::digest(token.as_bytes());
-    format!("operator:{}", hex::encode(&digest[..4]))
-}
-
-fn authorize(state: &ApiState, headers: &HeaderMap, needed: Caller) -> Result<(), ApiError> {
-    let unauthorized = || {
-        ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "Unauthorized",
-            "send Authorization: Bearer <token>",
-        )
-    };
-    let token = headers
+fn bearer_token(headers: &HeaderMap) -> Option<&str> {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim)
         .filter(|t| !t.is_empty())
-        .ok_or_else(unauthorized)?;
-    let caller = if token_matches(&state.tokens.operator, token) {
-        Caller::Operator
-    } else if token_matches(&state.tokens.agent, token) {
-        Caller::Agent
-    } else {
-        return Err(unauthorized());
+}
+
+/// Authenticates the caller and checks it may call an endpoint that `needs` what it names. An
+/// unknown token and a missing one get the same 401: a caller learns nothing about which tokens exist.
+fn authorize(state: &ApiState, headers: &HeaderMap, needs: Needs) -> Result<Credential, ApiError> {
+    let credential = bearer_token(headers)
+        .and_then(|token| state.tokens.authenticate(token))
+        .ok_or_else(|| {
+            metrics::counter!(crate::metrics::AUTH_REFUSALS, "status" => "401").increment(1);
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "Unauthorized",
+                "send Authorization: Bearer <token>",
+            )
+        })?;
+    let allowed = match (&credential.holder, needs) {
+        (Holder::Operator(role), Needs::Operator(least)) => *role >= least,
+        (Holder::Agent(_), Needs::Agent) => true,
+        (_, Needs::Reader) => true,
+        _ => false,
     };
-    if caller != needed {
-        return Err(ApiError::new(
+    if !allowed {
+        let detail = match needs {
+            Needs::Operator(least) => format!(
+                "this endpoint needs an operator token with role {} or above",
+                least.as_str()
+            ),
+            Needs::Agent => "this endpoint needs an agent token".to_owned(),
+            Needs::Reader => String::new(),
+        };
+        metrics::counter!(crate::metrics::AUTH_REFUSALS, "status" => "403").increment(1);
+        return Err(ApiError::new(StatusCode::FORBIDDEN, "Forbidden", detail));
+    }
+    Ok(credential)
+}
+
+/// Refuses an agent acting for a region its token is not scoped to. Operators may name any region
+/// on the read endpoints that take one.
+fn check_region(credential: &Credential, region: &RegionId) -> Result<(), ApiError> {
+    if matches!(credential.holder, Holder::Agent(_)) && !credential.may_act_for(region) {
+        let mut error = ApiError::new(
             StatusCode::FORBIDDEN,
             "Forbidden",
-            match needed {
-                Caller::Operator => "this endpoint needs an operator token",
-                Caller::Agent => "this endpoint needs an agent token",
-            },
+            format!("this agent token may not act for region {region}"),
+        );
+        error.problem = Box::new(error.problem.with_field("region"));
+        return Err(error);
+    }
+    Ok(())
+}
+
+/// Parses the `{tenant}/{pool}` path segments.
+fn pool_path(tenant: &str, pool: &str) -> Result<(TenantId, PoolId), ApiError> {
+    Ok((
+        parse_id("tenant", tenant, TenantId::parse)?,
+        parse_id("pool", pool, PoolId::parse)?,
+    ))
+}
+
+/// A UUID v7 for an audit entry that sorts after every earlier one of this process, even within one
+/// millisecond or after the clock stepped back: RFC 9562's method 1, a 12-bit counter in `rand_a`
+/// that restarts each millisecond.
+fn audit_entry_id(now_ms: u64) -> String {
+    static LAST: std::sync::Mutex<(u64, u16)> = std::sync::Mutex::new((0, 0));
+    let (ms, counter) = {
+        let mut last = LAST
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if now_ms > last.0 {
+            *last = (now_ms, 0);
+        } else if last.1 < 0xFFF {
+            last.1 += 1;
+        } else {
+            // 4,096 entries in one millisecond: borrow the next one.
+            *last = (last.0 + 1, 0);
+        }
+        *last
+    };
+    let random = (u128::from(counter) << 64) | u128::from(rand::random::<u64>());
+    LeaseId::from_parts(ms, random).to_string()
+}
+
+/// Writes one audit entry. The change is already applied when this runs: a failure answers 503 saying
+/// so, and is logged with the entry, so nothing is silently unaudited.
+async fn audit(
+    state: &ApiState,
+    credential: &Credential,
+    action: &str,
+    target: String,
+    version: u64,
+    detail: serde_json::Value,
+) -> Result<(), ApiError> {
+    let at_ms = state.clock.now_ms();
+    let entry = AuditEntry {
+        entry_id: audit_entry_id(at_ms),
+        at_ms,
+        actor: credential.actor(),
+        action: action.to_owned(),
+        target,
+        version,
+        detail: detail.to_string(),
+    };
+    if let Err(error) = state.ledger.record_audit(&entry).await {
+        tracing::error!(%error, actor = %entry.actor, action, target = %entry.target, version, "change applied but not audited");
+        metrics::counter!(crate::metrics::AUDIT_WRITE_FAILURES).increment(1);
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Ledger unavailable",
+            format!("the change was applied but its audit entry was not written: {error}"),
         ));
     }
     Ok(())
@@ -293,9 +348,8 @@ async fn put_pool(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Operator)?;
-    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
-    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
     let spec: PoolSpec = parse_json(&headers, &body)?;
     let now_ms = state.clock.now_ms();
     let stored = pools::put_pool(&*state.kv, &tenant, &pool, spec, now_ms)
@@ -309,12 +363,21 @@ async fn put_pool(
             tenant: &tenant,
             pool: &pool,
             version: stored.version,
-            actor: &actor(&headers),
+            actor: &credential.actor(),
             changed_at_ms: now_ms,
             config_json: &config_json,
         })
         .await
         .map_err(ledger_error)?;
+    audit(
+        &state,
+        &credential,
+        "pool.put",
+        format!("{tenant}/{pool}"),
+        stored.version,
+        serde_json::json!({ "config": stored.spec }),
+    )
+    .await?;
     tracing::info!(%tenant, %pool, version = stored.version, "pool configured");
     Ok(json_response(StatusCode::OK, &view(tenant, pool, stored)))
 }
@@ -324,9 +387,8 @@ async fn get_pool(
     Path((tenant, pool)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Operator)?;
-    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
-    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
     let kv = &*state.kv;
     let (stored, _) = pools::get_pool(kv, &tenant, &pool)
         .await
@@ -363,9 +425,8 @@ async fn delete_pool(
     Path((tenant, pool)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Operator)?;
-    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
-    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
     if !pools::delete_pool(&*state.kv, &tenant, &pool)
         .await
         .map_err(store_error)?
@@ -384,12 +445,21 @@ async fn delete_pool(
             tenant: &tenant,
             pool: &pool,
             version: 0,
-            actor: &actor(&headers),
+            actor: &credential.actor(),
             changed_at_ms: now_ms,
             config_json: "{}",
         })
         .await
         .map_err(ledger_error)?;
+    audit(
+        &state,
+        &credential,
+        "pool.delete",
+        format!("{tenant}/{pool}"),
+        0,
+        serde_json::json!({}),
+    )
+    .await?;
     tracing::info!(%tenant, %pool, "pool deleted");
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -407,9 +477,8 @@ async fn get_pool_terms(
     query: Result<axum::extract::Query<TermsQuery>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize_either(&state, &headers)?;
-    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
-    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    let credential = authorize(&state, &headers, Needs::Reader)?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
     let axum::extract::Query(query) =
         query.map_err(|e| ApiError::invalid("region", e.body_text()))?;
     let region = query
@@ -417,6 +486,9 @@ async fn get_pool_terms(
         .as_deref()
         .map(|region| parse_id("region", region, RegionId::parse))
         .transpose()?;
+    if let Some(region) = &region {
+        check_region(&credential, region)?;
+    }
     let (stored, _) = pools::get_pool(&*state.kv, &tenant, &pool)
         .await
         .map_err(store_error)?
@@ -461,7 +533,7 @@ async fn list_pools(
     State(state): State<ApiState>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Operator)?;
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
     let pools = pools::list_pools(&*state.kv)
         .await
         .map_err(store_error)?
@@ -492,8 +564,9 @@ async fn post_grant(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Agent)?;
+    let credential = authorize(&state, &headers, Needs::Agent)?;
     let body: GrantBody = parse_json(&headers, &body)?;
+    check_region(&credential, &body.region)?;
     if body.want == 0 {
         return Err(ApiError::invalid("want", "must be at least 1"));
     }
@@ -557,8 +630,9 @@ async fn post_report(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Agent)?;
+    let credential = authorize(&state, &headers, Needs::Agent)?;
     let report: Report = parse_json(&headers, &body)?;
+    check_region(&credential, &report.region)?;
     // Grants reach the ledger asynchronously and a report may overtake them. etcd is the authority:
     // copy what the ledger lacks from there before checking the report against it.
     let ids: Vec<LeaseId> = report.leases.iter().map(|l| l.lease_id).collect();
@@ -612,9 +686,8 @@ async fn get_windows(
     query: Result<axum::extract::Query<WindowsQuery>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Operator)?;
-    let tenant = parse_id("tenant", &tenant, TenantId::parse)?;
-    let pool = parse_id("pool", &pool, PoolId::parse)?;
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
     let axum::extract::Query(query) =
         query.map_err(|e| ApiError::invalid("last", e.body_text()))?;
     let last = query.last.unwrap_or(10);
@@ -632,16 +705,6 @@ async fn get_windows(
         .await
         .map_err(ledger_error)?;
     Ok(json_response(StatusCode::OK, &WindowList { windows }))
-}
-
-fn authorize_either(state: &ApiState, headers: &HeaderMap) -> Result<(), ApiError> {
-    authorize(state, headers, Caller::Operator).or_else(|error| {
-        if error.status == StatusCode::FORBIDDEN {
-            authorize(state, headers, Caller::Agent)
-        } else {
-            Err(error)
-        }
-    })
 }
 
 fn policy_error(error: PolicyStoreError) -> ApiError {
@@ -693,7 +756,7 @@ async fn put_policy(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Operator)?;
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
     let axum::extract::Query(query) =
         query.map_err(|e| ApiError::invalid("canary", e.body_text()))?;
     let canary = query
@@ -713,9 +776,18 @@ async fn put_policy(
         .map_err(policy_error)?;
     state
         .ledger
-        .record_bundle(&bundle, &actor(&headers), now_ms)
+        .record_bundle(&bundle, &credential.actor(), now_ms)
         .await
         .map_err(ledger_error)?;
+    audit(
+        &state,
+        &credential,
+        "policy.publish",
+        bundle.version().to_string(),
+        bundle.version(),
+        serde_json::json!({ "checksum": bundle.checksum() }),
+    )
+    .await?;
     tracing::info!(
         version = bundle.version(),
         checksum = bundle.checksum(),
@@ -737,13 +809,16 @@ async fn get_current_policy(
     query: Result<axum::extract::Query<CurrentQuery>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize_either(&state, &headers)?;
+    let credential = authorize(&state, &headers, Needs::Reader)?;
     let axum::extract::Query(query) =
         query.map_err(|e| ApiError::invalid("region", e.body_text()))?;
     let region = query
         .region
         .map(|r| parse_id("region", &r, RegionId::parse))
         .transpose()?;
+    if let Some(region) = &region {
+        check_region(&credential, region)?;
+    }
     let bundle = policies::current_for(&*state.kv, region.as_ref())
         .await
         .map_err(policy_error)?;
@@ -755,7 +830,7 @@ async fn get_policy_version(
     Path(version): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize_either(&state, &headers)?;
+    authorize(&state, &headers, Needs::Reader)?;
     let version = parse_version(&version)?;
     let bundle = policies::get_bundle(&*state.kv, version)
         .await
@@ -768,11 +843,20 @@ async fn promote_policy(
     Path(version): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Operator)?;
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
     let version = parse_version(&version)?;
     let rollout = policies::promote(&*state.kv, version)
         .await
         .map_err(policy_error)?;
+    audit(
+        &state,
+        &credential,
+        "policy.promote",
+        version.to_string(),
+        version,
+        serde_json::json!({}),
+    )
+    .await?;
     tracing::info!(version, "policy promoted");
     Ok(json_response(StatusCode::OK, &rollout))
 }
@@ -782,8 +866,9 @@ async fn post_agent_status(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Agent)?;
+    let credential = authorize(&state, &headers, Needs::Agent)?;
     let mut status: AgentStatus = parse_json(&headers, &body)?;
+    check_region(&credential, &status.region)?;
     let valid_agent = !status.agent_id.is_empty()
         && status.agent_id.len() <= 64
         && status
@@ -828,7 +913,7 @@ async fn get_policy_status(
     State(state): State<ApiState>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers, Caller::Operator)?;
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
     let rollout = policies::rollout(&*state.kv).await.map_err(policy_error)?;
     let agents = policies::agent_statuses(&*state.kv, state.clock.now_ms())
         .await
@@ -845,6 +930,263 @@ async fn get_policy_status(
         agents,
     };
     Ok(json_response(StatusCode::OK, &status))
+}
+
+/// `POST /v1/tokens` body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MintBody {
+    /// `viewer`, `author`, `admin` or `agent`.
+    pub role: String,
+    /// The region an agent token is scoped to (required for `agent`, refused otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    /// A name for humans (at most 64 characters).
+    #[serde(default)]
+    pub name: String,
+}
+
+/// A token as listed: never the token, never its digest.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TokenView {
+    /// `file-<hex>` (from a token file) or `tok-<hex>` (minted).
+    pub id: String,
+    /// `viewer`, `author`, `admin` or `agent`.
+    pub role: String,
+    /// An agent token's region (absent: any region, file tokens only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<RegionId>,
+    /// `file` or `store`.
+    pub source: String,
+    /// A minted token's name.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub name: String,
+    /// When a minted token was minted, epoch ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at_ms: Option<u64>,
+    /// Who minted it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_by: Option<String>,
+}
+
+impl TokenView {
+    fn of_record(record: &auth::StoredToken) -> Self {
+        Self {
+            id: record.id.clone(),
+            role: record.role.clone(),
+            region: record.region.clone(),
+            source: "store".to_owned(),
+            name: record.name.clone(),
+            created_at_ms: Some(record.created_at_ms),
+            created_by: Some(record.created_by.clone()),
+        }
+    }
+}
+
+/// `POST /v1/tokens` answer: the token is shown once and never again.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MintAnswer {
+    /// The token's listing.
+    #[serde(flatten)]
+    pub view: TokenView,
+    /// The bearer token.
+    pub token: String,
+}
+
+/// `GET /v1/tokens` answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TokenList {
+    /// File tokens first, then minted ones.
+    pub tokens: Vec<TokenView>,
+}
+
+fn token_store_error(error: TokenStoreError) -> ApiError {
+    match error {
+        TokenStoreError::Full => ApiError::new(StatusCode::CONFLICT, "Conflict", error.to_string()),
+        other => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Store unavailable",
+            other.to_string(),
+        ),
+    }
+}
+
+async fn post_token(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Admin))?;
+    let body: MintBody = parse_json(&headers, &body)?;
+    let region = body
+        .region
+        .as_deref()
+        .map(|region| parse_id("region", region, RegionId::parse))
+        .transpose()?;
+    let holder = match (body.role.as_str(), region) {
+        ("agent", Some(region)) => Holder::Agent(Some(region)),
+        ("agent", None) => {
+            return Err(ApiError::invalid(
+                "region",
+                "an agent token must be scoped to a region",
+            ));
+        }
+        (role, None) => Holder::Operator(OperatorRole::parse(role).ok_or_else(|| {
+            ApiError::invalid("role", "must be one of viewer, author, admin, agent")
+        })?),
+        (_, Some(_)) => {
+            return Err(ApiError::invalid(
+                "region",
+                "only agent tokens are scoped to a region",
+            ));
+        }
+    };
+    if body.name.chars().count() > auth::MAX_TOKEN_NAME_LEN
+        || body.name.chars().any(char::is_control)
+    {
+        return Err(ApiError::invalid(
+            "name",
+            "must be at most 64 characters, without control characters",
+        ));
+    }
+    let minted = auth::mint_token(
+        &*state.kv,
+        &holder,
+        &body.name,
+        &credential.actor(),
+        state.clock.now_ms(),
+    )
+    .await
+    .map_err(token_store_error)?;
+    if let Err(error) = auth::refresh(&*state.kv, &state.tokens).await {
+        tracing::warn!(%error, "minted token not yet visible here; the next refresh will pick it up");
+    }
+    audit(
+        &state,
+        &credential,
+        "token.mint",
+        minted.record.id.clone(),
+        0,
+        serde_json::json!({ "role": minted.record.role, "region": minted.record.region }),
+    )
+    .await?;
+    tracing::info!(id = %minted.record.id, role = %minted.record.role, "token minted");
+    let answer = MintAnswer {
+        view: TokenView::of_record(&minted.record),
+        token: minted.token,
+    };
+    Ok(json_response(StatusCode::CREATED, &answer))
+}
+
+async fn list_tokens(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Admin))?;
+    let mut tokens: Vec<TokenView> = state
+        .tokens
+        .file_credentials()
+        .into_iter()
+        .map(|credential| TokenView {
+            role: credential.holder.kind().to_owned(),
+            region: match credential.holder {
+                Holder::Agent(region) => region,
+                Holder::Operator(_) => None,
+            },
+            id: credential.id,
+            source: "file".to_owned(),
+            name: String::new(),
+            created_at_ms: None,
+            created_by: None,
+        })
+        .collect();
+    let stored = auth::list_stored_tokens(&*state.kv)
+        .await
+        .map_err(token_store_error)?;
+    tokens.extend(stored.iter().map(TokenView::of_record));
+    Ok(json_response(StatusCode::OK, &TokenList { tokens }))
+}
+
+async fn delete_token(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Admin))?;
+    let well_formed = id
+        .strip_prefix("tok-")
+        .is_some_and(|hex| hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()));
+    if id.starts_with("file-") {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "Conflict",
+            "this token comes from a token file: remove its line and restart the allocator",
+        ));
+    }
+    if !well_formed {
+        return Err(ApiError::invalid("id", "must be tok- and 16 hex digits"));
+    }
+    let Some(record) = auth::revoke_token(&*state.kv, &id)
+        .await
+        .map_err(token_store_error)?
+    else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "Not found",
+            "no such token",
+        ));
+    };
+    if let Err(error) = auth::refresh(&*state.kv, &state.tokens).await {
+        tracing::warn!(%error, "revoked token still known here until the next refresh");
+    }
+    audit(
+        &state,
+        &credential,
+        "token.revoke",
+        record.id.clone(),
+        0,
+        serde_json::json!({ "role": record.role, "region": record.region }),
+    )
+    .await?;
+    tracing::info!(id = %record.id, "token revoked");
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `GET /v1/audit` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditQuery {
+    /// How many of the latest entries (default 50, at most 1,000).
+    pub last: Option<u64>,
+}
+
+/// `GET /v1/audit` answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct AuditList {
+    /// Newest first.
+    pub entries: Vec<AuditEntry>,
+}
+
+async fn get_audit(
+    State(state): State<ApiState>,
+    query: Result<axum::extract::Query<AuditQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
+    let axum::extract::Query(query) =
+        query.map_err(|e| ApiError::invalid("last", e.body_text()))?;
+    let last = query.last.unwrap_or(50);
+    if !(1..=crate::ledger::MAX_AUDIT_ENTRIES).contains(&last) {
+        return Err(ApiError::invalid("last", "must be in [1, 1000]"));
+    }
+    let entries = state
+        .ledger
+        .audit_entries(last)
+        .await
+        .map_err(ledger_error)?;
+    Ok(json_response(StatusCode::OK, &AuditList { entries }))
 }
 
 async fn metrics_text() -> Response {
@@ -940,6 +1282,9 @@ pub fn router(state: ApiState) -> Router {
         )
         .route("/v1/policies/{version}", get(get_policy_version))
         .route("/v1/policies/{version}/promote", post(promote_policy))
+        .route("/v1/tokens", get(list_tokens).post(post_token))
+        .route("/v1/tokens/{id}", axum::routing::delete(delete_token))
+        .route("/v1/audit", get(get_audit))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(tower::limit::ConcurrencyLimitLayer::new(
@@ -952,4 +1297,18 @@ pub fn router(state: ApiState) -> Router {
         // Outermost, so it also sees what the layers above answer on their own.
         .layer(axum::middleware::map_response(problem_for_plain_errors))
         .with_state(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn audit_entry_ids_sort_in_write_order() {
+        // Many in one millisecond, then the clock stepping back: still increasing.
+        let mut ids: Vec<String> = (0..5_000).map(|_| audit_entry_id(1_000_000)).collect();
+        ids.push(audit_entry_id(999_000));
+        ids.push(audit_entry_id(2_000_000));
+        assert!(ids.windows(2).all(|pair| pair[0] < pair[1]));
+    }
 }

@@ -79,6 +79,43 @@ enum PolicyBundles {
 }
 
 #[derive(Iden, Clone, Copy)]
+enum AuditLog {
+    Table,
+    EntryId,
+    AtMs,
+    Actor,
+    Action,
+    Target,
+    Version,
+    Detail,
+}
+
+/// Most audit entries one read returns.
+pub const MAX_AUDIT_ENTRIES: u64 = 1_000;
+
+/// One operator change, as the audit log keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow)]
+#[serde(rename_all = "camelCase")]
+pub struct AuditEntry {
+    /// UUID v7.
+    pub entry_id: String,
+    /// When, epoch ms (allocator clock).
+    #[sqlx(try_from = "i64")]
+    pub at_ms: u64,
+    /// `<role>:<token id>`.
+    pub actor: String,
+    /// `pool.put`, `pool.delete`, `policy.publish`, `policy.promote`, `token.mint`, `token.revoke`.
+    pub action: String,
+    /// What changed: `tenant/pool`, a policy version, a token id.
+    pub target: String,
+    /// The version after the change (0 when none applies).
+    #[sqlx(try_from = "i64")]
+    pub version: u64,
+    /// Short JSON with the change's particulars (never a secret).
+    pub detail: String,
+}
+
+#[derive(Iden, Clone, Copy)]
 enum Grants {
     Table,
     LeaseId,
@@ -350,6 +387,58 @@ impl Ledger {
             sqlx::query_with(&sql, values).execute(pool).await?;
         });
         Ok(())
+    }
+
+    /// Appends `entry` to the audit log.
+    pub async fn record_audit(&self, entry: &AuditEntry) -> Result<(), LedgerError> {
+        let statement = Query::insert()
+            .into_table(AuditLog::Table)
+            .columns([
+                AuditLog::EntryId,
+                AuditLog::AtMs,
+                AuditLog::Actor,
+                AuditLog::Action,
+                AuditLog::Target,
+                AuditLog::Version,
+                AuditLog::Detail,
+            ])
+            .values_panic([
+                entry.entry_id.as_str().into(),
+                i64_of(entry.at_ms).into(),
+                entry.actor.as_str().into(),
+                entry.action.as_str().into(),
+                entry.target.as_str().into(),
+                i64_of(entry.version).into(),
+                entry.detail.as_str().into(),
+            ])
+            .to_owned();
+        on_db!(self, statement, |sql, values, pool| {
+            sqlx::query_with(&sql, values).execute(pool).await?;
+        });
+        Ok(())
+    }
+
+    /// The latest `last` audit entries (at most [`MAX_AUDIT_ENTRIES`]), newest first.
+    pub async fn audit_entries(&self, last: u64) -> Result<Vec<AuditEntry>, LedgerError> {
+        let statement = Query::select()
+            .columns([
+                AuditLog::EntryId,
+                AuditLog::AtMs,
+                AuditLog::Actor,
+                AuditLog::Action,
+                AuditLog::Target,
+                AuditLog::Version,
+                AuditLog::Detail,
+            ])
+            .from(AuditLog::Table)
+            // Entry ids are UUID v7 in canonical text: they sort in the order they were written.
+            .order_by(AuditLog::EntryId, Order::Desc)
+            .limit(last.min(MAX_AUDIT_ENTRIES))
+            .to_owned();
+        let rows: Vec<AuditEntry> = on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        });
+        Ok(rows)
     }
 
     /// Records a published policy bundle (once per version).

@@ -7,6 +7,7 @@
 //!
 //! Architecture invariant: this crate never depends on `allot-region-agent`.
 
+pub mod auth;
 pub mod clock;
 pub mod ctl;
 pub mod grants;

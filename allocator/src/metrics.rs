@@ -30,6 +30,10 @@ pub const POOL_REMAINING: &str = "allot_pool_remaining_tokens";
 pub const LEDGER_FEED_FULL: &str = "allot_ledger_feed_full_total";
 /// Ledger reconciliation rounds that read a listing at its key cap, by `listing` (pools, grants).
 pub const LEDGER_RECONCILE_TRUNCATED: &str = "allot_ledger_reconcile_truncated_total";
+/// Changes applied whose audit entry could not be written (each also logged as an error).
+pub const AUDIT_WRITE_FAILURES: &str = "allot_audit_write_failures_total";
+/// API calls refused for their credentials, by `status` (401, 403).
+pub const AUTH_REFUSALS: &str = "allot_auth_refusals_total";
 /// The bundle version every region should run (the rollout's current version).
 pub const POLICY_CURRENT_VERSION: &str = "allot_policy_current_version";
 /// Tokens admitted in a pool's latest settled window, by `tenant` and `pool` (from the ledger:

@@ -14,9 +14,10 @@ use serde::Deserialize;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::auth::{TokenBook, Tokens};
 use crate::clock::{Clock, SystemClock};
 use crate::grants::{CommittedGrants, Grantor};
-use crate::http::{ApiState, Tokens, router};
+use crate::http::{ApiState, router};
 use crate::kv::Kv;
 use crate::kv::etcd::EtcdKv;
 use crate::kv::memory::MemoryKv;
@@ -25,8 +26,7 @@ use crate::ledger::Ledger;
 use crate::pools::{StoredPool, list_grants, list_pools};
 use allot_shared::ids::{PoolId, TenantId};
 
-/// Shortest accepted bearer token, in characters.
-pub const MIN_TOKEN_LEN: usize = 16;
+pub use crate::auth::MIN_TOKEN_LEN;
 
 /// Command-line flags; each also reads an `ALLOT_*` environment variable, and any flag left unset
 /// falls back to the TOML file given with `--config`. Precedence: flag, environment, file, default.
@@ -45,10 +45,12 @@ pub struct Args {
     /// production.
     #[arg(long, env = "ALLOT_ETCD", value_delimiter = ',')]
     pub etcd: Option<Vec<String>>,
-    /// File with the operator bearer tokens, one per line (required).
+    /// File with the operator bearer tokens, one per line, each `[admin|author|viewer] <token>` (no
+    /// role = admin); a token may be given as its digest, `sha256:<hex>` (required).
     #[arg(long, env = "ALLOT_OPERATOR_TOKEN_FILE")]
     pub operator_token_file: Option<PathBuf>,
-    /// File with the agent bearer tokens, one per line (required).
+    /// File with the agent bearer tokens, one per line, each `<region> <token>` (the region the
+    /// agent may act for; `*` or none = any region); a token may be given as `sha256:<hex>` (required).
     #[arg(long, env = "ALLOT_AGENT_TOKEN_FILE")]
     pub agent_token_file: Option<PathBuf>,
     /// This node's id in leader election [default: the listen address].
@@ -105,27 +107,11 @@ pub struct Settings {
     pub ledger_url: String,
 }
 
-fn read_tokens(flag: &str, path: Option<&Path>) -> Result<Vec<String>, String> {
+fn read_token_lines(flag: &str, path: Option<&Path>) -> Result<Vec<String>, String> {
     let path = path.ok_or_else(|| format!("--{flag} is required"))?;
     let text =
         std::fs::read_to_string(path).map_err(|e| format!("--{flag} {}: {e}", path.display()))?;
-    let tokens: Vec<String> = text
-        .lines()
-        .map(str::trim)
-        .filter(|line| !line.is_empty() && !line.starts_with('#'))
-        .map(str::to_owned)
-        .collect();
-    if tokens.is_empty() {
-        return Err(format!("--{flag} {}: no token in the file", path.display()));
-    }
-    if let Some(short) = tokens.iter().position(|t| t.len() < MIN_TOKEN_LEN) {
-        return Err(format!(
-            "--{flag} {}: token on line {} is shorter than {MIN_TOKEN_LEN} characters",
-            path.display(),
-            short + 1
-        ));
-    }
-    Ok(tokens)
+    Ok(text.lines().map(str::to_owned).collect())
 }
 
 impl Args {
@@ -147,9 +133,21 @@ impl Args {
         let operator_token_file = self.operator_token_file.or(file.operator_token_file);
         let agent_token_file = self.agent_token_file.or(file.agent_token_file);
         let tokens = Tokens {
-            operator: read_tokens("operator-token-file", operator_token_file.as_deref())?,
-            agent: read_tokens("agent-token-file", agent_token_file.as_deref())?,
+            operator: read_token_lines("operator-token-file", operator_token_file.as_deref())?,
+            agent: read_token_lines("agent-token-file", agent_token_file.as_deref())?,
         };
+        // Validated now so a bad line stops the start with its file and line.
+        TokenBook::from_files(&tokens).map_err(|e| {
+            let file = if e.starts_with("--operator") {
+                operator_token_file.as_deref()
+            } else {
+                agent_token_file.as_deref()
+            };
+            match file {
+                Some(path) => e.replacen(": ", &format!(" {}: ", path.display()), 1),
+                None => e,
+            }
+        })?;
         let leader_lease_ttl_s = self
             .leader_lease_ttl_s
             .or(file.leader_lease_ttl_s)
@@ -377,12 +375,27 @@ pub async fn run(
         LeaseClamping::Clamped,
         Some(feed_sender),
     );
+    let tokens = Arc::new(TokenBook::from_files(&settings.tokens).map_err(std::io::Error::other)?);
+    if tokens.unscoped_agent_tokens > 0 {
+        tracing::warn!(
+            count = tokens.unscoped_agent_tokens,
+            "agent tokens without a region may act for every region; scope them with `<region> <token>` lines"
+        );
+    }
+    if let Err(error) = crate::auth::refresh(&*kv, &tokens).await {
+        tracing::warn!(%error, "stored tokens not read at start; retrying in the background");
+    }
+    let token_task = tokio::spawn(crate::auth::keep_fresh(
+        kv.clone(),
+        tokens.clone(),
+        shutdown.clone(),
+    ));
     let state = ApiState {
         kv,
         grantor,
         role,
         clock,
-        tokens: Arc::new(settings.tokens),
+        tokens,
         ledger,
         status_leases: Arc::default(),
     };
@@ -396,6 +409,7 @@ pub async fn run(
     if let Err(error) = ledger_task.await {
         tracing::warn!(%error, "ledger task ended abnormally");
     }
+    token_task.abort();
     served
 }
 

@@ -192,3 +192,81 @@ async fn failures_are_one_line_with_a_non_zero_exit() {
     let usage = allotctl(url, OPERATOR, &["pools", "frobnicate"]).await;
     assert_eq!(usage.status.code(), Some(2), "usage errors exit 2");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_and_audit_with_allotctl() {
+    let server = start().await;
+    let url = server.url.as_str();
+    let minted = stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &["tokens", "mint", "--role", "viewer", "--name", "dashboards"],
+        )
+        .await,
+    );
+    let token = minted.lines().last().expect("token line").trim().to_owned();
+    assert!(token.starts_with("allot_"), "{minted}");
+    let id = minted
+        .split_whitespace()
+        .find(|w| w.starts_with("tok-"))
+        .expect("id")
+        .to_owned();
+    // The minted viewer reads but may not write.
+    assert!(stdout(&allotctl(url, &token, &["pools", "list"]).await).starts_with("tenant"));
+    let write = allotctl(
+        url,
+        &token,
+        &[
+            "pools",
+            "set",
+            "a",
+            "b",
+            "--limit",
+            "1",
+            "--chunk",
+            "1",
+            "--regions",
+            "eu",
+        ],
+    )
+    .await;
+    assert!(String::from_utf8_lossy(&write.stderr).starts_with("allotctl: 403"));
+    let list = stdout(&allotctl(url, OPERATOR, &["tokens", "list"]).await);
+    assert!(list.contains(&id) && list.contains("dashboards"), "{list}");
+    assert!(!list.contains(&token), "{list}");
+    stdout(&allotctl(url, OPERATOR, &["tokens", "revoke", &id]).await);
+    let revoked = allotctl(url, &token, &["pools", "list"]).await;
+    assert!(String::from_utf8_lossy(&revoked.stderr).starts_with("allotctl: 401"));
+    let audit = stdout(&allotctl(url, OPERATOR, &["audit"]).await);
+    let actions: Vec<&str> = audit
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .collect();
+    assert_eq!(actions, ["token.revoke", "token.mint"], "{audit}");
+
+    // `tokens digest` prints what a token file line may hold instead of the token.
+    let mut digest = tokio::process::Command::new(env!("CARGO_BIN_EXE_allotctl"));
+    let digest = digest
+        .args(["tokens", "digest"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut digest = digest;
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut stdin = digest.stdin.take().expect("stdin");
+        stdin
+            .write_all(b"some-token-of-32-characters-0001\n")
+            .await
+            .expect("write");
+    }
+    let output = digest.wait_with_output().await.expect("digest");
+    let printed = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    assert_eq!(
+        printed,
+        allot_allocator::auth::TokenDigest::of("some-token-of-32-characters-0001").to_string()
+    );
+}

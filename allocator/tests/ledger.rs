@@ -4,7 +4,9 @@
 //! PostgreSQL tests use the server named by `ALLOT_TEST_POSTGRES_URL` (scripts/test sets it), each
 //! in a database of its own, created and dropped by the test.
 
-use allot_allocator::ledger::{LeaseSpendReport, Ledger, LedgerError, PoolChange, Report};
+use allot_allocator::ledger::{
+    AuditEntry, LeaseSpendReport, Ledger, LedgerError, PoolChange, Report,
+};
 use allot_allocator::pools::GrantRecord;
 use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::PoolConfig;
@@ -211,6 +213,28 @@ async fn accounting(ledger: Ledger) {
         .await
         .expect("windows");
     assert_eq!(only_last.len(), 1);
+
+    // The audit log keeps entries as written and reads the newest first, at most as many as asked.
+    let entries: Vec<AuditEntry> = (0..3u64)
+        .map(|n| AuditEntry {
+            entry_id: lease(900 + u128::from(n)).to_string(),
+            at_ms: W0 + n,
+            actor: "author:tok-0123456789abcdef".to_owned(),
+            action: "pool.put".to_owned(),
+            target: "atlas/api".to_owned(),
+            version: n + 1,
+            detail: "{}".to_owned(),
+        })
+        .collect();
+    for entry in &entries {
+        ledger.record_audit(entry).await.expect("audit");
+    }
+    let newest = ledger.audit_entries(2).await.expect("audit read");
+    assert_eq!(newest, vec![entries[2].clone(), entries[1].clone()]);
+    assert!(
+        ledger.record_audit(&entries[0]).await.is_err(),
+        "entry ids are unique"
+    );
 }
 
 async fn sqlite_ledger() -> (Ledger, tempfile::TempDir) {

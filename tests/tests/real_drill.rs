@@ -28,7 +28,9 @@ use allot_testkit::{EtcdCluster, FaultProxy, ProxyMode, RedisServer, workspace_b
 use serde_json::{Value, json};
 
 const OPERATOR: &str = "operator-token-real-drill-01";
-const AGENT: &str = "agent-token-real-drill-0001";
+/// Agent tokens, each scoped to its region in the allocators' token file.
+const AGENT_EU: &str = "agent-eu-token-real-drill-01";
+const AGENT_US: &str = "agent-us-token-real-drill-01";
 const GATEWAY: &str = "gateway-token-real-drill-01";
 /// G per window, and the pool's other terms: short windows, so a short run spans several.
 const LIMIT: u64 = 400;
@@ -234,9 +236,10 @@ async fn real_processes_through_partitions_failovers_and_restarts_stay_within_th
     let mut etcd = EtcdCluster::start(3);
     let (eu_redis, mut us_redis) = (RedisServer::start(), RedisServer::start());
     let (ledger_url, database) = create_database().await;
+    let agent_tokens = format!("eu {AGENT_EU}\nus {AGENT_US}\n");
     for (file, token) in [
         ("operator.tokens", OPERATOR),
-        ("agent.tokens", AGENT),
+        ("agent.tokens", agent_tokens.as_str()),
         ("gateway.tokens", GATEWAY),
         ("pepper", "a-pepper-for-the-real-drill-0123456789"),
     ] {
@@ -558,7 +561,8 @@ async fn real_processes_through_partitions_failovers_and_restarts_stay_within_th
             "key-rawsecret-",
             "203.0.113.",
             GATEWAY,
-            AGENT,
+            AGENT_EU,
+            AGENT_US,
             OPERATOR,
         ] {
             assert!(

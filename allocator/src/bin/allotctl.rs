@@ -15,7 +15,7 @@ use serde_json::json;
 #[command(
     name = "allotctl",
     version,
-    about = "Operate Allot's allocator: pools, windows, policies, grants."
+    about = "Operate Allot's allocator: pools, windows, policies, tokens, audit, grants."
 )]
 struct Cli {
     /// The allocator's URL.
@@ -29,7 +29,8 @@ struct Cli {
     /// Bearer token (operator token for most commands, agent token for `grant`).
     #[arg(long, global = true, env = "ALLOT_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// File holding the bearer token (first line).
+    /// File holding the bearer token: its first token line (a role before the token is skipped, so
+    /// the allocator's `--operator-token-file` works as it is).
     #[arg(long, global = true, env = "ALLOT_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     /// Print the API's JSON instead of a table.
@@ -58,6 +59,17 @@ enum Command {
     Policies {
         #[command(subcommand)]
         command: PoliciesCommand,
+    },
+    /// API tokens (needs an admin token), and the digest of a token for a token file.
+    Tokens {
+        #[command(subcommand)]
+        command: TokensCommand,
+    },
+    /// The audit log of operator changes, newest first.
+    Audit {
+        /// How many entries.
+        #[arg(long, default_value_t = 50)]
+        last: u64,
     },
     /// Take a grant, as an agent would (for drills). Needs an agent token.
     Grant {
@@ -106,6 +118,28 @@ enum PoolsCommand {
     List,
     /// Delete a pool.
     Delete { tenant: String, pool: String },
+}
+
+#[derive(Subcommand)]
+enum TokensCommand {
+    /// Mint a token; it is printed once and only its digest is stored.
+    Mint {
+        /// viewer, author, admin or agent.
+        #[arg(long)]
+        role: String,
+        /// The region an agent token may act for (required for agent tokens).
+        #[arg(long)]
+        region: Option<String>,
+        /// A name for humans.
+        #[arg(long, default_value = "")]
+        name: String,
+    },
+    /// List tokens (ids, roles and regions; never tokens or digests).
+    List,
+    /// Revoke a minted token by id.
+    Revoke { id: String },
+    /// Print `sha256:<hex>` of the token read from standard input, for a token file line.
+    Digest,
 }
 
 #[derive(Subcommand)]
@@ -169,9 +203,11 @@ async fn execute(cli: Cli) -> Result<String, String> {
             std::fs::read_to_string(path)
                 .map_err(|e| format!("--token-file {}: {e}", path.display()))?
                 .lines()
-                .next()
+                .map(str::trim)
+                .find(|line| !line.is_empty() && !line.starts_with('#'))
+                // A token file line may put a role before the token.
+                .and_then(|line| line.split_whitespace().last())
                 .unwrap_or_default()
-                .trim()
                 .to_owned(),
         ),
         (None, None) => None,
@@ -209,6 +245,37 @@ async fn execute(cli: Cli) -> Result<String, String> {
                 call(Method::DELETE, pool_path(&tenant, &pool), None)
             }
         },
+        Command::Tokens { command } => match command {
+            TokensCommand::Mint { role, region, name } => {
+                let mut body = json!({ "role": role, "name": name });
+                if let Some(region) = region {
+                    body["region"] = json!(region);
+                }
+                call(
+                    Method::POST,
+                    "/v1/tokens".to_owned(),
+                    Some(body.to_string()),
+                )
+            }
+            TokensCommand::List => call(Method::GET, "/v1/tokens".to_owned(), None),
+            TokensCommand::Revoke { id } => {
+                call(Method::DELETE, format!("/v1/tokens/{}", encode(&id)), None)
+            }
+            TokensCommand::Digest => {
+                let mut line = String::new();
+                std::io::stdin()
+                    .read_line(&mut line)
+                    .map_err(|e| format!("reading the token from standard input: {e}"))?;
+                let token = line.trim();
+                allot_allocator::auth::check_token_shape(token)
+                    .map_err(|e| format!("the token on standard input is {e}"))?;
+                return Ok(format!(
+                    "{}\n",
+                    allot_allocator::auth::TokenDigest::of(token)
+                ));
+            }
+        },
+        Command::Audit { last } => call(Method::GET, format!("/v1/audit?last={last}"), None),
         Command::Windows { tenant, pool, last } => call(
             Method::GET,
             format!("{}/windows?last={last}", pool_path(&tenant, &pool)),

@@ -14,6 +14,12 @@ use allot_allocator::server::{Settings, run};
 
 pub const OPERATOR: &str = "operator-token-for-tests-0001";
 pub const AGENT: &str = "agent-token-for-tests-000001";
+/// An operator token with the viewer role.
+pub const VIEWER: &str = "viewer-token-for-tests-00001";
+/// An operator token with the author role.
+pub const AUTHOR: &str = "author-token-for-tests-00001";
+/// An agent token scoped to region `eu`.
+pub const AGENT_EU: &str = "agent-eu-token-for-tests-001";
 
 pub struct Server {
     pub url: String,
@@ -31,8 +37,12 @@ pub async fn start() -> Server {
         listen: addr,
         etcd: vec![],
         tokens: Tokens {
-            operator: vec![OPERATOR.to_owned()],
-            agent: vec![AGENT.to_owned()],
+            operator: vec![
+                OPERATOR.to_owned(),
+                format!("viewer {VIEWER}"),
+                format!("author {AUTHOR}"),
+            ],
+            agent: vec![AGENT.to_owned(), format!("eu {AGENT_EU}")],
         },
         node_id: "test".to_owned(),
         advertise_url: format!("http://{addr}"),

@@ -25,14 +25,40 @@ use clap::Parser;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-fn first_line(flag: &str, path: &Path) -> Result<String, String> {
-    std::fs::read_to_string(path)
-        .map_err(|e| format!("--{flag} {}: {e}", path.display()))?
-        .lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(str::to_owned)
-        .ok_or_else(|| format!("--{flag} {}: empty", path.display()))
+/// This agent's allocator token: the first line that is either a bare token or `<region> <token>`
+/// naming this agent's region (so the allocator's `--agent-token-file` format works here too; lines
+/// for other regions are skipped). A digest is refused: the agent must present the token itself.
+fn agent_token(path: &Path, region: &RegionId) -> Result<String, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--agent-token-file {}: {e}", path.display()))?;
+    for line in text.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let token = match fields.as_slice() {
+            [token] => *token,
+            [scope, token] if *scope == region.as_str() || *scope == "*" => *token,
+            [_, _] => continue,
+            _ => {
+                return Err(format!(
+                    "--agent-token-file {}: expected `[region] <token>` lines",
+                    path.display()
+                ));
+            }
+        };
+        if token.starts_with("sha256:") {
+            return Err(format!(
+                "--agent-token-file {}: holds a digest; the agent needs the token itself",
+                path.display()
+            ));
+        }
+        return Ok(token.to_owned());
+    }
+    Err(format!(
+        "--agent-token-file {}: no token for region {region}",
+        path.display()
+    ))
 }
 
 async fn shutdown_signal() {
@@ -101,7 +127,7 @@ async fn start(args: AgentConfig) -> Result<(), String> {
             .agent_token_file
             .as_deref()
             .ok_or("--agent-token-file is required with --allocator")?;
-        let token = first_line("agent-token-file", token_file)?;
+        let token = agent_token(token_file, &region)?;
         Some(Arc::new(
             AllocatorClient::new(args.allocator.clone(), token).map_err(|e| e.to_string())?,
         ))
