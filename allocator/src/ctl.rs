@@ -10,6 +10,8 @@ use allot_shared::policy::{PolicyBundle, parse_bundle};
 use allot_shared::replay::{ReplayReport, ReplaySample, replay};
 use serde_json::Value;
 
+pub use allot_net::ClientTls;
+
 /// Largest file `allotctl` reads (bundles, samples), in bytes.
 pub const MAX_INPUT_BYTES: u64 = 64 << 20;
 /// Deadline of one API call.
@@ -22,6 +24,8 @@ pub struct Target {
     pub server: String,
     /// The bearer token.
     pub token: Option<String>,
+    /// How to reach an https:// allocator (trusted CAs, client certificate).
+    pub tls: ClientTls,
 }
 
 /// An HTTP call to make.
@@ -37,8 +41,10 @@ pub struct Call {
 
 /// Performs `call`, returning the response JSON (`Null` for an empty body) or a one-line error.
 pub async fn perform(target: &Target, call: Call) -> Result<Value, String> {
-    let client = reqwest::Client::builder()
-        .timeout(CALL_TIMEOUT)
+    let client = target
+        .tls
+        .configure(reqwest::Client::builder().timeout(CALL_TIMEOUT))
+        .map_err(|e| e.to_string())?
         .build()
         .map_err(|e| format!("cannot build an HTTP client: {e}"))?;
     let url = format!("{}{}", target.server.trim_end_matches('/'), call.path);

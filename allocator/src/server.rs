@@ -69,6 +69,16 @@ pub struct Args {
     /// Directory for local files (the default SQLite ledger) [default: ./allot-data].
     #[arg(long, env = "ALLOT_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
+    /// PEM certificate chain to serve the API with TLS; needs --tls-key.
+    #[arg(long, env = "ALLOT_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "ALLOT_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificates: every client (agents, operators) must present a certificate signed by
+    /// one of them (mutual TLS), in addition to its bearer token.
+    #[arg(long, env = "ALLOT_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
     /// TOML file with any of the settings above (keys as the flags, with underscores).
     #[arg(long, env = "ALLOT_CONFIG")]
     pub config: Option<PathBuf>,
@@ -86,6 +96,9 @@ struct FileSettings {
     leader_lease_ttl_s: Option<i64>,
     ledger: Option<String>,
     data_dir: Option<PathBuf>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_client_ca: Option<PathBuf>,
 }
 
 /// Resolved settings.
@@ -105,6 +118,8 @@ pub struct Settings {
     pub leader_lease_ttl_s: i64,
     /// The ledger URL.
     pub ledger_url: String,
+    /// TLS for the API (none: plain TCP).
+    pub tls: Option<allot_net::ServerTls>,
 }
 
 fn read_token_lines(flag: &str, path: Option<&Path>) -> Result<Vec<String>, String> {
@@ -148,6 +163,28 @@ impl Args {
                 None => e,
             }
         })?;
+        let tls = match (
+            self.tls_cert.or(file.tls_cert),
+            self.tls_key.or(file.tls_key),
+            self.tls_client_ca.or(file.tls_client_ca),
+        ) {
+            (None, None, None) => None,
+            (Some(cert), Some(key), client_ca) => Some(allot_net::ServerTls {
+                cert,
+                key,
+                client_ca,
+            }),
+            _ => {
+                return Err(
+                    "--tls-cert and --tls-key go together (and --tls-client-ca needs both)"
+                        .to_owned(),
+                );
+            }
+        };
+        if let Some(tls) = &tls {
+            tls.server_config().map_err(|e| format!("TLS: {e}"))?;
+        }
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let leader_lease_ttl_s = self
             .leader_lease_ttl_s
             .or(file.leader_lease_ttl_s)
@@ -181,8 +218,9 @@ impl Args {
             advertise_url: self
                 .advertise_url
                 .or(file.advertise_url)
-                .unwrap_or_else(|| format!("http://{listen}")),
+                .unwrap_or_else(|| format!("{scheme}://{listen}")),
             leader_lease_ttl_s,
+            tls,
         })
     }
 }
@@ -400,9 +438,20 @@ pub async fn run(
         status_leases: Arc::default(),
     };
     tracing::info!(listen = %settings.listen, node = %settings.node_id, "allocator serving");
-    let served = axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let acceptor = settings
+        .tls
+        .as_ref()
+        .map(allot_net::ServerTls::acceptor)
+        .transpose()
+        .map_err(std::io::Error::other)?;
+    let served = allot_net::serve(
+        listener,
+        router(state),
+        acceptor,
+        allot_net::ServeLimits::default(),
+        shutdown,
+    )
+    .await;
     if let Err(error) = election.await {
         tracing::warn!(%error, "election task ended abnormally");
     }

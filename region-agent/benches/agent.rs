@@ -92,7 +92,14 @@ async fn stub_allocator(grants: Arc<AtomicU64>) -> String {
         .await
         .expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    // The agent's own accept loop, so the ceiling differs from an admit only in the handler.
+    tokio::spawn(allot_net::serve(
+        listener,
+        app,
+        None,
+        allot_net::ServeLimits::default(),
+        std::future::pending(),
+    ));
     url
 }
 
@@ -143,7 +150,7 @@ async fn start_agent(
         gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
         metrics: None,
     };
-    tokio::spawn(serve(listener, api.clone(), std::future::pending()));
+    tokio::spawn(serve(listener, api.clone(), None, std::future::pending()));
     (url, api)
 }
 
@@ -162,6 +169,7 @@ async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
     tokio::spawn(allot_region_agent::grpc::serve_grpc(
         listener,
         api,
+        None,
         std::future::pending(),
     ));
     let stop = Arc::new(AtomicBool::new(false));
@@ -352,7 +360,14 @@ async fn main() {
             .await
             .expect("bind");
         let url = format!("http://{}", listener.local_addr().expect("addr"));
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        // The agent's own accept loop, so the ceiling differs from an admit only in the handler.
+        tokio::spawn(allot_net::serve(
+            listener,
+            app,
+            None,
+            allot_net::ServeLimits::default(),
+            std::future::pending(),
+        ));
         url
     };
     let in_process: Arc<dyn LimiterStore> =

@@ -150,14 +150,26 @@ async fn read_capped(
 impl AllocatorClient {
     /// A client of the allocators at `urls` (at least one), authenticating with the agent `token`.
     pub fn new(urls: Vec<String>, token: String) -> Result<Self, ClientError> {
+        Self::with_tls(urls, token, &allot_net::ClientTls::default())
+    }
+
+    /// A client that reaches https:// allocators with `tls` (trusted CAs, client certificate).
+    pub fn with_tls(
+        urls: Vec<String>,
+        token: String,
+        tls: &allot_net::ClientTls,
+    ) -> Result<Self, ClientError> {
         if urls.is_empty() {
             return Err(ClientError::Unreachable(
                 "no allocator URL configured".to_owned(),
             ));
         }
-        let http = reqwest::Client::builder()
+        let builder = reqwest::Client::builder()
             .timeout(CALL_TIMEOUT)
-            .connect_timeout(CALL_TIMEOUT)
+            .connect_timeout(CALL_TIMEOUT);
+        let http = tls
+            .configure(builder)
+            .map_err(|e| ClientError::Unreachable(e.to_string()))?
             .build()
             .map_err(|e| ClientError::Unreachable(e.to_string()))?;
         Ok(Self {

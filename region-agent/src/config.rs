@@ -69,6 +69,24 @@ pub struct AgentArgs {
     /// This agent's id in policy status (default: `<region>-<listen port>`).
     #[arg(long, env = "ALLOT_AGENT_ID")]
     pub agent_id: Option<String>,
+    /// PEM certificate chain to serve gateways with TLS (HTTP and gRPC); needs --tls-key.
+    #[arg(long, env = "ALLOT_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "ALLOT_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificates: gateways must present a client certificate signed by one (mutual TLS).
+    #[arg(long, env = "ALLOT_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// PEM CA certificates to trust for https:// allocator URLs (default: the system's roots).
+    #[arg(long, env = "ALLOT_ALLOCATOR_CA")]
+    pub allocator_ca: Option<PathBuf>,
+    /// PEM client certificate to present to the allocator (mutual TLS); needs --allocator-client-key.
+    #[arg(long, env = "ALLOT_ALLOCATOR_CLIENT_CERT")]
+    pub allocator_client_cert: Option<PathBuf>,
+    /// PEM private key of --allocator-client-cert.
+    #[arg(long, env = "ALLOT_ALLOCATOR_CLIENT_KEY")]
+    pub allocator_client_key: Option<PathBuf>,
     /// TOML file with any of the settings above.
     #[arg(long, env = "ALLOT_CONFIG")]
     pub config: Option<PathBuf>,
@@ -94,6 +112,12 @@ struct FileSettings {
     policy_max_age_ms: Option<u64>,
     region_agents: Option<u64>,
     agent_id: Option<String>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_client_ca: Option<PathBuf>,
+    allocator_ca: Option<PathBuf>,
+    allocator_client_cert: Option<PathBuf>,
+    allocator_client_key: Option<PathBuf>,
 }
 
 /// Resolved settings.
@@ -133,6 +157,10 @@ pub struct AgentConfig {
     pub region_agents: u64,
     /// The agent id.
     pub agent_id: String,
+    /// TLS for the gateway-facing servers (none: plain TCP).
+    pub tls: Option<allot_net::ServerTls>,
+    /// How to reach an https:// allocator.
+    pub allocator_tls: allot_net::ClientTls,
 }
 
 impl AgentArgs {
@@ -153,6 +181,36 @@ impl AgentArgs {
             .listen
             .or(file.listen)
             .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7700)));
+        let tls = match (
+            self.tls_cert.or(file.tls_cert),
+            self.tls_key.or(file.tls_key),
+            self.tls_client_ca.or(file.tls_client_ca),
+        ) {
+            (None, None, None) => None,
+            (Some(cert), Some(key), client_ca) => Some(allot_net::ServerTls {
+                cert,
+                key,
+                client_ca,
+            }),
+            (_, _, Some(_)) | (Some(_), None, None) | (None, Some(_), None) => {
+                return Err(
+                    "--tls-cert and --tls-key go together (and --tls-client-ca needs both)"
+                        .to_owned(),
+                );
+            }
+        };
+        if let Some(tls) = &tls {
+            tls.server_config().map_err(|e| format!("TLS: {e}"))?;
+        }
+        let allocator_tls = allot_net::ClientTls {
+            ca: self.allocator_ca.or(file.allocator_ca),
+            cert: self.allocator_client_cert.or(file.allocator_client_cert),
+            key: self.allocator_client_key.or(file.allocator_client_key),
+        };
+        // Read now, so a bad file stops the start naming it.
+        let _checked = allocator_tls
+            .configure(reqwest::Client::builder())
+            .map_err(|e| format!("allocator TLS: {e}"))?;
         let rate = |flag: &str, value: f64| {
             if (0.0..=1.0).contains(&value) {
                 Ok(value)
@@ -161,6 +219,8 @@ impl AgentArgs {
             }
         };
         Ok(AgentConfig {
+            tls,
+            allocator_tls,
             agent_id: self
                 .agent_id
                 .or(file.agent_id)

@@ -391,24 +391,34 @@ impl RateLimitApi {
     }
 }
 
-/// Serves Envoy's rate limit service on `listener` until `shutdown` resolves, finishing calls in
-/// flight.
+/// Serves Envoy's rate limit service on `listener` (HTTP/2; through TLS when `tls` is given) until
+/// `shutdown` resolves, finishing calls in flight. It goes through the same bounded accept loop as
+/// the HTTP API ([`fn@allot_net::serve`]); a call past [`REQUEST_TIMEOUT`] is answered 503, which gRPC
+/// clients see as `UNAVAILABLE`.
 pub async fn serve_grpc(
     listener: tokio::net::TcpListener,
     api: AgentApi,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), tonic::transport::Error> {
+) -> std::io::Result<()> {
     let service = RateLimitServiceServer::new(RateLimitApi::new(&api))
         .max_decoding_message_size(MAX_MESSAGE_BYTES);
-    tonic::transport::Server::builder()
-        .timeout(REQUEST_TIMEOUT)
+    let router = tonic::service::Routes::new(service)
+        .prepare()
+        .into_axum_router()
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
             MAX_CONCURRENT_REQUESTS,
         ))
-        .add_service(service)
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener),
-            shutdown,
-        )
-        .await
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            REQUEST_TIMEOUT,
+        ));
+    allot_net::serve(
+        listener,
+        router,
+        tls,
+        allot_net::ServeLimits::default(),
+        shutdown,
+    )
+    .await
 }

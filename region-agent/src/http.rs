@@ -324,13 +324,21 @@ pub fn router(api: AgentApi) -> Router {
         .with_state(api)
 }
 
-/// Serves gateways on `listener` until `shutdown` resolves, finishing requests in flight.
+/// Serves gateways on `listener` (through TLS when `tls` is given) until `shutdown` resolves,
+/// finishing requests in flight. Connections, handshakes and header reads are bounded
+/// ([`allot_net::ServeLimits`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     api: AgentApi,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(api))
-        .with_graceful_shutdown(shutdown)
-        .await
+    allot_net::serve(
+        listener,
+        router(api),
+        tls,
+        allot_net::ServeLimits::default(),
+        shutdown,
+    )
+    .await
 }

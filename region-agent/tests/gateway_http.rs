@@ -35,7 +35,7 @@ async fn start() -> String {
         gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
         metrics: None,
     };
-    tokio::spawn(serve(listener, api, std::future::pending()));
+    tokio::spawn(serve(listener, api, None, std::future::pending()));
     url
 }
 

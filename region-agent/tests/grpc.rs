@@ -72,7 +72,7 @@ async fn serve(with_bundle: bool) -> Served {
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_grpc(listener, api, async move {
+    tokio::spawn(serve_grpc(listener, api, None, async move {
         let _ = stopped.await;
     }));
     let client = RateLimitServiceClient::connect(format!("http://{addr}"))

@@ -78,6 +78,7 @@ pub async fn run_dev(
         node_id: "dev".to_owned(),
         advertise_url: format!("http://{allocator_addr}"),
         leader_lease_ttl_s: 5,
+        tls: None,
         ledger_url: format!(
             "sqlite://{}",
             options.data_dir.join("allot-dev.db").display()
@@ -171,7 +172,7 @@ pub async fn run_dev(
         };
         let until_stopped = agents_stop_signal();
         agent_tasks.push(tokio::spawn(async move {
-            let _ = serve(listener, api, until_stopped).await;
+            let _ = serve(listener, api, None, until_stopped).await;
         }));
         agent_tasks.push(tokio::spawn(agent.clone().run_background(
             Duration::from_secs(1),

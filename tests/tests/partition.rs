@@ -43,6 +43,7 @@ async fn start_allocator(etcd: &[String], dir: &std::path::Path, port: u16) -> R
         node_id: "alloc".to_owned(),
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 2,
+        tls: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
     };
     let kv = Arc::new(EtcdKv::connect(etcd).await.expect("etcd"));

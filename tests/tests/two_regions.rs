@@ -71,7 +71,7 @@ async fn start_agent(
         gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
         metrics: allot_allocator::metrics::handle(),
     };
-    tokio::spawn(serve(listener, api, std::future::pending()));
+    tokio::spawn(serve(listener, api, None, std::future::pending()));
     (agent, url)
 }
 
@@ -90,6 +90,7 @@ async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> String {
         node_id: "alloc-1".to_owned(),
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 5,
+        tls: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
     };
     let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));

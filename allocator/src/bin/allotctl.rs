@@ -33,6 +33,15 @@ struct Cli {
     /// the allocator's `--operator-token-file` works as it is).
     #[arg(long, global = true, env = "ALLOT_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    /// PEM CA certificates to trust for an https:// server (default: the system's roots).
+    #[arg(long, global = true, env = "ALLOT_CA_FILE")]
+    ca_file: Option<PathBuf>,
+    /// PEM client certificate for a server that requires mutual TLS (needs --client-key).
+    #[arg(long, global = true, env = "ALLOT_CLIENT_CERT")]
+    client_cert: Option<PathBuf>,
+    /// PEM private key of --client-cert.
+    #[arg(long, global = true, env = "ALLOT_CLIENT_KEY")]
+    client_key: Option<PathBuf>,
     /// Print the API's JSON instead of a table.
     #[arg(long, global = true)]
     json: bool,
@@ -215,6 +224,11 @@ async fn execute(cli: Cli) -> Result<String, String> {
     let target = Target {
         server: cli.server.clone(),
         token,
+        tls: allot_allocator::ctl::ClientTls {
+            ca: cli.ca_file.clone(),
+            cert: cli.client_cert.clone(),
+            key: cli.client_key.clone(),
+        },
     };
     let json = cli.json;
     let request = match cli.command {

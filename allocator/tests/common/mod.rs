@@ -47,6 +47,7 @@ pub async fn start() -> Server {
         node_id: "test".to_owned(),
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 5,
+        tls: None,
         ledger_url: String::new(),
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);

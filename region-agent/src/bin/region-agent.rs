@@ -129,7 +129,8 @@ async fn start(args: AgentConfig) -> Result<(), String> {
             .ok_or("--agent-token-file is required with --allocator")?;
         let token = agent_token(token_file, &region)?;
         Some(Arc::new(
-            AllocatorClient::new(args.allocator.clone(), token).map_err(|e| e.to_string())?,
+            AllocatorClient::with_tls(args.allocator.clone(), token, &args.allocator_tls)
+                .map_err(|e| e.to_string())?,
         ))
     };
     let bundle = match &args.policy_file {
@@ -199,14 +200,20 @@ async fn start(args: AgentConfig) -> Result<(), String> {
             let _ = rx.wait_for(|s| *s).await;
         }
     };
+    let acceptor = args
+        .tls
+        .as_ref()
+        .map(allot_net::ServerTls::acceptor)
+        .transpose()
+        .map_err(|e| format!("TLS: {e}"))?;
     let served = tokio::try_join!(
         async {
-            serve(listener, api.clone(), signalled())
+            serve(listener, api.clone(), acceptor.clone(), signalled())
                 .await
                 .map_err(|e| format!("http: {e}"))
         },
         async {
-            serve_grpc(grpc_listener, api.clone(), signalled())
+            serve_grpc(grpc_listener, api.clone(), acceptor.clone(), signalled())
                 .await
                 .map_err(|e| format!("grpc: {e}"))
         },

@@ -46,6 +46,7 @@
 mod binary;
 mod etcd;
 mod net;
+mod pki;
 mod process;
 mod proxy;
 mod redis;
@@ -53,6 +54,7 @@ mod workspace;
 
 pub use binary::{Binary, MissingBinary};
 pub use etcd::EtcdCluster;
+pub use pki::{TEST_SERVER_NAME, TestPki};
 pub use proxy::{FaultProxy, MAX_CONNECTIONS, ProxyMode};
 pub use redis::{RedisCluster, RedisServer};
 pub use workspace::workspace_binary;

@@ -1,0 +1,17 @@
+//! How Allot's servers face the network.
+//!
+//! The allocator and the region agent serve HTTP (and the agent gRPC) to callers they do not control,
+//! so both need the same two things, kept here once:
+//! - [`tls`]: rustls server configs from PEM files (optionally requiring client certificates signed
+//!   by a given CA: mutual TLS), and the matching client settings for `reqwest`;
+//! - [`mod@serve`]: an accept loop with a bound on everything a client can hold open (I10): connections,
+//!   the TLS handshake, the time to send request headers (slow clients are cut off), idle keep-alive,
+//!   and a graceful shutdown with a deadline.
+//!
+//! Architecture invariant: this crate depends on nothing of ours; it knows no Allot type.
+
+pub mod serve;
+pub mod tls;
+
+pub use serve::{ServeLimits, serve};
+pub use tls::{ClientTls, ServerTls, TlsError};
