@@ -711,7 +711,12 @@ fn policy_error(error: PolicyStoreError) -> ApiError {
     match error {
         PolicyStoreError::Invalid(invalid) => {
             let detail = invalid.to_string();
-            ApiError::invalid(invalid.field, detail)
+            // The bundle parser names the document's root `$`; the API calls it the body.
+            let field = match invalid.field.as_str() {
+                "$" | "" => "body".to_owned(),
+                _ => invalid.field.to_string(),
+            };
+            ApiError::invalid(field, detail)
         }
         PolicyStoreError::UnknownVersion(_) | PolicyStoreError::NothingCurrent => {
             ApiError::new(StatusCode::NOT_FOUND, "Not found", error.to_string())
@@ -1231,30 +1236,6 @@ async fn readyz(State(state): State<ApiState>) -> Response {
     }
 }
 
-/// Rewrites error responses produced outside the handlers (body too large, method not allowed,
-/// timeouts) as problem+json, so every error a client sees has one shape.
-async fn problem_for_plain_errors(response: Response) -> Response {
-    let status = response.status();
-    let is_problem = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(PROBLEM_CONTENT_TYPE.as_bytes()));
-    if !(status.is_client_error() || status.is_server_error()) || is_problem {
-        return response;
-    }
-    let text = axum::body::to_bytes(response.into_body(), 1_024)
-        .await
-        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
-        .unwrap_or_default();
-    let title = status.canonical_reason().unwrap_or("Error");
-    let detail = if text.is_empty() {
-        title.to_owned()
-    } else {
-        text
-    };
-    ApiError::new(status, title, detail).into_response()
-}
-
 async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "Not found", "no such endpoint")
 }
@@ -1295,7 +1276,9 @@ pub fn router(state: ApiState) -> Router {
             REQUEST_TIMEOUT,
         ))
         // Outermost, so it also sees what the layers above answer on their own.
-        .layer(axum::middleware::map_response(problem_for_plain_errors))
+        .layer(axum::middleware::map_response(
+            allot_net::problem_for_plain_errors,
+        ))
         .with_state(state)
 }
 

@@ -321,6 +321,10 @@ pub fn router(api: AgentApi) -> Router {
             StatusCode::SERVICE_UNAVAILABLE,
             REQUEST_TIMEOUT,
         ))
+        // Outermost, so body-limit and timeout answers are problem+json too.
+        .layer(axum::middleware::map_response(
+            allot_net::problem_for_plain_errors,
+        ))
         .with_state(api)
 }
 

@@ -77,7 +77,14 @@ async fn agent_on(redis: &RedisServer) -> Arc<Agent> {
     let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
         .await
         .expect("redis");
-    let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
+    // Deadlines have their own tests; here a generous budget keeps a CPU-starved CI machine from
+    // turning a slow Redis reply into LIMITER_UNAVAILABLE.
+    let config = LimiterConfig {
+        decision_budget: std::time::Duration::from_secs(1),
+        acquire_wait: std::time::Duration::from_millis(500),
+        ..LimiterConfig::default()
+    };
+    let limiter = Limiter::new(Arc::new(store), config).expect("limiter");
     Agent::new(
         AgentSettings::new(
             RegionId::parse("eu").expect("region"),

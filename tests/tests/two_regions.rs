@@ -47,7 +47,14 @@ async fn start_agent(
     let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
         .await
         .expect("redis");
-    let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
+    // The regional rules are incidental here: a generous decision budget keeps a CPU-starved CI
+    // machine from turning a slow Redis reply into LIMITER_UNAVAILABLE (deadlines have their own tests).
+    let config = LimiterConfig {
+        decision_budget: Duration::from_secs(2),
+        acquire_wait: Duration::from_secs(1),
+        ..LimiterConfig::default()
+    };
+    let limiter = Limiter::new(Arc::new(store), config).expect("limiter");
     let client =
         AllocatorClient::new(vec![allocator_url.to_owned()], AGENT.to_owned()).expect("client");
     let settings = AgentSettings::new(

@@ -1,0 +1,103 @@
+//! One error shape for everything a client sees.
+//!
+//! Handlers answer errors as RFC 9457 problem+json, but some answers come from layers: the body
+//! limit (413), an unknown method (405), a request deadline. [`problem_for_plain_errors`] rewrites
+//! any 4xx or 5xx that is not already problem+json into one, keeping its status and using its text
+//! as the detail, so a client never has to parse two error formats.
+
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+
+/// The problem+json media type.
+pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
+
+/// Largest plain error text kept as the detail, in bytes.
+const MAX_DETAIL_BYTES: usize = 1_024;
+
+/// Rewrites a plain 4xx/5xx answer as problem+json (for `axum::middleware::map_response`, applied
+/// outermost so it sees what the other layers answer).
+pub async fn problem_for_plain_errors(response: Response) -> Response {
+    let status = response.status();
+    let is_problem = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(PROBLEM_CONTENT_TYPE.as_bytes()));
+    if !(status.is_client_error() || status.is_server_error()) || is_problem {
+        return response;
+    }
+    let retry_after = response.headers().get(header::RETRY_AFTER).cloned();
+    let text = axum::body::to_bytes(response.into_body(), MAX_DETAIL_BYTES)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let title = status.canonical_reason().unwrap_or("Error");
+    let detail = if text.is_empty() {
+        title.to_owned()
+    } else {
+        text
+    };
+    let body = format!(
+        "{{\"type\":\"about:blank\",\"title\":{},\"status\":{},\"detail\":{}}}",
+        json_string(title),
+        status.as_u16(),
+        json_string(&detail)
+    );
+    let mut rewritten = (status, body).into_response();
+    rewritten.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(PROBLEM_CONTENT_TYPE),
+    );
+    if let Some(retry_after) = retry_after {
+        rewritten
+            .headers_mut()
+            .insert(header::RETRY_AFTER, retry_after);
+    }
+    rewritten
+}
+
+/// `text` as a JSON string literal.
+fn json_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+
+    #[tokio::test]
+    async fn plain_errors_become_problems_and_the_rest_passes() {
+        let plain = (StatusCode::PAYLOAD_TOO_LARGE, "length limit \"exceeded\"\n").into_response();
+        let rewritten = problem_for_plain_errors(plain).await;
+        assert_eq!(rewritten.status(), 413);
+        assert_eq!(
+            rewritten.headers()[header::CONTENT_TYPE],
+            PROBLEM_CONTENT_TYPE
+        );
+        let body = axum::body::to_bytes(rewritten.into_body(), 4_096)
+            .await
+            .expect("body");
+        assert_eq!(
+            String::from_utf8_lossy(&body),
+            r#"{"type":"about:blank","title":"Payload Too Large","status":413,"detail":"length limit \"exceeded\""}"#
+        );
+        let ok = problem_for_plain_errors((StatusCode::OK, "fine").into_response()).await;
+        assert_eq!(ok.status(), 200);
+        assert!(
+            ok.headers()
+                .get(header::CONTENT_TYPE)
+                .is_some_and(|v| v != PROBLEM_CONTENT_TYPE)
+        );
+    }
+}
