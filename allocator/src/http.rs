@@ -886,6 +886,17 @@ async fn post_agent_status(
             "must be 1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-'",
         ));
     }
+    if let Some(fingerprint) = &status.pepper_fingerprint
+        && !(fingerprint.len() == 8
+            && fingerprint
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    {
+        return Err(ApiError::invalid(
+            "pepperFingerprint",
+            "must be 8 lowercase hex digits",
+        ));
+    }
     status.reported_at_ms = state.clock.now_ms();
     policies::report_agent(
         &*state.kv,
@@ -912,6 +923,11 @@ pub struct PolicyStatus {
     pub max_version: Option<u64>,
     /// Agents running something else than what their region should run.
     pub agents_behind: usize,
+    /// The pepper fingerprints live agents report, by region: more than one in a region means its
+    /// agents key principals differently (each principal's buckets split), expected only while a
+    /// pepper rotation rolls out.
+    pub pepper_fingerprints:
+        std::collections::BTreeMap<RegionId, std::collections::BTreeSet<String>>,
 }
 
 async fn get_policy_status(
@@ -928,6 +944,7 @@ async fn get_policy_status(
         .filter(|a| a.version != rollout.version_for(Some(&a.region)))
         .count();
     let status = PolicyStatus {
+        pepper_fingerprints: policies::pepper_fingerprints(&agents),
         min_version: agents.iter().map(|a| a.version).min(),
         max_version: agents.iter().map(|a| a.version).max(),
         agents_behind,

@@ -34,6 +34,9 @@ pub const LEDGER_RECONCILE_TRUNCATED: &str = "allot_ledger_reconcile_truncated_t
 pub const AUDIT_WRITE_FAILURES: &str = "allot_audit_write_failures_total";
 /// API calls refused for their credentials, by `status` (401, 403).
 pub const AUTH_REFUSALS: &str = "allot_auth_refusals_total";
+/// Distinct pepper fingerprints among a region's live agents, by `region` (more than 1: the
+/// region's agents key principals differently; expected only during a pepper rotation).
+pub const REGION_PEPPER_FINGERPRINTS: &str = "allot_region_pepper_fingerprints";
 /// The bundle version every region should run (the rollout's current version).
 pub const POLICY_CURRENT_VERSION: &str = "allot_policy_current_version";
 /// Tokens admitted in a pool's latest settled window, by `tenant` and `pool` (from the ledger:

@@ -74,6 +74,10 @@ pub struct AgentStatus {
     /// When it said so, epoch ms.
     #[serde(default)]
     pub reported_at_ms: u64,
+    /// The fingerprint of the agent's principal-hash pepper (8 hex digits; never the pepper). Agents
+    /// of one region must agree on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pepper_fingerprint: Option<String>,
 }
 
 /// A policy operation failure.
@@ -285,6 +289,23 @@ impl StatusLeases {
     }
 }
 
+/// The distinct pepper fingerprints `agents` report, by region.
+pub fn pepper_fingerprints(
+    agents: &[AgentStatus],
+) -> std::collections::BTreeMap<RegionId, std::collections::BTreeSet<String>> {
+    let mut by_region: std::collections::BTreeMap<RegionId, std::collections::BTreeSet<String>> =
+        std::collections::BTreeMap::new();
+    for agent in agents {
+        if let Some(fingerprint) = &agent.pepper_fingerprint {
+            by_region
+                .entry(agent.region.clone())
+                .or_default()
+                .insert(fingerprint.clone());
+        }
+    }
+    by_region
+}
+
 /// Agents that reported within [`AGENT_STATUS_MAX_AGE_MS`] of `now_ms`. Older reports are deleted
 /// (an agent that stopped reporting is gone), which keeps the set bounded.
 pub async fn agent_statuses(
@@ -324,6 +345,7 @@ mod tests {
             agent_id: agent.to_owned(),
             version: 1,
             reported_at_ms: now_ms,
+            pepper_fingerprint: None,
         }
     }
 

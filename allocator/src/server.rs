@@ -351,6 +351,13 @@ pub async fn publish_ledger_gauges(
         .await
         .map_err(|e| e.to_string())?;
     metrics::gauge!(crate::metrics::POLICY_CURRENT_VERSION).set(rollout.current as f64);
+    let agents = crate::policies::agent_statuses(kv, now_ms)
+        .await
+        .map_err(|e| e.to_string())?;
+    for (region, fingerprints) in crate::policies::pepper_fingerprints(&agents) {
+        metrics::gauge!(crate::metrics::REGION_PEPPER_FINGERPRINTS, "region" => region.to_string())
+            .set(fingerprints.len() as f64);
+    }
     for (tenant, pool, stored) in pools.iter().take(MAX_WINDOW_GAUGE_POOLS) {
         let Ok(config) = stored.spec.validate() else {
             continue;

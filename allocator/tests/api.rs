@@ -426,12 +426,20 @@ async fn policies_publish_stage_promote_and_report() {
     );
 
     // Agents report what they run; the status shows the skew.
-    for (region, agent, version) in [("eu", "eu-1", 2), ("us", "us-1", 1), ("us", "us-2", 0)] {
+    // us-2 runs another pepper than us-1: the status shows the region's two fingerprints.
+    for (region, agent, version, pepper) in [
+        ("eu", "eu-1", 2, "0a1b2c3d"),
+        ("us", "us-1", 1, "0a1b2c3d"),
+        ("us", "us-2", 0, "ffff0000"),
+    ] {
         let response = server
             .client
             .post(format!("{}/v1/policies/status", server.url))
             .bearer_auth(AGENT)
-            .json(&json!({ "region": region, "agentId": agent, "version": version }))
+            .json(
+                &json!({ "region": region, "agentId": agent, "version": version,
+                           "pepperFingerprint": pepper }),
+            )
             .send()
             .await
             .expect("report");
@@ -445,6 +453,11 @@ async fn policies_publish_stage_promote_and_report() {
         (Some(0), Some(2))
     );
     assert_eq!(status["agentsBehind"], 1, "us-2 runs nothing yet");
+    assert_eq!(status["pepperFingerprints"]["eu"], json!(["0a1b2c3d"]));
+    assert_eq!(
+        status["pepperFingerprints"]["us"],
+        json!(["0a1b2c3d", "ffff0000"])
+    );
 
     let promoted = server
         .client

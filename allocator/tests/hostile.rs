@@ -244,6 +244,10 @@ fn cases() -> Vec<Case> {
         ("agentId", json!("ü".repeat(10))),
         ("version", json!(-1)),
         ("region", json!("")),
+        ("pepperFingerprint", json!("XYZ")),
+        ("pepperFingerprint", json!("0A1B2C3D")),
+        ("pepperFingerprint", json!("0a1b2c3d0")),
+        ("pepperFingerprint", json!(7)),
     ] {
         cases.push(
             case(

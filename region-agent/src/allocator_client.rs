@@ -336,8 +336,10 @@ impl AllocatorClient {
         region: &RegionId,
         agent_id: &str,
         version: u64,
+        pepper_fingerprint: &str,
     ) -> Result<(), ClientError> {
-        let body = serde_json::json!({ "region": region, "agentId": agent_id, "version": version });
+        let body = serde_json::json!({ "region": region, "agentId": agent_id, "version": version,
+            "pepperFingerprint": pepper_fingerprint });
         self.call::<serde_json::Value>(reqwest::Method::POST, "/v1/policies/status", Some(&body))
             .await
             .map(|_| ())

@@ -48,6 +48,20 @@ impl Pepper {
     }
 }
 
+impl Pepper {
+    /// A non-secret fingerprint of the pepper: the first 4 bytes of SHA-256 over a fixed label and
+    /// the pepper, in hex. Agents of one region must share one pepper (two peppers split every
+    /// principal's buckets in two); the fingerprint lets operators see that they do without the
+    /// pepper leaving the agent. 32 bits of a hash of at least 128 secret bits reveal nothing usable.
+    pub fn fingerprint(&self) -> String {
+        use sha2::Digest;
+        let mut hasher = Sha256::new();
+        hasher.update(b"allot-pepper-fingerprint:");
+        hasher.update(&self.0);
+        hex::encode(&hasher.finalize()[..4])
+    }
+}
+
 impl fmt::Debug for Pepper {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Pepper(<redacted>)")
@@ -288,5 +302,18 @@ mod tests {
     fn short_peppers_are_refused_and_never_printed() {
         assert_eq!(Pepper::new(vec![1; 15]).err(), Some(PepperTooShort(15)));
         assert_eq!(format!("{:?}", pepper()), "Pepper(<redacted>)");
+    }
+
+    #[test]
+    fn pepper_fingerprints_are_stable_short_and_reveal_nothing() {
+        let pepper = Pepper::new(b"a-pepper-of-32-bytes-0123456789ab".to_vec()).expect("pepper");
+        let again = Pepper::new(b"a-pepper-of-32-bytes-0123456789ab".to_vec()).expect("pepper");
+        let other = Pepper::new(b"a-pepper-of-32-bytes-0123456789ac".to_vec()).expect("pepper");
+        let fingerprint = pepper.fingerprint();
+        assert_eq!(fingerprint, again.fingerprint());
+        assert_ne!(fingerprint, other.fingerprint());
+        assert_eq!(fingerprint.len(), 8);
+        assert!(fingerprint.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(!hex::encode(b"a-pepper").contains(&fingerprint));
     }
 }
