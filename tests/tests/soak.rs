@@ -257,6 +257,15 @@ async fn soak_under_chaos_loses_nothing_and_stays_bounded() {
             admitted <= LIMIT + 2 * FALLBACK_PER_REGION,
             "a window above its bound: {window}; {summary}"
         );
+        for region in topology::REGIONS {
+            let fallback = window["fallbackAdmittedByRegion"][region]
+                .as_u64()
+                .unwrap_or(0);
+            assert!(
+                fallback <= FALLBACK_PER_REGION,
+                "{region} admitted {fallback} in fallback: {window}; {summary}"
+            );
+        }
     }
     // Nothing counted twice: the ledger holds no admit the generator could not have seen.
     assert!(
