@@ -97,7 +97,9 @@ def main():
                   f"{r['shapedTxnPerSecond']:.0f} | {r['ratioToShaped']:.2f} | {r['casTxnPerSecond']:.0f} | "
                   f"{r['ratioToCas']:.2f} | {r['casConflictShare']:.0f}% |")
         print()
-    limiter = bench_lines("limiter.log")
+    limiter_all = bench_lines("limiter.log")
+    limiter = [r for r in limiter_all if r.get("bench") == "limiter"]
+    principals = [r for r in limiter_all if r.get("bench") == "limiter_principals"]
     if limiter:
         print("## Regional limiter: client path against raw EVALSHA")
         print()
@@ -112,6 +114,22 @@ def main():
         for r in limiter:
             print(f"| {r['callers']} | {r['path']} | {r['decisionsPerSecond']:.0f} | {r['p50Us']} | "
                   f"{r['p99Us']} | {r['ratio']:.2f} |")
+        print()
+
+    if principals:
+        print("## How cost grows with active principals")
+        print()
+        print("The same 3-rule batch and 64 callers, the decisions spread over 10, 1,000 and 100,000 users")
+        print("(every user's keys written before the rounds; each request planned on the spot, as the agent")
+        print("does, on both paths). `Redis B/user` is Redis `used_memory` growth per user after writing")
+        print("every user's keys once (the user rule's key; route and tenant keys are shared). What the agent")
+        print("keeps per principal (negative cache, cardinality tracking) is capped (I10).")
+        print()
+        print("| principals | path | decisions/s | p50 us | p99 us | x raw | Redis bytes per principal |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in principals:
+            print(f"| {r['principals']} | {r['path']} | {r['decisionsPerSecond']:.0f} | {r['p50Us']} | "
+                  f"{r['p99Us']} | {r['ratio']:.2f} | {r['redisBytesPerPrincipal']} |")
         print()
 
     agent = bench_lines("agent.log")
@@ -145,6 +163,31 @@ def main():
         for callers, per_1000 in calls:
             print(f"Allocator calls per 1,000 admits over the three agent paths at {callers} "
                   f"caller(s): {per_1000} (target at most 20).")
+        print()
+
+    peer = bench_lines("peer.log")
+    if peer:
+        print("## A peer: Kuadrant's Limitador on the same Redis")
+        print()
+        print("`bench/peer` (run by `scripts/bench-peer`): one Redis started by the bench, one limit (per user,")
+        print("N requests per 60 s window, N never reached), each caller one user, 1 and 32 concurrent callers.")
+        print("`raw EVALSHA` calls Allot's decision script straight through the redis crate (the store's")
+        print("ceiling); `allot` is the regional limiter's client path (`Limiter::decide`) with that limit as a")
+        print("`fixed_window` rule; `limitador` is the `limitador` 0.14 library's `AsyncRedisStorage` through")
+        print("`AsyncRateLimiter::check_rate_limited_and_update`. Rounds of the three alternate in the run;")
+        print("`ratio` is decisions/s over raw's at the same callers. CPU per decision: this process (the")
+        print("limiter's client side, all callers) and Redis (`INFO cpu`); commands per decision from `INFO")
+        print("commandstats`. What each enforces: Limitador keeps fixed-window counters and checks them")
+        print("before it updates them (two steps, not atomic together: concurrent callers can pass the check")
+        print("together); Allot decides every rule of a request and writes them in one atomic script call, and")
+        print("offers token buckets and GCRA beside fixed windows.")
+        print()
+        print("| callers | path | decisions/s | p50 us | p99 us | x raw | client CPU us/decision | Redis CPU us/decision | Redis commands/decision |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in peer:
+            print(f"| {r['callers']} | {r['path']} | {r['decisionsPerSecond']:.0f} | {r['p50Us']} | "
+                  f"{r['p99Us']} | {r['ratio']:.2f} | {r['clientCpuUsPerDecision']} | "
+                  f"{r['redisCpuUsPerDecision']} | {r['redisCommandsPerDecision']} |")
         print()
 
 

@@ -1,8 +1,8 @@
 //! Grants per second through the allocator's grant service, beside a raw etcd transaction loop of the
 //! same shape, against the same single etcd member, in the same run.
 //!
-//! Shapes: one hot pool (every request on one window key) and 1,000 pools; 1 and 64 concurrent
-//! clients; per-pool group commit on (up to 120 grants of a pool per commit) and off (1). Commits of
+//! Shapes: one hot pool (every request on one window key) and 1,000 pools, 1 and 64 concurrent
+//! clients; and, for how cost grows with pools, 10 and 10,000 pools at 64 clients. Per-pool group commit on (up to 120 grants of a pool per commit) and off (1). Commits of
 //! different pools are merged by the committer either way. The raw loop is what a
 //! naive allocator would do: read the window key, then compare-and-put it; on one hot key most of those
 //! transactions conflict. Run with `scripts/bench` (or `cargo bench -p allot-allocator --bench grants`).
@@ -193,7 +193,7 @@ async fn main() {
         fallback_per_region: 0,
         regions: vec![RegionId::parse("eu").expect("region")],
     };
-    let all = pools(1_000);
+    let all = pools(10_000);
     for (tenant, pool) in &all {
         put_pool(&*kv, tenant, pool, spec.clone(), clock.now_ms())
             .await
@@ -213,9 +213,16 @@ async fn main() {
         "x CAS",
         "CAS fail"
     );
-    for (shape, pool_count) in [("hot pool", 1usize), ("1000 pools", 1_000)] {
+    // How cost grows with pools: 10 and 10,000 beside the hot pool and 1,000 (64 clients only).
+    let shapes: [(&str, usize, &[usize]); 4] = [
+        ("hot pool", 1, &[1, 64]),
+        ("10 pools", 10, &[64]),
+        ("1000 pools", 1_000, &[1, 64]),
+        ("10000 pools", 10_000, &[64]),
+    ];
+    for (shape, pool_count, client_counts) in shapes {
         let targets = Arc::new(all[..pool_count].to_vec());
-        for clients in [1usize, 64] {
+        for &clients in client_counts {
             let (blind, _) = raw_loop(kv.clone(), pool_count, clients, Raw::Blind).await;
             let (shaped, _) = raw_loop(kv.clone(), pool_count, clients, Raw::GrantShaped).await;
             let (cas, cas_failed) =

@@ -59,12 +59,17 @@ const BUNDLE: &str = r#"{
 }"#;
 
 fn planned(bundle: &PolicyBundle, caller: usize) -> PlannedBatch<'_> {
+    planned_for(bundle, caller, caller)
+}
+
+/// The batch of `user`'s request, sent by `caller`.
+fn planned_for(bundle: &PolicyBundle, caller: usize, user: usize) -> PlannedBatch<'_> {
     let request = AdmissionRequest {
         request_id: DecisionId::parse(&format!("bench-{caller}")).expect("id"),
         tenant_id: TenantId::parse("atlas").expect("tenant"),
         principal: Principal {
             kind: PrincipalType::User,
-            id: format!("U-{caller}"),
+            id: format!("U-{user}"),
             api_key_id: None,
         },
         route_group: RouteGroup::parse("read").expect("route"),
@@ -254,9 +259,135 @@ async fn main() {
             );
         }
     }
+    principals_growth(&subjects).await;
     let stats = limiter.stats();
     println!(
         "client path: {} decisions, {} store calls, {} breaker refusals, {} pool exhausted",
         stats.decisions, stats.store_calls, stats.breaker_refusals, stats.pool_exhausted
     );
+}
+
+/// Redis `used_memory`, bytes.
+async fn redis_used_memory(connection: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(connection)
+        .await
+        .expect("INFO memory");
+    info.lines()
+        .find_map(|line| line.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// How cost grows with active principals: 64 callers spread their decisions over 10, 1,000 and
+/// 100,000 users (every user's keys written first), through the client path and raw EVALSHA, each
+/// request planned on the spot (as the agent does). Reports decisions/s and Redis memory per active
+/// principal (the three keys of a user: user, route and tenant rules; route and tenant keys are
+/// shared).
+async fn principals_growth(subjects: &Subjects) {
+    println!();
+    println!(
+        "{:>10} {:>7} {:>12} {:>8} {:>8} {:>7} {:>14}",
+        "principals", "path", "decisions/s", "p50 µs", "p99 µs", "ratio", "Redis B/user"
+    );
+    let mut info = subjects.raw.clone();
+    for principals in [10usize, 1_000, 100_000] {
+        let _: () = redis::cmd("FLUSHALL")
+            .query_async(&mut info)
+            .await
+            .expect("FLUSHALL");
+        let baseline = redis_used_memory(&mut info).await;
+        // Write every user's keys once.
+        let mut raw = subjects.raw.clone();
+        for user in 0..principals {
+            let planned = planned_for(&subjects.bundle, 0, user);
+            let _: Vec<i64> = subjects
+                .store
+                .decide_command(&planned.batch)
+                .query_async(&mut raw)
+                .await
+                .expect("EVALSHA");
+        }
+        let per_user =
+            redis_used_memory(&mut info).await.saturating_sub(baseline) / principals as u64;
+        let (mut raw_samples, mut client_samples) = (Samples::default(), Samples::default());
+        for _ in 0..ROUNDS / 2 {
+            for (path, samples) in [
+                (Path::Raw, &mut raw_samples),
+                (Path::Client, &mut client_samples),
+            ] {
+                measure_spread(path, principals, subjects, samples).await;
+            }
+        }
+        let raw_per_second = raw_samples.per_second().max(1.0);
+        for (path, samples) in [
+            (Path::Raw, &mut raw_samples),
+            (Path::Client, &mut client_samples),
+        ] {
+            let per_second = samples.per_second();
+            let ratio = per_second / raw_per_second;
+            let (p50, p99) = (samples.percentile(0.50), samples.percentile(0.99));
+            println!(
+                "{principals:>10} {:>7} {per_second:>12.0} {p50:>8} {p99:>8} {ratio:>7.2} {per_user:>14}",
+                path.name()
+            );
+            println!(
+                "BENCH {}",
+                serde_json::json!({
+                    "bench": "limiter_principals", "principals": principals, "callers": 64,
+                    "path": path.name(), "decisionsPerSecond": per_second.round(),
+                    "p50Us": p50, "p99Us": p99, "ratio": (ratio * 100.0).round() / 100.0,
+                    "redisBytesPerPrincipal": per_user,
+                })
+            );
+        }
+    }
+}
+
+/// One round of 64 callers, each deciding for user `(caller + 64 n) mod principals` on its n-th call.
+async fn measure_spread(path: Path, principals: usize, subjects: &Subjects, samples: &mut Samples) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for caller in 0..64usize {
+        let subjects = subjects.clone();
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut raw = subjects.raw.clone();
+            let mut latencies_us = Vec::with_capacity(50_000);
+            let mut user = caller;
+            while !stop.load(Ordering::Relaxed) {
+                user = (user + 64) % principals;
+                let stopwatch = Stopwatch::start();
+                let planned = planned_for(&subjects.bundle, caller, user);
+                match path {
+                    Path::Client => {
+                        let _ = subjects.limiter.decide(&planned, None).await;
+                    }
+                    Path::Raw => {
+                        let _: Vec<i64> = subjects
+                            .store
+                            .decide_command(&planned.batch)
+                            .query_async(&mut raw)
+                            .await
+                            .expect("EVALSHA");
+                    }
+                }
+                if latencies_us.len() < MAX_SAMPLES_PER_CALLER {
+                    latencies_us
+                        .push(u64::try_from(stopwatch.elapsed().as_micros()).unwrap_or(u64::MAX));
+                }
+            }
+            latencies_us
+        }));
+    }
+    let stopwatch = Stopwatch::start();
+    tokio::time::sleep(ROUND).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        samples
+            .latencies_us
+            .extend(task.await.expect("the caller finishes"));
+    }
+    samples.seconds += stopwatch.elapsed().as_secs_f64();
 }
