@@ -263,15 +263,18 @@ impl TokenBook {
                     if qualifier == "*" {
                         return Ok(Holder::Agent(None));
                     }
+                    // Never echo the field: on a line with its fields swapped it is the token.
                     RegionId::parse(qualifier)
                         .map(|region| Holder::Agent(Some(region)))
-                        .map_err(|e| format!("region {qualifier:?}: {e}"))
-                } else {
-                    OperatorRole::parse(qualifier)
-                        .map(Holder::Operator)
-                        .ok_or_else(|| {
-                            format!("role {qualifier:?} is not one of admin, author, viewer")
+                        .map_err(|_| {
+                            "the first field is not a region id (or *); expected `<region> <token>`"
+                                .to_owned()
                         })
+                } else {
+                    OperatorRole::parse(qualifier).map(Holder::Operator).ok_or_else(|| {
+                        "the first field is not one of admin, author, viewer; expected `<role> <token>`"
+                            .to_owned()
+                    })
                 }
             };
             let mut found = 0;
@@ -394,18 +397,25 @@ pub enum TokenStoreError {
     Full,
 }
 
-/// Reads every stored token.
+/// Reads every stored token. A record this version cannot read is skipped, logged and counted
+/// (`allot_token_records_unreadable`): one bad record must not stop every other token's refresh.
 pub async fn list_stored_tokens(kv: &dyn Kv) -> Result<Vec<StoredToken>, TokenStoreError> {
-    kv.get_prefix(TOKEN_PREFIX, MAX_STORED_TOKENS + 1)
+    let mut unreadable = 0u64;
+    let records = kv
+        .get_prefix(TOKEN_PREFIX, MAX_STORED_TOKENS + 1)
         .await?
         .into_iter()
-        .map(|(key, versioned)| {
-            serde_json::from_slice(&versioned.value).map_err(|e| TokenStoreError::Corrupt {
-                key,
-                message: e.to_string(),
-            })
+        .filter_map(|(key, versioned)| {
+            serde_json::from_slice(&versioned.value)
+                .map_err(|error| {
+                    unreadable += 1;
+                    tracing::warn!(%key, %error, "stored token record unreadable; skipped");
+                })
+                .ok()
         })
-        .collect()
+        .collect();
+    metrics::gauge!(crate::metrics::TOKEN_RECORDS_UNREADABLE).set(unreadable as f64);
+    Ok(records)
 }
 
 /// A freshly minted token: the record stored, and the token itself (shown once, never stored).
@@ -472,13 +482,18 @@ pub async fn revoke_token(kv: &dyn Kv, id: &str) -> Result<Option<StoredToken>, 
     let Some(versioned) = kv.get(&key).await? else {
         return Ok(None);
     };
-    let record: StoredToken =
-        serde_json::from_slice(&versioned.value).map_err(|e| TokenStoreError::Corrupt {
-            key: key.clone(),
-            message: e.to_string(),
-        })?;
+    // Deleted whether or not it reads: an unreadable record must stay removable.
+    let record: Option<StoredToken> = serde_json::from_slice(&versioned.value).ok();
     kv.txn(vec![], vec![Op::Delete { key }]).await?;
-    Ok(Some(record))
+    Ok(Some(record.unwrap_or_else(|| StoredToken {
+        id: id.to_owned(),
+        role: "unreadable".to_owned(),
+        region: None,
+        name: String::new(),
+        digest: String::new(),
+        created_at_ms: 0,
+        created_by: String::new(),
+    })))
 }
 
 /// Re-reads the stored tokens into `book` now.
@@ -564,7 +579,7 @@ mod tests {
             (
                 &["root admin-token-0000000001"],
                 &["agent-token-000000001"],
-                "line 1: role \"root\"",
+                "line 1: the first field is not one of admin",
             ),
             (
                 &["short"],
@@ -579,7 +594,7 @@ mod tests {
             (
                 &["admin-token-0000000001"],
                 &["EU agent-token-000000001"],
-                "agent-token-file: line 1: region",
+                "agent-token-file: line 1: the first field is not a region",
             ),
             (
                 &["admin-token-0000000001"],

@@ -212,8 +212,35 @@ fn audit_entry_id(now_ms: u64) -> String {
     LeaseId::from_parts(ms, random).to_string()
 }
 
-/// Writes one audit entry. The change is already applied when this runs: a failure answers 503 saying
-/// so, and is logged with the entry, so nothing is silently unaudited.
+/// The answer when a change reached the store but its ledger or audit record did not: logged at error
+/// level with what is missing, counted in `allot_audit_write_failures_total`, and answered 500 (not
+/// 503: a retry would apply the change again).
+fn unrecorded(what: &str, action: &str, target: &str, error: impl std::fmt::Display) -> ApiError {
+    tracing::error!(%error, action, target, what, "change applied but not recorded");
+    metrics::counter!(crate::metrics::AUDIT_WRITE_FAILURES).increment(1);
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "Change applied but not recorded",
+        format!("the change was applied but its {what} was not written: {error}"),
+    )
+}
+
+/// Runs a change to completion even when the client goes away or the request deadline passes: once
+/// the store has the change, its ledger and audit records must follow.
+async fn to_completion(
+    change: impl Future<Output = Result<Response, ApiError>> + Send + 'static,
+) -> Result<Response, ApiError> {
+    tokio::spawn(change).await.unwrap_or_else(|error| {
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Internal error",
+            format!("the change task failed: {error}"),
+        ))
+    })
+}
+
+/// Writes one audit entry. The change is already applied when this runs: a failure is
+/// [`unrecorded`], so nothing is silently unaudited.
 async fn audit(
     state: &ApiState,
     credential: &Credential,
@@ -232,16 +259,11 @@ async fn audit(
         version,
         detail: detail.to_string(),
     };
-    if let Err(error) = state.ledger.record_audit(&entry).await {
-        tracing::error!(%error, actor = %entry.actor, action, target = %entry.target, version, "change applied but not audited");
-        metrics::counter!(crate::metrics::AUDIT_WRITE_FAILURES).increment(1);
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "Ledger unavailable",
-            format!("the change was applied but its audit entry was not written: {error}"),
-        ));
-    }
-    Ok(())
+    state
+        .ledger
+        .record_audit(&entry)
+        .await
+        .map_err(|error| unrecorded("audit entry", action, &entry.target, error))
 }
 
 /// Parses a JSON body, naming the field at fault on error.
@@ -343,6 +365,15 @@ fn view(tenant: TenantId, pool: PoolId, stored: StoredPool) -> PoolView {
 }
 
 async fn put_pool(
+    state: State<ApiState>,
+    path: Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    to_completion(put_pool_change(state, path, headers, body)).await
+}
+
+async fn put_pool_change(
     State(state): State<ApiState>,
     Path((tenant, pool)): Path<(String, String)>,
     headers: HeaderMap,
@@ -368,7 +399,7 @@ async fn put_pool(
             config_json: &config_json,
         })
         .await
-        .map_err(ledger_error)?;
+        .map_err(|e| unrecorded("pool history", "pool.put", &format!("{tenant}/{pool}"), e))?;
     audit(
         &state,
         &credential,
@@ -421,6 +452,14 @@ async fn get_pool(
 }
 
 async fn delete_pool(
+    state: State<ApiState>,
+    path: Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    to_completion(delete_pool_change(state, path, headers)).await
+}
+
+async fn delete_pool_change(
     State(state): State<ApiState>,
     Path((tenant, pool)): Path<(String, String)>,
     headers: HeaderMap,
@@ -450,7 +489,14 @@ async fn delete_pool(
             config_json: "{}",
         })
         .await
-        .map_err(ledger_error)?;
+        .map_err(|e| {
+            unrecorded(
+                "pool history",
+                "pool.delete",
+                &format!("{tenant}/{pool}"),
+                e,
+            )
+        })?;
     audit(
         &state,
         &credential,
@@ -756,6 +802,15 @@ pub struct PublishQuery {
 }
 
 async fn put_policy(
+    state: State<ApiState>,
+    query: Result<axum::extract::Query<PublishQuery>, axum::extract::rejection::QueryRejection>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    to_completion(put_policy_change(state, query, headers, body)).await
+}
+
+async fn put_policy_change(
     State(state): State<ApiState>,
     query: Result<axum::extract::Query<PublishQuery>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
@@ -783,7 +838,14 @@ async fn put_policy(
         .ledger
         .record_bundle(&bundle, &credential.actor(), now_ms)
         .await
-        .map_err(ledger_error)?;
+        .map_err(|e| {
+            unrecorded(
+                "bundle record",
+                "policy.publish",
+                &bundle.version().to_string(),
+                e,
+            )
+        })?;
     audit(
         &state,
         &credential,
@@ -844,6 +906,14 @@ async fn get_policy_version(
 }
 
 async fn promote_policy(
+    state: State<ApiState>,
+    path: Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    to_completion(promote_policy_change(state, path, headers)).await
+}
+
+async fn promote_policy_change(
     State(state): State<ApiState>,
     Path(version): Path<String>,
     headers: HeaderMap,
@@ -1036,6 +1106,14 @@ fn token_store_error(error: TokenStoreError) -> ApiError {
 }
 
 async fn post_token(
+    state: State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    to_completion(post_token_change(state, headers, body)).await
+}
+
+async fn post_token_change(
     State(state): State<ApiState>,
     headers: HeaderMap,
     body: Bytes,
@@ -1132,6 +1210,14 @@ async fn list_tokens(
 }
 
 async fn delete_token(
+    state: State<ApiState>,
+    path: Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    to_completion(delete_token_change(state, path, headers)).await
+}
+
+async fn delete_token_change(
     State(state): State<ApiState>,
     Path(id): Path<String>,
     headers: HeaderMap,
@@ -1285,7 +1371,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/audit", get(get_audit))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(tower::limit::ConcurrencyLimitLayer::new(
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
             MAX_CONCURRENT_REQUESTS,
         ))
         .layer(tower_http::timeout::TimeoutLayer::with_status_code(

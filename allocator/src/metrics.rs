@@ -30,8 +30,10 @@ pub const POOL_REMAINING: &str = "allot_pool_remaining_tokens";
 pub const LEDGER_FEED_FULL: &str = "allot_ledger_feed_full_total";
 /// Ledger reconciliation rounds that read a listing at its key cap, by `listing` (pools, grants).
 pub const LEDGER_RECONCILE_TRUNCATED: &str = "allot_ledger_reconcile_truncated_total";
-/// Changes applied whose audit entry could not be written (each also logged as an error).
+/// Changes applied whose ledger or audit record could not be written (each also logged as an error).
 pub const AUDIT_WRITE_FAILURES: &str = "allot_audit_write_failures_total";
+/// Stored token records this allocator could not read at its last refresh (skipped).
+pub const TOKEN_RECORDS_UNREADABLE: &str = "allot_token_records_unreadable";
 /// API calls refused for their credentials, by `status` (401, 403).
 pub const AUTH_REFUSALS: &str = "allot_auth_refusals_total";
 /// Distinct pepper fingerprints among a region's live agents, by `region` (more than 1: the

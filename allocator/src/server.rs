@@ -354,9 +354,27 @@ pub async fn publish_ledger_gauges(
     let agents = crate::policies::agent_statuses(kv, now_ms)
         .await
         .map_err(|e| e.to_string())?;
-    for (region, fingerprints) in crate::policies::pepper_fingerprints(&agents) {
-        metrics::gauge!(crate::metrics::REGION_PEPPER_FINGERPRINTS, "region" => region.to_string())
-            .set(fingerprints.len() as f64);
+    // Regions whose agents went away are set to 0, not left at their last count (a stale 2 would
+    // page for ever).
+    static REPORTED: std::sync::Mutex<std::collections::BTreeSet<String>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let by_region = crate::policies::pepper_fingerprints(&agents);
+    {
+        let mut reported = REPORTED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for region in reported.iter() {
+            if !by_region.keys().any(|r| r.as_str() == region) {
+                metrics::gauge!(crate::metrics::REGION_PEPPER_FINGERPRINTS, "region" => region.clone())
+                    .set(0.0);
+            }
+        }
+        reported.clear();
+        for (region, fingerprints) in by_region {
+            metrics::gauge!(crate::metrics::REGION_PEPPER_FINGERPRINTS, "region" => region.to_string())
+                .set(fingerprints.len() as f64);
+            reported.insert(region.to_string());
+        }
     }
     for (tenant, pool, stored) in pools.iter().take(MAX_WINDOW_GAUGE_POOLS) {
         let Ok(config) = stored.spec.validate() else {

@@ -5,8 +5,8 @@
 //! - [`tls`]: rustls server configs from PEM files (optionally requiring client certificates signed
 //!   by a given CA: mutual TLS), and the matching client settings for `reqwest`;
 //! - [`mod@serve`]: an accept loop with a bound on everything a client can hold open (I10): connections,
-//!   the TLS handshake, the time to send request headers (slow clients are cut off), idle keep-alive,
-//!   and a graceful shutdown with a deadline;
+//!   the TLS handshake, the time to send the first bytes and request headers (slow and silent
+//!   clients are cut off), idle connections, and a graceful shutdown with a deadline;
 //! - [`problem`]: every error a client sees as problem+json, including those layers answer.
 //!
 //! Architecture invariant: this crate depends on nothing of ours; it knows no Allot type.
@@ -16,5 +16,5 @@ pub mod serve;
 pub mod tls;
 
 pub use problem::problem_for_plain_errors;
-pub use serve::{ServeLimits, serve};
-pub use tls::{ClientTls, ServerTls, TlsError};
+pub use serve::{PROBE_PATHS, ServeLimits, serve};
+pub use tls::{ClientTls, ServerTls, TlsError, TlsServing};

@@ -1,7 +1,7 @@
 //! TLS with rustls: server configs from PEM files, optional mutual TLS, and client settings.
 //!
-//! ring is the only crypto provider compiled into the workspace, so rustls and reqwest select it
-//! without being told. Errors name the file at fault.
+//! aws-lc-rs is the only crypto provider compiled into the workspace, so rustls and reqwest select
+//! it without being told. Errors name the file at fault.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -56,9 +56,18 @@ pub struct ServerTls {
     pub cert: PathBuf,
     /// PEM private key of the leaf.
     pub key: PathBuf,
-    /// PEM CA certificates; when set, every client must present a certificate signed by one of them
-    /// (mutual TLS).
+    /// PEM CA certificates; when set, every request but the probe paths must come over a
+    /// connection whose client presented a certificate signed by one of them (mutual TLS).
     pub client_ca: Option<PathBuf>,
+}
+
+/// What [`serve`](fn@crate::serve) needs to terminate TLS.
+#[derive(Clone)]
+pub struct TlsServing {
+    /// The handshake.
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    /// Whether requests other than the probe paths need a client certificate.
+    pub require_client_certificate: bool,
 }
 
 impl ServerTls {
@@ -74,7 +83,9 @@ impl ServerTls {
                 for cert in certificates(path)? {
                     roots.add(cert).map_err(|e| file_error(path, e))?;
                 }
+                // Optional in the handshake (probes need none); required per request by serve.
                 let verifier = WebPkiClientVerifier::builder(Arc::new(roots))
+                    .allow_unauthenticated()
                     .build()
                     .map_err(|e| file_error(path, e))?;
                 builder.with_client_cert_verifier(verifier)
@@ -87,9 +98,12 @@ impl ServerTls {
         Ok(Arc::new(config))
     }
 
-    /// The acceptor for [`serve`](fn@crate::serve).
-    pub fn acceptor(&self) -> Result<tokio_rustls::TlsAcceptor, TlsError> {
-        Ok(tokio_rustls::TlsAcceptor::from(self.server_config()?))
+    /// What [`serve`](fn@crate::serve) takes to terminate TLS with these files.
+    pub fn acceptor(&self) -> Result<TlsServing, TlsError> {
+        Ok(TlsServing {
+            acceptor: tokio_rustls::TlsAcceptor::from(self.server_config()?),
+            require_client_certificate: self.client_ca.is_some(),
+        })
     }
 }
 

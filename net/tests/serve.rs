@@ -11,13 +11,23 @@ use axum::routing::get;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn app() -> Router {
-    Router::new().route("/", get(|| async { "ok" })).route(
-        "/slow",
-        get(|| async {
-            tokio::time::sleep(Duration::from_millis(400)).await;
-            "slow ok"
-        }),
-    )
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/healthz", get(|| async { "healthy" }))
+        .route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                "slow ok"
+            }),
+        )
+        .route(
+            "/forever",
+            get(|| async {
+                tokio::time::sleep(Duration::from_secs(3_600)).await;
+                "never"
+            }),
+        )
 }
 
 struct Running {
@@ -125,8 +135,35 @@ async fn mutual_tls_requires_a_client_certificate_from_the_ca() {
             },
         )
     };
+    // Without a certificate: probes are served, everything else is refused.
     let anonymous = with(None, None);
-    assert!(anonymous.get(url(running.addr, "/")).send().await.is_err());
+    let refused = anonymous
+        .get(url(running.addr, "/"))
+        .send()
+        .await
+        .expect("connects without a certificate");
+    assert_eq!(refused.status(), 401);
+    assert_eq!(
+        refused.headers()["content-type"],
+        "application/problem+json"
+    );
+    assert!(
+        refused
+            .text()
+            .await
+            .expect("body")
+            .contains("client certificate")
+    );
+    let probe = anonymous
+        .get(url(running.addr, "/healthz"))
+        .send()
+        .await
+        .expect("probe");
+    let status = probe.status();
+    assert_eq!(
+        (status.as_u16(), probe.text().await.expect("body")),
+        (200, "healthy".to_owned())
+    );
     let stranger = with(Some(pki.stranger_cert()), Some(pki.stranger_key()));
     assert!(stranger.get(url(running.addr, "/")).send().await.is_err());
     let member = with(Some(pki.client_cert()), Some(pki.client_key()));
@@ -181,6 +218,80 @@ async fn a_client_that_never_finishes_its_headers_is_cut_off() {
     let mut buffer = Vec::new();
     let read = tokio::time::timeout(Duration::from_secs(5), silent.read_to_end(&mut buffer)).await;
     assert!(read.is_ok(), "the server kept a silent TLS client open");
+}
+
+#[tokio::test]
+async fn silent_and_idle_connections_are_closed() {
+    let limits = ServeLimits {
+        header_read_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_millis(600),
+        ..ServeLimits::default()
+    };
+    let running = start(None, limits).await;
+    // Connects and says nothing: closed at the first-bytes deadline.
+    let mut silent = tokio::net::TcpStream::connect(running.addr)
+        .await
+        .expect("connect");
+    let mut buffer = Vec::new();
+    let closed =
+        tokio::time::timeout(Duration::from_secs(5), silent.read_to_end(&mut buffer)).await;
+    assert!(closed.is_ok(), "a silent client kept its connection");
+    // HTTP/2 prior knowledge, then nothing: closed too (no pings keep it alive).
+    let mut h2 = tokio::net::TcpStream::connect(running.addr)
+        .await
+        .expect("connect");
+    h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .expect("preface and empty SETTINGS");
+    let mut sink = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), h2.read_to_end(&mut sink)).await;
+    assert!(closed.is_ok(), "an idle HTTP/2 connection stayed open");
+    // A kept-alive HTTP/1 connection, idle after its answer: closed after the idle timeout.
+    let mut kept = tokio::net::TcpStream::connect(running.addr)
+        .await
+        .expect("connect");
+    kept.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("request");
+    let mut answer = [0u8; 12];
+    kept.read_exact(&mut answer).await.expect("answer");
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), kept.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "an idle keep-alive connection stayed open");
+}
+
+#[tokio::test]
+async fn shutdown_drops_what_outlives_the_grace() {
+    let limits = ServeLimits {
+        shutdown_grace: Duration::from_millis(300),
+        ..ServeLimits::default()
+    };
+    let mut running = start(None, limits).await;
+    let client = reqwest::Client::new();
+    let hung = tokio::spawn({
+        let url = format!("http://{}/forever", running.addr);
+        async move { client.get(url).send().await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = running.stop.take().expect("stop").send(());
+    tokio::time::timeout(Duration::from_secs(5), running.served)
+        .await
+        .expect("serve returned after the grace")
+        .expect("task")
+        .expect("served");
+    let answer = tokio::time::timeout(Duration::from_secs(5), hung)
+        .await
+        .expect("the hung request ended")
+        .expect("task");
+    match answer {
+        Err(_) => {}
+        Ok(response) => panic!(
+            "the connection was dropped, not answered: {} {:?}",
+            response.status(),
+            response.text().await
+        ),
+    }
 }
 
 #[tokio::test]

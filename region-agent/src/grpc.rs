@@ -398,7 +398,7 @@ impl RateLimitApi {
 pub async fn serve_grpc(
     listener: tokio::net::TcpListener,
     api: AgentApi,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<allot_net::TlsServing>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let service = RateLimitServiceServer::new(RateLimitApi::new(&api))

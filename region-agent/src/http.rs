@@ -314,7 +314,7 @@ pub fn router(api: AgentApi) -> Router {
         .route("/v1/check", post(check))
         .route("/v1/release", post(release))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(tower::limit::ConcurrencyLimitLayer::new(
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
             MAX_CONCURRENT_REQUESTS,
         ))
         .layer(tower_http::timeout::TimeoutLayer::with_status_code(
@@ -334,7 +334,7 @@ pub fn router(api: AgentApi) -> Router {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     api: AgentApi,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<allot_net::TlsServing>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     allot_net::serve(

@@ -28,9 +28,6 @@ pub const ALLOCATOR_REACHABLE: &str = "allot_agent_allocator_reachable";
 pub const BREAKER_STATE: &str = "allot_agent_breaker_state";
 /// The policy bundle version in force.
 pub const POLICY_VERSION: &str = "allot_agent_policy_version";
-/// 1, labelled with the fingerprint of the agent's pepper (`fingerprint`, 8 hex digits, never the
-/// pepper): agents of one region must show the same.
-pub const PEPPER_INFO: &str = "allot_agent_pepper_info";
 /// Seconds since the bundle in force was installed.
 pub const POLICY_AGE_SECONDS: &str = "allot_agent_policy_age_seconds";
 /// The limiter's counters since start, by `path`: decisions, store_calls, store_retries,

@@ -315,8 +315,6 @@ impl Agent {
         let bundle = self.bundle.load();
         let version = bundle.as_ref().map_or(0, |b| b.version());
         metrics::gauge!(crate::metrics::POLICY_VERSION).set(version as f64);
-        metrics::gauge!(crate::metrics::PEPPER_INFO, "fingerprint" => self.settings.pepper.fingerprint())
-            .set(1.0);
         let installed = self.bundle_installed_at_ms.load(Ordering::Relaxed);
         if installed > 0 {
             let age_ms = self.clock.now_ms().saturating_sub(installed);

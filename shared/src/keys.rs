@@ -305,7 +305,7 @@ mod tests {
     }
 
     #[test]
-    fn pepper_fingerprints_are_stable_short_and_reveal_nothing() {
+    fn pepper_fingerprints_are_stable_and_short() {
         let pepper = Pepper::new(b"a-pepper-of-32-bytes-0123456789ab".to_vec()).expect("pepper");
         let again = Pepper::new(b"a-pepper-of-32-bytes-0123456789ab".to_vec()).expect("pepper");
         let other = Pepper::new(b"a-pepper-of-32-bytes-0123456789ac".to_vec()).expect("pepper");
@@ -314,6 +314,5 @@ mod tests {
         assert_ne!(fingerprint, other.fingerprint());
         assert_eq!(fingerprint.len(), 8);
         assert!(fingerprint.bytes().all(|b| b.is_ascii_hexdigit()));
-        assert!(!hex::encode(b"a-pepper").contains(&fingerprint));
     }
 }

@@ -136,6 +136,11 @@ async fn real_processes_through_partitions_failovers_and_restarts_stay_within_th
         Counts::get(&us_counts.failed),
         serde_json::to_string(&windows).unwrap_or_default()
     );
+    assert!(
+        windows.len() >= 4,
+        "the ledger holds the run's windows; {summary}"
+    );
+    assert!(counted > 0, "the load was admitted; {summary}");
     assert_eq!(
         ledger_admitted, counted,
         "the ledger accounts for exactly what was admitted; {summary}"
@@ -203,8 +208,9 @@ async fn real_processes_through_partitions_failovers_and_restarts_stay_within_th
     }
     let exposed = topology.exposed_text().await;
     assert!(
-        exposed.len() >= 6,
-        "every log and both agents' metrics were read"
+        exposed.len() >= 7,
+        "every log and the live processes' metrics were read: {}",
+        exposed.len()
     );
     for text in &exposed {
         for raw in RAW {

@@ -227,6 +227,14 @@ async fn soak_under_chaos_loses_nothing_and_stays_bounded() {
         applied.len() >= 5,
         "every kind of fault was applied; {summary}"
     );
+    assert!(
+        Counts::get(&eu_counts.allowed) > 0 && Counts::get(&us_counts.allowed) > 0,
+        "both regions admitted; {summary}"
+    );
+    assert!(
+        windows.len() as u64 >= seconds * 1_000 / topology::WINDOW_MS,
+        "the ledger holds every window of the run; {summary}"
+    );
     for process in topology.processes() {
         let log = process.log_text();
         assert!(
@@ -282,7 +290,12 @@ async fn soak_under_chaos_loses_nothing_and_stays_bounded() {
         missing <= agent_kills * 2 * EU_RATE,
         "more missing than {agent_kills} kills x one report interval of load; {summary}"
     );
-    for text in topology.exposed_text().await {
+    let exposed = topology.exposed_text().await;
+    assert!(
+        exposed.len() >= 8,
+        "every log and every process's metrics were read; {summary}"
+    );
+    for text in exposed {
         for raw in RAW {
             assert!(
                 !text.contains(raw),

@@ -103,17 +103,31 @@ async fn every_link_runs_over_tls() {
     let operator = client(&member(&pki));
     wait_ready(&operator, &allocator).await;
 
-    // Mutual TLS comes before any token: no certificate, or one from another CA, gets no connection.
+    // Mutual TLS comes before any token: without a certificate only the probes answer (even with a
+    // valid token); a certificate from another CA gets no connection.
     let anonymous = client(&ClientTls {
         ca: Some(pki.ca()),
         ..ClientTls::default()
     });
+    let probe = anonymous
+        .get(format!("{allocator}/readyz"))
+        .send()
+        .await
+        .expect("probes need no certificate");
+    assert_eq!(probe.status(), 200);
+    let refused = anonymous
+        .get(format!("{allocator}/v1/pools"))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("an answer");
+    assert_eq!(refused.status(), 401);
     assert!(
-        anonymous
-            .get(format!("{allocator}/healthz"))
-            .send()
+        refused
+            .text()
             .await
-            .is_err()
+            .expect("body")
+            .contains("client certificate")
     );
     let stranger = client(&ClientTls {
         ca: Some(pki.ca()),
@@ -161,7 +175,7 @@ async fn every_link_runs_over_tls() {
     );
     let pools: Value = serde_json::from_slice(&listed.stdout).expect("json");
     assert_eq!(pools["pools"][0]["tenant"], "atlas");
-    let refused = tokio::process::Command::new(workspace_binary("allotctl"))
+    let refused_cli = tokio::process::Command::new(workspace_binary("allotctl"))
         .args(["--server", &allocator, "--token", OPERATOR, "pools", "list"])
         .arg("--ca-file")
         .arg(pki.ca())
@@ -169,9 +183,12 @@ async fn every_link_runs_over_tls() {
         .output()
         .await
         .expect("allotctl runs");
-    assert_eq!(refused.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&refused.stderr).starts_with("allotctl: cannot reach"));
-
+    assert_eq!(refused_cli.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&refused_cli.stderr).starts_with("allotctl: 401"),
+        "{}",
+        String::from_utf8_lossy(&refused_cli.stderr)
+    );
     // An agent that reaches the allocator with its certificate and serves gateways over TLS.
     let allocator_client =
         AllocatorClient::with_tls(vec![allocator.clone()], AGENT_EU.to_owned(), &member(&pki))

@@ -190,8 +190,11 @@ pub fn raw_address(n: u64) -> String {
     format!("203.0.113.{}", n % 50)
 }
 
-/// Everything raw a run used: identities and tokens.
-pub const RAW: [&str; 7] = [
+/// The agents' pepper.
+pub const PEPPER: &str = "a-pepper-for-the-real-drill-0123456789";
+
+/// Everything raw a run used: identities, tokens and the pepper.
+pub const RAW: [&str; 8] = [
     "user-rawid-",
     "key-rawsecret-",
     "203.0.113.",
@@ -199,6 +202,7 @@ pub const RAW: [&str; 7] = [
     AGENT_EU,
     AGENT_US,
     OPERATOR,
+    PEPPER,
 ];
 
 /// What the load generator saw, per region.
@@ -321,7 +325,7 @@ impl Topology {
             ("operator.tokens", OPERATOR),
             ("agent.tokens", agent_tokens.as_str()),
             ("gateway.tokens", GATEWAY),
-            ("pepper", "a-pepper-for-the-real-drill-0123456789"),
+            ("pepper", PEPPER),
         ] {
             std::fs::write(d.join(file), token).expect("secret file");
         }
@@ -497,15 +501,18 @@ impl Topology {
         body["windows"].as_array().cloned()
     }
 
-    /// Each agent's /metrics text, and every process's logs: what must never show anything raw.
+    /// Every live process's /metrics text, and every process's logs: what must never show
+    /// anything raw.
     pub async fn exposed_text(&self) -> Vec<String> {
         let mut exposed = Vec::new();
-        for agent in self.agents.values() {
-            if let Ok(response) = self
-                .client
-                .get(format!("{}/metrics", agent.url))
-                .send()
-                .await
+        let urls = self
+            .agents
+            .values()
+            .map(|a| &a.url)
+            .chain(self.allocators.iter().map(|a| &a.url));
+        for url in urls {
+            // A killed allocator answers nothing; the live processes' metrics are all read.
+            if let Ok(response) = self.client.get(format!("{url}/metrics")).send().await
                 && let Ok(text) = response.text().await
             {
                 exposed.push(text);
