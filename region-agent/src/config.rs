@@ -66,6 +66,10 @@ pub struct AgentArgs {
     /// in a partition, so the region as a whole stays within its allowance.
     #[arg(long, env = "ALLOT_REGION_AGENTS")]
     pub region_agents: Option<u64>,
+    /// Longest one regional decision may wait for the limiter store, ms (1 to 1,000; default 10).
+    /// Past it the rule's fail mode answers (local bucket or 503). Raise it on slow hosts or links.
+    #[arg(long, env = "ALLOT_DECISION_BUDGET_MS")]
+    pub decision_budget_ms: Option<u64>,
     /// This agent's id in policy status (default: `<region>-<listen port>`).
     #[arg(long, env = "ALLOT_AGENT_ID")]
     pub agent_id: Option<String>,
@@ -111,6 +115,7 @@ struct FileSettings {
     decision_log_max_bytes: Option<u64>,
     policy_max_age_ms: Option<u64>,
     region_agents: Option<u64>,
+    decision_budget_ms: Option<u64>,
     agent_id: Option<String>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
@@ -119,6 +124,11 @@ struct FileSettings {
     allocator_client_cert: Option<PathBuf>,
     allocator_client_key: Option<PathBuf>,
 }
+
+/// Default `--decision-budget-ms`: the limiter's own default budget.
+#[allow(clippy::cast_possible_truncation)]
+pub const DEFAULT_DECISION_BUDGET_MS: u64 =
+    crate::limiter::client::DEFAULT_DECISION_BUDGET.as_millis() as u64;
 
 /// Resolved settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -155,6 +165,8 @@ pub struct AgentConfig {
     pub policy_max_age_ms: u64,
     /// Agents serving this region (at least 1).
     pub region_agents: u64,
+    /// The limiter's decision budget, ms.
+    pub decision_budget_ms: u64,
     /// The agent id.
     pub agent_id: String,
     /// TLS for the gateway-facing servers (none: plain TCP).
@@ -268,6 +280,18 @@ impl AgentArgs {
                 .policy_max_age_ms
                 .or(file.policy_max_age_ms)
                 .unwrap_or(3_600_000),
+            decision_budget_ms: match self
+                .decision_budget_ms
+                .or(file.decision_budget_ms)
+                .unwrap_or(DEFAULT_DECISION_BUDGET_MS)
+            {
+                budget @ 1..=1_000 => budget,
+                other => {
+                    return Err(format!(
+                        "--decision-budget-ms must be in [1, 1000], got {other}"
+                    ));
+                }
+            },
             region_agents: match self.region_agents.or(file.region_agents).unwrap_or(1) {
                 0 => return Err("--region-agents: must be at least 1".to_owned()),
                 n => n,
@@ -304,6 +328,17 @@ mod tests {
         assert_eq!(config.policy_max_age_ms, 5);
         assert_eq!(config.grpc_listen.port(), 8081, "defaults fill the rest");
         assert_eq!(config.agent_id, "eu-9700");
+        assert_eq!(config.decision_budget_ms, DEFAULT_DECISION_BUDGET_MS);
+        let slow = AgentArgs {
+            region: Some("eu".to_owned()),
+            config: Some(path.clone()),
+            decision_budget_ms: Some(0),
+            ..AgentArgs::default()
+        };
+        assert_eq!(
+            slow.resolve().expect_err("out of range"),
+            "--decision-budget-ms must be in [1, 1000], got 0"
+        );
 
         std::fs::write(&path, "regoin = \"us\"\n").expect("write");
         let typo = AgentArgs {

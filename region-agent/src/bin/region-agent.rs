@@ -117,8 +117,14 @@ async fn start(args: AgentConfig) -> Result<(), String> {
             DEFAULT_IN_PROCESS_MAX_KEYS,
         ))
     };
-    let limiter =
-        Limiter::new(store, LimiterConfig::default()).map_err(|e| format!("limiter: {e}"))?;
+    let limiter = Limiter::new(
+        store,
+        LimiterConfig {
+            decision_budget: std::time::Duration::from_millis(args.decision_budget_ms),
+            ..LimiterConfig::default()
+        },
+    )
+    .map_err(|e| format!("limiter: {e}"))?;
     let allocator = if args.allocator.is_empty() {
         eprintln!("region-agent: no --allocator: global (leased) rules fail closed");
         None
