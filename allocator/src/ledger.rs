@@ -90,6 +90,17 @@ enum AuditLog {
     Detail,
 }
 
+/// The audit log's columns, in the order entries are written and read.
+const AUDIT_COLUMNS: [AuditLog; 7] = [
+    AuditLog::EntryId,
+    AuditLog::AtMs,
+    AuditLog::Actor,
+    AuditLog::Action,
+    AuditLog::Target,
+    AuditLog::Version,
+    AuditLog::Detail,
+];
+
 /// Most audit entries one read returns.
 pub const MAX_AUDIT_ENTRIES: u64 = 1_000;
 
@@ -393,15 +404,7 @@ impl Ledger {
     pub async fn record_audit(&self, entry: &AuditEntry) -> Result<(), LedgerError> {
         let statement = Query::insert()
             .into_table(AuditLog::Table)
-            .columns([
-                AuditLog::EntryId,
-                AuditLog::AtMs,
-                AuditLog::Actor,
-                AuditLog::Action,
-                AuditLog::Target,
-                AuditLog::Version,
-                AuditLog::Detail,
-            ])
+            .columns(AUDIT_COLUMNS)
             .values_panic([
                 entry.entry_id.as_str().into(),
                 i64_of(entry.at_ms).into(),
@@ -421,15 +424,7 @@ impl Ledger {
     /// The latest `last` audit entries (at most [`MAX_AUDIT_ENTRIES`]), newest first.
     pub async fn audit_entries(&self, last: u64) -> Result<Vec<AuditEntry>, LedgerError> {
         let statement = Query::select()
-            .columns([
-                AuditLog::EntryId,
-                AuditLog::AtMs,
-                AuditLog::Actor,
-                AuditLog::Action,
-                AuditLog::Target,
-                AuditLog::Version,
-                AuditLog::Detail,
-            ])
+            .columns(AUDIT_COLUMNS)
             .from(AuditLog::Table)
             // Entry ids are UUID v7 in canonical text: they sort in the order they were written.
             .order_by(AuditLog::EntryId, Order::Desc)

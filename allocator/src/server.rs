@@ -163,27 +163,11 @@ impl Args {
                 None => e,
             }
         })?;
-        let tls = match (
+        let tls = allot_net::ServerTls::from_flags(
             self.tls_cert.or(file.tls_cert),
             self.tls_key.or(file.tls_key),
             self.tls_client_ca.or(file.tls_client_ca),
-        ) {
-            (None, None, None) => None,
-            (Some(cert), Some(key), client_ca) => Some(allot_net::ServerTls {
-                cert,
-                key,
-                client_ca,
-            }),
-            _ => {
-                return Err(
-                    "--tls-cert and --tls-key go together (and --tls-client-ca needs both)"
-                        .to_owned(),
-                );
-            }
-        };
-        if let Some(tls) = &tls {
-            tls.server_config().map_err(|e| format!("TLS: {e}"))?;
-        }
+        )?;
         let scheme = if tls.is_some() { "https" } else { "http" };
         let leader_lease_ttl_s = self
             .leader_lease_ttl_s

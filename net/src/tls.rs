@@ -71,6 +71,32 @@ pub struct TlsServing {
 }
 
 impl ServerTls {
+    /// The settings from the `--tls-cert`, `--tls-key` and `--tls-client-ca` flags both services
+    /// take: none, or a checked configuration (files read now, so a bad one stops the start naming
+    /// it), or a one-line error.
+    pub fn from_flags(
+        cert: Option<PathBuf>,
+        key: Option<PathBuf>,
+        client_ca: Option<PathBuf>,
+    ) -> Result<Option<Self>, String> {
+        let tls = match (cert, key, client_ca) {
+            (None, None, None) => return Ok(None),
+            (Some(cert), Some(key), client_ca) => Self {
+                cert,
+                key,
+                client_ca,
+            },
+            _ => {
+                return Err(
+                    "--tls-cert and --tls-key go together (and --tls-client-ca needs both)"
+                        .to_owned(),
+                );
+            }
+        };
+        tls.server_config().map_err(|e| format!("TLS: {e}"))?;
+        Ok(Some(tls))
+    }
+
     /// Builds the rustls server config: TLS 1.2 and 1.3, ALPN `h2` then `http/1.1`.
     pub fn server_config(&self) -> Result<Arc<rustls::ServerConfig>, TlsError> {
         let certs = certificates(&self.cert)?;

@@ -193,27 +193,11 @@ impl AgentArgs {
             .listen
             .or(file.listen)
             .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7700)));
-        let tls = match (
+        let tls = allot_net::ServerTls::from_flags(
             self.tls_cert.or(file.tls_cert),
             self.tls_key.or(file.tls_key),
             self.tls_client_ca.or(file.tls_client_ca),
-        ) {
-            (None, None, None) => None,
-            (Some(cert), Some(key), client_ca) => Some(allot_net::ServerTls {
-                cert,
-                key,
-                client_ca,
-            }),
-            (_, _, Some(_)) | (Some(_), None, None) | (None, Some(_), None) => {
-                return Err(
-                    "--tls-cert and --tls-key go together (and --tls-client-ca needs both)"
-                        .to_owned(),
-                );
-            }
-        };
-        if let Some(tls) = &tls {
-            tls.server_config().map_err(|e| format!("TLS: {e}"))?;
-        }
+        )?;
         let allocator_tls = allot_net::ClientTls {
             ca: self.allocator_ca.or(file.allocator_ca),
             cert: self.allocator_client_cert.or(file.allocator_client_cert),
