@@ -68,10 +68,15 @@ impl Default for ServeLimits {
 
 /// A stream that fails with `TimedOut` once it has carried no bytes for its deadline: the first
 /// deadline until the first byte arrives, the idle one after.
+///
+/// Every read and write only notes the time (this is on every admit's path); the timer is moved
+/// only when it fires early, so the timer wheel is touched about once per idle period, not per I/O.
 struct Deadlined<S> {
     inner: S,
     deadline: Pin<Box<Sleep>>,
     idle: Duration,
+    /// When bytes last moved; `None` until the first.
+    last_activity: Option<Instant>,
 }
 
 impl<S> Deadlined<S> {
@@ -80,6 +85,7 @@ impl<S> Deadlined<S> {
             inner,
             deadline: Box::pin(tokio::time::sleep(first_bytes)),
             idle,
+            last_activity: None,
         }
     }
 
@@ -87,12 +93,25 @@ impl<S> Deadlined<S> {
     // invariant 1 is about the latter).
     #[allow(clippy::disallowed_methods)]
     fn touched(&mut self) {
-        let next = Instant::now() + self.idle;
-        self.deadline.as_mut().reset(next);
+        self.last_activity = Some(Instant::now());
     }
 
+    /// Whether the deadline has passed; re-arms the timer when activity since its start moved it.
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
-        self.deadline.as_mut().poll(cx).is_ready()
+        loop {
+            if self.deadline.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            let Some(last) = self.last_activity else {
+                return true;
+            };
+            let due = last + self.idle;
+            if due <= self.deadline.deadline() {
+                return true;
+            }
+            // Polled again on the next turn of the loop, so the waker is registered.
+            self.deadline.as_mut().reset(due);
+        }
     }
 }
 
