@@ -24,7 +24,7 @@ use serde_json::Value;
 mod topology;
 
 use topology::{
-    Counts, FALLBACK_PER_REGION, LIMIT, RAW, Topology, drive, resident_kib, sum, wait_until,
+    Counts, FALLBACK_PER_REGION, LIMIT, Topology, drive, resident_kib, sum, wait_until,
 };
 
 /// Most resident memory any one of our processes may reach, KiB.
@@ -235,14 +235,7 @@ async fn soak_under_chaos_loses_nothing_and_stays_bounded() {
         windows.len() as u64 >= seconds * 1_000 / topology::WINDOW_MS,
         "the ledger holds every window of the run; {summary}"
     );
-    for process in topology.processes() {
-        let log = process.log_text();
-        assert!(
-            !log.contains("panicked"),
-            "{} panicked:\n{log}",
-            process.name
-        );
-    }
+    topology.assert_no_panic();
     assert_eq!(
         peaks.len(),
         4,
@@ -290,20 +283,6 @@ async fn soak_under_chaos_loses_nothing_and_stays_bounded() {
         missing <= agent_kills * 2 * EU_RATE,
         "more missing than {agent_kills} kills x one report interval of load; {summary}"
     );
-    let exposed = topology.exposed_text().await;
-    assert!(
-        exposed.len() >= 8,
-        "every log and every process's metrics were read; {summary}"
-    );
-    for text in exposed {
-        for raw in RAW {
-            assert!(
-                !text.contains(raw),
-                "a raw identifier or token ({raw}) appears in a log or in metrics"
-            );
-        }
-    }
-    let database = topology.database.clone();
-    drop(topology);
-    topology::drop_database(&database).await;
+    topology.assert_nothing_raw(8).await;
+    topology.stop().await;
 }

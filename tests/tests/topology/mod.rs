@@ -504,6 +504,44 @@ impl Topology {
         body["windows"].as_array().cloned()
     }
 
+    /// No process of ours panicked, in any incarnation.
+    pub fn assert_no_panic(&self) {
+        for process in self.processes() {
+            let log = process.log_text();
+            assert!(
+                !log.contains("panicked"),
+                "{} panicked:\n{log}",
+                process.name
+            );
+        }
+    }
+
+    /// No raw identity, token or pepper in any log or live process's metrics (at least `texts` of
+    /// them read).
+    pub async fn assert_nothing_raw(&self, texts: usize) {
+        let exposed = self.exposed_text().await;
+        assert!(
+            exposed.len() >= texts,
+            "every log and the live processes' metrics were read: {}",
+            exposed.len()
+        );
+        for text in &exposed {
+            for raw in RAW {
+                assert!(
+                    !text.contains(raw),
+                    "a raw identifier or token ({raw}) appears in a log or in metrics"
+                );
+            }
+        }
+    }
+
+    /// Stops every process and drops the ledger database.
+    pub async fn stop(self) {
+        let database = self.database.clone();
+        drop(self);
+        drop_database(&database).await;
+    }
+
     /// Every live process's /metrics text, and every process's logs: what must never show
     /// anything raw.
     pub async fn exposed_text(&self) -> Vec<String> {
