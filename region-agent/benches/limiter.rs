@@ -134,10 +134,20 @@ struct Subjects {
     bundle: Arc<PolicyBundle>,
 }
 
+/// Which users the callers decide for.
+#[derive(Clone, Copy)]
+enum Users {
+    /// Caller `c` is user `c`, planned once.
+    OnePerCaller,
+    /// Caller `c`'s n-th call is for user `(c + callers x n) mod principals`, planned on the spot.
+    Spread(usize),
+}
+
 /// `callers` tasks deciding in a loop on `path` for `run`; adds their latencies (µs) to `samples`.
 async fn measure(
     path: Path,
     callers: usize,
+    users: Users,
     run: Duration,
     subjects: &Subjects,
     samples: &mut Samples,
@@ -155,14 +165,23 @@ async fn measure(
                 mut raw,
                 bundle,
             } = subjects;
-            let planned = planned(&bundle, caller);
-            let evalsha = store.decide_command(&planned.batch);
+            let fixed = planned(&bundle, caller);
+            let fixed_evalsha = store.decide_command(&fixed.batch);
+            let mut user = caller;
             let mut latencies_us = Vec::with_capacity(50_000);
             while !stop.load(Ordering::Relaxed) {
                 let stopwatch = Stopwatch::start();
+                let spread = match users {
+                    Users::OnePerCaller => None,
+                    Users::Spread(principals) => {
+                        user = (user + callers) % principals;
+                        Some(planned_for(&bundle, caller, user))
+                    }
+                };
+                let planned = spread.as_ref().unwrap_or(&fixed);
                 match path {
                     Path::Client => {
-                        let decision = limiter.decide(&planned, None).await;
+                        let decision = limiter.decide(planned, None).await;
                         if decision.degraded.is_some() || !decision.allowed() {
                             degraded.fetch_add(1, Ordering::Relaxed);
                             // A degraded decision (open breaker) completes without awaiting
@@ -171,6 +190,9 @@ async fn measure(
                         }
                     }
                     Path::Raw => {
+                        let spread_evalsha =
+                            spread.as_ref().map(|p| store.decide_command(&p.batch));
+                        let evalsha = spread_evalsha.as_ref().unwrap_or(&fixed_evalsha);
                         let reply: Vec<i64> = evalsha.query_async(&mut raw).await.expect("EVALSHA");
                         assert_eq!(reply.first(), Some(&1), "admitted");
                     }
@@ -230,12 +252,36 @@ async fn main() {
     for callers in [1usize, 64] {
         let mut warm_up = Samples::default();
         for path in [Path::Raw, Path::Client] {
-            measure(path, callers, WARM_UP, &subjects, &mut warm_up).await;
+            measure(
+                path,
+                callers,
+                Users::OnePerCaller,
+                WARM_UP,
+                &subjects,
+                &mut warm_up,
+            )
+            .await;
         }
         let (mut raw, mut client) = (Samples::default(), Samples::default());
         for _ in 0..ROUNDS {
-            measure(Path::Raw, callers, ROUND, &subjects, &mut raw).await;
-            measure(Path::Client, callers, ROUND, &subjects, &mut client).await;
+            measure(
+                Path::Raw,
+                callers,
+                Users::OnePerCaller,
+                ROUND,
+                &subjects,
+                &mut raw,
+            )
+            .await;
+            measure(
+                Path::Client,
+                callers,
+                Users::OnePerCaller,
+                ROUND,
+                &subjects,
+                &mut client,
+            )
+            .await;
         }
         let raw_per_second = raw.per_second();
         for (path, samples) in [(Path::Raw, &mut raw), (Path::Client, &mut client)] {
@@ -317,7 +363,15 @@ async fn principals_growth(subjects: &Subjects) {
                 (Path::Raw, &mut raw_samples),
                 (Path::Client, &mut client_samples),
             ] {
-                measure_spread(path, principals, subjects, samples).await;
+                measure(
+                    path,
+                    64,
+                    Users::Spread(principals),
+                    ROUND,
+                    subjects,
+                    samples,
+                )
+                .await;
             }
         }
         let raw_per_second = raw_samples.per_second().max(1.0);
@@ -343,51 +397,4 @@ async fn principals_growth(subjects: &Subjects) {
             );
         }
     }
-}
-
-/// One round of 64 callers, each deciding for user `(caller + 64 n) mod principals` on its n-th call.
-async fn measure_spread(path: Path, principals: usize, subjects: &Subjects, samples: &mut Samples) {
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut tasks = Vec::new();
-    for caller in 0..64usize {
-        let subjects = subjects.clone();
-        let stop = stop.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut raw = subjects.raw.clone();
-            let mut latencies_us = Vec::with_capacity(50_000);
-            let mut user = caller;
-            while !stop.load(Ordering::Relaxed) {
-                user = (user + 64) % principals;
-                let stopwatch = Stopwatch::start();
-                let planned = planned_for(&subjects.bundle, caller, user);
-                match path {
-                    Path::Client => {
-                        let _ = subjects.limiter.decide(&planned, None).await;
-                    }
-                    Path::Raw => {
-                        let _: Vec<i64> = subjects
-                            .store
-                            .decide_command(&planned.batch)
-                            .query_async(&mut raw)
-                            .await
-                            .expect("EVALSHA");
-                    }
-                }
-                if latencies_us.len() < MAX_SAMPLES_PER_CALLER {
-                    latencies_us
-                        .push(u64::try_from(stopwatch.elapsed().as_micros()).unwrap_or(u64::MAX));
-                }
-            }
-            latencies_us
-        }));
-    }
-    let stopwatch = Stopwatch::start();
-    tokio::time::sleep(ROUND).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        samples
-            .latencies_us
-            .extend(task.await.expect("the caller finishes"));
-    }
-    samples.seconds += stopwatch.elapsed().as_secs_f64();
 }
