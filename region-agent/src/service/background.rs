@@ -1,0 +1,106 @@
+//! The background loops: reports, and policy refresh with pool upkeep.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::Agent;
+
+/// Longest one round of background work (reports, or policy and pool upkeep) may take; a round cut
+/// short loses nothing (unacknowledged report lines stay pending).
+pub const ROUND_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest the last round of reports at shutdown may take.
+pub const FINAL_REPORT_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Agent {
+    /// Fetches the bundle this region should run and installs it if newer; tells the allocator what
+    /// runs here.
+    pub async fn refresh_policy(&self) {
+        let Some(allocator) = self.allocator.as_ref() else {
+            return;
+        };
+        match allocator.current_policy(&self.settings.region).await {
+            Ok(Some(bundle)) => {
+                self.offer_bundle(bundle);
+                self.bundle_confirmed_at_ms
+                    .store(self.clock.now_ms(), Ordering::Relaxed);
+            }
+            Ok(None) => {}
+            Err(error) => {
+                tracing::warn!(%error, "policy refresh failed; keeping the bundle in force")
+            }
+        }
+        let version = self.bundle.load().as_ref().map_or(0, |b| b.version());
+        if let Err(error) = allocator
+            .report_status(
+                &self.settings.region,
+                &self.settings.agent_id,
+                version,
+                &self.settings.pepper.fingerprint(),
+            )
+            .await
+        {
+            tracing::debug!(%error, "policy status not reported");
+        }
+    }
+
+    /// Runs the background loops until `shutdown` resolves: reports every `report_every`; policy
+    /// refresh and pool upkeep every `policy_every`. The loops are independent (a slow allocator
+    /// holds up neither the other loop nor shutdown), each round has [`ROUND_TIMEOUT`], and a last
+    /// round of reports is sent within [`FINAL_REPORT_TIMEOUT`].
+    pub async fn run_background(
+        self: Arc<Self>,
+        report_every: Duration,
+        policy_every: Duration,
+        shutdown: impl Future<Output = ()>,
+    ) {
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let signal = async {
+            shutdown.await;
+            let _ = stop.send(true);
+        };
+        let reports = every(report_every, stopped.clone(), "reports", || {
+            self.send_reports()
+        });
+        let upkeep = every(policy_every, stopped, "policy and pool upkeep", || async {
+            self.refresh_policy().await;
+            self.maintain_pools().await;
+        });
+        tokio::join!(signal, reports, upkeep);
+        if tokio::time::timeout(FINAL_REPORT_TIMEOUT, self.send_reports())
+            .await
+            .is_err()
+        {
+            tracing::warn!("the last reports did not reach the allocator before shutdown");
+        }
+    }
+}
+
+/// Runs `round` every `period` until `stopped` turns true; a round is cut at [`ROUND_TIMEOUT`] or
+/// at the stop.
+async fn every<F, Fut>(
+    period: Duration,
+    mut stopped: tokio::sync::watch::Receiver<bool>,
+    name: &'static str,
+    round: F,
+) where
+    F: Fn() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stopped.wait_for(|stop| *stop) => return,
+            _ = ticks.tick() => {}
+        }
+        tokio::select! {
+            _ = stopped.wait_for(|stop| *stop) => return,
+            finished = tokio::time::timeout(ROUND_TIMEOUT, round()) => {
+                if finished.is_err() {
+                    tracing::warn!(round = name, "background round cut at its deadline");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! The agent service: one admission decision per gateway request, from memory and one regional store
+//! call, plus the background work that keeps leases, reports and the policy bundle fresh.
+//!
+//! # Order of a decision
+//! 1. Validate the request; evaluate it against ONE bundle snapshot (its version is in the decision).
+//! 2. **Global rules first**: spend from the pool's leases in memory ([`crate::global`]). A denial
+//!    here costs no store call. When a global rule admits and a later rule denies, the global token
+//!    is spent and reported as spent: accounted for (it counts towards `admitted` in the ledger, the
+//!    conservative side of the bound), never refunded.
+//! 3. **Regional rules** in one atomic store call ([`crate::limiter::Limiter::decide`]).
+//!
+//! The allocator is never called on the request path except when a pool has no lease at all yet (the
+//! first request waits up to [`FIRST_GRANT_WAIT`] for the renewal it triggered).
+
+mod admission;
+mod background;
+mod pools;
+mod reports;
+mod settings;
+mod upkeep;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use allot_shared::policy::PolicyBundle;
+use arc_swap::ArcSwapOption;
+
+pub use admission::{CONCURRENCY_RETRY_MS, FIRST_GRANT_WAIT};
+pub use background::{FINAL_REPORT_TIMEOUT, ROUND_TIMEOUT};
+pub use pools::{
+    MAX_POOLS, MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, TERMS_REFRESH_MS, TERMS_RETRY_MS,
+    UNKNOWN_POOL_RETRY_MS,
+};
+pub use settings::{AgentSettings, DEFAULT_ALLOCATOR_ROUND_TRIP_MS, DEFAULT_EXPIRY_MARGIN_MS};
+
+use crate::allocator_client::AllocatorClient;
+use crate::clock::Clock;
+use crate::limiter::Limiter;
+use pools::{Lookup, PoolKey, PoolSlots};
+
+/// Why a request could not even be decided.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct RequestRejected {
+    /// The field at fault.
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// The agent.
+pub struct Agent {
+    settings: AgentSettings,
+    clock: Arc<dyn Clock>,
+    bundle: ArcSwapOption<PolicyBundle>,
+    limiter: Limiter,
+    allocator: Option<Arc<AllocatorClient>>,
+    pools: Mutex<PoolSlots>,
+    /// Pools being looked up, or recently not found (at most [`MAX_POOLS`]).
+    lookups: Mutex<HashMap<PoolKey, Lookup>>,
+    /// Report lines dropped by holders since forgotten (the live ones count their own).
+    dropped_reports_of_evicted: AtomicU64,
+    /// Where the next report round starts, so a round cut short does not starve the same pools.
+    report_cursor: AtomicUsize,
+    reachable: AtomicBool,
+    /// When the bundle in force was installed, epoch ms (0: none).
+    bundle_installed_at_ms: std::sync::atomic::AtomicU64,
+    /// When the allocator last confirmed the bundle in force (installed it, or answered the same or
+    /// an older version), epoch ms.
+    bundle_confirmed_at_ms: std::sync::atomic::AtomicU64,
+    /// The sampled decision log, when configured.
+    /// Set once at startup; read lock-free on every admit.
+    decision_log: std::sync::OnceLock<crate::decision_log::DecisionLog>,
+    decision_counters: crate::metrics::DecisionCounters,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Agent {
+    /// An agent deciding with `limiter`, taking leases from `allocator` (none: no global rules can be
+    /// served), starting with `bundle` if given.
+    pub fn new(
+        settings: AgentSettings,
+        clock: Arc<dyn Clock>,
+        limiter: Limiter,
+        allocator: Option<Arc<AllocatorClient>>,
+        bundle: Option<PolicyBundle>,
+    ) -> Arc<Self> {
+        let installed_at_ms = if bundle.is_some() { clock.now_ms() } else { 0 };
+        Arc::new(Self {
+            bundle_installed_at_ms: std::sync::atomic::AtomicU64::new(installed_at_ms),
+            bundle_confirmed_at_ms: std::sync::atomic::AtomicU64::new(installed_at_ms),
+            settings,
+            clock,
+            bundle: ArcSwapOption::from(bundle.map(Arc::new)),
+            limiter,
+            allocator,
+            pools: Mutex::new(PoolSlots::default()),
+            lookups: Mutex::new(HashMap::new()),
+            dropped_reports_of_evicted: AtomicU64::new(0),
+            report_cursor: AtomicUsize::new(0),
+            reachable: AtomicBool::new(true),
+            decision_log: std::sync::OnceLock::new(),
+            decision_counters: crate::metrics::DecisionCounters::default(),
+        })
+    }
+
+    /// Starts logging sampled decisions to `log`. Once per agent: a second log is refused (and
+    /// warned about), never swapped in under running requests.
+    pub fn set_decision_log(&self, log: crate::decision_log::DecisionLog) {
+        if self.decision_log.set(log).is_err() {
+            tracing::warn!("a decision log is already set; the new one is ignored");
+        }
+    }
+
+    /// The bundle in force.
+    pub fn bundle(&self) -> Option<Arc<PolicyBundle>> {
+        self.bundle.load_full()
+    }
+
+    /// Installs `candidate` if it is newer than the bundle in force (only higher versions, I13).
+    pub fn offer_bundle(&self, candidate: PolicyBundle) -> bool {
+        let current = self.bundle.load_full();
+        if current
+            .as_ref()
+            .is_some_and(|c| !c.is_superseded_by(&candidate))
+        {
+            return false;
+        }
+        tracing::info!(version = candidate.version(), "policy bundle installed");
+        self.bundle.store(Some(Arc::new(candidate)));
+        self.bundle_installed_at_ms
+            .store(self.clock.now_ms(), Ordering::Relaxed);
+        self.bundle_confirmed_at_ms
+            .store(self.clock.now_ms(), Ordering::Relaxed);
+        true
+    }
+
+    /// Sets the gauges that describe the agent's state now (called at each metrics scrape).
+    pub fn observe(&self) {
+        use crate::limiter::BreakerState;
+        for (shard, snapshot) in self.limiter.breakers().iter().enumerate() {
+            let state = match snapshot.state {
+                BreakerState::Closed => 0.0,
+                BreakerState::HalfOpen => 1.0,
+                BreakerState::Open => 2.0,
+            };
+            metrics::gauge!(crate::metrics::BREAKER_STATE, "shard" => shard.to_string()).set(state);
+        }
+        let bundle = self.bundle.load();
+        let version = bundle.as_ref().map_or(0, |b| b.version());
+        metrics::gauge!(crate::metrics::POLICY_VERSION).set(version as f64);
+        let installed = self.bundle_installed_at_ms.load(Ordering::Relaxed);
+        if installed > 0 {
+            let age_ms = self.clock.now_ms().saturating_sub(installed);
+            metrics::gauge!(crate::metrics::POLICY_AGE_SECONDS).set(age_ms as f64 / 1_000.0);
+        }
+        let stats = self.limiter.stats();
+        for (path, count) in [
+            ("decisions", stats.decisions),
+            ("store_calls", stats.store_calls),
+            ("store_retries", stats.store_retries),
+            ("negative_cache_hits", stats.negative_cache_hits),
+            ("cardinality_refusals", stats.cardinality_refusals),
+            ("fallback", stats.fallback_decisions),
+            ("unavailable", stats.unavailable),
+            ("policy_errors", stats.policy_errors),
+            ("breaker_refusals", stats.breaker_refusals),
+            ("in_flight_exhausted", stats.pool_exhausted),
+        ] {
+            metrics::gauge!(crate::metrics::LIMITER_DECISIONS, "path" => path).set(count as f64);
+        }
+        metrics::gauge!(crate::metrics::ALLOCATOR_REACHABLE).set(if self.allocator_reachable() {
+            1.0
+        } else {
+            0.0
+        });
+        let pools = lock(&self.pools);
+        let mut dropped = self.dropped_reports_of_evicted.load(Ordering::Relaxed);
+        for ((tenant, pool), slot) in pools.iter() {
+            let holder = lock(&slot.holder);
+            dropped += holder.dropped_reports();
+            metrics::gauge!(crate::metrics::TOKENS_STRANDED,
+                "tenant" => tenant.to_string(), "pool" => pool.to_string())
+            .set(holder.stranded_tokens() as f64);
+            metrics::gauge!(crate::metrics::FALLBACK_ALLOWANCE,
+                "tenant" => tenant.to_string(), "pool" => pool.to_string())
+            .set(holder.config().fallback_per_region_tokens as f64);
+        }
+        metrics::gauge!(crate::metrics::POOLS_HELD).set(pools.len() as f64);
+        metrics::gauge!(crate::metrics::REPORT_LINES_DROPPED).set(dropped as f64);
+    }
+
+    /// Pools held now (with terms), and pools being looked up or recently not found.
+    pub fn pool_counts(&self) -> (usize, usize) {
+        (lock(&self.pools).len(), lock(&self.lookups).len())
+    }
+
+    /// The regional limiter's counters.
+    pub fn limiter_stats(&self) -> crate::limiter::LimiterStats {
+        self.limiter.stats()
+    }
+
+    /// Whether the bundle in force is past its maximum age (strict rules then fail closed).
+    pub fn bundle_is_stale(&self) -> bool {
+        let max_age_ms = self.settings.policy_max_age_ms;
+        if max_age_ms == 0 || self.allocator.is_none() {
+            return false;
+        }
+        let confirmed = self.bundle_confirmed_at_ms.load(Ordering::Relaxed);
+        self.clock.now_ms().saturating_sub(confirmed) > max_age_ms
+    }
+
+    /// Whether the allocator answered the last call.
+    pub fn allocator_reachable(&self) -> bool {
+        self.reachable.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,255 @@
+//! The pool registry: the pools an agent holds (one [`PoolHolder`] each, with the terms in force),
+//! how a request finds its pool, and the single-flight lookup of a pool's terms.
+
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use allot_shared::ids::{PoolId, TenantId};
+use tokio::sync::Notify;
+
+use super::admission::FIRST_GRANT_WAIT;
+use super::{Agent, lock};
+use crate::allocator_client::{AllocatorClient, PoolTerms};
+use crate::global::{HolderConfig, PoolHolder};
+
+/// Most pools an agent holds at once (I10).
+pub const MAX_POOLS: usize = 10_000;
+/// After a pool's terms could not be fetched (allocator unreachable), requests for it fail closed
+/// from memory for this long, ms, instead of each calling the allocator again.
+pub const TERMS_RETRY_MS: u64 = 1_000;
+/// After the allocator said a pool does not exist, requests for it are denied from memory for this
+/// long, ms.
+pub const UNKNOWN_POOL_RETRY_MS: u64 = 5_000;
+/// A held pool's terms are fetched again at most this often, ms (a pool update reaches the agent
+/// within about this long).
+pub const TERMS_REFRESH_MS: u64 = 30_000;
+/// Most pool terms fetched again in one upkeep round (the rest wait for the next round).
+pub const MAX_TERMS_REFRESH_PER_ROUND: usize = 64;
+/// A pool with no demand for this long, and nothing held or owed, is forgotten, ms.
+pub const POOL_IDLE_MS: u64 = 600_000;
+
+pub(super) struct PoolSlot {
+    pub(super) holder: Mutex<PoolHolder>,
+    /// `G` of the terms in force, tokens (read on every global denial).
+    pub(super) limit: AtomicU64,
+    /// The terms in force and when they were last fetched, epoch ms.
+    pub(super) terms: Mutex<(PoolTerms, u64)>,
+    pub(super) renewed: Notify,
+    /// Set (under the holder's lock) when the slot is forgotten: a request that still holds it
+    /// looks the pool up again instead of spending on a holder nobody reports.
+    pub(super) evicted: AtomicBool,
+}
+
+impl PoolSlot {
+    pub(super) fn new(config: HolderConfig, terms: PoolTerms, fetched_at_ms: u64) -> Self {
+        Self {
+            holder: Mutex::new(PoolHolder::new(config)),
+            limit: AtomicU64::new(terms.limit),
+            terms: Mutex::new((terms, fetched_at_ms)),
+            renewed: Notify::new(),
+            evicted: AtomicBool::new(false),
+        }
+    }
+}
+
+/// A pool whose terms the agent does not hold.
+pub(super) enum Lookup {
+    /// Being fetched; the sender is dropped when the fetch ends (single flight).
+    Fetching(tokio::sync::watch::Receiver<()>),
+    /// Could not be had; requests fail closed from memory until then, epoch ms.
+    Missing { retry_at_ms: u64 },
+}
+
+pub(super) type PoolKey = (TenantId, PoolId);
+
+/// The pools an agent holds, by tenant then pool: a request finds its pool from the ids it already
+/// has, without building (allocating) a key.
+#[derive(Default)]
+pub(super) struct PoolSlots {
+    pub(super) by_tenant: HashMap<TenantId, HashMap<PoolId, Arc<PoolSlot>>>,
+    pub(super) len: usize,
+}
+
+impl PoolSlots {
+    pub(super) fn get(&self, tenant: &TenantId, pool: &PoolId) -> Option<&Arc<PoolSlot>> {
+        self.by_tenant.get(tenant)?.get(pool)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The slot of `key`, made by `make` when absent.
+    pub(super) fn get_or_insert_with(
+        &mut self,
+        key: PoolKey,
+        make: impl FnOnce() -> Arc<PoolSlot>,
+    ) {
+        let pools = self.by_tenant.entry(key.0).or_default();
+        if let std::collections::hash_map::Entry::Vacant(vacant) = pools.entry(key.1) {
+            vacant.insert(make());
+            self.len += 1;
+        }
+    }
+
+    pub(super) fn remove(&mut self, (tenant, pool): &PoolKey) {
+        let Some(pools) = self.by_tenant.get_mut(tenant) else {
+            return;
+        };
+        if pools.remove(pool).is_some() {
+            self.len -= 1;
+        }
+        if pools.is_empty() {
+            self.by_tenant.remove(tenant);
+        }
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = ((&TenantId, &PoolId), &Arc<PoolSlot>)> {
+        self.by_tenant.iter().flat_map(|(tenant, pools)| {
+            pools.iter().map(move |(pool, slot)| ((tenant, pool), slot))
+        })
+    }
+
+    /// Every slot with its key, for work done outside the lock.
+    pub(super) fn snapshot(&self) -> Vec<(PoolKey, Arc<PoolSlot>)> {
+        self.iter()
+            .map(|((tenant, pool), slot)| ((tenant.clone(), pool.clone()), slot.clone()))
+            .collect()
+    }
+}
+
+impl Agent {
+    /// The pool's slot, fetching its terms on first use. `None` when the terms cannot be had (no
+    /// allocator, unknown pool, unreachable, or too many pools).
+    ///
+    /// Off the hot path by construction: one fetch per pool at a time (the others wait for it, up
+    /// to [`FIRST_GRANT_WAIT`]), the fetch runs on its own task with the client's deadline, and a
+    /// failed lookup is remembered ([`TERMS_RETRY_MS`], [`UNKNOWN_POOL_RETRY_MS`]) so a flood of
+    /// requests for a missing pool costs one allocator call per interval, not one per request.
+    pub(super) async fn slot(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        pool: &PoolId,
+    ) -> Option<Arc<PoolSlot>> {
+        if let Some(slot) = lock(&self.pools).get(tenant, pool) {
+            return Some(slot.clone());
+        }
+        let allocator = self.allocator.clone()?;
+        let key = (tenant.clone(), pool.clone());
+        let mut fetched = {
+            let mut lookups = lock(&self.lookups);
+            // The fetch may have finished since the first look (it installs, then forgets).
+            if let Some(slot) = lock(&self.pools).get(tenant, pool) {
+                return Some(slot.clone());
+            }
+            let now_ms = self.clock.now_ms();
+            match lookups.get(&key) {
+                Some(Lookup::Missing { retry_at_ms }) if now_ms < *retry_at_ms => return None,
+                Some(Lookup::Fetching(fetched)) => fetched.clone(),
+                _ => {
+                    if lookups.len() >= MAX_POOLS {
+                        lookups.retain(|_, lookup| {
+                            !matches!(lookup, Lookup::Missing { retry_at_ms } if *retry_at_ms <= now_ms)
+                        });
+                        if lookups.len() >= MAX_POOLS {
+                            return None;
+                        }
+                    }
+                    let (done, fetched) = tokio::sync::watch::channel(());
+                    lookups.insert(key.clone(), Lookup::Fetching(fetched.clone()));
+                    tokio::spawn(self.clone().fetch_terms(allocator, key.clone(), done));
+                    fetched
+                }
+            }
+        };
+        // Ends when the fetch's sender is dropped; the fetch goes on without a caller who stops
+        // waiting.
+        let _ = tokio::time::timeout(FIRST_GRANT_WAIT, fetched.changed()).await;
+        lock(&self.pools).get(tenant, pool).cloned()
+    }
+
+    /// Fetches a pool's terms and installs its slot, or remembers why not. Dropping `done` wakes
+    /// the requests waiting for it.
+    async fn fetch_terms(
+        self: Arc<Self>,
+        allocator: Arc<AllocatorClient>,
+        key: PoolKey,
+        done: tokio::sync::watch::Sender<()>,
+    ) {
+        let (tenant, pool) = &key;
+        let stopwatch = crate::clock::Stopwatch::start();
+        let answer = allocator
+            .pool_terms(tenant, pool, Some(&self.settings.region))
+            .await;
+        metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
+            .record(stopwatch.elapsed().as_secs_f64());
+        let now_ms = self.clock.now_ms();
+        let retry_in_ms = match answer {
+            Ok(Some(mut terms)) => {
+                self.reachable.store(true, Ordering::Relaxed);
+                // What the region already admitted in fallback this window (a restart must not
+                // re-open the allowance); not part of the terms kept and compared.
+                let fallback_in_window = terms.fallback_in_window.take();
+                match self.holder_config(&terms) {
+                    Some(config) => {
+                        let mut pools = lock(&self.pools);
+                        if pools.len() < MAX_POOLS {
+                            pools.get_or_insert_with(key.clone(), || {
+                                let slot = PoolSlot::new(config, terms, now_ms);
+                                if let Some(f) = fallback_in_window {
+                                    lock(&slot.holder).seed_fallback(f.window_start_ms, f.admitted);
+                                }
+                                Arc::new(slot)
+                            });
+                            None
+                        } else {
+                            tracing::warn!(max = MAX_POOLS, "agent holds its maximum of pools");
+                            Some(TERMS_RETRY_MS)
+                        }
+                    }
+                    None => {
+                        tracing::error!(%tenant, %pool, "pool terms with a zero window ignored");
+                        Some(UNKNOWN_POOL_RETRY_MS)
+                    }
+                }
+            }
+            Ok(None) => {
+                tracing::debug!(%tenant, %pool, "no such pool at the allocator");
+                Some(UNKNOWN_POOL_RETRY_MS)
+            }
+            Err(error) => {
+                self.reachable
+                    .store(!error.is_unreachable(), Ordering::Relaxed);
+                metrics::counter!(crate::metrics::ALLOCATOR_ERRORS, "call" => "terms").increment(1);
+                tracing::warn!(%error, %tenant, %pool, "pool terms not fetched");
+                Some(TERMS_RETRY_MS)
+            }
+        };
+        let mut lookups = lock(&self.lookups);
+        match retry_in_ms {
+            None => lookups.remove(&key),
+            Some(retry_ms) => lookups.insert(
+                key,
+                Lookup::Missing {
+                    retry_at_ms: now_ms.saturating_add(retry_ms),
+                },
+            ),
+        };
+        drop(lookups);
+        drop(done);
+    }
+
+    pub(super) fn holder_config(&self, terms: &PoolTerms) -> Option<HolderConfig> {
+        Some(HolderConfig {
+            window_ms: NonZeroU64::new(terms.window_ms)?,
+            chunk_tokens: terms.chunk,
+            lease_ttl_ms: terms.lease_ttl_ms,
+            fallback_per_region_tokens: terms.fallback_per_region
+                / self.settings.region_agents.max(1),
+            expiry_margin_ms: self.settings.expiry_margin_ms,
+            round_trip_ms: self.settings.allocator_round_trip_ms,
+        })
+    }
+}

@@ -1,0 +1,58 @@
+//! The agent's settings and their shipped defaults.
+
+use allot_shared::ids::RegionId;
+use allot_shared::keys::{IpPrefixes, Pepper};
+
+/// Tokens are never spent within this many ms of a lease's end (clock-rate error between the agent
+/// and the allocator): the shipped default.
+pub const DEFAULT_EXPIRY_MARGIN_MS: u64 = 50;
+
+/// The agent's settings.
+#[derive(Debug, Clone)]
+pub struct AgentSettings {
+    /// This agent's region.
+    pub region: RegionId,
+    /// This agent's id, for policy status.
+    pub agent_id: String,
+    /// The HMAC pepper of principal keys.
+    pub pepper: Pepper,
+    /// Prefix lengths of anonymous principals.
+    pub ip_prefixes: IpPrefixes,
+    /// Retention of decision records for idempotent rules, ms.
+    pub decision_record_ttl_ms: u64,
+    /// Safety margin before a lease's end, ms.
+    pub expiry_margin_ms: u64,
+    /// An estimate of the allocator round trip, ms (sizes the renewal watermark).
+    pub allocator_round_trip_ms: u64,
+    /// Once the bundle has not been confirmed by the allocator for this long, rules marked `strict`
+    /// fail closed (I13). 0: never. Applies only to bundles that come from an allocator.
+    pub policy_max_age_ms: u64,
+    /// Agents serving this region (at least 1): each applies `fallbackPerRegion / region_agents`
+    /// tokens per window in a partition, so the region's agents together stay within the pool's
+    /// allowance (the bound's fallback term is per region, not per agent process).
+    pub region_agents: u64,
+}
+
+/// The allocator round trip the shipped binary sizes renewals with, ms.
+pub const DEFAULT_ALLOCATOR_ROUND_TRIP_MS: u64 = 20;
+
+impl AgentSettings {
+    /// Settings of agent `agent_id` in `region` keying principals with `pepper`, everything else at
+    /// its shipped default: /32 and /64 address keys, decision records for
+    /// [`DEFAULT_DECISION_RECORD_TTL_MS`](crate::limiter::DEFAULT_DECISION_RECORD_TTL_MS), the
+    /// [`DEFAULT_EXPIRY_MARGIN_MS`] margin, a [`DEFAULT_ALLOCATOR_ROUND_TRIP_MS`] round trip, a
+    /// bundle that never ages, one agent in the region.
+    pub fn new(region: RegionId, agent_id: String, pepper: Pepper) -> Self {
+        Self {
+            region,
+            agent_id,
+            pepper,
+            ip_prefixes: IpPrefixes::default(),
+            decision_record_ttl_ms: crate::limiter::DEFAULT_DECISION_RECORD_TTL_MS,
+            expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS,
+            allocator_round_trip_ms: DEFAULT_ALLOCATOR_ROUND_TRIP_MS,
+            policy_max_age_ms: 0,
+            region_agents: 1,
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! Pool upkeep (idle pools forgotten, terms refreshed) and lease renewals.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use allot_shared::ids::{LeaseId, PoolId, TenantId};
+use allot_shared::window::Window;
+
+use super::pools::{MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, PoolSlot, TERMS_REFRESH_MS};
+use super::{Agent, lock};
+use crate::global::{GrantVerdict, LeaseGrant};
+
+impl Agent {
+    /// Pool upkeep: forgets pools idle for [`POOL_IDLE_MS`] with nothing held or owed, and fetches
+    /// the terms of pools last fetched [`TERMS_REFRESH_MS`] ago or more (at most
+    /// [`MAX_TERMS_REFRESH_PER_ROUND`] per call), so pool updates reach the holders.
+    pub async fn maintain_pools(&self) {
+        let now_ms = self.clock.now_ms();
+        let slots = lock(&self.pools).snapshot();
+        let mut stale = Vec::new();
+        for (key, slot) in slots {
+            let mut pools = lock(&self.pools);
+            let mut holder = lock(&slot.holder);
+            let current = pools
+                .get(&key.0, &key.1)
+                .is_some_and(|s| Arc::ptr_eq(s, &slot));
+            if current && holder.is_idle(now_ms, POOL_IDLE_MS) {
+                slot.evicted.store(true, Ordering::Release);
+                self.dropped_reports_of_evicted
+                    .fetch_add(holder.dropped_reports(), Ordering::Relaxed);
+                pools.remove(&key);
+                continue;
+            }
+            drop((holder, pools));
+            let fetched_at_ms = lock(&slot.terms).1;
+            if now_ms.saturating_sub(fetched_at_ms) >= TERMS_REFRESH_MS {
+                stale.push((fetched_at_ms, key, slot));
+            }
+        }
+        let Some(allocator) = self.allocator.as_ref() else {
+            return;
+        };
+        // Longest unrefreshed first.
+        stale.sort_by_key(|(fetched_at_ms, _, _)| *fetched_at_ms);
+        for (_, (tenant, pool), slot) in stale.into_iter().take(MAX_TERMS_REFRESH_PER_ROUND) {
+            match allocator.pool_terms(&tenant, &pool, None).await {
+                Ok(Some(terms)) => {
+                    self.reachable.store(true, Ordering::Relaxed);
+                    let Some(config) = self.holder_config(&terms) else {
+                        continue;
+                    };
+                    let mut in_force = lock(&slot.terms);
+                    if in_force.0 != terms {
+                        tracing::info!(%tenant, %pool, version = terms.version, "pool terms updated");
+                        lock(&slot.holder).reconfigure(config);
+                        slot.limit.store(terms.limit, Ordering::Relaxed);
+                        in_force.0 = terms;
+                    }
+                    in_force.1 = self.clock.now_ms();
+                }
+                Ok(None) => {
+                    // Deleted: its leases run out, renewals answer nothing; it is forgotten when idle.
+                    tracing::warn!(%tenant, %pool, "a held pool no longer exists at the allocator");
+                    lock(&slot.terms).1 = self.clock.now_ms();
+                }
+                Err(error) => {
+                    self.reachable
+                        .store(!error.is_unreachable(), Ordering::Relaxed);
+                    tracing::debug!(%error, "pool terms not refreshed; next round");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Starts a renewal (single flight) when the holder wants one.
+    pub(super) fn renew_if_wanted(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        pool: &PoolId,
+        slot: &Arc<PoolSlot>,
+    ) {
+        let Some(allocator) = self.allocator.clone() else {
+            return;
+        };
+        let asked = {
+            let mut holder = lock(&slot.holder);
+            let now_ms = self.clock.now_ms();
+            let want = holder.wants(now_ms);
+            want.map(|want| {
+                holder.begin_renewal();
+                let fresh = LeaseId::from_parts(now_ms, rand::random());
+                (want, holder.renewal_lease_id(fresh))
+            })
+        };
+        let Some((want, lease_id)) = asked else {
+            return;
+        };
+        let (agent, slot, tenant, pool) =
+            (self.clone(), slot.clone(), tenant.clone(), pool.clone());
+        tokio::spawn(async move {
+            let asked_at_ms = agent.clock.now_ms();
+            let stopwatch = crate::clock::Stopwatch::start();
+            let answer = allocator
+                .grant(&tenant, &pool, &agent.settings.region, lease_id, want)
+                .await;
+            metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "grant")
+                .record(stopwatch.elapsed().as_secs_f64());
+            match answer {
+                Ok(Some(answer)) => {
+                    agent.reachable.store(true, Ordering::Relaxed);
+                    let grant = LeaseGrant {
+                        lease_id: answer.lease_id,
+                        epoch: answer.epoch,
+                        granted_tokens: answer.granted,
+                        window: Window {
+                            start_ms: answer.window_start_ms,
+                            end_ms: answer.window_end_ms,
+                        },
+                        expires_at_ms: answer.expires_at_ms,
+                        retry_after_ms: answer.retry_after_ms,
+                    }
+                    .on_agent_clock(answer.issued_at_ms, asked_at_ms);
+                    let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
+                    let outcome = match verdict {
+                        GrantVerdict::Accepted if answer.granted < want => "partial",
+                        GrantVerdict::Accepted => "granted",
+                        GrantVerdict::Exhausted { .. } => "exhausted",
+                        GrantVerdict::StaleEpoch { .. } => {
+                            tracing::warn!(epoch = %answer.epoch, %tenant, %pool,
+                                "grant from a stale allocator epoch ignored");
+                            "stale_epoch"
+                        }
+                        GrantVerdict::AlreadyExpired | GrantVerdict::Duplicate => "expired",
+                    };
+                    metrics::counter!(crate::metrics::RENEWALS, "outcome" => outcome).increment(1);
+                    if matches!(verdict, GrantVerdict::Accepted) {
+                        metrics::counter!(crate::metrics::TOKENS_GRANTED).increment(answer.granted);
+                    }
+                }
+                Ok(None) => {
+                    lock(&slot.holder).renewal_failed(lease_id, false);
+                    tracing::warn!(%tenant, %pool, "the pool no longer exists");
+                }
+                Err(error) => {
+                    // No answer (or a 5xx): the grant may have been committed; ask again with
+                    // the same lease id. A refusal is final.
+                    lock(&slot.holder).renewal_failed(lease_id, error.is_unreachable());
+                    agent
+                        .reachable
+                        .store(!error.is_unreachable(), Ordering::Relaxed);
+                    metrics::counter!(crate::metrics::RENEWALS, "outcome" => "failed").increment(1);
+                    metrics::counter!(crate::metrics::ALLOCATOR_ERRORS, "call" => "grant")
+                        .increment(1);
+                    tracing::warn!(%error, %tenant, %pool, "renewal failed");
+                }
+            }
+            lock(&slot.holder).end_renewal();
+            slot.renewed.notify_waiters();
+        });
+    }
+}
