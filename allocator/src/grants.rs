@@ -273,7 +273,11 @@ impl Grantor {
     ) -> Result<GrantRecord, GrantFailure> {
         let stopwatch = crate::clock::Stopwatch::start();
         let want = request.want_tokens;
-        let result = self.grant_unmeasured(tenant, pool, request).await;
+        let mut result = self.grant_unmeasured(tenant, pool, request).await;
+        if let Ok(record) = &mut result {
+            // A replay of a committed grant leaves later than it was issued: say when.
+            record.answered_at_ms = self.shared.clock.now_ms().max(record.issued_at_ms);
+        }
         let outcome = match &result {
             Ok(record) if record.granted == 0 => "exhausted",
             Ok(record) if record.granted < want => "partial",

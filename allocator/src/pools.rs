@@ -138,6 +138,12 @@ pub struct GrantRecord {
     /// on their own monotonic clock, so their wall clocks need not agree with the allocator's.
     #[serde(default)]
     pub issued_at_ms: u64,
+    /// When this answer was made (this allocator's clock), epoch ms: the issue time for a fresh
+    /// grant, later for a lease id asked again after a lost answer. `expiresAtMs - answeredAtMs`
+    /// is what is left of the lease when the answer leaves: an agent times the lease from its own
+    /// ask, so a recovered grant is never spent past its end. 0 in stored records.
+    #[serde(default)]
+    pub answered_at_ms: u64,
 }
 
 impl From<&Grant> for GrantRecord {
@@ -152,6 +158,7 @@ impl From<&Grant> for GrantRecord {
             expires_at_ms: grant.expires_at_ms,
             retry_after_ms: grant.retry_after_ms,
             issued_at_ms: grant.issued_at_ms,
+            answered_at_ms: grant.issued_at_ms,
         }
     }
 }

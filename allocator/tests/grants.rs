@@ -163,6 +163,28 @@ async fn racing_retries_grant_once(kv: Arc<dyn Kv>) {
     assert_eq!(records.len(), 1);
 }
 
+/// A lease id asked again later (its first answer was lost) gets the stored grant back, with the
+/// instant of this answer: what is left of the lease is `expiresAtMs - answeredAtMs`, never the
+/// whole length again.
+async fn a_replay_says_when_it_was_answered(kv: Arc<dyn Kv>) {
+    configure(&*kv, 1_000, 100).await;
+    let (grantor, clock, _) = leader(kv.clone()).await;
+    let first = grantor
+        .grant(&tenant(), &pool(), request(8, "eu", 60))
+        .await
+        .expect("granted");
+    assert_eq!(first.answered_at_ms, first.issued_at_ms);
+    clock.advance(4_000);
+    let replay = grantor
+        .grant(&tenant(), &pool(), request(8, "eu", 60))
+        .await
+        .expect("granted again");
+    assert_eq!(replay.issued_at_ms, first.issued_at_ms);
+    assert_eq!(replay.expires_at_ms, first.expires_at_ms);
+    assert_eq!(replay.granted, first.granted);
+    assert_eq!(replay.answered_at_ms, first.issued_at_ms + 4_000);
+}
+
 async fn futures_join<T: Send + 'static>(tasks: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
     let mut out = Vec::new();
     for task in tasks {
@@ -298,6 +320,11 @@ on_both_stores!(
     racing_retries_grant_once,
     memory_racing_retries_grant_once,
     etcd_racing_retries_grant_once
+);
+on_both_stores!(
+    a_replay_says_when_it_was_answered,
+    memory_a_replay_says_when_it_was_answered,
+    etcd_a_replay_says_when_it_was_answered
 );
 on_both_stores!(
     tail_exhaustion_and_clamping,

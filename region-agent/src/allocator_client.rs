@@ -65,6 +65,22 @@ pub struct GrantAnswer {
     /// When it was granted, on the allocator's clock, epoch ms (0: not said).
     #[serde(default)]
     pub issued_at_ms: u64,
+    /// When this answer was made, on the allocator's clock, epoch ms (0: not said): later than
+    /// `issued_at_ms` for a grant asked again after a lost answer.
+    #[serde(default)]
+    pub answered_at_ms: u64,
+}
+
+impl GrantAnswer {
+    /// The allocator's clock when it answered: `answered_at_ms`, or `issued_at_ms` from an
+    /// allocator that does not say (0: neither).
+    pub fn answered_at_ms(&self) -> u64 {
+        if self.answered_at_ms != 0 {
+            self.answered_at_ms
+        } else {
+            self.issued_at_ms
+        }
+    }
 }
 
 /// One lease's line in a report.

@@ -360,3 +360,36 @@ fn a_lease_lasts_its_granted_length_on_the_agents_clock() {
     // An allocator that does not say when it issued leaves the grant as it is.
     assert_eq!(allocator_grant.on_agent_clock(0, asked_at), allocator_grant);
 }
+
+/// A grant recovered by asking again with the same lease id after its answer was lost is the
+/// original grant, answered later than it was issued: the agent times it from its second ask with
+/// what was left of it then, so it is never spent past its end on the allocator's clock.
+#[test]
+fn a_recovered_grant_is_timed_from_what_was_left_when_it_was_answered() {
+    let issued_at = 10 * MINUTE + 1_000;
+    let allocator_grant = grant(1, 1, 10, issued_at);
+    let true_end = allocator_grant.expires_at_ms;
+    // The first answer was lost; the retry reaches the allocator 4 s later (the agent's clock 300 ms
+    // ahead), and the allocator answers it at once with the stored grant.
+    let answered_at = issued_at + 4_000;
+    let asked_again_at = answered_at + 300 - 5;
+    let local = allocator_grant.on_agent_clock(answered_at, asked_again_at);
+    assert_eq!(
+        local.expires_at_ms,
+        asked_again_at + (true_end - answered_at)
+    );
+    // On the allocator's clock the agent's end falls before the true end.
+    assert!(local.expires_at_ms - 300 <= true_end);
+    // Timed from the issue instead (the defect), it would outlive the lease by the retry's delay.
+    let timed_from_issue = allocator_grant.on_agent_clock(issued_at, asked_again_at);
+    assert!(timed_from_issue.expires_at_ms - 300 > true_end);
+    let mut holder = PoolHolder::new(config(0));
+    assert_eq!(
+        holder.accept(local, asked_again_at + 5),
+        GrantVerdict::Accepted
+    );
+    assert!(!matches!(
+        holder.spend(1, local.expires_at_ms - 50, true),
+        Spend::Leased(_)
+    ));
+}

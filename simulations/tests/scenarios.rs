@@ -5,7 +5,7 @@
 use allot_simulations::drill::report::html;
 use allot_simulations::drill::scenario::BUILTIN;
 use allot_simulations::drill::{
-    DrillReport, Expectation, Scenario, builtin, run, run_with, shortest_failure,
+    DrillReport, Expectation, Scenario, SeedRange, builtin, run, run_with, sweep,
 };
 
 fn block_on<T>(future: impl std::future::Future<Output = T>) -> T {
@@ -163,9 +163,8 @@ fn a_failure_shrinks_to_the_smallest_seed_and_the_fewest_windows_that_reproduce_
         expect: Expectation::FallbackWithinAllowance,
         ..scenario("answer-loss")
     };
-    let failure = block_on(shortest_failure(&flaky, 50))
-        .expect("runs")
-        .expect("some seed fails");
+    let found = block_on(sweep(&flaky, SeedRange::first_n(50).expect("50 seeds"))).expect("runs");
+    let failure = found.failures.first().cloned().expect("some seed fails");
     assert!(!failure.passed());
     assert!(failure.scenario.duration_ms <= flaky.duration_ms);
     for seed in 0..failure.seed {
@@ -259,13 +258,100 @@ fn allot_drill_runs_files_writes_the_report_and_refuses_bad_files_in_one_line() 
         .arg(&failing)
         .output()
         .expect("allot runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
+    // A failed drill exits 1 (not 2: the input was fine) and says so in one line on stderr.
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.trim(), "allot: drills failed: fallback");
     assert!(
-        stderr.contains(&format!(
+        stdout.contains(&format!(
             "shortest reproduction: allot drill --file {} --seed 0 --duration-ms 120000",
             failing.display()
         )),
-        "{stderr}"
+        "{stdout}"
     );
+
+    // --json prints the report as JSON on stdout whether the drill passes or fails.
+    for (file, passes) in [
+        (failing.as_path(), false),
+        (std::path::Path::new(file), true),
+    ] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_allot"))
+            .args(["drill", "--json", "--file"])
+            .arg(file)
+            .output()
+            .expect("allot runs");
+        assert_eq!(output.status.success(), passes);
+        let reports: serde_json::Value =
+            serde_json::from_slice(&output.stdout).expect("stdout is JSON, and only JSON");
+        let report = &reports.as_array().expect("an array")[0];
+        assert_eq!(
+            report["passed"],
+            serde_json::Value::Bool(passes),
+            "{report}"
+        );
+    }
+}
+
+#[test]
+fn a_seed_sweep_lists_every_failing_seed_with_its_shortest_reproduction() {
+    // Expecting fallback from random answer loss fails for the seeds where none was needed.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let flaky = dir.path().join("flaky.toml");
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scenarios/answer-loss.toml"
+    ))
+    .expect("answer-loss.toml");
+    let text = text
+        .lines()
+        .map(|line| {
+            if line.starts_with("expect =") {
+                "expect = \"fallback_within_allowance\""
+            } else {
+                line
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    std::fs::write(&flaky, text).expect("write");
+    let scenario =
+        Scenario::from_toml(&std::fs::read_to_string(&flaky).expect("read")).expect("parses");
+    let failing: Vec<u64> = (5..=24)
+        .filter(|&seed| {
+            !block_on(run_with(&scenario, seed, scenario.duration_ms))
+                .expect("runs")
+                .passed()
+        })
+        .collect();
+    assert!(!failing.is_empty() && failing.len() < 20, "{failing:?}");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_allot"))
+        .args(["drill", "--seeds", "5..24", "--file"])
+        .arg(&flaky)
+        .output()
+        .expect("allot runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{stdout}");
+    assert!(
+        stdout.contains(&format!("fails on {} of 20 seeds (5..24)", failing.len())),
+        "{stdout}"
+    );
+    for seed in &failing {
+        assert!(
+            stdout.contains(&format!(
+                "--file {} --seed {seed} --duration-ms",
+                flaky.display()
+            )),
+            "seed {seed} is not listed: {stdout}"
+        );
+    }
+    for bad in ["9..3", "x", "0", "1..20001"] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_allot"))
+            .args(["drill", "answer-loss", "--seeds", bad])
+            .output()
+            .expect("allot runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{bad}: {stderr}");
+        assert!(stderr.contains("--seeds"), "{bad}: {stderr}");
+    }
 }

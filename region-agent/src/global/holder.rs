@@ -73,19 +73,22 @@ pub struct LeaseGrant {
 }
 
 impl LeaseGrant {
-    /// The grant with its end moved onto the agent's clock: the lease lasts `expires_at_ms -
-    /// issued_at_ms` (the allocator's own measure) from `asked_at_ms`, when the agent asked, on
-    /// the agent's clock. The grant was issued after the agent asked, so the lease ends on the
-    /// agent's clock no later than on the allocator's, whatever the offset between the two clocks:
-    /// only their rates must agree, within the expiry margin over a lease. `issued_at_ms` 0 (an
-    /// allocator that does not say) leaves the grant as it is.
-    pub fn on_agent_clock(self, issued_at_ms: u64, asked_at_ms: u64) -> Self {
-        if issued_at_ms == 0 {
+    /// The grant with its end moved onto the agent's clock: what is left of the lease when the
+    /// allocator answered (`expires_at_ms - answered_at_ms`, the allocator's own measure) counts
+    /// from `asked_at_ms`, when the agent asked, on the agent's clock. The answer was made after
+    /// the agent asked, so the lease ends on the agent's clock no later than on the allocator's,
+    /// whatever the offset between the two clocks: only their rates must agree, within the expiry
+    /// margin over a lease. A lease id asked again after a lost answer gets the original grant
+    /// back, answered later than it was issued: it is timed from the second ask, with what was
+    /// left of it then. `answered_at_ms` 0 (an allocator that does not say) leaves the grant as it
+    /// is.
+    pub fn on_agent_clock(self, answered_at_ms: u64, asked_at_ms: u64) -> Self {
+        if answered_at_ms == 0 {
             return self;
         }
-        let lasts_ms = self.expires_at_ms.saturating_sub(issued_at_ms);
+        let left_ms = self.expires_at_ms.saturating_sub(answered_at_ms);
         Self {
-            expires_at_ms: asked_at_ms.saturating_add(lasts_ms),
+            expires_at_ms: asked_at_ms.saturating_add(left_ms),
             ..self
         }
     }

@@ -120,7 +120,7 @@ impl Agent {
                         expires_at_ms: answer.expires_at_ms,
                         retry_after_ms: answer.retry_after_ms,
                     }
-                    .on_agent_clock(answer.issued_at_ms, asked_at_ms);
+                    .on_agent_clock(answer.answered_at_ms(), asked_at_ms);
                     let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
                     let outcome = match verdict {
                         GrantVerdict::Accepted if answer.granted < want => "partial",

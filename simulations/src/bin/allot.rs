@@ -83,9 +83,10 @@ enum Command {
         /// Run with this seed instead of the scenario's.
         #[arg(long, conflicts_with = "seeds")]
         seed: Option<u64>,
-        /// Run seeds 0 to N-1 and print the shortest reproduction of the first failure.
+        /// Sweep seeds: `N` runs 0 to N-1, `A..B` runs A to B (both included); every failing seed
+        /// is listed with its shortest reproduction.
         #[arg(long)]
-        seeds: Option<u64>,
+        seeds: Option<allot_simulations::drill::SeedRange>,
         /// Run for this long instead of the scenario's duration, ms.
         #[arg(long)]
         duration_ms: Option<u64>,
@@ -160,15 +161,17 @@ fn main() -> ExitCode {
             seed,
             seeds,
             duration_ms,
-        } => allot_simulations::drill::run_blocking(&allot_simulations::drill::DrillOptions {
-            names,
-            files,
-            json,
-            report,
-            seed,
-            seeds,
-            duration_ms,
-        }),
+        } => {
+            return drill(&allot_simulations::drill::DrillOptions {
+                names,
+                files,
+                json,
+                report,
+                seed,
+                seeds,
+                duration_ms,
+            });
+        }
         Command::Policy {
             command: PolicyCommand::Check { file },
         } => policy_check(&file),
@@ -198,6 +201,26 @@ fn main() -> ExitCode {
         Ok(text) => {
             print!("{text}");
             ExitCode::SUCCESS
+        }
+        Err(message) => {
+            eprintln!("allot: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// `allot drill`: the reports on standard output whether the drills pass or fail (exit 1 names the
+/// failed ones on standard error); 2 when they could not run.
+fn drill(options: &allot_simulations::drill::DrillOptions) -> ExitCode {
+    match allot_simulations::drill::run_blocking(options) {
+        Ok(outcome) => {
+            print!("{}", outcome.output);
+            if outcome.failed.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("allot: drills failed: {}", outcome.failed.join(", "));
+                ExitCode::FAILURE
+            }
         }
         Err(message) => {
             eprintln!("allot: {message}");

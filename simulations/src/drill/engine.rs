@@ -805,8 +805,9 @@ impl Step<'_> {
             expires_at_ms: record.expires_at_ms,
             retry_after_ms: record.retry_after_ms,
         }
-        // As the agent: the lease's length is measured on the agent's clock from when it asked.
-        .on_agent_clock(record.issued_at_ms, self.agent_now_ms);
+        // As the agent: what is left of the lease is measured on the agent's clock from when it
+        // asked.
+        .on_agent_clock(record.answered_at_ms, self.agent_now_ms);
         let flight = InFlight {
             true_expires_at_ms: record.expires_at_ms,
             deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.c.added_ms,

@@ -29,14 +29,90 @@ pub struct DrillOptions {
     pub report: Option<PathBuf>,
     /// Run with this seed instead of the scenario's.
     pub seed: Option<u64>,
-    /// Run every drill with seeds 0 to N-1, and shrink the first failure to its shortest run.
-    pub seeds: Option<u64>,
+    /// Run every drill with each of these seeds, and shrink each failing seed to its shortest run.
+    pub seeds: Option<SeedRange>,
     /// Run for this long instead of the scenario's duration, ms.
     pub duration_ms: Option<u64>,
 }
 
-/// Most seeds one `--seeds` search runs per drill (I10).
+/// Most seeds one `--seeds` sweep runs per drill (I10).
 pub const MAX_SEEDS: u64 = 10_000;
+/// Most failing seeds a sweep shrinks and lists per drill (the rest are counted) (I10).
+pub const MAX_LISTED_FAILURES: usize = 20;
+
+/// The seeds of a `--seeds` sweep: `N` (0 to N-1) or `A..B` (A to B, both included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeedRange {
+    /// The first seed.
+    pub first: u64,
+    /// The last seed (included).
+    pub last: u64,
+}
+
+impl SeedRange {
+    /// Seeds 0 to `count - 1`.
+    pub fn first_n(count: u64) -> Result<Self, String> {
+        Self::new(
+            0,
+            count.checked_sub(1).ok_or("--seeds: 0 seeds is no sweep")?,
+        )
+    }
+
+    /// Seeds `first` to `last`, both included, at most [`MAX_SEEDS`].
+    pub fn new(first: u64, last: u64) -> Result<Self, String> {
+        if last < first {
+            return Err(format!(
+                "--seeds: {first}..{last} is empty (the last seed comes first)"
+            ));
+        }
+        if last - first >= MAX_SEEDS {
+            return Err(format!("--seeds: at most {MAX_SEEDS} seeds per sweep"));
+        }
+        Ok(Self { first, last })
+    }
+
+    /// The seeds, in order.
+    pub fn seeds(self) -> std::ops::RangeInclusive<u64> {
+        self.first..=self.last
+    }
+}
+
+impl std::str::FromStr for SeedRange {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let number = |s: &str| {
+            s.trim()
+                .parse::<u64>()
+                .map_err(|_| format!("--seeds: {s:?} is not a seed (a whole number)"))
+        };
+        match text.split_once("..") {
+            None => Self::first_n(number(text)?),
+            Some((first, last)) => Self::new(
+                number(first)?,
+                number(last.strip_prefix('=').unwrap_or(last))?,
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for SeedRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}..{}", self.first, self.last)
+    }
+}
+
+/// What a sweep of one drill over a [`SeedRange`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sweep {
+    /// The shortest failing run of each failing seed, smallest seed first (at most
+    /// [`MAX_LISTED_FAILURES`]).
+    pub failures: Vec<DrillReport>,
+    /// Failing seeds beyond those listed.
+    pub failures_not_listed: u64,
+    /// Seeds run.
+    pub seeds_run: u64,
+}
 
 /// The scenarios `options` names: built-in ones, then files; each with how to name it on the
 /// command line (its name, or `--file <path>`).
@@ -63,21 +139,32 @@ pub fn chosen(options: &DrillOptions) -> Result<Vec<(Scenario, String)>, String>
     Ok(chosen)
 }
 
-/// The shortest failing run of `scenario` among `seeds`: the smallest failing seed, then the fewest
-/// whole windows that still fail with it. `None` when every seed passes.
-pub async fn shortest_failure(
-    scenario: &Scenario,
-    seeds: u64,
-) -> Result<Option<DrillReport>, String> {
-    for seed in 0..seeds.min(MAX_SEEDS) {
-        let report = run_with(scenario, seed, scenario.duration_ms).await?;
-        if report.passed() {
+/// Runs `scenario` with every seed of `seeds`, and shrinks each failing seed to its shortest
+/// failing run.
+pub async fn sweep(scenario: &Scenario, seeds: SeedRange) -> Result<Sweep, String> {
+    let mut found = Sweep {
+        failures: Vec::new(),
+        failures_not_listed: 0,
+        seeds_run: 0,
+    };
+    for seed in seeds.seeds() {
+        found.seeds_run += 1;
+        if run_with(scenario, seed, scenario.duration_ms)
+            .await?
+            .passed()
+        {
+            continue;
+        }
+        if found.failures.len() >= MAX_LISTED_FAILURES {
+            found.failures_not_listed += 1;
             continue;
         }
         let shortest = shortest_for_seed(scenario, seed, scenario.duration_ms).await?;
-        return Ok(Some(run_with(scenario, seed, shortest).await?));
+        found
+            .failures
+            .push(run_with(scenario, seed, shortest).await?);
     }
-    Ok(None)
+    Ok(found)
 }
 
 /// The fewest whole windows (as a duration, ms) of `scenario` with `seed` that still fail, up to
@@ -97,9 +184,21 @@ pub async fn shortest_for_seed(
     Ok(duration_ms)
 }
 
+/// What `allot drill` prints, and which drills failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrillOutcome {
+    /// The tables (or, with `json`, the JSON array of reports) for standard output.
+    pub output: String,
+    /// The drills that missed their expectation or broke an invariant (empty: all passed).
+    pub failed: Vec<String>,
+}
+
 /// Runs the chosen drills on a single-threaded runtime: the table (or, with `json`, a JSON array)
-/// for each, the simulated-to-wall-clock speed, and an error naming the failed ones.
-pub fn run_blocking(options: &DrillOptions) -> Result<String, String> {
+/// for each, the simulated-to-wall-clock speed, and the failed ones. With `seeds`, every seed of
+/// the range runs and each failing one is listed with its shortest reproduction; the report shown
+/// is the first failure's (or the scenario's own seed when all pass). An error is returned only
+/// when the drills could not run at all.
+pub fn run_blocking(options: &DrillOptions) -> Result<DrillOutcome, String> {
     let chosen = chosen(options)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -110,23 +209,40 @@ pub fn run_blocking(options: &DrillOptions) -> Result<String, String> {
     let mut reports = Vec::new();
     for (scenario, invocation) in &chosen {
         let stopwatch = allot_allocator::clock::Stopwatch::start();
+        let reproduce = |report: &DrillReport| {
+            format!(
+                "  allot drill {invocation} --seed {} --duration-ms {}\n",
+                report.seed, report.scenario.duration_ms
+            )
+        };
         let report = if let Some(seeds) = options.seeds {
-            match runtime.block_on(shortest_failure(scenario, seeds))? {
-                Some(failure) => {
-                    out.push_str(&format!(
-                        "drill {} fails; shortest reproduction: allot drill {invocation} --seed {} --duration-ms {}\n",
-                        scenario.name, failure.seed, failure.scenario.duration_ms
-                    ));
-                    failure
+            let found = runtime.block_on(sweep(scenario, seeds))?;
+            let failing = found.failures.len() as u64 + found.failures_not_listed;
+            if failing == 0 {
+                out.push_str(&format!(
+                    "drill {}: seeds {seeds} all pass ({} runs)\n",
+                    scenario.name, found.seeds_run
+                ));
+                runtime.block_on(run(scenario))?
+            } else {
+                out.push_str(&format!(
+                    "drill {} fails on {failing} of {} seeds ({seeds}); shortest reproductions:\n",
+                    scenario.name, found.seeds_run
+                ));
+                for failure in &found.failures {
+                    out.push_str(&reproduce(failure));
                 }
-                None => {
+                if found.failures_not_listed > 0 {
                     out.push_str(&format!(
-                        "drill {}: seeds 0 to {} all pass\n",
-                        scenario.name,
-                        seeds.min(MAX_SEEDS).saturating_sub(1)
+                        "  ... and {} more failing seeds\n",
+                        found.failures_not_listed
                     ));
-                    runtime.block_on(run(scenario))?
                 }
+                found
+                    .failures
+                    .into_iter()
+                    .next()
+                    .ok_or("a failing sweep lists its first failure")?
             }
         } else {
             let seed = options.seed.unwrap_or(scenario.seed);
@@ -156,6 +272,7 @@ pub fn run_blocking(options: &DrillOptions) -> Result<String, String> {
         reports.push(report);
     }
     if options.json {
+        // Only the JSON on standard output, pass or fail: the exit status says which.
         let values: Vec<serde_json::Value> = reports.iter().map(DrillReport::json).collect();
         out = serde_json::to_string_pretty(&values).map_err(|e| e.to_string())?;
         out.push('\n');
@@ -167,9 +284,8 @@ pub fn run_blocking(options: &DrillOptions) -> Result<String, String> {
             out.push_str(&format!("report written to {}\n", path.display()));
         }
     }
-    if failed.is_empty() {
-        Ok(out)
-    } else {
-        Err(format!("{out}drills failed: {}", failed.join(", ")))
-    }
+    Ok(DrillOutcome {
+        output: out,
+        failed,
+    })
 }
