@@ -141,9 +141,14 @@ pub struct GrantRecord {
     /// When this answer was made (this allocator's clock), epoch ms: the issue time for a fresh
     /// grant, later for a lease id asked again after a lost answer. `expiresAtMs - answeredAtMs`
     /// is what is left of the lease when the answer leaves: an agent times the lease from its own
-    /// ask, so a recovered grant is never spent past its end. 0 in stored records.
-    #[serde(default)]
+    /// ask, so a recovered grant is never spent past its end. 0 (and absent) in stored records:
+    /// the grant service sets it on every answer.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub answered_at_ms: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 impl From<&Grant> for GrantRecord {
@@ -158,7 +163,7 @@ impl From<&Grant> for GrantRecord {
             expires_at_ms: grant.expires_at_ms,
             retry_after_ms: grant.retry_after_ms,
             issued_at_ms: grant.issued_at_ms,
-            answered_at_ms: grant.issued_at_ms,
+            answered_at_ms: 0,
         }
     }
 }

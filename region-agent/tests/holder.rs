@@ -20,6 +20,7 @@ fn config(fallback: u64) -> HolderConfig {
         fallback_per_region_tokens: fallback,
         expiry_margin_ms: 50,
         round_trip_ms: 50,
+        renewal_patience_ms: 200,
     }
 }
 
@@ -184,7 +185,7 @@ fn renewals_follow_demand_with_single_flight() {
         Some(4),
         "a quarter token/s for a 15 s lease"
     );
-    holder.begin_renewal();
+    holder.begin_renewal(t0);
     assert_eq!(holder.wants(t0), None, "one renewal at a time");
     holder.end_renewal();
     holder.accept(grant(1, 1, 4, t0), t0);
@@ -207,6 +208,8 @@ fn renewals_follow_demand_with_single_flight() {
 enum Event {
     Grant { granted: u64, epoch_step: i8 },
     Spend { cost: u64, reachable: bool },
+    Reserve { cost: u64, reachable: bool },
+    Settle { which: usize, commit: bool },
     Advance { ms: u64 },
     Report,
 }
@@ -215,7 +218,9 @@ fn events() -> impl Strategy<Value = Vec<Event>> {
     prop::collection::vec(
         prop_oneof![
             2 => (0u64..120, -1i8..3).prop_map(|(granted, epoch_step)| Event::Grant { granted, epoch_step }),
-            8 => (1u64..6, any::<bool>()).prop_map(|(cost, reachable)| Event::Spend { cost, reachable }),
+            5 => (1u64..6, any::<bool>()).prop_map(|(cost, reachable)| Event::Spend { cost, reachable }),
+            4 => (1u64..40, any::<bool>()).prop_map(|(cost, reachable)| Event::Reserve { cost, reachable }),
+            4 => (any::<usize>(), any::<bool>()).prop_map(|(which, commit)| Event::Settle { which, commit }),
             3 => (0u64..20_000).prop_map(|ms| Event::Advance { ms }),
             1 => Just(Event::Report),
         ],
@@ -223,12 +228,23 @@ fn events() -> impl Strategy<Value = Vec<Event>> {
     )
 }
 
+/// What the test knows of one outstanding reservation.
+struct Outstanding {
+    reservation: Reservation,
+    reserved_at: u64,
+    /// The lease it was taken from first, or the fallback window.
+    source: Spend,
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Per window: admitted from leases never exceeds what those leases granted, no lease is spent
-    /// at or after its end, stale-epoch grants are never spent, and fallback stays within the
-    /// allowance. Hence admitted <= granted + fallbackPerRegion in every window.
+    /// (or reserved from) at or after its end, stale-epoch grants are never spent, and fallback
+    /// stays within the allowance. Hence admitted <= granted + fallbackPerRegion in every window.
+    /// Reservations: no token is reserved twice (reserved + spent never exceed a lease's grant),
+    /// none is lost (granted = spent + stranded + still spendable once all are settled), a
+    /// cancelled one is never reported spent, and reports carry committed spends only.
     #[test]
     fn the_holder_never_admits_past_its_grants_and_allowance(
         fallback in 0u64..20,
@@ -241,6 +257,8 @@ proptest! {
         let mut grants: HashMap<LeaseId, (LeaseGrant, bool)> = HashMap::new();
         let mut spent: HashMap<LeaseId, u64> = HashMap::new();
         let mut fallback_by_window: HashMap<u64, u64> = HashMap::new();
+        let mut outstanding: Vec<Outstanding> = Vec::new();
+        let mut taken_tokens = 0;
         for (n, event) in events.into_iter().enumerate() {
             match event {
                 Event::Grant { granted, epoch_step } => {
@@ -251,25 +269,91 @@ proptest! {
                     if accepted { epoch = epoch.max(e); }
                     if e < holder.highest_epoch().0 { prop_assert!(!accepted); }
                     grants.insert(g.lease_id, (g, accepted));
+                    // A grant that arrives past its usable end is held by no one: stranded whole.
+                    if accepted || verdict == GrantVerdict::AlreadyExpired {
+                        taken_tokens += g.granted_tokens;
+                    }
                 }
-                Event::Spend { cost, reachable } => match holder.spend(cost, now, reachable) {
-                    Spend::Leased(id) => {
-                        let (g, accepted) = grants[&id];
-                        prop_assert!(accepted, "only accepted grants are spent");
-                        prop_assert!(now < g.expires_at_ms - 50, "no spend within the margin of the end");
-                        prop_assert!(g.window.contains(now), "a clamped lease admits only in its window");
-                        let total = spent.entry(id).or_default();
-                        *total += cost;
-                        prop_assert!(*total <= g.granted_tokens);
+                // `spend` is a reservation committed at once; done here in its two steps so the
+                // test sees how a cost is split across leases.
+                Event::Spend { cost, reachable } => match holder.reserve(cost, now, reachable) {
+                    Ok(reservation) => {
+                        let parts = reservation.lease_parts().to_vec();
+                        match holder.commit(reservation) {
+                            Spend::Leased(first) => {
+                                prop_assert_eq!(Some(first), parts.first().map(|(id, _)| *id));
+                                for (id, tokens) in parts {
+                                    let (g, accepted) = grants[&id];
+                                    prop_assert!(accepted, "only accepted grants are spent");
+                                    prop_assert!(now < g.expires_at_ms - 50, "no spend within the margin of the end");
+                                    prop_assert!(g.window.contains(now), "a clamped lease admits only in its window");
+                                    let total = spent.entry(id).or_default();
+                                    *total += tokens;
+                                    prop_assert!(*total <= g.granted_tokens);
+                                }
+                            }
+                            Spend::Fallback { window_start_ms } => {
+                                prop_assert!(!reachable);
+                                let total = fallback_by_window.entry(window_start_ms).or_default();
+                                *total += cost;
+                                prop_assert!(*total <= fallback);
+                            }
+                            Spend::Denied { .. } => prop_assert!(false, "a commit always spends"),
+                        }
                     }
-                    Spend::Fallback { window_start_ms } => {
-                        prop_assert!(!reachable);
-                        let total = fallback_by_window.entry(window_start_ms).or_default();
-                        *total += cost;
-                        prop_assert!(*total <= fallback);
-                    }
-                    Spend::Denied { retry_after_ms, .. } => prop_assert!(retry_after_ms >= 1),
+                    Err(Refusal { retry_after_ms, .. }) => prop_assert!(retry_after_ms >= 1),
                 },
+                Event::Reserve { cost, reachable } => match holder.reserve(cost, now, reachable) {
+                    Ok(reservation) => {
+                        prop_assert_eq!(reservation.tokens(), cost);
+                        prop_assert!(cost <= 100, "never above a chunk");
+                        if reservation.is_fallback() {
+                            prop_assert!(!reachable || holder.allocator_silent(now));
+                        }
+                        // What a commit would say (on a copy of the holder): where it came from.
+                        let source = holder.clone().commit(reservation);
+                        let parts = reservation.lease_parts();
+                        prop_assert_eq!(parts.is_empty(), reservation.is_fallback());
+                        prop_assert_eq!(parts.iter().map(|(_, tokens)| tokens).sum::<u64>(), if parts.is_empty() { 0 } else { cost });
+                        for (id, _) in parts {
+                            let (g, accepted) = grants[id];
+                            prop_assert!(accepted);
+                            prop_assert!(now < g.expires_at_ms - 50, "no reservation within the margin of the end");
+                        }
+                        outstanding.push(Outstanding { reservation, reserved_at: now, source });
+                    }
+                    Err(Refusal { denial, retry_after_ms }) => {
+                        prop_assert!(retry_after_ms >= 1);
+                        prop_assert_eq!(denial == Denial::CostAboveChunk, cost > 100);
+                    }
+                },
+                Event::Settle { which, commit } => {
+                    if outstanding.is_empty() {
+                        continue;
+                    }
+                    let settled = outstanding.swap_remove(which % outstanding.len());
+                    prop_assert!(settled.reserved_at <= now);
+                    if commit {
+                        let spend = holder.commit(settled.reservation);
+                        prop_assert_eq!(spend, settled.source);
+                        match spend {
+                            // Possibly across leases: each part counts on its own lease.
+                            Spend::Leased(_) => {
+                                for (id, tokens) in settled.reservation.lease_parts() {
+                                    *spent.entry(*id).or_default() += tokens;
+                                }
+                            }
+                            Spend::Fallback { window_start_ms } => {
+                                let total = fallback_by_window.entry(window_start_ms).or_default();
+                                *total += settled.reservation.tokens();
+                                prop_assert!(*total <= fallback);
+                            }
+                            Spend::Denied { .. } => prop_assert!(false, "a commit always spends"),
+                        }
+                    } else {
+                        holder.cancel(settled.reservation, now);
+                    }
+                }
                 Event::Advance { ms } => now += ms,
                 Event::Report => {
                     let report = holder.pending_report(now);
@@ -279,7 +363,21 @@ proptest! {
                     holder.acknowledge(&report, now);
                 }
             }
+            let reserved: u64 = outstanding.iter().map(|o| o.reservation.tokens()).sum();
+            prop_assert_eq!(holder.reserved_tokens(), reserved);
+            for (id, total) in &spent {
+                prop_assert!(*total <= grants[id].0.granted_tokens, "no token spent twice");
+            }
         }
+        // None lost: once every reservation is cancelled, what was granted is spent, stranded, or
+        // still spendable.
+        for o in outstanding.drain(..) {
+            holder.cancel(o.reservation, now);
+        }
+        prop_assert_eq!(holder.reserved_tokens(), 0);
+        let _ = holder.pending_report(now);
+        let spent_total: u64 = spent.values().sum();
+        prop_assert_eq!(taken_tokens, spent_total + holder.stranded_tokens() + holder.available_tokens(now));
     }
 }
 

@@ -162,6 +162,9 @@ pub enum Reason {
     LimiterUnavailable,
     /// The policy cannot be evaluated (a defect to alert on).
     PolicyError,
+    /// The request costs more than the rule can ever admit at once (a global pool's chunk): it will
+    /// never be admitted as it is (429, no `Retry-After`).
+    CostTooHigh,
 }
 
 /// The decision: a structured record first, an HTTP response second.
@@ -200,7 +203,10 @@ pub fn http_status(decision: &Decision) -> u16 {
     }
     match decision.reason {
         Some(Reason::LimiterUnavailable) | Some(Reason::PolicyError) => 503,
-        Some(Reason::RateExceeded) | Some(Reason::ConcurrencyExceeded) | None => 429,
+        Some(Reason::RateExceeded)
+        | Some(Reason::ConcurrencyExceeded)
+        | Some(Reason::CostTooHigh)
+        | None => 429,
     }
 }
 
@@ -327,6 +333,13 @@ impl Problem {
                 503,
                 "Rate limiter unavailable",
                 "The request could not be checked against its quota. Retry later.",
+            )
+        } else if decision.reason == Some(Reason::CostTooHigh) {
+            Self::new(
+                429,
+                "Request cost too high",
+                "The request costs more than its quota can admit at once; it will not be admitted \
+                 as it is. Send it in smaller parts.",
             )
         } else {
             Self::new(

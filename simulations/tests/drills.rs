@@ -278,3 +278,42 @@ fn the_figures_in_the_drill_docs_are_what_the_drills_produce() {
     let again = drill("agent-restart-fallback");
     assert_eq!(again.windows[1].regions[0].fallback, 100);
 }
+
+/// A blackholed allocator (calls that hang, neither answered nor refused): a renewal unanswered
+/// for the agent's patience (200 ms) counts as unreachable, so the region falls back instead of
+/// waiting, no decision waits longer, and fallback stays within the allowance per window.
+#[test]
+fn a_hung_allocator_starts_fallback_within_the_patience_and_no_admit_waits_longer() {
+    let report = drill("blackhole");
+    let s = &report.scenario;
+    let patience_ms =
+        u64::try_from(allot_region_agent::service::FIRST_GRANT_WAIT.as_millis()).expect("ms");
+    for window in &report.windows {
+        for region in &window.regions {
+            assert!(region.max_wait_ms <= patience_ms, "{}", report.table());
+            assert!(region.fallback <= s.fallback_per_region);
+        }
+        assert!(report.bound.holds(window.sum(|r| r.admitted())));
+    }
+    // The hang spans the end of window 0 and the start of window 1: EU used its allowance in both,
+    // instead of denying everything it could not lease.
+    assert_eq!(report.windows[0].regions[0].fallback, s.fallback_per_region);
+    assert_eq!(report.windows[1].regions[0].fallback, s.fallback_per_region);
+    // After the hang, leasing again: no fallback in the last window.
+    assert_eq!(
+        report.windows[2].regions[0].fallback,
+        0,
+        "{}",
+        report.table()
+    );
+    assert!(report.windows[2].regions[0].leased > 0);
+    // Slow answers (400 ms) are a milder case of the same: fallback after 200 ms, no longer wait.
+    let latency = drill("latency");
+    assert!(latency.windows[1].regions[0].fallback > 0);
+    assert!(
+        latency
+            .windows
+            .iter()
+            .all(|w| w.regions.iter().all(|r| r.max_wait_ms <= patience_ms))
+    );
+}

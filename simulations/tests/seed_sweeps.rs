@@ -62,6 +62,7 @@ sweeps! {
     clamped => "clamped",
     unclamped => "unclamped",
     fallback => "fallback",
+    blackhole => "blackhole",
     failover_etcd => "failover-etcd",
     failover_lost => "failover-lost",
     independent => "independent",

@@ -44,6 +44,15 @@ async fn start_agent(
     allocator_url: &str,
     redis: &RedisServer,
 ) -> (Arc<Agent>, String) {
+    start_agent_with(region, allocator_url, redis, bundle()).await
+}
+
+async fn start_agent_with(
+    region: &str,
+    allocator_url: &str,
+    redis: &RedisServer,
+    bundle: allot_shared::policy::PolicyBundle,
+) -> (Arc<Agent>, String) {
     let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
         .await
         .expect("redis");
@@ -67,7 +76,7 @@ async fn start_agent(
         Arc::new(SystemClock),
         limiter,
         Some(Arc::new(client)),
-        Some(bundle()),
+        Some(bundle),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -299,4 +308,104 @@ async fn two_regions_share_one_pool_without_overshoot() {
         rendered.contains("allot_policy_current_version 0"),
         "{rendered}"
     );
+}
+
+/// A denial anywhere debits nothing anywhere, as a gateway sees it: a pool of 50 and a per-user
+/// bucket of 2. One user sending 60 requests is denied by their own bucket 58 times, and those
+/// denials spend nothing of the tenant's pool: the next 20 users of the tenant are all admitted,
+/// and the ledger's window says 22 admitted, not 60.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_user_flooding_past_their_bucket_leaves_the_pool_to_the_tenants_other_users() {
+    let etcd = EtcdCluster::single();
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let allocator = start_allocator(&etcd, dir.path()).await;
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
+    // 50 an hour (one window for the whole run).
+    let pool = json!({ "limit": 50, "windowMs": 3_600_000, "chunk": 10, "leaseTtlMs": 60_000,
+                       "fallbackPerRegion": 0, "regions": ["eu"] });
+    let put = http
+        .put(format!("{allocator}/v1/pools/atlas/api"))
+        .bearer_auth(OPERATOR)
+        .json(&pool)
+        .send()
+        .await
+        .expect("put pool");
+    assert_eq!(put.status(), 200);
+    let text = json!({ "rules": [
+        { "id": "user-read", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
+          "limit": 2, "windowMs": 3_600_000, "failMode": "closed" },
+        { "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" }
+    ]})
+    .to_string();
+    let bundle = allot_shared::policy::parse_bundle(&text)
+        .and_then(|d| d.into_file_bundle())
+        .expect("valid bundle");
+    let (agent, url) = start_agent_with("eu", &allocator, &redis, bundle).await;
+    let admit = |n: usize, user: String| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let response = http
+                .post(format!("{url}/v1/admit"))
+                .bearer_auth(GATEWAY)
+                .json(&request(n, &user))
+                .send()
+                .await
+                .expect("admit");
+            let status = response.status().as_u16();
+            (
+                status,
+                response.json::<Value>().await.expect("decision json"),
+            )
+        }
+    };
+    let mut flood_admitted = 0;
+    for n in 0..60 {
+        let (status, decision) = admit(n, "U-flood".to_owned()).await;
+        if decision["allowed"] == true {
+            flood_admitted += 1;
+        } else {
+            assert_eq!(status, 200, "/v1/admit answers the decision: {decision}");
+            assert_eq!(decision["deniedScope"], "user", "{decision}");
+        }
+    }
+    assert_eq!(flood_admitted, 2);
+    for user in 0..20 {
+        let (_, decision) = admit(100 + user, format!("U-{user}")).await;
+        assert_eq!(
+            decision["allowed"], true,
+            "user {user} of the same tenant: {decision}"
+        );
+    }
+    agent.send_reports().await;
+    let windows: Value = http
+        .get(format!("{allocator}/v1/pools/atlas/api/windows?last=1"))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("windows")
+        .json()
+        .await
+        .expect("json");
+    let row = &windows["windows"][0];
+    assert_eq!(row["spent"], 22, "{row}");
+    assert_eq!(row["admitted"], 22, "{row}");
+    // The agent's counters agree: 22 allowed, 58 denied by the user's rule.
+    let metrics = http
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let allowed: f64 = metrics
+        .lines()
+        .filter(|line| line.starts_with("allot_agent_decisions_total{outcome=\"allowed\""))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(allowed, 22.0, "{metrics}");
 }

@@ -14,7 +14,13 @@
 //! - admits from leases never exceed what the leases granted; admits in fallback never exceed the
 //!   pool's `fallbackPerRegion` per window; so per window and region:
 //!   admitted <= granted to this region + fallbackPerRegion;
-//! - nothing is refunded: what a lease did not spend by its end is stranded, and reported as such.
+//! - nothing is refunded: what a lease did not spend by its end is stranded, and reported as such;
+//! - a reservation ([`PoolHolder::reserve`]) takes tokens out of what may be spent until it is
+//!   committed (the request was admitted: the tokens are spent) or cancelled (another rule denied:
+//!   the tokens go back to the same lease while it lives, are stranded if it has ended, and go back
+//!   to the window's allowance in fallback). No token is reserved twice, none is lost, and a lease
+//!   is reserved from only before its usable end. Nothing remote is involved: this is bookkeeping
+//!   in the agent's memory, not a refund to the allocator.
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU64;
@@ -53,6 +59,11 @@ pub struct HolderConfig {
     /// The allocator round trip the agent assumes, ms: sizes the renewal watermark, and no lease is
     /// asked for (or waited for) within `expiry_margin_ms + round_trip_ms` of a window's end.
     pub round_trip_ms: u64,
+    /// A renewal unanswered for this long, ms, counts as an unreachable allocator: with nothing
+    /// held, requests are admitted from the fallback allowance until an answer (or the call's
+    /// failure) arrives, so a blackholed allocator costs at most this long without quota. 0: only
+    /// a failed call counts.
+    pub renewal_patience_ms: u64,
 }
 
 /// A grant as the allocator answered it.
@@ -101,12 +112,14 @@ pub struct HeldLease {
     pub grant: LeaseGrant,
     /// Tokens spent from it.
     pub spent_tokens: u64,
+    /// Tokens reserved for requests being decided (neither spendable nor spent).
+    pub reserved_tokens: u64,
     reported_spent_tokens: u64,
 }
 
 impl HeldLease {
     fn remaining_tokens(&self) -> u64 {
-        self.grant.granted_tokens - self.spent_tokens
+        self.grant.granted_tokens - self.spent_tokens - self.reserved_tokens
     }
 
     /// The last instant (exclusive) at which a token may be spent.
@@ -150,6 +163,60 @@ pub enum Denial {
     /// No lease is held and the window ends within the expiry margin plus a round trip: a lease
     /// asked for now would end before it could be spent. The pool refills when the window ends.
     WindowEnding,
+    /// The request costs more than one chunk, the most a lease of this pool can hold: it can never
+    /// be admitted from leases.
+    CostAboveChunk,
+}
+
+/// A request the holder could not reserve for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    /// Why.
+    pub denial: Denial,
+    /// When to retry, ms (`u64::MAX`: never, for [`Denial::CostAboveChunk`]).
+    pub retry_after_ms: u64,
+}
+
+/// Where a reservation's tokens come from: up to [`MAX_LIVE_LEASES`] leases (the first-ending
+/// first), or one window's fallback allowance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReservedFrom {
+    Leases {
+        parts: [(LeaseId, u64); MAX_LIVE_LEASES],
+        len: usize,
+    },
+    Fallback {
+        window_start_ms: u64,
+    },
+}
+
+/// Tokens held back for one request while its other rules are decided. Settle it with
+/// [`PoolHolder::commit`] (admitted) or [`PoolHolder::cancel`] (denied) on the holder that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a reservation must be committed or cancelled"]
+pub struct Reservation {
+    from: ReservedFrom,
+    cost_tokens: u64,
+}
+
+impl Reservation {
+    /// Whether the tokens come from the fallback allowance (the allocator is unreachable).
+    pub fn is_fallback(&self) -> bool {
+        matches!(self.from, ReservedFrom::Fallback { .. })
+    }
+
+    /// Tokens reserved.
+    pub fn tokens(&self) -> u64 {
+        self.cost_tokens
+    }
+
+    /// The leases it holds tokens of, and how many of each (empty in fallback).
+    pub fn lease_parts(&self) -> &[(LeaseId, u64)] {
+        match &self.from {
+            ReservedFrom::Leases { parts, len } => &parts[..*len],
+            ReservedFrom::Fallback { .. } => &[],
+        }
+    }
 }
 
 /// The outcome of spending.
@@ -212,6 +279,7 @@ impl PendingReport {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct FallbackCount {
     admitted_tokens: u64,
+    reserved_tokens: u64,
     reported_tokens: u64,
 }
 
@@ -277,6 +345,14 @@ impl SpendRate {
         self.bucket_tokens = self.bucket_tokens.saturating_add(tokens);
     }
 
+    /// Takes back demand recorded at `recorded_at_ms` that turned out not to be the pool's (a
+    /// request another rule denied), if its bucket is still open.
+    fn unrecord(&mut self, recorded_at_ms: u64, tokens: u64) {
+        if recorded_at_ms >= self.bucket_start_ms {
+            self.bucket_tokens = self.bucket_tokens.saturating_sub(tokens);
+        }
+    }
+
     /// Tokens per second x [`RATE_SCALE`], at least 1, as if the bucket in progress closed now: how
     /// soon what is held runs out (a burst counts at once). Sets the renewal watermark.
     fn urgency(&self) -> u64 {
@@ -313,6 +389,14 @@ pub struct PoolHolder {
     rate: SpendRate,
     last_demand_ms: Option<u64>,
     renewal_in_flight: bool,
+    /// When the renewal in flight was asked, epoch ms.
+    renewal_started_at_ms: u64,
+    /// The largest request cost that found too little held since the last grant: the next renewal
+    /// asks for at least this (within the chunk), so a request above the usual lease size is
+    /// satisfiable instead of waiting for ever.
+    wanted_for_request_tokens: u64,
+    /// Tokens in outstanding reservations, leases and fallback together.
+    reserved_tokens: u64,
     /// The lease id of a renewal whose answer never arrived: the allocator may have granted it, so
     /// the next renewal asks with the same id and gets that grant back instead of stranding it.
     unanswered_lease: Option<LeaseId>,
@@ -333,6 +417,9 @@ impl PoolHolder {
             rate: SpendRate::new(config.lease_ttl_ms),
             last_demand_ms: None,
             renewal_in_flight: false,
+            renewal_started_at_ms: 0,
+            wanted_for_request_tokens: 0,
+            reserved_tokens: 0,
             unanswered_lease: None,
             dropped_reports: 0,
             stranded_tokens: 0,
@@ -369,8 +456,15 @@ impl PoolHolder {
         }
         if self.ended.len() > MAX_UNREPORTED_LEASES {
             let excess = self.ended.len() - MAX_UNREPORTED_LEASES;
-            self.ended.drain(..excess);
-            self.dropped_reports += excess as u64;
+            let before = self.ended.len();
+            // The oldest go first; a lease with tokens still reserved stays until they settle.
+            let mut dropped = 0;
+            self.ended.retain(|lease| {
+                let drop = dropped < excess && lease.reserved_tokens == 0;
+                dropped += usize::from(drop);
+                !drop
+            });
+            self.dropped_reports += (before - self.ended.len()) as u64;
         }
     }
 
@@ -402,6 +496,7 @@ impl PoolHolder {
         let lease = HeldLease {
             grant,
             spent_tokens: 0,
+            reserved_tokens: 0,
             reported_spent_tokens: 0,
         };
         if now_ms >= lease.usable_until_ms(self.config.expiry_margin_ms) {
@@ -416,80 +511,254 @@ impl PoolHolder {
             self.stranded_tokens += oldest.remaining_tokens();
             self.ended.push(oldest);
         }
+        if grant.granted_tokens >= self.wanted_for_request_tokens {
+            self.wanted_for_request_tokens = 0;
+        }
         self.live.push(lease);
         // Spend the lease that ends first first.
         self.live.sort_by_key(|l| l.grant.expires_at_ms);
         GrantVerdict::Accepted
     }
 
-    /// Spends `cost_tokens` (at least 1) at `now_ms`. `allocator_reachable` says whether the agent
-    /// can currently reach the allocator (it decides whether fallback applies).
+    /// Spends `cost_tokens` (at least 1) at `now_ms` at once: a reservation committed in the same
+    /// instant (for a pool that is the request's only rule). `allocator_reachable` says whether the
+    /// agent can currently reach the allocator (it decides whether fallback applies).
     pub fn spend(&mut self, cost_tokens: u64, now_ms: u64, allocator_reachable: bool) -> Spend {
+        match self.reserve(cost_tokens, now_ms, allocator_reachable) {
+            Ok(reservation) => self.commit(reservation),
+            Err(Refusal {
+                denial,
+                retry_after_ms,
+            }) => Spend::Denied {
+                denial,
+                retry_after_ms,
+            },
+        }
+    }
+
+    /// Whether a renewal has been unanswered for longer than the configured patience: the
+    /// allocator is treated as unreachable until it answers.
+    pub fn allocator_silent(&self, now_ms: u64) -> bool {
+        let patience_ms = self.config.renewal_patience_ms;
+        self.renewal_in_flight
+            && patience_ms > 0
+            && now_ms.saturating_sub(self.renewal_started_at_ms) >= patience_ms
+    }
+
+    /// Reserves `cost_tokens` (at least 1) at `now_ms` for a request whose other rules are still
+    /// to be decided: from held leases (the first-ending first, across leases when one holds too
+    /// little), else, with the allocator unreachable (or silent past the renewal patience), from
+    /// the window's fallback allowance. Reserved tokens can be neither spent nor reserved again
+    /// until [`commit`](Self::commit) or [`cancel`](Self::cancel).
+    pub fn reserve(
+        &mut self,
+        cost_tokens: u64,
+        now_ms: u64,
+        allocator_reachable: bool,
+    ) -> Result<Reservation, Refusal> {
         let cost_tokens = cost_tokens.max(1);
+        if cost_tokens > self.config.chunk_tokens.max(1) {
+            return Err(Refusal {
+                denial: Denial::CostAboveChunk,
+                retry_after_ms: u64::MAX,
+            });
+        }
         self.expire(now_ms);
         self.last_demand_ms = Some(now_ms);
         self.rate.record(now_ms, cost_tokens);
-        let margin = self.config.expiry_margin_ms;
-        if let Some(lease) = self
-            .live
-            .iter_mut()
-            .find(|l| l.remaining_tokens() >= cost_tokens)
-        {
-            debug_assert!(
-                now_ms < lease.usable_until_ms(margin),
-                "no spend at or after a lease's end"
-            );
-            lease.spent_tokens += cost_tokens;
-            debug_assert!(lease.spent_tokens <= lease.grant.granted_tokens);
-            return Spend::Leased(lease.grant.lease_id);
+        if let Some(reservation) = self.reserve_from_leases(cost_tokens, now_ms) {
+            return Ok(reservation);
         }
         if self.exhausted_until_ms > now_ms {
-            return Spend::Denied {
+            return Err(Refusal {
                 denial: Denial::PoolExhausted,
                 retry_after_ms: self.exhausted_until_ms - now_ms,
-            };
+            });
         }
         let window = Window::containing(now_ms, self.config.window_ms);
         let until_window_end_ms = window.ms_until_end(now_ms).max(1);
-        if allocator_reachable {
+        if allocator_reachable && !self.allocator_silent(now_ms) {
             if window.ms_until_end(now_ms)
                 <= self.config.expiry_margin_ms + self.config.round_trip_ms
             {
-                return Spend::Denied {
+                return Err(Refusal {
                     denial: Denial::WindowEnding,
                     retry_after_ms: until_window_end_ms,
-                };
+                });
             }
-            return Spend::Denied {
+            // Ask the next renewal for at least this much, so the request can be met.
+            self.wanted_for_request_tokens = self.wanted_for_request_tokens.max(cost_tokens);
+            return Err(Refusal {
                 denial: Denial::AwaitingGrant,
                 retry_after_ms: 1,
-            };
+            });
         }
+        self.reserve_from_fallback(cost_tokens, window, until_window_end_ms)
+    }
+
+    fn reserve_from_leases(&mut self, cost_tokens: u64, now_ms: u64) -> Option<Reservation> {
+        let margin = self.config.expiry_margin_ms;
+        // After `expire`, every live lease is usable now.
+        let held: u64 = self.live.iter().map(HeldLease::remaining_tokens).sum();
+        if held < cost_tokens {
+            return None;
+        }
+        // Unused places repeat the first lease with 0 tokens; `len` says how many are parts.
+        let first = self.live.first()?.grant.lease_id;
+        let mut parts = [(first, 0); MAX_LIVE_LEASES];
+        let mut len = 0;
+        let mut left = cost_tokens;
+        for lease in &mut self.live {
+            let take = left.min(lease.remaining_tokens());
+            if take == 0 {
+                continue;
+            }
+            debug_assert!(
+                now_ms < lease.usable_until_ms(margin),
+                "no reservation at or after a lease's end"
+            );
+            lease.reserved_tokens += take;
+            debug_assert!(lease.spent_tokens + lease.reserved_tokens <= lease.grant.granted_tokens);
+            parts[len] = (lease.grant.lease_id, take);
+            len += 1;
+            left -= take;
+            if left == 0 {
+                break;
+            }
+        }
+        debug_assert_eq!(left, 0);
+        self.reserved_tokens += cost_tokens;
+        Some(Reservation {
+            from: ReservedFrom::Leases { parts, len },
+            cost_tokens,
+        })
+    }
+
+    fn reserve_from_fallback(
+        &mut self,
+        cost_tokens: u64,
+        window: Window,
+        until_window_end_ms: u64,
+    ) -> Result<Reservation, Refusal> {
         let allowance = self.config.fallback_per_region_tokens;
         if allowance == 0 {
-            return Spend::Denied {
+            return Err(Refusal {
                 denial: Denial::FailClosed,
                 retry_after_ms: until_window_end_ms,
-            };
+            });
         }
         let count = self.fallback.entry(window.start_ms).or_default();
-        if count.admitted_tokens + cost_tokens > allowance {
-            return Spend::Denied {
+        if count.admitted_tokens + count.reserved_tokens + cost_tokens > allowance {
+            return Err(Refusal {
                 denial: Denial::FallbackSpent,
                 retry_after_ms: until_window_end_ms,
-            };
+            });
         }
-        count.admitted_tokens += cost_tokens;
-        debug_assert!(count.admitted_tokens <= allowance);
+        count.reserved_tokens += cost_tokens;
+        debug_assert!(count.admitted_tokens + count.reserved_tokens <= allowance);
         if self.fallback.len() > MAX_FALLBACK_WINDOWS
-            && let Some((&oldest, _)) = self.fallback.iter().next()
+            && let Some((&oldest, _)) = self.fallback.iter().find(|(_, c)| c.reserved_tokens == 0)
         {
             self.fallback.remove(&oldest);
             self.dropped_reports += 1;
         }
-        Spend::Fallback {
-            window_start_ms: window.start_ms,
+        self.reserved_tokens += cost_tokens;
+        Ok(Reservation {
+            from: ReservedFrom::Fallback {
+                window_start_ms: window.start_ms,
+            },
+            cost_tokens,
+        })
+    }
+
+    /// Spends what `reservation` holds: the request was admitted. The tokens count as spent from
+    /// their leases (or admitted in fallback in their window) whenever the commit comes; a lease
+    /// that ended meanwhile reports them with its final line.
+    pub fn commit(&mut self, reservation: Reservation) -> Spend {
+        self.settle(&reservation);
+        match reservation.from {
+            ReservedFrom::Fallback { window_start_ms } => {
+                let count = self.fallback.entry(window_start_ms).or_default();
+                count.reserved_tokens = count
+                    .reserved_tokens
+                    .saturating_sub(reservation.cost_tokens);
+                count.admitted_tokens += reservation.cost_tokens;
+                debug_assert!(
+                    count.admitted_tokens <= self.config.fallback_per_region_tokens,
+                    "fallback admits stay within the allowance"
+                );
+                Spend::Fallback { window_start_ms }
+            }
+            ReservedFrom::Leases { parts, .. } => {
+                for &(lease_id, tokens) in reservation.lease_parts() {
+                    match self.lease_mut(lease_id) {
+                        Some(lease) => {
+                            debug_assert!(lease.reserved_tokens >= tokens);
+                            lease.reserved_tokens -= tokens;
+                            lease.spent_tokens += tokens;
+                            debug_assert!(lease.spent_tokens <= lease.grant.granted_tokens);
+                        }
+                        // Only past MAX_UNREPORTED_LEASES ended leases, which keeps those with
+                        // reservations: counted, never silent.
+                        None => self.dropped_reports += 1,
+                    }
+                }
+                Spend::Leased(parts[0].0)
+            }
         }
+    }
+
+    /// Gives back what `reservation` holds at `now_ms`: the request was denied by another rule (or
+    /// not decided). Tokens go back to their lease while it lives (an ended lease strands them, as
+    /// it strands the rest of what it held) or to their window's fallback allowance; the demand
+    /// they stood for is taken back.
+    pub fn cancel(&mut self, reservation: Reservation, now_ms: u64) {
+        self.settle(&reservation);
+        self.rate.unrecord(now_ms, reservation.cost_tokens);
+        match reservation.from {
+            ReservedFrom::Fallback { window_start_ms } => {
+                if let Some(count) = self.fallback.get_mut(&window_start_ms) {
+                    count.reserved_tokens = count
+                        .reserved_tokens
+                        .saturating_sub(reservation.cost_tokens);
+                }
+            }
+            ReservedFrom::Leases { .. } => {
+                for &(lease_id, tokens) in reservation.lease_parts() {
+                    if let Some(lease) = self.live.iter_mut().find(|l| l.grant.lease_id == lease_id)
+                    {
+                        debug_assert!(lease.reserved_tokens >= tokens);
+                        lease.reserved_tokens -= tokens;
+                    } else if let Some(lease) =
+                        self.ended.iter_mut().find(|l| l.grant.lease_id == lease_id)
+                    {
+                        debug_assert!(lease.reserved_tokens >= tokens);
+                        lease.reserved_tokens -= tokens;
+                        self.stranded_tokens += tokens;
+                    }
+                }
+            }
+        }
+    }
+
+    fn settle(&mut self, reservation: &Reservation) {
+        debug_assert!(
+            self.reserved_tokens >= reservation.cost_tokens,
+            "a reservation is settled once, on the holder that made it"
+        );
+        self.reserved_tokens = self.reserved_tokens.saturating_sub(reservation.cost_tokens);
+    }
+
+    fn lease_mut(&mut self, lease_id: LeaseId) -> Option<&mut HeldLease> {
+        self.live
+            .iter_mut()
+            .chain(self.ended.iter_mut())
+            .find(|l| l.grant.lease_id == lease_id)
+    }
+
+    /// Tokens in reservations not yet settled.
+    pub fn reserved_tokens(&self) -> u64 {
+        self.reserved_tokens
     }
 
     /// Tokens spendable now from held leases.
@@ -535,20 +804,27 @@ impl PoolHolder {
             .saturating_mul(horizon_ms)
             .div_ceil(per_ms)
             .min(self.config.chunk_tokens.max(1));
-        if self.available_tokens(now_ms) >= watermark && !self.live.is_empty() {
+        let available = self.available_tokens(now_ms);
+        if available >= self.wanted_for_request_tokens {
+            // What a waiting request needed is held now.
+            self.wanted_for_request_tokens = 0;
+        }
+        if available >= watermark && !self.live.is_empty() && self.wanted_for_request_tokens == 0 {
             return None;
         }
         let want = self
             .rate
             .sizing()
             .saturating_mul(self.config.lease_ttl_ms)
-            .div_ceil(per_ms);
+            .div_ceil(per_ms)
+            .max(self.wanted_for_request_tokens);
         Some(want.clamp(1, self.config.chunk_tokens.max(1)))
     }
 
-    /// Marks a renewal as started (single flight per pool).
-    pub fn begin_renewal(&mut self) {
+    /// Marks a renewal as started at `now_ms` (single flight per pool).
+    pub fn begin_renewal(&mut self, now_ms: u64) {
         self.renewal_in_flight = true;
+        self.renewal_started_at_ms = now_ms;
     }
 
     /// Whether a renewal is in flight.
@@ -588,7 +864,15 @@ impl PoolHolder {
             .filter(|l| l.spent_tokens != l.reported_spent_tokens)
             .map(|l| line(l, false))
             .collect();
-        leases.extend(self.ended.iter().map(|l| line(l, true)));
+        // An ended lease's final line waits until its reservations settle (a commit still adds to
+        // what it spent); meanwhile it reports as a live one does.
+        leases.extend(self.ended.iter().filter_map(|l| {
+            if l.reserved_tokens == 0 {
+                Some(line(l, true))
+            } else {
+                (l.spent_tokens != l.reported_spent_tokens).then(|| line(l, false))
+            }
+        }));
         let fallback = self
             .fallback
             .iter()
@@ -607,11 +891,7 @@ impl PoolHolder {
         for line in &report.leases {
             if line.final_line {
                 self.ended.retain(|l| l.grant.lease_id != line.lease_id);
-            } else if let Some(lease) = self
-                .live
-                .iter_mut()
-                .find(|l| l.grant.lease_id == line.lease_id)
-            {
+            } else if let Some(lease) = self.lease_mut(line.lease_id) {
                 lease.reported_spent_tokens = lease.reported_spent_tokens.max(line.spent_tokens);
             }
         }
@@ -621,8 +901,9 @@ impl PoolHolder {
             }
         }
         let current = Window::containing(now_ms, self.config.window_ms).start_ms;
-        self.fallback
-            .retain(|&start, c| start >= current || c.admitted_tokens != c.reported_tokens);
+        self.fallback.retain(|&start, c| {
+            start >= current || c.admitted_tokens != c.reported_tokens || c.reserved_tokens > 0
+        });
     }
 
     /// Whether forgetting this holder loses nothing: no lease held or owed a final report, no
@@ -635,6 +916,7 @@ impl PoolHolder {
             .last_demand_ms
             .is_none_or(|last| now_ms.saturating_sub(last) >= idle_ms);
         quiet
+            && self.reserved_tokens == 0
             && !self.renewal_in_flight
             && self.live.is_empty()
             && self.ended.is_empty()

@@ -9,5 +9,5 @@ pub mod holder;
 
 pub use holder::{
     Denial, FallbackLine, GrantVerdict, HeldLease, HolderConfig, LeaseGrant, LeaseLine,
-    PendingReport, PoolHolder, Spend,
+    PendingReport, PoolHolder, Refusal, Reservation, Spend,
 };

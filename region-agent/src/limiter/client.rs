@@ -216,6 +216,16 @@ pub enum Verdict {
     PolicyError,
 }
 
+/// A request the limiter did not refuse from memory: what [`Limiter::decide_screened`] needs.
+#[derive(Debug)]
+pub struct Screened {
+    /// A hot tenant's batch, spread to its sub-slot.
+    spread: Option<RuleBatch>,
+    sub_slot: Option<SubSlot>,
+    /// When it was screened (the limiter's clock), for the negative cache.
+    now_ms: u64,
+}
+
 /// The client path's answer for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitDecision {
@@ -488,21 +498,37 @@ impl Limiter {
         }
     }
 
-    /// Decides a request's regional rules (module docs). `source` groups pre-authentication
-    /// requests for the cardinality cap ([`SourceId::for_address`]); without it the principal's own
-    /// hash is its source.
+    /// Decides a request's regional rules (module docs): [`screen`](Self::screen), then
+    /// [`decide_screened`](Self::decide_screened). `source` groups pre-authentication requests for
+    /// the cardinality cap ([`SourceId::for_address`]); without it the principal's own hash is its
+    /// source.
     pub async fn decide(
         &self,
         planned: &PlannedBatch<'_>,
         source: Option<&SourceId>,
     ) -> LimitDecision {
-        let deadline = monotonic_now() + self.config.decision_budget;
+        match self.screen(planned, source) {
+            Ok(screened) => self.decide_screened(planned, screened).await,
+            Err(denied) => denied,
+        }
+    }
+
+    /// Everything the limiter can refuse from memory, before any store call and before the agent
+    /// reserves anything elsewhere: a batch that does not match its rules, a hot tenant's batch
+    /// that cannot be spread, the negative cache, and the pre-authentication cardinality cap.
+    /// `Err` is the decision (a denial, with no store call); `Ok` goes on to
+    /// [`decide_screened`](Self::decide_screened).
+    pub fn screen(
+        &self,
+        planned: &PlannedBatch<'_>,
+        source: Option<&SourceId>,
+    ) -> Result<Screened, LimitDecision> {
         bump(&self.counters.decisions);
         let now_ms = self.clock.elapsed_ms();
-        let answer = |verdict, degraded, store_calls, sub_slot| LimitDecision {
+        let refused = |verdict, sub_slot| LimitDecision {
             verdict,
-            degraded,
-            store_calls,
+            degraded: None,
+            store_calls: 0,
             sub_slot,
         };
         if planned.rules.len() != planned.batch.rules().len() {
@@ -511,60 +537,83 @@ impl Limiter {
                 "a planned batch whose rules do not match its policy rules"
             );
             bump(&self.counters.policy_errors);
-            return answer(Verdict::PolicyError, None, 0, None);
+            return Err(refused(Verdict::PolicyError, None));
         }
-
-        let spread;
-        let (batch, sub_slot) = match self.config.hot_tenants.sub_slots(&planned.tenant) {
-            None => (&planned.batch, None),
+        let (spread, sub_slot) = match self.config.hot_tenants.sub_slots(&planned.tenant) {
+            None => (None, None),
             Some(count) => {
                 let index = hot_tenants::choose_sub_slot(planned, count);
                 match hot_tenants::spread(planned, count, index) {
-                    Ok(moved) => {
-                        spread = moved;
-                        (&spread, Some(SubSlot { index, count }))
-                    }
+                    Ok(moved) => (Some(moved), Some(SubSlot { index, count })),
                     Err(error) => {
                         tracing::error!(tenant = %planned.tenant, %error, "cannot spread a hot tenant's batch");
                         bump(&self.counters.policy_errors);
-                        return answer(Verdict::PolicyError, None, 0, None);
+                        return Err(refused(Verdict::PolicyError, None));
                     }
                 }
             }
         };
-
+        let batch = spread.as_ref().unwrap_or(&planned.batch);
         if let Some(hit) = self.negative_cache.check(batch, now_ms) {
             bump(&self.counters.negative_cache_hits);
-            return answer(Verdict::CachedDenial(hit), None, 0, sub_slot);
+            return Err(refused(Verdict::CachedDenial(hit), sub_slot));
         }
-
         if let Some((rule, refusal)) = self.check_cardinality(planned, batch, source, now_ms) {
             bump(&self.counters.cardinality_refusals);
-            return answer(
+            return Err(refused(
                 Verdict::CardinalityCapped { rule, refusal },
-                None,
-                0,
                 sub_slot,
-            );
+            ));
         }
+        Ok(Screened {
+            spread,
+            sub_slot,
+            now_ms,
+        })
+    }
 
+    /// Decides a screened request in one store call (with its breaker, permit, deadline and
+    /// retry), or by the rules' fail modes when the store cannot decide.
+    pub async fn decide_screened(
+        &self,
+        planned: &PlannedBatch<'_>,
+        screened: Screened,
+    ) -> LimitDecision {
+        let deadline = monotonic_now() + self.config.decision_budget;
+        let Screened {
+            spread,
+            sub_slot,
+            now_ms,
+        } = screened;
+        let batch = spread.as_ref().unwrap_or(&planned.batch);
+        let answer = |verdict, degraded, store_calls| LimitDecision {
+            verdict,
+            degraded,
+            store_calls,
+            sub_slot,
+        };
         let (result, store_calls) = self.call_store(batch, deadline).await;
         match result {
             Ok(decision) => {
                 if !decision.allowed {
                     self.negative_cache.remember(batch, &decision, now_ms);
                 }
-                answer(Verdict::Store(decision), None, store_calls, sub_slot)
+                answer(Verdict::Store(decision), None, store_calls)
             }
             Err(CallFailure::Rejected) => {
                 bump(&self.counters.policy_errors);
-                answer(Verdict::PolicyError, None, store_calls, sub_slot)
+                answer(Verdict::PolicyError, None, store_calls)
             }
             Err(CallFailure::Degrade(cause)) => {
                 let verdict = self.degrade(planned);
-                answer(verdict, Some(cause), store_calls, sub_slot)
+                answer(verdict, Some(cause), store_calls)
             }
         }
+    }
+
+    /// The longest one store decision may take (the per-decision deadline).
+    pub fn decision_budget(&self) -> std::time::Duration {
+        self.config.decision_budget
     }
 
     /// The cardinality cap for pre-authentication requests: `Some` when refused.

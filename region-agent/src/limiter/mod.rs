@@ -67,8 +67,8 @@ pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};
 pub use cardinality::{CardinalityConfig, CardinalityRefusal, DEFAULT_SOURCE_PREFIXES, SourceId};
 pub use client::LeaseOp;
 pub use client::{
-    DegradeCause, LimitDecision, Limiter, LimiterConfig, LimiterConfigError, LimiterStats, SubSlot,
-    Verdict,
+    DegradeCause, LimitDecision, Limiter, LimiterConfig, LimiterConfigError, LimiterStats,
+    Screened, SubSlot, Verdict,
 };
 pub use decision::concurrency_denial;
 pub use fallback::FallbackDecision;

@@ -1,4 +1,27 @@
 //! The request path: one admission decision per gateway request.
+//!
+//! # Order of a decision, and why
+//! A denial anywhere debits nothing anywhere: neither a regional bucket nor the tenant's global
+//! pool. So the request is decided in this order:
+//! 1. **Refusals from memory**, before anything is reserved: no bundle, a `strict` rule of a stale
+//!    bundle, a bundle that cannot be evaluated for the request, the limiter's negative cache and
+//!    its pre-authentication cardinality cap ([`crate::limiter::Limiter::screen`]).
+//! 2. **Global rules**: each rule's cost is *reserved* from its pool's leases in memory (or, with
+//!    the allocator unreachable, from the window's fallback allowance). A global denial costs no
+//!    store call and cancels the reservations made so far.
+//! 3. **Regional rules**, within the [regional hold](Agent::regional_hold): concurrency slots, then
+//!    one atomic store call for every rate rule ([`crate::limiter::Limiter::decide_screened`]).
+//! 4. **Settle**: admitted, the reservations are committed (spent, and reported as spent); denied,
+//!    failed or out of time, they are cancelled: the tokens go back to the same lease while it
+//!    lives, and concurrency slots taken are released.
+//!
+//! Reserve-then-commit is safe because the lease lives in this process: nothing remote is ever
+//! refunded, so an ambiguous store failure can still never double-count (I6). Global first keeps the
+//! cheap, local check in front of the store; the reservation keeps a regional denial from draining
+//! the tenant's pool (one user flooding past a per-user bucket must not starve the tenant's others).
+//!
+//! The allocator is never called on the request path except when a pool has no lease at all (the
+//! request waits up to [`FIRST_GRANT_WAIT`] for the renewal it triggered).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -6,17 +29,81 @@ use std::time::Duration;
 
 use allot_shared::contract::{AdmissionRequest, Decision, DeniedScope, PrincipalType, Reason};
 use allot_shared::ids::{PoolId, TenantId};
-use allot_shared::policy::{Limit, Rule};
+use allot_shared::limit::multi::Algorithm;
+use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule};
 
-use super::pools::TERMS_RETRY_MS;
+use super::pools::{PoolSlot, TERMS_RETRY_MS};
 use super::{Agent, RequestRejected, lock};
-use crate::global::{Denial, Spend};
-use crate::limiter::{DEFAULT_SOURCE_PREFIXES, LeaseCall, LeaseOp, SourceId, plan_request};
+use crate::clock::Clock;
+use crate::global::{Denial, Refusal, Reservation};
+use crate::limiter::{
+    DEFAULT_SOURCE_PREFIXES, LeaseCall, LeaseOp, PlannedBatch, Screened, SourceId, plan_request,
+};
 
-/// Longest a request waits for the first grant of a pool it triggered.
+/// Longest a request waits for the first grant of a pool it triggered; also how long a renewal may
+/// go unanswered before the allocator counts as unreachable (fallback starts then).
 pub const FIRST_GRANT_WAIT: Duration = Duration::from_millis(200);
 /// Retry hint of a concurrency denial, ms: a slot frees when a holder finishes, at no known time.
 pub const CONCURRENCY_RETRY_MS: u64 = 1_000;
+/// Retry hint when the request cannot be evaluated (no bundle, a policy error), ms.
+pub const POLICY_UNAVAILABLE_RETRY_MS: u64 = 1_000;
+/// Retry hint of a request that found too little held while a renewal was under way, ms.
+pub const AWAITING_GRANT_RETRY_MS: u64 = 100;
+/// Largest random delay added to the retry hint of a denial at a window's edge or after a pool ran
+/// out, ms (I5): clients denied in the same instant do not all return in the same instant.
+pub const RETRY_JITTER_MAX_MS: u64 = 1_000;
+
+/// Why a global rule refused, with what the decision reports.
+#[derive(Debug, Clone, Copy)]
+struct GlobalRefusal {
+    refusal: Refusal,
+    /// `G` of the pool's terms in force (0 when unknown).
+    limit_tokens: u64,
+}
+
+/// The global reservations of one request. Settled once: committed when the request is admitted,
+/// cancelled otherwise, and cancelled when dropped unsettled (a gateway that went away
+/// mid-decision must not leave tokens reserved).
+struct GlobalHold {
+    clock: Arc<dyn Clock>,
+    held: Vec<(Arc<PoolSlot>, Reservation)>,
+}
+
+impl GlobalHold {
+    fn new(clock: Arc<dyn Clock>) -> Self {
+        Self {
+            clock,
+            held: Vec::new(),
+        }
+    }
+
+    /// Spends every reservation. Returns whether any came from a fallback allowance.
+    fn commit(mut self, tenant: &TenantId, pools: &[&PoolId]) -> bool {
+        let mut fallback = false;
+        for ((slot, reservation), pool) in self.held.drain(..).zip(pools) {
+            if reservation.is_fallback() {
+                fallback = true;
+                metrics::counter!(crate::metrics::FALLBACK_ADMITS,
+                    "tenant" => tenant.to_string(), "pool" => pool.to_string())
+                .increment(1);
+            }
+            lock(&slot.holder).commit(reservation);
+        }
+        fallback
+    }
+}
+
+impl Drop for GlobalHold {
+    fn drop(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        let now_ms = self.clock.now_ms();
+        for (slot, reservation) in self.held.drain(..) {
+            lock(&slot.holder).cancel(reservation, now_ms);
+        }
+    }
+}
 
 impl Agent {
     /// Decides one request, and counts the decision.
@@ -37,6 +124,7 @@ impl Agent {
             Reason::ConcurrencyExceeded => "concurrency_exceeded",
             Reason::LimiterUnavailable => "limiter_unavailable",
             Reason::PolicyError => "policy_error",
+            Reason::CostTooHigh => "cost_too_high",
         });
         let outcome = if decision.allowed {
             "allowed"
@@ -58,6 +146,14 @@ impl Agent {
         Ok(decision)
     }
 
+    /// How long global tokens stay reserved at most while the regional rules are decided: two
+    /// decision budgets (concurrency slots, then the store call). Past it the request is answered
+    /// `LIMITER_UNAVAILABLE` and the reservation cancelled. Holders never reserve within this long
+    /// (plus the expiry margin) of a lease's end, so a committed token is spent before it.
+    pub fn regional_hold(&self) -> Duration {
+        self.limiter.decision_budget().saturating_mul(2)
+    }
+
     async fn decide(
         self: &Arc<Self>,
         request: &AdmissionRequest,
@@ -67,55 +163,24 @@ impl Agent {
             message: e.message.to_owned(),
         })?;
         let Some(bundle) = self.bundle.load_full() else {
-            return Ok(unavailable(request, 0, None, Reason::PolicyError, 1_000));
+            return Ok(refused(
+                request,
+                0,
+                None,
+                Reason::PolicyError,
+                POLICY_UNAVAILABLE_RETRY_MS,
+            ));
         };
         let version = bundle.version();
-        let mut fallback = false;
-        let tenant = &request.tenant_id;
-        let kind = request.principal.kind;
-        if self.bundle_is_stale() {
-            let strict = bundle
-                .regional_rules_for(tenant, &request.route_group, kind)
-                .into_iter()
-                .chain(bundle.global_rules_for(tenant, &request.route_group, kind))
-                .find(|rule| rule.strict);
-            if let Some(rule) = strict {
-                return Ok(unavailable(
-                    request,
-                    version,
-                    Some(rule),
-                    Reason::LimiterUnavailable,
-                    1_000,
-                ));
-            }
-        }
-        for rule in bundle.global_rules_for(tenant, &request.route_group, kind) {
-            let Limit::Global(pool) = &rule.limit else {
-                continue;
-            };
-            let cost = (rule.cost_millitokens / 1_000)
-                .saturating_mul(request.cost_hint)
-                .max(1);
-            match self.spend_global(tenant, pool, cost).await {
-                Ok(from_fallback) => {
-                    if from_fallback {
-                        metrics::counter!(crate::metrics::FALLBACK_ADMITS,
-                            "tenant" => tenant.to_string(), "pool" => pool.to_string())
-                        .increment(1);
-                    }
-                    fallback |= from_fallback;
-                }
-                Err((denial, retry_after_ms, limit)) => {
-                    return Ok(global_denial(
-                        request,
-                        version,
-                        rule,
-                        denial,
-                        retry_after_ms,
-                        limit,
-                    ));
-                }
-            }
+        // 1. Refusals from memory: nothing is reserved yet.
+        if let Some(rule) = self.stale_strict_rule(&bundle, request) {
+            return Ok(refused(
+                request,
+                version,
+                Some(rule),
+                Reason::LimiterUnavailable,
+                POLICY_UNAVAILABLE_RETRY_MS,
+            ));
         }
         let planned = match plan_request(
             &bundle,
@@ -127,95 +192,268 @@ impl Agent {
             Ok(planned) => planned,
             Err(error) => {
                 tracing::error!(%error, "the bundle cannot be evaluated for a request");
-                return Ok(unavailable(
+                return Ok(refused(
                     request,
                     version,
                     None,
                     Reason::PolicyError,
-                    1_000,
+                    POLICY_UNAVAILABLE_RETRY_MS,
                 ));
             }
         };
-        let Some(planned) = planned else {
-            return Ok(Decision {
-                allowed: true,
-                decision_id: request.request_id.clone(),
-                policy_id: None,
-                policy_version: version,
-                denied_scope: None,
-                reason: None,
-                limit: 0,
-                remaining: 0,
-                retry_after_ms: 0,
-                fallback,
-            });
+        let screened = match &planned {
+            None => None,
+            Some(planned) => match self
+                .limiter
+                .screen(planned, self.source_of(request).as_ref())
+            {
+                Ok(screened) => Some(screened),
+                Err(denied) => return Ok(self.with_jitter(denied.to_contract(planned), planned)),
+            },
         };
-        // Concurrency caps: a slot per rule that has one, taken before the rate decision and given
-        // back (idempotently) if the request is not admitted. The gateway releases it when the
-        // request ends (`release`); a crashed holder's slot lapses with its lease TTL.
+        // 2. Global rules: reserved, not yet spent.
+        let global_rules = bundle.global_rules_for(
+            &request.tenant_id,
+            &request.route_group,
+            request.principal.kind,
+        );
+        let hold = match self.reserve_global(request, version, &global_rules).await {
+            Ok(hold) => hold,
+            Err(denied) => return Ok(denied),
+        };
+        // 3. Regional rules, within the hold.
+        let mut decision = match (&planned, screened) {
+            (Some(planned), Some(screened)) => {
+                self.decide_regional_in_time(request, planned, screened)
+                    .await
+            }
+            _ => admitted_by_global_rules_only(request, version),
+        };
+        // 4. Settle.
+        if decision.allowed {
+            let pools: Vec<&PoolId> = global_rules
+                .iter()
+                .filter_map(|rule| match &rule.limit {
+                    Limit::Global(pool) => Some(pool),
+                    Limit::Regional(_) => None,
+                })
+                .collect();
+            decision.fallback |= hold.commit(&request.tenant_id, &pools);
+        } else {
+            drop(hold);
+        }
+        Ok(decision)
+    }
+
+    /// The first `strict` rule that applies to `request`, when the bundle is past its maximum age.
+    fn stale_strict_rule<'b>(
+        &self,
+        bundle: &'b PolicyBundle,
+        request: &AdmissionRequest,
+    ) -> Option<&'b Rule> {
+        if !self.bundle_is_stale() {
+            return None;
+        }
+        let (tenant, route, kind) = (
+            &request.tenant_id,
+            &request.route_group,
+            request.principal.kind,
+        );
+        bundle
+            .regional_rules_for(tenant, route, kind)
+            .into_iter()
+            .chain(bundle.global_rules_for(tenant, route, kind))
+            .find(|rule| rule.strict)
+    }
+
+    /// Pre-authentication requests count against the cardinality cap of their source: the coarse
+    /// prefix of the client address (/24, /48), so the addresses one party controls share one count.
+    /// Authenticated principals are not capped.
+    fn source_of(&self, request: &AdmissionRequest) -> Option<SourceId> {
+        (request.principal.kind == PrincipalType::Ip).then(|| {
+            SourceId::for_address(
+                &self.settings.pepper,
+                &request.principal.id,
+                DEFAULT_SOURCE_PREFIXES,
+            )
+        })
+    }
+
+    /// Reserves every global rule's cost, in bundle order; the first refusal cancels what was
+    /// reserved and is the decision.
+    async fn reserve_global(
+        self: &Arc<Self>,
+        request: &AdmissionRequest,
+        version: u64,
+        rules: &[&Rule],
+    ) -> Result<GlobalHold, Decision> {
+        let mut hold = GlobalHold::new(self.clock.clone());
+        for rule in rules {
+            let Limit::Global(pool) = &rule.limit else {
+                continue;
+            };
+            let cost_tokens = global_cost_tokens(rule, request);
+            match self
+                .reserve_in_pool(&request.tenant_id, pool, cost_tokens)
+                .await
+            {
+                Ok(reserved) => hold.held.push(reserved),
+                Err(refusal) => return Err(self.global_denial(request, version, rule, refusal)),
+            }
+        }
+        Ok(hold)
+    }
+
+    /// Reserves `cost_tokens` of a global pool: from the leases held, waiting once (up to
+    /// [`FIRST_GRANT_WAIT`]) for a renewal under way when too little is held.
+    async fn reserve_in_pool(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        pool: &PoolId,
+        cost_tokens: u64,
+    ) -> Result<(Arc<PoolSlot>, Reservation), GlobalRefusal> {
+        let fail_closed = GlobalRefusal {
+            refusal: Refusal {
+                denial: Denial::FailClosed,
+                retry_after_ms: TERMS_RETRY_MS,
+            },
+            limit_tokens: 0,
+        };
+        let mut slot = self.slot(tenant, pool).await.ok_or(fail_closed)?;
+        for attempt in 0..2 {
+            let now_ms = self.clock.now_ms();
+            let reserved = {
+                let mut holder = lock(&slot.holder);
+                if slot.evicted.load(Ordering::Acquire) {
+                    drop(holder);
+                    // Forgotten between the lookup and now (idle for minutes): look it up again.
+                    slot = self.slot(tenant, pool).await.ok_or(fail_closed)?;
+                    lock(&slot.holder).reserve(cost_tokens, now_ms, self.allocator_reachable())
+                } else {
+                    holder.reserve(cost_tokens, now_ms, self.allocator_reachable())
+                }
+            };
+            let refusal = match reserved {
+                Ok(reservation) => {
+                    self.renew_if_wanted(tenant, pool, &slot);
+                    return Ok((slot, reservation));
+                }
+                Err(refusal) => refusal,
+            };
+            // Registered before a renewal can start (or be seen as under way), so its end cannot be
+            // missed.
+            let renewed = slot.renewed.notified();
+            tokio::pin!(renewed);
+            renewed.as_mut().enable();
+            self.renew_if_wanted(tenant, pool, &slot);
+            count_depletion(tenant, pool, refusal.denial, attempt);
+            if refusal.denial == Denial::AwaitingGrant && attempt == 0 {
+                // Wait for the renewal under way, if any (none: it already ended, or none was
+                // wanted; try again at once). A renewal unanswered past the holder's patience makes
+                // the second try fall back.
+                if lock(&slot.holder).renewal_in_flight() {
+                    let _ = tokio::time::timeout(FIRST_GRANT_WAIT, renewed).await;
+                }
+                continue;
+            }
+            return Err(GlobalRefusal {
+                refusal,
+                limit_tokens: slot.limit.load(Ordering::Relaxed),
+            });
+        }
+        Err(GlobalRefusal {
+            refusal: Refusal {
+                denial: Denial::AwaitingGrant,
+                retry_after_ms: AWAITING_GRANT_RETRY_MS,
+            },
+            limit_tokens: slot.limit.load(Ordering::Relaxed),
+        })
+    }
+
+    /// The regional rules, answered `LIMITER_UNAVAILABLE` past the [regional
+    /// hold](Self::regional_hold) (concurrency slots that may have been taken are released).
+    async fn decide_regional_in_time(
+        &self,
+        request: &AdmissionRequest,
+        planned: &PlannedBatch<'_>,
+        screened: Screened,
+    ) -> Decision {
+        let slots = concurrency_calls(planned, request);
+        match tokio::time::timeout(
+            self.regional_hold(),
+            self.decide_regional(request, planned, screened, &slots),
+        )
+        .await
+        {
+            Ok(decision) => decision,
+            Err(_elapsed) => {
+                tracing::warn!("regional rules not decided within the hold");
+                let calls: Vec<&LeaseCall> = slots.iter().map(|(_, call)| call).collect();
+                self.release_all(&calls).await;
+                refused(
+                    request,
+                    planned.policy_version,
+                    None,
+                    Reason::LimiterUnavailable,
+                    POLICY_UNAVAILABLE_RETRY_MS,
+                )
+            }
+        }
+    }
+
+    /// Concurrency slots (a slot per rule that has a cap, given back if the request is not
+    /// admitted; the gateway releases them when the request ends, a crashed holder's slot lapses
+    /// with its TTL), then one store call for the rate rules.
+    async fn decide_regional(
+        &self,
+        request: &AdmissionRequest,
+        planned: &PlannedBatch<'_>,
+        screened: Screened,
+        slots: &[(usize, LeaseCall)],
+    ) -> Decision {
+        let mut fallback = false;
         let mut held = Vec::new();
-        for (index, rule) in planned.rules.iter().enumerate() {
-            let Some(semaphore) = rule.concurrency else {
+        for (index, call) in slots {
+            let Some(rule) = planned.rules.get(*index) else {
                 continue;
             };
-            let Some(batch_rule) = planned.batch.rules().get(index) else {
-                continue;
-            };
-            let Ok(call) = LeaseCall::new(
-                allot_shared::keys::concurrency_key(batch_rule.key()),
-                semaphore.max_in_flight(),
-                semaphore.lease_ttl_ms(),
-                request.request_id.clone(),
-            ) else {
-                continue;
-            };
-            match self.limiter.lease(LeaseOp::Acquire, &call).await {
+            match self.limiter.lease(LeaseOp::Acquire, call).await {
                 Ok(outcome) if outcome.held => held.push(call),
                 Ok(_) => {
                     self.release_all(&held).await;
-                    return Ok(crate::limiter::concurrency_denial(
-                        &planned,
-                        index,
+                    return crate::limiter::concurrency_denial(
+                        planned,
+                        *index,
                         CONCURRENCY_RETRY_MS,
-                    ));
+                    );
                 }
                 Err(error) => {
                     tracing::warn!(%error, rule = %rule.id, "concurrency lease call failed");
-                    if matches!(rule.fail_mode, allot_shared::policy::FailMode::Closed) {
+                    if matches!(rule.fail_mode, FailMode::Closed) {
                         self.release_all(&held).await;
-                        return Ok(unavailable(
+                        return refused(
                             request,
-                            version,
+                            planned.policy_version,
                             Some(rule),
                             Reason::LimiterUnavailable,
-                            1_000,
-                        ));
+                            POLICY_UNAVAILABLE_RETRY_MS,
+                        );
                     }
                     // local_bounded: the rate rule's local bucket still bounds the request.
                     fallback = true;
                 }
             }
         }
-        // Pre-authentication requests count against the cardinality cap of their source: the
-        // coarse prefix of the client address (/24, /48), so the addresses one party controls share
-        // one count. Authenticated principals are not capped.
-        let source = (kind == PrincipalType::Ip).then(|| {
-            SourceId::for_address(
-                &self.settings.pepper,
-                &request.principal.id,
-                DEFAULT_SOURCE_PREFIXES,
-            )
-        });
-        let decided = self.limiter.decide(&planned, source.as_ref()).await;
-        let mut decision = decided.to_contract(&planned);
+        let decided = self.limiter.decide_screened(planned, screened).await;
+        let mut decision = self.with_jitter(decided.to_contract(planned), planned);
         decision.fallback |= fallback;
         if !decision.allowed {
             self.release_all(&held).await;
         }
-        Ok(decision)
+        decision
     }
 
-    async fn release_all(&self, calls: &[LeaseCall]) {
+    async fn release_all(&self, calls: &[&LeaseCall]) {
         for call in calls {
             if let Err(error) = self.limiter.lease(LeaseOp::Release, call).await {
                 // The slot lapses with its lease TTL anyway.
@@ -243,107 +481,149 @@ impl Agent {
         ) else {
             return Ok(());
         };
-        let calls: Vec<LeaseCall> = planned
-            .rules
-            .iter()
-            .zip(planned.batch.rules())
-            .filter_map(|(rule, batch_rule)| {
-                let semaphore = rule.concurrency?;
-                LeaseCall::new(
-                    allot_shared::keys::concurrency_key(batch_rule.key()),
-                    semaphore.max_in_flight(),
-                    semaphore.lease_ttl_ms(),
-                    request.request_id.clone(),
-                )
-                .ok()
-            })
-            .collect();
+        let slots = concurrency_calls(&planned, request);
+        let calls: Vec<&LeaseCall> = slots.iter().map(|(_, call)| call).collect();
         self.release_all(&calls).await;
         Ok(())
     }
 
-    /// Spends `cost` tokens of a global pool. `Ok(true)` when admitted from the fallback allowance.
-    async fn spend_global(
-        self: &Arc<Self>,
-        tenant: &TenantId,
-        pool: &PoolId,
-        cost: u64,
-    ) -> Result<bool, (Denial, u64, u64)> {
-        let Some(mut slot) = self.slot(tenant, pool).await else {
-            return Err((Denial::FailClosed, TERMS_RETRY_MS, 0));
+    /// The decision for a global rule's refusal.
+    fn global_denial(
+        &self,
+        request: &AdmissionRequest,
+        version: u64,
+        rule: &Rule,
+        refused: GlobalRefusal,
+    ) -> Decision {
+        let Refusal {
+            denial,
+            retry_after_ms,
+        } = refused.refusal;
+        let (reason, fallback, retry_after_ms) = match denial {
+            Denial::PoolExhausted => (Reason::RateExceeded, false, jittered(retry_after_ms)),
+            Denial::FallbackSpent => (Reason::RateExceeded, true, jittered(retry_after_ms)),
+            // The window's quota can no longer be leased; the pool refills when it ends.
+            Denial::WindowEnding => (Reason::RateExceeded, false, jittered(retry_after_ms)),
+            // Tokens are on their way: a burst beyond what is held, not an outage.
+            Denial::AwaitingGrant => (
+                Reason::RateExceeded,
+                false,
+                jittered(retry_after_ms.max(AWAITING_GRANT_RETRY_MS)),
+            ),
+            Denial::CostAboveChunk => (Reason::CostTooHigh, false, -1),
+            Denial::FailClosed => (
+                Reason::LimiterUnavailable,
+                false,
+                i64::try_from(retry_after_ms).unwrap_or(i64::MAX),
+            ),
         };
-        for attempt in 0..2 {
-            let now_ms = self.clock.now_ms();
-            let spend = {
-                let mut holder = lock(&slot.holder);
-                if slot.evicted.load(Ordering::Acquire) {
-                    drop(holder);
-                    // Forgotten between the lookup and now (idle for minutes): look it up again.
-                    match self.slot(tenant, pool).await {
-                        Some(fresh) => slot = fresh,
-                        None => return Err((Denial::FailClosed, TERMS_RETRY_MS, 0)),
-                    }
-                    lock(&slot.holder).spend(cost, now_ms, self.allocator_reachable())
-                } else {
-                    holder.spend(cost, now_ms, self.allocator_reachable())
-                }
-            };
-            let limit = slot.limit.load(Ordering::Relaxed);
-            // Registered before the renewal can start, so its end cannot be missed.
-            let renewed = slot.renewed.notified();
-            tokio::pin!(renewed);
-            renewed.as_mut().enable();
-            self.renew_if_wanted(tenant, pool, &slot);
-            let depleted = match spend {
-                Spend::Denied {
-                    denial: Denial::AwaitingGrant,
-                    ..
-                } if attempt == 0 => Some("available"),
-                Spend::Denied {
-                    denial: Denial::PoolExhausted,
-                    ..
-                } => Some("exhausted"),
-                _ => None,
-            };
-            if let Some(pool_state) = depleted {
-                metrics::counter!(crate::metrics::LEASE_DEPLETIONS,
-                    "tenant" => tenant.to_string(), "pool" => pool.to_string(),
-                    "pool_state" => pool_state)
-                .increment(1);
-            }
-            match spend {
-                Spend::Leased(_) => return Ok(false),
-                Spend::Fallback { .. } => return Ok(true),
-                Spend::Denied {
-                    denial: Denial::AwaitingGrant,
-                    ..
-                } if attempt == 0 => {
-                    // Wait for the renewal in flight, if any (none: it already ended, or none was
-                    // wanted; try again at once).
-                    if lock(&slot.holder).renewal_in_flight() {
-                        let _ = tokio::time::timeout(FIRST_GRANT_WAIT, renewed).await;
-                    }
-                }
-                Spend::Denied {
-                    denial,
-                    retry_after_ms,
-                } => return Err((denial, retry_after_ms, limit)),
-            }
+        Decision {
+            allowed: false,
+            decision_id: request.request_id.clone(),
+            policy_id: Some(rule.id.to_string()),
+            policy_version: version,
+            denied_scope: Some(DeniedScope::Global),
+            reason: Some(reason),
+            limit: refused.limit_tokens,
+            remaining: 0,
+            retry_after_ms,
+            fallback,
         }
-        Err((
-            Denial::AwaitingGrant,
-            100,
-            slot.limit.load(Ordering::Relaxed),
-        ))
+    }
+
+    /// `decision` with jitter on its retry hint when a window rule denied it at its edge (I5).
+    fn with_jitter(&self, mut decision: Decision, planned: &PlannedBatch<'_>) -> Decision {
+        if decision.allowed || decision.reason != Some(Reason::RateExceeded) {
+            return decision;
+        }
+        let windowed = planned.rules.iter().any(|rule| {
+            Some(rule.id.as_str()) == decision.policy_id.as_deref()
+                && matches!(
+                    rule.limit,
+                    Limit::Regional(Algorithm::FixedWindow(_) | Algorithm::SlidingCounter(_))
+                )
+        });
+        if windowed && let Ok(retry_ms) = u64::try_from(decision.retry_after_ms) {
+            decision.retry_after_ms = jittered(retry_ms);
+        }
+        decision
     }
 }
 
-fn unavailable(
+/// A global rule's cost for `request`, whole tokens, at least 1.
+fn global_cost_tokens(rule: &Rule, request: &AdmissionRequest) -> u64 {
+    (rule.cost_millitokens / 1_000)
+        .saturating_mul(request.cost_hint)
+        .max(1)
+}
+
+/// Counts a request that found its pool's leases empty: while tokens may still be had
+/// (`available`) or because the pool is exhausted.
+fn count_depletion(tenant: &TenantId, pool: &PoolId, denial: Denial, attempt: u32) {
+    let pool_state = match denial {
+        Denial::AwaitingGrant if attempt == 0 => "available",
+        Denial::PoolExhausted => "exhausted",
+        _ => return,
+    };
+    metrics::counter!(crate::metrics::LEASE_DEPLETIONS,
+        "tenant" => tenant.to_string(), "pool" => pool.to_string(),
+        "pool_state" => pool_state)
+    .increment(1);
+}
+
+/// `retry_ms` plus a uniform random delay of up to [`RETRY_JITTER_MAX_MS`], as a wire hint.
+fn jittered(retry_ms: u64) -> i64 {
+    let jitter_ms = rand::random_range(0..=RETRY_JITTER_MAX_MS);
+    i64::try_from(retry_ms.saturating_add(jitter_ms)).unwrap_or(i64::MAX)
+}
+
+/// The concurrency slot calls of a planned request: (rule index, call), one per rule with a cap.
+fn concurrency_calls(
+    planned: &PlannedBatch<'_>,
+    request: &AdmissionRequest,
+) -> Vec<(usize, LeaseCall)> {
+    planned
+        .rules
+        .iter()
+        .zip(planned.batch.rules())
+        .enumerate()
+        .filter_map(|(index, (rule, batch_rule))| {
+            let semaphore = rule.concurrency?;
+            LeaseCall::new(
+                allot_shared::keys::concurrency_key(batch_rule.key()),
+                semaphore.max_in_flight(),
+                semaphore.lease_ttl_ms(),
+                request.request_id.clone(),
+            )
+            .ok()
+            .map(|call| (index, call))
+        })
+        .collect()
+}
+
+/// An admission by global rules alone (no regional rule applies).
+fn admitted_by_global_rules_only(request: &AdmissionRequest, version: u64) -> Decision {
+    Decision {
+        allowed: true,
+        decision_id: request.request_id.clone(),
+        policy_id: None,
+        policy_version: version,
+        denied_scope: None,
+        reason: None,
+        limit: 0,
+        remaining: 0,
+        retry_after_ms: 0,
+        fallback: false,
+    }
+}
+
+/// A refusal that no budget decided (no bundle, policy error, an outage).
+fn refused(
     request: &AdmissionRequest,
     version: u64,
     rule: Option<&Rule>,
     reason: Reason,
-    retry_after_ms: i64,
+    retry_after_ms: u64,
 ) -> Decision {
     Decision {
         allowed: false,
@@ -354,36 +634,7 @@ fn unavailable(
         reason: Some(reason),
         limit: 0,
         remaining: 0,
-        retry_after_ms,
-        fallback: false,
-    }
-}
-
-fn global_denial(
-    request: &AdmissionRequest,
-    version: u64,
-    rule: &Rule,
-    denial: Denial,
-    retry_after_ms: u64,
-    limit: u64,
-) -> Decision {
-    let (reason, fallback) = match denial {
-        Denial::PoolExhausted => (Reason::RateExceeded, false),
-        Denial::FallbackSpent => (Reason::RateExceeded, true),
-        // The window's quota can no longer be leased; the pool refills when it ends.
-        Denial::WindowEnding => (Reason::RateExceeded, false),
-        Denial::FailClosed | Denial::AwaitingGrant => (Reason::LimiterUnavailable, false),
-    };
-    Decision {
-        allowed: false,
-        decision_id: request.request_id.clone(),
-        policy_id: Some(rule.id.to_string()),
-        policy_version: version,
-        denied_scope: Some(DeniedScope::Global),
-        reason: Some(reason),
-        limit,
-        remaining: 0,
         retry_after_ms: i64::try_from(retry_after_ms).unwrap_or(i64::MAX),
-        fallback,
+        fallback: false,
     }
 }

@@ -1,23 +1,20 @@
 //! The agent service: one admission decision per gateway request, from memory and one regional store
 //! call, plus the background work that keeps leases, reports and the policy bundle fresh.
 //!
-//! # Order of a decision
-//! 1. Validate the request; evaluate it against ONE bundle snapshot (its version is in the decision).
-//! 2. **Global rules first**: spend from the pool's leases in memory ([`crate::global`]). A denial
-//!    here costs no store call. When a global rule admits and a later rule denies, the global token
-//!    is spent and reported as spent: accounted for (it counts towards `admitted` in the ledger, the
-//!    conservative side of the bound), never refunded.
-//! 3. **Regional rules** in one atomic store call ([`crate::limiter::Limiter::decide`]).
-//!
-//! The allocator is never called on the request path except when a pool has no lease at all yet (the
-//! first request waits up to [`FIRST_GRANT_WAIT`] for the renewal it triggered).
+//! - [`admission`]: the request path (refusals from memory, global reservations, regional rules,
+//!   settle; the order and why are in its docs).
+//! - [`pools`]: the pools held (one `PoolHolder` each) and the single-flight lookup of their terms.
+//! - [`upkeep`]: renewals, and pool upkeep (idle pools forgotten, terms refreshed).
+//! - [`reports`]: what the holders owe the ledger, sent per (pool, window).
+//! - [`background`]: the loops that run reports and upkeep, and policy refresh.
+//! - [`settings`]: the agent's settings and their defaults.
 
-mod admission;
-mod background;
-mod pools;
-mod reports;
-mod settings;
-mod upkeep;
+pub mod admission;
+pub mod background;
+pub mod pools;
+pub mod reports;
+pub mod settings;
+pub mod upkeep;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -26,7 +23,10 @@ use std::sync::{Arc, Mutex};
 use allot_shared::policy::PolicyBundle;
 use arc_swap::ArcSwapOption;
 
-pub use admission::{CONCURRENCY_RETRY_MS, FIRST_GRANT_WAIT};
+pub use admission::{
+    AWAITING_GRANT_RETRY_MS, CONCURRENCY_RETRY_MS, FIRST_GRANT_WAIT, POLICY_UNAVAILABLE_RETRY_MS,
+    RETRY_JITTER_MAX_MS,
+};
 pub use background::{FINAL_REPORT_TIMEOUT, ROUND_TIMEOUT};
 pub use pools::{
     MAX_POOLS, MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, TERMS_REFRESH_MS, TERMS_RETRY_MS,

@@ -120,6 +120,10 @@ impl PoolSlots {
     }
 }
 
+fn duration_ms(duration: std::time::Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
 impl Agent {
     /// The pool's slot, fetching its terms on first use. `None` when the terms cannot be had (no
     /// allocator, unknown pool, unreachable, or too many pools).
@@ -248,8 +252,14 @@ impl Agent {
             lease_ttl_ms: terms.lease_ttl_ms,
             fallback_per_region_tokens: terms.fallback_per_region
                 / self.settings.region_agents.max(1),
-            expiry_margin_ms: self.settings.expiry_margin_ms,
+            // A reservation is committed within the regional hold: reserving no later than the
+            // margin plus the hold before a lease's end keeps every spend the margin ahead of it.
+            expiry_margin_ms: self
+                .settings
+                .expiry_margin_ms
+                .saturating_add(duration_ms(self.regional_hold())),
             round_trip_ms: self.settings.allocator_round_trip_ms,
+            renewal_patience_ms: duration_ms(FIRST_GRANT_WAIT),
         })
     }
 }

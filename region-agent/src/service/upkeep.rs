@@ -88,7 +88,7 @@ impl Agent {
             let now_ms = self.clock.now_ms();
             let want = holder.wants(now_ms);
             want.map(|want| {
-                holder.begin_renewal();
+                holder.begin_renewal(now_ms);
                 let fresh = LeaseId::from_parts(now_ms, rand::random());
                 (want, holder.renewal_lease_id(fresh))
             })

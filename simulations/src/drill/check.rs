@@ -209,6 +209,18 @@ pub(super) fn check_expectation(
     let total_carried = total(|r| r.carried_over);
     let denied_while_left = total(|r| r.denied_while_tokens_left);
     let spent_after_end = total(|r| r.spent_after_lease_end);
+    if let Some(most_ms) = scenario.max_wait_ms {
+        let waited_ms = windows
+            .iter()
+            .flat_map(|w| w.regions.iter().map(|r| r.max_wait_ms))
+            .max()
+            .unwrap_or(0);
+        if waited_ms > most_ms {
+            violations.push(format!(
+                "a decision waited {waited_ms} ms for a grant, more than {most_ms} ms"
+            ));
+        }
+    }
     match scenario.expect {
         Expectation::NoOvershoot => {
             if max_admitted > limit {

@@ -22,9 +22,11 @@ use allot_allocator::kv::memory::MemoryKv;
 use allot_allocator::kv::{Kv, Op};
 use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
 use allot_allocator::pools::{GrantRecord, PoolSpec, get_window, put_pool};
+use allot_region_agent::allocator_client::CALL_TIMEOUT;
 use allot_region_agent::global::holder::{
     Denial, GrantVerdict, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
 };
+use allot_region_agent::limiter::LimiterConfig;
 use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, PoolConfig};
@@ -191,6 +193,9 @@ impl DrillReport {
 #[derive(Debug, Clone, Copy)]
 struct InFlight {
     deliver_at_ms: u64,
+    /// When the agent's call gives up waiting ([`CALL_TIMEOUT`] after it was sent): an answer due
+    /// later never reaches the holder; the call fails then (the grant stays committed).
+    gives_up_at_ms: u64,
     /// The lease's end on the allocator's (true) clock, to check spends against.
     true_expires_at_ms: u64,
     lease_id: LeaseId,
@@ -295,6 +300,10 @@ fn poisson(rng: &mut StdRng, mean: f64) -> u64 {
         count += 1;
     }
     count
+}
+
+fn ms(duration: std::time::Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Runs `scenario` with its own seed and duration.
@@ -404,13 +413,17 @@ pub async fn run_with(
     };
 
     let window_ms = NonZeroU64::new(scenario.window_ms).ok_or("window_ms must be at least 1")?;
+    // As the shipped agent configures its holders: the expiry margin includes the regional hold
+    // (two decision budgets), and a renewal unanswered for FIRST_GRANT_WAIT means fallback.
+    let regional_hold_ms = 2 * ms(LimiterConfig::default().decision_budget);
     let holder_config = HolderConfig {
         window_ms,
         chunk_tokens: scenario.chunk,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region,
-        expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS,
+        expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS + regional_hold_ms,
         round_trip_ms: ROUND_TRIP_MS,
+        renewal_patience_ms: ms(FIRST_GRANT_WAIT),
     };
     let mut agents: Vec<RegionAgent> = regions
         .iter()
@@ -427,7 +440,7 @@ pub async fn run_with(
         ..OvershootBound::for_design(&config, scenario.clamping, MAX_LIVE_LEASES as u64, 0)
     };
     let mut checker = TenantChecker::new(scenario, bound, tenant_count, regions.len());
-    let first_grant_wait_ms = u64::try_from(FIRST_GRANT_WAIT.as_millis()).unwrap_or(u64::MAX);
+    let first_grant_wait_ms = ms(FIRST_GRANT_WAIT);
     let heals_at_ms = scenario.heals_at_ms();
     let mut last_abnormal_ms: Vec<Option<u64>> = vec![None; regions.len()];
     let tick_ms = scenario.tick_ms;
@@ -618,10 +631,13 @@ impl Step<'_> {
             }
             self.held.holder = Some(holder);
         }
-        if let Some(f) = self.held.in_flight
-            && f.deliver_at_ms <= self.now_ms
-        {
-            self.deliver(f)?;
+        if let Some(f) = self.held.in_flight {
+            if f.deliver_at_ms <= self.now_ms {
+                self.deliver(f)?;
+            } else if f.gives_up_at_ms <= self.now_ms {
+                // The agent's call timed out: as a lost answer.
+                self.deliver(InFlight { answer: None, ..f })?;
+            }
         }
         if self.held.holder.is_none() {
             let record = self.checker.record(self.tenant, self.region_index);
@@ -630,7 +646,7 @@ impl Step<'_> {
             return Ok(arrivals > 0);
         }
         for _ in 0..arrivals {
-            let mut outcome = self.spend();
+            let mut outcome = self.spend(0);
             let mut wait_ms = 0;
             if matches!(
                 outcome,
@@ -656,7 +672,9 @@ impl Step<'_> {
                     (None, Some(ms)) => ms,
                     (None, None) => 0,
                 };
-                outcome = self.spend();
+                // Spent again after the wait (a renewal unanswered past the holder's patience now
+                // means fallback).
+                outcome = self.spend(wait_ms);
             }
             let granted_in_window = self.checker.granted_in_window(self.tenant);
             let record = self.checker.record(self.tenant, self.region_index);
@@ -680,7 +698,7 @@ impl Step<'_> {
                         .held
                         .lease_ends
                         .iter()
-                        .any(|&(id, end)| self.now_ms >= end && id == lease)
+                        .any(|&(id, end)| self.now_ms + wait_ms >= end && id == lease)
                     {
                         record.spent_after_lease_end += 1;
                     }
@@ -707,6 +725,8 @@ impl Step<'_> {
                         abnormal = true;
                     }
                     Denial::WindowEnding => record.denied_window_end += 1,
+                    // Every drill request costs 1 token, never above a chunk.
+                    Denial::CostAboveChunk => record.denied_unavailable += 1,
                 },
             }
             // As the agent: every spend may start a renewal.
@@ -742,9 +762,10 @@ impl Step<'_> {
         Ok(abnormal)
     }
 
-    fn spend(&mut self) -> Spend {
+    /// Spends a token `after_ms` into the tick (after a wait for a grant).
+    fn spend(&mut self, after_ms: u64) -> Spend {
         match self.held.holder.as_mut() {
-            Some(holder) => holder.spend(1, self.agent_now_ms, *self.believes_reachable),
+            Some(holder) => holder.spend(1, self.agent_now_ms + after_ms, *self.believes_reachable),
             None => Spend::Denied {
                 denial: Denial::FailClosed,
                 retry_after_ms: 1_000,
@@ -762,7 +783,7 @@ impl Step<'_> {
         let Some(want_tokens) = holder.wants(self.agent_now_ms) else {
             return Ok(None);
         };
-        holder.begin_renewal();
+        holder.begin_renewal(self.agent_now_ms);
         self.allocator.leases_asked += 1;
         let fresh = LeaseId::from_parts(self.now_ms, self.allocator.leases_asked);
         let lease_id = holder.renewal_lease_id(fresh);
@@ -811,6 +832,7 @@ impl Step<'_> {
         let flight = InFlight {
             true_expires_at_ms: record.expires_at_ms,
             deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.c.added_ms,
+            gives_up_at_ms: self.now_ms + ms(CALL_TIMEOUT),
             lease_id,
             answer: (!lost).then_some(answer),
         };

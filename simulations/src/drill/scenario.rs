@@ -68,6 +68,10 @@ pub struct Scenario {
     /// waiting for grants, no agent down) within this many lease TTLs (default 2).
     #[serde(default = "two")]
     pub converge_within_ttls: u64,
+    /// When set, no decision may wait longer than this for a grant, ms (how long a hung allocator
+    /// can hold up admits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_ms: Option<u64>,
 }
 
 fn clamped() -> LeaseClamping {
@@ -456,10 +460,11 @@ impl Scenario {
 
 /// The built-in suite: the reference design's table of drills (files under
 /// `simulations/scenarios/`, compiled in).
-pub const BUILTIN: [(&str, &str); 15] = [
+pub const BUILTIN: [(&str, &str); 16] = [
     ("clamped", include_str!("../../scenarios/clamped.toml")),
     ("unclamped", include_str!("../../scenarios/unclamped.toml")),
     ("fallback", include_str!("../../scenarios/fallback.toml")),
+    ("blackhole", include_str!("../../scenarios/blackhole.toml")),
     (
         "failover-etcd",
         include_str!("../../scenarios/failover-etcd.toml"),
