@@ -33,9 +33,10 @@
 //!   `limit_remaining` = `remaining`. The unit is `UNKNOWN` on purpose: Allot's rules are token buckets
 //!   and windows of any length, which Envoy's fixed units cannot express; `requests_per_unit` is the
 //!   rule's capacity in whole units and the real timing is in `duration_until_reset`. Both are left
-//!   unset for callers that did not authenticate (principal `ip`) and for denials by a scope that is
-//!   not the caller's own (tenant, route, global, concurrency), as in the HTTP API's `RateLimit` fields:
-//!   Envoy may turn them into response headers.
+//!   unset for callers that did not authenticate (principal `ip`) and whenever the rule the decision
+//!   names is not of the caller's own scope (tenant, route, global, concurrency), whether it denied or
+//!   was only the most constraining rule of an admission: the HTTP API's `RateLimit` rule
+//!   ([`crate::visibility`]), since Envoy may turn them into response headers.
 //! - `response_headers_to_add` carries `x-allot-decision-id` (the first descriptor's decision id),
 //!   except for unauthenticated callers.
 //!
@@ -55,10 +56,9 @@
 
 use std::sync::Arc;
 
-use allot_shared::contract::{
-    AdmissionRequest, Decision, DeniedScope, Principal, PrincipalType, Reason,
-};
+use allot_shared::contract::{AdmissionRequest, Decision, Principal, PrincipalType, Reason};
 use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+use allot_shared::policy::PolicyBundle;
 use tonic::{Request, Response, Status};
 
 use crate::http::{AgentApi, MAX_CONCURRENT_REQUESTS, REQUEST_TIMEOUT};
@@ -280,26 +280,30 @@ fn is_outage(decision: &Decision) -> bool {
 }
 
 /// The status Envoy gets for one decision (outages are answered before this, as `UNAVAILABLE`).
-pub fn descriptor_status(kind: PrincipalType, decision: &Decision) -> DescriptorStatus {
+/// The limit and what is left are shown only when `bundle` says the caller may see the rule the
+/// decision names ([`crate::visibility::caller_view`]): never a tenant-wide or shared limit, even
+/// when it was only the most constraining rule of an admission.
+pub fn descriptor_status(
+    bundle: Option<&PolicyBundle>,
+    kind: PrincipalType,
+    decision: &Decision,
+) -> DescriptorStatus {
     let code = if decision.allowed {
         Code::Ok
     } else {
         Code::OverLimit
     };
-    let own_scope = matches!(decision.denied_scope, None | Some(DeniedScope::User));
-    let show_limit = kind.is_authenticated() && own_scope;
+    let view = bundle.and_then(|bundle| crate::visibility::caller_view(bundle, kind, decision));
     DescriptorStatus {
         code: code as i32,
-        current_limit: show_limit.then(|| RateLimit {
-            name: decision.policy_id.clone().unwrap_or_default(),
-            requests_per_unit: u32::try_from(decision.limit).unwrap_or(u32::MAX),
+        current_limit: view.as_ref().map(|(_, view)| RateLimit {
+            name: view.policy_name.clone(),
+            requests_per_unit: u32::try_from(view.quota_units).unwrap_or(u32::MAX),
             unit: Unit::Unknown as i32,
         }),
-        limit_remaining: if show_limit {
-            u32::try_from(decision.remaining).unwrap_or(u32::MAX)
-        } else {
-            0
-        },
+        limit_remaining: view.as_ref().map_or(0, |(_, view)| {
+            u32::try_from(view.remaining_units).unwrap_or(u32::MAX)
+        }),
         duration_until_reset: Some(duration_ms(if decision.allowed {
             0
         } else {
@@ -380,7 +384,12 @@ impl RateLimitApi {
                 });
             }
             over |= !decision.allowed;
-            statuses.push(descriptor_status(admission.principal.kind, &decision));
+            let bundle = self.agent.bundle();
+            statuses.push(descriptor_status(
+                bundle.as_deref(),
+                admission.principal.kind,
+                &decision,
+            ));
         }
         let overall = if over { Code::OverLimit } else { Code::Ok };
         Ok(Response::new(RateLimitResponse {

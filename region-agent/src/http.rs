@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use allot_shared::contract::{
-    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, QuotaView, http_status, rate_limit_fields,
+    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, http_status, rate_limit_fields,
     retry_after_header,
 };
 use axum::Router;
@@ -233,34 +233,15 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
 }
 
 /// The `RateLimit-Policy` and `RateLimit` values for the rule a decision names, when the caller may
-/// see them (authenticated, and the rule limits the caller's own principal). A token bucket has no
-/// window, so `w` is its time to refill from empty: an approximation the draft allows.
+/// see them ([`crate::visibility::caller_view`]).
 fn rate_limit_headers(
     api: &AgentApi,
     request: &AdmissionRequest,
     decision: &allot_shared::contract::Decision,
 ) -> Option<(String, String)> {
-    use allot_shared::limit::multi::Algorithm;
-    use allot_shared::policy::Limit;
     let bundle = api.agent.bundle()?;
-    let rule_id = decision.policy_id.as_deref()?;
-    let rule = bundle.rules().iter().find(|r| r.id.as_str() == rule_id)?;
-    let window_ms = match &rule.limit {
-        Limit::Regional(Algorithm::TokenBucket(b)) => b.full_refill_ms(),
-        Limit::Regional(Algorithm::Gcra(g)) => g.burst_tolerance_ms(),
-        Limit::Regional(Algorithm::FixedWindow(w)) => w.window_ms(),
-        Limit::Regional(Algorithm::SlidingCounter(c)) => c.window_ms(),
-        Limit::Regional(Algorithm::SlidingLog(l)) => l.window_ms(),
-        Limit::Global(_) => return None,
-    };
-    let view = QuotaView {
-        policy_name: rule_id.to_owned(),
-        quota_units: decision.limit,
-        window_seconds: window_ms.div_ceil(1_000).max(1),
-        remaining_units: decision.remaining,
-        reset_seconds: retry_after_header(decision).unwrap_or(0),
-    };
-    rate_limit_fields(request.principal.kind, rule.scope.denied_scope(), &view)
+    let (scope, view) = crate::visibility::caller_view(&bundle, request.principal.kind, decision)?;
+    rate_limit_fields(request.principal.kind, scope, &view)
 }
 
 async fn release(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
@@ -273,6 +254,20 @@ async fn release(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -
     };
     match api.agent.release(&request).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(rejected) => invalid(&rejected.field, &rejected.message),
+    }
+}
+
+async fn renew(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(response) = authorized(&api, &headers) {
+        return *response;
+    }
+    let request = match parse(&headers, &body) {
+        Ok(request) => request,
+        Err(response) => return *response,
+    };
+    match api.agent.renew(&request).await {
+        Ok(renewal) => (StatusCode::OK, axum::Json(renewal)).into_response(),
         Err(rejected) => invalid(&rejected.field, &rejected.message),
     }
 }
@@ -313,6 +308,7 @@ pub fn router(api: AgentApi) -> Router {
         .route("/v1/admit", post(admit))
         .route("/v1/check", post(check))
         .route("/v1/release", post(release))
+        .route("/v1/renew", post(renew))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
             MAX_CONCURRENT_REQUESTS,

@@ -27,3 +27,4 @@ pub mod http;
 pub mod limiter;
 pub mod metrics;
 pub mod service;
+pub mod visibility;

@@ -31,8 +31,8 @@ async fn the_fourth_concurrent_export_is_refused_and_releases_free_slots() {
     let bundle = common::bundle(
         r#"{ "rules": [ { "id": "export-tenant", "scope": "tenant", "routeGroup": "export",
             "algorithm": "token_bucket", "capacityMillis": 1000000, "refillMillis": 1000000,
-            "periodMs": 60000, "costMillis": 10000, "concurrencyMax": 3, "failMode": "closed",
-            "idempotent": true } ] }"#,
+            "periodMs": 60000, "costMillis": 10000, "chargesCostHint": true, "concurrencyMax": 3,
+            "failMode": "closed", "idempotent": true } ] }"#,
     );
     let agent = common::agent(
         common::settings(),
@@ -77,4 +77,79 @@ async fn the_fourth_concurrent_export_is_refused_and_releases_free_slots() {
         agent.admit(&export(8, 1)).await.expect("decision").allowed,
         "its slot was given back"
     );
+}
+
+/// A heartbeat (`renew`, `POST /v1/renew`) extends a long request's slot by its lease TTL, so a
+/// long export keeps its slot; without one it lapses with the TTL and the next export is admitted.
+/// A lapsed slot is not taken again by a late heartbeat.
+#[tokio::test]
+async fn a_heartbeat_keeps_a_long_exports_slot_and_a_late_one_does_not_resurrect_it() {
+    use allot_region_agent::http::{AgentApi, serve};
+    use allot_shared::clock::ManualClock;
+
+    let bundle = common::bundle(
+        r#"{ "rules": [ { "id": "export-user", "scope": "user", "routeGroup": "export",
+            "algorithm": "token_bucket", "capacityMillis": 1000000, "refillMillis": 1000000,
+            "periodMs": 60000, "concurrencyMax": 1, "concurrencyLeaseTtlMs": 1000,
+            "failMode": "closed" } ] }"#,
+    );
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let agent = common::agent(common::settings(), clock.clone(), None, Some(bundle));
+    assert!(agent.admit(&export(1, 1)).await.expect("decision").allowed);
+    clock.advance(800);
+    let renewal = agent.renew(&export(1, 1)).await.expect("renew");
+    assert_eq!((renewal.renewed, renewal.lapsed), (1, 0));
+    // 1.6 s after the start: without the heartbeat the slot would have lapsed at 1 s.
+    clock.advance(800);
+    let second = agent.admit(&export(2, 1)).await.expect("decision");
+    assert_eq!(
+        second.reason,
+        Some(Reason::ConcurrencyExceeded),
+        "{second:?}"
+    );
+    // No heartbeat for longer than the TTL: the slot lapses and the next export gets it.
+    clock.advance(1_100);
+    assert!(agent.admit(&export(3, 1)).await.expect("decision").allowed);
+    let late = agent.renew(&export(1, 1)).await.expect("renew");
+    assert_eq!((late.renewed, late.lapsed), (0, 1), "not resurrected");
+
+    // Over HTTP: the same body as /v1/release, answered with what happened to the slots.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let api = AgentApi {
+        agent,
+        gateway_tokens: Arc::new(vec!["gateway-token-for-tests-01".to_owned()]),
+        metrics: None,
+    };
+    tokio::spawn(serve(listener, api, None, std::future::pending()));
+    let http = reqwest::Client::new();
+    let body = serde_json::to_value(export(3, 1)).expect("json");
+    let answer = http
+        .post(format!("{url}/v1/renew"))
+        .bearer_auth("gateway-token-for-tests-01")
+        .json(&body)
+        .send()
+        .await
+        .expect("renew");
+    assert_eq!(answer.status(), 200);
+    let renewal: serde_json::Value = answer.json().await.expect("json");
+    assert_eq!(renewal["renewed"], 1, "{renewal}");
+    assert_eq!(renewal["lapsed"], 0, "{renewal}");
+    let unauthenticated = http
+        .post(format!("{url}/v1/renew"))
+        .json(&body)
+        .send()
+        .await
+        .expect("renew");
+    assert_eq!(unauthenticated.status(), 401);
+    let bad = http
+        .post(format!("{url}/v1/renew"))
+        .bearer_auth("gateway-token-for-tests-01")
+        .json(&serde_json::json!({ "requestId": "x" }))
+        .send()
+        .await
+        .expect("renew");
+    assert_eq!(bad.status(), 400);
 }

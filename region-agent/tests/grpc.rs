@@ -45,11 +45,15 @@ impl Drop for Served {
 }
 
 async fn serve(with_bundle: bool) -> Served {
+    serve_bundle(with_bundle.then_some(BUNDLE)).await
+}
+
+async fn serve_bundle(bundle: Option<&str>) -> Served {
     let clock = Arc::new(SystemClock);
     let store = Arc::new(InProcessStore::new(clock.clone(), 1_000));
     let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
-    let bundle = with_bundle.then(|| {
-        allot_shared::policy::parse_bundle(BUNDLE)
+    let bundle = bundle.map(|text| {
+        allot_shared::policy::parse_bundle(text)
             .and_then(|draft| draft.into_file_bundle())
             .expect("a valid bundle")
     });
@@ -252,4 +256,43 @@ async fn a_fail_closed_outage_is_unavailable_so_failure_mode_deny_decides() {
         .await
         .expect_err("unavailable");
     assert_eq!(status.code(), tonic::Code::Unavailable);
+}
+
+/// The statuses follow the HTTP API's rule: a caller is told only its own (per-user) limit. An
+/// admission whose most constraining rule is the tenant's shows no limit at all, nor does a denial
+/// by the tenant's rule; the user's own rule, when it is the one named, is shown.
+#[tokio::test]
+async fn a_tenant_wide_limit_is_never_shown_even_as_the_most_constraining_rule_of_an_admission() {
+    const TENANT_TIGHTER: &str = r#"{
+        "bundleVersion": 1,
+        "rules": [
+            {"id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
+             "capacityMillis": 100000, "refillMillis": 1000, "periodMs": 60000, "failMode": "closed"},
+            {"id": "tenant-all", "scope": "tenant", "algorithm": "fixed_window", "limit": 3,
+             "windowMs": 3600000, "failMode": "closed"}
+        ]
+    }"#;
+    let mut served = serve_bundle(Some(TENANT_TIGHTER)).await;
+    for n in 0..3 {
+        let answer = ask(&mut served, vec![user(&format!("u-{n}"))]).await;
+        let status = &answer.statuses[0];
+        assert_eq!(status.code, Code::Ok as i32);
+        // The tenant's window (3, then 2, 1 left) is the most constraining: not shown.
+        assert_eq!(status.current_limit, None, "{status:?}");
+        assert_eq!(status.limit_remaining, 0);
+    }
+    let answer = ask(&mut served, vec![user("u-9")]).await;
+    let status = &answer.statuses[0];
+    assert_eq!(status.code, Code::OverLimit as i32);
+    assert_eq!(status.current_limit, None, "a tenant denial: {status:?}");
+
+    // With the user's own rule the tighter one, it is what is shown.
+    let mut served = serve(true).await;
+    let answer = ask(&mut served, vec![user("alice")]).await;
+    let limit = answer.statuses[0]
+        .current_limit
+        .as_ref()
+        .expect("own limit");
+    assert_eq!(limit.name, "read-user");
+    assert_eq!(answer.statuses[0].limit_remaining, 1);
 }

@@ -139,7 +139,7 @@ async fn hostile_gateway_input_gets_a_problem_and_spends_nothing() {
         ));
     }
     let mut failures = Vec::new();
-    for endpoint in ["/v1/admit", "/v1/check", "/v1/release"] {
+    for endpoint in ["/v1/admit", "/v1/check", "/v1/release", "/v1/renew"] {
         for (body, content_type, status, field) in &cases {
             let mut request = client
                 .post(format!("{http}{endpoint}"))

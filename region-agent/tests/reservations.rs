@@ -379,3 +379,36 @@ async fn refusals_from_memory_reserve_nothing() {
     agent.send_reports().await;
     assert_eq!(fake.reported_spent(), 5);
 }
+
+/// Global rules cost what regional ones do: a stated cost whatever the hint, or per unit of the
+/// hint when the rule says `chargesCostHint`. What the ledger hears is what was charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_rule_charges_its_stated_cost_or_the_hint_when_it_says_so() {
+    for (rule, hint, charged) in [
+        (r#""costMillis": 2000"#, 5, 2),
+        (r#""costMillis": 2000, "chargesCostHint": true"#, 5, 10),
+        (r#""failMode": "closed""#, 4, 4),
+    ] {
+        let fake = Allocator::new(1_000, 100, 0);
+        let bundle = format!(
+            r#"{{ "rules": [ {{ "id": "global-api", "scope": "global", "pool": "api",
+                "failMode": "closed", {rule} }} ] }}"#
+        )
+        .replace(
+            r#""failMode": "closed", "failMode": "closed""#,
+            r#""failMode": "closed""#,
+        );
+        let agent = agent_for(&fake, &bundle).await;
+        let decision = agent
+            .admit(&request(1, "U-1", "read", hint))
+            .await
+            .expect("decision");
+        assert!(decision.allowed, "{rule}: {decision:?}");
+        agent.send_reports().await;
+        assert_eq!(
+            fake.reported_spent(),
+            charged,
+            "{rule} with costHint {hint}"
+        );
+    }
+}

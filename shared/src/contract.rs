@@ -255,6 +255,15 @@ fn sf_string(value: &str) -> String {
     out
 }
 
+/// Whether a caller may be told a rule's limit and what is left of it: only a caller that
+/// authenticated, and only about a rule of its own scope (a per-principal rule). A user is never
+/// told its tenant's, a route's or the global pool's quota, whether the rule denied or was merely
+/// the most constraining of an admission. Every surface (HTTP `RateLimit` fields, Envoy RLS
+/// statuses) answers by this one rule.
+pub fn caller_may_see(caller: PrincipalType, scope: DeniedScope) -> bool {
+    caller.is_authenticated() && scope == DeniedScope::User
+}
+
 /// The `RateLimit-Policy` and `RateLimit` field values (draft-ietf-httpapi-ratelimit-headers), e.g.
 /// `"read";q=20;w=10` and `"read";r=0;t=1`, or `None` when the caller must not see them: callers that
 /// did not authenticate, and scopes that are not the caller's own (a user is not told its tenant's
@@ -264,7 +273,7 @@ pub fn rate_limit_fields(
     scope: DeniedScope,
     view: &QuotaView,
 ) -> Option<(String, String)> {
-    if !caller.is_authenticated() || scope != DeniedScope::User {
+    if !caller_may_see(caller, scope) {
         return None;
     }
     let name = sf_string(&view.policy_name);

@@ -1,6 +1,6 @@
 //! The store key model and keyed principal hashes.
 //!
-//! `rl:v<stateVersion>:{t:<tenant>}:<principalType>:<principalHash>:<routeGroup>`
+//! `rl:v<stateVersion>:{t:<tenant>}:<principalType>:<principalHash>:<routeGroup>:<stateShape>`
 //! - `rl` keeps limiter keys apart from anything else in the store;
 //! - `v<stateVersion>` names the state shape (fields and units), bumped only when that changes, never
 //!   when a limit changes (limits travel as script arguments and stored tokens are clamped);
@@ -9,7 +9,14 @@
 //! - the principal part is `u`/`k`/`ip` and the first 16 hex characters of
 //!   HMAC-SHA256(pepper, identity), or `tenant` and the tenant id for tenant-wide keys. Raw user ids, API
 //!   keys and addresses never appear in a key;
-//! - the route group, or `*` for a rule that spans all route groups.
+//! - the route group, or `*` for a rule that spans all route groups;
+//! - the shape of the state the rule's algorithm stores (`tb`, `gcra`, `fw`, `sc`, `sl`): a rule
+//!   whose algorithm changes (or an exemption with another algorithm over the same key) starts from
+//!   fresh state under a new key, and the old key simply expires.
+//!
+//! [`principal_key`] and [`tenant_key`] build the rule's key without its state shape (what the
+//! rule's concurrency set, [`concurrency_key`], is named after: slots do not depend on the rate
+//! algorithm); [`rule_state_key`] adds the shape.
 //!
 //! Every segment is built from validated identifiers whose charsets exclude `{`, `}` and `:`, so no
 //! input can shape another tenant's key.
@@ -182,8 +189,20 @@ pub fn tenant_key(tenant: &TenantId, route_group: Option<&RouteGroup>) -> String
     )
 }
 
-/// The concurrency-lease set that belongs to a rule key.
-pub fn concurrency_key(rule_key: &str) -> String {
+/// The key a rule's state is stored under: its key (from [`principal_key`] or [`tenant_key`]) and
+/// the shape of the state its algorithm stores (`Algorithm::state_shape`).
+pub fn rule_state_key(rule_key: &str, state_shape: &str) -> String {
+    debug_assert!(!state_shape.contains(':'));
+    format!("{rule_key}:{state_shape}")
+}
+
+/// The concurrency-lease set that belongs to a rule: named after the rule's key without its state
+/// shape (`rule_state_key` adds one `:<shape>` segment, taken off here), so changing the rate
+/// algorithm keeps the slots held.
+pub fn concurrency_key(rule_state_key: &str) -> String {
+    let rule_key = rule_state_key
+        .rsplit_once(':')
+        .map_or(rule_state_key, |(rule_key, _shape)| rule_key);
     format!("{rule_key}:cc")
 }
 

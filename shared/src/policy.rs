@@ -148,8 +148,12 @@ pub struct Rule {
     pub matcher: Matcher,
     /// Where its budget lives.
     pub limit: Limit,
-    /// Cost of one unit of the request's `costHint`, in millitokens.
+    /// The rule's cost (`costMillis`), in millitokens: what each request is charged, or, when
+    /// `charges_cost_hint`, what each unit of the request's `costHint` is charged.
     pub cost_millitokens: u64,
+    /// Whether the request's `costHint` multiplies the cost (`chargesCostHint`; the default for a
+    /// rule that states no `costMillis`).
+    pub charges_cost_hint: bool,
     /// Optional concurrency cap checked alongside the rate rule.
     pub concurrency: Option<Semaphore>,
     /// Behaviour when the store is unavailable.
@@ -165,14 +169,42 @@ pub struct Rule {
 }
 
 impl Rule {
+    /// Whether the rule applies to a request of `tenant` on `route_group` by a principal of
+    /// `principal_type`: its matcher matches, and, for a caller that did not authenticate (`ip`),
+    /// the rule is per principal (its own bucket) or targets `principalType: ip` explicitly.
+    /// Pre-authentication traffic never spends a tenant's, a route's or a global budget by default:
+    /// an unverified caller cannot drain what the tenant's real users share.
+    pub fn applies_to(
+        &self,
+        tenant: &TenantId,
+        route_group: &RouteGroup,
+        principal_type: PrincipalType,
+    ) -> bool {
+        self.matcher.matches(tenant, route_group, principal_type)
+            && (principal_type.is_authenticated()
+                || self.scope == Scope::User
+                || self.matcher.principal_type == Some(principal_type))
+    }
+
+    /// What a request with `cost_hint` is charged by this rule, in millitokens: the stated cost, or
+    /// that cost per unit of the hint. `None` when that does not fit in 64 bits.
+    pub fn cost_millitokens_for(&self, cost_hint: u64) -> Option<u64> {
+        if self.charges_cost_hint {
+            self.cost_millitokens.checked_mul(cost_hint)
+        } else {
+            Some(self.cost_millitokens)
+        }
+    }
+
     /// The rule in canonical wire form (all defaults explicit).
     pub fn to_json(&self) -> Value {
         self.canonical.clone()
     }
 
     /// The store key this rule uses for a request of `tenant` by a principal of `principal_type`
-    /// whose keyed hash is `principal_hash`; `None` for global (leased) rules, which have no regional
-    /// key. Every key carries the tenant's hash tag.
+    /// whose keyed hash is `principal_hash`, state shape included (`keys::rule_state_key`); `None`
+    /// for global (leased) rules, which have no regional key. Every key carries the tenant's hash
+    /// tag.
     pub fn key_for(
         &self,
         tenant: &TenantId,
@@ -180,15 +212,19 @@ impl Rule {
         principal_hash: &crate::keys::PrincipalHash,
     ) -> Option<String> {
         let route_group = self.matcher.route_group.as_ref();
-        match key_shape(self)?.0 {
-            KeyKind::Principal => Some(crate::keys::principal_key(
-                tenant,
-                principal_type,
-                principal_hash,
-                route_group,
-            )),
-            KeyKind::Tenant => Some(crate::keys::tenant_key(tenant, route_group)),
-        }
+        let Limit::Regional(algorithm) = &self.limit else {
+            return None;
+        };
+        let rule_key = match key_shape(self)?.0 {
+            KeyKind::Principal => {
+                crate::keys::principal_key(tenant, principal_type, principal_hash, route_group)
+            }
+            KeyKind::Tenant => crate::keys::tenant_key(tenant, route_group),
+        };
+        Some(crate::keys::rule_state_key(
+            &rule_key,
+            algorithm.state_shape(),
+        ))
     }
 }
 
@@ -287,8 +323,12 @@ impl<'a> Fields<'a> {
     }
 
     fn bool(&mut self, name: &'static str) -> Result<bool, PolicyError> {
+        self.bool_or(name, false)
+    }
+
+    fn bool_or(&mut self, name: &'static str, default: bool) -> Result<bool, PolicyError> {
         let flag = match self.raw(name) {
-            None => false,
+            None => default,
             Some(value) => value.as_bool().ok_or_else(|| {
                 error(self.at(name), format!("must be true or false, got {value}"))
             })?,
@@ -366,8 +406,13 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
     if scope == Scope::Route && matcher.route_group.is_none() {
         return Err(error(f.at("routeGroup"), "is required for scope route"));
     }
+    // A rule that states its cost charges it; one that does not charges the caller's costHint (in
+    // units of DEFAULT_COST_MILLIS). `chargesCostHint: true` makes a stated cost a cost per unit of
+    // the hint (token-metered APIs).
+    let stated_cost = f.u64("costMillis")?;
     let cost_millitokens = f.u64_or("costMillis", DEFAULT_COST_MILLIS)?;
     check_param("costMillis", cost_millitokens, 1).map_err(param(path.to_owned()))?;
+    let charges_cost_hint = f.bool_or("chargesCostHint", stated_cost.is_none())?;
     let pool = f.id("pool", PoolId::parse)?;
     let algorithm_name = f.string("algorithm")?;
     let limit = if scope == Scope::Global {
@@ -480,6 +525,7 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
         matcher,
         limit,
         cost_millitokens,
+        charges_cost_hint,
         concurrency,
         fail_mode,
         idempotent,
@@ -897,9 +943,7 @@ impl PolicyBundle {
         let matching: Vec<&Rule> = self
             .rules
             .iter()
-            .filter(|r| {
-                key_shape(r).is_some() && r.matcher.matches(tenant, route_group, principal_type)
-            })
+            .filter(|r| key_shape(r).is_some() && r.applies_to(tenant, route_group, principal_type))
             .collect();
         let exempted: BTreeSet<KeyShape<'_>> = matching
             .iter()
@@ -928,7 +972,7 @@ impl PolicyBundle {
             .iter()
             .filter(|r| {
                 matches!(r.limit, Limit::Global(_))
-                    && r.matcher.matches(tenant, route_group, principal_type)
+                    && r.applies_to(tenant, route_group, principal_type)
             })
             .collect()
     }

@@ -78,7 +78,9 @@ pub fn replay(bundle: &PolicyBundle, samples: &[ReplaySample], pepper: &Pepper) 
             if let (Limit::Regional(algorithm), Some(key)) =
                 (&rule.limit, rule.key_for(tenant, principal_type, &hash))
             {
-                let cost = rule.cost_millitokens.saturating_mul(request.cost_hint);
+                let cost = rule
+                    .cost_millitokens_for(request.cost_hint)
+                    .unwrap_or(u64::MAX);
                 keyed.push((rule, algorithm, key, cost));
             }
         }

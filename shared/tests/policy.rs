@@ -288,7 +288,9 @@ fn the_checksum_is_canonical_and_verified() {
             .collect();
         *object = reversed;
     }
+    // The default cost written out: 1,000 per unit of the caller's costHint.
     reordered["rules"][3]["costMillis"] = json!(1000);
+    reordered["rules"][3]["chargesCostHint"] = json!(true);
     let pretty = serde_json::to_string_pretty(&reordered).expect("json");
     let again = parse_bundle(&pretty)
         .expect("valid")

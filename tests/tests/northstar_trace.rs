@@ -11,7 +11,9 @@ use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStore
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::contract::{AdmissionRequest, DeniedScope, Principal, PrincipalType, Reason};
 use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
-use allot_shared::keys::{IpPrefixes, Pepper, principal_hash, principal_key, tenant_key};
+use allot_shared::keys::{
+    IpPrefixes, Pepper, principal_hash, principal_key, rule_state_key, tenant_key,
+};
 use allot_testkit::RedisServer;
 
 const PEPPER: &[u8] = b"northstar-pepper-012345";
@@ -106,14 +108,21 @@ async fn the_northstar_trace() {
     let atlas = TenantId::parse("atlas").expect("tenant");
     let read = RouteGroup::parse("read").expect("route");
     let pepper = Pepper::new(PEPPER.to_vec()).expect("pepper");
-    let user_key = principal_key(
-        &atlas,
-        PrincipalType::User,
-        &principal_hash(&pepper, PrincipalType::User, "U-17", IpPrefixes::default()),
-        Some(&read),
+    // Every rule here is a token bucket: its state lives under the key's `tb` shape.
+    let user_key = rule_state_key(
+        &principal_key(
+            &atlas,
+            PrincipalType::User,
+            &principal_hash(&pepper, PrincipalType::User, "U-17", IpPrefixes::default()),
+            Some(&read),
+        ),
+        "tb",
     );
-    let tenant_bucket = tenant_key(&atlas, None);
-    let export_bucket = tenant_key(&atlas, Some(&RouteGroup::parse("export").expect("route")));
+    let tenant_bucket = rule_state_key(&tenant_key(&atlas, None), "tb");
+    let export_bucket = rule_state_key(
+        &tenant_key(&atlas, Some(&RouteGroup::parse("export").expect("route"))),
+        "tb",
+    );
 
     // 1. Pre-authentication: 7 requests from one address pass the 20-per-10-s window.
     for n in 0..7 {

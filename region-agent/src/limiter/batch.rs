@@ -8,7 +8,8 @@
 //!
 //! [`plan_request`] maps a request and a validated policy bundle to its batch: the rules from
 //! `PolicyBundle::regional_rules_for` in evaluation order, their keys from `allot_shared::keys`, and
-//! costs of `rule.cost_millitokens x costHint`.
+//! costs of `rule.cost_millitokens_for(costHint)` (the stated cost, or that cost per unit of the
+//! hint).
 
 use allot_shared::MAX_RULE_PARAMETER;
 use allot_shared::contract::{AdmissionRequest, PrincipalType};
@@ -370,7 +371,7 @@ pub fn plan_request<'a>(
     let mut batch_rules = Vec::with_capacity(rules.len());
     for rule in &rules {
         let route_group = rule.matcher.route_group.as_ref();
-        let key = match rule.scope {
+        let rule_key = match rule.scope {
             Scope::User => {
                 let hash = principal_hash.get_or_init(|| {
                     keys::principal_hash(pepper, kind, &request.principal.id, ip_prefixes)
@@ -382,8 +383,7 @@ pub fn plan_request<'a>(
             Scope::Global => return Err(BatchError::NotRegional(rule.id.clone())),
         };
         let cost_millitokens = rule
-            .cost_millitokens
-            .checked_mul(request.cost_hint)
+            .cost_millitokens_for(request.cost_hint)
             .ok_or_else(|| BatchError::CostOverflow {
                 rule_id: rule.id.clone(),
                 cost_millitokens: rule.cost_millitokens,
@@ -392,6 +392,7 @@ pub fn plan_request<'a>(
         let Limit::Regional(algorithm) = &rule.limit else {
             return Err(BatchError::NotRegional(rule.id.clone()));
         };
+        let key = keys::rule_state_key(&rule_key, algorithm.state_shape());
         let params = RuleParams::from_algorithm(algorithm);
         let batch_rule = BatchRule::new(key, params, cost_millitokens)
             .map_err(|_| BatchError::UnreadableParams(rule.id.clone()))?;
@@ -495,9 +496,12 @@ mod tests {
         assert_eq!(
             keys,
             [
-                keys::principal_key(&tenant(), PrincipalType::User, &hash, Some(&read)).as_str(),
-                keys::tenant_key(&tenant(), Some(&read)).as_str(),
-                keys::tenant_key(&tenant(), None).as_str(),
+                format!(
+                    "{}:tb",
+                    keys::principal_key(&tenant(), PrincipalType::User, &hash, Some(&read))
+                ),
+                format!("{}:sl", keys::tenant_key(&tenant(), Some(&read))),
+                format!("{}:tb", keys::tenant_key(&tenant(), None)),
             ]
         );
         let costs: Vec<u64> = batch

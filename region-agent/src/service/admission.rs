@@ -53,6 +53,19 @@ pub const AWAITING_GRANT_RETRY_MS: u64 = 100;
 /// out, ms (I5): clients denied in the same instant do not all return in the same instant.
 pub const RETRY_JITTER_MAX_MS: u64 = 1_000;
 
+/// What a heartbeat ([`Agent::renew`]) did to the concurrency slots of a request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotRenewal {
+    /// Slots extended by their lease TTL.
+    pub renewed: u32,
+    /// Slots that had lapsed (or were never held): not taken again.
+    pub lapsed: u32,
+    /// Slots the store could not be asked about (they lapse with their TTL unless a later
+    /// heartbeat reaches them).
+    pub failed: u32,
+}
+
 /// Why a global rule refused, with what the decision reports.
 #[derive(Debug, Clone, Copy)]
 struct GlobalRefusal {
@@ -487,6 +500,41 @@ impl Agent {
         Ok(())
     }
 
+    /// Extends the concurrency slots `request` holds by their lease TTL: a heartbeat for a long
+    /// request (an export) that must keep its slot past the TTL. Call it more often than the TTL.
+    /// A slot that already lapsed is not taken again (the cap may be full by now): it counts as
+    /// lapsed.
+    pub async fn renew(&self, request: &AdmissionRequest) -> Result<SlotRenewal, RequestRejected> {
+        request.validate().map_err(|e| RequestRejected {
+            field: e.field.to_owned(),
+            message: e.message.to_owned(),
+        })?;
+        let mut renewal = SlotRenewal::default();
+        let Some(bundle) = self.bundle.load_full() else {
+            return Ok(renewal);
+        };
+        let Ok(Some(planned)) = plan_request(
+            &bundle,
+            request,
+            &self.settings.pepper,
+            self.settings.ip_prefixes,
+            self.settings.decision_record_ttl_ms,
+        ) else {
+            return Ok(renewal);
+        };
+        for (_, call) in concurrency_calls(&planned, request) {
+            match self.limiter.lease(LeaseOp::Renew, &call).await {
+                Ok(outcome) if outcome.held => renewal.renewed += 1,
+                Ok(_) => renewal.lapsed += 1,
+                Err(error) => {
+                    tracing::warn!(%error, "concurrency slot not renewed");
+                    renewal.failed += 1;
+                }
+            }
+        }
+        Ok(renewal)
+    }
+
     /// The decision for a global rule's refusal.
     fn global_denial(
         &self,
@@ -550,10 +598,13 @@ impl Agent {
     }
 }
 
-/// A global rule's cost for `request`, whole tokens, at least 1.
+/// A global rule's cost for `request`, whole tokens (pools count whole tokens; policy validation
+/// keeps a global rule's cost a multiple of 1,000 millitokens), at least 1.
 fn global_cost_tokens(rule: &Rule, request: &AdmissionRequest) -> u64 {
-    (rule.cost_millitokens / 1_000)
-        .saturating_mul(request.cost_hint)
+    rule.cost_millitokens_for(request.cost_hint)
+        .map_or(u64::MAX, |millitokens| {
+            millitokens / allot_shared::MILLITOKENS_PER_TOKEN
+        })
         .max(1)
 }
 

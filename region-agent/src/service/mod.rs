@@ -25,7 +25,7 @@ use arc_swap::ArcSwapOption;
 
 pub use admission::{
     AWAITING_GRANT_RETRY_MS, CONCURRENCY_RETRY_MS, FIRST_GRANT_WAIT, POLICY_UNAVAILABLE_RETRY_MS,
-    RETRY_JITTER_MAX_MS,
+    RETRY_JITTER_MAX_MS, SlotRenewal,
 };
 pub use background::{FINAL_REPORT_TIMEOUT, ROUND_TIMEOUT};
 pub use pools::{

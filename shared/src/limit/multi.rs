@@ -34,6 +34,21 @@ pub enum Algorithm {
     SlidingLog(SlidingLog),
 }
 
+impl Algorithm {
+    /// The shape of the state this algorithm stores, as the last segment of its store key: a rule
+    /// whose algorithm changes starts from fresh state under a new key instead of meeting the old
+    /// algorithm's state (which would be an error until it expired). Never contains `:`.
+    pub fn state_shape(&self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket(_) => "tb",
+            Algorithm::Gcra(_) => "gcra",
+            Algorithm::FixedWindow(_) => "fw",
+            Algorithm::SlidingCounter(_) => "sc",
+            Algorithm::SlidingLog(_) => "sl",
+        }
+    }
+}
+
 /// Stored state of one rule's key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum State {

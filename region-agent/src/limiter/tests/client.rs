@@ -629,7 +629,7 @@ async fn a_hot_tenant_spreads_over_k_sub_slots_on_three_masters_and_its_split_bu
     let connection = redis.connection();
     let mut slots = Vec::new();
     for index in 0..K {
-        let key = format!("rl:v1:{{t:hot:{index}}}:tenant:hot:bulk");
+        let key = format!("rl:v1:{{t:hot:{index}}}:tenant:hot:bulk:tb");
         let exists: i64 = redis_query(&connection, redis::cmd("EXISTS").arg(&key)).await;
         assert_eq!(exists, 1, "{key}");
         let slot: i64 =
@@ -657,7 +657,7 @@ async fn a_hot_tenant_spreads_over_k_sub_slots_on_three_masters_and_its_split_bu
     }
     let plain: i64 = redis_query(
         &connection,
-        redis::cmd("EXISTS").arg("rl:v1:{t:hot}:tenant:hot:bulk"),
+        redis::cmd("EXISTS").arg("rl:v1:{t:hot}:tenant:hot:bulk:tb"),
     )
     .await;
     assert_eq!(plain, 0, "the un-split key is never used");

@@ -1,0 +1,99 @@
+//! What a request costs. The seed: `costHint` is "in cost units; policy may override by route
+//! group". A rule that states its cost (`costMillis`) charges it whatever the hint says; a rule that
+//! states none charges the caller's hint (1,000 millitokens a unit); a rule may instead declare
+//! `chargesCostHint: true` to charge its stated cost per unit of the hint (token-metered APIs: the
+//! gateway sends the request's tokens as the hint).
+
+use std::sync::Arc;
+
+use allot_region_agent::clock::SystemClock;
+use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
+use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+
+mod common;
+
+/// Three per-user windows of 100 units an hour, one per route group, each costed its own way.
+const BUNDLE: &str = r#"{ "rules": [
+    { "id": "stated", "scope": "user", "routeGroup": "search", "algorithm": "fixed_window",
+      "limit": 100, "windowMs": 3600000, "costMillis": 5000, "failMode": "closed" },
+    { "id": "hinted", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
+      "limit": 100, "windowMs": 3600000, "failMode": "closed" },
+    { "id": "metered", "scope": "user", "routeGroup": "complete", "algorithm": "fixed_window",
+      "limit": 100, "windowMs": 3600000, "costMillis": 2000, "chargesCostHint": true,
+      "failMode": "closed" } ] }"#;
+
+fn request(n: u64, route: &str, cost_hint: u64) -> AdmissionRequest {
+    AdmissionRequest {
+        request_id: DecisionId::parse(&format!("c-{n}")).expect("id"),
+        tenant_id: TenantId::parse("atlas").expect("tenant"),
+        principal: Principal {
+            kind: PrincipalType::User,
+            id: "U-17".to_owned(),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse(route).expect("route"),
+        method: "POST".to_owned(),
+        cost_hint,
+        policy_epoch: None,
+    }
+}
+
+#[tokio::test]
+async fn a_stated_cost_is_charged_and_a_rule_may_charge_the_callers_hint_instead() {
+    let agent = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        None,
+        Some(common::bundle(BUNDLE)),
+    );
+    let remaining = async |n: u64, route: &str, hint: u64| {
+        let decision = agent
+            .admit(&request(n, route, hint))
+            .await
+            .expect("decision");
+        assert!(decision.allowed, "{decision:?}");
+        decision.remaining
+    };
+    // The rule states 5 units: a hint of 7 does not change it.
+    assert_eq!(remaining(1, "search", 7).await, 95);
+    assert_eq!(remaining(2, "search", 1).await, 90);
+    // No stated cost: the caller's hint is the cost.
+    assert_eq!(remaining(3, "read", 7).await, 93);
+    assert_eq!(remaining(4, "read", 1).await, 92);
+    // Declared per unit of the hint: 2 units x 7.
+    assert_eq!(remaining(5, "complete", 7).await, 86);
+    assert_eq!(remaining(6, "complete", 1).await, 84);
+    // A metered request larger than what is left is denied, and debits nothing.
+    let big = agent
+        .admit(&request(7, "complete", 50))
+        .await
+        .expect("decision");
+    assert!(!big.allowed);
+    assert_eq!(remaining(8, "complete", 1).await, 82);
+}
+
+#[test]
+fn the_canonical_form_states_which_cost_a_rule_charges() {
+    let bundle = common::bundle(BUNDLE);
+    let charges: Vec<(String, bool)> = bundle
+        .rules()
+        .iter()
+        .map(|rule| {
+            (
+                rule.id.to_string(),
+                rule.to_json()["chargesCostHint"] == true,
+            )
+        })
+        .collect();
+    assert_eq!(
+        charges,
+        [
+            ("stated".to_owned(), false),
+            ("hinted".to_owned(), true),
+            ("metered".to_owned(), true)
+        ]
+    );
+    let text = BUNDLE.replace(r#""chargesCostHint": true"#, r#""chargesCostHint": "yes""#);
+    let error = allot_shared::policy::parse_bundle(&text).expect_err("not a boolean");
+    assert_eq!(error.field, "rules[2].chargesCostHint");
+}

@@ -1,0 +1,118 @@
+//! Pre-authentication traffic (principal `ip`: the gateway has not verified who is calling) spends
+//! only its own per-address buckets. It never debits a tenant's, a route's or a global budget unless
+//! a rule explicitly targets `principalType: ip`: an unverified caller cannot drain what the
+//! tenant's real users share.
+
+use std::sync::Arc;
+
+use allot_region_agent::clock::SystemClock;
+use allot_shared::contract::{AdmissionRequest, DeniedScope, Principal, PrincipalType};
+use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+
+mod common;
+
+const BUNDLE: &str = r#"{ "rules": [
+    { "id": "anon", "scope": "user", "principalType": "ip", "algorithm": "fixed_window",
+      "limit": 100, "windowMs": 3600000, "failMode": "closed" },
+    { "id": "tenant-all", "scope": "tenant", "algorithm": "fixed_window",
+      "limit": 5, "windowMs": 3600000, "failMode": "closed" },
+    { "id": "login-anon-route", "scope": "route", "routeGroup": "login", "principalType": "ip",
+      "algorithm": "fixed_window", "limit": 3, "windowMs": 3600000, "failMode": "closed" },
+    { "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" } ] }"#;
+
+fn request(n: u64, kind: PrincipalType, who: &str, route: &str) -> AdmissionRequest {
+    AdmissionRequest {
+        request_id: DecisionId::parse(&format!("a-{n}")).expect("id"),
+        tenant_id: TenantId::parse("atlas").expect("tenant"),
+        principal: Principal {
+            kind,
+            id: who.to_owned(),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse(route).expect("route"),
+        method: "GET".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+    }
+}
+
+#[tokio::test]
+async fn unauthenticated_callers_never_spend_the_tenants_shared_budgets_by_default() {
+    // No allocator: a global rule that applied would fail closed, so every admit below also shows
+    // that the global pool was not consulted for `ip` callers.
+    let agent = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        None,
+        Some(common::bundle(BUNDLE)),
+    );
+    for n in 0..20 {
+        let decision = agent
+            .admit(&request(n, PrincipalType::Ip, "203.0.113.9", "read"))
+            .await
+            .expect("decision");
+        assert!(decision.allowed, "{decision:?}");
+        assert_eq!(decision.policy_id.as_deref(), Some("anon"));
+    }
+    // The tenant's window of 5 is untouched: a verified user's request sees all of it. (It is
+    // denied by the global rule, which needs an allocator: proof that it applies to users.)
+    let user = agent
+        .admit(&request(100, PrincipalType::User, "U-17", "read"))
+        .await
+        .expect("decision");
+    assert_eq!(user.denied_scope, Some(DeniedScope::Global), "{user:?}");
+
+    // A rule that targets `principalType: ip` explicitly does apply: the login route's budget of 3
+    // for anonymous callers.
+    let mut admitted = 0;
+    for n in 0..6 {
+        let decision = agent
+            .admit(&request(
+                200 + n,
+                PrincipalType::Ip,
+                "198.51.100.7",
+                "login",
+            ))
+            .await
+            .expect("decision");
+        if decision.allowed {
+            admitted += 1;
+        } else {
+            assert_eq!(
+                decision.policy_id.as_deref(),
+                Some("login-anon-route"),
+                "{decision:?}"
+            );
+            assert_eq!(decision.denied_scope, Some(DeniedScope::Route));
+        }
+    }
+    assert_eq!(admitted, 3);
+}
+
+#[test]
+fn which_rules_apply_to_an_unauthenticated_caller() {
+    let bundle = common::bundle(BUNDLE);
+    let atlas = TenantId::parse("atlas").expect("tenant");
+    let ids = |kind: PrincipalType, route: &str| -> Vec<String> {
+        let route = RouteGroup::parse(route).expect("route");
+        bundle
+            .regional_rules_for(&atlas, &route, kind)
+            .into_iter()
+            .chain(bundle.global_rules_for(&atlas, &route, kind))
+            .map(|rule| rule.id.to_string())
+            .collect()
+    };
+    assert_eq!(ids(PrincipalType::Ip, "read"), ["anon"]);
+    assert_eq!(
+        ids(PrincipalType::Ip, "login"),
+        ["anon", "login-anon-route"]
+    );
+    assert_eq!(
+        ids(PrincipalType::User, "read"),
+        ["tenant-all", "global-api"]
+    );
+    assert_eq!(
+        ids(PrincipalType::ApiKey, "login"),
+        ["tenant-all", "global-api"]
+    );
+}
