@@ -91,6 +91,11 @@ pub struct AgentArgs {
     /// PEM private key of --allocator-client-cert.
     #[arg(long, env = "ALLOT_ALLOCATOR_CLIENT_KEY")]
     pub allocator_client_key: Option<PathBuf>,
+    /// Directory for the state a restart needs (the last bundle, pool terms, pending reports,
+    /// fallback claims), so an agent restarted while the allocator is unreachable keeps its region
+    /// up and a killed agent's admits still reach the ledger. Default: none (announced at start).
+    #[arg(long, env = "ALLOT_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
     /// TOML file with any of the settings above.
     #[arg(long, env = "ALLOT_CONFIG")]
     pub config: Option<PathBuf>,
@@ -123,6 +128,7 @@ struct FileSettings {
     allocator_ca: Option<PathBuf>,
     allocator_client_cert: Option<PathBuf>,
     allocator_client_key: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
 }
 
 /// Default `--decision-budget-ms`: the limiter's own default budget.
@@ -173,6 +179,8 @@ pub struct AgentConfig {
     pub tls: Option<allot_net::ServerTls>,
     /// How to reach an https:// allocator.
     pub allocator_tls: allot_net::ClientTls,
+    /// The state directory, if any.
+    pub state_dir: Option<PathBuf>,
 }
 
 impl AgentArgs {
@@ -217,6 +225,7 @@ impl AgentArgs {
         Ok(AgentConfig {
             tls,
             allocator_tls,
+            state_dir: self.state_dir.or(file.state_dir),
             agent_id: self
                 .agent_id
                 .or(file.agent_id)

@@ -27,4 +27,5 @@ pub mod http;
 pub mod limiter;
 pub mod metrics;
 pub mod service;
+pub mod state_dir;
 pub mod visibility;

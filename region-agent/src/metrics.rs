@@ -54,6 +54,16 @@ pub const POOLS_HELD: &str = "allot_agent_pools";
 /// Report lines dropped since start because the allocator stayed unreachable past the holders'
 /// bounds (leases then show as unreported in the ledger; fallback windows go unaccounted).
 pub const REPORT_LINES_DROPPED: &str = "allot_agent_report_lines_dropped";
+/// State files not used at start, by file and reason (corrupt, foreign, other_region, too_large,
+/// unreadable): the agent started without them.
+pub const STATE_FILES_IGNORED: &str = "allot_agent_state_files_ignored_total";
+/// State file writes, by file and outcome (ok, failed).
+pub const STATE_WRITES: &str = "allot_agent_state_writes_total";
+/// Fallback claims made durable before admitting beyond the last one, by outcome (ok, failed).
+pub const FALLBACK_CLAIMS: &str = "allot_agent_fallback_claims_total";
+/// What a restarted agent took over from its state directory, by what (bundle, pools, leases,
+/// fallback_windows).
+pub const STATE_RESTORED: &str = "allot_agent_state_restored";
 
 /// Installs the process-wide Prometheus recorder on first use and returns its handle; `None` when
 /// another recorder is already installed (then pass that recorder's handle around instead).

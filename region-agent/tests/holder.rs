@@ -21,6 +21,7 @@ fn config(fallback: u64) -> HolderConfig {
         expiry_margin_ms: 50,
         round_trip_ms: 50,
         renewal_patience_ms: 200,
+        fallback_claim_block_tokens: 0,
     }
 }
 
@@ -490,4 +491,152 @@ fn a_recovered_grant_is_timed_from_what_was_left_when_it_was_answered() {
         holder.spend(1, local.expires_at_ms - 50, true),
         Spend::Leased(_)
     ));
+}
+
+/// With a state directory, fallback is admitted only within a durable claim, which grows a block at
+/// a time; a restarted holder takes over the journal: the window's allowance counts as used up to
+/// the claim (whatever was admitted after the last journal), and the journaled admits and leases
+/// are reported again.
+#[test]
+fn fallback_stays_within_durable_claims_and_a_restart_never_reopens_the_allowance() {
+    let claims = HolderConfig {
+        fallback_claim_block_tokens: 3,
+        ..config(10)
+    };
+    let t0 = 30 * MINUTE + 100;
+    let mut holder = PoolHolder::new(claims);
+    holder.accept(grant(1, 4, 2, t0), t0);
+    assert!(matches!(holder.spend(2, t0, false), Spend::Leased(_)));
+    // The lease is spent; cut off, a cost of 4 goes to fallback, which needs a claim first.
+    assert_eq!(
+        holder.reserve(4, t0, false).map(|_| ()),
+        Err(Refusal {
+            denial: Denial::FallbackUnclaimed,
+            retry_after_ms: 1
+        })
+    );
+    let claim = holder.fallback_claim_wanted(4, t0).expect("a claim");
+    assert_eq!(claim, (30 * MINUTE, 7), "what is used, the cost, one block");
+    let journal = holder.snapshot(Some(claim));
+    holder.claim_durable(claim.0, claim.1);
+    let first = holder.reserve(4, t0, false).expect("claimed");
+    assert_eq!(
+        holder.commit(first),
+        Spend::Fallback {
+            window_start_ms: 30 * MINUTE
+        }
+    );
+    let second = holder.reserve(3, t0, false).expect("within the claim");
+    assert_eq!(
+        holder.commit(second),
+        Spend::Fallback {
+            window_start_ms: 30 * MINUTE
+        }
+    );
+    assert_eq!(holder.fallback_claim_wanted(1, t0), Some((30 * MINUTE, 10)));
+
+    // Killed here: the journal was written with the claim, before the 7 admits.
+    let mut restarted = PoolHolder::new(claims);
+    restarted.restore(&journal);
+    // 7 of the allowance of 10 count as used: 3 are left, after a claim.
+    assert_eq!(
+        restarted.fallback_claim_wanted(3, t0),
+        Some((30 * MINUTE, 10))
+    );
+    restarted.claim_durable(30 * MINUTE, 10);
+    let third = restarted
+        .reserve(3, t0, false)
+        .expect("the rest of the allowance");
+    let _ = restarted.commit(third);
+    assert_eq!(
+        restarted.reserve(1, t0, false).map_err(|r| r.denial),
+        Err(Denial::FallbackSpent),
+        "never beyond the allowance, across the restart"
+    );
+    // The journaled lease owes its final line (2 spent); fallback reports what is known admitted.
+    let report = restarted.pending_report(t0);
+    assert_eq!(report.leases.len(), 1);
+    assert!(report.leases[0].final_line && report.leases[0].spent_tokens == 2);
+    assert_eq!(
+        report.fallback,
+        vec![FallbackLine {
+            window_start_ms: 30 * MINUTE,
+            admitted_tokens: 3
+        }]
+    );
+}
+
+#[derive(Debug, Clone)]
+enum Crash {
+    Reserve { cost: u64 },
+    Settle { which: usize, commit: bool },
+    Journal,
+    Restart,
+    Advance { ms: u64 },
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Fallback under durable claims, with crashes: whatever was journaled and whenever the agent
+    /// restarts, the admits of a window over every incarnation stay within the allowance.
+    #[test]
+    fn crashes_never_reopen_a_windows_fallback_allowance(
+        allowance in 1u64..30,
+        block in 1u64..8,
+        start in 0u64..(1 << 40),
+        events in prop::collection::vec(prop_oneof![
+            6 => (1u64..6).prop_map(|cost| Crash::Reserve { cost }),
+            5 => (any::<usize>(), any::<bool>()).prop_map(|(which, commit)| Crash::Settle { which, commit }),
+            2 => Just(Crash::Journal),
+            1 => Just(Crash::Restart),
+            2 => (0u64..30_000).prop_map(|ms| Crash::Advance { ms }),
+        ], 1..200),
+    ) {
+        let config = HolderConfig { fallback_claim_block_tokens: block, ..config(allowance) };
+        let mut holder = PoolHolder::new(config);
+        let mut journal = HolderSnapshot::default();
+        let mut now = start;
+        let mut outstanding: Vec<Reservation> = Vec::new();
+        let mut admitted: HashMap<u64, u64> = HashMap::new();
+        for event in events {
+            match event {
+                Crash::Reserve { cost } => match holder.reserve(cost, now, false) {
+                    Ok(reservation) => outstanding.push(reservation),
+                    Err(Refusal { denial: Denial::FallbackUnclaimed, .. }) => {
+                        let claim = holder.fallback_claim_wanted(cost, now).expect("wanted");
+                        // Written with the claim, then durable.
+                        journal = holder.snapshot(Some(claim));
+                        holder.claim_durable(claim.0, claim.1);
+                        prop_assert!(claim.1 <= allowance);
+                    }
+                    Err(refusal) => prop_assert!(matches!(
+                        refusal.denial,
+                        Denial::FallbackSpent | Denial::CostAboveChunk
+                    )),
+                },
+                Crash::Settle { which, commit } => {
+                    if outstanding.is_empty() { continue; }
+                    let reservation = outstanding.swap_remove(which % outstanding.len());
+                    if commit {
+                        if let Spend::Fallback { window_start_ms } = holder.commit(reservation) {
+                            let total = admitted.entry(window_start_ms).or_default();
+                            *total += reservation.tokens();
+                            prop_assert!(*total <= allowance, "{total} > {allowance} in one window");
+                        }
+                    } else {
+                        holder.cancel(reservation, now);
+                    }
+                }
+                Crash::Journal => journal = holder.snapshot(None),
+                Crash::Restart => {
+                    // Killed: reservations in flight are gone with the process.
+                    outstanding.clear();
+                    holder = PoolHolder::new(config);
+                    holder.restore(&journal);
+                }
+                Crash::Advance { ms } => now += ms,
+            }
+        }
+    }
 }

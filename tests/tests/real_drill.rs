@@ -7,7 +7,10 @@
 //!    fallback allowance);
 //! 2. the leading allocator is killed (SIGKILL) and the other takes over;
 //! 3. the etcd leader is stopped (the cluster keeps its quorum);
-//! 4. US's Redis is stopped and restarted (regional rules run on their local buckets meanwhile).
+//! 4. US's Redis is stopped and restarted (regional rules run on their local buckets meanwhile);
+//! 5. US's allocator calls hang (a black hole: connections accepted, nothing answered) for longer
+//!    than a lease TTL: a renewal unanswered for 200 ms counts as an unreachable allocator, so US
+//!    falls back instead of waiting, and no admit waits on the hung calls (their deadline is 2 s).
 //!
 //! Then, once every lease has ended and been reported, the ledger must account for exactly the
 //! admits the load generator saw, every window must be within its bound (G + fallback allowances),
@@ -98,6 +101,17 @@ async fn real_processes_through_partitions_failovers_and_restarts_stay_within_th
         tokio::time::sleep(phase(2)).await;
         redis.restart();
     }
+    tokio::time::sleep(phase(2)).await;
+    // 5. US's allocator calls hang.
+    let us_fallback_before_hang = Counts::get(&us_counts.fallback);
+    for proxy in &topology.agents["us"].proxies {
+        proxy.set_mode(ProxyMode::Hold);
+    }
+    tokio::time::sleep(phase(5)).await;
+    for proxy in &topology.agents["us"].proxies {
+        proxy.set_mode(ProxyMode::Pass);
+    }
+    let us_fallback_in_hang = Counts::get(&us_counts.fallback) - us_fallback_before_hang;
     tokio::time::sleep(phase(6)).await;
     stop.store(true, Ordering::SeqCst);
     for task in load {
@@ -192,6 +206,19 @@ async fn real_processes_through_partitions_failovers_and_restarts_stay_within_th
     assert!(
         allowed_after_kill > 0,
         "EU kept admitting after the allocator failover; {summary}"
+    );
+    // The hung allocator: US fell back rather than wait, and no admit waited on a hung call.
+    assert!(
+        us_fallback_in_hang > 0,
+        "US admitted in fallback while its allocator calls hung; {summary}"
+    );
+    let slowest_ms =
+        Counts::get(&us_counts.slowest_admit_ms).max(Counts::get(&eu_counts.slowest_admit_ms));
+    let call_timeout_ms =
+        u64::try_from(allot_region_agent::allocator_client::CALL_TIMEOUT.as_millis()).unwrap_or(0);
+    assert!(
+        slowest_ms < call_timeout_ms,
+        "an admit took {slowest_ms} ms: it waited on an allocator call; {summary}"
     );
     assert!(
         Counts::get(&us_counts.failed) + Counts::get(&eu_counts.failed) == 0,

@@ -81,6 +81,7 @@ async fn shutdown_signal() {
 
 async fn start(args: AgentConfig) -> Result<(), String> {
     let region = RegionId::parse(&args.region).map_err(|e| format!("--region: {e}"))?;
+    let region_id = region.clone();
     let pepper_bytes = std::fs::read(&args.pepper_file)
         .map_err(|e| format!("--pepper-file {}: {e}", args.pepper_file.display()))?;
     let pepper = Pepper::new(pepper_bytes).map_err(|e| format!("--pepper-file: {e}"))?;
@@ -158,6 +159,30 @@ async fn start(args: AgentConfig) -> Result<(), String> {
     };
     let log_pepper = settings.pepper.clone();
     let agent = Agent::new(settings, clock, limiter, allocator, bundle);
+    match &args.state_dir {
+        Some(path) => {
+            let dir = allot_region_agent::state_dir::StateDir::open(path, region_id.clone())
+                .map_err(|e| format!("--state-dir {}: {e}", path.display()))?;
+            agent.set_state_dir(dir);
+            let restored = agent.restore_state();
+            eprintln!(
+                "region-agent: state directory {}: restored bundle {}, {} pools, {} leases owing a \
+                 final report, {} fallback windows",
+                path.display(),
+                restored
+                    .bundle_version
+                    .map_or("none".to_owned(), |v| format!("v{v}")),
+                restored.pools,
+                restored.leases,
+                restored.fallback_windows
+            );
+        }
+        None => eprintln!(
+            "region-agent: no --state-dir: an agent restarted while the allocator is unreachable \
+             serves no policy or global rules until it is back, and a killed agent's unreported \
+             admits never reach the ledger"
+        ),
+    }
     if let Some(path) = args.decision_log {
         let config = allot_region_agent::decision_log::DecisionLogConfig {
             path: path.clone(),

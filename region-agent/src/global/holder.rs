@@ -64,6 +64,12 @@ pub struct HolderConfig {
     /// failure) arrives, so a blackholed allocator costs at most this long without quota. 0: only
     /// a failed call counts.
     pub renewal_patience_ms: u64,
+    /// With a state directory, fallback tokens are admitted only within a durable *claim*: the
+    /// agent writes (and syncs) a claim of this many tokens more before it admits beyond the last
+    /// one, so a crashed and restarted agent starts its count at what was claimed and never
+    /// re-opens the window's allowance. 0: no claims (nothing survives a restart but the ledger's
+    /// count).
+    pub fallback_claim_block_tokens: u64,
 }
 
 /// A grant as the allocator answered it.
@@ -166,6 +172,10 @@ pub enum Denial {
     /// The request costs more than one chunk, the most a lease of this pool can hold: it can never
     /// be admitted from leases.
     CostAboveChunk,
+    /// The fallback allowance has room, but beyond what is durably claimed
+    /// ([`HolderConfig::fallback_claim_block_tokens`]): claim more
+    /// ([`PoolHolder::fallback_claim_wanted`]), then reserve again.
+    FallbackUnclaimed,
 }
 
 /// A request the holder could not reserve for.
@@ -281,6 +291,65 @@ struct FallbackCount {
     admitted_tokens: u64,
     reserved_tokens: u64,
     reported_tokens: u64,
+    /// Allowance an earlier incarnation of this agent may have admitted without the journal
+    /// showing it (it claimed it durably): counted as used, never reported.
+    unknown_tokens: u64,
+    /// Durably claimed for this window (with claims on): admits + reservations + unknown stay
+    /// within it.
+    claimed_tokens: u64,
+}
+
+impl FallbackCount {
+    /// Allowance taken: admitted, reserved, or possibly admitted before a restart.
+    fn used_tokens(&self) -> u64 {
+        self.admitted_tokens + self.reserved_tokens + self.unknown_tokens
+    }
+}
+
+/// What a holder must not lose in a crash, for a journal: the leases it holds or owes a final
+/// report (a restarted agent reports them final with the spend journaled), and each window's
+/// fallback admits and durable claims.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HolderSnapshot {
+    /// Leases live or ended and not yet acknowledged final.
+    pub leases: Vec<JournaledLease>,
+    /// Windows with fallback admits or claims.
+    pub fallback: Vec<JournaledFallback>,
+}
+
+/// One lease in a [`HolderSnapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JournaledLease {
+    /// The lease.
+    pub lease_id: LeaseId,
+    /// Its epoch.
+    pub epoch: Epoch,
+    /// Its window.
+    pub window_start_ms: u64,
+    /// Its window's end.
+    pub window_end_ms: u64,
+    /// Tokens granted.
+    pub granted_tokens: u64,
+    /// Tokens spent (committed) when the snapshot was taken.
+    pub spent_tokens: u64,
+}
+
+/// One window's fallback in a [`HolderSnapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct JournaledFallback {
+    /// The window's start, epoch ms.
+    pub window_start_ms: u64,
+    /// Admitted (committed) when the snapshot was taken, including what a previous incarnation
+    /// journaled.
+    pub admitted_tokens: u64,
+    /// Used, admitted or not, as far as any incarnation knows: admitted plus what a previous
+    /// incarnation claimed but did not journal as admitted.
+    pub used_tokens: u64,
+    /// Durably claimed (0 without claims).
+    pub claimed_tokens: u64,
 }
 
 /// Demand, as two integer EWMAs over one-second buckets: a fast one (alpha 1/4) that says how soon
@@ -647,15 +716,23 @@ impl PoolHolder {
                 retry_after_ms: until_window_end_ms,
             });
         }
+        let claims = self.config.fallback_claim_block_tokens > 0;
         let count = self.fallback.entry(window.start_ms).or_default();
-        if count.admitted_tokens + count.reserved_tokens + cost_tokens > allowance {
+        if count.used_tokens() + cost_tokens > allowance {
             return Err(Refusal {
                 denial: Denial::FallbackSpent,
                 retry_after_ms: until_window_end_ms,
             });
         }
+        if claims && count.used_tokens() + cost_tokens > count.claimed_tokens {
+            return Err(Refusal {
+                denial: Denial::FallbackUnclaimed,
+                retry_after_ms: 1,
+            });
+        }
         count.reserved_tokens += cost_tokens;
-        debug_assert!(count.admitted_tokens + count.reserved_tokens <= allowance);
+        debug_assert!(count.used_tokens() <= allowance);
+        debug_assert!(!claims || count.used_tokens() <= count.claimed_tokens);
         if self.fallback.len() > MAX_FALLBACK_WINDOWS
             && let Some((&oldest, _)) = self.fallback.iter().find(|(_, c)| c.reserved_tokens == 0)
         {
@@ -759,6 +836,130 @@ impl PoolHolder {
     /// Tokens in reservations not yet settled.
     pub fn reserved_tokens(&self) -> u64 {
         self.reserved_tokens
+    }
+
+    /// The claim to make durable for the fallback window containing `now_ms` before a request of
+    /// `cost_tokens` can be reserved there, as (window start, claimed tokens): what is used plus
+    /// the cost plus one claim block, within the allowance. `None` when claims are off or the
+    /// request fits what is claimed.
+    pub fn fallback_claim_wanted(&self, cost_tokens: u64, now_ms: u64) -> Option<(u64, u64)> {
+        let block = self.config.fallback_claim_block_tokens;
+        if block == 0 {
+            return None;
+        }
+        let window_start_ms = Window::containing(now_ms, self.config.window_ms).start_ms;
+        let count = self
+            .fallback
+            .get(&window_start_ms)
+            .copied()
+            .unwrap_or_default();
+        let needed = count.used_tokens() + cost_tokens.max(1);
+        (needed > count.claimed_tokens).then(|| {
+            let claim = needed
+                .saturating_add(block)
+                .min(self.config.fallback_per_region_tokens)
+                .max(count.claimed_tokens);
+            (window_start_ms, claim)
+        })
+    }
+
+    /// Records that a claim of `claimed_tokens` for the window starting at `window_start_ms` is
+    /// durable (written and synced): fallback may be reserved up to it.
+    pub fn claim_durable(&mut self, window_start_ms: u64, claimed_tokens: u64) {
+        let count = self.fallback.entry(window_start_ms).or_default();
+        count.claimed_tokens = count
+            .claimed_tokens
+            .max(claimed_tokens.min(self.config.fallback_per_region_tokens));
+    }
+
+    /// What a journal must keep of this holder. `claim` adds a claim being made durable with this
+    /// snapshot: (window start, claimed tokens).
+    pub fn snapshot(&self, claim: Option<(u64, u64)>) -> HolderSnapshot {
+        let leases = self
+            .live
+            .iter()
+            .chain(&self.ended)
+            .map(|lease| JournaledLease {
+                lease_id: lease.grant.lease_id,
+                epoch: lease.grant.epoch,
+                window_start_ms: lease.grant.window.start_ms,
+                window_end_ms: lease.grant.window.end_ms,
+                granted_tokens: lease.grant.granted_tokens,
+                spent_tokens: lease.spent_tokens,
+            })
+            .collect();
+        let mut fallback: Vec<JournaledFallback> = self
+            .fallback
+            .iter()
+            .map(|(&window_start_ms, count)| JournaledFallback {
+                window_start_ms,
+                admitted_tokens: count.admitted_tokens,
+                used_tokens: count.admitted_tokens + count.unknown_tokens,
+                claimed_tokens: count.claimed_tokens,
+            })
+            .collect();
+        if let Some((window_start_ms, claimed_tokens)) = claim {
+            match fallback
+                .iter_mut()
+                .find(|f| f.window_start_ms == window_start_ms)
+            {
+                Some(line) => line.claimed_tokens = line.claimed_tokens.max(claimed_tokens),
+                None => fallback.push(JournaledFallback {
+                    window_start_ms,
+                    admitted_tokens: 0,
+                    used_tokens: 0,
+                    claimed_tokens,
+                }),
+            }
+        }
+        HolderSnapshot { leases, fallback }
+    }
+
+    /// Takes over what a crashed incarnation journaled: its leases become ended ones owing a final
+    /// report with the spend journaled (this process cannot know what was spent after the
+    /// snapshot, so it spends none of them); each window's fallback count starts at what was used
+    /// (admitted, or claimed without being journaled as admitted), and reports what was journaled
+    /// as admitted.
+    pub fn restore(&mut self, snapshot: &HolderSnapshot) {
+        for lease in &snapshot.leases {
+            let known = self
+                .live
+                .iter()
+                .chain(&self.ended)
+                .any(|held| held.grant.lease_id == lease.lease_id);
+            if known || self.ended.len() >= MAX_UNREPORTED_LEASES {
+                continue;
+            }
+            let spent_tokens = lease.spent_tokens.min(lease.granted_tokens);
+            self.highest_epoch = self.highest_epoch.max(lease.epoch);
+            self.ended.push(HeldLease {
+                grant: LeaseGrant {
+                    lease_id: lease.lease_id,
+                    epoch: lease.epoch,
+                    granted_tokens: lease.granted_tokens,
+                    window: Window {
+                        start_ms: lease.window_start_ms,
+                        end_ms: lease.window_end_ms,
+                    },
+                    expires_at_ms: 0,
+                    retry_after_ms: 0,
+                },
+                spent_tokens,
+                reserved_tokens: 0,
+                reported_spent_tokens: 0,
+            });
+        }
+        for line in snapshot.fallback.iter().take(MAX_FALLBACK_WINDOWS) {
+            let count = self.fallback.entry(line.window_start_ms).or_default();
+            count.admitted_tokens = count.admitted_tokens.max(line.admitted_tokens);
+            // Whatever was claimed may have been admitted after the last journal.
+            let used = line
+                .used_tokens
+                .max(line.claimed_tokens)
+                .max(line.admitted_tokens);
+            count.unknown_tokens = used.saturating_sub(count.admitted_tokens);
+            count.claimed_tokens = count.claimed_tokens.max(line.claimed_tokens);
+        }
     }
 
     /// Tokens spendable now from held leases.
@@ -935,8 +1136,10 @@ impl PoolHolder {
             return;
         }
         let count = self.fallback.entry(window_start_ms).or_default();
+        let used = count.admitted_tokens + count.unknown_tokens;
         count.admitted_tokens = count.admitted_tokens.max(admitted_tokens);
         count.reported_tokens = count.reported_tokens.max(admitted_tokens);
+        count.unknown_tokens = used.saturating_sub(count.admitted_tokens);
     }
 
     /// Tokens stranded so far (granted to this agent, unspent at the lease's end).

@@ -8,6 +8,6 @@
 pub mod holder;
 
 pub use holder::{
-    Denial, FallbackLine, GrantVerdict, HeldLease, HolderConfig, LeaseGrant, LeaseLine,
-    PendingReport, PoolHolder, Refusal, Reservation, Spend,
+    Denial, FallbackLine, GrantVerdict, HeldLease, HolderConfig, HolderSnapshot, JournaledFallback,
+    JournaledLease, LeaseGrant, LeaseLine, PendingReport, PoolHolder, Refusal, Reservation, Spend,
 };

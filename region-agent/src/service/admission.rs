@@ -252,6 +252,9 @@ impl Agent {
                 })
                 .collect();
             decision.fallback |= hold.commit(&request.tenant_id, &pools);
+            if !pools.is_empty() {
+                self.note_change();
+            }
         } else {
             drop(hold);
         }
@@ -333,7 +336,9 @@ impl Agent {
             limit_tokens: 0,
         };
         let mut slot = self.slot(tenant, pool).await.ok_or(fail_closed)?;
-        for attempt in 0..2 {
+        let mut claimed = false;
+        // At most: a wait for a renewal, a durable fallback claim, and the last try.
+        for attempt in 0..3 {
             let now_ms = self.clock.now_ms();
             let reserved = {
                 let mut holder = lock(&slot.holder);
@@ -360,6 +365,13 @@ impl Agent {
             renewed.as_mut().enable();
             self.renew_if_wanted(tenant, pool, &slot);
             count_depletion(tenant, pool, refusal.denial, attempt);
+            if refusal.denial == Denial::FallbackUnclaimed && !claimed {
+                claimed = true;
+                if self.claim_fallback(tenant, pool, &slot, cost_tokens).await {
+                    continue;
+                }
+                return Err(fail_closed);
+            }
             if refusal.denial == Denial::AwaitingGrant && attempt == 0 {
                 // Wait for the renewal under way, if any (none: it already ended, or none was
                 // wanted; try again at once). A renewal unanswered past the holder's patience makes
@@ -559,7 +571,9 @@ impl Agent {
                 jittered(retry_after_ms.max(AWAITING_GRANT_RETRY_MS)),
             ),
             Denial::CostAboveChunk => (Reason::CostTooHigh, false, -1),
-            Denial::FailClosed => (
+            // A fallback claim that could not be made durable: refused rather than admitted
+            // beyond what a restart would know.
+            Denial::FailClosed | Denial::FallbackUnclaimed => (
                 Reason::LimiterUnavailable,
                 false,
                 i64::try_from(retry_after_ms).unwrap_or(i64::MAX),

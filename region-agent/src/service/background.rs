@@ -1,4 +1,5 @@
-//! The background loops: reports, and policy refresh with pool upkeep.
+//! The background loops: reports; policy refresh with pool upkeep; and, with a state directory,
+//! the journal.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -21,9 +22,12 @@ impl Agent {
         };
         match allocator.current_policy(&self.settings.region).await {
             Ok(Some(bundle)) => {
-                self.offer_bundle(bundle);
+                if self.offer_bundle(bundle) {
+                    self.save_bundle().await;
+                }
                 self.bundle_confirmed_at_ms
                     .store(self.clock.now_ms(), Ordering::Relaxed);
+                self.note_change();
             }
             Ok(None) => {}
             Err(error) => {
@@ -45,9 +49,11 @@ impl Agent {
     }
 
     /// Runs the background loops until `shutdown` resolves: reports every `report_every`; policy
-    /// refresh and pool upkeep every `policy_every`. The loops are independent (a slow allocator
-    /// holds up neither the other loop nor shutdown), each round has [`ROUND_TIMEOUT`], and a last
-    /// round of reports is sent within [`FINAL_REPORT_TIMEOUT`].
+    /// refresh and pool upkeep every `policy_every`; with a state directory, the journal every
+    /// [`JOURNAL_INTERVAL`](super::JOURNAL_INTERVAL) when something changed. The loops are
+    /// independent (a slow allocator holds up neither the other loops nor shutdown), each round
+    /// has [`ROUND_TIMEOUT`], and a last round of reports is sent within
+    /// [`FINAL_REPORT_TIMEOUT`], then the journal written once more.
     pub async fn run_background(
         self: Arc<Self>,
         report_every: Duration,
@@ -62,17 +68,31 @@ impl Agent {
         let reports = every(report_every, stopped.clone(), "reports", || {
             self.send_reports()
         });
-        let upkeep = every(policy_every, stopped, "policy and pool upkeep", || async {
-            self.refresh_policy().await;
-            self.maintain_pools().await;
-        });
-        tokio::join!(signal, reports, upkeep);
+        let upkeep = every(
+            policy_every,
+            stopped.clone(),
+            "policy and pool upkeep",
+            || async {
+                self.refresh_policy().await;
+                self.maintain_pools().await;
+            },
+        );
+        let journal = async {
+            if self.state_dir().is_some() {
+                every(super::JOURNAL_INTERVAL, stopped, "journal", || {
+                    self.write_journal_if_changed()
+                })
+                .await;
+            }
+        };
+        tokio::join!(signal, reports, upkeep, journal);
         if tokio::time::timeout(FINAL_REPORT_TIMEOUT, self.send_reports())
             .await
             .is_err()
         {
             tracing::warn!("the last reports did not reach the allocator before shutdown");
         }
+        self.write_journal_if_changed().await;
     }
 }
 

@@ -7,10 +7,13 @@
 //! - [`upkeep`]: renewals, and pool upkeep (idle pools forgotten, terms refreshed).
 //! - [`reports`]: what the holders owe the ledger, sent per (pool, window).
 //! - [`background`]: the loops that run reports and upkeep, and policy refresh.
+//! - [`persistence`]: the state directory: restore at start, the journal, durable fallback
+//!   claims.
 //! - [`settings`]: the agent's settings and their defaults.
 
 pub mod admission;
 pub mod background;
+pub mod persistence;
 pub mod pools;
 pub mod reports;
 pub mod settings;
@@ -28,6 +31,7 @@ pub use admission::{
     RETRY_JITTER_MAX_MS, SlotRenewal,
 };
 pub use background::{FINAL_REPORT_TIMEOUT, ROUND_TIMEOUT};
+pub use persistence::{CLAIM_WRITE_TIMEOUT, FALLBACK_CLAIM_BLOCKS, JOURNAL_INTERVAL, Restored};
 pub use pools::{
     MAX_POOLS, MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, TERMS_REFRESH_MS, TERMS_RETRY_MS,
     UNKNOWN_POOL_RETRY_MS,
@@ -73,6 +77,13 @@ pub struct Agent {
     /// Set once at startup; read lock-free on every admit.
     decision_log: std::sync::OnceLock<crate::decision_log::DecisionLog>,
     decision_counters: crate::metrics::DecisionCounters,
+    /// The state directory, when configured. Set once at startup.
+    state: std::sync::OnceLock<crate::state_dir::StateDir>,
+    /// Changes the journal must keep, counted; and the count the last journal written saw.
+    journal_generation: AtomicU64,
+    journal_written: AtomicU64,
+    /// One journal writer at a time (the periodic write and fallback claims).
+    journal_writer: tokio::sync::Mutex<()>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -107,6 +118,10 @@ impl Agent {
             reachable: AtomicBool::new(true),
             decision_log: std::sync::OnceLock::new(),
             decision_counters: crate::metrics::DecisionCounters::default(),
+            state: std::sync::OnceLock::new(),
+            journal_generation: AtomicU64::new(0),
+            journal_written: AtomicU64::new(0),
+            journal_writer: tokio::sync::Mutex::new(()),
         })
     }
 

@@ -207,6 +207,7 @@ impl Agent {
                                 }
                                 Arc::new(slot)
                             });
+                            self.note_change();
                             None
                         } else {
                             tracing::warn!(max = MAX_POOLS, "agent holds its maximum of pools");
@@ -260,6 +261,9 @@ impl Agent {
                 .saturating_add(duration_ms(self.regional_hold())),
             round_trip_ms: self.settings.allocator_round_trip_ms,
             renewal_patience_ms: duration_ms(FIRST_GRANT_WAIT),
+            fallback_claim_block_tokens: self.fallback_claim_block_tokens(
+                terms.fallback_per_region / self.settings.region_agents.max(1),
+            ),
         })
     }
 }

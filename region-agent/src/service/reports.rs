@@ -75,6 +75,7 @@ impl Agent {
                     Ok(()) => {
                         self.reachable.store(true, Ordering::Relaxed);
                         lock(&slot.holder).acknowledge(&part, self.clock.now_ms());
+                        self.note_change();
                     }
                     Err(error) => {
                         self.reachable

@@ -55,6 +55,7 @@ impl Agent {
                         lock(&slot.holder).reconfigure(config);
                         slot.limit.store(terms.limit, Ordering::Relaxed);
                         in_force.0 = terms;
+                        self.note_change();
                     }
                     in_force.1 = self.clock.now_ms();
                 }
@@ -122,6 +123,7 @@ impl Agent {
                     }
                     .on_agent_clock(answer.answered_at_ms(), asked_at_ms);
                     let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
+                    agent.note_change();
                     let outcome = match verdict {
                         GrantVerdict::Accepted if answer.granted < want => "partial",
                         GrantVerdict::Accepted => "granted",

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod allocator;
+
 use std::sync::Arc;
 
 use allot_region_agent::allocator_client::AllocatorClient;

@@ -424,6 +424,8 @@ pub async fn run_with(
         expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS + regional_hold_ms,
         round_trip_ms: ROUND_TRIP_MS,
         renewal_patience_ms: ms(FIRST_GRANT_WAIT),
+        // The drills' agents keep no state directory: a restart starts from the ledger's count.
+        fallback_claim_block_tokens: 0,
     };
     let mut agents: Vec<RegionAgent> = regions
         .iter()
@@ -725,8 +727,11 @@ impl Step<'_> {
                         abnormal = true;
                     }
                     Denial::WindowEnding => record.denied_window_end += 1,
-                    // Every drill request costs 1 token, never above a chunk.
-                    Denial::CostAboveChunk => record.denied_unavailable += 1,
+                    // Every drill request costs 1 token (never above a chunk), and the drills'
+                    // agents keep no state directory (no claims).
+                    Denial::CostAboveChunk | Denial::FallbackUnclaimed => {
+                        record.denied_unavailable += 1
+                    }
                 },
             }
             // As the agent: every spend may start a renewal.

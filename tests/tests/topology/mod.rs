@@ -215,6 +215,8 @@ pub struct Counts {
     pub failed: AtomicU64,
     /// Not sent: 32 requests were already in flight (the generator does not queue).
     pub skipped: AtomicU64,
+    /// The longest an admitted request took, ms (how long an admit can wait on the allocator).
+    pub slowest_admit_ms: AtomicU64,
 }
 
 impl Counts {
@@ -253,6 +255,7 @@ pub async fn drive(
             };
             let body = json!({ "requestId": format!("d-{n}"), "tenantId": "drill",
                 "principal": principal, "routeGroup": "read", "method": "GET" });
+            let stopwatch = allot_region_agent::clock::Stopwatch::start();
             let answer = client
                 .post(format!("{agent}/v1/admit"))
                 .bearer_auth(GATEWAY)
@@ -266,6 +269,9 @@ pub async fn drive(
             match decision {
                 Some(d) if d["allowed"] == true => {
                     counts.allowed.fetch_add(1, Ordering::SeqCst);
+                    let took_ms =
+                        u64::try_from(stopwatch.elapsed().as_millis()).unwrap_or(u64::MAX);
+                    counts.slowest_admit_ms.fetch_max(took_ms, Ordering::SeqCst);
                     if d["fallback"] == true {
                         counts.fallback.fetch_add(1, Ordering::SeqCst);
                     }
@@ -329,9 +335,12 @@ impl Topology {
         ] {
             std::fs::write(d.join(file), token).expect("secret file");
         }
+        // Signed-in callers and, explicitly, anonymous ones (`ip`) spend the tenant's pool.
         let bundle = json!({ "rules": [
             { "id": "global-read", "scope": "global", "routeGroup": "read", "pool": "api",
               "failMode": "closed" },
+            { "id": "global-read-anonymous", "scope": "global", "routeGroup": "read",
+              "principalType": "ip", "pool": "api", "failMode": "closed" },
             { "id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
               "capacityMillis": 1000000, "refillMillis": 100000, "periodMs": 1000,
               "failMode": "local_bounded", "localCapacityMillis": 1000000,
@@ -431,6 +440,9 @@ impl Topology {
                 path("bundle.json"),
                 "--agent-id".into(),
                 format!("{region}-1"),
+                // Survives the agent's restarts: pool terms, pending reports, fallback claims.
+                "--state-dir".into(),
+                path(&format!("state-{region}")),
                 // A CI machine shares its 2 cores with a dozen processes here.
                 "--decision-budget-ms".into(),
                 "200".into(),

@@ -1,0 +1,262 @@
+//! The state directory at work (`--state-dir`, [`crate::state_dir`]): what the agent keeps so that
+//! a restart while the allocator is unreachable keeps its region up (I13), and a killed agent's
+//! admits still reach the ledger.
+//!
+//! - **Restore** ([`Agent::restore_state`], once, before serving): the last verified bundle when
+//!   none was given (aged from when the allocator last confirmed it, so `strict` rules keep their
+//!   maximum age); every journaled pool with its terms, so global rules are decided at once (from
+//!   the fallback allowance while the allocator stays away); each pool's journaled leases as ended
+//!   ones owing a final report, and its fallback counts and claims.
+//! - **Journal** (every [`JOURNAL_INTERVAL`] when anything changed): every pool's terms and holder
+//!   snapshot. Batched: admits between two writes are what a crash can lose from the ledger.
+//! - **Fallback claims**: admits from a fallback allowance never go beyond a claim that is
+//!   durable. Before admitting past it, a request writes the journal with a claim one block larger
+//!   (`fallbackPerRegion / 8`, at least one token) and waits for the sync, at most
+//!   [`CLAIM_WRITE_TIMEOUT`]; a restarted agent counts the window's allowance as used up to the
+//!   claim. So a restart never re-opens an allowance; it can lose at most one block of it. A claim
+//!   that cannot be written refuses the request (503 `LIMITER_UNAVAILABLE`): never an overshoot
+//!   nobody can see.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use allot_shared::ids::{PoolId, TenantId};
+
+use super::pools::PoolSlot;
+use super::{Agent, lock};
+use crate::state_dir::{Journal, JournaledPool, SavedBundle, StateDir, StateFile};
+
+/// How often the journal is written when something changed. A killed agent's ledger misses at most
+/// the admits of one interval.
+pub const JOURNAL_INTERVAL: Duration = Duration::from_millis(250);
+/// A fallback claim grows by the allowance divided by this (at least one token): what a restart can
+/// leave unused of a window's allowance, and how many syncs a window's fallback costs at most.
+pub const FALLBACK_CLAIM_BLOCKS: u64 = 8;
+/// Longest a request waits for a fallback claim to be written and synced.
+pub const CLAIM_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// What [`Agent::restore_state`] took over.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Restored {
+    /// The bundle's version, when one was installed from the directory.
+    pub bundle_version: Option<u64>,
+    /// Pools held again, with their terms.
+    pub pools: usize,
+    /// Leases owing a final report.
+    pub leases: usize,
+    /// Fallback windows counted.
+    pub fallback_windows: usize,
+}
+
+impl Agent {
+    /// Keeps state in `dir` from now on. Once per agent, before it serves (pools created before
+    /// it take no fallback claims).
+    pub fn set_state_dir(&self, dir: StateDir) {
+        if self.state.set(dir).is_err() {
+            tracing::warn!("a state directory is already set; the new one is ignored");
+        }
+    }
+
+    /// The state directory, if any.
+    pub fn state_dir(&self) -> Option<&StateDir> {
+        self.state.get()
+    }
+
+    /// Takes over what the state directory holds (module docs). Call once, before serving.
+    pub fn restore_state(&self) -> Restored {
+        let mut restored = Restored::default();
+        let Some(dir) = self.state.get() else {
+            return restored;
+        };
+        let journal: Option<Journal> = dir.load(StateFile::Journal);
+        if self.bundle.load().is_none()
+            && let Some(saved) = dir.load::<SavedBundle>(StateFile::Bundle)
+        {
+            match allot_shared::policy::parse_bundle(&saved.bundle.to_string())
+                .and_then(|draft| draft.into_verified())
+            {
+                Ok(bundle) => {
+                    restored.bundle_version = Some(bundle.version());
+                    self.bundle.store(Some(Arc::new(bundle)));
+                    self.bundle_installed_at_ms
+                        .store(self.clock.now_ms(), Ordering::Relaxed);
+                    // Aged from the allocator's last confirmation (never: already stale).
+                    let confirmed = journal.as_ref().map_or(0, |j| j.bundle_confirmed_at_ms);
+                    self.bundle_confirmed_at_ms
+                        .store(confirmed, Ordering::Relaxed);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "saved bundle does not verify; ignored");
+                    metrics::counter!(crate::metrics::STATE_FILES_IGNORED,
+                        "file" => StateFile::Bundle.name(), "reason" => "corrupt")
+                    .increment(1);
+                }
+            }
+        }
+        for saved in journal.iter().flat_map(|j| &j.pools) {
+            let Some(config) = self.holder_config(&saved.terms) else {
+                continue;
+            };
+            let mut pools = lock(&self.pools);
+            if pools.len() >= super::pools::MAX_POOLS {
+                break;
+            }
+            let key = (saved.tenant.clone(), saved.pool.clone());
+            pools.get_or_insert_with(key, || {
+                Arc::new(PoolSlot::new(
+                    config,
+                    saved.terms.clone(),
+                    saved.terms_fetched_at_ms,
+                ))
+            });
+            if let Some(slot) = pools.get(&saved.tenant, &saved.pool) {
+                lock(&slot.holder).restore(&saved.holder);
+                restored.pools += 1;
+                restored.leases += saved.holder.leases.len();
+                restored.fallback_windows += saved.holder.fallback.len();
+            }
+        }
+        for (what, count) in [
+            ("bundle", u64::from(restored.bundle_version.is_some())),
+            ("pools", restored.pools as u64),
+            ("leases", restored.leases as u64),
+            ("fallback_windows", restored.fallback_windows as u64),
+        ] {
+            metrics::gauge!(crate::metrics::STATE_RESTORED, "what" => what).set(count as f64);
+        }
+        tracing::info!(dir = %dir.path().display(), bundle = ?restored.bundle_version,
+            pools = restored.pools, leases = restored.leases,
+            fallback_windows = restored.fallback_windows, "state restored");
+        restored
+    }
+
+    /// Notes a change the journal must keep (a spend, a grant, an acknowledged report, new terms).
+    pub(super) fn note_change(&self) {
+        if self.state.get().is_some() {
+            self.journal_generation.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Writes the journal if anything changed since the last write.
+    pub async fn write_journal_if_changed(&self) {
+        let generation = self.journal_generation.load(Ordering::Relaxed);
+        if generation == self.journal_written.load(Ordering::Relaxed) {
+            return;
+        }
+        if self.write_journal(None).await.is_ok() {
+            self.journal_written
+                .fetch_max(generation, Ordering::Relaxed);
+        }
+    }
+
+    /// Writes the journal now (with `claim` for one pool: its slot and (window start, tokens)),
+    /// one writer at a time. Errors are logged and counted.
+    async fn write_journal(
+        &self,
+        claim: Option<(&Arc<PoolSlot>, (u64, u64))>,
+    ) -> std::io::Result<()> {
+        let Some(dir) = self.state.get().cloned() else {
+            return Ok(());
+        };
+        let _writer = self.journal_writer.lock().await;
+        let journal = self.journal(claim);
+        let written = tokio::task::spawn_blocking(move || dir.write(StateFile::Journal, &journal))
+            .await
+            .unwrap_or_else(|joined| Err(std::io::Error::other(joined)));
+        let outcome = if written.is_ok() { "ok" } else { "failed" };
+        metrics::counter!(crate::metrics::STATE_WRITES,
+            "file" => StateFile::Journal.name(), "outcome" => outcome)
+        .increment(1);
+        if let Err(error) = &written {
+            tracing::warn!(%error, "journal not written");
+        }
+        written
+    }
+
+    fn journal(&self, claim: Option<(&Arc<PoolSlot>, (u64, u64))>) -> Journal {
+        let slots = lock(&self.pools).snapshot();
+        let pools = slots
+            .into_iter()
+            .map(|((tenant, pool), slot)| {
+                let claimed = claim
+                    .filter(|(claiming, _)| Arc::ptr_eq(claiming, &slot))
+                    .map(|(_, claim)| claim);
+                let (terms, fetched_at_ms) = lock(&slot.terms).clone();
+                JournaledPool {
+                    tenant,
+                    pool,
+                    terms,
+                    terms_fetched_at_ms: fetched_at_ms,
+                    holder: lock(&slot.holder).snapshot(claimed),
+                }
+            })
+            .collect();
+        Journal {
+            written_at_ms: self.clock.now_ms(),
+            bundle_confirmed_at_ms: self.bundle_confirmed_at_ms.load(Ordering::Relaxed),
+            pools,
+        }
+    }
+
+    /// Makes a fallback claim durable so `cost_tokens` can be reserved from `slot`'s allowance
+    /// (module docs). `false` when it could not be written in time.
+    pub(super) async fn claim_fallback(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        slot: &Arc<PoolSlot>,
+        cost_tokens: u64,
+    ) -> bool {
+        let claimed = tokio::time::timeout(CLAIM_WRITE_TIMEOUT, async {
+            // Another request may have claimed enough while this one waited for the writer.
+            let wanted = lock(&slot.holder).fallback_claim_wanted(cost_tokens, self.clock.now_ms());
+            let Some(claim) = wanted else {
+                return true;
+            };
+            if self.write_journal(Some((slot, claim))).await.is_err() {
+                return false;
+            }
+            lock(&slot.holder).claim_durable(claim.0, claim.1);
+            true
+        })
+        .await
+        .unwrap_or(false);
+        let outcome = if claimed { "ok" } else { "failed" };
+        metrics::counter!(crate::metrics::FALLBACK_CLAIMS, "outcome" => outcome).increment(1);
+        if !claimed {
+            tracing::warn!(%tenant, %pool, "fallback claim not made durable; request refused");
+        }
+        claimed
+    }
+
+    /// Keeps the bundle in force in the state directory (the background refresh does so for every
+    /// bundle it installs from the allocator).
+    pub async fn save_bundle(&self) {
+        let (Some(dir), Some(bundle)) = (self.state.get().cloned(), self.bundle.load_full()) else {
+            return;
+        };
+        let saved = SavedBundle {
+            bundle: bundle.to_json(),
+        };
+        let written = tokio::task::spawn_blocking(move || dir.write(StateFile::Bundle, &saved))
+            .await
+            .unwrap_or_else(|joined| Err(std::io::Error::other(joined)));
+        let outcome = if written.is_ok() { "ok" } else { "failed" };
+        metrics::counter!(crate::metrics::STATE_WRITES,
+            "file" => StateFile::Bundle.name(), "outcome" => outcome)
+        .increment(1);
+        if let Err(error) = written {
+            tracing::warn!(%error, "bundle not saved to the state directory");
+        }
+    }
+
+    /// Claim blocks for a pool's holder: `fallbackPerRegion / FALLBACK_CLAIM_BLOCKS`, at least 1;
+    /// 0 (no claims) without a state directory.
+    pub(super) fn fallback_claim_block_tokens(&self, fallback_per_region_tokens: u64) -> u64 {
+        if self.state.get().is_none() {
+            return 0;
+        }
+        (fallback_per_region_tokens / FALLBACK_CLAIM_BLOCKS).max(1)
+    }
+}

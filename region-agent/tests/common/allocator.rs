@@ -1,0 +1,130 @@
+//! A stand-in allocator for agent tests: one pool per tenant (hour-long windows on the wall
+//! clock), granted from a real remaining count; reports recorded as the ledger keeps them (the
+//! largest cumulative line wins).
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::clock::{Clock, SystemClock};
+use axum::Json;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+/// The stand-in allocator: one pool, granted from what is left of `G`, reports recorded.
+pub struct Allocator {
+    pub limit: u64,
+    pub chunk: u64,
+    pub fallback_per_region: u64,
+    pub remaining: AtomicU64,
+    /// Grants never answer (a blackholed allocator).
+    pub hang_grants: AtomicBool,
+    /// The tokens asked for by each grant.
+    pub wants: Mutex<Vec<u64>>,
+    /// Reported spent per lease (cumulative: the largest line wins, as in the ledger).
+    pub spent_by_lease: Mutex<HashMap<String, u64>>,
+    /// Reported fallback admits per window (cumulative: the largest wins).
+    pub fallback_by_window: Mutex<HashMap<u64, u64>>,
+}
+
+impl Allocator {
+    pub fn new(limit: u64, chunk: u64, fallback_per_region: u64) -> Arc<Self> {
+        Arc::new(Self {
+            limit,
+            chunk,
+            fallback_per_region,
+            remaining: AtomicU64::new(limit),
+            hang_grants: AtomicBool::new(false),
+            wants: Mutex::new(Vec::new()),
+            spent_by_lease: Mutex::new(HashMap::new()),
+            fallback_by_window: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn reported_spent(&self) -> u64 {
+        self.spent_by_lease.lock().expect("lock").values().sum()
+    }
+
+    pub fn reported_fallback(&self) -> u64 {
+        self.fallback_by_window.lock().expect("lock").values().sum()
+    }
+}
+
+async fn terms(State(fake): State<Arc<Allocator>>) -> Response {
+    Json(serde_json::json!({
+        "limit": fake.limit, "windowMs": 3_600_000, "chunk": fake.chunk, "leaseTtlMs": 600_000,
+        "fallbackPerRegion": fake.fallback_per_region, "regions": ["eu"], "version": 1,
+    }))
+    .into_response()
+}
+
+async fn grant(
+    State(fake): State<Arc<Allocator>>,
+    Json(body): Json<serde_json::Value>,
+) -> Response {
+    if fake.hang_grants.load(Ordering::SeqCst) {
+        std::future::pending::<()>().await;
+    }
+    let want = body["want"].as_u64().unwrap_or(0).min(fake.chunk);
+    fake.wants.lock().expect("lock").push(want);
+    let granted = fake
+        .remaining
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+            Some(left - want.min(left))
+        })
+        .map(|left| want.min(left))
+        .unwrap_or(0);
+    // The agent's clock reads the wall clock here: one hour-long window around now.
+    let now_ms = SystemClock.now_ms();
+    let window_start_ms = now_ms - now_ms % 3_600_000;
+    Json(serde_json::json!({
+        "leaseId": body["leaseId"], "granted": granted, "epoch": 1,
+        "windowStartMs": window_start_ms, "windowEndMs": window_start_ms + 3_600_000,
+        "expiresAtMs": now_ms + 600_000, "retryAfterMs": if granted == 0 { 60_000 } else { 0 },
+        "issuedAtMs": now_ms, "answeredAtMs": now_ms,
+    }))
+    .into_response()
+}
+
+async fn report(
+    State(fake): State<Arc<Allocator>>,
+    Json(body): Json<serde_json::Value>,
+) -> Response {
+    let mut spent = fake.spent_by_lease.lock().expect("lock");
+    for line in body["leases"].as_array().into_iter().flatten() {
+        let id = line["leaseId"].as_str().unwrap_or_default().to_owned();
+        let tokens = line["spent"].as_u64().unwrap_or(0);
+        let entry = spent.entry(id).or_default();
+        *entry = (*entry).max(tokens);
+    }
+    let window = body["windowStartMs"].as_u64().unwrap_or(0);
+    let admitted = body["fallbackAdmitted"].as_u64().unwrap_or(0);
+    let mut fallback = fake.fallback_by_window.lock().expect("lock");
+    let entry = fallback.entry(window).or_default();
+    *entry = (*entry).max(admitted);
+    Json(serde_json::json!({ "duplicate": false })).into_response()
+}
+
+pub async fn client(fake: Arc<Allocator>) -> Arc<AllocatorClient> {
+    let app = axum::Router::new()
+        .route("/v1/pools/{tenant}/{pool}/terms", get(terms))
+        .route("/v1/grants", post(grant))
+        .route("/v1/reports", post(report))
+        .with_state(fake);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("address");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Arc::new(
+        AllocatorClient::new(
+            vec![format!("http://{address}")],
+            "agent-token-0123456789".to_owned(),
+        )
+        .expect("client"),
+    )
+}
