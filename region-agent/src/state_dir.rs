@@ -146,6 +146,8 @@ impl Unusable {
 pub struct StateDir {
     path: PathBuf,
     region: RegionId,
+    /// One write at a time, whoever asks (a caller that stops waiting does not stop its write).
+    writing: std::sync::Arc<std::sync::Mutex<()>>,
 }
 
 impl StateDir {
@@ -160,6 +162,7 @@ impl StateDir {
         Ok(Self {
             path: path.to_path_buf(),
             region,
+            writing: std::sync::Arc::default(),
         })
     }
 
@@ -239,8 +242,16 @@ impl StateDir {
                 format!("{} would exceed {MAX_STATE_FILE_BYTES} bytes", file.name()),
             ));
         }
+        let _one_writer = self
+            .writing
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let target = self.path.join(file.name());
-        let temporary = self.path.join(format!(".{}.tmp", file.name()));
+        // Named for this process too: two processes on one directory (a misconfiguration) never
+        // write into each other's temporary file.
+        let temporary = self
+            .path
+            .join(format!(".{}.{}.tmp", file.name(), std::process::id()));
         let mut out = std::fs::File::create(&temporary)?;
         out.write_all(&header)?;
         out.write_all(b"\n")?;
@@ -292,7 +303,12 @@ mod tests {
         };
         eu.write(StateFile::Journal, &journal).expect("writes");
         assert_eq!(eu.read(StateFile::Journal), Ok(Some(journal.clone())));
-        assert!(!dir.path().join(".journal.state.tmp").exists(), "renamed");
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("list")
+            .filter_map(Result::ok)
+            .filter(|entry| entry.file_name().to_string_lossy().ends_with(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "renamed: {leftovers:?}");
 
         // Another region's agent does not use it.
         let us = StateDir::open(dir.path(), region("us")).expect("opens");

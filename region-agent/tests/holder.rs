@@ -311,8 +311,11 @@ proptest! {
                         if reservation.is_fallback() {
                             prop_assert!(!reachable || holder.allocator_silent(now));
                         }
-                        // What a commit would say (on a copy of the holder): where it came from.
-                        let source = holder.clone().commit(reservation);
+                        // Where it came from, as a commit will say.
+                        let source = match reservation.fallback_window_start_ms() {
+                            Some(window_start_ms) => Spend::Fallback { window_start_ms },
+                            None => Spend::Leased(reservation.lease_parts()[0].0),
+                        };
                         let parts = reservation.lease_parts();
                         prop_assert_eq!(parts.is_empty(), reservation.is_fallback());
                         prop_assert_eq!(parts.iter().map(|(_, tokens)| tokens).sum::<u64>(), if parts.is_empty() { 0 } else { cost });
@@ -335,24 +338,26 @@ proptest! {
                     let settled = outstanding.swap_remove(which % outstanding.len());
                     prop_assert!(settled.reserved_at <= now);
                     if commit {
+                        let parts = settled.reservation.lease_parts().to_vec();
+                        let tokens = settled.reservation.tokens();
                         let spend = holder.commit(settled.reservation);
                         prop_assert_eq!(spend, settled.source);
                         match spend {
                             // Possibly across leases: each part counts on its own lease.
                             Spend::Leased(_) => {
-                                for (id, tokens) in settled.reservation.lease_parts() {
-                                    *spent.entry(*id).or_default() += tokens;
+                                for (id, tokens) in parts {
+                                    *spent.entry(id).or_default() += tokens;
                                 }
                             }
                             Spend::Fallback { window_start_ms } => {
                                 let total = fallback_by_window.entry(window_start_ms).or_default();
-                                *total += settled.reservation.tokens();
+                                *total += tokens;
                                 prop_assert!(*total <= fallback);
                             }
                             Spend::Denied { .. } => prop_assert!(false, "a commit always spends"),
                         }
                     } else {
-                        holder.cancel(settled.reservation, now);
+                        holder.cancel(settled.reservation);
                     }
                 }
                 Event::Advance { ms } => now += ms,
@@ -373,7 +378,7 @@ proptest! {
         // None lost: once every reservation is cancelled, what was granted is spent, stranded, or
         // still spendable.
         for o in outstanding.drain(..) {
-            holder.cancel(o.reservation, now);
+            holder.cancel(o.reservation);
         }
         prop_assert_eq!(holder.reserved_tokens(), 0);
         let _ = holder.pending_report(now);
@@ -619,13 +624,14 @@ proptest! {
                     if outstanding.is_empty() { continue; }
                     let reservation = outstanding.swap_remove(which % outstanding.len());
                     if commit {
+                        let tokens = reservation.tokens();
                         if let Spend::Fallback { window_start_ms } = holder.commit(reservation) {
                             let total = admitted.entry(window_start_ms).or_default();
-                            *total += reservation.tokens();
+                            *total += tokens;
                             prop_assert!(*total <= allowance, "{total} > {allowance} in one window");
                         }
                     } else {
-                        holder.cancel(reservation, now);
+                        holder.cancel(reservation);
                     }
                 }
                 Crash::Journal => journal = holder.snapshot(None),

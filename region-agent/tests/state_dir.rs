@@ -9,6 +9,7 @@ use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::clock::SystemClock;
 use allot_region_agent::service::{Agent, FALLBACK_CLAIM_BLOCKS};
 use allot_region_agent::state_dir::{StateDir, StateFile};
+use allot_shared::clock::ManualClock;
 use allot_shared::contract::{AdmissionRequest, DeniedScope, Principal, PrincipalType, Reason};
 use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
 
@@ -49,15 +50,24 @@ fn unreachable() -> Arc<AllocatorClient> {
     )
 }
 
-/// A "process": an agent on `dir`, with the bundle only if given (as `--policy-file` would).
+/// Half past 10:00 on 2026-12-01 (UTC): the tests' hour-long windows never end under them.
+const MID_HOUR_MS: u64 = 1_796_119_200_000 + 1_800_000;
+
+fn clock() -> Arc<ManualClock> {
+    Arc::new(ManualClock::new(MID_HOUR_MS))
+}
+
+/// A "process": an agent on `dir` reading `clock`, with the bundle only if given (as
+/// `--policy-file` would).
 fn start(
     dir: &std::path::Path,
+    clock: &Arc<ManualClock>,
     allocator: Arc<AllocatorClient>,
     bundle: Option<&str>,
 ) -> Arc<Agent> {
     let agent = common::agent(
         common::settings(),
-        Arc::new(SystemClock),
+        clock.clone(),
         Some(allocator),
         bundle.map(common::bundle),
     );
@@ -95,10 +105,11 @@ async fn admit(agent: &Arc<Agent>, first: u64, count: u64) -> (u64, u64) {
 async fn a_restart_during_a_partition_serves_from_the_saved_state_and_loses_no_admit() {
     let dir = tempfile::tempdir().expect("temp dir");
     let allowance = 40;
-    let fake = Allocator::new(1_000, 10, allowance);
+    let clock = clock();
+    let fake = Allocator::with_clock(1_000, 10, allowance, clock.clone());
 
     // 1. Connected: the allocator's bundle is installed and kept; 25 admits from leases.
-    let first = start(dir.path(), client(fake.clone()).await, None);
+    let first = start(dir.path(), &clock, client(fake.clone()).await, None);
     assert!(first.offer_bundle(common::bundle(BUNDLE)));
     first.save_bundle().await;
     let (allowed, fallback) = admit(&first, 0, 25).await;
@@ -110,7 +121,7 @@ async fn a_restart_during_a_partition_serves_from_the_saved_state_and_loses_no_a
 
     // 2. Restarted while the allocator is unreachable: the saved bundle and pool terms decide at
     // once; global rules from the fallback allowance, never past it.
-    let second = start(dir.path(), unreachable(), None);
+    let second = start(dir.path(), &clock, unreachable(), None);
     assert_eq!(second.bundle().map(|b| b.version()), Some(7));
     assert_eq!(
         second.pool_counts().0,
@@ -128,7 +139,7 @@ async fn a_restart_during_a_partition_serves_from_the_saved_state_and_loses_no_a
 
     // 3. Restarted again, still cut off, in the same window: what is left of the allowance, less
     // at most one claim block the killed process claimed and may have used.
-    let third = start(dir.path(), unreachable(), None);
+    let third = start(dir.path(), &clock, unreachable(), None);
     let (allowed, fallback) = admit(&third, 200, 30).await;
     assert_eq!(allowed, fallback);
     let block = allowance / FALLBACK_CLAIM_BLOCKS;
@@ -141,7 +152,7 @@ async fn a_restart_during_a_partition_serves_from_the_saved_state_and_loses_no_a
 
     // 4. The allocator is back: the admits of every incarnation reach the ledger, the first one's
     // leases reported final with what the journal said they spent.
-    let fourth = start(dir.path(), client(fake.clone()).await, None);
+    let fourth = start(dir.path(), &clock, client(fake.clone()).await, None);
     fourth.send_reports().await;
     assert_eq!(
         fake.reported_spent(),
@@ -159,8 +170,9 @@ async fn a_restart_during_a_partition_serves_from_the_saved_state_and_loses_no_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_or_foreign_state_directory_is_ignored_not_fatal() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let fake = Allocator::new(1_000, 10, 5);
-    let first = start(dir.path(), client(fake.clone()).await, Some(BUNDLE));
+    let clock = clock();
+    let fake = Allocator::with_clock(1_000, 10, 5, clock.clone());
+    let first = start(dir.path(), &clock, client(fake.clone()).await, Some(BUNDLE));
     admit(&first, 0, 3).await;
     first.write_journal_if_changed().await;
     drop(first);
@@ -182,7 +194,7 @@ async fn a_damaged_or_foreign_state_directory_is_ignored_not_fatal() {
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x55;
     std::fs::write(&journal, bytes).expect("write");
-    let agent = start(dir.path(), unreachable(), Some(BUNDLE));
+    let agent = start(dir.path(), &clock, unreachable(), Some(BUNDLE));
     assert_eq!(agent.pool_counts().0, 0);
     let decision = agent.admit(&request(9, "U-1")).await.expect("decision");
     assert_eq!(
@@ -246,4 +258,37 @@ async fn a_restored_bundle_keeps_aging_from_its_last_confirmation() {
             assert!(decision.allowed, "{decision:?}");
         }
     }
+}
+
+/// Killed between journal writes, after fallback admits the journal never saw: the next
+/// incarnation counts the window's allowance as used up to the last durable claim, so it never
+/// re-opens the allowance, and leaves at most one claim block of it unused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_between_journal_writes_never_reopens_the_fallback_allowance() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let allowance = 40;
+    let block = allowance / FALLBACK_CLAIM_BLOCKS;
+    let clock = clock();
+    let fake = Allocator::with_clock(1_000, 10, allowance, clock.clone());
+    // Terms learned while connected; then cut off.
+    let first = start(dir.path(), &clock, client(fake.clone()).await, Some(BUNDLE));
+    admit(&first, 0, 1).await;
+    first.write_journal_if_changed().await;
+    drop(first);
+    let second = start(dir.path(), &clock, unreachable(), Some(BUNDLE));
+    let (allowed, fallback) = admit(&second, 10, 13).await;
+    assert_eq!((allowed, fallback), (13, 13));
+    // Killed: no journal write since its last claim.
+    drop(second);
+    let third = start(dir.path(), &clock, unreachable(), Some(BUNDLE));
+    let (allowed, fallback) = admit(&third, 100, allowance).await;
+    assert_eq!(allowed, fallback);
+    assert!(
+        allowed <= allowance - 13,
+        "{allowed} admitted after 13 of {allowance}: the allowance was re-opened"
+    );
+    assert!(
+        allowed + block >= allowance - 13,
+        "{allowed} admitted after 13 of {allowance}: more than a block ({block}) lost"
+    );
 }

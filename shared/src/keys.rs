@@ -163,6 +163,30 @@ pub fn hash_tag(tenant: &TenantId) -> String {
     format!("{{t:{tenant}}}")
 }
 
+/// The hash tag of sub-slot `index` of a hot `tenant`, `{t:<tenant>:<index>}`: a hot tenant's
+/// keys are spread over several tags (slots), each holding a part of its tenant-wide budgets.
+pub fn sub_slot_tag(tenant: &TenantId, index: u32) -> String {
+    format!("{{t:{tenant}:{index}}}")
+}
+
+/// `key` (built by this module, so carrying exactly one tag, `tenant`'s) moved into sub-slot
+/// `index` of `tenant`: the same key under [`sub_slot_tag`]. `None` when the key does not carry
+/// exactly one `{t:<tenant>}` tag.
+pub fn sub_slot_key(key: &str, tenant: &TenantId, index: u32) -> Option<String> {
+    let tag = hash_tag(tenant);
+    if key.matches('{').count() != 1 || key.matches('}').count() != 1 {
+        return None;
+    }
+    let start = key.find(&tag)?;
+    let end = start + tag.len();
+    Some(format!(
+        "{}{}{}",
+        &key[..start],
+        sub_slot_tag(tenant, index),
+        &key[end..]
+    ))
+}
+
 /// The key of a per-principal rule.
 pub fn principal_key(
     tenant: &TenantId,

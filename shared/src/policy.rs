@@ -871,13 +871,18 @@ impl DraftBundle {
             .ok_or_else(|| error("checksum", "is required in a published bundle"))?;
         let published_at = self.published_at.clone();
         let sealed = self.seal(version, published_at);
-        if sealed.checksum != given {
-            return Err(error(
-                "checksum",
-                format!("does not match the content (expected {})", sealed.checksum),
-            ));
+        if sealed.checksum == given {
+            return Ok(sealed);
         }
-        Ok(sealed)
+        let expected = sealed.checksum.clone();
+        sealed
+            .into_published_before_charges_cost_hint(&given)
+            .ok_or_else(|| {
+                error(
+                    "checksum",
+                    format!("does not match the content (expected {expected})"),
+                )
+            })
     }
 
     /// For a bundle file (e.g. the agent's `--policy-file`): a missing version is 1, a missing checksum
@@ -895,6 +900,31 @@ impl DraftBundle {
 }
 
 impl PolicyBundle {
+    /// This bundle as published before rules stated `chargesCostHint`, when `given` is its
+    /// checksum over the canonical form of then (the same, without that field): every rule then
+    /// charged its cost per unit of the caller's `costHint`, so it still does. `None` when the
+    /// checksum is not of that form either. Bundles stored by an earlier allocator keep verifying,
+    /// and keep meaning what they meant, until they are published again.
+    fn into_published_before_charges_cost_hint(mut self, given: &str) -> Option<Self> {
+        for rule in &mut self.rules {
+            rule.charges_cost_hint = true;
+            if let Value::Object(canonical) = &mut rule.canonical {
+                canonical.remove("chargesCostHint");
+            }
+        }
+        let legacy = checksum_of(self.version, self.published_at.as_deref(), &self.rules);
+        if legacy != given {
+            return None;
+        }
+        for rule in &mut self.rules {
+            if let Value::Object(canonical) = &mut rule.canonical {
+                canonical.insert("chargesCostHint".to_owned(), Value::Bool(true));
+            }
+        }
+        self.checksum = legacy;
+        Some(self)
+    }
+
     /// The bundle version (at least 1).
     pub fn version(&self) -> u64 {
         self.version

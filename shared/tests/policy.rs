@@ -458,3 +458,34 @@ fn replay_counts_denials_per_rule() {
     let candidate = parse_bundle(&looser).expect("valid").seal(43, None);
     assert_eq!(replay(&candidate, &samples, &pepper).denied, 0);
 }
+
+/// A bundle published before rules stated `chargesCostHint` (this checksum is what that version of
+/// Allot computed for it) still verifies, and means what it meant then: every rule charges its
+/// cost per unit of the caller's `costHint`, the stated 10 tokens of `export-tenant` included.
+#[test]
+fn a_bundle_published_before_charges_cost_hint_verifies_and_keeps_its_meaning() {
+    let published = r#"{"bundleVersion":9,"checksum":"sha256:3edd302821943f59a69dc7d20cc3fbdfc7e49b6f58b5c4b12627bdca92aebcc7","rules":[{"algorithm":"fixed_window","costMillis":10000,"exempt":false,"failMode":"closed","id":"export-tenant","idempotent":false,"limit":100,"routeGroup":"export","scope":"tenant","strict":false,"windowMs":60000},{"algorithm":"fixed_window","costMillis":1000,"exempt":false,"failMode":"closed","id":"read-user","idempotent":false,"limit":100,"routeGroup":"read","scope":"user","strict":false,"windowMs":60000}]}"#;
+    let bundle = parse_bundle(published)
+        .expect("valid")
+        .into_verified()
+        .expect("the old checksum verifies");
+    assert!(bundle.rules().iter().all(|rule| rule.charges_cost_hint));
+    assert_eq!(bundle.rules()[0].cost_millitokens_for(3), Some(30_000));
+    // Its wire form now states the field, and verifies again (as an agent receives it).
+    let again = parse_bundle(&bundle.to_json().to_string())
+        .expect("valid")
+        .into_verified()
+        .expect("verifies");
+    assert_eq!(again, bundle);
+    // Tampered content fails either form.
+    let tampered = published.replace(
+        "\"limit\":100,\"routeGroup\":\"export\"",
+        "\"limit\":101,\"routeGroup\":\"export\"",
+    );
+    assert_ne!(tampered, published);
+    let err = parse_bundle(&tampered)
+        .expect("valid")
+        .into_verified()
+        .expect_err("tampered");
+    assert_eq!(err.field, "checksum");
+}

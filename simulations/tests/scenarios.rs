@@ -96,6 +96,23 @@ fn the_same_seed_gives_the_same_bytes_and_another_seed_other_arrivals() {
         .json()
         .to_string();
     assert_ne!(first, other);
+    // Steady demand too: any seed but 0 shifts when its requests arrive, so a seed sweep of every
+    // drill explores other timings (seed 0 keeps the phase the docs' figures come from).
+    let steady = scenario("clamped");
+    let at = |seed: u64| {
+        block_on(run_with(&steady, seed, steady.duration_ms))
+            .expect("runs")
+            .windows
+    };
+    assert_eq!(at(0), at(0));
+    assert_eq!(at(3), at(3));
+    let distinct: std::collections::BTreeSet<String> =
+        (0..6).map(|seed| format!("{:?}", at(seed))).collect();
+    assert!(
+        distinct.len() >= 4,
+        "{} distinct histories of 6 seeds",
+        distinct.len()
+    );
 }
 
 #[test]

@@ -201,12 +201,15 @@ enum ReservedFrom {
 }
 
 /// Tokens held back for one request while its other rules are decided. Settle it with
-/// [`PoolHolder::commit`] (admitted) or [`PoolHolder::cancel`] (denied) on the holder that made it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// [`PoolHolder::commit`] (admitted) or [`PoolHolder::cancel`] (denied) on the holder that made it:
+/// both take it by value, and it is neither `Clone` nor `Copy`, so it is settled once.
+#[derive(Debug, PartialEq, Eq)]
 #[must_use = "a reservation must be committed or cancelled"]
 pub struct Reservation {
     from: ReservedFrom,
     cost_tokens: u64,
+    /// When it was made: the demand it recorded belongs to the rate bucket of this instant.
+    reserved_at_ms: u64,
 }
 
 impl Reservation {
@@ -218,6 +221,14 @@ impl Reservation {
     /// Tokens reserved.
     pub fn tokens(&self) -> u64 {
         self.cost_tokens
+    }
+
+    /// The start of the fallback window it holds tokens of (`None` from leases).
+    pub fn fallback_window_start_ms(&self) -> Option<u64> {
+        match self.from {
+            ReservedFrom::Fallback { window_start_ms } => Some(window_start_ms),
+            ReservedFrom::Leases { .. } => None,
+        }
     }
 
     /// The leases it holds tokens of, and how many of each (empty in fallback).
@@ -662,7 +673,7 @@ impl PoolHolder {
                 retry_after_ms: 1,
             });
         }
-        self.reserve_from_fallback(cost_tokens, window, until_window_end_ms)
+        self.reserve_from_fallback(cost_tokens, now_ms, window, until_window_end_ms)
     }
 
     fn reserve_from_leases(&mut self, cost_tokens: u64, now_ms: u64) -> Option<Reservation> {
@@ -700,12 +711,14 @@ impl PoolHolder {
         Some(Reservation {
             from: ReservedFrom::Leases { parts, len },
             cost_tokens,
+            reserved_at_ms: now_ms,
         })
     }
 
     fn reserve_from_fallback(
         &mut self,
         cost_tokens: u64,
+        now_ms: u64,
         window: Window,
         until_window_end_ms: u64,
     ) -> Result<Reservation, Refusal> {
@@ -745,6 +758,7 @@ impl PoolHolder {
                 window_start_ms: window.start_ms,
             },
             cost_tokens,
+            reserved_at_ms: now_ms,
         })
     }
 
@@ -785,13 +799,14 @@ impl PoolHolder {
         }
     }
 
-    /// Gives back what `reservation` holds at `now_ms`: the request was denied by another rule (or
-    /// not decided). Tokens go back to their lease while it lives (an ended lease strands them, as
+    /// Gives back what `reservation` holds: the request was denied by another rule (or not
+    /// decided). Tokens go back to their lease while it lives (an ended lease strands them, as
     /// it strands the rest of what it held) or to their window's fallback allowance; the demand
     /// they stood for is taken back.
-    pub fn cancel(&mut self, reservation: Reservation, now_ms: u64) {
+    pub fn cancel(&mut self, reservation: Reservation) {
         self.settle(&reservation);
-        self.rate.unrecord(now_ms, reservation.cost_tokens);
+        self.rate
+            .unrecord(reservation.reserved_at_ms, reservation.cost_tokens);
         match reservation.from {
             ReservedFrom::Fallback { window_start_ms } => {
                 if let Some(count) = self.fallback.get_mut(&window_start_ms) {
@@ -949,7 +964,10 @@ impl PoolHolder {
                 reported_spent_tokens: 0,
             });
         }
-        for line in snapshot.fallback.iter().take(MAX_FALLBACK_WINDOWS) {
+        // The newest windows first: the current one must never be the one left out.
+        let mut windows: Vec<&JournaledFallback> = snapshot.fallback.iter().collect();
+        windows.sort_by_key(|line| std::cmp::Reverse(line.window_start_ms));
+        for line in windows.into_iter().take(MAX_FALLBACK_WINDOWS) {
             let count = self.fallback.entry(line.window_start_ms).or_default();
             count.admitted_tokens = count.admitted_tokens.max(line.admitted_tokens);
             // Whatever was claimed may have been admitted after the last journal.

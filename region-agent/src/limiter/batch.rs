@@ -24,8 +24,6 @@ use allot_shared::limit::sliding_log::SlidingLog;
 use allot_shared::limit::token_bucket::TokenBucket;
 use allot_shared::policy::{Limit, PolicyBundle, Rule, Scope};
 
-use super::hot_tenants::{sub_slot_key, sub_slot_tag};
-
 /// How long a decision record lives when a rule asks for one (`idempotent`), in ms: long enough to
 /// cover a call's deadline and its retries, short enough that records stay few (the reference
 /// design's example: 30 s at 100 exports/s is 3,000 records).
@@ -265,12 +263,13 @@ impl RuleBatch {
         record_ttl_ms: u64,
         rules: Vec<BatchRule>,
     ) -> Result<Self, BatchError> {
-        let tag = sub_slot_tag(tenant, sub_slot);
-        let record_key = sub_slot_key(&keys::decision_key(tenant, &decision_id), tenant, sub_slot)
-            .map_err(|_| BatchError::ForeignKey {
-                key: keys::decision_key(tenant, &decision_id),
-                expected_tag: tag.clone(),
-            })?;
+        let tag = keys::sub_slot_tag(tenant, sub_slot);
+        let record_key =
+            keys::sub_slot_key(&keys::decision_key(tenant, &decision_id), tenant, sub_slot)
+                .ok_or_else(|| BatchError::ForeignKey {
+                    key: keys::decision_key(tenant, &decision_id),
+                    expected_tag: tag.clone(),
+                })?;
         Self::under_tag(&tag, record_key, decision_id, record_ttl_ms, rules)
     }
 

@@ -100,29 +100,12 @@ impl HotTenants {
     }
 }
 
-/// The hash tag of sub-slot `index` of `tenant`, `{t:<tenant>:<index>}`.
-pub fn sub_slot_tag(tenant: &TenantId, index: u32) -> String {
-    format!("{{t:{tenant}:{index}}}")
-}
-
 /// Moves a key built by `allot_shared::keys` into sub-slot `index` of `tenant` (module docs).
 pub fn sub_slot_key(key: &str, tenant: &TenantId, index: u32) -> Result<String, SubSlotError> {
-    let refused = || SubSlotError::NotTenantTagged {
+    keys::sub_slot_key(key, tenant, index).ok_or_else(|| SubSlotError::NotTenantTagged {
         key: key.to_owned(),
         tenant: tenant.to_string(),
-    };
-    let tag = keys::hash_tag(tenant);
-    if key.matches('{').count() != 1 || key.matches('}').count() != 1 {
-        return Err(refused());
-    }
-    let start = key.find(&tag).ok_or_else(refused)?;
-    let end = start + tag.len();
-    Ok(format!(
-        "{}{}{}",
-        &key[..start],
-        sub_slot_tag(tenant, index),
-        &key[end..]
-    ))
+    })
 }
 
 /// A tenant-wide rule's parameters for one of `k` sub-slots: capacities, refills and limits divided

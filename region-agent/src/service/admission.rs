@@ -33,16 +33,13 @@ use allot_shared::limit::multi::Algorithm;
 use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule};
 
 use super::pools::{PoolSlot, TERMS_RETRY_MS};
+use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, RequestRejected, lock};
-use crate::clock::Clock;
 use crate::global::{Denial, Refusal, Reservation};
 use crate::limiter::{
     DEFAULT_SOURCE_PREFIXES, LeaseCall, LeaseOp, PlannedBatch, Screened, SourceId, plan_request,
 };
 
-/// Longest a request waits for the first grant of a pool it triggered; also how long a renewal may
-/// go unanswered before the allocator counts as unreachable (fallback starts then).
-pub const FIRST_GRANT_WAIT: Duration = Duration::from_millis(200);
 /// Retry hint of a concurrency denial, ms: a slot frees when a holder finishes, at no known time.
 pub const CONCURRENCY_RETRY_MS: u64 = 1_000;
 /// Retry hint when the request cannot be evaluated (no bundle, a policy error), ms.
@@ -66,6 +63,40 @@ pub struct SlotRenewal {
     pub failed: u32,
 }
 
+/// Most reservation passes over a request's global rules: one per kind of wait (a renewal, a
+/// fallback claim), one more for a pool forgotten meanwhile, and the last.
+const MAX_RESERVATION_PASSES: usize = 4;
+
+/// One reservation attempt.
+enum Attempt {
+    Reserved(Reservation),
+    Refused(Refusal),
+    /// The pool was forgotten since it was looked up.
+    Evicted,
+}
+
+/// What a reservation pass must wait for before the next.
+#[derive(Debug, Clone, Copy)]
+enum Wait {
+    /// The pool's slot again.
+    Lookup,
+    /// The renewal under way.
+    Grant,
+    /// A durable fallback claim for this many tokens.
+    Claim(u64),
+}
+
+/// The refusal of a pool whose terms cannot be had (or whose fallback claim cannot be written).
+fn fail_closed() -> GlobalRefusal {
+    GlobalRefusal {
+        refusal: Refusal {
+            denial: Denial::FailClosed,
+            retry_after_ms: TERMS_RETRY_MS,
+        },
+        limit_tokens: 0,
+    }
+}
+
 /// Why a global rule refused, with what the decision reports.
 #[derive(Debug, Clone, Copy)]
 struct GlobalRefusal {
@@ -77,19 +108,12 @@ struct GlobalRefusal {
 /// The global reservations of one request. Settled once: committed when the request is admitted,
 /// cancelled otherwise, and cancelled when dropped unsettled (a gateway that went away
 /// mid-decision must not leave tokens reserved).
+#[derive(Default)]
 struct GlobalHold {
-    clock: Arc<dyn Clock>,
     held: Vec<(Arc<PoolSlot>, Reservation)>,
 }
 
 impl GlobalHold {
-    fn new(clock: Arc<dyn Clock>) -> Self {
-        Self {
-            clock,
-            held: Vec::new(),
-        }
-    }
-
     /// Spends every reservation. Returns whether any came from a fallback allowance.
     fn commit(mut self, tenant: &TenantId, pools: &[&PoolId]) -> bool {
         let mut fallback = false;
@@ -108,12 +132,8 @@ impl GlobalHold {
 
 impl Drop for GlobalHold {
     fn drop(&mut self) {
-        if self.held.is_empty() {
-            return;
-        }
-        let now_ms = self.clock.now_ms();
         for (slot, reservation) in self.held.drain(..) {
-            lock(&slot.holder).cancel(reservation, now_ms);
+            lock(&slot.holder).cancel(reservation);
         }
     }
 }
@@ -297,102 +317,140 @@ impl Agent {
 
     /// Reserves every global rule's cost, in bundle order; the first refusal cancels what was
     /// reserved and is the decision.
+    ///
+    /// Nothing is held while anything is awaited, so a reservation never outlives the regional
+    /// hold: every rule's pool is looked up first; then one pass reserves every rule with no wait
+    /// in between. A rule that must wait (for a renewal under way, or for a fallback claim to be
+    /// written) ends the pass: what it holds is cancelled, the wait happens, and the pass starts
+    /// again (each kind of wait at most once).
     async fn reserve_global(
         self: &Arc<Self>,
         request: &AdmissionRequest,
         version: u64,
         rules: &[&Rule],
     ) -> Result<GlobalHold, Decision> {
-        let mut hold = GlobalHold::new(self.clock.clone());
+        let tenant = &request.tenant_id;
+        let mut pools: Vec<(&Rule, &PoolId, Arc<PoolSlot>)> = Vec::with_capacity(rules.len());
         for rule in rules {
             let Limit::Global(pool) = &rule.limit else {
                 continue;
             };
-            let cost_tokens = global_cost_tokens(rule, request);
-            match self
-                .reserve_in_pool(&request.tenant_id, pool, cost_tokens)
-                .await
-            {
-                Ok(reserved) => hold.held.push(reserved),
-                Err(refusal) => return Err(self.global_denial(request, version, rule, refusal)),
+            match self.slot(tenant, pool).await {
+                Some(slot) => pools.push((rule, pool, slot)),
+                None => return Err(self.global_denial(request, version, rule, fail_closed())),
             }
         }
-        Ok(hold)
-    }
-
-    /// Reserves `cost_tokens` of a global pool: from the leases held, waiting once (up to
-    /// [`FIRST_GRANT_WAIT`]) for a renewal under way when too little is held.
-    async fn reserve_in_pool(
-        self: &Arc<Self>,
-        tenant: &TenantId,
-        pool: &PoolId,
-        cost_tokens: u64,
-    ) -> Result<(Arc<PoolSlot>, Reservation), GlobalRefusal> {
-        let fail_closed = GlobalRefusal {
-            refusal: Refusal {
-                denial: Denial::FailClosed,
-                retry_after_ms: TERMS_RETRY_MS,
-            },
-            limit_tokens: 0,
-        };
-        let mut slot = self.slot(tenant, pool).await.ok_or(fail_closed)?;
-        let mut claimed = false;
-        // At most: a wait for a renewal, a durable fallback claim, and the last try.
-        for attempt in 0..3 {
-            let now_ms = self.clock.now_ms();
-            let reserved = {
-                let mut holder = lock(&slot.holder);
-                if slot.evicted.load(Ordering::Acquire) {
-                    drop(holder);
-                    // Forgotten between the lookup and now (idle for minutes): look it up again.
-                    slot = self.slot(tenant, pool).await.ok_or(fail_closed)?;
-                    lock(&slot.holder).reserve(cost_tokens, now_ms, self.allocator_reachable())
-                } else {
-                    holder.reserve(cost_tokens, now_ms, self.allocator_reachable())
+        let (mut waited_for_grant, mut claimed) = (false, false);
+        for _pass in 0..MAX_RESERVATION_PASSES {
+            let mut hold = GlobalHold::default();
+            let mut wait = None;
+            for (index, (rule, pool, slot)) in pools.iter().enumerate() {
+                let cost_tokens = global_cost_tokens(rule, request);
+                match self.try_reserve(tenant, pool, slot, cost_tokens) {
+                    Attempt::Reserved(reservation) => hold.held.push((slot.clone(), reservation)),
+                    Attempt::Evicted => {
+                        wait = Some((index, Wait::Lookup));
+                        break;
+                    }
+                    Attempt::Refused(refusal) => {
+                        if !waited_for_grant {
+                            count_depletion(tenant, pool, refusal.denial);
+                        }
+                        let next = match refusal.denial {
+                            Denial::AwaitingGrant if !waited_for_grant => Some(Wait::Grant),
+                            Denial::FallbackUnclaimed if !claimed => Some(Wait::Claim(cost_tokens)),
+                            _ => None,
+                        };
+                        let Some(next) = next else {
+                            let limit_tokens = slot.limit.load(Ordering::Relaxed);
+                            let refused = GlobalRefusal {
+                                refusal,
+                                limit_tokens,
+                            };
+                            return Err(self.global_denial(request, version, rule, refused));
+                        };
+                        wait = Some((index, next));
+                        break;
+                    }
                 }
-            };
-            let refusal = match reserved {
-                Ok(reservation) => {
-                    self.renew_if_wanted(tenant, pool, &slot);
-                    return Ok((slot, reservation));
-                }
-                Err(refusal) => refusal,
-            };
-            // Registered before a renewal can start (or be seen as under way), so its end cannot be
-            // missed.
-            let renewed = slot.renewed.notified();
-            tokio::pin!(renewed);
-            renewed.as_mut().enable();
-            self.renew_if_wanted(tenant, pool, &slot);
-            count_depletion(tenant, pool, refusal.denial, attempt);
-            if refusal.denial == Denial::FallbackUnclaimed && !claimed {
-                claimed = true;
-                if self.claim_fallback(tenant, pool, &slot, cost_tokens).await {
-                    continue;
-                }
-                return Err(fail_closed);
             }
-            if refusal.denial == Denial::AwaitingGrant && attempt == 0 {
-                // Wait for the renewal under way, if any (none: it already ended, or none was
-                // wanted; try again at once). A renewal unanswered past the holder's patience makes
-                // the second try fall back.
-                if lock(&slot.holder).renewal_in_flight() {
-                    let _ = tokio::time::timeout(FIRST_GRANT_WAIT, renewed).await;
+            let Some((index, wait)) = wait else {
+                return Ok(hold);
+            };
+            // Nothing stays reserved while this request waits.
+            drop(hold);
+            let (rule, pool, slot) = &mut pools[index];
+            match wait {
+                Wait::Lookup => match self.slot(tenant, pool).await {
+                    Some(fresh) => *slot = fresh,
+                    None => return Err(self.global_denial(request, version, rule, fail_closed())),
+                },
+                Wait::Grant => {
+                    waited_for_grant = true;
+                    self.wait_for_renewal(tenant, pool, slot).await;
                 }
-                continue;
+                Wait::Claim(cost_tokens) => {
+                    claimed = true;
+                    if !self.claim_fallback(tenant, pool, slot, cost_tokens).await {
+                        return Err(self.global_denial(request, version, rule, fail_closed()));
+                    }
+                }
             }
-            return Err(GlobalRefusal {
-                refusal,
-                limit_tokens: slot.limit.load(Ordering::Relaxed),
-            });
         }
-        Err(GlobalRefusal {
+        let (rule, _, slot) = &pools[pools.len().saturating_sub(1)];
+        let refused = GlobalRefusal {
             refusal: Refusal {
                 denial: Denial::AwaitingGrant,
                 retry_after_ms: AWAITING_GRANT_RETRY_MS,
             },
             limit_tokens: slot.limit.load(Ordering::Relaxed),
-        })
+        };
+        Err(self.global_denial(request, version, rule, refused))
+    }
+
+    /// One reservation attempt on a pool's holder, without waiting for anything; starts a renewal
+    /// when the holder wants one.
+    fn try_reserve(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        pool: &PoolId,
+        slot: &Arc<PoolSlot>,
+        cost_tokens: u64,
+    ) -> Attempt {
+        let now_ms = self.clock.now_ms();
+        let reserved = {
+            let mut holder = lock(&slot.holder);
+            // Forgotten since it was looked up (idle for minutes): look it up again.
+            if slot.evicted.load(Ordering::Acquire) {
+                return Attempt::Evicted;
+            }
+            holder.reserve(cost_tokens, now_ms, self.allocator_reachable())
+        };
+        self.renew_if_wanted(tenant, pool, slot);
+        match reserved {
+            Ok(reservation) => Attempt::Reserved(reservation),
+            Err(refusal) => Attempt::Refused(refusal),
+        }
+    }
+
+    /// Waits (up to [`FIRST_GRANT_WAIT`]) for the renewal under way for `slot`, if any.
+    async fn wait_for_renewal(
+        self: &Arc<Self>,
+        tenant: &TenantId,
+        pool: &PoolId,
+        slot: &Arc<PoolSlot>,
+    ) {
+        // Registered before a renewal can start (or be seen as under way), so its end cannot be
+        // missed.
+        let renewed = slot.renewed.notified();
+        tokio::pin!(renewed);
+        renewed.as_mut().enable();
+        self.renew_if_wanted(tenant, pool, slot);
+        // None under way: it already ended, or none was wanted; try again at once. One unanswered
+        // past the holder's patience makes the next try fall back.
+        if lock(&slot.holder).renewal_in_flight() {
+            let _ = tokio::time::timeout(FIRST_GRANT_WAIT, renewed).await;
+        }
     }
 
     /// The regional rules, answered `LIMITER_UNAVAILABLE` past the [regional
@@ -624,9 +682,9 @@ fn global_cost_tokens(rule: &Rule, request: &AdmissionRequest) -> u64 {
 
 /// Counts a request that found its pool's leases empty: while tokens may still be had
 /// (`available`) or because the pool is exhausted.
-fn count_depletion(tenant: &TenantId, pool: &PoolId, denial: Denial, attempt: u32) {
+fn count_depletion(tenant: &TenantId, pool: &PoolId, denial: Denial) {
     let pool_state = match denial {
-        Denial::AwaitingGrant if attempt == 0 => "available",
+        Denial::AwaitingGrant => "available",
         Denial::PoolExhausted => "exhausted",
         _ => return,
     };

@@ -27,7 +27,7 @@ use allot_shared::policy::PolicyBundle;
 use arc_swap::ArcSwapOption;
 
 pub use admission::{
-    AWAITING_GRANT_RETRY_MS, CONCURRENCY_RETRY_MS, FIRST_GRANT_WAIT, POLICY_UNAVAILABLE_RETRY_MS,
+    AWAITING_GRANT_RETRY_MS, CONCURRENCY_RETRY_MS, POLICY_UNAVAILABLE_RETRY_MS,
     RETRY_JITTER_MAX_MS, SlotRenewal,
 };
 pub use background::{FINAL_REPORT_TIMEOUT, ROUND_TIMEOUT};
@@ -36,7 +36,9 @@ pub use pools::{
     MAX_POOLS, MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, TERMS_REFRESH_MS, TERMS_RETRY_MS,
     UNKNOWN_POOL_RETRY_MS,
 };
-pub use settings::{AgentSettings, DEFAULT_ALLOCATOR_ROUND_TRIP_MS, DEFAULT_EXPIRY_MARGIN_MS};
+pub use settings::{
+    AgentSettings, DEFAULT_ALLOCATOR_ROUND_TRIP_MS, DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT,
+};
 
 use crate::allocator_client::AllocatorClient;
 use crate::clock::Clock;
@@ -82,8 +84,11 @@ pub struct Agent {
     /// Changes the journal must keep, counted; and the count the last journal written saw.
     journal_generation: AtomicU64,
     journal_written: AtomicU64,
-    /// One journal writer at a time (the periodic write and fallback claims).
+    /// One journal writer at a time (the periodic write and fallback claims), held by tasks of
+    /// their own from the snapshot to the end of the write.
     journal_writer: tokio::sync::Mutex<()>,
+    /// Fallback claims requests are waiting for: (the pool's slot, the request's cost).
+    claims_wanted: Mutex<Vec<(Arc<pools::PoolSlot>, u64)>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -122,6 +127,7 @@ impl Agent {
             journal_generation: AtomicU64::new(0),
             journal_written: AtomicU64::new(0),
             journal_writer: tokio::sync::Mutex::new(()),
+            claims_wanted: Mutex::new(Vec::new()),
         })
     }
 

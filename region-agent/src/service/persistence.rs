@@ -10,12 +10,17 @@
 //! - **Journal** (every [`JOURNAL_INTERVAL`] when anything changed): every pool's terms and holder
 //!   snapshot. Batched: admits between two writes are what a crash can lose from the ledger.
 //! - **Fallback claims**: admits from a fallback allowance never go beyond a claim that is
-//!   durable. Before admitting past it, a request writes the journal with a claim one block larger
+//!   durable. Before admitting past it, a request asks for a claim one block larger
 //!   (`fallbackPerRegion / 8`, at least one token) and waits for the sync, at most
 //!   [`CLAIM_WRITE_TIMEOUT`]; a restarted agent counts the window's allowance as used up to the
 //!   claim. So a restart never re-opens an allowance; it can lose at most one block of it. A claim
-//!   that cannot be written refuses the request (503 `LIMITER_UNAVAILABLE`): never an overshoot
+//!   not durable in time refuses the request (503 `LIMITER_UNAVAILABLE`): never an overshoot
 //!   nobody can see.
+//!
+//! One writer at a time, on a task of its own from the snapshot to the end of the write: a caller
+//! that stops waiting never cuts a write short or lets another writer in before it (which could
+//! put an older snapshot on disk after a newer claim). Claims are group-committed: a writer takes
+//! every claim wanted when it starts.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -138,29 +143,32 @@ impl Agent {
         }
     }
 
-    /// Writes the journal if anything changed since the last write.
-    pub async fn write_journal_if_changed(&self) {
+    /// Writes the journal if anything changed since the last write. The write runs on a task of
+    /// its own holding the writer: a caller that stops waiting (a round's deadline, shutdown) does
+    /// not cut it short or let another writer in before it is done.
+    pub async fn write_journal_if_changed(self: &Arc<Self>) {
         let generation = self.journal_generation.load(Ordering::Relaxed);
         if generation == self.journal_written.load(Ordering::Relaxed) {
             return;
         }
-        if self.write_journal(None).await.is_ok() {
+        let agent = self.clone();
+        let written = tokio::spawn(async move {
+            let _writer = agent.journal_writer.lock().await;
+            let journal = agent.journal(&[]);
+            agent.write_journal(journal).await
+        })
+        .await;
+        if matches!(written, Ok(Ok(()))) {
             self.journal_written
                 .fetch_max(generation, Ordering::Relaxed);
         }
     }
 
-    /// Writes the journal now (with `claim` for one pool: its slot and (window start, tokens)),
-    /// one writer at a time. Errors are logged and counted.
-    async fn write_journal(
-        &self,
-        claim: Option<(&Arc<PoolSlot>, (u64, u64))>,
-    ) -> std::io::Result<()> {
+    /// Writes `journal` (the caller holds the writer). Errors are logged and counted.
+    async fn write_journal(&self, journal: Journal) -> std::io::Result<()> {
         let Some(dir) = self.state.get().cloned() else {
             return Ok(());
         };
-        let _writer = self.journal_writer.lock().await;
-        let journal = self.journal(claim);
         let written = tokio::task::spawn_blocking(move || dir.write(StateFile::Journal, &journal))
             .await
             .unwrap_or_else(|joined| Err(std::io::Error::other(joined)));
@@ -174,14 +182,18 @@ impl Agent {
         written
     }
 
-    fn journal(&self, claim: Option<(&Arc<PoolSlot>, (u64, u64))>) -> Journal {
+    /// The journal as of now, with `claims` (slot, (window start, claimed tokens)) added. Taken
+    /// under the writer, so a later snapshot holds every claim made durable before it.
+    fn journal(&self, claims: &[(Arc<PoolSlot>, (u64, u64))]) -> Journal {
         let slots = lock(&self.pools).snapshot();
         let pools = slots
             .into_iter()
             .map(|((tenant, pool), slot)| {
-                let claimed = claim
+                let claimed = claims
+                    .iter()
                     .filter(|(claiming, _)| Arc::ptr_eq(claiming, &slot))
-                    .map(|(_, claim)| claim);
+                    .map(|(_, claim)| *claim)
+                    .max_by_key(|(_, tokens)| *tokens);
                 let (terms, fetched_at_ms) = lock(&slot.terms).clone();
                 JournaledPool {
                     tenant,
@@ -200,34 +212,55 @@ impl Agent {
     }
 
     /// Makes a fallback claim durable so `cost_tokens` can be reserved from `slot`'s allowance
-    /// (module docs). `false` when it could not be written in time.
+    /// (module docs). `false` when it was not durable within [`CLAIM_WRITE_TIMEOUT`].
+    ///
+    /// Group commit: the claim joins the claims wanted; one task at a time takes every claim
+    /// wanted, writes them in one journal and records them in their holders before it lets the
+    /// next writer in. A request that stops waiting leaves that task to finish.
     pub(super) async fn claim_fallback(
-        &self,
+        self: &Arc<Self>,
         tenant: &TenantId,
         pool: &PoolId,
         slot: &Arc<PoolSlot>,
         cost_tokens: u64,
     ) -> bool {
-        let claimed = tokio::time::timeout(CLAIM_WRITE_TIMEOUT, async {
-            // Another request may have claimed enough while this one waited for the writer.
-            let wanted = lock(&slot.holder).fallback_claim_wanted(cost_tokens, self.clock.now_ms());
-            let Some(claim) = wanted else {
-                return true;
-            };
-            if self.write_journal(Some((slot, claim))).await.is_err() {
-                return false;
-            }
-            lock(&slot.holder).claim_durable(claim.0, claim.1);
-            true
-        })
-        .await
-        .unwrap_or(false);
+        lock(&self.claims_wanted).push((slot.clone(), cost_tokens));
+        let agent = self.clone();
+        let flush = tokio::spawn(async move { agent.flush_claims().await });
+        let _ = tokio::time::timeout(CLAIM_WRITE_TIMEOUT, flush).await;
+        let claimed = lock(&slot.holder)
+            .fallback_claim_wanted(cost_tokens, self.clock.now_ms())
+            .is_none();
         let outcome = if claimed { "ok" } else { "failed" };
         metrics::counter!(crate::metrics::FALLBACK_CLAIMS, "outcome" => outcome).increment(1);
         if !claimed {
-            tracing::warn!(%tenant, %pool, "fallback claim not made durable; request refused");
+            tracing::warn!(%tenant, %pool, "fallback claim not made durable in time; request refused");
         }
         claimed
+    }
+
+    /// Writes every claim wanted in one journal, then records them as durable.
+    async fn flush_claims(self: Arc<Self>) {
+        let _writer = self.journal_writer.lock().await;
+        let wanted = std::mem::take(&mut *lock(&self.claims_wanted));
+        let now_ms = self.clock.now_ms();
+        let claims: Vec<(Arc<PoolSlot>, (u64, u64))> = wanted
+            .into_iter()
+            .filter_map(|(slot, cost_tokens)| {
+                let claim = lock(&slot.holder).fallback_claim_wanted(cost_tokens, now_ms)?;
+                Some((slot, claim))
+            })
+            .collect();
+        // Nothing left to claim: a writer before this one took these claims too.
+        if claims.is_empty() {
+            return;
+        }
+        let journal = self.journal(&claims);
+        if self.write_journal(journal).await.is_ok() {
+            for (slot, (window_start_ms, claimed_tokens)) in claims {
+                lock(&slot.holder).claim_durable(window_start_ms, claimed_tokens);
+            }
+        }
     }
 
     /// Keeps the bundle in force in the state directory (the background refresh does so for every

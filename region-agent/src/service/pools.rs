@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use allot_shared::ids::{PoolId, TenantId};
 use tokio::sync::Notify;
 
-use super::admission::FIRST_GRANT_WAIT;
+use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, lock};
 use crate::allocator_client::{AllocatorClient, PoolTerms};
 use crate::global::{HolderConfig, PoolHolder};

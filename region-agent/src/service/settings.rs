@@ -1,8 +1,14 @@
 //! The agent's settings and their shipped defaults.
 
+use std::time::Duration;
+
 use allot_shared::ids::RegionId;
 use allot_shared::keys::{IpPrefixes, Pepper};
 
+/// Longest a request waits for the first grant of a pool it triggered (or for the lookup of its
+/// terms); also how long a renewal may go unanswered before the allocator counts as unreachable
+/// (fallback starts then).
+pub const FIRST_GRANT_WAIT: Duration = Duration::from_millis(200);
 /// Tokens are never spent within this many ms of a lease's end (clock-rate error between the agent
 /// and the allocator): the shipped default.
 pub const DEFAULT_EXPIRY_MARGIN_MS: u64 = 50;

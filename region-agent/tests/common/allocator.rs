@@ -29,6 +29,8 @@ pub struct Allocator {
     pub spent_by_lease: Mutex<HashMap<String, u64>>,
     /// Reported fallback admits per window (cumulative: the largest wins).
     pub fallback_by_window: Mutex<HashMap<u64, u64>>,
+    /// Its clock (the agents' under test should read the same one).
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Allocator {
@@ -42,6 +44,21 @@ impl Allocator {
             wants: Mutex::new(Vec::new()),
             spent_by_lease: Mutex::new(HashMap::new()),
             fallback_by_window: Mutex::new(HashMap::new()),
+            clock: Arc::new(SystemClock),
+        })
+    }
+
+    /// The same stand-in on `clock`.
+    pub fn with_clock(
+        limit: u64,
+        chunk: u64,
+        fallback_per_region: u64,
+        clock: Arc<dyn Clock>,
+    ) -> Arc<Self> {
+        let fake = Self::new(limit, chunk, fallback_per_region);
+        Arc::new(Self {
+            clock,
+            ..Arc::into_inner(fake).expect("sole owner")
         })
     }
 
@@ -79,7 +96,7 @@ async fn grant(
         .map(|left| want.min(left))
         .unwrap_or(0);
     // The agent's clock reads the wall clock here: one hour-long window around now.
-    let now_ms = SystemClock.now_ms();
+    let now_ms = fake.clock.now_ms();
     let window_start_ms = now_ms - now_ms % 3_600_000;
     Json(serde_json::json!({
         "leaseId": body["leaseId"], "granted": granted, "epoch": 1,

@@ -8,7 +8,7 @@
 
 use allot_shared::lease::OvershootBound;
 
-use super::engine::{MAX_VIOLATION_LINES, RegionWindow, WindowRecord};
+use super::results::{MAX_VIOLATION_LINES, RegionWindow, WindowRecord};
 use super::scenario::{Expectation, Scenario};
 
 /// Per-tenant records of the window in progress, checked and summed when it closes.
@@ -78,7 +78,7 @@ impl TenantChecker {
         tokens: u64,
     ) {
         debug_assert_eq!(
-            window_start_ms - super::engine::START_MS,
+            window_start_ms - super::results::START_MS,
             self.offset_ms,
             "grants are made in the window in progress"
         );
@@ -166,7 +166,15 @@ impl TenantChecker {
                     ));
                 }
             }
-            if carried > bound.unclamped_carry_over_tokens {
+            // Expected late spends (a clock beyond the margin) that crossed into this window are
+            // carry-over of a clamped lease: the same fault, reported once.
+            let late: u64 = records.iter().map(|r| r.spent_after_lease_end).sum();
+            let excused = if self.spend_past_end_expected {
+                late
+            } else {
+                0
+            };
+            if carried > bound.unclamped_carry_over_tokens + excused {
                 self.violation(format!(
                     "{who}window {at}s carried over {carried} > term {}",
                     bound.unclamped_carry_over_tokens
@@ -231,9 +239,10 @@ pub(super) fn check_expectation(
             if total_fallback + total_carried > 0 {
                 violations.push("expected neither fallback nor carry-over".to_owned());
             }
-            // Clamped leases strand at most about a chunk per region per window (what is held when
-            // the window ends), plus what a crashed agent held.
-            let stranded_cap = scenario.chunk * regions * tenants;
+            // Clamped leases strand what is held when the window ends: less than two chunks per
+            // region (a holder asks for more only below its watermark, at most a chunk, and is
+            // granted at most a chunk), plus what a crashed agent held.
+            let stranded_cap = 2 * scenario.chunk * regions * tenants;
             let restarts = scenario
                 .faults
                 .iter()
@@ -243,7 +252,7 @@ pub(super) fn check_expectation(
                 let stranded = window.sum(|r| r.stranded);
                 if stranded > stranded_cap * (1 + restarts) {
                     violations.push(format!(
-                        "window {}s stranded {stranded} > chunk x regions {stranded_cap}",
+                        "window {}s stranded {stranded} > 2 chunks x regions {stranded_cap}",
                         window.offset_ms / 1_000
                     ));
                 }
@@ -261,12 +270,10 @@ pub(super) fn check_expectation(
             }
         }
         Expectation::OvershootWithinLostRecords => {
-            let lost: u64 = windows.iter().map(|w| w.lost_grant_record_tokens).sum();
-            if lost == 0 || max_admitted <= limit {
-                violations.push(format!(
-                    "expected an overshoot from {lost} lost grant records; the most a window admitted was {max_admitted}"
-                ));
-            }
+            // How much the failover loses, and whether that shows as an overshoot, depends on
+            // where it falls in its window (the drills' tests show both for the scenario's own
+            // seed); that any overshoot stays within what was lost is checked per window, for
+            // every seed.
             if total_fallback + total_carried > 0 {
                 violations.push("expected neither fallback nor carry-over".to_owned());
             }

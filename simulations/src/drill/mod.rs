@@ -9,11 +9,13 @@
 pub mod check;
 pub mod engine;
 pub mod report;
+pub mod results;
 pub mod scenario;
 
 use std::path::PathBuf;
 
-pub use engine::{Convergence, DrillReport, RegionWindow, WindowRecord, run, run_with};
+pub use engine::{run, run_with};
+pub use results::{Convergence, DrillReport, RegionWindow, WindowRecord};
 pub use scenario::{Burst, Expectation, Fault, PoolLayout, RegionPlan, Scenario, builtin};
 
 /// What `allot drill` was asked to do.

@@ -5,7 +5,7 @@
 use allot_shared::lease::{LeaseClamping, overshoot_tokens};
 use plotters::prelude::*;
 
-use super::engine::{DrillReport, RegionWindow, WindowRecord};
+use super::results::{DrillReport, RegionWindow, WindowRecord};
 
 /// Windows listed one by one in a table; longer runs print a summary.
 pub const MAX_TABLE_WINDOWS: usize = 60;

@@ -30,7 +30,8 @@ pub struct Scenario {
     /// One line on what it demonstrates.
     #[serde(default)]
     pub about: String,
-    /// Seed of every random choice (random demand, answer loss). Printed with the report.
+    /// Seed of every random choice (random demand, answer loss, and, for any seed but 0, the phase
+    /// of steady arrivals). Printed with the report.
     #[serde(default)]
     pub seed: u64,
     /// G, tokens per window.
@@ -298,7 +299,8 @@ pub enum Expectation {
     /// Some window admits tokens carried over from an earlier window's lease, within the design's
     /// carry-over term.
     CarryOverWithinTerm,
-    /// Some window admits more than G, by no more than the grants the failover lost.
+    /// A failover may lose grant records; no window admits more than G by more than what was lost
+    /// (how much is lost, and whether it shows, depends on where the failover falls in its window).
     OvershootWithinLostRecords,
     /// Some window admits more than G (independent regional limits), within regions x G.
     OvershootAcrossRegions,
