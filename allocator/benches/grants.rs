@@ -153,7 +153,7 @@ async fn grant_loop(
                 };
                 n += clients;
                 match grantor.grant(tenant, pool, request).await {
-                    Ok(g) if g.granted == 1 => {
+                    Ok(g) if g.granted_tokens == 1 => {
                         done.fetch_add(1, Ordering::Relaxed);
                     }
                     other => {

@@ -122,6 +122,54 @@ impl Credential {
     }
 }
 
+/// The id of a minted token, `tok-<16 hex>`: minted here, parsed here (the API's revoke path).
+/// Safe to log; never the token.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TokenId(String);
+
+/// A token id that is not `tok-<16 hex>`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenIdError {
+    /// A token file's id (`file-<hex>`): such a token is revoked by removing its line.
+    #[error("this token comes from a token file: remove its line and restart the allocator")]
+    FromFile,
+    /// Not of the form.
+    #[error("must be tok- and 16 hex digits")]
+    Malformed,
+}
+
+impl TokenId {
+    /// A fresh id.
+    fn mint() -> Self {
+        Self(format!("tok-{}", hex::encode(rand::random::<[u8; 8]>())))
+    }
+
+    /// Parses a minted token's id.
+    pub fn parse(text: &str) -> Result<Self, TokenIdError> {
+        if text.starts_with("file-") {
+            return Err(TokenIdError::FromFile);
+        }
+        let well_formed = text
+            .strip_prefix("tok-")
+            .is_some_and(|hex| hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()));
+        if !well_formed {
+            return Err(TokenIdError::Malformed);
+        }
+        Ok(Self(text.to_owned()))
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for TokenId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// A token's SHA-256 digest.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TokenDigest([u8; 32]);
@@ -442,7 +490,7 @@ pub async fn mint_token(
         "{MINTED_TOKEN_PREFIX}{}",
         hex::encode(rand::random::<[u8; 32]>())
     );
-    let id = format!("tok-{}", hex::encode(rand::random::<[u8; 8]>()));
+    let id = TokenId::mint().to_string();
     let (role, region) = match holder {
         Holder::Operator(role) => (role.as_str().to_owned(), None),
         Holder::Agent(region) => ("agent".to_owned(), region.clone()),
@@ -477,7 +525,10 @@ pub async fn mint_token(
 }
 
 /// Deletes a stored token. Returns the record, or `None` when there is no such token.
-pub async fn revoke_token(kv: &dyn Kv, id: &str) -> Result<Option<StoredToken>, TokenStoreError> {
+pub async fn revoke_token(
+    kv: &dyn Kv,
+    id: &TokenId,
+) -> Result<Option<StoredToken>, TokenStoreError> {
     let key = format!("{TOKEN_PREFIX}{id}");
     let Some(versioned) = kv.get(&key).await? else {
         return Ok(None);
@@ -486,7 +537,7 @@ pub async fn revoke_token(kv: &dyn Kv, id: &str) -> Result<Option<StoredToken>, 
     let record: Option<StoredToken> = serde_json::from_slice(&versioned.value).ok();
     kv.txn(vec![], vec![Op::Delete { key }]).await?;
     Ok(Some(record.unwrap_or_else(|| StoredToken {
-        id: id.to_owned(),
+        id: id.to_string(),
         role: "unreadable".to_owned(),
         region: None,
         name: String::new(),

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig, PoolWindowState, grant};
+use allot_shared::wire::GrantAnswer;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::clock::Clock;
@@ -264,20 +265,17 @@ impl Grantor {
         self
     }
 
-    /// Grants from `tenant`/`pool`. Idempotent by `request.lease_id`.
+    /// Grants from `tenant`/`pool`. Idempotent by `request.lease_id`: asking again answers what
+    /// was granted, with this answer's own instant (`answeredAtMs`).
     pub async fn grant(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
         request: GrantRequest,
-    ) -> Result<GrantRecord, GrantFailure> {
+    ) -> Result<GrantAnswer, GrantFailure> {
         let stopwatch = crate::clock::Stopwatch::start();
         let want = request.want_tokens;
-        let mut result = self.grant_unmeasured(tenant, pool, request).await;
-        if let Ok(record) = &mut result {
-            // A replay of a committed grant leaves later than it was issued: say when.
-            record.answered_at_ms = self.shared.clock.now_ms().max(record.issued_at_ms);
-        }
+        let result = self.grant_unmeasured(tenant, pool, request).await;
         let outcome = match &result {
             Ok(record) if record.granted == 0 => "exhausted",
             Ok(record) if record.granted < want => "partial",
@@ -290,7 +288,7 @@ impl Grantor {
         };
         metrics::counter!(crate::metrics::GRANTS, "outcome" => outcome).increment(1);
         metrics::histogram!(crate::metrics::GRANT_SECONDS).record(stopwatch.elapsed_seconds());
-        result
+        result.map(|record| record.answer(self.shared.clock.now_ms()))
     }
 
     async fn grant_unmeasured(

@@ -23,6 +23,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use sqlx::{PgPool, SqlitePool};
 
 use crate::pools::GrantRecord;
+pub use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
@@ -226,49 +227,6 @@ pub struct PoolChange<'a> {
     pub changed_at_ms: u64,
     /// The configuration as stored; `{}` for a deletion.
     pub config_json: &'a str,
-}
-
-/// One lease's spend in a report.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct LeaseSpendReport {
-    /// The lease.
-    pub lease_id: LeaseId,
-    /// Tokens spent from it so far (cumulative; the ledger keeps the largest value reported).
-    pub spent: u64,
-    /// True in the lease's last report (it expired or was abandoned): what is unspent is stranded.
-    #[serde(default, rename = "final")]
-    pub final_report: bool,
-}
-
-/// `POST /v1/reports` body: what a region spent and admitted in fallback for one pool and window.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct Report {
-    /// Idempotency key chosen by the agent (1 to 64 characters).
-    pub report_id: String,
-    /// The reporting region.
-    pub region: RegionId,
-    /// The tenant.
-    pub tenant: TenantId,
-    /// The pool.
-    pub pool: PoolId,
-    /// The window the fallback admits belong to, epoch ms.
-    pub window_start_ms: u64,
-    /// Lease spends.
-    #[serde(default)]
-    pub leases: Vec<LeaseSpendReport>,
-    /// Tokens admitted in fallback in this window so far (cumulative).
-    #[serde(default)]
-    pub fallback_admitted: u64,
-}
-
-/// How a report was taken.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ReportReceipt {
-    /// True when this report id had been received before (nothing was applied again).
-    pub duplicate: bool,
 }
 
 /// One window of a pool, as the ledger accounts for it.
@@ -588,12 +546,12 @@ impl Ledger {
                     "the lease belongs to another tenant, pool or region".into(),
                 ));
             }
-            if lease.spent > u64_of(grant.granted) {
+            if lease.spent_tokens > u64_of(grant.granted) {
                 return Err(invalid(
                     format!("{field}.spent"),
                     format!(
                         "{} exceeds the {} tokens granted to the lease",
-                        lease.spent, grant.granted
+                        lease.spent_tokens, grant.granted
                     ),
                 ));
             }
@@ -618,7 +576,7 @@ impl Ledger {
                 report.pool.as_str().into(),
                 i64_of(report.window_start_ms).into(),
                 i64_of(received_at_ms).into(),
-                i64_of(report.fallback_admitted).into(),
+                i64_of(report.fallback_admitted_tokens).into(),
                 leases_json.into(),
             ])
             .on_conflict(
@@ -640,7 +598,7 @@ impl Ledger {
                     ])
                     .values_panic([
                         lease.lease_id.to_string().into(),
-                        i64_of(lease.spent).into(),
+                        i64_of(lease.spent_tokens).into(),
                         i64::from(lease.final_report).into(),
                         i64_of(received_at_ms).into(),
                     ])
@@ -680,7 +638,7 @@ impl Ledger {
                 report.pool.as_str().into(),
                 report.region.as_str().into(),
                 i64_of(report.window_start_ms).into(),
-                i64_of(report.fallback_admitted).into(),
+                i64_of(report.fallback_admitted_tokens).into(),
             ])
             .on_conflict(
                 OnConflict::columns([
@@ -709,7 +667,7 @@ impl Ledger {
                     let (sql, values) = spend.build_sqlx($builder);
                     sqlx::query_with(&sql, values).execute(&mut *tx).await?;
                 }
-                if report.fallback_admitted > 0 {
+                if report.fallback_admitted_tokens > 0 {
                     let (sql, values) = fallback.build_sqlx($builder);
                     sqlx::query_with(&sql, values).execute(&mut *tx).await?;
                 }

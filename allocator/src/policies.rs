@@ -61,24 +61,7 @@ impl Rollout {
     }
 }
 
-/// What an agent says it runs.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AgentStatus {
-    /// The agent's region.
-    pub region: RegionId,
-    /// The agent's id (1 to 64 characters of `[A-Za-z0-9._-]`).
-    pub agent_id: String,
-    /// The bundle version it runs.
-    pub version: u64,
-    /// When it said so, epoch ms.
-    #[serde(default)]
-    pub reported_at_ms: u64,
-    /// The fingerprint of the agent's principal-hash pepper (8 hex digits; never the pepper). Agents
-    /// of one region must agree on it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pepper_fingerprint: Option<String>,
-}
+pub use allot_shared::wire::AgentStatus;
 
 /// A policy operation failure.
 #[derive(Debug, thiserror::Error)]
@@ -342,7 +325,7 @@ mod tests {
     fn status(agent: &str, now_ms: u64) -> AgentStatus {
         AgentStatus {
             region: RegionId::parse("eu").expect("region"),
-            agent_id: agent.to_owned(),
+            agent_id: allot_shared::ids::AgentId::parse(agent).expect("agent id"),
             version: 1,
             reported_at_ms: now_ms,
             pepper_fingerprint: None,

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{Grant, PoolConfig, PoolConfigError, PoolWindowState};
 use allot_shared::window::Window;
+use allot_shared::wire::GrantAnswer;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, Op};
@@ -113,7 +114,7 @@ impl From<StoredWindow> for PoolWindowState {
     }
 }
 
-/// A grant as stored and as answered (`POST /v1/grants`).
+/// A grant as stored (the answer to an agent is [`GrantRecord::answer`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GrantRecord {
@@ -138,17 +139,25 @@ pub struct GrantRecord {
     /// on their own monotonic clock, so their wall clocks need not agree with the allocator's.
     #[serde(default)]
     pub issued_at_ms: u64,
-    /// When this answer was made (this allocator's clock), epoch ms: the issue time for a fresh
-    /// grant, later for a lease id asked again after a lost answer. `expiresAtMs - answeredAtMs`
-    /// is what is left of the lease when the answer leaves: an agent times the lease from its own
-    /// ask, so a recovered grant is never spent past its end. 0 (and absent) in stored records:
-    /// the grant service sets it on every answer.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub answered_at_ms: u64,
 }
 
-fn is_zero(value: &u64) -> bool {
-    *value == 0
+impl GrantRecord {
+    /// The answer to an agent (`POST /v1/grants`) made from this record at `answered_at_ms` (this
+    /// allocator's clock): later than the issue for a lease id asked again after a lost answer.
+    pub fn answer(&self, answered_at_ms: u64) -> GrantAnswer {
+        GrantAnswer {
+            lease_id: self.lease_id,
+            region: self.region.clone(),
+            granted_tokens: self.granted,
+            epoch: self.epoch,
+            window_start_ms: self.window_start_ms,
+            window_end_ms: self.window_end_ms,
+            expires_at_ms: self.expires_at_ms,
+            retry_after_ms: self.retry_after_ms,
+            issued_at_ms: self.issued_at_ms,
+            answered_at_ms: answered_at_ms.max(self.issued_at_ms),
+        }
+    }
 }
 
 impl From<&Grant> for GrantRecord {
@@ -163,7 +172,6 @@ impl From<&Grant> for GrantRecord {
             expires_at_ms: grant.expires_at_ms,
             retry_after_ms: grant.retry_after_ms,
             issued_at_ms: grant.issued_at_ms,
-            answered_at_ms: 0,
         }
     }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use allot_allocator::pools::GrantRecord;
 use allot_shared::ids::LeaseId;
+use allot_shared::wire::GrantAnswer;
 use allot_testkit::EtcdCluster;
 use serde_json::json;
 
@@ -96,7 +97,7 @@ async fn grant_once(
     urls: &[String],
     lease: LeaseId,
     want: u64,
-) -> Option<GrantRecord> {
+) -> Option<GrantAnswer> {
     for url in urls {
         let Ok(response) = client
             .post(format!("{url}/v1/grants"))
@@ -174,7 +175,7 @@ async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
         let (client, urls, stop, answered) =
             (client.clone(), urls.clone(), stop.clone(), answered.clone());
         clients.push(tokio::spawn(async move {
-            let mut answers: Vec<(LeaseId, GrantRecord, u32)> = Vec::new();
+            let mut answers: Vec<(LeaseId, GrantAnswer, u32)> = Vec::new();
             let mut n = 0u64;
             while !stop.load(Ordering::SeqCst) {
                 let lease = LeaseId::from_parts(c + 1, u128::from(c * 1_000_000 + n));
@@ -195,7 +196,7 @@ async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
                 if let Some(again) = again {
                     // The stored grant; only the answer's own instant may be later.
                     assert!(again.answered_at_ms >= record.answered_at_ms);
-                    let again = GrantRecord {
+                    let again = GrantAnswer {
                         answered_at_ms: record.answered_at_ms,
                         ..again
                     };
@@ -236,7 +237,7 @@ async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
     .await;
     stop.store(true, Ordering::SeqCst);
 
-    let mut by_lease: HashMap<LeaseId, GrantRecord> = HashMap::new();
+    let mut by_lease: HashMap<LeaseId, GrantAnswer> = HashMap::new();
     let mut epochs = Vec::new();
     for task in clients {
         for (lease, record, _) in task.await.expect("client") {
@@ -268,14 +269,10 @@ async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
             .map(|g| (g.lease_id, g))
             .collect();
     for (lease, record) in &by_lease {
-        // Stored as answered, but for the answer's own instant (set on each answer).
-        let answered = GrantRecord {
-            answered_at_ms: 0,
-            ..record.clone()
-        };
+        // Stored as answered (the answer adds its own instant).
         assert_eq!(
-            stored.get(lease),
-            Some(&answered),
+            stored.get(lease).map(|s| s.answer(record.answered_at_ms)),
+            Some(record.clone()),
             "grant {lease} is stored as answered"
         );
     }

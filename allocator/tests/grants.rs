@@ -11,9 +11,10 @@ use allot_allocator::kv::Kv;
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::kv::memory::MemoryKv;
 use allot_allocator::leader::{Leadership, Role, try_acquire};
-use allot_allocator::pools::{GrantRecord, PoolSpec, get_grant, list_grants, put_pool};
+use allot_allocator::pools::{PoolSpec, get_grant, list_grants, put_pool};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping};
+use allot_shared::wire::GrantAnswer;
 use allot_testkit::EtcdCluster;
 use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
@@ -85,7 +86,7 @@ async fn concurrent_clients_never_exceed_the_pool(kv: Arc<dyn Kv>) {
         let grantor = grantor.clone();
         tasks.push(tokio::spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(client);
-            let mut answers: Vec<(u64, GrantRecord)> = Vec::new();
+            let mut answers: Vec<(u64, GrantAnswer)> = Vec::new();
             for attempt in 0..6u64 {
                 let n = client * 100 + attempt;
                 let want = rng.random_range(1..=150);
@@ -110,7 +111,7 @@ async fn concurrent_clients_never_exceed_the_pool(kv: Arc<dyn Kv>) {
         }));
     }
     let mut granted_by_window: BTreeMap<u64, u64> = BTreeMap::new();
-    let mut seen: HashMap<LeaseId, GrantRecord> = HashMap::new();
+    let mut seen: HashMap<LeaseId, GrantAnswer> = HashMap::new();
     for task in tasks {
         for (n, record) in task.await.expect("client task") {
             let id = lease(n);
@@ -118,12 +119,12 @@ async fn concurrent_clients_never_exceed_the_pool(kv: Arc<dyn Kv>) {
                 record.expires_at_ms <= record.window_end_ms,
                 "clamped to the window"
             );
-            assert!(record.granted <= 100, "never more than a chunk");
+            assert!(record.granted_tokens <= 100, "never more than a chunk");
             if let Some(previous) = seen.insert(id, record.clone()) {
                 assert_eq!(previous, record);
                 continue;
             }
-            *granted_by_window.entry(record.window_start_ms).or_default() += record.granted;
+            *granted_by_window.entry(record.window_start_ms).or_default() += record.granted_tokens;
         }
     }
     assert_eq!(granted_by_window.len(), 1);
@@ -158,7 +159,7 @@ async fn racing_retries_grant_once(kv: Arc<dyn Kv>) {
     )
     .await;
     assert!(answers.iter().all(|a| *a == answers[0]));
-    assert_eq!(answers[0].granted, 60);
+    assert_eq!(answers[0].granted_tokens, 60);
     let records = list_grants(&*kv, &tenant(), &pool()).await.expect("grants");
     assert_eq!(records.len(), 1);
 }
@@ -181,7 +182,7 @@ async fn a_replay_says_when_it_was_answered(kv: Arc<dyn Kv>) {
         .expect("granted again");
     assert_eq!(replay.issued_at_ms, first.issued_at_ms);
     assert_eq!(replay.expires_at_ms, first.expires_at_ms);
-    assert_eq!(replay.granted, first.granted);
+    assert_eq!(replay.granted_tokens, first.granted_tokens);
     assert_eq!(replay.answered_at_ms, first.issued_at_ms + 4_000);
 }
 
@@ -200,20 +201,20 @@ async fn tail_exhaustion_and_clamping(kv: Arc<dyn Kv>) {
     let (grantor, clock, leadership) = leader(kv.clone()).await;
     let (atlas, api) = (tenant(), pool());
     let g = |n, want| grantor.grant(&atlas, &api, request(n, "eu", want));
-    assert_eq!(g(1, 100).await.expect("grant").granted, 100);
-    assert_eq!(g(2, 100).await.expect("grant").granted, 100);
+    assert_eq!(g(1, 100).await.expect("grant").granted_tokens, 100);
+    assert_eq!(g(2, 100).await.expect("grant").granted_tokens, 100);
     let tail = g(3, 100).await.expect("grant");
-    assert_eq!(tail.granted, 50, "partial grant at the tail");
+    assert_eq!(tail.granted_tokens, 50, "partial grant at the tail");
     assert_eq!(tail.epoch, leadership.epoch);
     let none = g(4, 100).await.expect("grant");
-    assert_eq!(none.granted, 0);
+    assert_eq!(none.granted_tokens, 0);
     assert_eq!(none.retry_after_ms, 50_000, "until the next window");
     // 55 s into the window a 15 s lease is clamped to the window's end.
     clock.advance(45_000);
-    assert_eq!(g(5, 1).await.expect("grant").granted, 0);
+    assert_eq!(g(5, 1).await.expect("grant").granted_tokens, 0);
     clock.advance(5_000);
     let next = g(6, 100).await.expect("grant");
-    assert_eq!(next.granted, 100, "a new window starts full");
+    assert_eq!(next.granted_tokens, 100, "a new window starts full");
     assert_eq!(next.window_start_ms, T0_MS - 10_000 + 60_000);
     clock.set(next.window_end_ms - 5_000);
     let clamped = g(7, 10).await.expect("grant");
@@ -238,7 +239,7 @@ async fn a_deposed_leader_cannot_grant(kv: Arc<dyn Kv>) {
         old.grant(&tenant(), &pool(), request(1, "eu", 10))
             .await
             .expect("grant")
-            .granted,
+            .granted_tokens,
         10
     );
     // Its lease ends (a long pause, a partition); another node takes over with a higher epoch.
@@ -281,7 +282,10 @@ async fn a_deposed_leader_cannot_grant(kv: Arc<dyn Kv>) {
         .grant(&tenant(), &pool(), request(1, "eu", 99))
         .await
         .expect("grant");
-    assert_eq!((replay.granted, replay.epoch), (10, old_leadership.epoch));
+    assert_eq!(
+        (replay.granted_tokens, replay.epoch),
+        (10, old_leadership.epoch)
+    );
 }
 
 fn memory() -> Arc<dyn Kv> {

@@ -4,9 +4,7 @@
 //! PostgreSQL tests use the server named by `ALLOT_TEST_POSTGRES_URL` (scripts/test sets it), each
 //! in a database of its own, created and dropped by the test.
 
-use allot_allocator::ledger::{
-    AuditEntry, LeaseSpendReport, Ledger, LedgerError, PoolChange, Report,
-};
+use allot_allocator::ledger::{AuditEntry, Ledger, LedgerError, PoolChange, Report, ReportLease};
 use allot_allocator::pools::GrantRecord;
 use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::PoolConfig;
@@ -57,7 +55,6 @@ fn grant(
         expires_at_ms,
         retry_after_ms: 0,
         issued_at_ms: window_start_ms,
-        answered_at_ms: window_start_ms,
     }
 }
 
@@ -76,13 +73,13 @@ fn report(
         window_start_ms,
         leases: leases
             .into_iter()
-            .map(|(n, spent, final_report)| LeaseSpendReport {
+            .map(|(n, spent, final_report)| ReportLease {
                 lease_id: lease(n),
-                spent,
+                spent_tokens: spent,
                 final_report,
             })
             .collect(),
-        fallback_admitted: fallback,
+        fallback_admitted_tokens: fallback,
     }
 }
 

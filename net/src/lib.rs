@@ -7,14 +7,17 @@
 //! - [`mod@serve`]: an accept loop with a bound on everything a client can hold open (I10): connections,
 //!   the TLS handshake, the time to send the first bytes and request headers (slow and silent
 //!   clients are cut off), idle connections, and a graceful shutdown with a deadline;
-//! - [`problem`]: every error a client sees as problem+json, including those layers answer.
+//! - [`problem`]: every error a client sees as problem+json, including those layers answer;
+//! - [`router`]: the bounds every router gets (body size, concurrency, request time).
 //!
 //! Architecture invariant: this crate depends on nothing of ours; it knows no Allot type.
 
 pub mod problem;
+pub mod router;
 pub mod serve;
 pub mod tls;
 
 pub use problem::problem_for_plain_errors;
+pub use router::{RouterLimits, bounded_router};
 pub use serve::{PROBE_PATHS, ServeLimits, serve};
 pub use tls::{ClientTls, ServerTls, TlsError, TlsServing};

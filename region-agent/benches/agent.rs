@@ -132,7 +132,7 @@ async fn start_agent(
             allocator_round_trip_ms: 5,
             ..AgentSettings::new(
                 RegionId::parse("eu").expect("region"),
-                "bench".to_owned(),
+                allot_shared::ids::AgentId::parse("bench").expect("agent id"),
                 Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper"),
             )
         },

@@ -8,9 +8,12 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
-pub use allot_shared::lease::{FallbackInWindow, PoolTerms};
+use allot_shared::ids::{AgentId, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::policy::{PolicyBundle, parse_bundle};
+pub use allot_shared::wire::{
+    AgentStatus, FallbackInWindow, GrantAnswer, GrantBody, PoolTerms, Report, ReportLease,
+    ReportReceipt,
+};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -42,78 +45,6 @@ impl ClientError {
         matches!(self, ClientError::Unreachable(_))
             || matches!(self, ClientError::Refused { status, .. } if *status >= 500)
     }
-}
-
-/// A grant as answered.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct GrantAnswer {
-    /// The request's lease id.
-    pub lease_id: LeaseId,
-    /// Tokens granted.
-    pub granted: u64,
-    /// The granting allocator's epoch.
-    pub epoch: Epoch,
-    /// Window start, epoch ms.
-    pub window_start_ms: u64,
-    /// Window end, epoch ms.
-    pub window_end_ms: u64,
-    /// No token may be spent at or after this instant, epoch ms.
-    pub expires_at_ms: u64,
-    /// With nothing granted, ms until the next window.
-    pub retry_after_ms: u64,
-    /// When it was granted, on the allocator's clock, epoch ms (0: not said).
-    #[serde(default)]
-    pub issued_at_ms: u64,
-    /// When this answer was made, on the allocator's clock, epoch ms (0: not said): later than
-    /// `issued_at_ms` for a grant asked again after a lost answer.
-    #[serde(default)]
-    pub answered_at_ms: u64,
-}
-
-impl GrantAnswer {
-    /// The allocator's clock when it answered: `answered_at_ms`, or `issued_at_ms` from an
-    /// allocator that does not say (0: neither).
-    pub fn answered_at_ms(&self) -> u64 {
-        if self.answered_at_ms != 0 {
-            self.answered_at_ms
-        } else {
-            self.issued_at_ms
-        }
-    }
-}
-
-/// One lease's line in a report.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ReportLease {
-    /// The lease.
-    pub lease_id: LeaseId,
-    /// Tokens spent from it so far (cumulative).
-    pub spent: u64,
-    /// The lease has ended.
-    #[serde(rename = "final")]
-    pub final_report: bool,
-}
-
-/// `POST /v1/reports` body.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ReportBody {
-    /// Idempotency key.
-    pub report_id: String,
-    /// This agent's region.
-    pub region: RegionId,
-    /// The tenant.
-    pub tenant: TenantId,
-    /// The pool.
-    pub pool: PoolId,
-    /// The window the fallback admits belong to, epoch ms.
-    pub window_start_ms: u64,
-    /// Lease lines.
-    pub leases: Vec<ReportLease>,
-    /// Tokens admitted in fallback in that window so far (cumulative).
-    pub fallback_admitted: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -305,21 +236,26 @@ impl AllocatorClient {
         lease_id: LeaseId,
         want: u64,
     ) -> Result<Option<GrantAnswer>, ClientError> {
-        let body = serde_json::json!({ "leaseId": lease_id, "tenant": tenant, "pool": pool,
-            "region": region, "want": want });
-        self.call(reqwest::Method::POST, "/v1/grants", Some(&body))
+        let body = GrantBody {
+            lease_id,
+            tenant: tenant.clone(),
+            pool: pool.clone(),
+            region: region.clone(),
+            want_tokens: want,
+        };
+        self.call(reqwest::Method::POST, "/v1/grants", Some(&to_json(&body)?))
             .await
     }
 
     /// Sends a report (idempotent by its id).
-    pub async fn report(&self, report: &ReportBody) -> Result<(), ClientError> {
-        let body = serde_json::to_value(report).map_err(|e| ClientError::Refused {
-            status: 0,
-            detail: e.to_string(),
-        })?;
-        self.call::<serde_json::Value>(reqwest::Method::POST, "/v1/reports", Some(&body))
-            .await
-            .map(|_| ())
+    pub async fn report(&self, report: &Report) -> Result<(), ClientError> {
+        self.call::<ReportReceipt>(
+            reqwest::Method::POST,
+            "/v1/reports",
+            Some(&to_json(report)?),
+        )
+        .await
+        .map(|_| ())
     }
 
     /// The bundle this region should run, verified; `None` when nothing is published.
@@ -350,14 +286,30 @@ impl AllocatorClient {
     pub async fn report_status(
         &self,
         region: &RegionId,
-        agent_id: &str,
+        agent_id: &AgentId,
         version: u64,
         pepper_fingerprint: &str,
     ) -> Result<(), ClientError> {
-        let body = serde_json::json!({ "region": region, "agentId": agent_id, "version": version,
-            "pepperFingerprint": pepper_fingerprint });
-        self.call::<serde_json::Value>(reqwest::Method::POST, "/v1/policies/status", Some(&body))
-            .await
-            .map(|_| ())
+        let status = AgentStatus {
+            region: region.clone(),
+            agent_id: agent_id.clone(),
+            version,
+            reported_at_ms: 0,
+            pepper_fingerprint: Some(pepper_fingerprint.to_owned()),
+        };
+        self.call::<serde_json::Value>(
+            reqwest::Method::POST,
+            "/v1/policies/status",
+            Some(&to_json(&status)?),
+        )
+        .await
+        .map(|_| ())
     }
+}
+
+fn to_json<T: Serialize>(message: &T) -> Result<serde_json::Value, ClientError> {
+    serde_json::to_value(message).map_err(|e| ClientError::Refused {
+        status: 0,
+        detail: e.to_string(),
+    })
 }

@@ -20,7 +20,7 @@ use allot_shared::contract::{
 };
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -301,27 +301,23 @@ async fn readyz(State(api): State<AgentApi>) -> Response {
 
 /// The agent's router with its bounds.
 pub fn router(api: AgentApi) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .route("/v1/admit", post(admit))
         .route("/v1/check", post(check))
         .route("/v1/release", post(release))
-        .route("/v1/renew", post(renew))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-            MAX_CONCURRENT_REQUESTS,
-        ))
-        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            StatusCode::SERVICE_UNAVAILABLE,
-            REQUEST_TIMEOUT,
-        ))
-        // Outermost, so body-limit and timeout answers are problem+json too.
-        .layer(axum::middleware::map_response(
-            allot_net::problem_for_plain_errors,
-        ))
-        .with_state(api)
+        .route("/v1/renew", post(renew));
+    allot_net::bounded_router(
+        routes,
+        allot_net::RouterLimits {
+            max_body_bytes: MAX_BODY_BYTES,
+            max_concurrent_requests: MAX_CONCURRENT_REQUESTS,
+            request_timeout: REQUEST_TIMEOUT,
+        },
+    )
+    .with_state(api)
 }
 
 /// Serves gateways on `listener` (through TLS when `tls` is given) until `shutdown` resolves,

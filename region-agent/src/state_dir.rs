@@ -19,7 +19,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use allot_shared::ids::{PoolId, RegionId, TenantId};
-use allot_shared::lease::PoolTerms;
+use allot_shared::wire::PoolTerms;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

@@ -47,7 +47,7 @@ async fn logged_decisions_hide_principals_and_replay_to_the_same_denials() {
     let agent = Agent::new(
         AgentSettings::new(
             RegionId::parse("eu").expect("region"),
-            "eu-1".to_owned(),
+            allot_shared::ids::AgentId::parse("eu-1").expect("agent id"),
             pepper.clone(),
         ),
         clock,

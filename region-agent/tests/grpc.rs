@@ -61,7 +61,7 @@ async fn serve_bundle(bundle: Option<&str>) -> Served {
         decision_record_ttl_ms: 60_000,
         ..AgentSettings::new(
             RegionId::parse("eu").expect("region"),
-            "eu-test".to_owned(),
+            allot_shared::ids::AgentId::parse("eu-test").expect("agent id"),
             Pepper::new(b"a pepper of at least sixteen bytes".to_vec()).expect("pepper"),
         )
     };

@@ -65,7 +65,7 @@ async fn grant(State(fake): State<Arc<Fake>>, Json(body): Json<serde_json::Value
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
     Json(serde_json::json!({
-        "leaseId": body["leaseId"], "granted": 0, "epoch": 1,
+        "leaseId": body["leaseId"], "region": body["region"], "granted": 0, "epoch": 1,
         "windowStartMs": 0, "windowEndMs": 60_000, "expiresAtMs": 0, "retryAfterMs": 1_000,
     }))
     .into_response()

@@ -40,9 +40,14 @@ pub enum IdError {
         /// Its byte offset in the value.
         position: usize,
     },
-    /// A lease id that is not a version-7 UUID.
-    #[error("lease id must be a UUID v7, got {0:?}")]
-    NotUuidV7(String),
+    /// A UUID-v7 id (a lease id, a record id) that is not a version-7 UUID.
+    #[error("{kind} must be a UUID v7, got {value:?}")]
+    NotUuidV7 {
+        /// Which identifier was being parsed.
+        kind: &'static str,
+        /// The value, at most its first 64 characters.
+        value: String,
+    },
 }
 
 fn check(
@@ -160,59 +165,83 @@ string_id!(
     RuleId, "rule id", 64, "a-z, 0-9, '-', '_' and '.'", lower_alnum_dash_underscore_dot
 );
 string_id!(
+    /// A region agent's id, in policy status: `[A-Za-z0-9._-]{1,64}` (by default
+    /// `<region>-<listen port>`).
+    AgentId, "agent id", 64, "A-Z, a-z, 0-9, '-', '_' and '.'", alnum_dash_underscore_dot
+);
+string_id!(
     /// A decision id, minted by the gateway at ingress and stable across retries (the idempotency scope):
     /// `[A-Za-z0-9._-]{1,64}`. It names idempotency records and sliding-log members in the store.
     DecisionId, "decision id", 64, "A-Z, a-z, 0-9, '-', '_' and '.'", alnum_dash_underscore_dot
 );
 
-/// A lease id: a UUID v7 chosen by the agent, which makes a grant request idempotent (a retry with the
-/// same id returns the stored answer and grants nothing new).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct LeaseId(uuid::Uuid);
+macro_rules! uuid_v7_id {
+    ($(#[$doc:meta])* $name:ident, $kind:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $name(uuid::Uuid);
 
-impl LeaseId {
-    /// Parses a hyphenated UUID and checks that it is version 7.
-    pub fn parse(value: &str) -> Result<Self, IdError> {
-        match uuid::Uuid::try_parse(value) {
-            Ok(id) if id.get_version_num() == 7 => Ok(Self(id)),
-            _ => Err(IdError::NotUuidV7(value.chars().take(64).collect())),
+        impl $name {
+            /// Parses a hyphenated UUID and checks that it is version 7.
+            pub fn parse(value: &str) -> Result<Self, IdError> {
+                match uuid::Uuid::try_parse(value) {
+                    Ok(id) if id.get_version_num() == 7 => Ok(Self(id)),
+                    _ => Err(IdError::NotUuidV7 {
+                        kind: $kind,
+                        value: value.chars().take(64).collect(),
+                    }),
+                }
+            }
+
+            /// Builds the id from its parts: a timestamp in epoch ms and 74 bits of randomness
+            /// supplied by the caller (this crate has no random source and no clock).
+            pub fn from_parts(unix_ms: u64, random: u128) -> Self {
+                let bytes = random.to_be_bytes();
+                let mut rand_bytes = [0u8; 10];
+                rand_bytes.copy_from_slice(&bytes[6..16]);
+                Self(uuid::Builder::from_unix_timestamp_millis(unix_ms, &rand_bytes).into_uuid())
+            }
+
+            /// The underlying UUID.
+            pub fn as_uuid(&self) -> uuid::Uuid {
+                self.0
+            }
         }
-    }
 
-    /// Builds a lease id from its parts: a timestamp in epoch ms and 74 bits of randomness supplied by the
-    /// caller (this crate has no random source and no clock).
-    pub fn from_parts(unix_ms: u64, random: u128) -> Self {
-        let bytes = random.to_be_bytes();
-        let mut rand_bytes = [0u8; 10];
-        rand_bytes.copy_from_slice(&bytes[6..16]);
-        Self(uuid::Builder::from_unix_timestamp_millis(unix_ms, &rand_bytes).into_uuid())
-    }
+        impl TryFrom<String> for $name {
+            type Error = IdError;
+            fn try_from(value: String) -> Result<Self, IdError> {
+                Self::parse(&value)
+            }
+        }
 
-    /// The underlying UUID.
-    pub fn as_uuid(&self) -> uuid::Uuid {
-        self.0
-    }
+        impl From<$name> for String {
+            fn from(id: $name) -> String {
+                id.0.hyphenated().to_string()
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Display::fmt(&self.0.hyphenated(), f)
+            }
+        }
+    };
 }
 
-impl TryFrom<String> for LeaseId {
-    type Error = IdError;
-    fn try_from(value: String) -> Result<Self, IdError> {
-        Self::parse(&value)
-    }
-}
-
-impl From<LeaseId> for String {
-    fn from(id: LeaseId) -> String {
-        id.0.hyphenated().to_string()
-    }
-}
-
-impl fmt::Display for LeaseId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.0.hyphenated(), f)
-    }
-}
+uuid_v7_id!(
+    /// A lease id: a UUID v7 chosen by the agent, which makes a grant request idempotent (a retry
+    /// with the same id returns the stored answer and grants nothing new).
+    LeaseId,
+    "lease id"
+);
+uuid_v7_id!(
+    /// The id of a record that is not a lease: a report (its idempotency key), a pool change, an
+    /// audit entry. A UUID v7, so records sort by when they were made.
+    RecordId,
+    "record id"
+);
 
 /// An allocator leadership epoch: strictly increasing across leadership changes and stamped on every
 /// grant. An agent ignores any grant whose epoch is below the highest it has seen, which fences off a

@@ -354,37 +354,3 @@ impl OvershootBound {
 pub fn overshoot_tokens(admitted_tokens: u64, limit_tokens: u64) -> u64 {
     admitted_tokens.saturating_sub(limit_tokens)
 }
-
-/// A pool's terms as the allocator gives them to agents (`GET /v1/pools/{tenant}/{pool}/terms`):
-/// the wire type both sides share.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PoolTerms {
-    /// `G`, tokens per window.
-    pub limit: u64,
-    /// Window length, ms.
-    pub window_ms: u64,
-    /// Largest grant, tokens.
-    pub chunk: u64,
-    /// Lease TTL before clamping, ms.
-    pub lease_ttl_ms: u64,
-    /// Tokens a region may admit per window while it cannot reach the allocator.
-    pub fallback_per_region: u64,
-    /// Regions allowed to take grants.
-    pub regions: Vec<RegionId>,
-    /// The configuration's version.
-    pub version: u64,
-    /// When asked for a region: what it has reported admitting in fallback in the current window.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fallback_in_window: Option<FallbackInWindow>,
-}
-
-/// A region's fallback admits in one window, as the allocator's ledger holds them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct FallbackInWindow {
-    /// The window's start, epoch ms.
-    pub window_start_ms: u64,
-    /// Tokens admitted in fallback so far, as reported.
-    pub admitted: u64,
-}

@@ -15,7 +15,8 @@
 //!
 //! ## Map
 //! - [`clock`]: the clock seam (a trait and a manual clock; no clock is read here).
-//! - [`ids`]: validated identifiers (tenant, pool, region, lease, epoch, decision, rule, route group).
+//! - [`ids`]: validated identifiers (tenant, pool, region, agent, lease, record, epoch, decision, rule,
+//!   route group).
 //! - [`limit`]: the per-key algorithms (token bucket, GCRA, fixed window, sliding log, sliding counter,
 //!   concurrency semaphore) and all-or-nothing evaluation of several rules.
 //! - [`window`] and [`lease`]: quota windows, lease grants clamped to their window, and the overshoot bound.
@@ -23,6 +24,8 @@
 //! - [`policy`]: policy bundles, their validation, canonical checksum and rule matching.
 //! - [`keys`]: the store key model and keyed principal hashes.
 //! - [`replay`]: offline replay of recorded requests against a bundle (denial rate per rule).
+//! - [`wire`]: every message that crosses the allocator-agent link (terms, grants, reports, agent
+//!   status), defined once for both sides.
 
 pub mod clock;
 pub mod contract;
@@ -33,6 +36,7 @@ pub mod limit;
 pub mod policy;
 pub mod replay;
 pub mod window;
+pub mod wire;
 
 /// Millitokens in one token.
 pub const MILLITOKENS_PER_TOKEN: u64 = 1_000;

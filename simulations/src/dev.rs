@@ -27,7 +27,7 @@ use allot_region_agent::limiter::{
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::clock::Clock;
 use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
-use allot_shared::ids::{DecisionId, PoolId, RegionId, RouteGroup, TenantId};
+use allot_shared::ids::{AgentId, DecisionId, PoolId, RegionId, RouteGroup, TenantId};
 use allot_shared::keys::Pepper;
 use tokio::sync::watch;
 
@@ -154,7 +154,11 @@ pub async fn run_dev(
         let agent = Agent::new(
             AgentSettings {
                 allocator_round_trip_ms: 5,
-                ..AgentSettings::new(region.clone(), format!("{region}-dev"), pepper.clone())
+                ..AgentSettings::new(
+                    region.clone(),
+                    AgentId::parse(&format!("{region}-dev")).map_err(|e| e.to_string())?,
+                    pepper.clone(),
+                )
             },
             agent_clock,
             limiter,

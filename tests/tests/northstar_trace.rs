@@ -90,7 +90,7 @@ async fn agent_on(redis: &RedisServer) -> Arc<Agent> {
     Agent::new(
         AgentSettings::new(
             RegionId::parse("eu").expect("region"),
-            "gateway-a".to_owned(),
+            allot_shared::ids::AgentId::parse("gateway-a").expect("agent id"),
             Pepper::new(PEPPER.to_vec()).expect("pepper"),
         ),
         Arc::new(SystemClock),

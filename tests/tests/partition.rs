@@ -132,7 +132,7 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
     let agent = Agent::new(
         AgentSettings::new(
             RegionId::parse("eu").expect("region"),
-            "eu-1".to_owned(),
+            allot_shared::ids::AgentId::parse("eu-1").expect("agent id"),
             Pepper::new(b"partition-pepper-0123".to_vec()).expect("pepper"),
         ),
         clock,

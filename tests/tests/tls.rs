@@ -210,7 +210,7 @@ async fn every_link_runs_over_tls() {
     let agent = Agent::new(
         AgentSettings::new(
             RegionId::parse("eu").expect("region"),
-            "eu-tls".to_owned(),
+            allot_shared::ids::AgentId::parse("eu-tls").expect("agent id"),
             Pepper::new(b"tls-test-pepper-0123456789".to_vec()).expect("pepper"),
         ),
         clock,

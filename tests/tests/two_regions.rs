@@ -68,7 +68,7 @@ async fn start_agent_with(
         AllocatorClient::new(vec![allocator_url.to_owned()], AGENT.to_owned()).expect("client");
     let settings = AgentSettings::new(
         RegionId::parse(region).expect("region"),
-        format!("{region}-1"),
+        allot_shared::ids::AgentId::parse(&format!("{region}-1")).expect("agent id"),
         Pepper::new(b"e2e-pepper-0123456789".to_vec()).expect("pepper"),
     );
     let agent = Agent::new(

@@ -16,7 +16,7 @@ use allot_region_agent::limiter::{
     RedisStoreConfig,
 };
 use allot_region_agent::service::{Agent, AgentSettings};
-use allot_shared::ids::RegionId;
+use allot_shared::ids::{AgentId, RegionId};
 use allot_shared::keys::{IpPrefixes, Pepper};
 use clap::Parser;
 
@@ -151,7 +151,7 @@ async fn start(args: AgentConfig) -> Result<(), String> {
         ),
         None => None,
     };
-    let agent_id = args.agent_id.clone();
+    let agent_id = AgentId::parse(&args.agent_id).map_err(|e| format!("--agent-id: {e}"))?;
     let settings = AgentSettings {
         policy_max_age_ms: args.policy_max_age_ms,
         region_agents: args.region_agents,

@@ -27,6 +27,7 @@ use std::num::NonZeroU64;
 
 use allot_shared::ids::{Epoch, LeaseId};
 use allot_shared::window::Window;
+use allot_shared::wire::GrantAnswer;
 
 /// Leases held at once per pool (the current one and a prefetched renewal, with room to spare).
 pub const MAX_LIVE_LEASES: usize = 4;
@@ -90,6 +91,24 @@ pub struct LeaseGrant {
 }
 
 impl LeaseGrant {
+    /// The grant an allocator's answer makes, on the agent's clock: the agent asked at
+    /// `asked_at_ms` (its clock) and the lease lasts what was left of it when the allocator answered
+    /// ([`on_agent_clock`](Self::on_agent_clock)).
+    pub fn from_answer(answer: &GrantAnswer, asked_at_ms: u64) -> Self {
+        Self {
+            lease_id: answer.lease_id,
+            epoch: answer.epoch,
+            granted_tokens: answer.granted_tokens,
+            window: Window {
+                start_ms: answer.window_start_ms,
+                end_ms: answer.window_end_ms,
+            },
+            expires_at_ms: answer.expires_at_ms,
+            retry_after_ms: answer.retry_after_ms,
+        }
+        .on_agent_clock(answer.answered_at_ms(), asked_at_ms)
+    }
+
     /// The grant with its end moved onto the agent's clock: what is left of the lease when the
     /// allocator answered (`expires_at_ms - answered_at_ms`, the allocator's own measure) counts
     /// from `asked_at_ms`, when the agent asked, on the agent's clock. The answer was made after

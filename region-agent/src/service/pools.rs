@@ -46,7 +46,7 @@ impl PoolSlot {
     pub(super) fn new(config: HolderConfig, terms: PoolTerms, fetched_at_ms: u64) -> Self {
         Self {
             holder: Mutex::new(PoolHolder::new(config)),
-            limit: AtomicU64::new(terms.limit),
+            limit: AtomicU64::new(terms.limit_tokens),
             terms: Mutex::new((terms, fetched_at_ms)),
             renewed: Notify::new(),
             evicted: AtomicBool::new(false),
@@ -203,7 +203,8 @@ impl Agent {
                             pools.get_or_insert_with(key.clone(), || {
                                 let slot = PoolSlot::new(config, terms, now_ms);
                                 if let Some(f) = fallback_in_window {
-                                    lock(&slot.holder).seed_fallback(f.window_start_ms, f.admitted);
+                                    lock(&slot.holder)
+                                        .seed_fallback(f.window_start_ms, f.admitted_tokens);
                                 }
                                 Arc::new(slot)
                             });
@@ -249,9 +250,9 @@ impl Agent {
     pub(super) fn holder_config(&self, terms: &PoolTerms) -> Option<HolderConfig> {
         Some(HolderConfig {
             window_ms: NonZeroU64::new(terms.window_ms)?,
-            chunk_tokens: terms.chunk,
+            chunk_tokens: terms.chunk_tokens,
             lease_ttl_ms: terms.lease_ttl_ms,
-            fallback_per_region_tokens: terms.fallback_per_region
+            fallback_per_region_tokens: terms.fallback_per_region_tokens
                 / self.settings.region_agents.max(1),
             // A reservation is committed within the regional hold: reserving no later than the
             // margin plus the hold before a lease's end keeps every spend the margin ahead of it.
@@ -262,7 +263,7 @@ impl Agent {
             round_trip_ms: self.settings.allocator_round_trip_ms,
             renewal_patience_ms: duration_ms(FIRST_GRANT_WAIT),
             fallback_claim_block_tokens: self.fallback_claim_block_tokens(
-                terms.fallback_per_region / self.settings.region_agents.max(1),
+                terms.fallback_per_region_tokens / self.settings.region_agents.max(1),
             ),
         })
     }

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use allot_shared::ids::LeaseId;
 
 use super::{Agent, lock};
-use crate::allocator_client::{ReportBody, ReportLease};
+use crate::allocator_client::{Report, ReportLease};
 use crate::global::PendingReport;
 
 impl Agent {
@@ -54,7 +54,7 @@ impl Agent {
                         .copied()
                         .collect(),
                 };
-                let body = ReportBody {
+                let body = Report {
                     report_id: LeaseId::from_parts(now_ms, rand::random()).to_string(),
                     region: self.settings.region.clone(),
                     tenant: tenant.clone(),
@@ -65,11 +65,14 @@ impl Agent {
                         .iter()
                         .map(|l| ReportLease {
                             lease_id: l.lease_id,
-                            spent: l.spent_tokens,
+                            spent_tokens: l.spent_tokens,
                             final_report: l.final_line,
                         })
                         .collect(),
-                    fallback_admitted: part.fallback.first().map_or(0, |f| f.admitted_tokens),
+                    fallback_admitted_tokens: part
+                        .fallback
+                        .first()
+                        .map_or(0, |f| f.admitted_tokens),
                 };
                 match allocator.report(&body).await {
                     Ok(()) => {

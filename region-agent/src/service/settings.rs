@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use allot_shared::ids::RegionId;
+use allot_shared::ids::{AgentId, RegionId};
 use allot_shared::keys::{IpPrefixes, Pepper};
 
 /// Longest a request waits for the first grant of a pool it triggered (or for the lookup of its
@@ -19,7 +19,7 @@ pub struct AgentSettings {
     /// This agent's region.
     pub region: RegionId,
     /// This agent's id, for policy status.
-    pub agent_id: String,
+    pub agent_id: AgentId,
     /// The HMAC pepper of principal keys.
     pub pepper: Pepper,
     /// Prefix lengths of anonymous principals.
@@ -48,7 +48,7 @@ impl AgentSettings {
     /// [`DEFAULT_DECISION_RECORD_TTL_MS`](crate::limiter::DEFAULT_DECISION_RECORD_TTL_MS), the
     /// [`DEFAULT_EXPIRY_MARGIN_MS`] margin, a [`DEFAULT_ALLOCATOR_ROUND_TRIP_MS`] round trip, a
     /// bundle that never ages, one agent in the region.
-    pub fn new(region: RegionId, agent_id: String, pepper: Pepper) -> Self {
+    pub fn new(region: RegionId, agent_id: AgentId, pepper: Pepper) -> Self {
         Self {
             region,
             agent_id,

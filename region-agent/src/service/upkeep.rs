@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
-use allot_shared::window::Window;
 
 use super::pools::{MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, PoolSlot, TERMS_REFRESH_MS};
 use super::{Agent, lock};
@@ -53,7 +52,7 @@ impl Agent {
                     if in_force.0 != terms {
                         tracing::info!(%tenant, %pool, version = terms.version, "pool terms updated");
                         lock(&slot.holder).reconfigure(config);
-                        slot.limit.store(terms.limit, Ordering::Relaxed);
+                        slot.limit.store(terms.limit_tokens, Ordering::Relaxed);
                         in_force.0 = terms;
                         self.note_change();
                     }
@@ -110,22 +109,11 @@ impl Agent {
             match answer {
                 Ok(Some(answer)) => {
                     agent.reachable.store(true, Ordering::Relaxed);
-                    let grant = LeaseGrant {
-                        lease_id: answer.lease_id,
-                        epoch: answer.epoch,
-                        granted_tokens: answer.granted,
-                        window: Window {
-                            start_ms: answer.window_start_ms,
-                            end_ms: answer.window_end_ms,
-                        },
-                        expires_at_ms: answer.expires_at_ms,
-                        retry_after_ms: answer.retry_after_ms,
-                    }
-                    .on_agent_clock(answer.answered_at_ms(), asked_at_ms);
+                    let grant = LeaseGrant::from_answer(&answer, asked_at_ms);
                     let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
                     agent.note_change();
                     let outcome = match verdict {
-                        GrantVerdict::Accepted if answer.granted < want => "partial",
+                        GrantVerdict::Accepted if answer.granted_tokens < want => "partial",
                         GrantVerdict::Accepted => "granted",
                         GrantVerdict::Exhausted { .. } => "exhausted",
                         GrantVerdict::StaleEpoch { .. } => {
@@ -137,7 +125,8 @@ impl Agent {
                     };
                     metrics::counter!(crate::metrics::RENEWALS, "outcome" => outcome).increment(1);
                     if matches!(verdict, GrantVerdict::Accepted) {
-                        metrics::counter!(crate::metrics::TOKENS_GRANTED).increment(answer.granted);
+                        metrics::counter!(crate::metrics::TOKENS_GRANTED)
+                            .increment(answer.granted_tokens);
                     }
                 }
                 Ok(None) => {

@@ -99,7 +99,7 @@ async fn grant(
     let now_ms = fake.clock.now_ms();
     let window_start_ms = now_ms - now_ms % 3_600_000;
     Json(serde_json::json!({
-        "leaseId": body["leaseId"], "granted": granted, "epoch": 1,
+        "leaseId": body["leaseId"], "region": body["region"], "granted": granted, "epoch": 1,
         "windowStartMs": window_start_ms, "windowEndMs": window_start_ms + 3_600_000,
         "expiresAtMs": now_ms + 600_000, "retryAfterMs": if granted == 0 { 60_000 } else { 0 },
         "issuedAtMs": now_ms, "answeredAtMs": now_ms,

@@ -28,7 +28,7 @@ pub fn bundle(json: &str) -> PolicyBundle {
 pub fn settings() -> AgentSettings {
     AgentSettings::new(
         RegionId::parse("eu").expect("region"),
-        "eu-test".to_owned(),
+        allot_shared::ids::AgentId::parse("eu-test").expect("agent id"),
         Pepper::new(PEPPER.to_vec()).expect("pepper"),
     )
 }

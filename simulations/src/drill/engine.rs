@@ -21,7 +21,7 @@ use allot_allocator::grants::Grantor;
 use allot_allocator::kv::memory::MemoryKv;
 use allot_allocator::kv::{Kv, Op};
 use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
-use allot_allocator::pools::{GrantRecord, PoolSpec, get_window, put_pool};
+use allot_allocator::pools::{PoolSpec, get_window, put_pool};
 use allot_region_agent::allocator_client::CALL_TIMEOUT;
 use allot_region_agent::global::holder::{
     Denial, GrantVerdict, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
@@ -31,6 +31,7 @@ use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, PoolConfig};
 use allot_shared::window::Window;
+use allot_shared::wire::GrantAnswer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
@@ -696,24 +697,13 @@ impl Step<'_> {
                 self.tenant,
                 self.region_index,
                 window_start_ms,
-                record.granted,
+                record.granted_tokens,
             );
         }
         let lost = self.c.loss_percent > 0 && self.rng.random_range(0..100) < self.c.loss_percent;
-        let answer = LeaseGrant {
-            lease_id: record.lease_id,
-            epoch: record.epoch,
-            granted_tokens: record.granted,
-            window: Window {
-                start_ms: record.window_start_ms,
-                end_ms: record.window_end_ms,
-            },
-            expires_at_ms: record.expires_at_ms,
-            retry_after_ms: record.retry_after_ms,
-        }
         // As the agent: what is left of the lease is measured on the agent's clock from when it
         // asked.
-        .on_agent_clock(record.answered_at_ms, self.agent_now_ms);
+        let answer = LeaseGrant::from_answer(&record, self.agent_now_ms);
         let flight = InFlight {
             true_expires_at_ms: record.expires_at_ms,
             deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.c.added_ms,
@@ -801,7 +791,7 @@ impl DrillAllocator {
         region: &RegionId,
         lease_id: LeaseId,
         want_tokens: u64,
-    ) -> Result<GrantRecord, String> {
+    ) -> Result<GrantAnswer, String> {
         self.grantor
             .grant(
                 &self.tenants[tenant],

@@ -1,0 +1,124 @@
+//! The allocator's HTTP API (axum): pools for operators, grants for agents, health for orchestrators.
+//!
+//! Wire types are JSON in camelCase (the allocator-agent messages are `allot_shared::wire`); every
+//! error is an RFC 9457 problem+json body that names the field at fault ([`ApiError`]). Every
+//! endpoint needs a bearer token ([`crate::auth`]): viewers read, authors also change pools and
+//! policies, admins also manage tokens, agents take grants and report for their own region. A
+//! missing or unknown token is 401 (the same answer for both), a known token without the role 403.
+//! Every change runs to completion and is written to the ledger's audit log with its actor and
+//! version. Every request is bounded: body size, time and concurrency (I10).
+//!
+//! A file per resource: `pools`, `grants` (and reports), `policies`, `tokens`, `ops` (audit,
+//! metrics, health); beside them `access` (who may call what), `changes` (running and auditing a
+//! change), `errors` and `io` (bodies, paths, answers).
+
+mod access;
+mod changes;
+mod errors;
+mod grants;
+mod io;
+mod ops;
+mod policies;
+mod pools;
+mod tokens;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{get, post};
+use tokio::sync::watch;
+
+pub use self::errors::ApiError;
+pub use self::ops::{AuditList, AuditQuery};
+pub use self::policies::{CurrentQuery, PolicyStatus, PublishQuery};
+pub use self::pools::{LiveWindow, PoolList, PoolView, TermsQuery, WindowList, WindowsQuery};
+pub use self::tokens::{MintAnswer, MintBody, TokenList, TokenView};
+use crate::auth::TokenBook;
+/// The token files' lines (see [`crate::auth`]).
+pub use crate::auth::Tokens;
+use crate::clock::Clock;
+use crate::grants::Grantor;
+use crate::kv::Kv;
+use crate::leader::Role;
+use crate::ledger::Ledger;
+/// The allocator-agent messages, as this API speaks them.
+pub use allot_shared::wire::{FallbackInWindow, GrantAnswer, GrantBody, PoolTerms};
+
+/// Largest request body, in bytes.
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Longest a request may take.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
+/// Most requests served at once; more wait in the listener's backlog.
+pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct ApiState {
+    /// The store.
+    pub kv: Arc<dyn Kv>,
+    /// The grant service.
+    pub grantor: Grantor,
+    /// This node's role.
+    pub role: watch::Receiver<Role>,
+    /// The allocator clock.
+    pub clock: Arc<dyn Clock>,
+    /// Accepted bearer tokens.
+    pub tokens: Arc<TokenBook>,
+    /// The accounting ledger.
+    pub ledger: Ledger,
+    /// The store lease agent status keys are written with.
+    pub status_leases: Arc<crate::policies::StatusLeases>,
+}
+
+/// The API router with its bounds.
+pub fn router(state: ApiState) -> Router {
+    let routes = Router::new()
+        .route("/healthz", get(ops::healthz))
+        .route("/readyz", get(ops::readyz))
+        .route("/metrics", get(ops::metrics_text))
+        .route("/v1/pools", get(pools::list_pools))
+        .route(
+            "/v1/pools/{tenant}/{pool}",
+            get(pools::get_pool)
+                .put(pools::put_pool)
+                .delete(pools::delete_pool),
+        )
+        .route("/v1/pools/{tenant}/{pool}/windows", get(pools::get_windows))
+        .route(
+            "/v1/pools/{tenant}/{pool}/terms",
+            get(pools::get_pool_terms),
+        )
+        .route("/v1/grants", post(grants::post_grant))
+        .route("/v1/reports", post(grants::post_report))
+        .route("/v1/policies", axum::routing::put(policies::put_policy))
+        .route("/v1/policies/current", get(policies::get_current_policy))
+        .route(
+            "/v1/policies/status",
+            get(policies::get_policy_status).post(policies::post_agent_status),
+        )
+        .route("/v1/policies/{version}", get(policies::get_policy_version))
+        .route(
+            "/v1/policies/{version}/promote",
+            post(policies::promote_policy),
+        )
+        .route(
+            "/v1/tokens",
+            get(tokens::list_tokens).post(tokens::post_token),
+        )
+        .route(
+            "/v1/tokens/{id}",
+            axum::routing::delete(tokens::delete_token),
+        )
+        .route("/v1/audit", get(ops::get_audit))
+        .fallback(ops::not_found);
+    allot_net::bounded_router(
+        routes,
+        allot_net::RouterLimits {
+            max_body_bytes: MAX_BODY_BYTES,
+            max_concurrent_requests: MAX_CONCURRENT_REQUESTS,
+            request_timeout: REQUEST_TIMEOUT,
+        },
+    )
+    .with_state(state)
+}

@@ -1,0 +1,224 @@
+//! Policy bundles: publish (with an optional canary), read, promote, and what every agent runs.
+
+use allot_shared::ids::RegionId;
+use allot_shared::policy::{PolicyBundle, parse_bundle};
+use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+
+use super::ApiState;
+use super::access::{Needs, authorize, check_region};
+use super::changes::{Changed, run_change, unrecorded};
+use super::errors::{ApiError, invalid_id};
+use super::io::{json_response, parse_json};
+use crate::auth::OperatorRole;
+use crate::policies::{self, AgentStatus, PolicyStoreError};
+
+/// `PUT /v1/policies` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublishQuery {
+    /// Comma-separated regions to stage the bundle to before everyone.
+    pub canary: Option<String>,
+}
+
+/// `GET /v1/policies/current` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CurrentQuery {
+    /// The asking region: a canary region gets the staged bundle.
+    pub region: Option<String>,
+}
+
+/// `GET /v1/policies/status` answer: the rollout and what every live agent runs.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyStatus {
+    /// What regions should run.
+    pub rollout: policies::Rollout,
+    /// Agents that reported recently.
+    pub agents: Vec<AgentStatus>,
+    /// Lowest version an agent runs.
+    pub min_version: Option<u64>,
+    /// Highest version an agent runs.
+    pub max_version: Option<u64>,
+    /// Agents running something else than what their region should run.
+    pub agents_behind: usize,
+    /// The pepper fingerprints live agents report, by region: more than one in a region means its
+    /// agents key principals differently (each principal's buckets split), expected only while a
+    /// pepper rotation rolls out.
+    pub pepper_fingerprints:
+        std::collections::BTreeMap<RegionId, std::collections::BTreeSet<String>>,
+}
+
+fn parse_version(text: &str) -> Result<u64, ApiError> {
+    text.parse::<u64>()
+        .ok()
+        .filter(|v| *v > 0)
+        .ok_or_else(|| ApiError::invalid("version", "must be a positive integer"))
+}
+
+fn bundle_response(bundle: &PolicyBundle) -> Response {
+    let mut response = json_response(StatusCode::OK, &bundle.to_json());
+    if let Ok(etag) = HeaderValue::from_str(&format!("\"{}\"", bundle.checksum())) {
+        response.headers_mut().insert(header::ETAG, etag);
+    }
+    response
+}
+
+pub async fn put_policy(
+    State(state): State<ApiState>,
+    query: Result<Query<PublishQuery>, QueryRejection>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
+    let Query(query) = query.map_err(|e| ApiError::invalid("canary", e.body_text()))?;
+    let canary = query
+        .canary
+        .map(|list| {
+            list.split(',')
+                .map(|r| RegionId::parse(r.trim()).map_err(invalid_id("canary")))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .transpose()?;
+    let text = std::str::from_utf8(&body).map_err(|_| ApiError::invalid("body", "not UTF-8"))?;
+    let draft = parse_bundle(text).map_err(PolicyStoreError::from)?;
+    run_change(
+        state,
+        credential,
+        "policy.publish",
+        async move |state, credential| {
+            let now_ms = state.clock.now_ms();
+            let published_at = allot_shared::window::rfc3339_utc(now_ms);
+            let bundle = policies::publish(&*state.kv, draft, published_at, canary).await?;
+            let target = bundle.version().to_string();
+            state
+                .ledger
+                .record_bundle(&bundle, &credential.actor(), now_ms)
+                .await
+                .map_err(|e| unrecorded("bundle record", "policy.publish", &target, e))?;
+            tracing::info!(
+                version = bundle.version(),
+                checksum = bundle.checksum(),
+                "policy published"
+            );
+            Ok(Changed {
+                response: bundle_response(&bundle),
+                target,
+                version: bundle.version(),
+                detail: serde_json::json!({ "checksum": bundle.checksum() }),
+            })
+        },
+    )
+    .await
+}
+
+pub async fn get_current_policy(
+    State(state): State<ApiState>,
+    query: Result<Query<CurrentQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Reader)?;
+    let Query(query) = query.map_err(|e| ApiError::invalid("region", e.body_text()))?;
+    let region = query
+        .region
+        .map(|r| RegionId::parse(&r).map_err(invalid_id("region")))
+        .transpose()?;
+    if let Some(region) = &region {
+        check_region(&credential, region)?;
+    }
+    let bundle = policies::current_for(&*state.kv, region.as_ref()).await?;
+    Ok(bundle_response(&bundle))
+}
+
+pub async fn get_policy_version(
+    State(state): State<ApiState>,
+    Path(version): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Needs::Reader)?;
+    let version = parse_version(&version)?;
+    let bundle = policies::get_bundle(&*state.kv, version).await?;
+    Ok(bundle_response(&bundle))
+}
+
+pub async fn promote_policy(
+    State(state): State<ApiState>,
+    Path(version): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
+    let version = parse_version(&version)?;
+    run_change(
+        state,
+        credential,
+        "policy.promote",
+        async move |state, _| {
+            let rollout = policies::promote(&*state.kv, version).await?;
+            tracing::info!(version, "policy promoted");
+            Ok(Changed {
+                response: json_response(StatusCode::OK, &rollout),
+                target: version.to_string(),
+                version,
+                detail: serde_json::json!({}),
+            })
+        },
+    )
+    .await
+}
+
+pub async fn post_agent_status(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Agent)?;
+    let mut status: AgentStatus = parse_json(&headers, &body)?;
+    check_region(&credential, &status.region)?;
+    if let Some(fingerprint) = &status.pepper_fingerprint
+        && !(fingerprint.len() == 8
+            && fingerprint
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    {
+        return Err(ApiError::invalid(
+            "pepperFingerprint",
+            "must be 8 lowercase hex digits",
+        ));
+    }
+    status.reported_at_ms = state.clock.now_ms();
+    policies::report_agent(
+        &*state.kv,
+        &status,
+        &state.status_leases,
+        status.reported_at_ms,
+    )
+    .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+pub async fn get_policy_status(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
+    let rollout = policies::rollout(&*state.kv).await?;
+    let agents = policies::agent_statuses(&*state.kv, state.clock.now_ms()).await?;
+    let agents_behind = agents
+        .iter()
+        .filter(|a| a.version != rollout.version_for(Some(&a.region)))
+        .count();
+    let status = PolicyStatus {
+        pepper_fingerprints: policies::pepper_fingerprints(&agents),
+        min_version: agents.iter().map(|a| a.version).min(),
+        max_version: agents.iter().map(|a| a.version).max(),
+        agents_behind,
+        rollout,
+        agents,
+    };
+    Ok(json_response(StatusCode::OK, &status))
+}

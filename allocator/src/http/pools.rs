@@ -1,0 +1,309 @@
+//! Pools: operators configure them (`/v1/pools`), agents read their terms, and the ledger's windows
+//! are read per pool.
+
+use allot_shared::ids::{PoolId, RegionId, TenantId};
+use allot_shared::wire::{FallbackInWindow, PoolTerms};
+use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+
+use super::ApiState;
+use super::access::{Needs, authorize, check_region};
+use super::changes::{Changed, record_id, run_change, unrecorded};
+use super::errors::{ApiError, invalid_id};
+use super::io::{json_response, parse_json, pool_path};
+use crate::auth::OperatorRole;
+use crate::ledger::PoolChange;
+use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
+
+/// The pool as answered by the API: its spec flattened, its version, and when asked the live window.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolView {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// The configuration.
+    #[serde(flatten)]
+    pub spec: PoolSpec,
+    /// The configuration's version.
+    pub version: u64,
+    /// Last update, epoch ms.
+    pub updated_at_ms: u64,
+    /// The current window, on `GET /v1/pools/{tenant}/{pool}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<LiveWindow>,
+}
+
+/// A pool's current window.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LiveWindow {
+    /// Window start, epoch ms.
+    pub window_start_ms: u64,
+    /// Window end, epoch ms.
+    pub window_end_ms: u64,
+    /// Tokens not yet granted.
+    #[serde(rename = "remaining")]
+    pub remaining_tokens: u64,
+    /// Tokens granted per region.
+    #[serde(rename = "grantedByRegion")]
+    pub granted_tokens_by_region: std::collections::BTreeMap<RegionId, u64>,
+    /// Leases of this window that have not expired.
+    pub leases_outstanding: u64,
+}
+
+/// `GET /v1/pools` answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PoolList {
+    /// Every pool, without live windows.
+    pub pools: Vec<PoolView>,
+}
+
+/// `GET /v1/pools/{tenant}/{pool}/windows` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WindowsQuery {
+    /// How many of the latest windows (default 10, at most 1,000).
+    pub last: Option<u64>,
+}
+
+/// `GET /v1/pools/{tenant}/{pool}/windows` answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct WindowList {
+    /// Newest first.
+    pub windows: Vec<crate::ledger::WindowRow>,
+}
+
+/// `GET /v1/pools/{tenant}/{pool}/terms` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TermsQuery {
+    region: Option<String>,
+}
+
+fn view(tenant: TenantId, pool: PoolId, stored: StoredPool) -> PoolView {
+    PoolView {
+        tenant,
+        pool,
+        spec: stored.spec,
+        version: stored.version,
+        updated_at_ms: stored.updated_at_ms,
+        window: None,
+    }
+}
+
+/// The pool at `tenant`/`pool`, or 404.
+async fn stored_pool(
+    state: &ApiState,
+    tenant: &TenantId,
+    pool: &PoolId,
+) -> Result<StoredPool, ApiError> {
+    let (stored, _) = pools::get_pool(&*state.kv, tenant, pool)
+        .await?
+        .ok_or_else(|| ApiError::not_found("no such pool"))?;
+    Ok(stored)
+}
+
+pub async fn list_pools(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
+    let pools = pools::list_pools(&*state.kv)
+        .await?
+        .into_iter()
+        .map(|(tenant, pool, stored)| view(tenant, pool, stored))
+        .collect();
+    Ok(json_response(StatusCode::OK, &PoolList { pools }))
+}
+
+pub async fn get_pool(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
+    let kv = &*state.kv;
+    let stored = stored_pool(&state, &tenant, &pool).await?;
+    let config = stored.spec.validate().map_err(PoolStoreError::from)?;
+    let now_ms = state.clock.now_ms();
+    let current = config.window_at(now_ms);
+    let window = pools::get_window(kv, &tenant, &pool)
+        .await?
+        .map(|(w, _)| w)
+        .filter(|w| w.window == current)
+        .unwrap_or_else(|| allot_shared::lease::PoolWindowState::fresh(current));
+    let leases_outstanding = pools::list_grants(kv, &tenant, &pool)
+        .await?
+        .iter()
+        .filter(|g| g.window_start_ms == current.start_ms && g.expires_at_ms > now_ms)
+        .count() as u64;
+    let mut answer = view(tenant, pool, stored);
+    answer.window = Some(LiveWindow {
+        window_start_ms: current.start_ms,
+        window_end_ms: current.end_ms,
+        remaining_tokens: window.remaining_tokens(&config),
+        granted_tokens_by_region: window.granted_by_region,
+        leases_outstanding,
+    });
+    Ok(json_response(StatusCode::OK, &answer))
+}
+
+pub async fn put_pool(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
+    let spec: PoolSpec = parse_json(&headers, &body)?;
+    run_change(
+        state,
+        credential,
+        "pool.put",
+        async move |state, credential| {
+            let now_ms = state.clock.now_ms();
+            let stored = pools::put_pool(&*state.kv, &tenant, &pool, spec, now_ms).await?;
+            let target = format!("{tenant}/{pool}");
+            let config_json = serde_json::to_string(&stored.spec).unwrap_or_default();
+            state
+                .ledger
+                .record_pool_change(&PoolChange {
+                    change_id: &record_id(now_ms).to_string(),
+                    tenant: &tenant,
+                    pool: &pool,
+                    version: stored.version,
+                    actor: &credential.actor(),
+                    changed_at_ms: now_ms,
+                    config_json: &config_json,
+                })
+                .await
+                .map_err(|e| unrecorded("pool history", "pool.put", &target, e))?;
+            tracing::info!(%tenant, %pool, version = stored.version, "pool configured");
+            Ok(Changed {
+                version: stored.version,
+                detail: serde_json::json!({ "config": stored.spec }),
+                target,
+                response: json_response(StatusCode::OK, &view(tenant, pool, stored)),
+            })
+        },
+    )
+    .await
+}
+
+pub async fn delete_pool(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
+    run_change(
+        state,
+        credential,
+        "pool.delete",
+        async move |state, credential| {
+            if !pools::delete_pool(&*state.kv, &tenant, &pool).await? {
+                return Err(ApiError::not_found("no such pool"));
+            }
+            let now_ms = state.clock.now_ms();
+            let target = format!("{tenant}/{pool}");
+            state
+                .ledger
+                .record_pool_change(&PoolChange {
+                    change_id: &record_id(now_ms).to_string(),
+                    tenant: &tenant,
+                    pool: &pool,
+                    version: 0,
+                    actor: &credential.actor(),
+                    changed_at_ms: now_ms,
+                    config_json: "{}",
+                })
+                .await
+                .map_err(|e| unrecorded("pool history", "pool.delete", &target, e))?;
+            tracing::info!(%tenant, %pool, "pool deleted");
+            Ok(Changed {
+                response: StatusCode::NO_CONTENT.into_response(),
+                target,
+                version: 0,
+                detail: serde_json::json!({}),
+            })
+        },
+    )
+    .await
+}
+
+pub async fn get_pool_terms(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    query: Result<Query<TermsQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Reader)?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
+    let Query(query) = query.map_err(|e| ApiError::invalid("region", e.body_text()))?;
+    let region = query
+        .region
+        .as_deref()
+        .map(|region| RegionId::parse(region).map_err(invalid_id("region")))
+        .transpose()?;
+    if let Some(region) = &region {
+        check_region(&credential, region)?;
+    }
+    let stored = stored_pool(&state, &tenant, &pool).await?;
+    let spec = stored.spec;
+    let fallback_in_window = match (&region, std::num::NonZeroU64::new(spec.window_ms)) {
+        (Some(region), Some(window_ms)) => {
+            let window = allot_shared::window::Window::containing(state.clock.now_ms(), window_ms);
+            let admitted_tokens = state
+                .ledger
+                .fallback_admitted(&tenant, &pool, region, window.start_ms)
+                .await?;
+            Some(FallbackInWindow {
+                window_start_ms: window.start_ms,
+                admitted_tokens,
+            })
+        }
+        _ => None,
+    };
+    let terms = PoolTerms {
+        limit_tokens: spec.limit,
+        window_ms: spec.window_ms,
+        chunk_tokens: spec.chunk,
+        lease_ttl_ms: spec.lease_ttl_ms,
+        fallback_per_region_tokens: spec.fallback_per_region,
+        regions: spec.regions,
+        version: stored.version,
+        fallback_in_window,
+    };
+    Ok(json_response(StatusCode::OK, &terms))
+}
+
+pub async fn get_windows(
+    State(state): State<ApiState>,
+    Path((tenant, pool)): Path<(String, String)>,
+    query: Result<Query<WindowsQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
+    let (tenant, pool) = pool_path(&tenant, &pool)?;
+    let Query(query) = query.map_err(|e| ApiError::invalid("last", e.body_text()))?;
+    let last = query.last.unwrap_or(10);
+    if !(1..=crate::ledger::MAX_WINDOWS).contains(&last) {
+        return Err(ApiError::invalid("last", "must be in [1, 1000]"));
+    }
+    let stored = stored_pool(&state, &tenant, &pool).await?;
+    let config = stored.spec.validate().map_err(PoolStoreError::from)?;
+    let windows = state
+        .ledger
+        .windows(&tenant, &pool, &config, last, state.clock.now_ms())
+        .await?;
+    Ok(json_response(StatusCode::OK, &WindowList { windows }))
+}

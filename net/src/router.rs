@@ -1,0 +1,41 @@
+//! The bounds every router of ours gets (I10), in one place: the body size, how many requests run
+//! at once (the rest wait in the listener's backlog), how long one may take (then 503), and
+//! problem+json for what those layers answer on their own.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::http::StatusCode;
+
+/// A router's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouterLimits {
+    /// Largest request body, bytes (past it: 413).
+    pub max_body_bytes: usize,
+    /// Most requests served at once, over every route together.
+    pub max_concurrent_requests: usize,
+    /// Longest a request may take (past it: 503).
+    pub request_timeout: Duration,
+}
+
+/// `router` with `limits`. The concurrency limit is one for the whole router (a per-route limit
+/// would multiply it by the routes).
+pub fn bounded_router<S>(router: Router<S>, limits: RouterLimits) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    router
+        .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+            limits.max_concurrent_requests,
+        ))
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::SERVICE_UNAVAILABLE,
+            limits.request_timeout,
+        ))
+        // Outermost, so body-limit and timeout answers are problem+json too.
+        .layer(axum::middleware::map_response(
+            crate::problem::problem_for_plain_errors,
+        ))
+}

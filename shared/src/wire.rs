@@ -1,0 +1,182 @@
+//! Every message that crosses the allocator-agent link, defined once: the allocator's API parses
+//! and answers these types, and the agent's client sends and reads them.
+//!
+//! | call | request | answer |
+//! | --- | --- | --- |
+//! | `GET /v1/pools/{tenant}/{pool}/terms[?region=]` | | [`PoolTerms`] (with [`FallbackInWindow`] for a region) |
+//! | `POST /v1/grants` | [`GrantBody`] | [`GrantAnswer`] |
+//! | `POST /v1/reports` | [`Report`] ([`ReportLease`] lines) | [`ReportReceipt`] |
+//! | `POST /v1/policies/status` | [`AgentStatus`] | 204 |
+//! | `GET /v1/policies/current?region=` | | the bundle's wire form (`policy::PolicyBundle::to_json`) |
+//!
+//! Requests are parsed strictly by the allocator (`deny_unknown_fields`: a misspelt field is a 400
+//! naming it, never silently ignored). Answers are read leniently by agents (unknown fields are
+//! ignored, missing optional ones take their defaults), so an allocator may add to an answer before
+//! every agent knows of it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::{AgentId, Epoch, LeaseId, PoolId, RegionId, TenantId};
+
+/// A pool's terms as the allocator gives them to agents (`GET /v1/pools/{tenant}/{pool}/terms`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolTerms {
+    /// `G`, tokens per window.
+    #[serde(rename = "limit")]
+    pub limit_tokens: u64,
+    /// Window length, ms.
+    pub window_ms: u64,
+    /// Largest grant, tokens.
+    #[serde(rename = "chunk")]
+    pub chunk_tokens: u64,
+    /// Lease TTL before clamping, ms.
+    pub lease_ttl_ms: u64,
+    /// Tokens a region may admit per window while it cannot reach the allocator.
+    #[serde(rename = "fallbackPerRegion")]
+    pub fallback_per_region_tokens: u64,
+    /// Regions allowed to take grants.
+    pub regions: Vec<RegionId>,
+    /// The configuration's version.
+    pub version: u64,
+    /// When asked for a region: what it has reported admitting in fallback in the current window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_in_window: Option<FallbackInWindow>,
+}
+
+/// A region's fallback admits in one window, as the allocator's ledger holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FallbackInWindow {
+    /// The window's start, epoch ms.
+    pub window_start_ms: u64,
+    /// Tokens admitted in fallback so far, as reported.
+    #[serde(rename = "admitted")]
+    pub admitted_tokens: u64,
+}
+
+/// `POST /v1/grants` body: a region asks a pool for tokens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GrantBody {
+    /// Idempotency key, a UUID v7: asking again with it returns what was granted.
+    pub lease_id: LeaseId,
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// The asking region.
+    pub region: RegionId,
+    /// Tokens wanted (at least 1).
+    #[serde(rename = "want")]
+    pub want_tokens: u64,
+}
+
+/// `POST /v1/grants` answer: a grant (idempotent by lease id) and when this answer was made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrantAnswer {
+    /// The request's lease id.
+    pub lease_id: LeaseId,
+    /// The region it was granted to.
+    pub region: RegionId,
+    /// Tokens granted (0: the pool is exhausted until `retryAfterMs` from now).
+    #[serde(rename = "granted")]
+    pub granted_tokens: u64,
+    /// The granting leader's epoch.
+    pub epoch: Epoch,
+    /// Window start, epoch ms.
+    pub window_start_ms: u64,
+    /// Window end, epoch ms.
+    pub window_end_ms: u64,
+    /// No token may be spent at or after this instant, epoch ms (the allocator's clock).
+    pub expires_at_ms: u64,
+    /// When nothing was granted, ms until the next window; else 0.
+    pub retry_after_ms: u64,
+    /// When it was granted (the allocator's clock), epoch ms; 0 from an allocator that does not
+    /// say.
+    #[serde(default)]
+    pub issued_at_ms: u64,
+    /// When this answer was made (the allocator's clock), epoch ms: the issue time for a fresh
+    /// grant, later for a lease id asked again after a lost answer. `expiresAtMs - answeredAtMs`
+    /// is what is left of the lease when the answer leaves: agents time the lease from their own
+    /// ask, so a recovered grant is never spent past its end. 0 from an allocator that does not
+    /// say.
+    #[serde(default)]
+    pub answered_at_ms: u64,
+}
+
+impl GrantAnswer {
+    /// The allocator's clock when it answered: `answeredAtMs`, or `issuedAtMs` from an allocator
+    /// that does not say (0: neither).
+    pub fn answered_at_ms(&self) -> u64 {
+        if self.answered_at_ms != 0 {
+            self.answered_at_ms
+        } else {
+            self.issued_at_ms
+        }
+    }
+}
+
+/// One lease's line in a [`Report`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReportLease {
+    /// The lease.
+    pub lease_id: LeaseId,
+    /// Tokens spent from it so far (cumulative; the ledger keeps the largest value reported).
+    #[serde(rename = "spent")]
+    pub spent_tokens: u64,
+    /// True in the lease's last report (it ended): what is unspent is stranded.
+    #[serde(default, rename = "final")]
+    pub final_report: bool,
+}
+
+/// `POST /v1/reports` body: what a region spent and admitted in fallback for one pool and window.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Report {
+    /// Idempotency key chosen by the agent (1 to 64 characters).
+    pub report_id: String,
+    /// The reporting region.
+    pub region: RegionId,
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// The window the fallback admits belong to, epoch ms.
+    pub window_start_ms: u64,
+    /// Lease spends.
+    #[serde(default)]
+    pub leases: Vec<ReportLease>,
+    /// Tokens admitted in fallback in this window so far (cumulative).
+    #[serde(default, rename = "fallbackAdmitted")]
+    pub fallback_admitted_tokens: u64,
+}
+
+/// `POST /v1/reports` answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReportReceipt {
+    /// True when this report id had been received before (nothing was applied again).
+    pub duplicate: bool,
+}
+
+/// `POST /v1/policies/status` body: which bundle an agent runs (the allocator stamps when).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentStatus {
+    /// The agent's region.
+    pub region: RegionId,
+    /// The agent's id.
+    pub agent_id: AgentId,
+    /// The bundle version it runs (0: none).
+    pub version: u64,
+    /// When it said so, epoch ms (set by the allocator).
+    #[serde(default)]
+    pub reported_at_ms: u64,
+    /// The fingerprint of the agent's principal-hash pepper (8 lowercase hex digits; never the
+    /// pepper). Agents of one region must agree on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pepper_fingerprint: Option<String>,
+}
