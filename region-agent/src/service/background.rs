@@ -20,7 +20,9 @@ impl Agent {
         let Some(allocator) = self.allocator.as_ref() else {
             return;
         };
-        match allocator.current_policy(&self.settings.region).await {
+        let current = allocator.current_policy(&self.settings.region).await;
+        self.note_allocator(&current);
+        match current {
             Ok(Some(bundle)) => {
                 if self.offer_bundle(bundle) {
                     self.save_bundle().await;

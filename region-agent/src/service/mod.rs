@@ -237,6 +237,16 @@ impl Agent {
         self.clock.now_ms().saturating_sub(confirmed) > max_age_ms
     }
 
+    /// Notes what an allocator call said about reachability: any answer (a refusal too) means
+    /// reachable; no answer, or a 5xx, means not (fallback then applies). The one place the flag
+    /// is set.
+    fn note_allocator<T>(&self, outcome: &Result<T, crate::allocator_client::ClientError>) {
+        let reachable = outcome
+            .as_ref()
+            .map_or_else(|e| !e.is_unreachable(), |_| true);
+        self.reachable.store(reachable, Ordering::Relaxed);
+    }
+
     /// Whether the allocator answered the last call.
     pub fn allocator_reachable(&self) -> bool {
         self.reachable.load(Ordering::Relaxed)

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
 use allot_shared::ids::{PoolId, TenantId};
@@ -189,10 +189,10 @@ impl Agent {
             .await;
         metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
             .record(stopwatch.elapsed().as_secs_f64());
+        self.note_allocator(&answer);
         let now_ms = self.clock.now_ms();
         let retry_in_ms = match answer {
             Ok(Some(mut terms)) => {
-                self.reachable.store(true, Ordering::Relaxed);
                 // What the region already admitted in fallback this window (a restart must not
                 // re-open the allowance); not part of the terms kept and compared.
                 let fallback_in_window = terms.fallback_in_window.take();
@@ -226,8 +226,6 @@ impl Agent {
                 Some(UNKNOWN_POOL_RETRY_MS)
             }
             Err(error) => {
-                self.reachable
-                    .store(!error.is_unreachable(), Ordering::Relaxed);
                 metrics::counter!(crate::metrics::ALLOCATOR_ERRORS, "call" => "terms").increment(1);
                 tracing::warn!(%error, %tenant, %pool, "pool terms not fetched");
                 Some(TERMS_RETRY_MS)

@@ -74,15 +74,14 @@ impl Agent {
                         .first()
                         .map_or(0, |f| f.admitted_tokens),
                 };
-                match allocator.report(&body).await {
+                let sent = allocator.report(&body).await;
+                self.note_allocator(&sent);
+                match sent {
                     Ok(()) => {
-                        self.reachable.store(true, Ordering::Relaxed);
                         lock(&slot.holder).acknowledge(&part, self.clock.now_ms());
                         self.note_change();
                     }
                     Err(error) => {
-                        self.reachable
-                            .store(!error.is_unreachable(), Ordering::Relaxed);
                         tracing::warn!(%error, %tenant, %pool, "report not taken; kept for the next round");
                     }
                 }

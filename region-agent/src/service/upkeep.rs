@@ -42,9 +42,10 @@ impl Agent {
         // Longest unrefreshed first.
         stale.sort_by_key(|(fetched_at_ms, _, _)| *fetched_at_ms);
         for (_, (tenant, pool), slot) in stale.into_iter().take(MAX_TERMS_REFRESH_PER_ROUND) {
-            match allocator.pool_terms(&tenant, &pool, None).await {
+            let answer = allocator.pool_terms(&tenant, &pool, None).await;
+            self.note_allocator(&answer);
+            match answer {
                 Ok(Some(terms)) => {
-                    self.reachable.store(true, Ordering::Relaxed);
                     let Some(config) = self.holder_config(&terms) else {
                         continue;
                     };
@@ -64,8 +65,6 @@ impl Agent {
                     lock(&slot.terms).1 = self.clock.now_ms();
                 }
                 Err(error) => {
-                    self.reachable
-                        .store(!error.is_unreachable(), Ordering::Relaxed);
                     tracing::debug!(%error, "pool terms not refreshed; next round");
                     return;
                 }
@@ -106,9 +105,9 @@ impl Agent {
                 .await;
             metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "grant")
                 .record(stopwatch.elapsed().as_secs_f64());
+            agent.note_allocator(&answer);
             match answer {
                 Ok(Some(answer)) => {
-                    agent.reachable.store(true, Ordering::Relaxed);
                     let grant = LeaseGrant::from_answer(&answer, asked_at_ms);
                     let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
                     agent.note_change();
@@ -137,9 +136,6 @@ impl Agent {
                     // No answer (or a 5xx): the grant may have been committed; ask again with
                     // the same lease id. A refusal is final.
                     lock(&slot.holder).renewal_failed(lease_id, error.is_unreachable());
-                    agent
-                        .reachable
-                        .store(!error.is_unreachable(), Ordering::Relaxed);
                     metrics::counter!(crate::metrics::RENEWALS, "outcome" => "failed").increment(1);
                     metrics::counter!(crate::metrics::ALLOCATOR_ERRORS, "call" => "grant")
                         .increment(1);

@@ -1,0 +1,312 @@
+//! Grants copied from etcd and the agents' reports: what each lease spent and what each region
+//! admitted in fallback, taken once per report id.
+
+use std::collections::BTreeMap;
+
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::wire::{Report, ReportReceipt};
+use sea_query::{Alias, Expr, OnConflict, PostgresQueryBuilder, Query, SqliteQueryBuilder};
+use sea_query_binder::SqlxBinder;
+
+use super::schema::{FallbackAdmits, Grants, LeaseReports, LeaseSpend, keep_larger};
+use super::{Database, Ledger, LedgerError, i64_of, u64_of};
+use crate::pools::GrantRecord;
+
+/// Most leases one report may carry.
+pub const MAX_LEASES_PER_REPORT: usize = 10_000;
+
+#[derive(sqlx::FromRow)]
+struct GrantRow {
+    lease_id: String,
+    tenant: String,
+    pool: String,
+    region: String,
+    granted: i64,
+}
+
+#[derive(sqlx::FromRow)]
+struct RegionAmount {
+    amount: i64,
+}
+
+impl Ledger {
+    /// Copies committed grants into the ledger; grants already there are left as they are.
+    pub async fn record_grants(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        records: &[GrantRecord],
+    ) -> Result<(), LedgerError> {
+        for chunk in records.chunks(200) {
+            let mut insert = Query::insert();
+            insert.into_table(Grants::Table).columns([
+                Grants::LeaseId,
+                Grants::Tenant,
+                Grants::Pool,
+                Grants::Region,
+                Grants::Epoch,
+                Grants::WindowStartMs,
+                Grants::WindowEndMs,
+                Grants::Granted,
+                Grants::ExpiresAtMs,
+            ]);
+            for record in chunk {
+                insert.values_panic([
+                    record.lease_id.to_string().into(),
+                    tenant.as_str().into(),
+                    pool.as_str().into(),
+                    record.region.as_str().into(),
+                    i64_of(record.epoch.0).into(),
+                    i64_of(record.window_start_ms).into(),
+                    i64_of(record.window_end_ms).into(),
+                    i64_of(record.granted).into(),
+                    i64_of(record.expires_at_ms).into(),
+                ]);
+            }
+            insert.on_conflict(OnConflict::column(Grants::LeaseId).do_nothing().to_owned());
+            on_db!(self, insert, |sql, values, pool| {
+                sqlx::query_with(&sql, values).execute(pool).await?;
+            });
+        }
+        Ok(())
+    }
+
+    /// Which of `leases` the ledger has no grant for.
+    pub async fn missing_grants(&self, leases: &[LeaseId]) -> Result<Vec<LeaseId>, LedgerError> {
+        let known = self.grants_of(leases).await?;
+        Ok(leases
+            .iter()
+            .filter(|l| !known.contains_key(&l.to_string()))
+            .copied()
+            .collect())
+    }
+
+    async fn grants_of(
+        &self,
+        leases: &[LeaseId],
+    ) -> Result<BTreeMap<String, GrantRow>, LedgerError> {
+        let mut found = BTreeMap::new();
+        for chunk in leases.chunks(500) {
+            let ids: Vec<String> = chunk.iter().map(ToString::to_string).collect();
+            let statement = Query::select()
+                .columns([
+                    Grants::LeaseId,
+                    Grants::Tenant,
+                    Grants::Pool,
+                    Grants::Region,
+                    Grants::Granted,
+                ])
+                .from(Grants::Table)
+                .and_where(Expr::col(Grants::LeaseId).is_in(ids))
+                .to_owned();
+            let rows: Vec<GrantRow> = on_db!(self, statement, |sql, values, pool| {
+                sqlx::query_as_with(&sql, values).fetch_all(pool).await?
+            });
+            for row in rows {
+                found.insert(row.lease_id.clone(), row);
+            }
+        }
+        Ok(found)
+    }
+
+    /// Applies a report once per report id. Every lease must be a grant of the report's tenant, pool
+    /// and region, and may not report more spent than it was granted; otherwise nothing is written.
+    pub async fn record_report(
+        &self,
+        report: &Report,
+        received_at_ms: u64,
+    ) -> Result<ReportReceipt, LedgerError> {
+        let invalid = |field: String, message: String| LedgerError::Invalid { field, message };
+        if report.report_id.is_empty() || report.report_id.len() > 64 {
+            return Err(invalid(
+                "reportId".into(),
+                "must be 1 to 64 characters".into(),
+            ));
+        }
+        if report.leases.len() > MAX_LEASES_PER_REPORT {
+            return Err(invalid(
+                "leases".into(),
+                format!("at most {MAX_LEASES_PER_REPORT} leases per report"),
+            ));
+        }
+        let ids: Vec<LeaseId> = report.leases.iter().map(|l| l.lease_id).collect();
+        let grants = self.grants_of(&ids).await?;
+        for (index, lease) in report.leases.iter().enumerate() {
+            let field = format!("leases[{index}]");
+            let Some(grant) = grants.get(&lease.lease_id.to_string()) else {
+                return Err(invalid(field, "no such lease was granted".into()));
+            };
+            if grant.tenant != report.tenant.as_str()
+                || grant.pool != report.pool.as_str()
+                || grant.region != report.region.as_str()
+            {
+                return Err(invalid(
+                    field,
+                    "the lease belongs to another tenant, pool or region".into(),
+                ));
+            }
+            if lease.spent_tokens > u64_of(grant.granted) {
+                return Err(invalid(
+                    format!("{field}.spent"),
+                    format!(
+                        "{} exceeds the {} tokens granted to the lease",
+                        lease.spent_tokens, grant.granted
+                    ),
+                ));
+            }
+        }
+        let leases_json = serde_json::to_string(&report.leases).unwrap_or_default();
+        let insert_report = Query::insert()
+            .into_table(LeaseReports::Table)
+            .columns([
+                LeaseReports::ReportId,
+                LeaseReports::Region,
+                LeaseReports::Tenant,
+                LeaseReports::Pool,
+                LeaseReports::WindowStartMs,
+                LeaseReports::ReceivedAtMs,
+                LeaseReports::FallbackAdmitted,
+                LeaseReports::LeasesJson,
+            ])
+            .values_panic([
+                report.report_id.as_str().into(),
+                report.region.as_str().into(),
+                report.tenant.as_str().into(),
+                report.pool.as_str().into(),
+                i64_of(report.window_start_ms).into(),
+                i64_of(received_at_ms).into(),
+                i64_of(report.fallback_admitted_tokens).into(),
+                leases_json.into(),
+            ])
+            .on_conflict(
+                OnConflict::column(LeaseReports::ReportId)
+                    .do_nothing()
+                    .to_owned(),
+            )
+            .to_owned();
+        let mut spends = Vec::new();
+        for lease in &report.leases {
+            spends.push(
+                Query::insert()
+                    .into_table(LeaseSpend::Table)
+                    .columns([
+                        LeaseSpend::LeaseId,
+                        LeaseSpend::Spent,
+                        LeaseSpend::FinalReport,
+                        LeaseSpend::UpdatedAtMs,
+                    ])
+                    .values_panic([
+                        lease.lease_id.to_string().into(),
+                        i64_of(lease.spent_tokens).into(),
+                        i64::from(lease.final_report).into(),
+                        i64_of(received_at_ms).into(),
+                    ])
+                    .on_conflict(
+                        OnConflict::column(LeaseSpend::LeaseId)
+                            .values([
+                                (
+                                    LeaseSpend::Spent,
+                                    keep_larger(LeaseSpend::Table, LeaseSpend::Spent),
+                                ),
+                                (
+                                    LeaseSpend::FinalReport,
+                                    keep_larger(LeaseSpend::Table, LeaseSpend::FinalReport),
+                                ),
+                                (
+                                    LeaseSpend::UpdatedAtMs,
+                                    Expr::col((Alias::new("excluded"), LeaseSpend::UpdatedAtMs))
+                                        .into(),
+                                ),
+                            ])
+                            .to_owned(),
+                    )
+                    .to_owned(),
+            );
+        }
+        let fallback = Query::insert()
+            .into_table(FallbackAdmits::Table)
+            .columns([
+                FallbackAdmits::Tenant,
+                FallbackAdmits::Pool,
+                FallbackAdmits::Region,
+                FallbackAdmits::WindowStartMs,
+                FallbackAdmits::Admitted,
+            ])
+            .values_panic([
+                report.tenant.as_str().into(),
+                report.pool.as_str().into(),
+                report.region.as_str().into(),
+                i64_of(report.window_start_ms).into(),
+                i64_of(report.fallback_admitted_tokens).into(),
+            ])
+            .on_conflict(
+                OnConflict::columns([
+                    FallbackAdmits::Tenant,
+                    FallbackAdmits::Pool,
+                    FallbackAdmits::Region,
+                    FallbackAdmits::WindowStartMs,
+                ])
+                .value(
+                    FallbackAdmits::Admitted,
+                    keep_larger(FallbackAdmits::Table, FallbackAdmits::Admitted),
+                )
+                .to_owned(),
+            )
+            .to_owned();
+        macro_rules! apply {
+            ($pool:expr, $builder:expr) => {{
+                let mut tx = $pool.begin().await?;
+                let (sql, values) = insert_report.build_sqlx($builder);
+                let inserted = sqlx::query_with(&sql, values).execute(&mut *tx).await?;
+                if inserted.rows_affected() == 0 {
+                    tx.rollback().await?;
+                    return Ok(ReportReceipt { duplicate: true });
+                }
+                for spend in &spends {
+                    let (sql, values) = spend.build_sqlx($builder);
+                    sqlx::query_with(&sql, values).execute(&mut *tx).await?;
+                }
+                if report.fallback_admitted_tokens > 0 {
+                    let (sql, values) = fallback.build_sqlx($builder);
+                    sqlx::query_with(&sql, values).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+            }};
+        }
+        match &self.database {
+            Database::Sqlite(pool) => apply!(pool, SqliteQueryBuilder),
+            Database::Postgres(pool) => apply!(pool, PostgresQueryBuilder),
+        }
+        Ok(ReportReceipt { duplicate: false })
+    }
+
+    /// Tokens `region` has reported admitting in fallback from `pool` in the window starting at
+    /// `window_start_ms` (0 when none). A restarting agent starts its count for the window here,
+    /// so a restart does not re-open the region's allowance.
+    pub async fn fallback_admitted(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        region: &RegionId,
+        window_start_ms: u64,
+    ) -> Result<u64, LedgerError> {
+        let statement = Query::select()
+            .column(FallbackAdmits::WindowStartMs)
+            .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
+            .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
+            .from(FallbackAdmits::Table)
+            .and_where(Expr::col(FallbackAdmits::Tenant).eq(tenant.as_str()))
+            .and_where(Expr::col(FallbackAdmits::Pool).eq(pool.as_str()))
+            .and_where(Expr::col(FallbackAdmits::Region).eq(region.as_str()))
+            .and_where(Expr::col(FallbackAdmits::WindowStartMs).eq(i64_of(window_start_ms)))
+            .to_owned();
+        let rows: Vec<RegionAmount> = on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        });
+        Ok(rows
+            .iter()
+            .map(|row| u64::try_from(row.amount).unwrap_or(0))
+            .max()
+            .unwrap_or(0))
+    }
+}
