@@ -171,128 +171,376 @@ fn ms(duration: std::time::Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Why a drill could not run to its end (a failing drill is a report with violations, not this).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DrillError {
+    /// The scenario is not valid, or names what cannot be an identifier.
+    #[error("invalid scenario: {0}")]
+    Scenario(String),
+    /// The embedded store refused what the drill set up.
+    #[error("the embedded store failed: {0}")]
+    Store(String),
+    /// The shipped code did what must never happen, past which the drill cannot go on (a grant
+    /// from a stale epoch reached a holder; a deposed allocator granted).
+    #[error("broken: {0}")]
+    Broken(String),
+}
+
+impl From<DrillError> for String {
+    fn from(error: DrillError) -> String {
+        error.to_string()
+    }
+}
+
+fn invalid(error: impl std::fmt::Display) -> DrillError {
+    DrillError::Scenario(error.to_string())
+}
+
+fn store(error: impl std::fmt::Display) -> DrillError {
+    DrillError::Store(error.to_string())
+}
+
 /// Runs `scenario` with its own seed and duration.
-pub async fn run(scenario: &Scenario) -> Result<DrillReport, String> {
+pub async fn run(scenario: &Scenario) -> Result<DrillReport, DrillError> {
     run_with(scenario, scenario.seed, scenario.duration_ms).await
 }
 
-/// Runs `scenario` with `seed` for `duration_ms` (a shorter run reproduces a failure faster).
+/// Runs `scenario` with `seed` for `duration_ms` (a shorter run reproduces a failure faster):
+/// build the allocator and agents, tick until the duration, finish with the checks.
 pub async fn run_with(
     scenario: &Scenario,
     seed: u64,
     duration_ms: u64,
-) -> Result<DrillReport, String> {
-    scenario.validate()?;
-    let mut rng = StdRng::seed_from_u64(seed);
-    // Seed 0 starts on a window boundary (the figures the docs quote); any other seed starts the
-    // run at a random tick within the first window, and each region's and tenant's steady arrivals
-    // at a random phase, from a stream of their own (random arrivals and answer loss keep theirs):
-    // a seed sweep then also varies where window ends fall relative to faults, leases, renewals and
-    // arrivals.
-    let mut phases = (seed != 0).then(|| StdRng::seed_from_u64(seed ^ TIMING_STREAM));
-    let ticks_per_window = (scenario.window_ms / scenario.tick_ms.max(1)).max(1);
-    let run_start_ms = START_MS
-        + phases.as_mut().map_or(0, |rng| {
-            rng.random_range(0..ticks_per_window) * scenario.tick_ms
-        });
-    let clock = Arc::new(ManualClock::new(run_start_ms));
-    let kv: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
-    let pool_id = PoolId::parse("api").map_err(|e| e.to_string())?;
-    let regions = scenario
-        .regions
-        .iter()
-        .map(|plan| RegionId::parse(&plan.region).map_err(|e| e.to_string()))
-        .collect::<Result<Vec<_>, _>>()?;
-    let tenant_count = usize::try_from(scenario.tenants).map_err(|e| e.to_string())?;
-    let tenants = (0..tenant_count)
+) -> Result<DrillReport, DrillError> {
+    let mut drill = Drill::build(scenario, seed).await?;
+    let mut elapsed_ms = 0;
+    while elapsed_ms < duration_ms {
+        drill.tick(elapsed_ms).await?;
+        elapsed_ms += scenario.tick_ms;
+    }
+    Ok(drill.finish(duration_ms))
+}
+
+/// A drill in progress: the shipped grant service and agent holders on one virtual clock, the
+/// faults, and the checker that keeps the history.
+struct Drill<'s> {
+    scenario: &'s Scenario,
+    seed: u64,
+    /// Random arrivals and answer loss.
+    rng: StdRng,
+    clock: Arc<ManualClock>,
+    /// When the run starts (seed 0: [`START_MS`], on a window boundary).
+    run_start_ms: u64,
+    window_ms: NonZeroU64,
+    /// The tenant's quota as one pool (the bound's terms are computed from it).
+    config: PoolConfig,
+    allocator: DrillAllocator,
+    agents: Vec<RegionAgent>,
+    holder_config: HolderConfig,
+    bound: OvershootBound,
+    checker: TenantChecker,
+    /// Per region, the last tick with an abnormal decision (fallback, waiting, agent down).
+    last_abnormal_ms: Vec<Option<u64>>,
+}
+
+impl<'s> Drill<'s> {
+    /// The pools, the leader, the agents (their holders configured as the shipped agent does).
+    async fn build(scenario: &'s Scenario, seed: u64) -> Result<Self, DrillError> {
+        scenario.validate().map_err(DrillError::Scenario)?;
+        // Seed 0 starts on a window boundary (the figures the docs quote); any other seed starts
+        // the run at a random tick within the first window, and each region's and tenant's
+        // steady arrivals at a random phase, from a stream of their own (random arrivals and
+        // answer loss keep theirs): a seed sweep then also varies where window ends fall relative
+        // to faults, leases, renewals and arrivals.
+        let mut phases = (seed != 0).then(|| StdRng::seed_from_u64(seed ^ TIMING_STREAM));
+        let ticks_per_window = (scenario.window_ms / scenario.tick_ms.max(1)).max(1);
+        let run_start_ms = START_MS
+            + phases.as_mut().map_or(0, |rng| {
+                rng.random_range(0..ticks_per_window) * scenario.tick_ms
+            });
+        let clock = Arc::new(ManualClock::new(run_start_ms));
+        let kv: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
+        let regions = scenario
+            .regions
+            .iter()
+            .map(|plan| RegionId::parse(&plan.region).map_err(invalid))
+            .collect::<Result<Vec<_>, _>>()?;
+        let tenants = tenants_of(scenario)?;
+        let config = pool_spec(scenario, scenario.limit, regions.clone())
+            .validate()
+            .map_err(invalid)?;
+        let pools = configure_pools(&*kv, scenario, &tenants, &regions).await?;
+        let allocator = DrillAllocator::lead(kv, &clock, scenario.clamping, tenants, pools).await?;
+        let window_ms = NonZeroU64::new(scenario.window_ms)
+            .ok_or_else(|| invalid("window_ms must be at least 1"))?;
+        let tenant_count = allocator.tenants.len();
+        let agents = regions
+            .iter()
+            .map(|region| RegionAgent {
+                region: region.clone(),
+                ledger_fallback: vec![(0, 0); tenant_count],
+                believes_reachable: true,
+                down_until_ms: None,
+                pools: (0..tenant_count)
+                    .map(|_| HeldPool {
+                        demand_remainder: arrival_phase(&mut phases),
+                        ..HeldPool::default()
+                    })
+                    .collect(),
+            })
+            .collect();
+        let pool_limits = match scenario.layout {
+            PoolLayout::Shared => scenario.limit,
+            PoolLayout::PerRegion { per_region_limit } => per_region_limit * regions.len() as u64,
+        };
+        let bound = OvershootBound {
+            limit_tokens: pool_limits,
+            ..OvershootBound::for_design(&config, scenario.clamping, MAX_LIVE_LEASES as u64, 0)
+        };
+        Ok(Self {
+            scenario,
+            seed,
+            rng: StdRng::seed_from_u64(seed),
+            clock,
+            run_start_ms,
+            window_ms,
+            config,
+            allocator,
+            agents,
+            holder_config: holder_config(scenario, window_ms),
+            bound,
+            checker: TenantChecker::new(scenario, bound, tenant_count, regions.len()),
+            last_abnormal_ms: vec![None; regions.len()],
+        })
+    }
+
+    /// One tick: the clock moves, a failover due now happens, then every region's agent serves
+    /// the tick's requests (unless it is down).
+    async fn tick(&mut self, elapsed_ms: u64) -> Result<(), DrillError> {
+        let tick_ms = self.scenario.tick_ms;
+        let now_ms = self.run_start_ms + elapsed_ms;
+        self.clock.set(now_ms);
+        let window = Window::containing(now_ms, self.window_ms);
+        self.checker.roll_to(window.start_ms - START_MS);
+        let due = |at_ms: u64| (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms);
+        for fault in &self.scenario.faults {
+            if let Fault::Failover {
+                at_ms,
+                records_kept,
+            } = *fault
+                && due(at_ms)
+            {
+                let lost = self
+                    .allocator
+                    .fail_over(&self.config, &self.clock, records_kept, now_ms)
+                    .await?;
+                for (tenant, lost) in lost.into_iter().enumerate() {
+                    self.checker.add_lost(tenant, lost);
+                }
+            }
+        }
+        for r in 0..self.agents.len() {
+            let abnormal = self.serve_region(r, elapsed_ms, now_ms, window).await?;
+            if abnormal {
+                self.last_abnormal_ms[r] = Some(elapsed_ms);
+            }
+        }
+        Ok(())
+    }
+
+    /// Region `r`'s agent during one tick: a crash due now empties its memory; then each tenant's
+    /// arrivals are served (or, while the agent is down, not). Returns whether any decision was
+    /// abnormal.
+    async fn serve_region(
+        &mut self,
+        r: usize,
+        elapsed_ms: u64,
+        now_ms: u64,
+        window: Window,
+    ) -> Result<bool, DrillError> {
+        let scenario = self.scenario;
+        let tick_ms = scenario.tick_ms;
+        let plan = &scenario.regions[r];
+        let c = conditions(scenario, &plan.region, elapsed_ms);
+        let agent_now_ms = now_ms.saturating_add_signed(c.clock_offset_ms);
+        for fault in &scenario.faults {
+            if let Fault::AgentRestart { at_ms, down_ms, .. } = *fault
+                && fault.touches(&plan.region)
+                && (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms)
+            {
+                crash(&mut self.agents[r], &mut self.checker, r, agent_now_ms);
+                self.agents[r].down_until_ms = Some(at_ms + down_ms);
+            }
+        }
+        let agent = &mut self.agents[r];
+        let down = agent.down_until_ms.is_some_and(|until| elapsed_ms < until);
+        let report_due = elapsed_ms.is_multiple_of(REPORT_EVERY_MS.max(tick_ms));
+        let mut abnormal = down;
+        for t in 0..agent.pools.len() {
+            let arrivals = {
+                let held = &mut agent.pools[t];
+                let per_minute = plan.per_minute_at(elapsed_ms, scenario.duration_ms);
+                if plan.random {
+                    poisson(&mut self.rng, per_minute as f64 * tick_ms as f64 / 60_000.0)
+                } else {
+                    let scaled = per_minute * tick_ms + held.demand_remainder;
+                    held.demand_remainder = scaled % 60_000;
+                    scaled / 60_000
+                }
+            };
+            if down {
+                let record = self.checker.record(t, r);
+                record.demand += arrivals;
+                record.denied_unavailable += arrivals;
+                continue;
+            }
+            let mut step = Step {
+                allocator: &mut self.allocator,
+                rng: &mut self.rng,
+                checker: &mut self.checker,
+                region: &agent.region,
+                believes_reachable: &mut agent.believes_reachable,
+                held: &mut agent.pools[t],
+                ledger_fallback: &mut agent.ledger_fallback[t],
+                tenant: t,
+                region_index: r,
+                c,
+                now_ms,
+                agent_now_ms,
+                window_start_ms: window.start_ms,
+                tick_ms,
+                first_grant_wait_ms: ms(FIRST_GRANT_WAIT),
+                limit: scenario.limit,
+            };
+            abnormal |= step.run(arrivals, self.holder_config, report_due).await?;
+        }
+        Ok(abnormal)
+    }
+
+    /// The report: the history by window, convergence after the last heal, and every violation of
+    /// the invariants, the bound and the scenario's expectation.
+    fn finish(mut self, duration_ms: u64) -> DrillReport {
+        let scenario = self.scenario;
+        let tick_ms = scenario.tick_ms;
+        let windows = self.checker.finish();
+        let mut violations = std::mem::take(&mut self.checker.violations);
+        let mut not_listed = self.checker.violations_not_listed;
+        let convergence = scenario
+            .heals_at_ms()
+            .filter(|&h| h < duration_ms)
+            .map(|healed_at_ms| {
+                let mut after_ms = [0; super::scenario::MAX_REGIONS];
+                for (r, last) in self.last_abnormal_ms.iter().enumerate() {
+                    if let Some(last) = *last
+                        && last >= healed_at_ms
+                    {
+                        after_ms[r] = last + tick_ms - healed_at_ms;
+                    }
+                }
+                Convergence {
+                    healed_at_ms,
+                    after_ms,
+                    limit_ms: scenario.converge_within_ttls * scenario.lease_ttl_ms,
+                }
+            });
+        if let Some(c) = &convergence {
+            for (r, plan) in scenario.regions.iter().enumerate() {
+                if c.after_ms[r] > c.limit_ms {
+                    violations.push(format!(
+                        "region {} converged {} ms after the heal at {} ms, later than {} lease TTLs ({} ms)",
+                        plan.region, c.after_ms[r], c.healed_at_ms, scenario.converge_within_ttls, c.limit_ms
+                    ));
+                }
+            }
+        }
+        check_expectation(scenario, &windows, &mut violations);
+        if violations.len() > MAX_VIOLATION_LINES {
+            not_listed += (violations.len() - MAX_VIOLATION_LINES) as u64;
+            violations.truncate(MAX_VIOLATION_LINES);
+        }
+        DrillReport {
+            scenario: Scenario {
+                duration_ms,
+                ..scenario.clone()
+            },
+            seed: self.seed,
+            bound: self.bound,
+            windows,
+            convergence,
+            violations,
+            violations_not_listed: not_listed,
+        }
+    }
+}
+
+/// The drill's tenants: `drill`, or `t00000`, `t00001`, ... for several.
+fn tenants_of(scenario: &Scenario) -> Result<Vec<TenantId>, DrillError> {
+    let tenant_count = usize::try_from(scenario.tenants).map_err(invalid)?;
+    (0..tenant_count)
         .map(|t| {
             let name = if tenant_count == 1 {
                 "drill".to_owned()
             } else {
                 format!("t{t:05}")
             };
-            TenantId::parse(&name).map_err(|e| e.to_string())
+            TenantId::parse(&name).map_err(invalid)
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    let spec = |limit: u64, regions: Vec<RegionId>| PoolSpec {
+        .collect()
+}
+
+/// A pool of `limit` for `regions` with the scenario's terms.
+fn pool_spec(scenario: &Scenario, limit: u64, regions: Vec<RegionId>) -> PoolSpec {
+    PoolSpec {
         limit,
         window_ms: scenario.window_ms,
         chunk: scenario.chunk,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region: scenario.fallback_per_region,
         regions,
-    };
-    // The tenant's quota as one pool: the bound's terms are computed from it.
-    let config = spec(scenario.limit, regions.clone())
-        .validate()
-        .map_err(|e| e.to_string())?;
-    let mut pools: Vec<Vec<PoolId>> = Vec::with_capacity(tenant_count);
-    let pool_limits = match scenario.layout {
-        PoolLayout::Shared => scenario.limit,
-        PoolLayout::PerRegion { per_region_limit } => per_region_limit * regions.len() as u64,
-    };
-    for tenant in &tenants {
+    }
+}
+
+/// Configures every tenant's pools as the layout says; returns, by tenant and region, the pool
+/// each region draws from.
+async fn configure_pools(
+    kv: &dyn Kv,
+    scenario: &Scenario,
+    tenants: &[TenantId],
+    regions: &[RegionId],
+) -> Result<Vec<Vec<PoolId>>, DrillError> {
+    let pool_id = PoolId::parse("api").map_err(invalid)?;
+    let mut pools = Vec::with_capacity(tenants.len());
+    for tenant in tenants {
         match scenario.layout {
             PoolLayout::Shared => {
-                put_pool(
-                    &*kv,
-                    tenant,
-                    &pool_id,
-                    spec(scenario.limit, regions.clone()),
-                    START_MS,
-                )
-                .await
-                .map_err(|e| e.to_string())?;
+                let spec = pool_spec(scenario, scenario.limit, regions.to_vec());
+                put_pool(kv, tenant, &pool_id, spec, START_MS)
+                    .await
+                    .map_err(store)?;
                 pools.push(vec![pool_id.clone(); regions.len()]);
             }
             PoolLayout::PerRegion { per_region_limit } => {
                 let mut per_region = Vec::new();
-                for region in &regions {
-                    let id =
-                        PoolId::parse(&format!("{pool_id}-{region}")).map_err(|e| e.to_string())?;
-                    put_pool(
-                        &*kv,
-                        tenant,
-                        &id,
-                        spec(per_region_limit, vec![region.clone()]),
-                        START_MS,
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
+                for region in regions {
+                    let id = PoolId::parse(&format!("{pool_id}-{region}")).map_err(invalid)?;
+                    let spec = pool_spec(scenario, per_region_limit, vec![region.clone()]);
+                    put_pool(kv, tenant, &id, spec, START_MS)
+                        .await
+                        .map_err(store)?;
                     per_region.push(id);
                 }
                 pools.push(per_region);
             }
         }
     }
-    // The leader key's store lease outlives any drill: failover drills replace it explicitly.
-    let leadership = try_acquire(&*kv, "drill-allocator", "http://drill", 1 << 40)
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or("the drill allocator did not become leader")?;
-    let (role_sender, role) = watch::channel(Role::Leader(leadership));
-    let mut allocator = DrillAllocator {
-        kv: kv.clone(),
-        leadership,
-        role_sender,
-        clamping: scenario.clamping,
-        grantor: Grantor::new(
-            kv.clone(),
-            clock.clone() as Arc<dyn Clock>,
-            role,
-            scenario.clamping,
-            None,
-        ),
-        tenants: tenants.clone(),
-        pools,
-        leases_asked: 0,
-    };
+    Ok(pools)
+}
 
-    let window_ms = NonZeroU64::new(scenario.window_ms).ok_or("window_ms must be at least 1")?;
-    // As the shipped agent configures its holders: the expiry margin includes the regional hold
-    // (two decision budgets), and a renewal unanswered for FIRST_GRANT_WAIT means fallback.
+/// How the shipped agent configures a pool's holder: the expiry margin includes the regional hold
+/// (two decision budgets), and a renewal unanswered for FIRST_GRANT_WAIT means fallback.
+fn holder_config(scenario: &Scenario, window_ms: NonZeroU64) -> HolderConfig {
     let regional_hold_ms = 2 * ms(LimiterConfig::default().decision_budget);
-    let holder_config = HolderConfig {
+    HolderConfig {
         window_ms,
         chunk_tokens: scenario.chunk,
         lease_ttl_ms: scenario.lease_ttl_ms,
@@ -302,176 +550,28 @@ pub async fn run_with(
         renewal_patience_ms: ms(FIRST_GRANT_WAIT),
         // The drills' agents keep no state directory: a restart starts from the ledger's count.
         fallback_claim_block_tokens: 0,
-    };
-    let mut agents: Vec<RegionAgent> = regions
-        .iter()
-        .map(|region| RegionAgent {
-            region: region.clone(),
-            ledger_fallback: vec![(0, 0); tenant_count],
-            believes_reachable: true,
-            down_until_ms: None,
-            pools: (0..tenant_count)
-                .map(|_| HeldPool {
-                    demand_remainder: arrival_phase(&mut phases),
-                    ..HeldPool::default()
-                })
-                .collect(),
-        })
-        .collect();
-    let bound = OvershootBound {
-        limit_tokens: pool_limits,
-        ..OvershootBound::for_design(&config, scenario.clamping, MAX_LIVE_LEASES as u64, 0)
-    };
-    let mut checker = TenantChecker::new(scenario, bound, tenant_count, regions.len());
-    let first_grant_wait_ms = ms(FIRST_GRANT_WAIT);
-    let heals_at_ms = scenario.heals_at_ms();
-    let mut last_abnormal_ms: Vec<Option<u64>> = vec![None; regions.len()];
-    let tick_ms = scenario.tick_ms;
+    }
+}
 
-    let mut elapsed_ms = 0;
-    while elapsed_ms < duration_ms {
-        let now_ms = run_start_ms + elapsed_ms;
-        clock.set(now_ms);
-        let window = Window::containing(now_ms, window_ms);
-        checker.roll_to(window.start_ms - START_MS);
-        for fault in &scenario.faults {
-            if let Fault::Failover {
-                at_ms,
-                records_kept,
-            } = *fault
-                && (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms)
-            {
-                let lost = allocator
-                    .fail_over(&config, &clock, records_kept, now_ms)
-                    .await?;
-                for (tenant, lost) in lost.into_iter().enumerate() {
-                    checker.add_lost(tenant, lost);
-                }
-            }
+/// Region `r`'s agent crashes: everything in its memory is gone. What its holders held is
+/// stranded, what it admitted since its last report is unreported.
+fn crash(agent: &mut RegionAgent, checker: &mut TenantChecker, r: usize, agent_now_ms: u64) {
+    for (t, held) in agent.pools.iter_mut().enumerate() {
+        let record = checker.record(t, r);
+        if let Some(holder) = &held.holder {
+            record.stranded += holder.available_tokens(agent_now_ms);
         }
-        for (r, agent) in agents.iter_mut().enumerate() {
-            let plan = &scenario.regions[r];
-            let c = conditions(scenario, &plan.region, elapsed_ms);
-            let agent_now_ms = now_ms.saturating_add_signed(c.clock_offset_ms);
-            // A crash this tick: everything in memory is gone.
-            for fault in &scenario.faults {
-                if let Fault::AgentRestart { at_ms, down_ms, .. } = *fault
-                    && fault.touches(&plan.region)
-                    && (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms)
-                {
-                    for (t, held) in agent.pools.iter_mut().enumerate() {
-                        let record = checker.record(t, r);
-                        if let Some(holder) = &held.holder {
-                            record.stranded += holder.available_tokens(agent_now_ms);
-                        }
-                        if let Some(InFlight {
-                            answer: Some(answer),
-                            ..
-                        }) = held.in_flight
-                        {
-                            record.stranded += answer.granted_tokens;
-                        }
-                        record.unreported += held.admitted_since_report;
-                        *held = HeldPool::default();
-                    }
-                    agent.believes_reachable = true;
-                    agent.down_until_ms = Some(at_ms + down_ms);
-                }
-            }
-            let down = agent.down_until_ms.is_some_and(|until| elapsed_ms < until);
-            let report_due = elapsed_ms % REPORT_EVERY_MS.max(tick_ms) == 0;
-            let mut abnormal = down;
-            for t in 0..tenant_count {
-                let arrivals = {
-                    let held = &mut agent.pools[t];
-                    let per_minute = plan.per_minute_at(elapsed_ms, scenario.duration_ms);
-                    if plan.random {
-                        poisson(&mut rng, per_minute as f64 * tick_ms as f64 / 60_000.0)
-                    } else {
-                        let scaled = per_minute * tick_ms + held.demand_remainder;
-                        held.demand_remainder = scaled % 60_000;
-                        scaled / 60_000
-                    }
-                };
-                if down {
-                    let record = checker.record(t, r);
-                    record.demand += arrivals;
-                    record.denied_unavailable += arrivals;
-                    continue;
-                }
-                let mut step = Step {
-                    allocator: &mut allocator,
-                    rng: &mut rng,
-                    checker: &mut checker,
-                    region: &agent.region,
-                    believes_reachable: &mut agent.believes_reachable,
-                    held: &mut agent.pools[t],
-                    ledger_fallback: &mut agent.ledger_fallback[t],
-                    tenant: t,
-                    region_index: r,
-                    c,
-                    now_ms,
-                    agent_now_ms,
-                    window_start_ms: window.start_ms,
-                    tick_ms,
-                    first_grant_wait_ms,
-                    limit: scenario.limit,
-                };
-                abnormal |= step.run(arrivals, holder_config, report_due).await?;
-            }
-            if abnormal {
-                last_abnormal_ms[r] = Some(elapsed_ms);
-            }
+        if let Some(InFlight {
+            answer: Some(answer),
+            ..
+        }) = held.in_flight
+        {
+            record.stranded += answer.granted_tokens;
         }
-        elapsed_ms += tick_ms;
+        record.unreported += held.admitted_since_report;
+        *held = HeldPool::default();
     }
-    let windows = checker.finish();
-    let mut violations = checker.violations;
-    let mut not_listed = checker.violations_not_listed;
-    let convergence = heals_at_ms
-        .filter(|&h| h < duration_ms)
-        .map(|healed_at_ms| {
-            let mut after_ms = [0; super::scenario::MAX_REGIONS];
-            for (r, last) in last_abnormal_ms.iter().enumerate() {
-                if let Some(last) = *last
-                    && last >= healed_at_ms
-                {
-                    after_ms[r] = last + tick_ms - healed_at_ms;
-                }
-            }
-            Convergence {
-                healed_at_ms,
-                after_ms,
-                limit_ms: scenario.converge_within_ttls * scenario.lease_ttl_ms,
-            }
-        });
-    if let Some(c) = &convergence {
-        for (r, plan) in scenario.regions.iter().enumerate() {
-            if c.after_ms[r] > c.limit_ms {
-                violations.push(format!(
-                    "region {} converged {} ms after the heal at {} ms, later than {} lease TTLs ({} ms)",
-                    plan.region, c.after_ms[r], c.healed_at_ms, scenario.converge_within_ttls, c.limit_ms
-                ));
-            }
-        }
-    }
-    check_expectation(scenario, &windows, &mut violations);
-    if violations.len() > MAX_VIOLATION_LINES {
-        not_listed += (violations.len() - MAX_VIOLATION_LINES) as u64;
-        violations.truncate(MAX_VIOLATION_LINES);
-    }
-    Ok(DrillReport {
-        scenario: Scenario {
-            duration_ms,
-            ..scenario.clone()
-        },
-        seed,
-        bound,
-        windows,
-        convergence,
-        violations,
-        violations_not_listed: not_listed,
-    })
+    agent.believes_reachable = true;
 }
 
 /// One tenant's pool in one region's agent during one tick.
@@ -502,7 +602,7 @@ impl Step<'_> {
         arrivals: u64,
         config: HolderConfig,
         report_due: bool,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, DrillError> {
         let mut abnormal = false;
         if self.held.holder.is_none() && !self.c.partitioned {
             // The agent fetches the pool's terms on first use, with what its region already
@@ -662,7 +762,7 @@ impl Step<'_> {
     /// Starts a renewal when the holder wants one and none is in flight. Returns the answer's
     /// delay, ms, when the allocator was reached (the answer is delivered at once when it arrives
     /// before the next tick).
-    async fn renew(&mut self) -> Result<Option<u64>, String> {
+    async fn renew(&mut self) -> Result<Option<u64>, DrillError> {
         let Some(holder) = self.held.holder.as_mut() else {
             return Ok(None);
         };
@@ -727,7 +827,7 @@ impl Step<'_> {
     }
 
     /// Hands an answer (or its loss) to the holder.
-    fn deliver(&mut self, flight: InFlight) -> Result<(), String> {
+    fn deliver(&mut self, flight: InFlight) -> Result<(), DrillError> {
         self.held.in_flight = None;
         let Some(holder) = self.held.holder.as_mut() else {
             return Ok(());
@@ -756,9 +856,9 @@ impl Step<'_> {
                 }
             }
             GrantVerdict::StaleEpoch { highest } => {
-                return Err(format!(
+                return Err(DrillError::Broken(format!(
                     "a grant from a stale epoch reached the holder (highest {highest:?})"
-                ));
+                )));
             }
             GrantVerdict::Exhausted { .. }
             | GrantVerdict::AlreadyExpired
@@ -784,6 +884,40 @@ struct DrillAllocator {
 }
 
 impl DrillAllocator {
+    /// The first allocator, leading over `pools` of `tenants` (its leader key outlives any drill:
+    /// failover drills replace it explicitly).
+    async fn lead(
+        kv: Arc<dyn Kv>,
+        clock: &Arc<ManualClock>,
+        clamping: LeaseClamping,
+        tenants: Vec<TenantId>,
+        pools: Vec<Vec<PoolId>>,
+    ) -> Result<Self, DrillError> {
+        let leadership = try_acquire(&*kv, "drill-allocator", "http://drill", 1 << 40)
+            .await
+            .map_err(store)?
+            .ok_or_else(|| {
+                DrillError::Broken("the drill allocator did not become leader".into())
+            })?;
+        let (role_sender, role) = watch::channel(Role::Leader(leadership));
+        Ok(Self {
+            grantor: Grantor::new(
+                kv.clone(),
+                clock.clone() as Arc<dyn Clock>,
+                role,
+                clamping,
+                None,
+            ),
+            kv,
+            leadership,
+            role_sender,
+            clamping,
+            tenants,
+            pools,
+            leases_asked: 0,
+        })
+    }
+
     async fn grant(
         &mut self,
         tenant: usize,
@@ -791,7 +925,7 @@ impl DrillAllocator {
         region: &RegionId,
         lease_id: LeaseId,
         want_tokens: u64,
-    ) -> Result<GrantAnswer, String> {
+    ) -> Result<GrantAnswer, DrillError> {
         self.grantor
             .grant(
                 &self.tenants[tenant],
@@ -803,7 +937,7 @@ impl DrillAllocator {
                 },
             )
             .await
-            .map_err(|e| format!("grant failed: {e}"))
+            .map_err(|e| DrillError::Broken(format!("grant failed: {e}")))
     }
 
     /// Replaces the leader: the old one loses its store lease (it crashed or was partitioned away),
@@ -815,7 +949,7 @@ impl DrillAllocator {
         clock: &Arc<ManualClock>,
         records_kept: bool,
         now_ms: u64,
-    ) -> Result<Vec<u64>, String> {
+    ) -> Result<Vec<u64>, DrillError> {
         let deposed = std::mem::replace(
             &mut self.grantor,
             Grantor::new(
@@ -826,10 +960,7 @@ impl DrillAllocator {
                 None,
             ),
         );
-        self.kv
-            .revoke(self.leadership.lease)
-            .await
-            .map_err(|e| e.to_string())?;
+        self.kv.revoke(self.leadership.lease).await.map_err(store)?;
         let mut lost = vec![0; self.tenants.len()];
         if !records_kept {
             let current = config.window_at(now_ms);
@@ -839,7 +970,7 @@ impl DrillAllocator {
                 for pool in &pools {
                     lost[t] += get_window(&*self.kv, tenant, pool)
                         .await
-                        .map_err(|e| e.to_string())?
+                        .map_err(store)?
                         .filter(|(state, _)| state.window == current)
                         .map_or(0, |(state, _)| state.granted_tokens());
                 }
@@ -851,7 +982,7 @@ impl DrillAllocator {
                 .kv
                 .get_prefix("/allot/", 1 << 20)
                 .await
-                .map_err(|e| e.to_string())?
+                .map_err(store)?
             {
                 if key.starts_with("/allot/pools/") || key == EPOCH_KEY {
                     puts.push(Op::Put {
@@ -865,14 +996,14 @@ impl DrillAllocator {
                 replica
                     .txn(Vec::new(), batch.to_vec())
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(store)?;
             }
             self.kv = replica;
         }
         let leadership = try_acquire(&*self.kv, "drill-allocator-2", "http://drill-2", 1 << 40)
             .await
-            .map_err(|e| e.to_string())?
-            .ok_or("the new allocator did not become leader")?;
+            .map_err(store)?
+            .ok_or_else(|| DrillError::Broken("the new allocator did not become leader".into()))?;
         debug_assert!(leadership.epoch > self.leadership.epoch);
         self.leadership = leadership;
         let (role_sender, role) = watch::channel(Role::Leader(leadership));
@@ -891,7 +1022,7 @@ impl DrillAllocator {
                 .regions()
                 .first()
                 .cloned()
-                .ok_or("a pool has at least one region")?;
+                .ok_or_else(|| DrillError::Broken("a pool has at least one region".into()))?;
             let attempt = deposed
                 .grant(
                     &self.tenants[0],
@@ -904,7 +1035,9 @@ impl DrillAllocator {
                 )
                 .await;
             if attempt.is_ok() {
-                return Err("a deposed allocator granted after the failover".to_owned());
+                return Err(DrillError::Broken(
+                    "a deposed allocator granted after the failover".to_owned(),
+                ));
             }
         }
         Ok(lost)

@@ -14,7 +14,7 @@ pub mod scenario;
 
 use std::path::PathBuf;
 
-pub use engine::{run, run_with};
+pub use engine::{DrillError, run, run_with};
 pub use results::{Convergence, DrillReport, RegionWindow, WindowRecord};
 pub use scenario::{Burst, Expectation, Fault, PoolLayout, RegionPlan, Scenario, builtin};
 
