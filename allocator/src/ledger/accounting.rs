@@ -114,7 +114,8 @@ pub fn account(amounts: WindowAmounts, limit_tokens: u64, bound_tokens: u64) -> 
 }
 
 impl Ledger {
-    /// The last `last` windows of a pool that saw grants or fallback admits, newest first.
+    /// The last `last` windows of a pool that saw grants or fallback admits, newest first, each
+    /// accounted for ([`account`]) against the pool's limit and the design's bound.
     pub async fn windows(
         &self,
         tenant: &TenantId,
@@ -124,114 +125,15 @@ impl Ledger {
         now_ms: u64,
     ) -> Result<Vec<WindowRow>, LedgerError> {
         let last = last.clamp(1, MAX_WINDOWS);
-        let of_pool = |table: Alias| {
-            Cond::all()
-                .add(Expr::col((table.clone(), Alias::new("tenant"))).eq(tenant.as_str()))
-                .add(Expr::col((table, Alias::new("pool"))).eq(pool.as_str()))
-        };
-        let windows_statement = Query::select()
-            .distinct()
-            .columns([Grants::WindowStartMs, Grants::WindowEndMs])
-            .from(Grants::Table)
-            .cond_where(of_pool(Alias::new("grants")))
-            .order_by(Grants::WindowStartMs, Order::Desc)
-            .limit(last)
-            .to_owned();
-        let mut keys: Vec<WindowKey> = on_db!(self, windows_statement, |sql, values, db| {
-            sqlx::query_as_with(&sql, values).fetch_all(db).await?
-        });
-        let fallback_statement = Query::select()
-            .column(FallbackAdmits::WindowStartMs)
-            .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
-            .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
-            .from(FallbackAdmits::Table)
-            .cond_where(of_pool(Alias::new("fallback_admits")))
-            .order_by(FallbackAdmits::WindowStartMs, Order::Desc)
-            .limit(last * 64)
-            .to_owned();
-        let fallback_rows: Vec<RegionAmount> =
-            on_db!(self, fallback_statement, |sql, values, db| {
-                sqlx::query_as_with(&sql, values).fetch_all(db).await?
-            });
-        let window_ms = i64_of(config.window_ms().get());
-        for row in &fallback_rows {
-            if !keys
-                .iter()
-                .any(|k| k.window_start_ms == row.window_start_ms)
-            {
-                keys.push(WindowKey {
-                    window_start_ms: row.window_start_ms,
-                    window_end_ms: row.window_start_ms + window_ms,
-                });
-            }
-        }
-        keys.sort_by_key(|k| std::cmp::Reverse(k.window_start_ms));
-        keys.truncate(usize::try_from(last).unwrap_or(usize::MAX));
+        let fallback_rows = self.fallback_rows(tenant, pool, last).await?;
+        let keys = self
+            .window_keys(tenant, pool, config, last, &fallback_rows)
+            .await?;
         let Some(oldest) = keys.last().map(|k| k.window_start_ms) else {
             return Ok(Vec::new());
         };
-        let in_range = of_pool(Alias::new("grants"))
-            .add(Expr::col((Grants::Table, Grants::WindowStartMs)).gte(oldest));
-        let granted_statement = Query::select()
-            .column(Grants::WindowStartMs)
-            .column(Grants::Region)
-            .expr_as(
-                sum_as_bigint(Expr::col(Grants::Granted)),
-                Alias::new("amount"),
-            )
-            .from(Grants::Table)
-            .cond_where(in_range.clone())
-            .group_by_col(Grants::WindowStartMs)
-            .group_by_col(Grants::Region)
-            .to_owned();
-        let granted_rows: Vec<RegionAmount> = on_db!(self, granted_statement, |sql, values, db| {
-            sqlx::query_as_with(&sql, values).fetch_all(db).await?
-        });
-        let expired = Expr::col((Grants::Table, Grants::ExpiresAtMs)).lte(i64_of(now_ms));
-        let spent = Expr::col((LeaseSpend::Table, LeaseSpend::Spent));
-        let granted = Expr::col((Grants::Table, Grants::Granted));
-        let is_final = Expr::col((LeaseSpend::Table, LeaseSpend::FinalReport)).eq(1i64);
-        let stranded_case = Expr::case(
-            Cond::all().add(expired.clone()).add(is_final.clone()),
-            granted.clone().sub(Func::coalesce([
-                spent.clone().into(),
-                Expr::val(0i64).into(),
-            ])),
-        )
-        .finally(0i64);
-        let unreported_case = Expr::case(
-            Cond::all().add(expired).add(
-                Cond::any()
-                    .add(Expr::col((LeaseSpend::Table, LeaseSpend::FinalReport)).is_null())
-                    .add(is_final.not()),
-            ),
-            granted.sub(Func::coalesce([
-                spent.clone().into(),
-                Expr::val(0i64).into(),
-            ])),
-        )
-        .finally(0i64);
-        let amounts_statement = Query::select()
-            .expr_as(
-                Expr::col((Grants::Table, Grants::WindowStartMs)),
-                Alias::new("window_start_ms"),
-            )
-            .expr_as(sum_as_bigint(spent), Alias::new("spent"))
-            .expr_as(sum_as_bigint(stranded_case), Alias::new("stranded"))
-            .expr_as(sum_as_bigint(unreported_case), Alias::new("unreported"))
-            .from(Grants::Table)
-            .join(
-                JoinType::LeftJoin,
-                LeaseSpend::Table,
-                Expr::col((LeaseSpend::Table, LeaseSpend::LeaseId))
-                    .equals((Grants::Table, Grants::LeaseId)),
-            )
-            .cond_where(in_range)
-            .group_by_col((Grants::Table, Grants::WindowStartMs))
-            .to_owned();
-        let amounts: Vec<LeaseAmounts> = on_db!(self, amounts_statement, |sql, values, db| {
-            sqlx::query_as_with(&sql, values).fetch_all(db).await?
-        });
+        let granted_rows = self.granted_rows(tenant, pool, oldest).await?;
+        let amounts = self.lease_amounts(tenant, pool, oldest, now_ms).await?;
         let bound = OvershootBound::for_design(config, LeaseClamping::Clamped, 1, 0).total_tokens();
         let limit = config.limit_tokens();
         let by_region = |rows: &[RegionAmount], window_start_ms: i64| -> BTreeMap<RegionId, u64> {
@@ -263,6 +165,158 @@ impl Ledger {
             .collect();
         Ok(rows)
     }
+
+    /// Fallback admits per region of the pool's latest windows (at most 64 regions a window).
+    async fn fallback_rows(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        last: u64,
+    ) -> Result<Vec<RegionAmount>, LedgerError> {
+        let statement = Query::select()
+            .column(FallbackAdmits::WindowStartMs)
+            .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
+            .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
+            .from(FallbackAdmits::Table)
+            .cond_where(of_pool(Alias::new("fallback_admits"), tenant, pool))
+            .order_by(FallbackAdmits::WindowStartMs, Order::Desc)
+            .limit(last * 64)
+            .to_owned();
+        Ok(on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        }))
+    }
+
+    /// The latest `last` windows with grants or fallback admits, newest first.
+    async fn window_keys(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        config: &PoolConfig,
+        last: u64,
+        fallback_rows: &[RegionAmount],
+    ) -> Result<Vec<WindowKey>, LedgerError> {
+        let statement = Query::select()
+            .distinct()
+            .columns([Grants::WindowStartMs, Grants::WindowEndMs])
+            .from(Grants::Table)
+            .cond_where(of_pool(Alias::new("grants"), tenant, pool))
+            .order_by(Grants::WindowStartMs, Order::Desc)
+            .limit(last)
+            .to_owned();
+        let mut keys: Vec<WindowKey> = on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        });
+        // A window with fallback admits and no grant (a region cut off all window long).
+        let window_ms = i64_of(config.window_ms().get());
+        for row in fallback_rows {
+            if !keys
+                .iter()
+                .any(|k| k.window_start_ms == row.window_start_ms)
+            {
+                keys.push(WindowKey {
+                    window_start_ms: row.window_start_ms,
+                    window_end_ms: row.window_start_ms + window_ms,
+                });
+            }
+        }
+        keys.sort_by_key(|k| std::cmp::Reverse(k.window_start_ms));
+        keys.truncate(usize::try_from(last).unwrap_or(usize::MAX));
+        Ok(keys)
+    }
+
+    /// Tokens granted per window and region, from window `oldest` on.
+    async fn granted_rows(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        oldest: i64,
+    ) -> Result<Vec<RegionAmount>, LedgerError> {
+        let statement = Query::select()
+            .column(Grants::WindowStartMs)
+            .column(Grants::Region)
+            .expr_as(
+                sum_as_bigint(Expr::col(Grants::Granted)),
+                Alias::new("amount"),
+            )
+            .from(Grants::Table)
+            .cond_where(since(tenant, pool, oldest))
+            .group_by_col(Grants::WindowStartMs)
+            .group_by_col(Grants::Region)
+            .to_owned();
+        Ok(on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        }))
+    }
+
+    /// Per window from `oldest` on: what leases spent, and, over leases ended by `now_ms`, what
+    /// they stranded (final report in) or left unreported (none).
+    async fn lease_amounts(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        oldest: i64,
+        now_ms: u64,
+    ) -> Result<Vec<LeaseAmounts>, LedgerError> {
+        let expired = Expr::col((Grants::Table, Grants::ExpiresAtMs)).lte(i64_of(now_ms));
+        let spent = Expr::col((LeaseSpend::Table, LeaseSpend::Spent));
+        let granted = Expr::col((Grants::Table, Grants::Granted));
+        let is_final = Expr::col((LeaseSpend::Table, LeaseSpend::FinalReport)).eq(1i64);
+        let unspent = || {
+            granted.clone().sub(Func::coalesce([
+                spent.clone().into(),
+                Expr::val(0i64).into(),
+            ]))
+        };
+        let stranded_case = Expr::case(
+            Cond::all().add(expired.clone()).add(is_final.clone()),
+            unspent(),
+        )
+        .finally(0i64);
+        let unreported_case = Expr::case(
+            Cond::all().add(expired).add(
+                Cond::any()
+                    .add(Expr::col((LeaseSpend::Table, LeaseSpend::FinalReport)).is_null())
+                    .add(is_final.not()),
+            ),
+            unspent(),
+        )
+        .finally(0i64);
+        let statement = Query::select()
+            .expr_as(
+                Expr::col((Grants::Table, Grants::WindowStartMs)),
+                Alias::new("window_start_ms"),
+            )
+            .expr_as(sum_as_bigint(spent.clone()), Alias::new("spent"))
+            .expr_as(sum_as_bigint(stranded_case), Alias::new("stranded"))
+            .expr_as(sum_as_bigint(unreported_case), Alias::new("unreported"))
+            .from(Grants::Table)
+            .join(
+                JoinType::LeftJoin,
+                LeaseSpend::Table,
+                Expr::col((LeaseSpend::Table, LeaseSpend::LeaseId))
+                    .equals((Grants::Table, Grants::LeaseId)),
+            )
+            .cond_where(since(tenant, pool, oldest))
+            .group_by_col((Grants::Table, Grants::WindowStartMs))
+            .to_owned();
+        Ok(on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        }))
+    }
+}
+
+/// Rows of `table` that belong to `tenant`/`pool`.
+fn of_pool(table: Alias, tenant: &TenantId, pool: &PoolId) -> Cond {
+    Cond::all()
+        .add(Expr::col((table.clone(), Alias::new("tenant"))).eq(tenant.as_str()))
+        .add(Expr::col((table, Alias::new("pool"))).eq(pool.as_str()))
+}
+
+/// Grants of `tenant`/`pool` in windows from `oldest` on.
+fn since(tenant: &TenantId, pool: &PoolId, oldest: i64) -> Cond {
+    of_pool(Alias::new("grants"), tenant, pool)
+        .add(Expr::col((Grants::Table, Grants::WindowStartMs)).gte(oldest))
 }
 
 #[cfg(test)]

@@ -116,6 +116,37 @@ impl Ledger {
         report: &Report,
         received_at_ms: u64,
     ) -> Result<ReportReceipt, LedgerError> {
+        self.check_report(report).await?;
+        let statements = ReportStatements::of(report, received_at_ms);
+        macro_rules! apply {
+            ($pool:expr, $builder:expr) => {{
+                let mut tx = $pool.begin().await?;
+                let (sql, values) = statements.report.build_sqlx($builder);
+                let inserted = sqlx::query_with(&sql, values).execute(&mut *tx).await?;
+                if inserted.rows_affected() == 0 {
+                    tx.rollback().await?;
+                    return Ok(ReportReceipt { duplicate: true });
+                }
+                for spend in &statements.spends {
+                    let (sql, values) = spend.build_sqlx($builder);
+                    sqlx::query_with(&sql, values).execute(&mut *tx).await?;
+                }
+                if let Some(fallback) = &statements.fallback {
+                    let (sql, values) = fallback.build_sqlx($builder);
+                    sqlx::query_with(&sql, values).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+            }};
+        }
+        match &self.database {
+            Database::Sqlite(pool) => apply!(pool, SqliteQueryBuilder),
+            Database::Postgres(pool) => apply!(pool, PostgresQueryBuilder),
+        }
+        Ok(ReportReceipt { duplicate: false })
+    }
+
+    /// A report's bounds, and its leases against the grants the ledger holds.
+    async fn check_report(&self, report: &Report) -> Result<(), LedgerError> {
         let invalid = |field: String, message: String| LedgerError::Invalid { field, message };
         if report.report_id.is_empty() || report.report_id.len() > 64 {
             return Err(invalid(
@@ -155,6 +186,51 @@ impl Ledger {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Tokens `region` has reported admitting in fallback from `pool` in the window starting at
+    /// `window_start_ms` (0 when none). A restarting agent starts its count for the window here,
+    /// so a restart does not re-open the region's allowance.
+    pub async fn fallback_admitted(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        region: &RegionId,
+        window_start_ms: u64,
+    ) -> Result<u64, LedgerError> {
+        let statement = Query::select()
+            .column(FallbackAdmits::WindowStartMs)
+            .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
+            .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
+            .from(FallbackAdmits::Table)
+            .and_where(Expr::col(FallbackAdmits::Tenant).eq(tenant.as_str()))
+            .and_where(Expr::col(FallbackAdmits::Pool).eq(pool.as_str()))
+            .and_where(Expr::col(FallbackAdmits::Region).eq(region.as_str()))
+            .and_where(Expr::col(FallbackAdmits::WindowStartMs).eq(i64_of(window_start_ms)))
+            .to_owned();
+        let rows: Vec<RegionAmount> = on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        });
+        Ok(rows
+            .iter()
+            .map(|row| u64::try_from(row.amount).unwrap_or(0))
+            .max()
+            .unwrap_or(0))
+    }
+}
+
+/// What a report writes, in one transaction: the report itself (its id makes it once only), each
+/// lease's cumulative spend, and the window's cumulative fallback admits (the larger value kept:
+/// reports are cumulative and may arrive out of order).
+struct ReportStatements {
+    report: sea_query::InsertStatement,
+    spends: Vec<sea_query::InsertStatement>,
+    fallback: Option<sea_query::InsertStatement>,
+}
+
+impl ReportStatements {
+    fn of(report: &Report, received_at_ms: u64) -> Self {
         let leases_json = serde_json::to_string(&report.leases).unwrap_or_default();
         let insert_report = Query::insert()
             .into_table(LeaseReports::Table)
@@ -184,9 +260,10 @@ impl Ledger {
                     .to_owned(),
             )
             .to_owned();
-        let mut spends = Vec::new();
-        for lease in &report.leases {
-            spends.push(
+        let spends = report
+            .leases
+            .iter()
+            .map(|lease| {
                 Query::insert()
                     .into_table(LeaseSpend::Table)
                     .columns([
@@ -220,93 +297,45 @@ impl Ledger {
                             ])
                             .to_owned(),
                     )
-                    .to_owned(),
-            );
-        }
-        let fallback = Query::insert()
-            .into_table(FallbackAdmits::Table)
-            .columns([
-                FallbackAdmits::Tenant,
-                FallbackAdmits::Pool,
-                FallbackAdmits::Region,
-                FallbackAdmits::WindowStartMs,
-                FallbackAdmits::Admitted,
-            ])
-            .values_panic([
-                report.tenant.as_str().into(),
-                report.pool.as_str().into(),
-                report.region.as_str().into(),
-                i64_of(report.window_start_ms).into(),
-                i64_of(report.fallback_admitted_tokens).into(),
-            ])
-            .on_conflict(
-                OnConflict::columns([
+                    .to_owned()
+            })
+            .collect();
+        let fallback = (report.fallback_admitted_tokens > 0).then(|| {
+            Query::insert()
+                .into_table(FallbackAdmits::Table)
+                .columns([
                     FallbackAdmits::Tenant,
                     FallbackAdmits::Pool,
                     FallbackAdmits::Region,
                     FallbackAdmits::WindowStartMs,
-                ])
-                .value(
                     FallbackAdmits::Admitted,
-                    keep_larger(FallbackAdmits::Table, FallbackAdmits::Admitted),
+                ])
+                .values_panic([
+                    report.tenant.as_str().into(),
+                    report.pool.as_str().into(),
+                    report.region.as_str().into(),
+                    i64_of(report.window_start_ms).into(),
+                    i64_of(report.fallback_admitted_tokens).into(),
+                ])
+                .on_conflict(
+                    OnConflict::columns([
+                        FallbackAdmits::Tenant,
+                        FallbackAdmits::Pool,
+                        FallbackAdmits::Region,
+                        FallbackAdmits::WindowStartMs,
+                    ])
+                    .value(
+                        FallbackAdmits::Admitted,
+                        keep_larger(FallbackAdmits::Table, FallbackAdmits::Admitted),
+                    )
+                    .to_owned(),
                 )
-                .to_owned(),
-            )
-            .to_owned();
-        macro_rules! apply {
-            ($pool:expr, $builder:expr) => {{
-                let mut tx = $pool.begin().await?;
-                let (sql, values) = insert_report.build_sqlx($builder);
-                let inserted = sqlx::query_with(&sql, values).execute(&mut *tx).await?;
-                if inserted.rows_affected() == 0 {
-                    tx.rollback().await?;
-                    return Ok(ReportReceipt { duplicate: true });
-                }
-                for spend in &spends {
-                    let (sql, values) = spend.build_sqlx($builder);
-                    sqlx::query_with(&sql, values).execute(&mut *tx).await?;
-                }
-                if report.fallback_admitted_tokens > 0 {
-                    let (sql, values) = fallback.build_sqlx($builder);
-                    sqlx::query_with(&sql, values).execute(&mut *tx).await?;
-                }
-                tx.commit().await?;
-            }};
-        }
-        match &self.database {
-            Database::Sqlite(pool) => apply!(pool, SqliteQueryBuilder),
-            Database::Postgres(pool) => apply!(pool, PostgresQueryBuilder),
-        }
-        Ok(ReportReceipt { duplicate: false })
-    }
-
-    /// Tokens `region` has reported admitting in fallback from `pool` in the window starting at
-    /// `window_start_ms` (0 when none). A restarting agent starts its count for the window here,
-    /// so a restart does not re-open the region's allowance.
-    pub async fn fallback_admitted(
-        &self,
-        tenant: &TenantId,
-        pool: &PoolId,
-        region: &RegionId,
-        window_start_ms: u64,
-    ) -> Result<u64, LedgerError> {
-        let statement = Query::select()
-            .column(FallbackAdmits::WindowStartMs)
-            .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
-            .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
-            .from(FallbackAdmits::Table)
-            .and_where(Expr::col(FallbackAdmits::Tenant).eq(tenant.as_str()))
-            .and_where(Expr::col(FallbackAdmits::Pool).eq(pool.as_str()))
-            .and_where(Expr::col(FallbackAdmits::Region).eq(region.as_str()))
-            .and_where(Expr::col(FallbackAdmits::WindowStartMs).eq(i64_of(window_start_ms)))
-            .to_owned();
-        let rows: Vec<RegionAmount> = on_db!(self, statement, |sql, values, db| {
-            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+                .to_owned()
         });
-        Ok(rows
-            .iter()
-            .map(|row| u64::try_from(row.amount).unwrap_or(0))
-            .max()
-            .unwrap_or(0))
+        Self {
+            report: insert_report,
+            spends,
+            fallback,
+        }
     }
 }

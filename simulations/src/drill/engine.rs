@@ -596,24 +596,15 @@ struct Step<'a> {
 
 impl Step<'_> {
     /// Serves `arrivals` requests; returns whether any decision was abnormal (fallback, waiting
-    /// for or lacking a grant).
+    /// for or lacking a grant): the terms looked up, an answer that arrived handed over, each
+    /// request served, then the report and the strands of the tick.
     async fn run(
         &mut self,
         arrivals: u64,
         config: HolderConfig,
         report_due: bool,
     ) -> Result<bool, DrillError> {
-        let mut abnormal = false;
-        if self.held.holder.is_none() && !self.c.partitioned {
-            // The agent fetches the pool's terms on first use, with what its region already
-            // admitted in fallback this window (as the ledger holds it).
-            let mut holder = PoolHolder::new(config);
-            let (window_start_ms, admitted) = *self.ledger_fallback;
-            if window_start_ms == self.window_start_ms {
-                holder.seed_fallback(window_start_ms, admitted);
-            }
-            self.held.holder = Some(holder);
-        }
+        self.look_up_terms(config);
         if let Some(f) = self.held.in_flight {
             if f.deliver_at_ms <= self.now_ms {
                 self.deliver(f)?;
@@ -628,124 +619,172 @@ impl Step<'_> {
             record.denied_unavailable += arrivals;
             return Ok(arrivals > 0);
         }
+        let mut abnormal = false;
         for _ in 0..arrivals {
-            let mut outcome = self.spend(0);
-            let mut wait_ms = 0;
-            if matches!(
-                outcome,
-                Spend::Denied {
-                    denial: Denial::AwaitingGrant,
-                    ..
-                }
-            ) {
-                // As the agent: start a renewal (single flight), wait for the one in flight (up to
-                // FIRST_GRANT_WAIT), then spend again.
-                let answered_in_ms = self.renew().await?;
-                wait_ms = match (self.held.in_flight, answered_in_ms) {
-                    (Some(f), _) => {
-                        let arrives_in_ms = f.deliver_at_ms.saturating_sub(self.now_ms);
-                        if arrives_in_ms <= self.first_grant_wait_ms {
-                            self.deliver(f)?;
-                            arrives_in_ms
-                        } else {
-                            self.first_grant_wait_ms
-                        }
-                    }
-                    // Answered within the call; or nothing asked, or the call failed at once.
-                    (None, Some(ms)) => ms,
-                    (None, None) => 0,
-                };
-                // Spent again after the wait (a renewal unanswered past the holder's patience now
-                // means fallback).
-                outcome = self.spend(wait_ms);
-            }
-            let granted_in_window = self.checker.granted_in_window(self.tenant);
-            let record = self.checker.record(self.tenant, self.region_index);
-            record.demand += 1;
-            if wait_ms > 0 {
-                record.waited += 1;
-                record.max_wait_ms = record.max_wait_ms.max(wait_ms);
-            }
-            match outcome {
-                Spend::Leased(lease) => {
-                    let holder = self.held.holder.as_ref();
-                    if holder
-                        .and_then(|h| h.lease_window_start_ms(lease))
-                        .is_some_and(|start| start < self.window_start_ms)
-                    {
-                        record.carried_over += 1;
-                    } else {
-                        record.leased += 1;
-                    }
-                    if self
-                        .held
-                        .lease_ends
-                        .iter()
-                        .any(|&(id, end)| self.now_ms + wait_ms >= end && id == lease)
-                    {
-                        record.spent_after_lease_end += 1;
-                    }
-                    self.held.admitted_since_report += 1;
-                }
-                Spend::Fallback { .. } => {
-                    record.fallback += 1;
-                    self.held.admitted_since_report += 1;
-                    abnormal = true;
-                }
-                Spend::Denied { denial, .. } => match denial {
-                    Denial::PoolExhausted => {
-                        record.denied_exhausted += 1;
-                        if granted_in_window < self.limit {
-                            record.denied_while_tokens_left += 1;
-                        }
-                    }
-                    Denial::FallbackSpent | Denial::FailClosed => {
-                        record.denied_fallback_spent += 1;
-                        abnormal = true;
-                    }
-                    Denial::AwaitingGrant => {
-                        record.denied_awaiting += 1;
-                        abnormal = true;
-                    }
-                    Denial::WindowEnding => record.denied_window_end += 1,
-                    // Every drill request costs 1 token (never above a chunk), and the drills'
-                    // agents keep no state directory (no claims).
-                    Denial::CostAboveChunk | Denial::FallbackUnclaimed => {
-                        record.denied_unavailable += 1
-                    }
-                },
-            }
-            // As the agent: every spend may start a renewal.
-            self.renew().await?;
+            abnormal |= self.serve_one().await?;
         }
         if arrivals == 0 {
             self.renew().await?;
         }
-        let Some(holder) = self.held.holder.as_mut() else {
-            return Ok(abnormal);
-        };
-        // Reports cost an allocation each; one with nothing new since the last is skipped (ended
-        // leases then wait for the next report, within the holder's bounds).
-        if report_due && !self.c.partitioned && self.held.admitted_since_report > 0 {
-            let report = holder.pending_report(self.agent_now_ms);
-            for line in &report.fallback {
-                let (window_start_ms, admitted) = self.ledger_fallback;
-                if line.window_start_ms > *window_start_ms {
-                    *self.ledger_fallback = (line.window_start_ms, line.admitted_tokens);
-                } else if line.window_start_ms == *window_start_ms {
-                    *admitted = (*admitted).max(line.admitted_tokens);
-                }
-            }
-            holder.acknowledge(&report, self.agent_now_ms);
-            self.held.admitted_since_report = 0;
+        if report_due && !self.c.partitioned {
+            self.report();
         }
+        self.tally_strands();
+        Ok(abnormal)
+    }
+
+    /// The agent fetches the pool's terms on first use (not while cut off), with what its region
+    /// already admitted in fallback this window (as the ledger holds it).
+    fn look_up_terms(&mut self, config: HolderConfig) {
+        if self.held.holder.is_some() || self.c.partitioned {
+            return;
+        }
+        let mut holder = PoolHolder::new(config);
+        let (window_start_ms, admitted) = *self.ledger_fallback;
+        if window_start_ms == self.window_start_ms {
+            holder.seed_fallback(window_start_ms, admitted);
+        }
+        self.held.holder = Some(holder);
+    }
+
+    /// One request, as the agent serves it: spend; if no lease is held, start a renewal and wait
+    /// for the one in flight (up to FIRST_GRANT_WAIT), then spend again; record the outcome.
+    /// Returns whether it was abnormal.
+    async fn serve_one(&mut self) -> Result<bool, DrillError> {
+        let mut outcome = self.spend(0);
+        let mut wait_ms = 0;
+        if matches!(
+            outcome,
+            Spend::Denied {
+                denial: Denial::AwaitingGrant,
+                ..
+            }
+        ) {
+            let answered_in_ms = self.renew().await?;
+            wait_ms = match (self.held.in_flight, answered_in_ms) {
+                (Some(f), _) => {
+                    let arrives_in_ms = f.deliver_at_ms.saturating_sub(self.now_ms);
+                    if arrives_in_ms <= self.first_grant_wait_ms {
+                        self.deliver(f)?;
+                        arrives_in_ms
+                    } else {
+                        self.first_grant_wait_ms
+                    }
+                }
+                // Answered within the call; or nothing asked, or the call failed at once.
+                (None, Some(ms)) => ms,
+                (None, None) => 0,
+            };
+            // Spent again after the wait (a renewal unanswered past the holder's patience now
+            // means fallback).
+            outcome = self.spend(wait_ms);
+        }
+        let abnormal = self.record_outcome(outcome, wait_ms);
+        // As the agent: every spend may start a renewal.
+        self.renew().await?;
+        Ok(abnormal)
+    }
+
+    /// Counts one request's outcome in the window's record. Returns whether it was abnormal.
+    fn record_outcome(&mut self, outcome: Spend, wait_ms: u64) -> bool {
+        let granted_in_window = self.checker.granted_in_window(self.tenant);
+        let record = self.checker.record(self.tenant, self.region_index);
+        record.demand += 1;
+        if wait_ms > 0 {
+            record.waited += 1;
+            record.max_wait_ms = record.max_wait_ms.max(wait_ms);
+        }
+        match outcome {
+            Spend::Leased(lease) => {
+                let holder = self.held.holder.as_ref();
+                if holder
+                    .and_then(|h| h.lease_window_start_ms(lease))
+                    .is_some_and(|start| start < self.window_start_ms)
+                {
+                    record.carried_over += 1;
+                } else {
+                    record.leased += 1;
+                }
+                if self
+                    .held
+                    .lease_ends
+                    .iter()
+                    .any(|&(id, end)| self.now_ms + wait_ms >= end && id == lease)
+                {
+                    record.spent_after_lease_end += 1;
+                }
+                self.held.admitted_since_report += 1;
+                false
+            }
+            Spend::Fallback { .. } => {
+                record.fallback += 1;
+                self.held.admitted_since_report += 1;
+                true
+            }
+            Spend::Denied { denial, .. } => match denial {
+                Denial::PoolExhausted => {
+                    record.denied_exhausted += 1;
+                    if granted_in_window < self.limit {
+                        record.denied_while_tokens_left += 1;
+                    }
+                    false
+                }
+                Denial::FallbackSpent | Denial::FailClosed => {
+                    record.denied_fallback_spent += 1;
+                    true
+                }
+                Denial::AwaitingGrant => {
+                    record.denied_awaiting += 1;
+                    true
+                }
+                Denial::WindowEnding => {
+                    record.denied_window_end += 1;
+                    false
+                }
+                // Every drill request costs 1 token (never above a chunk), and the drills' agents
+                // keep no state directory (no claims).
+                Denial::CostAboveChunk | Denial::FallbackUnclaimed => {
+                    record.denied_unavailable += 1;
+                    false
+                }
+            },
+        }
+    }
+
+    /// The agent reports what its holder owes, and the ledger keeps the region's fallback count.
+    /// Reports cost an allocation each; one with nothing new since the last is skipped (ended
+    /// leases then wait for the next report, within the holder's bounds).
+    fn report(&mut self) {
+        let Some(holder) = self.held.holder.as_mut() else {
+            return;
+        };
+        if self.held.admitted_since_report == 0 {
+            return;
+        }
+        let report = holder.pending_report(self.agent_now_ms);
+        for line in &report.fallback {
+            let (window_start_ms, admitted) = self.ledger_fallback;
+            if line.window_start_ms > *window_start_ms {
+                *self.ledger_fallback = (line.window_start_ms, line.admitted_tokens);
+            } else if line.window_start_ms == *window_start_ms {
+                *admitted = (*admitted).max(line.admitted_tokens);
+            }
+        }
+        holder.acknowledge(&report, self.agent_now_ms);
+        self.held.admitted_since_report = 0;
+    }
+
+    /// Counts what the holder stranded this tick, and forgets lease ends long past.
+    fn tally_strands(&mut self) {
+        let Some(holder) = self.held.holder.as_ref() else {
+            return;
+        };
         let stranded = holder.stranded_tokens();
         self.checker.record(self.tenant, self.region_index).stranded +=
             stranded - self.held.stranded_seen;
         self.held.stranded_seen = stranded;
         let horizon = self.now_ms.saturating_sub(self.tick_ms);
         self.held.lease_ends.retain(|&(_, end)| end >= horizon);
-        Ok(abnormal)
     }
 
     /// Spends a token `after_ms` into the tick (after a wait for a grant).
