@@ -3,9 +3,7 @@
 //! Label values are bounded sets only: outcomes, and tenant and pool ids (configured by operators,
 //! validated charset). Never principals, tokens or lease ids.
 
-use std::sync::OnceLock;
-
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Grant requests by outcome: `granted`, `partial`, `exhausted`, `not_leader`, `unknown_pool`,
 /// `refused`, `overloaded`, `unavailable`.
@@ -49,27 +47,8 @@ pub const WINDOW_BOUND: &str = "allot_pool_window_bound_tokens";
 /// Tokens admitted beyond G in that window, by `tenant` and `pool`.
 pub const WINDOW_OVERSHOOT: &str = "allot_pool_window_overshoot_tokens";
 
-/// The process-wide Prometheus recorder (installed on first use) and its handle for `/metrics`.
+/// The process-wide Prometheus recorder (installed on first use, `allot_net::metrics`) and its
+/// handle for `/metrics`: the grant batch and pools-per-transaction sizes count items.
 pub fn handle() -> Option<PrometheusHandle> {
-    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
-    HANDLE
-        .get_or_init(|| {
-            // Sizes (grants per pool commit, pools per transaction) get count buckets; everything
-            // else is a latency in seconds.
-            let sizes = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0];
-            let recorder = PrometheusBuilder::new()
-                .set_buckets(&[
-                    0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                ])
-                .ok()?
-                .set_buckets_for_metric(Matcher::Full(GRANT_BATCH.to_owned()), &sizes)
-                .ok()?
-                .set_buckets_for_metric(Matcher::Full(POOLS_PER_TXN.to_owned()), &sizes)
-                .ok()?
-                .build_recorder();
-            let handle = recorder.handle();
-            metrics::set_global_recorder(recorder).ok()?;
-            Some(handle)
-        })
-        .clone()
+    allot_net::metrics::prometheus(&[GRANT_BATCH, POOLS_PER_TXN])
 }

@@ -135,7 +135,7 @@ async fn accounting(ledger: Ledger) {
     ];
     for (bad, field) in cases {
         match ledger.record_report(&bad, W0).await {
-            Err(LedgerError::Invalid { field: got, .. }) => assert_eq!(got, field),
+            Err(LedgerError::Invalid(invalid)) => assert_eq!(invalid.field, field),
             other => panic!("{field}: expected a refusal, got {other:?}"),
         }
     }

@@ -8,10 +8,12 @@
 //!   the TLS handshake, the time to send the first bytes and request headers (slow and silent
 //!   clients are cut off), idle connections, and a graceful shutdown with a deadline;
 //! - [`problem`]: every error a client sees as problem+json, including those layers answer;
-//! - [`router`]: the bounds every router gets (body size, concurrency, request time).
+//! - [`router`]: the bounds every router gets (body size, concurrency, request time);
+//! - [`mod@metrics`]: the process-wide Prometheus recorder, set up once.
 //!
 //! Architecture invariant: this crate depends on nothing of ours; it knows no Allot type.
 
+pub mod metrics;
 pub mod problem;
 pub mod router;
 pub mod serve;

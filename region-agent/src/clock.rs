@@ -1,5 +1,6 @@
-//! The region agent's only reader of the OS clock. Everything else takes a [`Clock`] or a
-//! [`MonotonicClock`].
+//! The region agent's clocks: wall time and the stopwatch from `allot-clock` (the one reader of the
+//! OS clock), and the monotonic clock of the limiter's client path. Everything else takes a
+//! [`Clock`] or a [`MonotonicClock`].
 //!
 //! Redis decisions do not use the wall clock at all: the scripts read the store's own `TIME`, so
 //! gateway clock skew cannot influence refill. [`SystemClock`] serves the in-process store (the
@@ -12,22 +13,8 @@
 //! the runtime's clock controls them too.
 
 use std::sync::atomic::Ordering;
-use std::time::{SystemTime, UNIX_EPOCH};
 
-pub use allot_shared::clock::{Clock, ManualClock};
-
-/// Wall-clock time from the OS, in epoch ms.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    #[allow(clippy::disallowed_methods)]
-    fn now_ms(&self) -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-    }
-}
+pub use allot_clock::{Clock, ManualClock, Stopwatch, SystemClock};
 
 /// Elapsed time in ms since an arbitrary origin; never goes backwards.
 pub trait MonotonicClock: Send + Sync + 'static {
@@ -94,21 +81,4 @@ impl MonotonicClock for ManualMonotonicClock {
 #[allow(clippy::disallowed_methods)]
 pub fn monotonic_now() -> tokio::time::Instant {
     tokio::time::Instant::now()
-}
-
-/// Measures elapsed real time (monotonic), for benchmarks and telemetry. Never used for decisions.
-#[derive(Debug, Clone, Copy)]
-pub struct Stopwatch(std::time::Instant);
-
-impl Stopwatch {
-    /// Starts measuring.
-    #[allow(clippy::disallowed_methods)]
-    pub fn start() -> Self {
-        Self(std::time::Instant::now())
-    }
-
-    /// Time since [`Stopwatch::start`].
-    pub fn elapsed(&self) -> std::time::Duration {
-        self.0.elapsed()
-    }
 }

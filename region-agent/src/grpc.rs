@@ -252,12 +252,12 @@ pub fn admission_request(
         policy_epoch: None,
     };
     request.validate().map_err(|e| {
-        let key = match e.field {
+        let key = match e.field.as_str() {
             "principal.id" => "user",
             "costHint" => "hits_addend",
             other => other,
         };
-        invalid(index, key, e.message)
+        invalid(index, key, &e.message)
     })?;
     Ok(request)
 }

@@ -4,9 +4,7 @@
 //! (from the published bundle), tenant and pool ids (operator-configured). Never principals, keys,
 //! addresses or decision ids (those appear nowhere but in keyed hashes).
 
-use std::sync::OnceLock;
-
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Decisions by `outcome` (allowed, denied), `scope`, `reason`, `rule` and `policy_version`.
 pub const DECISIONS: &str = "allot_agent_decisions_total";
@@ -68,20 +66,7 @@ pub const STATE_RESTORED: &str = "allot_agent_state_restored";
 /// Installs the process-wide Prometheus recorder on first use and returns its handle; `None` when
 /// another recorder is already installed (then pass that recorder's handle around instead).
 pub fn install() -> Option<PrometheusHandle> {
-    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
-    HANDLE
-        .get_or_init(|| {
-            let recorder = PrometheusBuilder::new()
-                .set_buckets(&[
-                    0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                ])
-                .ok()?
-                .build_recorder();
-            let handle = recorder.handle();
-            metrics::set_global_recorder(recorder).ok()?;
-            Some(handle)
-        })
-        .clone()
+    allot_net::metrics::prometheus(&[])
 }
 
 /// Most label sets [`DecisionCounters`] keeps handles for (I10): outcomes x scopes x reasons x

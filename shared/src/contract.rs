@@ -13,6 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::FieldError;
 use crate::ids::{DecisionId, RouteGroup, TenantId};
 
 /// Longest principal id or API key id accepted, in bytes (I10). They are hashed, never stored raw.
@@ -86,49 +87,36 @@ fn one() -> u64 {
     1
 }
 
-/// A request field that failed validation beyond its type.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct RequestError {
-    /// The offending field's JSON path, e.g. `principal.id`.
-    pub field: &'static str,
-    /// What was wrong.
-    pub message: &'static str,
-}
-
 impl AdmissionRequest {
     /// Checks what serde cannot: bounded, non-empty identities, a plausible method and a cost in
     /// `[1, 2^30]` units.
-    pub fn validate(&self) -> Result<(), RequestError> {
+    pub fn validate(&self) -> Result<(), FieldError> {
         let bounded = |s: &str| !s.is_empty() && s.len() <= MAX_PRINCIPAL_ID_LEN;
         if !bounded(&self.principal.id) {
-            return Err(RequestError {
-                field: "principal.id",
-                message: "must be 1 to 256 bytes",
-            });
+            return Err(FieldError::new("principal.id", "must be 1 to 256 bytes"));
         }
         if let Some(key) = &self.principal.api_key_id
             && !bounded(key)
         {
-            return Err(RequestError {
-                field: "principal.apiKeyId",
-                message: "must be 1 to 256 bytes",
-            });
+            return Err(FieldError::new(
+                "principal.apiKeyId",
+                "must be 1 to 256 bytes",
+            ));
         }
         if self.method.is_empty()
             || self.method.len() > 16
             || !self.method.bytes().all(|b| b.is_ascii_uppercase())
         {
-            return Err(RequestError {
-                field: "method",
-                message: "must be an upper-case HTTP method of at most 16 letters",
-            });
+            return Err(FieldError::new(
+                "method",
+                "must be an upper-case HTTP method of at most 16 letters",
+            ));
         }
         if !(1..=(1 << 30)).contains(&self.cost_hint) {
-            return Err(RequestError {
-                field: "costHint",
-                message: "must be an integer in [1, 2^30]",
-            });
+            return Err(FieldError::new(
+                "costHint",
+                "must be an integer in [1, 2^30]",
+            ));
         }
         Ok(())
     }

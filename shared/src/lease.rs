@@ -17,21 +17,12 @@ use crate::MAX_RULE_PARAMETER;
 use crate::ids::{Epoch, LeaseId, RegionId};
 use crate::window::Window;
 
-/// A pool configuration that failed validation.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct PoolConfigError {
-    /// The offending field, as named on the wire (`limit`, `windowMs`, ...).
-    pub field: &'static str,
-    /// What was wrong.
-    pub message: String,
-}
+/// A pool configuration that failed validation, naming the field as the wire does (`limit`,
+/// `windowMs`, ...).
+pub type PoolConfigError = crate::FieldError;
 
 fn config_error(field: &'static str, message: impl Into<String>) -> PoolConfigError {
-    PoolConfigError {
-        field,
-        message: message.into(),
-    }
+    crate::FieldError::new(field, message)
 }
 
 /// Smallest window length, in ms.

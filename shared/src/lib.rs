@@ -38,6 +38,28 @@ pub mod replay;
 pub mod window;
 pub mod wire;
 
+/// A value refused by validation beyond its type, naming the field at fault as the wire names it
+/// (a JSON path such as `principal.id`, `windowMs` or `leases[2].spent`). Every layer's validation
+/// answers with it, and the APIs turn it into problem+json naming the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct FieldError {
+    /// The field at fault.
+    pub field: String,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl FieldError {
+    /// `field` is at fault: `message`.
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
 /// Millitokens in one token.
 pub const MILLITOKENS_PER_TOKEN: u64 = 1_000;
 

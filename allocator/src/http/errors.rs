@@ -101,7 +101,7 @@ impl From<PoolStoreError> for ApiError {
 impl From<LedgerError> for ApiError {
     fn from(error: LedgerError) -> Self {
         match error {
-            LedgerError::Invalid { field, message } => Self::invalid(field, message),
+            LedgerError::Invalid(invalid) => Self::invalid(invalid.field, invalid.message),
             other => Self::unavailable("Ledger unavailable", other.to_string()),
         }
     }

@@ -52,13 +52,8 @@ pub const MAX_CONNECTIONS: u32 = 8;
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
     /// The input is inconsistent with the ledger (a client error; nothing was written).
-    #[error("{field}: {message}")]
-    Invalid {
-        /// The field at fault.
-        field: String,
-        /// What is wrong.
-        message: String,
-    },
+    #[error(transparent)]
+    Invalid(#[from] allot_shared::FieldError),
     /// The database failed.
     #[error("ledger database error: {0}")]
     Database(#[from] sqlx::Error),

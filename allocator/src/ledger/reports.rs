@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use allot_shared::FieldError;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::wire::{Report, ReportReceipt};
 use sea_query::{Alias, Expr, OnConflict, PostgresQueryBuilder, Query, SqliteQueryBuilder};
@@ -147,7 +148,8 @@ impl Ledger {
 
     /// A report's bounds, and its leases against the grants the ledger holds.
     async fn check_report(&self, report: &Report) -> Result<(), LedgerError> {
-        let invalid = |field: String, message: String| LedgerError::Invalid { field, message };
+        let invalid =
+            |field: String, message: String| LedgerError::Invalid(FieldError::new(field, message));
         if report.report_id.is_empty() || report.report_id.len() > 64 {
             return Err(invalid(
                 "reportId".into(),

@@ -191,10 +191,7 @@ impl Agent {
         self: &Arc<Self>,
         request: &AdmissionRequest,
     ) -> Result<Decision, RequestRejected> {
-        request.validate().map_err(|e| RequestRejected {
-            field: e.field.to_owned(),
-            message: e.message.to_owned(),
-        })?;
+        request.validate()?;
         let Some(bundle) = self.bundle.load_full() else {
             return Ok(refused(
                 request,
@@ -548,10 +545,7 @@ impl Agent {
     /// Gives back the concurrency slots `request` holds (call when the request has finished).
     /// Idempotent: releasing twice, or a slot that lapsed, changes nothing.
     pub async fn release(&self, request: &AdmissionRequest) -> Result<(), RequestRejected> {
-        request.validate().map_err(|e| RequestRejected {
-            field: e.field.to_owned(),
-            message: e.message.to_owned(),
-        })?;
+        request.validate()?;
         let Some(bundle) = self.bundle.load_full() else {
             return Ok(());
         };
@@ -575,10 +569,7 @@ impl Agent {
     /// A slot that already lapsed is not taken again (the cap may be full by now): it counts as
     /// lapsed.
     pub async fn renew(&self, request: &AdmissionRequest) -> Result<SlotRenewal, RequestRejected> {
-        request.validate().map_err(|e| RequestRejected {
-            field: e.field.to_owned(),
-            message: e.message.to_owned(),
-        })?;
+        request.validate()?;
         let mut renewal = SlotRenewal::default();
         let Some(bundle) = self.bundle.load_full() else {
             return Ok(renewal);

@@ -45,15 +45,8 @@ use crate::clock::Clock;
 use crate::limiter::Limiter;
 use pools::{Lookup, PoolKey, PoolSlots};
 
-/// Why a request could not even be decided.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct RequestRejected {
-    /// The field at fault.
-    pub field: String,
-    /// What is wrong.
-    pub message: String,
-}
+/// Why a request could not even be decided: the field at fault.
+pub type RequestRejected = allot_shared::FieldError;
 
 /// The agent.
 pub struct Agent {
