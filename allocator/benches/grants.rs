@@ -186,11 +186,11 @@ async fn main() {
         .expect("leads");
     let (_role_sender, role) = watch::channel(Role::Leader(leadership));
     let spec = PoolSpec {
-        limit: 1 << 40,
+        limit_tokens: 1 << 40,
         window_ms: 3_600_000,
-        chunk: 1,
+        chunk_tokens: 1,
         lease_ttl_ms: 60_000,
-        fallback_per_region: 0,
+        fallback_per_region_tokens: 0,
         regions: vec![RegionId::parse("eu").expect("region")],
     };
     let all = pools(10_000);

@@ -41,15 +41,18 @@ pub fn grant_key(tenant: &TenantId, pool: &PoolId, lease: &LeaseId) -> String {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolSpec {
     /// `G`: tokens per window.
-    pub limit: u64,
+    #[serde(rename = "limit")]
+    pub limit_tokens: u64,
     /// Window length, ms.
     pub window_ms: u64,
     /// Largest grant, tokens.
-    pub chunk: u64,
+    #[serde(rename = "chunk")]
+    pub chunk_tokens: u64,
     /// Lease TTL before clamping, ms.
     pub lease_ttl_ms: u64,
     /// Tokens each region may admit per window while the allocator is unreachable.
-    pub fallback_per_region: u64,
+    #[serde(rename = "fallbackPerRegion")]
+    pub fallback_per_region_tokens: u64,
     /// Regions allowed to take grants.
     pub regions: Vec<RegionId>,
 }
@@ -58,11 +61,11 @@ impl PoolSpec {
     /// Validates into the core's [`PoolConfig`].
     pub fn validate(&self) -> Result<PoolConfig, PoolConfigError> {
         PoolConfig::new(
-            self.limit,
+            self.limit_tokens,
             self.window_ms,
-            self.chunk,
+            self.chunk_tokens,
             self.lease_ttl_ms,
-            self.fallback_per_region,
+            self.fallback_per_region_tokens,
             self.regions.clone(),
         )
     }

@@ -373,9 +373,11 @@ pub async fn publish_ledger_gauges(
             .find(|row| row.window_end_ms.saturating_add(WINDOW_GAUGE_SETTLE_MS) <= now_ms);
         if let Some(row) = settled {
             let labels = [("tenant", tenant.to_string()), ("pool", pool.to_string())];
-            metrics::gauge!(crate::metrics::WINDOW_ADMITTED, &labels).set(row.admitted as f64);
-            metrics::gauge!(crate::metrics::WINDOW_BOUND, &labels).set(row.bound as f64);
-            metrics::gauge!(crate::metrics::WINDOW_OVERSHOOT, &labels).set(row.overshoot as f64);
+            metrics::gauge!(crate::metrics::WINDOW_ADMITTED, &labels)
+                .set(row.admitted_tokens as f64);
+            metrics::gauge!(crate::metrics::WINDOW_BOUND, &labels).set(row.bound_tokens as f64);
+            metrics::gauge!(crate::metrics::WINDOW_OVERSHOOT, &labels)
+                .set(row.overshoot_tokens as f64);
         }
     }
     Ok(())

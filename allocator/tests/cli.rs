@@ -49,7 +49,8 @@ async fn operators_drive_the_allocator_with_allotctl() {
         ],
     )
     .await;
-    assert!(stdout(&set).contains("version: 1"));
+    let set = stdout(&set);
+    assert!(set.contains("version 1, lease ttl 15000 ms"), "{set}");
     let list = stdout(&allotctl(url, OPERATOR, &["pools", "list"]).await);
     assert!(
         list.lines().nth(1).is_some_and(|l| l.starts_with("atlas")),
@@ -93,11 +94,26 @@ async fn operators_drive_the_allocator_with_allotctl() {
         40
     );
 
+    let human = stdout(
+        &allotctl(
+            url,
+            AGENT,
+            &["grant", "atlas", "api", "--region", "eu", "--want", "5"],
+        )
+        .await,
+    );
+    assert!(human.starts_with("granted 5 tokens to eu"), "{human}");
+    let pool = stdout(&allotctl(url, OPERATOR, &["pools", "get", "atlas", "api"]).await);
+    assert!(
+        pool.contains("955 tokens left") && pool.contains("granted: eu 45"),
+        "{pool}"
+    );
+
     let windows =
         stdout(&allotctl(url, OPERATOR, &["windows", "atlas", "api", "--last", "3"]).await);
     assert!(windows.lines().count() >= 2, "{windows}");
     assert!(
-        windows.lines().nth(1).is_some_and(|l| l.contains(" 40 ")),
+        windows.lines().nth(1).is_some_and(|l| l.contains(" 45 ")),
         "{windows}"
     );
 

@@ -34,13 +34,13 @@ fn region(name: &str) -> RegionId {
     RegionId::parse(name).expect("region")
 }
 
-fn spec(limit: u64, chunk: u64) -> PoolSpec {
+fn spec(limit_tokens: u64, chunk_tokens: u64) -> PoolSpec {
     PoolSpec {
-        limit,
+        limit_tokens,
         window_ms: 60_000,
-        chunk,
+        chunk_tokens,
         lease_ttl_ms: 15_000,
-        fallback_per_region: 100,
+        fallback_per_region_tokens: 100,
         regions: vec![region("eu"), region("us")],
     }
 }

@@ -144,7 +144,7 @@ async fn accounting(ledger: Ledger) {
         .await
         .expect("windows");
     assert!(
-        before.iter().all(|w| w.spent == 0),
+        before.iter().all(|w| w.spent_tokens == 0),
         "refused reports wrote nothing"
     );
 
@@ -196,16 +196,19 @@ async fn accounting(ledger: Ledger) {
     assert_eq!(windows.len(), 2);
     assert_eq!(windows[0].window_start_ms, W0 + WINDOW_MS, "newest first");
     let w0 = &windows[1];
-    assert_eq!(w0.granted, 250);
-    assert_eq!(w0.granted_by_region.get(&region("eu")), Some(&200));
-    assert_eq!(w0.spent, 90 + 10 + 50);
-    assert_eq!(w0.stranded, 10);
-    assert_eq!(w0.unreported, 90);
-    assert_eq!(w0.fallback_admitted, 55);
-    assert_eq!(w0.fallback_admitted_by_region.get(&region("eu")), Some(&50));
-    assert_eq!(w0.admitted, 205);
-    assert_eq!(w0.overshoot, 0);
-    assert_eq!((w0.limit, w0.bound), (1_000, 1_200));
+    assert_eq!(w0.granted_tokens, 250);
+    assert_eq!(w0.granted_tokens_by_region.get(&region("eu")), Some(&200));
+    assert_eq!(w0.spent_tokens, 90 + 10 + 50);
+    assert_eq!(w0.stranded_tokens, 10);
+    assert_eq!(w0.unreported_tokens, 90);
+    assert_eq!(w0.fallback_admitted_tokens, 55);
+    assert_eq!(
+        w0.fallback_admitted_tokens_by_region.get(&region("eu")),
+        Some(&50)
+    );
+    assert_eq!(w0.admitted_tokens, 205);
+    assert_eq!(w0.overshoot_tokens, 0);
+    assert_eq!((w0.limit_tokens, w0.bound_tokens), (1_000, 1_200));
     let only_last = ledger
         .windows(&tenant(), &pool(), &config(), 1, W0 + 61_000)
         .await

@@ -92,11 +92,11 @@ pub async fn run_dev(
     let (tenant, pool) = (id("atlas", TenantId::parse)?, id("api", PoolId::parse)?);
     let regions = vec![id("eu", RegionId::parse)?, id("us", RegionId::parse)?];
     let spec = PoolSpec {
-        limit: 1_000,
+        limit_tokens: 1_000,
         window_ms: 60_000,
-        chunk: 100,
+        chunk_tokens: 100,
         lease_ttl_ms: 15_000,
-        fallback_per_region: 100,
+        fallback_per_region_tokens: 100,
         regions: regions.clone(),
     };
     let pool_config = spec.validate().map_err(|e| e.to_string())?;
@@ -356,7 +356,7 @@ async fn demo(
             for (index, (region, _)) in agents.iter().enumerate() {
                 let (admitted, denied) = counts.get(&(*start, index)).copied().unwrap_or_default();
                 let fallback = row
-                    .and_then(|r| r.fallback_admitted_by_region.get(region).copied())
+                    .and_then(|r| r.fallback_admitted_tokens_by_region.get(region).copied())
                     .unwrap_or(0);
                 let _ = writeln!(
                     out,
@@ -367,9 +367,9 @@ async fn demo(
                     denied,
                     config.limit_tokens(),
                     fallback,
-                    row.map_or(0, |r| r.stranded),
-                    row.map_or(0, |r| r.overshoot),
-                    row.map_or(0, |r| r.bound),
+                    row.map_or(0, |r| r.stranded_tokens),
+                    row.map_or(0, |r| r.overshoot_tokens),
+                    row.map_or(0, |r| r.bound_tokens),
                 );
             }
         }

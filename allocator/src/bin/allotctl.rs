@@ -4,12 +4,15 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use allot_allocator::ctl::{
-    Call, Target, bundle_file, perform, render, replay_comparison, sample_file,
+    Answer, Call, Target, bundle_file, perform, render, replay_comparison, sample_file,
 };
-use allot_shared::ids::LeaseId;
+use allot_allocator::http::MintBody;
+use allot_allocator::pools::PoolSpec;
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::wire::GrantBody;
 use clap::{Parser, Subcommand};
 use reqwest::Method;
-use serde_json::json;
+use serde::Serialize;
 
 #[derive(Parser)]
 #[command(
@@ -201,8 +204,36 @@ fn encode(segment: &str) -> String {
         .collect()
 }
 
-fn call(method: Method, path: String, body: Option<String>) -> Call {
-    Call { method, path, body }
+fn call(method: Method, path: String, answer: Answer) -> Call {
+    Call {
+        method,
+        path,
+        body: None,
+        answer,
+    }
+}
+
+/// A call with `body` as its JSON, written from the API's own request type.
+fn call_with<T: Serialize>(
+    method: Method,
+    path: String,
+    body: &T,
+    answer: Answer,
+) -> Result<Call, String> {
+    let body = serde_json::to_string(body).map_err(|e| format!("writing the request: {e}"))?;
+    Ok(Call {
+        body: Some(body),
+        ..call(method, path, answer)
+    })
+}
+
+/// Parses an id argument, naming it in the error.
+fn id<T>(
+    name: &str,
+    text: &str,
+    parse: impl FnOnce(&str) -> Result<T, allot_shared::ids::IdError>,
+) -> Result<T, String> {
+    parse(text).map_err(|e| format!("{name}: {e}"))
 }
 
 async fn execute(cli: Cli) -> Result<String, String> {
@@ -243,38 +274,40 @@ async fn execute(cli: Cli) -> Result<String, String> {
                 fallback,
                 regions,
             } => {
-                let body = json!({ "limit": limit, "windowMs": window_ms, "chunk": chunk,
-                    "leaseTtlMs": lease_ttl_ms, "fallbackPerRegion": fallback, "regions": regions });
-                call(
-                    Method::PUT,
-                    pool_path(&tenant, &pool),
-                    Some(body.to_string()),
-                )
+                let spec = PoolSpec {
+                    limit_tokens: limit,
+                    window_ms,
+                    chunk_tokens: chunk,
+                    lease_ttl_ms,
+                    fallback_per_region_tokens: fallback,
+                    regions: regions
+                        .iter()
+                        .map(|region| id("--regions", region, RegionId::parse))
+                        .collect::<Result<_, _>>()?,
+                };
+                call_with(Method::PUT, pool_path(&tenant, &pool), &spec, Answer::Pool)?
             }
             PoolsCommand::Get { tenant, pool } => {
-                call(Method::GET, pool_path(&tenant, &pool), None)
+                call(Method::GET, pool_path(&tenant, &pool), Answer::Pool)
             }
-            PoolsCommand::List => call(Method::GET, "/v1/pools".to_owned(), None),
+            PoolsCommand::List => call(Method::GET, "/v1/pools".to_owned(), Answer::Pools),
             PoolsCommand::Delete { tenant, pool } => {
-                call(Method::DELETE, pool_path(&tenant, &pool), None)
+                call(Method::DELETE, pool_path(&tenant, &pool), Answer::Nothing)
             }
         },
         Command::Tokens { command } => match command {
-            TokensCommand::Mint { role, region, name } => {
-                let mut body = json!({ "role": role, "name": name });
-                if let Some(region) = region {
-                    body["region"] = json!(region);
-                }
-                call(
-                    Method::POST,
-                    "/v1/tokens".to_owned(),
-                    Some(body.to_string()),
-                )
-            }
-            TokensCommand::List => call(Method::GET, "/v1/tokens".to_owned(), None),
-            TokensCommand::Revoke { id } => {
-                call(Method::DELETE, format!("/v1/tokens/{}", encode(&id)), None)
-            }
+            TokensCommand::Mint { role, region, name } => call_with(
+                Method::POST,
+                "/v1/tokens".to_owned(),
+                &MintBody { role, region, name },
+                Answer::Minted,
+            )?,
+            TokensCommand::List => call(Method::GET, "/v1/tokens".to_owned(), Answer::Tokens),
+            TokensCommand::Revoke { id } => call(
+                Method::DELETE,
+                format!("/v1/tokens/{}", encode(&id)),
+                Answer::Nothing,
+            ),
             TokensCommand::Digest => {
                 let mut line = String::new();
                 std::io::stdin()
@@ -289,11 +322,13 @@ async fn execute(cli: Cli) -> Result<String, String> {
                 ));
             }
         },
-        Command::Audit { last } => call(Method::GET, format!("/v1/audit?last={last}"), None),
+        Command::Audit { last } => {
+            call(Method::GET, format!("/v1/audit?last={last}"), Answer::Audit)
+        }
         Command::Windows { tenant, pool, last } => call(
             Method::GET,
             format!("{}/windows?last={last}", pool_path(&tenant, &pool)),
-            None,
+            Answer::Windows,
         ),
         Command::Grant {
             tenant,
@@ -309,12 +344,14 @@ async fn execute(cli: Cli) -> Result<String, String> {
                     rand::random(),
                 ),
             };
-            let body = json!({ "leaseId": lease, "tenant": tenant, "pool": pool, "region": region, "want": want });
-            call(
-                Method::POST,
-                "/v1/grants".to_owned(),
-                Some(body.to_string()),
-            )
+            let body = GrantBody {
+                lease_id: lease,
+                tenant: id("tenant", &tenant, TenantId::parse)?,
+                pool: id("pool", &pool, PoolId::parse)?,
+                region: id("--region", &region, RegionId::parse)?,
+                want_tokens: want,
+            };
+            call_with(Method::POST, "/v1/grants".to_owned(), &body, Answer::Grant)?
         }
         Command::Policies { command } => match command {
             PoliciesCommand::Publish { file, canary } => {
@@ -322,12 +359,15 @@ async fn execute(cli: Cli) -> Result<String, String> {
                 let query = canary
                     .map(|c| format!("?canary={}", encode(&c).replace("%2C", ",")))
                     .unwrap_or_default();
-                call(Method::PUT, format!("/v1/policies{query}"), Some(text))
+                Call {
+                    body: Some(text),
+                    ..call(Method::PUT, format!("/v1/policies{query}"), Answer::Bundle)
+                }
             }
             PoliciesCommand::Promote { version } => call(
                 Method::POST,
                 format!("/v1/policies/{version}/promote"),
-                None,
+                Answer::Rollout,
             ),
             PoliciesCommand::Get { version, region } => {
                 let query = region
@@ -336,10 +376,14 @@ async fn execute(cli: Cli) -> Result<String, String> {
                 call(
                     Method::GET,
                     format!("/v1/policies/{}{query}", encode(&version)),
-                    None,
+                    Answer::Bundle,
                 )
             }
-            PoliciesCommand::Status => call(Method::GET, "/v1/policies/status".to_owned(), None),
+            PoliciesCommand::Status => call(
+                Method::GET,
+                "/v1/policies/status".to_owned(),
+                Answer::PolicyStatus,
+            ),
             PoliciesCommand::Replay {
                 bundle,
                 sample,
@@ -352,7 +396,11 @@ async fn execute(cli: Cli) -> Result<String, String> {
                     None => {
                         let value = perform(
                             &target,
-                            call(Method::GET, "/v1/policies/current".to_owned(), None),
+                            call(
+                                Method::GET,
+                                "/v1/policies/current".to_owned(),
+                                Answer::Bundle,
+                            ),
                         )
                         .await?;
                         allot_shared::policy::parse_bundle(&value.to_string())
@@ -364,12 +412,13 @@ async fn execute(cli: Cli) -> Result<String, String> {
             }
         },
     };
+    let answer = request.answer;
     let value = perform(&target, request).await?;
-    Ok(if json {
-        format!("{value}\n")
+    if json {
+        Ok(format!("{value}\n"))
     } else {
-        render(&value)
-    })
+        render(answer, &value)
+    }
 }
 
 #[tokio::main(flavor = "current_thread")]

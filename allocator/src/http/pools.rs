@@ -274,11 +274,11 @@ pub async fn get_pool_terms(
         _ => None,
     };
     let terms = PoolTerms {
-        limit_tokens: spec.limit,
+        limit_tokens: spec.limit_tokens,
         window_ms: spec.window_ms,
-        chunk_tokens: spec.chunk,
+        chunk_tokens: spec.chunk_tokens,
         lease_ttl_ms: spec.lease_ttl_ms,
-        fallback_per_region_tokens: spec.fallback_per_region,
+        fallback_per_region_tokens: spec.fallback_per_region_tokens,
         regions: spec.regions,
         version: stored.version,
         fallback_in_window,

@@ -27,27 +27,38 @@ pub struct WindowRow {
     /// Window end, epoch ms.
     pub window_end_ms: u64,
     /// `G` (from the pool's current configuration).
-    pub limit: u64,
+    #[serde(rename = "limit")]
+    pub limit_tokens: u64,
     /// Tokens granted in the window.
-    pub granted: u64,
+    #[serde(rename = "granted")]
+    pub granted_tokens: u64,
     /// Tokens granted per region.
-    pub granted_by_region: BTreeMap<RegionId, u64>,
+    #[serde(rename = "grantedByRegion")]
+    pub granted_tokens_by_region: BTreeMap<RegionId, u64>,
     /// Tokens reported spent from the window's leases.
-    pub spent: u64,
+    #[serde(rename = "spent")]
+    pub spent_tokens: u64,
     /// Granted minus spent, over expired leases whose final report arrived.
-    pub stranded: u64,
+    #[serde(rename = "stranded")]
+    pub stranded_tokens: u64,
     /// Granted minus reported spend, over expired leases whose final report never arrived.
-    pub unreported: u64,
+    #[serde(rename = "unreported")]
+    pub unreported_tokens: u64,
     /// Tokens admitted in fallback, all regions.
-    pub fallback_admitted: u64,
+    #[serde(rename = "fallbackAdmitted")]
+    pub fallback_admitted_tokens: u64,
     /// Fallback admits per region.
-    pub fallback_admitted_by_region: BTreeMap<RegionId, u64>,
+    #[serde(rename = "fallbackAdmittedByRegion")]
+    pub fallback_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
     /// spent + fallbackAdmitted.
-    pub admitted: u64,
+    #[serde(rename = "admitted")]
+    pub admitted_tokens: u64,
     /// max(0, admitted - limit).
-    pub overshoot: u64,
+    #[serde(rename = "overshoot")]
+    pub overshoot_tokens: u64,
     /// The design's bound for this pool's configuration.
-    pub bound: u64,
+    #[serde(rename = "bound")]
+    pub bound_tokens: u64,
 }
 
 #[derive(sqlx::FromRow)]
@@ -94,22 +105,24 @@ pub struct WindowAmounts {
 /// leases plus admitted in fallback), and the overshoot beyond `limit_tokens`; `bound_tokens` is
 /// the design's bound it is held to.
 pub fn account(amounts: WindowAmounts, limit_tokens: u64, bound_tokens: u64) -> WindowRow {
-    let fallback_admitted = amounts.fallback_admitted_tokens_by_region.values().sum();
-    let admitted = amounts.spent_tokens.saturating_add(fallback_admitted);
+    let fallback_admitted_tokens = amounts.fallback_admitted_tokens_by_region.values().sum();
+    let admitted_tokens = amounts
+        .spent_tokens
+        .saturating_add(fallback_admitted_tokens);
     WindowRow {
         window_start_ms: amounts.window_start_ms,
         window_end_ms: amounts.window_end_ms,
-        limit: limit_tokens,
-        granted: amounts.granted_tokens_by_region.values().sum(),
-        granted_by_region: amounts.granted_tokens_by_region,
-        spent: amounts.spent_tokens,
-        stranded: amounts.stranded_tokens,
-        unreported: amounts.unreported_tokens,
-        fallback_admitted,
-        fallback_admitted_by_region: amounts.fallback_admitted_tokens_by_region,
-        admitted,
-        overshoot: overshoot_tokens(admitted, limit_tokens),
-        bound: bound_tokens,
+        limit_tokens,
+        granted_tokens: amounts.granted_tokens_by_region.values().sum(),
+        granted_tokens_by_region: amounts.granted_tokens_by_region,
+        spent_tokens: amounts.spent_tokens,
+        stranded_tokens: amounts.stranded_tokens,
+        unreported_tokens: amounts.unreported_tokens,
+        fallback_admitted_tokens,
+        fallback_admitted_tokens_by_region: amounts.fallback_admitted_tokens_by_region,
+        admitted_tokens,
+        overshoot_tokens: overshoot_tokens(admitted_tokens, limit_tokens),
+        bound_tokens,
     }
 }
 
@@ -339,13 +352,13 @@ mod tests {
             fallback_admitted_tokens_by_region: [(region("eu"), 80), (region("us"), 20)].into(),
         };
         let row = account(amounts, 1_000, 1_200);
-        assert_eq!(row.granted, 1_000);
-        assert_eq!(row.fallback_admitted, 100);
-        assert_eq!(row.admitted, 1_050);
-        assert_eq!(row.overshoot, 50, "admitted beyond G");
-        assert_eq!((row.limit, row.bound), (1_000, 1_200));
-        assert_eq!((row.stranded, row.unreported), (40, 10));
-        assert_eq!(row.granted_by_region[&region("eu")], 700);
+        assert_eq!(row.granted_tokens, 1_000);
+        assert_eq!(row.fallback_admitted_tokens, 100);
+        assert_eq!(row.admitted_tokens, 1_050);
+        assert_eq!(row.overshoot_tokens, 50, "admitted beyond G");
+        assert_eq!((row.limit_tokens, row.bound_tokens), (1_000, 1_200));
+        assert_eq!((row.stranded_tokens, row.unreported_tokens), (40, 10));
+        assert_eq!(row.granted_tokens_by_region[&region("eu")], 700);
         // Within the limit, no overshoot; an empty window is all zeros but for its terms.
         let quiet = account(
             WindowAmounts {
@@ -355,9 +368,16 @@ mod tests {
             1_000,
             1_200,
         );
-        assert_eq!((quiet.admitted, quiet.overshoot), (400, 0));
+        assert_eq!((quiet.admitted_tokens, quiet.overshoot_tokens), (400, 0));
         let empty = account(WindowAmounts::default(), 1_000, 1_200);
-        assert_eq!((empty.granted, empty.admitted, empty.overshoot), (0, 0, 0));
+        assert_eq!(
+            (
+                empty.granted_tokens,
+                empty.admitted_tokens,
+                empty.overshoot_tokens
+            ),
+            (0, 0, 0)
+        );
         // Saturating, never wrapping, on absurd stored amounts.
         let huge = account(
             WindowAmounts {
@@ -368,6 +388,6 @@ mod tests {
             1_000,
             1_200,
         );
-        assert_eq!(huge.admitted, u64::MAX);
+        assert_eq!(huge.admitted_tokens, u64::MAX);
     }
 }

@@ -488,14 +488,14 @@ fn tenants_of(scenario: &Scenario) -> Result<Vec<TenantId>, DrillError> {
         .collect()
 }
 
-/// A pool of `limit` for `regions` with the scenario's terms.
-fn pool_spec(scenario: &Scenario, limit: u64, regions: Vec<RegionId>) -> PoolSpec {
+/// A pool of `limit_tokens` for `regions` with the scenario's terms.
+fn pool_spec(scenario: &Scenario, limit_tokens: u64, regions: Vec<RegionId>) -> PoolSpec {
     PoolSpec {
-        limit,
+        limit_tokens,
         window_ms: scenario.window_ms,
-        chunk: scenario.chunk,
+        chunk_tokens: scenario.chunk,
         lease_ttl_ms: scenario.lease_ttl_ms,
-        fallback_per_region: scenario.fallback_per_region,
+        fallback_per_region_tokens: scenario.fallback_per_region,
         regions,
     }
 }
