@@ -277,8 +277,8 @@ impl Grantor {
         let want = request.want_tokens;
         let result = self.grant_unmeasured(tenant, pool, request).await;
         let outcome = match &result {
-            Ok(record) if record.granted == 0 => "exhausted",
-            Ok(record) if record.granted < want => "partial",
+            Ok(record) if record.granted_tokens == 0 => "exhausted",
+            Ok(record) if record.granted_tokens < want => "partial",
             Ok(_) => "granted",
             Err(GrantFailure::NotLeader(_)) => "not_leader",
             Err(GrantFailure::UnknownPool) => "unknown_pool",
@@ -601,7 +601,7 @@ impl PoolWorker {
                 Ok(outcome) if outcome.succeeded => {
                     metrics::histogram!(crate::metrics::GRANT_BATCH)
                         .record(plan.new_records.len() as f64);
-                    let granted: u64 = plan.new_records.iter().map(|r| r.granted).sum();
+                    let granted: u64 = plan.new_records.iter().map(|r| r.granted_tokens).sum();
                     metrics::counter!(crate::metrics::TOKENS_GRANTED).increment(granted);
                     if let Some(cache) = self.cache.as_ref() {
                         metrics::gauge!(crate::metrics::POOL_REMAINING,
@@ -732,7 +732,7 @@ pub fn plan_batch<'a>(
         let answer = match grant(config, window.as_ref(), epoch, now_ms, request, clamping) {
             Ok((granted, next)) => {
                 let record = GrantRecord::from(&granted);
-                if record.granted > 0 {
+                if record.granted_tokens > 0 {
                     new_records.push(record.clone());
                     window = Some(next);
                 }

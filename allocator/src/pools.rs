@@ -126,7 +126,8 @@ pub struct GrantRecord {
     /// The region it was granted to.
     pub region: RegionId,
     /// Tokens granted.
-    pub granted: u64,
+    #[serde(rename = "granted")]
+    pub granted_tokens: u64,
     /// The granting leader's epoch.
     pub epoch: Epoch,
     /// Window start, epoch ms.
@@ -151,7 +152,7 @@ impl GrantRecord {
         GrantAnswer {
             lease_id: self.lease_id,
             region: self.region.clone(),
-            granted_tokens: self.granted,
+            granted_tokens: self.granted_tokens,
             epoch: self.epoch,
             window_start_ms: self.window_start_ms,
             window_end_ms: self.window_end_ms,
@@ -168,7 +169,7 @@ impl From<&Grant> for GrantRecord {
         Self {
             lease_id: grant.lease_id,
             region: grant.region.clone(),
-            granted: grant.granted_tokens,
+            granted_tokens: grant.granted_tokens,
             epoch: grant.epoch,
             window_start_ms: grant.window.start_ms,
             window_end_ms: grant.window.end_ms,

@@ -284,7 +284,7 @@ async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
     // And no window granted more than its limit.
     let mut per_window: BTreeMap<u64, u64> = BTreeMap::new();
     for record in stored.values() {
-        *per_window.entry(record.window_start_ms).or_default() += record.granted;
+        *per_window.entry(record.window_start_ms).or_default() += record.granted_tokens;
     }
     assert!(per_window.values().all(|granted| *granted <= 100_000));
 }

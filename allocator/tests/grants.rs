@@ -135,7 +135,7 @@ async fn concurrent_clients_never_exceed_the_pool(kv: Arc<dyn Kv>) {
         .await
         .expect("grants")
         .iter()
-        .map(|g| g.granted)
+        .map(|g| g.granted_tokens)
         .sum();
     assert_eq!(stored, 1_000);
 }

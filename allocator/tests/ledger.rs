@@ -42,13 +42,13 @@ fn grant(
     n: u128,
     region_name: &str,
     window_start_ms: u64,
-    granted: u64,
+    granted_tokens: u64,
     expires_at_ms: u64,
 ) -> GrantRecord {
     GrantRecord {
         lease_id: lease(n),
         region: region(region_name),
-        granted,
+        granted_tokens,
         epoch: Epoch(1),
         window_start_ms,
         window_end_ms: window_start_ms + WINDOW_MS,

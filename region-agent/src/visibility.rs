@@ -35,9 +35,9 @@ pub fn caller_view(
         scope,
         QuotaView {
             policy_name: rule_id.to_owned(),
-            quota_units: decision.limit,
+            quota_units: decision.limit_units,
             window_seconds: window_ms.div_ceil(1_000).max(1),
-            remaining_units: decision.remaining,
+            remaining_units: decision.remaining_units,
             reset_seconds: retry_after_header(decision).unwrap_or(0),
         },
     ))

@@ -48,7 +48,7 @@ async fn the_fourth_concurrent_export_is_refused_and_releases_free_slots() {
     assert!(!fourth.allowed);
     assert_eq!(fourth.denied_scope, Some(DeniedScope::Concurrency));
     assert_eq!(fourth.reason, Some(Reason::ConcurrencyExceeded));
-    assert_eq!((fourth.limit, fourth.remaining), (3, 0));
+    assert_eq!((fourth.limit_units, fourth.remaining_units), (3, 0));
     assert!(fourth.retry_after_ms > 0);
 
     // A retried admission of a held request is not a second slot (acquire is idempotent).

@@ -52,7 +52,7 @@ async fn a_stated_cost_is_charged_and_a_rule_may_charge_the_callers_hint_instead
             .await
             .expect("decision");
         assert!(decision.allowed, "{decision:?}");
-        decision.remaining
+        decision.remaining_units
     };
     // The rule states 5 units: a hint of 7 does not change it.
     assert_eq!(remaining(1, "search", 7).await, 95);

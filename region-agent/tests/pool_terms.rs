@@ -30,29 +30,29 @@ const GLOBAL_ONLY: &str = r#"{ "rules": [
 /// What the stand-in allocator answers, and what it was asked.
 struct Fake {
     /// `G` of the terms it serves; `None`: the pool does not exist.
-    limit: Mutex<Option<u64>>,
+    limit_tokens: Mutex<Option<u64>>,
     /// How long a terms answer takes.
     terms_delay: Duration,
     terms_calls: AtomicU64,
     /// `fallbackPerRegion` of the terms.
-    fallback_per_region: u64,
+    fallback_per_region_tokens: u64,
     /// Grants answer 503 (the allocator has lost its store): the agent is cut off from quota.
     grants_unavailable: bool,
     /// What the region already admitted in fallback this window, per the ledger.
-    fallback_in_window: u64,
+    fallback_in_window_tokens: u64,
 }
 
 async fn terms(State(fake): State<Arc<Fake>>) -> Response {
     fake.terms_calls.fetch_add(1, Ordering::SeqCst);
     tokio::time::sleep(fake.terms_delay).await;
-    let limit = *fake.limit.lock().expect("lock");
+    let limit = *fake.limit_tokens.lock().expect("lock");
     match limit {
         None => StatusCode::NOT_FOUND.into_response(),
         Some(limit) => Json(serde_json::json!({
             "limit": limit, "windowMs": 60_000, "chunk": 100, "leaseTtlMs": 15_000,
-            "fallbackPerRegion": fake.fallback_per_region, "regions": ["eu"], "version": limit,
+            "fallbackPerRegion": fake.fallback_per_region_tokens, "regions": ["eu"], "version": limit,
             // The agent's clock starts at 1,000,000 ms: its minute window starts at 960,000.
-            "fallbackInWindow": { "windowStartMs": 960_000, "admitted": fake.fallback_in_window },
+            "fallbackInWindow": { "windowStartMs": 960_000, "admitted": fake.fallback_in_window_tokens },
         }))
         .into_response(),
     }
@@ -92,12 +92,12 @@ async fn allocator(fake: Arc<Fake>) -> Arc<AllocatorClient> {
 
 fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
     Arc::new(Fake {
-        limit: Mutex::new(limit),
+        limit_tokens: Mutex::new(limit),
         terms_delay,
         terms_calls: AtomicU64::new(0),
-        fallback_per_region: 0,
+        fallback_per_region_tokens: 0,
         grants_unavailable: false,
-        fallback_in_window: 0,
+        fallback_in_window_tokens: 0,
     })
 }
 
@@ -148,7 +148,7 @@ async fn concurrent_requests_for_a_new_pool_fetch_its_terms_once() {
     let decisions: Vec<Decision> = requests.join_all().await;
     assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 1, "single flight");
     assert!(
-        decisions.iter().any(|d| d.limit == 1_000),
+        decisions.iter().any(|d| d.limit_units == 1_000),
         "the pool's terms were installed: {decisions:?}"
     );
     assert_eq!(agent.pool_counts(), (1, 0), "one pool held, no lookup left");
@@ -170,11 +170,11 @@ async fn an_unknown_pool_is_asked_for_once_per_interval_not_per_request() {
     admit(&agent, 20).await;
     assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 1);
     // The pool is created; the next look after the interval finds it.
-    *fake.limit.lock().expect("lock") = Some(700);
+    *fake.limit_tokens.lock().expect("lock") = Some(700);
     clock.advance(1);
     let decision = admit(&agent, 21).await;
     assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 2);
-    assert_eq!(decision.limit, 700);
+    assert_eq!(decision.limit_units, 700);
     assert_eq!(decision.reason, Some(Reason::RateExceeded));
 }
 
@@ -182,20 +182,20 @@ async fn an_unknown_pool_is_asked_for_once_per_interval_not_per_request() {
 async fn held_terms_are_refreshed_in_the_background_and_idle_pools_forgotten() {
     let fake = fake(Some(1_000), Duration::ZERO);
     let (agent, clock) = setup(&fake).await;
-    assert_eq!(admit(&agent, 0).await.limit, 1_000);
+    assert_eq!(admit(&agent, 0).await.limit_units, 1_000);
     assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 1);
 
     // The operator halves the pool. Upkeep before the refresh interval asks nothing.
-    *fake.limit.lock().expect("lock") = Some(500);
+    *fake.limit_tokens.lock().expect("lock") = Some(500);
     clock.advance(TERMS_REFRESH_MS - 1);
     agent.maintain_pools().await;
     assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 1);
-    assert_eq!(admit(&agent, 1).await.limit, 1_000);
+    assert_eq!(admit(&agent, 1).await.limit_units, 1_000);
     clock.advance(1);
     agent.maintain_pools().await;
     assert_eq!(fake.terms_calls.load(Ordering::SeqCst), 2);
     assert_eq!(
-        admit(&agent, 2).await.limit,
+        admit(&agent, 2).await.limit_units,
         500,
         "the update reached the holder"
     );
@@ -209,14 +209,14 @@ async fn held_terms_are_refreshed_in_the_background_and_idle_pools_forgotten() {
     assert_eq!(agent.pool_counts(), (0, 0));
     // A request after that looks the pool up again.
     let calls = fake.terms_calls.load(Ordering::SeqCst);
-    assert_eq!(admit(&agent, 3).await.limit, 500);
+    assert_eq!(admit(&agent, 3).await.limit_units, 500);
     assert_eq!(fake.terms_calls.load(Ordering::SeqCst), calls + 1);
 }
 
 #[tokio::test]
 async fn several_agents_in_a_region_share_its_fallback_allowance() {
     let fake = Arc::new(Fake {
-        fallback_per_region: 10,
+        fallback_per_region_tokens: 10,
         grants_unavailable: true,
         ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
     });
@@ -245,9 +245,9 @@ async fn several_agents_in_a_region_share_its_fallback_allowance() {
 #[tokio::test]
 async fn a_restarted_agent_counts_the_fallback_its_region_already_admitted_this_window() {
     let fake = Arc::new(Fake {
-        fallback_per_region: 10,
+        fallback_per_region_tokens: 10,
         grants_unavailable: true,
-        fallback_in_window: 8,
+        fallback_in_window_tokens: 8,
         ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
     });
     let (agent, _clock) = setup(&fake).await;

@@ -172,9 +172,11 @@ pub struct Decision {
     /// Why it was denied; `None` when allowed.
     pub reason: Option<Reason>,
     /// The attributed rule's limit, in whole units (internal; exposure to clients is separate).
-    pub limit: u64,
+    #[serde(rename = "limit")]
+    pub limit_units: u64,
     /// What is left of it, in whole units.
-    pub remaining: u64,
+    #[serde(rename = "remaining")]
+    pub remaining_units: u64,
     /// When to retry in ms; 0 when allowed; -1 when the request can never succeed.
     pub retry_after_ms: i64,
     /// True when the decision was made without the shared store (a bounded local fallback).

@@ -35,7 +35,7 @@ pub const MAX_RULES_PER_BUNDLE: usize = 1_000;
 /// Default TTL slack of a token bucket key, in ms.
 pub const DEFAULT_SLACK_MS: u64 = 5_000;
 /// Default cost per unit of `costHint`, in millitokens.
-pub const DEFAULT_COST_MILLIS: u64 = 1_000;
+pub const DEFAULT_COST_MILLITOKENS: u64 = 1_000;
 /// Default lease TTL of a concurrency slot, in ms.
 pub const DEFAULT_CONCURRENCY_LEASE_TTL_MS: u64 = 60_000;
 
@@ -407,10 +407,10 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
         return Err(error(f.at("routeGroup"), "is required for scope route"));
     }
     // A rule that states its cost charges it; one that does not charges the caller's costHint (in
-    // units of DEFAULT_COST_MILLIS). `chargesCostHint: true` makes a stated cost a cost per unit of
+    // units of DEFAULT_COST_MILLITOKENS). `chargesCostHint: true` makes a stated cost a cost per unit of
     // the hint (token-metered APIs).
     let stated_cost = f.u64("costMillis")?;
-    let cost_millitokens = f.u64_or("costMillis", DEFAULT_COST_MILLIS)?;
+    let cost_millitokens = f.u64_or("costMillis", DEFAULT_COST_MILLITOKENS)?;
     check_param("costMillis", cost_millitokens, 1).map_err(param(path.to_owned()))?;
     let charges_cost_hint = f.bool_or("chargesCostHint", stated_cost.is_none())?;
     let pool = f.id("pool", PoolId::parse)?;

@@ -519,8 +519,8 @@ fn denial(reason: Reason, scope: DeniedScope, retry_after_ms: i64) -> Decision {
         policy_version: 42,
         denied_scope: Some(scope),
         reason: Some(reason),
-        limit: 20,
-        remaining: 0,
+        limit_units: 20,
+        remaining_units: 0,
         retry_after_ms,
         fallback: false,
     }

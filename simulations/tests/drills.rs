@@ -27,13 +27,17 @@ fn clamped_leases_never_admit_beyond_g_and_a_saturated_pool_is_nearly_used_up() 
     assert_eq!(report.windows.len(), 3);
     for w in &report.windows {
         let admitted: u64 = w.regions.iter().map(|r| r.admitted()).sum();
-        let granted: u64 = w.regions.iter().map(|r| r.granted).sum();
-        let stranded: u64 = w.regions.iter().map(|r| r.stranded).sum();
+        let granted: u64 = w.regions.iter().map(|r| r.granted_tokens).sum();
+        let stranded: u64 = w.regions.iter().map(|r| r.stranded_tokens).sum();
         // Demand is 1.5 x G: the pool runs out, so at most the stranded remainder is unused.
-        assert!(admitted <= s.limit, "{}", report.table());
-        assert!(granted <= s.limit);
+        assert!(admitted <= s.limit_tokens, "{}", report.table());
+        assert!(granted <= s.limit_tokens);
         assert_eq!(admitted + stranded, granted, "{}", report.table());
-        assert!(admitted + s.chunk * 2 >= s.limit, "{}", report.table());
+        assert!(
+            admitted + s.chunk_tokens * 2 >= s.limit_tokens,
+            "{}",
+            report.table()
+        );
         assert!(
             w.regions
                 .iter()
@@ -51,20 +55,20 @@ fn a_partitioned_region_admits_exactly_its_fallback_allowance_and_the_window_sta
     let s = &report.scenario;
     // EU is cut off for the whole of the 60 s window: demand 1200, admitted exactly the allowance.
     let cut = &report.windows[1];
-    assert_eq!(cut.regions[0].fallback, s.fallback_per_region);
+    assert_eq!(cut.regions[0].fallback, s.fallback_per_region_tokens);
     assert_eq!(cut.regions[0].leased, 0);
-    assert_eq!(cut.regions[0].granted, 0);
+    assert_eq!(cut.regions[0].granted_tokens, 0);
     assert_eq!(
         cut.regions[0].denied_fallback_spent,
-        cut.regions[0].demand - s.fallback_per_region
+        cut.regions[0].demand - s.fallback_per_region_tokens
     );
     // The window where EU comes back: fallback and leases together exceed G, by no more than the
     // fallback term.
     let healed = &report.windows[2];
     let admitted: u64 = healed.regions.iter().map(|r| r.admitted()).sum();
-    assert!(admitted > s.limit, "{}", report.table());
+    assert!(admitted > s.limit_tokens, "{}", report.table());
     assert!(
-        admitted <= s.limit + s.fallback_per_region * 2,
+        admitted <= s.limit_tokens + s.fallback_per_region_tokens * 2,
         "{}",
         report.table()
     );
@@ -151,13 +155,13 @@ fn a_failover_that_loses_grant_records_overshoots_by_at_most_what_was_lost() {
     let admitted: u64 = first.regions.iter().map(|r| r.admitted()).sum();
     let lost = first.lost_grant_record_tokens;
     // At 30 s the old leader had granted about half the pool; the new one grants G again.
-    assert!((300..=s.limit).contains(&lost), "lost {lost}");
-    assert!(admitted > s.limit, "{}", report.table());
-    assert!(admitted <= s.limit + lost, "{}", report.table());
+    assert!((300..=s.limit_tokens).contains(&lost), "lost {lost}");
+    assert!(admitted > s.limit_tokens, "{}", report.table());
+    assert!(admitted <= s.limit_tokens + lost, "{}", report.table());
     // The next windows are back to normal.
     for w in &report.windows[1..] {
         assert_eq!(w.lost_grant_record_tokens, 0);
-        assert!(w.regions.iter().map(|r| r.admitted()).sum::<u64>() <= s.limit);
+        assert!(w.regions.iter().map(|r| r.admitted()).sum::<u64>() <= s.limit_tokens);
     }
 }
 
@@ -171,10 +175,10 @@ fn independent_regional_limits_admit_up_to_regions_times_g() {
     let s = &report.scenario;
     for (w, window) in report.windows.iter().enumerate() {
         // EU's demand (1200) exceeds its own G, so it admits exactly G; US's (300) fits in its own.
-        assert_eq!(admitted(&report, w, 0), s.limit);
+        assert_eq!(admitted(&report, w, 0), s.limit_tokens);
         let total: u64 = window.regions.iter().map(|r| r.admitted()).sum();
         assert!(
-            total > s.limit && total <= 2 * s.limit,
+            total > s.limit_tokens && total <= 2 * s.limit_tokens,
             "{}",
             report.table()
         );
@@ -207,7 +211,7 @@ fn a_static_split_denies_the_busy_region_while_the_quiet_region_holds_the_rest()
             .iter()
             .map(|r| r.admitted())
             .sum();
-        assert!(total <= weighted.scenario.limit);
+        assert!(total <= weighted.scenario.limit_tokens);
     }
 }
 
@@ -258,7 +262,7 @@ fn the_figures_in_the_drill_docs_are_what_the_drills_produce() {
     );
     let fallback = drill("fallback");
     assert_eq!(admitted_per_window(&fallback, None)[2], 1_087);
-    assert_eq!(fallback.windows[1].regions[1].stranded, 13);
+    assert_eq!(fallback.windows[1].regions[1].stranded_tokens, 13);
     let lost = drill("failover-lost");
     assert_eq!(lost.windows[0].lost_grant_record_tokens, 868);
     assert_eq!(admitted_per_window(&lost, None)[0], 1_500);
@@ -273,7 +277,7 @@ fn the_figures_in_the_drill_docs_are_what_the_drills_produce() {
     let restart = drill("agent-restart");
     // 900/min for the 5 s the agent is down: 75 requests not served.
     assert_eq!(restart.windows[1].regions[0].denied_unavailable, 75);
-    assert_eq!(restart.windows[1].regions[0].unreported, 14);
+    assert_eq!(restart.windows[1].regions[0].unreported_tokens, 14);
     // Fallback, heal, restart, fallback again in the same window: one allowance, not two.
     let again = drill("agent-restart-fallback");
     assert_eq!(again.windows[1].regions[0].fallback, 100);
@@ -291,14 +295,20 @@ fn a_hung_allocator_starts_fallback_within_the_patience_and_no_admit_waits_longe
     for window in &report.windows {
         for region in &window.regions {
             assert!(region.max_wait_ms <= patience_ms, "{}", report.table());
-            assert!(region.fallback <= s.fallback_per_region);
+            assert!(region.fallback <= s.fallback_per_region_tokens);
         }
         assert!(report.bound.holds(window.sum(|r| r.admitted())));
     }
     // The hang spans the end of window 0 and the start of window 1: EU used its allowance in both,
     // instead of denying everything it could not lease.
-    assert_eq!(report.windows[0].regions[0].fallback, s.fallback_per_region);
-    assert_eq!(report.windows[1].regions[0].fallback, s.fallback_per_region);
+    assert_eq!(
+        report.windows[0].regions[0].fallback,
+        s.fallback_per_region_tokens
+    );
+    assert_eq!(
+        report.windows[1].regions[0].fallback,
+        s.fallback_per_region_tokens
+    );
     // After the hang, leasing again: no fallback in the last window.
     assert_eq!(
         report.windows[2].regions[0].fallback,

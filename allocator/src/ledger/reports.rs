@@ -60,7 +60,7 @@ impl Ledger {
                     i64_of(record.epoch.0).into(),
                     i64_of(record.window_start_ms).into(),
                     i64_of(record.window_end_ms).into(),
-                    i64_of(record.granted).into(),
+                    i64_of(record.granted_tokens).into(),
                     i64_of(record.expires_at_ms).into(),
                 ]);
             }

@@ -72,8 +72,8 @@ impl LimitDecision {
             policy_version: planned.policy_version,
             denied_scope: None,
             reason: None,
-            limit: 0,
-            remaining: 0,
+            limit_units: 0,
+            remaining_units: 0,
             retry_after_ms: 0,
             fallback: self.fallback(),
         };
@@ -177,8 +177,8 @@ fn attribute<'r>(
         if let Some(index) = most_constraining(&shares) {
             let (limit, unit) = limit_of(index);
             decision.policy_id = rule_at(index).map(|rule| rule.id.to_string());
-            decision.limit = limit / unit;
-            decision.remaining = left(index) / unit;
+            decision.limit_units = limit / unit;
+            decision.remaining_units = left(index) / unit;
         }
         return;
     }
@@ -206,8 +206,8 @@ fn deny(
     decision.policy_id = rule.map(|rule| rule.id.to_string());
     decision.denied_scope = rule.map(|rule| rule.scope.denied_scope());
     decision.reason = Some(reason);
-    decision.limit = limit;
-    decision.remaining = remaining;
+    decision.limit_units = limit;
+    decision.remaining_units = remaining;
     decision.retry_after_ms = retry_after_ms;
 }
 
@@ -227,10 +227,10 @@ pub fn concurrency_denial(
         policy_version: planned.policy_version,
         denied_scope: Some(DeniedScope::Concurrency),
         reason: Some(Reason::ConcurrencyExceeded),
-        limit: policy
+        limit_units: policy
             .and_then(|rule| rule.concurrency.as_ref())
             .map_or(0, |semaphore| semaphore.max_in_flight()),
-        remaining: 0,
+        remaining_units: 0,
         retry_after_ms: RetryAfter::Ms(retry_after_ms).as_wire_ms(),
         fallback: false,
     }
@@ -316,7 +316,7 @@ mod tests {
         .to_contract(&planned);
         assert!(decision.allowed);
         assert_eq!(decision.policy_id.as_deref(), Some("read-route"));
-        assert_eq!((decision.limit, decision.remaining), (50, 10));
+        assert_eq!((decision.limit_units, decision.remaining_units), (50, 10));
         assert_eq!(decision.policy_version, 7);
         assert_eq!(decision.decision_id.as_str(), "r-1");
         assert_eq!((decision.denied_scope, decision.reason), (None, None));
@@ -338,7 +338,7 @@ mod tests {
         assert_eq!(decision.policy_id.as_deref(), Some("read-user"));
         assert_eq!(decision.denied_scope, Some(DeniedScope::User));
         assert_eq!(decision.reason, Some(Reason::RateExceeded));
-        assert_eq!((decision.limit, decision.remaining), (20, 0));
+        assert_eq!((decision.limit_units, decision.remaining_units), (20, 0));
         assert_eq!(decision.retry_after_ms, 500);
         assert!(!decision.fallback);
         assert_eq!(http_status(&decision), 429);
@@ -351,7 +351,7 @@ mod tests {
         .to_contract(&planned);
         assert_eq!(cached.policy_id.as_deref(), Some("tenant-all"));
         assert_eq!(cached.denied_scope, Some(DeniedScope::Tenant));
-        assert_eq!((cached.limit, cached.remaining), (1_000, 1));
+        assert_eq!((cached.limit_units, cached.remaining_units), (1_000, 1));
         assert_eq!(cached.retry_after_ms, -1);
     }
 
@@ -369,7 +369,7 @@ mod tests {
         assert!(local.allowed && local.fallback);
         // The route rule has no local bucket (it is closed, so it never reaches the fallback).
         assert_eq!(local.policy_id.as_deref(), Some("read-user"));
-        assert_eq!((local.limit, local.remaining), (5, 4));
+        assert_eq!((local.limit_units, local.remaining_units), (5, 4));
 
         let unavailable = answer(Verdict::Unavailable {
             rule: 1,
@@ -401,12 +401,12 @@ mod tests {
         })
         .to_contract(&planned);
         assert_eq!(capped.denied_scope, Some(DeniedScope::User));
-        assert_eq!((capped.retry_after_ms, capped.remaining), (700, 0));
+        assert_eq!((capped.retry_after_ms, capped.remaining_units), (700, 0));
 
         let concurrency = concurrency_denial(&planned, 1, 2_000);
         assert_eq!(concurrency.denied_scope, Some(DeniedScope::Concurrency));
         assert_eq!(concurrency.reason, Some(Reason::ConcurrencyExceeded));
-        assert_eq!(concurrency.limit, 3);
+        assert_eq!(concurrency.limit_units, 3);
         assert_eq!(http_status(&concurrency), 429);
 
         let mut split = answer(Verdict::Store(BatchDecision {
@@ -418,6 +418,6 @@ mod tests {
         }));
         split.sub_slot = Some(SubSlot { index: 1, count: 8 });
         let split = split.to_contract(&planned);
-        assert_eq!(split.limit, 125, "1,000 tokens over 8 sub-slots");
+        assert_eq!(split.limit_units, 125, "1,000 tokens over 8 sub-slots");
     }
 }

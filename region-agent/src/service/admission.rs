@@ -635,8 +635,8 @@ impl Agent {
             policy_version: version,
             denied_scope: Some(DeniedScope::Global),
             reason: Some(reason),
-            limit: refused.limit_tokens,
-            remaining: 0,
+            limit_units: refused.limit_tokens,
+            remaining_units: 0,
             retry_after_ms,
             fallback,
         }
@@ -724,8 +724,8 @@ fn admitted_by_global_rules_only(request: &AdmissionRequest, version: u64) -> De
         policy_version: version,
         denied_scope: None,
         reason: None,
-        limit: 0,
-        remaining: 0,
+        limit_units: 0,
+        remaining_units: 0,
         retry_after_ms: 0,
         fallback: false,
     }
@@ -746,8 +746,8 @@ fn refused(
         policy_version: version,
         denied_scope: rule.map(|r| r.scope.denied_scope()),
         reason: Some(reason),
-        limit: 0,
-        remaining: 0,
+        limit_units: 0,
+        remaining_units: 0,
         retry_after_ms: i64::try_from(retry_after_ms).unwrap_or(i64::MAX),
         fallback: false,
     }

@@ -17,9 +17,9 @@ use axum::routing::{get, post};
 
 /// The stand-in allocator: one pool, granted from what is left of `G`, reports recorded.
 pub struct Allocator {
-    pub limit: u64,
-    pub chunk: u64,
-    pub fallback_per_region: u64,
+    pub limit_tokens: u64,
+    pub chunk_tokens: u64,
+    pub fallback_per_region_tokens: u64,
     pub remaining: AtomicU64,
     /// Grants never answer (a blackholed allocator).
     pub hang_grants: AtomicBool,
@@ -34,12 +34,12 @@ pub struct Allocator {
 }
 
 impl Allocator {
-    pub fn new(limit: u64, chunk: u64, fallback_per_region: u64) -> Arc<Self> {
+    pub fn new(limit_tokens: u64, chunk_tokens: u64, fallback_per_region_tokens: u64) -> Arc<Self> {
         Arc::new(Self {
-            limit,
-            chunk,
-            fallback_per_region,
-            remaining: AtomicU64::new(limit),
+            limit_tokens,
+            chunk_tokens,
+            fallback_per_region_tokens,
+            remaining: AtomicU64::new(limit_tokens),
             hang_grants: AtomicBool::new(false),
             wants: Mutex::new(Vec::new()),
             spent_by_lease: Mutex::new(HashMap::new()),
@@ -50,12 +50,12 @@ impl Allocator {
 
     /// The same stand-in on `clock`.
     pub fn with_clock(
-        limit: u64,
-        chunk: u64,
-        fallback_per_region: u64,
+        limit_tokens: u64,
+        chunk_tokens: u64,
+        fallback_per_region_tokens: u64,
         clock: Arc<dyn Clock>,
     ) -> Arc<Self> {
-        let fake = Self::new(limit, chunk, fallback_per_region);
+        let fake = Self::new(limit_tokens, chunk_tokens, fallback_per_region_tokens);
         Arc::new(Self {
             clock,
             ..Arc::into_inner(fake).expect("sole owner")
@@ -73,8 +73,8 @@ impl Allocator {
 
 async fn terms(State(fake): State<Arc<Allocator>>) -> Response {
     Json(serde_json::json!({
-        "limit": fake.limit, "windowMs": 3_600_000, "chunk": fake.chunk, "leaseTtlMs": 600_000,
-        "fallbackPerRegion": fake.fallback_per_region, "regions": ["eu"], "version": 1,
+        "limit": fake.limit_tokens, "windowMs": 3_600_000, "chunk": fake.chunk_tokens, "leaseTtlMs": 600_000,
+        "fallbackPerRegion": fake.fallback_per_region_tokens, "regions": ["eu"], "version": 1,
     }))
     .into_response()
 }
@@ -86,7 +86,7 @@ async fn grant(
     if fake.hang_grants.load(Ordering::SeqCst) {
         std::future::pending::<()>().await;
     }
-    let want = body["want"].as_u64().unwrap_or(0).min(fake.chunk);
+    let want = body["want"].as_u64().unwrap_or(0).min(fake.chunk_tokens);
     fake.wants.lock().expect("lock").push(want);
     let granted = fake
         .remaining

@@ -16,7 +16,7 @@ pub(super) struct TenantChecker {
     tenant_names: Vec<String>,
     region_names: Vec<String>,
     bound: OvershootBound,
-    fallback_per_region: u64,
+    fallback_per_region_tokens: u64,
     spend_past_end_expected: bool,
     /// Offset of the window in progress, ms since the start.
     offset_ms: u64,
@@ -47,7 +47,7 @@ impl TenantChecker {
             tenant_names,
             region_names: scenario.regions.iter().map(|p| p.region.clone()).collect(),
             bound,
-            fallback_per_region: scenario.fallback_per_region,
+            fallback_per_region_tokens: scenario.fallback_per_region_tokens,
             spend_past_end_expected: scenario.expect == Expectation::SpendPastLeaseEnd,
             offset_ms: 0,
             current: vec![vec![RegionWindow::default(); regions]; tenants],
@@ -65,7 +65,7 @@ impl TenantChecker {
 
     /// Tokens granted to `tenant` in the window in progress, over all regions.
     pub(super) fn granted_in_window(&self, tenant: usize) -> u64 {
-        self.current[tenant].iter().map(|r| r.granted).sum()
+        self.current[tenant].iter().map(|r| r.granted_tokens).sum()
     }
 
     /// Records a grant (attributed to the window in progress, which is the window the allocator
@@ -82,7 +82,7 @@ impl TenantChecker {
             self.offset_ms,
             "grants are made in the window in progress"
         );
-        self.current[tenant][region].granted += tokens;
+        self.current[tenant][region].granted_tokens += tokens;
     }
 
     /// Records grant records a failover lost for `tenant` in the window in progress.
@@ -126,7 +126,7 @@ impl TenantChecker {
         for (t, records) in current.iter().enumerate() {
             let who = self.tenant_names[t].clone();
             let admitted: u64 = records.iter().map(RegionWindow::admitted).sum();
-            let granted: u64 = records.iter().map(|r| r.granted).sum();
+            let granted: u64 = records.iter().map(|r| r.granted_tokens).sum();
             let leased: u64 = records.iter().map(|r| r.leased).sum();
             let carried: u64 = records.iter().map(|r| r.carried_over).sum();
             let bound = OvershootBound {
@@ -151,11 +151,11 @@ impl TenantChecker {
                 ));
             }
             for (r, record) in records.iter().enumerate() {
-                if record.fallback > self.fallback_per_region {
+                if record.fallback > self.fallback_per_region_tokens {
                     let region = self.region_names[r].clone();
                     self.violation(format!(
                         "{who}window {at}s region {region} admitted {} in fallback > allowance {}",
-                        record.fallback, self.fallback_per_region
+                        record.fallback, self.fallback_per_region_tokens
                     ));
                 }
                 if record.spent_after_lease_end > 0 && !self.spend_past_end_expected {
@@ -205,7 +205,7 @@ pub(super) fn check_expectation(
 ) {
     let tenants = scenario.tenants;
     let regions = scenario.regions.len() as u64;
-    let limit = scenario.limit * tenants;
+    let limit = scenario.limit_tokens * tenants;
     let max_admitted = windows
         .iter()
         .map(|w| w.sum(RegionWindow::admitted))
@@ -242,14 +242,14 @@ pub(super) fn check_expectation(
             // Clamped leases strand what is held when the window ends: less than two chunks per
             // region (a holder asks for more only below its watermark, at most a chunk, and is
             // granted at most a chunk), plus what a crashed agent held.
-            let stranded_cap = 2 * scenario.chunk * regions * tenants;
+            let stranded_cap = 2 * scenario.chunk_tokens * regions * tenants;
             let restarts = scenario
                 .faults
                 .iter()
                 .filter(|f| matches!(f, super::scenario::Fault::AgentRestart { .. }))
                 .count() as u64;
             for window in windows {
-                let stranded = window.sum(|r| r.stranded);
+                let stranded = window.sum(|r| r.stranded_tokens);
                 if stranded > stranded_cap * (1 + restarts) {
                     violations.push(format!(
                         "window {}s stranded {stranded} > 2 chunks x regions {stranded_cap}",
@@ -262,7 +262,7 @@ pub(super) fn check_expectation(
             if total_fallback == 0 {
                 violations.push("expected fallback admits during the fault".to_owned());
             }
-            let most = limit + scenario.fallback_per_region * regions * tenants;
+            let most = limit + scenario.fallback_per_region_tokens * regions * tenants;
             if max_admitted > most {
                 violations.push(format!(
                     "expected at most G + fallback x regions ({most}); a window admitted {max_admitted}"
@@ -357,7 +357,7 @@ mod tests {
         let record = RegionWindow {
             demand: 990,
             leased: 990,
-            granted: 1_000,
+            granted_tokens: 1_000,
             ..RegionWindow::default()
         };
         assert_eq!(checked(record), Vec::<String>::new());
@@ -368,7 +368,7 @@ mod tests {
         let violations = checked(RegionWindow {
             leased: 1_150,
             fallback: 100,
-            granted: 1_150,
+            granted_tokens: 1_150,
             ..RegionWindow::default()
         });
         assert_violation(&violations, "admitted 1250 > bound 1200");
@@ -379,7 +379,7 @@ mod tests {
     fn overspent_leases_fallback_beyond_the_allowance_and_late_spends_are_caught() {
         let violations = checked(RegionWindow {
             leased: 500,
-            granted: 400,
+            granted_tokens: 400,
             fallback: 101,
             spent_after_lease_end: 2,
             ..RegionWindow::default()

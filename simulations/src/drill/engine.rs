@@ -266,7 +266,7 @@ impl<'s> Drill<'s> {
             .map(|plan| RegionId::parse(&plan.region).map_err(invalid))
             .collect::<Result<Vec<_>, _>>()?;
         let tenants = tenants_of(scenario)?;
-        let config = pool_spec(scenario, scenario.limit, regions.clone())
+        let config = pool_spec(scenario, scenario.limit_tokens, regions.clone())
             .validate()
             .map_err(invalid)?;
         let pools = configure_pools(&*kv, scenario, &tenants, &regions).await?;
@@ -290,7 +290,7 @@ impl<'s> Drill<'s> {
             })
             .collect();
         let pool_limits = match scenario.layout {
-            PoolLayout::Shared => scenario.limit,
+            PoolLayout::Shared => scenario.limit_tokens,
             PoolLayout::PerRegion { per_region_limit } => per_region_limit * regions.len() as u64,
         };
         let bound = OvershootBound {
@@ -404,13 +404,13 @@ impl<'s> Drill<'s> {
                 ledger_fallback: &mut agent.ledger_fallback[t],
                 tenant: t,
                 region_index: r,
-                c,
+                conditions: c,
                 now_ms,
                 agent_now_ms,
                 window_start_ms: window.start_ms,
                 tick_ms,
                 first_grant_wait_ms: ms(FIRST_GRANT_WAIT),
-                limit: scenario.limit,
+                limit_tokens: scenario.limit_tokens,
             };
             abnormal |= step.run(arrivals, self.holder_config, report_due).await?;
         }
@@ -493,9 +493,9 @@ fn pool_spec(scenario: &Scenario, limit_tokens: u64, regions: Vec<RegionId>) -> 
     PoolSpec {
         limit_tokens,
         window_ms: scenario.window_ms,
-        chunk_tokens: scenario.chunk,
+        chunk_tokens: scenario.chunk_tokens,
         lease_ttl_ms: scenario.lease_ttl_ms,
-        fallback_per_region_tokens: scenario.fallback_per_region,
+        fallback_per_region_tokens: scenario.fallback_per_region_tokens,
         regions,
     }
 }
@@ -513,7 +513,7 @@ async fn configure_pools(
     for tenant in tenants {
         match scenario.layout {
             PoolLayout::Shared => {
-                let spec = pool_spec(scenario, scenario.limit, regions.to_vec());
+                let spec = pool_spec(scenario, scenario.limit_tokens, regions.to_vec());
                 put_pool(kv, tenant, &pool_id, spec, START_MS)
                     .await
                     .map_err(store)?;
@@ -542,9 +542,9 @@ fn holder_config(scenario: &Scenario, window_ms: NonZeroU64) -> HolderConfig {
     let regional_hold_ms = 2 * ms(LimiterConfig::default().decision_budget);
     HolderConfig {
         window_ms,
-        chunk_tokens: scenario.chunk,
+        chunk_tokens: scenario.chunk_tokens,
         lease_ttl_ms: scenario.lease_ttl_ms,
-        fallback_per_region_tokens: scenario.fallback_per_region,
+        fallback_per_region_tokens: scenario.fallback_per_region_tokens,
         expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS + regional_hold_ms,
         round_trip_ms: ROUND_TRIP_MS,
         renewal_patience_ms: ms(FIRST_GRANT_WAIT),
@@ -559,16 +559,16 @@ fn crash(agent: &mut RegionAgent, checker: &mut TenantChecker, r: usize, agent_n
     for (t, held) in agent.pools.iter_mut().enumerate() {
         let record = checker.record(t, r);
         if let Some(holder) = &held.holder {
-            record.stranded += holder.available_tokens(agent_now_ms);
+            record.stranded_tokens += holder.available_tokens(agent_now_ms);
         }
         if let Some(InFlight {
             answer: Some(answer),
             ..
         }) = held.in_flight
         {
-            record.stranded += answer.granted_tokens;
+            record.stranded_tokens += answer.granted_tokens;
         }
-        record.unreported += held.admitted_since_report;
+        record.unreported_tokens += held.admitted_since_report;
         *held = HeldPool::default();
     }
     agent.believes_reachable = true;
@@ -585,13 +585,13 @@ struct Step<'a> {
     ledger_fallback: &'a mut (u64, u64),
     tenant: usize,
     region_index: usize,
-    c: RegionConditions,
+    conditions: RegionConditions,
     now_ms: u64,
     agent_now_ms: u64,
     window_start_ms: u64,
     tick_ms: u64,
     first_grant_wait_ms: u64,
-    limit: u64,
+    limit_tokens: u64,
 }
 
 impl Step<'_> {
@@ -626,7 +626,7 @@ impl Step<'_> {
         if arrivals == 0 {
             self.renew().await?;
         }
-        if report_due && !self.c.partitioned {
+        if report_due && !self.conditions.partitioned {
             self.report();
         }
         self.tally_strands();
@@ -636,7 +636,7 @@ impl Step<'_> {
     /// The agent fetches the pool's terms on first use (not while cut off), with what its region
     /// already admitted in fallback this window (as the ledger holds it).
     fn look_up_terms(&mut self, config: HolderConfig) {
-        if self.held.holder.is_some() || self.c.partitioned {
+        if self.held.holder.is_some() || self.conditions.partitioned {
             return;
         }
         let mut holder = PoolHolder::new(config);
@@ -724,7 +724,7 @@ impl Step<'_> {
             Spend::Denied { denial, .. } => match denial {
                 Denial::PoolExhausted => {
                     record.denied_exhausted += 1;
-                    if granted_in_window < self.limit {
+                    if granted_in_window < self.limit_tokens {
                         record.denied_while_tokens_left += 1;
                     }
                     false
@@ -780,8 +780,9 @@ impl Step<'_> {
             return;
         };
         let stranded = holder.stranded_tokens();
-        self.checker.record(self.tenant, self.region_index).stranded +=
-            stranded - self.held.stranded_seen;
+        self.checker
+            .record(self.tenant, self.region_index)
+            .stranded_tokens += stranded - self.held.stranded_seen;
         self.held.stranded_seen = stranded;
         let horizon = self.now_ms.saturating_sub(self.tick_ms);
         self.held.lease_ends.retain(|&(_, end)| end >= horizon);
@@ -812,7 +813,7 @@ impl Step<'_> {
         self.allocator.leases_asked += 1;
         let fresh = LeaseId::from_parts(self.now_ms, self.allocator.leases_asked);
         let lease_id = holder.renewal_lease_id(fresh);
-        if self.c.partitioned {
+        if self.conditions.partitioned {
             // The call fails at once: nothing reached the allocator.
             holder.end_renewal();
             holder.renewal_failed(lease_id, true);
@@ -839,13 +840,14 @@ impl Step<'_> {
                 record.granted_tokens,
             );
         }
-        let lost = self.c.loss_percent > 0 && self.rng.random_range(0..100) < self.c.loss_percent;
+        let lost = self.conditions.loss_percent > 0
+            && self.rng.random_range(0..100) < self.conditions.loss_percent;
         // As the agent: what is left of the lease is measured on the agent's clock from when it
         // asked.
         let answer = LeaseGrant::from_answer(&record, self.agent_now_ms);
         let flight = InFlight {
             true_expires_at_ms: record.expires_at_ms,
-            deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.c.added_ms,
+            deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.conditions.added_ms,
             gives_up_at_ms: self.now_ms + ms(CALL_TIMEOUT),
             lease_id,
             answer: (!lost).then_some(answer),

@@ -20,7 +20,7 @@ impl DrillReport {
     /// regions, convergence and the violations. Deterministic: the same run gives the same bytes.
     pub fn json(&self) -> serde_json::Value {
         let s = &self.scenario;
-        let g = s.limit * s.tenants;
+        let g = s.limit_tokens * s.tenants;
         let windows: Vec<serde_json::Value> = self
             .windows
             .iter()
@@ -62,11 +62,11 @@ impl DrillReport {
             "about": s.about,
             "seed": self.seed,
             "tenants": s.tenants,
-            "limit": s.limit,
+            "limit": s.limit_tokens,
             "windowMs": s.window_ms,
-            "chunk": s.chunk,
+            "chunk": s.chunk_tokens,
             "leaseTtlMs": s.lease_ttl_ms,
-            "fallbackPerRegion": s.fallback_per_region,
+            "fallbackPerRegion": s.fallback_per_region_tokens,
             "clamped": s.clamping == LeaseClamping::Clamped,
             "durationMs": s.duration_ms,
             "bound": {
@@ -93,11 +93,11 @@ impl DrillReport {
             s.about,
             self.seed,
             s.tenants,
-            s.limit,
+            s.limit_tokens,
             s.window_ms,
-            s.chunk,
+            s.chunk_tokens,
             s.lease_ttl_ms,
-            s.fallback_per_region,
+            s.fallback_per_region_tokens,
             match s.clamping {
                 LeaseClamping::Clamped => "clamped",
                 LeaseClamping::Unclamped => "unclamped",
@@ -108,7 +108,7 @@ impl DrillReport {
             self.bound.fallback_allowance_tokens,
             self.bound.lost_grant_record_tokens,
         );
-        let g = s.limit * s.tenants;
+        let g = s.limit_tokens * s.tenants;
         if self.windows.len() <= MAX_TABLE_WINDOWS {
             out.push_str(
                 "  window  region  demand  leased  carried  fallback  denied  (tokens left)  granted  stranded\n",
@@ -125,8 +125,8 @@ impl DrillReport {
                         r.fallback,
                         r.denied(),
                         r.denied_while_tokens_left,
-                        r.granted,
-                        r.stranded,
+                        r.granted_tokens,
+                        r.stranded_tokens,
                     ));
                     let extras = extras(r);
                     if !extras.is_empty() {
@@ -184,7 +184,7 @@ impl DrillReport {
 
     fn summary(&self) -> String {
         let s = &self.scenario;
-        let g = s.limit * s.tenants;
+        let g = s.limit_tokens * s.tenants;
         let mut out = format!(
             "  {} windows; per region over the run:\n",
             self.windows.len()
@@ -203,8 +203,8 @@ impl DrillReport {
                 total.carried_over,
                 total.fallback,
                 total.denied(),
-                total.granted,
-                total.stranded
+                total.granted_tokens,
+                total.stranded_tokens
             ));
         }
         let worst = self
@@ -247,7 +247,7 @@ impl DrillReport {
     /// Admitted per window (each region and the total) against G and the bound.
     fn admitted_plot(&self) -> Result<String, String> {
         let s = &self.scenario;
-        let g = s.limit * s.tenants;
+        let g = s.limit_tokens * s.tenants;
         let points = |f: &dyn Fn(&WindowRecord) -> u64| -> Vec<(u64, u64)> {
             self.windows
                 .iter()
@@ -281,7 +281,10 @@ impl DrillReport {
                     .map(|w| (w.offset_ms / 1_000, f(&w.regions[r])))
                     .collect()
             };
-            series.push((format!("stranded {}", plan.region), of(|x| x.stranded)));
+            series.push((
+                format!("stranded {}", plan.region),
+                of(|x| x.stranded_tokens),
+            ));
             series.push((format!("fallback {}", plan.region), of(|x| x.fallback)));
         }
         line_plot("stranded and fallback tokens per window", "tokens", &series)
@@ -321,8 +324,8 @@ fn extras(r: &RegionWindow) -> String {
             r.answers_lost, r.recovered_tokens
         ));
     }
-    if r.unreported > 0 {
-        parts.push(format!("unreported {}", r.unreported));
+    if r.unreported_tokens > 0 {
+        parts.push(format!("unreported {}", r.unreported_tokens));
     }
     if r.spent_after_lease_end > 0 {
         parts.push(format!("spent after lease end {}", r.spent_after_lease_end));

@@ -39,16 +39,19 @@ pub struct RegionWindow {
     /// in this window: the cost of a static split.
     pub denied_while_tokens_left: u64,
     /// Tokens granted to this region for this window.
-    pub granted: u64,
+    #[serde(rename = "granted")]
+    pub granted_tokens: u64,
     /// Tokens that became stranded during this window (unspent at a lease's end, or held by an
     /// agent that crashed).
-    pub stranded: u64,
+    #[serde(rename = "stranded")]
+    pub stranded_tokens: u64,
     /// Grant answers lost on the way back.
     pub answers_lost: u64,
     /// Tokens of lost answers recovered by asking again with the same lease id.
     pub recovered_tokens: u64,
     /// Admits that never reached the ledger: a crashed agent's last report interval.
-    pub unreported: u64,
+    #[serde(rename = "unreported")]
+    pub unreported_tokens: u64,
     /// Tokens spent at or after their lease's end, in true time (an invariant violation unless the
     /// scenario expects it).
     pub spent_after_lease_end: u64,
@@ -84,11 +87,11 @@ impl RegionWindow {
         self.denied_window_end += other.denied_window_end;
         self.denied_unavailable += other.denied_unavailable;
         self.denied_while_tokens_left += other.denied_while_tokens_left;
-        self.granted += other.granted;
-        self.stranded += other.stranded;
+        self.granted_tokens += other.granted_tokens;
+        self.stranded_tokens += other.stranded_tokens;
         self.answers_lost += other.answers_lost;
         self.recovered_tokens += other.recovered_tokens;
-        self.unreported += other.unreported;
+        self.unreported_tokens += other.unreported_tokens;
         self.spent_after_lease_end += other.spent_after_lease_end;
         self.waited += other.waited;
         self.max_wait_ms = self.max_wait_ms.max(other.max_wait_ms);

@@ -35,15 +35,18 @@ pub struct Scenario {
     #[serde(default)]
     pub seed: u64,
     /// G, tokens per window.
-    pub limit: u64,
+    #[serde(rename = "limit")]
+    pub limit_tokens: u64,
     /// Window length, ms (a multiple of `tick_ms`).
     pub window_ms: u64,
     /// Largest grant, tokens.
-    pub chunk: u64,
+    #[serde(rename = "chunk")]
+    pub chunk_tokens: u64,
     /// Lease TTL before clamping, ms.
     pub lease_ttl_ms: u64,
     /// Fallback tokens per region per window.
-    pub fallback_per_region: u64,
+    #[serde(rename = "fallback_per_region")]
+    pub fallback_per_region_tokens: u64,
     /// Whether leases are clamped to their window (`"clamped"`, the default, or `"unclamped"`).
     #[serde(default = "clamped", with = "clamping_text")]
     pub clamping: LeaseClamping,
@@ -349,7 +352,7 @@ impl Scenario {
         {
             return fail("name", "1 to 64 of a-z, 0-9 and -".into());
         }
-        if self.limit == 0 {
+        if self.limit_tokens == 0 {
             return fail("limit", "must be at least 1".into());
         }
         if self.tick_ms == 0 || self.tick_ms > 60_000 {
@@ -361,7 +364,7 @@ impl Scenario {
                 format!("must be a positive multiple of tick_ms ({})", self.tick_ms),
             );
         }
-        if self.chunk == 0 || self.lease_ttl_ms == 0 {
+        if self.chunk_tokens == 0 || self.lease_ttl_ms == 0 {
             return fail("chunk", "chunk and lease_ttl_ms must be at least 1".into());
         }
         if !(1..=MAX_TENANTS).contains(&self.tenants) {

@@ -288,7 +288,7 @@ async fn with_redis_stopped_local_bounded_rules_answer_within_their_local_bound_
         } else {
             assert_eq!(contract.reason, Some(Reason::RateExceeded));
             assert_eq!(contract.policy_id.as_deref(), Some("read-user"));
-            assert_eq!((contract.limit, contract.remaining), (5, 0));
+            assert_eq!((contract.limit_units, contract.remaining_units), (5, 0));
             assert_eq!(contract.retry_after_ms, 4_000, "0.25 tokens per second");
         }
     }
@@ -612,7 +612,7 @@ async fn a_hot_tenant_spreads_over_k_sub_slots_on_three_masters_and_its_split_bu
             per_slot[slot.index as usize] += 1;
         }
         assert_eq!(
-            decision.to_contract(&planned).limit,
+            decision.to_contract(&planned).limit_units,
             6,
             "50 tokens / 8, rounded down to whole tokens"
         );
