@@ -1,8 +1,8 @@
 //! The clock seam.
 //!
 //! Decision code takes `now_ms` as an argument; services read it from a [`Clock`] so the simulator and
-//! tests can drive time. This crate defines the seam and a manual clock; the system clock lives in each
-//! service's `clock` module, the only place allowed to read the OS clock.
+//! tests can drive time. This crate defines the seam and a manual clock; the system clock lives in
+//! `allot-clock`, the services' one reader of the OS clock.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -8,7 +8,7 @@
 //! etcd stays the authority for live state; the ledger is the durable history (I12: metrics are not a
 //! ledger, and neither is etcd, whose grant records expire).
 //!
-//! A file per job: [`schema`] (tables and columns), [`audit`] (the change history: audit log, pool
+//! A file per job: `schema` (tables and columns), [`audit`] (the change history: audit log, pool
 //! configurations, bundles), [`reports`] (grants and reports), [`accounting`] (per-window accounts,
 //! the arithmetic pure and tested without SQL).
 

@@ -2,8 +2,9 @@
 //!
 //! Global (cross-tenant or cross-region) budgets cannot share a script with a tenant's regional keys,
 //! so the agent holds leases of them and spends those in memory: no network call on the request path.
-//! [`holder`] is the per-pool state machine (spend, renew, fall back, report); the agent service
-//! (issue 5) drives it with the allocator client, its clock and its reachability.
+//! [`holder`] is the per-pool state machine (reserve, commit or cancel, renew, fall back, report);
+//! the agent service (`crate::service`) drives it with the allocator client, its clock and its
+//! reachability.
 
 pub mod holder;
 

@@ -38,9 +38,9 @@
 //!   ([`fallback`] buckets for `local_bounded`, 503 for `closed`), the [`negative_cache`],
 //!   [`hot_tenants`] over sub-slots and the pre-authentication [`cardinality`] cap.
 //! - [`decision`]: a [`LimitDecision`] as the contract's `Decision`.
-//!
-//! Not here yet: concurrency leases through the client path (the store calls exist; the agent
-//! service will acquire and release them beside `decide`).
+//! - [`Limiter::lease`]: concurrency slots (acquire, release, renew) through the same deadline,
+//!   breaker and fail modes; the agent takes them before the store call and releases them on any
+//!   denial.
 
 pub mod batch;
 mod bounded;

@@ -1,0 +1,346 @@
+//! ARCHITECTURE.md stays true: its code map names every module of every crate and only paths that
+//! exist, every top-level folder and script has its place in it, its invariants are numbered in
+//! order, and no document speaks of issue numbers.
+
+use std::path::{Path, PathBuf};
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate sits in the repository")
+        .to_path_buf()
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The text of `## heading` up to the next `## `.
+fn section<'a>(text: &'a str, heading: &str) -> &'a str {
+    let start = text
+        .find(&format!("\n## {heading}\n"))
+        .unwrap_or_else(|| panic!("ARCHITECTURE.md has no section '{heading}'"));
+    let body = &text[start + heading.len() + 5..];
+    body.find("\n## ").map_or(body, |end| &body[..end])
+}
+
+/// A code map row: the paths of its first cell (later names relative to the first one's folder) and
+/// the whole row's text.
+struct Row {
+    paths: Vec<String>,
+    text: String,
+}
+
+fn code_map(architecture: &str) -> Vec<Row> {
+    section(architecture, "Code map")
+        .lines()
+        .filter(|line| line.starts_with("| `"))
+        .map(|line| {
+            let first_cell = line.split('|').nth(1).unwrap_or_default();
+            let names: Vec<&str> = first_cell
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .filter(|name| !name.is_empty())
+                .collect();
+            let folder = names.first().map_or(String::new(), |first| {
+                if first.ends_with('/') {
+                    (*first).to_owned()
+                } else {
+                    first
+                        .rsplit_once('/')
+                        .map_or(String::new(), |(folder, _)| format!("{folder}/"))
+                }
+            });
+            let paths = names
+                .iter()
+                .enumerate()
+                .map(|(index, name)| {
+                    if index == 0 || name.contains('/') {
+                        (*name).to_owned()
+                    } else {
+                        format!("{folder}{name}")
+                    }
+                })
+                .collect();
+            Row {
+                paths,
+                text: line.to_owned(),
+            }
+        })
+        .collect()
+}
+
+fn workspace_members(root: &Path) -> Vec<String> {
+    let manifest = read(&root.join("Cargo.toml"));
+    let start = manifest
+        .find("members = [")
+        .expect("the workspace lists its members");
+    let list = &manifest[start + "members = [".len()..];
+    let end = list.find(']').expect("the member list ends");
+    list[..end]
+        .split(',')
+        .map(|member| member.trim().trim_matches('"').to_owned())
+        .filter(|member| !member.is_empty())
+        .collect()
+}
+
+/// Every `.rs` file under `folder`, as paths relative to `root` with `/` separators.
+fn rust_files(root: &Path, folder: &Path, found: &mut Vec<String>) {
+    let Ok(entries) = std::fs::read_dir(folder) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            rust_files(root, &path, found);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            let relative = path.strip_prefix(root).expect("under the root");
+            found.push(relative.to_string_lossy().replace('\\', "/"));
+        }
+    }
+}
+
+/// Whether `text` holds `word` not glued to a longer name before it.
+fn mentions(text: &str, word: &str) -> bool {
+    text.match_indices(word).any(|(at, _)| {
+        text[..at]
+            .chars()
+            .next_back()
+            .is_none_or(|before| !(before.is_alphanumeric() || "_-.".contains(before)))
+    })
+}
+
+/// Whether the code map names `module`: a row of its own path, or a row of a folder above it that
+/// names it or a folder between the two (a crate's `src/` alone names nothing).
+fn documented(rows: &[Row], module: &str) -> bool {
+    rows.iter().any(|row| {
+        row.paths.iter().any(|path| {
+            path == module
+                || (path.ends_with('/')
+                    && module.starts_with(path.as_str())
+                    && names(&row.text, &module[path.len()..]))
+        })
+    })
+}
+
+/// Whether `text` names `relative` (a module's path below a row's folder).
+fn names(text: &str, relative: &str) -> bool {
+    let parts: Vec<&str> = relative.trim_end_matches('/').split('/').collect();
+    let mut candidates: Vec<String> = (1..parts.len())
+        .map(|depth| format!("{}/", parts[..depth].join("/")))
+        .filter(|folder| folder != "src/")
+        .collect();
+    let last = parts.last().copied().unwrap_or_default();
+    if relative.ends_with('/') {
+        candidates.push(format!("{last}/"));
+        candidates.push(format!("`{last}`"));
+    } else {
+        candidates.push(last.to_owned());
+        candidates.push(format!("`{}`", last.trim_end_matches(".rs")));
+    }
+    candidates.iter().any(|candidate| mentions(text, candidate))
+}
+
+/// The modules of a crate: every file but the roots, and every folder module (as `folder/`).
+fn modules_of(root: &Path, member: &str) -> Vec<String> {
+    let mut files = Vec::new();
+    rust_files(root, &root.join(member).join("src"), &mut files);
+    files
+        .into_iter()
+        .filter_map(|file| {
+            if file.ends_with("/mod.rs") {
+                Some(file.trim_end_matches("mod.rs").to_owned())
+            } else if file.ends_with("src/lib.rs") || file.ends_with("src/main.rs") {
+                None
+            } else {
+                Some(file)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn the_code_map_names_every_module_of_every_crate() {
+    let root = repo_root();
+    let rows = code_map(&read(&root.join("ARCHITECTURE.md")));
+    assert!(rows.len() > 10, "the code map has too few rows to parse");
+    let mut missing = Vec::new();
+    let mut modules = 0;
+    for member in workspace_members(&root) {
+        assert!(
+            rows.iter().any(|row| row.paths[0] == format!("{member}/")),
+            "the crate {member}/ has no row of its own"
+        );
+        for module in modules_of(&root, &member) {
+            modules += 1;
+            if !documented(&rows, &module) {
+                missing.push(module);
+            }
+        }
+    }
+    assert!(
+        modules > 50,
+        "found only {modules} modules: the walk is broken"
+    );
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md's code map does not name these modules: {missing:?}"
+    );
+}
+
+#[test]
+fn the_code_map_names_only_paths_that_exist() {
+    let root = repo_root();
+    let rows = code_map(&read(&root.join("ARCHITECTURE.md")));
+    let absent: Vec<&String> = rows
+        .iter()
+        .flat_map(|row| &row.paths)
+        .filter(|path| !root.join(path).exists())
+        .collect();
+    assert!(
+        absent.is_empty(),
+        "the code map names paths that do not exist: {absent:?}"
+    );
+}
+
+#[test]
+fn every_top_level_folder_and_script_has_its_place() {
+    let root = repo_root();
+    let rows = code_map(&read(&root.join("ARCHITECTURE.md")));
+    let mut missing = Vec::new();
+    for entry in std::fs::read_dir(&root).expect("the root").flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !entry.path().is_dir() || name.starts_with('.') || name == "target" {
+            continue;
+        }
+        let folder = format!("{name}/");
+        if !rows
+            .iter()
+            .any(|row| row.paths.iter().any(|path| path.starts_with(&folder)))
+        {
+            missing.push(folder);
+        }
+    }
+    let scripts_row = rows
+        .iter()
+        .find(|row| row.paths[0] == "scripts/")
+        .expect("scripts/ has a row");
+    for entry in std::fs::read_dir(root.join("scripts"))
+        .expect("scripts/")
+        .flatten()
+    {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !mentions(&scripts_row.text, &format!("`{name}`")) {
+            missing.push(format!("scripts/{name}"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md's code map leaves out: {missing:?}"
+    );
+}
+
+#[test]
+fn the_architecture_invariants_are_numbered_in_order() {
+    let root = repo_root();
+    let architecture = read(&root.join("ARCHITECTURE.md"));
+    let numbers: Vec<u32> = section(&architecture, "Architecture invariants")
+        .lines()
+        .filter_map(|line| line.split_once(". **"))
+        .filter_map(|(number, _)| number.parse().ok())
+        .collect();
+    let expected: Vec<u32> = (1..=u32::try_from(numbers.len()).expect("few")).collect();
+    assert!(numbers.len() >= 5, "found {numbers:?}");
+    assert_eq!(numbers, expected, "invariants numbered out of order");
+}
+
+#[test]
+fn documents_speak_of_the_product_not_of_issue_numbers() {
+    let root = repo_root();
+    let mut found = Vec::new();
+    for document in documents(&root) {
+        let text = read(&document).to_lowercase();
+        for (at, _) in text.match_indices("issue") {
+            let after = text[at + "issue".len()..].trim_start_matches([' ', '#']);
+            if after.starts_with(|c: char| c.is_ascii_digit()) {
+                let line = text[..at].lines().count();
+                found.push(format!("{}:{line}", document.display()));
+            }
+        }
+        if text.contains("\"planned\"") {
+            found.push(format!("{}: a \"Planned\" marker", document.display()));
+        }
+    }
+    assert!(found.is_empty(), "issue numbers in the docs: {found:?}");
+}
+
+/// README.md, ARCHITECTURE.md and every page under docs/.
+fn documents(root: &Path) -> Vec<PathBuf> {
+    let mut documents = vec![root.join("README.md"), root.join("ARCHITECTURE.md")];
+    for entry in std::fs::read_dir(root.join("docs"))
+        .expect("docs/")
+        .flatten()
+    {
+        documents.push(entry.path());
+    }
+    documents
+}
+
+#[test]
+fn every_repository_path_the_docs_name_exists() {
+    let root = repo_root();
+    let mut absent = Vec::new();
+    let mut checked = 0;
+    for document in documents(&root) {
+        let text = read(&document);
+        for quoted in text.split('`').skip(1).step_by(2) {
+            let Some((top, _)) = quoted.split_once('/') else {
+                continue;
+            };
+            if quoted.contains(' ')
+                || top.is_empty()
+                || top.starts_with('.')
+                || !root.join(top).is_dir()
+            {
+                continue;
+            }
+            // A glob names its folder.
+            let path = quoted.split_once('*').map_or(quoted, |(before, _)| {
+                before.rsplit_once('/').map_or(before, |(folder, _)| folder)
+            });
+            checked += 1;
+            if !root.join(path).exists() {
+                absent.push(format!("{}: {quoted}", document.display()));
+            }
+        }
+    }
+    assert!(
+        checked > 30,
+        "only {checked} paths found: the scan is broken"
+    );
+    assert!(
+        absent.is_empty(),
+        "the docs name paths that do not exist: {absent:?}"
+    );
+}
+
+#[test]
+fn the_checks_catch_what_they_look_for() {
+    let rows = code_map(
+        "\n## Code map\n\n| path | crate | what |\n| --- | --- | --- |\n\
+         | `a/` | `a` | binaries `tool` (`src/bin/`) |\n\
+         | `a/src/` | | `one.rs` does one thing; `two` another; the `inner/` folder |\n\
+         | `a/src/x.rs`, `y.rs` | | two files |\n",
+    );
+    assert_eq!(rows[2].paths, ["a/src/x.rs", "a/src/y.rs"]);
+    assert!(documented(&rows, "a/src/one.rs"));
+    assert!(documented(&rows, "a/src/two.rs"));
+    assert!(documented(&rows, "a/src/y.rs"));
+    assert!(documented(&rows, "a/src/inner/"));
+    assert!(documented(&rows, "a/src/inner/deep.rs"));
+    assert!(documented(&rows, "a/src/bin/tool.rs"));
+    assert!(!documented(&rows, "a/src/three.rs"), "not named");
+    assert!(!documented(&rows, "a/src/ne.rs"), "a name inside another");
+    assert!(!documented(&rows, "b/src/one.rs"), "another crate");
+}
