@@ -192,6 +192,8 @@ fn certificate_required(app: Router) -> Router {
 /// Serves `app` on `listener` (through TLS when `tls` is given) until `shutdown` resolves; then stops
 /// accepting, lets requests in flight finish for up to [`ServeLimits::shutdown_grace`], drops every
 /// connection left and returns. HTTP/1.1 and HTTP/2 (prior knowledge, or ALPN over TLS) are served.
+/// Long by design: the accept loop and its shutdown together, so every bound it applies is seen in
+/// one place.
 pub async fn serve(
     listener: TcpListener,
     app: Router,

@@ -185,7 +185,7 @@ pub struct AgentConfig {
 
 impl AgentArgs {
     /// Merges flags and environment (already in `self`), the TOML file and the defaults, or says in
-    /// one line what is missing or wrong.
+    /// one line what is missing or wrong. Long by design: one setting merged per statement.
     pub fn resolve(self) -> Result<AgentConfig, String> {
         let file: FileSettings = match &self.config {
             None => FileSettings::default(),

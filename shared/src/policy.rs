@@ -377,6 +377,8 @@ fn parse_rule(value: &Value, index: usize) -> Result<Rule, PolicyError> {
     Ok(rule)
 }
 
+/// Long by design: a rule's fields read in the bundle format's order, each with its own check and
+/// error naming the field; split, the format would no longer read top to bottom.
 fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, PolicyError> {
     let scope_text = f
         .string("scope")?

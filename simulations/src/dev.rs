@@ -59,6 +59,9 @@ fn id<T>(
 }
 
 /// Runs until `shutdown` resolves.
+///
+/// Long by design: the whole system assembled in the order it comes up (stores, allocator, ledger,
+/// agents, gateways), each step a few lines that read best in sequence.
 pub async fn run_dev(
     options: DevOptions,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -254,7 +257,8 @@ type WindowCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<(u64, usize)
 
 /// Synthetic traffic, 90/10 over the first two agents, and every 5 s a per-window table: what each
 /// region admitted (from the gateways' side), `G`, and the ledger's view of the window (fallback,
-/// stranded, overshoot and the bound).
+/// stranded, overshoot and the bound). Long by design: the demo's load loop and its table in one
+/// place.
 async fn demo(
     agents: Vec<(RegionId, Arc<Agent>)>,
     ledger: Ledger,

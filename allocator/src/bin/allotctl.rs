@@ -1,6 +1,6 @@
 //! `allotctl`: operate Allot's allocator. Parses arguments and calls `allot_allocator::ctl`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use allot_allocator::ctl::{
@@ -236,10 +236,11 @@ fn id<T>(
     parse(text).map_err(|e| format!("{name}: {e}"))
 }
 
-async fn execute(cli: Cli) -> Result<String, String> {
-    let token = match (&cli.token, &cli.token_file) {
-        (Some(token), _) => Some(token.clone()),
-        (None, Some(path)) => Some(
+/// The bearer token: `--token`, or the first token line of `--token-file`.
+fn bearer_token(cli: &Cli) -> Result<Option<String>, String> {
+    match (&cli.token, &cli.token_file) {
+        (Some(token), _) => Ok(Some(token.clone())),
+        (None, Some(path)) => Ok(Some(
             std::fs::read_to_string(path)
                 .map_err(|e| format!("--token-file {}: {e}", path.display()))?
                 .lines()
@@ -249,78 +250,195 @@ async fn execute(cli: Cli) -> Result<String, String> {
                 .and_then(|line| line.split_whitespace().last())
                 .unwrap_or_default()
                 .to_owned(),
-        ),
-        (None, None) => None,
-    };
-    let target = Target {
+        )),
+        (None, None) => Ok(None),
+    }
+}
+
+fn target_of(cli: &Cli) -> Result<Target, String> {
+    Ok(Target {
         server: cli.server.clone(),
-        token,
+        token: bearer_token(cli)?,
         tls: allot_allocator::ctl::ClientTls {
             ca: cli.ca_file.clone(),
             cert: cli.client_cert.clone(),
             key: cli.client_key.clone(),
         },
+    })
+}
+
+fn pools_call(command: PoolsCommand) -> Result<Call, String> {
+    Ok(match command {
+        PoolsCommand::Set {
+            tenant,
+            pool,
+            limit,
+            window_ms,
+            chunk,
+            lease_ttl_ms,
+            fallback,
+            regions,
+        } => {
+            let spec = PoolSpec {
+                limit_tokens: limit,
+                window_ms,
+                chunk_tokens: chunk,
+                lease_ttl_ms,
+                fallback_per_region_tokens: fallback,
+                regions: regions
+                    .iter()
+                    .map(|region| id("--regions", region, RegionId::parse))
+                    .collect::<Result<_, _>>()?,
+            };
+            call_with(Method::PUT, pool_path(&tenant, &pool), &spec, Answer::Pool)?
+        }
+        PoolsCommand::Get { tenant, pool } => {
+            call(Method::GET, pool_path(&tenant, &pool), Answer::Pool)
+        }
+        PoolsCommand::List => call(Method::GET, "/v1/pools".to_owned(), Answer::Pools),
+        PoolsCommand::Delete { tenant, pool } => {
+            call(Method::DELETE, pool_path(&tenant, &pool), Answer::Nothing)
+        }
+    })
+}
+
+/// What a token command does: a call, or (the digest) text worked out here.
+enum TokensStep {
+    Call(Call),
+    Printed(String),
+}
+
+fn tokens_step(command: TokensCommand) -> Result<TokensStep, String> {
+    Ok(TokensStep::Call(match command {
+        TokensCommand::Mint { role, region, name } => call_with(
+            Method::POST,
+            "/v1/tokens".to_owned(),
+            &MintBody { role, region, name },
+            Answer::Minted,
+        )?,
+        TokensCommand::List => call(Method::GET, "/v1/tokens".to_owned(), Answer::Tokens),
+        TokensCommand::Revoke { id } => call(
+            Method::DELETE,
+            format!("/v1/tokens/{}", encode(&id)),
+            Answer::Nothing,
+        ),
+        TokensCommand::Digest => {
+            let mut line = String::new();
+            std::io::stdin()
+                .read_line(&mut line)
+                .map_err(|e| format!("reading the token from standard input: {e}"))?;
+            let token = line.trim();
+            allot_allocator::auth::check_token_shape(token)
+                .map_err(|e| format!("the token on standard input is {e}"))?;
+            return Ok(TokensStep::Printed(format!(
+                "{}\n",
+                allot_allocator::auth::TokenDigest::of(token)
+            )));
+        }
+    }))
+}
+
+fn grant_call(
+    tenant: &str,
+    pool: &str,
+    region: &str,
+    want_tokens: u64,
+    lease_id: Option<String>,
+) -> Result<Call, String> {
+    let lease_id = match lease_id {
+        Some(text) => LeaseId::parse(&text).map_err(|e| format!("--lease-id: {e}"))?,
+        None => LeaseId::from_parts(
+            allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock),
+            rand::random(),
+        ),
     };
+    let body = GrantBody {
+        lease_id,
+        tenant: id("tenant", tenant, TenantId::parse)?,
+        pool: id("pool", pool, PoolId::parse)?,
+        region: id("--region", region, RegionId::parse)?,
+        want_tokens,
+    };
+    call_with(Method::POST, "/v1/grants".to_owned(), &body, Answer::Grant)
+}
+
+/// Every policy command but `replay`, which runs offline.
+fn policies_call(command: PoliciesCommand) -> Result<Call, String> {
+    Ok(match command {
+        PoliciesCommand::Publish { file, canary } => {
+            let text = allot_allocator::ctl::read_input(&file)?;
+            let query = canary
+                .map(|c| format!("?canary={}", encode(&c).replace("%2C", ",")))
+                .unwrap_or_default();
+            Call {
+                body: Some(text),
+                ..call(Method::PUT, format!("/v1/policies{query}"), Answer::Bundle)
+            }
+        }
+        PoliciesCommand::Promote { version } => call(
+            Method::POST,
+            format!("/v1/policies/{version}/promote"),
+            Answer::Rollout,
+        ),
+        PoliciesCommand::Get { version, region } => {
+            let query = region
+                .map(|r| format!("?region={}", encode(&r)))
+                .unwrap_or_default();
+            call(
+                Method::GET,
+                format!("/v1/policies/{}{query}", encode(&version)),
+                Answer::Bundle,
+            )
+        }
+        PoliciesCommand::Status => call(
+            Method::GET,
+            "/v1/policies/status".to_owned(),
+            Answer::PolicyStatus,
+        ),
+        PoliciesCommand::Replay { .. } => {
+            return Err("policies replay runs offline, not as a call".to_owned());
+        }
+    })
+}
+
+/// `policies replay`: the candidate beside `current` (a file, or the allocator's current bundle).
+async fn replay(
+    target: &Target,
+    bundle: &Path,
+    sample: &Path,
+    current: Option<PathBuf>,
+    json: bool,
+) -> Result<String, String> {
+    let candidate = bundle_file(bundle)?;
+    let samples = sample_file(sample)?;
+    let current = match current {
+        Some(path) => bundle_file(&path)?,
+        None => {
+            let value = perform(
+                target,
+                call(
+                    Method::GET,
+                    "/v1/policies/current".to_owned(),
+                    Answer::Bundle,
+                ),
+            )
+            .await?;
+            allot_shared::policy::parse_bundle(&value.to_string())
+                .and_then(|d| d.into_verified())
+                .map_err(|e| format!("the current bundle: {e}"))?
+        }
+    };
+    Ok(replay_comparison(&current, &candidate, &samples, json))
+}
+
+async fn execute(cli: Cli) -> Result<String, String> {
+    let target = target_of(&cli)?;
     let json = cli.json;
     let request = match cli.command {
-        Command::Pools { command } => match command {
-            PoolsCommand::Set {
-                tenant,
-                pool,
-                limit,
-                window_ms,
-                chunk,
-                lease_ttl_ms,
-                fallback,
-                regions,
-            } => {
-                let spec = PoolSpec {
-                    limit_tokens: limit,
-                    window_ms,
-                    chunk_tokens: chunk,
-                    lease_ttl_ms,
-                    fallback_per_region_tokens: fallback,
-                    regions: regions
-                        .iter()
-                        .map(|region| id("--regions", region, RegionId::parse))
-                        .collect::<Result<_, _>>()?,
-                };
-                call_with(Method::PUT, pool_path(&tenant, &pool), &spec, Answer::Pool)?
-            }
-            PoolsCommand::Get { tenant, pool } => {
-                call(Method::GET, pool_path(&tenant, &pool), Answer::Pool)
-            }
-            PoolsCommand::List => call(Method::GET, "/v1/pools".to_owned(), Answer::Pools),
-            PoolsCommand::Delete { tenant, pool } => {
-                call(Method::DELETE, pool_path(&tenant, &pool), Answer::Nothing)
-            }
-        },
-        Command::Tokens { command } => match command {
-            TokensCommand::Mint { role, region, name } => call_with(
-                Method::POST,
-                "/v1/tokens".to_owned(),
-                &MintBody { role, region, name },
-                Answer::Minted,
-            )?,
-            TokensCommand::List => call(Method::GET, "/v1/tokens".to_owned(), Answer::Tokens),
-            TokensCommand::Revoke { id } => call(
-                Method::DELETE,
-                format!("/v1/tokens/{}", encode(&id)),
-                Answer::Nothing,
-            ),
-            TokensCommand::Digest => {
-                let mut line = String::new();
-                std::io::stdin()
-                    .read_line(&mut line)
-                    .map_err(|e| format!("reading the token from standard input: {e}"))?;
-                let token = line.trim();
-                allot_allocator::auth::check_token_shape(token)
-                    .map_err(|e| format!("the token on standard input is {e}"))?;
-                return Ok(format!(
-                    "{}\n",
-                    allot_allocator::auth::TokenDigest::of(token)
-                ));
-            }
+        Command::Pools { command } => pools_call(command)?,
+        Command::Tokens { command } => match tokens_step(command)? {
+            TokensStep::Call(call) => call,
+            TokensStep::Printed(text) => return Ok(text),
         },
         Command::Audit { last } => {
             call(Method::GET, format!("/v1/audit?last={last}"), Answer::Audit)
@@ -336,81 +454,16 @@ async fn execute(cli: Cli) -> Result<String, String> {
             region,
             want,
             lease_id,
-        } => {
-            let lease = match lease_id {
-                Some(text) => LeaseId::parse(&text).map_err(|e| format!("--lease-id: {e}"))?,
-                None => LeaseId::from_parts(
-                    allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock),
-                    rand::random(),
-                ),
-            };
-            let body = GrantBody {
-                lease_id: lease,
-                tenant: id("tenant", &tenant, TenantId::parse)?,
-                pool: id("pool", &pool, PoolId::parse)?,
-                region: id("--region", &region, RegionId::parse)?,
-                want_tokens: want,
-            };
-            call_with(Method::POST, "/v1/grants".to_owned(), &body, Answer::Grant)?
-        }
-        Command::Policies { command } => match command {
-            PoliciesCommand::Publish { file, canary } => {
-                let text = allot_allocator::ctl::read_input(&file)?;
-                let query = canary
-                    .map(|c| format!("?canary={}", encode(&c).replace("%2C", ",")))
-                    .unwrap_or_default();
-                Call {
-                    body: Some(text),
-                    ..call(Method::PUT, format!("/v1/policies{query}"), Answer::Bundle)
-                }
-            }
-            PoliciesCommand::Promote { version } => call(
-                Method::POST,
-                format!("/v1/policies/{version}/promote"),
-                Answer::Rollout,
-            ),
-            PoliciesCommand::Get { version, region } => {
-                let query = region
-                    .map(|r| format!("?region={}", encode(&r)))
-                    .unwrap_or_default();
-                call(
-                    Method::GET,
-                    format!("/v1/policies/{}{query}", encode(&version)),
-                    Answer::Bundle,
-                )
-            }
-            PoliciesCommand::Status => call(
-                Method::GET,
-                "/v1/policies/status".to_owned(),
-                Answer::PolicyStatus,
-            ),
-            PoliciesCommand::Replay {
-                bundle,
-                sample,
-                current,
-            } => {
-                let candidate = bundle_file(&bundle)?;
-                let samples = sample_file(&sample)?;
-                let current = match current {
-                    Some(path) => bundle_file(&path)?,
-                    None => {
-                        let value = perform(
-                            &target,
-                            call(
-                                Method::GET,
-                                "/v1/policies/current".to_owned(),
-                                Answer::Bundle,
-                            ),
-                        )
-                        .await?;
-                        allot_shared::policy::parse_bundle(&value.to_string())
-                            .and_then(|d| d.into_verified())
-                            .map_err(|e| format!("the current bundle: {e}"))?
-                    }
-                };
-                return Ok(replay_comparison(&current, &candidate, &samples, json));
-            }
-        },
+        } => grant_call(&tenant, &pool, &region, want, lease_id)?,
+        Command::Policies {
+            command:
+                PoliciesCommand::Replay {
+                    bundle,
+                    sample,
+                    current,
+                },
+        } => return replay(&target, &bundle, &sample, current, json).await,
+        Command::Policies { command } => policies_call(command)?,
     };
     let answer = request.answer;
     let value = perform(&target, request).await?;

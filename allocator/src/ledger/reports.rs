@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use allot_shared::FieldError;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
-use allot_shared::wire::{Report, ReportReceipt};
+use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 use sea_query::{Alias, Expr, OnConflict, PostgresQueryBuilder, Query, SqliteQueryBuilder};
 use sea_query_binder::SqlxBinder;
 
@@ -233,111 +233,118 @@ struct ReportStatements {
 
 impl ReportStatements {
     fn of(report: &Report, received_at_ms: u64) -> Self {
-        let leases_json = serde_json::to_string(&report.leases).unwrap_or_default();
-        let insert_report = Query::insert()
-            .into_table(LeaseReports::Table)
-            .columns([
-                LeaseReports::ReportId,
-                LeaseReports::Region,
-                LeaseReports::Tenant,
-                LeaseReports::Pool,
-                LeaseReports::WindowStartMs,
-                LeaseReports::ReceivedAtMs,
-                LeaseReports::FallbackAdmitted,
-                LeaseReports::LeasesJson,
-            ])
-            .values_panic([
-                report.report_id.as_str().into(),
-                report.region.as_str().into(),
-                report.tenant.as_str().into(),
-                report.pool.as_str().into(),
-                i64_of(report.window_start_ms).into(),
-                i64_of(received_at_ms).into(),
-                i64_of(report.fallback_admitted_tokens).into(),
-                leases_json.into(),
-            ])
-            .on_conflict(
-                OnConflict::column(LeaseReports::ReportId)
-                    .do_nothing()
-                    .to_owned(),
-            )
-            .to_owned();
-        let spends = report
-            .leases
-            .iter()
-            .map(|lease| {
-                Query::insert()
-                    .into_table(LeaseSpend::Table)
-                    .columns([
-                        LeaseSpend::LeaseId,
-                        LeaseSpend::Spent,
-                        LeaseSpend::FinalReport,
-                        LeaseSpend::UpdatedAtMs,
-                    ])
-                    .values_panic([
-                        lease.lease_id.to_string().into(),
-                        i64_of(lease.spent_tokens).into(),
-                        i64::from(lease.final_report).into(),
-                        i64_of(received_at_ms).into(),
-                    ])
-                    .on_conflict(
-                        OnConflict::column(LeaseSpend::LeaseId)
-                            .values([
-                                (
-                                    LeaseSpend::Spent,
-                                    keep_larger(LeaseSpend::Table, LeaseSpend::Spent),
-                                ),
-                                (
-                                    LeaseSpend::FinalReport,
-                                    keep_larger(LeaseSpend::Table, LeaseSpend::FinalReport),
-                                ),
-                                (
-                                    LeaseSpend::UpdatedAtMs,
-                                    Expr::col((Alias::new("excluded"), LeaseSpend::UpdatedAtMs))
-                                        .into(),
-                                ),
-                            ])
-                            .to_owned(),
-                    )
-                    .to_owned()
-            })
-            .collect();
-        let fallback = (report.fallback_admitted_tokens > 0).then(|| {
-            Query::insert()
-                .into_table(FallbackAdmits::Table)
-                .columns([
-                    FallbackAdmits::Tenant,
-                    FallbackAdmits::Pool,
-                    FallbackAdmits::Region,
-                    FallbackAdmits::WindowStartMs,
-                    FallbackAdmits::Admitted,
-                ])
-                .values_panic([
-                    report.tenant.as_str().into(),
-                    report.pool.as_str().into(),
-                    report.region.as_str().into(),
-                    i64_of(report.window_start_ms).into(),
-                    i64_of(report.fallback_admitted_tokens).into(),
-                ])
-                .on_conflict(
-                    OnConflict::columns([
-                        FallbackAdmits::Tenant,
-                        FallbackAdmits::Pool,
-                        FallbackAdmits::Region,
-                        FallbackAdmits::WindowStartMs,
-                    ])
-                    .value(
-                        FallbackAdmits::Admitted,
-                        keep_larger(FallbackAdmits::Table, FallbackAdmits::Admitted),
-                    )
-                    .to_owned(),
-                )
-                .to_owned()
-        });
         Self {
-            report: insert_report,
-            spends,
-            fallback,
+            report: insert_report(report, received_at_ms),
+            spends: report
+                .leases
+                .iter()
+                .map(|lease| upsert_spend(lease, received_at_ms))
+                .collect(),
+            fallback: (report.fallback_admitted_tokens > 0).then(|| upsert_fallback(report)),
         }
     }
+}
+
+/// The report itself, once only by its id.
+fn insert_report(report: &Report, received_at_ms: u64) -> sea_query::InsertStatement {
+    let leases_json = serde_json::to_string(&report.leases).unwrap_or_default();
+    Query::insert()
+        .into_table(LeaseReports::Table)
+        .columns([
+            LeaseReports::ReportId,
+            LeaseReports::Region,
+            LeaseReports::Tenant,
+            LeaseReports::Pool,
+            LeaseReports::WindowStartMs,
+            LeaseReports::ReceivedAtMs,
+            LeaseReports::FallbackAdmitted,
+            LeaseReports::LeasesJson,
+        ])
+        .values_panic([
+            report.report_id.as_str().into(),
+            report.region.as_str().into(),
+            report.tenant.as_str().into(),
+            report.pool.as_str().into(),
+            i64_of(report.window_start_ms).into(),
+            i64_of(received_at_ms).into(),
+            i64_of(report.fallback_admitted_tokens).into(),
+            leases_json.into(),
+        ])
+        .on_conflict(
+            OnConflict::column(LeaseReports::ReportId)
+                .do_nothing()
+                .to_owned(),
+        )
+        .to_owned()
+}
+
+/// A lease's cumulative spend and finality: the larger values kept.
+fn upsert_spend(lease: &ReportLease, received_at_ms: u64) -> sea_query::InsertStatement {
+    Query::insert()
+        .into_table(LeaseSpend::Table)
+        .columns([
+            LeaseSpend::LeaseId,
+            LeaseSpend::Spent,
+            LeaseSpend::FinalReport,
+            LeaseSpend::UpdatedAtMs,
+        ])
+        .values_panic([
+            lease.lease_id.to_string().into(),
+            i64_of(lease.spent_tokens).into(),
+            i64::from(lease.final_report).into(),
+            i64_of(received_at_ms).into(),
+        ])
+        .on_conflict(
+            OnConflict::column(LeaseSpend::LeaseId)
+                .values([
+                    (
+                        LeaseSpend::Spent,
+                        keep_larger(LeaseSpend::Table, LeaseSpend::Spent),
+                    ),
+                    (
+                        LeaseSpend::FinalReport,
+                        keep_larger(LeaseSpend::Table, LeaseSpend::FinalReport),
+                    ),
+                    (
+                        LeaseSpend::UpdatedAtMs,
+                        Expr::col((Alias::new("excluded"), LeaseSpend::UpdatedAtMs)).into(),
+                    ),
+                ])
+                .to_owned(),
+        )
+        .to_owned()
+}
+
+/// The region's cumulative fallback admits in the window: the larger value kept.
+fn upsert_fallback(report: &Report) -> sea_query::InsertStatement {
+    Query::insert()
+        .into_table(FallbackAdmits::Table)
+        .columns([
+            FallbackAdmits::Tenant,
+            FallbackAdmits::Pool,
+            FallbackAdmits::Region,
+            FallbackAdmits::WindowStartMs,
+            FallbackAdmits::Admitted,
+        ])
+        .values_panic([
+            report.tenant.as_str().into(),
+            report.pool.as_str().into(),
+            report.region.as_str().into(),
+            i64_of(report.window_start_ms).into(),
+            i64_of(report.fallback_admitted_tokens).into(),
+        ])
+        .on_conflict(
+            OnConflict::columns([
+                FallbackAdmits::Tenant,
+                FallbackAdmits::Pool,
+                FallbackAdmits::Region,
+                FallbackAdmits::WindowStartMs,
+            ])
+            .value(
+                FallbackAdmits::Admitted,
+                keep_larger(FallbackAdmits::Table, FallbackAdmits::Admitted),
+            )
+            .to_owned(),
+        )
+        .to_owned()
 }

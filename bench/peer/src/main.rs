@@ -261,6 +261,8 @@ async fn measure(
     samples.redis_commands += commands_after.saturating_sub(commands_before + 1);
 }
 
+/// The comparison, start to end. Long by design: a benchmark script whose steps (start Redis, set up
+/// both limiters, run each shape, print the table) read in order.
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let server = allot_testkit::RedisServer::start();

@@ -79,6 +79,8 @@ async fn shutdown_signal() {
     }
 }
 
+/// Assembles and runs the agent. Long by design: each flag turned into its part (pepper, tokens,
+/// TLS, stores, limiter, allocator client, state directory, servers) in the order they come up.
 async fn start(args: AgentConfig) -> Result<(), String> {
     let region = RegionId::parse(&args.region).map_err(|e| format!("--region: {e}"))?;
     let region_id = region.clone();

@@ -197,7 +197,8 @@ impl TenantChecker {
 }
 
 /// The scenario's expected outcome, over the run's windows (summed over tenants: each tenant has
-/// the same pool and demand, so the per-tenant figures scale by the tenant count).
+/// the same pool and demand, so the per-tenant figures scale by the tenant count). Long by design:
+/// one short arm per expectation, read as a table.
 pub(super) fn check_expectation(
     scenario: &Scenario,
     windows: &[WindowRecord],

@@ -340,7 +340,8 @@ impl Scenario {
         toml::to_string(self).map_err(|e| e.to_string())
     }
 
-    /// Checks every field; the error names the field.
+    /// Checks every field; the error names the field. Long by design: one check per field, in the
+    /// scenario's order.
     pub fn validate(&self) -> Result<(), String> {
         let fail = |field: &str, message: String| Err(format!("{field}: {message}"));
         if self.name.is_empty()
