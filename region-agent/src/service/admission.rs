@@ -546,8 +546,17 @@ impl Agent {
     /// Idempotent: releasing twice, or a slot that lapsed, changes nothing.
     pub async fn release(&self, request: &AdmissionRequest) -> Result<(), RequestRejected> {
         request.validate()?;
+        let slots = self.slots_of(request);
+        let calls: Vec<&LeaseCall> = slots.iter().collect();
+        self.release_all(&calls).await;
+        Ok(())
+    }
+
+    /// The concurrency slots `request` holds under the bundle in force: none without a bundle, or
+    /// when the request cannot be planned against it (it could not have taken one either).
+    fn slots_of(&self, request: &AdmissionRequest) -> Vec<LeaseCall> {
         let Some(bundle) = self.bundle.load_full() else {
-            return Ok(());
+            return Vec::new();
         };
         let Ok(Some(planned)) = plan_request(
             &bundle,
@@ -556,12 +565,12 @@ impl Agent {
             self.settings.ip_prefixes,
             self.settings.decision_record_ttl_ms,
         ) else {
-            return Ok(());
+            return Vec::new();
         };
-        let slots = concurrency_calls(&planned, request);
-        let calls: Vec<&LeaseCall> = slots.iter().map(|(_, call)| call).collect();
-        self.release_all(&calls).await;
-        Ok(())
+        concurrency_calls(&planned, request)
+            .into_iter()
+            .map(|(_, call)| call)
+            .collect()
     }
 
     /// Extends the concurrency slots `request` holds by their lease TTL: a heartbeat for a long
@@ -571,19 +580,7 @@ impl Agent {
     pub async fn renew(&self, request: &AdmissionRequest) -> Result<SlotRenewal, RequestRejected> {
         request.validate()?;
         let mut renewal = SlotRenewal::default();
-        let Some(bundle) = self.bundle.load_full() else {
-            return Ok(renewal);
-        };
-        let Ok(Some(planned)) = plan_request(
-            &bundle,
-            request,
-            &self.settings.pepper,
-            self.settings.ip_prefixes,
-            self.settings.decision_record_ttl_ms,
-        ) else {
-            return Ok(renewal);
-        };
-        for (_, call) in concurrency_calls(&planned, request) {
+        for call in self.slots_of(request) {
             match self.limiter.lease(LeaseOp::Renew, &call).await {
                 Ok(outcome) if outcome.held => renewal.renewed += 1,
                 Ok(_) => renewal.lapsed += 1,
