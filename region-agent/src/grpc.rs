@@ -133,6 +133,8 @@ pub const DEFAULT_METHOD: &str = "UNKNOWN";
 pub struct RateLimitApi {
     agent: Arc<Agent>,
     gateway_tokens: Arc<Vec<String>>,
+    /// Calls decided at once; the rest wait ([`MAX_CONCURRENT_REQUESTS`]).
+    permits: Arc<tokio::sync::Semaphore>,
 }
 
 impl RateLimitApi {
@@ -141,24 +143,30 @@ impl RateLimitApi {
         Self {
             agent: api.agent.clone(),
             gateway_tokens: api.gateway_tokens.clone(),
+            permits: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REQUESTS)),
         }
     }
 
     fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        let token = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .unwrap_or_default();
-        if crate::http::token_known(&self.gateway_tokens, token) {
-            Ok(())
-        } else {
-            Err(Status::unauthenticated(
-                "send metadata authorization: Bearer <gateway token>",
-            ))
-        }
+        authorize_gateway(&self.gateway_tokens, request)
+    }
+}
+
+/// Checks a gRPC call's `authorization: Bearer <gateway token>` metadata (RLS and RLQS alike).
+pub(crate) fn authorize_gateway<T>(tokens: &[String], request: &Request<T>) -> Result<(), Status> {
+    let token = request
+        .metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .unwrap_or_default();
+    if crate::http::token_known(tokens, token) {
+        Ok(())
+    } else {
+        Err(Status::unauthenticated(
+            "send metadata authorization: Bearer <gateway token>",
+        ))
     }
 }
 
@@ -178,66 +186,70 @@ pub fn admission_request(
     descriptor: &RateLimitDescriptor,
     request_hits: u32,
 ) -> Result<AdmissionRequest, Status> {
-    if descriptor.entries.len() > MAX_ENTRIES {
-        return Err(invalid(
-            index,
+    let cost_hint = match descriptor.hits_addend {
+        Some(hits) => hits,
+        None if request_hits > 0 => u64::from(request_hits),
+        None => 1,
+    };
+    request_from_entries(
+        descriptor
+            .entries
+            .iter()
+            .map(|entry| (entry.key.as_str(), entry.value.as_str())),
+        descriptor.entries.len(),
+        cost_hint,
+        &|key, message| invalid(index, key, message),
+    )
+}
+
+/// An admission request from Envoy's key/value entries (a rate limit descriptor's, or a quota
+/// bucket id's), mapped as the module docs say; `fail(key, message)` is the error naming the entry
+/// at fault (a cost hint out of range is named `hits_addend`).
+pub(crate) fn request_from_entries<'e>(
+    entries: impl Iterator<Item = (&'e str, &'e str)>,
+    entry_count: usize,
+    cost_hint: u64,
+    fail: &dyn Fn(&str, &dyn std::fmt::Display) -> Status,
+) -> Result<AdmissionRequest, Status> {
+    if entry_count > MAX_ENTRIES {
+        return Err(fail(
             "entries",
-            format_args!("at most {MAX_ENTRIES} entries"),
+            &format_args!("at most {MAX_ENTRIES} entries"),
         ));
     }
     let mut tenant = None;
     let mut principal = None;
     let mut route_group = None;
     let mut method = None;
-    for entry in &descriptor.entries {
-        if entry.key.len() > MAX_ENTRY_BYTES || entry.value.len() > MAX_ENTRY_BYTES {
-            return Err(invalid(
-                index,
+    for (key, value) in entries {
+        if key.len() > MAX_ENTRY_BYTES || value.len() > MAX_ENTRY_BYTES {
+            return Err(fail(
                 "entries",
-                format_args!("keys and values are at most {MAX_ENTRY_BYTES} bytes"),
+                &format_args!("keys and values are at most {MAX_ENTRY_BYTES} bytes"),
             ));
         }
-        let key = entry.key.as_str();
         let slot_taken = match key {
-            "tenant" => tenant.replace(entry.value.as_str()).is_some(),
-            "user" => principal
-                .replace((PrincipalType::User, entry.value.as_str()))
-                .is_some(),
-            "api_key" => principal
-                .replace((PrincipalType::ApiKey, entry.value.as_str()))
-                .is_some(),
-            "remote_address" => principal
-                .replace((PrincipalType::Ip, entry.value.as_str()))
-                .is_some(),
-            "route_group" => route_group.replace(entry.value.as_str()).is_some(),
-            "method" => method.replace(entry.value.as_str()).is_some(),
+            "tenant" => tenant.replace(value).is_some(),
+            "user" => principal.replace((PrincipalType::User, value)).is_some(),
+            "api_key" => principal.replace((PrincipalType::ApiKey, value)).is_some(),
+            "remote_address" => principal.replace((PrincipalType::Ip, value)).is_some(),
+            "route_group" => route_group.replace(value).is_some(),
+            "method" => method.replace(value).is_some(),
             _ => false,
         };
         if slot_taken {
-            return Err(invalid(
-                index,
+            return Err(fail(
                 key,
-                "given twice (or more than one of user, api_key, remote_address)",
+                &"given twice (or more than one of user, api_key, remote_address)",
             ));
         }
     }
-    let tenant = tenant.ok_or_else(|| invalid(index, "tenant", "missing"))?;
-    let tenant_id = TenantId::parse(tenant).map_err(|e| invalid(index, "tenant", e))?;
-    let (kind, id) = principal.ok_or_else(|| {
-        invalid(
-            index,
-            "user",
-            "missing one of user, api_key, remote_address",
-        )
-    })?;
-    let route_group = route_group.ok_or_else(|| invalid(index, "route_group", "missing"))?;
-    let route_group =
-        RouteGroup::parse(route_group).map_err(|e| invalid(index, "route_group", e))?;
-    let cost_hint = match descriptor.hits_addend {
-        Some(hits) => hits,
-        None if request_hits > 0 => u64::from(request_hits),
-        None => 1,
-    };
+    let tenant = tenant.ok_or_else(|| fail("tenant", &"missing"))?;
+    let tenant_id = TenantId::parse(tenant).map_err(|e| fail("tenant", &e))?;
+    let (kind, id) =
+        principal.ok_or_else(|| fail("user", &"missing one of user, api_key, remote_address"))?;
+    let route_group = route_group.ok_or_else(|| fail("route_group", &"missing"))?;
+    let route_group = RouteGroup::parse(route_group).map_err(|e| fail("route_group", &e))?;
     let request = AdmissionRequest {
         request_id: fresh_decision_id(),
         tenant_id,
@@ -257,7 +269,7 @@ pub fn admission_request(
             "costHint" => "hits_addend",
             other => other,
         };
-        invalid(index, key, &e.message)
+        fail(key, &e.message)
     })?;
     Ok(request)
 }
@@ -319,7 +331,18 @@ impl RateLimitService for RateLimitApi {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let stopwatch = crate::clock::Stopwatch::start();
-        let answer = self.decide(request).await;
+        let answer = match tokio::time::timeout(REQUEST_TIMEOUT, async {
+            let _permit = self.permits.acquire().await;
+            self.decide(request).await
+        })
+        .await
+        {
+            Ok(answer) => answer,
+            Err(_elapsed) => Err(Status::unavailable(format!(
+                "not decided within {} ms",
+                REQUEST_TIMEOUT.as_millis()
+            ))),
+        };
         let code = match &answer {
             Ok(response) if response.get_ref().overall_code == Code::OverLimit as i32 => {
                 "over_limit"
@@ -400,28 +423,25 @@ impl RateLimitApi {
     }
 }
 
-/// Serves Envoy's rate limit service on `listener` (HTTP/2; through TLS when `tls` is given) until
-/// `shutdown` resolves, finishing calls in flight. It goes through the same bounded accept loop as
-/// the HTTP API ([`fn@allot_net::serve`]); a call past [`REQUEST_TIMEOUT`] is answered 503, which gRPC
-/// clients see as `UNAVAILABLE`.
+/// Serves Envoy's rate limit service and rate limit quota service on `listener` (HTTP/2; through
+/// TLS when `tls` is given) until `shutdown` resolves, finishing calls in flight. It goes through
+/// the same bounded accept loop as the HTTP API ([`fn@allot_net::serve`]). An RLS call waits for
+/// one of [`MAX_CONCURRENT_REQUESTS`] permits and is answered `UNAVAILABLE` past
+/// [`REQUEST_TIMEOUT`]; RLQS streams are long-lived and bounded by their own count
+/// ([`crate::rlqs::MAX_STREAMS`]).
 pub async fn serve_grpc(
     listener: tokio::net::TcpListener,
     api: AgentApi,
     tls: Option<allot_net::TlsServing>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let service = RateLimitServiceServer::new(RateLimitApi::new(&api))
+    let rls = RateLimitServiceServer::new(RateLimitApi::new(&api))
         .max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let router = tonic::service::Routes::new(service)
+    let rlqs = crate::rlqs::RateLimitQuotaApi::new(&api).into_server();
+    let router = tonic::service::Routes::new(rls)
+        .add_service(rlqs)
         .prepare()
-        .into_axum_router()
-        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-            MAX_CONCURRENT_REQUESTS,
-        ))
-        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            REQUEST_TIMEOUT,
-        ));
+        .into_axum_router();
     allot_net::serve(
         listener,
         router,

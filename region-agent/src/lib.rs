@@ -10,7 +10,9 @@
 //!   reservations, regional rules, settle), the pools held, renewals, reports, persistence and the
 //!   background loops.
 //! - [`http`]: the gateway API; [`grpc`]: Envoy's rate limit service (v3) over gRPC, from Allot's own
-//!   wire-compatible proto subset; [`visibility`]: what a caller may be told of its limits.
+//!   wire-compatible proto subset; [`rlqs`]: Envoy's rate limit quota service, assignments carved
+//!   from what the agent holds for gateways that decide themselves; [`visibility`]: what a caller
+//!   may be told of its limits.
 //! - [`global`]: the global tier: leases of allocator pools held and spent in memory, renewals sized
 //!   by demand, the bounded fallback allowance, and what is owed to the ledger.
 //! - [`limiter`]: the regional limiter: one atomic store call decides every regional rule of a request
@@ -31,6 +33,7 @@ pub mod grpc;
 pub mod http;
 pub mod limiter;
 pub mod metrics;
+pub mod rlqs;
 pub mod service;
 pub mod state_dir;
 pub mod visibility;

@@ -62,6 +62,23 @@ pub const FALLBACK_CLAIMS: &str = "allot_agent_fallback_claims_total";
 /// What a restarted agent took over from its state directory, by what (bundle, pools, leases,
 /// fallback_windows).
 pub const STATE_RESTORED: &str = "allot_agent_state_restored";
+/// RLQS streams open (gauge).
+pub const RLQS_STREAMS: &str = "allot_agent_rlqs_streams";
+/// RLQS buckets subscribed, over all streams (gauge).
+pub const RLQS_BUCKETS: &str = "allot_agent_rlqs_buckets";
+/// RLQS bucket actions sent, by `action` (`token_bucket`, `allow_all`, `deny_all`, `abandon`).
+pub const RLQS_ACTIONS: &str = "allot_agent_rlqs_actions_total";
+/// Global tokens carved into gateways' assignments, by `tenant` and `pool`.
+pub const RLQS_TOKENS_SUBLEASED: &str = "allot_agent_rlqs_tokens_subleased_total";
+/// Sub-leased tokens that ended unspent (stranded, never given back), by `tenant` and `pool`.
+pub const RLQS_TOKENS_EXPIRED_UNUSED: &str = "allot_agent_rlqs_tokens_expired_unused_total";
+/// Requests gateways reported admitted beyond every assignment they held, by `backed` (`true`:
+/// spent from what the agent held; `false`: admitted without any quota behind them, an overshoot
+/// term of its own).
+pub const RLQS_ADMITTED_BEYOND_ASSIGNMENT: &str =
+    "allot_agent_rlqs_admitted_beyond_assignment_total";
+/// RLQS streams ended, by `cause`.
+pub const RLQS_STREAMS_ENDED: &str = "allot_agent_rlqs_streams_ended_total";
 
 /// Installs the process-wide Prometheus recorder on first use and returns its handle; `None` when
 /// another recorder is already installed (then pass that recorder's handle around instead).

@@ -139,12 +139,15 @@ pub struct HeldLease {
     pub spent_tokens: u64,
     /// Tokens reserved for requests being decided (neither spendable nor spent).
     pub reserved_tokens: u64,
+    /// Tokens of sub-leases that ended unspent ([`PoolHolder::withhold`]): a gateway may have
+    /// admitted them unreported, so they are never spendable again (stranded).
+    pub withheld_tokens: u64,
     reported_spent_tokens: u64,
 }
 
 impl HeldLease {
     fn remaining_tokens(&self) -> u64 {
-        self.grant.granted_tokens - self.spent_tokens - self.reserved_tokens
+        self.grant.granted_tokens - self.spent_tokens - self.reserved_tokens - self.withheld_tokens
     }
 
     /// The last instant (exclusive) at which a token may be spent.
@@ -229,6 +232,8 @@ pub struct Reservation {
     cost_tokens: u64,
     /// When it was made: the demand it recorded belongs to the rate bucket of this instant.
     reserved_at_ms: u64,
+    /// Whether it counts as demand (a cancel takes that back); a sub-lease's does not.
+    demand_counted: bool,
 }
 
 impl Reservation {
@@ -596,6 +601,7 @@ impl PoolHolder {
             grant,
             spent_tokens: 0,
             reserved_tokens: 0,
+            withheld_tokens: 0,
             reported_spent_tokens: 0,
         };
         if now_ms >= lease.usable_until_ms(self.config.expiry_margin_ms) {
@@ -731,6 +737,7 @@ impl PoolHolder {
             from: ReservedFrom::Leases { parts, len },
             cost_tokens,
             reserved_at_ms: now_ms,
+            demand_counted: true,
         })
     }
 
@@ -778,6 +785,7 @@ impl PoolHolder {
             },
             cost_tokens,
             reserved_at_ms: now_ms,
+            demand_counted: true,
         })
     }
 
@@ -824,8 +832,10 @@ impl PoolHolder {
     /// they stood for is taken back.
     pub fn cancel(&mut self, reservation: Reservation) {
         self.settle(&reservation);
-        self.rate
-            .unrecord(reservation.reserved_at_ms, reservation.cost_tokens);
+        if reservation.demand_counted {
+            self.rate
+                .unrecord(reservation.reserved_at_ms, reservation.cost_tokens);
+        }
         match reservation.from {
             ReservedFrom::Fallback { window_start_ms } => {
                 if let Some(count) = self.fallback.get_mut(&window_start_ms) {
@@ -849,6 +859,211 @@ impl PoolHolder {
                     }
                 }
             }
+        }
+    }
+
+    /// Spends `tokens` of a reservation that stays open (a gateway's sub-lease reporting what it
+    /// admitted at `now_ms`, counted as demand then): from its leases first-ending first, or
+    /// admitted in its fallback window. Returns how many were drawn (at most what it still holds).
+    pub fn draw(&mut self, reservation: &mut Reservation, tokens: u64, now_ms: u64) -> u64 {
+        let drawn = tokens.min(reservation.cost_tokens);
+        if drawn == 0 {
+            return 0;
+        }
+        reservation.cost_tokens -= drawn;
+        self.reserved_tokens = self.reserved_tokens.saturating_sub(drawn);
+        self.note_demand(now_ms, drawn);
+        match &mut reservation.from {
+            ReservedFrom::Fallback { window_start_ms } => {
+                let count = self.fallback.entry(*window_start_ms).or_default();
+                count.reserved_tokens = count.reserved_tokens.saturating_sub(drawn);
+                count.admitted_tokens += drawn;
+                debug_assert!(count.used_tokens() <= self.config.fallback_per_region_tokens);
+            }
+            ReservedFrom::Leases { parts, len } => {
+                let mut left = drawn;
+                for part in parts[..*len].iter_mut() {
+                    let take = left.min(part.1);
+                    if take == 0 {
+                        continue;
+                    }
+                    part.1 -= take;
+                    left -= take;
+                    match self
+                        .live
+                        .iter_mut()
+                        .chain(self.ended.iter_mut())
+                        .find(|l| l.grant.lease_id == part.0)
+                    {
+                        Some(lease) => {
+                            debug_assert!(lease.reserved_tokens >= take);
+                            lease.reserved_tokens -= take;
+                            lease.spent_tokens += take;
+                            debug_assert!(
+                                lease.spent_tokens + lease.reserved_tokens + lease.withheld_tokens
+                                    <= lease.grant.granted_tokens
+                            );
+                        }
+                        None => self.dropped_reports += 1,
+                    }
+                    if left == 0 {
+                        break;
+                    }
+                }
+            }
+        }
+        drawn
+    }
+
+    /// [`reserve`](Self::reserve) for a sub-lease: the same, but the reservation is not counted
+    /// as demand (a gateway's assignment holds more than it will spend soon; its gateway's reported
+    /// use is counted instead, with [`note_demand`](Self::note_demand) and
+    /// [`draw`](Self::draw)).
+    pub fn reserve_for_sublease(
+        &mut self,
+        cost_tokens: u64,
+        now_ms: u64,
+        allocator_reachable: bool,
+    ) -> Result<Reservation, Refusal> {
+        let reserved = self.reserve(cost_tokens, now_ms, allocator_reachable);
+        if !matches!(
+            reserved,
+            Err(Refusal {
+                denial: Denial::CostAboveChunk,
+                ..
+            })
+        ) {
+            self.rate.unrecord(now_ms, cost_tokens.max(1));
+        }
+        reserved.map(|mut reservation| {
+            // Cancelling must not take the demand back a second time.
+            reservation.demand_counted = false;
+            reservation
+        })
+    }
+
+    /// Counts `tokens` of demand at `now_ms` that no reservation stands for (requests a gateway
+    /// denied on its own, for lack of assignment), so renewals are sized for it.
+    pub fn note_demand(&mut self, now_ms: u64, tokens: u64) {
+        if tokens > 0 {
+            self.last_demand_ms = Some(now_ms);
+            self.rate.record(now_ms, tokens);
+        }
+    }
+
+    /// Gives back `tokens` of a reservation that stays open (a sub-lease cut short before its
+    /// gateway could spend them): to their lease while it lives (an ended one strands them), or
+    /// to their window's fallback allowance; the last-ending lease's part first. Returns how many
+    /// were given back (at most what it holds).
+    pub fn give_back(&mut self, reservation: &mut Reservation, tokens: u64) -> u64 {
+        let given = tokens.min(reservation.cost_tokens);
+        if given == 0 {
+            return 0;
+        }
+        reservation.cost_tokens -= given;
+        self.reserved_tokens = self.reserved_tokens.saturating_sub(given);
+        match &mut reservation.from {
+            ReservedFrom::Fallback { window_start_ms } => {
+                if let Some(count) = self.fallback.get_mut(window_start_ms) {
+                    count.reserved_tokens = count.reserved_tokens.saturating_sub(given);
+                }
+            }
+            ReservedFrom::Leases { parts, len } => {
+                let mut left = given;
+                for part in parts[..*len].iter_mut().rev() {
+                    let take = left.min(part.1);
+                    if take == 0 {
+                        continue;
+                    }
+                    part.1 -= take;
+                    left -= take;
+                    if let Some(lease) = self.live.iter_mut().find(|l| l.grant.lease_id == part.0) {
+                        debug_assert!(lease.reserved_tokens >= take);
+                        lease.reserved_tokens -= take;
+                    } else if let Some(lease) =
+                        self.ended.iter_mut().find(|l| l.grant.lease_id == part.0)
+                    {
+                        debug_assert!(lease.reserved_tokens >= take);
+                        lease.reserved_tokens -= take;
+                        self.stranded_tokens += take;
+                    }
+                    if left == 0 {
+                        break;
+                    }
+                }
+            }
+        }
+        given
+    }
+
+    /// Tokens a reservation could take now: what the held leases have left, or, when none is
+    /// held and the allocator is unreachable (or silent past the renewal patience), what is left
+    /// of the window's fallback allowance (durable claims aside: [`reserve`](Self::reserve) says
+    /// when one must be made first).
+    pub fn spendable_tokens(&mut self, now_ms: u64, allocator_reachable: bool) -> u64 {
+        self.expire(now_ms);
+        let leased = self.available_tokens(now_ms);
+        if leased > 0 || (allocator_reachable && !self.allocator_silent(now_ms)) {
+            return leased;
+        }
+        let window = Window::containing(now_ms, self.config.window_ms);
+        let used = self
+            .fallback
+            .get(&window.start_ms)
+            .map_or(0, FallbackCount::used_tokens);
+        self.config.fallback_per_region_tokens.saturating_sub(used)
+    }
+
+    /// Ends a sub-lease: what its reservation still holds is never spendable again (its gateway
+    /// may have admitted some of it without reporting it). From leases it is stranded; in fallback
+    /// it stays used in its window, never reported as admitted.
+    pub fn withhold(&mut self, reservation: Reservation) {
+        self.settle(&reservation);
+        match reservation.from {
+            ReservedFrom::Fallback { window_start_ms } => {
+                let count = self.fallback.entry(window_start_ms).or_default();
+                count.reserved_tokens = count
+                    .reserved_tokens
+                    .saturating_sub(reservation.cost_tokens);
+                count.unknown_tokens += reservation.cost_tokens;
+            }
+            ReservedFrom::Leases { .. } => {
+                for &(lease_id, tokens) in reservation.lease_parts() {
+                    if tokens == 0 {
+                        continue;
+                    }
+                    if let Some(lease) = self.lease_mut(lease_id) {
+                        debug_assert!(lease.reserved_tokens >= tokens);
+                        lease.reserved_tokens -= tokens;
+                        lease.withheld_tokens += tokens;
+                    }
+                    self.stranded_tokens += tokens;
+                }
+            }
+        }
+    }
+
+    /// The instant (epoch ms, exclusive) by which what `reservation` holds must be spent: the end
+    /// of the first-ending lease it holds tokens of (less the expiry margin), or the end of its
+    /// fallback window.
+    pub fn usable_until_ms(&self, reservation: &Reservation) -> u64 {
+        match &reservation.from {
+            ReservedFrom::Fallback { window_start_ms } => {
+                window_start_ms.saturating_add(self.config.window_ms.get())
+            }
+            ReservedFrom::Leases { .. } => reservation
+                .lease_parts()
+                .iter()
+                .filter(|(_, tokens)| *tokens > 0)
+                .filter_map(|(lease_id, _)| {
+                    self.live
+                        .iter()
+                        .chain(&self.ended)
+                        .find(|l| l.grant.lease_id == *lease_id)
+                })
+                .map(|lease| lease.usable_until_ms(self.config.expiry_margin_ms))
+                .min()
+                .unwrap_or(0),
         }
     }
 
@@ -980,6 +1195,7 @@ impl PoolHolder {
                 },
                 spent_tokens,
                 reserved_tokens: 0,
+                withheld_tokens: 0,
                 reported_spent_tokens: 0,
             });
         }

@@ -7,6 +7,7 @@
 //! reachability.
 
 pub mod holder;
+pub mod sublease;
 
 pub use holder::{
     Denial, FallbackLine, GrantVerdict, HeldLease, HolderConfig, HolderSnapshot, JournaledFallback,

@@ -346,6 +346,42 @@ pub struct PlannedBatch<'a> {
     pub policy_version: u64,
 }
 
+impl<'a> PlannedBatch<'a> {
+    /// The same rules charged `requests` times over, under `decision_id`, with no decision record:
+    /// one store call that takes a gateway's share of every regional rule at once (a sub-lease).
+    /// A denial still debits nothing.
+    pub fn times(&self, requests: u64, decision_id: DecisionId) -> Result<Self, BatchError> {
+        let rules = self
+            .batch
+            .rules()
+            .iter()
+            .zip(&self.rules)
+            .map(|(batch_rule, rule)| {
+                let cost_millitokens = batch_rule
+                    .cost_millitokens()
+                    .checked_mul(requests)
+                    .ok_or_else(|| BatchError::CostOverflow {
+                        rule_id: rule.id.clone(),
+                        cost_millitokens: batch_rule.cost_millitokens(),
+                        cost_hint: requests,
+                    })?;
+                Ok(BatchRule {
+                    cost_millitokens,
+                    ..batch_rule.clone()
+                })
+            })
+            .collect::<Result<Vec<_>, BatchError>>()?;
+        Ok(Self {
+            batch: RuleBatch::new(&self.tenant, decision_id, 0, rules)?,
+            rules: self.rules.clone(),
+            tenant: self.tenant.clone(),
+            principal_type: self.principal_type,
+            principal_hash: self.principal_hash.clone(),
+            policy_version: self.policy_version,
+        })
+    }
+}
+
 /// Maps a validated request to the store call for its regional rules, or `None` when no regional
 /// rule applies. A decision record of `record_ttl_ms` is requested when any of the rules is
 /// `idempotent`.

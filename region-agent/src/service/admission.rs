@@ -279,7 +279,7 @@ impl Agent {
     }
 
     /// The first `strict` rule that applies to `request`, when the bundle is past its maximum age.
-    fn stale_strict_rule<'b>(
+    pub(super) fn stale_strict_rule<'b>(
         &self,
         bundle: &'b PolicyBundle,
         request: &AdmissionRequest,
@@ -302,7 +302,7 @@ impl Agent {
     /// Pre-authentication requests count against the cardinality cap of their source: the coarse
     /// prefix of the client address (/24, /48), so the addresses one party controls share one count.
     /// Authenticated principals are not capped.
-    fn source_of(&self, request: &AdmissionRequest) -> Option<SourceId> {
+    pub(super) fn source_of(&self, request: &AdmissionRequest) -> Option<SourceId> {
         (request.principal.kind == PrincipalType::Ip).then(|| {
             SourceId::for_address(
                 &self.settings.pepper,
@@ -660,7 +660,7 @@ impl Agent {
 
 /// A global rule's cost for `request`, whole tokens (pools count whole tokens; policy validation
 /// keeps a global rule's cost a multiple of 1,000 millitokens), at least 1.
-fn global_cost_tokens(rule: &Rule, request: &AdmissionRequest) -> u64 {
+pub(super) fn global_cost_tokens(rule: &Rule, request: &AdmissionRequest) -> u64 {
     rule.cost_millitokens_for(request.cost_hint)
         .map_or(u64::MAX, |millitokens| {
             millitokens / allot_shared::MILLITOKENS_PER_TOKEN

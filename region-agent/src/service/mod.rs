@@ -9,6 +9,7 @@
 //! - [`background`]: the loops that run reports and upkeep, and policy refresh.
 //! - [`persistence`]: the state directory: restore at start, the journal, durable fallback
 //!   claims.
+//! - [`subleases`]: assignments carved for gateways that enforce quota themselves (Envoy's RLQS).
 //! - [`settings`]: the agent's settings and their defaults.
 
 pub mod admission;
@@ -17,6 +18,7 @@ pub mod persistence;
 pub mod pools;
 pub mod reports;
 pub mod settings;
+pub mod subleases;
 pub mod upkeep;
 
 use std::collections::HashMap;
@@ -82,6 +84,8 @@ pub struct Agent {
     journal_writer: tokio::sync::Mutex<()>,
     /// Fallback claims requests are waiting for: (the pool's slot, the request's cost).
     claims_wanted: Mutex<Vec<(Arc<pools::PoolSlot>, u64)>>,
+    /// What gateways' sub-leases want of each pool.
+    subleases: Mutex<subleases::SubleaseDemand>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -121,6 +125,7 @@ impl Agent {
             journal_written: AtomicU64::new(0),
             journal_writer: tokio::sync::Mutex::new(()),
             claims_wanted: Mutex::new(Vec::new()),
+            subleases: Mutex::new(subleases::SubleaseDemand::default()),
         })
     }
 
@@ -130,6 +135,11 @@ impl Agent {
         if self.decision_log.set(log).is_err() {
             tracing::warn!("a decision log is already set; the new one is ignored");
         }
+    }
+
+    /// Now on the agent's clock, epoch ms.
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
     }
 
     /// The bundle in force.
