@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use allot_region_agent::clock::{Clock, SystemClock};
-use allot_region_agent::global::sublease::{BucketStrategy, EnforcedBucket};
+use allot_region_agent::global::sublease::BucketStrategy;
+use allot_region_agent::rlqs::gateway::{Gateway as ReferenceGateway, NoAssignment};
 use allot_region_agent::grpc::serve_grpc;
 use allot_region_agent::http::AgentApi;
 use allot_region_agent::rlqs::proto::envoy::r#type::v3::rate_limit_strategy::{
@@ -395,70 +396,44 @@ async fn bad_streams_end_with_an_error_naming_the_field() {
     assert!(status.message().contains("domain"), "{status:?}");
 }
 
-/// A gateway that enforces what it is told (as Envoy's filter does: a token bucket per
-/// assignment, `DENY_ALL`, `ALLOW_ALL`; with no assignment it denies) under `per_second` requests a
-/// second for `for_ms`, reporting every 500 ms. Returns what it admitted.
-async fn enforce(gateway: Gateway, id: &BucketId, per_second: u64, for_ms: u64) -> u64 {
+/// A gateway that enforces what it is told (the reference gateway: a token bucket per assignment;
+/// without one it denies) under `per_second` requests a second for `for_ms`, reporting every
+/// 500 ms. Returns what it admitted.
+async fn enforce(served: &Served, id: &BucketId, per_second: u64, for_ms: u64) -> u64 {
     let clock = SystemClock;
-    let (actions, mut told) = mpsc::channel(64);
-    let Gateway {
-        reporter: mut gateway,
-        mut answers,
-    } = gateway;
-    let reader = tokio::spawn(async move {
-        while let Ok(Some(message)) = answers.message().await {
-            for action in message.bucket_action {
-                if actions.send(action).await.is_err() {
-                    return;
-                }
-            }
-        }
-    });
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", served.address))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    let mut gateway = ReferenceGateway::connect(
+        channel,
+        TOKEN,
+        "envoy",
+        NoAssignment::Deny,
+        Arc::new(SystemClock),
+    )
+    .await
+    .expect("open");
     let start_ms = clock.now_ms();
-    let mut bucket: Option<EnforcedBucket> = None;
-    let mut allow_all = false;
-    let (mut allowed, mut denied, mut admitted) = (0u64, 0u64, 0u64);
-    let mut last_report_ms = start_ms;
-    gateway.report(id, 1, 0, 0).await;
+    let mut last_report_ms = 0;
     let step_ms = 20;
     let mut owed = 0u64;
     while clock.now_ms() < start_ms + for_ms {
-        tokio::time::sleep(Duration::from_millis(step_ms)).await;
-        let now_ms = clock.now_ms();
-        while let Ok(action) = told.try_recv() {
-            if let Some((strategy, ttl_ms)) = token_bucket(&action) {
-                bucket = Some(EnforcedBucket::new(strategy, ttl_ms, now_ms));
-                allow_all = false;
-            } else {
-                allow_all = blanket(&action) == Some(BlanketRule::AllowAll);
-                bucket = None;
-            }
-        }
         owed += per_second * step_ms;
         while owed >= 1_000 {
             owed -= 1_000;
-            let admit = allow_all || bucket.as_mut().is_some_and(|b| b.try_admit(now_ms));
-            if admit {
-                allowed += 1;
-                admitted += 1;
-            } else {
-                denied += 1;
-            }
+            gateway.decide(id);
         }
-        if now_ms >= last_report_ms + 500 {
-            gateway
-                .report(id, now_ms - last_report_ms, allowed, denied)
-                .await;
-            (allowed, denied, last_report_ms) = (0, 0, now_ms);
+        if clock.now_ms() >= last_report_ms + 500 {
+            gateway.report().await.expect("report");
+            last_report_ms = clock.now_ms();
         }
+        tokio::time::sleep(Duration::from_millis(step_ms)).await;
     }
-    let now_ms = clock.now_ms();
-    gateway
-        .report(id, (now_ms - last_report_ms).max(1), allowed, denied)
-        .await;
+    gateway.report().await.expect("report");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    reader.abort();
-    admitted
+    gateway.counts(id).allowed
 }
 
 /// Cut off from the allocator (its grants hang), an agent carves assignments from the fallback
@@ -470,9 +445,8 @@ async fn a_partition_shrinks_assignments_to_the_fallback_allowance() {
     fake.hang_grants
         .store(true, std::sync::atomic::Ordering::SeqCst);
     let served = serve(&fake, POOL_ONLY).await;
-    let gateway = open(&served, TOKEN).await.expect("open");
     let id = user_bucket("U-cut-off");
-    let admitted = enforce(gateway, &id, 100, 3_000).await;
+    let admitted = enforce(&served, &id, 100, 3_000).await;
     assert!(admitted >= 25, "the allowance is used: {admitted}");
     assert!(
         admitted <= 50,
@@ -488,9 +462,8 @@ async fn a_partition_shrinks_assignments_to_the_fallback_allowance() {
 async fn an_enforcing_gateway_admits_within_the_pool_and_the_ledger_agrees() {
     let fake = Allocator::new(120, 60, 0);
     let served = serve(&fake, POOL_ONLY).await;
-    let gateway = open(&served, TOKEN).await.expect("open");
     let id = user_bucket("U-busy");
-    let admitted = enforce(gateway, &id, 200, 3_000).await;
+    let admitted = enforce(&served, &id, 200, 3_000).await;
     assert!(
         admitted >= 60,
         "the gateway gets most of the pool: {admitted}"

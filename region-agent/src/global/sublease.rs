@@ -103,6 +103,11 @@ impl EnforcedBucket {
         }
     }
 
+    /// Whether its time to live has run out at `now_ms`.
+    pub fn expired(&self, now_ms: u64) -> bool {
+        now_ms >= self.ends_at_ms
+    }
+
     /// Whether one request at `now_ms` is admitted (and takes a token).
     pub fn try_admit(&mut self, now_ms: u64) -> bool {
         if now_ms >= self.ends_at_ms {

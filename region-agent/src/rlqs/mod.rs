@@ -64,6 +64,8 @@ use crate::http::AgentApi;
 use crate::service::Agent;
 use crate::service::subleases::{Carve, CarveAsk, Carving};
 
+pub mod gateway;
+
 /// The generated messages, server and client (Allot's subset of Envoy's v3 API), in modules that
 /// follow their packages (the generated code refers across them by relative paths).
 #[allow(missing_docs, clippy::all, clippy::unwrap_used)]
