@@ -479,3 +479,59 @@ async fn an_enforcing_gateway_admits_within_the_pool_and_the_ledger_agrees() {
         "the ledger hears of every admit"
     );
 }
+
+/// The keys of every bucket id the Envoy example builds (`deploy/envoy/rlqs.yaml`), read by
+/// indentation: the entries of each inner `bucket_id_builder` map.
+fn example_bucket_keys() -> Vec<Vec<String>> {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/envoy/rlqs.yaml"
+    ))
+    .expect("the example");
+    let lines: Vec<&str> = text.lines().collect();
+    let indent = |line: &str| line.len() - line.trim_start().len();
+    let mut buckets = Vec::new();
+    for (at, pair) in lines.windows(2).enumerate() {
+        if pair[0].trim() != "bucket_id_builder:" || pair[1].trim() != "bucket_id_builder:" {
+            continue;
+        }
+        let key_indent = indent(pair[1]) + 2;
+        let keys = lines[at + 2..]
+            .iter()
+            .take_while(|line| line.trim().is_empty() || indent(line) >= key_indent)
+            .filter(|line| indent(line) == key_indent)
+            .filter_map(|line| line.trim().split(':').next())
+            .map(str::to_owned)
+            .collect();
+        buckets.push(keys);
+    }
+    buckets
+}
+
+/// Every bucket the Envoy example builds is one the agent maps: it gets an assignment, not an
+/// error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_envoy_example_builds_buckets_the_agent_maps() {
+    let buckets = example_bucket_keys();
+    assert!(buckets.len() >= 2, "{buckets:?}");
+    let fake = Allocator::new(1_000, 100, 0);
+    let served = serve(&fake, POOL_ONLY).await;
+    for keys in buckets {
+        let entries: Vec<(&str, &str)> = keys
+            .iter()
+            .map(|key| match key.as_str() {
+                "tenant" => ("tenant", "atlas"),
+                "route_group" => ("route_group", "read"),
+                other => (other, "U-from-a-verified-claim"),
+            })
+            .collect();
+        let id = bucket(&entries);
+        let mut gateway = open(&served, TOKEN).await.expect("open");
+        gateway.report(&id, 1_000, 0, 1).await;
+        let action = gateway.action_for(&id).await;
+        assert!(
+            action.bucket_action.is_some(),
+            "{keys:?} gets an action: {action:?}"
+        );
+    }
+}
