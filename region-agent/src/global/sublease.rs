@@ -15,6 +15,23 @@
 //! so every assignment is a carve of its own, and the sum of the carves of live assignments is at
 //! most what the agent holds plus the fallback allowance left in the window.
 
+/// How long an assignment lasts at most, ms.
+pub const ASSIGNMENT_TTL_MS: u64 = 5_000;
+/// Shorter assignments are not made (the leases behind them end too soon): the bucket waits for
+/// the next lease, ms.
+pub const MIN_ASSIGNMENT_TTL_MS: u64 = 500;
+/// An assignment is renewed once this share of its time to live has passed, percent.
+pub const RENEW_AT_PERCENT: u64 = 60;
+/// An assignment is renewed once its gateway reported this share of it used, percent.
+pub const RENEW_AT_USED_PERCENT: u64 = 75;
+/// An assignment reaches its gateway within this long, ms: it ends this long before the leases
+/// behind it, and a replaced one is cut to what its gateway could admit until this long after.
+pub const DELIVERY_MARGIN_MS: u64 = 200;
+/// An ended carve waits this long at least (at most [`MAX_SETTLE_GRACE_MS`]), and two reporting
+/// intervals, for its gateway's last report before it withholds what it still holds, ms.
+pub const MIN_SETTLE_GRACE_MS: u64 = 1_000;
+/// See [`MIN_SETTLE_GRACE_MS`].
+pub const MAX_SETTLE_GRACE_MS: u64 = 60_000;
 /// Refill interval of assignments that hold at least one request per second of their life, ms.
 pub const FILL_INTERVAL_MS: u64 = 1_000;
 /// Demand is kept in thousandths of a request per second.
@@ -132,6 +149,54 @@ impl EnforcedBucket {
             false
         }
     }
+}
+
+/// The time to live of an assignment of `requests` for a gateway measured at `rate_milli_per_s`,
+/// whose carve must be spent within `usable_ms`: about as long as the carve lasts at that rate,
+/// within [`MIN_ASSIGNMENT_TTL_MS`] and [`ASSIGNMENT_TTL_MS`], ending [`DELIVERY_MARGIN_MS`]
+/// before the carve must be spent. A carve smaller than the demand (a small chunk, scarce quota)
+/// is thus spread over a shorter time and renewed sooner, rather than trickled over the longest
+/// one. `None` when that leaves less than the minimum (wait for the next lease).
+pub fn assignment_ttl_ms(requests: u64, rate_milli_per_s: u64, usable_ms: u64) -> Option<u64> {
+    let lasts_ms = if rate_milli_per_s == 0 {
+        ASSIGNMENT_TTL_MS
+    } else {
+        let ms =
+            u128::from(requests) * u128::from(RATE_SCALE) * 1_000 / u128::from(rate_milli_per_s);
+        u64::try_from(ms)
+            .unwrap_or(u64::MAX)
+            .clamp(MIN_ASSIGNMENT_TTL_MS, ASSIGNMENT_TTL_MS)
+    };
+    let ttl_ms = lasts_ms.min(usable_ms.saturating_sub(DELIVERY_MARGIN_MS));
+    (ttl_ms >= MIN_ASSIGNMENT_TTL_MS).then_some(ttl_ms)
+}
+
+/// Whether an assignment of `requests` sent at `sent_at_ms` for `ttl_ms`, of which its gateway
+/// reported `used_requests`, is due for renewal at `now_ms`: [`RENEW_AT_PERCENT`] of its life has
+/// passed, or [`RENEW_AT_USED_PERCENT`] of it is used.
+pub fn renewal_due(
+    sent_at_ms: u64,
+    ttl_ms: u64,
+    used_requests: u64,
+    requests: u64,
+    now_ms: u64,
+) -> bool {
+    let aged = now_ms >= sent_at_ms + ttl_ms * RENEW_AT_PERCENT / 100;
+    let used_up = requests > 0 && used_requests * 100 >= requests * RENEW_AT_USED_PERCENT;
+    aged || used_up
+}
+
+/// What a gateway could have admitted under `strategy`, sent at `sent_at_ms`, when a replacement
+/// is sent at `now_ms` (it arrives within [`DELIVERY_MARGIN_MS`]).
+pub fn admissible_until_replaced(strategy: BucketStrategy, sent_at_ms: u64, now_ms: u64) -> u64 {
+    strategy.admissible_requests((now_ms + DELIVERY_MARGIN_MS).saturating_sub(sent_at_ms))
+}
+
+/// How long an ended carve waits for its gateway's last report, given the gateway's reporting
+/// interval: two intervals and the delivery margin, within [`MIN_SETTLE_GRACE_MS`] and
+/// [`MAX_SETTLE_GRACE_MS`].
+pub fn settle_grace_ms(report_interval_ms: u64) -> u64 {
+    (2 * report_interval_ms + DELIVERY_MARGIN_MS).clamp(MIN_SETTLE_GRACE_MS, MAX_SETTLE_GRACE_MS)
 }
 
 /// Requests an assignment of `ttl_ms` should hold for a gateway measured at `rate_milli_per_s`

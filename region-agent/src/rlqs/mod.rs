@@ -20,11 +20,12 @@
 //!   `time_elapsed`, 1.5x headroom over [`ASSIGNMENT_TTL_MS`]), its share of the pool when gateways
 //!   want more than the agent holds, at most one chunk, and at most what every rule has left; for
 //!   about as long as that lasts at the gateway's demand (from [`MIN_ASSIGNMENT_TTL_MS`] to
-//!   [`ASSIGNMENT_TTL_MS`], and never past the leases behind it). The bucket's regional rules are charged for the whole carve in one
-//!   store call (what the gateway does not use is not given back to them: no refunds). The bucket
-//!   starts full with about one second's worth and refills every second
-//!   ([`crate::global::sublease::BucketStrategy::spreading`]), so it can never admit more than its
-//!   carve within its time to live.
+//!   [`ASSIGNMENT_TTL_MS`], and never past the leases behind it). The bucket's regional rules are
+//!   charged for the whole carve in one store call (what the gateway does not use is not given
+//!   back to them: no refunds). The bucket starts full with about one second's worth and refills
+//!   every second ([`crate::global::sublease::BucketStrategy::spreading`]), so it can never admit
+//!   more than its carve within its time to live. The timing rules are pure functions of
+//!   [`crate::global::sublease`], which the drills run too.
 //! - An assignment is renewed when [`RENEW_AT_PERCENT`] of its time to live has passed or
 //!   [`RENEW_AT_USED_PERCENT`] of it is reported used. A replaced assignment is cut to what its
 //!   gateway could admit until the new one arrives ([`DELIVERY_MARGIN_MS`]); the rest goes back.
@@ -58,7 +59,14 @@ use allot_shared::contract::AdmissionRequest;
 use tokio::sync::{Semaphore, mpsc};
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::global::sublease::{BucketStrategy, Demand, wanted_requests};
+pub use crate::global::sublease::{
+    ASSIGNMENT_TTL_MS, DELIVERY_MARGIN_MS, MAX_SETTLE_GRACE_MS, MIN_ASSIGNMENT_TTL_MS,
+    MIN_SETTLE_GRACE_MS, RENEW_AT_PERCENT, RENEW_AT_USED_PERCENT,
+};
+use crate::global::sublease::{
+    BucketStrategy, Demand, admissible_until_replaced, assignment_ttl_ms, renewal_due,
+    settle_grace_ms, wanted_requests,
+};
 use crate::grpc::{MAX_ENTRY_BYTES, request_from_entries};
 use crate::http::AgentApi;
 use crate::service::Agent;
@@ -111,18 +119,6 @@ pub const MAX_STREAMS: usize = 1_024;
 pub const MAX_BUCKETS_PER_STREAM: usize = 1_000;
 /// Usages one message may carry (I10).
 pub const MAX_USAGES_PER_MESSAGE: usize = 1_000;
-/// How long an assignment lasts at most, ms.
-pub const ASSIGNMENT_TTL_MS: u64 = 5_000;
-/// Shorter assignments are not made (the leases behind them end too soon): the bucket waits for
-/// the next lease, ms.
-pub const MIN_ASSIGNMENT_TTL_MS: u64 = 500;
-/// An assignment is renewed once this share of its time to live has passed, percent.
-pub const RENEW_AT_PERCENT: u64 = 60;
-/// An assignment is renewed once its gateway reported this share of it used, percent.
-pub const RENEW_AT_USED_PERCENT: u64 = 75;
-/// An assignment reaches its gateway within this long, ms: it ends this long before the leases
-/// behind it, and a replaced one is cut to what its gateway could admit until this long after.
-pub const DELIVERY_MARGIN_MS: u64 = 200;
 /// How often a stream's assignments are looked after without a report, ms.
 pub const TICK_MS: u64 = 250;
 /// A bucket not reported for this long is abandoned, ms.
@@ -133,11 +129,6 @@ pub const UNLIMITED_TTL_MS: u64 = 60_000;
 pub const MAX_DENY_TTL_MS: u64 = 60_000;
 /// Shortest `DENY_ALL`, ms.
 pub const MIN_DENY_TTL_MS: u64 = 1_000;
-/// An ended carve waits this long at least (at most [`MAX_SETTLE_GRACE_MS`]), and two reporting
-/// intervals, for its gateway's last report before it withholds what it still holds, ms.
-pub const MIN_SETTLE_GRACE_MS: u64 = 1_000;
-/// See [`MIN_SETTLE_GRACE_MS`].
-pub const MAX_SETTLE_GRACE_MS: u64 = 60_000;
 /// Responses queued for one stream (I10).
 pub const OUTBOUND_MESSAGES: usize = 16;
 /// A gateway that does not take a response for this long is disconnected.
@@ -239,8 +230,7 @@ struct Bucket {
 
 impl Bucket {
     fn settle_grace_ms(&self) -> u64 {
-        (2 * self.report_interval_ms + DELIVERY_MARGIN_MS)
-            .clamp(MIN_SETTLE_GRACE_MS, MAX_SETTLE_GRACE_MS)
+        settle_grace_ms(self.report_interval_ms)
     }
 
     /// Whether a new assignment is due at `now_ms` under bundle `version`.
@@ -252,12 +242,10 @@ impl Bucket {
             Told::Nothing => true,
             Told::AllowAll { until_ms } | Told::DenyAll { until_ms } => now_ms >= until_ms,
             Told::TokenBucket { sent_at_ms, ttl_ms } => {
-                let aged = now_ms >= sent_at_ms + ttl_ms * RENEW_AT_PERCENT / 100;
-                let used_up = self.handed.back().is_some_and(|handed| {
-                    handed.carve.used_requests() * 100
-                        >= handed.carve.requests() * RENEW_AT_USED_PERCENT
+                let (used, requests) = self.handed.back().map_or((0, 0), |handed| {
+                    (handed.carve.used_requests(), handed.carve.requests())
                 });
-                aged || used_up
+                renewal_due(sent_at_ms, ttl_ms, used, requests, now_ms)
             }
         }
     }
@@ -528,16 +516,14 @@ async fn assign(agent: &Arc<Agent>, bucket: &mut Bucket) -> Option<Assigned> {
     let now_ms = agent.now_ms();
     match carving {
         Carving::Carved(carve) => {
-            let ttl_ms = lasting_ms(carve.requests(), bucket.demand.rate_milli_per_s()).min(
-                carve
-                    .usable_until_ms()
-                    .saturating_sub(now_ms)
-                    .saturating_sub(DELIVERY_MARGIN_MS),
-            );
-            if ttl_ms < MIN_ASSIGNMENT_TTL_MS {
+            let Some(ttl_ms) = assignment_ttl_ms(
+                carve.requests(),
+                bucket.demand.rate_milli_per_s(),
+                carve.usable_until_ms().saturating_sub(now_ms),
+            ) else {
                 agent.cancel_carve(carve);
                 return None;
-            }
+            };
             let mut carve = carve;
             let strategy = BucketStrategy::spreading(carve.requests(), ttl_ms)?;
             agent.cut_carve(&mut carve, strategy.admissible_requests(ttl_ms));
@@ -597,21 +583,6 @@ async fn assign(agent: &Arc<Agent>, bucket: &mut Bucket) -> Option<Assigned> {
     }
 }
 
-/// How long an assignment of `requests` should last for a gateway measured at `rate_milli_per_s`:
-/// about as long as the carve lasts at that rate, within [`MIN_ASSIGNMENT_TTL_MS`] and
-/// [`ASSIGNMENT_TTL_MS`]. A carve smaller than the demand (a small chunk, scarce quota) is thus
-/// spread over a shorter time and renewed sooner, rather than trickled over the longest one.
-fn lasting_ms(requests: u64, rate_milli_per_s: u64) -> u64 {
-    if rate_milli_per_s == 0 {
-        return ASSIGNMENT_TTL_MS;
-    }
-    let lasts_ms = u128::from(requests) * u128::from(crate::global::sublease::RATE_SCALE) * 1_000
-        / u128::from(rate_milli_per_s);
-    u64::try_from(lasts_ms)
-        .unwrap_or(u64::MAX)
-        .clamp(MIN_ASSIGNMENT_TTL_MS, ASSIGNMENT_TTL_MS)
-}
-
 /// The assignment in force is being replaced at `now_ms`: its gateway uses it until the
 /// replacement arrives, so its carve keeps what the gateway could admit until then.
 fn cut_replaced(agent: &Agent, bucket: &mut Bucket, now_ms: u64) {
@@ -622,10 +593,9 @@ fn cut_replaced(agent: &Agent, bucket: &mut Bucket, now_ms: u64) {
     if handed.ends_at_ms <= replaced_at_ms {
         return;
     }
-    let used_for_ms = replaced_at_ms.saturating_sub(handed.sent_at_ms);
     agent.cut_carve(
         &mut handed.carve,
-        handed.strategy.admissible_requests(used_for_ms),
+        admissible_until_replaced(handed.strategy, handed.sent_at_ms, now_ms),
     );
     handed.ends_at_ms = replaced_at_ms;
 }
