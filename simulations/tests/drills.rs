@@ -327,3 +327,57 @@ fn a_hung_allocator_starts_fallback_within_the_patience_and_no_admit_waits_longe
             .all(|w| w.regions.iter().all(|r| r.max_wait_ms <= patience_ms))
     );
 }
+
+/// Gateways deciding locally behind the rate limit quota service: no window admits beyond G, the
+/// saturated pool is nearly used up (what the gateways are not handed is stranded, a few percent),
+/// the busy region gets most of it, and the gateways deny the rest themselves.
+#[test]
+fn gateways_deciding_locally_stay_within_g_and_use_most_of_the_pool() {
+    let report = drill("rlqs");
+    let s = &report.scenario;
+    assert_eq!(report.windows.len(), 3);
+    for w in &report.windows {
+        let admitted: u64 = w.regions.iter().map(|r| r.admitted()).sum();
+        let stranded: u64 = w.regions.iter().map(|r| r.stranded_tokens).sum();
+        assert!(admitted <= s.limit_tokens, "{}", report.table());
+        assert!(admitted * 10 >= s.limit_tokens * 9, "{}", report.table());
+        assert!(stranded * 10 <= s.limit_tokens, "{}", report.table());
+        assert!(w.regions.iter().all(|r| r.fallback == 0));
+        assert!(w.regions[0].admitted() > 3 * w.regions[1].admitted());
+        assert!(
+            w.regions.iter().all(|r| r.denied_by_gateway > 0),
+            "demand beyond G is denied by the gateways: {}",
+            report.table()
+        );
+    }
+}
+
+/// Cut off, a region's gateways get assignments from its fallback allowance only: exactly the
+/// allowance in the window it is cut off for, and the healing window stays within the bound.
+#[test]
+fn gateways_of_a_partitioned_region_admit_their_allowance_and_no_more() {
+    let report = drill("rlqs-partition");
+    let s = &report.scenario;
+    let cut = &report.windows[1];
+    assert_eq!(cut.regions[0].fallback, s.fallback_per_region_tokens);
+    assert_eq!(cut.regions[0].leased, 0);
+    let healed = &report.windows[2];
+    let admitted: u64 = healed.regions.iter().map(|r| r.admitted()).sum();
+    assert!(report.bound.holds(admitted), "{}", report.table());
+    assert!(healed.regions[0].leased > 0, "leases again after the heal");
+}
+
+/// While their agent is down, gateways keep enforcing what they hold (nothing is refused for the
+/// agent's absence), and the restarted agent hands out fresh assignments.
+#[test]
+fn gateways_keep_deciding_while_their_agent_restarts() {
+    let report = drill("rlqs-agent-restart");
+    let restart = &report.windows[1].regions[0];
+    assert_eq!(restart.denied_unavailable, 0, "{}", report.table());
+    assert!(
+        restart.leased * 10 >= restart.demand * 8,
+        "{}",
+        report.table()
+    );
+    assert!(report.windows[2].regions[0].leased > 0);
+}

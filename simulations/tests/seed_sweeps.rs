@@ -75,4 +75,7 @@ sweeps! {
     agent_restart_fallback => "agent-restart-fallback",
     clock_skew => "clock-skew",
     clock_rate_beyond_margin => "clock-rate-beyond-margin",
+    rlqs => "rlqs",
+    rlqs_partition => "rlqs-partition",
+    rlqs_agent_restart => "rlqs-agent-restart",
 }

@@ -28,7 +28,8 @@ pub const RENEW_AT_USED_PERCENT: u64 = 75;
 /// behind it, and a replaced one is cut to what its gateway could admit until this long after.
 pub const DELIVERY_MARGIN_MS: u64 = 200;
 /// An ended carve waits this long at least (at most [`MAX_SETTLE_GRACE_MS`]), and two reporting
-/// intervals, for its gateway's last report before it withholds what it still holds, ms.
+/// intervals, for a report of its gateway's that covers its end; without one it withholds what it
+/// still holds, ms.
 pub const MIN_SETTLE_GRACE_MS: u64 = 1_000;
 /// See [`MIN_SETTLE_GRACE_MS`].
 pub const MAX_SETTLE_GRACE_MS: u64 = 60_000;
@@ -197,6 +198,81 @@ pub fn admissible_until_replaced(strategy: BucketStrategy, sent_at_ms: u64, now_
 /// [`MAX_SETTLE_GRACE_MS`].
 pub fn settle_grace_ms(report_interval_ms: u64) -> u64 {
     (2 * report_interval_ms + DELIVERY_MARGIN_MS).clamp(MIN_SETTLE_GRACE_MS, MAX_SETTLE_GRACE_MS)
+}
+
+/// Where a carve's tokens come from, as far as settling it is concerned: the fallback allowance or
+/// leases, of which window. Usage reports are drawn from a bucket's carves oldest first, which may
+/// charge an older carve with what a newer one's gateway admitted; within one kind that only moves
+/// tokens between leases of one window, but across kinds it would move them across windows or
+/// between leases and the allowance. So a carve of another kind is handed only once the older ones
+/// are settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CarveKind {
+    /// From the fallback allowance.
+    pub fallback: bool,
+    /// The window its leases (or allowance) belong to, epoch ms.
+    pub window_start_ms: u64,
+}
+
+/// The kind of `reservation` on `holder`.
+pub fn carve_kind(holder: &super::PoolHolder, reservation: &super::Reservation) -> CarveKind {
+    match reservation.fallback_window_start_ms() {
+        Some(window_start_ms) => CarveKind {
+            fallback: true,
+            window_start_ms,
+        },
+        None => CarveKind {
+            fallback: false,
+            window_start_ms: reservation
+                .lease_parts()
+                .first()
+                .and_then(|(lease, _)| holder.lease_window_start_ms(*lease))
+                .unwrap_or(0),
+        },
+    }
+}
+
+/// How an ended carve is settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    /// Its gateway reported past its end: everything admitted under it has been counted, and
+    /// what it still holds was provably not used: give it back.
+    GiveBack,
+    /// No report covered its end within the grace (a stream broke, a gateway went quiet): its
+    /// gateway may have admitted some of what it holds unreported: withhold it (stranded).
+    Withhold,
+}
+
+/// How a carve whose assignment ended at `ends_at_ms` is settled at `now_ms`, when its gateway's
+/// last report arrived at `last_report_at_ms` and it reports every `report_interval_ms`: `None`
+/// while it may still be reported. A report arriving [`DELIVERY_MARGIN_MS`] after the end was sent
+/// after it, and reports on one stream are in order and each covers everything since the one
+/// before, so what reports drew from the bucket's carves, oldest first, is exactly what was
+/// admitted: the carves' remainders together are what was not.
+pub fn settlement(
+    ends_at_ms: u64,
+    last_report_at_ms: u64,
+    now_ms: u64,
+    report_interval_ms: u64,
+) -> Option<Settlement> {
+    if last_report_at_ms >= ends_at_ms.saturating_add(DELIVERY_MARGIN_MS) {
+        Some(Settlement::GiveBack)
+    } else if now_ms >= ends_at_ms.saturating_add(settle_grace_ms(report_interval_ms)) {
+        Some(Settlement::Withhold)
+    } else {
+        None
+    }
+}
+
+/// Shortest `DENY_ALL`, ms.
+pub const MIN_DENY_TTL_MS: u64 = 1_000;
+/// Longest `DENY_ALL`, ms: a denied bucket is looked at again this often, so it gets quota soon
+/// after the agent has some again (a heal, a new window, a new lease).
+pub const MAX_DENY_TTL_MS: u64 = 5_000;
+
+/// How long a bucket nothing can be carved for is denied, given the refusal's retry hint.
+pub fn deny_ttl_ms(retry_after_ms: u64) -> u64 {
+    retry_after_ms.clamp(MIN_DENY_TTL_MS, MAX_DENY_TTL_MS)
 }
 
 /// Requests an assignment of `ttl_ms` should hold for a gateway measured at `rate_milli_per_s`

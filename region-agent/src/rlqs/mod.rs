@@ -37,11 +37,13 @@
 //!
 //! # Accounting
 //! Reported `num_requests_allowed` are spends of the bucket's carves, oldest first, reported to the
-//! ledger like any admission. A carve whose assignment ended (and whose gateway had time to report
-//! it) withholds what it still holds: stranded, never given back. Requests reported beyond every
-//! carve (the gateway's own `no_assignment_behavior` or `expired_assignment_behavior` admitted
-//! them) are spent from what the agent holds when possible and counted in
-//! `allot_agent_rlqs_admitted_beyond_assignment_total` either way.
+//! ledger like any admission. A carve whose assignment ended is given back once a report sent after
+//! its end has arrived (everything admitted under it is counted), and withholds what it still holds
+//! when none arrives in time ([`crate::global::sublease::settlement`]). A carve of another kind
+//! ([`crate::global::sublease::CarveKind`]) is handed only once the older ones are settled.
+//! Requests reported beyond every carve (the gateway's own `no_assignment_behavior` or
+//! `expired_assignment_behavior` admitted them) are spent from what the agent holds when possible
+//! and counted in `allot_agent_rlqs_admitted_beyond_assignment_total` either way.
 //!
 //! # Bounds
 //! [`MAX_STREAMS`] streams at once (more are refused `RESOURCE_EXHAUSTED`), [`MAX_BUCKETS_PER_STREAM`]
@@ -60,12 +62,13 @@ use tokio::sync::{Semaphore, mpsc};
 use tonic::{Request, Response, Status, Streaming};
 
 pub use crate::global::sublease::{
-    ASSIGNMENT_TTL_MS, DELIVERY_MARGIN_MS, MAX_SETTLE_GRACE_MS, MIN_ASSIGNMENT_TTL_MS,
-    MIN_SETTLE_GRACE_MS, RENEW_AT_PERCENT, RENEW_AT_USED_PERCENT,
+    ASSIGNMENT_TTL_MS, DELIVERY_MARGIN_MS, MAX_DENY_TTL_MS, MAX_SETTLE_GRACE_MS,
+    MIN_ASSIGNMENT_TTL_MS, MIN_DENY_TTL_MS, MIN_SETTLE_GRACE_MS, RENEW_AT_PERCENT,
+    RENEW_AT_USED_PERCENT,
 };
 use crate::global::sublease::{
-    BucketStrategy, Demand, admissible_until_replaced, assignment_ttl_ms, renewal_due,
-    settle_grace_ms, wanted_requests,
+    BucketStrategy, Demand, Settlement, admissible_until_replaced, assignment_ttl_ms, deny_ttl_ms,
+    renewal_due, settlement, wanted_requests,
 };
 use crate::grpc::{MAX_ENTRY_BYTES, request_from_entries};
 use crate::http::AgentApi;
@@ -125,10 +128,6 @@ pub const TICK_MS: u64 = 250;
 pub const BUCKET_IDLE_MS: u64 = 30_000;
 /// How long `ALLOW_ALL` lasts before the bucket's rules are looked at again, ms.
 pub const UNLIMITED_TTL_MS: u64 = 60_000;
-/// The longest `DENY_ALL`, ms.
-pub const MAX_DENY_TTL_MS: u64 = 60_000;
-/// Shortest `DENY_ALL`, ms.
-pub const MIN_DENY_TTL_MS: u64 = 1_000;
 /// Responses queued for one stream (I10).
 pub const OUTBOUND_MESSAGES: usize = 16;
 /// A gateway that does not take a response for this long is disconnected.
@@ -229,10 +228,6 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn settle_grace_ms(&self) -> u64 {
-        settle_grace_ms(self.report_interval_ms)
-    }
-
     /// Whether a new assignment is due at `now_ms` under bundle `version`.
     fn due(&self, now_ms: u64, version: u64) -> bool {
         if self.told_version != version {
@@ -485,16 +480,24 @@ async fn spend_reported(agent: &Arc<Agent>, bucket: &mut Bucket, allowed: u64) {
     }
 }
 
-/// Ends the carves whose assignments ended and whose gateway had time to report them.
+/// Settles the carves whose assignments ended: given back once a report covered their end,
+/// withheld when none did in time ([`settlement`]).
 fn settle_ended(agent: &Agent, bucket: &mut Bucket, now_ms: u64) {
-    let grace_ms = bucket.settle_grace_ms();
-    while bucket
-        .handed
-        .front()
-        .is_some_and(|handed| now_ms >= handed.ends_at_ms.saturating_add(grace_ms))
-    {
+    while let Some(handed) = bucket.handed.front() {
+        let settled = settlement(
+            handed.ends_at_ms,
+            bucket.last_report_ms,
+            now_ms,
+            bucket.report_interval_ms,
+        );
+        let Some(settled) = settled else {
+            break;
+        };
         if let Some(handed) = bucket.handed.pop_front() {
-            agent.end_carve(handed.carve);
+            match settled {
+                Settlement::GiveBack => agent.return_carve(handed.carve),
+                Settlement::Withhold => agent.end_carve(handed.carve),
+            }
         }
     }
 }
@@ -508,9 +511,16 @@ enum Assigned {
 /// Carves and tells the gateway; `None` when nothing is to be said yet (tokens on their way).
 async fn assign(agent: &Arc<Agent>, bucket: &mut Bucket) -> Option<Assigned> {
     let wanted = wanted_requests(bucket.demand.rate_milli_per_s(), ASSIGNMENT_TTL_MS);
+    // Every unsettled carve of a bucket is of one kind: the oldest's.
+    let kinds_in_use = bucket
+        .handed
+        .front()
+        .map(|handed| handed.carve.kinds().to_vec())
+        .unwrap_or_default();
     let ask = CarveAsk {
         subscription: bucket.subscription,
         wanted_requests: wanted,
+        kinds_in_use,
     };
     let carving = agent.carve(&bucket.request, ask).await;
     let now_ms = agent.now_ms();
@@ -566,7 +576,7 @@ async fn assign(agent: &Arc<Agent>, bucket: &mut Bucket) -> Option<Assigned> {
             )))
         }
         Carving::Denied { retry_after_ms } => {
-            let ttl_ms = retry_after_ms.clamp(MIN_DENY_TTL_MS, MAX_DENY_TTL_MS);
+            let ttl_ms = deny_ttl_ms(retry_after_ms);
             cut_replaced(agent, bucket, now_ms);
             bucket.told = Told::DenyAll {
                 until_ms: now_ms + ttl_ms,

@@ -7,8 +7,9 @@
 //! - what the gateway reports admitted is *drawn* from the carve: spent, and reported to the
 //!   ledger like any admission;
 //! - a carve cut short (its assignment replaced) gives back what its gateway can no longer admit;
-//! - a carve that ended *withholds* what it still holds: the gateway may have admitted some of it
-//!   without reporting it yet, so it is never spendable again (stranded, counted as such);
+//! - a carve whose gateway reported past its end gives back what it still holds (it was not used);
+//! - a carve that ended with no such report in time *withholds* what it still holds: the gateway
+//!   may have admitted some of it unreported, so it is never spendable again (stranded, counted);
 //! - a carve dropped unsettled (its stream went away) withholds too.
 //!
 //! So the sum of what live assignments can admit never exceeds what the agent holds plus the
@@ -28,7 +29,9 @@ use allot_shared::policy::{Limit, Rule};
 use super::admission::{POLICY_UNAVAILABLE_RETRY_MS, global_cost_tokens};
 use super::pools::{PoolKey, PoolSlot, TERMS_RETRY_MS};
 use super::{Agent, lock};
-use crate::global::sublease::share;
+use crate::global::sublease::{
+    CarveKind, DELIVERY_MARGIN_MS, MIN_ASSIGNMENT_TTL_MS, carve_kind, share,
+};
 use crate::global::{Denial, Reservation};
 use crate::limiter::plan_request;
 
@@ -69,6 +72,8 @@ pub struct Carve {
     requests: u64,
     used_requests: u64,
     usable_until_ms: u64,
+    /// Per pool, where its tokens come from.
+    kinds: Vec<CarveKind>,
     pools: Vec<CarvedPool>,
 }
 
@@ -86,6 +91,12 @@ impl Carve {
     /// Requests it still holds.
     pub fn left_requests(&self) -> u64 {
         self.requests - self.used_requests
+    }
+
+    /// Where its tokens come from, per pool of the bucket's global rules (empty with none): a
+    /// carve of other kinds is handed only once this one is settled.
+    pub fn kinds(&self) -> &[CarveKind] {
+        &self.kinds
     }
 
     /// By when (epoch ms, agent clock) its assignment must have ended: the end of the first-ending
@@ -111,12 +122,15 @@ pub enum Carving {
 }
 
 /// What a gateway asks a carve for.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct CarveAsk {
     /// The stream and bucket asking, for the demand its pools weigh.
     pub subscription: u64,
     /// Requests wanted.
     pub wanted_requests: u64,
+    /// The kinds of the bucket's carves not yet settled: a carve of other kinds waits
+    /// ([`CarveKind`]). Empty: any.
+    pub kinds_in_use: Vec<CarveKind>,
 }
 
 /// What every subscription wants of each pool: scarce tokens are divided in proportion.
@@ -222,10 +236,18 @@ impl Agent {
                 retry_after_ms: TERMS_RETRY_MS,
             };
         };
-        let mut carve = match self.carve_global(tenant, &parts, ask) {
+        let mut carve = match self.carve_global(tenant, &parts, &ask) {
             Ok(carve) => carve,
             Err(carving) => return self.after_refusal(tenant, &parts, carving).await,
         };
+        // Before the regional rules are charged (nothing is given back to them): a carve that
+        // could not be handed now waits.
+        let usable_ms = carve.usable_until_ms.saturating_sub(self.clock.now_ms());
+        let other_kind = !ask.kinds_in_use.is_empty() && ask.kinds_in_use != carve.kinds;
+        if other_kind || usable_ms < MIN_ASSIGNMENT_TTL_MS + DELIVERY_MARGIN_MS {
+            self.cancel_carve(carve);
+            return Carving::Awaiting;
+        }
         if let Some(planned) = &planned {
             let regional = tokio::time::timeout(
                 self.regional_hold(),
@@ -280,7 +302,7 @@ impl Agent {
         self: &Arc<Self>,
         tenant: &TenantId,
         parts: &[GlobalPart<'_>],
-        ask: CarveAsk,
+        ask: &CarveAsk,
     ) -> Result<Carve, Carving> {
         let now_ms = self.clock.now_ms();
         let reachable = self.allocator_reachable();
@@ -304,6 +326,7 @@ impl Agent {
             requests,
             used_requests: 0,
             usable_until_ms: u64::MAX,
+            kinds: Vec::with_capacity(parts.len()),
             pools: Vec::with_capacity(parts.len()),
         };
         for part in parts {
@@ -328,8 +351,12 @@ impl Agent {
             self.renew_if_wanted(tenant, part.pool, &part.slot);
             match reserved {
                 Some(Ok(reservation)) if requests > 0 => {
-                    let until = lock(&part.slot.holder).usable_until_ms(&reservation);
-                    carve.usable_until_ms = carve.usable_until_ms.min(until);
+                    let holder = lock(&part.slot.holder);
+                    carve.usable_until_ms = carve
+                        .usable_until_ms
+                        .min(holder.usable_until_ms(&reservation));
+                    carve.kinds.push(carve_kind(&holder, &reservation));
+                    drop(holder);
                     carve.pools.push(CarvedPool {
                         tenant: tenant.clone(),
                         pool: part.pool.clone(),
@@ -500,6 +527,16 @@ impl Agent {
     /// (`admissible_requests`, at least what it already reported): the rest goes back.
     pub fn cut_carve(&self, carve: &mut Carve, admissible_requests: u64) {
         self.shrink(carve, admissible_requests.max(carve.used_requests));
+    }
+
+    /// Ends `carve` whose gateway reported past its end: what it still holds was not used, and
+    /// goes back to its pools.
+    pub fn return_carve(&self, carve: Carve) {
+        let left = carve.left_requests();
+        self.cancel_carve(carve);
+        if left > 0 {
+            self.note_change();
+        }
     }
 
     /// Ends `carve`: what it still holds is withheld (stranded), never given back.

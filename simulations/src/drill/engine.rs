@@ -37,8 +37,9 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
 
 use super::check::{TenantChecker, check_expectation};
+use super::gateways::{Decided, Gateways};
 use super::results::{Convergence, DrillReport, MAX_VIOLATION_LINES, START_MS};
-use super::scenario::{Fault, PoolLayout, Scenario};
+use super::scenario::{Fault, GatewayPlan, PoolLayout, Scenario};
 
 /// The allocator round trip without faults, ms (the agents size their renewal watermark with it).
 pub const ROUND_TRIP_MS: u64 = 20;
@@ -72,6 +73,8 @@ struct HeldPool {
     demand_remainder: u64,
     stranded_seen: u64,
     admitted_since_report: u64,
+    /// The region's gateways for this tenant, in RLQS drills (they outlive an agent crash).
+    gateways: Option<Gateways>,
 }
 
 /// One region's agent process.
@@ -389,9 +392,26 @@ impl<'s> Drill<'s> {
                 }
             };
             if down {
-                let record = self.checker.record(t, r);
-                record.demand += arrivals;
-                record.denied_unavailable += arrivals;
+                match agent.pools[t].gateways.as_mut() {
+                    // Gateways keep enforcing what they were given while their agent is down.
+                    Some(gateways) => {
+                        let window_start_ms = window.start_ms;
+                        for _ in 0..arrivals {
+                            let decided = gateways.decide(agent_now_ms);
+                            record_gateway_decision(
+                                self.checker.record(t, r),
+                                decided,
+                                now_ms,
+                                window_start_ms,
+                            );
+                        }
+                    }
+                    None => {
+                        let record = self.checker.record(t, r);
+                        record.demand += arrivals;
+                        record.denied_unavailable += arrivals;
+                    }
+                }
                 continue;
             }
             let mut step = Step {
@@ -412,7 +432,13 @@ impl<'s> Drill<'s> {
                 first_grant_wait_ms: ms(FIRST_GRANT_WAIT),
                 limit_tokens: scenario.limit_tokens,
             };
-            abnormal |= step.run(arrivals, self.holder_config, report_due).await?;
+            abnormal |= match scenario.gateways {
+                Some(plan) => {
+                    step.run_gateways(arrivals, self.holder_config, report_due, plan)
+                        .await?
+                }
+                None => step.run(arrivals, self.holder_config, report_due).await?,
+            };
         }
         Ok(abnormal)
     }
@@ -569,9 +595,45 @@ fn crash(agent: &mut RegionAgent, checker: &mut TenantChecker, r: usize, agent_n
             record.stranded_tokens += answer.granted_tokens;
         }
         record.unreported_tokens += held.admitted_since_report;
-        *held = HeldPool::default();
+        let mut gateways = held.gateways.take();
+        if let Some(gateways) = gateways.as_mut() {
+            gateways.agent_crashed();
+        }
+        *held = HeldPool {
+            gateways,
+            ..HeldPool::default()
+        };
     }
     agent.believes_reachable = true;
+}
+
+/// Counts a gateway's decision on one request at `now_ms` (true time) in the window starting at
+/// `window_start_ms`.
+fn record_gateway_decision(
+    record: &mut super::results::RegionWindow,
+    decided: Decided,
+    now_ms: u64,
+    window_start_ms: u64,
+) {
+    record.demand += 1;
+    match decided {
+        Decided::Admitted(source) => {
+            if source.fallback {
+                record.fallback += 1;
+            } else if source
+                .lease_window_start_ms
+                .is_some_and(|start| start < window_start_ms)
+            {
+                record.carried_over += 1;
+            } else {
+                record.leased += 1;
+            }
+            if now_ms >= source.true_until_ms {
+                record.spent_after_lease_end += 1;
+            }
+        }
+        Decided::Denied => record.denied_by_gateway += 1,
+    }
 }
 
 /// One tenant's pool in one region's agent during one tick.
@@ -626,6 +688,60 @@ impl Step<'_> {
         if arrivals == 0 {
             self.renew().await?;
         }
+        if report_due && !self.conditions.partitioned {
+            self.report();
+        }
+        self.tally_strands();
+        Ok(abnormal)
+    }
+
+    /// The tick's requests decided by the region's gateways on their own, then the agent's side:
+    /// their reports spent, ended carves settled, due assignments carved (with a renewal when the
+    /// holder wants one), the ledger report and the strands. Returns whether any decision was
+    /// abnormal (a fallback admit, or no pool terms).
+    async fn run_gateways(
+        &mut self,
+        arrivals: u64,
+        config: HolderConfig,
+        report_due: bool,
+        plan: GatewayPlan,
+    ) -> Result<bool, DrillError> {
+        self.look_up_terms(config);
+        if let Some(f) = self.held.in_flight {
+            if f.deliver_at_ms <= self.now_ms {
+                self.deliver(f)?;
+            } else if f.gives_up_at_ms <= self.now_ms {
+                self.deliver(InFlight { answer: None, ..f })?;
+            }
+        }
+        let gateways = self.held.gateways.get_or_insert_with(|| {
+            Gateways::new(plan.per_region, plan.report_interval_ms, self.agent_now_ms)
+        });
+        let mut abnormal = false;
+        let record = self.checker.record(self.tenant, self.region_index);
+        for _ in 0..arrivals {
+            let decided = gateways.decide(self.agent_now_ms);
+            abnormal |= matches!(decided, Decided::Admitted(source) if source.fallback);
+            if matches!(decided, Decided::Admitted(_)) {
+                self.held.admitted_since_report += 1;
+            }
+            record_gateway_decision(record, decided, self.now_ms, self.window_start_ms);
+        }
+        if let Some(holder) = self.held.holder.as_mut() {
+            let lease_ends = &self.held.lease_ends;
+            let tended = gateways.tend(holder, self.agent_now_ms, *self.believes_reachable, |id| {
+                lease_ends
+                    .iter()
+                    .find(|(lease, _)| *lease == id)
+                    .map(|(_, end)| *end)
+            });
+            // Waiting for a renewal is how carving keeps up with demand, not a fault: only
+            // fallback admits (and no terms at all) are abnormal here.
+            let _ = tended;
+        } else {
+            abnormal |= arrivals > 0;
+        }
+        self.renew().await?;
         if report_due && !self.conditions.partitioned {
             self.report();
         }

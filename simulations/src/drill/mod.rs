@@ -8,6 +8,7 @@
 
 pub mod check;
 pub mod engine;
+mod gateways;
 pub mod report;
 pub mod results;
 pub mod scenario;

@@ -35,6 +35,8 @@ pub struct RegionWindow {
     pub denied_window_end: u64,
     /// Not served: the agent was down, or had no pool terms (fails closed).
     pub denied_unavailable: u64,
+    /// Denied by a gateway on its own (RLQS drills): no live assignment, or its bucket was empty.
+    pub denied_by_gateway: u64,
     /// Of the pool-exhausted denials, those while the tenant's whole quota (G) was not yet granted
     /// in this window: the cost of a static split.
     pub denied_while_tokens_left: u64,
@@ -74,6 +76,7 @@ impl RegionWindow {
             + self.denied_awaiting
             + self.denied_window_end
             + self.denied_unavailable
+            + self.denied_by_gateway
     }
 
     pub(super) fn add(&mut self, other: &RegionWindow) {
@@ -86,6 +89,7 @@ impl RegionWindow {
         self.denied_awaiting += other.denied_awaiting;
         self.denied_window_end += other.denied_window_end;
         self.denied_unavailable += other.denied_unavailable;
+        self.denied_by_gateway += other.denied_by_gateway;
         self.denied_while_tokens_left += other.denied_while_tokens_left;
         self.granted_tokens += other.granted_tokens;
         self.stranded_tokens += other.stranded_tokens;

@@ -76,6 +76,30 @@ pub struct Scenario {
     /// can hold up admits).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_wait_ms: Option<u64>,
+    /// When set, gateways decide every request themselves against assignments their region's
+    /// agent carves from what it holds (Envoy's rate limit quota service), instead of asking the
+    /// agent per request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateways: Option<GatewayPlan>,
+}
+
+/// Gateways behind the rate limit quota service: each region's requests are spread over its
+/// gateways, which report usage to their agent every `report_interval_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayPlan {
+    /// Gateways per region (1 to [`MAX_GATEWAYS_PER_REGION`]); requests go round-robin.
+    pub per_region: u64,
+    /// How often each gateway reports its usage, ms (100 to 60,000; default 1,000).
+    #[serde(default = "default_report_interval_ms")]
+    pub report_interval_ms: u64,
+}
+
+/// Most gateways per region in a drill.
+pub const MAX_GATEWAYS_PER_REGION: u64 = 64;
+
+fn default_report_interval_ms() -> u64 {
+    1_000
 }
 
 fn clamped() -> LeaseClamping {
@@ -405,6 +429,17 @@ impl Scenario {
         {
             return fail("layout.per_region_limit", "must be at least 1".into());
         }
+        if let Some(gateways) = &self.gateways {
+            if !(1..=MAX_GATEWAYS_PER_REGION).contains(&gateways.per_region) {
+                return fail(
+                    "gateways.per_region",
+                    format!("1 to {MAX_GATEWAYS_PER_REGION}"),
+                );
+            }
+            if !(100..=60_000).contains(&gateways.report_interval_ms) {
+                return fail("gateways.report_interval_ms", "100 to 60000".into());
+            }
+        }
         if self.faults.len() > MAX_FAULTS {
             return fail("faults", format!("at most {MAX_FAULTS}"));
         }
@@ -466,7 +501,7 @@ impl Scenario {
 
 /// The built-in suite: the reference design's table of drills (files under
 /// `simulations/scenarios/`, compiled in).
-pub const BUILTIN: [(&str, &str); 16] = [
+pub const BUILTIN: [(&str, &str); 19] = [
     ("clamped", include_str!("../../scenarios/clamped.toml")),
     ("unclamped", include_str!("../../scenarios/unclamped.toml")),
     ("fallback", include_str!("../../scenarios/fallback.toml")),
@@ -515,6 +550,15 @@ pub const BUILTIN: [(&str, &str); 16] = [
     (
         "clock-rate-beyond-margin",
         include_str!("../../scenarios/clock-rate-beyond-margin.toml"),
+    ),
+    ("rlqs", include_str!("../../scenarios/rlqs.toml")),
+    (
+        "rlqs-partition",
+        include_str!("../../scenarios/rlqs-partition.toml"),
+    ),
+    (
+        "rlqs-agent-restart",
+        include_str!("../../scenarios/rlqs-agent-restart.toml"),
     ),
 ];
 
