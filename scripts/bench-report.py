@@ -172,6 +172,43 @@ def main():
                   f"caller(s): {per_1000} (target at most 20).")
         print()
 
+    rlqs = bench_lines("rlqs.log")
+    if rlqs:
+        print("## Gateways deciding locally (RLQS) beside one call per request (RLS)")
+        print()
+        print("The same agent, policy (one global pool, three regional rules on Redis) and Redis. `rls`: 64")
+        print("tonic callers, one `ShouldRateLimit` per decision. `rlqs same load`: 8 reference gateways (one")
+        print("stream each) deciding at the rate `rls` reached, spread over 100 users: every decision is")
+        print("local, against the token-bucket assignments the agent pushes; the agent only takes usage")
+        print("reports (one a second per gateway) and carves assignments (one Redis call each for the")
+        print("regional rules). `rlqs flat out`: the same gateways as fast as they go. `local bucket`: one")
+        print("enforced bucket deciding in a loop (a local decision's floor). The agent runs on threads of its")
+        print("own; `agent us/1000` is their CPU (user + system) per 1,000 decisions, `x rls` beside it the")
+        print("ratio to the RLS path's; Redis CPU from `INFO cpu`; `agent calls/1000` counts calls (RLS) or")
+        print("report messages (RLQS). `admitted %` differs by design: an RLQS gateway holds an assignment")
+        print("sized by its demand and denies what exceeds it until the next one (a bucket's first")
+        print("assignment is sized on its first request and replaced within about a second; the run")
+        print("includes that); `unavailable %` is RLS calls answered UNAVAILABLE because a Redis call ran")
+        print("past the 10 ms decision budget (the load generators share the 2 cores). The stand-in")
+        print("allocator grants chunks of 100,000 here, so one assignment can carry a gateway's demand.")
+        print("Reproduce this section alone with `cargo bench -p allot-region-agent --bench rlqs`.")
+        print()
+        print("| path | decisions/s | x rls | admitted % | unavailable % | agent CPU us/1000 | x rls | Redis CPU us/1000 | agent calls/1000 |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in rlqs:
+            print(f"| {r['path']} | {r['decisionsPerSecond']:.0f} | {r['xRls']:.2f} | {r['admittedPercent']} | "
+                  f"{r.get('unavailablePercent', 0)} | {r['agentCpuUsPer1000']:.0f} | {r['agentCpuXRls']:.3f} | "
+                  f"{r['redisCpuUsPer1000']:.0f} | {r['agentCallsPer1000']} |")
+        print()
+        by_path = {r['path']: r for r in rlqs}
+        if 'rls' in by_path and 'rlqs same load' in by_path:
+            rls, same = by_path['rls'], by_path['rlqs same load']
+            redis_ratio = same['redisCpuUsPer1000'] / max(rls['redisCpuUsPer1000'], 1)
+            print(f"At the same load the agent spends {same['agentCpuXRls'] * 100:.1f} % of the CPU per decision the")
+            print(f"RLS path costs it, and Redis {redis_ratio * 100:.1f} %; the gateways decide with no call at all, up to")
+            print(f"{by_path.get('rlqs flat out', same)['decisionsPerSecond']:.0f} decisions/s on the bench's 8 gateways.")
+            print()
+
     peer = bench_lines("peer.log")
     if peer:
         print("## A peer: Kuadrant's Limitador on the same Redis")

@@ -16,19 +16,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::clock::{Stopwatch, SystemClock};
-use allot_region_agent::http::{AgentApi, serve};
+use allot_region_agent::http::AgentApi;
 use allot_region_agent::limiter::{
-    InProcessStore, Limiter, LimiterConfig, LimiterStore, RedisStore, RedisStoreConfig,
-    plan_request,
+    InProcessStore, LimiterStore, RedisStore, RedisStoreConfig, plan_request,
 };
-use allot_region_agent::service::{Agent, AgentSettings};
-use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
-use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
 use allot_shared::keys::{IpPrefixes, Pepper};
 use axum::Json;
-use axum::routing::{get, post};
+use axum::routing::post;
 use serde_json::{Value, json};
 
 /// mimalloc: fewer cycles per allocation than the system allocator on the request path (measured
@@ -37,122 +32,10 @@ use serde_json::{Value, json};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const RUN: Duration = Duration::from_secs(3);
-const GATEWAY: &str = "gateway-token-for-bench-01";
 
-fn bundle(with_regional: bool) -> allot_shared::policy::PolicyBundle {
-    let mut rules =
-        vec![json!({ "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" })];
-    if with_regional {
-        for (id, scope, route) in [
-            ("user", "user", None),
-            ("route", "route", Some("read")),
-            ("tenant", "tenant", None),
-        ] {
-            let mut rule = json!({ "id": id, "scope": scope, "algorithm": "token_bucket",
-                "capacityMillis": 1_000_000_000u64, "refillMillis": 1_000_000_000u64, "periodMs": 1000,
-                "failMode": "closed" });
-            if let Some(route) = route {
-                rule["routeGroup"] = json!(route);
-            }
-            rules.push(rule);
-        }
-    }
-    allot_shared::policy::parse_bundle(&json!({ "rules": rules }).to_string())
-        .and_then(|d| d.into_file_bundle())
-        .expect("bundle")
-}
+mod common;
 
-/// A stand-in allocator: terms for atlas/api (chunk 100, as in the reference design), and grants of
-/// min(want, 100) tokens per call, counted.
-async fn stub_allocator(grants: Arc<AtomicU64>) -> String {
-    let terms = json!({ "limit": 1u64 << 40, "windowMs": 3_600_000, "chunk": 100, "leaseTtlMs": 600_000,
-                        "fallbackPerRegion": 0, "regions": ["eu"], "version": 1 });
-    let app = axum::Router::new()
-        .route(
-            "/v1/pools/atlas/api/terms",
-            get(move || async move { Json(terms.clone()) }),
-        )
-        .route(
-            "/v1/grants",
-            post(move |Json(body): Json<Value>| {
-                let grants = grants.clone();
-                async move {
-                    grants.fetch_add(1, Ordering::Relaxed);
-                    let now = allot_region_agent::clock::Clock::now_ms(&SystemClock);
-                    let start = now - now % 3_600_000;
-                    Json(
-                        json!({ "leaseId": body["leaseId"], "granted": body["want"].as_u64().unwrap_or(1).min(100), "epoch": 1,
-                        "windowStartMs": start, "windowEndMs": start + 3_600_000,
-                        "expiresAtMs": (now + 600_000).min(start + 3_600_000), "retryAfterMs": 0 }),
-                    )
-                }
-            }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    // The agent's own accept loop, so the ceiling differs from an admit only in the handler.
-    tokio::spawn(allot_net::serve(
-        listener,
-        app,
-        None,
-        allot_net::ServeLimits::default(),
-        std::future::pending(),
-    ));
-    url
-}
-
-fn request(n: u64) -> AdmissionRequest {
-    AdmissionRequest {
-        request_id: DecisionId::parse(&format!("b-{n}")).expect("id"),
-        tenant_id: TenantId::parse("atlas").expect("tenant"),
-        principal: Principal {
-            kind: PrincipalType::User,
-            id: format!("U-{}", n % 1_000),
-            api_key_id: None,
-        },
-        route_group: RouteGroup::parse("read").expect("route"),
-        method: "GET".to_owned(),
-        cost_hint: 1,
-        policy_epoch: None,
-    }
-}
-
-async fn start_agent(
-    store: Arc<dyn LimiterStore>,
-    allocator: &str,
-    with_regional: bool,
-) -> (String, AgentApi) {
-    let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
-    let client = AllocatorClient::new(vec![allocator.to_owned()], "agent-token-bench".to_owned())
-        .expect("client");
-    let agent = Agent::new(
-        AgentSettings {
-            allocator_round_trip_ms: 5,
-            ..AgentSettings::new(
-                RegionId::parse("eu").expect("region"),
-                allot_shared::ids::AgentId::parse("bench").expect("agent id"),
-                Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper"),
-            )
-        },
-        Arc::new(SystemClock),
-        limiter,
-        Some(Arc::new(client)),
-        Some(bundle(with_regional)),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let api = AgentApi {
-        agent,
-        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
-        metrics: None,
-    };
-    tokio::spawn(serve(listener, api.clone(), None, std::future::pending()));
-    (url, api)
-}
+use common::{GATEWAY, bundle, request, start_agent, stub_allocator};
 
 /// Envoy's RLS v3 path: the same agent served over gRPC, called by `callers` tonic clients.
 async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
@@ -349,7 +232,7 @@ async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> F
 async fn main() {
     let redis = allot_testkit::RedisServer::start();
     let grants = Arc::new(AtomicU64::new(0));
-    let allocator = stub_allocator(grants.clone()).await;
+    let allocator = stub_allocator(grants.clone(), 100).await;
     let trivial = {
         // Reads the request's body (as any handler must) and answers a constant decision.
         let app = axum::Router::new().route(

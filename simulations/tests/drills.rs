@@ -281,6 +281,11 @@ fn the_figures_in_the_drill_docs_are_what_the_drills_produce() {
     // Fallback, heal, restart, fallback again in the same window: one allowance, not two.
     let again = drill("agent-restart-fallback");
     assert_eq!(again.windows[1].regions[0].fallback, 100);
+    assert_eq!(admitted_per_window(&drill("rlqs"), None), [983, 974, 979]);
+    assert_eq!(
+        admitted_per_window(&drill("rlqs-partition"), None)[2],
+        1_060
+    );
 }
 
 /// A blackholed allocator (calls that hang, neither answered nor refused): a renewal unanswered

@@ -37,6 +37,8 @@ pub const MAX_SETTLE_GRACE_MS: u64 = 60_000;
 pub const FILL_INTERVAL_MS: u64 = 1_000;
 /// Demand is kept in thousandths of a request per second.
 pub const RATE_SCALE: u64 = 1_000;
+/// A bucket's first report is read over at least this long, ms ([`Demand::record`]).
+pub const FIRST_REPORT_MIN_MS: u64 = 1_000;
 /// An assignment holds this many times its gateway's measured demand over its life, so a gateway
 /// whose load grows between reports is not starved before its next assignment.
 pub const HEADROOM_PERCENT: u64 = 150;
@@ -173,18 +175,23 @@ pub fn assignment_ttl_ms(requests: u64, rate_milli_per_s: u64, usable_ms: u64) -
 }
 
 /// Whether an assignment of `requests` sent at `sent_at_ms` for `ttl_ms`, of which its gateway
-/// reported `used_requests`, is due for renewal at `now_ms`: [`RENEW_AT_PERCENT`] of its life has
-/// passed, or [`RENEW_AT_USED_PERCENT`] of it is used.
+/// reported `used_requests`, is due for renewal at `now_ms` when its gateway's demand now wants
+/// `wanted_requests`: [`RENEW_AT_PERCENT`] of its life has passed, [`RENEW_AT_USED_PERCENT`] of it
+/// is used, or it holds less than half of what is wanted now (demand grew: a first assignment is
+/// sized on a single request) and has lasted [`MIN_ASSIGNMENT_TTL_MS`].
 pub fn renewal_due(
     sent_at_ms: u64,
     ttl_ms: u64,
     used_requests: u64,
     requests: u64,
+    wanted_requests: u64,
     now_ms: u64,
 ) -> bool {
     let aged = now_ms >= sent_at_ms + ttl_ms * RENEW_AT_PERCENT / 100;
     let used_up = requests > 0 && used_requests * 100 >= requests * RENEW_AT_USED_PERCENT;
-    aged || used_up
+    let undersized =
+        wanted_requests >= 2 * requests.max(1) && now_ms >= sent_at_ms + MIN_ASSIGNMENT_TTL_MS;
+    aged || used_up || undersized
 }
 
 /// What a gateway could have admitted under `strategy`, sent at `sent_at_ms`, when a replacement
@@ -311,9 +318,15 @@ pub struct Demand {
 
 impl Demand {
     /// Folds in a report of `requests` over `elapsed_ms`: the first report sets the rate, later
-    /// ones move it halfway.
+    /// ones move it halfway. A bucket's first report comes on its first request (Envoy reports a
+    /// new bucket at once), so it is read over at least [`FIRST_REPORT_MIN_MS`]: one request in a
+    /// millisecond is not a thousand a second.
     pub fn record(&mut self, requests: u64, elapsed_ms: u64) {
-        let elapsed_ms = elapsed_ms.max(1);
+        let elapsed_ms = if self.measured {
+            elapsed_ms.max(1)
+        } else {
+            elapsed_ms.max(FIRST_REPORT_MIN_MS)
+        };
         let observed =
             u128::from(requests) * u128::from(RATE_SCALE) * 1_000 / u128::from(elapsed_ms);
         let observed = u64::try_from(observed).unwrap_or(u64::MAX);
@@ -393,6 +406,13 @@ mod tests {
 
     #[test]
     fn demand_follows_reports() {
+        let mut first = Demand::default();
+        first.record(1, 2);
+        assert_eq!(
+            first.rate_milli_per_s(),
+            1_000,
+            "a first request is not a flood"
+        );
         let mut demand = Demand::default();
         demand.record(50, 1_000);
         assert_eq!(demand.rate_milli_per_s(), 50_000);

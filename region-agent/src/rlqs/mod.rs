@@ -26,8 +26,9 @@
 //!   every second ([`crate::global::sublease::BucketStrategy::spreading`]), so it can never admit
 //!   more than its carve within its time to live. The timing rules are pure functions of
 //!   [`crate::global::sublease`], which the drills run too.
-//! - An assignment is renewed when [`RENEW_AT_PERCENT`] of its time to live has passed or
-//!   [`RENEW_AT_USED_PERCENT`] of it is reported used. A replaced assignment is cut to what its
+//! - An assignment is renewed when [`RENEW_AT_PERCENT`] of its time to live has passed,
+//!   [`RENEW_AT_USED_PERCENT`] of it is reported used, or the gateway's demand has grown to more
+//!   than twice what it holds. A replaced assignment is cut to what its
 //!   gateway could admit until the new one arrives ([`DELIVERY_MARGIN_MS`]); the rest goes back.
 //! - A bucket no rule limits gets `ALLOW_ALL` for [`UNLIMITED_TTL_MS`]; one that nothing can be
 //!   carved for (the pool exhausted, the fallback allowance spent, no policy) gets `DENY_ALL` until
@@ -240,7 +241,8 @@ impl Bucket {
                 let (used, requests) = self.handed.back().map_or((0, 0), |handed| {
                     (handed.carve.used_requests(), handed.carve.requests())
                 });
-                renewal_due(sent_at_ms, ttl_ms, used, requests, now_ms)
+                let wanted = wanted_requests(self.demand.rate_milli_per_s(), ASSIGNMENT_TTL_MS);
+                renewal_due(sent_at_ms, ttl_ms, used, requests, wanted, now_ms)
             }
         }
     }

@@ -307,6 +307,7 @@ impl Agent {
         let now_ms = self.clock.now_ms();
         let reachable = self.allocator_reachable();
         let mut requests = ask.wanted_requests.max(1);
+        let mut totals_wanted = Vec::with_capacity(parts.len());
         for part in parts {
             let key = (tenant.clone(), part.pool.clone());
             let total_wanted = lock(&self.subleases).want(
@@ -321,6 +322,7 @@ impl Agent {
             let wanted_tokens = ask.wanted_requests.saturating_mul(part.tokens_per_request);
             let given_tokens = share(spendable, wanted_tokens, total_wanted);
             requests = requests.min(given_tokens / part.tokens_per_request);
+            totals_wanted.push(total_wanted);
         }
         let mut carve = Carve {
             requests,
@@ -329,15 +331,13 @@ impl Agent {
             kinds: Vec::with_capacity(parts.len()),
             pools: Vec::with_capacity(parts.len()),
         };
-        for part in parts {
-            // With nothing to give, a probe for what is wanted: its refusal says why, and asks the
-            // next renewal for that much.
+        for (part, total_wanted) in parts.iter().zip(totals_wanted) {
+            // With nothing to give, a probe for what the pool's gateways want: its refusal says
+            // why, and asks the next renewal for that much (within a chunk).
             let cost_tokens = if requests > 0 {
                 requests * part.tokens_per_request
             } else {
-                ask.wanted_requests
-                    .max(1)
-                    .saturating_mul(part.tokens_per_request)
+                total_wanted.max(part.tokens_per_request)
             };
             let reserved = {
                 let mut holder = lock(&part.slot.holder);

@@ -245,7 +245,8 @@ fn is_due(gateway: &Gateway, now_ms: u64) -> bool {
                 .handed
                 .back()
                 .map_or((0, 0), |h| (h.used, h.requests));
-            renewal_due(sent_at_ms, ttl_ms, used, requests, now_ms)
+            let wanted = wanted_requests(gateway.demand.rate_milli_per_s(), ASSIGNMENT_TTL_MS);
+            renewal_due(sent_at_ms, ttl_ms, used, requests, wanted, now_ms)
         }
     }
 }
