@@ -9,6 +9,7 @@
 
 pub mod auth;
 pub mod clock;
+pub mod console;
 pub mod ctl;
 pub mod grants;
 pub mod http;

@@ -447,6 +447,8 @@ pub async fn run(
         tokens,
         ledger,
         status_leases: Arc::default(),
+        console_sessions: Arc::default(),
+        serves_tls: settings.tls.is_some(),
     };
     tracing::info!(listen = %settings.listen, node = %settings.node_id, "allocator serving");
     let acceptor = settings

@@ -15,14 +15,15 @@ pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
 const MAX_DETAIL_BYTES: usize = 1_024;
 
 /// Rewrites a plain 4xx/5xx answer as problem+json (for `axum::middleware::map_response`, applied
-/// outermost so it sees what the other layers answer).
+/// outermost so it sees what the other layers answer). An HTML error page (the operator console's)
+/// is already written for its reader and passes unchanged.
 pub async fn problem_for_plain_errors(response: Response) -> Response {
     let status = response.status();
-    let is_problem = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(PROBLEM_CONTENT_TYPE.as_bytes()));
-    if !(status.is_client_error() || status.is_server_error()) || is_problem {
+    let content_type = response.headers().get(header::CONTENT_TYPE);
+    let is_problem =
+        content_type.is_some_and(|v| v.as_bytes().starts_with(PROBLEM_CONTENT_TYPE.as_bytes()));
+    let is_page = content_type.is_some_and(|v| v.as_bytes().starts_with(b"text/html"));
+    if !(status.is_client_error() || status.is_server_error()) || is_problem || is_page {
         return response;
     }
     let retry_after = response.headers().get(header::RETRY_AFTER).cloned();
@@ -98,6 +99,18 @@ mod tests {
             ok.headers()
                 .get(header::CONTENT_TYPE)
                 .is_some_and(|v| v != PROBLEM_CONTENT_TYPE)
+        );
+        let mut page = (StatusCode::FORBIDDEN, "<p>Refused</p>").into_response();
+        page.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/html; charset=utf-8"),
+        );
+        let page = problem_for_plain_errors(page).await;
+        assert_eq!(page.status(), 403);
+        assert!(
+            page.headers()[header::CONTENT_TYPE]
+                .as_bytes()
+                .starts_with(b"text/html")
         );
     }
 }

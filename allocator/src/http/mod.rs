@@ -69,11 +69,35 @@ pub struct ApiState {
     pub ledger: Ledger,
     /// The store lease agent status keys are written with.
     pub status_leases: Arc<crate::policies::StatusLeases>,
+    /// The operator console's signed-in sessions.
+    pub console_sessions: Arc<crate::console::session::Sessions>,
+    /// Whether the listener serves TLS (the console then marks its cookie `Secure`).
+    pub serves_tls: bool,
 }
 
-/// The API router with its bounds.
+/// The API and the operator console on one router, with the listener's bounds.
 pub fn router(state: ApiState) -> Router {
-    let routes = Router::new()
+    let console = crate::console::router(crate::console::ConsoleState {
+        api: api_routes(state.clone()),
+        tokens: state.tokens.clone(),
+        sessions: state.console_sessions.clone(),
+        clock: state.clock.clone(),
+        secure_cookies: state.serves_tls,
+    });
+    allot_net::bounded_router(
+        api_routes(state).merge(console),
+        allot_net::RouterLimits {
+            max_body_bytes: MAX_BODY_BYTES,
+            max_concurrent_requests: MAX_CONCURRENT_REQUESTS,
+            request_timeout: REQUEST_TIMEOUT,
+        },
+    )
+}
+
+/// The API's routes without the listener's bounds: the console calls them in-process from within
+/// a request those bounds already cover.
+fn api_routes(state: ApiState) -> Router {
+    Router::new()
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics_text))
@@ -111,14 +135,6 @@ pub fn router(state: ApiState) -> Router {
             axum::routing::delete(tokens::delete_token),
         )
         .route("/v1/audit", get(ops::get_audit))
-        .fallback(ops::not_found);
-    allot_net::bounded_router(
-        routes,
-        allot_net::RouterLimits {
-            max_body_bytes: MAX_BODY_BYTES,
-            max_concurrent_requests: MAX_CONCURRENT_REQUESTS,
-            request_timeout: REQUEST_TIMEOUT,
-        },
-    )
-    .with_state(state)
+        .fallback(ops::not_found)
+        .with_state(state)
 }

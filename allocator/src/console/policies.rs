@@ -1,0 +1,295 @@
+//! Policy bundles: the rollout, recent versions, a readable diff between two, publishing a pasted
+//! bundle (the API's validation errors shown with the rule and field they name), and promotion.
+
+use axum::extract::rejection::{FormRejection, QueryRejection};
+use axum::extract::{Form, Path, Query, State};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use maud::{Markup, html};
+use serde::Deserialize;
+use similar::{ChangeTag, TextDiff};
+
+use super::api::{Api, ApiProblem};
+use super::layout::{
+    Section, csrf_field, html_response, page as shell, problem_banner, problem_page, query_escape,
+};
+use super::session::Session;
+use super::{ConsoleState, CsrfForm, SignedIn};
+use crate::auth::OperatorRole;
+use crate::http::PolicyStatus;
+
+/// Versions listed on the page.
+const VERSIONS_LISTED: u64 = 10;
+/// Longest bundle text diffed, in bytes (bundles are capped far below this by the API).
+const MAX_DIFF_BYTES: usize = 512 * 1024;
+
+/// A bundle as pretty JSON, one key per line, so a diff reads rule by rule.
+async fn bundle_text(api: &Api, version: u64) -> Result<String, ApiProblem> {
+    let text = api.get_text(&format!("/v1/policies/{version}")).await?;
+    Ok(serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|value| serde_json::to_string_pretty(&value).ok())
+        .unwrap_or(text))
+}
+
+fn publish_form(
+    session: &Session,
+    text: &str,
+    canary: &str,
+    problem: Option<&ApiProblem>,
+) -> Markup {
+    let invalid = problem.is_some();
+    html! {
+        h2 { "Publish a bundle" }
+        form.stack method="post" action="/console/policies/publish" {
+            (csrf_field(session))
+            label for="bundle" { "Bundle (JSON)" }
+            textarea id="bundle" name="bundle" spellcheck="false" aria-invalid=[invalid.then_some("true")]
+                aria-describedby=[invalid.then_some("bundle-error")] { (text) }
+            @if let Some(problem) = problem {
+                p.error id="bundle-error" role="alert" {
+                    @if let Some(field) = problem.field() { "At " code { (field) } ": " }
+                    (problem.detail())
+                }
+            }
+            label for="canary" { "Canary regions (optional)" }
+            input id="canary" name="canary" value=(canary);
+            p.hint { "comma-separated; these regions run the new version until you promote it" }
+            div { button type="submit" { "Publish" } }
+        }
+    }
+}
+
+async fn page_body(session: &Session, api: &Api, publish: Markup) -> Result<Markup, ApiProblem> {
+    let status = api.get::<PolicyStatus>("/v1/policies/status").await?;
+    let rollout = &status.rollout;
+    let first_listed = rollout.latest.saturating_sub(VERSIONS_LISTED - 1).max(1);
+    let may_author = session.role >= OperatorRole::Author;
+    Ok(html! {
+        div.cards {
+            div.card { div.muted { "Current" } div.value id="current-version" { (rollout.current) } }
+            div.card { div.muted { "Canary" } div.value {
+                @match &rollout.canary { Some(c) => { (c.version) } None => { "none" } }
+            } }
+            div.card { div.muted { "Latest published" } div.value { (rollout.latest) } }
+        }
+        h2 { "Versions" }
+        @if rollout.latest == 0 {
+            p.muted { "No bundle has been published yet." }
+        } @else {
+            table id="versions" {
+                thead { tr { th.num { "Version" } th { "State" } th { "" } } }
+                tbody {
+                    @for version in (first_listed..=rollout.latest).rev() {
+                        tr {
+                            td.num { (version) }
+                            td {
+                                @if version == rollout.current { "current" }
+                                @else if rollout.canary.as_ref().is_some_and(|c| c.version == version) { "canary" }
+                                @else if version > rollout.current { "published" }
+                                @else { "previous" }
+                            }
+                            td {
+                                @if version > 1 {
+                                    a href=(format!("/console/policies/diff?from={}&to={version}", version - 1)) { "diff with " (version - 1) }
+                                }
+                                @if may_author && version > rollout.current {
+                                    " "
+                                    form.inline method="post" action=(format!("/console/policies/{version}/promote")) {
+                                        (csrf_field(session))
+                                        button.secondary type="submit" { "Promote " (version) }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            form.toolbar method="get" action="/console/policies/diff" {
+                div { label for="from" { "From" } input id="from" name="from" inputmode="numeric" value=(rollout.current.max(1)); }
+                div { label for="to" { "To" } input id="to" name="to" inputmode="numeric" value=(rollout.latest); }
+                button type="submit" { "Compare" }
+            }
+        }
+        @if may_author { (publish) }
+    })
+}
+
+pub async fn page(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
+    let SignedIn { session, api } = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let publish = publish_form(&session, "", "", None);
+    match page_body(&session, &api, publish).await {
+        Ok(body) => html_response(
+            StatusCode::OK,
+            shell(&session, Section::Policies, "Policies", body),
+        ),
+        Err(problem) => console
+            .end_if_refused(&headers, &problem)
+            .unwrap_or_else(|| problem_page(&session, Section::Policies, &problem)),
+    }
+}
+
+/// The publish form.
+#[derive(Debug, Default, Deserialize)]
+pub struct PublishForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    bundle: String,
+    #[serde(default)]
+    canary: String,
+}
+
+pub async fn publish(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    form: Result<Form<PublishForm>, FormRejection>,
+) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(rejection) => return rejection.into_response(),
+    };
+    let SignedIn { session, api } = match console.signed_in_change(&headers, &form.csrf) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let canary: Vec<&str> = form
+        .canary
+        .split(',')
+        .map(str::trim)
+        .filter(|r| !r.is_empty())
+        .collect();
+    let path = if canary.is_empty() {
+        "/v1/policies".to_owned()
+    } else {
+        format!("/v1/policies?canary={}", query_escape(&canary.join(",")))
+    };
+    match api
+        .send_raw(Method::PUT, &path, form.bundle.clone().into_bytes())
+        .await
+    {
+        Ok(_) => Redirect::to("/console/policies").into_response(),
+        Err(problem) => {
+            if let Some(redirect) = console.end_if_refused(&headers, &problem) {
+                return redirect;
+            }
+            let publish = publish_form(&session, &form.bundle, &form.canary, Some(&problem));
+            let body = page_body(&session, &api, publish)
+                .await
+                .unwrap_or_else(|other| problem_banner(&other));
+            html_response(
+                problem.status(),
+                shell(&session, Section::Policies, "Policies", body),
+            )
+        }
+    }
+}
+
+pub async fn promote(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    Path(version): Path<String>,
+    form: Result<Form<CsrfForm>, FormRejection>,
+) -> Response {
+    let csrf = match form {
+        Ok(Form(form)) => form.csrf,
+        Err(rejection) => return rejection.into_response(),
+    };
+    let SignedIn { session, api } = match console.signed_in_change(&headers, &csrf) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let path = format!("/v1/policies/{}/promote", query_escape(version.trim()));
+    match api.send(Method::POST, &path, &serde_json::json!({})).await {
+        Ok(_) => Redirect::to("/console/policies").into_response(),
+        Err(problem) => console
+            .end_if_refused(&headers, &problem)
+            .unwrap_or_else(|| problem_page(&session, Section::Policies, &problem)),
+    }
+}
+
+/// `GET /console/policies/diff` query.
+#[derive(Debug, Deserialize)]
+pub struct DiffQuery {
+    from: String,
+    to: String,
+}
+
+fn parse_version(field: &str, text: &str) -> Result<u64, ApiProblem> {
+    text.trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|v| *v > 0)
+        .ok_or_else(|| ApiProblem::invalid(field, "must be a positive integer"))
+}
+
+/// A line diff of two texts: unchanged lines plain, removed and added lines marked.
+pub fn diff_markup(old: &str, new: &str) -> Markup {
+    if old.len() > MAX_DIFF_BYTES || new.len() > MAX_DIFF_BYTES {
+        return html! { p.problem { "These bundles are too large to compare here." } };
+    }
+    let diff = TextDiff::from_lines(old, new);
+    html! {
+        pre.diff {
+            @for change in diff.iter_all_changes() {
+                @match change.tag() {
+                    ChangeTag::Delete => { span.removed { "- " (change.value()) } }
+                    ChangeTag::Insert => { span.added { "+ " (change.value()) } }
+                    ChangeTag::Equal => { span { "  " (change.value()) } }
+                }
+            }
+        }
+    }
+}
+
+pub async fn diff(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    query: Result<Query<DiffQuery>, QueryRejection>,
+) -> Response {
+    let SignedIn { session, api } = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let compared = async {
+        let Query(query) = query.map_err(|e| ApiProblem::invalid("from", e.body_text()))?;
+        let from = parse_version("from", &query.from)?;
+        let to = parse_version("to", &query.to)?;
+        let old = bundle_text(&api, from).await?;
+        let new = bundle_text(&api, to).await?;
+        Ok::<_, ApiProblem>((from, to, diff_markup(&old, &new)))
+    }
+    .await;
+    match compared {
+        Ok((from, to, markup)) => {
+            let title = format!("Version {from} → {to}");
+            let body = html! { p { a href="/console/policies" { "← Policies" } } (markup) };
+            html_response(
+                StatusCode::OK,
+                shell(&session, Section::Policies, &title, body),
+            )
+        }
+        Err(problem) => console
+            .end_if_refused(&headers, &problem)
+            .unwrap_or_else(|| problem_page(&session, Section::Policies, &problem)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_diff_marks_removed_and_added_lines_and_escapes_them() {
+        let markup = diff_markup("a\nb <x>\nc\n", "a\nB\nc\n").into_string();
+        assert!(
+            markup.contains(r#"<span class="removed">- b &lt;x&gt;"#),
+            "{markup}"
+        );
+        assert!(markup.contains(r#"<span class="added">+ B"#), "{markup}");
+        assert!(markup.contains("<span>  a"), "{markup}");
+    }
+}

@@ -1,0 +1,669 @@
+//! Pools: the list (search, paging, this window against its bound), one pool's live windows, and
+//! the forms that create, edit and delete pools.
+
+use axum::extract::rejection::{FormRejection, QueryRejection};
+use axum::extract::{Form, Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use maud::{Markup, html};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use super::api::ApiProblem;
+use super::chart::window_chart_svg;
+use super::layout::{
+    Section, csrf_field, duration, html_response, page, problem_banner, problem_page, query_escape,
+    utc,
+};
+use super::{ConsoleState, CsrfForm, SignedIn};
+use crate::auth::OperatorRole;
+use crate::http::{PoolList, PoolView, WindowList};
+use crate::ledger::WindowRow;
+
+/// Pools per page of the list.
+pub const POOLS_PER_PAGE: usize = 50;
+/// Windows shown on a pool's page and drawn in its chart.
+pub const WINDOWS_SHOWN: u64 = 20;
+/// Longest search text.
+const MAX_SEARCH_LEN: usize = 200;
+
+/// `GET /console/pools` query.
+#[derive(Debug, Default, Deserialize)]
+pub struct ListQuery {
+    /// Pools whose `tenant/pool` contains this text.
+    #[serde(default)]
+    q: String,
+    /// The page, from 1.
+    page: Option<usize>,
+}
+
+/// The API's address of a pool, its segments escaped as typed (the API names an invalid one).
+fn api_pool_path(tenant: &str, pool: &str) -> String {
+    format!("/v1/pools/{}/{}", query_escape(tenant), query_escape(pool))
+}
+
+fn pool_href(tenant: &str, pool: &str) -> String {
+    format!("/console/pools/{tenant}/{pool}")
+}
+
+/// What a window's admitted count says against its limit and bound.
+fn standing(row: &WindowRow) -> Markup {
+    if row.admitted_tokens > row.bound_tokens {
+        html! { span.over { "over its bound" } }
+    } else if row.admitted_tokens > row.limit_tokens {
+        html! { span { "within bound (fallback in use)" } }
+    } else {
+        html! { span.ok { "within limit" } }
+    }
+}
+
+pub async fn list(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    query: Result<Query<ListQuery>, QueryRejection>,
+) -> Response {
+    let SignedIn { session, api } = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let Query(query) = query.unwrap_or_default();
+    let search: String = query.q.trim().chars().take(MAX_SEARCH_LEN).collect();
+    let all = match api.get::<PoolList>("/v1/pools").await {
+        Ok(list) => list.pools,
+        Err(problem) => {
+            return console
+                .end_if_refused(&headers, &problem)
+                .unwrap_or_else(|| problem_page(&session, Section::Pools, &problem));
+        }
+    };
+    let mut matching: Vec<&PoolView> = all
+        .iter()
+        .filter(|p| format!("{}/{}", p.tenant, p.pool).contains(&search))
+        .collect();
+    matching.sort_by(|a, b| (&a.tenant, &a.pool).cmp(&(&b.tenant, &b.pool)));
+    let pages = matching.len().div_ceil(POOLS_PER_PAGE).max(1);
+    let page_number = query.page.unwrap_or(1).clamp(1, pages);
+    let shown = matching
+        .iter()
+        .skip((page_number - 1) * POOLS_PER_PAGE)
+        .take(POOLS_PER_PAGE);
+    let mut rows = Vec::new();
+    for pool in shown {
+        let path = format!("/v1/pools/{}/{}/windows?last=1", pool.tenant, pool.pool);
+        let window = api
+            .get::<WindowList>(&path)
+            .await
+            .ok()
+            .and_then(|list| list.windows.into_iter().next());
+        rows.push((*pool, window));
+    }
+    let may_edit = session.role >= OperatorRole::Author;
+    let page_href = |n: usize| format!("/console/pools?q={}&page={n}", query_escape(&search));
+    let body = html! {
+        form.toolbar method="get" action="/console/pools" role="search" {
+            div {
+                label for="q" { "Search tenant/pool" }
+                input id="q" name="q" type="search" value=(search);
+            }
+            button type="submit" { "Search" }
+            @if may_edit { a.button.secondary href="/console/pools/new" { "New pool" } }
+        }
+        p.muted { (matching.len()) " of " (all.len()) " pools · page " (page_number) " of " (pages) }
+        div.table-wrap {
+            table {
+                thead { tr {
+                    th { "Tenant" } th { "Pool" } th.num { "G" } th { "Window" } th.num.wide { "Chunk" }
+                    th.wide { "Regions" } th.num { "Admitted" } th.num { "Bound" } th { "State" }
+                } }
+                tbody {
+                    @for (pool, window) in &rows {
+                        tr {
+                            td { (pool.tenant) }
+                            td { a href=(pool_href(pool.tenant.as_str(), pool.pool.as_str())) { (pool.pool) } }
+                            td.num { (pool.spec.limit_tokens) }
+                            td { (duration(pool.spec.window_ms)) }
+                            td.num.wide { (pool.spec.chunk_tokens) }
+                            td.wide { (join(&pool.spec.regions)) }
+                            @match window {
+                                Some(row) => {
+                                    td.num { (row.admitted_tokens) }
+                                    td.num { (row.bound_tokens) }
+                                    td { (standing(row)) }
+                                }
+                                None => { td.num { "–" } td.num { "–" } td.muted { "no window yet" } }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        nav.pager aria-label="Pages" {
+            @if page_number > 1 { a href=(page_href(page_number - 1)) rel="prev" { "← Previous" } }
+            @if page_number < pages { a href=(page_href(page_number + 1)) rel="next" { "Next →" } }
+        }
+    };
+    html_response(
+        StatusCode::OK,
+        page(&session, Section::Pools, "Pools", body),
+    )
+}
+
+fn join<T: std::fmt::Display>(items: &[T]) -> String {
+    items
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The pool form, as typed. Numbers stay text until the API reads them, so a mistyped number is
+/// named by the API like any other invalid field.
+#[derive(Debug, Default, Deserialize)]
+pub struct PoolForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    tenant: String,
+    #[serde(default)]
+    pool: String,
+    #[serde(default)]
+    limit: String,
+    #[serde(default, rename = "windowMs")]
+    window_ms: String,
+    #[serde(default)]
+    chunk: String,
+    #[serde(default, rename = "leaseTtlMs")]
+    lease_ttl_ms: String,
+    #[serde(default, rename = "fallbackPerRegion")]
+    fallback_per_region: String,
+    #[serde(default)]
+    regions: String,
+}
+
+/// The form's fields: (JSON name, label, hint).
+const SPEC_FIELDS: [(&str, &str, &str); 5] = [
+    ("limit", "G, tokens per window", "the tenant's global quota"),
+    ("windowMs", "Window, ms", "e.g. 60000 for a minute"),
+    ("chunk", "Chunk, tokens", "what one lease grants; at most G"),
+    (
+        "leaseTtlMs",
+        "Lease TTL, ms",
+        "how long a lease may be spent",
+    ),
+    (
+        "fallbackPerRegion",
+        "Fallback per region, tokens",
+        "what a cut-off region may admit on its own per window (a term of the bound)",
+    ),
+];
+
+impl PoolForm {
+    fn from_view(view: &PoolView) -> Self {
+        Self {
+            csrf: String::new(),
+            tenant: view.tenant.to_string(),
+            pool: view.pool.to_string(),
+            limit: view.spec.limit_tokens.to_string(),
+            window_ms: view.spec.window_ms.to_string(),
+            chunk: view.spec.chunk_tokens.to_string(),
+            lease_ttl_ms: view.spec.lease_ttl_ms.to_string(),
+            fallback_per_region: view.spec.fallback_per_region_tokens.to_string(),
+            regions: join(&view.spec.regions),
+        }
+    }
+
+    fn value_of(&self, field: &str) -> &str {
+        match field {
+            "tenant" => &self.tenant,
+            "pool" => &self.pool,
+            "limit" => &self.limit,
+            "windowMs" => &self.window_ms,
+            "chunk" => &self.chunk,
+            "leaseTtlMs" => &self.lease_ttl_ms,
+            "fallbackPerRegion" => &self.fallback_per_region,
+            _ => &self.regions,
+        }
+    }
+
+    /// The API's pool body: whole numbers as numbers, anything else as typed text (which the API
+    /// refuses naming the field).
+    fn spec_json(&self) -> Value {
+        let mut body = Map::new();
+        for (field, _, _) in SPEC_FIELDS {
+            let typed = self.value_of(field).trim();
+            let value = typed
+                .parse::<u64>()
+                .map(Value::from)
+                .unwrap_or_else(|_| Value::from(typed));
+            body.insert(field.to_owned(), value);
+        }
+        let regions: Vec<Value> = self
+            .regions
+            .split([',', ' '])
+            .map(str::trim)
+            .filter(|r| !r.is_empty())
+            .map(Value::from)
+            .collect();
+        body.insert("regions".to_owned(), Value::Array(regions));
+        Value::Object(body)
+    }
+}
+
+/// The field a problem names, as the form calls it (`regions[1]` is the regions box).
+fn form_field(problem: &ApiProblem) -> Option<&str> {
+    let field = problem.field()?;
+    let base = field.split(['[', '.']).next().unwrap_or(field);
+    Some(match base {
+        "" | "body" => "limit",
+        other => other,
+    })
+}
+
+fn pool_form(
+    session: &super::session::Session,
+    form: &PoolForm,
+    editing: bool,
+    problem: Option<&ApiProblem>,
+) -> Markup {
+    let action = if editing {
+        format!("{}/edit", pool_href(&form.tenant, &form.pool))
+    } else {
+        "/console/pools/new".to_owned()
+    };
+    let at_fault = problem.and_then(form_field);
+    let field = |name: &'static str, label: &'static str, hint: &'static str| {
+        let invalid = at_fault == Some(name);
+        let error_id = format!("{name}-error");
+        html! {
+            div {
+                label for=(name) { (label) }
+                input id=(name) name=(name) value=(form.value_of(name)) inputmode="numeric"
+                    aria-invalid=[invalid.then_some("true")]
+                    aria-describedby=[invalid.then_some(error_id.as_str())];
+                @if let (true, Some(problem)) = (invalid, problem) {
+                    p.error id=(error_id) role="alert" { (problem.detail()) }
+                } @else {
+                    p.hint { (hint) }
+                }
+            }
+        }
+    };
+    html! {
+        @if let (Some(problem), None) = (problem, at_fault) { (problem_banner(problem)) }
+        form.stack method="post" action=(action) novalidate {
+            (csrf_field(session))
+            @if editing {
+                input type="hidden" name="tenant" value=(form.tenant);
+                input type="hidden" name="pool" value=(form.pool);
+            } @else {
+                @for (name, label) in [("tenant", "Tenant"), ("pool", "Pool")] {
+                    @let invalid = at_fault == Some(name);
+                    div {
+                        label for=(name) { (label) }
+                        input id=(name) name=(name) value=(form.value_of(name)) required
+                            aria-invalid=[invalid.then_some("true")];
+                        @if let (true, Some(problem)) = (invalid, problem) {
+                            p.error role="alert" { (problem.detail()) }
+                        }
+                    }
+                }
+            }
+            @for (name, label, hint) in SPEC_FIELDS { (field(name, label, hint)) }
+            div {
+                @let invalid = at_fault == Some("regions");
+                label for="regions" { "Regions" }
+                input id="regions" name="regions" value=(form.regions) aria-invalid=[invalid.then_some("true")];
+                @if let (true, Some(problem)) = (invalid, problem) {
+                    p.error role="alert" { (problem.detail()) }
+                } @else {
+                    p.hint { "comma-separated region ids, e.g. eu, us" }
+                }
+            }
+            div { button type="submit" { @if editing { "Save" } @else { "Create pool" } } }
+        }
+    }
+}
+
+pub async fn new_form(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
+    let SignedIn { session, .. } = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let defaults = PoolForm {
+        window_ms: "60000".to_owned(),
+        lease_ttl_ms: "10000".to_owned(),
+        fallback_per_region: "0".to_owned(),
+        ..PoolForm::default()
+    };
+    let body = pool_form(&session, &defaults, false, None);
+    html_response(
+        StatusCode::OK,
+        page(&session, Section::Pools, "New pool", body),
+    )
+}
+
+async fn save(
+    console: ConsoleState,
+    headers: HeaderMap,
+    form: PoolForm,
+    editing: bool,
+) -> Response {
+    let SignedIn { session, api } = match console.signed_in_change(&headers, &form.csrf) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let path = api_pool_path(form.tenant.trim(), form.pool.trim());
+    let saved = if form.tenant.trim().is_empty() || form.pool.trim().is_empty() {
+        let field = if form.tenant.trim().is_empty() {
+            "tenant"
+        } else {
+            "pool"
+        };
+        Err(ApiProblem::invalid(field, "required"))
+    } else {
+        api.send(Method::PUT, &path, &form.spec_json()).await
+    };
+    match saved {
+        Ok(_) => Redirect::to(&pool_href(form.tenant.trim(), form.pool.trim())).into_response(),
+        Err(problem) => {
+            if let Some(redirect) = console.end_if_refused(&headers, &problem) {
+                return redirect;
+            }
+            let title = if editing { "Edit pool" } else { "New pool" };
+            let body = pool_form(&session, &form, editing, Some(&problem));
+            html_response(
+                problem.status(),
+                page(&session, Section::Pools, title, body),
+            )
+        }
+    }
+}
+
+pub async fn create(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    form: Result<Form<PoolForm>, FormRejection>,
+) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(rejection) => return rejection.into_response(),
+    };
+    save(console, headers, form, false).await
+}
+
+pub async fn edit_form(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    Path((tenant, pool)): Path<(String, String)>,
+) -> Response {
+    let SignedIn { session, api } = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    match api.get::<PoolView>(&api_pool_path(&tenant, &pool)).await {
+        Ok(view) => {
+            let body = pool_form(&session, &PoolForm::from_view(&view), true, None);
+            let title = format!("Edit {tenant}/{pool}");
+            html_response(StatusCode::OK, page(&session, Section::Pools, &title, body))
+        }
+        Err(problem) => console
+            .end_if_refused(&headers, &problem)
+            .unwrap_or_else(|| problem_page(&session, Section::Pools, &problem)),
+    }
+}
+
+pub async fn update(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    Path((tenant, pool)): Path<(String, String)>,
+    form: Result<Form<PoolForm>, FormRejection>,
+) -> Response {
+    let form = PoolForm {
+        tenant,
+        pool,
+        ..match form {
+            Ok(Form(form)) => form,
+            Err(rejection) => return rejection.into_response(),
+        }
+    };
+    save(console, headers, form, true).await
+}
+
+pub async fn delete_confirm(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    Path((tenant, pool)): Path<(String, String)>,
+) -> Response {
+    let SignedIn { session, .. } = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let title = format!("Delete {tenant}/{pool}?");
+    let body = html! {
+        p { "Agents stop getting leases for this pool; its ledger history stays. This cannot be undone." }
+        form.inline method="post" action=(format!("{}/delete", pool_href(&tenant, &pool))) {
+            (csrf_field(&session))
+            button.danger type="submit" { "Delete " (tenant) "/" (pool) }
+        }
+        " "
+        a.button.secondary href=(pool_href(&tenant, &pool)) { "Keep it" }
+    };
+    html_response(StatusCode::OK, page(&session, Section::Pools, &title, body))
+}
+
+pub async fn delete(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    Path((tenant, pool)): Path<(String, String)>,
+    form: Result<Form<CsrfForm>, FormRejection>,
+) -> Response {
+    let csrf = match form {
+        Ok(Form(form)) => form.csrf,
+        Err(rejection) => return rejection.into_response(),
+    };
+    let SignedIn { session, api } = match console.signed_in_change(&headers, &csrf) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let path = api_pool_path(&tenant, &pool);
+    match api.send(Method::DELETE, &path, &Value::Null).await {
+        Ok(_) => Redirect::to("/console/pools").into_response(),
+        Err(problem) => console
+            .end_if_refused(&headers, &problem)
+            .unwrap_or_else(|| problem_page(&session, Section::Pools, &problem)),
+    }
+}
+
+pub async fn detail(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    Path((tenant, pool)): Path<(String, String)>,
+) -> Response {
+    let SignedIn { session, api } = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let view = match api.get::<PoolView>(&api_pool_path(&tenant, &pool)).await {
+        Ok(view) => view,
+        Err(problem) => {
+            return console
+                .end_if_refused(&headers, &problem)
+                .unwrap_or_else(|| problem_page(&session, Section::Pools, &problem));
+        }
+    };
+    let live = live_fragment(&api, &view).await;
+    let href = pool_href(&tenant, &pool);
+    let spec = &view.spec;
+    let regions = spec.regions.len() as u64;
+    let fallback_total = spec.fallback_per_region_tokens.saturating_mul(regions);
+    let body = html! {
+        @if session.role >= OperatorRole::Author {
+            p {
+                a.button.secondary href=(format!("{href}/edit")) { "Edit" } " "
+                a.button.secondary href=(format!("{href}/delete")) { "Delete" }
+            }
+        }
+        p.muted {
+            "G " (spec.limit_tokens) " tokens per " (duration(spec.window_ms))
+            " · chunk " (spec.chunk_tokens) " · lease TTL " (duration(spec.lease_ttl_ms))
+            " · regions " (join(&spec.regions)) " · version " (view.version)
+            " · updated " (utc(view.updated_at_ms))
+        }
+        section id="live" data-live=(format!("{href}/live")) data-every="2000" aria-live="polite" {
+            (live)
+        }
+        h2 { "The bound, term by term" }
+        ul {
+            li { "The allocator grants at most " strong { "G = " (spec.limit_tokens) } " tokens per window." }
+            li { "Leases end no later than their window does, so nothing granted in one window is spent in the next: " strong { "carry-over 0" } "." }
+            li { "Each of the " (regions) " regions may admit up to " (spec.fallback_per_region_tokens)
+                 " tokens on its own per window while it cannot reach the allocator: " strong { "fallback " (fallback_total) } "." }
+            li { "Grants are committed in etcd before they are answered, so a failover re-grants nothing: " strong { "lost grants 0" } "." }
+            li { "Bound = " (spec.limit_tokens) " + 0 + " (fallback_total) " + 0 = " strong { (spec.limit_tokens.saturating_add(fallback_total)) } " tokens per window." }
+        }
+    };
+    let title = format!("{tenant}/{pool}");
+    html_response(StatusCode::OK, page(&session, Section::Pools, &title, body))
+}
+
+/// The live part of a pool's page: this window, the chart and the last windows.
+async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
+    let path = format!(
+        "/v1/pools/{}/{}/windows?last={WINDOWS_SHOWN}",
+        view.tenant, view.pool
+    );
+    let windows = match api.get::<WindowList>(&path).await {
+        Ok(list) => list.windows,
+        Err(problem) => return problem_banner(&problem),
+    };
+    let href = pool_href(view.tenant.as_str(), view.pool.as_str());
+    let current = view.window.as_ref();
+    let newest = windows.first();
+    // The chart's address changes with what it draws, so a live refresh loads it only then.
+    let version = newest.map_or_else(String::new, |w| {
+        format!(
+            "{}-{}-{}-{}",
+            w.window_start_ms, w.admitted_tokens, w.granted_tokens, w.stranded_tokens
+        )
+    });
+    html! {
+        div.cards {
+            div.card { div.muted { "Admitted this window" } div.value id="admitted" { (newest.map_or(0, |w| w.admitted_tokens)) } }
+            div.card { div.muted { "Bound" } div.value { (newest.map_or(0, |w| w.bound_tokens)) } }
+            div.card { div.muted { "Not yet granted" } div.value { (current.map_or(0, |w| w.remaining_tokens)) } }
+            div.card { div.muted { "Leases outstanding" } div.value { (current.map_or(0, |w| w.leases_outstanding)) } }
+        }
+        @if let Some(window) = current {
+            h2 { "Granted this window, by region" }
+            table {
+                thead { tr { th { "Region" } th.num { "Granted" } } }
+                tbody {
+                    @for (region, granted) in &window.granted_tokens_by_region {
+                        tr { td { (region) } td.num { (granted) } }
+                    }
+                    @if window.granted_tokens_by_region.is_empty() {
+                        tr { td.muted colspan="2" { "no grants yet in this window" } }
+                    }
+                }
+            }
+        }
+        h2 { "Windows" }
+        img.chart src=(format!("{href}/chart.svg?v={version}")) width="960" height="320"
+            alt="Admitted tokens per window (spent and fallback), granted and stranded, against the limit and the bound";
+        div.table-wrap {
+            table id="windows" {
+                thead { tr {
+                    th { "Window start (UTC)" } th.num { "Granted" } th.num { "Spent" } th.num { "Fallback" }
+                    th.num { "Admitted" } th.num { "Stranded" } th.num.wide { "Unreported" }
+                    th.num { "Overshoot" } th.num { "Bound" } th { "State" }
+                } }
+                tbody {
+                    @for row in &windows {
+                        tr {
+                            td { (utc(row.window_start_ms)) }
+                            td.num { (row.granted_tokens) }
+                            td.num { (row.spent_tokens) }
+                            td.num { (row.fallback_admitted_tokens) }
+                            td.num { (row.admitted_tokens) }
+                            td.num { (row.stranded_tokens) }
+                            td.num.wide { (row.unreported_tokens) }
+                            td.num { (row.overshoot_tokens) }
+                            td.num { (row.bound_tokens) }
+                            td { (standing(row)) }
+                        }
+                    }
+                    @if windows.is_empty() { tr { td.muted colspan="10" { "no windows yet" } } }
+                }
+            }
+        }
+    }
+}
+
+pub async fn live(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    Path((tenant, pool)): Path<(String, String)>,
+) -> Response {
+    let SignedIn { api, .. } = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    match api.get::<PoolView>(&api_pool_path(&tenant, &pool)).await {
+        Ok(view) => html_response(StatusCode::OK, live_fragment(&api, &view).await),
+        Err(problem) => console
+            .end_if_refused(&headers, &problem)
+            .unwrap_or_else(|| html_response(problem.status(), problem_banner(&problem))),
+    }
+}
+
+pub async fn chart(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    Path((tenant, pool)): Path<(String, String)>,
+) -> Response {
+    let SignedIn { api, .. } = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let path = format!(
+        "{}/windows?last={WINDOWS_SHOWN}",
+        api_pool_path(&tenant, &pool)
+    );
+    match api.get::<WindowList>(&path).await {
+        Ok(list) => {
+            let mut response = window_chart_svg(&list.windows).into_response();
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("image/svg+xml"),
+            );
+            response
+        }
+        Err(problem) => console
+            .end_if_refused(&headers, &problem)
+            .unwrap_or_else(|| html_response(problem.status(), problem_banner(&problem))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_form_sends_numbers_as_numbers_and_anything_else_as_typed() {
+        let form = PoolForm {
+            limit: "1000".into(),
+            window_ms: " 60000 ".into(),
+            chunk: "ten".into(),
+            lease_ttl_ms: "10000".into(),
+            fallback_per_region: String::new(),
+            regions: "eu, us,,ap".into(),
+            ..PoolForm::default()
+        };
+        let json = form.spec_json();
+        assert_eq!(json["limit"], 1000);
+        assert_eq!(json["windowMs"], 60000);
+        assert_eq!(json["chunk"], "ten");
+        assert_eq!(json["fallbackPerRegion"], "");
+        assert_eq!(json["regions"], serde_json::json!(["eu", "us", "ap"]));
+    }
+}

@@ -1,0 +1,121 @@
+//! Regions and their agents: which agents report, what bundle each runs against what its region
+//! should run (a canary's progress), and whether a region's agents agree on their pepper.
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use maud::{Markup, html};
+
+use super::layout::{Section, html_response, problem_banner, utc};
+use super::{ConsoleState, SignedIn};
+use crate::http::PolicyStatus;
+
+/// An agent whose last status is older than this is shown as late (agents report every few
+/// seconds; their status keys expire soon after they stop).
+const LATE_AFTER_MS: u64 = 15_000;
+
+fn status_fragment(status: &PolicyStatus, now_ms: u64) -> Markup {
+    let mut regions: Vec<_> = status.agents.iter().map(|a| a.region.clone()).collect();
+    regions.sort();
+    regions.dedup();
+    let rollout = &status.rollout;
+    html! {
+        div.cards {
+            div.card { div.muted { "Current version" } div.value { (rollout.current) } }
+            div.card { div.muted { "Canary" } div.value {
+                @match &rollout.canary {
+                    Some(canary) => { (canary.version) " in " (canary.regions.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")) }
+                    None => { "none" }
+                }
+            } }
+            div.card { div.muted { "Agents reporting" } div.value id="agents-reporting" { (status.agents.len()) } }
+            div.card { div.muted { "Agents behind" } div.value { (status.agents_behind) } }
+        }
+        h2 { "Regions" }
+        div.table-wrap { table id="regions" {
+            thead { tr { th { "Region" } th.num { "Agents" } th { "Should run" } th { "Running" } th { "Pepper fingerprints" } } }
+            tbody {
+                @for region in &regions {
+                    @let agents: Vec<_> = status.agents.iter().filter(|a| &a.region == region).collect();
+                    @let should = rollout.version_for(Some(region));
+                    @let on_target = agents.iter().filter(|a| a.version == should).count();
+                    @let peppers = status.pepper_fingerprints.get(region);
+                    tr {
+                        td { (region) }
+                        td.num { (agents.len()) }
+                        td { (should) }
+                        td { (on_target) " of " (agents.len()) " on it" }
+                        td {
+                            @match peppers {
+                                Some(set) if set.len() > 1 => { span.over { "skew: " (set.iter().cloned().collect::<Vec<_>>().join(", ")) } }
+                                Some(set) => { (set.iter().cloned().collect::<Vec<_>>().join(", ")) }
+                                None => { span.muted { "none reported" } }
+                            }
+                        }
+                    }
+                }
+                @if regions.is_empty() { tr { td.muted colspan="5" { "no agent has reported yet" } } }
+            }
+        } }
+        h2 { "Agents" }
+        div.table-wrap { table id="agents" {
+            thead { tr { th { "Region" } th { "Agent" } th.num { "Version" } th { "Last report (UTC)" } th { "State" } } }
+            tbody {
+                @for agent in &status.agents {
+                    @let age_ms = now_ms.saturating_sub(agent.reported_at_ms);
+                    tr {
+                        td { (agent.region) }
+                        td { code { (agent.agent_id) } }
+                        td.num { (agent.version) }
+                        td { (utc(agent.reported_at_ms)) }
+                        td {
+                            @if age_ms > LATE_AFTER_MS { span.over { "late (" (age_ms / 1_000) " s)" } }
+                            @else if agent.version != rollout.version_for(Some(&agent.region)) { "updating" }
+                            @else { span.ok { "current" } }
+                        }
+                    }
+                }
+            }
+        } }
+    }
+}
+
+async fn fragment(console: &ConsoleState, signed_in: &SignedIn) -> Markup {
+    match signed_in
+        .api
+        .get::<PolicyStatus>("/v1/policies/status")
+        .await
+    {
+        Ok(status) => status_fragment(&status, console.clock.now_ms()),
+        Err(problem) => problem_banner(&problem),
+    }
+}
+
+pub async fn page(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
+    let signed_in = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let live = fragment(&console, &signed_in).await;
+    let body = html! {
+        p.muted { "Agents report what they run every few seconds; one that stops reporting drops off this page." }
+        section data-live="/console/regions/live" data-every="3000" aria-live="polite" { (live) }
+    };
+    html_response(
+        StatusCode::OK,
+        super::layout::page(
+            &signed_in.session,
+            Section::Regions,
+            "Regions and agents",
+            body,
+        ),
+    )
+}
+
+pub async fn live(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
+    let signed_in = match console.signed_in(&headers) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    html_response(StatusCode::OK, fragment(&console, &signed_in).await)
+}
