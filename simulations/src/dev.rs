@@ -8,6 +8,7 @@
 //! store forgets everything when the process ends, and it says so.
 
 use std::fmt::Write as _;
+use std::io::{IsTerminal as _, Write as _};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -196,6 +197,7 @@ pub async fn run_dev(
         "allot dev: everything in this process on in-process stores (NOT durable, not for production)"
     );
     println!("  allocator  {allocator_url}   operator token {operator}");
+    println!("  console    {allocator_url}/console/   (sign in with the operator token)");
     for (region, addr, _) in &agents {
         println!("  agent {region:<4} http://{addr}");
     }
@@ -212,7 +214,10 @@ pub async fn run_dev(
     println!(
         "    -d '{{\"requestId\":\"r-1\",\"tenantId\":\"atlas\",\"principal\":{{\"type\":\"user\",\"id\":\"U-17\"}},\"routeGroup\":\"read\",\"method\":\"GET\"}}'"
     );
-    println!("  allotctl --server {allocator_url} --token {operator} windows atlas api");
+    println!(
+        "  {} --server {allocator_url} --token {operator} windows atlas api",
+        allotctl_command()
+    );
     println!();
     if options.demo {
         let demo = tokio::spawn(demo(
@@ -330,7 +335,12 @@ async fn demo(
     let (Ok(tenant), Ok(pool)) = (TenantId::parse("atlas"), PoolId::parse("api")) else {
         return;
     };
-    let mut table = tokio::time::interval(Duration::from_secs(5));
+    let mut screen = TableScreen::new(std::io::stdout().is_terminal());
+    let mut table = tokio::time::interval(if screen.in_place {
+        Duration::from_secs(1)
+    } else {
+        Duration::from_secs(5)
+    });
     table.tick().await;
     loop {
         table.tick().await;
@@ -377,6 +387,73 @@ async fn demo(
                 );
             }
         }
-        print!("{out}");
+        screen.show(&out);
+    }
+}
+
+/// How to run `allotctl` from here: the binary beside this one when it was built (`scripts/dev`
+/// builds both), else through cargo.
+fn allotctl_command() -> String {
+    std::env::current_exe()
+        .ok()
+        .map(|exe| exe.with_file_name("allotctl"))
+        .filter(|path| path.is_file())
+        .map(|path| path.display().to_string())
+        .unwrap_or_else(|| "cargo run -q -p allot-allocator --bin allotctl --".to_owned())
+}
+
+/// The demo's table: redrawn in place on a terminal (one table, like `top`), one table after
+/// another when piped (line-oriented, for logs and `grep`).
+struct TableScreen {
+    in_place: bool,
+    lines_shown: usize,
+}
+
+impl TableScreen {
+    fn new(in_place: bool) -> Self {
+        Self {
+            in_place,
+            lines_shown: 0,
+        }
+    }
+
+    fn show(&mut self, table: &str) {
+        let text = self.frame(table);
+        let mut stdout = std::io::stdout().lock();
+        let _ = stdout.write_all(text.as_bytes());
+        let _ = stdout.flush();
+    }
+
+    /// What to write for `table`: on a terminal, first move up over the last table and clear it.
+    fn frame(&mut self, table: &str) -> String {
+        if !self.in_place {
+            return table.to_owned();
+        }
+        let erase = match self.lines_shown {
+            0 => String::new(),
+            lines => format!("\x1b[{lines}A\x1b[J"),
+        };
+        self.lines_shown = table.lines().count();
+        format!("{erase}{table}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_terminal_table_is_redrawn_over_the_last_one() {
+        let mut screen = TableScreen::new(true);
+        assert_eq!(screen.frame("a\nb\n"), "a\nb\n");
+        assert_eq!(screen.frame("c\nd\ne\n"), "\x1b[2A\x1b[Jc\nd\ne\n");
+        assert_eq!(screen.frame("f\n"), "\x1b[3A\x1b[Jf\n");
+    }
+
+    #[test]
+    fn a_piped_table_is_plain_lines() {
+        let mut screen = TableScreen::new(false);
+        assert_eq!(screen.frame("a\nb\n"), "a\nb\n");
+        assert_eq!(screen.frame("c\n"), "c\n");
     }
 }

@@ -275,14 +275,17 @@ fn documents_speak_of_the_product_not_of_issue_numbers() {
     assert!(found.is_empty(), "issue numbers in the docs: {found:?}");
 }
 
-/// README.md, ARCHITECTURE.md and every page under docs/.
+/// README.md, ARCHITECTURE.md and every Markdown page under docs/ (not the pictures beside them).
 fn documents(root: &Path) -> Vec<PathBuf> {
     let mut documents = vec![root.join("README.md"), root.join("ARCHITECTURE.md")];
     for entry in std::fs::read_dir(root.join("docs"))
         .expect("docs/")
         .flatten()
     {
-        documents.push(entry.path());
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "md") {
+            documents.push(path);
+        }
     }
     documents
 }

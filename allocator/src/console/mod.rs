@@ -1,7 +1,7 @@
 //! The operator console: server-rendered pages at `/console/` on the allocator's own listener.
 //!
 //! An operator signs in with a token; the console then acts as that token by calling the API
-//! in-process ([`api::Api`]), so the API alone enforces roles and validates input, and the
+//! in-process (`api::Api`), so the API alone enforces roles and validates input, and the
 //! console only hides what the role cannot do. The browser holds a random session cookie
 //! (HttpOnly, SameSite=Strict); every change is a POST carrying the session's CSRF token and is
 //! refused when the browser says it comes from another site. Every answer carries a strict

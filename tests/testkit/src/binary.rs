@@ -19,6 +19,10 @@ pub enum Binary {
     RedisServer,
     /// `redis-cli`, which joins Redis Cluster nodes into a cluster.
     RedisCli,
+    /// `chromium`, the browser the console's tests drive.
+    Chromium,
+    /// `chromedriver`, Chromium's WebDriver server.
+    ChromeDriver,
 }
 
 impl Binary {
@@ -29,6 +33,8 @@ impl Binary {
             Self::Etcd => "etcd",
             Self::RedisServer => "redis-server",
             Self::RedisCli => "redis-cli",
+            Self::Chromium => "chromium",
+            Self::ChromeDriver => "chromedriver",
         }
     }
 
@@ -38,6 +44,8 @@ impl Binary {
         match self {
             Self::Etcd => "etcd-server",
             Self::RedisServer | Self::RedisCli => "redis-server",
+            Self::Chromium => "chromium",
+            Self::ChromeDriver => "chromium-driver",
         }
     }
 
@@ -49,6 +57,8 @@ impl Binary {
             Self::Etcd => "ALLOT_ETCD_BIN",
             Self::RedisServer => "ALLOT_REDIS_SERVER_BIN",
             Self::RedisCli => "ALLOT_REDIS_CLI_BIN",
+            Self::Chromium => "ALLOT_CHROMIUM_BIN",
+            Self::ChromeDriver => "ALLOT_CHROMEDRIVER_BIN",
         }
     }
 

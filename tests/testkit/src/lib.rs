@@ -11,6 +11,8 @@
 //!   restarted.
 //! - [`FaultProxy`]: a TCP proxy that passes, refuses or holds traffic and adds
 //!   latency, for partitions between real processes.
+//! - [`ChromeDriver`]: `chromedriver` and the headless `chromium` it drives, for the operator
+//!   console's browser tests.
 //! - [`workspace_binary`]: this workspace's own binaries, to run as processes.
 //!
 //! # Guarantees
@@ -44,6 +46,7 @@
 //! and `ALLOT_REDIS_CLI_BIN` when set ([`Binary::override_var`]).
 
 mod binary;
+mod browser;
 mod etcd;
 mod net;
 mod pki;
@@ -53,6 +56,7 @@ mod redis;
 mod workspace;
 
 pub use binary::{Binary, MissingBinary};
+pub use browser::ChromeDriver;
 pub use etcd::EtcdCluster;
 pub use pki::{TEST_SERVER_NAME, TestPki};
 pub use proxy::{FaultProxy, MAX_CONNECTIONS, ProxyMode};
