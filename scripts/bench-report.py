@@ -209,6 +209,22 @@ def main():
             print(f"{by_path.get('rlqs flat out', same)['decisionsPerSecond']:.0f} decisions/s on the bench's 8 gateways.")
             print()
 
+    console = bench_lines("console.log")
+    if console:
+        print("## The operator console's pool list at 10,000 pools")
+        print()
+        print("The allocator in the bench's process (embedded store, SQLite ledger) with 10,000 pools, called")
+        print("over loopback HTTP one request at a time, 30 rounds each. The ceiling is the API's `GET")
+        print("/v1/pools`, which every list page reads whole before it searches, pages and reads the ledger's")
+        print("current window for its 50 pools and renders; `x api` is the ceiling's median over the page's.")
+        print("Reproduce this section alone with `cargo bench -p allot-allocator --bench console`.")
+        print()
+        print("| path | p50 ms | p99 ms | x api |")
+        print("| --- | ---: | ---: | ---: |")
+        for r in console:
+            print(f"| {r['path']} | {r['p50Ms']:.1f} | {r['p99Ms']:.1f} | {r['xApi']:.2f} |")
+        print()
+
     peer = bench_lines("peer.log")
     if peer:
         print("## A peer: Kuadrant's Limitador on the same Redis")

@@ -143,6 +143,7 @@ async fn every_endpoint_checks_the_role() {
         ),
         (Method::GET, "/v1/tokens", None, Some("admin"), false),
         (Method::GET, "/v1/audit", None, Some("viewer"), false),
+        (Method::GET, "/v1/regions", None, Some("viewer"), false),
         (
             Method::DELETE,
             "/v1/pools/atlas/gone",

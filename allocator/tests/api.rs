@@ -322,8 +322,36 @@ async fn reports_reach_the_windows_view() {
     assert_eq!(row["spent"], 60);
     assert_eq!(row["fallbackAdmitted"], 3);
     assert_eq!(row["admitted"], 63);
+    assert_eq!(row["spentByRegion"], json!({ "eu": 60 }));
+    assert_eq!(row["admittedByRegion"], json!({ "eu": 63 }));
     assert_eq!(row["limit"], 1000);
     assert_eq!(row["bound"], 1200);
+
+    // The regions view: EU reported and admits in fallback this window; US is configured, quiet.
+    let (status, regions) = server.get("/v1/regions", OPERATOR).await;
+    assert_eq!(status, 200, "{regions}");
+    let eu = &regions["regions"][0];
+    assert_eq!(
+        (eu["region"].as_str(), eu["pools"].as_u64()),
+        (Some("eu"), Some(1))
+    );
+    assert!(eu["lastReportAtMs"].as_u64().is_some(), "{regions}");
+    assert_eq!(
+        (
+            eu["poolsInFallback"].as_u64(),
+            eu["fallbackAdmitted"].as_u64()
+        ),
+        (Some(1), Some(3))
+    );
+    let us = &regions["regions"][1];
+    assert_eq!(us["region"], "us");
+    assert_eq!(us["poolsInFallback"], 0);
+    assert!(us.get("lastReportAtMs").is_none(), "{regions}");
+    assert_eq!(
+        server.get("/v1/regions", AGENT).await.0,
+        403,
+        "operators only"
+    );
     assert_eq!(
         server
             .get("/v1/pools/atlas/api/windows?last=0", OPERATOR)

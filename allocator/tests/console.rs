@@ -501,6 +501,18 @@ async fn policies_publish_with_field_errors_diff_and_promote() {
     assert_eq!(page.status, StatusCode::OK, "{}", page.text);
     assert!(page.text.contains("No bundle has been published yet"));
     let csrf = page.csrf();
+    let early = author
+        .post(
+            "/console/policies/replay",
+            &[("csrf", &csrf), ("candidate", "1"), ("sample", "{}")],
+        )
+        .await;
+    assert_eq!(early.status, StatusCode::BAD_REQUEST);
+    assert!(
+        early.text.contains("no bundle is current yet"),
+        "{}",
+        early.text
+    );
 
     let bundle = include_str!("../../deploy/examples/northstar-bundle.json");
     let invalid = bundle.replacen("\"costMillis\": 1000,", "\"costMillis\": 99999,", 1);
@@ -518,11 +530,13 @@ async fn policies_publish_with_field_errors_diff_and_promote() {
     );
     assert!(refused.text.contains("99999"), "the pasted text is kept");
 
-    for _ in 0..2 {
+    // Version 1 as it is, version 2 with a bigger burst, staged to a canary region.
+    let candidate = bundle.replacen("\"capacityMillis\": 20000", "\"capacityMillis\": 30000", 1);
+    for (text, canary) in [(bundle, ""), (candidate.as_str(), "eu")] {
         let published = author
             .post(
                 "/console/policies/publish",
-                &[("csrf", &csrf), ("bundle", bundle), ("canary", "eu")],
+                &[("csrf", &csrf), ("bundle", text), ("canary", canary)],
             )
             .await;
         assert_eq!(
@@ -536,10 +550,69 @@ async fn policies_publish_with_field_errors_diff_and_promote() {
     assert!(page.text.contains("Promote 2"), "{}", page.text);
     let diff = author.get("/console/policies/diff?from=1&to=2").await;
     assert_eq!(diff.status, StatusCode::OK);
-    assert!(diff.text.contains(r#"class="removed""#) && diff.text.contains(r#"class="added""#));
+    let marked = |class: &str, text: &str| {
+        diff.text
+            .split(&format!(r#"<span class="{class}">"#))
+            .skip(1)
+            .filter_map(|rest| rest.split("</span>").next())
+            .any(|line| line.contains(text))
+    };
+    assert!(
+        marked("removed", "capacityMillis&quot;: 20000"),
+        "{}",
+        diff.text
+    );
+    assert!(
+        marked("added", "capacityMillis&quot;: 30000"),
+        "{}",
+        diff.text
+    );
+    assert!(
+        !marked("added", "refillMillis"),
+        "unchanged lines are not marked"
+    );
     let bad = author.get("/console/policies/diff?from=0&to=2").await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
     assert!(bad.text.contains("<code>from</code>"));
+
+    // Replay prints what `allotctl policies replay` prints: version 1 (published to everyone, so
+    // current) against the candidate.
+    let lines: Vec<String> = (0..25)
+        .map(|n| {
+            serde_json::json!({ "atMs": 1_000_000, "request": { "requestId": format!("r-{n}"),
+                "tenantId": "birch", "principal": { "type": "user", "id": "U-17" },
+                "routeGroup": "read", "method": "GET" } })
+            .to_string()
+        })
+        .collect();
+    let sample = lines.join("\n");
+    let replay = |sample: String| {
+        let (author, csrf) = (&author, csrf.clone());
+        async move {
+            author
+                .post(
+                    "/console/policies/replay",
+                    &[("csrf", &csrf), ("candidate", "2"), ("sample", &sample)],
+                )
+                .await
+        }
+    };
+    let replayed = replay(sample.clone()).await;
+    assert_eq!(replayed.status, StatusCode::OK, "{}", replayed.text);
+    assert!(
+        replayed
+            .text
+            .contains("25 requests: denied 20.00% now (v1), 0.00% with the candidate (v2)"),
+        "{}",
+        replayed.text
+    );
+    let garbled = replay(format!("{sample}\nnot json")).await;
+    assert_eq!(garbled.status, StatusCode::BAD_REQUEST);
+    assert!(
+        garbled.text.contains("decision log line:26"),
+        "{}",
+        garbled.text
+    );
 
     let promoted = author
         .post("/console/policies/2/promote", &[("csrf", &csrf)])
@@ -599,5 +672,55 @@ async fn hostile_input_is_escaped_bounded_or_refused() {
         garbage.status,
         StatusCode::FORBIDDEN,
         "no CSRF token in an empty form"
+    );
+}
+
+#[tokio::test]
+async fn the_pool_list_pages_and_searches() {
+    let server = start().await;
+    let body = serde_json::json!({ "limit": 100, "windowMs": 60000, "chunk": 10,
+        "leaseTtlMs": 10000, "fallbackPerRegion": 5, "regions": ["eu"] });
+    for n in 0..120 {
+        let tenant = if n % 2 == 0 { "even" } else { "odd" };
+        let response = server
+            .client
+            .put(format!("{}/v1/pools/{tenant}/p{n:03}", server.url))
+            .bearer_auth(OPERATOR)
+            .json(&body)
+            .send()
+            .await
+            .expect("put");
+        assert_eq!(response.status(), 200);
+    }
+    let viewer = signed_in(&server, VIEWER).await;
+    let rows = |page: &Page| page.text.matches(r#"<a href="/console/pools/"#).count();
+    let first = viewer.get("/console/pools").await;
+    assert!(
+        first.text.contains("120 of 120 pools · page 1 of 3"),
+        "{}",
+        first.text
+    );
+    assert_eq!(rows(&first), 50);
+    assert!(first.text.contains(r#"rel="next""#) && !first.text.contains(r#"rel="prev""#));
+    let last = viewer.get("/console/pools?page=3").await;
+    assert_eq!(rows(&last), 20);
+    assert!(
+        last.text.contains(r#"href="/console/pools/odd/p119""#),
+        "sorted by tenant, then pool"
+    );
+    assert!(!last.text.contains(r#"href="/console/pools/even/"#));
+    let odd = viewer.get("/console/pools?q=odd%2Fp1").await;
+    assert!(
+        odd.text.contains("10 of 120 pools · page 1 of 1"),
+        "{}",
+        odd.text
+    );
+    assert_eq!(rows(&odd), 10);
+    assert!(odd.text.contains(r#"href="/console/pools/odd/p101""#));
+    assert!(!odd.text.contains(r#"href="/console/pools/even/"#));
+    let beyond = viewer.get("/console/pools?page=99").await;
+    assert!(
+        beyond.text.contains("page 3 of 3"),
+        "a page past the end shows the last"
     );
 }

@@ -207,6 +207,16 @@ async fn accounting(ledger: Ledger) {
         Some(&50)
     );
     assert_eq!(w0.admitted_tokens, 205);
+    assert_eq!(
+        w0.spent_tokens_by_region,
+        [(region("eu"), 100), (region("us"), 50)].into(),
+        "each region's leases' spends"
+    );
+    assert_eq!(
+        w0.admitted_tokens_by_region,
+        [(region("eu"), 150), (region("us"), 55)].into(),
+        "each region's spends and fallback admits"
+    );
     assert_eq!(w0.overshoot_tokens, 0);
     assert_eq!((w0.limit_tokens, w0.bound_tokens), (1_000, 1_200));
     let only_last = ledger

@@ -352,6 +352,35 @@ async fn operators_use_the_console_in_a_real_browser() {
         .await
         .expect("regions");
     screenshot(&viewer, "regions").await;
+    let regions = page_text(&viewer).await;
+    assert!(regions.contains("Fallback in use"), "{regions}");
+
+    // Keyboard: Tab walks from the page's start into the navigation.
+    viewer
+        .goto(&format!("{base}/console/pools"))
+        .await
+        .expect("pools");
+    let body = viewer.find(Locator::Css("body")).await.expect("body");
+    body.send_keys("\u{E004}\u{E004}").await.expect("tab twice");
+    let focused = viewer.active_element().await.expect("focus");
+    assert_eq!(
+        focused.text().await.expect("text"),
+        "Pools",
+        "the second stop is the first section"
+    );
+    // A phone: the pools page fits the width (no sideways scrolling).
+    viewer.set_window_size(390, 844).await.expect("phone size");
+    viewer.refresh().await.expect("reload");
+    let widths = viewer
+        .execute(
+            "return [document.documentElement.scrollWidth, window.innerWidth];",
+            Vec::new(),
+        )
+        .await
+        .expect("measure");
+    let (scroll, inner) = (widths[0].as_u64(), widths[1].as_u64());
+    assert!(scroll.is_some() && scroll <= inner, "{widths}");
+    screenshot(&viewer, "pools-phone").await;
 
     // A form on another site posting to the console (the admin is signed in) changes nothing.
     let (evil, evil_server) = serve_forgery(base.clone()).await;

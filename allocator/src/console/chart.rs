@@ -1,6 +1,7 @@
 //! A pool's windows as an SVG chart: one group of bars per window (a window's quantities are
-//! totals, so they are drawn as bars, never joined by sloped lines), with the limit and the bound
-//! as horizontal marks across each window.
+//! totals, so they are drawn as bars, never joined by sloped lines): what each region admitted,
+//! stacked (its top above the G mark is the overshoot), then fallback admits, granted and
+//! stranded, with the limit and the bound as horizontal marks across each window.
 
 use plotters::prelude::*;
 
@@ -12,10 +13,7 @@ const SIZE_PX: (u32, u32) = (960, 320);
 /// The bars drawn per window: label, colour, quantity.
 type Series = (&'static str, RGBColor, fn(&WindowRow) -> u64);
 
-const BARS: [Series; 4] = [
-    ("spent from leases", RGBColor(31, 95, 191), |row| {
-        row.spent_tokens
-    }),
+const BARS: [Series; 3] = [
     ("admitted in fallback", RGBColor(230, 145, 20), |row| {
         row.fallback_admitted_tokens
     }),
@@ -31,8 +29,18 @@ const MARKS: [Series; 2] = [
     ("limit G", RGBColor(0, 0, 0), |row| row.limit_tokens),
 ];
 
-/// Slots per window on the x axis: a gap, the bars, a gap.
-const SLOTS_PER_WINDOW: u32 = BARS.len() as u32 + 2;
+/// The colours of the regions' stacked admits, in region order.
+const REGION_COLOURS: [RGBColor; 6] = [
+    RGBColor(31, 95, 191),
+    RGBColor(94, 53, 177),
+    RGBColor(0, 137, 123),
+    RGBColor(173, 20, 87),
+    RGBColor(85, 139, 47),
+    RGBColor(93, 64, 55),
+];
+
+/// Slots per window on the x axis: a gap, the regions' stack, the bars, a gap.
+const SLOTS_PER_WINDOW: u32 = BARS.len() as u32 + 3;
 
 /// The chart of `windows` (newest first, as the ledger answers them), oldest on the left.
 pub fn window_chart_svg(windows: &[WindowRow]) -> String {
@@ -81,10 +89,31 @@ fn draw(svg: &mut String, windows: &[WindowRow]) -> Result<(), String> {
         .y_desc("tokens")
         .draw()
         .map_err(|e| fail(&e))?;
+    let mut regions: Vec<_> = oldest_first
+        .iter()
+        .flat_map(|row| row.admitted_tokens_by_region.keys())
+        .collect();
+    regions.sort();
+    regions.dedup();
+    for (index, region) in regions.iter().enumerate() {
+        let colour = REGION_COLOURS[index % REGION_COLOURS.len()];
+        let below: Vec<&_> = regions[..index].to_vec();
+        chart
+            .draw_series(oldest_first.iter().enumerate().map(|(slot, row)| {
+                let x = slot as u32 * SLOTS_PER_WINDOW + 1;
+                let admitted = |r: &&_| row.admitted_tokens_by_region.get(*r).copied().unwrap_or(0);
+                let base: u64 = below.iter().map(admitted).sum();
+                let top = base.saturating_add(admitted(region));
+                Rectangle::new([(x, base), (x + 1, top)], colour.filled())
+            }))
+            .map_err(|e| fail(&e))?
+            .label(format!("admitted in {region}"))
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], colour.filled()));
+    }
     for (index, (name, colour, value_of)) in BARS.into_iter().enumerate() {
         chart
             .draw_series(oldest_first.iter().enumerate().map(|(slot, row)| {
-                let x = slot as u32 * SLOTS_PER_WINDOW + 1 + index as u32;
+                let x = slot as u32 * SLOTS_PER_WINDOW + 2 + index as u32;
                 Rectangle::new([(x, 0), (x + 1, value_of(row))], colour.filled())
             }))
             .map_err(|e| fail(&e))?
@@ -122,6 +151,7 @@ mod tests {
     use super::*;
 
     fn row(start_ms: u64, admitted: u64, bound: u64) -> WindowRow {
+        let region = |name| allot_shared::ids::RegionId::parse(name).expect("region");
         WindowRow {
             window_start_ms: start_ms,
             window_end_ms: start_ms + 60_000,
@@ -129,6 +159,7 @@ mod tests {
             granted_tokens: admitted,
             spent_tokens: admitted,
             admitted_tokens: admitted,
+            admitted_tokens_by_region: [(region("eu"), admitted - 10), (region("us"), 10)].into(),
             bound_tokens: bound,
             ..WindowRow::default()
         }
@@ -139,8 +170,15 @@ mod tests {
         let svg = window_chart_svg(&[row(60_000, 90, 120), row(0, 40, 120)]);
         assert!(svg.starts_with("<svg"), "{svg}");
         assert!(svg.contains("bound") && svg.contains("limit G"), "legend");
+        assert!(
+            svg.contains("admitted in eu") && svg.contains("admitted in us"),
+            "legend"
+        );
         let rects = svg.matches("<rect").count();
-        assert!(rects >= 2 * 4, "four bars per window, got {rects} rects");
+        assert!(
+            rects >= 2 * 5,
+            "two stacked regions and three bars per window, got {rects} rects"
+        );
         assert!(!svg.contains("<script"), "no script in a chart");
     }
 

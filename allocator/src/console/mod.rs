@@ -88,6 +88,7 @@ pub fn router(state: ConsoleState) -> Router {
         .route("/console/policies", get(policies::page))
         .route("/console/policies/publish", post(policies::publish))
         .route("/console/policies/diff", get(policies::diff))
+        .route("/console/policies/replay", post(policies::replay))
         .route(
             "/console/policies/{version}/promote",
             post(policies::promote),

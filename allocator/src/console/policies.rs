@@ -112,7 +112,120 @@ async fn page_body(session: &Session, api: &Api, publish: Markup) -> Result<Mark
             }
         }
         @if may_author { (publish) }
+        (replay_form(session, rollout.current, rollout.latest, "", None))
     })
+}
+
+/// The replay form, with what the last replay printed or why it could not run.
+fn replay_form(
+    session: &Session,
+    current: u64,
+    candidate: u64,
+    sample: &str,
+    outcome: Option<Result<&str, &str>>,
+) -> Markup {
+    html! {
+        h2 id="replay" { "Replay a decision log" }
+        p.hint { "Recorded requests (the agents' sampled decision log: JSON lines of atMs and request) against the current bundle and a candidate, side by side, as " code { "allotctl policies replay" } " prints it. Global leases and concurrency caps are not replayed." }
+        @match outcome {
+            Some(Ok(printed)) => { pre id="replay-result" { (printed) } }
+            Some(Err(problem)) => { p.error id="replay-error" role="alert" { (problem) } }
+            None => {}
+        }
+        form.stack method="post" action="/console/policies/replay" {
+            (csrf_field(session))
+            div {
+                label for="candidate" { "Candidate version (current is " (current) ")" }
+                input id="candidate" name="candidate" inputmode="numeric" value=(candidate.max(1));
+            }
+            div {
+                label for="sample" { "Decision log lines" }
+                textarea id="sample" name="sample" spellcheck="false" { (sample) }
+            }
+            div { button type="submit" { "Replay" } }
+        }
+    }
+}
+
+/// The replay form's fields.
+#[derive(Debug, Default, Deserialize)]
+pub struct ReplayForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    candidate: String,
+    #[serde(default)]
+    sample: String,
+}
+
+/// A published bundle, verified as agents verify it.
+async fn bundle(api: &Api, version: u64) -> Result<allot_shared::policy::PolicyBundle, String> {
+    let text = api
+        .get_text(&format!("/v1/policies/{version}"))
+        .await
+        .map_err(|p| format!("version {version}: {}", p.detail()))?;
+    allot_shared::policy::parse_bundle(&text)
+        .and_then(|draft| draft.into_verified())
+        .map_err(|e| format!("version {version}: {e}"))
+}
+
+/// Replays are read-only, but they are POSTs (the log is too large for a URL), so they carry the
+/// CSRF token like every form.
+pub async fn replay(
+    State(console): State<ConsoleState>,
+    headers: HeaderMap,
+    form: Result<Form<ReplayForm>, FormRejection>,
+) -> Response {
+    let form = match form {
+        Ok(Form(form)) => form,
+        Err(rejection) => return rejection.into_response(),
+    };
+    let SignedIn { session, api } = match console.signed_in_change(&headers, &form.csrf) {
+        Ok(signed_in) => signed_in,
+        Err(refused) => return refused.into_response(),
+    };
+    let status = match api.get::<PolicyStatus>("/v1/policies/status").await {
+        Ok(status) => status,
+        Err(problem) => {
+            return console
+                .end_if_refused(&headers, &problem)
+                .unwrap_or_else(|| problem_page(&session, Section::Policies, &problem));
+        }
+    };
+    let current = status.rollout.current;
+    let candidate = form.candidate.trim().parse::<u64>().unwrap_or(0);
+    let printed = async {
+        if current == 0 {
+            return Err(
+                "no bundle is current yet: publish one (or promote a canary) first".to_owned(),
+            );
+        }
+        if candidate == 0 {
+            return Err("candidate: must be a published version".to_owned());
+        }
+        let samples = crate::ctl::samples_from_text(&form.sample, "decision log line")?;
+        if samples.is_empty() {
+            return Err("decision log: paste at least one line".to_owned());
+        }
+        let current_bundle = bundle(&api, current).await?;
+        let candidate_bundle = bundle(&api, candidate).await?;
+        Ok(crate::ctl::replay_comparison(
+            &current_bundle,
+            &candidate_bundle,
+            &samples,
+            false,
+        ))
+    }
+    .await;
+    let (code, outcome) = match &printed {
+        Ok(text) => (StatusCode::OK, Some(Ok(text.as_str()))),
+        Err(problem) => (StatusCode::BAD_REQUEST, Some(Err(problem.as_str()))),
+    };
+    let body = html! {
+        p { a href="/console/policies" { "← Policies" } }
+        (replay_form(&session, current, candidate, &form.sample, outcome))
+    };
+    html_response(code, shell(&session, Section::Policies, "Replay", body))
 }
 
 pub async fn page(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {

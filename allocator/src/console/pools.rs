@@ -546,6 +546,7 @@ async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
             w.window_start_ms, w.admitted_tokens, w.granted_tokens, w.stranded_tokens
         )
     });
+    let by_region = this_window_by_region(current, newest);
     html! {
         div.cards {
             div.card { div.muted { "Admitted this window" } div.value id="admitted" { (newest.map_or(0, |w| w.admitted_tokens)) } }
@@ -553,16 +554,16 @@ async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
             div.card { div.muted { "Not yet granted" } div.value { (current.map_or(0, |w| w.remaining_tokens)) } }
             div.card { div.muted { "Leases outstanding" } div.value { (current.map_or(0, |w| w.leases_outstanding)) } }
         }
-        @if let Some(window) = current {
-            h2 { "Granted this window, by region" }
-            table {
-                thead { tr { th { "Region" } th.num { "Granted" } } }
+        @if current.is_some() {
+            h2 { "This window, by region" }
+            table id="regions-now" {
+                thead { tr { th { "Region" } th.num { "Granted" } th.num { "Admitted" } th.num { "of which in fallback" } } }
                 tbody {
-                    @for (region, granted) in &window.granted_tokens_by_region {
-                        tr { td { (region) } td.num { (granted) } }
+                    @for (region, granted, admitted, fallback) in &by_region {
+                        tr { td { (region) } td.num { (granted) } td.num { (admitted) } td.num { (fallback) } }
                     }
-                    @if window.granted_tokens_by_region.is_empty() {
-                        tr { td.muted colspan="2" { "no grants yet in this window" } }
+                    @if by_region.is_empty() {
+                        tr { td.muted colspan="4" { "no grants yet in this window" } }
                     }
                 }
             }
@@ -597,6 +598,44 @@ async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
             }
         }
     }
+}
+
+/// Per region of the current window: granted, admitted, and admitted in fallback (the ledger's
+/// newest row, when it is this window's).
+fn this_window_by_region(
+    current: Option<&crate::http::LiveWindow>,
+    newest: Option<&WindowRow>,
+) -> Vec<(allot_shared::ids::RegionId, u64, u64, u64)> {
+    let Some(window) = current else {
+        return Vec::new();
+    };
+    let row = newest.filter(|row| row.window_start_ms == window.window_start_ms);
+    let mut regions: Vec<_> = window
+        .granted_tokens_by_region
+        .keys()
+        .chain(
+            row.into_iter()
+                .flat_map(|r| r.admitted_tokens_by_region.keys()),
+        )
+        .cloned()
+        .collect();
+    regions.sort();
+    regions.dedup();
+    fn of(
+        map: Option<&std::collections::BTreeMap<allot_shared::ids::RegionId, u64>>,
+        region: &allot_shared::ids::RegionId,
+    ) -> u64 {
+        map.and_then(|m| m.get(region)).copied().unwrap_or(0)
+    }
+    regions
+        .into_iter()
+        .map(|region| {
+            let granted = of(Some(&window.granted_tokens_by_region), &region);
+            let admitted = of(row.map(|r| &r.admitted_tokens_by_region), &region);
+            let fallback = of(row.map(|r| &r.fallback_admitted_tokens_by_region), &region);
+            (region, granted, admitted, fallback)
+        })
+        .collect()
 }
 
 pub async fn live(

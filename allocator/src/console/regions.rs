@@ -8,14 +8,19 @@ use maud::{Markup, html};
 
 use super::layout::{Section, html_response, problem_banner, utc};
 use super::{ConsoleState, SignedIn};
-use crate::http::PolicyStatus;
+use crate::http::{PolicyStatus, RegionList};
 
 /// An agent whose last status is older than this is shown as late (agents report every few
 /// seconds; their status keys expire soon after they stop).
 const LATE_AFTER_MS: u64 = 15_000;
 
-fn status_fragment(status: &PolicyStatus, now_ms: u64) -> Markup {
-    let mut regions: Vec<_> = status.agents.iter().map(|a| a.region.clone()).collect();
+fn status_fragment(status: &PolicyStatus, ledger: &RegionList, now_ms: u64) -> Markup {
+    let mut regions: Vec<_> = status
+        .agents
+        .iter()
+        .map(|a| a.region.clone())
+        .chain(ledger.regions.iter().map(|r| r.region.clone()))
+        .collect();
     regions.sort();
     regions.dedup();
     let rollout = &status.rollout;
@@ -33,19 +38,36 @@ fn status_fragment(status: &PolicyStatus, now_ms: u64) -> Markup {
         }
         h2 { "Regions" }
         div.table-wrap { table id="regions" {
-            thead { tr { th { "Region" } th.num { "Agents" } th { "Should run" } th { "Running" } th { "Pepper fingerprints" } } }
+            thead { tr {
+                th { "Region" } th.num { "Agents" } th.num.wide { "Pools" } th { "Last report to the ledger (UTC)" }
+                th { "Fallback in use" } th { "Should run" } th { "Running" } th.wide { "Pepper fingerprints" }
+            } }
             tbody {
                 @for region in &regions {
                     @let agents: Vec<_> = status.agents.iter().filter(|a| &a.region == region).collect();
                     @let should = rollout.version_for(Some(region));
                     @let on_target = agents.iter().filter(|a| a.version == should).count();
                     @let peppers = status.pepper_fingerprints.get(region);
+                    @let seen = ledger.regions.iter().find(|r| &r.region == region);
                     tr {
                         td { (region) }
                         td.num { (agents.len()) }
+                        td.num.wide { (seen.map_or(0, |r| r.pools)) }
+                        td {
+                            @match seen.and_then(|r| r.last_report_at_ms) {
+                                Some(at_ms) => { (utc(at_ms)) }
+                                None => { span.muted { "none in 15 min" } }
+                            }
+                        }
+                        td {
+                            @match seen.filter(|r| r.pools_in_fallback > 0) {
+                                Some(r) => { span.over { (r.fallback_admitted_tokens) " tokens in " (r.pools_in_fallback) " pool(s) this window" } }
+                                None => { span.ok { "no" } }
+                            }
+                        }
                         td { (should) }
                         td { (on_target) " of " (agents.len()) " on it" }
-                        td {
+                        td.wide {
                             @match peppers {
                                 Some(set) if set.len() > 1 => { span.over { "skew: " (set.iter().cloned().collect::<Vec<_>>().join(", ")) } }
                                 Some(set) => { (set.iter().cloned().collect::<Vec<_>>().join(", ")) }
@@ -54,7 +76,7 @@ fn status_fragment(status: &PolicyStatus, now_ms: u64) -> Markup {
                         }
                     }
                 }
-                @if regions.is_empty() { tr { td.muted colspan="5" { "no agent has reported yet" } } }
+                @if regions.is_empty() { tr { td.muted colspan="8" { "no pool names a region and no agent has reported yet" } } }
             }
         } }
         h2 { "Agents" }
@@ -81,13 +103,14 @@ fn status_fragment(status: &PolicyStatus, now_ms: u64) -> Markup {
 }
 
 async fn fragment(console: &ConsoleState, signed_in: &SignedIn) -> Markup {
-    match signed_in
+    let status = signed_in
         .api
         .get::<PolicyStatus>("/v1/policies/status")
-        .await
-    {
-        Ok(status) => status_fragment(&status, console.clock.now_ms()),
-        Err(problem) => problem_banner(&problem),
+        .await;
+    let ledger = signed_in.api.get::<RegionList>("/v1/regions").await;
+    match (status, ledger) {
+        (Ok(status), Ok(ledger)) => status_fragment(&status, &ledger, console.clock.now_ms()),
+        (Err(problem), _) | (_, Err(problem)) => problem_banner(&problem),
     }
 }
 

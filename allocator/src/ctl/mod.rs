@@ -123,16 +123,22 @@ pub fn bundle_file(path: &Path) -> Result<PolicyBundle, String> {
         .map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// Parses a decision sample: JSON lines of `{"atMs": ..., "request": {...}}`, sorted by time.
+/// Parses a decision sample file: JSON lines of `{"atMs": ..., "request": {...}}`, sorted by time.
 pub fn sample_file(path: &Path) -> Result<Vec<ReplaySample>, String> {
     let text = read_input(path)?;
+    samples_from_text(&text, &path.display().to_string())
+}
+
+/// Parses decision sample lines read from `source` (named in errors with the line number),
+/// sorted by time.
+pub fn samples_from_text(text: &str, source: &str) -> Result<Vec<ReplaySample>, String> {
     let mut samples = Vec::new();
     for (number, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let sample: ReplaySample = serde_json::from_str(line)
-            .map_err(|e| format!("{}:{}: {e}", path.display(), number + 1))?;
+        let sample: ReplaySample =
+            serde_json::from_str(line).map_err(|e| format!("{source}:{}: {e}", number + 1))?;
         samples.push(sample);
     }
     samples.sort_by_key(|s| s.at_ms);

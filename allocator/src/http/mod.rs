@@ -8,7 +8,7 @@
 //! Every change runs to completion and is written to the ledger's audit log with its actor and
 //! version. Every request is bounded: body size, time and concurrency (I10).
 //!
-//! A file per resource: `pools`, `grants` (and reports), `policies`, `tokens`, `ops` (audit,
+//! A file per resource: `pools`, `regions`, `grants` (and reports), `policies`, `tokens`, `ops` (audit,
 //! metrics, health); beside them `access` (who may call what), `changes` (running and auditing a
 //! change), `errors` and `io` (bodies, paths, answers).
 
@@ -20,6 +20,7 @@ mod io;
 mod ops;
 mod policies;
 mod pools;
+mod regions;
 mod tokens;
 
 use std::sync::Arc;
@@ -33,6 +34,7 @@ pub use self::errors::ApiError;
 pub use self::ops::{AuditList, AuditQuery};
 pub use self::policies::{CurrentQuery, PolicyStatus, PublishQuery};
 pub use self::pools::{LiveWindow, PoolList, PoolView, TermsQuery, WindowList, WindowsQuery};
+pub use self::regions::{REPORT_LOOKBACK_MS, RegionList, RegionView};
 pub use self::tokens::{MintAnswer, MintBody, TokenList, TokenView};
 use crate::auth::TokenBook;
 /// The token files' lines (see [`crate::auth`]).
@@ -113,6 +115,7 @@ fn api_routes(state: ApiState) -> Router {
             "/v1/pools/{tenant}/{pool}/terms",
             get(pools::get_pool_terms),
         )
+        .route("/v1/regions", get(regions::list_regions))
         .route("/v1/grants", post(grants::post_grant))
         .route("/v1/reports", post(grants::post_report))
         .route("/v1/policies", axum::routing::put(policies::put_policy))

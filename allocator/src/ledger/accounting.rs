@@ -38,6 +38,9 @@ pub struct WindowRow {
     /// Tokens reported spent from the window's leases.
     #[serde(rename = "spent")]
     pub spent_tokens: u64,
+    /// Tokens reported spent per region.
+    #[serde(rename = "spentByRegion", default)]
+    pub spent_tokens_by_region: BTreeMap<RegionId, u64>,
     /// Granted minus spent, over expired leases whose final report arrived.
     #[serde(rename = "stranded")]
     pub stranded_tokens: u64,
@@ -53,6 +56,9 @@ pub struct WindowRow {
     /// spent + fallbackAdmitted.
     #[serde(rename = "admitted")]
     pub admitted_tokens: u64,
+    /// What each region admitted: its spent plus its fallback admits.
+    #[serde(rename = "admittedByRegion", default)]
+    pub admitted_tokens_by_region: BTreeMap<RegionId, u64>,
     /// max(0, admitted - limit).
     #[serde(rename = "overshoot")]
     pub overshoot_tokens: u64,
@@ -77,6 +83,7 @@ struct RegionAmount {
 #[derive(sqlx::FromRow)]
 struct LeaseAmounts {
     window_start_ms: i64,
+    region: String,
     spent: i64,
     stranded: i64,
     unreported: i64,
@@ -91,8 +98,8 @@ pub struct WindowAmounts {
     pub window_end_ms: u64,
     /// Tokens granted per region.
     pub granted_tokens_by_region: BTreeMap<RegionId, u64>,
-    /// Tokens reported spent from the window's leases.
-    pub spent_tokens: u64,
+    /// Tokens reported spent from the window's leases, per region.
+    pub spent_tokens_by_region: BTreeMap<RegionId, u64>,
     /// Granted minus spent, over expired leases whose final report arrived.
     pub stranded_tokens: u64,
     /// Granted minus reported spend, over expired leases whose final report never arrived.
@@ -105,22 +112,37 @@ pub struct WindowAmounts {
 /// leases plus admitted in fallback), and the overshoot beyond `limit_tokens`; `bound_tokens` is
 /// the design's bound it is held to.
 pub fn account(amounts: WindowAmounts, limit_tokens: u64, bound_tokens: u64) -> WindowRow {
-    let fallback_admitted_tokens = amounts.fallback_admitted_tokens_by_region.values().sum();
-    let admitted_tokens = amounts
-        .spent_tokens
-        .saturating_add(fallback_admitted_tokens);
+    let total = |by_region: &BTreeMap<RegionId, u64>| {
+        by_region
+            .values()
+            .fold(0u64, |sum, tokens| sum.saturating_add(*tokens))
+    };
+    let fallback_admitted_tokens = total(&amounts.fallback_admitted_tokens_by_region);
+    let spent_tokens = total(&amounts.spent_tokens_by_region);
+    let admitted_tokens = spent_tokens.saturating_add(fallback_admitted_tokens);
+    let mut admitted_tokens_by_region = amounts.spent_tokens_by_region.clone();
+    for (region, tokens) in &amounts.fallback_admitted_tokens_by_region {
+        let admitted = admitted_tokens_by_region.entry(region.clone()).or_default();
+        *admitted = admitted.saturating_add(*tokens);
+    }
+    debug_assert!(
+        admitted_tokens == u64::MAX || total(&admitted_tokens_by_region) == admitted_tokens,
+        "the regions' admits add up to the window's"
+    );
     WindowRow {
         window_start_ms: amounts.window_start_ms,
         window_end_ms: amounts.window_end_ms,
         limit_tokens,
-        granted_tokens: amounts.granted_tokens_by_region.values().sum(),
+        granted_tokens: total(&amounts.granted_tokens_by_region),
         granted_tokens_by_region: amounts.granted_tokens_by_region,
-        spent_tokens: amounts.spent_tokens,
+        spent_tokens,
+        spent_tokens_by_region: amounts.spent_tokens_by_region,
         stranded_tokens: amounts.stranded_tokens,
         unreported_tokens: amounts.unreported_tokens,
         fallback_admitted_tokens,
         fallback_admitted_tokens_by_region: amounts.fallback_admitted_tokens_by_region,
         admitted_tokens,
+        admitted_tokens_by_region,
         overshoot_tokens: overshoot_tokens(admitted_tokens, limit_tokens),
         bound_tokens,
     }
@@ -158,16 +180,25 @@ impl Ledger {
         let rows = keys
             .into_iter()
             .map(|key| {
-                let lease_amounts = amounts
+                let in_window: Vec<&LeaseAmounts> = amounts
                     .iter()
-                    .find(|a| a.window_start_ms == key.window_start_ms);
+                    .filter(|a| a.window_start_ms == key.window_start_ms)
+                    .collect();
+                let sum = |of: fn(&LeaseAmounts) -> i64| {
+                    in_window
+                        .iter()
+                        .fold(0u64, |total, a| total.saturating_add(u64_of(of(a))))
+                };
                 let amounts = WindowAmounts {
                     window_start_ms: u64_of(key.window_start_ms),
                     window_end_ms: u64_of(key.window_end_ms),
                     granted_tokens_by_region: by_region(&granted_rows, key.window_start_ms),
-                    spent_tokens: lease_amounts.map_or(0, |a| u64_of(a.spent)),
-                    stranded_tokens: lease_amounts.map_or(0, |a| u64_of(a.stranded)),
-                    unreported_tokens: lease_amounts.map_or(0, |a| u64_of(a.unreported)),
+                    spent_tokens_by_region: in_window
+                        .iter()
+                        .filter_map(|a| Some((RegionId::parse(&a.region).ok()?, u64_of(a.spent))))
+                        .collect(),
+                    stranded_tokens: sum(|a| a.stranded),
+                    unreported_tokens: sum(|a| a.unreported),
                     fallback_admitted_tokens_by_region: by_region(
                         &fallback_rows,
                         key.window_start_ms,
@@ -262,8 +293,8 @@ impl Ledger {
         }))
     }
 
-    /// Per window from `oldest` on: what leases spent, and, over leases ended by `now_ms`, what
-    /// they stranded (final report in) or left unreported (none).
+    /// Per window and region from `oldest` on: what leases spent, and, over leases ended by
+    /// `now_ms`, what they stranded (final report in) or left unreported (none).
     async fn lease_amounts(
         &self,
         tenant: &TenantId,
@@ -300,6 +331,10 @@ impl Ledger {
                 Expr::col((Grants::Table, Grants::WindowStartMs)),
                 Alias::new("window_start_ms"),
             )
+            .expr_as(
+                Expr::col((Grants::Table, Grants::Region)),
+                Alias::new("region"),
+            )
             .expr_as(sum_as_bigint(spent.clone()), Alias::new("spent"))
             .expr_as(sum_as_bigint(stranded_case), Alias::new("stranded"))
             .expr_as(sum_as_bigint(unreported_case), Alias::new("unreported"))
@@ -312,6 +347,7 @@ impl Ledger {
             )
             .cond_where(since(tenant, pool, oldest))
             .group_by_col((Grants::Table, Grants::WindowStartMs))
+            .group_by_col((Grants::Table, Grants::Region))
             .to_owned();
         Ok(on_db!(self, statement, |sql, values, db| {
             sqlx::query_as_with(&sql, values).fetch_all(db).await?
@@ -346,7 +382,7 @@ mod tests {
             window_start_ms: 60_000,
             window_end_ms: 120_000,
             granted_tokens_by_region: [(region("eu"), 700), (region("us"), 300)].into(),
-            spent_tokens: 950,
+            spent_tokens_by_region: [(region("eu"), 650), (region("us"), 300)].into(),
             stranded_tokens: 40,
             unreported_tokens: 10,
             fallback_admitted_tokens_by_region: [(region("eu"), 80), (region("us"), 20)].into(),
@@ -359,10 +395,16 @@ mod tests {
         assert_eq!((row.limit_tokens, row.bound_tokens), (1_000, 1_200));
         assert_eq!((row.stranded_tokens, row.unreported_tokens), (40, 10));
         assert_eq!(row.granted_tokens_by_region[&region("eu")], 700);
+        assert_eq!(row.spent_tokens, 950);
+        assert_eq!(
+            row.admitted_tokens_by_region,
+            [(region("eu"), 730), (region("us"), 320)].into(),
+            "each region's spent plus its fallback admits"
+        );
         // Within the limit, no overshoot; an empty window is all zeros but for its terms.
         let quiet = account(
             WindowAmounts {
-                spent_tokens: 400,
+                spent_tokens_by_region: [(region("eu"), 400)].into(),
                 ..WindowAmounts::default()
             },
             1_000,
@@ -381,7 +423,7 @@ mod tests {
         // Saturating, never wrapping, on absurd stored amounts.
         let huge = account(
             WindowAmounts {
-                spent_tokens: u64::MAX,
+                spent_tokens_by_region: [(region("eu"), u64::MAX), (region("us"), 1)].into(),
                 fallback_admitted_tokens_by_region: [(region("eu"), 5)].into(),
                 ..WindowAmounts::default()
             },

@@ -35,12 +35,14 @@ macro_rules! on_db {
 
 pub mod accounting;
 pub mod audit;
+pub mod regions;
 pub mod reports;
 mod schema;
 
 pub use accounting::{MAX_WINDOWS, WindowAmounts, WindowRow, account};
 pub use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 pub use audit::{AuditEntry, MAX_AUDIT_ENTRIES, PoolChange};
+pub use regions::{FallbackRow, MAX_RECENT_FALLBACK_ROWS};
 pub use reports::MAX_LEASES_PER_REPORT;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
