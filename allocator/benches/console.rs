@@ -75,7 +75,8 @@ async fn main() {
         etcd: vec![],
         tokens: Tokens {
             operator: vec![OPERATOR.to_owned()],
-            agent: vec![],
+            // The allocator refuses to start without an agent token; no agent calls here.
+            agent: vec!["agent-token-for-the-bench-001".to_owned()],
         },
         node_id: "bench".to_owned(),
         advertise_url: format!("http://{addr}"),
@@ -84,7 +85,7 @@ async fn main() {
         ledger_url: String::new(),
     };
     let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(run(settings, kv, ledger, clock, listener, async move {
+    let server = tokio::spawn(run(settings, kv, ledger, clock, listener, async move {
         let _ = stopped.await;
     }));
     let base = format!("http://{addr}");
@@ -102,6 +103,11 @@ async fn main() {
         {
             break;
         }
+        assert!(
+            !server.is_finished(),
+            "the allocator stopped: {:?}",
+            server.await
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let signed_in = client
