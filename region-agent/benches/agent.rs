@@ -35,14 +35,12 @@ const RUN: Duration = Duration::from_secs(3);
 
 mod common;
 
-use common::{GATEWAY, bundle, request, start_agent, stub_allocator};
+use common::{
+    GATEWAY, bundle, request, rls_request, serve_on_free_port, start_agent, stub_allocator,
+};
 
 /// Envoy's RLS v3 path: the same agent served over gRPC, called by `callers` tonic clients.
 async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
-    use allot_region_agent::grpc::proto::envoy::extensions::common::ratelimit::v3::{
-        RateLimitDescriptor, rate_limit_descriptor::Entry,
-    };
-    use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::RateLimitRequest;
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -65,26 +63,7 @@ async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
             let mut unavailable = 0u64;
             let mut n = caller;
             while !stop.load(Ordering::Relaxed) {
-                let entry = |key: &str, value: String| Entry {
-                    key: key.to_owned(),
-                    value,
-                };
-                let mut request = tonic::Request::new(RateLimitRequest {
-                    domain: "bench".to_owned(),
-                    descriptors: vec![RateLimitDescriptor {
-                        entries: vec![
-                            entry("tenant", "atlas".to_owned()),
-                            entry("user", format!("U-{}", n % 1_000)),
-                            entry("route_group", "read".to_owned()),
-                        ],
-                        hits_addend: None,
-                    }],
-                    hits_addend: 0,
-                });
-                request.metadata_mut().insert(
-                    "authorization",
-                    format!("Bearer {GATEWAY}").parse().expect("metadata"),
-                );
+                let request = rls_request(n, 1_000);
                 let stopwatch = Stopwatch::start();
                 match client.should_rate_limit(request).await {
                     Ok(answer) => {
@@ -239,19 +218,7 @@ async fn main() {
             "/constant",
             post(|_body: axum::body::Bytes| async { Json(json!({ "allowed": true })) }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        // The agent's own accept loop, so the ceiling differs from an admit only in the handler.
-        tokio::spawn(allot_net::serve(
-            listener,
-            app,
-            None,
-            allot_net::ServeLimits::default(),
-            std::future::pending(),
-        ));
-        url
+        serve_on_free_port(app).await
     };
     let in_process: Arc<dyn LimiterStore> =
         Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));

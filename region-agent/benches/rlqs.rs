@@ -29,7 +29,7 @@ use serde_json::json;
 
 mod common;
 
-use common::{GATEWAY, start_agent, stub_allocator};
+use common::{GATEWAY, rls_request, start_agent, stub_allocator};
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -123,10 +123,6 @@ where
 
 /// RLS: `RLS_CALLERS` tonic callers, one call per decision.
 async fn rls(url: String) -> Run {
-    use allot_region_agent::grpc::proto::envoy::extensions::common::ratelimit::v3::{
-        RateLimitDescriptor, rate_limit_descriptor::Entry,
-    };
-    use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::RateLimitRequest;
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
     let stop = Arc::new(AtomicBool::new(false));
@@ -138,26 +134,7 @@ async fn rls(url: String) -> Run {
             let (mut decisions, mut admitted, mut unavailable) = (0u64, 0u64, 0u64);
             let mut n = caller;
             while !stop.load(Ordering::Relaxed) {
-                let entry = |key: &str, value: String| Entry {
-                    key: key.to_owned(),
-                    value,
-                };
-                let mut request = tonic::Request::new(RateLimitRequest {
-                    domain: "bench".to_owned(),
-                    descriptors: vec![RateLimitDescriptor {
-                        entries: vec![
-                            entry("tenant", "atlas".to_owned()),
-                            entry("user", format!("U-{}", n % USERS)),
-                            entry("route_group", "read".to_owned()),
-                        ],
-                        hits_addend: None,
-                    }],
-                    hits_addend: 0,
-                });
-                request.metadata_mut().insert(
-                    "authorization",
-                    format!("Bearer {GATEWAY}").parse().expect("metadata"),
-                );
+                let request = rls_request(n, USERS);
                 match client.should_rate_limit(request).await {
                     Ok(answer) if answer.get_ref().overall_code == Code::Ok as i32 => admitted += 1,
                     Err(status) if status.code() == tonic::Code::Unavailable => unavailable += 1,

@@ -2,12 +2,12 @@
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::StatusCode;
+use axum::response::Response;
 use maud::html;
 use serde::Deserialize;
 
-use super::layout::{Section, html_response, page as shell, problem_page, utc};
+use super::layout::{Section, html_response, page as shell, utc};
 use super::{ConsoleState, SignedIn};
 use crate::http::AuditList;
 
@@ -27,13 +27,10 @@ pub struct AuditFilter {
 
 pub async fn page(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     query: Result<Query<AuditFilter>, QueryRejection>,
+    signed_in: SignedIn,
 ) -> Response {
-    let SignedIn { session, api } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { session, api, .. } = &signed_in;
     let Query(filter) = query.unwrap_or_default();
     let action: String = filter.action.trim().chars().take(MAX_FILTER_LEN).collect();
     let text: String = filter.text.trim().chars().take(MAX_FILTER_LEN).collect();
@@ -43,9 +40,7 @@ pub async fn page(
     {
         Ok(list) => list,
         Err(problem) => {
-            return console
-                .end_if_refused(&headers, &problem)
-                .unwrap_or_else(|| problem_page(&session, Section::Audit, &problem));
+            return console.failed(&signed_in, Section::Audit, &problem);
         }
     };
     let mut actions: Vec<&str> = list.entries.iter().map(|e| e.action.as_str()).collect();
@@ -93,6 +88,6 @@ pub async fn page(
     };
     html_response(
         StatusCode::OK,
-        shell(&session, Section::Audit, "Audit", body),
+        shell(session, Section::Audit, "Audit", body),
     )
 }

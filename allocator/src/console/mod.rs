@@ -28,14 +28,16 @@ mod tokens;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 
 use self::api::{Api, ApiProblem};
-use self::layout::{html_response, secure_headers, sign_in_page};
+use self::layout::{Section, html_response, secure_headers, sign_in_page};
 use self::session::{COOKIE_NAME, Session, Sessions};
 use crate::auth::{Holder, TokenBook};
 use crate::clock::Clock;
@@ -104,12 +106,60 @@ async fn secure_response(response: Response) -> Response {
     secure_headers(response)
 }
 
-/// A signed-in request: the session and the API as its operator.
+/// A signed-in request: the session and the API as its operator. As a handler's argument it
+/// sends whoever has no live session to the sign-in page.
 pub struct SignedIn {
     /// The session.
     pub session: Session,
     /// The API, called with the session's token.
     pub api: Api,
+    /// The cookie's session id (to end the session when the API stops accepting its token).
+    session_id: String,
+}
+
+impl FromRequestParts<ConsoleState> for SignedIn {
+    type Rejection = Refused;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        console: &ConsoleState,
+    ) -> Result<Self, Refused> {
+        console.signed_in(&parts.headers)
+    }
+}
+
+/// What every change's form carries.
+pub trait CarriesCsrf {
+    /// The CSRF token the form was sent with.
+    fn csrf(&self) -> &str;
+}
+
+/// A signed-in change: its form, sent from the console itself with the session's CSRF token. As a
+/// handler's argument it refuses anything else (403), and an unreadable or oversized form with
+/// the form's own error (400, 413).
+pub struct Change<T> {
+    /// Who sends it.
+    pub signed_in: SignedIn,
+    /// What was sent.
+    pub form: T,
+}
+
+impl<T> FromRequest<ConsoleState> for Change<T>
+where
+    T: DeserializeOwned + CarriesCsrf + Send,
+{
+    type Rejection = Response;
+
+    async fn from_request(request: Request, console: &ConsoleState) -> Result<Self, Response> {
+        let headers = request.headers().clone();
+        let axum::Form(form) = axum::Form::<T>::from_request(request, console)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let signed_in = console
+            .signed_in_change(&headers, form.csrf())
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self { signed_in, form })
+    }
 }
 
 fn cookie_value<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
@@ -154,7 +204,11 @@ impl ConsoleState {
             .touch(session_id, self.clock.now_ms())
             .ok_or(Refused::SignIn)?;
         let api = Api::new(self.api.clone(), session.token.clone());
-        Ok(SignedIn { session, api })
+        Ok(SignedIn {
+            session,
+            api,
+            session_id: session_id.to_owned(),
+        })
     }
 
     /// The signed-in caller of a change: also checks that the browser did not send it from another
@@ -174,14 +228,25 @@ impl ConsoleState {
 
     /// Ends the session when the API no longer accepts its token (revoked), so the operator signs
     /// in again instead of seeing 401 on every page.
-    pub fn end_if_refused(&self, headers: &HeaderMap, problem: &ApiProblem) -> Option<Response> {
+    pub fn end_if_refused(&self, signed_in: &SignedIn, problem: &ApiProblem) -> Option<Response> {
         if problem.status() != StatusCode::UNAUTHORIZED {
             return None;
         }
-        if let Some(session_id) = cookie_value(headers, COOKIE_NAME) {
-            self.sessions.sign_out(session_id);
-        }
+        self.sessions.sign_out(&signed_in.session_id);
         Some(to_sign_in())
+    }
+
+    /// The page for a failed API call: the sign-in page when the token is no longer accepted,
+    /// else what the API said, in `section`.
+    pub fn failed(&self, signed_in: &SignedIn, section: Section, problem: &ApiProblem) -> Response {
+        self.end_if_refused(signed_in, problem)
+            .unwrap_or_else(|| layout::problem_page(&signed_in.session, section, problem))
+    }
+
+    /// The same for a live fragment: only the problem, no page around it.
+    pub fn failed_fragment(&self, signed_in: &SignedIn, problem: &ApiProblem) -> Response {
+        self.end_if_refused(signed_in, problem)
+            .unwrap_or_else(|| html_response(problem.status(), layout::problem_banner(problem)))
     }
 
     fn session_cookie(&self, session_id: &str, max_age_s: u64) -> HeaderValue {
@@ -229,11 +294,8 @@ fn forbidden(detail: &str) -> Response {
     )
 }
 
-async fn home(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
-    match console.signed_in(&headers) {
-        Ok(_) => Redirect::to("/console/pools").into_response(),
-        Err(refused) => refused.into_response(),
-    }
+async fn home(_: SignedIn) -> Response {
+    Redirect::to("/console/pools").into_response()
 }
 
 async fn sign_in_form() -> Response {
@@ -292,21 +354,17 @@ pub struct CsrfForm {
     csrf: String,
 }
 
+impl CarriesCsrf for CsrfForm {
+    fn csrf(&self) -> &str {
+        &self.csrf
+    }
+}
+
 async fn sign_out(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
-    form: Result<axum::Form<CsrfForm>, axum::extract::rejection::FormRejection>,
+    Change { signed_in, .. }: Change<CsrfForm>,
 ) -> Response {
-    let csrf = match form {
-        Ok(axum::Form(form)) => form.csrf,
-        Err(rejection) => return rejection.into_response(),
-    };
-    if let Err(refused) = console.signed_in_change(&headers, &csrf) {
-        return refused.into_response();
-    }
-    if let Some(session_id) = cookie_value(&headers, COOKIE_NAME) {
-        console.sessions.sign_out(session_id);
-    }
+    console.sessions.sign_out(&signed_in.session_id);
     let mut response = Redirect::to("/console/sign-in").into_response();
     response
         .headers_mut()

@@ -1,9 +1,9 @@
 //! Policy bundles: the rollout, recent versions, a readable diff between two, publishing a pasted
 //! bundle (the API's validation errors shown with the rule and field they name), and promotion.
 
-use axum::extract::rejection::{FormRejection, QueryRejection};
-use axum::extract::{Form, Path, Query, State};
-use axum::http::{HeaderMap, Method, StatusCode};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{Method, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::{Markup, html};
 use serde::Deserialize;
@@ -11,10 +11,10 @@ use similar::{ChangeTag, TextDiff};
 
 use super::api::{Api, ApiProblem};
 use super::layout::{
-    Section, csrf_field, html_response, page as shell, problem_banner, problem_page, query_escape,
+    Section, csrf_field, html_response, page as shell, problem_banner, query_escape,
 };
 use super::session::Session;
-use super::{ConsoleState, CsrfForm, SignedIn};
+use super::{CarriesCsrf, Change, ConsoleState, CsrfForm, SignedIn};
 use crate::auth::OperatorRole;
 use crate::http::PolicyStatus;
 
@@ -158,6 +158,12 @@ pub struct ReplayForm {
     sample: String,
 }
 
+impl CarriesCsrf for ReplayForm {
+    fn csrf(&self) -> &str {
+        &self.csrf
+    }
+}
+
 /// A published bundle, verified as agents verify it.
 async fn bundle(api: &Api, version: u64) -> Result<allot_shared::policy::PolicyBundle, String> {
     let text = api
@@ -173,23 +179,13 @@ async fn bundle(api: &Api, version: u64) -> Result<allot_shared::policy::PolicyB
 /// CSRF token like every form.
 pub async fn replay(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
-    form: Result<Form<ReplayForm>, FormRejection>,
+    Change { signed_in, form }: Change<ReplayForm>,
 ) -> Response {
-    let form = match form {
-        Ok(Form(form)) => form,
-        Err(rejection) => return rejection.into_response(),
-    };
-    let SignedIn { session, api } = match console.signed_in_change(&headers, &form.csrf) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { session, api, .. } = &signed_in;
     let status = match api.get::<PolicyStatus>("/v1/policies/status").await {
         Ok(status) => status,
         Err(problem) => {
-            return console
-                .end_if_refused(&headers, &problem)
-                .unwrap_or_else(|| problem_page(&session, Section::Policies, &problem));
+            return console.failed(&signed_in, Section::Policies, &problem);
         }
     };
     let current = status.rollout.current;
@@ -207,8 +203,8 @@ pub async fn replay(
         if samples.is_empty() {
             return Err("decision log: paste at least one line".to_owned());
         }
-        let current_bundle = bundle(&api, current).await?;
-        let candidate_bundle = bundle(&api, candidate).await?;
+        let current_bundle = bundle(api, current).await?;
+        let candidate_bundle = bundle(api, candidate).await?;
         Ok(crate::ctl::replay_comparison(
             &current_bundle,
             &candidate_bundle,
@@ -223,25 +219,20 @@ pub async fn replay(
     };
     let body = html! {
         p { a href="/console/policies" { "← Policies" } }
-        (replay_form(&session, current, candidate, &form.sample, outcome))
+        (replay_form(session, current, candidate, &form.sample, outcome))
     };
-    html_response(code, shell(&session, Section::Policies, "Replay", body))
+    html_response(code, shell(session, Section::Policies, "Replay", body))
 }
 
-pub async fn page(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
-    let SignedIn { session, api } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
-    let publish = publish_form(&session, "", "", None);
-    match page_body(&session, &api, publish).await {
+pub async fn page(State(console): State<ConsoleState>, signed_in: SignedIn) -> Response {
+    let SignedIn { session, api, .. } = &signed_in;
+    let publish = publish_form(session, "", "", None);
+    match page_body(session, api, publish).await {
         Ok(body) => html_response(
             StatusCode::OK,
-            shell(&session, Section::Policies, "Policies", body),
+            shell(session, Section::Policies, "Policies", body),
         ),
-        Err(problem) => console
-            .end_if_refused(&headers, &problem)
-            .unwrap_or_else(|| problem_page(&session, Section::Policies, &problem)),
+        Err(problem) => console.failed(&signed_in, Section::Policies, &problem),
     }
 }
 
@@ -256,19 +247,17 @@ pub struct PublishForm {
     canary: String,
 }
 
+impl CarriesCsrf for PublishForm {
+    fn csrf(&self) -> &str {
+        &self.csrf
+    }
+}
+
 pub async fn publish(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
-    form: Result<Form<PublishForm>, FormRejection>,
+    Change { signed_in, form }: Change<PublishForm>,
 ) -> Response {
-    let form = match form {
-        Ok(Form(form)) => form,
-        Err(rejection) => return rejection.into_response(),
-    };
-    let SignedIn { session, api } = match console.signed_in_change(&headers, &form.csrf) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { session, api, .. } = &signed_in;
     let canary: Vec<&str> = form
         .canary
         .split(',')
@@ -286,16 +275,16 @@ pub async fn publish(
     {
         Ok(_) => Redirect::to("/console/policies").into_response(),
         Err(problem) => {
-            if let Some(redirect) = console.end_if_refused(&headers, &problem) {
+            if let Some(redirect) = console.end_if_refused(&signed_in, &problem) {
                 return redirect;
             }
-            let publish = publish_form(&session, &form.bundle, &form.canary, Some(&problem));
-            let body = page_body(&session, &api, publish)
+            let publish = publish_form(session, &form.bundle, &form.canary, Some(&problem));
+            let body = page_body(session, api, publish)
                 .await
                 .unwrap_or_else(|other| problem_banner(&other));
             html_response(
                 problem.status(),
-                shell(&session, Section::Policies, "Policies", body),
+                shell(session, Section::Policies, "Policies", body),
             )
         }
     }
@@ -303,24 +292,16 @@ pub async fn publish(
 
 pub async fn promote(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     Path(version): Path<String>,
-    form: Result<Form<CsrfForm>, FormRejection>,
+    Change { signed_in, .. }: Change<CsrfForm>,
 ) -> Response {
-    let csrf = match form {
-        Ok(Form(form)) => form.csrf,
-        Err(rejection) => return rejection.into_response(),
-    };
-    let SignedIn { session, api } = match console.signed_in_change(&headers, &csrf) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn {
+        session: _, api, ..
+    } = &signed_in;
     let path = format!("/v1/policies/{}/promote", query_escape(version.trim()));
     match api.send(Method::POST, &path, &serde_json::json!({})).await {
         Ok(_) => Redirect::to("/console/policies").into_response(),
-        Err(problem) => console
-            .end_if_refused(&headers, &problem)
-            .unwrap_or_else(|| problem_page(&session, Section::Policies, &problem)),
+        Err(problem) => console.failed(&signed_in, Section::Policies, &problem),
     }
 }
 
@@ -360,19 +341,16 @@ pub fn diff_markup(old: &str, new: &str) -> Markup {
 
 pub async fn diff(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     query: Result<Query<DiffQuery>, QueryRejection>,
+    signed_in: SignedIn,
 ) -> Response {
-    let SignedIn { session, api } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { session, api, .. } = &signed_in;
     let compared = async {
         let Query(query) = query.map_err(|e| ApiProblem::invalid("from", e.body_text()))?;
         let from = parse_version("from", &query.from)?;
         let to = parse_version("to", &query.to)?;
-        let old = bundle_text(&api, from).await?;
-        let new = bundle_text(&api, to).await?;
+        let old = bundle_text(api, from).await?;
+        let new = bundle_text(api, to).await?;
         Ok::<_, ApiProblem>((from, to, diff_markup(&old, &new)))
     }
     .await;
@@ -382,12 +360,10 @@ pub async fn diff(
             let body = html! { p { a href="/console/policies" { "← Policies" } } (markup) };
             html_response(
                 StatusCode::OK,
-                shell(&session, Section::Policies, &title, body),
+                shell(session, Section::Policies, &title, body),
             )
         }
-        Err(problem) => console
-            .end_if_refused(&headers, &problem)
-            .unwrap_or_else(|| problem_page(&session, Section::Policies, &problem)),
+        Err(problem) => console.failed(&signed_in, Section::Policies, &problem),
     }
 }
 

@@ -1,9 +1,9 @@
 //! Pools: the list (search, paging, this window against its bound), one pool's live windows, and
 //! the forms that create, edit and delete pools.
 
-use axum::extract::rejection::{FormRejection, QueryRejection};
-use axum::extract::{Form, Path, Query, State};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::{Markup, html};
 use serde::Deserialize;
@@ -12,10 +12,9 @@ use serde_json::{Map, Value};
 use super::api::ApiProblem;
 use super::chart::window_chart_svg;
 use super::layout::{
-    Section, csrf_field, duration, html_response, page, problem_banner, problem_page, query_escape,
-    utc,
+    Section, csrf_field, duration, html_response, page, problem_banner, query_escape, utc,
 };
-use super::{ConsoleState, CsrfForm, SignedIn};
+use super::{CarriesCsrf, Change, ConsoleState, CsrfForm, SignedIn};
 use crate::auth::OperatorRole;
 use crate::http::{PoolList, PoolView, WindowList};
 use crate::ledger::WindowRow;
@@ -59,21 +58,16 @@ fn standing(row: &WindowRow) -> Markup {
 
 pub async fn list(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     query: Result<Query<ListQuery>, QueryRejection>,
+    signed_in: SignedIn,
 ) -> Response {
-    let SignedIn { session, api } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { session, api, .. } = &signed_in;
     let Query(query) = query.unwrap_or_default();
     let search: String = query.q.trim().chars().take(MAX_SEARCH_LEN).collect();
     let all = match api.get::<PoolList>("/v1/pools").await {
         Ok(list) => list.pools,
         Err(problem) => {
-            return console
-                .end_if_refused(&headers, &problem)
-                .unwrap_or_else(|| problem_page(&session, Section::Pools, &problem));
+            return console.failed(&signed_in, Section::Pools, &problem);
         }
     };
     let mut matching: Vec<&PoolView> = all
@@ -142,10 +136,7 @@ pub async fn list(
             @if page_number < pages { a href=(page_href(page_number + 1)) rel="next" { "Next →" } }
         }
     };
-    html_response(
-        StatusCode::OK,
-        page(&session, Section::Pools, "Pools", body),
-    )
+    html_response(StatusCode::OK, page(session, Section::Pools, "Pools", body))
 }
 
 fn join<T: std::fmt::Display>(items: &[T]) -> String {
@@ -178,6 +169,12 @@ pub struct PoolForm {
     fallback_per_region: String,
     #[serde(default)]
     regions: String,
+}
+
+impl CarriesCsrf for PoolForm {
+    fn csrf(&self) -> &str {
+        &self.csrf
+    }
 }
 
 /// The form's fields: (JSON name, label, hint).
@@ -324,11 +321,7 @@ fn pool_form(
     }
 }
 
-pub async fn new_form(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
-    let SignedIn { session, .. } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+pub async fn new_form(SignedIn { session, .. }: SignedIn) -> Response {
     let defaults = PoolForm {
         window_ms: "60000".to_owned(),
         lease_ttl_ms: "10000".to_owned(),
@@ -344,14 +337,11 @@ pub async fn new_form(State(console): State<ConsoleState>, headers: HeaderMap) -
 
 async fn save(
     console: ConsoleState,
-    headers: HeaderMap,
+    signed_in: SignedIn,
     form: PoolForm,
     editing: bool,
 ) -> Response {
-    let SignedIn { session, api } = match console.signed_in_change(&headers, &form.csrf) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { session, api, .. } = &signed_in;
     let path = api_pool_path(form.tenant.trim(), form.pool.trim());
     let saved = if form.tenant.trim().is_empty() || form.pool.trim().is_empty() {
         let field = if form.tenant.trim().is_empty() {
@@ -366,78 +356,56 @@ async fn save(
     match saved {
         Ok(_) => Redirect::to(&pool_href(form.tenant.trim(), form.pool.trim())).into_response(),
         Err(problem) => {
-            if let Some(redirect) = console.end_if_refused(&headers, &problem) {
+            if let Some(redirect) = console.end_if_refused(&signed_in, &problem) {
                 return redirect;
             }
             let title = if editing { "Edit pool" } else { "New pool" };
-            let body = pool_form(&session, &form, editing, Some(&problem));
-            html_response(
-                problem.status(),
-                page(&session, Section::Pools, title, body),
-            )
+            let body = pool_form(session, &form, editing, Some(&problem));
+            html_response(problem.status(), page(session, Section::Pools, title, body))
         }
     }
 }
 
 pub async fn create(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
-    form: Result<Form<PoolForm>, FormRejection>,
+    Change { signed_in, form }: Change<PoolForm>,
 ) -> Response {
-    let form = match form {
-        Ok(Form(form)) => form,
-        Err(rejection) => return rejection.into_response(),
-    };
-    save(console, headers, form, false).await
+    save(console, signed_in, form, false).await
 }
 
 pub async fn edit_form(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     Path((tenant, pool)): Path<(String, String)>,
+    signed_in: SignedIn,
 ) -> Response {
-    let SignedIn { session, api } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { session, api, .. } = &signed_in;
     match api.get::<PoolView>(&api_pool_path(&tenant, &pool)).await {
         Ok(view) => {
-            let body = pool_form(&session, &PoolForm::from_view(&view), true, None);
+            let body = pool_form(session, &PoolForm::from_view(&view), true, None);
             let title = format!("Edit {tenant}/{pool}");
-            html_response(StatusCode::OK, page(&session, Section::Pools, &title, body))
+            html_response(StatusCode::OK, page(session, Section::Pools, &title, body))
         }
-        Err(problem) => console
-            .end_if_refused(&headers, &problem)
-            .unwrap_or_else(|| problem_page(&session, Section::Pools, &problem)),
+        Err(problem) => console.failed(&signed_in, Section::Pools, &problem),
     }
 }
 
 pub async fn update(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     Path((tenant, pool)): Path<(String, String)>,
-    form: Result<Form<PoolForm>, FormRejection>,
+    Change { signed_in, form }: Change<PoolForm>,
 ) -> Response {
     let form = PoolForm {
         tenant,
         pool,
-        ..match form {
-            Ok(Form(form)) => form,
-            Err(rejection) => return rejection.into_response(),
-        }
+        ..form
     };
-    save(console, headers, form, true).await
+    save(console, signed_in, form, true).await
 }
 
 pub async fn delete_confirm(
-    State(console): State<ConsoleState>,
-    headers: HeaderMap,
     Path((tenant, pool)): Path<(String, String)>,
+    SignedIn { session, .. }: SignedIn,
 ) -> Response {
-    let SignedIn { session, .. } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
     let title = format!("Delete {tenant}/{pool}?");
     let body = html! {
         p { "Agents stop getting leases for this pool; its ledger history stays. This cannot be undone." }
@@ -453,45 +421,32 @@ pub async fn delete_confirm(
 
 pub async fn delete(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     Path((tenant, pool)): Path<(String, String)>,
-    form: Result<Form<CsrfForm>, FormRejection>,
+    Change { signed_in, .. }: Change<CsrfForm>,
 ) -> Response {
-    let csrf = match form {
-        Ok(Form(form)) => form.csrf,
-        Err(rejection) => return rejection.into_response(),
-    };
-    let SignedIn { session, api } = match console.signed_in_change(&headers, &csrf) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn {
+        session: _, api, ..
+    } = &signed_in;
     let path = api_pool_path(&tenant, &pool);
     match api.send(Method::DELETE, &path, &Value::Null).await {
         Ok(_) => Redirect::to("/console/pools").into_response(),
-        Err(problem) => console
-            .end_if_refused(&headers, &problem)
-            .unwrap_or_else(|| problem_page(&session, Section::Pools, &problem)),
+        Err(problem) => console.failed(&signed_in, Section::Pools, &problem),
     }
 }
 
 pub async fn detail(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     Path((tenant, pool)): Path<(String, String)>,
+    signed_in: SignedIn,
 ) -> Response {
-    let SignedIn { session, api } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { session, api, .. } = &signed_in;
     let view = match api.get::<PoolView>(&api_pool_path(&tenant, &pool)).await {
         Ok(view) => view,
         Err(problem) => {
-            return console
-                .end_if_refused(&headers, &problem)
-                .unwrap_or_else(|| problem_page(&session, Section::Pools, &problem));
+            return console.failed(&signed_in, Section::Pools, &problem);
         }
     };
-    let live = live_fragment(&api, &view).await;
+    let live = live_fragment(api, &view).await;
     let href = pool_href(&tenant, &pool);
     let spec = &view.spec;
     let regions = spec.regions.len() as u64;
@@ -523,7 +478,7 @@ pub async fn detail(
         }
     };
     let title = format!("{tenant}/{pool}");
-    html_response(StatusCode::OK, page(&session, Section::Pools, &title, body))
+    html_response(StatusCode::OK, page(session, Section::Pools, &title, body))
 }
 
 /// The live part of a pool's page: this window, the chart and the last windows.
@@ -640,30 +595,22 @@ fn this_window_by_region(
 
 pub async fn live(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     Path((tenant, pool)): Path<(String, String)>,
+    signed_in: SignedIn,
 ) -> Response {
-    let SignedIn { api, .. } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { api, .. } = &signed_in;
     match api.get::<PoolView>(&api_pool_path(&tenant, &pool)).await {
-        Ok(view) => html_response(StatusCode::OK, live_fragment(&api, &view).await),
-        Err(problem) => console
-            .end_if_refused(&headers, &problem)
-            .unwrap_or_else(|| html_response(problem.status(), problem_banner(&problem))),
+        Ok(view) => html_response(StatusCode::OK, live_fragment(api, &view).await),
+        Err(problem) => console.failed_fragment(&signed_in, &problem),
     }
 }
 
 pub async fn chart(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     Path((tenant, pool)): Path<(String, String)>,
+    signed_in: SignedIn,
 ) -> Response {
-    let SignedIn { api, .. } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { api, .. } = &signed_in;
     let path = format!(
         "{}/windows?last={WINDOWS_SHOWN}",
         api_pool_path(&tenant, &pool)
@@ -677,9 +624,7 @@ pub async fn chart(
             );
             response
         }
-        Err(problem) => console
-            .end_if_refused(&headers, &problem)
-            .unwrap_or_else(|| html_response(problem.status(), problem_banner(&problem))),
+        Err(problem) => console.failed_fragment(&signed_in, &problem),
     }
 }
 

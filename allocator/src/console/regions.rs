@@ -2,8 +2,8 @@
 //! should run (a canary's progress), and whether a region's agents agree on their pepper.
 
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::StatusCode;
+use axum::response::Response;
 use maud::{Markup, html};
 
 use super::layout::{Section, html_response, problem_banner, utc};
@@ -114,11 +114,7 @@ async fn fragment(console: &ConsoleState, signed_in: &SignedIn) -> Markup {
     }
 }
 
-pub async fn page(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
-    let signed_in = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+pub async fn page(State(console): State<ConsoleState>, signed_in: SignedIn) -> Response {
     let live = fragment(&console, &signed_in).await;
     let body = html! {
         p.muted { "Agents report what they run every few seconds; one that stops reporting drops off this page." }
@@ -135,10 +131,6 @@ pub async fn page(State(console): State<ConsoleState>, headers: HeaderMap) -> Re
     )
 }
 
-pub async fn live(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
-    let signed_in = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+pub async fn live(State(console): State<ConsoleState>, signed_in: SignedIn) -> Response {
     html_response(StatusCode::OK, fragment(&console, &signed_in).await)
 }

@@ -1,20 +1,18 @@
 //! Tokens (admins only): the list, minting (the token is shown once, with a copy button) and
 //! revoking.
 
-use axum::extract::rejection::FormRejection;
-use axum::extract::{Form, Path, State};
-use axum::http::{HeaderMap, Method, StatusCode};
+use axum::extract::{Path, State};
+use axum::http::{Method, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::{Markup, html};
 use serde::Deserialize;
 
 use super::api::{Api, ApiProblem};
 use super::layout::{
-    Section, csrf_field, html_response, page as shell, problem_banner, problem_page, query_escape,
-    utc,
+    Section, csrf_field, html_response, page as shell, problem_banner, query_escape, utc,
 };
 use super::session::Session;
-use super::{ConsoleState, CsrfForm, SignedIn};
+use super::{CarriesCsrf, Change, ConsoleState, CsrfForm, SignedIn};
 use crate::http::{MintAnswer, TokenList};
 
 /// The mint form.
@@ -28,6 +26,12 @@ pub struct MintForm {
     region: String,
     #[serde(default)]
     name: String,
+}
+
+impl CarriesCsrf for MintForm {
+    fn csrf(&self) -> &str {
+        &self.csrf
+    }
 }
 
 const ROLES: [&str; 4] = ["viewer", "author", "admin", "agent"];
@@ -113,37 +117,24 @@ async fn render(
     html_response(status, shell(session, Section::Tokens, "Tokens", body))
 }
 
-pub async fn page(State(console): State<ConsoleState>, headers: HeaderMap) -> Response {
-    let SignedIn { session, api } = match console.signed_in(&headers) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+pub async fn page(State(console): State<ConsoleState>, signed_in: SignedIn) -> Response {
+    let SignedIn { session, api, .. } = &signed_in;
     // Listing is admin-only in the API: a lesser role sees the API's refusal.
     if let Err(problem) = api.get::<TokenList>("/v1/tokens").await {
-        return console
-            .end_if_refused(&headers, &problem)
-            .unwrap_or_else(|| problem_page(&session, Section::Tokens, &problem));
+        return console.failed(&signed_in, Section::Tokens, &problem);
     }
     let form = MintForm {
         role: "viewer".to_owned(),
         ..MintForm::default()
     };
-    render(&session, &api, StatusCode::OK, html! {}, &form, None).await
+    render(session, api, StatusCode::OK, html! {}, &form, None).await
 }
 
 pub async fn mint(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
-    form: Result<Form<MintForm>, FormRejection>,
+    Change { signed_in, form }: Change<MintForm>,
 ) -> Response {
-    let form = match form {
-        Ok(Form(form)) => form,
-        Err(rejection) => return rejection.into_response(),
-    };
-    let SignedIn { session, api } = match console.signed_in_change(&headers, &form.csrf) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn { session, api, .. } = &signed_in;
     let mut body = serde_json::json!({ "role": form.role.trim(), "name": form.name.trim() });
     if !form.region.trim().is_empty() {
         body["region"] = serde_json::Value::from(form.region.trim());
@@ -168,7 +159,7 @@ pub async fn mint(
                 role: "viewer".to_owned(),
                 ..MintForm::default()
             };
-            let mut response = render(&session, &api, StatusCode::OK, top, &fresh, None).await;
+            let mut response = render(session, api, StatusCode::OK, top, &fresh, None).await;
             response.headers_mut().insert(
                 axum::http::header::CACHE_CONTROL,
                 axum::http::HeaderValue::from_static("no-store"),
@@ -176,12 +167,12 @@ pub async fn mint(
             response
         }
         Err(problem) => {
-            if let Some(redirect) = console.end_if_refused(&headers, &problem) {
+            if let Some(redirect) = console.end_if_refused(&signed_in, &problem) {
                 return redirect;
             }
             render(
-                &session,
-                &api,
+                session,
+                api,
                 problem.status(),
                 html! {},
                 &form,
@@ -194,18 +185,12 @@ pub async fn mint(
 
 pub async fn revoke(
     State(console): State<ConsoleState>,
-    headers: HeaderMap,
     Path(id): Path<String>,
-    form: Result<Form<CsrfForm>, FormRejection>,
+    Change { signed_in, .. }: Change<CsrfForm>,
 ) -> Response {
-    let csrf = match form {
-        Ok(Form(form)) => form.csrf,
-        Err(rejection) => return rejection.into_response(),
-    };
-    let SignedIn { session, api } = match console.signed_in_change(&headers, &csrf) {
-        Ok(signed_in) => signed_in,
-        Err(refused) => return refused.into_response(),
-    };
+    let SignedIn {
+        session: _, api, ..
+    } = &signed_in;
     match api
         .send(
             Method::DELETE,
@@ -215,8 +200,6 @@ pub async fn revoke(
         .await
     {
         Ok(_) => Redirect::to("/console/tokens").into_response(),
-        Err(problem) => console
-            .end_if_refused(&headers, &problem)
-            .unwrap_or_else(|| problem_page(&session, Section::Tokens, &problem)),
+        Err(problem) => console.failed(&signed_in, Section::Tokens, &problem),
     }
 }

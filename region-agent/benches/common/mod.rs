@@ -70,11 +70,16 @@ pub async fn stub_allocator(grants: Arc<AtomicU64>, chunk_tokens: u64) -> String
                 }
             }),
         );
+    serve_on_free_port(app).await
+}
+
+/// Serves `app` on a free loopback port with the agent's own accept loop (so a ceiling served
+/// this way differs from the agent only in its handlers); answers its URL.
+pub async fn serve_on_free_port(app: axum::Router) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
-    // The agent's own accept loop, so the ceiling differs from an admit only in the handler.
     tokio::spawn(allot_net::serve(
         listener,
         app,
@@ -83,6 +88,39 @@ pub async fn stub_allocator(grants: Arc<AtomicU64>, chunk_tokens: u64) -> String
         std::future::pending(),
     ));
     url
+}
+
+/// An Envoy RLS `ShouldRateLimit` call for request `n` (user `n % users`), with the gateway token.
+pub fn rls_request(
+    n: u64,
+    users: u64,
+) -> tonic::Request<allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::RateLimitRequest>
+{
+    use allot_region_agent::grpc::proto::envoy::extensions::common::ratelimit::v3::{
+        RateLimitDescriptor, rate_limit_descriptor::Entry,
+    };
+    use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::RateLimitRequest;
+    let entry = |key: &str, value: String| Entry {
+        key: key.to_owned(),
+        value,
+    };
+    let mut request = tonic::Request::new(RateLimitRequest {
+        domain: "bench".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![
+                entry("tenant", "atlas".to_owned()),
+                entry("user", format!("U-{}", n % users)),
+                entry("route_group", "read".to_owned()),
+            ],
+            hits_addend: None,
+        }],
+        hits_addend: 0,
+    });
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {GATEWAY}").parse().expect("metadata"),
+    );
+    request
 }
 
 pub fn request(n: u64) -> AdmissionRequest {
