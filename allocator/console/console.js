@@ -72,8 +72,29 @@ function startConfirm(form) {
   });
 }
 
+// File inputs with data-load-into="ID" put the chosen file's text into that textarea (the form
+// then posts it like a paste), refusing files larger than the server would take.
+const MAX_LOADED_BYTES = 60 * 1024;
+function startLoadInto(input) {
+  input.addEventListener("change", async () => {
+    const target = document.getElementById(input.getAttribute("data-load-into"));
+    const file = input.files && input.files[0];
+    if (!target || !file) {
+      return;
+    }
+    if (file.size > MAX_LOADED_BYTES) {
+      input.setCustomValidity("this file is larger than 60 KiB; publish it with allotctl");
+      input.reportValidity();
+      return;
+    }
+    input.setCustomValidity("");
+    target.value = await file.text();
+  });
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   document.querySelectorAll("[data-live]").forEach(startLive);
   document.querySelectorAll("[data-copy]").forEach(startCopy);
   document.querySelectorAll("form[data-confirm]").forEach(startConfirm);
+  document.querySelectorAll("input[data-load-into]").forEach(startLoadInto);
 });

@@ -234,6 +234,10 @@ async fn grants_over_http() {
     assert_eq!(view["window"]["remaining"], 900);
     assert_eq!(view["window"]["grantedByRegion"]["eu"], 100);
     assert_eq!(view["window"]["leasesOutstanding"], 1);
+    assert_eq!(
+        view["window"]["leasesOutstandingByRegion"],
+        json!({ "eu": 1 })
+    );
 
     let metrics = server
         .client

@@ -27,9 +27,13 @@ const WIDTH_PX: u32 = 1280;
 const HEIGHT_PX: u32 = 800;
 
 async fn browser(driver: &ChromeDriver) -> Client {
+    browser_with(driver, &[]).await
+}
+
+async fn browser_with(driver: &ChromeDriver, extra_args: &[&str]) -> Client {
     let connector = hyper_util::client::legacy::connect::HttpConnector::new();
     ClientBuilder::new(connector)
-        .capabilities(driver.capabilities(WIDTH_PX, HEIGHT_PX))
+        .capabilities(driver.capabilities_with(WIDTH_PX, HEIGHT_PX, extra_args))
         .connect(&driver.url())
         .await
         .expect("a WebDriver session with headless Chromium")
@@ -283,6 +287,8 @@ async fn operators_use_the_console_in_a_real_browser() {
         .await
         .expect("window rows");
     assert!(!rows.is_empty());
+    let eu_row = text_of(&author, "#regions-now tbody tr").await;
+    assert!(eu_row.starts_with("eu"), "{eu_row}");
     let chart = author.find(Locator::Css("img.chart")).await.expect("chart");
     let chart_src = chart.attr("src").await.expect("src").unwrap_or_default();
     assert!(chart_src.contains("/chart.svg?v="), "{chart_src}");
@@ -293,12 +299,32 @@ async fn operators_use_the_console_in_a_real_browser() {
         .goto(&format!("{base}/console/policies"))
         .await
         .expect("policies");
+    // Chosen as a file: the console's script reads it into the bundle box.
+    let bundle_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/examples/northstar-bundle.json")
+        .canonicalize()
+        .expect("the example bundle");
+    let bundle_path = bundle_path.display().to_string();
     let bundle = include_str!("../../deploy/examples/northstar-bundle.json");
-    let textarea = author
-        .find(Locator::Css("#bundle"))
+    author
+        .find(Locator::Css("#bundle-file"))
         .await
-        .expect("bundle box");
-    textarea.send_keys(bundle).await.expect("paste");
+        .expect("file input")
+        .send_keys(&bundle_path)
+        .await
+        .expect("choose the file");
+    wait_for(&author, "the file in the bundle box", 10, async || {
+        let Ok(textarea) = author.find(Locator::Css("#bundle")).await else {
+            return false;
+        };
+        textarea
+            .prop("value")
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|value| value == bundle)
+    })
+    .await;
     fill(&author, "#canary", "eu").await;
     submit(&author, "form[action='/console/policies/publish']").await;
     wait_for(&author, "a promote button", 10, async || {
@@ -381,6 +407,26 @@ async fn operators_use_the_console_in_a_real_browser() {
     let (scroll, inner) = (widths[0].as_u64(), widths[1].as_u64());
     assert!(scroll.is_some() && scroll <= inner, "{widths}");
     screenshot(&viewer, "pools-phone").await;
+
+    // Dark: a browser that prefers dark colours gets a dark page.
+    let dark = browser_with(&driver, &["--force-dark-mode"]).await;
+    sign_in(&dark, &base, &viewer_token).await;
+    let background = dark
+        .execute(
+            "return getComputedStyle(document.body).backgroundColor;",
+            Vec::new(),
+        )
+        .await
+        .expect("background");
+    assert_eq!(
+        background, "rgb(17, 20, 24)",
+        "the dark palette's background"
+    );
+    dark.goto(&format!("{base}/console/pools/drill/api"))
+        .await
+        .expect("pool");
+    screenshot(&dark, "pool-dark").await;
+    let _ = dark.close().await;
 
     // A form on another site posting to the console (the admin is signed in) changes nothing.
     let (evil, evil_server) = serve_forgery(base.clone()).await;

@@ -43,6 +43,9 @@ fn publish_form(
         h2 { "Publish a bundle" }
         form.stack method="post" action="/console/policies/publish" {
             (csrf_field(session))
+            label for="bundle-file" { "Bundle file" }
+            input id="bundle-file" type="file" accept=".json,application/json" data-load-into="bundle";
+            p.hint { "or paste it below" }
             label for="bundle" { "Bundle (JSON)" }
             textarea id="bundle" name="bundle" spellcheck="false" aria-invalid=[invalid.then_some("true")]
                 aria-describedby=[invalid.then_some("bundle-error")] { (text) }

@@ -512,13 +512,19 @@ async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
         @if current.is_some() {
             h2 { "This window, by region" }
             table id="regions-now" {
-                thead { tr { th { "Region" } th.num { "Granted" } th.num { "Admitted" } th.num { "of which in fallback" } } }
+                thead { tr {
+                    th { "Region" } th.num { "Leases outstanding" } th.num { "Granted" } th.num { "Admitted" }
+                    th.num { "of which in fallback" }
+                } }
                 tbody {
-                    @for (region, granted, admitted, fallback) in &by_region {
-                        tr { td { (region) } td.num { (granted) } td.num { (admitted) } td.num { (fallback) } }
+                    @for now in &by_region {
+                        tr {
+                            td { (now.region) } td.num { (now.leases) } td.num { (now.granted_tokens) }
+                            td.num { (now.admitted_tokens) } td.num { (now.fallback_tokens) }
+                        }
                     }
                     @if by_region.is_empty() {
-                        tr { td.muted colspan="4" { "no grants yet in this window" } }
+                        tr { td.muted colspan="5" { "no grants yet in this window" } }
                     }
                 }
             }
@@ -555,12 +561,22 @@ async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
     }
 }
 
-/// Per region of the current window: granted, admitted, and admitted in fallback (the ledger's
-/// newest row, when it is this window's).
+/// One region in the current window.
+struct RegionNow {
+    region: allot_shared::ids::RegionId,
+    /// Its leases that have not expired.
+    leases: u64,
+    granted_tokens: u64,
+    admitted_tokens: u64,
+    fallback_tokens: u64,
+}
+
+/// Per region of the current window: leases outstanding, granted, admitted, and admitted in
+/// fallback (the ledger's newest row, when it is this window's).
 fn this_window_by_region(
     current: Option<&crate::http::LiveWindow>,
     newest: Option<&WindowRow>,
-) -> Vec<(allot_shared::ids::RegionId, u64, u64, u64)> {
+) -> Vec<RegionNow> {
     let Some(window) = current else {
         return Vec::new();
     };
@@ -568,6 +584,7 @@ fn this_window_by_region(
     let mut regions: Vec<_> = window
         .granted_tokens_by_region
         .keys()
+        .chain(window.leases_outstanding_by_region.keys())
         .chain(
             row.into_iter()
                 .flat_map(|r| r.admitted_tokens_by_region.keys()),
@@ -584,11 +601,12 @@ fn this_window_by_region(
     }
     regions
         .into_iter()
-        .map(|region| {
-            let granted = of(Some(&window.granted_tokens_by_region), &region);
-            let admitted = of(row.map(|r| &r.admitted_tokens_by_region), &region);
-            let fallback = of(row.map(|r| &r.fallback_admitted_tokens_by_region), &region);
-            (region, granted, admitted, fallback)
+        .map(|region| RegionNow {
+            leases: of(Some(&window.leases_outstanding_by_region), &region),
+            granted_tokens: of(Some(&window.granted_tokens_by_region), &region),
+            admitted_tokens: of(row.map(|r| &r.admitted_tokens_by_region), &region),
+            fallback_tokens: of(row.map(|r| &r.fallback_admitted_tokens_by_region), &region),
+            region,
         })
         .collect()
 }

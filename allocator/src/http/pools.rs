@@ -55,6 +55,9 @@ pub struct LiveWindow {
     pub granted_tokens_by_region: std::collections::BTreeMap<RegionId, u64>,
     /// Leases of this window that have not expired.
     pub leases_outstanding: u64,
+    /// The same, per region.
+    #[serde(default)]
+    pub leases_outstanding_by_region: std::collections::BTreeMap<RegionId, u64>,
 }
 
 /// `GET /v1/pools` answer.
@@ -139,11 +142,15 @@ pub async fn get_pool(
         .map(|(w, _)| w)
         .filter(|w| w.window == current)
         .unwrap_or_else(|| allot_shared::lease::PoolWindowState::fresh(current));
-    let leases_outstanding = pools::list_grants(kv, &tenant, &pool)
-        .await?
-        .iter()
-        .filter(|g| g.window_start_ms == current.start_ms && g.expires_at_ms > now_ms)
-        .count() as u64;
+    let mut leases_outstanding_by_region = std::collections::BTreeMap::new();
+    for grant in pools::list_grants(kv, &tenant, &pool).await? {
+        if grant.window_start_ms == current.start_ms && grant.expires_at_ms > now_ms {
+            *leases_outstanding_by_region
+                .entry(grant.region)
+                .or_insert(0u64) += 1;
+        }
+    }
+    let leases_outstanding = leases_outstanding_by_region.values().sum();
     let mut answer = view(tenant, pool, stored);
     answer.window = Some(LiveWindow {
         window_start_ms: current.start_ms,
@@ -151,6 +158,7 @@ pub async fn get_pool(
         remaining_tokens: window.remaining_tokens(&config),
         granted_tokens_by_region: window.granted_by_region,
         leases_outstanding,
+        leases_outstanding_by_region,
     });
     Ok(json_response(StatusCode::OK, &answer))
 }

@@ -79,6 +79,17 @@ impl ChromeDriver {
         width: u32,
         height: u32,
     ) -> serde_json::Map<String, serde_json::Value> {
+        self.capabilities_with(width, height, &[])
+    }
+
+    /// [`ChromeDriver::capabilities`] with more Chromium switches (say `--force-dark-mode`).
+    #[must_use]
+    pub fn capabilities_with(
+        &self,
+        width: u32,
+        height: u32,
+        extra_args: &[&str],
+    ) -> serde_json::Map<String, serde_json::Value> {
         let profile = self.dir.path().join(format!("profile-{}", next_profile()));
         let options = serde_json::json!({
             "binary": self.chromium.display().to_string(),
@@ -93,6 +104,10 @@ impl ChromeDriver {
                 format!("--user-data-dir={}", profile.display()),
             ],
         });
+        let mut options = options;
+        if let Some(args) = options["args"].as_array_mut() {
+            args.extend(extra_args.iter().map(|arg| serde_json::Value::from(*arg)));
+        }
         let mut capabilities = serde_json::Map::new();
         capabilities.insert("browserName".to_owned(), "chrome".into());
         capabilities.insert("goog:chromeOptions".to_owned(), options);
