@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use crate::auth::{TokenBook, Tokens};
 use crate::clock::{Clock, SystemClock};
 use crate::grants::{CommittedGrants, Grantor};
-use crate::http::{ApiState, router};
+use crate::http::ApiState;
 use crate::kv::Kv;
 use crate::kv::etcd::EtcdKv;
 use crate::kv::memory::MemoryKv;
@@ -447,8 +447,6 @@ pub async fn run(
         tokens,
         ledger,
         status_leases: Arc::default(),
-        console_sessions: Arc::default(),
-        serves_tls: settings.tls.is_some(),
     };
     tracing::info!(listen = %settings.listen, node = %settings.node_id, "allocator serving");
     let acceptor = settings
@@ -459,7 +457,7 @@ pub async fn run(
         .map_err(std::io::Error::other)?;
     let served = allot_net::serve(
         listener,
-        router(state),
+        listener_routes(state, settings.tls.is_some()),
         acceptor,
         allot_net::ServeLimits::default(),
         shutdown,
@@ -478,4 +476,20 @@ pub async fn run(
 /// The production clock.
 pub fn system_clock() -> Arc<dyn Clock> {
     Arc::new(SystemClock)
+}
+
+/// Everything the listener serves, within its bounds: the API and the operator console, which
+/// calls the API's routes in-process as the signed-in operator.
+fn listener_routes(state: ApiState, serves_tls: bool) -> axum::Router {
+    let console = crate::console::router(crate::console::ConsoleState {
+        api: crate::http::routes(state.clone()),
+        tokens: state.tokens.clone(),
+        sessions: Arc::default(),
+        clock: state.clock.clone(),
+        secure_cookies: serves_tls,
+    });
+    allot_net::bounded_router(
+        crate::http::routes(state).merge(console),
+        crate::http::listener_limits(),
+    )
 }

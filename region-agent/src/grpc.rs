@@ -17,7 +17,7 @@
 //!
 //! - The cost is the descriptor's `hits_addend`, else the request's `hits_addend` when non-zero, else 1
 //!   (a cost must be in `[1, 2^30]`; a descriptor `hits_addend` of 0 is invalid).
-//! - The request id is a fresh random [`DecisionId`] per descriptor: Envoy's calls carry no stable id,
+//! - The request id is a fresh random [`DecisionId`](allot_shared::ids::DecisionId) per descriptor: Envoy's calls carry no stable id,
 //!   so an RLS decision is never idempotent across Envoy retries.
 //! - `domain` is not used for matching (the `tenant` entry is); it is only bounded.
 //! - Every descriptor is validated before any is decided; a missing or repeated entry, an invalid
@@ -56,11 +56,12 @@
 
 use std::sync::Arc;
 
-use allot_shared::contract::{AdmissionRequest, Decision, Principal, PrincipalType, Reason};
-use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+use allot_shared::contract::{AdmissionRequest, Decision, PrincipalType, Reason};
 use allot_shared::policy::PolicyBundle;
 use tonic::{Request, Response, Status};
 
+pub use crate::envoy::{DEFAULT_METHOD, MAX_ENTRIES, MAX_ENTRY_BYTES, MAX_MESSAGE_BYTES};
+use crate::envoy::{authorize_gateway, request_from_entries};
 use crate::http::{AgentApi, MAX_CONCURRENT_REQUESTS, REQUEST_TIMEOUT};
 use crate::service::Agent;
 
@@ -117,16 +118,8 @@ use proto::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 
 /// Most descriptors in one call (I10).
 pub const MAX_DESCRIPTORS: usize = 16;
-/// Most entries in one descriptor (I10).
-pub const MAX_ENTRIES: usize = 16;
-/// Longest entry key or value, and longest domain, in bytes (I10).
-pub const MAX_ENTRY_BYTES: usize = 256;
-/// Largest request message, in bytes.
-pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 /// The response header naming the first descriptor's decision.
 pub const DECISION_ID_HEADER: &str = "x-allot-decision-id";
-/// `method` when a descriptor has none.
-pub const DEFAULT_METHOD: &str = "UNKNOWN";
 
 /// The RLS implementation over an agent.
 #[derive(Clone)]
@@ -152,32 +145,8 @@ impl RateLimitApi {
     }
 }
 
-/// Checks a gRPC call's `authorization: Bearer <gateway token>` metadata (RLS and RLQS alike).
-pub(crate) fn authorize_gateway<T>(tokens: &[String], request: &Request<T>) -> Result<(), Status> {
-    let token = request
-        .metadata()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .unwrap_or_default();
-    if crate::http::token_known(tokens, token) {
-        Ok(())
-    } else {
-        Err(Status::unauthenticated(
-            "send metadata authorization: Bearer <gateway token>",
-        ))
-    }
-}
-
 fn invalid(index: usize, key: &str, message: impl std::fmt::Display) -> Status {
     Status::invalid_argument(format!("descriptors[{index}].{key}: {message}"))
-}
-
-fn fresh_decision_id() -> DecisionId {
-    // `rls-` and 32 hex digits: 36 characters of [a-z0-9-], always a valid decision id.
-    DecisionId::parse(&format!("rls-{:032x}", rand::random::<u128>()))
-        .expect("a fixed-shape decision id is valid")
 }
 
 /// Turns one descriptor into an admission request, or says which entry is wrong.
@@ -200,78 +169,6 @@ pub fn admission_request(
         cost_hint,
         &|key, message| invalid(index, key, message),
     )
-}
-
-/// An admission request from Envoy's key/value entries (a rate limit descriptor's, or a quota
-/// bucket id's), mapped as the module docs say; `fail(key, message)` is the error naming the entry
-/// at fault (a cost hint out of range is named `hits_addend`).
-pub(crate) fn request_from_entries<'e>(
-    entries: impl Iterator<Item = (&'e str, &'e str)>,
-    entry_count: usize,
-    cost_hint: u64,
-    fail: &dyn Fn(&str, &dyn std::fmt::Display) -> Status,
-) -> Result<AdmissionRequest, Status> {
-    if entry_count > MAX_ENTRIES {
-        return Err(fail(
-            "entries",
-            &format_args!("at most {MAX_ENTRIES} entries"),
-        ));
-    }
-    let mut tenant = None;
-    let mut principal = None;
-    let mut route_group = None;
-    let mut method = None;
-    for (key, value) in entries {
-        if key.len() > MAX_ENTRY_BYTES || value.len() > MAX_ENTRY_BYTES {
-            return Err(fail(
-                "entries",
-                &format_args!("keys and values are at most {MAX_ENTRY_BYTES} bytes"),
-            ));
-        }
-        let slot_taken = match key {
-            "tenant" => tenant.replace(value).is_some(),
-            "user" => principal.replace((PrincipalType::User, value)).is_some(),
-            "api_key" => principal.replace((PrincipalType::ApiKey, value)).is_some(),
-            "remote_address" => principal.replace((PrincipalType::Ip, value)).is_some(),
-            "route_group" => route_group.replace(value).is_some(),
-            "method" => method.replace(value).is_some(),
-            _ => false,
-        };
-        if slot_taken {
-            return Err(fail(
-                key,
-                &"given twice (or more than one of user, api_key, remote_address)",
-            ));
-        }
-    }
-    let tenant = tenant.ok_or_else(|| fail("tenant", &"missing"))?;
-    let tenant_id = TenantId::parse(tenant).map_err(|e| fail("tenant", &e))?;
-    let (kind, id) =
-        principal.ok_or_else(|| fail("user", &"missing one of user, api_key, remote_address"))?;
-    let route_group = route_group.ok_or_else(|| fail("route_group", &"missing"))?;
-    let route_group = RouteGroup::parse(route_group).map_err(|e| fail("route_group", &e))?;
-    let request = AdmissionRequest {
-        request_id: fresh_decision_id(),
-        tenant_id,
-        principal: Principal {
-            kind,
-            id: id.to_owned(),
-            api_key_id: None,
-        },
-        route_group,
-        method: method.unwrap_or(DEFAULT_METHOD).to_owned(),
-        cost_hint,
-        policy_epoch: None,
-    };
-    request.validate().map_err(|e| {
-        let key = match e.field.as_str() {
-            "principal.id" => "user",
-            "costHint" => "hits_addend",
-            other => other,
-        };
-        fail(key, &e.message)
-    })?;
-    Ok(request)
 }
 
 fn duration_ms(ms: i64) -> prost_types::Duration {

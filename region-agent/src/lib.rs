@@ -28,6 +28,7 @@ pub mod allocator_client;
 pub mod clock;
 pub mod config;
 pub mod decision_log;
+pub mod envoy;
 pub mod global;
 pub mod grpc;
 pub mod http;

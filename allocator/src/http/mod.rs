@@ -54,6 +54,15 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// Most requests served at once; more wait in the listener's backlog.
 pub const MAX_CONCURRENT_REQUESTS: usize = 1_024;
 
+/// The bounds of the allocator's listener, for everything it serves (I10).
+pub fn listener_limits() -> allot_net::RouterLimits {
+    allot_net::RouterLimits {
+        max_body_bytes: MAX_BODY_BYTES,
+        max_concurrent_requests: MAX_CONCURRENT_REQUESTS,
+        request_timeout: REQUEST_TIMEOUT,
+    }
+}
+
 /// What the handlers share.
 #[derive(Clone)]
 pub struct ApiState {
@@ -71,34 +80,12 @@ pub struct ApiState {
     pub ledger: Ledger,
     /// The store lease agent status keys are written with.
     pub status_leases: Arc<crate::policies::StatusLeases>,
-    /// The operator console's signed-in sessions.
-    pub console_sessions: Arc<crate::console::session::Sessions>,
-    /// Whether the listener serves TLS (the console then marks its cookie `Secure`).
-    pub serves_tls: bool,
 }
 
-/// The API and the operator console on one router, with the listener's bounds.
-pub fn router(state: ApiState) -> Router {
-    let console = crate::console::router(crate::console::ConsoleState {
-        api: api_routes(state.clone()),
-        tokens: state.tokens.clone(),
-        sessions: state.console_sessions.clone(),
-        clock: state.clock.clone(),
-        secure_cookies: state.serves_tls,
-    });
-    allot_net::bounded_router(
-        api_routes(state).merge(console),
-        allot_net::RouterLimits {
-            max_body_bytes: MAX_BODY_BYTES,
-            max_concurrent_requests: MAX_CONCURRENT_REQUESTS,
-            request_timeout: REQUEST_TIMEOUT,
-        },
-    )
-}
-
-/// The API's routes without the listener's bounds: the console calls them in-process from within
-/// a request those bounds already cover.
-fn api_routes(state: ApiState) -> Router {
+/// The API's routes, without the listener's bounds ([`listener_limits`]): the listener applies
+/// them once around the API and the console, and the console calls these routes in-process from
+/// within a request they already cover.
+pub fn routes(state: ApiState) -> Router {
     Router::new()
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))

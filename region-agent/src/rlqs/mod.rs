@@ -49,7 +49,7 @@
 //! # Bounds
 //! [`MAX_STREAMS`] streams at once (more are refused `RESOURCE_EXHAUSTED`), [`MAX_BUCKETS_PER_STREAM`]
 //! buckets a stream, [`MAX_USAGES_PER_MESSAGE`] usages a message, messages of
-//! [`crate::grpc::MAX_MESSAGE_BYTES`]; a gateway that does not read its assignments for
+//! [`crate::envoy::MAX_MESSAGE_BYTES`]; a gateway that does not read its assignments for
 //! [`SEND_TIMEOUT`] is disconnected. Authentication is the gateway bearer token in metadata, as for
 //! RLS.
 
@@ -62,6 +62,7 @@ use allot_shared::contract::AdmissionRequest;
 use tokio::sync::{Semaphore, mpsc};
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::envoy::{MAX_ENTRY_BYTES, request_from_entries};
 pub use crate::global::sublease::{
     ASSIGNMENT_TTL_MS, DELIVERY_MARGIN_MS, MAX_DENY_TTL_MS, MAX_SETTLE_GRACE_MS,
     MIN_ASSIGNMENT_TTL_MS, MIN_DENY_TTL_MS, MIN_SETTLE_GRACE_MS, RENEW_AT_PERCENT,
@@ -71,7 +72,6 @@ use crate::global::sublease::{
     BucketStrategy, Demand, Settlement, admissible_until_replaced, assignment_ttl_ms, deny_ttl_ms,
     renewal_due, settlement, wanted_requests,
 };
-use crate::grpc::{MAX_ENTRY_BYTES, request_from_entries};
 use crate::http::AgentApi;
 use crate::service::Agent;
 use crate::service::subleases::{Carve, CarveAsk, Carving};
@@ -157,7 +157,7 @@ impl RateLimitQuotaApi {
     /// The tonic service.
     pub fn into_server(self) -> RateLimitQuotaServiceServer<Self> {
         RateLimitQuotaServiceServer::new(self)
-            .max_decoding_message_size(crate::grpc::MAX_MESSAGE_BYTES)
+            .max_decoding_message_size(crate::envoy::MAX_MESSAGE_BYTES)
     }
 }
 
@@ -172,7 +172,7 @@ impl RateLimitQuotaService for RateLimitQuotaApi {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
-        crate::grpc::authorize_gateway(&self.gateway_tokens, &request)?;
+        crate::envoy::authorize_gateway(&self.gateway_tokens, &request)?;
         let permit = self.streams.clone().try_acquire_owned().map_err(|_| {
             Status::resource_exhausted(format!("at most {MAX_STREAMS} RLQS streams at once"))
         })?;
