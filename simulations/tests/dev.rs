@@ -69,3 +69,84 @@ async fn allot_dev_serves_and_stops() {
         .expect("stops in time");
     assert!(finished.expect("task").is_ok());
 }
+
+/// The banner a newcomer reads: the console's address answers (with its sign-in page), and the
+/// `allotctl` command it prints runs as printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_banner_names_a_console_and_an_allotctl_that_work() {
+    use std::io::BufRead as _;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let base = free_base_port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_allot"))
+        .args(["dev", "--port", &base.to_string(), "--data-dir"])
+        .arg(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("allot dev starts");
+    let stdout = child.stdout.take().expect("stdout");
+    let (lines_out, lines) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if lines_out.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut banner = Vec::new();
+    while let Ok(line) = lines.recv_timeout(Duration::from_secs(30)) {
+        let done = line.contains("allotctl") && line.contains("windows atlas api");
+        banner.push(line);
+        if done {
+            break;
+        }
+    }
+    let text = banner.join("\n");
+    let console_url = format!("http://127.0.0.1:{base}/console/");
+    assert!(
+        text.contains(&format!("console    {console_url}")),
+        "{text}"
+    );
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("client");
+    let console = client.get(&console_url).send().await.expect("console");
+    assert_eq!(console.status(), 303, "signed out: to the sign-in page");
+    let sign_in = client
+        .get(format!("{console_url}sign-in"))
+        .send()
+        .await
+        .expect("sign-in page");
+    assert_eq!(sign_in.status(), 200);
+
+    let command_line = banner
+        .iter()
+        .find(|line| line.contains("windows atlas api"))
+        .expect("an allotctl line");
+    let words: Vec<&str> = command_line.split_whitespace().collect();
+    if std::path::Path::new(words[0]).is_file() {
+        let output = std::process::Command::new(words[0])
+            .args(&words[1..])
+            .output()
+            .expect("allotctl runs");
+        assert!(
+            output.status.success(),
+            "{command_line}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    } else {
+        assert!(
+            command_line
+                .trim_start()
+                .starts_with("cargo run -q -p allot-allocator --bin allotctl --"),
+            "without a built allotctl the banner says how to run one: {command_line}"
+        );
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -22,6 +22,7 @@ use allot_shared::limit::concurrency::SemaphoreState;
 use allot_shared::limit::multi::{MultiRuleError, RuleInput, State, decide_all};
 use allot_shared::{MAX_CAPACITY_TIMES_PERIOD, MAX_RULE_PARAMETER};
 use proptest::prelude::*;
+use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 use super::harness::{FUTURE_BASE_MS, Subject, decision_id, rule_key, tenant};
@@ -705,6 +706,24 @@ fn check_decisions(redis: &Subject, runtime: &tokio::runtime::Runtime, cases: u3
     if let Err(failure) = result {
         panic!("{failure}");
     }
+    // The rarest outcome, a replayed record, needs an admitted request with a record and a retry
+    // of its id within the record's life: one fixed case reaches it whatever the random cases drew
+    // (a draw of (5, 0) costs at most an eighth of any rule's capacity, so a fresh key admits it).
+    let any_pool = pool().new_tree(&mut runner(1)).expect("a pool").current();
+    let request = |repeat_id| Step::Request {
+        rules: vec![(0, (5, 0))],
+        repeat_id,
+        record_ttl_ms: 30_000,
+    };
+    let retried = vec![(0, request(None)), (10, request(Some(0)))];
+    let replays_before = tally.borrow().replayed_records;
+    if let Err(failure) = runtime.block_on(run_decisions(&tally, redis, 0, any_pool, retried)) {
+        panic!("the retried case: {failure}");
+    }
+    assert!(
+        tally.borrow().replayed_records > replays_before,
+        "the retried case replayed its record"
+    );
     tally.borrow().assert_every_outcome_was_reached();
 }
 
