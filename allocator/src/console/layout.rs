@@ -96,19 +96,27 @@ const SECTIONS: [(Section, &str, &str, OperatorRole); 5] = [
     ),
 ];
 
+/// Every page's head: `title`, the stylesheet, and for a signed-in page (`csrf` given) its CSRF
+/// token and the console's script.
+pub fn head(title: &str, csrf: Option<&str>) -> Markup {
+    html! {
+        head {
+            meta charset="utf-8";
+            meta name="viewport" content="width=device-width, initial-scale=1";
+            @if let Some(csrf) = csrf { meta name="csrf-token" content=(csrf); }
+            title { (title) " · Allot" }
+            link rel="stylesheet" href="/console/assets/console.css";
+            @if csrf.is_some() { script src="/console/assets/console.js" defer {} }
+        }
+    }
+}
+
 /// A whole page: `title`, the navigation for `session`'s role, and `body`.
 pub fn page(session: &Session, section: Section, title: &str, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                meta name="csrf-token" content=(session.csrf);
-                title { (title) " · Allot" }
-                link rel="stylesheet" href="/console/assets/console.css";
-                script src="/console/assets/console.js" defer {}
-            }
+            (head(title, Some(&session.csrf)))
             body {
                 header.top {
                     a.brand href="/console/pools" { "Allot" }
@@ -139,12 +147,7 @@ pub fn sign_in_page(problem: Option<&str>) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { "Sign in · Allot" }
-                link rel="stylesheet" href="/console/assets/console.css";
-            }
+            (head("Sign in", None))
             body.signin {
                 main id="main" {
                     h1 { "Allot console" }

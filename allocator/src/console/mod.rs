@@ -287,7 +287,7 @@ fn forbidden(detail: &str) -> Response {
         maud::html! {
             (maud::DOCTYPE)
             html lang="en" {
-                head { meta charset="utf-8"; title { "Refused · Allot" } link rel="stylesheet" href="/console/assets/console.css"; }
+                (layout::head("Refused", None))
                 body { main id="main" { h1 { "Refused" } p.problem role="alert" { (detail) } p { a href="/console/" { "Back to the console" } } } }
             }
         },

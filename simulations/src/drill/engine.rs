@@ -657,6 +657,20 @@ struct Step<'a> {
 }
 
 impl Step<'_> {
+    /// Hands over the allocator's answer in flight once it has arrived; a call past its deadline
+    /// is handed over as a lost answer (the agent's call timed out).
+    fn deliver_due_answer(&mut self) -> Result<(), DrillError> {
+        let Some(f) = self.held.in_flight else {
+            return Ok(());
+        };
+        if f.deliver_at_ms <= self.now_ms {
+            self.deliver(f)?;
+        } else if f.gives_up_at_ms <= self.now_ms {
+            self.deliver(InFlight { answer: None, ..f })?;
+        }
+        Ok(())
+    }
+
     /// Serves `arrivals` requests; returns whether any decision was abnormal (fallback, waiting
     /// for or lacking a grant): the terms looked up, an answer that arrived handed over, each
     /// request served, then the report and the strands of the tick.
@@ -667,14 +681,7 @@ impl Step<'_> {
         report_due: bool,
     ) -> Result<bool, DrillError> {
         self.look_up_terms(config);
-        if let Some(f) = self.held.in_flight {
-            if f.deliver_at_ms <= self.now_ms {
-                self.deliver(f)?;
-            } else if f.gives_up_at_ms <= self.now_ms {
-                // The agent's call timed out: as a lost answer.
-                self.deliver(InFlight { answer: None, ..f })?;
-            }
-        }
+        self.deliver_due_answer()?;
         if self.held.holder.is_none() {
             let record = self.checker.record(self.tenant, self.region_index);
             record.demand += arrivals;
@@ -707,13 +714,7 @@ impl Step<'_> {
         plan: GatewayPlan,
     ) -> Result<bool, DrillError> {
         self.look_up_terms(config);
-        if let Some(f) = self.held.in_flight {
-            if f.deliver_at_ms <= self.now_ms {
-                self.deliver(f)?;
-            } else if f.gives_up_at_ms <= self.now_ms {
-                self.deliver(InFlight { answer: None, ..f })?;
-            }
-        }
+        self.deliver_due_answer()?;
         let gateways = self.held.gateways.get_or_insert_with(|| {
             Gateways::new(plan.per_region, plan.report_interval_ms, self.agent_now_ms)
         });
