@@ -94,6 +94,11 @@ impl Api {
         self.call(method, path, Some(json)).await
     }
 
+    /// `method path` without a body (a deletion, a promotion); the answer's body, if any.
+    pub async fn act(&self, method: Method, path: &str) -> Result<Vec<u8>, ApiProblem> {
+        self.call(method, path, None).await
+    }
+
     /// `method path` with a raw JSON body (a pasted bundle goes to the API as typed).
     pub async fn send_raw(
         &self,

@@ -298,11 +298,9 @@ pub async fn promote(
     Path(version): Path<String>,
     Change { signed_in, .. }: Change<CsrfForm>,
 ) -> Response {
-    let SignedIn {
-        session: _, api, ..
-    } = &signed_in;
+    let SignedIn { api, .. } = &signed_in;
     let path = format!("/v1/policies/{}/promote", query_escape(version.trim()));
-    match api.send(Method::POST, &path, &serde_json::json!({})).await {
+    match api.act(Method::POST, &path).await {
         Ok(_) => Redirect::to("/console/policies").into_response(),
         Err(problem) => console.failed(&signed_in, Section::Policies, &problem),
     }

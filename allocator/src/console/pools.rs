@@ -424,11 +424,9 @@ pub async fn delete(
     Path((tenant, pool)): Path<(String, String)>,
     Change { signed_in, .. }: Change<CsrfForm>,
 ) -> Response {
-    let SignedIn {
-        session: _, api, ..
-    } = &signed_in;
+    let SignedIn { api, .. } = &signed_in;
     let path = api_pool_path(&tenant, &pool);
-    match api.send(Method::DELETE, &path, &Value::Null).await {
+    match api.act(Method::DELETE, &path).await {
         Ok(_) => Redirect::to("/console/pools").into_response(),
         Err(problem) => console.failed(&signed_in, Section::Pools, &problem),
     }

@@ -188,15 +188,9 @@ pub async fn revoke(
     Path(id): Path<String>,
     Change { signed_in, .. }: Change<CsrfForm>,
 ) -> Response {
-    let SignedIn {
-        session: _, api, ..
-    } = &signed_in;
+    let SignedIn { api, .. } = &signed_in;
     match api
-        .send(
-            Method::DELETE,
-            &format!("/v1/tokens/{}", query_escape(&id)),
-            &serde_json::Value::Null,
-        )
+        .act(Method::DELETE, &format!("/v1/tokens/{}", query_escape(&id)))
         .await
     {
         Ok(_) => Redirect::to("/console/tokens").into_response(),
