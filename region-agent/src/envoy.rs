@@ -99,6 +99,7 @@ pub fn request_from_entries<'e>(
         method: method.unwrap_or(DEFAULT_METHOD).to_owned(),
         cost_hint,
         policy_epoch: None,
+        dry_run: false,
     };
     request.validate().map_err(|e| {
         let key = match e.field.as_str() {

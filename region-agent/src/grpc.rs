@@ -16,7 +16,12 @@
 //! | any other key | ignored | lets one Envoy action list feed several services |
 //!
 //! - The cost is the descriptor's `hits_addend`, else the request's `hits_addend` when non-zero, else 1
-//!   (a cost must be in `[1, 2^30]`; a descriptor `hits_addend` of 0 is invalid).
+//!   (a cost must be in `[1, 2^30]`).
+//! - A descriptor `hits_addend` of **0** is a *dry run* (the admission API's `dryRun`): the descriptor
+//!   is decided at cost 1 and answered as usual, but nothing is spent anywhere. It asks "would one
+//!   more be admitted, and how much is left?" without using any of it. (The request-level
+//!   `hits_addend` cannot say this: proto3 cannot tell an explicit 0 from an unset field, and Envoy
+//!   sends 0 for "1".)
 //! - The request id is a fresh random [`DecisionId`](allot_shared::ids::DecisionId) per descriptor: Envoy's calls carry no stable id,
 //!   so an RLS decision is never idempotent across Envoy retries.
 //! - `domain` is not used for matching (the `tenant` entry is); it is only bounded.
@@ -155,12 +160,13 @@ pub fn admission_request(
     descriptor: &RateLimitDescriptor,
     request_hits: u32,
 ) -> Result<AdmissionRequest, Status> {
-    let cost_hint = match descriptor.hits_addend {
-        Some(hits) => hits,
-        None if request_hits > 0 => u64::from(request_hits),
-        None => 1,
+    let (cost_hint, dry_run) = match descriptor.hits_addend {
+        Some(0) => (1, true),
+        Some(hits) => (hits, false),
+        None if request_hits > 0 => (u64::from(request_hits), false),
+        None => (1, false),
     };
-    request_from_entries(
+    let mut request = request_from_entries(
         descriptor
             .entries
             .iter()
@@ -168,7 +174,9 @@ pub fn admission_request(
         descriptor.entries.len(),
         cost_hint,
         &|key, message| invalid(index, key, message),
-    )
+    )?;
+    request.dry_run = dry_run;
+    Ok(request)
 }
 
 fn duration_ms(ms: i64) -> prost_types::Duration {
@@ -190,8 +198,8 @@ fn is_outage(decision: &Decision) -> bool {
 
 /// The status Envoy gets for one decision (outages are answered before this, as `UNAVAILABLE`).
 /// The limit and what is left are shown only when `bundle` says the caller may see the rule the
-/// decision names ([`crate::visibility::caller_view`]): never a tenant-wide or shared limit, even
-/// when it was only the most constraining rule of an admission.
+/// decision names ([`crate::visibility::caller_view`]): never a tenant-wide or shared limit the rule
+/// does not expose, even when it was only the most constraining rule of an admission.
 pub fn descriptor_status(
     bundle: Option<&PolicyBundle>,
     kind: PrincipalType,
@@ -205,12 +213,12 @@ pub fn descriptor_status(
     let view = bundle.and_then(|bundle| crate::visibility::caller_view(bundle, kind, decision));
     DescriptorStatus {
         code: code as i32,
-        current_limit: view.as_ref().map(|(_, view)| RateLimit {
+        current_limit: view.as_ref().map(|view| RateLimit {
             name: view.policy_name.clone(),
             requests_per_unit: u32::try_from(view.quota_units).unwrap_or(u32::MAX),
             unit: Unit::Unknown as i32,
         }),
-        limit_remaining: view.as_ref().map_or(0, |(_, view)| {
+        limit_remaining: view.as_ref().map_or(0, |view| {
             u32::try_from(view.remaining_units).unwrap_or(u32::MAX)
         }),
         duration_until_reset: Some(duration_ms(if decision.allowed {

@@ -240,8 +240,8 @@ fn rate_limit_headers(
     decision: &allot_shared::contract::Decision,
 ) -> Option<(String, String)> {
     let bundle = api.agent.bundle()?;
-    let (scope, view) = crate::visibility::caller_view(&bundle, request.principal.kind, decision)?;
-    rate_limit_fields(request.principal.kind, scope, &view)
+    let view = crate::visibility::caller_view(&bundle, request.principal.kind, decision)?;
+    Some(rate_limit_fields(&view))
 }
 
 async fn release(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {

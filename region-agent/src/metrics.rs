@@ -8,6 +8,11 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Decisions by `outcome` (allowed, denied), `scope`, `reason`, `rule` and `policy_version`.
 pub const DECISIONS: &str = "allot_agent_decisions_total";
+/// Dry runs (`dryRun`, an RLS `hits_addend` of 0: checks that spend nothing) by `outcome`
+/// (allowed, denied); not counted in [`DECISIONS`].
+pub const DRY_RUNS: &str = "allot_agent_dry_runs_total";
+/// Quota reads (`GET /v1/quota`) by `outcome` (answered, refused).
+pub const QUOTA_READS: &str = "allot_agent_quota_reads_total";
 /// Requests admitted from a pool's fallback allowance, by `tenant` and `pool`.
 pub const FALLBACK_ADMITS: &str = "allot_agent_fallback_admits_total";
 /// Lease renewals by `outcome` (granted, partial, exhausted, stale_epoch, expired, failed).

@@ -23,6 +23,7 @@ fn export(n: usize, cost: u64) -> AdmissionRequest {
         method: "POST".to_owned(),
         cost_hint: cost,
         policy_epoch: None,
+        dry_run: false,
     }
 }
 

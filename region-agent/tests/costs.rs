@@ -35,6 +35,7 @@ fn request(n: u64, route: &str, cost_hint: u64) -> AdmissionRequest {
         method: "POST".to_owned(),
         cost_hint,
         policy_epoch: None,
+        dry_run: false,
     }
 }
 

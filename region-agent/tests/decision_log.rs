@@ -26,6 +26,7 @@ fn request(n: usize) -> AdmissionRequest {
         method: "GET".to_owned(),
         cost_hint: 1,
         policy_epoch: None,
+        dry_run: false,
     }
 }
 

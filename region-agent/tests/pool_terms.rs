@@ -114,6 +114,7 @@ fn request(n: u64) -> AdmissionRequest {
         method: "GET".to_owned(),
         cost_hint: 1,
         policy_epoch: None,
+        dry_run: false,
     }
 }
 

@@ -33,6 +33,7 @@ fn request(n: u64, kind: PrincipalType, who: &str, route: &str) -> AdmissionRequ
         method: "GET".to_owned(),
         cost_hint: 1,
         policy_epoch: None,
+        dry_run: false,
     }
 }
 

@@ -42,6 +42,7 @@ fn request(n: u64, user: &str, route: &str, cost_hint: u64) -> AdmissionRequest 
         method: "GET".to_owned(),
         cost_hint,
         policy_epoch: None,
+        dry_run: false,
     }
 }
 

@@ -24,6 +24,7 @@ fn request(n: usize, route: &str) -> AdmissionRequest {
         method: "POST".to_owned(),
         cost_hint: 1,
         policy_epoch: None,
+        dry_run: false,
     }
 }
 

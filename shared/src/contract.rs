@@ -8,7 +8,8 @@
 //! - rate or concurrency exceeded -> 429 with `Retry-After: max(1, ceil(ms / 1000))`, omitted when the
 //!   request can never succeed (`retryAfterMs = -1`);
 //! - a fail-closed limiter outage or a broken policy -> 503, never 429;
-//! - `RateLimit` / `RateLimit-Policy` fields only for authenticated callers and only for their own scope;
+//! - `RateLimit` / `RateLimit-Policy` fields only for authenticated callers, and only for rules they
+//!   may see (their own scope, unless the rule's `expose` says otherwise);
 //! - error bodies are RFC 9457 problem details.
 
 use serde::{Deserialize, Serialize};
@@ -81,6 +82,11 @@ pub struct AdmissionRequest {
     /// The policy bundle version the gateway evaluated against, if it tracks one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_epoch: Option<u64>,
+    /// Decide without spending: the answer says what a real request would get now, and nothing is
+    /// debited anywhere (no regional write, no lease spent, no fallback claimed, no concurrency
+    /// slot taken).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dry_run: bool,
 }
 
 fn one() -> u64 {
@@ -181,6 +187,9 @@ pub struct Decision {
     pub retry_after_ms: i64,
     /// True when the decision was made without the shared store (a bounded local fallback).
     pub fallback: bool,
+    /// True when the request was a dry run: nothing was spent, whatever `allowed` says.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dry_run: bool,
 }
 
 /// `application/problem+json`.
@@ -245,32 +254,15 @@ fn sf_string(value: &str) -> String {
     out
 }
 
-/// Whether a caller may be told a rule's limit and what is left of it: only a caller that
-/// authenticated, and only about a rule of its own scope (a per-principal rule). A user is never
-/// told its tenant's, a route's or the global pool's quota, whether the rule denied or was merely
-/// the most constraining of an admission. Every surface (HTTP `RateLimit` fields, Envoy RLS
-/// statuses) answers by this one rule.
-pub fn caller_may_see(caller: PrincipalType, scope: DeniedScope) -> bool {
-    caller.is_authenticated() && scope == DeniedScope::User
-}
-
-/// The `RateLimit-Policy` and `RateLimit` field values (draft-ietf-httpapi-ratelimit-headers), e.g.
-/// `"read";q=20;w=10` and `"read";r=0;t=1`, or `None` when the caller must not see them: callers that
-/// did not authenticate, and scopes that are not the caller's own (a user is not told its tenant's
-/// remaining quota).
-pub fn rate_limit_fields(
-    caller: PrincipalType,
-    scope: DeniedScope,
-    view: &QuotaView,
-) -> Option<(String, String)> {
-    if !caller_may_see(caller, scope) {
-        return None;
-    }
+/// The `RateLimit-Policy` and `RateLimit` field values (draft-ietf-httpapi-ratelimit-headers) of a
+/// quota, e.g. `"read";q=20;w=10` and `"read";r=0;t=1`. Whether the caller may see the quota at
+/// all is the rule's to say (`allot_shared::policy::Rule::visible_to`), asked before this.
+pub fn rate_limit_fields(view: &QuotaView) -> (String, String) {
     let name = sf_string(&view.policy_name);
-    Some((
+    (
         format!("{name};q={};w={}", view.quota_units, view.window_seconds),
         format!("{name};r={};t={}", view.remaining_units, view.reset_seconds),
-    ))
+    )
 }
 
 /// An RFC 9457 problem details body.

@@ -5,7 +5,7 @@
 //! `refillMillis`, `periodMs`, `costMillis`, `concurrencyMax`, `failMode`, `idempotent`) and adds what it
 //! lacks: `principalType`, `slackMs`, `limit`/`windowMs` for window algorithms, `pool` for global rules,
 //! `localCapacityMillis`/`localRefillMillis`/`localPeriodMs` for `local_bounded`,
-//! `concurrencyLeaseTtlMs`, `exempt`/`owner` for exemptions and `strict`.
+//! `concurrencyLeaseTtlMs`, `exempt`/`owner` for exemptions, `strict` and `expose`.
 //!
 //! Validation happens once, at publish time (and again when an agent loads a bundle), so that the data
 //! plane never discovers a bad policy as a script error or a CROSSSLOT at runtime. Every error names the
@@ -128,6 +128,21 @@ impl Matcher {
     }
 }
 
+/// Whether callers may be told a rule's limit and what is left of it (`expose`), on every surface:
+/// HTTP `RateLimit` fields, Envoy RLS statuses, the agent's `GET /v1/quota`. Callers that did not
+/// authenticate are never told anything, whatever the rule says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Exposure {
+    /// No `expose` field: shown only when the rule limits the caller's own budget (scope `user`).
+    #[default]
+    OwnScope,
+    /// `expose: true`: shown to the authenticated callers it applies to, whatever its scope (a
+    /// tenant's monthly plan its users may see).
+    Shown,
+    /// `expose: false`: never shown, even a per-user rule (a DoS-protection rule stays invisible).
+    Hidden,
+}
+
 /// Where a rule's budget lives.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Limit {
@@ -165,6 +180,8 @@ pub struct Rule {
     pub exempt_owner: Option<String>,
     /// Whether the rule fails closed once the agent's bundle is older than its maximum age (I13).
     pub strict: bool,
+    /// Whether callers may see the rule's limit (`expose`).
+    pub exposure: Exposure,
     canonical: Value,
 }
 
@@ -184,6 +201,17 @@ impl Rule {
             && (principal_type.is_authenticated()
                 || self.scope == Scope::User
                 || self.matcher.principal_type == Some(principal_type))
+    }
+
+    /// Whether a caller of `caller`'s principal type may be told this rule's limit and what is left
+    /// of it ([`Exposure`]). The one place every surface asks.
+    pub fn visible_to(&self, caller: PrincipalType) -> bool {
+        caller.is_authenticated()
+            && match self.exposure {
+                Exposure::OwnScope => self.scope == Scope::User,
+                Exposure::Shown => true,
+                Exposure::Hidden => false,
+            }
     }
 
     /// What a request with `cost_hint` is charged by this rule, in millitokens: the stated cost, or
@@ -521,6 +549,24 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
         None
     };
     let strict = f.bool("strict")?;
+    // Canonical only when stated, so that bundles written before the field keep their checksums.
+    let exposure = match f.raw("expose") {
+        None => Exposure::OwnScope,
+        Some(Value::Bool(shown)) => {
+            f.canonical.insert("expose".to_owned(), Value::Bool(*shown));
+            if *shown {
+                Exposure::Shown
+            } else {
+                Exposure::Hidden
+            }
+        }
+        Some(other) => {
+            return Err(error(
+                f.at("expose"),
+                format!("must be true or false, got {other}"),
+            ));
+        }
+    };
     Ok(Rule {
         id,
         scope,
@@ -533,6 +579,7 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
         idempotent,
         exempt_owner,
         strict,
+        exposure,
         canonical: Value::Null,
     })
 }

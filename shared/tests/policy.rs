@@ -439,6 +439,7 @@ fn replay_counts_denials_per_rule() {
                 method: "GET".to_owned(),
                 cost_hint: 1,
                 policy_epoch: None,
+                dry_run: false,
             },
         })
         .collect();

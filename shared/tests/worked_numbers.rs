@@ -7,8 +7,8 @@
 use std::num::NonZeroU64;
 
 use allot_shared::contract::{
-    Decision, DeniedScope, PrincipalType, QuotaView, Reason, http_status, rate_limit_fields,
-    retry_after_header, retry_after_seconds,
+    Decision, DeniedScope, QuotaView, Reason, http_status, rate_limit_fields, retry_after_header,
+    retry_after_seconds,
 };
 use allot_shared::ids::{DecisionId, Epoch, LeaseId, RegionId};
 use allot_shared::lease::{
@@ -523,6 +523,7 @@ fn denial(reason: Reason, scope: DeniedScope, retry_after_ms: i64) -> Decision {
         remaining_units: 0,
         retry_after_ms,
         fallback: false,
+        dry_run: false,
     }
 }
 
@@ -549,18 +550,10 @@ fn http_mapping() {
         reset_seconds: 1,
     };
     assert_eq!(
-        rate_limit_fields(PrincipalType::User, DeniedScope::User, &view),
-        Some((
+        rate_limit_fields(&view),
+        (
             "\"read\";q=20;w=10".to_owned(),
             "\"read\";r=0;t=1".to_owned()
-        ))
-    );
-    assert_eq!(
-        rate_limit_fields(PrincipalType::Ip, DeniedScope::User, &view),
-        None
-    );
-    assert_eq!(
-        rate_limit_fields(PrincipalType::User, DeniedScope::Tenant, &view),
-        None
+        )
     );
 }

@@ -312,6 +312,7 @@ async fn demo(
                 method: "GET".to_owned(),
                 cost_hint: 1,
                 policy_epoch: None,
+                dry_run: false,
             };
             in_flight.spawn(async move {
                 if let Ok(decision) = agent.admit(&request).await {

@@ -57,6 +57,7 @@ fn request(id: &str, kind: PrincipalType, who: &str, route: &str) -> AdmissionRe
         method: "GET".to_owned(),
         cost_hint: 1,
         policy_epoch: Some(42),
+        dry_run: false,
     }
 }
 

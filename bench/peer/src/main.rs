@@ -114,6 +114,7 @@ fn planned(bundle: &PolicyBundle, caller: usize) -> PlannedBatch<'_> {
         method: "GET".to_owned(),
         cost_hint: 1,
         policy_epoch: None,
+        dry_run: false,
     };
     let pepper = Pepper::new(b"peer-bench-pepper-0123".to_vec()).expect("pepper");
     plan_request(bundle, &request, &pepper, IpPrefixes::default(), 30_000)

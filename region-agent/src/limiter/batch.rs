@@ -237,6 +237,7 @@ pub struct RuleBatch {
     record_key: String,
     record_ttl_ms: u64,
     rules: Vec<BatchRule>,
+    dry_run: bool,
 }
 
 impl RuleBatch {
@@ -304,7 +305,20 @@ impl RuleBatch {
             record_key,
             record_ttl_ms,
             rules,
+            dry_run: false,
         })
+    }
+
+    /// The same batch as a dry run: decided and answered as usual, but nothing is written (no rule
+    /// state, no decision record). A check that spends nothing.
+    pub fn into_dry_run(mut self) -> Self {
+        self.dry_run = true;
+        self
+    }
+
+    /// Whether the store must write nothing ([`into_dry_run`](Self::into_dry_run)).
+    pub fn dry_run(&self) -> bool {
+        self.dry_run
     }
 
     /// The request's decision id: the sliding log's member and the decision record's name.
@@ -384,7 +398,7 @@ impl<'a> PlannedBatch<'a> {
 
 /// Maps a validated request to the store call for its regional rules, or `None` when no regional
 /// rule applies. A decision record of `record_ttl_ms` is requested when any of the rules is
-/// `idempotent`.
+/// `idempotent`. A request's `dryRun` makes the batch a [dry run](RuleBatch::into_dry_run).
 ///
 /// The request must have passed `AdmissionRequest::validate` (its principal id is hashed, never
 /// stored).
@@ -445,6 +459,11 @@ pub fn plan_request<'a>(
         record_ttl_ms,
         batch_rules,
     )?;
+    let batch = if request.dry_run {
+        batch.into_dry_run()
+    } else {
+        batch
+    };
     Ok(Some(PlannedBatch {
         batch,
         rules,
@@ -495,6 +514,7 @@ mod tests {
             method: "GET".to_owned(),
             cost_hint,
             policy_epoch: None,
+            dry_run: false,
         }
     }
 

@@ -139,6 +139,44 @@ impl CardinalityGuard {
         self.windows.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Whether [`admit`](Self::admit) would count `keys` against `source` at `now_ms`, counting
+    /// nothing (a dry run's check).
+    pub(crate) fn would_admit(
+        &self,
+        source: &str,
+        keys: &[&str],
+        now_ms: u64,
+    ) -> Result<(), CardinalityRefusal> {
+        let interval_ms = self.config.interval_ms;
+        let windows = self.lock();
+        let live = |window: &&Window| now_ms < window.started_at_ms.saturating_add(interval_ms);
+        let Some(window) = windows.get(&source.to_owned()).filter(live) else {
+            // A new window: refused only when the table is full of live ones.
+            return match windows.oldest() {
+                Some((_, oldest)) if windows.is_full() && live(&oldest) => {
+                    Err(CardinalityRefusal {
+                        retry_ms: (oldest.started_at_ms + interval_ms)
+                            .saturating_sub(now_ms)
+                            .max(1),
+                    })
+                }
+                _ => Ok(()),
+            };
+        };
+        let mut fresh: Vec<u64> = keys.iter().map(|key| fnv1a(key.as_bytes())).collect();
+        fresh.sort_unstable();
+        fresh.dedup();
+        fresh.retain(|hash| !window.keys.contains(hash));
+        if window.keys.len() + fresh.len() > self.config.max_keys_per_source as usize {
+            return Err(CardinalityRefusal {
+                retry_ms: (window.started_at_ms + interval_ms)
+                    .saturating_sub(now_ms)
+                    .max(1),
+            });
+        }
+        Ok(())
+    }
+
     /// Counts `keys` against `source` at `now_ms` (monotonic), or refuses them all.
     pub(crate) fn admit(
         &self,

@@ -595,7 +595,8 @@ impl Limiter {
         let (result, store_calls) = self.call_store(batch, deadline).await;
         match result {
             Ok(decision) => {
-                if !decision.allowed {
+                // A dry run changes nothing, the negative cache included.
+                if !decision.allowed && !batch.dry_run() {
                     self.negative_cache.remember(batch, &decision, now_ms);
                 }
                 answer(Verdict::Store(decision), None, store_calls)
@@ -642,10 +643,12 @@ impl Limiter {
             .iter()
             .filter_map(|&index| batch.rules().get(index).map(|rule| rule.key()))
             .collect();
-        self.cardinality
-            .admit(source, &keys, now_ms)
-            .err()
-            .map(|refusal| (first, refusal))
+        let counted = if batch.dry_run() {
+            self.cardinality.would_admit(source, &keys, now_ms)
+        } else {
+            self.cardinality.admit(source, &keys, now_ms)
+        };
+        counted.err().map(|refusal| (first, refusal))
     }
 
     /// The store call with its breaker, permit, deadline and retry (module docs).
@@ -771,7 +774,11 @@ impl Limiter {
                 cost_millitokens: batch_rule.cost_millitokens(),
             });
         }
-        match self.fallback.decide(&local, self.clock.elapsed_ms()) {
+        let dry_run = planned.batch.dry_run();
+        match self
+            .fallback
+            .decide(&local, self.clock.elapsed_ms(), dry_run)
+        {
             Ok(decision) => {
                 bump(&self.counters.fallback_decisions);
                 Verdict::Fallback(decision)

@@ -76,6 +76,7 @@ impl LimitDecision {
             remaining_units: 0,
             retry_after_ms: 0,
             fallback: self.fallback(),
+            dry_run: false,
         };
         // The store's limits as enforced: split for a tenant-wide rule in a sub-slot.
         let store_limit = |index: usize| -> (u64, u64) {
@@ -233,6 +234,7 @@ pub fn concurrency_denial(
         remaining_units: 0,
         retry_after_ms: RetryAfter::Ms(retry_after_ms).as_wire_ms(),
         fallback: false,
+        dry_run: false,
     }
 }
 
@@ -285,6 +287,7 @@ mod tests {
             method: "GET".to_owned(),
             cost_hint: 1,
             policy_epoch: None,
+            dry_run: false,
         };
         let pepper = Pepper::new(b"test-pepper-0123456789".to_vec()).expect("pepper");
         plan_request(bundle, &request, &pepper, IpPrefixes::default(), 30_000)

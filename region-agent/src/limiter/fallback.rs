@@ -82,11 +82,12 @@ impl LocalBuckets {
         self.buckets.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Decides `rules` together at `now_ms` (monotonic).
+    /// Decides `rules` together at `now_ms` (monotonic); a `dry_run` decides and writes nothing.
     pub(crate) fn decide(
         &self,
         rules: &[LocalRule<'_>],
         now_ms: u64,
+        dry_run: bool,
     ) -> Result<FallbackDecision, TableFull> {
         let mut buckets = self.lock();
         let mut outcomes = Vec::with_capacity(rules.len());
@@ -123,6 +124,14 @@ impl LocalBuckets {
             });
         }
         let remaining = outcomes.iter().map(|(o, _)| o.1).collect();
+        if dry_run {
+            return Ok(FallbackDecision {
+                allowed: true,
+                denied_by: None,
+                retry: RetryAfter::Ms(0),
+                remaining,
+            });
+        }
         // Admitted: make room for every new key first, so nothing is written unless all fit.
         for (index, rule) in rules.iter().enumerate() {
             let key = rule.key.to_owned();
@@ -198,7 +207,7 @@ mod tests {
                 cost_millitokens: 1_000,
             })
             .collect();
-        buckets.decide(&rules, now_ms)
+        buckets.decide(&rules, now_ms, false)
     }
 
     fn allowed(decision: &Result<FallbackDecision, TableFull>) -> bool {

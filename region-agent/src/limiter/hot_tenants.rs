@@ -225,7 +225,11 @@ pub fn spread(planned: &PlannedBatch<'_>, k: u32, index: u32) -> Result<RuleBatc
         planned.batch.record_ttl_ms(),
         rules,
     )?;
-    Ok(batch)
+    Ok(if planned.batch.dry_run() {
+        batch.into_dry_run()
+    } else {
+        batch
+    })
 }
 
 /// Why a batch could not be spread.

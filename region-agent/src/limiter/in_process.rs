@@ -179,8 +179,9 @@ impl InProcessStore {
         let decision =
             decide_all(&inputs, keys.now_ms, batch.decision_id().as_str()).map_err(reject)?;
         let outcome = BatchDecision::from_multi(&decision);
-        if !decision.allowed {
-            debug_assert!(decision.writes.iter().all(Option::is_none));
+        debug_assert!(decision.allowed || decision.writes.iter().all(Option::is_none));
+        // A denial wrote nothing; a dry run writes nothing either.
+        if !decision.allowed || batch.dry_run() {
             return Ok(outcome);
         }
         let record = (batch.record_ttl_ms() > 0).then_some(batch.record_key());

@@ -22,8 +22,9 @@ pub(crate) const SERVER_TIME: u64 = 0;
 /// Fields per rule in the decide script's `ARGV`: algorithm, four parameters, cost.
 const ARGS_PER_RULE: usize = 6;
 
-/// Fields before the first rule in the decide script's `ARGV`: now, decision id, record TTL, n.
-const ARGS_BEFORE_RULES: usize = 4;
+/// Fields before the first rule in the decide script's `ARGV`: now, decision id, record TTL, n,
+/// dry run.
+const ARGS_BEFORE_RULES: usize = 5;
 
 /// The decide script's `KEYS`: the decision record, then one key per rule.
 pub(crate) fn decide_keys(batch: &RuleBatch) -> Vec<&str> {
@@ -39,6 +40,7 @@ pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64) -> Vec<String> {
     args.push(batch.decision_id().to_string());
     args.push(batch.record_ttl_ms().to_string());
     args.push(batch.rules().len().to_string());
+    args.push(if batch.dry_run() { "1" } else { "0" }.to_owned());
     for rule in batch.rules() {
         let (code, p1, p2, p3, p4) = match *rule.params() {
             RuleParams::TokenBucket {
@@ -222,11 +224,18 @@ mod tests {
         assert_eq!(
             decide_args(&batch, SERVER_TIME),
             [
-                "0", "r-7", "30000", "2", //
+                "0", "r-7", "30000", "2", "0", //
                 "tb", "20000", "2000", "1000", "5000", "1000", //
                 "sl", "20", "10000", "0", "0", "1000",
             ]
         );
+    }
+
+    #[test]
+    fn a_dry_run_says_so_in_its_header() {
+        let args = decide_args(&batch().into_dry_run(), SERVER_TIME);
+        assert_eq!(args[..5], ["0", "r-7", "30000", "2", "1"]);
+        assert_eq!(args.len(), 5 + 6 * 2);
     }
 
     #[test]

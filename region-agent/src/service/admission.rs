@@ -15,6 +15,14 @@
 //!    failed or out of time, they are cancelled: the tokens go back to the same lease while it
 //!    lives, and concurrency slots taken are released.
 //!
+//! A **dry run** (`dryRun`) goes through the same steps and answers what a real request would get,
+//! but spends nothing: its reservations are always cancelled, a fallback allowance it would need is
+//! not claimed (the answer says `fallback: true`), the store writes nothing, and no concurrency slot
+//! is taken (a slot is held for a request's duration, not spent; one free now is no promise for
+//! later, so caps are not checked). It may start a lease renewal the pool wants anyway: fetching
+//! tokens is not spending them. Dry runs are counted apart from decisions and never logged as
+//! traffic.
+//!
 //! Reserve-then-commit is safe because the lease lives in this process: nothing remote is ever
 //! refunded, so an ambiguous store failure can still never double-count (I6). Global first keeps the
 //! cheap, local check in front of the store; the reservation keeps a regional denial from draining
@@ -111,9 +119,16 @@ struct GlobalRefusal {
 #[derive(Default)]
 struct GlobalHold {
     held: Vec<(Arc<PoolSlot>, Reservation)>,
+    /// A dry run's: a rule would have been admitted from a fallback allowance not yet claimed.
+    would_claim_fallback: bool,
 }
 
 impl GlobalHold {
+    /// Whether any reservation came (or, for a dry run, would come) from a fallback allowance.
+    fn uses_fallback(&self) -> bool {
+        self.would_claim_fallback || self.held.iter().any(|(_, r)| r.is_fallback())
+    }
+
     /// Spends every reservation. Returns whether any came from a fallback allowance.
     fn commit(mut self, tenant: &TenantId, pools: &[&PoolId]) -> bool {
         let mut fallback = false;
@@ -144,7 +159,17 @@ impl Agent {
         self: &Arc<Self>,
         request: &AdmissionRequest,
     ) -> Result<Decision, RequestRejected> {
-        let decision = self.decide(request).await?;
+        let mut decision = self.decide(request).await?;
+        if request.dry_run {
+            decision.dry_run = true;
+            let outcome = if decision.allowed {
+                "allowed"
+            } else {
+                "denied"
+            };
+            metrics::counter!(crate::metrics::DRY_RUNS, "outcome" => outcome).increment(1);
+            return Ok(decision);
+        }
         let scope = decision.denied_scope.map_or("none", |s| match s {
             DeniedScope::User => "user",
             DeniedScope::Tenant => "tenant",
@@ -259,8 +284,11 @@ impl Agent {
             }
             _ => admitted_by_global_rules_only(request, version),
         };
-        // 4. Settle.
-        if decision.allowed {
+        // 4. Settle. A dry run spends nothing: its reservations are cancelled.
+        if request.dry_run {
+            decision.fallback |= decision.allowed && hold.uses_fallback();
+            drop(hold);
+        } else if decision.allowed {
             let pools: Vec<&PoolId> = global_rules
                 .iter()
                 .filter_map(|rule| match &rule.limit {
@@ -349,8 +377,14 @@ impl Agent {
                         wait = Some((index, Wait::Lookup));
                         break;
                     }
+                    Attempt::Refused(refusal)
+                        if request.dry_run && refusal.denial == Denial::FallbackUnclaimed =>
+                    {
+                        // Would be admitted once claimed; a dry run claims nothing.
+                        hold.would_claim_fallback = true;
+                    }
                     Attempt::Refused(refusal) => {
-                        if !waited_for_grant {
+                        if !waited_for_grant && !request.dry_run {
                             count_depletion(tenant, pool, refusal.denial);
                         }
                         let next = match refusal.denial {
@@ -458,7 +492,12 @@ impl Agent {
         planned: &PlannedBatch<'_>,
         screened: Screened,
     ) -> Decision {
-        let slots = concurrency_calls(planned, request);
+        // A dry run takes no slot (module docs).
+        let slots = if request.dry_run {
+            Vec::new()
+        } else {
+            concurrency_calls(planned, request)
+        };
         match tokio::time::timeout(
             self.regional_hold(),
             self.decide_regional(request, planned, screened, &slots),
@@ -636,6 +675,7 @@ impl Agent {
             remaining_units: 0,
             retry_after_ms,
             fallback,
+            dry_run: false,
         }
     }
 
@@ -725,6 +765,7 @@ fn admitted_by_global_rules_only(request: &AdmissionRequest, version: u64) -> De
         remaining_units: 0,
         retry_after_ms: 0,
         fallback: false,
+        dry_run: false,
     }
 }
 
@@ -747,5 +788,6 @@ fn refused(
         remaining_units: 0,
         retry_after_ms: i64::try_from(retry_after_ms).unwrap_or(i64::MAX),
         fallback: false,
+        dry_run: false,
     }
 }

@@ -15,8 +15,10 @@ ARGV[2]  decision_id     1 to 64 bytes: the sliding log's member.
 ARGV[3]  record_ttl_ms   0: no decision record. In [1, 2^40]: an admission is recorded under
                          KEYS[1] for this long, and a call that finds the record replays it
                          without deciding (or debiting) again.
-ARGV[4]  n               the number of rules, 1 to 8. #KEYS = n + 1 and #ARGV = 4 + 6n.
-ARGV[5 + 6(i-1) .. 10 + 6(i-1)]  rule i (1-based), six fields:
+ARGV[4]  n               the number of rules, 1 to 8. #KEYS = n + 1 and #ARGV = 5 + 6n.
+ARGV[5]  dry_run         "1": decide and reply as usual, but write nothing (no rule state, no
+                         decision record): a check that spends nothing. "0": a decision.
+ARGV[6 + 6(i-1) .. 11 + 6(i-1)]  rule i (1-based), six fields:
          algorithm  p1                    p2                  p3         p4        p5
          "tb"       capacity_millitokens  refill_millitokens  period_ms  slack_ms  cost_millitokens
          "gcra"     capacity_millitokens  refill_millitokens  period_ms  0         cost_millitokens
@@ -47,7 +49,7 @@ Stored state, one key per rule:
   sc    hash {w = current window start (ms), cur = its units, prev = the previous window's units}
   sl    sorted set: member = decision id, score = admission time (ms)
   the decision record: string "remaining_1 ... remaining_n" of an admission
-A denial writes nothing. Every write sets the key's expiry in the same script, at the TTL the
+A denial writes nothing, and neither does a dry run. Every write sets the key's expiry in the same script, at the TTL the
 pure core computes (PEXPIREAT now + ttl, which on the server clock equals PEXPIRE ttl).
 ]]
 
@@ -102,9 +104,13 @@ local n = integer(ARGV[4], 1, MAX_RULES)
 if n == nil then
   return arg_error('n must be 1 to ' .. MAX_RULES)
 end
-if #KEYS ~= n + 1 or #ARGV ~= 4 + 6 * n then
-  return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (4 + 6 * n) .. ' arguments')
+if #KEYS ~= n + 1 or #ARGV ~= 5 + 6 * n then
+  return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (5 + 6 * n) .. ' arguments')
 end
+if ARGV[5] ~= '0' and ARGV[5] ~= '1' then
+  return arg_error('dry run must be 0 or 1')
+end
+local dry_run = ARGV[5] == '1'
 local decision_id = ARGV[2]
 if #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
   return arg_error('decision id must be 1 to ' .. MAX_DECISION_ID_BYTES .. ' bytes')
@@ -419,7 +425,7 @@ local DECIDE = {
 
 -- Rule i's algorithm and parameters: a rule table, or nil and an error reply.
 local function parse_rule(i)
-  local base = 5 + 6 * (i - 1)
+  local base = 6 + 6 * (i - 1)
   local kind = ARGV[base]
   local rule = { index = i, kind = kind, key = KEYS[i + 1], cost_text = ARGV[base + 5] }
   local where = 'rule ' .. i .. ' (' .. kind .. '): '
@@ -511,7 +517,7 @@ for i = 1, n do
   reply[4 + i] = report_available and outcome.available or outcome.remaining
 end
 
-if denied_by == 0 then
+if denied_by == 0 and not dry_run then
   for i = 1, n do
     if outcomes[i].write then outcomes[i].write() end
   end

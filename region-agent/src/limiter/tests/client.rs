@@ -89,6 +89,7 @@ fn plan<'b>(
         method: "GET".to_owned(),
         cost_hint: 1,
         policy_epoch: None,
+        dry_run: false,
     };
     request.validate().expect("a valid request");
     plan_request(bundle, &request, &pepper(), IpPrefixes::default(), 30_000)

@@ -80,6 +80,9 @@ impl Reference {
                 }
             })?;
         let outcome = BatchDecision::from_multi(&decision);
+        if batch.dry_run() {
+            return Ok(outcome);
+        }
         for (rule, write) in batch.rules().iter().zip(decision.writes) {
             if let Some(write) = write {
                 let value = (Stored::Rule(write.state), now_ms + write.ttl_ms);
@@ -278,6 +281,8 @@ enum Step {
         /// `Some(k)`: reuse the k-th most recent decision id (a retry); `None`: a fresh id.
         repeat_id: Option<usize>,
         record_ttl_ms: u64,
+        /// A dry run: decided and answered, nothing written.
+        dry_run: bool,
     },
     /// A policy change to pool rule `rule`: tightened to `percent` of its capacity (limit), or
     /// switched to its alternative parameters.
@@ -292,11 +297,13 @@ fn step() -> impl Strategy<Value = (i64, Step)> {
         prop::collection::vec((any::<usize>(), any::<(u8, u64)>()), 1..=8),
         prop_oneof![4 => Just(None), 1 => (0usize..4).prop_map(Some)],
         prop_oneof![3 => Just(0u64), 1 => 1u64..5_000, 1 => Just(30_000u64)],
+        prop::bool::weighted(0.15),
     )
-        .prop_map(|(rules, repeat_id, record_ttl_ms)| Step::Request {
+        .prop_map(|(rules, repeat_id, record_ttl_ms, dry_run)| Step::Request {
             rules,
             repeat_id,
             record_ttl_ms,
+            dry_run,
         });
     let change =
         (any::<usize>(), prop::option::of(1u64..100)).prop_map(|(rule, tighten_percent)| {
@@ -400,10 +407,14 @@ struct Tally {
     rejected: u64,
     replayed_records: u64,
     clock_steps_back: u64,
+    allowed_dry_runs: u64,
 }
 
 impl Tally {
-    fn count(&mut self, outcome: &Result<BatchDecision, Rejection>, rules: usize) {
+    fn count(&mut self, outcome: &Result<BatchDecision, Rejection>, rules: usize, dry_run: bool) {
+        if dry_run && matches!(outcome, Ok(d) if d.allowed && !d.replayed) {
+            self.allowed_dry_runs += 1;
+        }
         match outcome {
             Ok(decision) if decision.replayed => self.replayed_records += 1,
             Ok(decision) if decision.allowed => self.allowed_multi_rule += u64::from(rules > 1),
@@ -421,6 +432,7 @@ impl Tally {
             self.rejected,
             self.replayed_records,
             self.clock_steps_back,
+            self.allowed_dry_runs,
         ];
         assert!(
             counts.iter().all(|&n| n > 0),
@@ -473,7 +485,7 @@ async fn run_decisions(
     for (number, (clock_step, step)) in steps.into_iter().enumerate() {
         now_ms = now_ms.saturating_add_signed(clock_step).max(FUTURE_BASE_MS);
         tally.borrow_mut().clock_steps_back += u64::from(clock_step < 0);
-        let (rules, repeat_id, record_ttl_ms) = match step {
+        let (rules, repeat_id, record_ttl_ms, dry_run) = match step {
             Step::Change {
                 rule,
                 tighten_percent,
@@ -494,7 +506,8 @@ async fn run_decisions(
                 rules,
                 repeat_id,
                 record_ttl_ms,
-            } => (rules, repeat_id, record_ttl_ms),
+                dry_run,
+            } => (rules, repeat_id, record_ttl_ms, dry_run),
         };
         let mut chosen: Vec<usize> = Vec::new();
         let mut batch_rules = Vec::new();
@@ -515,6 +528,8 @@ async fn run_decisions(
         ids.push(id.clone());
         let batch = RuleBatch::new(&tenant, decision_id(&id), record_ttl_ms, batch_rules)
             .expect("a valid batch");
+        // A dry run writes nothing: the state comparison below after it proves it.
+        let batch = if dry_run { batch.into_dry_run() } else { batch };
         for subject in [&in_process, redis] {
             subject.set_now(now_ms);
         }
@@ -535,7 +550,9 @@ async fn run_decisions(
             number,
             batch
         );
-        tally.borrow_mut().count(&expected, batch.rules().len());
+        tally
+            .borrow_mut()
+            .count(&expected, batch.rules().len(), dry_run);
 
         // Every key of the pool holds the same state with the same expiry everywhere.
         for (index, rule) in pool.iter().enumerate() {
@@ -710,12 +727,18 @@ fn check_decisions(redis: &Subject, runtime: &tokio::runtime::Runtime, cases: u3
     // of its id within the record's life: one fixed case reaches it whatever the random cases drew
     // (a draw of (5, 0) costs at most an eighth of any rule's capacity, so a fresh key admits it).
     let any_pool = pool().new_tree(&mut runner(1)).expect("a pool").current();
-    let request = |repeat_id| Step::Request {
+    // A fresh id's dry run after them is admitted too, and must write nothing.
+    let request = |repeat_id, dry_run| Step::Request {
         rules: vec![(0, (5, 0))],
         repeat_id,
         record_ttl_ms: 30_000,
+        dry_run,
     };
-    let retried = vec![(0, request(None)), (10, request(Some(0)))];
+    let retried = vec![
+        (0, request(None, false)),
+        (10, request(Some(0), false)),
+        (10, request(None, true)),
+    ];
     let replays_before = tally.borrow().replayed_records;
     if let Err(failure) = runtime.block_on(run_decisions(&tally, redis, 0, any_pool, retried)) {
         panic!("the retried case: {failure}");

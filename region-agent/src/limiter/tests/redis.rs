@@ -296,6 +296,7 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
             "r-1".to_owned(),
             "0".to_owned(),
             "1".to_owned(),
+            "0".to_owned(),
             "tb".to_owned(),
         ];
         args.extend(fields.map(str::to_owned));
@@ -303,7 +304,7 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     };
     let with = |kind: &str, fields: [&str; 5]| {
         let mut args = tb(fields);
-        args[4] = kind.to_owned();
+        args[5] = kind.to_owned();
         args
     };
     let valid = tb(["20000", "2000", "1000", "5000", "1000"]);
@@ -366,6 +367,8 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     header(2, "1099511627777", "record ttl above 2^40");
     header(3, "2", "n larger than the keys");
     header(3, "9", "more than 8 rules");
+    header(4, "2", "dry run neither 0 nor 1");
+    header(4, "", "an empty dry run flag");
     let mut short = valid.clone();
     short.pop();
     cases.push(("a missing field", short));
@@ -385,7 +388,7 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     let duplicate = {
         let mut args = valid.clone();
         args[3] = "2".to_owned();
-        args.extend(valid[4..].iter().cloned());
+        args.extend(valid[5..].iter().cloned());
         args
     };
     let refused = store
