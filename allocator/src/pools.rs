@@ -143,6 +143,10 @@ pub struct GrantRecord {
     /// on their own monotonic clock, so their wall clocks need not agree with the allocator's.
     #[serde(default)]
     pub issued_at_ms: u64,
+    /// What the window had left to grant after this grant, tokens; absent in records stored before
+    /// the field existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ungranted_tokens: Option<u64>,
 }
 
 impl GrantRecord {
@@ -160,6 +164,7 @@ impl GrantRecord {
             retry_after_ms: self.retry_after_ms,
             issued_at_ms: self.issued_at_ms,
             answered_at_ms: answered_at_ms.max(self.issued_at_ms),
+            ungranted_tokens: self.ungranted_tokens,
         }
     }
 }
@@ -176,6 +181,7 @@ impl From<&Grant> for GrantRecord {
             expires_at_ms: grant.expires_at_ms,
             retry_after_ms: grant.retry_after_ms,
             issued_at_ms: grant.issued_at_ms,
+            ungranted_tokens: Some(grant.ungranted_tokens),
         }
     }
 }

@@ -214,6 +214,10 @@ async fn grants_over_http() {
         assert!(first.get(field).is_some(), "{field} in {first}");
     }
     assert_eq!(first["granted"], 100);
+    assert_eq!(
+        first["ungranted"], 900,
+        "what the window had left to grant after this grant: {first}"
+    );
     let mut again: Value = post(body).await.expect("send").json().await.expect("json");
     // The same grant again, answered later: only the answer's own instant differs.
     let answered = |v: &Value| v["answeredAtMs"].as_u64().expect("answeredAtMs");

@@ -55,6 +55,7 @@ fn grant(
         expires_at_ms,
         retry_after_ms: 0,
         issued_at_ms: window_start_ms,
+        ungranted_tokens: None,
     }
 }
 

@@ -5,6 +5,10 @@
 //!   with `Retry-After` when a limit says no, 503 when a fail-closed rule cannot be decided; the body is
 //!   problem+json. Pre-authentication callers (principal type `ip`) get a plain 429 with no limits,
 //!   names or counts.
+//! - `GET /v1/quota?tenantId=&principalType=&principalId=[&routeGroup=]`: the caller's own quotas
+//!   and what is left of them, for an API's rate limit status endpoint (only the rules the caller
+//!   may see: [`crate::service::quota`]); 503 before the agent has a policy bundle.
+//! - `POST /v1/admit` with `"dryRun": true` answers what a real request would get, spending nothing.
 //! - `POST /v1/release`: the same request, when it has finished: gives back its concurrency slots
 //!   (idempotent; a slot a gateway never releases lapses with its lease TTL).
 //! - `/healthz`, `/readyz`, `/metrics`.
@@ -15,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use allot_shared::contract::{
-    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, http_status, rate_limit_fields,
+    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, QuotaQuery, http_status, rate_limit_fields,
     retry_after_header,
 };
 use axum::Router;
@@ -109,12 +113,23 @@ fn parse(headers: &HeaderMap, body: &Bytes) -> Result<AdmissionRequest, Box<Resp
     }
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
-        let field = match error.path().to_string().as_str() {
-            "." | "?" | "" => "body".to_owned(),
-            path => path.to_owned(),
-        };
-        Box::new(invalid(&field, &error.into_inner().to_string()))
+        let path = error.path().to_string();
+        let message = error.into_inner().to_string();
+        Box::new(invalid(&field_named(&path, &message, "body"), &message))
     })
+}
+
+/// The field a deserialization error is about: its path, or, for a missing or unknown field at the
+/// top (path `.`), the field the message names; `whole` when neither says.
+fn field_named(path: &str, message: &str, whole: &str) -> String {
+    if !matches!(path, "." | "?" | "") {
+        return path.to_owned();
+    }
+    ["missing field `", "unknown field `"]
+        .iter()
+        .find_map(|prefix| message.strip_prefix(prefix)?.split('`').next())
+        .unwrap_or(whole)
+        .to_owned()
 }
 
 async fn admit(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
@@ -244,6 +259,43 @@ fn rate_limit_headers(
     Some(rate_limit_fields(&view))
 }
 
+async fn quota(
+    State(api): State<AgentApi>,
+    headers: HeaderMap,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
+) -> Response {
+    if let Err(response) = authorized(&api, &headers) {
+        return *response;
+    }
+    let text = query.unwrap_or_default();
+    let deserializer = serde_urlencoded::Deserializer::new(form_urlencoded::parse(text.as_bytes()));
+    let query: QuotaQuery = match serde_path_to_error::deserialize(deserializer) {
+        Ok(query) => query,
+        Err(error) => {
+            let path = error.path().to_string();
+            let message = error.into_inner().to_string();
+            return invalid(&field_named(&path, &message, "query"), &message);
+        }
+    };
+    let status = match api.agent.quota(&query).await {
+        Ok(Some(status)) => status,
+        Ok(None) => {
+            metrics::counter!(crate::metrics::QUOTA_READS, "outcome" => "refused").increment(1);
+            return problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                Problem::new(503, "No policy yet", "the agent has no policy bundle yet"),
+            );
+        }
+        Err(rejected) => return invalid(&rejected.field, &rejected.message),
+    };
+    metrics::counter!(crate::metrics::QUOTA_READS, "outcome" => "answered").increment(1);
+    let mut response = axum::Json(status).into_response();
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
 async fn release(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(response) = authorized(&api, &headers) {
         return *response;
@@ -307,6 +359,7 @@ pub fn router(api: AgentApi) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/v1/admit", post(admit))
         .route("/v1/check", post(check))
+        .route("/v1/quota", get(quota))
         .route("/v1/release", post(release))
         .route("/v1/renew", post(renew));
     allot_net::bounded_router(

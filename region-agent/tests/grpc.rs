@@ -296,3 +296,77 @@ async fn a_tenant_wide_limit_is_never_shown_even_as_the_most_constraining_rule_o
     assert_eq!(limit.name, "read-user");
     assert_eq!(answer.statuses[0].limit_remaining, 1);
 }
+
+/// A descriptor `hits_addend` of 0 is a dry run: answered as a request of one would be, with the
+/// limit and what would be left, and nothing spent, however often it is asked.
+#[tokio::test]
+async fn a_descriptor_hits_addend_of_zero_checks_without_spending() {
+    let mut served = serve(true).await;
+    let check = |name: &str| RateLimitDescriptor {
+        hits_addend: Some(0),
+        ..user(name)
+    };
+    for _ in 0..5 {
+        let answer = ask(&mut served, vec![check("carol")]).await;
+        assert_eq!(answer.overall_code, Code::Ok as i32, "{answer:?}");
+        assert_eq!(
+            answer.statuses[0].limit_remaining, 1,
+            "2 held, 1 left after one"
+        );
+    }
+    // Both of the user's two tokens are still there.
+    for _ in 0..2 {
+        let answer = ask(&mut served, vec![user("carol")]).await;
+        assert_eq!(answer.overall_code, Code::Ok as i32, "{answer:?}");
+    }
+    let answer = ask(&mut served, vec![check("carol")]).await;
+    assert_eq!(answer.overall_code, Code::OverLimit as i32, "{answer:?}");
+    assert!(
+        answer.statuses[0]
+            .duration_until_reset
+            .is_some_and(|d| d.seconds > 0 || d.nanos > 0),
+        "{answer:?}"
+    );
+}
+
+/// `expose` decides what Envoy may be shown: a tenant-wide rule that says `expose: true` is shown
+/// as the most constraining rule; a per-user rule that says `expose: false` never is.
+#[tokio::test]
+async fn rules_say_whether_envoy_may_show_them() {
+    const EXPOSED: &str = r#"{
+        "bundleVersion": 1,
+        "rules": [
+            {"id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
+             "capacityMillis": 100000, "refillMillis": 1000, "periodMs": 60000, "failMode": "closed",
+             "expose": false},
+            {"id": "tenant-plan", "scope": "tenant", "algorithm": "fixed_window", "limit": 3,
+             "windowMs": 3600000, "failMode": "closed", "expose": true}
+        ]
+    }"#;
+    const HIDDEN_USER: &str = r#"{
+        "bundleVersion": 1,
+        "rules": [
+            {"id": "flood-guard", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
+             "capacityMillis": 2000, "refillMillis": 1000, "periodMs": 60000, "failMode": "closed",
+             "expose": false}
+        ]
+    }"#;
+    let mut served = serve_bundle(Some(EXPOSED)).await;
+    let answer = ask(&mut served, vec![user("dave")]).await;
+    let limit = answer.statuses[0]
+        .current_limit
+        .as_ref()
+        .expect("the exposed tenant plan");
+    assert_eq!(
+        (limit.name.as_str(), limit.requests_per_unit),
+        ("tenant-plan", 3)
+    );
+    assert_eq!(answer.statuses[0].limit_remaining, 2);
+
+    let mut served = serve_bundle(Some(HIDDEN_USER)).await;
+    for _ in 0..3 {
+        let answer = ask(&mut served, vec![user("erin")]).await;
+        assert_eq!(answer.statuses[0].current_limit, None, "{answer:?}");
+        assert_eq!(answer.statuses[0].limit_remaining, 0);
+    }
+}

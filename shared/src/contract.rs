@@ -192,6 +192,78 @@ pub struct Decision {
     pub dry_run: bool,
 }
 
+/// `GET /v1/quota` on the agent: whose quotas to show. A query string of these fields, set by the
+/// gateway from verified credentials, like an [`AdmissionRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaQuery {
+    /// The verified tenant.
+    pub tenant_id: TenantId,
+    /// The verified principal's kind.
+    pub principal_type: PrincipalType,
+    /// The verified principal (hashed, never stored).
+    pub principal_id: String,
+    /// Only the rules of this route group (and those of every route group); absent: all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route_group: Option<RouteGroup>,
+}
+
+impl QuotaQuery {
+    /// Checks what serde cannot: a bounded, non-empty principal id.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        if self.principal_id.is_empty() || self.principal_id.len() > MAX_PRINCIPAL_ID_LEN {
+            return Err(FieldError::new("principalId", "must be 1 to 256 bytes"));
+        }
+        Ok(())
+    }
+}
+
+/// The answer to `GET /v1/quota`: the caller's own quotas, only those its rules let it see.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaStatus {
+    /// The tenant asked about.
+    pub tenant_id: TenantId,
+    /// The policy bundle version the rules come from.
+    pub policy_version: u64,
+    /// One line per visible rule, in evaluation order (regional, then global).
+    pub quotas: Vec<QuotaLine>,
+}
+
+/// One quota as its caller may see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct QuotaLine {
+    /// The rule's id.
+    pub policy_id: String,
+    /// Whose budget it is (`user`, `route`, `tenant` or `global`).
+    pub scope: DeniedScope,
+    /// The route group the rule is limited to, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route_group: Option<RouteGroup>,
+    /// The global pool, for a global rule.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<crate::ids::PoolId>,
+    /// The limit in whole units (a token bucket's capacity, a window's limit, a pool's `G`).
+    #[serde(rename = "limit")]
+    pub limit_units: u64,
+    /// What is left now, in whole units; `null` when it cannot be known now (the store is
+    /// unavailable, or this region has not heard from the allocator in the pool's current window).
+    #[serde(rename = "remaining")]
+    pub remaining_units: Option<u64>,
+    /// The window the limit is stated over, ms (a rate rule's: its time to refill from empty).
+    pub window_ms: u64,
+    /// When the whole limit is available again, ms from now, at the latest.
+    pub reset_ms: u64,
+    /// Decided from the region's bounded local fallback, not the shared store.
+    pub fallback: bool,
+    /// For a global pool: how old the allocator's figure is, ms. The pool's remaining is what the
+    /// allocator had left to grant then, plus what this region holds unspent; other regions may
+    /// have spent some of theirs since.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub age_ms: Option<u64>,
+}
+
 /// `application/problem+json`.
 pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
 

@@ -206,6 +206,9 @@ pub struct Grant {
     /// When it was granted (the allocator's clock), epoch ms: with `expires_at_ms`, how long the
     /// lease lasts, which an agent measures on its own monotonic clock.
     pub issued_at_ms: u64,
+    /// What the window had left to grant after this grant, tokens: the allocator's view of the
+    /// pool's remaining quota at `issued_at_ms` (agents show it to callers, with its age).
+    pub ungranted_tokens: u64,
 }
 
 /// Why a grant request was refused outright.
@@ -277,6 +280,7 @@ pub fn grant(
         expires_at_ms,
         retry_after_ms,
         issued_at_ms: now_ms,
+        ungranted_tokens: next.remaining_tokens(config),
     };
     debug_assert!(grant.expires_at_ms >= grant.issued_at_ms || grant.granted_tokens == 0);
     Ok((grant, next))

@@ -104,6 +104,10 @@ pub struct GrantAnswer {
     /// say.
     #[serde(default)]
     pub answered_at_ms: u64,
+    /// What the window had left to grant after this grant (as of `issuedAtMs`), tokens: the
+    /// allocator's view of the pool's remaining quota. Absent from an allocator that does not say.
+    #[serde(default, rename = "ungranted", skip_serializing_if = "Option::is_none")]
+    pub ungranted_tokens: Option<u64>,
 }
 
 impl GrantAnswer {

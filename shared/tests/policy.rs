@@ -490,3 +490,53 @@ fn a_bundle_published_before_charges_cost_hint_verifies_and_keeps_its_meaning() 
         .expect_err("tampered");
     assert_eq!(err.field, "checksum");
 }
+
+#[test]
+fn expose_says_who_may_see_a_rule_and_changes_no_checksum_when_absent() {
+    use allot_shared::policy::Exposure;
+    let bundle = |expose: Option<Value>| {
+        let mut rule = json!({ "id": "r", "scope": "tenant", "algorithm": "fixed_window",
+                               "limit": 5, "windowMs": 1000, "failMode": "closed" });
+        if let Some(expose) = expose {
+            rule["expose"] = expose;
+        }
+        json!({ "bundleVersion": 1, "rules": [rule] }).to_string()
+    };
+    let sealed = |text: String| {
+        parse_bundle(&text)
+            .and_then(|draft| draft.into_file_bundle())
+            .expect("valid")
+    };
+    let default = sealed(bundle(None));
+    let rule = &default.rules()[0];
+    assert_eq!(rule.exposure, Exposure::OwnScope);
+    assert!(
+        rule.to_json().get("expose").is_none(),
+        "not written out when absent, so older bundles keep their checksums"
+    );
+    assert!(
+        !rule.visible_to(PrincipalType::User),
+        "a tenant rule by default"
+    );
+    let shown = sealed(bundle(Some(json!(true))));
+    assert_eq!(shown.rules()[0].exposure, Exposure::Shown);
+    assert!(shown.rules()[0].visible_to(PrincipalType::User));
+    assert!(shown.rules()[0].visible_to(PrincipalType::ApiKey));
+    assert!(
+        !shown.rules()[0].visible_to(PrincipalType::Ip),
+        "never to a caller that did not authenticate"
+    );
+    assert_ne!(shown.checksum(), default.checksum());
+    let hidden = sealed(bundle(Some(json!(false))));
+    assert_eq!(hidden.rules()[0].exposure, Exposure::Hidden);
+    assert_eq!(hidden.rules()[0].to_json()["expose"], false);
+    let error = rejected(&bundle(Some(json!("yes"))));
+    assert_eq!(error.field, "rules[0].expose");
+    assert_eq!(error.rule_id.as_deref(), Some("r"));
+    // A per-user rule is its user's own unless it says otherwise.
+    let own = sealed(bundle(None).replace("\"tenant\"", "\"user\""));
+    assert!(own.rules()[0].visible_to(PrincipalType::User));
+    assert!(!own.rules()[0].visible_to(PrincipalType::Ip));
+    let guard = sealed(bundle(Some(json!(false))).replace("\"tenant\"", "\"user\""));
+    assert!(!guard.rules()[0].visible_to(PrincipalType::User));
+}

@@ -539,20 +539,7 @@ impl Limiter {
             bump(&self.counters.policy_errors);
             return Err(refused(Verdict::PolicyError, None));
         }
-        let (spread, sub_slot) = match self.config.hot_tenants.sub_slots(&planned.tenant) {
-            None => (None, None),
-            Some(count) => {
-                let index = hot_tenants::choose_sub_slot(planned, count);
-                match hot_tenants::spread(planned, count, index) {
-                    Ok(moved) => (Some(moved), Some(SubSlot { index, count })),
-                    Err(error) => {
-                        tracing::error!(tenant = %planned.tenant, %error, "cannot spread a hot tenant's batch");
-                        bump(&self.counters.policy_errors);
-                        return Err(refused(Verdict::PolicyError, None));
-                    }
-                }
-            }
-        };
+        let (spread, sub_slot) = self.spread(planned)?;
         let batch = spread.as_ref().unwrap_or(&planned.batch);
         if let Some(hit) = self.negative_cache.check(batch, now_ms) {
             bump(&self.counters.negative_cache_hits);
@@ -570,6 +557,49 @@ impl Limiter {
             sub_slot,
             now_ms,
         })
+    }
+
+    /// A hot tenant's batch moved to its sub-slot (`None` for other tenants); `Err` is the
+    /// decision when it cannot be spread (a policy error).
+    fn spread(
+        &self,
+        planned: &PlannedBatch<'_>,
+    ) -> Result<(Option<RuleBatch>, Option<SubSlot>), LimitDecision> {
+        let Some(count) = self.config.hot_tenants.sub_slots(&planned.tenant) else {
+            return Ok((None, None));
+        };
+        let index = hot_tenants::choose_sub_slot(planned, count);
+        match hot_tenants::spread(planned, count, index) {
+            Ok(moved) => Ok((Some(moved), Some(SubSlot { index, count }))),
+            Err(error) => {
+                tracing::error!(tenant = %planned.tenant, %error, "cannot spread a hot tenant's batch");
+                bump(&self.counters.policy_errors);
+                Err(LimitDecision {
+                    verdict: Verdict::PolicyError,
+                    degraded: None,
+                    store_calls: 0,
+                    sub_slot: None,
+                })
+            }
+        }
+    }
+
+    /// Reads what a caller's rules hold now (`GET /v1/quota`): a [dry run](RuleBatch::into_dry_run)
+    /// decided by the store (or, when it cannot, by the local fallback buckets), with neither the
+    /// negative cache nor the pre-authentication key cap in front (a read creates no key and must
+    /// see the store's numbers). Read the amounts with [`LimitDecision::holdings`].
+    pub async fn read_holdings(&self, planned: &PlannedBatch<'_>) -> LimitDecision {
+        debug_assert!(planned.batch.dry_run(), "a read must not write");
+        let (spread, sub_slot) = match self.spread(planned) {
+            Ok(spread) => spread,
+            Err(refused) => return refused,
+        };
+        let screened = Screened {
+            spread,
+            sub_slot,
+            now_ms: self.clock.elapsed_ms(),
+        };
+        self.decide_screened(planned, screened).await
     }
 
     /// Decides a screened request in one store call (with its breaker, permit, deadline and

@@ -62,7 +62,64 @@ fn most_constraining(shares: &[(u64, u64)]) -> Option<usize> {
     best.map(|(index, _, _)| index)
 }
 
+/// What one rule holds, in whole units ([`LimitDecision::holdings`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holding {
+    /// The rule's limit as enforced (a hot tenant's tenant-wide rule: its sub-slot's part; the
+    /// local bucket's in fallback).
+    pub limit_units: u64,
+    /// What is left of it before the request.
+    pub available_units: u64,
+}
+
 impl LimitDecision {
+    /// What each rule of `planned` held before the request, when this is the answer to a dry run:
+    /// after an admission the store reports what is left *after* the request's cost, so the cost is
+    /// added back (at most to the limit); after a denial nothing was debited. `None` when the answer
+    /// carries no amount per rule (an outage, a policy error, a refusal from memory).
+    pub fn holdings(&self, planned: &PlannedBatch<'_>) -> Option<Vec<Holding>> {
+        let (allowed, remaining, in_fallback) = match &self.verdict {
+            Verdict::Store(store) => (store.allowed, &store.remaining, false),
+            Verdict::Fallback(local) => (local.allowed, &local.remaining, true),
+            _ => return None,
+        };
+        let holdings = planned
+            .batch
+            .rules()
+            .iter()
+            .zip(&planned.rules)
+            .zip(remaining)
+            .map(|((batch_rule, rule), &left)| {
+                let (limit, unit) = match (&rule.fail_mode, self.sub_slot) {
+                    (FailMode::LocalBounded(bucket), _) if in_fallback => {
+                        (bucket.capacity_millitokens(), MILLITOKENS_PER_TOKEN)
+                    }
+                    (_, Some(slot)) if is_tenant_wide(rule.scope) => {
+                        native_limit(&split_params(batch_rule.params(), slot.count))
+                    }
+                    _ => native_limit(batch_rule.params()),
+                };
+                // The cost in the amount's own unit: millitokens for rate rules and local buckets,
+                // whole units for window rules.
+                let cost = if unit == 1 {
+                    batch_rule.cost_millitokens() / MILLITOKENS_PER_TOKEN
+                } else {
+                    batch_rule.cost_millitokens()
+                };
+                let available = if allowed {
+                    left.saturating_add(cost).min(limit)
+                } else {
+                    left
+                };
+                Holding {
+                    limit_units: limit / unit,
+                    available_units: available / unit,
+                }
+            })
+            .collect();
+        Some(holdings)
+    }
+
     /// The contract decision for this answer to `planned` (module docs).
     pub fn to_contract(&self, planned: &PlannedBatch<'_>) -> Decision {
         let mut decision = Decision {

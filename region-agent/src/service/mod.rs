@@ -3,6 +3,7 @@
 //!
 //! - [`admission`]: the request path (refusals from memory, global reservations, regional rules,
 //!   settle; the order and why are in its docs).
+//! - [`quota`]: the caller's own quotas and what is left of them (`GET /v1/quota`).
 //! - [`pools`]: the pools held (one `PoolHolder` each) and the single-flight lookup of their terms.
 //! - [`upkeep`]: renewals, and pool upkeep (idle pools forgotten, terms refreshed).
 //! - [`reports`]: what the holders owe the ledger, sent per (pool, window).
@@ -16,6 +17,7 @@ pub mod admission;
 pub mod background;
 pub mod persistence;
 pub mod pools;
+pub mod quota;
 pub mod reports;
 pub mod settings;
 pub mod subleases;

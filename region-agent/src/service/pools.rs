@@ -40,6 +40,19 @@ pub(super) struct PoolSlot {
     /// Set (under the holder's lock) when the slot is forgotten: a request that still holds it
     /// looks the pool up again instead of spending on a holder nobody reports.
     pub(super) evicted: AtomicBool,
+    /// The allocator's view of the pool's window from its last grant answer (`GET /v1/quota`).
+    pub(super) allocator_view: Mutex<Option<AllocatorView>>,
+}
+
+/// What the allocator said was left of a pool's window, and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct AllocatorView {
+    /// Tokens the window had left to grant.
+    pub(super) ungranted_tokens: u64,
+    /// The window it was said of.
+    pub(super) window: allot_shared::window::Window,
+    /// When it was true, on the agent's clock, epoch ms.
+    pub(super) as_of_ms: u64,
 }
 
 impl PoolSlot {
@@ -50,6 +63,7 @@ impl PoolSlot {
             terms: Mutex::new((terms, fetched_at_ms)),
             renewed: Notify::new(),
             evicted: AtomicBool::new(false),
+            allocator_view: Mutex::new(None),
         }
     }
 }

@@ -4,8 +4,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
+use allot_shared::wire::GrantAnswer;
 
-use super::pools::{MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, PoolSlot, TERMS_REFRESH_MS};
+use super::pools::{
+    AllocatorView, MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, PoolSlot, TERMS_REFRESH_MS,
+};
 use super::{Agent, lock};
 use crate::global::{GrantVerdict, LeaseGrant};
 
@@ -110,6 +113,9 @@ impl Agent {
                 Ok(Some(answer)) => {
                     let grant = LeaseGrant::from_answer(&answer, asked_at_ms);
                     let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
+                    if !matches!(verdict, GrantVerdict::StaleEpoch { .. }) {
+                        note_allocator_view(&slot, &answer, asked_at_ms);
+                    }
                     agent.note_change();
                     let outcome = match verdict {
                         GrantVerdict::Accepted if answer.granted_tokens < want => "partial",
@@ -146,4 +152,21 @@ impl Agent {
             slot.renewed.notify_waiters();
         });
     }
+}
+
+/// Keeps what the allocator said was left of the pool's window, timed on the agent's clock: a
+/// replayed answer speaks of when the grant was issued, that long before it was answered.
+fn note_allocator_view(slot: &PoolSlot, answer: &GrantAnswer, asked_at_ms: u64) {
+    let Some(ungranted_tokens) = answer.ungranted_tokens else {
+        return;
+    };
+    let answered_late_ms = answer.answered_at_ms().saturating_sub(answer.issued_at_ms);
+    *lock(&slot.allocator_view) = Some(AllocatorView {
+        ungranted_tokens,
+        window: allot_shared::window::Window {
+            start_ms: answer.window_start_ms,
+            end_ms: answer.window_end_ms,
+        },
+        as_of_ms: asked_at_ms.saturating_sub(answered_late_ms),
+    });
 }

@@ -95,6 +95,7 @@ async fn grant(
         })
         .map(|left| want.min(left))
         .unwrap_or(0);
+    let ungranted = fake.remaining.load(Ordering::SeqCst);
     // The agent's clock reads the wall clock here: one hour-long window around now.
     let now_ms = fake.clock.now_ms();
     let window_start_ms = now_ms - now_ms % 3_600_000;
@@ -102,7 +103,7 @@ async fn grant(
         "leaseId": body["leaseId"], "region": body["region"], "granted": granted, "epoch": 1,
         "windowStartMs": window_start_ms, "windowEndMs": window_start_ms + 3_600_000,
         "expiresAtMs": now_ms + 600_000, "retryAfterMs": if granted == 0 { 60_000 } else { 0 },
-        "issuedAtMs": now_ms, "answeredAtMs": now_ms,
+        "issuedAtMs": now_ms, "answeredAtMs": now_ms, "ungranted": ungranted,
     }))
     .into_response()
 }

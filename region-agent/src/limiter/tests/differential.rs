@@ -22,7 +22,6 @@ use allot_shared::limit::concurrency::SemaphoreState;
 use allot_shared::limit::multi::{MultiRuleError, RuleInput, State, decide_all};
 use allot_shared::{MAX_CAPACITY_TIMES_PERIOD, MAX_RULE_PARAMETER};
 use proptest::prelude::*;
-use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 use super::harness::{FUTURE_BASE_MS, Subject, decision_id, rule_key, tenant};
@@ -725,9 +724,17 @@ fn check_decisions(redis: &Subject, runtime: &tokio::runtime::Runtime, cases: u3
     }
     // The rarest outcome, a replayed record, needs an admitted request with a record and a retry
     // of its id within the record's life: one fixed case reaches it whatever the random cases drew
-    // (a draw of (5, 0) costs at most an eighth of any rule's capacity, so a fresh key admits it).
-    let any_pool = pool().new_tree(&mut runner(1)).expect("a pool").current();
-    // A fresh id's dry run after them is admitted too, and must write nothing.
+    // (one unit of a fresh fixed window of 10 is admitted; a drawn rule may never admit, e.g. a
+    // GCRA whose one-millitoken increment exceeds its burst). A fresh id's dry run after them is
+    // admitted too, and must write nothing.
+    let window = RuleParams::FixedWindow {
+        limit_units: 10,
+        window_ms: 60_000,
+    };
+    let any_pool = vec![PoolRule {
+        params: window,
+        alternative: window,
+    }];
     let request = |repeat_id, dry_run| Step::Request {
         rules: vec![(0, (5, 0))],
         repeat_id,
