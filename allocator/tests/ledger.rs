@@ -81,6 +81,7 @@ fn report(
             })
             .collect(),
         fallback_admitted_tokens: fallback,
+        shadow_admitted_tokens: 0,
     }
 }
 
@@ -225,6 +226,49 @@ async fn accounting(ledger: Ledger) {
         .await
         .expect("windows");
     assert_eq!(only_last.len(), 1);
+
+    // A pool in shadow mode grants nothing: its regions report what its shadow rule counted,
+    // cumulatively and possibly out of order; the window is listed, the larger count kept, and
+    // nothing of it is admitted or overshoot.
+    let w2 = W0 + 2 * WINDOW_MS;
+    for (id, region_name, counted) in [
+        ("s-eu-2", "eu", 1_400),
+        ("s-eu-1", "eu", 900),
+        ("s-us-1", "us", 100),
+    ] {
+        let shadow = Report {
+            shadow_admitted_tokens: counted,
+            ..report(id, region_name, w2, vec![], 0)
+        };
+        ledger
+            .record_report(&shadow, w2 + 1)
+            .await
+            .expect("shadow report");
+    }
+    let windows = ledger
+        .windows(&tenant(), &pool(), &config(), 10, w2 + 1_000)
+        .await
+        .expect("windows");
+    let shadowed = windows
+        .iter()
+        .find(|w| w.window_start_ms == w2)
+        .expect("the shadow window is listed");
+    assert_eq!(shadowed.shadow_admitted_tokens, 1_500);
+    assert_eq!(
+        shadowed.shadow_admitted_tokens_by_region,
+        [(region("eu"), 1_400), (region("us"), 100)].into()
+    );
+    assert_eq!(
+        (shadowed.admitted_tokens, shadowed.overshoot_tokens),
+        (0, 0)
+    );
+    assert_eq!(
+        windows
+            .iter()
+            .find(|w| w.window_start_ms == W0)
+            .map(|w| w.shadow_admitted_tokens),
+        Some(0)
+    );
 
     // The audit log keeps entries as written and reads the newest first, at most as many as asked.
     let entries: Vec<AuditEntry> = (0..3u64)

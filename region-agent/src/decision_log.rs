@@ -91,7 +91,9 @@ impl DecisionLog {
 
     /// Samples and queues one decision.
     pub fn record(&self, at_ms: u64, request: &AdmissionRequest, decision: &Decision) {
-        let rate = if decision.allowed && !decision.fallback {
+        // A shadow or soft rule's would-be denial is sampled like a denial: it is what an operator
+        // dark-launching a limit reads the log for.
+        let rate = if decision.allowed && !decision.fallback && decision.violations.is_empty() {
             self.allowed_rate
         } else {
             self.denied_rate

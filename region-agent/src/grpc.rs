@@ -42,6 +42,9 @@
 //!   names is not of the caller's own scope (tenant, route, global, concurrency), whether it denied or
 //!   was only the most constraining rule of an admission: the HTTP API's `RateLimit` rule
 //!   ([`crate::visibility`]), since Envoy may turn them into response headers.
+//! - A shadow or soft rule that would have denied a descriptor: `x-allot-soft-limit-exceeded` in
+//!   `response_headers_to_add` (to the caller; the soft rules it may see, else `?1`) and
+//!   `x-allot-shadow-denied` in `request_headers_to_add` (to the upstream service, never the caller).
 //! - `response_headers_to_add` carries `x-allot-decision-id` (the first descriptor's decision id),
 //!   except for unauthenticated callers.
 //!
@@ -293,6 +296,7 @@ impl RateLimitApi {
             .collect::<Result<Vec<_>, _>>()?;
         let mut statuses = Vec::with_capacity(admissions.len());
         let mut headers = Vec::new();
+        let mut upstream_headers = Vec::new();
         let mut over = false;
         for (index, admission) in admissions.iter().enumerate() {
             let decision = self
@@ -313,6 +317,20 @@ impl RateLimitApi {
             }
             over |= !decision.allowed;
             let bundle = self.agent.bundle();
+            if let Some(bundle) = bundle.as_deref() {
+                let (soft, shadow) = crate::visibility::violation_headers(
+                    bundle,
+                    admission.principal.kind,
+                    &decision,
+                );
+                let header = |key: &str, value: String| HeaderValue {
+                    key: key.to_owned(),
+                    value,
+                };
+                headers.extend(soft.map(|v| header(crate::visibility::SOFT_LIMIT_HEADER, v)));
+                upstream_headers
+                    .extend(shadow.map(|v| header(crate::visibility::SHADOW_DENIED_HEADER, v)));
+            }
             statuses.push(descriptor_status(
                 bundle.as_deref(),
                 admission.principal.kind,
@@ -324,6 +342,7 @@ impl RateLimitApi {
             overall_code: overall as i32,
             statuses,
             response_headers_to_add: headers,
+            request_headers_to_add: upstream_headers,
         }))
     }
 }

@@ -234,6 +234,19 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
     {
         response.headers_mut().insert(header::RETRY_AFTER, value);
     }
+    if let Some(bundle) = api.agent.bundle() {
+        let (soft, shadow) =
+            crate::visibility::violation_headers(&bundle, request.principal.kind, &decision);
+        let headers = response.headers_mut();
+        for (name, value) in [
+            (crate::visibility::SOFT_LIMIT_HEADER, soft),
+            (crate::visibility::SHADOW_DENIED_HEADER, shadow),
+        ] {
+            if let Some(value) = value.and_then(|v| HeaderValue::from_str(&v).ok()) {
+                headers.insert(name, value);
+            }
+        }
+    }
     if let Some((policy, current)) = rate_limit_headers(&api, &request, &decision) {
         let headers = response.headers_mut();
         if let (Ok(policy), Ok(current)) = (

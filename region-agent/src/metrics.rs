@@ -8,6 +8,10 @@ use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Decisions by `outcome` (allowed, denied), `scope`, `reason`, `rule` and `policy_version`.
 pub const DECISIONS: &str = "allot_agent_decisions_total";
+/// Requests a shadow or soft rule would have denied (it denied none), by `rule` and `mode`.
+pub const ADVISORY_DENIALS: &str = "allot_agent_advisory_denials_total";
+/// Tokens a shadow global rule counted without spending, by `tenant` and `pool`.
+pub const SHADOW_ADMITTED_TOKENS: &str = "allot_agent_shadow_admitted_tokens_total";
 /// Dry runs (`dryRun`, an RLS `hits_addend` of 0: checks that spend nothing) by `outcome`
 /// (allowed, denied); not counted in [`DECISIONS`].
 pub const DRY_RUNS: &str = "allot_agent_dry_runs_total";

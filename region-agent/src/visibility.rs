@@ -5,7 +5,9 @@
 //! constraining rule, which can be the tenant's: unless exposed, it is not shown either. A global
 //! rule's pool is not shown in headers (its window is the allocator's); `GET /v1/quota` shows it.
 
-use allot_shared::contract::{Decision, PrincipalType, QuotaView, retry_after_header};
+use allot_shared::contract::{
+    AdvisoryMode, Decision, PrincipalType, QuotaView, retry_after_header,
+};
 use allot_shared::limit::multi::Algorithm;
 use allot_shared::policy::{Limit, PolicyBundle};
 
@@ -32,6 +34,51 @@ pub fn caller_view(
         remaining_units: decision.remaining_units,
         reset_seconds: retry_after_header(decision).unwrap_or(0),
     })
+}
+
+/// The header a soft rule's violation is flagged to the caller in (HTTP `/v1/check`, Envoy's
+/// `response_headers_to_add`).
+pub const SOFT_LIMIT_HEADER: &str = "x-allot-soft-limit-exceeded";
+/// The header a shadow rule's would-be denial is told to the gateway in (HTTP `/v1/check`) and to
+/// the upstream service (Envoy's `request_headers_to_add`), never to the caller.
+pub const SHADOW_DENIED_HEADER: &str = "x-allot-shadow-denied";
+
+/// The headers that say which shadow and soft rules would have denied `decision`:
+/// [`SOFT_LIMIT_HEADER`] with the soft rules the caller may see (Structured Fields strings), or
+/// `?1` when it may see none of them; [`SHADOW_DENIED_HEADER`] with the shadow rules' ids (for
+/// the gateway's own logs). Each is absent when no such rule would have denied.
+pub fn violation_headers(
+    bundle: &PolicyBundle,
+    caller: PrincipalType,
+    decision: &Decision,
+) -> (Option<String>, Option<String>) {
+    let named = |mode: AdvisoryMode| {
+        decision
+            .violations
+            .iter()
+            .filter(move |v| v.mode == mode)
+            .map(|v| v.policy_id.as_str())
+    };
+    let soft = named(AdvisoryMode::Soft).next().map(|_| {
+        let visible: Vec<String> = named(AdvisoryMode::Soft)
+            .filter(|id| {
+                bundle
+                    .rules()
+                    .iter()
+                    .any(|rule| rule.id.as_str() == *id && rule.visible_to(caller))
+            })
+            .map(|id| format!("\"{id}\""))
+            .collect();
+        if visible.is_empty() {
+            "?1".to_owned()
+        } else {
+            visible.join(", ")
+        }
+    });
+    let shadow = named(AdvisoryMode::Shadow)
+        .next()
+        .map(|_| named(AdvisoryMode::Shadow).collect::<Vec<_>>().join(", "));
+    (soft, shadow)
 }
 
 /// The window a quota of `algorithm` is stated over, ms: a window algorithm's window; a rate

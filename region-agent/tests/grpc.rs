@@ -370,3 +370,47 @@ async fn rules_say_whether_envoy_may_show_them() {
         assert_eq!(answer.statuses[0].limit_remaining, 0);
     }
 }
+
+/// A soft rule's violation is told to the caller (`response_headers_to_add`), a shadow rule's to
+/// the upstream service only (`request_headers_to_add`); both admit.
+#[tokio::test]
+async fn advisory_rules_answer_ok_and_flag_their_would_be_denials_in_headers() {
+    const ADVISORY: &str = r#"{
+        "bundleVersion": 1,
+        "rules": [
+            {"id": "guard", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
+             "limit": 1, "windowMs": 3600000, "failMode": "closed", "mode": "shadow"},
+            {"id": "plan", "scope": "user", "algorithm": "token_bucket",
+             "capacityMillis": 1000, "refillMillis": 1000, "periodMs": 3600000,
+             "failMode": "closed", "mode": "soft"}
+        ]
+    }"#;
+    let mut served = serve_bundle(Some(ADVISORY)).await;
+    let first = ask(&mut served, vec![user("frank")]).await;
+    assert!(first.request_headers_to_add.is_empty(), "{first:?}");
+    let second = ask(&mut served, vec![user("frank")]).await;
+    assert_eq!(second.overall_code, Code::Ok as i32, "{second:?}");
+    let headers =
+        |list: &[allot_region_agent::grpc::proto::envoy::config::core::v3::HeaderValue]| {
+            list.iter()
+                .map(|h| (h.key.clone(), h.value.clone()))
+                .collect::<Vec<_>>()
+        };
+    assert_eq!(
+        headers(&second.request_headers_to_add),
+        [("x-allot-shadow-denied".to_owned(), "guard".to_owned())]
+    );
+    assert!(
+        headers(&second.response_headers_to_add).contains(&(
+            "x-allot-soft-limit-exceeded".to_owned(),
+            "\"plan\"".to_owned()
+        )),
+        "{second:?}"
+    );
+    assert!(
+        !headers(&second.response_headers_to_add)
+            .iter()
+            .any(|(key, _)| key == "x-allot-shadow-denied"),
+        "the caller is never told of a shadow rule"
+    );
+}

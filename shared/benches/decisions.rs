@@ -52,6 +52,7 @@ fn decisions(c: &mut Criterion) {
                     algorithm,
                     state: Some(state),
                     cost_millitokens: 1_000,
+                    advisory: false,
                 })
                 .collect();
             decide_all(black_box(&inputs), black_box(1_000_250), "r-1")

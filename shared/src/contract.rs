@@ -190,6 +190,32 @@ pub struct Decision {
     /// True when the request was a dry run: nothing was spent, whatever `allowed` says.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dry_run: bool,
+    /// The shadow and soft rules that would have denied the request (they deny nothing).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub violations: Vec<Violation>,
+}
+
+/// A shadow or soft rule that would have denied a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Violation {
+    /// The rule.
+    pub policy_id: String,
+    /// How it acts: `shadow` (the caller is not told) or `soft` (the caller is).
+    pub mode: AdvisoryMode,
+    /// Whose budget it limits.
+    pub scope: DeniedScope,
+}
+
+/// The mode of a rule that advises instead of denying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdvisoryMode {
+    /// Dark-launched: metrics, the decision log and the gateway's headers say what it would have
+    /// done; the caller is not told.
+    Shadow,
+    /// The caller is told (a response header) and admitted.
+    Soft,
 }
 
 /// `GET /v1/quota` on the agent: whose quotas to show. A query string of these fields, set by the

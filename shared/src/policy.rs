@@ -5,7 +5,7 @@
 //! `refillMillis`, `periodMs`, `costMillis`, `concurrencyMax`, `failMode`, `idempotent`) and adds what it
 //! lacks: `principalType`, `slackMs`, `limit`/`windowMs` for window algorithms, `pool` for global rules,
 //! `localCapacityMillis`/`localRefillMillis`/`localPeriodMs` for `local_bounded`,
-//! `concurrencyLeaseTtlMs`, `exempt`/`owner` for exemptions, `strict` and `expose`.
+//! `concurrencyLeaseTtlMs`, `exempt`/`owner` for exemptions, `strict`, `expose` and `mode`.
 //!
 //! Validation happens once, at publish time (and again when an agent loads a bundle), so that the data
 //! plane never discovers a bad policy as a script error or a CROSSSLOT at runtime. Every error names the
@@ -143,6 +143,38 @@ pub enum Exposure {
     Hidden,
 }
 
+/// How a rule acts on what it decides (`mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Mode {
+    /// Denies what it does not admit (no `mode` field, or `"enforce"`).
+    #[default]
+    Enforce,
+    /// Decided and counted like an enforced rule (its state spent by what it would admit), but it
+    /// never denies: metrics, the decision log and the gateway's headers say what it would have
+    /// done. For dark-launching a limit. A shadow global rule spends no lease; its would-be usage
+    /// is reported to the ledger per window.
+    Shadow,
+    /// Like shadow, but the violation is the caller's to know: the decision and a response header
+    /// flag it. Regional rules only (a global pool's bound must hold).
+    Soft,
+}
+
+impl Mode {
+    /// Whether the rule only advises (shadow or soft): it never denies.
+    pub fn is_advisory(self) -> bool {
+        self != Mode::Enforce
+    }
+
+    /// The name in a bundle, in metrics and in decisions.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+            Mode::Soft => "soft",
+        }
+    }
+}
+
 /// Where a rule's budget lives.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Limit {
@@ -182,6 +214,8 @@ pub struct Rule {
     pub strict: bool,
     /// Whether callers may see the rule's limit (`expose`).
     pub exposure: Exposure,
+    /// Whether it denies, or only advises (`mode`).
+    pub mode: Mode,
     canonical: Value,
 }
 
@@ -567,6 +601,30 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
             ));
         }
     };
+    let mode = match f.string("mode")? {
+        None | Some("enforce") => Mode::Enforce,
+        Some("shadow") => Mode::Shadow,
+        Some("soft") if scope == Scope::Global => {
+            return Err(error(
+                f.at("mode"),
+                "soft is for regional rules: a global pool's overshoot bound must hold (use shadow \
+                 to measure a pool without enforcing it)",
+            ));
+        }
+        Some("soft") => Mode::Soft,
+        Some(other) => {
+            return Err(error(
+                f.at("mode"),
+                format!("must be enforce, shadow or soft, got {other:?}"),
+            ));
+        }
+    };
+    if mode.is_advisory() && concurrency.is_some() {
+        return Err(error(
+            f.at("concurrencyMax"),
+            "is only for mode enforce: a shadow or soft rule takes no concurrency slot",
+        ));
+    }
     Ok(Rule {
         id,
         scope,
@@ -580,6 +638,7 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
         exempt_owner,
         strict,
         exposure,
+        mode,
         canonical: Value::Null,
     })
 }

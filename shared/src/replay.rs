@@ -34,6 +34,9 @@ pub struct RuleReplay {
     pub evaluated: u64,
     /// Requests it was the first to deny.
     pub denied: u64,
+    /// For a shadow or soft rule: requests it would have denied (it denies none).
+    #[serde(default)]
+    pub would_deny: u64,
 }
 
 /// The outcome of a replay.
@@ -100,10 +103,11 @@ pub fn replay(bundle: &PolicyBundle, samples: &[ReplaySample], pepper: &Pepper) 
         let inputs: Vec<RuleInput<'_>> = keyed
             .iter()
             .zip(&states)
-            .map(|((_, algorithm, _, cost), state)| RuleInput {
+            .map(|((rule, algorithm, _, cost), state)| RuleInput {
                 algorithm,
                 state: state.as_ref(),
                 cost_millitokens: *cost,
+                advisory: rule.mode.is_advisory(),
             })
             .collect();
         for (rule, ..) in &keyed {
@@ -122,6 +126,15 @@ pub fn replay(bundle: &PolicyBundle, samples: &[ReplaySample], pepper: &Pepper) 
             }
             continue;
         };
+        for index in &decision.advisory_denials {
+            if let Some((rule, ..)) = keyed.get(*index) {
+                report
+                    .rules
+                    .entry(rule.id.to_string())
+                    .or_default()
+                    .would_deny += 1;
+            }
+        }
         match decision.denied_by {
             Some(index) => {
                 report.denied += 1;

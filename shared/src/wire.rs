@@ -156,6 +156,19 @@ pub struct Report {
     /// Tokens admitted in fallback in this window so far (cumulative).
     #[serde(default, rename = "fallbackAdmitted")]
     pub fallback_admitted_tokens: u64,
+    /// Tokens a shadow global rule of this pool counted in this window so far without spending
+    /// them (cumulative): what enforcing the pool would have spent.
+    #[serde(
+        default,
+        rename = "shadowAdmitted",
+        skip_serializing_if = "crate::wire::is_zero"
+    )]
+    pub shadow_admitted_tokens: u64,
+}
+
+/// For `skip_serializing_if`: a zero amount is not sent (older allocators refuse unknown fields).
+pub fn is_zero(amount: &u64) -> bool {
+    *amount == 0
 }
 
 /// `POST /v1/reports` answer.

@@ -540,3 +540,52 @@ fn expose_says_who_may_see_a_rule_and_changes_no_checksum_when_absent() {
     let guard = sealed(bundle(Some(json!(false))).replace("\"tenant\"", "\"user\""));
     assert!(!guard.rules()[0].visible_to(PrincipalType::User));
 }
+
+#[test]
+fn modes_are_enforce_shadow_or_soft_and_soft_is_for_regional_rules() {
+    use allot_shared::policy::Mode;
+    let one = |rule: Value| json!({ "bundleVersion": 1, "rules": [rule] }).to_string();
+    let window = |extra: Value| {
+        let mut rule = json!({ "id": "w", "scope": "tenant", "algorithm": "fixed_window",
+                               "limit": 5, "windowMs": 1000, "failMode": "closed" });
+        for (key, value) in extra.as_object().expect("object") {
+            rule[key] = value.clone();
+        }
+        one(rule)
+    };
+    let mode_of = |text: String| {
+        parse_bundle(&text)
+            .and_then(|draft| draft.into_file_bundle())
+            .expect("valid")
+            .rules()[0]
+            .mode
+    };
+    assert_eq!(mode_of(window(json!({}))), Mode::Enforce);
+    assert_eq!(mode_of(window(json!({ "mode": "enforce" }))), Mode::Enforce);
+    assert_eq!(mode_of(window(json!({ "mode": "shadow" }))), Mode::Shadow);
+    assert_eq!(mode_of(window(json!({ "mode": "soft" }))), Mode::Soft);
+    let absent = parse_bundle(&window(json!({})))
+        .and_then(|draft| draft.into_file_bundle())
+        .expect("valid");
+    assert!(
+        absent.rules()[0].to_json().get("mode").is_none(),
+        "not written out when absent, so older bundles keep their checksums"
+    );
+    let error = rejected(&window(json!({ "mode": "warn" })));
+    assert_eq!(
+        (error.field.as_str(), error.rule_id.as_deref()),
+        ("rules[0].mode", Some("w"))
+    );
+    let error = rejected(&window(json!({ "mode": "shadow", "concurrencyMax": 2 })));
+    assert_eq!(error.field, "rules[0].concurrencyMax");
+    let global = |mode: &str| {
+        one(
+            json!({ "id": "g", "scope": "global", "pool": "api", "failMode": "closed",
+                    "mode": mode }),
+        )
+    };
+    assert_eq!(mode_of(global("shadow")), Mode::Shadow);
+    let error = rejected(&global("soft"));
+    assert_eq!(error.field, "rules[0].mode");
+    assert!(error.message.contains("regional"), "{error}");
+}

@@ -213,6 +213,7 @@ proptest! {
                 algorithm,
                 state: state.as_ref(),
                 cost_millitokens: cost_tokens * 1_000,
+                advisory: false,
             })
             .collect();
         let d = decide_all(&inputs, now, "r-1").expect("valid");
@@ -241,6 +242,69 @@ proptest! {
                 }
             }
             prop_assert_eq!(d.retry, worst, "the hint is the maximum over denying rules");
+        }
+    }
+
+    /// Advisory (shadow or soft) rules never deny: the request is decided by the enforced rules
+    /// alone, every advisory rule that would deny on its own is listed, and an admitted request
+    /// spends exactly the rules that admit it on their own (an advisory rule that would deny is
+    /// left untouched, so its state follows what enforcing it would have admitted).
+    #[test]
+    fn advisory_rules_never_deny_and_are_spent_only_where_they_admit(
+        rules in prop::collection::vec(
+            (1u64..20, 1u64..5, 1_000u64..20_000, 0u64..=50, 0u8..3, any::<bool>()), 1..=8),
+        cost_tokens in 1u64..5,
+        now in 0u64..(1 << 40),
+    ) {
+        let algorithms: Vec<Algorithm> = rules
+            .iter()
+            .map(|&(capacity_tokens, refill_tokens, period, _, kind, _)| match kind {
+                0 => Algorithm::TokenBucket(
+                    TokenBucket::new(capacity_tokens * 1_000, refill_tokens * 1_000, period, 0).expect("valid"),
+                ),
+                1 => Algorithm::FixedWindow(FixedWindow::new(capacity_tokens, period).expect("valid")),
+                _ => Algorithm::SlidingCounter(SlidingCounter::new(capacity_tokens, period).expect("valid")),
+            })
+            .collect();
+        let states: Vec<Option<State>> = rules
+            .iter()
+            .zip(&algorithms)
+            .map(|(&(capacity_tokens, _, _, fill, _, _), algorithm)| match algorithm {
+                Algorithm::TokenBucket(_) => Some(State::TokenBucket(TokenBucketState {
+                    tokens_millitokens: capacity_tokens * 1_000 * fill / 50,
+                    updated_at_ms: now,
+                })),
+                _ => None,
+            })
+            .collect();
+        let inputs: Vec<RuleInput<'_>> = algorithms
+            .iter()
+            .zip(&states)
+            .zip(&rules)
+            .map(|((algorithm, state), rule)| RuleInput {
+                algorithm,
+                state: state.as_ref(),
+                cost_millitokens: cost_tokens * 1_000,
+                advisory: rule.5,
+            })
+            .collect();
+        let d = decide_all(&inputs, now, "r-1").expect("valid");
+        let alone: Vec<bool> = inputs
+            .iter()
+            .map(|input| {
+                let enforced = RuleInput { advisory: false, ..*input };
+                decide_all(&[enforced], now, "r-1").expect("valid").allowed
+            })
+            .collect();
+        let enforced_deny: Vec<usize> =
+            (0..inputs.len()).filter(|&i| !alone[i] && !inputs[i].advisory).collect();
+        let advisory_deny: Vec<usize> =
+            (0..inputs.len()).filter(|&i| !alone[i] && inputs[i].advisory).collect();
+        prop_assert_eq!(d.allowed, enforced_deny.is_empty());
+        prop_assert_eq!(d.denied_by, enforced_deny.first().copied());
+        prop_assert_eq!(&d.advisory_denials, &advisory_deny);
+        for (index, write) in d.writes.iter().enumerate() {
+            prop_assert_eq!(write.is_some(), d.allowed && alone[index], "rule {}", index);
         }
     }
 

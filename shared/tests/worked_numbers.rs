@@ -262,11 +262,13 @@ fn multi(
                 algorithm: &user_rule,
                 state: Some(&user_state),
                 cost_millitokens: cost,
+                advisory: false,
             },
             RuleInput {
                 algorithm: &tenant_rule,
                 state: Some(&tenant_state),
                 cost_millitokens: cost,
+                advisory: false,
             },
         ],
         now,
@@ -524,6 +526,7 @@ fn denial(reason: Reason, scope: DeniedScope, retry_after_ms: i64) -> Decision {
         retry_after_ms,
         fallback: false,
         dry_run: false,
+        violations: Vec::new(),
     }
 }
 

@@ -12,7 +12,7 @@ use sea_query::{
 use sea_query_binder::SqlxBinder;
 use serde::{Deserialize, Serialize};
 
-use super::schema::{FallbackAdmits, Grants, LeaseSpend, sum_as_bigint};
+use super::schema::{FallbackAdmits, Grants, LeaseSpend, ShadowAdmits, sum_as_bigint};
 use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 
 /// Most windows one `windows` query returns.
@@ -65,6 +65,13 @@ pub struct WindowRow {
     /// The design's bound for this pool's configuration.
     #[serde(rename = "bound")]
     pub bound_tokens: u64,
+    /// Tokens a shadow global rule counted without spending, all regions: what enforcing the pool
+    /// would have spent (beyond `limit`, what it would have denied).
+    #[serde(rename = "shadowAdmitted", default)]
+    pub shadow_admitted_tokens: u64,
+    /// Shadow admits per region.
+    #[serde(rename = "shadowAdmittedByRegion", default)]
+    pub shadow_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -106,6 +113,8 @@ pub struct WindowAmounts {
     pub unreported_tokens: u64,
     /// Tokens admitted in fallback per region.
     pub fallback_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
+    /// Tokens a shadow global rule counted per region.
+    pub shadow_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
 }
 
 /// A window's accounts from its amounts: everything granted, everything admitted (spent from
@@ -145,6 +154,8 @@ pub fn account(amounts: WindowAmounts, limit_tokens: u64, bound_tokens: u64) -> 
         admitted_tokens_by_region,
         overshoot_tokens: overshoot_tokens(admitted_tokens, limit_tokens),
         bound_tokens,
+        shadow_admitted_tokens: total(&amounts.shadow_admitted_tokens_by_region),
+        shadow_admitted_tokens_by_region: amounts.shadow_admitted_tokens_by_region,
     }
 }
 
@@ -160,9 +171,14 @@ impl Ledger {
         now_ms: u64,
     ) -> Result<Vec<WindowRow>, LedgerError> {
         let last = last.clamp(1, MAX_WINDOWS);
-        let fallback_rows = self.fallback_rows(tenant, pool, last).await?;
+        let fallback_rows = self
+            .admits_rows(FallbackAdmits::Table, tenant, pool, last)
+            .await?;
+        let shadow_rows = self
+            .admits_rows(ShadowAdmits::Table, tenant, pool, last)
+            .await?;
         let keys = self
-            .window_keys(tenant, pool, config, last, &fallback_rows)
+            .window_keys(tenant, pool, config, last, &[&fallback_rows, &shadow_rows])
             .await?;
         let Some(oldest) = keys.last().map(|k| k.window_start_ms) else {
             return Ok(Vec::new());
@@ -203,6 +219,7 @@ impl Ledger {
                         &fallback_rows,
                         key.window_start_ms,
                     ),
+                    shadow_admitted_tokens_by_region: by_region(&shadow_rows, key.window_start_ms),
                 };
                 account(amounts, limit, bound)
             })
@@ -210,9 +227,11 @@ impl Ledger {
         Ok(rows)
     }
 
-    /// Fallback admits per region of the pool's latest windows (at most 64 regions a window).
-    async fn fallback_rows(
+    /// Fallback (or shadow) admits per region of the pool's latest windows, from `table` (at most
+    /// 64 regions a window).
+    async fn admits_rows<T: sea_query::Iden + Copy + 'static>(
         &self,
+        table: T,
         tenant: &TenantId,
         pool: &PoolId,
         last: u64,
@@ -221,8 +240,8 @@ impl Ledger {
             .column(FallbackAdmits::WindowStartMs)
             .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
             .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
-            .from(FallbackAdmits::Table)
-            .cond_where(of_pool(Alias::new("fallback_admits"), tenant, pool))
+            .from(table)
+            .cond_where(of_pool(table, tenant, pool))
             .order_by(FallbackAdmits::WindowStartMs, Order::Desc)
             .limit(last * 64)
             .to_owned();
@@ -231,14 +250,14 @@ impl Ledger {
         }))
     }
 
-    /// The latest `last` windows with grants or fallback admits, newest first.
+    /// The latest `last` windows with grants, fallback or shadow admits, newest first.
     async fn window_keys(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
         config: &PoolConfig,
         last: u64,
-        fallback_rows: &[RegionAmount],
+        admits_rows: &[&[RegionAmount]],
     ) -> Result<Vec<WindowKey>, LedgerError> {
         let statement = Query::select()
             .distinct()
@@ -251,9 +270,10 @@ impl Ledger {
         let mut keys: Vec<WindowKey> = on_db!(self, statement, |sql, values, db| {
             sqlx::query_as_with(&sql, values).fetch_all(db).await?
         });
-        // A window with fallback admits and no grant (a region cut off all window long).
+        // A window with fallback admits and no grant (a region cut off all window long), or with
+        // shadow admits only (a pool in shadow mode grants nothing).
         let window_ms = i64_of(config.window_ms().get());
-        for row in fallback_rows {
+        for row in admits_rows.iter().flat_map(|rows| rows.iter()) {
             if !keys
                 .iter()
                 .any(|k| k.window_start_ms == row.window_start_ms)
@@ -356,7 +376,11 @@ impl Ledger {
 }
 
 /// Rows of `table` that belong to `tenant`/`pool`.
-fn of_pool(table: Alias, tenant: &TenantId, pool: &PoolId) -> Cond {
+fn of_pool<T: sea_query::Iden + Clone + 'static>(
+    table: T,
+    tenant: &TenantId,
+    pool: &PoolId,
+) -> Cond {
     Cond::all()
         .add(Expr::col((table.clone(), Alias::new("tenant"))).eq(tenant.as_str()))
         .add(Expr::col((table, Alias::new("pool"))).eq(pool.as_str()))
@@ -386,8 +410,13 @@ mod tests {
             stranded_tokens: 40,
             unreported_tokens: 10,
             fallback_admitted_tokens_by_region: [(region("eu"), 80), (region("us"), 20)].into(),
+            shadow_admitted_tokens_by_region: [(region("eu"), 1_500), (region("us"), 200)].into(),
         };
         let row = account(amounts, 1_000, 1_200);
+        assert_eq!(
+            row.shadow_admitted_tokens, 1_700,
+            "a shadow rule's count is told apart, never admitted or overshoot"
+        );
         assert_eq!(row.granted_tokens, 1_000);
         assert_eq!(row.fallback_admitted_tokens, 100);
         assert_eq!(row.admitted_tokens, 1_050);

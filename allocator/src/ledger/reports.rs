@@ -9,7 +9,7 @@ use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 use sea_query::{Alias, Expr, OnConflict, PostgresQueryBuilder, Query, SqliteQueryBuilder};
 use sea_query_binder::SqlxBinder;
 
-use super::schema::{FallbackAdmits, Grants, LeaseReports, LeaseSpend, keep_larger};
+use super::schema::{FallbackAdmits, Grants, LeaseReports, LeaseSpend, ShadowAdmits, keep_larger};
 use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 use crate::pools::GrantRecord;
 
@@ -132,8 +132,8 @@ impl Ledger {
                     let (sql, values) = spend.build_sqlx($builder);
                     sqlx::query_with(&sql, values).execute(&mut *tx).await?;
                 }
-                if let Some(fallback) = &statements.fallback {
-                    let (sql, values) = fallback.build_sqlx($builder);
+                for admits in statements.fallback.iter().chain(&statements.shadow) {
+                    let (sql, values) = admits.build_sqlx($builder);
                     sqlx::query_with(&sql, values).execute(&mut *tx).await?;
                 }
                 tx.commit().await?;
@@ -223,12 +223,13 @@ impl Ledger {
 }
 
 /// What a report writes, in one transaction: the report itself (its id makes it once only), each
-/// lease's cumulative spend, and the window's cumulative fallback admits (the larger value kept:
-/// reports are cumulative and may arrive out of order).
+/// lease's cumulative spend, and the window's cumulative fallback and shadow admits (the larger
+/// value kept: reports are cumulative and may arrive out of order).
 struct ReportStatements {
     report: sea_query::InsertStatement,
     spends: Vec<sea_query::InsertStatement>,
     fallback: Option<sea_query::InsertStatement>,
+    shadow: Option<sea_query::InsertStatement>,
 }
 
 impl ReportStatements {
@@ -240,7 +241,15 @@ impl ReportStatements {
                 .iter()
                 .map(|lease| upsert_spend(lease, received_at_ms))
                 .collect(),
-            fallback: (report.fallback_admitted_tokens > 0).then(|| upsert_fallback(report)),
+            fallback: (report.fallback_admitted_tokens > 0).then(|| {
+                upsert_admits(
+                    FallbackAdmits::Table,
+                    report,
+                    report.fallback_admitted_tokens,
+                )
+            }),
+            shadow: (report.shadow_admitted_tokens > 0)
+                .then(|| upsert_admits(ShadowAdmits::Table, report, report.shadow_admitted_tokens)),
         }
     }
 }
@@ -315,10 +324,15 @@ fn upsert_spend(lease: &ReportLease, received_at_ms: u64) -> sea_query::InsertSt
         .to_owned()
 }
 
-/// The region's cumulative fallback admits in the window: the larger value kept.
-fn upsert_fallback(report: &Report) -> sea_query::InsertStatement {
+/// The region's cumulative fallback (or shadow) admits in the window, into `table` (both tables
+/// have the same columns): the larger value kept.
+fn upsert_admits<T: sea_query::Iden + Copy + 'static>(
+    table: T,
+    report: &Report,
+    admitted_tokens: u64,
+) -> sea_query::InsertStatement {
     Query::insert()
-        .into_table(FallbackAdmits::Table)
+        .into_table(table)
         .columns([
             FallbackAdmits::Tenant,
             FallbackAdmits::Pool,
@@ -331,7 +345,7 @@ fn upsert_fallback(report: &Report) -> sea_query::InsertStatement {
             report.pool.as_str().into(),
             report.region.as_str().into(),
             i64_of(report.window_start_ms).into(),
-            i64_of(report.fallback_admitted_tokens).into(),
+            i64_of(admitted_tokens).into(),
         ])
         .on_conflict(
             OnConflict::columns([
@@ -342,7 +356,7 @@ fn upsert_fallback(report: &Report) -> sea_query::InsertStatement {
             ])
             .value(
                 FallbackAdmits::Admitted,
-                keep_larger(FallbackAdmits::Table, FallbackAdmits::Admitted),
+                keep_larger(table, FallbackAdmits::Admitted),
             )
             .to_owned(),
         )

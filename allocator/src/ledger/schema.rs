@@ -95,6 +95,12 @@ pub(super) enum FallbackAdmits {
     Admitted,
 }
 
+/// Shadow admits per region and window: the same columns as [`FallbackAdmits`].
+#[derive(Iden, Clone, Copy)]
+pub(super) enum ShadowAdmits {
+    Table,
+}
+
 pub(super) fn sum_as_bigint(expr: impl Into<sea_query::SimpleExpr>) -> sea_query::SimpleExpr {
     Func::cast_as(
         Func::coalesce([Func::sum(expr).into(), Expr::val(0i64).into()]),

@@ -155,6 +155,7 @@ pub struct BatchRule {
     params: RuleParams,
     algorithm: Algorithm,
     cost_millitokens: u64,
+    advisory: bool,
 }
 
 impl BatchRule {
@@ -167,7 +168,20 @@ impl BatchRule {
             params,
             algorithm,
             cost_millitokens,
+            advisory: false,
         })
+    }
+
+    /// The same rule as an advisory one (a shadow or soft rule): decided and, when the request is
+    /// admitted and it would admit too, spent; it never denies.
+    pub fn into_advisory(mut self) -> Self {
+        self.advisory = true;
+        self
+    }
+
+    /// Whether the rule only advises ([`into_advisory`](Self::into_advisory)).
+    pub fn advisory(&self) -> bool {
+        self.advisory
     }
 
     /// The rule's store key.
@@ -445,6 +459,11 @@ pub fn plan_request<'a>(
         let params = RuleParams::from_algorithm(algorithm);
         let batch_rule = BatchRule::new(key, params, cost_millitokens)
             .map_err(|_| BatchError::UnreadableParams(rule.id.clone()))?;
+        let batch_rule = if rule.mode.is_advisory() {
+            batch_rule.into_advisory()
+        } else {
+            batch_rule
+        };
         debug_assert_eq!(batch_rule.algorithm(), algorithm);
         batch_rules.push(batch_rule);
     }

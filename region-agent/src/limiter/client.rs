@@ -56,6 +56,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use allot_shared::contract::PrincipalType;
+use allot_shared::limit::RetryAfter;
 use allot_shared::policy::{FailMode, Scope};
 use tokio::sync::{Semaphore, TryAcquireError};
 
@@ -775,7 +776,8 @@ impl Limiter {
     }
 
     /// The per-rule fail modes, when the store could not decide: closed wins; otherwise every
-    /// rule's local bucket decides.
+    /// rule's local bucket decides. Shadow and soft rules take no part: they never deny, and an
+    /// outage of their store must not either.
     fn degrade(&self, planned: &PlannedBatch<'_>) -> Verdict {
         let unavailable = |rule| {
             bump(&self.counters.unavailable);
@@ -784,17 +786,27 @@ impl Limiter {
                 retry_ms: self.config.unavailable_retry_ms,
             }
         };
-        if let Some(rule) = planned
-            .rules
+        let enforced: Vec<usize> = (0..planned.rules.len())
+            .filter(|&index| {
+                planned
+                    .rules
+                    .get(index)
+                    .is_some_and(|rule| !rule.mode.is_advisory())
+            })
+            .collect();
+        if let Some(&rule) = enforced
             .iter()
-            .position(|rule| rule.fail_mode == FailMode::Closed)
+            .find(|&&index| planned.rules[index].fail_mode == FailMode::Closed)
         {
             return unavailable(rule);
         }
-        let mut local = Vec::with_capacity(planned.rules.len());
-        for (index, (batch_rule, rule)) in
-            planned.batch.rules().iter().zip(&planned.rules).enumerate()
-        {
+        let mut local = Vec::with_capacity(enforced.len());
+        for &index in &enforced {
+            let (Some(batch_rule), Some(rule)) =
+                (planned.batch.rules().get(index), planned.rules.get(index))
+            else {
+                return unavailable(index);
+            };
             let FailMode::LocalBounded(bucket) = &rule.fail_mode else {
                 return unavailable(index);
             };
@@ -805,17 +817,26 @@ impl Limiter {
             });
         }
         let dry_run = planned.batch.dry_run();
-        match self
-            .fallback
-            .decide(&local, self.clock.elapsed_ms(), dry_run)
-        {
+        let decided = if local.is_empty() {
+            // Only advisory rules: nothing may deny.
+            Ok(FallbackDecision {
+                allowed: true,
+                denied_by: None,
+                retry: RetryAfter::Ms(0),
+                remaining: Vec::new(),
+            })
+        } else {
+            self.fallback
+                .decide(&local, self.clock.elapsed_ms(), dry_run)
+        };
+        match decided {
             Ok(decision) => {
                 bump(&self.counters.fallback_decisions);
-                Verdict::Fallback(decision)
+                Verdict::Fallback(decision.spread_over(&enforced, planned.rules.len()))
             }
             Err(full) => {
                 tracing::warn!("local fallback table is full of buckets in use");
-                unavailable(full.rule)
+                unavailable(enforced.get(full.rule).copied().unwrap_or(0))
             }
         }
     }

@@ -18,9 +18,9 @@
 //! - A concurrency cap that refuses is reported by [`concurrency_denial`].
 
 use allot_shared::MILLITOKENS_PER_TOKEN;
-use allot_shared::contract::{Decision, DeniedScope, Reason};
+use allot_shared::contract::{AdvisoryMode, Decision, DeniedScope, Reason, Violation};
 use allot_shared::limit::RetryAfter;
-use allot_shared::policy::{FailMode, Rule};
+use allot_shared::policy::{FailMode, Mode, Rule};
 
 use super::batch::{PlannedBatch, RuleParams};
 use super::client::{LimitDecision, Verdict};
@@ -134,14 +134,19 @@ impl LimitDecision {
             retry_after_ms: 0,
             fallback: self.fallback(),
             dry_run: false,
+            violations: Vec::new(),
         };
-        // The store's limits as enforced: split for a tenant-wide rule in a sub-slot.
+        // The store's limits as enforced: split for a tenant-wide rule in a sub-slot. A shadow or
+        // soft rule has none to name (limit 0: never the most constraining; it never denies).
         let store_limit = |index: usize| -> (u64, u64) {
             let (Some(batch_rule), Some(rule)) =
                 (planned.batch.rules().get(index), planned.rules.get(index))
             else {
                 return (0, 1);
             };
+            if rule.mode.is_advisory() {
+                return (0, 1);
+            }
             match self.sub_slot {
                 Some(slot) if is_tenant_wide(rule.scope) => {
                     native_limit(&split_params(batch_rule.params(), slot.count))
@@ -158,6 +163,14 @@ impl LimitDecision {
             }
         };
         let rule_at = |index: usize| planned.rules.get(index).copied();
+        if let Verdict::Store(store) = &self.verdict {
+            decision.violations = store
+                .advisory_denials
+                .iter()
+                .filter_map(|&index| rule_at(index))
+                .map(violation)
+                .collect();
+        }
         match &self.verdict {
             Verdict::Store(store) => attribute(
                 &mut decision,
@@ -215,6 +228,18 @@ impl LimitDecision {
             }
         }
         decision
+    }
+}
+
+/// How a shadow or soft rule that would have denied is reported.
+fn violation(rule: &Rule) -> Violation {
+    Violation {
+        policy_id: rule.id.to_string(),
+        mode: match rule.mode {
+            Mode::Soft => AdvisoryMode::Soft,
+            Mode::Shadow | Mode::Enforce => AdvisoryMode::Shadow,
+        },
+        scope: rule.scope.denied_scope(),
     }
 }
 
@@ -292,6 +317,7 @@ pub fn concurrency_denial(
         retry_after_ms: RetryAfter::Ms(retry_after_ms).as_wire_ms(),
         fallback: false,
         dry_run: false,
+        violations: Vec::new(),
     }
 }
 
@@ -369,6 +395,7 @@ mod tests {
         let decision = answer(Verdict::Store(BatchDecision {
             allowed: true,
             denied_by: None,
+            advisory_denials: Vec::new(),
             retry: RetryAfter::Ms(0),
             remaining: vec![19_500, 10, 999_000],
             replayed: false,
@@ -390,6 +417,7 @@ mod tests {
         let decision = answer(Verdict::Store(BatchDecision {
             allowed: false,
             denied_by: Some(0),
+            advisory_denials: Vec::new(),
             retry: RetryAfter::Ms(500),
             remaining: vec![999, 10, 999_000],
             replayed: false,
@@ -472,6 +500,7 @@ mod tests {
         let mut split = answer(Verdict::Store(BatchDecision {
             allowed: false,
             denied_by: Some(2),
+            advisory_denials: Vec::new(),
             retry: RetryAfter::Ms(60),
             remaining: vec![19_000, 10, 0],
             replayed: false,

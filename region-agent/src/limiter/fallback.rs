@@ -51,6 +51,25 @@ pub struct FallbackDecision {
     pub remaining: Vec<u64>,
 }
 
+impl FallbackDecision {
+    /// The decision of a subset of a request's rules (`indexes[i]` is the request's index of local
+    /// rule `i`) as the whole request's: rules outside the subset hold nothing locally (0).
+    pub(crate) fn spread_over(self, indexes: &[usize], rule_count: usize) -> Self {
+        let mut remaining = vec![0; rule_count];
+        for (local, &index) in indexes.iter().enumerate() {
+            if let (Some(slot), Some(&left)) = (remaining.get_mut(index), self.remaining.get(local))
+            {
+                *slot = left;
+            }
+        }
+        Self {
+            denied_by: self.denied_by.and_then(|local| indexes.get(local).copied()),
+            remaining,
+            ..self
+        }
+    }
+}
+
 /// The table is full of buckets in use: the request's new key cannot be tracked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TableFull {

@@ -214,9 +214,13 @@ pub fn spread(planned: &PlannedBatch<'_>, k: u32, index: u32) -> Result<RuleBatc
             *rule.params()
         };
         // Split parameters only shrink, so they stay within the validated bounds.
-        let rule = BatchRule::new(key, params, rule.cost_millitokens())
+        let moved = BatchRule::new(key, params, rule.cost_millitokens())
             .map_err(|_| BatchError::UnreadableParams(policy.id.clone()))?;
-        rules.push(rule);
+        rules.push(if rule.advisory() {
+            moved.into_advisory()
+        } else {
+            moved
+        });
     }
     let batch = RuleBatch::new_in_sub_slot(
         tenant,

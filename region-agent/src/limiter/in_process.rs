@@ -151,6 +151,7 @@ impl InProcessStore {
                 Some(Stored::Record(recorded)) => {
                     return Ok(BatchDecision {
                         replayed: true,
+                        advisory_denials: Vec::new(),
                         ..recorded.clone()
                     });
                 }
@@ -174,6 +175,7 @@ impl InProcessStore {
                 algorithm: rule.algorithm(),
                 state: state.as_ref(),
                 cost_millitokens: rule.cost_millitokens(),
+                advisory: rule.advisory(),
             })
             .collect();
         let decision =

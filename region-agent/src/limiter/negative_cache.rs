@@ -181,6 +181,7 @@ mod tests {
         BatchDecision {
             allowed: false,
             denied_by: Some(0),
+            advisory_denials: Vec::new(),
             retry,
             remaining: vec![400, 19_000],
             replayed: false,
@@ -228,6 +229,7 @@ mod tests {
         let allowed = BatchDecision {
             allowed: true,
             denied_by: None,
+            advisory_denials: Vec::new(),
             retry: RetryAfter::Ms(0),
             remaining: vec![1, 1],
             replayed: false,

@@ -23,8 +23,8 @@ pub(crate) const SERVER_TIME: u64 = 0;
 const ARGS_PER_RULE: usize = 6;
 
 /// Fields before the first rule in the decide script's `ARGV`: now, decision id, record TTL, n,
-/// dry run.
-const ARGS_BEFORE_RULES: usize = 5;
+/// dry run, advisory mask.
+const ARGS_BEFORE_RULES: usize = 6;
 
 /// The decide script's `KEYS`: the decision record, then one key per rule.
 pub(crate) fn decide_keys(batch: &RuleBatch) -> Vec<&str> {
@@ -41,6 +41,7 @@ pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64) -> Vec<String> {
     args.push(batch.record_ttl_ms().to_string());
     args.push(batch.rules().len().to_string());
     args.push(if batch.dry_run() { "1" } else { "0" }.to_owned());
+    args.push(advisory_mask(batch).to_string());
     for rule in batch.rules() {
         let (code, p1, p2, p3, p4) = match *rule.params() {
             RuleParams::TokenBucket {
@@ -85,14 +86,33 @@ pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64) -> Vec<String> {
     args
 }
 
-/// Parses the decide script's reply `{allowed, denied_by, retry_ms, replayed, remaining...}`,
-/// checking it against the contract; the error says what broke it.
+/// The batch's advisory rules as the script's mask: bit `i` for rule `i` (0-based).
+fn advisory_mask(batch: &RuleBatch) -> u64 {
+    batch
+        .rules()
+        .iter()
+        .enumerate()
+        .filter(|(_, rule)| rule.advisory())
+        .fold(0, |mask, (index, _)| mask | 1 << index)
+}
+
+/// Parses the decide script's reply
+/// `{allowed, denied_by, retry_ms, replayed, advisory_denied, remaining...}`, checking it against
+/// the contract; the error says what broke it.
 pub(crate) fn parse_decide_reply(
     batch: &RuleBatch,
     reply: &[i64],
 ) -> Result<BatchDecision, String> {
-    let [allowed, denied_by, retry_ms, replayed, remaining @ ..] = reply else {
-        return Err(format!("{} fields, fewer than 5", reply.len()));
+    let [
+        allowed,
+        denied_by,
+        retry_ms,
+        replayed,
+        advisory_denied,
+        remaining @ ..,
+    ] = reply
+    else {
+        return Err(format!("{} fields, fewer than 6", reply.len()));
     };
     let count = batch.rules().len();
     let replayed = match replayed {
@@ -134,9 +154,18 @@ pub(crate) fn parse_decide_reply(
             ));
         }
     };
+    // Only advisory rules may be named, and none in a replay.
+    let advisory_denied = u64::try_from(*advisory_denied)
+        .ok()
+        .filter(|mask| mask & !advisory_mask(batch) == 0 && (*mask == 0 || !replayed))
+        .ok_or_else(|| format!("advisory_denied = {advisory_denied}"))?;
+    let advisory_denials = (0..count)
+        .filter(|index| advisory_denied & (1 << index) != 0)
+        .collect();
     Ok(BatchDecision {
         allowed: denied_by.is_none(),
         denied_by,
+        advisory_denials,
         retry,
         remaining,
         replayed,
@@ -224,7 +253,7 @@ mod tests {
         assert_eq!(
             decide_args(&batch, SERVER_TIME),
             [
-                "0", "r-7", "30000", "2", "0", //
+                "0", "r-7", "30000", "2", "0", "0", //
                 "tb", "20000", "2000", "1000", "5000", "1000", //
                 "sl", "20", "10000", "0", "0", "1000",
             ]
@@ -234,37 +263,58 @@ mod tests {
     #[test]
     fn a_dry_run_says_so_in_its_header() {
         let args = decide_args(&batch().into_dry_run(), SERVER_TIME);
-        assert_eq!(args[..5], ["0", "r-7", "30000", "2", "1"]);
-        assert_eq!(args.len(), 5 + 6 * 2);
+        assert_eq!(args[..6], ["0", "r-7", "30000", "2", "1", "0"]);
+        assert_eq!(args.len(), 6 + 6 * 2);
     }
 
     #[test]
     fn replies_are_checked_against_the_contract() {
         let batch = batch();
-        let allowed = parse_decide_reply(&batch, &[1, 0, 0, 0, 19_000, 19]).expect("valid");
+        let allowed = parse_decide_reply(&batch, &[1, 0, 0, 0, 0, 19_000, 19]).expect("valid");
         assert!(allowed.allowed && !allowed.replayed);
         assert_eq!(allowed.remaining, [19_000, 19]);
-        let denied = parse_decide_reply(&batch, &[0, 2, -1, 0, 0, 0]).expect("valid");
+        let denied = parse_decide_reply(&batch, &[0, 2, -1, 0, 0, 0, 0]).expect("valid");
         assert_eq!(
             (denied.denied_by, denied.retry),
             (Some(1), RetryAfter::Never)
         );
         let replay =
-            parse_decide_reply(&batch, &[1, 0, 0, 1, 5]).expect("a replay may differ in length");
+            parse_decide_reply(&batch, &[1, 0, 0, 1, 0, 5]).expect("a replay may differ in length");
         assert!(replay.replayed);
         for broken in [
-            &[1, 0, 0, 0, 19_000][..], // one remaining for two rules
-            &[0, 0, 500, 0, 0, 0],     // denied by nobody
-            &[1, 1, 0, 0, 0, 0],       // allowed and denied
-            &[0, 3, 500, 0, 0, 0],     // no rule 3
-            &[0, 1, 0, 0, 0, 0],       // a denial without a hint
-            &[0, 1, -2, 0, 0, 0],      // an impossible hint
-            &[1, 0, 0, 0, -1, 0],      // negative remaining
-            &[1, 0, 0, 2, 0, 0],       // replayed = 2
-            &[1, 0, 0],                // too short
+            &[1, 0, 0, 0, 0, 19_000][..], // one remaining for two rules
+            &[0, 0, 500, 0, 0, 0, 0],     // denied by nobody
+            &[1, 1, 0, 0, 0, 0, 0],       // allowed and denied
+            &[0, 3, 500, 0, 0, 0, 0],     // no rule 3
+            &[0, 1, 0, 0, 0, 0, 0],       // a denial without a hint
+            &[0, 1, -2, 0, 0, 0, 0],      // an impossible hint
+            &[1, 0, 0, 0, 0, -1, 0],      // negative remaining
+            &[1, 0, 0, 2, 0, 0, 0],       // replayed = 2
+            &[1, 0, 0, 0, 1, 0, 0],       // an advisory denial by an enforced rule
+            &[1, 0, 0, 0, -1, 0, 0],      // a negative mask
+            &[1, 0, 0],                   // too short
         ] {
             assert!(parse_decide_reply(&batch, broken).is_err(), "{broken:?}");
         }
+        // With rule 2 advisory, its denial is named.
+        let advisory = {
+            let mut rules = batch.rules().to_vec();
+            rules[1] = rules[1].clone().into_advisory();
+            RuleBatch::new(
+                &allot_shared::ids::TenantId::parse("atlas").expect("tenant"),
+                DecisionId::parse("r-8").expect("id"),
+                0,
+                rules,
+            )
+            .expect("valid")
+        };
+        assert_eq!(decide_args(&advisory, SERVER_TIME)[5], "2");
+        let flagged = parse_decide_reply(&advisory, &[1, 0, 0, 0, 2, 19_000, 0]).expect("valid");
+        assert_eq!(flagged.advisory_denials, [1]);
+        assert!(
+            parse_decide_reply(&advisory, &[1, 0, 0, 1, 2, 19_000]).is_err(),
+            "none in a replay"
+        );
         assert_eq!(
             parse_lease_reply(&[1, 3]),
             Ok(LeaseOutcome {

@@ -73,8 +73,11 @@ pub trait LimiterStore: Send + Sync {
 pub struct BatchDecision {
     /// True only when every rule admitted the request.
     pub allowed: bool,
-    /// Index (0-based, evaluation order) of the first denying rule.
+    /// Index (0-based, evaluation order) of the first denying (enforced) rule.
     pub denied_by: Option<usize>,
+    /// Indexes of the advisory (shadow or soft) rules that would have denied the request; none in
+    /// a replay.
+    pub advisory_denials: Vec<usize>,
     /// `Ms(0)` when allowed; otherwise the maximum over denying rules, [`RetryAfter::Never`]
     /// dominating.
     pub retry: RetryAfter,
@@ -91,6 +94,7 @@ impl BatchDecision {
         Self {
             allowed: decision.allowed,
             denied_by: decision.denied_by,
+            advisory_denials: decision.advisory_denials.clone(),
             retry: decision.retry,
             remaining: decision.remaining.clone(),
             replayed: false,

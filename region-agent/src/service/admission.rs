@@ -35,7 +35,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use allot_shared::contract::{AdmissionRequest, Decision, DeniedScope, PrincipalType, Reason};
+use allot_shared::contract::{
+    AdmissionRequest, AdvisoryMode, Decision, DeniedScope, PrincipalType, Reason,
+};
 use allot_shared::ids::{PoolId, TenantId};
 use allot_shared::limit::multi::Algorithm;
 use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule};
@@ -198,6 +200,15 @@ impl Agent {
                 decision.policy_version,
             )
             .increment(1);
+        for violation in &decision.violations {
+            let mode = match violation.mode {
+                AdvisoryMode::Shadow => "shadow",
+                AdvisoryMode::Soft => "soft",
+            };
+            metrics::counter!(crate::metrics::ADVISORY_DENIALS,
+                "rule" => violation.policy_id.clone(), "mode" => mode)
+            .increment(1);
+        }
         if let Some(log) = self.decision_log.get() {
             log.record(self.clock.now_ms(), request, &decision);
         }
@@ -266,12 +277,15 @@ impl Agent {
                 Err(denied) => return Ok(self.with_jitter(denied.to_contract(planned), planned)),
             },
         };
-        // 2. Global rules: reserved, not yet spent.
-        let global_rules = bundle.global_rules_for(
-            &request.tenant_id,
-            &request.route_group,
-            request.principal.kind,
-        );
+        // 2. Global rules: reserved, not yet spent. A shadow global rule is only counted.
+        let (shadow_rules, global_rules): (Vec<&Rule>, Vec<&Rule>) = bundle
+            .global_rules_for(
+                &request.tenant_id,
+                &request.route_group,
+                request.principal.kind,
+            )
+            .into_iter()
+            .partition(|rule| rule.mode.is_advisory());
         let hold = match self.reserve_global(request, version, &global_rules).await {
             Ok(hold) => hold,
             Err(denied) => return Ok(denied),
@@ -300,10 +314,32 @@ impl Agent {
             if !pools.is_empty() {
                 self.note_change();
             }
+            self.count_shadow_usage(request, &shadow_rules).await;
         } else {
             drop(hold);
         }
         Ok(decision)
+    }
+
+    /// Counts an admitted request against its shadow global rules' pools, per window, for the
+    /// ledger: what enforcing them would have spent. A pool whose terms cannot be had is not
+    /// counted (the window's length is in them).
+    async fn count_shadow_usage(self: &Arc<Self>, request: &AdmissionRequest, rules: &[&Rule]) {
+        for rule in rules {
+            let Limit::Global(pool) = &rule.limit else {
+                continue;
+            };
+            let Some(slot) = self.slot(&request.tenant_id, pool).await else {
+                continue;
+            };
+            let window_ms = lock(&slot.terms).0.window_ms.max(1);
+            let now_ms = self.clock.now_ms();
+            let cost_tokens = global_cost_tokens(rule, request);
+            lock(&slot.shadow).count(now_ms - now_ms % window_ms, cost_tokens);
+            metrics::counter!(crate::metrics::SHADOW_ADMITTED_TOKENS,
+                "tenant" => request.tenant_id.to_string(), "pool" => pool.to_string())
+            .increment(cost_tokens);
+        }
     }
 
     /// The first `strict` rule that applies to `request`, when the bundle is past its maximum age.
@@ -676,6 +712,7 @@ impl Agent {
             retry_after_ms,
             fallback,
             dry_run: false,
+            violations: Vec::new(),
         }
     }
 
@@ -766,6 +803,7 @@ fn admitted_by_global_rules_only(request: &AdmissionRequest, version: u64) -> De
         retry_after_ms: 0,
         fallback: false,
         dry_run: false,
+        violations: Vec::new(),
     }
 }
 
@@ -789,5 +827,6 @@ fn refused(
         retry_after_ms: i64::try_from(retry_after_ms).unwrap_or(i64::MAX),
         fallback: false,
         dry_run: false,
+        violations: Vec::new(),
     }
 }

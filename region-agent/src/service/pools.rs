@@ -42,6 +42,75 @@ pub(super) struct PoolSlot {
     pub(super) evicted: AtomicBool,
     /// The allocator's view of the pool's window from its last grant answer (`GET /v1/quota`).
     pub(super) allocator_view: Mutex<Option<AllocatorView>>,
+    /// What a shadow global rule of the pool counted, for the ledger.
+    pub(super) shadow: Mutex<ShadowTally>,
+}
+
+/// Most windows a shadow tally keeps unreported: the current one and those the allocator has not
+/// taken yet (I10). Past it, the oldest window's count is dropped (and counted).
+pub const MAX_SHADOW_WINDOWS: usize = 4;
+
+/// What a shadow global rule counted per window without spending (cumulative, as reported), and
+/// how much of it the ledger has taken.
+#[derive(Debug, Default)]
+pub(super) struct ShadowTally {
+    windows: Vec<ShadowWindow>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ShadowWindow {
+    start_ms: u64,
+    counted_tokens: u64,
+    reported_tokens: u64,
+}
+
+impl ShadowTally {
+    /// Counts `tokens` in the window starting at `start_ms`.
+    pub(super) fn count(&mut self, start_ms: u64, tokens: u64) {
+        if let Some(window) = self.windows.iter_mut().find(|w| w.start_ms == start_ms) {
+            window.counted_tokens = window.counted_tokens.saturating_add(tokens);
+            return;
+        }
+        if self.windows.len() >= MAX_SHADOW_WINDOWS {
+            self.windows.sort_by_key(|w| w.start_ms);
+            let dropped = self.windows.remove(0);
+            tracing::warn!(
+                window_start_ms = dropped.start_ms,
+                "a shadow rule's count was dropped: the allocator took no report for it"
+            );
+        }
+        self.windows.push(ShadowWindow {
+            start_ms,
+            counted_tokens: tokens,
+            reported_tokens: 0,
+        });
+    }
+
+    /// (window start, cumulative count) of every window with counts the ledger has not taken.
+    pub(super) fn unreported(&self) -> Vec<(u64, u64)> {
+        self.windows
+            .iter()
+            .filter(|w| w.counted_tokens > w.reported_tokens)
+            .map(|w| (w.start_ms, w.counted_tokens))
+            .collect()
+    }
+
+    /// The ledger took `tokens` (cumulative) for the window at `start_ms`. Windows fully reported
+    /// and older than `now_window_start_ms` are forgotten.
+    pub(super) fn acknowledge(&mut self, start_ms: u64, tokens: u64, now_window_start_ms: u64) {
+        if let Some(window) = self.windows.iter_mut().find(|w| w.start_ms == start_ms) {
+            window.reported_tokens = window.reported_tokens.max(tokens);
+        }
+        self.windows
+            .retain(|w| w.start_ms >= now_window_start_ms || w.counted_tokens > w.reported_tokens);
+    }
+
+    /// Whether the ledger has been told everything.
+    pub(super) fn is_settled(&self) -> bool {
+        self.windows
+            .iter()
+            .all(|w| w.counted_tokens <= w.reported_tokens)
+    }
 }
 
 /// What the allocator said was left of a pool's window, and when.
@@ -64,6 +133,7 @@ impl PoolSlot {
             renewed: Notify::new(),
             evicted: AtomicBool::new(false),
             allocator_view: Mutex::new(None),
+            shadow: Mutex::new(ShadowTally::default()),
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Reports to the ledger: each pool's pending lines, one report per (pool, window).
+//! Reports to the ledger: each pool's pending lines and its shadow rule's counts, one report per
+//! (pool, window).
 
 use std::sync::atomic::Ordering;
 
@@ -28,7 +29,8 @@ impl Agent {
             self.report_cursor.fetch_add(1, Ordering::Relaxed);
             let now_ms = self.clock.now_ms();
             let pending = lock(&slot.holder).pending_report(now_ms);
-            if pending.is_empty() {
+            let shadow = lock(&slot.shadow).unreported();
+            if pending.is_empty() && shadow.is_empty() {
                 continue;
             }
             let mut windows: Vec<u64> = pending
@@ -36,6 +38,7 @@ impl Agent {
                 .iter()
                 .map(|l| l.window_start_ms)
                 .chain(pending.fallback.iter().map(|f| f.window_start_ms))
+                .chain(shadow.iter().map(|(start_ms, _)| *start_ms))
                 .collect();
             windows.sort_unstable();
             windows.dedup();
@@ -73,12 +76,23 @@ impl Agent {
                         .fallback
                         .first()
                         .map_or(0, |f| f.admitted_tokens),
+                    shadow_admitted_tokens: shadow
+                        .iter()
+                        .find(|(start_ms, _)| *start_ms == window_start_ms)
+                        .map_or(0, |(_, tokens)| *tokens),
                 };
                 let sent = allocator.report(&body).await;
                 self.note_allocator(&sent);
                 match sent {
                     Ok(()) => {
-                        lock(&slot.holder).acknowledge(&part, self.clock.now_ms());
+                        let now_ms = self.clock.now_ms();
+                        lock(&slot.holder).acknowledge(&part, now_ms);
+                        let window_ms = lock(&slot.terms).0.window_ms.max(1);
+                        lock(&slot.shadow).acknowledge(
+                            window_start_ms,
+                            body.shadow_admitted_tokens,
+                            now_ms - now_ms % window_ms,
+                        );
                         self.note_change();
                     }
                     Err(error) => {

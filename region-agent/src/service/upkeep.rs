@@ -26,7 +26,7 @@ impl Agent {
             let current = pools
                 .get(&key.0, &key.1)
                 .is_some_and(|s| Arc::ptr_eq(s, &slot));
-            if current && holder.is_idle(now_ms, POOL_IDLE_MS) {
+            if current && holder.is_idle(now_ms, POOL_IDLE_MS) && lock(&slot.shadow).is_settled() {
                 slot.evicted.store(true, Ordering::Release);
                 self.dropped_reports_of_evicted
                     .fetch_add(holder.dropped_reports(), Ordering::Relaxed);

@@ -29,6 +29,8 @@ pub struct Allocator {
     pub spent_by_lease: Mutex<HashMap<String, u64>>,
     /// Reported fallback admits per window (cumulative: the largest wins).
     pub fallback_by_window: Mutex<HashMap<u64, u64>>,
+    /// Reported shadow admits per window (cumulative: the largest wins).
+    pub shadow_by_window: Mutex<HashMap<u64, u64>>,
     /// Its clock (the agents' under test should read the same one).
     pub clock: Arc<dyn Clock>,
 }
@@ -44,6 +46,7 @@ impl Allocator {
             wants: Mutex::new(Vec::new()),
             spent_by_lease: Mutex::new(HashMap::new()),
             fallback_by_window: Mutex::new(HashMap::new()),
+            shadow_by_window: Mutex::new(HashMap::new()),
             clock: Arc::new(SystemClock),
         })
     }
@@ -68,6 +71,10 @@ impl Allocator {
 
     pub fn reported_fallback(&self) -> u64 {
         self.fallback_by_window.lock().expect("lock").values().sum()
+    }
+
+    pub fn reported_shadow(&self) -> u64 {
+        self.shadow_by_window.lock().expect("lock").values().sum()
     }
 }
 
@@ -124,6 +131,10 @@ async fn report(
     let mut fallback = fake.fallback_by_window.lock().expect("lock");
     let entry = fallback.entry(window).or_default();
     *entry = (*entry).max(admitted);
+    let shadow = body["shadowAdmitted"].as_u64().unwrap_or(0);
+    let mut shadows = fake.shadow_by_window.lock().expect("lock");
+    let entry = shadows.entry(window).or_default();
+    *entry = (*entry).max(shadow);
     Json(serde_json::json!({ "duplicate": false })).into_response()
 }
 

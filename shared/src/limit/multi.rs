@@ -4,7 +4,12 @@
 //! and only then is any state written. A denial anywhere debits nothing, so no refund is ever needed
 //! (refunds after ambiguous failures are how quotas get double-refunded). The first denying rule in
 //! evaluation order is named; the retry hint is the maximum over denying rules, with
-//! [`RetryAfter::Never`] dominating. This is the reference the Redis multi-rule script and the in-process
+//! [`RetryAfter::Never`] dominating.
+//!
+//! An **advisory** rule (a policy's `shadow` or `soft` mode) is decided like the others but never
+//! denies: a request it would deny is listed in [`MultiDecision::advisory_denials`] and decided by
+//! the enforced rules alone. When the request is admitted, an advisory rule is spent only if it
+//! would have admitted it, so its state follows what enforcing it would have admitted. This is the reference the Redis multi-rule script and the in-process
 //! store are tested against.
 
 use super::fixed_window::{FixedWindow, FixedWindowState};
@@ -74,6 +79,8 @@ pub struct RuleInput<'a> {
     /// The request's cost in millitokens. Window algorithms count whole units, so there it must be a
     /// multiple of 1,000 (policy validation guarantees it).
     pub cost_millitokens: u64,
+    /// Whether the rule only advises (shadow or soft): it never denies the request.
+    pub advisory: bool,
 }
 
 /// The outcome for the whole request.
@@ -81,8 +88,10 @@ pub struct RuleInput<'a> {
 pub struct MultiDecision {
     /// True only when every rule admitted the request.
     pub allowed: bool,
-    /// Index of the first denying rule in evaluation order.
+    /// Index of the first denying (enforced) rule in evaluation order.
     pub denied_by: Option<usize>,
+    /// Indexes of the advisory rules that would have denied the request, in order.
+    pub advisory_denials: Vec<usize>,
     /// `Ms(0)` when allowed; otherwise the maximum over denying rules.
     pub retry: RetryAfter,
     /// Per rule, what is left in its own unit: after the debit when allowed, untouched when denied.
@@ -222,13 +231,28 @@ pub fn decide_all(
             .ok_or(MultiRuleError::StateMismatch { index })?;
         outcomes.push(outcome);
     }
-    let denied_by = outcomes.iter().position(|o| !o.decision.allowed);
+    let denies = |(index, outcome): &(usize, &RuleOutcome)| {
+        !outcome.decision.allowed && !rules[*index].advisory
+    };
+    let advisory_denials: Vec<usize> = outcomes
+        .iter()
+        .enumerate()
+        .filter(|(index, o)| !o.decision.allowed && rules[*index].advisory)
+        .map(|(index, _)| index)
+        .collect();
+    let denied_by = outcomes
+        .iter()
+        .enumerate()
+        .find(|entry| denies(entry))
+        .map(|(index, _)| index);
     let Some(first_denial) = denied_by else {
+        // An advisory rule that would deny writes nothing: a denial never asks for a write.
         let remaining = outcomes.iter().map(|o| o.decision.remaining).collect();
         let writes = outcomes.into_iter().map(|o| o.decision.write).collect();
         return Ok(MultiDecision {
             allowed: true,
             denied_by: None,
+            advisory_denials,
             retry: RetryAfter::Ms(0),
             remaining,
             writes,
@@ -236,8 +260,9 @@ pub fn decide_all(
     };
     let retry = outcomes
         .iter()
-        .filter(|o| !o.decision.allowed)
-        .map(|o| o.decision.retry)
+        .enumerate()
+        .filter(denies)
+        .map(|(_, o)| o.decision.retry)
         .max()
         .unwrap_or(RetryAfter::Never);
     let remaining = outcomes
@@ -253,6 +278,7 @@ pub fn decide_all(
     Ok(MultiDecision {
         allowed: false,
         denied_by: Some(first_denial),
+        advisory_denials,
         retry,
         remaining,
         writes: vec![None; rules.len()],

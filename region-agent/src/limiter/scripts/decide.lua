@@ -1,7 +1,8 @@
 --[[ decide.lua: one all-or-nothing decision over every regional rule of one request.
 
 The reference is allot_shared::limit::multi::decide_all: this script must return exactly what it
-returns (allowed, first denying rule, retry hint, per-rule remaining) and write exactly its writes.
+returns (allowed, first denying rule, retry hint, advisory denials, per-rule remaining) and write
+exactly its writes.
 
 KEYS[1]        the decision record (a string). Read and written only when ARGV[3] > 0.
 KEYS[2..n+1]   one key per rule, all distinct. Every key, KEYS[1] included, carries the same
@@ -15,10 +16,14 @@ ARGV[2]  decision_id     1 to 64 bytes: the sliding log's member.
 ARGV[3]  record_ttl_ms   0: no decision record. In [1, 2^40]: an admission is recorded under
                          KEYS[1] for this long, and a call that finds the record replays it
                          without deciding (or debiting) again.
-ARGV[4]  n               the number of rules, 1 to 8. #KEYS = n + 1 and #ARGV = 5 + 6n.
+ARGV[4]  n               the number of rules, 1 to 8. #KEYS = n + 1 and #ARGV = 6 + 6n.
 ARGV[5]  dry_run         "1": decide and reply as usual, but write nothing (no rule state, no
                          decision record): a check that spends nothing. "0": a decision.
-ARGV[6 + 6(i-1) .. 11 + 6(i-1)]  rule i (1-based), six fields:
+ARGV[6]  advisory        a bit mask in [0, 2^n - 1]: bit i-1 set when rule i only advises (a
+                         shadow or soft rule). An advisory rule never denies: the request is
+                         decided by the others; when it is admitted, an advisory rule is written
+                         only if it admits too.
+ARGV[7 + 6(i-1) .. 12 + 6(i-1)]  rule i (1-based), six fields:
          algorithm  p1                    p2                  p3         p4        p5
          "tb"       capacity_millitokens  refill_millitokens  period_ms  slack_ms  cost_millitokens
          "gcra"     capacity_millitokens  refill_millitokens  period_ms  0         cost_millitokens
@@ -31,11 +36,13 @@ Parameters lie in [1, 2^40] (slack in [0, 2^40]) and capacity x period (limit x 
 most 2^52: then every intermediate value stays below 2^53, where Lua's doubles are exact
 integers, and this script computes exactly what the Rust core computes.
 
-Reply {allowed, denied_by, retry_ms, replayed, remaining_1, ..., remaining_n}:
+Reply {allowed, denied_by, retry_ms, replayed, advisory_denied, remaining_1, ..., remaining_n}:
   allowed     1 or 0.
-  denied_by   1-based index of the first denying rule, 0 when allowed.
-  retry_ms    0 when allowed; otherwise the maximum over denying rules, -1 (never) dominating.
+  denied_by   1-based index of the first denying (enforced) rule, 0 when allowed.
+  retry_ms    0 when allowed; otherwise the maximum over denying enforced rules, -1 (never)
+              dominating.
   replayed    1 when the reply is a stored decision record, else 0.
+  advisory_denied  the mask of the advisory rules that would have denied (0 in a replay).
   remaining   per rule, in its unit (millitokens or units): after the debit when allowed,
               untouched when denied. A replay returns the remaining of the recorded decision.
 Error replies (nothing is written; the client treats them as a fault, never as a denial):
@@ -104,13 +111,21 @@ local n = integer(ARGV[4], 1, MAX_RULES)
 if n == nil then
   return arg_error('n must be 1 to ' .. MAX_RULES)
 end
-if #KEYS ~= n + 1 or #ARGV ~= 5 + 6 * n then
-  return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (5 + 6 * n) .. ' arguments')
+if #KEYS ~= n + 1 or #ARGV ~= 6 + 6 * n then
+  return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (6 + 6 * n) .. ' arguments')
 end
 if ARGV[5] ~= '0' and ARGV[5] ~= '1' then
   return arg_error('dry run must be 0 or 1')
 end
 local dry_run = ARGV[5] == '1'
+local advisory_mask = integer(ARGV[6], 0, 2 ^ n - 1)
+if advisory_mask == nil then
+  return arg_error('advisory must be a mask of the n rules')
+end
+-- Whether rule i only advises: bit i-1 of the mask.
+local function advisory(i)
+  return math.floor(advisory_mask / 2 ^ (i - 1)) % 2 == 1
+end
 local decision_id = ARGV[2]
 if #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
   return arg_error('decision id must be 1 to ' .. MAX_DECISION_ID_BYTES .. ' bytes')
@@ -145,7 +160,7 @@ if record_ttl_ms > 0 then
     return state_error('decision record', 'the key is not a string')
   end
   if record then
-    local reply = { 1, 0, 0, 1 }
+    local reply = { 1, 0, 0, 1, 0 }
     for field in string.gmatch(record, '%S+') do
       local remaining = integer(field, 0, TWO_53)
       if remaining == nil then
@@ -153,7 +168,7 @@ if record_ttl_ms > 0 then
       end
       reply[#reply + 1] = remaining
     end
-    if #reply < 5 or #reply > 4 + MAX_RULES then
+    if #reply < 6 or #reply > 5 + MAX_RULES then
       return state_error('decision record', 'corrupt value')
     end
     return reply
@@ -425,7 +440,7 @@ local DECIDE = {
 
 -- Rule i's algorithm and parameters: a rule table, or nil and an error reply.
 local function parse_rule(i)
-  local base = 6 + 6 * (i - 1)
+  local base = 7 + 6 * (i - 1)
   local kind = ARGV[base]
   local rule = { index = i, kind = kind, key = KEYS[i + 1], cost_text = ARGV[base + 5] }
   local where = 'rule ' .. i .. ' (' .. kind .. '): '
@@ -497,10 +512,12 @@ for i = 1, n do
   outcomes[i] = DECIDE[rule.kind](rule, state, now)
 end
 
-local denied_by, retry = 0, 0
+local denied_by, retry, advisory_denied = 0, 0, 0
 for i = 1, n do
   local outcome = outcomes[i]
-  if not outcome.allowed then
+  if not outcome.allowed and advisory(i) then
+    advisory_denied = advisory_denied + 2 ^ (i - 1)
+  elseif not outcome.allowed then
     if denied_by == 0 then denied_by = i end
     -- The hint is the maximum over denying rules; never (-1) dominates every wait.
     if retry ~= -1 and (outcome.retry == -1 or outcome.retry > retry) then
@@ -509,12 +526,12 @@ for i = 1, n do
   end
 end
 
-local reply = { denied_by == 0 and 1 or 0, denied_by, retry, 0 }
+local reply = { denied_by == 0 and 1 or 0, denied_by, retry, 0, advisory_denied }
 for i = 1, n do
   local outcome = outcomes[i]
   -- When another rule denied, an admitting rule reports what it holds, undebited.
   local report_available = denied_by ~= 0 and outcome.allowed
-  reply[4 + i] = report_available and outcome.available or outcome.remaining
+  reply[5 + i] = report_available and outcome.available or outcome.remaining
 end
 
 if denied_by == 0 and not dry_run then
@@ -523,7 +540,7 @@ if denied_by == 0 and not dry_run then
   end
   if record_ttl_ms > 0 then
     local remaining = {}
-    for i = 1, n do remaining[i] = text(reply[4 + i]) end
+    for i = 1, n do remaining[i] = text(reply[5 + i]) end
     redis.call('SET', KEYS[1], table.concat(remaining, ' '), 'PXAT', text(now + record_ttl_ms))
   end
 end

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use allot_shared::contract::{
-    AdmissionRequest, DeniedScope, Principal, PrincipalType, Reason, http_status,
+    AdmissionRequest, AdvisoryMode, DeniedScope, Principal, PrincipalType, Reason, http_status,
 };
 use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
 use allot_shared::keys::{IpPrefixes, Pepper};
@@ -950,5 +950,87 @@ async fn a_dead_master_opens_only_its_own_breaker_and_the_other_masters_keep_dec
             BreakerState::Closed,
             BreakerState::Closed
         ]
+    );
+}
+
+/// Shadow and soft rules never deny, and an outage of their store must not either: a `closed`
+/// shadow rule does not turn the request into `LIMITER_UNAVAILABLE`, and the local fallback decides
+/// by the enforced rules alone. Healthy, the advisory rules that would deny are named, in
+/// evaluation order.
+#[tokio::test(start_paused = true)]
+async fn in_an_outage_shadow_rules_neither_deny_nor_fail_the_request_closed() {
+    const ADVISORY: &str = r#"{ "bundleVersion": 1, "rules": [
+        {"id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
+         "capacityMillis": 20000, "refillMillis": 2000, "periodMs": 1000,
+         "failMode": "local_bounded", "localCapacityMillis": 2000, "localRefillMillis": 250},
+        {"id": "plan-shadow", "scope": "tenant", "algorithm": "fixed_window", "limit": 1,
+         "windowMs": 60000, "failMode": "closed", "mode": "shadow"},
+        {"id": "plan-soft", "scope": "route", "routeGroup": "read", "algorithm": "fixed_window",
+         "limit": 1, "windowMs": 60000, "failMode": "closed", "mode": "soft"} ] }"#;
+    let bundle = parse_bundle(ADVISORY)
+        .and_then(|draft| draft.into_file_bundle())
+        .expect("valid");
+    let clock = Arc::new(ManualClock::new(1 << 42));
+    let s = limiter_over(
+        Arc::new(InProcessStore::new(clock, 10_000)),
+        LimiterConfig {
+            decision_budget: Duration::from_millis(50),
+            ..config()
+        },
+    );
+    // Healthy: the second request would be denied by both plans, and is admitted.
+    for n in 0..2 {
+        let planned = user(&bundle, "read", &format!("ok-{n}"));
+        let contract = s.limiter.decide(&planned, None).await.to_contract(&planned);
+        assert!(contract.allowed && !contract.fallback, "{contract:?}");
+        assert_eq!(
+            contract.policy_id.as_deref(),
+            Some("read-user"),
+            "never an advisory rule"
+        );
+        let named: Vec<(&str, AdvisoryMode)> = contract
+            .violations
+            .iter()
+            .map(|v| (v.policy_id.as_str(), v.mode))
+            .collect();
+        if n == 0 {
+            assert!(named.is_empty(), "{contract:?}");
+        } else {
+            assert_eq!(
+                named,
+                [
+                    ("plan-soft", AdvisoryMode::Soft),
+                    ("plan-shadow", AdvisoryMode::Shadow)
+                ],
+                "in evaluation order: route, then tenant"
+            );
+        }
+    }
+    // Hung: the enforced rule's local bucket decides, 2 tokens; the closed advisory rules do not
+    // fail the request.
+    s.store.hang.store(true, Ordering::SeqCst);
+    let mut admitted = 0;
+    for n in 0..4 {
+        let planned = user(&bundle, "read", &format!("hung-{n}"));
+        let contract = s.limiter.decide(&planned, None).await.to_contract(&planned);
+        assert!(contract.fallback, "{contract:?}");
+        assert_ne!(
+            contract.reason,
+            Some(Reason::LimiterUnavailable),
+            "{contract:?}"
+        );
+        if contract.allowed {
+            admitted += 1;
+        } else {
+            assert_eq!(
+                contract.policy_id.as_deref(),
+                Some("read-user"),
+                "{contract:?}"
+            );
+        }
+    }
+    assert_eq!(
+        admitted, 2,
+        "the enforced rule's local bucket, and nothing else"
     );
 }

@@ -52,6 +52,7 @@ fn denied(index: usize, retry: RetryAfter, remaining: &[u64]) -> BatchDecision {
     BatchDecision {
         allowed: false,
         denied_by: Some(index),
+        advisory_denials: Vec::new(),
         retry,
         remaining: remaining.to_vec(),
         replayed: false,
@@ -62,6 +63,7 @@ fn allowed(remaining: &[u64]) -> BatchDecision {
     BatchDecision {
         allowed: true,
         denied_by: None,
+        advisory_denials: Vec::new(),
         retry: RetryAfter::Ms(0),
         remaining: remaining.to_vec(),
         replayed: false,

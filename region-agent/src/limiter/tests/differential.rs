@@ -49,6 +49,7 @@ impl Reference {
         {
             return Ok(BatchDecision {
                 replayed: true,
+                advisory_denials: Vec::new(),
                 ..recorded
             });
         }
@@ -69,6 +70,7 @@ impl Reference {
                 algorithm: rule.algorithm(),
                 state: state.as_ref(),
                 cost_millitokens: rule.cost_millitokens(),
+                advisory: rule.advisory(),
             })
             .collect();
         let decision =
@@ -274,9 +276,9 @@ fn clock_step() -> impl Strategy<Value = i64> {
 
 #[derive(Debug, Clone)]
 enum Step {
-    /// A request over some pool rules (index into the pool, cost draw).
+    /// A request over some pool rules (index into the pool, cost draw, advisory).
     Request {
-        rules: Vec<(usize, (u8, u64))>,
+        rules: Vec<(usize, (u8, u64), bool)>,
         /// `Some(k)`: reuse the k-th most recent decision id (a retry); `None`: a fresh id.
         repeat_id: Option<usize>,
         record_ttl_ms: u64,
@@ -293,7 +295,14 @@ enum Step {
 
 fn step() -> impl Strategy<Value = (i64, Step)> {
     let request = (
-        prop::collection::vec((any::<usize>(), any::<(u8, u64)>()), 1..=8),
+        prop::collection::vec(
+            (
+                any::<usize>(),
+                any::<(u8, u64)>(),
+                prop::bool::weighted(0.2),
+            ),
+            1..=8,
+        ),
         prop_oneof![4 => Just(None), 1 => (0usize..4).prop_map(Some)],
         prop_oneof![3 => Just(0u64), 1 => 1u64..5_000, 1 => Just(30_000u64)],
         prop::bool::weighted(0.15),
@@ -407,12 +416,16 @@ struct Tally {
     replayed_records: u64,
     clock_steps_back: u64,
     allowed_dry_runs: u64,
+    advisory_denials: u64,
 }
 
 impl Tally {
     fn count(&mut self, outcome: &Result<BatchDecision, Rejection>, rules: usize, dry_run: bool) {
         if dry_run && matches!(outcome, Ok(d) if d.allowed && !d.replayed) {
             self.allowed_dry_runs += 1;
+        }
+        if let Ok(decision) = outcome {
+            self.advisory_denials += decision.advisory_denials.len() as u64;
         }
         match outcome {
             Ok(decision) if decision.replayed => self.replayed_records += 1,
@@ -432,6 +445,7 @@ impl Tally {
             self.replayed_records,
             self.clock_steps_back,
             self.allowed_dry_runs,
+            self.advisory_denials,
         ];
         assert!(
             counts.iter().all(|&n| n > 0),
@@ -510,7 +524,7 @@ async fn run_decisions(
         };
         let mut chosen: Vec<usize> = Vec::new();
         let mut batch_rules = Vec::new();
-        for (index, draw) in rules {
+        for (index, draw, advisory) in rules {
             let index = index % pool.len();
             if chosen.contains(&index) {
                 continue;
@@ -518,7 +532,8 @@ async fn run_decisions(
             chosen.push(index);
             let params = pool[index].params;
             let cost = cost_millitokens(&params, draw);
-            batch_rules.push(BatchRule::new(key_of(index), params, cost).expect("valid"));
+            let rule = BatchRule::new(key_of(index), params, cost).expect("valid");
+            batch_rules.push(if advisory { rule.into_advisory() } else { rule });
         }
         let id = match repeat_id {
             Some(back) if !ids.is_empty() => ids[ids.len() - 1 - back % ids.len()].clone(),
@@ -736,7 +751,7 @@ fn check_decisions(redis: &Subject, runtime: &tokio::runtime::Runtime, cases: u3
         alternative: window,
     }];
     let request = |repeat_id, dry_run| Step::Request {
-        rules: vec![(0, (5, 0))],
+        rules: vec![(0, (5, 0), false)],
         repeat_id,
         record_ttl_ms: 30_000,
         dry_run,

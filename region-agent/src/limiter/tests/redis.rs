@@ -297,6 +297,7 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
             "0".to_owned(),
             "1".to_owned(),
             "0".to_owned(),
+            "0".to_owned(),
             "tb".to_owned(),
         ];
         args.extend(fields.map(str::to_owned));
@@ -304,7 +305,7 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     };
     let with = |kind: &str, fields: [&str; 5]| {
         let mut args = tb(fields);
-        args[5] = kind.to_owned();
+        args[6] = kind.to_owned();
         args
     };
     let valid = tb(["20000", "2000", "1000", "5000", "1000"]);
@@ -369,6 +370,12 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     header(3, "9", "more than 8 rules");
     header(4, "2", "dry run neither 0 nor 1");
     header(4, "", "an empty dry run flag");
+    header(
+        5,
+        "2",
+        "an advisory mask naming a rule the call does not have",
+    );
+    header(5, "-1", "a negative advisory mask");
     let mut short = valid.clone();
     short.pop();
     cases.push(("a missing field", short));
@@ -388,7 +395,7 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     let duplicate = {
         let mut args = valid.clone();
         args[3] = "2".to_owned();
-        args.extend(valid[5..].iter().cloned());
+        args.extend(valid[6..].iter().cloned());
         args
     };
     let refused = store
@@ -411,7 +418,7 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
             .run_decide_raw(&keys, &valid)
             .await
             .expect("the valid call decides"),
-        [1, 0, 0, 0, 19_000]
+        [1, 0, 0, 0, 0, 19_000]
     );
 }
 
