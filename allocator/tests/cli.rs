@@ -167,6 +167,50 @@ async fn operators_drive_the_allocator_with_allotctl() {
         "{replay}"
     );
     assert!(replay.contains("read-user-v3"), "{replay}");
+
+    // The same limit dark-launched as a shadow rule: it denies nothing and says what it would
+    // deny; with --enforce, who would be denied and what the global pool would not spend.
+    let shadow = dir.path().join("shadow.json");
+    std::fs::write(
+        &shadow,
+        text.replacen("\"failMode\"", "\"mode\": \"shadow\", \"failMode\"", 1),
+    )
+    .expect("shadow candidate");
+    let replay_shadow = |enforce: bool| {
+        let mut args = vec![
+            "policies".to_owned(),
+            "replay".to_owned(),
+            "--bundle".to_owned(),
+            shadow.to_str().expect("path").to_owned(),
+            "--sample".to_owned(),
+            sample.to_str().expect("path").to_owned(),
+        ];
+        if enforce {
+            args.push("--enforce".to_owned());
+        }
+        args
+    };
+    let args = replay_shadow(false);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let shadowed = stdout(&allotctl(url, OPERATOR, &args).await);
+    assert!(shadowed.contains("0.00% with the candidate"), "{shadowed}");
+    assert!(
+        shadowed.contains("shadow/soft read-user-v3: would have denied 5"),
+        "{shadowed}"
+    );
+    let args = replay_shadow(true);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let enforced = stdout(&allotctl(url, OPERATOR, &args).await);
+    assert!(enforced.contains("20.00% with the candidate"), "{enforced}");
+    assert!(
+        enforced.contains("principals denied with the candidate: 1"),
+        "{enforced}"
+    );
+    assert!(enforced.contains("birch U-17 denied 5"), "{enforced}");
+    assert!(
+        enforced.contains("pool api: 5 tokens the denied requests would not spend"),
+        "{enforced}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,12 @@
 //! data plane, with in-memory state and the sample's own timestamps. It covers the regional rate rules;
 //! global (leased) rules and concurrency caps depend on other regions and on request durations, which a
 //! sample does not record, and are reported as not replayed.
+//!
+//! Shadow and soft rules are replayed as they run (never denying; what they would deny is counted),
+//! or, with [`ReplayOptions::enforce_advisory`], as if enforced: "if I enforce this bundle, who would
+//! be denied?". The answer names who (the principals as the log has them: keyed hashes, most denied
+//! first) and what the denied requests would no longer spend of global pools: quota leased for
+//! them that ends its lease unspent (stranded) unless other requests spend it.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -51,13 +57,57 @@ pub struct ReplayReport {
     pub rules: BTreeMap<String, RuleReplay>,
     /// Rules that applied but are not replayed (global and concurrency), with how often they applied.
     pub not_replayed: BTreeMap<String, u64>,
+    /// Distinct principals denied at least once.
+    #[serde(default)]
+    pub principals_denied: u64,
+    /// The most denied principals (as the sample has them: keyed hashes), most first, at most
+    /// [`MAX_TOP_DENIED`].
+    #[serde(default)]
+    pub top_denied: Vec<DeniedPrincipal>,
+    /// Per global pool: tokens the denied requests would have spent from it, and will not. Leases
+    /// sized for them end unspent (stranded) unless other requests spend them.
+    #[serde(default)]
+    pub unspent_global_tokens: BTreeMap<String, u64>,
+}
+
+/// Most principals a replay names in [`ReplayReport::top_denied`].
+pub const MAX_TOP_DENIED: usize = 10;
+
+/// A principal and how often the replay denied it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeniedPrincipal {
+    /// The tenant.
+    pub tenant: String,
+    /// The principal as the sample has it (the decision log's keyed hash).
+    pub principal: String,
+    /// Requests denied.
+    pub denied: u64,
+}
+
+/// How to replay.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplayOptions {
+    /// Replay shadow and soft rules as if enforced.
+    pub enforce_advisory: bool,
 }
 
 /// Replays `samples` (in time order) against `bundle`. `pepper` only needs to be stable within the
 /// replay: keys never leave it.
 pub fn replay(bundle: &PolicyBundle, samples: &[ReplaySample], pepper: &Pepper) -> ReplayReport {
+    replay_with(bundle, samples, pepper, ReplayOptions::default())
+}
+
+/// [`replay`], with `options`.
+pub fn replay_with(
+    bundle: &PolicyBundle,
+    samples: &[ReplaySample],
+    pepper: &Pepper,
+    options: ReplayOptions,
+) -> ReplayReport {
     let mut report = ReplayReport::default();
     let mut store: HashMap<String, (State, u64)> = HashMap::new();
+    let mut denied_principals: HashMap<(String, String), u64> = HashMap::new();
     for sample in samples {
         let request = &sample.request;
         let principal_type = request.principal.kind;
@@ -69,7 +119,8 @@ pub fn replay(bundle: &PolicyBundle, samples: &[ReplaySample], pepper: &Pepper) 
         );
         report.requests += 1;
         let tenant = &request.tenant_id;
-        for rule in bundle.global_rules_for(tenant, &request.route_group, principal_type) {
+        let global_rules = bundle.global_rules_for(tenant, &request.route_group, principal_type);
+        for rule in &global_rules {
             *report.not_replayed.entry(rule.id.to_string()).or_default() += 1;
         }
         let rules = bundle.regional_rules_for(tenant, &request.route_group, principal_type);
@@ -107,7 +158,7 @@ pub fn replay(bundle: &PolicyBundle, samples: &[ReplaySample], pepper: &Pepper) 
                 algorithm,
                 state: state.as_ref(),
                 cost_millitokens: *cost,
-                advisory: rule.mode.is_advisory(),
+                advisory: rule.mode.is_advisory() && !options.enforce_advisory,
             })
             .collect();
         for (rule, ..) in &keyed {
@@ -141,6 +192,20 @@ pub fn replay(bundle: &PolicyBundle, samples: &[ReplaySample], pepper: &Pepper) 
                 if let Some((rule, ..)) = keyed.get(index) {
                     report.rules.entry(rule.id.to_string()).or_default().denied += 1;
                 }
+                let who = (tenant.to_string(), request.principal.id.clone());
+                *denied_principals.entry(who).or_default() += 1;
+                for rule in global_rules.iter().filter(|rule| !rule.mode.is_advisory()) {
+                    if let (Limit::Global(pool), Some(cost)) =
+                        (&rule.limit, rule.cost_millitokens_for(request.cost_hint))
+                    {
+                        let tokens = (cost / crate::MILLITOKENS_PER_TOKEN).max(1);
+                        let unspent = report
+                            .unspent_global_tokens
+                            .entry(pool.to_string())
+                            .or_default();
+                        *unspent = unspent.saturating_add(tokens);
+                    }
+                }
             }
             None => {
                 for ((_, _, key, _), write) in keyed.iter().zip(decision.writes) {
@@ -151,5 +216,17 @@ pub fn replay(bundle: &PolicyBundle, samples: &[ReplaySample], pepper: &Pepper) 
             }
         }
     }
+    report.principals_denied = denied_principals.len() as u64;
+    let mut most: Vec<((String, String), u64)> = denied_principals.into_iter().collect();
+    most.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    report.top_denied = most
+        .into_iter()
+        .take(MAX_TOP_DENIED)
+        .map(|((tenant, principal), denied)| DeniedPrincipal {
+            tenant,
+            principal,
+            denied,
+        })
+        .collect();
     report
 }

@@ -589,3 +589,62 @@ fn modes_are_enforce_shadow_or_soft_and_soft_is_for_regional_rules() {
     assert_eq!(error.field, "rules[0].mode");
     assert!(error.message.contains("regional"), "{error}");
 }
+
+#[test]
+fn replay_answers_who_an_enforced_shadow_rule_would_deny_and_what_pools_would_not_spend() {
+    use allot_shared::contract::{AdmissionRequest, Principal};
+    use allot_shared::ids::DecisionId;
+    use allot_shared::keys::Pepper;
+    use allot_shared::replay::{ReplayOptions, ReplaySample, replay_with};
+
+    // 25 requests by U-17 and 3 by U-18, all at once: the per-user burst of 20 holds for U-18.
+    let samples: Vec<ReplaySample> = (0..28)
+        .map(|n| ReplaySample {
+            at_ms: 1_000_000,
+            request: AdmissionRequest {
+                request_id: DecisionId::parse(&format!("r-{n}")).expect("id"),
+                tenant_id: TenantId::parse("birch").expect("tenant"),
+                principal: Principal {
+                    kind: PrincipalType::User,
+                    id: if n < 25 { "U-17" } else { "U-18" }.to_owned(),
+                    api_key_id: None,
+                },
+                route_group: RouteGroup::parse("read").expect("route"),
+                method: "GET".to_owned(),
+                cost_hint: 1,
+                policy_epoch: None,
+                dry_run: false,
+            },
+        })
+        .collect();
+    let pepper = Pepper::new(b"replay-pepper-0123456789".to_vec()).expect("pepper");
+    let shadowed = with_rule(0, |rule| {
+        rule.insert("mode".to_owned(), json!("shadow"));
+    });
+    let candidate = parse_bundle(&shadowed).expect("valid").seal(44, None);
+    let as_it_runs = replay_with(&candidate, &samples, &pepper, ReplayOptions::default());
+    assert_eq!(as_it_runs.denied, 0, "a shadow rule denies nothing");
+    assert_eq!(as_it_runs.rules["read-user-v3"].would_deny, 5);
+    assert!(as_it_runs.top_denied.is_empty());
+    let enforced = replay_with(
+        &candidate,
+        &samples,
+        &pepper,
+        ReplayOptions {
+            enforce_advisory: true,
+        },
+    );
+    assert_eq!((enforced.denied, enforced.principals_denied), (5, 1));
+    assert_eq!(enforced.rules["read-user-v3"].denied, 5);
+    let who = &enforced.top_denied[0];
+    assert_eq!(
+        (who.tenant.as_str(), who.principal.as_str(), who.denied),
+        ("birch", "U-17", 5)
+    );
+    assert_eq!(
+        enforced.unspent_global_tokens.values().sum::<u64>(),
+        5,
+        "the global pool's tokens those five would have spent: {:?}",
+        enforced.unspent_global_tokens
+    );
+}

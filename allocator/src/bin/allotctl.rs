@@ -9,6 +9,7 @@ use allot_allocator::ctl::{
 use allot_allocator::http::MintBody;
 use allot_allocator::pools::PoolSpec;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::replay::ReplayOptions;
 use allot_shared::wire::GrantBody;
 use clap::{Parser, Subcommand};
 use reqwest::Method;
@@ -186,6 +187,9 @@ enum PoliciesCommand {
         /// Compare with this file instead of the allocator's current bundle.
         #[arg(long)]
         current: Option<PathBuf>,
+        /// Replay the candidate's shadow and soft rules as if enforced: who would be denied.
+        #[arg(long)]
+        enforce: bool,
     },
 }
 
@@ -408,6 +412,7 @@ async fn replay(
     sample: &Path,
     current: Option<PathBuf>,
     json: bool,
+    options: ReplayOptions,
 ) -> Result<String, String> {
     let candidate = bundle_file(bundle)?;
     let samples = sample_file(sample)?;
@@ -428,7 +433,9 @@ async fn replay(
                 .map_err(|e| format!("the current bundle: {e}"))?
         }
     };
-    Ok(replay_comparison(&current, &candidate, &samples, json))
+    Ok(replay_comparison(
+        &current, &candidate, &samples, json, options,
+    ))
 }
 
 async fn execute(cli: Cli) -> Result<String, String> {
@@ -461,8 +468,14 @@ async fn execute(cli: Cli) -> Result<String, String> {
                     bundle,
                     sample,
                     current,
+                    enforce,
                 },
-        } => return replay(&target, &bundle, &sample, current, json).await,
+        } => {
+            let options = ReplayOptions {
+                enforce_advisory: enforce,
+            };
+            return replay(&target, &bundle, &sample, current, json, options).await;
+        }
         Command::Policies { command } => policies_call(command)?,
     };
     let answer = request.answer;

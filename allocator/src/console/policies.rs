@@ -145,6 +145,12 @@ fn replay_form(
                 label for="sample" { "Decision log lines" }
                 textarea id="sample" name="sample" spellcheck="false" { (sample) }
             }
+            div {
+                label.inline {
+                    input type="checkbox" id="enforce" name="enforce" value="on";
+                    " Replay the candidate's shadow and soft rules as if enforced"
+                }
+            }
             div { button type="submit" { "Replay" } }
         }
     }
@@ -159,6 +165,9 @@ pub struct ReplayForm {
     candidate: String,
     #[serde(default)]
     sample: String,
+    /// "on" when the candidate's shadow and soft rules are replayed as if enforced.
+    #[serde(default)]
+    enforce: Option<String>,
 }
 
 impl CarriesCsrf for ReplayForm {
@@ -208,11 +217,15 @@ pub async fn replay(
         }
         let current_bundle = bundle(api, current).await?;
         let candidate_bundle = bundle(api, candidate).await?;
+        let options = allot_shared::replay::ReplayOptions {
+            enforce_advisory: form.enforce.as_deref() == Some("on"),
+        };
         Ok(crate::ctl::replay_comparison(
             &current_bundle,
             &candidate_bundle,
             &samples,
             false,
+            options,
         ))
     }
     .await;

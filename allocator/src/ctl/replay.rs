@@ -5,21 +5,24 @@ use std::fmt::Write as _;
 
 use allot_shared::keys::Pepper;
 use allot_shared::policy::PolicyBundle;
-use allot_shared::replay::{ReplayReport, ReplaySample, replay};
+use allot_shared::replay::{ReplayOptions, ReplayReport, ReplaySample, replay_with};
 
-/// Replays the sample against both bundles and renders the per-rule comparison.
+/// Replays the sample against both bundles and renders the per-rule comparison; with
+/// `options.enforce_advisory`, the candidate's shadow and soft rules are replayed as if enforced
+/// (the current bundle runs as it does).
 pub fn replay_comparison(
     current: &PolicyBundle,
     candidate: &PolicyBundle,
     samples: &[ReplaySample],
     json: bool,
+    options: ReplayOptions,
 ) -> String {
     // The pepper only has to be stable within the replay; keys never leave this process.
     let pepper = Pepper::new(b"allotctl-replay-pepper".to_vec());
     let (current_report, candidate_report) = match pepper {
         Ok(pepper) => (
-            replay(current, samples, &pepper),
-            replay(candidate, samples, &pepper),
+            replay_with(current, samples, &pepper, ReplayOptions::default()),
+            replay_with(candidate, samples, &pepper, options),
         ),
         Err(_) => (ReplayReport::default(), ReplayReport::default()),
     };
@@ -66,6 +69,36 @@ pub fn replay_comparison(
             "{id:<32} {:>12} {:>12}",
             cell(&current_report),
             cell(&candidate_report)
+        );
+    }
+    let advisory: Vec<(&String, u64)> = candidate_report
+        .rules
+        .iter()
+        .filter(|(_, r)| r.would_deny > 0)
+        .map(|(id, r)| (id, r.would_deny))
+        .collect();
+    for (id, would_deny) in advisory {
+        let _ = writeln!(
+            out,
+            "shadow/soft {id}: would have denied {would_deny} (run with --enforce to replay it enforced)"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "principals denied with the candidate: {}",
+        candidate_report.principals_denied
+    );
+    for who in &candidate_report.top_denied {
+        let _ = writeln!(
+            out,
+            "  {} {} denied {}",
+            who.tenant, who.principal, who.denied
+        );
+    }
+    for (pool, tokens) in &candidate_report.unspent_global_tokens {
+        let _ = writeln!(
+            out,
+            "pool {pool}: {tokens} tokens the denied requests would not spend (leased for them, stranded unless others spend them)"
         );
     }
     let skipped: Vec<&String> = candidate_report.not_replayed.keys().collect();
