@@ -6,37 +6,25 @@
 //! agrees with what the agents admitted.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use allot_allocator::http::Tokens;
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::ledger::Ledger;
-use allot_allocator::server::{Settings, WINDOW_GAUGE_SETTLE_MS, publish_ledger_gauges, run};
-use allot_region_agent::allocator_client::AllocatorClient;
-use allot_region_agent::clock::SystemClock;
-use allot_region_agent::http::{AgentApi, serve};
-use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
-use allot_region_agent::service::{Agent, AgentSettings};
-use allot_shared::ids::RegionId;
-use allot_shared::keys::Pepper;
+use allot_allocator::server::{WINDOW_GAUGE_SETTLE_MS, publish_ledger_gauges};
+use allot_region_agent::service::Agent;
 use allot_testkit::{EtcdCluster, RedisServer};
 use serde_json::{Value, json};
 
-const OPERATOR: &str = "operator-token-for-e2e-0001";
-const AGENT: &str = "agent-token-for-e2e-000001";
-const GATEWAY: &str = "gateway-token-for-e2e-0001";
+mod stack;
+
+use stack::{GATEWAY, OPERATOR, start_allocator};
 
 fn bundle() -> allot_shared::policy::PolicyBundle {
-    let text = json!({ "rules": [
+    stack::bundle(&json!({ "rules": [
         { "id": "tenant-roomy", "scope": "tenant", "algorithm": "token_bucket",
           "capacityMillis": 100_000_000u64, "refillMillis": 1_000_000, "periodMs": 1000,
           "failMode": "closed" },
         { "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" }
-    ]})
-    .to_string();
-    allot_shared::policy::parse_bundle(&text)
-        .and_then(|d| d.into_file_bundle())
-        .expect("valid bundle")
+    ]}))
 }
 
 async fn start_agent(
@@ -44,96 +32,7 @@ async fn start_agent(
     allocator_url: &str,
     redis: &RedisServer,
 ) -> (Arc<Agent>, String) {
-    start_agent_with(region, allocator_url, redis, bundle()).await
-}
-
-async fn start_agent_with(
-    region: &str,
-    allocator_url: &str,
-    redis: &RedisServer,
-    bundle: allot_shared::policy::PolicyBundle,
-) -> (Arc<Agent>, String) {
-    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
-        .await
-        .expect("redis");
-    // The regional rules are incidental here: a generous decision budget keeps a CPU-starved CI
-    // machine from turning a slow Redis reply into LIMITER_UNAVAILABLE (deadlines have their own tests).
-    let config = LimiterConfig {
-        decision_budget: Duration::from_secs(2),
-        acquire_wait: Duration::from_secs(1),
-        ..LimiterConfig::default()
-    };
-    let limiter = Limiter::new(Arc::new(store), config).expect("limiter");
-    let client =
-        AllocatorClient::new(vec![allocator_url.to_owned()], AGENT.to_owned()).expect("client");
-    let settings = AgentSettings::new(
-        RegionId::parse(region).expect("region"),
-        allot_shared::ids::AgentId::parse(&format!("{region}-1")).expect("agent id"),
-        Pepper::new(b"e2e-pepper-0123456789".to_vec()).expect("pepper"),
-    );
-    let agent = Agent::new(
-        settings,
-        Arc::new(SystemClock),
-        limiter,
-        Some(Arc::new(client)),
-        Some(bundle),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let api = AgentApi {
-        agent: agent.clone(),
-        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
-        metrics: allot_allocator::metrics::handle(),
-    };
-    tokio::spawn(serve(listener, api, None, std::future::pending()));
-    (agent, url)
-}
-
-async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let settings = Settings {
-        listen: addr,
-        etcd: etcd.endpoints(),
-        tokens: Tokens {
-            operator: vec![OPERATOR.to_owned()],
-            agent: vec![AGENT.to_owned()],
-        },
-        node_id: "alloc-1".to_owned(),
-        advertise_url: format!("http://{addr}"),
-        leader_lease_ttl_s: 5,
-        tls: None,
-        ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
-    };
-    let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
-    let ledger = Ledger::connect(&settings.ledger_url).await.expect("ledger");
-    let clock = allot_allocator::server::system_clock();
-    tokio::spawn(run(
-        settings,
-        kv,
-        ledger,
-        clock,
-        listener,
-        std::future::pending(),
-    ));
-    let url = format!("http://{addr}");
-    let client = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(5))
-        .build()
-        .expect("http client");
-    for _ in 0..200 {
-        if let Ok(r) = client.get(format!("{url}/readyz")).send().await
-            && r.status() == 200
-        {
-            return url;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the allocator never became ready");
+    stack::start_agent(region, allocator_url, redis, bundle()).await
 }
 
 fn request(n: usize, user: &str) -> Value {
@@ -344,7 +243,7 @@ async fn one_user_flooding_past_their_bucket_leaves_the_pool_to_the_tenants_othe
     let bundle = allot_shared::policy::parse_bundle(&text)
         .and_then(|d| d.into_file_bundle())
         .expect("valid bundle");
-    let (agent, url) = start_agent_with("eu", &allocator, &redis, bundle).await;
+    let (agent, url) = stack::start_agent("eu", &allocator, &redis, bundle).await;
     let admit = |n: usize, user: String| {
         let (http, url) = (http.clone(), url.clone());
         async move {

@@ -173,9 +173,11 @@ impl Agent {
         };
         let window = Window::containing(now_ms, length_ms);
         line.reset_ms = window.end_ms.saturating_sub(now_ms);
+        // The holder's lock first, as a grant takes them: the figure and the grant it follows.
+        let holder = lock(&slot.holder);
         let view = *lock(&slot.allocator_view);
         if let Some(view) = view.filter(|view| view.window == window) {
-            let held_tokens = lock(&slot.holder).available_tokens(now_ms);
+            let held_tokens = holder.available_tokens(now_ms);
             line.remaining_units = Some(
                 view.ungranted_tokens
                     .saturating_add(held_tokens)

@@ -112,10 +112,16 @@ impl Agent {
             match answer {
                 Ok(Some(answer)) => {
                     let grant = LeaseGrant::from_answer(&answer, asked_at_ms);
-                    let verdict = lock(&slot.holder).accept(grant, agent.clock.now_ms());
-                    if !matches!(verdict, GrantVerdict::StaleEpoch { .. }) {
-                        note_allocator_view(&slot, &answer, asked_at_ms);
-                    }
+                    // Under the holder's lock, so that a quota read sees the grant and the
+                    // allocator's figure after it together.
+                    let verdict = {
+                        let mut holder = lock(&slot.holder);
+                        let verdict = holder.accept(grant, agent.clock.now_ms());
+                        if !matches!(verdict, GrantVerdict::StaleEpoch { .. }) {
+                            note_allocator_view(&slot, &answer, asked_at_ms);
+                        }
+                        verdict
+                    };
                     agent.note_change();
                     let outcome = match verdict {
                         GrantVerdict::Accepted if answer.granted_tokens < want => "partial",

@@ -1,0 +1,168 @@
+//! The in-process stack the end-to-end tests share: a real allocator (on a real etcd, with a SQLite
+//! ledger) served on a loopback port, and region agents on their own real Redis serving the gateway
+//! HTTP API, all in the test's process. Tests that need processes, faults between them or TLS use
+//! `topology/` instead.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allot_allocator::http::Tokens;
+use allot_allocator::kv::etcd::EtcdKv;
+use allot_allocator::ledger::Ledger;
+use allot_allocator::server::{Settings, run};
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::clock::SystemClock;
+use allot_region_agent::http::{AgentApi, serve};
+use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::ids::RegionId;
+use allot_shared::keys::Pepper;
+use allot_shared::policy::PolicyBundle;
+use allot_testkit::{EtcdCluster, RedisServer};
+use serde_json::Value;
+
+/// The operators' token.
+pub const OPERATOR: &str = "operator-token-for-e2e-0001";
+/// The agents' token.
+pub const AGENT: &str = "agent-token-for-e2e-000001";
+/// The gateways' token.
+pub const GATEWAY: &str = "gateway-token-for-e2e-0001";
+
+/// An HTTP client with a deadline.
+pub fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("http client")
+}
+
+/// A bundle from JSON (version and checksum computed).
+pub fn bundle(rules: &Value) -> PolicyBundle {
+    allot_shared::policy::parse_bundle(&rules.to_string())
+        .and_then(|draft| draft.into_file_bundle())
+        .expect("valid bundle")
+}
+
+/// Starts an allocator on `etcd` with its ledger in `dir`; its URL once it is ready.
+pub async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let settings = Settings {
+        listen: addr,
+        etcd: etcd.endpoints(),
+        tokens: Tokens {
+            operator: vec![OPERATOR.to_owned()],
+            agent: vec![AGENT.to_owned()],
+        },
+        node_id: "alloc-1".to_owned(),
+        advertise_url: format!("http://{addr}"),
+        leader_lease_ttl_s: 5,
+        tls: None,
+        ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
+    };
+    let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
+    let ledger = Ledger::connect(&settings.ledger_url).await.expect("ledger");
+    let clock = allot_allocator::server::system_clock();
+    tokio::spawn(run(
+        settings,
+        kv,
+        ledger,
+        clock,
+        listener,
+        std::future::pending(),
+    ));
+    let url = format!("http://{addr}");
+    let client = http();
+    for _ in 0..200 {
+        if let Ok(r) = client.get(format!("{url}/readyz")).send().await
+            && r.status() == 200
+        {
+            return url;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("the allocator never became ready");
+}
+
+/// Configures `tenant`/`pool` on the allocator at `url` (the pool's JSON spec).
+pub async fn put_pool(url: &str, tenant: &str, pool: &str, spec: &Value) {
+    let put = http()
+        .put(format!("{url}/v1/pools/{tenant}/{pool}"))
+        .bearer_auth(OPERATOR)
+        .json(spec)
+        .send()
+        .await
+        .expect("put pool");
+    assert_eq!(
+        put.status(),
+        200,
+        "{}",
+        put.text().await.unwrap_or_default()
+    );
+}
+
+/// The ledger's latest `last` windows of `tenant`/`pool`, newest first.
+pub async fn windows(url: &str, tenant: &str, pool: &str, last: u64) -> Vec<Value> {
+    let answer: Value = http()
+        .get(format!(
+            "{url}/v1/pools/{tenant}/{pool}/windows?last={last}"
+        ))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("windows")
+        .json()
+        .await
+        .expect("json");
+    answer["windows"].as_array().cloned().unwrap_or_default()
+}
+
+/// Starts an agent for `region` on `redis`, reaching the allocator at `allocator_url`, running
+/// `bundle`, serving the gateway API; the agent and the API's URL.
+pub async fn start_agent(
+    region: &str,
+    allocator_url: &str,
+    redis: &RedisServer,
+    bundle: PolicyBundle,
+) -> (Arc<Agent>, String) {
+    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
+        .await
+        .expect("redis");
+    // The regional rules are incidental here: a generous decision budget keeps a CPU-starved CI
+    // machine from turning a slow Redis reply into LIMITER_UNAVAILABLE (deadlines have their own tests).
+    let config = LimiterConfig {
+        decision_budget: Duration::from_secs(2),
+        acquire_wait: Duration::from_secs(1),
+        ..LimiterConfig::default()
+    };
+    let limiter = Limiter::new(Arc::new(store), config).expect("limiter");
+    let client =
+        AllocatorClient::new(vec![allocator_url.to_owned()], AGENT.to_owned()).expect("client");
+    let settings = AgentSettings::new(
+        RegionId::parse(region).expect("region"),
+        allot_shared::ids::AgentId::parse(&format!("{region}-1")).expect("agent id"),
+        Pepper::new(b"e2e-pepper-0123456789".to_vec()).expect("pepper"),
+    );
+    let agent = Agent::new(
+        settings,
+        Arc::new(SystemClock),
+        limiter,
+        Some(Arc::new(client)),
+        Some(bundle),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let api = AgentApi {
+        agent: agent.clone(),
+        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
+        metrics: allot_allocator::metrics::handle(),
+    };
+    tokio::spawn(serve(listener, api, None, std::future::pending()));
+    (agent, url)
+}
