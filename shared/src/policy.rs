@@ -238,11 +238,12 @@ impl Rule {
     }
 
     /// Whether a caller of `caller`'s principal type may be told this rule's limit and what is left
-    /// of it ([`Exposure`]). The one place every surface asks.
+    /// of it ([`Exposure`]). The one place every surface asks. A shadow rule is a dark launch: shown
+    /// only when it says `expose: true`.
     pub fn visible_to(&self, caller: PrincipalType) -> bool {
         caller.is_authenticated()
             && match self.exposure {
-                Exposure::OwnScope => self.scope == Scope::User,
+                Exposure::OwnScope => self.scope == Scope::User && self.mode != Mode::Shadow,
                 Exposure::Shown => true,
                 Exposure::Hidden => false,
             }

@@ -648,3 +648,19 @@ fn replay_answers_who_an_enforced_shadow_rule_would_deny_and_what_pools_would_no
         enforced.unspent_global_tokens
     );
 }
+
+#[test]
+fn a_shadow_rule_is_a_dark_launch_unless_it_says_expose() {
+    let rule = |extra: &str| {
+        let text = format!(
+            r#"{{"bundleVersion":1,"rules":[{{"id":"u","scope":"user","algorithm":"fixed_window","limit":5,"windowMs":1000,"failMode":"closed"{extra}}}]}}"#
+        );
+        parse_bundle(&text)
+            .and_then(|draft| draft.into_file_bundle())
+            .expect("valid")
+    };
+    assert!(rule("").rules()[0].visible_to(PrincipalType::User));
+    assert!(!rule(r#","mode":"shadow""#).rules()[0].visible_to(PrincipalType::User));
+    assert!(rule(r#","mode":"soft""#).rules()[0].visible_to(PrincipalType::User));
+    assert!(rule(r#","mode":"shadow","expose":true"#).rules()[0].visible_to(PrincipalType::User));
+}

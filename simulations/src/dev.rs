@@ -2,10 +2,12 @@
 //!
 //! An allocator on the in-process store (with a SQLite ledger in `--data-dir`) and two region agents
 //! (`eu`, `us`) on in-process limiter stores, on loopback ports; an example tenant pool
-//! (`atlas`/`api`: 1,000 per minute, chunk 100, fallback 100 per region) and the example policy bundle
-//! (`deploy/examples/northstar-bundle.json`). With `--demo` it drives synthetic traffic, 90% through
-//! EU and 10% through US, and prints a live per-window table. Nothing here is for production: every
-//! store forgets everything when the process ends, and it says so.
+//! (`atlas`/`api`: 1,000 per minute, chunk 100, fallback 100 per region) and the dev policy bundle
+//! (`deploy/examples/dev-bundle.json`: the example rules, a per-user burst guard being dark-launched
+//! in shadow mode and the tenant's soft plan). With `--demo` it drives synthetic traffic, 90% through
+//! EU and 10% through US, and prints a live per-window table: what was admitted and denied, what the
+//! shadow and soft rules would have denied, and what one user is told of their quota. Nothing here is
+//! for production: every store forgets everything when the process ends, and it says so.
 
 use std::fmt::Write as _;
 use std::io::{IsTerminal as _, Write as _};
@@ -27,13 +29,15 @@ use allot_region_agent::limiter::{
 };
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::clock::Clock;
-use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
+use allot_shared::contract::{
+    AdmissionRequest, AdvisoryMode, Principal, PrincipalType, QuotaQuery,
+};
 use allot_shared::ids::{AgentId, DecisionId, PoolId, RegionId, RouteGroup, TenantId};
 use allot_shared::keys::Pepper;
 use tokio::sync::watch;
 
-/// The example bundle, compiled in.
-pub const EXAMPLE_BUNDLE: &str = include_str!("../../deploy/examples/northstar-bundle.json");
+/// The dev bundle, compiled in.
+pub const DEV_BUNDLE: &str = include_str!("../../deploy/examples/dev-bundle.json");
 
 /// Settings of `allot dev`.
 #[derive(Debug, Clone)]
@@ -107,7 +111,7 @@ pub async fn run_dev(
     put_pool(&*kv, &tenant, &pool, spec, clock.now_ms())
         .await
         .map_err(|e| e.to_string())?;
-    let draft = allot_shared::policy::parse_bundle(EXAMPLE_BUNDLE).map_err(|e| e.to_string())?;
+    let draft = allot_shared::policy::parse_bundle(DEV_BUNDLE).map_err(|e| e.to_string())?;
     allot_allocator::policies::publish(
         &*kv,
         draft,
@@ -257,8 +261,19 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Admissions per window and region, counted by the demo's own gateways.
-type WindowCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<(u64, usize), (u64, u64)>>>;
+/// What the demo's own gateways saw in one window and region.
+#[derive(Debug, Clone, Copy, Default)]
+struct Seen {
+    admitted: u64,
+    denied: u64,
+    /// Decisions a shadow rule would have denied (admitted; the caller not told).
+    shadow: u64,
+    /// Decisions a soft rule flagged to the caller (admitted).
+    soft: u64,
+}
+
+/// What the demo's gateways saw, per window and region.
+type WindowCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<(u64, usize), Seen>>>;
 
 /// Synthetic traffic, 90/10 over the first two agents, and every 5 s a per-window table: what each
 /// region admitted (from the gateways' side), `G`, and the ledger's view of the window (fallback,
@@ -321,9 +336,15 @@ async fn demo(
                     let mut counts = counts.lock().unwrap_or_else(|p| p.into_inner());
                     let entry = counts.entry((window.start_ms, index)).or_default();
                     if decision.allowed {
-                        entry.0 += 1;
+                        entry.admitted += 1;
                     } else {
-                        entry.1 += 1;
+                        entry.denied += 1;
+                    }
+                    for violation in &decision.violations {
+                        match violation.mode {
+                            AdvisoryMode::Shadow => entry.shadow += 1,
+                            AdvisoryMode::Soft => entry.soft += 1,
+                        }
                     }
                     // Keep the last few windows only.
                     while counts.len() > 16 {
@@ -353,11 +374,13 @@ async fn demo(
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:<26} {:>6} {:>9} {:>7} {:>6} {:>9} {:>9} {:>10} {:>6}",
+            "{:<26} {:>6} {:>9} {:>7} {:>7} {:>6} {:>6} {:>9} {:>9} {:>10} {:>6}",
             "window (UTC)",
             "region",
             "admitted",
             "denied",
+            "shadow",
+            "soft",
             "G",
             "fallback",
             "stranded",
@@ -369,17 +392,19 @@ async fn demo(
         for start in starts.iter().rev().take(2).rev() {
             let row = rows.iter().find(|r| r.window_start_ms == *start);
             for (index, (region, _)) in agents.iter().enumerate() {
-                let (admitted, denied) = counts.get(&(*start, index)).copied().unwrap_or_default();
+                let seen = counts.get(&(*start, index)).copied().unwrap_or_default();
                 let fallback = row
                     .and_then(|r| r.fallback_admitted_tokens_by_region.get(region).copied())
                     .unwrap_or(0);
                 let _ = writeln!(
                     out,
-                    "{:<26} {:>6} {:>9} {:>7} {:>6} {:>9} {:>9} {:>10} {:>6}",
+                    "{:<26} {:>6} {:>9} {:>7} {:>7} {:>6} {:>6} {:>9} {:>9} {:>10} {:>6}",
                     allot_shared::window::rfc3339_utc(*start),
                     region.as_str(),
-                    admitted,
-                    denied,
+                    seen.admitted,
+                    seen.denied,
+                    seen.shadow,
+                    seen.soft,
                     config.limit_tokens(),
                     fallback,
                     row.map_or(0, |r| r.stranded_tokens),
@@ -388,8 +413,66 @@ async fn demo(
                 );
             }
         }
+        if let Some((_, agent)) = agents.first() {
+            out.push_str(&what_a_user_is_told(agent).await);
+        }
         screen.show(&out);
     }
+}
+
+/// What user U-0 of the demo tenant would be told: its quotas (`GET /v1/quota`) and a check
+/// without spending (`dryRun`), as lines under the table.
+async fn what_a_user_is_told(agent: &Arc<Agent>) -> String {
+    let (Ok(tenant), Ok(route), Ok(check_id)) = (
+        TenantId::parse("atlas"),
+        RouteGroup::parse("read"),
+        DecisionId::parse("demo-check"),
+    ) else {
+        return String::new();
+    };
+    let mut out = String::from("U-0's quotas (GET /v1/quota):");
+    let query = QuotaQuery {
+        tenant_id: tenant.clone(),
+        principal_type: PrincipalType::User,
+        principal_id: "U-0".to_owned(),
+        route_group: Some(route.clone()),
+    };
+    if let Ok(Some(status)) = agent.quota(&query).await {
+        for quota in &status.quotas {
+            let remaining = quota
+                .remaining_units
+                .map_or("?".to_owned(), |left| left.to_string());
+            let _ = write!(
+                out,
+                " {} {remaining}/{}",
+                quota.policy_id, quota.limit_units
+            );
+        }
+    }
+    let check = AdmissionRequest {
+        request_id: check_id,
+        tenant_id: tenant,
+        principal: Principal {
+            kind: PrincipalType::User,
+            id: "U-0".to_owned(),
+            api_key_id: None,
+        },
+        route_group: route,
+        method: "GET".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+        dry_run: true,
+    };
+    let verdict = match agent.admit(&check).await {
+        Ok(decision) if decision.allowed => "would be admitted",
+        Ok(_) => "would be denied",
+        Err(_) => "could not be checked",
+    };
+    let _ = writeln!(
+        out,
+        "\nA check without spending (dryRun) for U-0: {verdict}."
+    );
+    out
 }
 
 /// How to run `allotctl` from here: the binary beside this one when it was built (`scripts/dev`

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use allot_shared::ids::RegionId;
 use allot_shared::lease::{LeaseClamping, OvershootBound, PoolConfig};
 use allot_shared::limit::multi::Algorithm;
-use allot_shared::policy::{FailMode, Limit, PolicyBundle, parse_bundle};
+use allot_shared::policy::{Exposure, FailMode, Limit, PolicyBundle, parse_bundle};
 
 /// Largest bundle file read, in bytes (I10).
 pub const MAX_BUNDLE_FILE_BYTES: u64 = 4 << 20;
@@ -70,13 +70,22 @@ pub fn policy_check(path: &std::path::Path) -> Result<String, String> {
                 local.capacity_millitokens()
             ),
         };
+        // Only what differs from an enforced rule shown by its own scope's default.
+        let mut notes = String::new();
+        if rule.mode.is_advisory() {
+            let _ = write!(notes, ", {} (never denies)", rule.mode.as_str());
+        }
+        match rule.exposure {
+            Exposure::OwnScope => {}
+            Exposure::Shown => notes.push_str(", shown to callers"),
+            Exposure::Hidden => notes.push_str(", hidden from callers"),
+        }
         let _ = writeln!(
             out,
-            "  {:<24} {:<7} {:<52} {}",
+            "  {:<24} {:<7} {:<52} {fail}{notes}",
             rule.id.as_str(),
             format!("{:?}", rule.scope).to_lowercase(),
             describe_algorithm(&rule.limit),
-            fail
         );
     }
     Ok(out)
@@ -223,6 +232,28 @@ mod tests {
         );
         assert!(text.contains("export-tenant"), "{text}");
         assert!(text.contains("lease from pool api"), "{text}");
+    }
+
+    #[test]
+    fn policy_check_says_which_rules_never_deny_and_which_callers_see() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../deploy/examples/dev-bundle.json");
+        let text = policy_check(&path).expect("the dev bundle is valid");
+        let line = |id: &str| {
+            text.lines()
+                .find(|l| l.trim_start().starts_with(id))
+                .unwrap_or_else(|| panic!("no {id} in {text}"))
+                .to_owned()
+        };
+        assert!(
+            line("burst-guard").ends_with("fails closed, shadow (never denies)"),
+            "{text}"
+        );
+        assert!(
+            line("atlas-plan").ends_with("soft (never denies), shown to callers"),
+            "{text}"
+        );
+        assert!(line("read-user-v3").ends_with("bucket"), "{text}");
     }
 
     #[test]
