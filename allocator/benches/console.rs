@@ -58,6 +58,7 @@ async fn main() {
     let spec = PoolSpec {
         limit_tokens: 1_000,
         window_ms: 60_000,
+        window: None,
         chunk_tokens: 100,
         lease_ttl_ms: 10_000,
         fallback_per_region_tokens: 50,

@@ -188,6 +188,7 @@ async fn main() {
     let spec = PoolSpec {
         limit_tokens: 1 << 40,
         window_ms: 3_600_000,
+        window: None,
         chunk_tokens: 1,
         lease_ttl_ms: 60_000,
         fallback_per_region_tokens: 0,

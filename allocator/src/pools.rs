@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{Grant, PoolConfig, PoolConfigError, PoolWindowState};
 use allot_shared::window::Window;
-use allot_shared::wire::GrantAnswer;
+use allot_shared::wire::{CalendarWindowSpec, GrantAnswer};
 use serde::{Deserialize, Serialize};
 
 use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, Op};
@@ -43,8 +43,12 @@ pub struct PoolSpec {
     /// `G`: tokens per window.
     #[serde(rename = "limit")]
     pub limit_tokens: u64,
-    /// Window length, ms.
+    /// Window length, ms (0 or absent when `window` gives calendar windows).
+    #[serde(default, skip_serializing_if = "allot_shared::wire::is_zero")]
     pub window_ms: u64,
+    /// Calendar windows instead of `windowMs`: `{"calendar": "month", "timeZone": "Europe/Berlin"}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<CalendarWindowSpec>,
     /// Largest grant, tokens.
     #[serde(rename = "chunk")]
     pub chunk_tokens: u64,
@@ -58,16 +62,40 @@ pub struct PoolSpec {
 }
 
 impl PoolSpec {
-    /// Validates into the core's [`PoolConfig`].
+    /// Validates into the core's [`PoolConfig`]: exactly one of `windowMs` and `window`.
     pub fn validate(&self) -> Result<PoolConfig, PoolConfigError> {
-        PoolConfig::new(
+        let Some(calendar) = &self.window else {
+            return PoolConfig::new(
+                self.limit_tokens,
+                self.window_ms,
+                self.chunk_tokens,
+                self.lease_ttl_ms,
+                self.fallback_per_region_tokens,
+                self.regions.clone(),
+            );
+        };
+        if self.window_ms != 0 {
+            return Err(PoolConfigError::new(
+                "windowMs",
+                "give either windowMs or window (calendar windows), not both",
+            ));
+        }
+        PoolConfig::with_window(
             self.limit_tokens,
-            self.window_ms,
+            calendar.to_spec()?,
             self.chunk_tokens,
             self.lease_ttl_ms,
             self.fallback_per_region_tokens,
             self.regions.clone(),
         )
+    }
+
+    /// The windows in words: `60000 ms`, or `month in Europe/Berlin`.
+    pub fn window_text(&self) -> String {
+        match &self.window {
+            Some(calendar) => format!("{} in {}", calendar.calendar, calendar.time_zone),
+            None => format!("{} ms", self.window_ms),
+        }
     }
 }
 

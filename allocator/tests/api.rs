@@ -542,3 +542,122 @@ async fn policies_publish_stage_promote_and_report() {
         400
     );
 }
+
+/// Calendar windows: a monthly plan in Berlin time. The spec round-trips, grants and terms carry
+/// the local month's bounds, and bad calendars, zones or combinations are refused by field.
+#[tokio::test]
+async fn calendar_pools_grant_within_the_local_month() {
+    let server = start().await;
+    let monthly = json!({ "limit": 100000, "window": { "calendar": "month", "timeZone": "Europe/Berlin" },
+                          "chunk": 1000, "leaseTtlMs": 60000, "fallbackPerRegion": 0, "regions": ["eu"] });
+    let (status, body) = server
+        .put_pool("atlas/plan", OPERATOR, monthly.to_string())
+        .await;
+    assert_eq!(status, 200, "{body}");
+    // The view's one window object says what the window is and where it stands.
+    let (_, view) = server.get("/v1/pools/atlas/plan", OPERATOR).await;
+    assert_eq!(view["window"]["calendar"], "month", "{view}");
+    assert_eq!(view["window"]["timeZone"], "Europe/Berlin", "{view}");
+    assert!(view["window"]["windowStartMs"].is_u64(), "{view}");
+    assert!(view.get("windowMs").is_none(), "{view}");
+    let (_, list) = server.get("/v1/pools", OPERATOR).await;
+    assert_eq!(list["pools"][0]["window"], monthly["window"], "{list}");
+    let (_, terms) = server.get("/v1/pools/atlas/plan/terms", AGENT).await;
+    assert_eq!(terms["window"], monthly["window"], "{terms}");
+    assert_eq!(
+        terms["windowMs"],
+        (31 * 24 + 2) * 3_600_000u64,
+        "old agents read the longest month"
+    );
+    let grant: Value = server
+        .client
+        .post(format!("{}/v1/grants", server.url))
+        .bearer_auth(AGENT)
+        .json(
+            &json!({ "leaseId": allot_shared::ids::LeaseId::from_parts(1, 7), "tenant": "atlas",
+                       "pool": "plan", "region": "eu", "want": 10 }),
+        )
+        .send()
+        .await
+        .expect("grant")
+        .json()
+        .await
+        .expect("json");
+    // The window starts at local midnight of the first and ends at the next month's, in Berlin.
+    let berlin = jiff::tz::TimeZone::get("Europe/Berlin").expect("zone");
+    let local = |ms: &Value| {
+        jiff::Timestamp::from_millisecond(ms.as_i64().expect("ms"))
+            .expect("instant")
+            .to_zoned(berlin.clone())
+    };
+    let (start, end) = (local(&grant["windowStartMs"]), local(&grant["windowEndMs"]));
+    assert_eq!(
+        (start.day(), start.hour(), start.minute()),
+        (1, 0, 0),
+        "{start}"
+    );
+    assert_eq!((end.day(), end.hour()), (1, 0), "{end}");
+    assert_eq!(
+        end.date(),
+        start
+            .date()
+            .first_of_month()
+            .checked_add(jiff::ToSpan::month(1))
+            .expect("next month"),
+        "one month"
+    );
+    assert!(
+        grant["expiresAtMs"].as_u64() <= grant["windowEndMs"].as_u64(),
+        "{grant}"
+    );
+
+    for (window, field) in [
+        (
+            json!({ "calendar": "fortnight", "timeZone": "UTC" }),
+            "window.calendar",
+        ),
+        (
+            json!({ "calendar": "month", "timeZone": "Mars/Olympus_Mons" }),
+            "window.timeZone",
+        ),
+        (
+            json!({ "calendar": "month", "timeZone": "+02:00" }),
+            "window.timeZone",
+        ),
+        (json!({ "calendar": "month" }), "window.timeZone"),
+    ] {
+        let mut body = monthly.clone();
+        body["window"] = window;
+        let (status, problem) = server
+            .put_pool("atlas/bad", OPERATOR, body.to_string())
+            .await;
+        assert_eq!(status, 400, "{problem}");
+        assert_eq!(problem["field"], field, "{problem}");
+    }
+    let mut both = monthly.clone();
+    both["windowMs"] = json!(60000);
+    let (status, problem) = server
+        .put_pool("atlas/bad", OPERATOR, both.to_string())
+        .await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (400, Some("windowMs")),
+        "{problem}"
+    );
+    let mut daily_long_lease = monthly.clone();
+    daily_long_lease["window"] = json!({ "calendar": "day", "timeZone": "UTC" });
+    daily_long_lease["leaseTtlMs"] = json!(24 * 3_600_000);
+    let (status, problem) = server
+        .put_pool("atlas/bad", OPERATOR, daily_long_lease.to_string())
+        .await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (400, Some("leaseTtlMs")),
+        "{problem}"
+    );
+    assert_eq!(
+        server.get("/v1/pools/atlas/bad", OPERATOR).await.0,
+        404,
+        "nothing was written"
+    );
+}

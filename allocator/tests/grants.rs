@@ -38,6 +38,7 @@ fn spec(limit_tokens: u64, chunk_tokens: u64) -> PoolSpec {
     PoolSpec {
         limit_tokens,
         window_ms: 60_000,
+        window: None,
         chunk_tokens,
         lease_ttl_ms: 15_000,
         fallback_per_region_tokens: 100,

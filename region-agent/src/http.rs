@@ -18,6 +18,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use allot_shared::FieldError;
 use allot_shared::contract::{
     AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, QuotaQuery, http_status, rate_limit_fields,
     retry_after_header,
@@ -114,22 +115,9 @@ fn parse(headers: &HeaderMap, body: &Bytes) -> Result<AdmissionRequest, Box<Resp
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
         let path = error.path().to_string();
-        let message = error.into_inner().to_string();
-        Box::new(invalid(&field_named(&path, &message, "body"), &message))
+        let named = FieldError::from_serde(&path, error.into_inner().to_string(), "body");
+        Box::new(invalid(&named.field, &named.message))
     })
-}
-
-/// The field a deserialization error is about: its path, or, for a missing or unknown field at the
-/// top (path `.`), the field the message names; `whole` when neither says.
-fn field_named(path: &str, message: &str, whole: &str) -> String {
-    if !matches!(path, "." | "?" | "") {
-        return path.to_owned();
-    }
-    ["missing field `", "unknown field `"]
-        .iter()
-        .find_map(|prefix| message.strip_prefix(prefix)?.split('`').next())
-        .unwrap_or(whole)
-        .to_owned()
 }
 
 async fn admit(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
@@ -286,8 +274,8 @@ async fn quota(
         Ok(query) => query,
         Err(error) => {
             let path = error.path().to_string();
-            let message = error.into_inner().to_string();
-            return invalid(&field_named(&path, &message, "query"), &message);
+            let named = FieldError::from_serde(&path, error.into_inner().to_string(), "query");
+            return invalid(&named.field, &named.message);
         }
     };
     let status = match api.agent.quota(&query).await {

@@ -7,14 +7,14 @@ use std::num::NonZeroU64;
 
 use allot_region_agent::global::*;
 use allot_shared::ids::{Epoch, LeaseId};
-use allot_shared::window::Window;
+use allot_shared::window::{Window, WindowSpec};
 use proptest::prelude::*;
 
 const MINUTE: u64 = 60_000;
 
 fn config(fallback: u64) -> HolderConfig {
     HolderConfig {
-        window_ms: NonZeroU64::new(MINUTE).expect("non-zero"),
+        window: WindowSpec::Fixed(NonZeroU64::new(MINUTE).expect("non-zero")),
         chunk_tokens: 100,
         lease_ttl_ms: 15_000,
         fallback_per_region_tokens: fallback,
@@ -509,7 +509,7 @@ fn fallback_stays_within_durable_claims_and_a_restart_never_reopens_the_allowanc
         ..config(10)
     };
     let t0 = 30 * MINUTE + 100;
-    let mut holder = PoolHolder::new(claims);
+    let mut holder = PoolHolder::new(claims.clone());
     holder.accept(grant(1, 4, 2, t0), t0);
     assert!(matches!(holder.spend(2, t0, false), Spend::Leased(_)));
     // The lease is spent; cut off, a cost of 4 goes to fallback, which needs a claim first.
@@ -541,7 +541,7 @@ fn fallback_stays_within_durable_claims_and_a_restart_never_reopens_the_allowanc
     assert_eq!(holder.fallback_claim_wanted(1, t0), Some((30 * MINUTE, 10)));
 
     // Killed here: the journal was written with the claim, before the 7 admits.
-    let mut restarted = PoolHolder::new(claims);
+    let mut restarted = PoolHolder::new(claims.clone());
     restarted.restore(&journal);
     // 7 of the allowance of 10 count as used: 3 are left, after a claim.
     assert_eq!(
@@ -599,7 +599,7 @@ proptest! {
         ], 1..200),
     ) {
         let config = HolderConfig { fallback_claim_block_tokens: block, ..config(allowance) };
-        let mut holder = PoolHolder::new(config);
+        let mut holder = PoolHolder::new(config.clone());
         let mut journal = HolderSnapshot::default();
         let mut now = start;
         let mut outstanding: Vec<Reservation> = Vec::new();
@@ -638,7 +638,7 @@ proptest! {
                 Crash::Restart => {
                     // Killed: reservations in flight are gone with the process.
                     outstanding.clear();
-                    holder = PoolHolder::new(config);
+                    holder = PoolHolder::new(config.clone());
                     holder.restore(&journal);
                 }
                 Crash::Advance { ms } => now += ms,

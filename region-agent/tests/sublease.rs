@@ -8,14 +8,14 @@ use std::num::NonZeroU64;
 use allot_region_agent::global::sublease::{BucketStrategy, EnforcedBucket, share};
 use allot_region_agent::global::*;
 use allot_shared::ids::{Epoch, LeaseId};
-use allot_shared::window::Window;
+use allot_shared::window::{Window, WindowSpec};
 use proptest::prelude::*;
 
 const MINUTE: u64 = 60_000;
 
 fn config(fallback: u64) -> HolderConfig {
     HolderConfig {
-        window_ms: NonZeroU64::new(MINUTE).expect("non-zero"),
+        window: WindowSpec::Fixed(NonZeroU64::new(MINUTE).expect("non-zero")),
         chunk_tokens: 500,
         lease_ttl_ms: 15_000,
         fallback_per_region_tokens: fallback,

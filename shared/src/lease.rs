@@ -15,7 +15,7 @@ use std::num::NonZeroU64;
 
 use crate::MAX_RULE_PARAMETER;
 use crate::ids::{Epoch, LeaseId, RegionId};
-use crate::window::Window;
+use crate::window::{Window, WindowSpec};
 
 /// A pool configuration that failed validation, naming the field as the wire does (`limit`,
 /// `windowMs`, ...).
@@ -36,7 +36,7 @@ pub const MAX_REGIONS_PER_POOL: usize = 64;
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolConfig {
     limit_tokens: u64,
-    window_ms: NonZeroU64,
+    window: WindowSpec,
     chunk_tokens: u64,
     lease_ttl_ms: u64,
     fallback_per_region_tokens: u64,
@@ -55,22 +55,48 @@ impl PoolConfig {
         fallback_per_region_tokens: u64,
         regions: Vec<RegionId>,
     ) -> Result<Self, PoolConfigError> {
-        if !(1..=MAX_RULE_PARAMETER).contains(&limit_tokens) {
-            return Err(config_error("limit", "must be an integer in [1, 2^40]"));
-        }
         let window = NonZeroU64::new(window_ms)
             .filter(|w| (MIN_WINDOW_MS..=MAX_RULE_PARAMETER).contains(&w.get()))
             .ok_or_else(|| config_error("windowMs", "must be an integer in [1000, 2^40]"))?;
+        Self::with_window(
+            limit_tokens,
+            WindowSpec::Fixed(window),
+            chunk_tokens,
+            lease_ttl_ms,
+            fallback_per_region_tokens,
+            regions,
+        )
+    }
+
+    /// [`new`](Self::new) with any window spec: a calendar window's lease TTL must fit in its
+    /// shortest window (a day of 22 hours, allowing for daylight saving).
+    pub fn with_window(
+        limit_tokens: u64,
+        window: WindowSpec,
+        chunk_tokens: u64,
+        lease_ttl_ms: u64,
+        fallback_per_region_tokens: u64,
+        regions: Vec<RegionId>,
+    ) -> Result<Self, PoolConfigError> {
+        if !(1..=MAX_RULE_PARAMETER).contains(&limit_tokens) {
+            return Err(config_error("limit", "must be an integer in [1, 2^40]"));
+        }
         if chunk_tokens < 1 || chunk_tokens > limit_tokens {
             return Err(config_error(
                 "chunk",
                 "must be at least 1 and at most limit",
             ));
         }
-        if lease_ttl_ms < MIN_LEASE_TTL_MS || lease_ttl_ms > window_ms {
+        if lease_ttl_ms < MIN_LEASE_TTL_MS || lease_ttl_ms > window.shortest_ms() {
             return Err(config_error(
                 "leaseTtlMs",
-                "must be at least 100 and at most windowMs",
+                match window {
+                    WindowSpec::Fixed(_) => "must be at least 100 and at most windowMs".to_owned(),
+                    WindowSpec::Calendar(_) => format!(
+                        "must be at least 100 and at most {} (the shortest window)",
+                        window.shortest_ms()
+                    ),
+                },
             ));
         }
         if fallback_per_region_tokens > MAX_RULE_PARAMETER {
@@ -94,7 +120,7 @@ impl PoolConfig {
         }
         Ok(Self {
             limit_tokens,
-            window_ms: window,
+            window,
             chunk_tokens,
             lease_ttl_ms,
             fallback_per_region_tokens,
@@ -106,9 +132,9 @@ impl PoolConfig {
     pub fn limit_tokens(&self) -> u64 {
         self.limit_tokens
     }
-    /// Window length, in ms.
-    pub fn window_ms(&self) -> NonZeroU64 {
-        self.window_ms
+    /// How the windows are cut.
+    pub fn window(&self) -> &WindowSpec {
+        &self.window
     }
     /// Largest grant, in tokens.
     pub fn chunk_tokens(&self) -> u64 {
@@ -128,7 +154,7 @@ impl PoolConfig {
     }
     /// The window containing `now_ms`.
     pub fn window_at(&self, now_ms: u64) -> Window {
-        Window::containing(now_ms, self.window_ms)
+        self.window.containing(now_ms)
     }
 }
 

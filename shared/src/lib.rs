@@ -58,6 +58,23 @@ impl FieldError {
             message: message.into(),
         }
     }
+
+    /// The error of a document that did not deserialize, at `path` (as `serde_path_to_error`
+    /// writes it; `.` for the top) with serde's `message`: a missing or unknown field is named
+    /// itself (`window.timeZone`), anything else by its path; `whole` names the document when
+    /// nothing narrower is known (`body`, `query`).
+    pub fn from_serde(path: &str, message: String, whole: &str) -> Self {
+        let top = matches!(path, "." | "?" | "");
+        let name_in = |prefix: &str| message.strip_prefix(prefix)?.split('`').next();
+        // The path of a missing field stops at its parent; that of an unknown one includes it.
+        let field = match (name_in("missing field `"), name_in("unknown field `"), top) {
+            (Some(name), _, false) => format!("{path}.{name}"),
+            (Some(name), _, true) | (None, Some(name), true) => name.to_owned(),
+            (None, None, true) => whole.to_owned(),
+            (None, _, false) => path.to_owned(),
+        };
+        Self { field, message }
+    }
 }
 
 /// Millitokens in one token.
@@ -71,3 +88,29 @@ pub const MAX_RULE_PARAMETER: u64 = 1 << 40;
 
 /// Largest allowed `capacity_millitokens * period_ms` of a rate rule: 2^52.
 pub const MAX_CAPACITY_TIMES_PERIOD: u64 = 1 << 52;
+
+#[cfg(test)]
+mod tests {
+    use super::FieldError;
+
+    #[test]
+    fn serde_errors_name_the_missing_or_unknown_field() {
+        let field =
+            |path: &str, message: &str| FieldError::from_serde(path, message.into(), "body").field;
+        assert_eq!(field(".", "missing field `limit`"), "limit");
+        assert_eq!(
+            field("window", "missing field `timeZone`"),
+            "window.timeZone"
+        );
+        assert_eq!(
+            field(".", "unknown field `colour`, expected one of `a`"),
+            "colour"
+        );
+        assert_eq!(
+            field("surprise", "unknown field `surprise`, expected `a`"),
+            "surprise"
+        );
+        assert_eq!(field("limit", "invalid type: string"), "limit");
+        assert_eq!(field(".", "expected value at line 1"), "body");
+    }
+}

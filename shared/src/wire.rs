@@ -18,6 +18,40 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{AgentId, Epoch, LeaseId, PoolId, RegionId, TenantId};
 
+/// Calendar windows as pool specs and terms write them: `{"calendar": "month", "timeZone":
+/// "Europe/Berlin"}` (`calendar`: `day`, `week` or `month`; an IANA time zone name).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CalendarWindowSpec {
+    /// `day`, `week` (from Monday) or `month`.
+    pub calendar: String,
+    /// The IANA time zone the calendar is read in.
+    pub time_zone: String,
+}
+
+impl CalendarWindowSpec {
+    /// The window spec, or the field at fault (`window.calendar`, `window.timeZone`).
+    pub fn to_spec(&self) -> Result<crate::window::WindowSpec, crate::FieldError> {
+        let unit = crate::window::CalendarUnit::parse(&self.calendar).ok_or_else(|| {
+            crate::FieldError::new(
+                "window.calendar",
+                format!("must be day, week or month, got {:?}", self.calendar),
+            )
+        })?;
+        let calendar = crate::window::CalendarWindow::new(unit, &self.time_zone)
+            .map_err(|e| crate::FieldError::new("window.timeZone", e.to_string()))?;
+        Ok(crate::window::WindowSpec::Calendar(calendar))
+    }
+
+    /// The wire form of `calendar`.
+    pub fn of(calendar: &crate::window::CalendarWindow) -> Self {
+        Self {
+            calendar: calendar.unit().as_str().to_owned(),
+            time_zone: calendar.time_zone().to_owned(),
+        }
+    }
+}
+
 /// A pool's terms as the allocator gives them to agents (`GET /v1/pools/{tenant}/{pool}/terms`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -25,8 +59,12 @@ pub struct PoolTerms {
     /// `G`, tokens per window.
     #[serde(rename = "limit")]
     pub limit_tokens: u64,
-    /// Window length, ms.
+    /// Window length, ms; for calendar windows, the longest one can be.
     pub window_ms: u64,
+    /// Calendar windows, when the pool's windows are days, weeks or months in a time zone (then
+    /// they, not `windowMs`, cut the windows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<CalendarWindowSpec>,
     /// Largest grant, tokens.
     #[serde(rename = "chunk")]
     pub chunk_tokens: u64,
@@ -53,6 +91,17 @@ pub struct FallbackInWindow {
     /// Tokens admitted in fallback so far, as reported.
     #[serde(rename = "admitted")]
     pub admitted_tokens: u64,
+}
+
+impl PoolTerms {
+    /// How the pool's windows are cut: calendar windows when given, else `windowMs` (`None` when
+    /// neither is valid).
+    pub fn window_spec(&self) -> Option<crate::window::WindowSpec> {
+        match &self.window {
+            Some(calendar) => calendar.to_spec().ok(),
+            None => std::num::NonZeroU64::new(self.window_ms).map(crate::window::WindowSpec::Fixed),
+        }
+    }
 }
 
 /// `POST /v1/grants` body: a region asks a pool for tokens.

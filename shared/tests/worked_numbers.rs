@@ -508,8 +508,8 @@ fn lease_grants_clamp_and_exhaust() {
     assert_eq!(g.granted_tokens, 100);
     assert_eq!(g.window, config.window_at(60_000));
     assert_eq!(
-        config.window_ms(),
-        NonZeroU64::new(60_000).expect("non-zero")
+        config.window(),
+        &allot_shared::window::WindowSpec::Fixed(NonZeroU64::new(60_000).expect("non-zero"))
     );
 }
 

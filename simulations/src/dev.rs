@@ -102,6 +102,7 @@ pub async fn run_dev(
     let spec = PoolSpec {
         limit_tokens: 1_000,
         window_ms: 60_000,
+        window: None,
         chunk_tokens: 100,
         lease_ttl_ms: 15_000,
         fallback_per_region_tokens: 100,
@@ -290,7 +291,7 @@ async fn demo(
     let interval = Duration::from_micros(1_000_000 / rate_per_s.max(1));
     let (driver_counts, driver_agents, driver_clock) =
         (counts.clone(), agents.clone(), clock.clone());
-    let window_ms = config.window_ms();
+    let window_spec = config.window().clone();
     // Aborted with the demo; its requests live in a bounded set that is aborted with it.
     let _driver = AbortOnDrop(tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval);
@@ -329,10 +330,10 @@ async fn demo(
                 policy_epoch: None,
                 dry_run: false,
             };
+            let window_spec = window_spec.clone();
             in_flight.spawn(async move {
                 if let Ok(decision) = agent.admit(&request).await {
-                    let window =
-                        allot_shared::window::Window::containing(clock.now_ms(), window_ms);
+                    let window = window_spec.containing(clock.now_ms());
                     let mut counts = counts.lock().unwrap_or_else(|p| p.into_inner());
                     let entry = counts.entry((window.start_ms, index)).or_default();
                     if decision.allowed {

@@ -10,6 +10,7 @@ use allot_allocator::http::MintBody;
 use allot_allocator::pools::PoolSpec;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::replay::ReplayOptions;
+use allot_shared::wire::CalendarWindowSpec;
 use allot_shared::wire::GrantBody;
 use clap::{Parser, Subcommand};
 use reqwest::Method;
@@ -109,9 +110,15 @@ enum PoolsCommand {
         /// G: tokens per window.
         #[arg(long)]
         limit: u64,
-        /// Window length, ms.
-        #[arg(long, default_value_t = 60_000)]
+        /// Window length, ms (without --calendar).
+        #[arg(long, default_value_t = 60_000, conflicts_with = "calendar")]
         window_ms: u64,
+        /// Calendar windows instead: day, week (from Monday) or month, read in --time-zone.
+        #[arg(long, requires = "time_zone")]
+        calendar: Option<String>,
+        /// The IANA time zone of --calendar windows, e.g. Europe/Berlin.
+        #[arg(long, requires = "calendar")]
+        time_zone: Option<String>,
         /// Largest grant, tokens.
         #[arg(long)]
         chunk: u64,
@@ -278,14 +285,25 @@ fn pools_call(command: PoolsCommand) -> Result<Call, String> {
             pool,
             limit,
             window_ms,
+            calendar,
+            time_zone,
             chunk,
             lease_ttl_ms,
             fallback,
             regions,
         } => {
+            let window = match (calendar, time_zone) {
+                (Some(calendar), Some(time_zone)) => Some(CalendarWindowSpec {
+                    calendar,
+                    time_zone,
+                }),
+                _ => None,
+            };
             let spec = PoolSpec {
                 limit_tokens: limit,
-                window_ms,
+                // The server checks the calendar and the zone, and says which is wrong.
+                window_ms: if window.is_some() { 0 } else { window_ms },
+                window,
                 chunk_tokens: chunk,
                 lease_ttl_ms,
                 fallback_per_region_tokens: fallback,

@@ -115,7 +115,7 @@ pub async fn list(
                             td { (pool.tenant) }
                             td { a href=(pool_href(pool.tenant.as_str(), pool.pool.as_str())) { (pool.pool) } }
                             td.num { (pool.spec.limit_tokens) }
-                            td { (duration(pool.spec.window_ms)) }
+                            td { (window_words(&pool.spec)) }
                             td.num.wide { (pool.spec.chunk_tokens) }
                             td.wide { (join(&pool.spec.regions)) }
                             @match window {
@@ -137,6 +137,14 @@ pub async fn list(
         }
     };
     html_response(StatusCode::OK, page(session, Section::Pools, "Pools", body))
+}
+
+/// A pool's windows in words: `1 min`, or `month in Europe/Berlin`.
+fn window_words(spec: &crate::pools::PoolSpec) -> String {
+    match &spec.window {
+        Some(calendar) => format!("{} in {}", calendar.calendar, calendar.time_zone),
+        None => duration(spec.window_ms),
+    }
 }
 
 fn join<T: std::fmt::Display>(items: &[T]) -> String {
@@ -161,6 +169,11 @@ pub struct PoolForm {
     limit: String,
     #[serde(default, rename = "windowMs")]
     window_ms: String,
+    /// Calendar windows: day, week or month (blank: windowMs).
+    #[serde(default)]
+    calendar: String,
+    #[serde(default, rename = "timeZone")]
+    time_zone: String,
     #[serde(default)]
     chunk: String,
     #[serde(default, rename = "leaseTtlMs")]
@@ -176,6 +189,20 @@ impl CarriesCsrf for PoolForm {
         &self.csrf
     }
 }
+
+/// Calendar windows, instead of a window length: (form name, label, hint).
+const CALENDAR_FIELDS: [(&str, &str, &str); 2] = [
+    (
+        "calendar",
+        "Calendar window",
+        "day, week or month instead of a length in ms (leave the window length blank)",
+    ),
+    (
+        "timeZone",
+        "Time zone",
+        "where the calendar is read, e.g. Europe/Berlin or UTC",
+    ),
+];
 
 /// The form's fields: (JSON name, label, hint).
 const SPEC_FIELDS: [(&str, &str, &str); 5] = [
@@ -201,7 +228,23 @@ impl PoolForm {
             tenant: view.tenant.to_string(),
             pool: view.pool.to_string(),
             limit: view.spec.limit_tokens.to_string(),
-            window_ms: view.spec.window_ms.to_string(),
+            window_ms: if view.spec.window.is_some() {
+                String::new()
+            } else {
+                view.spec.window_ms.to_string()
+            },
+            calendar: view
+                .spec
+                .window
+                .as_ref()
+                .map(|w| w.calendar.clone())
+                .unwrap_or_default(),
+            time_zone: view
+                .spec
+                .window
+                .as_ref()
+                .map(|w| w.time_zone.clone())
+                .unwrap_or_default(),
             chunk: view.spec.chunk_tokens.to_string(),
             lease_ttl_ms: view.spec.lease_ttl_ms.to_string(),
             fallback_per_region: view.spec.fallback_per_region_tokens.to_string(),
@@ -215,6 +258,8 @@ impl PoolForm {
             "pool" => &self.pool,
             "limit" => &self.limit,
             "windowMs" => &self.window_ms,
+            "calendar" => &self.calendar,
+            "timeZone" => &self.time_zone,
             "chunk" => &self.chunk,
             "leaseTtlMs" => &self.lease_ttl_ms,
             "fallbackPerRegion" => &self.fallback_per_region,
@@ -226,8 +271,12 @@ impl PoolForm {
     /// refuses naming the field).
     fn spec_json(&self) -> Value {
         let mut body = Map::new();
+        let calendar = self.calendar.trim();
         for (field, _, _) in SPEC_FIELDS {
             let typed = self.value_of(field).trim();
+            if field == "windowMs" && (!calendar.is_empty() && typed.is_empty()) {
+                continue;
+            }
             let value = typed
                 .parse::<u64>()
                 .map(Value::from)
@@ -242,6 +291,12 @@ impl PoolForm {
             .map(Value::from)
             .collect();
         body.insert("regions".to_owned(), Value::Array(regions));
+        if !calendar.is_empty() {
+            body.insert(
+                "window".to_owned(),
+                serde_json::json!({ "calendar": calendar, "timeZone": self.time_zone.trim() }),
+            );
+        }
         Value::Object(body)
     }
 }
@@ -250,9 +305,11 @@ impl PoolForm {
 fn form_field(problem: &ApiProblem) -> Option<&str> {
     let field = problem.field()?;
     let base = field.split(['[', '.']).next().unwrap_or(field);
-    Some(match base {
-        "" | "body" => "limit",
-        other => other,
+    Some(match (base, field) {
+        ("window", "window.timeZone") => "timeZone",
+        ("window", _) => "calendar",
+        ("" | "body", _) => "limit",
+        (other, _) => other,
     })
 }
 
@@ -306,6 +363,19 @@ fn pool_form(
                 }
             }
             @for (name, label, hint) in SPEC_FIELDS { (field(name, label, hint)) }
+            @for (name, label, hint) in CALENDAR_FIELDS {
+                @let invalid = at_fault == Some(name);
+                div {
+                    label for=(name) { (label) }
+                    input id=(name) name=(name) value=(form.value_of(name))
+                        aria-invalid=[invalid.then_some("true")];
+                    @if let (true, Some(problem)) = (invalid, problem) {
+                        p.error role="alert" { (problem.detail()) }
+                    } @else {
+                        p.hint { (hint) }
+                    }
+                }
+            }
             div {
                 @let invalid = at_fault == Some("regions");
                 label for="regions" { "Regions" }
@@ -457,7 +527,7 @@ pub async fn detail(
             }
         }
         p.muted {
-            "G " (spec.limit_tokens) " tokens per " (duration(spec.window_ms))
+            "G " (spec.limit_tokens) " tokens per " (window_words(spec))
             " · chunk " (spec.chunk_tokens) " · lease TTL " (duration(spec.lease_ttl_ms))
             " · regions " (join(&spec.regions)) " · version " (view.version)
             " · updated " (utc(view.updated_at_ms))

@@ -92,16 +92,16 @@ fn read_bundle(value: &Value) -> Result<PolicyBundle, String> {
         .map_err(|e| format!("the allocator's answer is not a verified policy bundle: {e}"))
 }
 
-const POOL_HEADER: &str = "tenant                   pool                          limit  window ms    chunk fallback  version  regions";
+const POOL_HEADER: &str = "tenant                   pool                          limit  window                    chunk fallback  version  regions";
 
 fn pool_row(out: &mut String, pool: &PoolView) {
     let _ = writeln!(
         out,
-        "{:<24} {:<24} {:>10} {:>10} {:>8} {:>8} {:>8}  {}",
+        "{:<24} {:<24} {:>10}  {:<22} {:>8} {:>8} {:>8}  {}",
         pool.tenant.as_str(),
         pool.pool.as_str(),
         pool.spec.limit_tokens,
-        pool.spec.window_ms,
+        pool.spec.window_text(),
         pool.spec.chunk_tokens,
         pool.spec.fallback_per_region_tokens,
         pool.version,

@@ -1,6 +1,7 @@
 //! Reading requests and writing answers: JSON bodies (the field at fault named on error), path
 //! segments, JSON answers.
 
+use allot_shared::FieldError;
 use allot_shared::ids::{PoolId, TenantId};
 use axum::body::Bytes;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -37,12 +38,8 @@ pub fn parse_json<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Res
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
         let path = error.path().to_string();
-        let inner = error.into_inner();
-        let field = match path.as_str() {
-            "." | "?" | "" => "body".to_owned(),
-            _ => path,
-        };
-        ApiError::invalid(field, inner.to_string())
+        let named = FieldError::from_serde(&path, error.into_inner().to_string(), "body");
+        ApiError::invalid(named.field, named.message)
     })?;
     deserializer
         .end()

@@ -20,27 +20,97 @@ use crate::ledger::PoolChange;
 use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
 
 /// The pool as answered by the API: its spec flattened, its version, and when asked the live window.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+///
+/// One `window` object says what the window is and where it stands: a calendar pool's `calendar`
+/// and `timeZone` (as its spec writes them) beside the live window's fields
+/// ([`PoolViewWire`] is the JSON).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(into = "PoolViewWire", try_from = "PoolViewWire")]
 pub struct PoolView {
     /// The tenant.
     pub tenant: TenantId,
     /// The pool.
     pub pool: PoolId,
     /// The configuration.
-    #[serde(flatten)]
     pub spec: PoolSpec,
     /// The configuration's version.
     pub version: u64,
     /// Last update, epoch ms.
     pub updated_at_ms: u64,
     /// The current window, on `GET /v1/pools/{tenant}/{pool}`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window: Option<LiveWindow>,
 }
 
+/// The JSON of a [`PoolView`]: the spec's fields at the top, but its calendar (if any) inside
+/// `window`, merged with the live window.
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PoolViewWire {
+    tenant: TenantId,
+    pool: PoolId,
+    #[serde(flatten)]
+    spec: serde_json::Map<String, serde_json::Value>,
+    version: u64,
+    updated_at_ms: u64,
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    window: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The keys of a calendar window in a pool spec.
+const CALENDAR_KEYS: [&str; 2] = ["calendar", "timeZone"];
+
+impl From<PoolView> for PoolViewWire {
+    fn from(view: PoolView) -> Self {
+        let as_map = |value: serde_json::Value| match value {
+            serde_json::Value::Object(map) => map,
+            _ => serde_json::Map::new(),
+        };
+        let mut spec = as_map(serde_json::to_value(&view.spec).unwrap_or_default());
+        let mut window = as_map(spec.remove("window").unwrap_or_default());
+        if let Some(live) = view.window {
+            window.extend(as_map(serde_json::to_value(live).unwrap_or_default()));
+        }
+        Self {
+            tenant: view.tenant,
+            pool: view.pool,
+            spec,
+            version: view.version,
+            updated_at_ms: view.updated_at_ms,
+            window,
+        }
+    }
+}
+
+impl TryFrom<PoolViewWire> for PoolView {
+    type Error = serde_json::Error;
+
+    fn try_from(wire: PoolViewWire) -> Result<Self, Self::Error> {
+        let (calendar, live): (serde_json::Map<_, _>, serde_json::Map<_, _>) = wire
+            .window
+            .into_iter()
+            .partition(|(key, _)| CALENDAR_KEYS.contains(&key.as_str()));
+        let mut spec = wire.spec;
+        if !calendar.is_empty() {
+            spec.insert("window".to_owned(), serde_json::Value::Object(calendar));
+        }
+        let window = if live.is_empty() {
+            None
+        } else {
+            Some(serde_json::from_value(serde_json::Value::Object(live))?)
+        };
+        Ok(Self {
+            tenant: wire.tenant,
+            pool: wire.pool,
+            spec: serde_json::from_value(serde_json::Value::Object(spec))?,
+            version: wire.version,
+            updated_at_ms: wire.updated_at_ms,
+            window,
+        })
+    }
+}
+
 /// A pool's current window.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct LiveWindow {
     /// Window start, epoch ms.
@@ -266,10 +336,11 @@ pub async fn get_pool_terms(
         check_region(&credential, region)?;
     }
     let stored = stored_pool(&state, &tenant, &pool).await?;
+    let config = stored.spec.validate().ok();
     let spec = stored.spec;
-    let fallback_in_window = match (&region, std::num::NonZeroU64::new(spec.window_ms)) {
-        (Some(region), Some(window_ms)) => {
-            let window = allot_shared::window::Window::containing(state.clock.now_ms(), window_ms);
+    let fallback_in_window = match (&region, &config) {
+        (Some(region), Some(config)) => {
+            let window = config.window_at(state.clock.now_ms());
             let admitted_tokens = state
                 .ledger
                 .fallback_admitted(&tenant, &pool, region, window.start_ms)
@@ -283,7 +354,11 @@ pub async fn get_pool_terms(
     };
     let terms = PoolTerms {
         limit_tokens: spec.limit_tokens,
-        window_ms: spec.window_ms,
+        // Old agents read windowMs alone: for calendar windows it is the longest one.
+        window_ms: config
+            .as_ref()
+            .map_or(spec.window_ms, |c| c.window().longest_ms()),
+        window: spec.window.clone(),
         chunk_tokens: spec.chunk_tokens,
         lease_ttl_ms: spec.lease_ttl_ms,
         fallback_per_region_tokens: spec.fallback_per_region_tokens,

@@ -272,15 +272,15 @@ impl Ledger {
         });
         // A window with fallback admits and no grant (a region cut off all window long), or with
         // shadow admits only (a pool in shadow mode grants nothing).
-        let window_ms = i64_of(config.window_ms().get());
         for row in admits_rows.iter().flat_map(|rows| rows.iter()) {
             if !keys
                 .iter()
                 .any(|k| k.window_start_ms == row.window_start_ms)
             {
+                let window = config.window_at(u64_of(row.window_start_ms));
                 keys.push(WindowKey {
                     window_start_ms: row.window_start_ms,
-                    window_end_ms: row.window_start_ms + window_ms,
+                    window_end_ms: i64_of(window.end_ms),
                 });
             }
         }

@@ -23,10 +23,9 @@
 //!   in the agent's memory, not a refund to the allocator.
 
 use std::collections::BTreeMap;
-use std::num::NonZeroU64;
 
 use allot_shared::ids::{Epoch, LeaseId};
-use allot_shared::window::Window;
+use allot_shared::window::{Window, WindowSpec};
 use allot_shared::wire::GrantAnswer;
 
 /// Leases held at once per pool (the current one and a prefetched renewal, with room to spare).
@@ -44,10 +43,10 @@ const RATE_BUCKET_MS: u64 = 1_000;
 const RATE_SCALE: u64 = 1_024;
 
 /// What the holder needs to know about its pool (from the last pool configuration the agent saw).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HolderConfig {
-    /// The pool's window length.
-    pub window_ms: NonZeroU64,
+    /// How the pool's windows are cut.
+    pub window: WindowSpec,
     /// Largest grant the pool gives, tokens: the most a renewal asks for.
     pub chunk_tokens: u64,
     /// Lease TTL before clamping, ms: how long a renewal should last at the current rate.
@@ -511,6 +510,7 @@ pub struct PoolHolder {
 impl PoolHolder {
     /// An empty holder.
     pub fn new(config: HolderConfig) -> Self {
+        let rate = SpendRate::new(config.lease_ttl_ms);
         Self {
             config,
             live: Vec::new(),
@@ -518,7 +518,7 @@ impl PoolHolder {
             highest_epoch: Epoch(0),
             exhausted_until_ms: 0,
             fallback: BTreeMap::new(),
-            rate: SpendRate::new(config.lease_ttl_ms),
+            rate,
             last_demand_ms: None,
             renewal_in_flight: false,
             renewal_started_at_ms: 0,
@@ -680,7 +680,7 @@ impl PoolHolder {
                 retry_after_ms: self.exhausted_until_ms - now_ms,
             });
         }
-        let window = Window::containing(now_ms, self.config.window_ms);
+        let window = self.config.window.containing(now_ms);
         let until_window_end_ms = window.ms_until_end(now_ms).max(1);
         if allocator_reachable && !self.allocator_silent(now_ms) {
             if window.ms_until_end(now_ms)
@@ -1006,7 +1006,7 @@ impl PoolHolder {
         if leased > 0 || (allocator_reachable && !self.allocator_silent(now_ms)) {
             return leased;
         }
-        let window = Window::containing(now_ms, self.config.window_ms);
+        let window = self.config.window.containing(now_ms);
         let used = self
             .fallback
             .get(&window.start_ms)
@@ -1049,7 +1049,7 @@ impl PoolHolder {
     pub fn usable_until_ms(&self, reservation: &Reservation) -> u64 {
         match &reservation.from {
             ReservedFrom::Fallback { window_start_ms } => {
-                window_start_ms.saturating_add(self.config.window_ms.get())
+                self.config.window.containing(*window_start_ms).end_ms
             }
             ReservedFrom::Leases { .. } => reservation
                 .lease_parts()
@@ -1096,7 +1096,7 @@ impl PoolHolder {
         if block == 0 {
             return None;
         }
-        let window_start_ms = Window::containing(now_ms, self.config.window_ms).start_ms;
+        let window_start_ms = self.config.window.containing(now_ms).start_ms;
         let count = self
             .fallback
             .get(&window_start_ms)
@@ -1237,14 +1237,14 @@ impl PoolHolder {
         let last_demand_ms = self.last_demand_ms?;
         // Leases are clamped to their window: one asked for this close to the window's end would end
         // before this agent may spend from it and be stranded whole. Wait for the next window.
-        let window = Window::containing(now_ms, self.config.window_ms);
+        let window = self.config.window.containing(now_ms);
         if window.ms_until_end(now_ms) <= self.config.expiry_margin_ms + round_trip_ms {
             return None;
         }
         self.expire(now_ms);
         self.rate.roll(now_ms);
         if self.live.is_empty()
-            && now_ms.saturating_sub(last_demand_ms) > self.config.window_ms.get()
+            && now_ms.saturating_sub(last_demand_ms) > self.config.window.longest_ms()
         {
             return None;
         }
@@ -1354,7 +1354,7 @@ impl PoolHolder {
                 count.reported_tokens = count.reported_tokens.max(line.admitted_tokens);
             }
         }
-        let current = Window::containing(now_ms, self.config.window_ms).start_ms;
+        let current = self.config.window.containing(now_ms).start_ms;
         self.fallback.retain(|&start, c| {
             start >= current || c.admitted_tokens != c.reported_tokens || c.reserved_tokens > 0
         });
@@ -1365,7 +1365,7 @@ impl PoolHolder {
     /// (forgetting that count would re-open the window's allowance), and no demand for `idle_ms`.
     pub fn is_idle(&mut self, now_ms: u64, idle_ms: u64) -> bool {
         self.expire(now_ms);
-        let current = Window::containing(now_ms, self.config.window_ms).start_ms;
+        let current = self.config.window.containing(now_ms).start_ms;
         let quiet = self
             .last_demand_ms
             .is_none_or(|last| now_ms.saturating_sub(last) >= idle_ms);

@@ -332,10 +332,12 @@ impl Agent {
             let Some(slot) = self.slot(&request.tenant_id, pool).await else {
                 continue;
             };
-            let window_ms = lock(&slot.terms).0.window_ms.max(1);
+            let Some(spec) = lock(&slot.terms).0.window_spec() else {
+                continue;
+            };
             let now_ms = self.clock.now_ms();
             let cost_tokens = global_cost_tokens(rule, request);
-            lock(&slot.shadow).count(now_ms - now_ms % window_ms, cost_tokens);
+            lock(&slot.shadow).count(spec.containing(now_ms).start_ms, cost_tokens);
             metrics::counter!(crate::metrics::SHADOW_ADMITTED_TOKENS,
                 "tenant" => request.tenant_id.to_string(), "pool" => pool.to_string())
             .increment(cost_tokens);

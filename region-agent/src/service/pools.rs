@@ -2,7 +2,6 @@
 //! how a request finds its pool, and the single-flight lookup of a pool's terms.
 
 use std::collections::HashMap;
-use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
@@ -331,7 +330,7 @@ impl Agent {
 
     pub(super) fn holder_config(&self, terms: &PoolTerms) -> Option<HolderConfig> {
         Some(HolderConfig {
-            window_ms: NonZeroU64::new(terms.window_ms)?,
+            window: terms.window_spec()?,
             chunk_tokens: terms.chunk_tokens,
             lease_ttl_ms: terms.lease_ttl_ms,
             fallback_per_region_tokens: terms.fallback_per_region_tokens

@@ -14,7 +14,6 @@
 //!   missing, a fixed window's end, a sliding counter's next window end, a sliding log's window, a
 //!   pool's window end (the agent's clock).
 
-use std::num::NonZeroU64;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -24,7 +23,6 @@ use allot_shared::ids::{DecisionId, PoolId, RouteGroup, TenantId};
 use allot_shared::keys;
 use allot_shared::limit::multi::{Algorithm, MAX_RULES_PER_REQUEST};
 use allot_shared::policy::{Limit, PolicyBundle, Rule};
-use allot_shared::window::Window;
 
 use super::{Agent, RequestRejected, lock};
 use crate::limiter::{BatchRule, Holding, PlannedBatch, RuleBatch, RuleParams};
@@ -167,11 +165,12 @@ impl Agent {
             return line;
         };
         line.limit_units = slot.limit.load(Ordering::Relaxed);
-        line.window_ms = lock(&slot.terms).0.window_ms;
-        let Some(length_ms) = NonZeroU64::new(line.window_ms) else {
+        let Some(spec) = lock(&slot.terms).0.window_spec() else {
             return line;
         };
-        let window = Window::containing(now_ms, length_ms);
+        let window = spec.containing(now_ms);
+        // A calendar window's own length (this month's, this day's).
+        line.window_ms = window.length_ms();
         line.reset_ms = window.end_ms.saturating_sub(now_ms);
         // The holder's lock first, as a grant takes them: the figure and the grant it follows.
         let holder = lock(&slot.holder);

@@ -87,11 +87,14 @@ impl Agent {
                     Ok(()) => {
                         let now_ms = self.clock.now_ms();
                         lock(&slot.holder).acknowledge(&part, now_ms);
-                        let window_ms = lock(&slot.terms).0.window_ms.max(1);
+                        let current_start_ms = lock(&slot.terms)
+                            .0
+                            .window_spec()
+                            .map_or(now_ms, |spec| spec.containing(now_ms).start_ms);
                         lock(&slot.shadow).acknowledge(
                             window_start_ms,
                             body.shadow_admitted_tokens,
-                            now_ms - now_ms % window_ms,
+                            current_start_ms,
                         );
                         self.note_change();
                     }

@@ -434,10 +434,13 @@ impl<'s> Drill<'s> {
             };
             abnormal |= match scenario.gateways {
                 Some(plan) => {
-                    step.run_gateways(arrivals, self.holder_config, report_due, plan)
+                    step.run_gateways(arrivals, self.holder_config.clone(), report_due, plan)
                         .await?
                 }
-                None => step.run(arrivals, self.holder_config, report_due).await?,
+                None => {
+                    step.run(arrivals, self.holder_config.clone(), report_due)
+                        .await?
+                }
             };
         }
         Ok(abnormal)
@@ -519,6 +522,7 @@ fn pool_spec(scenario: &Scenario, limit_tokens: u64, regions: Vec<RegionId>) -> 
     PoolSpec {
         limit_tokens,
         window_ms: scenario.window_ms,
+        window: None,
         chunk_tokens: scenario.chunk_tokens,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region_tokens,
@@ -567,7 +571,7 @@ async fn configure_pools(
 fn holder_config(scenario: &Scenario, window_ms: NonZeroU64) -> HolderConfig {
     let regional_hold_ms = 2 * ms(LimiterConfig::default().decision_budget);
     HolderConfig {
-        window_ms,
+        window: allot_shared::window::WindowSpec::Fixed(window_ms),
         chunk_tokens: scenario.chunk_tokens,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region_tokens,
