@@ -251,6 +251,54 @@ async fn failures_are_one_line_with_a_non_zero_exit() {
     assert!(String::from_utf8_lossy(&unreachable.stderr).starts_with("allotctl: cannot reach"));
     let usage = allotctl(url, OPERATOR, &["pools", "frobnicate"]).await;
     assert_eq!(usage.status.code(), Some(2), "usage errors exit 2");
+
+    // Calendar windows: a monthly plan, shown as such; an unknown zone is one line naming it.
+    let set_monthly = |zone: &'static str| async move {
+        let args = [
+            "pools",
+            "set",
+            "atlas",
+            "plan",
+            "--limit",
+            "1000",
+            "--calendar",
+            "month",
+            "--time-zone",
+            zone,
+            "--chunk",
+            "100",
+            "--regions",
+            "eu",
+        ];
+        allotctl(url, OPERATOR, &args).await
+    };
+    let monthly = stdout(&set_monthly("Europe/Berlin").await);
+    assert!(monthly.contains("month in Europe/Berlin"), "{monthly}");
+    let bad_zone = set_monthly("Europe/Atlantis").await;
+    assert_eq!(bad_zone.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&bad_zone.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("(field window.timeZone)"), "{stderr}");
+    let half = allotctl(
+        url,
+        OPERATOR,
+        &[
+            "pools",
+            "set",
+            "atlas",
+            "plan",
+            "--limit",
+            "1",
+            "--chunk",
+            "1",
+            "--regions",
+            "eu",
+            "--calendar",
+            "month",
+        ],
+    )
+    .await;
+    assert_eq!(half.status.code(), Some(2), "--calendar needs --time-zone");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

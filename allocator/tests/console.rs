@@ -333,6 +333,53 @@ async fn an_author_creates_edits_and_deletes_a_pool_and_sees_field_errors() {
     assert_eq!(deleted.location.as_deref(), Some("/console/pools"));
     assert_eq!(server_get(&server, "/v1/pools/atlas/api").await.0, 404);
 
+    // A monthly plan: calendar windows instead of a length; an unknown zone is named beside it.
+    let monthly = |zone: &'static str| {
+        let mut form = pool_form(&csrf, "100");
+        form.retain(|(name, _)| *name != "windowMs");
+        form.extend([
+            ("pool", "plan"),
+            ("windowMs", ""),
+            ("calendar", "month"),
+            ("timeZone", zone),
+            ("leaseTtlMs", "60000"),
+        ]);
+        form.retain(|(name, value)| !(*name == "pool" && *value == "api"));
+        form.retain(|(name, value)| !(*name == "leaseTtlMs" && *value == "10000"));
+        form
+    };
+    let refused = author
+        .post("/console/pools/new", &monthly("Europe/Atlantis"))
+        .await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.text);
+    assert!(
+        refused.text.contains(
+            r#"id="timeZone" name="timeZone" value="Europe/Atlantis" aria-invalid="true""#
+        ),
+        "{}",
+        refused.text
+    );
+    let created = author
+        .post("/console/pools/new", &monthly("Europe/Berlin"))
+        .await;
+    assert_eq!(created.status, StatusCode::SEE_OTHER, "{}", created.text);
+    let (_, plan) = server_get(&server, "/v1/pools/atlas/plan").await;
+    assert_eq!(plan["window"]["calendar"], "month", "{plan}");
+    assert_eq!(plan["window"]["timeZone"], "Europe/Berlin", "{plan}");
+    let page = author.get("/console/pools/atlas/plan").await;
+    assert!(
+        page.text.contains("tokens per month in Europe/Berlin"),
+        "{}",
+        page.text
+    );
+    let form = author.get("/console/pools/atlas/plan/edit").await;
+    assert!(
+        form.text
+            .contains(r#"id="calendar" name="calendar" value="month""#),
+        "the edit form keeps the calendar: {}",
+        form.text
+    );
+
     // The audit log names the author's changes.
     let audit = author.get("/console/audit?action=pool.put").await;
     assert!(audit.text.contains("atlas/api"), "{}", audit.text);

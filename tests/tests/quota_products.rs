@@ -161,3 +161,81 @@ async fn checks_quotas_soft_rules_and_shadow_pools_through_the_agent_and_the_led
     );
     assert_eq!(beta_window["limit"], 5, "{beta_window}");
 }
+
+/// A monthly plan in Berlin time, end to end: the grant's window is the local month, the caller's
+/// quota resets at the local month's end, and the ledger's window is the month.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_monthly_plan_follows_the_local_calendar_from_grant_to_ledger() {
+    let etcd = EtcdCluster::single();
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let allocator = start_allocator(&etcd, dir.path()).await;
+    let monthly = json!({ "limit": 50_000, "window": { "calendar": "month", "timeZone": "Europe/Berlin" },
+                          "chunk": 100, "leaseTtlMs": 60_000, "fallbackPerRegion": 0, "regions": ["eu"] });
+    put_pool(&allocator, "atlas", "plan", &monthly).await;
+    let bundle = stack::bundle(&json!({ "rules": [
+        { "id": "monthly-plan", "scope": "global", "pool": "plan", "failMode": "closed",
+          "expose": true }
+    ]}));
+    let (agent, url) = start_agent("eu", &allocator, &redis, bundle).await;
+    let http = stack::http();
+    for n in 0..5 {
+        let decision: Value = http
+            .post(format!("{url}/v1/admit"))
+            .bearer_auth(GATEWAY)
+            .json(&request(n, "U-1", false))
+            .send()
+            .await
+            .expect("admit")
+            .json()
+            .await
+            .expect("decision");
+        assert_eq!(decision["allowed"], true, "{decision}");
+    }
+    // This month in Berlin, computed here from the calendar.
+    let berlin = jiff::tz::TimeZone::get("Europe/Berlin").expect("zone");
+    let now = jiff::Timestamp::now().to_zoned(berlin.clone());
+    let first = now.date().first_of_month();
+    let ms = |date: jiff::civil::Date| {
+        date.to_zoned(berlin.clone())
+            .expect("local midnight")
+            .timestamp()
+            .as_millisecond()
+    };
+    let (start_ms, end_ms) = (
+        ms(first),
+        ms(first
+            .checked_add(jiff::ToSpan::month(1))
+            .expect("next month")),
+    );
+    let status: Value = http
+        .get(format!(
+            "{url}/v1/quota?tenantId=atlas&principalType=user&principalId=U-1"
+        ))
+        .bearer_auth(GATEWAY)
+        .send()
+        .await
+        .expect("quota")
+        .json()
+        .await
+        .expect("status");
+    let plan = &status["quotas"][0];
+    assert_eq!(plan["policyId"], "monthly-plan", "{status}");
+    assert_eq!(plan["remaining"], 50_000 - 5, "{status}");
+    assert_eq!(
+        plan["windowMs"],
+        end_ms - start_ms,
+        "this month's own length: {status}"
+    );
+    let reset_ms = plan["resetMs"].as_i64().expect("resetMs");
+    let until_end = end_ms - jiff::Timestamp::now().as_millisecond();
+    assert!(
+        (until_end - 60_000..=until_end).contains(&reset_ms),
+        "{reset_ms} ms to the local month's end ({until_end})"
+    );
+    agent.send_reports().await;
+    let window = &windows(&allocator, "atlas", "plan", 1).await[0];
+    assert_eq!(window["windowStartMs"], start_ms, "{window}");
+    assert_eq!(window["windowEndMs"], end_ms, "{window}");
+    assert_eq!(window["spent"], 5, "{window}");
+}
