@@ -23,7 +23,7 @@ use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
 ///
 /// One `window` object says what the window is and where it stands: a calendar pool's `calendar`
 /// and `timeZone` (as its spec writes them) beside the live window's fields
-/// ([`PoolViewWire`] is the JSON).
+/// (the private `PoolViewWire` is the JSON).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(into = "PoolViewWire", try_from = "PoolViewWire")]
 pub struct PoolView {
