@@ -7,7 +7,6 @@
 use std::sync::Arc;
 
 use allot_region_agent::clock::SystemClock;
-use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::service::Agent;
 use allot_shared::contract::{AdmissionRequest, AdvisoryMode, Principal, PrincipalType};
 use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
@@ -145,24 +144,10 @@ async fn a_dry_run_spends_no_advisory_rule_and_counts_nothing() {
     assert_eq!(fake.reported_shadow(), 0, "a check counts nothing");
 }
 
-async fn serve_agent(agent: Arc<Agent>) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let api = AgentApi {
-        agent,
-        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
-        metrics: None,
-    };
-    tokio::spawn(serve(listener, api, None, std::future::pending()));
-    url
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_flags_soft_violations_to_the_caller_and_shadow_ones_to_the_gateway() {
     let fake = Allocator::new(10, 5, 0);
-    let url = serve_agent(agent_with(&fake).await).await;
+    let url = common::serve_http(agent_with(&fake).await, GATEWAY).await;
     let http = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(5))
         .build()

@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::clock::SystemClock;
-use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::service::Agent;
 use allot_region_agent::state_dir::StateDir;
 use allot_shared::clock::ManualClock;
@@ -327,24 +326,10 @@ async fn the_quota_shows_the_callers_own_and_exposed_rules_with_what_is_left() {
     assert!(anonymous.quotas.is_empty(), "{anonymous:?}");
 }
 
-async fn serve_agent(agent: Arc<Agent>) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let api = AgentApi {
-        agent,
-        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
-        metrics: None,
-    };
-    tokio::spawn(serve(listener, api, None, std::future::pending()));
-    url
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_http_checks_and_quotas_are_authenticated_and_bad_input_names_the_field() {
     let fake = Allocator::new(50, 10, 0);
-    let url = serve_agent(agent_with(&fake).await).await;
+    let url = common::serve_http(agent_with(&fake).await, GATEWAY).await;
     let http = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(5))
         .build()

@@ -85,7 +85,6 @@ async fn the_fourth_concurrent_export_is_refused_and_releases_free_slots() {
 /// A lapsed slot is not taken again by a late heartbeat.
 #[tokio::test]
 async fn a_heartbeat_keeps_a_long_exports_slot_and_a_late_one_does_not_resurrect_it() {
-    use allot_region_agent::http::{AgentApi, serve};
     use allot_shared::clock::ManualClock;
 
     let bundle = common::bundle(
@@ -115,16 +114,7 @@ async fn a_heartbeat_keeps_a_long_exports_slot_and_a_late_one_does_not_resurrect
     assert_eq!((late.renewed, late.lapsed), (0, 1), "not resurrected");
 
     // Over HTTP: the same body as /v1/release, answered with what happened to the slots.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let api = AgentApi {
-        agent,
-        gateway_tokens: Arc::new(vec!["gateway-token-for-tests-01".to_owned()]),
-        metrics: None,
-    };
-    tokio::spawn(serve(listener, api, None, std::future::pending()));
+    let url = common::serve_http(agent, "gateway-token-for-tests-01").await;
     let http = reqwest::Client::new();
     let body = serde_json::to_value(export(3, 1)).expect("json");
     let answer = http

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use allot_region_agent::clock::SystemClock;
-use allot_region_agent::http::{AgentApi, serve};
 use serde_json::{Value, json};
 
 mod common;
@@ -26,17 +25,7 @@ async fn start() -> String {
         None,
         Some(bundle),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let api = AgentApi {
-        agent,
-        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
-        metrics: None,
-    };
-    tokio::spawn(serve(listener, api, None, std::future::pending()));
-    url
+    common::serve_http(agent, GATEWAY).await
 }
 
 fn request(id: &str, kind: &str, who: &str) -> Value {

@@ -208,6 +208,7 @@ async fn a_monthly_plan_follows_the_local_calendar_from_grant_to_ledger() {
             .checked_add(jiff::ToSpan::month(1))
             .expect("next month")),
     );
+    let asked_at_ms = jiff::Timestamp::now().as_millisecond();
     let status: Value = http
         .get(format!(
             "{url}/v1/quota?tenantId=atlas&principalType=user&principalId=U-1"
@@ -227,11 +228,13 @@ async fn a_monthly_plan_follows_the_local_calendar_from_grant_to_ledger() {
         end_ms - start_ms,
         "this month's own length: {status}"
     );
+    // The agent read its clock between the ask and the answer.
+    let answered_at_ms = jiff::Timestamp::now().as_millisecond();
     let reset_ms = plan["resetMs"].as_i64().expect("resetMs");
-    let until_end = end_ms - jiff::Timestamp::now().as_millisecond();
     assert!(
-        (until_end - 60_000..=until_end).contains(&reset_ms),
-        "{reset_ms} ms to the local month's end ({until_end})"
+        (end_ms - answered_at_ms..=end_ms - asked_at_ms).contains(&reset_ms),
+        "{reset_ms} ms to the local month's end, asked {} ms before it",
+        end_ms - asked_at_ms
     );
     agent.send_reports().await;
     let window = &windows(&allocator, "atlas", "plan", 1).await[0];

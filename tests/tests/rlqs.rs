@@ -8,26 +8,18 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use allot_allocator::http::Tokens;
-use allot_allocator::kv::etcd::EtcdKv;
-use allot_allocator::ledger::Ledger;
-use allot_allocator::server::{Settings, run};
-use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::clock::{Clock, SystemClock};
 use allot_region_agent::grpc::serve_grpc;
-use allot_region_agent::http::AgentApi;
-use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
 use allot_region_agent::rlqs::gateway::{Gateway, NoAssignment};
 use allot_region_agent::rlqs::proto::envoy::service::rate_limit_quota::v3::BucketId;
-use allot_region_agent::service::{Agent, AgentSettings};
-use allot_shared::ids::RegionId;
-use allot_shared::keys::Pepper;
+use allot_region_agent::service::Agent;
 use allot_testkit::{EtcdCluster, RedisServer};
 use serde_json::{Value, json};
 
-const OPERATOR: &str = "operator-token-for-rlqs-01";
-const AGENT: &str = "agent-token-for-rlqs-00001";
-const GATEWAY: &str = "gateway-token-for-rlqs-01";
+mod stack;
+
+use stack::{GATEWAY, OPERATOR, start_allocator};
+
 /// G: tokens per (hour-long) window.
 const LIMIT: u64 = 600;
 
@@ -44,86 +36,15 @@ fn bundle() -> allot_shared::policy::PolicyBundle {
         .expect("valid bundle")
 }
 
-async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let settings = Settings {
-        listen: addr,
-        etcd: etcd.endpoints(),
-        tokens: Tokens {
-            operator: vec![OPERATOR.to_owned()],
-            agent: vec![AGENT.to_owned()],
-        },
-        node_id: "alloc-rlqs".to_owned(),
-        advertise_url: format!("http://{addr}"),
-        leader_lease_ttl_s: 5,
-        tls: None,
-        ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
-    };
-    let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
-    let ledger = Ledger::connect(&settings.ledger_url).await.expect("ledger");
-    let clock = allot_allocator::server::system_clock();
-    tokio::spawn(run(
-        settings,
-        kv,
-        ledger,
-        clock,
-        listener,
-        std::future::pending(),
-    ));
-    let url = format!("http://{addr}");
-    let client = reqwest::Client::new();
-    for _ in 0..200 {
-        if let Ok(r) = client.get(format!("{url}/readyz")).send().await
-            && r.status() == 200
-        {
-            return url;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the allocator never became ready");
-}
-
 /// An agent of `region` serving RLQS; returns it and its gRPC address.
 async fn start_agent(
     region: &str,
     allocator_url: &str,
     redis: &RedisServer,
 ) -> (Arc<Agent>, String) {
-    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
-        .await
-        .expect("redis");
-    let config = LimiterConfig {
-        decision_budget: Duration::from_secs(2),
-        acquire_wait: Duration::from_secs(1),
-        ..LimiterConfig::default()
-    };
-    let limiter = Limiter::new(Arc::new(store), config).expect("limiter");
-    let client =
-        AllocatorClient::new(vec![allocator_url.to_owned()], AGENT.to_owned()).expect("client");
-    let settings = AgentSettings::new(
-        RegionId::parse(region).expect("region"),
-        allot_shared::ids::AgentId::parse(&format!("{region}-rlqs")).expect("agent id"),
-        Pepper::new(b"rlqs-e2e-pepper-0123456789".to_vec()).expect("pepper"),
-    );
-    let agent = Agent::new(
-        settings,
-        Arc::new(SystemClock),
-        limiter,
-        Some(Arc::new(client)),
-        Some(bundle()),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let api = AgentApi {
-        agent: agent.clone(),
-        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
-        metrics: None,
-    };
+    let agent = stack::agent(region, allocator_url, redis, bundle()).await;
+    let (listener, url) = stack::listener().await;
+    let api = stack::api(agent.clone());
     tokio::spawn(serve_grpc(listener, api, None, std::future::pending()));
     (agent, url)
 }

@@ -163,18 +163,29 @@ impl CardinalityGuard {
                 _ => Ok(()),
             };
         };
+        self.fresh_within_cap(window, keys, now_ms).map(drop)
+    }
+
+    /// The hashes of `keys` that `window` has not counted yet, or the refusal when counting them
+    /// would pass the cap.
+    fn fresh_within_cap(
+        &self,
+        window: &Window,
+        keys: &[&str],
+        now_ms: u64,
+    ) -> Result<Vec<u64>, CardinalityRefusal> {
         let mut fresh: Vec<u64> = keys.iter().map(|key| fnv1a(key.as_bytes())).collect();
         fresh.sort_unstable();
         fresh.dedup();
         fresh.retain(|hash| !window.keys.contains(hash));
         if window.keys.len() + fresh.len() > self.config.max_keys_per_source as usize {
             return Err(CardinalityRefusal {
-                retry_ms: (window.started_at_ms + interval_ms)
+                retry_ms: (window.started_at_ms + self.config.interval_ms)
                     .saturating_sub(now_ms)
                     .max(1),
             });
         }
-        Ok(())
+        Ok(fresh)
     }
 
     /// Counts `keys` against `source` at `now_ms` (monotonic), or refuses them all.
@@ -185,7 +196,6 @@ impl CardinalityGuard {
         now_ms: u64,
     ) -> Result<(), CardinalityRefusal> {
         let interval_ms = self.config.interval_ms;
-        let cap = self.config.max_keys_per_source as usize;
         let mut windows = self.lock();
         let source = source.to_owned();
         let ended = |window: &Window| now_ms >= window.started_at_ms.saturating_add(interval_ms);
@@ -216,21 +226,15 @@ impl CardinalityGuard {
                 return Err(CardinalityRefusal { retry_ms: 1 });
             }
         }
+        let fresh = match windows.get(&source) {
+            Some(window) => self.fresh_within_cap(window, keys, now_ms)?,
+            None => return Err(CardinalityRefusal { retry_ms: 1 }),
+        };
         let Some(window) = windows.get_mut(&source) else {
             return Err(CardinalityRefusal { retry_ms: 1 });
         };
-        let mut fresh: Vec<u64> = keys.iter().map(|key| fnv1a(key.as_bytes())).collect();
-        fresh.sort_unstable();
-        fresh.dedup();
-        fresh.retain(|hash| !window.keys.contains(hash));
-        if window.keys.len() + fresh.len() > cap {
-            let retry_ms = (window.started_at_ms + interval_ms).saturating_sub(now_ms);
-            return Err(CardinalityRefusal {
-                retry_ms: retry_ms.max(1),
-            });
-        }
         window.keys.extend(fresh);
-        debug_assert!(window.keys.len() <= cap);
+        debug_assert!(window.keys.len() <= self.config.max_keys_per_source as usize);
         Ok(())
     }
 }

@@ -44,3 +44,23 @@ pub fn agent(
     let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
     Agent::new(settings, clock, limiter, allocator, bundle)
 }
+
+/// Serves `agent`'s gateway HTTP API on a loopback port to gateways holding `token`; its URL.
+pub async fn serve_http(agent: Arc<Agent>, token: &str) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let api = allot_region_agent::http::AgentApi {
+        agent,
+        gateway_tokens: Arc::new(vec![token.to_owned()]),
+        metrics: None,
+    };
+    tokio::spawn(allot_region_agent::http::serve(
+        listener,
+        api,
+        None,
+        std::future::pending(),
+    ));
+    url
+}

@@ -121,14 +121,13 @@ pub async fn windows(url: &str, tenant: &str, pool: &str, last: u64) -> Vec<Valu
     answer["windows"].as_array().cloned().unwrap_or_default()
 }
 
-/// Starts an agent for `region` on `redis`, reaching the allocator at `allocator_url`, running
-/// `bundle`, serving the gateway API; the agent and the API's URL.
-pub async fn start_agent(
+/// An agent for `region` on `redis`, reaching the allocator at `allocator_url`, running `bundle`.
+pub async fn agent(
     region: &str,
     allocator_url: &str,
     redis: &RedisServer,
     bundle: PolicyBundle,
-) -> (Arc<Agent>, String) {
+) -> Arc<Agent> {
     let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
         .await
         .expect("redis");
@@ -147,22 +146,47 @@ pub async fn start_agent(
         allot_shared::ids::AgentId::parse(&format!("{region}-1")).expect("agent id"),
         Pepper::new(b"e2e-pepper-0123456789".to_vec()).expect("pepper"),
     );
-    let agent = Agent::new(
+    Agent::new(
         settings,
         Arc::new(SystemClock),
         limiter,
         Some(Arc::new(client)),
         Some(bundle),
-    );
+    )
+}
+
+/// What the agent's listeners serve: `agent`, for gateways holding [`GATEWAY`].
+pub fn api(agent: Arc<Agent>) -> AgentApi {
+    AgentApi {
+        agent,
+        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
+        metrics: allot_allocator::metrics::handle(),
+    }
+}
+
+/// A loopback listener and its `http://` URL.
+pub async fn listener() -> (tokio::net::TcpListener, String) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
-    let api = AgentApi {
-        agent: agent.clone(),
-        gateway_tokens: Arc::new(vec![GATEWAY.to_owned()]),
-        metrics: allot_allocator::metrics::handle(),
-    };
-    tokio::spawn(serve(listener, api, None, std::future::pending()));
+    (listener, url)
+}
+
+/// [`agent`], serving the gateway HTTP API: the agent and the API's URL.
+pub async fn start_agent(
+    region: &str,
+    allocator_url: &str,
+    redis: &RedisServer,
+    bundle: PolicyBundle,
+) -> (Arc<Agent>, String) {
+    let agent = agent(region, allocator_url, redis, bundle).await;
+    let (listener, url) = listener().await;
+    tokio::spawn(serve(
+        listener,
+        api(agent.clone()),
+        None,
+        std::future::pending(),
+    ));
     (agent, url)
 }
