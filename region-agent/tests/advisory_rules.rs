@@ -8,8 +8,7 @@ use std::sync::Arc;
 
 use allot_region_agent::clock::SystemClock;
 use allot_region_agent::service::Agent;
-use allot_shared::contract::{AdmissionRequest, AdvisoryMode, Principal, PrincipalType};
-use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+use allot_shared::contract::{AdmissionRequest, AdvisoryMode};
 use serde_json::{Value, json};
 
 mod common;
@@ -34,20 +33,7 @@ const BUNDLE: &str = r#"{ "rules": [
       "mode": "shadow" } ] }"#;
 
 fn request(n: u64, user: &str, route: &str) -> AdmissionRequest {
-    AdmissionRequest {
-        request_id: DecisionId::parse(&format!("a-{n}")).expect("id"),
-        tenant_id: TenantId::parse("atlas").expect("tenant"),
-        principal: Principal {
-            kind: PrincipalType::User,
-            id: user.to_owned(),
-            api_key_id: None,
-        },
-        route_group: RouteGroup::parse(route).expect("route"),
-        method: "GET".to_owned(),
-        cost_hint: 1,
-        policy_epoch: None,
-        dry_run: false,
-    }
+    common::user_request(&format!("a-{n}"), user, route)
 }
 
 async fn agent_with(fake: &Arc<Allocator>) -> Arc<Agent> {

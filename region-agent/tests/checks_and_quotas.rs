@@ -12,10 +12,8 @@ use allot_region_agent::clock::SystemClock;
 use allot_region_agent::service::Agent;
 use allot_region_agent::state_dir::StateDir;
 use allot_shared::clock::ManualClock;
-use allot_shared::contract::{
-    AdmissionRequest, DeniedScope, Principal, PrincipalType, QuotaQuery, Reason,
-};
-use allot_shared::ids::{DecisionId, RegionId, RouteGroup, TenantId};
+use allot_shared::contract::{AdmissionRequest, DeniedScope, PrincipalType, QuotaQuery, Reason};
+use allot_shared::ids::{RegionId, RouteGroup, TenantId};
 use serde_json::{Value, json};
 
 mod common;
@@ -44,18 +42,8 @@ const BUNDLE: &str = r#"{ "rules": [
 
 fn request(n: u64, user: &str, route: &str, dry_run: bool) -> AdmissionRequest {
     AdmissionRequest {
-        request_id: DecisionId::parse(&format!("c-{n}")).expect("id"),
-        tenant_id: TenantId::parse("atlas").expect("tenant"),
-        principal: Principal {
-            kind: PrincipalType::User,
-            id: user.to_owned(),
-            api_key_id: None,
-        },
-        route_group: RouteGroup::parse(route).expect("route"),
-        method: "GET".to_owned(),
-        cost_hint: 1,
-        policy_epoch: None,
         dry_run,
+        ..common::user_request(&format!("c-{n}"), user, route)
     }
 }
 

@@ -64,3 +64,23 @@ pub async fn serve_http(agent: Arc<Agent>, token: &str) -> String {
     ));
     url
 }
+
+/// A GET request `id` by user `user` of tenant `atlas` on `route`, costing 1.
+pub fn user_request(id: &str, user: &str, route: &str) -> allot_shared::contract::AdmissionRequest {
+    use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
+    use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+    AdmissionRequest {
+        request_id: DecisionId::parse(id).expect("id"),
+        tenant_id: TenantId::parse("atlas").expect("tenant"),
+        principal: Principal {
+            kind: PrincipalType::User,
+            id: user.to_owned(),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse(route).expect("route"),
+        method: "GET".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+        dry_run: false,
+    }
+}
