@@ -386,3 +386,28 @@ fn gateways_keep_deciding_while_their_agent_restarts() {
     );
     assert!(report.windows[2].regions[0].leased > 0);
 }
+
+/// Daily quotas in Berlin time across the 23-hour day of the spring switch: the day that began at
+/// 23:00 UTC ends 23 hours later, at 22:00 UTC, and the next day is a window of its own with its
+/// own allowance; EU's fallback across that midnight stays within each day's allowance.
+#[test]
+fn calendar_days_end_at_local_midnight_across_a_daylight_saving_switch() {
+    let report = drill("calendar-dst");
+    let offsets: Vec<u64> = report.windows.iter().map(|w| w.offset_ms).collect();
+    assert_eq!(offsets, [0, 23 * 3_600_000], "{}", report.table());
+    let s = &report.scenario;
+    for w in &report.windows {
+        let admitted: u64 = w.regions.iter().map(|r| r.admitted()).sum();
+        assert!(
+            admitted <= s.limit_tokens + 2 * s.fallback_per_region_tokens,
+            "{}",
+            report.table()
+        );
+        assert!(
+            w.regions[0].fallback > 0,
+            "EU fell back on both sides of midnight: {}",
+            report.table()
+        );
+        assert!(w.regions[0].fallback <= s.fallback_per_region_tokens);
+    }
+}

@@ -372,3 +372,32 @@ fn a_seed_sweep_lists_every_failing_seed_with_its_shortest_reproduction() {
         assert!(stderr.contains("--seeds"), "{bad}: {stderr}");
     }
 }
+
+#[test]
+fn calendar_drills_name_a_bad_unit_zone_start_or_tick() {
+    let base = include_str!("../scenarios/calendar-dst.toml");
+    Scenario::from_toml(base).expect("the built-in parses");
+    for (from, to, field) in [
+        (r#"unit = "day""#, r#"unit = "fortnight""#, "calendar.unit"),
+        (
+            r#"time_zone = "Europe/Berlin""#,
+            r#"time_zone = "Europe/Atlantis""#,
+            "calendar.time_zone",
+        ),
+        (
+            r#"start = "2026-03-29T20:00:00Z""#,
+            r#"start = "yesterday""#,
+            "calendar.start",
+        ),
+        (
+            r#"start = "2026-03-29T20:00:00Z""#,
+            r#"start = "2026-03-29T20:00:00.5Z""#,
+            "calendar.start",
+        ),
+        ("tick_ms = 1000", "tick_ms = 16000", "tick_ms"),
+    ] {
+        assert!(base.contains(from), "{from}");
+        let error = Scenario::from_toml(&base.replace(from, to)).expect_err(to);
+        assert!(error.starts_with(field), "{to}: {error}");
+    }
+}

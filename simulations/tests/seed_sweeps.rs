@@ -78,4 +78,5 @@ sweeps! {
     rlqs => "rlqs",
     rlqs_partition => "rlqs-partition",
     rlqs_agent_restart => "rlqs-agent-restart",
+    calendar_dst => "calendar-dst",
 }

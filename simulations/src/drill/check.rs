@@ -18,6 +18,8 @@ pub(super) struct TenantChecker {
     bound: OvershootBound,
     fallback_per_region_tokens: u64,
     spend_past_end_expected: bool,
+    /// The first window's start, epoch ms: offsets are measured from it.
+    base_ms: u64,
     /// Offset of the window in progress, ms since the start.
     offset_ms: u64,
     /// `[tenant][region]` of the window in progress.
@@ -49,6 +51,9 @@ impl TenantChecker {
             bound,
             fallback_per_region_tokens: scenario.fallback_per_region_tokens,
             spend_past_end_expected: scenario.expect == Expectation::SpendPastLeaseEnd,
+            base_ms: scenario
+                .windows()
+                .map_or(super::results::START_MS, |windows| windows.base_ms),
             offset_ms: 0,
             current: vec![vec![RegionWindow::default(); regions]; tenants],
             lost: vec![0; tenants],
@@ -78,7 +83,7 @@ impl TenantChecker {
         tokens: u64,
     ) {
         debug_assert_eq!(
-            window_start_ms - super::results::START_MS,
+            window_start_ms - self.base_ms,
             self.offset_ms,
             "grants are made in the window in progress"
         );

@@ -13,7 +13,6 @@
 //! Determinism: one task, one virtual clock, a seeded generator for every random choice; the same
 //! scenario and seed give the same report, byte for byte. Units: tokens (cost 1 per request), ms.
 
-use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use allot_allocator::clock::{Clock, ManualClock};
@@ -30,15 +29,15 @@ use allot_region_agent::limiter::LimiterConfig;
 use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, PoolConfig};
-use allot_shared::window::Window;
-use allot_shared::wire::GrantAnswer;
+use allot_shared::window::{Window, WindowSpec};
+use allot_shared::wire::{CalendarWindowSpec, GrantAnswer};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
 
 use super::check::{TenantChecker, check_expectation};
 use super::gateways::{Decided, Gateways};
-use super::results::{Convergence, DrillReport, MAX_VIOLATION_LINES, START_MS};
+use super::results::{Convergence, DrillReport, MAX_VIOLATION_LINES};
 use super::scenario::{Fault, GatewayPlan, PoolLayout, Scenario};
 
 /// The allocator round trip without faults, ms (the agents size their renewal watermark with it).
@@ -232,9 +231,11 @@ struct Drill<'s> {
     /// Random arrivals and answer loss.
     rng: StdRng,
     clock: Arc<ManualClock>,
-    /// When the run starts (seed 0: [`START_MS`], on a window boundary).
+    /// When the run starts (seed 0: the first window's start, `results::START_MS` unless the scenario
+    /// has calendar windows).
     run_start_ms: u64,
-    window_ms: NonZeroU64,
+    /// The first window's start: window offsets are measured from it.
+    base_ms: u64,
     /// The tenant's quota as one pool (the bound's terms are computed from it).
     config: PoolConfig,
     allocator: DrillAllocator,
@@ -256,8 +257,10 @@ impl<'s> Drill<'s> {
         // answer loss keep theirs): a seed sweep then also varies where window ends fall relative
         // to faults, leases, renewals and arrivals.
         let mut phases = (seed != 0).then(|| StdRng::seed_from_u64(seed ^ TIMING_STREAM));
-        let ticks_per_window = (scenario.window_ms / scenario.tick_ms.max(1)).max(1);
-        let run_start_ms = START_MS
+        let windows = scenario.windows().map_err(invalid)?;
+        let (window_spec, base_ms) = (windows.spec, windows.base_ms);
+        let ticks_per_window = (windows.phase_span_ms / scenario.tick_ms.max(1)).max(1);
+        let run_start_ms = windows.start_ms
             + phases.as_mut().map_or(0, |rng| {
                 rng.random_range(0..ticks_per_window) * scenario.tick_ms
             });
@@ -272,10 +275,8 @@ impl<'s> Drill<'s> {
         let config = pool_spec(scenario, scenario.limit_tokens, regions.clone())
             .validate()
             .map_err(invalid)?;
-        let pools = configure_pools(&*kv, scenario, &tenants, &regions).await?;
+        let pools = configure_pools(&*kv, scenario, &tenants, &regions, base_ms).await?;
         let allocator = DrillAllocator::lead(kv, &clock, scenario.clamping, tenants, pools).await?;
-        let window_ms = NonZeroU64::new(scenario.window_ms)
-            .ok_or_else(|| invalid("window_ms must be at least 1"))?;
         let tenant_count = allocator.tenants.len();
         let agents = regions
             .iter()
@@ -306,11 +307,11 @@ impl<'s> Drill<'s> {
             rng: StdRng::seed_from_u64(seed),
             clock,
             run_start_ms,
-            window_ms,
+            base_ms,
             config,
             allocator,
             agents,
-            holder_config: holder_config(scenario, window_ms),
+            holder_config: holder_config(scenario, window_spec),
             bound,
             checker: TenantChecker::new(scenario, bound, tenant_count, regions.len()),
             last_abnormal_ms: vec![None; regions.len()],
@@ -323,8 +324,8 @@ impl<'s> Drill<'s> {
         let tick_ms = self.scenario.tick_ms;
         let now_ms = self.run_start_ms + elapsed_ms;
         self.clock.set(now_ms);
-        let window = Window::containing(now_ms, self.window_ms);
-        self.checker.roll_to(window.start_ms - START_MS);
+        let window = self.config.window_at(now_ms);
+        self.checker.roll_to(window.start_ms - self.base_ms);
         let due = |at_ms: u64| (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms);
         for fault in &self.scenario.faults {
             if let Fault::Failover {
@@ -519,10 +520,18 @@ fn tenants_of(scenario: &Scenario) -> Result<Vec<TenantId>, DrillError> {
 
 /// A pool of `limit_tokens` for `regions` with the scenario's terms.
 fn pool_spec(scenario: &Scenario, limit_tokens: u64, regions: Vec<RegionId>) -> PoolSpec {
+    let window = scenario.calendar.as_ref().map(|c| CalendarWindowSpec {
+        calendar: c.unit.clone(),
+        time_zone: c.time_zone.clone(),
+    });
     PoolSpec {
         limit_tokens,
-        window_ms: scenario.window_ms,
-        window: None,
+        window_ms: if window.is_some() {
+            0
+        } else {
+            scenario.window_ms
+        },
+        window,
         chunk_tokens: scenario.chunk_tokens,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region_tokens,
@@ -537,6 +546,7 @@ async fn configure_pools(
     scenario: &Scenario,
     tenants: &[TenantId],
     regions: &[RegionId],
+    configured_at_ms: u64,
 ) -> Result<Vec<Vec<PoolId>>, DrillError> {
     let pool_id = PoolId::parse("api").map_err(invalid)?;
     let mut pools = Vec::with_capacity(tenants.len());
@@ -544,7 +554,7 @@ async fn configure_pools(
         match scenario.layout {
             PoolLayout::Shared => {
                 let spec = pool_spec(scenario, scenario.limit_tokens, regions.to_vec());
-                put_pool(kv, tenant, &pool_id, spec, START_MS)
+                put_pool(kv, tenant, &pool_id, spec, configured_at_ms)
                     .await
                     .map_err(store)?;
                 pools.push(vec![pool_id.clone(); regions.len()]);
@@ -554,7 +564,7 @@ async fn configure_pools(
                 for region in regions {
                     let id = PoolId::parse(&format!("{pool_id}-{region}")).map_err(invalid)?;
                     let spec = pool_spec(scenario, per_region_limit, vec![region.clone()]);
-                    put_pool(kv, tenant, &id, spec, START_MS)
+                    put_pool(kv, tenant, &id, spec, configured_at_ms)
                         .await
                         .map_err(store)?;
                     per_region.push(id);
@@ -568,10 +578,10 @@ async fn configure_pools(
 
 /// How the shipped agent configures a pool's holder: the expiry margin includes the regional hold
 /// (two decision budgets), and a renewal unanswered for FIRST_GRANT_WAIT means fallback.
-fn holder_config(scenario: &Scenario, window_ms: NonZeroU64) -> HolderConfig {
+fn holder_config(scenario: &Scenario, window: WindowSpec) -> HolderConfig {
     let regional_hold_ms = 2 * ms(LimiterConfig::default().decision_budget);
     HolderConfig {
-        window: allot_shared::window::WindowSpec::Fixed(window_ms),
+        window,
         chunk_tokens: scenario.chunk_tokens,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region_tokens,

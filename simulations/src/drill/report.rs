@@ -64,6 +64,9 @@ impl DrillReport {
             "tenants": s.tenants,
             "limit": s.limit_tokens,
             "windowMs": s.window_ms,
+            "calendar": s.calendar.as_ref().map(|c| serde_json::json!({
+                "unit": c.unit, "timeZone": c.time_zone, "start": c.start,
+            })),
             "chunk": s.chunk_tokens,
             "leaseTtlMs": s.lease_ttl_ms,
             "fallbackPerRegion": s.fallback_per_region_tokens,
@@ -88,13 +91,16 @@ impl DrillReport {
     pub fn table(&self) -> String {
         let s = &self.scenario;
         let mut out = format!(
-            "drill {}: {}\n  seed {}  tenants {}  G={} window={}ms chunk={} ttl={}ms fallback/region={} leases {}\n  bound per tenant and window = {} (pool limits {} + carry-over {} + fallback {} + lost records {})\n",
+            "drill {}: {}\n  seed {}  tenants {}  G={} window={} chunk={} ttl={}ms fallback/region={} leases {}\n  bound per tenant and window = {} (pool limits {} + carry-over {} + fallback {} + lost records {})\n",
             s.name,
             s.about,
             self.seed,
             s.tenants,
             s.limit_tokens,
-            s.window_ms,
+            match &s.calendar {
+                Some(calendar) => format!("{} in {}", calendar.unit, calendar.time_zone),
+                None => format!("{}ms", s.window_ms),
+            },
             s.chunk_tokens,
             s.lease_ttl_ms,
             s.fallback_per_region_tokens,

@@ -4,6 +4,8 @@
 
 use allot_shared::ids::RegionId;
 use allot_shared::lease::LeaseClamping;
+use allot_shared::window::WindowSpec;
+use allot_shared::wire::CalendarWindowSpec;
 use serde::{Deserialize, Serialize};
 
 /// Virtual time advances in steps of this many ms unless a scenario says otherwise.
@@ -37,8 +39,12 @@ pub struct Scenario {
     /// G, tokens per window.
     #[serde(rename = "limit")]
     pub limit_tokens: u64,
-    /// Window length, ms (a multiple of `tick_ms`).
+    /// Window length, ms (a multiple of `tick_ms`). With `calendar`, the unit a failing run is
+    /// shortened by, and the windows are the calendar's.
     pub window_ms: u64,
+    /// Calendar windows instead of fixed ones, and the instant the run starts in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calendar: Option<DrillCalendar>,
     /// Largest grant, tokens.
     #[serde(rename = "chunk")]
     pub chunk_tokens: u64,
@@ -81,6 +87,20 @@ pub struct Scenario {
     /// agent per request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateways: Option<GatewayPlan>,
+}
+
+/// A drill's calendar windows: `calendar = { unit = "day", time_zone = "Europe/Berlin", start =
+/// "2026-03-29T20:00:00Z" }`. The run starts at `start` (seeds but 0 up to an hour later); window
+/// offsets are measured from the start of the window containing it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrillCalendar {
+    /// `day`, `week` or `month`.
+    pub unit: String,
+    /// An IANA time zone.
+    pub time_zone: String,
+    /// An RFC 3339 instant: when the run starts.
+    pub start: String,
 }
 
 /// Gateways behind the rate limit quota service: each region's requests are spread over its
@@ -359,6 +379,50 @@ impl Scenario {
         Ok(scenario)
     }
 
+    /// How the pools' windows are cut, the first window's start (window offsets are measured from
+    /// it) and when the run starts (seed 0), epoch ms. The error names the field.
+    pub fn windows(&self) -> Result<DrillWindows, String> {
+        let Some(calendar) = &self.calendar else {
+            let length_ms = std::num::NonZeroU64::new(self.window_ms)
+                .ok_or_else(|| "window_ms: must be at least 1".to_owned())?;
+            return Ok(DrillWindows {
+                phase_span_ms: length_ms.get(),
+                spec: WindowSpec::Fixed(length_ms),
+                base_ms: super::results::START_MS,
+                start_ms: super::results::START_MS,
+            });
+        };
+        let spec = CalendarWindowSpec {
+            calendar: calendar.unit.clone(),
+            time_zone: calendar.time_zone.clone(),
+        }
+        .to_spec()
+        .map_err(|e| {
+            let field = if e.field.ends_with("calendar") {
+                "unit"
+            } else {
+                "time_zone"
+            };
+            format!("calendar.{field}: {}", e.message)
+        })?;
+        let start: jiff::Timestamp = calendar
+            .start
+            .parse()
+            .map_err(|e| format!("calendar.start: not an RFC 3339 instant ({e})"))?;
+        let start_ms = u64::try_from(start.as_millisecond())
+            .map_err(|_| "calendar.start: must be after 1970".to_owned())?;
+        let first = spec.containing(start_ms);
+        if !(start_ms - first.start_ms).is_multiple_of(self.tick_ms.max(1)) {
+            return Err("calendar.start: must lie a whole number of ticks into its window".into());
+        }
+        Ok(DrillWindows {
+            phase_span_ms: spec.shortest_ms().min(CALENDAR_PHASE_SPAN_MS),
+            spec,
+            base_ms: first.start_ms,
+            start_ms,
+        })
+    }
+
     /// The scenario as TOML text.
     pub fn to_toml(&self) -> Result<String, String> {
         toml::to_string(self).map_err(|e| e.to_string())
@@ -388,6 +452,17 @@ impl Scenario {
                 "window_ms",
                 format!("must be a positive multiple of tick_ms ({})", self.tick_ms),
             );
+        }
+        if self.calendar.is_some() {
+            self.windows()?;
+            // Calendar windows end on whole half hours from one another (daylight saving moves
+            // clocks by an hour, or half an hour): ticks must divide that to land on every end.
+            if !CALENDAR_STEP_MS.is_multiple_of(self.tick_ms) {
+                return fail(
+                    "tick_ms",
+                    format!("must divide {CALENDAR_STEP_MS} with calendar windows"),
+                );
+            }
         }
         if self.chunk_tokens == 0 || self.lease_ttl_ms == 0 {
             return fail("chunk", "chunk and lease_ttl_ms must be at least 1".into());
@@ -501,7 +576,7 @@ impl Scenario {
 
 /// The built-in suite: the reference design's table of drills (files under
 /// `simulations/scenarios/`, compiled in).
-pub const BUILTIN: [(&str, &str); 19] = [
+pub const BUILTIN: [(&str, &str); 20] = [
     ("clamped", include_str!("../../scenarios/clamped.toml")),
     ("unclamped", include_str!("../../scenarios/unclamped.toml")),
     ("fallback", include_str!("../../scenarios/fallback.toml")),
@@ -560,7 +635,31 @@ pub const BUILTIN: [(&str, &str); 19] = [
         "rlqs-agent-restart",
         include_str!("../../scenarios/rlqs-agent-restart.toml"),
     ),
+    (
+        "calendar-dst",
+        include_str!("../../scenarios/calendar-dst.toml"),
+    ),
 ];
+
+/// Calendar windows' ends lie whole multiples of this apart (half an hour), ms.
+const CALENDAR_STEP_MS: u64 = 1_800_000;
+
+/// How much later than its start a calendar drill's seed may begin, ms: an hour (its windows are
+/// days or longer; a run of a few hours must still cross the boundary it was written for).
+const CALENDAR_PHASE_SPAN_MS: u64 = 3_600_000;
+
+/// A drill's windows ([`Scenario::windows`]).
+#[derive(Debug, Clone)]
+pub struct DrillWindows {
+    /// How the windows are cut.
+    pub spec: WindowSpec,
+    /// The first window's start, epoch ms: window offsets are measured from it.
+    pub base_ms: u64,
+    /// When seed 0 starts, epoch ms.
+    pub start_ms: u64,
+    /// Other seeds start up to this much later (a whole number of ticks), ms.
+    pub phase_span_ms: u64,
+}
 
 /// The built-in drills, parsed.
 pub fn builtin() -> Vec<Scenario> {
