@@ -225,6 +225,14 @@ fn the_html_report_has_three_plots_per_drill() {
     assert_eq!(page.matches("<svg").count(), 6);
     assert!(page.contains("fallback") && page.contains("static-split"));
     assert!(page.contains("admitted per window vs G and the bound"));
+    // Each window is drawn flat over its own span, not joined to the next by a slope.
+    assert_eq!(reports[0].window_spans(), [(0, 60), (60, 120), (120, 180)]);
+    let calendar = block_on(run(&scenario("calendar-dst"))).expect("runs");
+    assert_eq!(
+        calendar.window_spans(),
+        [(0, 23 * 3_600), (23 * 3_600, 47 * 3_600)],
+        "the 23-hour day, then a whole 24-hour one"
+    );
 }
 
 #[test]

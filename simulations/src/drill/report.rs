@@ -250,50 +250,72 @@ impl DrillReport {
         Ok(out)
     }
 
+    /// Each window's span, s from the first window's start: to the next window's start, the last
+    /// to its own end (a calendar window's as long as the calendar makes it). The plots draw each
+    /// window's value flat over its span.
+    pub fn window_spans(&self) -> Vec<(u64, u64)> {
+        let windows = self.scenario.windows().ok();
+        self.windows
+            .iter()
+            .enumerate()
+            .map(|(index, w)| {
+                let end_ms = match (self.windows.get(index + 1), &windows) {
+                    (Some(next), _) => next.offset_ms,
+                    (None, Some(windows)) => {
+                        let start_ms = windows.base_ms + w.offset_ms;
+                        windows.spec.containing(start_ms).end_ms - windows.base_ms
+                    }
+                    (None, None) => w.offset_ms + self.scenario.window_ms,
+                };
+                (w.offset_ms / 1_000, end_ms / 1_000)
+            })
+            .collect()
+    }
+
+    /// A per-window quantity of every window, as a step over the window's span.
+    fn steps(&self, of: &dyn Fn(&WindowRecord) -> u64) -> Vec<(u64, u64)> {
+        self.windows
+            .iter()
+            .zip(self.window_spans())
+            .flat_map(|(w, (start_s, end_s))| [(start_s, of(w)), (end_s, of(w))])
+            .collect()
+    }
+
     /// Admitted per window (each region and the total) against G and the bound.
     fn admitted_plot(&self) -> Result<String, String> {
         let s = &self.scenario;
         let g = s.limit_tokens * s.tenants;
-        let points = |f: &dyn Fn(&WindowRecord) -> u64| -> Vec<(u64, u64)> {
-            self.windows
-                .iter()
-                .map(|w| (w.offset_ms / 1_000, f(w)))
-                .collect()
-        };
         let mut series: Vec<(String, Vec<(u64, u64)>)> = vec![
             (
                 "admitted".into(),
-                points(&|w| w.sum(RegionWindow::admitted)),
+                self.steps(&|w| w.sum(RegionWindow::admitted)),
             ),
-            ("G".into(), points(&|_| g)),
-            ("bound".into(), points(&|w| self.window_bound(w))),
+            ("G".into(), self.steps(&|_| g)),
+            ("bound".into(), self.steps(&|w| self.window_bound(w))),
         ];
         for (r, plan) in s.regions.iter().enumerate() {
             series.push((
                 format!("admitted {}", plan.region),
-                points(&|w| w.regions[r].admitted()),
+                self.steps(&|w| w.regions[r].admitted()),
             ));
         }
-        line_plot("admitted per window vs G and the bound", "tokens", &series)
+        step_plot("admitted per window vs G and the bound", "tokens", &series)
     }
 
     fn stranded_fallback_plot(&self) -> Result<String, String> {
         let s = &self.scenario;
         let mut series = Vec::new();
         for (r, plan) in s.regions.iter().enumerate() {
-            let of = |f: fn(&RegionWindow) -> u64| -> Vec<(u64, u64)> {
-                self.windows
-                    .iter()
-                    .map(|w| (w.offset_ms / 1_000, f(&w.regions[r])))
-                    .collect()
-            };
             series.push((
                 format!("stranded {}", plan.region),
-                of(|x| x.stranded_tokens),
+                self.steps(&|w| w.regions[r].stranded_tokens),
             ));
-            series.push((format!("fallback {}", plan.region), of(|x| x.fallback)));
+            series.push((
+                format!("fallback {}", plan.region),
+                self.steps(&|w| w.regions[r].fallback),
+            ));
         }
-        line_plot("stranded and fallback tokens per window", "tokens", &series)
+        step_plot("stranded and fallback tokens per window", "tokens", &series)
     }
 
     fn share_plot(&self) -> Result<String, String> {
@@ -303,18 +325,13 @@ impl DrillReport {
             .iter()
             .enumerate()
             .map(|(r, plan)| {
-                let points = self
-                    .windows
-                    .iter()
-                    .map(|w| {
-                        let total = w.sum(RegionWindow::admitted).max(1);
-                        (w.offset_ms / 1_000, w.regions[r].admitted() * 100 / total)
-                    })
-                    .collect();
-                (format!("{} share", plan.region), points)
+                let share = |w: &WindowRecord| {
+                    w.regions[r].admitted() * 100 / w.sum(RegionWindow::admitted).max(1)
+                };
+                (format!("{} share", plan.region), self.steps(&share))
             })
             .collect();
-        line_plot(
+        step_plot(
             "each region's share of what was admitted",
             "percent",
             &series,
@@ -348,8 +365,9 @@ fn extras(r: &RegionWindow) -> String {
     parts.join(", ")
 }
 
-/// Lines on one chart, as an SVG element.
-fn line_plot(
+/// Per-window quantities on one chart, as an SVG element: each window's value is a flat step over
+/// the window, so nothing suggests a trend between windows that never happened.
+fn step_plot(
     title: &str,
     unit: &str,
     series: &[(String, Vec<(u64, u64)>)],
@@ -383,7 +401,7 @@ fn line_plot(
             .map_err(|e| fail(&e))?;
         chart
             .configure_mesh()
-            .x_desc("window start, s")
+            .x_desc("since the first window's start, s")
             .y_desc(unit)
             .draw()
             .map_err(|e| fail(&e))?;
