@@ -37,7 +37,10 @@ async fn strict_rules_fail_closed_once_the_bundle_is_too_old() {
               "periodMs": 1000, "failMode": "closed" },
             { "id": "read-lenient", "scope": "user", "routeGroup": "read",
               "algorithm": "token_bucket", "capacityMillis": 100000, "refillMillis": 1000,
-              "periodMs": 1000, "failMode": "closed" } ] }"#,
+              "periodMs": 1000, "failMode": "closed" },
+            { "id": "read-shadow-strict", "scope": "tenant", "routeGroup": "read", "strict": true,
+              "mode": "shadow", "algorithm": "token_bucket", "capacityMillis": 100000,
+              "refillMillis": 1000, "periodMs": 1000, "failMode": "closed" } ] }"#,
     );
     let clock = Arc::new(ManualClock::new(1_000_000));
     // An allocator that cannot be reached: the bundle is never confirmed again.
@@ -88,6 +91,6 @@ async fn strict_rules_fail_closed_once_the_bundle_is_too_old() {
     let lenient = agent.admit(&request(4, "read")).await.expect("decision");
     assert!(
         lenient.allowed,
-        "non-strict rules keep the last bundle: {lenient:?}"
+        "non-strict rules keep the last bundle, and a strict shadow rule never denies: {lenient:?}"
     );
 }

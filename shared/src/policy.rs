@@ -620,6 +620,13 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
             ));
         }
     };
+    if mode.is_advisory() && exempt_owner.is_some() {
+        return Err(error(
+            f.at("mode"),
+            "an exemption is enforced: a shadow or soft exemption would switch off the rule it \
+             replaces",
+        ));
+    }
     if mode.is_advisory() && concurrency.is_some() {
         return Err(error(
             f.at("concurrencyMax"),

@@ -176,7 +176,9 @@ impl CalendarWindow {
     pub fn new(unit: CalendarUnit, time_zone: &str) -> Result<Self, UnknownTimeZone> {
         let unknown = || UnknownTimeZone(time_zone.to_owned());
         // Names only: a fixed offset or a POSIX rule would not follow its region's changes.
-        if time_zone.is_empty() || time_zone.len() > 64 || time_zone.contains(['+', ',']) {
+        let fixed_offset = time_zone.contains(['+', ','])
+            || (time_zone.starts_with("Etc/GMT") && time_zone != "Etc/GMT");
+        if time_zone.is_empty() || time_zone.len() > 64 || fixed_offset {
             return Err(unknown());
         }
         let zone = jiff::tz::db().get(time_zone).map_err(|_| unknown())?;

@@ -125,6 +125,7 @@ fn only_iana_names_are_time_zones() {
         "UTC+2",
         "EST5EDT,M3.2.0,M11.1.0",
         "../etc",
+        "Etc/GMT-5",
     ] {
         let error = CalendarWindow::new(CalendarUnit::Month, name).expect_err(name);
         assert!(error.to_string().contains("IANA"), "{error}");

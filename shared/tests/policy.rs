@@ -578,6 +578,10 @@ fn modes_are_enforce_shadow_or_soft_and_soft_is_for_regional_rules() {
     );
     let error = rejected(&window(json!({ "mode": "shadow", "concurrencyMax": 2 })));
     assert_eq!(error.field, "rules[0].concurrencyMax");
+    let error = rejected(&window(
+        json!({ "mode": "soft", "exempt": true, "tenant": "atlas", "owner": "ops" }),
+    ));
+    assert_eq!(error.field, "rules[0].mode", "an exemption is enforced");
     let global = |mode: &str| {
         one(
             json!({ "id": "g", "scope": "global", "pool": "api", "failMode": "closed",

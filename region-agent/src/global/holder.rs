@@ -826,6 +826,12 @@ impl PoolHolder {
         }
     }
 
+    /// Takes back the demand a refused reservation recorded (at `reserved_at_ms`): a dry run's
+    /// refusal must not size the next renewal as if it were traffic.
+    pub fn withdraw_demand(&mut self, reserved_at_ms: u64, cost_tokens: u64) {
+        self.rate.unrecord(reserved_at_ms, cost_tokens.max(1));
+    }
+
     /// Gives back what `reservation` holds: the request was denied by another rule (or not
     /// decided). Tokens go back to their lease while it lives (an ended lease strands them, as
     /// it strands the rest of what it held) or to their window's fallback allowance; the demand

@@ -663,7 +663,8 @@ impl Limiter {
             .rules
             .iter()
             .enumerate()
-            .filter(|(_, rule)| rule.scope == Scope::User)
+            // Advisory rules never deny, the cap included.
+            .filter(|(_, rule)| rule.scope == Scope::User && !rule.mode.is_advisory())
             .map(|(index, _)| index)
             .collect();
         let first = *per_principal.first()?;

@@ -76,8 +76,9 @@ impl LimitDecision {
     /// What each rule of `planned` held before the request, when this is the answer to a dry run:
     /// after an admission the store reports what is left *after* the request's cost, so the cost is
     /// added back (at most to the limit); after a denial nothing was debited. `None` when the answer
-    /// carries no amount per rule (an outage, a policy error, a refusal from memory).
-    pub fn holdings(&self, planned: &PlannedBatch<'_>) -> Option<Vec<Holding>> {
+    /// carries no amount per rule (an outage, a policy error, a refusal from memory); a rule's entry
+    /// is `None` when the answer says nothing of it (a shadow or soft rule in fallback).
+    pub fn holdings(&self, planned: &PlannedBatch<'_>) -> Option<Vec<Option<Holding>>> {
         let (allowed, remaining, in_fallback) = match &self.verdict {
             Verdict::Store(store) => (store.allowed, &store.remaining, false),
             Verdict::Fallback(local) => (local.allowed, &local.remaining, true),
@@ -90,6 +91,9 @@ impl LimitDecision {
             .zip(&planned.rules)
             .zip(remaining)
             .map(|((batch_rule, rule), &left)| {
+                if in_fallback && rule.mode.is_advisory() {
+                    return None;
+                }
                 let (limit, unit) = match (&rule.fail_mode, self.sub_slot) {
                     (FailMode::LocalBounded(bucket), _) if in_fallback => {
                         (bucket.capacity_millitokens(), MILLITOKENS_PER_TOKEN)
@@ -111,10 +115,10 @@ impl LimitDecision {
                 } else {
                     left
                 };
-                Holding {
+                Some(Holding {
                     limit_units: limit / unit,
                     available_units: available / unit,
-                }
+                })
             })
             .collect();
         Some(holdings)
@@ -155,6 +159,14 @@ impl LimitDecision {
             }
         };
         let local_limit = |index: usize| -> (u64, u64) {
+            // An advisory rule took no part in the local decision (limit 0: never named).
+            if planned
+                .rules
+                .get(index)
+                .is_some_and(|r| r.mode.is_advisory())
+            {
+                return (0, 1);
+            }
             match planned.rules.get(index).map(|rule| &rule.fail_mode) {
                 Some(FailMode::LocalBounded(bucket)) => {
                     (bucket.capacity_millitokens(), MILLITOKENS_PER_TOKEN)

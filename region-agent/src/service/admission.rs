@@ -345,6 +345,7 @@ impl Agent {
     }
 
     /// The first `strict` rule that applies to `request`, when the bundle is past its maximum age.
+    /// Shadow and soft rules never deny, stale or not.
     pub(super) fn stale_strict_rule<'b>(
         &self,
         bundle: &'b PolicyBundle,
@@ -362,7 +363,7 @@ impl Agent {
             .regional_rules_for(tenant, route, kind)
             .into_iter()
             .chain(bundle.global_rules_for(tenant, route, kind))
-            .find(|rule| rule.strict)
+            .find(|rule| rule.strict && !rule.mode.is_advisory())
     }
 
     /// Pre-authentication requests count against the cardinality cap of their source: the coarse
@@ -409,7 +410,7 @@ impl Agent {
             let mut wait = None;
             for (index, (rule, pool, slot)) in pools.iter().enumerate() {
                 let cost_tokens = global_cost_tokens(rule, request);
-                match self.try_reserve(tenant, pool, slot, cost_tokens) {
+                match self.try_reserve(tenant, pool, slot, cost_tokens, request.dry_run) {
                     Attempt::Reserved(reservation) => hold.held.push((slot.clone(), reservation)),
                     Attempt::Evicted => {
                         wait = Some((index, Wait::Lookup));
@@ -485,6 +486,7 @@ impl Agent {
         pool: &PoolId,
         slot: &Arc<PoolSlot>,
         cost_tokens: u64,
+        dry_run: bool,
     ) -> Attempt {
         let now_ms = self.clock.now_ms();
         let reserved = {
@@ -493,7 +495,11 @@ impl Agent {
             if slot.evicted.load(Ordering::Acquire) {
                 return Attempt::Evicted;
             }
-            holder.reserve(cost_tokens, now_ms, self.allocator_reachable())
+            let reserved = holder.reserve(cost_tokens, now_ms, self.allocator_reachable());
+            if dry_run && reserved.is_err() {
+                holder.withdraw_demand(now_ms, cost_tokens);
+            }
+            reserved
         };
         self.renew_if_wanted(tenant, pool, slot);
         match reserved {

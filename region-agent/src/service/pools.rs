@@ -104,11 +104,13 @@ impl ShadowTally {
             .retain(|w| w.start_ms >= now_window_start_ms || w.counted_tokens > w.reported_tokens);
     }
 
-    /// Whether the ledger has been told everything.
-    pub(super) fn is_settled(&self) -> bool {
+    /// Whether the slot may be forgotten: the ledger has been told everything, and nothing was
+    /// counted in the window that starts at `current_start_ms` (a fresh tally would count that
+    /// window again from zero, and the ledger keeps the larger count).
+    pub(super) fn may_forget(&self, current_start_ms: u64) -> bool {
         self.windows
             .iter()
-            .all(|w| w.counted_tokens <= w.reported_tokens)
+            .all(|w| w.counted_tokens <= w.reported_tokens && w.start_ms < current_start_ms)
     }
 }
 

@@ -70,7 +70,7 @@ impl Agent {
     ) -> Vec<QuotaLine> {
         let (holdings, fallback): (Vec<Option<Holding>>, bool) =
             match self.read_holdings(bundle, query, rules).await {
-                Some((holdings, fallback)) => (holdings.into_iter().map(Some).collect(), fallback),
+                Some((holdings, fallback)) => (holdings, fallback),
                 None => (vec![None; rules.len()], false),
             };
         let now_ms = self.clock.now_ms();
@@ -105,7 +105,7 @@ impl Agent {
         bundle: &PolicyBundle,
         query: &QuotaQuery,
         rules: &[&Rule],
-    ) -> Option<(Vec<Holding>, bool)> {
+    ) -> Option<(Vec<Option<Holding>>, bool)> {
         let tenant = &query.tenant_id;
         let kind = query.principal_type;
         let principal_hash = keys::principal_hash(

@@ -26,7 +26,11 @@ impl Agent {
             let current = pools
                 .get(&key.0, &key.1)
                 .is_some_and(|s| Arc::ptr_eq(s, &slot));
-            if current && holder.is_idle(now_ms, POOL_IDLE_MS) && lock(&slot.shadow).is_settled() {
+            let window_start_ms = holder.config().window.containing(now_ms).start_ms;
+            if current
+                && holder.is_idle(now_ms, POOL_IDLE_MS)
+                && lock(&slot.shadow).may_forget(window_start_ms)
+            {
                 slot.evicted.store(true, Ordering::Release);
                 self.dropped_reports_of_evicted
                     .fetch_add(holder.dropped_reports(), Ordering::Relaxed);

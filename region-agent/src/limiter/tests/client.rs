@@ -966,7 +966,8 @@ async fn in_an_outage_shadow_rules_neither_deny_nor_fail_the_request_closed() {
         {"id": "plan-shadow", "scope": "tenant", "algorithm": "fixed_window", "limit": 1,
          "windowMs": 60000, "failMode": "closed", "mode": "shadow"},
         {"id": "plan-soft", "scope": "route", "routeGroup": "read", "algorithm": "fixed_window",
-         "limit": 1, "windowMs": 60000, "failMode": "closed", "mode": "soft"} ] }"#;
+         "limit": 1, "windowMs": 60000, "mode": "soft",
+         "failMode": "local_bounded", "localCapacityMillis": 1000, "localRefillMillis": 1} ] }"#;
     let bundle = parse_bundle(ADVISORY)
         .and_then(|draft| draft.into_file_bundle())
         .expect("valid");
@@ -1018,6 +1019,11 @@ async fn in_an_outage_shadow_rules_neither_deny_nor_fail_the_request_closed() {
             contract.reason,
             Some(Reason::LimiterUnavailable),
             "{contract:?}"
+        );
+        assert_eq!(
+            contract.policy_id.as_deref(),
+            Some("read-user"),
+            "an advisory rule, local_bounded or not, is never the one named: {contract:?}"
         );
         if contract.allowed {
             admitted += 1;
