@@ -109,9 +109,16 @@ async fn operators_drive_the_allocator_with_allotctl() {
         "{pool}"
     );
 
-    let windows =
-        stdout(&allotctl(url, OPERATOR, &["windows", "atlas", "api", "--last", "3"]).await);
-    assert!(windows.lines().count() >= 2, "{windows}");
+    // The ledger copies grants right after they commit, through a feed: wait for both.
+    let mut windows = String::new();
+    for _ in 0..100 {
+        windows =
+            stdout(&allotctl(url, OPERATOR, &["windows", "atlas", "api", "--last", "3"]).await);
+        if windows.lines().nth(1).is_some_and(|l| l.contains(" 45 ")) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     assert!(
         windows.lines().nth(1).is_some_and(|l| l.contains(" 45 ")),
         "{windows}"
