@@ -229,7 +229,8 @@ impl CalendarWindow {
         // The first instant of a local date: midnight, or the end of a gap that swallows it.
         let start_of = |day: jiff::civil::Date| -> Option<u64> {
             let zoned = day.to_zoned(self.time_zone.clone()).ok()?;
-            u64::try_from(zoned.timestamp().as_millisecond()).ok()
+            // A window that began before the epoch starts, for this clock, at the epoch.
+            u64::try_from(zoned.timestamp().as_millisecond().max(0)).ok()
         };
         let window = Window {
             start_ms: start_of(first)?,
