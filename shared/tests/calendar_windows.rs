@@ -112,6 +112,12 @@ fn weeks_start_on_monday() {
     let week = window(CalendarUnit::Week, "UTC", "2026-12-01T09:00:00Z");
     assert_eq!(week.start_ms, at("2026-11-30T00:00:00Z"));
     assert_eq!(week.end_ms, at("2026-12-07T00:00:00Z"));
+    // The week of the epoch began before it (Monday 1969-12-29): for this clock it starts at 0.
+    let first = window(CalendarUnit::Week, "UTC", "1970-01-01T00:00:00Z");
+    assert_eq!(
+        (first.start_ms, first.end_ms),
+        (0, at("1970-01-05T00:00:00Z"))
+    );
     let monday = window(CalendarUnit::Week, "UTC", "2026-11-30T00:00:00Z");
     assert_eq!(monday, week, "a window contains its first instant");
 }
