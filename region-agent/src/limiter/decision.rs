@@ -43,6 +43,12 @@ fn native_limit(params: &RuleParams) -> (u64, u64) {
     }
 }
 
+/// A rule's limit in whole units (a rate rule's capacity in tokens, a window rule's limit).
+pub fn limit_units(params: &RuleParams) -> u64 {
+    let (limit, unit) = native_limit(params);
+    limit / unit
+}
+
 /// The index with the smallest `remaining / limit`; the first on a tie. Rules without a known limit
 /// (0) are skipped. `None` when none is left.
 fn most_constraining(shares: &[(u64, u64)]) -> Option<usize> {

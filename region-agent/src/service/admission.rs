@@ -323,7 +323,7 @@ impl Agent {
 
     /// Counts an admitted request against its shadow global rules' pools, per window, for the
     /// ledger: what enforcing them would have spent. A pool whose terms cannot be had is not
-    /// counted (the window's length is in them).
+    /// counted (the windows are in them).
     async fn count_shadow_usage(self: &Arc<Self>, request: &AdmissionRequest, rules: &[&Rule]) {
         for rule in rules {
             let Limit::Global(pool) = &rule.limit else {
@@ -332,12 +332,9 @@ impl Agent {
             let Some(slot) = self.slot(&request.tenant_id, pool).await else {
                 continue;
             };
-            let Some(spec) = lock(&slot.terms).0.window_spec() else {
-                continue;
-            };
-            let now_ms = self.clock.now_ms();
+            let window_start_ms = slot.window_at(self.clock.now_ms()).start_ms;
             let cost_tokens = global_cost_tokens(rule, request);
-            lock(&slot.shadow).count(spec.containing(now_ms).start_ms, cost_tokens);
+            lock(&slot.shadow).count(window_start_ms, cost_tokens);
             metrics::counter!(crate::metrics::SHADOW_ADMITTED_TOKENS,
                 "tenant" => request.tenant_id.to_string(), "pool" => pool.to_string())
             .increment(cost_tokens);

@@ -126,6 +126,12 @@ pub(super) struct AllocatorView {
 }
 
 impl PoolSlot {
+    /// The pool's window containing `now_ms`, as its holder cuts windows (from the terms in force,
+    /// parsed once when they arrived).
+    pub(super) fn window_at(&self, now_ms: u64) -> allot_shared::window::Window {
+        lock(&self.holder).config().window.containing(now_ms)
+    }
+
     pub(super) fn new(config: HolderConfig, terms: PoolTerms, fetched_at_ms: u64) -> Self {
         Self {
             holder: Mutex::new(PoolHolder::new(config)),

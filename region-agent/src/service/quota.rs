@@ -27,6 +27,9 @@ use allot_shared::policy::{Limit, PolicyBundle, Rule};
 use super::{Agent, RequestRejected, lock};
 use crate::limiter::{BatchRule, Holding, PlannedBatch, RuleBatch, RuleParams};
 
+/// Most quotas one read shows (the first in evaluation order): at most four store calls.
+pub const MAX_QUOTA_LINES: usize = 32;
+
 /// The route group a read uses when no rule names one (rules without a route group match any).
 const ANY_ROUTE_GROUP: &str = "any";
 
@@ -41,7 +44,9 @@ impl Agent {
         let Some(bundle) = self.bundle.load_full() else {
             return Ok(None);
         };
-        let rules = visible_rules(&bundle, query);
+        let mut rules = visible_rules(&bundle, query);
+        // A read costs a store call per MAX_RULES_PER_REQUEST rules: bounded (I10).
+        rules.truncate(MAX_QUOTA_LINES);
         let (regional, global): (Vec<&Rule>, Vec<&Rule>) = rules
             .into_iter()
             .partition(|rule| matches!(rule.limit, Limit::Regional(_)));
@@ -81,7 +86,14 @@ impl Agent {
                 let Limit::Regional(algorithm) = &rule.limit else {
                     return None;
                 };
-                let limit_units = holding.map_or_else(|| limit_units(algorithm), |h| h.limit_units);
+                let limit_units = holding.map_or_else(
+                    || {
+                        crate::limiter::decision::limit_units(&RuleParams::from_algorithm(
+                            algorithm,
+                        ))
+                    },
+                    |h| h.limit_units,
+                );
                 Some(QuotaLine {
                     policy_id: rule.id.to_string(),
                     scope: rule.scope.denied_scope(),
@@ -165,15 +177,12 @@ impl Agent {
             return line;
         };
         line.limit_units = slot.limit.load(Ordering::Relaxed);
-        let Some(spec) = lock(&slot.terms).0.window_spec() else {
-            return line;
-        };
-        let window = spec.containing(now_ms);
+        // The holder's lock first, as a grant takes them: the figure and the grant it follows.
+        let holder = lock(&slot.holder);
+        let window = holder.config().window.containing(now_ms);
         // A calendar window's own length (this month's, this day's).
         line.window_ms = window.length_ms();
         line.reset_ms = window.end_ms.saturating_sub(now_ms);
-        // The holder's lock first, as a grant takes them: the figure and the grant it follows.
-        let holder = lock(&slot.holder);
         let view = *lock(&slot.allocator_view);
         if let Some(view) = view.filter(|view| view.window == window) {
             let held_tokens = holder.available_tokens(now_ms);
@@ -221,17 +230,6 @@ fn visible_rules<'b>(bundle: &'b PolicyBundle, query: &QuotaQuery) -> Vec<&'b Ru
         }
     }
     rules
-}
-
-/// A regional rule's limit in whole units, from its parameters.
-fn limit_units(algorithm: &Algorithm) -> u64 {
-    match algorithm {
-        Algorithm::TokenBucket(b) => b.capacity_millitokens() / MILLITOKENS_PER_TOKEN,
-        Algorithm::Gcra(g) => g.capacity_millitokens() / MILLITOKENS_PER_TOKEN,
-        Algorithm::FixedWindow(w) => w.limit_units(),
-        Algorithm::SlidingCounter(c) => c.limit_units(),
-        Algorithm::SlidingLog(l) => l.limit_units(),
-    }
 }
 
 /// When the whole limit is back at the latest, ms from `now_ms` (module docs).

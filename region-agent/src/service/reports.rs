@@ -87,10 +87,7 @@ impl Agent {
                     Ok(()) => {
                         let now_ms = self.clock.now_ms();
                         lock(&slot.holder).acknowledge(&part, now_ms);
-                        let current_start_ms = lock(&slot.terms)
-                            .0
-                            .window_spec()
-                            .map_or(now_ms, |spec| spec.containing(now_ms).start_ms);
+                        let current_start_ms = slot.window_at(now_ms).start_ms;
                         lock(&slot.shadow).acknowledge(
                             window_start_ms,
                             body.shadow_admitted_tokens,
