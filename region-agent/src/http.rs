@@ -222,42 +222,26 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
     {
         response.headers_mut().insert(header::RETRY_AFTER, value);
     }
+    // What the caller may be told, from one look at the bundle in force.
     if let Some(bundle) = api.agent.bundle() {
-        let (soft, shadow) =
-            crate::visibility::violation_headers(&bundle, request.principal.kind, &decision);
+        let kind = request.principal.kind;
+        let (soft, shadow) = crate::visibility::violation_headers(&bundle, kind, &decision);
+        let rate_limit = crate::visibility::caller_view(&bundle, kind, &decision)
+            .map(|view| rate_limit_fields(&view));
+        let (policy, current) = rate_limit.unzip();
         let headers = response.headers_mut();
         for (name, value) in [
             (crate::visibility::SOFT_LIMIT_HEADER, soft),
             (crate::visibility::SHADOW_DENIED_HEADER, shadow),
+            ("ratelimit-policy", policy),
+            ("ratelimit", current),
         ] {
             if let Some(value) = value.and_then(|v| HeaderValue::from_str(&v).ok()) {
                 headers.insert(name, value);
             }
         }
     }
-    if let Some((policy, current)) = rate_limit_headers(&api, &request, &decision) {
-        let headers = response.headers_mut();
-        if let (Ok(policy), Ok(current)) = (
-            HeaderValue::from_str(&policy),
-            HeaderValue::from_str(&current),
-        ) {
-            headers.insert("ratelimit-policy", policy);
-            headers.insert("ratelimit", current);
-        }
-    }
     response
-}
-
-/// The `RateLimit-Policy` and `RateLimit` values for the rule a decision names, when the caller may
-/// see them ([`crate::visibility::caller_view`]).
-fn rate_limit_headers(
-    api: &AgentApi,
-    request: &AdmissionRequest,
-    decision: &allot_shared::contract::Decision,
-) -> Option<(String, String)> {
-    let bundle = api.agent.bundle()?;
-    let view = crate::visibility::caller_view(&bundle, request.principal.kind, decision)?;
-    Some(rate_limit_fields(&view))
 }
 
 async fn quota(
