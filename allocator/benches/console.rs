@@ -62,6 +62,7 @@ async fn main() {
         chunk_tokens: 100,
         lease_ttl_ms: 10_000,
         fallback_per_region_tokens: 50,
+        settle_debt_per_region_tokens: 0,
         regions: vec![RegionId::parse("eu").expect("region")],
     };
     let pool = PoolId::parse("api").expect("pool");

@@ -192,6 +192,7 @@ async fn main() {
         chunk_tokens: 1,
         lease_ttl_ms: 60_000,
         fallback_per_region_tokens: 0,
+        settle_debt_per_region_tokens: 0,
         regions: vec![RegionId::parse("eu").expect("region")],
     };
     let all = pools(10_000);

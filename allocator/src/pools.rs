@@ -57,6 +57,14 @@ pub struct PoolSpec {
     /// Tokens each region may admit per window while the allocator is unreachable.
     #[serde(rename = "fallbackPerRegion")]
     pub fallback_per_region_tokens: u64,
+    /// Debt each region may carry per window from metered requests settled above their estimate,
+    /// tokens (default 0): a term of the overshoot bound.
+    #[serde(
+        default,
+        rename = "settleDebtPerRegion",
+        skip_serializing_if = "allot_shared::wire::is_zero"
+    )]
+    pub settle_debt_per_region_tokens: u64,
     /// Regions allowed to take grants.
     pub regions: Vec<RegionId>,
 }
@@ -72,7 +80,8 @@ impl PoolSpec {
                 self.lease_ttl_ms,
                 self.fallback_per_region_tokens,
                 self.regions.clone(),
-            );
+            )?
+            .with_settle_debt_per_region(self.settle_debt_per_region_tokens);
         };
         if self.window_ms != 0 {
             return Err(PoolConfigError::new(
@@ -87,7 +96,8 @@ impl PoolSpec {
             self.lease_ttl_ms,
             self.fallback_per_region_tokens,
             self.regions.clone(),
-        )
+        )?
+        .with_settle_debt_per_region(self.settle_debt_per_region_tokens)
     }
 
     /// The windows in words: `60000 ms`, or `month in Europe/Berlin`.

@@ -124,6 +124,7 @@ fn pool_form<'a>(csrf: &'a str, chunk: &'a str) -> Vec<(&'static str, &'a str)> 
         ("chunk", chunk),
         ("leaseTtlMs", "10000"),
         ("fallbackPerRegion", "50"),
+        ("settleDebtPerRegion", "10"),
         ("regions", "eu, us"),
     ]
 }
@@ -299,7 +300,9 @@ async fn an_author_creates_edits_and_deletes_a_pool_and_sees_field_errors() {
     let detail = author.get("/console/pools/atlas/api").await;
     assert_eq!(detail.status, StatusCode::OK);
     assert!(
-        detail.text.contains("Bound = 1000 + 0 + 100 + 0"),
+        detail
+            .text
+            .contains("Bound = 1000 + 0 + 100 + 0 + 20 = <strong>1120</strong>"),
         "{}",
         detail.text
     );

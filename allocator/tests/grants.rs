@@ -42,6 +42,7 @@ fn spec(limit_tokens: u64, chunk_tokens: u64) -> PoolSpec {
         chunk_tokens,
         lease_ttl_ms: 15_000,
         fallback_per_region_tokens: 100,
+        settle_debt_per_region_tokens: 0,
         regions: vec![region("eu"), region("us")],
     }
 }

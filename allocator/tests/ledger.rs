@@ -82,6 +82,8 @@ fn report(
             .collect(),
         fallback_admitted_tokens: fallback,
         shadow_admitted_tokens: 0,
+        settle_debt_tokens: 0,
+        written_off_tokens: 0,
     }
 }
 

@@ -77,6 +77,7 @@ fn planned_for(bundle: &PolicyBundle, caller: usize, user: usize) -> PlannedBatc
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     };
     let pepper = Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper");
     let planned = plan_request(bundle, &request, &pepper, IpPrefixes::default(), 30_000)

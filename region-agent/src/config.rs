@@ -66,6 +66,10 @@ pub struct AgentArgs {
     /// in a partition, so the region as a whole stays within its allowance.
     #[arg(long, env = "ALLOT_REGION_AGENTS")]
     pub region_agents: Option<u64>,
+    /// How long a metered admission may be settled (`POST /v1/settle`) after its decision, ms
+    /// (1,000 to 3,600,000; default 300,000). Unsettled, the estimate stands.
+    #[arg(long, env = "ALLOT_SETTLE_WINDOW_MS")]
+    pub settle_window_ms: Option<u64>,
     /// Longest one regional decision may wait for the limiter store, ms (1 to 1,000; default 10).
     /// Past it the rule's fail mode answers (local bucket or 503). Raise it on slow hosts or links.
     #[arg(long, env = "ALLOT_DECISION_BUDGET_MS")]
@@ -120,6 +124,7 @@ struct FileSettings {
     decision_log_max_bytes: Option<u64>,
     policy_max_age_ms: Option<u64>,
     region_agents: Option<u64>,
+    settle_window_ms: Option<u64>,
     decision_budget_ms: Option<u64>,
     agent_id: Option<String>,
     tls_cert: Option<PathBuf>,
@@ -171,6 +176,8 @@ pub struct AgentConfig {
     pub policy_max_age_ms: u64,
     /// Agents serving this region (at least 1).
     pub region_agents: u64,
+    /// The settle window of metered admissions, ms.
+    pub settle_window_ms: u64,
     /// The limiter's decision budget, ms.
     pub decision_budget_ms: u64,
     /// The agent id.
@@ -273,6 +280,18 @@ impl AgentArgs {
                 .policy_max_age_ms
                 .or(file.policy_max_age_ms)
                 .unwrap_or(3_600_000),
+            settle_window_ms: match self
+                .settle_window_ms
+                .or(file.settle_window_ms)
+                .unwrap_or(crate::service::settings::DEFAULT_SETTLE_WINDOW_MS)
+            {
+                window @ 1_000..=crate::service::settings::MAX_SETTLE_WINDOW_MS => window,
+                other => {
+                    return Err(format!(
+                        "--settle-window-ms must be in [1000, 3600000], got {other}"
+                    ));
+                }
+            },
             decision_budget_ms: match self
                 .decision_budget_ms
                 .or(file.decision_budget_ms)

@@ -100,6 +100,7 @@ pub fn request_from_entries<'e>(
         cost_hint,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     };
     request.validate().map_err(|e| {
         let key = match e.field.as_str() {

@@ -9,6 +9,11 @@
 //!   and what is left of them, for an API's rate limit status endpoint (only the rules the caller
 //!   may see: [`crate::service::quota`]); 503 before the agent has a policy bundle.
 //! - `POST /v1/admit` with `"dryRun": true` answers what a real request would get, spending nothing.
+//! - `POST /v1/admit` with `"metered": true` charges `costHint` as an estimate; `POST /v1/settle`
+//!   (`{decisionId, tenantId, actualCost}`) states the actual cost within the settle window
+//!   ([`crate::service::settlement`]): 200 with how the difference was charged, 404 when nothing
+//!   of that id is open, 409 when settled before with another cost. `/v1/check` answers a
+//!   metered admission's deadline in `x-allot-settle-by-ms`.
 //! - `POST /v1/release`: the same request, when it has finished: gives back its concurrency slots
 //!   (idempotent; a slot a gateway never releases lapses with its lease TTL).
 //! - `/healthz`, `/readyz`, `/metrics`.
@@ -20,8 +25,8 @@ use std::time::Duration;
 
 use allot_shared::FieldError;
 use allot_shared::contract::{
-    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, QuotaQuery, http_status, rate_limit_fields,
-    retry_after_header,
+    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, QuotaQuery, SettleRequest, http_status,
+    rate_limit_fields, retry_after_header,
 };
 use axum::Router;
 use axum::body::Bytes;
@@ -31,6 +36,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 
 use crate::service::Agent;
+use crate::service::settlement::SettleError;
+
+/// The response header of `/v1/check` that carries a metered admission's settle deadline, epoch
+/// ms.
+pub const SETTLE_BY_HEADER: &str = "x-allot-settle-by-ms";
 
 /// Largest admission request body, in bytes.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -101,7 +111,10 @@ fn authorized(api: &AgentApi, headers: &HeaderMap) -> Result<(), Box<Response>> 
     )))
 }
 
-fn parse(headers: &HeaderMap, body: &Bytes) -> Result<AdmissionRequest, Box<Response>> {
+fn parse<T: serde::de::DeserializeOwned>(
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<T, Box<Response>> {
     let is_json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -159,6 +172,16 @@ fn from_headers(headers: &HeaderMap) -> Result<AdmissionRequest, Box<Response>> 
     let required = |name: &'static str| {
         get(name).ok_or_else(|| Box::new(invalid(name, "is required without a JSON body")))
     };
+    let metered = match get("x-allot-metered").as_deref() {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(_) => {
+            return Err(Box::new(invalid(
+                "x-allot-metered",
+                "must be true or false",
+            )));
+        }
+    };
     let cost = match get("x-allot-cost") {
         None => 1,
         Some(text) => text
@@ -181,6 +204,7 @@ fn from_headers(headers: &HeaderMap) -> Result<AdmissionRequest, Box<Response>> 
         "routeGroup": required("x-allot-route-group")?,
         "method": get("x-allot-method").unwrap_or_else(|| "GET".to_owned()),
         "costHint": cost,
+        "metered": metered,
     });
     serde_path_to_error::deserialize(value).map_err(|error| {
         Box::new(invalid(
@@ -221,6 +245,11 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
         && let Ok(value) = HeaderValue::from_str(&seconds.to_string())
     {
         response.headers_mut().insert(header::RETRY_AFTER, value);
+    }
+    if let Some(settle_by_ms) = decision.settle_by_ms
+        && let Ok(value) = HeaderValue::from_str(&settle_by_ms.to_string())
+    {
+        response.headers_mut().insert(SETTLE_BY_HEADER, value);
     }
     // What the caller may be told, from one look at the bundle in force.
     if let Some(bundle) = api.agent.bundle() {
@@ -279,6 +308,29 @@ async fn quota(
         .headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
+}
+
+async fn settle(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(response) = authorized(&api, &headers) {
+        return *response;
+    }
+    let body: SettleRequest = match parse(&headers, &body) {
+        Ok(body) => body,
+        Err(response) => return *response,
+    };
+    match api.agent.settle(&body).await {
+        Ok(answer) => (StatusCode::OK, axum::Json(answer)).into_response(),
+        Err(SettleError::Invalid(rejected)) => invalid(&rejected.field, &rejected.message),
+        Err(error @ SettleError::NotOpen) => problem(
+            StatusCode::NOT_FOUND,
+            Problem::new(404, "Not open for settlement", error.to_string())
+                .with_field("decisionId"),
+        ),
+        Err(SettleError::Conflict(detail)) => problem(
+            StatusCode::CONFLICT,
+            Problem::new(409, "Settled differently", &detail).with_field("actualCost"),
+        ),
+    }
 }
 
 async fn release(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
@@ -345,6 +397,7 @@ pub fn router(api: AgentApi) -> Router {
         .route("/v1/admit", post(admit))
         .route("/v1/check", post(check))
         .route("/v1/quota", get(quota))
+        .route("/v1/settle", post(settle))
         .route("/v1/release", post(release))
         .route("/v1/renew", post(renew));
     allot_net::bounded_router(

@@ -15,6 +15,30 @@ pub const SHADOW_ADMITTED_TOKENS: &str = "allot_agent_shadow_admitted_tokens_tot
 /// Dry runs (`dryRun`, an RLS `hits_addend` of 0: checks that spend nothing) by `outcome`
 /// (allowed, denied); not counted in [`DECISIONS`].
 pub const DRY_RUNS: &str = "allot_agent_dry_runs_total";
+/// Metered admissions by how they ended, `outcome`: `exact`, `under` (actual above the estimate:
+/// extra charged or owed), `over` (actual below it: the rest stays spent), `expired` (not settled
+/// within the settle window: the estimate stands), `evicted` (pushed out of a full table early:
+/// the estimate stands).
+pub const SETTLEMENTS: &str = "allot_agent_settlements_total";
+/// Metered admissions open for settlement (gauge; at most `MAX_OPEN_SETTLEMENTS`).
+pub const OPEN_SETTLEMENTS: &str = "allot_agent_open_settlements";
+/// Units estimated and not used (actual below the estimate; spent all the same).
+pub const SETTLE_UNUSED_UNITS: &str = "allot_agent_settle_unused_units_total";
+/// Extra cost of settlements on global pools, tokens, by `tenant`, `pool` and `outcome`: `paid`
+/// (from held leases at once), `owed` (debt, paid first from the next leases), `written_off`
+/// (beyond the pool's settle debt per region: never charged).
+pub const SETTLE_GLOBAL_TOKENS: &str = "allot_agent_settle_global_tokens_total";
+/// Debt a pool's holder owes now, tokens, by `tenant` and `pool` (gauge).
+pub const SETTLE_DEBT: &str = "allot_agent_settle_debt_tokens";
+/// Debt a pool's holder may carry, tokens (`settleDebtPerRegion / region agents`), by `tenant`
+/// and `pool` (gauge): the agent's share of the bound's settle-debt term.
+pub const SETTLE_DEBT_LIMIT: &str = "allot_agent_settle_debt_limit_tokens";
+/// Extra cost of settlements on regional rules, units, by `outcome`: `paid` (at settlement),
+/// `owed` (debt), `repaid` (debt paid by a later admission), `written_off` (beyond what the
+/// principal may owe, or owed too long).
+pub const SETTLE_REGIONAL_UNITS: &str = "allot_agent_settle_regional_units_total";
+/// Principals owing regional debt (gauge; at most `MAX_REGIONAL_DEBTORS`).
+pub const REGIONAL_DEBTORS: &str = "allot_agent_regional_debtors";
 /// Quota reads (`GET /v1/quota`) by `outcome` (answered, refused).
 pub const QUOTA_READS: &str = "allot_agent_quota_reads_total";
 /// Requests admitted from a pool's fallback allowance, by `tenant` and `pool`.

@@ -27,6 +27,7 @@ fn from_address(n: usize, address: String) -> AdmissionRequest {
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

@@ -24,6 +24,7 @@ fn export(n: usize, cost: u64) -> AdmissionRequest {
         cost_hint: cost,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

@@ -36,6 +36,7 @@ fn request(n: u64, route: &str, cost_hint: u64) -> AdmissionRequest {
         cost_hint,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

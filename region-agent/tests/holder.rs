@@ -22,6 +22,7 @@ fn config(fallback: u64) -> HolderConfig {
         round_trip_ms: 50,
         renewal_patience_ms: 200,
         fallback_claim_block_tokens: 0,
+        settle_debt_tokens: 0,
     }
 }
 
@@ -644,5 +645,131 @@ proptest! {
                 Crash::Advance { ms } => now += ms,
             }
         }
+    }
+}
+
+/// A settled metered request's extra cost: paid at once from the leases, owed up to the debt the
+/// holder may carry, written off beyond it; the debt is paid from the next grant before anything
+/// is reserved, and survives a restart through the journal.
+#[test]
+fn extra_cost_is_paid_then_owed_then_written_off_and_debt_is_paid_first() {
+    let mut holder = PoolHolder::new(HolderConfig {
+        settle_debt_tokens: 20,
+        ..config(0)
+    });
+    let t0 = 5 * MINUTE + 1_000;
+    holder.accept(grant(1, 1, 10, t0), t0);
+    assert!(matches!(holder.spend(4, t0, true), Spend::Leased(_)));
+    // 6 held: 6 paid, 20 owed, the rest (4) written off.
+    let charged = holder.charge(30, t0);
+    assert_eq!(
+        charged,
+        DebtCharge {
+            paid_tokens: 6,
+            owed_tokens: 20,
+            written_off_tokens: 4
+        }
+    );
+    assert_eq!(holder.debt_tokens(), 20);
+    // Owing, every further extra is written off; nothing is held to reserve.
+    assert_eq!(holder.charge(3, t0).written_off_tokens, 3);
+    assert!(holder.reserve(1, t0, true).is_err(), "nothing held");
+    // The next grant pays the debt first: 15 of 25, then 5 of what is left.
+    holder.accept(grant(2, 1, 15, t0 + 1), t0 + 1);
+    assert_eq!(holder.debt_tokens(), 5);
+    assert!(holder.reserve(1, t0 + 1, true).is_err(), "debt first");
+    let snapshot = holder.snapshot(None);
+    assert_eq!(snapshot.debt_tokens, 5, "the journal keeps the debt");
+    let mut restarted = PoolHolder::new(holder.config().clone());
+    restarted.restore(&snapshot);
+    assert_eq!(restarted.debt_tokens(), 5);
+    holder.accept(grant(3, 1, 8, t0 + 2), t0 + 2);
+    assert_eq!(holder.debt_tokens(), 0);
+    assert_eq!(holder.available_tokens(t0 + 2), 3);
+    let spent: u64 = holder
+        .pending_report(t0 + 2)
+        .leases
+        .iter()
+        .map(|line| line.spent_tokens)
+        .sum();
+    assert_eq!(
+        spent,
+        4 + 6 + 20,
+        "the request, the extra paid, the debt paid"
+    );
+    assert!(
+        !restarted.is_idle(t0 + 10 * POOL_IDLE_MS, POOL_IDLE_MS),
+        "a holder owing debt is never forgotten"
+    );
+}
+
+const POOL_IDLE_MS: u64 = 600_000;
+
+#[derive(Debug, Clone)]
+enum DebtEvent {
+    Grant(u64),
+    Spend(u64),
+    Charge(u64),
+    Advance(u64),
+}
+
+fn debt_events() -> impl Strategy<Value = Vec<DebtEvent>> {
+    prop::collection::vec(
+        prop_oneof![
+            (1u64..40).prop_map(DebtEvent::Grant),
+            (1u64..10).prop_map(DebtEvent::Spend),
+            (0u64..60).prop_map(DebtEvent::Charge),
+            (1u64..20_000).prop_map(DebtEvent::Advance),
+        ],
+        1..60,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Over random grants, spends, settlements and time: every extra token is paid, owed or
+    /// written off (none twice); the debt never exceeds what the holder may carry; a lease is
+    /// never spent past its grant; and what the leases report spent is exactly the requests'
+    /// spends plus the extra paid (at once, or later as debt).
+    #[test]
+    fn settle_debt_is_bounded_and_every_token_is_accounted_for(
+        cap in 0u64..50,
+        start in 0u64..(1 << 40),
+        events in debt_events(),
+    ) {
+        let mut holder = PoolHolder::new(HolderConfig { settle_debt_tokens: cap, ..config(0) });
+        let mut now = start;
+        let (mut requests, mut extra, mut written_off) = (0u64, 0u64, 0u64);
+        let mut granted: HashMap<LeaseId, u64> = HashMap::new();
+        for (n, event) in events.into_iter().enumerate() {
+            match event {
+                DebtEvent::Grant(tokens) => {
+                    let g = grant(n as u128, 1, tokens, now);
+                    granted.insert(g.lease_id, tokens);
+                    holder.accept(g, now);
+                }
+                DebtEvent::Spend(cost) => {
+                    if let Spend::Leased(_) = holder.spend(cost, now, true) {
+                        requests += cost;
+                    }
+                }
+                DebtEvent::Charge(tokens) => {
+                    let charged = holder.charge(tokens, now);
+                    prop_assert_eq!(charged.paid_tokens + charged.owed_tokens + charged.written_off_tokens, tokens);
+                    extra += tokens;
+                    written_off += charged.written_off_tokens;
+                }
+                DebtEvent::Advance(ms) => now += ms,
+            }
+            prop_assert!(holder.debt_tokens() <= cap, "the debt stays within what may be carried");
+        }
+        let lines = holder.pending_report(now).leases;
+        let mut spent = 0;
+        for line in &lines {
+            prop_assert!(line.spent_tokens <= granted[&line.lease_id], "never past a grant");
+            spent += line.spent_tokens;
+        }
+        prop_assert_eq!(spent, requests + extra - written_off - holder.debt_tokens());
     }
 }

@@ -115,6 +115,7 @@ fn request(n: u64) -> AdmissionRequest {
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

@@ -34,6 +34,7 @@ fn request(n: u64, kind: PrincipalType, who: &str, route: &str) -> AdmissionRequ
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

@@ -43,6 +43,7 @@ fn request(n: u64, user: &str, route: &str, cost_hint: u64) -> AdmissionRequest 
         cost_hint,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

@@ -37,6 +37,7 @@ fn request(n: u64, user: &str) -> AdmissionRequest {
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

@@ -25,6 +25,7 @@ fn request(n: usize, route: &str) -> AdmissionRequest {
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

@@ -23,6 +23,7 @@ fn config(fallback: u64) -> HolderConfig {
         round_trip_ms: 50,
         renewal_patience_ms: 200,
         fallback_claim_block_tokens: 0,
+        settle_debt_tokens: 0,
     }
 }
 

@@ -87,6 +87,11 @@ pub struct AdmissionRequest {
     /// slot taken).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dry_run: bool,
+    /// Charge `costHint` now as an estimate and the actual cost later (`POST /v1/settle` with the
+    /// decision id, within the agent's settle window): for costs known only after the response
+    /// (model tokens, bytes, rows). Unsettled, the estimate stands.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub metered: bool,
 }
 
 fn one() -> u64 {
@@ -124,8 +129,102 @@ impl AdmissionRequest {
                 "must be an integer in [1, 2^30]",
             ));
         }
+        if self.metered && self.dry_run {
+            return Err(FieldError::new(
+                "metered",
+                "a dry run spends nothing, so there is nothing to settle: send one of metered and dryRun",
+            ));
+        }
         Ok(())
     }
+}
+
+/// Largest actual cost a settlement may state, in whole units (as `costHint`).
+pub const MAX_SETTLE_COST_UNITS: u64 = 1 << 30;
+
+/// `POST /v1/settle`: the actual cost of a metered admission, once the response is known.
+/// Idempotent by decision id: the same body again gets the same answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SettleRequest {
+    /// The metered admission's decision id (its `requestId`).
+    pub decision_id: DecisionId,
+    /// The tenant it was admitted for.
+    pub tenant_id: TenantId,
+    /// What the request actually cost, whole units, in `[0, 2^30]`.
+    #[serde(rename = "actualCost")]
+    pub actual_cost_units: u64,
+}
+
+impl SettleRequest {
+    /// Checks what serde cannot: a bounded actual cost.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        if self.actual_cost_units > MAX_SETTLE_COST_UNITS {
+            return Err(FieldError::new(
+                "actualCost",
+                "must be an integer in [0, 2^30]",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The answer to `POST /v1/settle`.
+///
+/// An actual cost below the estimate gives nothing back (`unused`; no refunds). Above it, the
+/// difference (`extra`) is charged at once where it fits; what does not fit becomes debt that the
+/// next admissions pay first (`owed`), up to a bound; beyond it, it is written off and counted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SettleAnswer {
+    /// The admission settled.
+    pub decision_id: DecisionId,
+    /// The estimate charged at admission, whole units.
+    #[serde(rename = "estimate")]
+    pub estimate_units: u64,
+    /// The actual cost, whole units.
+    #[serde(rename = "actualCost")]
+    pub actual_cost_units: u64,
+    /// `estimate - actualCost` when positive: spent all the same.
+    #[serde(rename = "unused")]
+    pub unused_units: u64,
+    /// `actualCost - estimate` when positive: what was charged now or owed.
+    #[serde(rename = "extra")]
+    pub extra_units: u64,
+    /// How the regional rules took the extra cost.
+    pub regional: Charge,
+    /// How each global pool took it, in tokens.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pools: Vec<PoolCharge>,
+    /// True when this decision id was settled before: the answer is that settlement's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replayed: bool,
+}
+
+/// How one limit took a settlement's extra cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Charge {
+    /// Charged at once.
+    pub paid: u64,
+    /// Owed: the next admissions pay it first.
+    pub owed: u64,
+    /// Beyond the debt the limit may carry: not charged, counted in metrics and the ledger.
+    pub written_off: u64,
+}
+
+/// How one global pool took a settlement's extra cost, tokens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolCharge {
+    /// The pool.
+    pub pool: crate::ids::PoolId,
+    /// Charged at once from the region's leases.
+    pub paid: u64,
+    /// Owed: paid first from the region's next leases.
+    pub owed: u64,
+    /// Beyond `settleDebtPerRegion`: not charged, counted in metrics and the ledger.
+    pub written_off: u64,
 }
 
 /// Which rule said no.
@@ -193,6 +292,10 @@ pub struct Decision {
     /// The shadow and soft rules that would have denied the request (they deny nothing).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub violations: Vec<Violation>,
+    /// A metered admission: settle its actual cost (`POST /v1/settle`) before this instant, epoch
+    /// ms; unsettled, the estimate stands.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settle_by_ms: Option<u64>,
 }
 
 /// A shadow or soft rule that would have denied a request.

@@ -40,6 +40,7 @@ pub struct PoolConfig {
     chunk_tokens: u64,
     lease_ttl_ms: u64,
     fallback_per_region_tokens: u64,
+    settle_debt_per_region_tokens: u64,
     regions: Vec<RegionId>,
 }
 
@@ -124,8 +125,28 @@ impl PoolConfig {
             chunk_tokens,
             lease_ttl_ms,
             fallback_per_region_tokens,
+            settle_debt_per_region_tokens: 0,
             regions,
         })
+    }
+
+    /// The debt each region may carry per window from metered requests whose settled cost was
+    /// above their estimate (`settleDebtPerRegion`, tokens, at most 2^40; 0 by default: what the
+    /// region's leases cannot pay at once is written off, and counted). Debt is paid first from
+    /// the region's next leases; what is unpaid at a window's end is consumption beyond the
+    /// ledger's admits, so it is a term of the overshoot bound.
+    pub fn with_settle_debt_per_region(
+        mut self,
+        settle_debt_per_region_tokens: u64,
+    ) -> Result<Self, PoolConfigError> {
+        if settle_debt_per_region_tokens > MAX_RULE_PARAMETER {
+            return Err(config_error(
+                "settleDebtPerRegion",
+                "must be an integer in [0, 2^40]",
+            ));
+        }
+        self.settle_debt_per_region_tokens = settle_debt_per_region_tokens;
+        Ok(self)
     }
 
     /// The global quota `G` per window, in tokens.
@@ -147,6 +168,10 @@ impl PoolConfig {
     /// Tokens each region may admit per window when it cannot reach the allocator.
     pub fn fallback_per_region_tokens(&self) -> u64 {
         self.fallback_per_region_tokens
+    }
+    /// Debt each region may carry from settled metered requests, tokens.
+    pub fn settle_debt_per_region_tokens(&self) -> u64 {
+        self.settle_debt_per_region_tokens
     }
     /// The regions allowed to take grants from this pool.
     pub fn regions(&self) -> &[RegionId] {
@@ -313,7 +338,7 @@ pub fn grant(
 }
 
 /// The terms of the overshoot bound for one window:
-/// `admitted <= G + unclamped carry-over + fallback allowances + lost grant records`.
+/// `consumed <= G + unclamped carry-over + fallback allowances + lost grant records + settle debt`.
 ///
 /// Every design choice that can admit more than `G` adds exactly one term, so the bound is a design
 /// output that operators tune with chunk, TTL and fallback, and that the simulator and the ledger check
@@ -328,13 +353,18 @@ pub struct OvershootBound {
     pub fallback_allowance_tokens: u64,
     /// Tokens re-granted because an allocator failover lost grant records (0 on a consensus store).
     pub lost_grant_record_tokens: u64,
+    /// Tokens metered requests consumed beyond their estimates that regions may still owe at the
+    /// window's end (`settleDebtPerRegion x regions`): paid from later leases, so never in this
+    /// window's admits.
+    pub settle_debt_tokens: u64,
 }
 
 impl OvershootBound {
     /// The worst case a design admits in one window, from the pool's configuration:
     /// carry-over is `chunk x regions x max_leases_per_region` when unclamped, fallback is
-    /// `fallbackPerRegion x regions`, and `lost_grant_record_tokens` is supplied by the caller (0 for an
-    /// etcd-backed allocator, whose committed grants survive failover).
+    /// `fallbackPerRegion x regions`, settle debt is `settleDebtPerRegion x regions`, and
+    /// `lost_grant_record_tokens` is supplied by the caller (0 for an etcd-backed allocator, whose
+    /// committed grants survive failover).
     pub fn for_design(
         config: &PoolConfig,
         clamping: LeaseClamping,
@@ -354,6 +384,7 @@ impl OvershootBound {
             unclamped_carry_over_tokens,
             fallback_allowance_tokens: config.fallback_per_region_tokens.saturating_mul(regions),
             lost_grant_record_tokens,
+            settle_debt_tokens: config.settle_debt_per_region_tokens.saturating_mul(regions),
         }
     }
 
@@ -363,6 +394,7 @@ impl OvershootBound {
             .saturating_add(self.unclamped_carry_over_tokens)
             .saturating_add(self.fallback_allowance_tokens)
             .saturating_add(self.lost_grant_record_tokens)
+            .saturating_add(self.settle_debt_tokens)
     }
 
     /// Whether `admitted_tokens` in a window is within the bound.

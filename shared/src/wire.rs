@@ -73,6 +73,14 @@ pub struct PoolTerms {
     /// Tokens a region may admit per window while it cannot reach the allocator.
     #[serde(rename = "fallbackPerRegion")]
     pub fallback_per_region_tokens: u64,
+    /// Debt a region may carry per window from metered requests settled above their estimate,
+    /// tokens (0 or absent: none; what the leases cannot pay at once is written off).
+    #[serde(
+        default,
+        rename = "settleDebtPerRegion",
+        skip_serializing_if = "crate::wire::is_zero"
+    )]
+    pub settle_debt_per_region_tokens: u64,
     /// Regions allowed to take grants.
     pub regions: Vec<RegionId>,
     /// The configuration's version.
@@ -213,6 +221,22 @@ pub struct Report {
         skip_serializing_if = "crate::wire::is_zero"
     )]
     pub shadow_admitted_tokens: u64,
+    /// The most debt from settled metered requests the region carried in this window, tokens:
+    /// consumed, to be paid from later leases (at most `settleDebtPerRegion`).
+    #[serde(
+        default,
+        rename = "settleDebt",
+        skip_serializing_if = "crate::wire::is_zero"
+    )]
+    pub settle_debt_tokens: u64,
+    /// Tokens consumed by metered requests beyond the debt the region may carry, in this window
+    /// (cumulative): never charged, counted here.
+    #[serde(
+        default,
+        rename = "writtenOff",
+        skip_serializing_if = "crate::wire::is_zero"
+    )]
+    pub written_off_tokens: u64,
 }
 
 /// For `skip_serializing_if`: a zero amount is not sent (older allocators refuse unknown fields).

@@ -440,6 +440,7 @@ fn replay_counts_denials_per_rule() {
                 cost_hint: 1,
                 policy_epoch: None,
                 dry_run: false,
+                metered: false,
             },
         })
         .collect();
@@ -618,6 +619,7 @@ fn replay_answers_who_an_enforced_shadow_rule_would_deny_and_what_pools_would_no
                 cost_hint: 1,
                 policy_epoch: None,
                 dry_run: false,
+                metered: false,
             },
         })
         .collect();

@@ -527,6 +527,7 @@ fn denial(reason: Reason, scope: DeniedScope, retry_after_ms: i64) -> Decision {
         fallback: false,
         dry_run: false,
         violations: Vec::new(),
+        settle_by_ms: None,
     }
 }
 

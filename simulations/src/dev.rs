@@ -106,6 +106,7 @@ pub async fn run_dev(
         chunk_tokens: 100,
         lease_ttl_ms: 15_000,
         fallback_per_region_tokens: 100,
+        settle_debt_per_region_tokens: 0,
         regions: regions.clone(),
     };
     let pool_config = spec.validate().map_err(|e| e.to_string())?;
@@ -329,6 +330,7 @@ async fn demo(
                 cost_hint: 1,
                 policy_epoch: None,
                 dry_run: false,
+                metered: false,
             };
             let window_spec = window_spec.clone();
             in_flight.spawn(async move {
@@ -463,6 +465,7 @@ async fn what_a_user_is_told(agent: &Arc<Agent>) -> String {
         cost_hint: 1,
         policy_epoch: None,
         dry_run: true,
+        metered: false,
     };
     let verdict = match agent.admit(&check).await {
         Ok(decision) if decision.allowed => "would be admitted",

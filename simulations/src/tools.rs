@@ -104,6 +104,8 @@ pub struct BoundArgs {
     pub lease_ttl_ms: u64,
     /// Fallback allowance per region per window, tokens.
     pub fallback_per_region_tokens: u64,
+    /// Debt each region may carry from metered requests settled above their estimate, tokens.
+    pub settle_debt_per_region_tokens: u64,
     /// Number of regions.
     pub regions: usize,
     /// Whether leases are left unclamped (never in production).
@@ -128,6 +130,7 @@ pub fn bound_report(args: &BoundArgs) -> Result<String, String> {
         args.fallback_per_region_tokens,
         regions,
     )
+    .and_then(|config| config.with_settle_debt_per_region(args.settle_debt_per_region_tokens))
     .map_err(|e| format!("invalid pool: {e}"))?;
     let clamping = if args.unclamped {
         LeaseClamping::Unclamped
@@ -153,6 +156,7 @@ pub fn bound_report(args: &BoundArgs) -> Result<String, String> {
         ("unclamped carry-over", bound.unclamped_carry_over_tokens),
         ("fallback allowances", bound.fallback_allowance_tokens),
         ("lost grant records", bound.lost_grant_record_tokens),
+        ("settle debt", bound.settle_debt_tokens),
     ] {
         let _ = writeln!(
             out,
@@ -179,6 +183,7 @@ mod tests {
             chunk_tokens: 100,
             lease_ttl_ms: 15_000,
             fallback_per_region_tokens: 100,
+            settle_debt_per_region_tokens: 0,
             regions: 2,
             unclamped: false,
             max_leases_per_region: 1,
@@ -205,6 +210,19 @@ mod tests {
         assert!(
             unclamped.starts_with("admitted per window <= 1400 tokens"),
             "{unclamped}"
+        );
+        let metered = bound_report(&BoundArgs {
+            settle_debt_per_region_tokens: 25,
+            ..args()
+        })
+        .expect("valid");
+        assert!(
+            metered.starts_with("admitted per window <= 1250 tokens"),
+            "{metered}"
+        );
+        assert!(
+            metered.contains("settle debt                        50  (+5.0% of G)"),
+            "{metered}"
         );
     }
 

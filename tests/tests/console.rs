@@ -244,7 +244,7 @@ async fn operators_use_the_console_in_a_real_browser() {
     assert!(
         page_text(&author)
             .await
-            .contains("Bound = 600 + 0 + 40 + 0 = 640")
+            .contains("Bound = 600 + 0 + 40 + 0 + 0 = 640")
     );
     assert_eq!(
         api_status(&topology, &base, "/v1/pools/shop/api").await.1["chunk"],

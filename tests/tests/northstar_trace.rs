@@ -58,6 +58,7 @@ fn request(id: &str, kind: PrincipalType, who: &str, route: &str) -> AdmissionRe
         cost_hint: 1,
         policy_epoch: Some(42),
         dry_run: false,
+        metered: false,
     }
 }
 

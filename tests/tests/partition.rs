@@ -89,6 +89,7 @@ fn request(n: usize) -> AdmissionRequest {
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

@@ -128,6 +128,10 @@ enum PoolsCommand {
         /// Fallback allowance per region per window, tokens.
         #[arg(long, default_value_t = 0)]
         fallback: u64,
+        /// Debt from metered requests settled above their estimate that each region may carry
+        /// per window, tokens (a term of the overshoot bound).
+        #[arg(long, default_value_t = 0)]
+        settle_debt: u64,
         /// Regions, comma-separated.
         #[arg(long, value_delimiter = ',', required = true)]
         regions: Vec<String>,
@@ -290,6 +294,7 @@ fn pools_call(command: PoolsCommand) -> Result<Call, String> {
             chunk,
             lease_ttl_ms,
             fallback,
+            settle_debt,
             regions,
         } => {
             let window = match (calendar, time_zone) {
@@ -307,6 +312,7 @@ fn pools_call(command: PoolsCommand) -> Result<Call, String> {
                 chunk_tokens: chunk,
                 lease_ttl_ms,
                 fallback_per_region_tokens: fallback,
+                settle_debt_per_region_tokens: settle_debt,
                 regions: regions
                     .iter()
                     .map(|region| id("--regions", region, RegionId::parse))

@@ -180,6 +180,9 @@ pub struct PoolForm {
     lease_ttl_ms: String,
     #[serde(default, rename = "fallbackPerRegion")]
     fallback_per_region: String,
+    /// Blank: none (0).
+    #[serde(default, rename = "settleDebtPerRegion")]
+    settle_debt_per_region: String,
     #[serde(default)]
     regions: String,
 }
@@ -205,7 +208,7 @@ const CALENDAR_FIELDS: [(&str, &str, &str); 2] = [
 ];
 
 /// The form's fields: (JSON name, label, hint).
-const SPEC_FIELDS: [(&str, &str, &str); 5] = [
+const SPEC_FIELDS: [(&str, &str, &str); 6] = [
     ("limit", "G, tokens per window", "the tenant's global quota"),
     ("windowMs", "Window, ms", "e.g. 60000 for a minute"),
     ("chunk", "Chunk, tokens", "what one lease grants; at most G"),
@@ -218,6 +221,11 @@ const SPEC_FIELDS: [(&str, &str, &str); 5] = [
         "fallbackPerRegion",
         "Fallback per region, tokens",
         "what a cut-off region may admit on its own per window (a term of the bound)",
+    ),
+    (
+        "settleDebtPerRegion",
+        "Settle debt per region, tokens",
+        "what metered requests may cost beyond their estimates before it is paid, per region (a term of the bound; blank: 0)",
     ),
 ];
 
@@ -248,6 +256,7 @@ impl PoolForm {
             chunk: view.spec.chunk_tokens.to_string(),
             lease_ttl_ms: view.spec.lease_ttl_ms.to_string(),
             fallback_per_region: view.spec.fallback_per_region_tokens.to_string(),
+            settle_debt_per_region: view.spec.settle_debt_per_region_tokens.to_string(),
             regions: join(&view.spec.regions),
         }
     }
@@ -263,6 +272,7 @@ impl PoolForm {
             "chunk" => &self.chunk,
             "leaseTtlMs" => &self.lease_ttl_ms,
             "fallbackPerRegion" => &self.fallback_per_region,
+            "settleDebtPerRegion" => &self.settle_debt_per_region,
             _ => &self.regions,
         }
     }
@@ -274,7 +284,12 @@ impl PoolForm {
         let calendar = self.calendar.trim();
         for (field, _, _) in SPEC_FIELDS {
             let typed = self.value_of(field).trim();
-            if field == "windowMs" && (!calendar.is_empty() && typed.is_empty()) {
+            let optional = match field {
+                "windowMs" => !calendar.is_empty(),
+                "settleDebtPerRegion" => true,
+                _ => false,
+            };
+            if optional && typed.is_empty() {
                 continue;
             }
             let value = typed
@@ -519,6 +534,11 @@ pub async fn detail(
     let spec = &view.spec;
     let regions = spec.regions.len() as u64;
     let fallback_total = spec.fallback_per_region_tokens.saturating_mul(regions);
+    let debt_total = spec.settle_debt_per_region_tokens.saturating_mul(regions);
+    let bound_total = spec
+        .limit_tokens
+        .saturating_add(fallback_total)
+        .saturating_add(debt_total);
     let body = html! {
         @if session.role >= OperatorRole::Author {
             p {
@@ -542,7 +562,9 @@ pub async fn detail(
             li { "Each of the " (regions) " regions may admit up to " (spec.fallback_per_region_tokens)
                  " tokens on its own per window while it cannot reach the allocator: " strong { "fallback " (fallback_total) } "." }
             li { "Grants are committed in etcd before they are answered, so a failover re-grants nothing: " strong { "lost grants 0" } "." }
-            li { "Bound = " (spec.limit_tokens) " + 0 + " (fallback_total) " + 0 = " strong { (spec.limit_tokens.saturating_add(fallback_total)) } " tokens per window." }
+            li { "Each region may owe up to " (spec.settle_debt_per_region_tokens)
+                 " tokens that metered requests cost beyond their estimates, paid from its next leases: " strong { "settle debt " (debt_total) } "." }
+            li { "Bound = " (spec.limit_tokens) " + 0 + " (fallback_total) " + 0 + " (debt_total) " = " strong { (bound_total) } " tokens per window." }
         }
     };
     let title = format!("{tenant}/{pool}");
@@ -570,6 +592,12 @@ async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
         )
     });
     let by_region = this_window_by_region(current, newest);
+    // Metered pools show what their regions owed and wrote off; others keep the short table.
+    let metered = view.spec.settle_debt_per_region_tokens > 0
+        || windows
+            .iter()
+            .any(|w| w.settle_debt_tokens > 0 || w.written_off_tokens > 0);
+    let columns = if metered { 12 } else { 10 };
     html! {
         div.cards {
             div.card { div.muted { "Admitted this window" } div.value id="admitted" { (newest.map_or(0, |w| w.admitted_tokens)) } }
@@ -605,7 +633,9 @@ async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
                 thead { tr {
                     th { "Window start (UTC)" } th.num { "Granted" } th.num { "Spent" } th.num { "Fallback" }
                     th.num { "Admitted" } th.num { "Stranded" } th.num.wide { "Unreported" }
-                    th.num { "Overshoot" } th.num { "Bound" } th { "State" }
+                    th.num { "Overshoot" } th.num { "Bound" }
+                    @if metered { th.num { "Settle debt" } th.num { "Written off" } }
+                    th { "State" }
                 } }
                 tbody {
                     @for row in &windows {
@@ -619,10 +649,14 @@ async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
                             td.num.wide { (row.unreported_tokens) }
                             td.num { (row.overshoot_tokens) }
                             td.num { (row.bound_tokens) }
+                            @if metered {
+                                td.num { (row.settle_debt_tokens) }
+                                td.num { (row.written_off_tokens) }
+                            }
                             td { (standing(row)) }
                         }
                     }
-                    @if windows.is_empty() { tr { td.muted colspan="10" { "no windows yet" } } }
+                    @if windows.is_empty() { tr { td.muted colspan=(columns) { "no windows yet" } } }
                 }
             }
         }
@@ -726,6 +760,7 @@ mod tests {
             chunk: "ten".into(),
             lease_ttl_ms: "10000".into(),
             fallback_per_region: String::new(),
+            settle_debt_per_region: " ".into(),
             regions: "eu, us,,ap".into(),
             ..PoolForm::default()
         };
@@ -734,6 +769,10 @@ mod tests {
         assert_eq!(json["windowMs"], 60000);
         assert_eq!(json["chunk"], "ten");
         assert_eq!(json["fallbackPerRegion"], "");
+        assert!(
+            json.get("settleDebtPerRegion").is_none(),
+            "a blank settle debt is left to the API's default: {json}"
+        );
         assert_eq!(json["regions"], serde_json::json!(["eu", "us", "ap"]));
     }
 }

@@ -155,8 +155,13 @@ fn pool_detail(pool: &PoolView) -> String {
 }
 
 fn windows_table(list: &WindowList) -> String {
+    // Pools with metered requests show what they owed and wrote off; others keep the short table.
+    let metered = list
+        .windows
+        .iter()
+        .any(|w| w.settle_debt_tokens > 0 || w.written_off_tokens > 0);
     let mut out = String::new();
-    let _ = writeln!(
+    let _ = write!(
         out,
         "{:<24} {:>8} {:>8} {:>8} {:>9} {:>10} {:>9} {:>9} {:>7}",
         "window start",
@@ -169,8 +174,12 @@ fn windows_table(list: &WindowList) -> String {
         "overshoot",
         "bound"
     );
+    if metered {
+        let _ = write!(out, " {:>7} {:>11}", "debt", "written off");
+    }
+    out.push('\n');
     for window in &list.windows {
-        let _ = writeln!(
+        let _ = write!(
             out,
             "{:<24} {:>8} {:>8} {:>8} {:>9} {:>10} {:>9} {:>9} {:>7}",
             rfc3339_utc(window.window_start_ms),
@@ -183,6 +192,14 @@ fn windows_table(list: &WindowList) -> String {
             window.overshoot_tokens,
             window.bound_tokens
         );
+        if metered {
+            let _ = write!(
+                out,
+                " {:>7} {:>11}",
+                window.settle_debt_tokens, window.written_off_tokens
+            );
+        }
+        out.push('\n');
     }
     out
 }

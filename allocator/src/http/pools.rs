@@ -362,6 +362,7 @@ pub async fn get_pool_terms(
         chunk_tokens: spec.chunk_tokens,
         lease_ttl_ms: spec.lease_ttl_ms,
         fallback_per_region_tokens: spec.fallback_per_region_tokens,
+        settle_debt_per_region_tokens: spec.settle_debt_per_region_tokens,
         regions: spec.regions,
         version: stored.version,
         fallback_in_window,

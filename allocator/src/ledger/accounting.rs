@@ -12,7 +12,9 @@ use sea_query::{
 use sea_query_binder::SqlxBinder;
 use serde::{Deserialize, Serialize};
 
-use super::schema::{FallbackAdmits, Grants, LeaseSpend, ShadowAdmits, sum_as_bigint};
+use super::schema::{
+    FallbackAdmits, Grants, LeaseSpend, SettleDebts, ShadowAdmits, WrittenOff, sum_as_bigint,
+};
 use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 
 /// Most windows one `windows` query returns.
@@ -72,6 +74,14 @@ pub struct WindowRow {
     /// Shadow admits per region.
     #[serde(rename = "shadowAdmittedByRegion", default)]
     pub shadow_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
+    /// The most debt from settled metered requests each region carried in the window, summed:
+    /// consumed beyond `admitted` until later leases pay it (at most the bound's settle-debt
+    /// term, `settleDebtPerRegion x regions`).
+    #[serde(rename = "settleDebt", default)]
+    pub settle_debt_tokens: u64,
+    /// Tokens metered requests consumed beyond the debt their region could carry: never charged.
+    #[serde(rename = "writtenOff", default)]
+    pub written_off_tokens: u64,
 }
 
 #[derive(sqlx::FromRow)]
@@ -115,6 +125,10 @@ pub struct WindowAmounts {
     pub fallback_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
     /// Tokens a shadow global rule counted per region.
     pub shadow_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
+    /// The most settle debt each region carried.
+    pub settle_debt_tokens_by_region: BTreeMap<RegionId, u64>,
+    /// Tokens written off per region.
+    pub written_off_tokens_by_region: BTreeMap<RegionId, u64>,
 }
 
 /// A window's accounts from its amounts: everything granted, everything admitted (spent from
@@ -156,6 +170,8 @@ pub fn account(amounts: WindowAmounts, limit_tokens: u64, bound_tokens: u64) -> 
         bound_tokens,
         shadow_admitted_tokens: total(&amounts.shadow_admitted_tokens_by_region),
         shadow_admitted_tokens_by_region: amounts.shadow_admitted_tokens_by_region,
+        settle_debt_tokens: total(&amounts.settle_debt_tokens_by_region),
+        written_off_tokens: total(&amounts.written_off_tokens_by_region),
     }
 }
 
@@ -177,8 +193,20 @@ impl Ledger {
         let shadow_rows = self
             .admits_rows(ShadowAdmits::Table, tenant, pool, last)
             .await?;
+        let debt_rows = self
+            .admits_rows(SettleDebts::Table, tenant, pool, last)
+            .await?;
+        let written_off_rows = self
+            .admits_rows(WrittenOff::Table, tenant, pool, last)
+            .await?;
         let keys = self
-            .window_keys(tenant, pool, config, last, &[&fallback_rows, &shadow_rows])
+            .window_keys(
+                tenant,
+                pool,
+                config,
+                last,
+                &[&fallback_rows, &shadow_rows, &debt_rows, &written_off_rows],
+            )
             .await?;
         let Some(oldest) = keys.last().map(|k| k.window_start_ms) else {
             return Ok(Vec::new());
@@ -220,6 +248,8 @@ impl Ledger {
                         key.window_start_ms,
                     ),
                     shadow_admitted_tokens_by_region: by_region(&shadow_rows, key.window_start_ms),
+                    settle_debt_tokens_by_region: by_region(&debt_rows, key.window_start_ms),
+                    written_off_tokens_by_region: by_region(&written_off_rows, key.window_start_ms),
                 };
                 account(amounts, limit, bound)
             })
@@ -227,7 +257,7 @@ impl Ledger {
         Ok(rows)
     }
 
-    /// Fallback (or shadow) admits per region of the pool's latest windows, from `table` (at most
+    /// Fallback (or shadow, settle debt, written-off) amounts per region of the pool's latest windows, from `table` (at most
     /// 64 regions a window).
     async fn admits_rows<T: sea_query::Iden + Copy + 'static>(
         &self,
@@ -411,8 +441,15 @@ mod tests {
             unreported_tokens: 10,
             fallback_admitted_tokens_by_region: [(region("eu"), 80), (region("us"), 20)].into(),
             shadow_admitted_tokens_by_region: [(region("eu"), 1_500), (region("us"), 200)].into(),
+            settle_debt_tokens_by_region: [(region("eu"), 30), (region("us"), 5)].into(),
+            written_off_tokens_by_region: [(region("us"), 7)].into(),
         };
         let row = account(amounts, 1_000, 1_200);
+        assert_eq!(
+            (row.settle_debt_tokens, row.written_off_tokens),
+            (35, 7),
+            "settle debt and write-offs are told apart, never admitted"
+        );
         assert_eq!(
             row.shadow_admitted_tokens, 1_700,
             "a shadow rule's count is told apart, never admitted or overshoot"

@@ -9,7 +9,10 @@ use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 use sea_query::{Alias, Expr, OnConflict, PostgresQueryBuilder, Query, SqliteQueryBuilder};
 use sea_query_binder::SqlxBinder;
 
-use super::schema::{FallbackAdmits, Grants, LeaseReports, LeaseSpend, ShadowAdmits, keep_larger};
+use super::schema::{
+    FallbackAdmits, Grants, LeaseReports, LeaseSpend, SettleDebts, ShadowAdmits, WrittenOff,
+    keep_larger,
+};
 use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 use crate::pools::GrantRecord;
 
@@ -132,7 +135,7 @@ impl Ledger {
                     let (sql, values) = spend.build_sqlx($builder);
                     sqlx::query_with(&sql, values).execute(&mut *tx).await?;
                 }
-                for admits in statements.fallback.iter().chain(&statements.shadow) {
+                for admits in statements.fallback.iter().chain(&statements.per_region) {
                     let (sql, values) = admits.build_sqlx($builder);
                     sqlx::query_with(&sql, values).execute(&mut *tx).await?;
                 }
@@ -229,7 +232,8 @@ struct ReportStatements {
     report: sea_query::InsertStatement,
     spends: Vec<sea_query::InsertStatement>,
     fallback: Option<sea_query::InsertStatement>,
-    shadow: Option<sea_query::InsertStatement>,
+    /// Shadow admits, settle debt and written-off tokens: per region and window, larger kept.
+    per_region: Vec<sea_query::InsertStatement>,
 }
 
 impl ReportStatements {
@@ -248,8 +252,18 @@ impl ReportStatements {
                     report.fallback_admitted_tokens,
                 )
             }),
-            shadow: (report.shadow_admitted_tokens > 0)
-                .then(|| upsert_admits(ShadowAdmits::Table, report, report.shadow_admitted_tokens)),
+            per_region: [
+                (report.shadow_admitted_tokens > 0).then(|| {
+                    upsert_admits(ShadowAdmits::Table, report, report.shadow_admitted_tokens)
+                }),
+                (report.settle_debt_tokens > 0)
+                    .then(|| upsert_admits(SettleDebts::Table, report, report.settle_debt_tokens)),
+                (report.written_off_tokens > 0)
+                    .then(|| upsert_admits(WrittenOff::Table, report, report.written_off_tokens)),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
         }
     }
 }

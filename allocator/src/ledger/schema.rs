@@ -101,6 +101,18 @@ pub(super) enum ShadowAdmits {
     Table,
 }
 
+/// The most settle debt a region carried per window: the same columns as [`FallbackAdmits`].
+#[derive(Iden, Clone, Copy)]
+pub(super) enum SettleDebts {
+    Table,
+}
+
+/// Tokens written off per region and window: the same columns as [`FallbackAdmits`].
+#[derive(Iden, Clone, Copy)]
+pub(super) enum WrittenOff {
+    Table,
+}
+
 pub(super) fn sum_as_bigint(expr: impl Into<sea_query::SimpleExpr>) -> sea_query::SimpleExpr {
     Func::cast_as(
         Func::coalesce([Func::sum(expr).into(), Expr::val(0i64).into()]),

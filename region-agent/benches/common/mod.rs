@@ -137,6 +137,7 @@ pub fn request(n: u64) -> AdmissionRequest {
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }
 

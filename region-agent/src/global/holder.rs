@@ -70,6 +70,21 @@ pub struct HolderConfig {
     /// re-opens the window's allowance. 0: no claims (nothing survives a restart but the ledger's
     /// count).
     pub fallback_claim_block_tokens: u64,
+    /// Debt this holder may carry from metered requests settled above their estimate, tokens
+    /// (this agent's share of the pool's `settleDebtPerRegion`); beyond it, extra cost is written
+    /// off. 0: what the leases cannot pay at once is written off.
+    pub settle_debt_tokens: u64,
+}
+
+/// How a settled metered request's extra cost was taken ([`PoolHolder::charge`]), tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DebtCharge {
+    /// Spent at once from held leases.
+    pub paid_tokens: u64,
+    /// Added to the holder's debt: paid first from the next tokens held.
+    pub owed_tokens: u64,
+    /// Beyond the debt the holder may carry: never charged.
+    pub written_off_tokens: u64,
 }
 
 /// A grant as the allocator answered it.
@@ -350,6 +365,9 @@ pub struct HolderSnapshot {
     pub leases: Vec<JournaledLease>,
     /// Windows with fallback admits or claims.
     pub fallback: Vec<JournaledFallback>,
+    /// Debt owed by settled metered requests, tokens.
+    #[serde(default, skip_serializing_if = "allot_shared::wire::is_zero")]
+    pub debt_tokens: u64,
 }
 
 /// One lease in a [`HolderSnapshot`].
@@ -505,6 +523,9 @@ pub struct PoolHolder {
     unanswered_lease: Option<LeaseId>,
     dropped_reports: u64,
     stranded_tokens: u64,
+    /// Tokens settled metered requests consumed that no lease has paid yet (at most
+    /// `config.settle_debt_tokens`, but for a lowered limit): paid before anything is reserved.
+    debt_tokens: u64,
 }
 
 impl PoolHolder {
@@ -527,6 +548,7 @@ impl PoolHolder {
             unanswered_lease: None,
             dropped_reports: 0,
             stranded_tokens: 0,
+            debt_tokens: 0,
         }
     }
 
@@ -622,6 +644,7 @@ impl PoolHolder {
         self.live.push(lease);
         // Spend the lease that ends first first.
         self.live.sort_by_key(|l| l.grant.expires_at_ms);
+        self.pay_debt(now_ms);
         GrantVerdict::Accepted
     }
 
@@ -669,6 +692,7 @@ impl PoolHolder {
             });
         }
         self.expire(now_ms);
+        self.pay_debt(now_ms);
         self.last_demand_ms = Some(now_ms);
         self.rate.record(now_ms, cost_tokens);
         if let Some(reservation) = self.reserve_from_leases(cost_tokens, now_ms) {
@@ -699,6 +723,84 @@ impl PoolHolder {
             });
         }
         self.reserve_from_fallback(cost_tokens, now_ms, window, until_window_end_ms)
+    }
+
+    /// Charges `extra_tokens` that a settled metered request consumed beyond its estimate, at
+    /// `now_ms`: spent at once from held leases (first-ending first) as far as they go, after any
+    /// debt already owed; the rest is owed, up to the debt the holder may carry; beyond it,
+    /// written off (the caller counts it). Counted as demand, so renewals grow to pay it.
+    pub fn charge(&mut self, extra_tokens: u64, now_ms: u64) -> DebtCharge {
+        if extra_tokens == 0 {
+            return DebtCharge::default();
+        }
+        self.expire(now_ms);
+        self.pay_debt(now_ms);
+        self.last_demand_ms = Some(now_ms);
+        self.rate.record(now_ms, extra_tokens);
+        let paid_tokens = if self.debt_tokens == 0 {
+            self.spend_from_live(extra_tokens, now_ms)
+        } else {
+            0
+        };
+        let unpaid = extra_tokens - paid_tokens;
+        let room = self
+            .config
+            .settle_debt_tokens
+            .saturating_sub(self.debt_tokens);
+        let owed_tokens = unpaid.min(room);
+        self.debt_tokens += owed_tokens;
+        if self.debt_tokens > 0 {
+            // The next renewal asks for enough to pay the debt (within the chunk).
+            self.wanted_for_request_tokens = self
+                .wanted_for_request_tokens
+                .max(self.debt_tokens.min(self.config.chunk_tokens.max(1)));
+        }
+        let charge = DebtCharge {
+            paid_tokens,
+            owed_tokens,
+            written_off_tokens: unpaid - owed_tokens,
+        };
+        debug_assert_eq!(
+            charge.paid_tokens + charge.owed_tokens + charge.written_off_tokens,
+            extra_tokens,
+            "every extra token is paid, owed or written off"
+        );
+        charge
+    }
+
+    /// Tokens owed by settled metered requests, not yet paid from a lease.
+    pub fn debt_tokens(&self) -> u64 {
+        self.debt_tokens
+    }
+
+    /// Pays what is owed from held leases, before anything else is reserved from them.
+    fn pay_debt(&mut self, now_ms: u64) {
+        if self.debt_tokens > 0 {
+            let paid = self.spend_from_live(self.debt_tokens, now_ms);
+            self.debt_tokens -= paid;
+        }
+    }
+
+    /// Spends up to `tokens` from live leases, first-ending first, at once. Returns how many.
+    fn spend_from_live(&mut self, tokens: u64, now_ms: u64) -> u64 {
+        let margin = self.config.expiry_margin_ms;
+        let mut left = tokens;
+        for lease in &mut self.live {
+            if left == 0 {
+                break;
+            }
+            if now_ms >= lease.usable_until_ms(margin) {
+                continue;
+            }
+            let take = left.min(lease.remaining_tokens());
+            lease.spent_tokens += take;
+            debug_assert!(
+                lease.spent_tokens + lease.reserved_tokens + lease.withheld_tokens
+                    <= lease.grant.granted_tokens
+            );
+            left -= take;
+        }
+        tokens - left
     }
 
     fn reserve_from_leases(&mut self, cost_tokens: u64, now_ms: u64) -> Option<Reservation> {
@@ -1167,7 +1269,11 @@ impl PoolHolder {
                 }),
             }
         }
-        HolderSnapshot { leases, fallback }
+        HolderSnapshot {
+            leases,
+            fallback,
+            debt_tokens: self.debt_tokens,
+        }
     }
 
     /// Takes over what a crashed incarnation journaled: its leases become ended ones owing a final
@@ -1176,6 +1282,8 @@ impl PoolHolder {
     /// (admitted, or claimed without being journaled as admitted), and reports what was journaled
     /// as admitted.
     pub fn restore(&mut self, snapshot: &HolderSnapshot) {
+        // What was owed is owed still (the new incarnation's debt cannot be smaller).
+        self.debt_tokens = self.debt_tokens.max(snapshot.debt_tokens);
         for lease in &snapshot.leases {
             let known = self
                 .live
@@ -1380,6 +1488,7 @@ impl PoolHolder {
             && !self.renewal_in_flight
             && self.live.is_empty()
             && self.ended.is_empty()
+            && self.debt_tokens == 0
             && self
                 .fallback
                 .iter()

@@ -10,6 +10,7 @@ pub mod holder;
 pub mod sublease;
 
 pub use holder::{
-    Denial, FallbackLine, GrantVerdict, HeldLease, HolderConfig, HolderSnapshot, JournaledFallback,
-    JournaledLease, LeaseGrant, LeaseLine, PendingReport, PoolHolder, Refusal, Reservation, Spend,
+    DebtCharge, Denial, FallbackLine, GrantVerdict, HeldLease, HolderConfig, HolderSnapshot,
+    JournaledFallback, JournaledLease, LeaseGrant, LeaseLine, PendingReport, PoolHolder, Refusal,
+    Reservation, Spend,
 };

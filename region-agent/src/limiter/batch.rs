@@ -534,6 +534,7 @@ mod tests {
             cost_hint,
             policy_epoch: None,
             dry_run: false,
+            metered: false,
         }
     }
 

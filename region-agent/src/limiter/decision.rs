@@ -145,6 +145,7 @@ impl LimitDecision {
             fallback: self.fallback(),
             dry_run: false,
             violations: Vec::new(),
+            settle_by_ms: None,
         };
         // The store's limits as enforced: split for a tenant-wide rule in a sub-slot. A shadow or
         // soft rule has none to name (limit 0: never the most constraining; it never denies).
@@ -336,6 +337,7 @@ pub fn concurrency_denial(
         fallback: false,
         dry_run: false,
         violations: Vec::new(),
+        settle_by_ms: None,
     }
 }
 
@@ -389,6 +391,7 @@ mod tests {
             cost_hint: 1,
             policy_epoch: None,
             dry_run: false,
+            metered: false,
         };
         let pepper = Pepper::new(b"test-pepper-0123456789".to_vec()).expect("pepper");
         plan_request(bundle, &request, &pepper, IpPrefixes::default(), 30_000)

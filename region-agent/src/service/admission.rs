@@ -248,6 +248,10 @@ impl Agent {
                 POLICY_UNAVAILABLE_RETRY_MS,
             ));
         }
+        // A principal owing extra cost of a metered request pays it first.
+        if let Some(denied) = self.pay_regional_debt(request, &bundle).await {
+            return Ok(denied);
+        }
         let planned = match plan_request(
             &bundle,
             request,
@@ -315,6 +319,9 @@ impl Agent {
                 self.note_change();
             }
             self.count_shadow_usage(request, &shadow_rules).await;
+            if request.metered {
+                decision.settle_by_ms = Some(self.open_settlement(request, bundle.clone()));
+            }
         } else {
             drop(hold);
         }
@@ -718,6 +725,7 @@ impl Agent {
             fallback,
             dry_run: false,
             violations: Vec::new(),
+            settle_by_ms: None,
         }
     }
 
@@ -809,6 +817,7 @@ fn admitted_by_global_rules_only(request: &AdmissionRequest, version: u64) -> De
         fallback: false,
         dry_run: false,
         violations: Vec::new(),
+        settle_by_ms: None,
     }
 }
 
@@ -833,5 +842,6 @@ fn refused(
         fallback: false,
         dry_run: false,
         violations: Vec::new(),
+        settle_by_ms: None,
     }
 }

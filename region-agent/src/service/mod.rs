@@ -10,6 +10,8 @@
 //! - [`background`]: the loops that run reports and upkeep, and policy refresh.
 //! - [`persistence`]: the state directory: restore at start, the journal, durable fallback
 //!   claims.
+//! - [`settlement`]: metered admissions settled after the response (`POST /v1/settle`), and the
+//!   debt of extra cost the next admissions pay first.
 //! - [`subleases`]: assignments carved for gateways that enforce quota themselves (Envoy's RLQS).
 //! - [`settings`]: the agent's settings and their defaults.
 
@@ -20,6 +22,7 @@ pub mod pools;
 pub mod quota;
 pub mod reports;
 pub mod settings;
+pub mod settlement;
 pub mod subleases;
 pub mod upkeep;
 
@@ -88,6 +91,8 @@ pub struct Agent {
     claims_wanted: Mutex<Vec<(Arc<pools::PoolSlot>, u64)>>,
     /// What gateways' sub-leases want of each pool.
     subleases: Mutex<subleases::SubleaseDemand>,
+    /// Metered admissions open for settlement, and principals owing regional debt.
+    settlements: Mutex<settlement::Settlements>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -128,6 +133,7 @@ impl Agent {
             journal_writer: tokio::sync::Mutex::new(()),
             claims_wanted: Mutex::new(Vec::new()),
             subleases: Mutex::new(subleases::SubleaseDemand::default()),
+            settlements: Mutex::new(settlement::Settlements::default()),
         })
     }
 
@@ -217,8 +223,21 @@ impl Agent {
             metrics::gauge!(crate::metrics::FALLBACK_ALLOWANCE,
                 "tenant" => tenant.to_string(), "pool" => pool.to_string())
             .set(holder.config().fallback_per_region_tokens as f64);
+            metrics::gauge!(crate::metrics::SETTLE_DEBT,
+                "tenant" => tenant.to_string(), "pool" => pool.to_string())
+            .set(holder.debt_tokens() as f64);
+            metrics::gauge!(crate::metrics::SETTLE_DEBT_LIMIT,
+                "tenant" => tenant.to_string(), "pool" => pool.to_string())
+            .set(holder.config().settle_debt_tokens as f64);
         }
         metrics::gauge!(crate::metrics::POOLS_HELD).set(pools.len() as f64);
+        drop(pools);
+        let (open, debtors) = {
+            let settlements = lock(&self.settlements);
+            (settlements.open_count(), settlements.debtor_count())
+        };
+        metrics::gauge!(crate::metrics::OPEN_SETTLEMENTS).set(open as f64);
+        metrics::gauge!(crate::metrics::REGIONAL_DEBTORS).set(debtors as f64);
         metrics::gauge!(crate::metrics::REPORT_LINES_DROPPED).set(dropped as f64);
     }
 

@@ -42,47 +42,65 @@ pub(super) struct PoolSlot {
     /// The allocator's view of the pool's window from its last grant answer (`GET /v1/quota`).
     pub(super) allocator_view: Mutex<Option<AllocatorView>>,
     /// What a shadow global rule of the pool counted, for the ledger.
-    pub(super) shadow: Mutex<ShadowTally>,
+    pub(super) shadow: Mutex<WindowTally>,
+    /// The most debt from settled metered requests the holder carried per window, for the ledger.
+    pub(super) settle_debt: Mutex<WindowTally>,
+    /// Extra cost of settled metered requests written off per window, for the ledger.
+    pub(super) written_off: Mutex<WindowTally>,
 }
 
-/// Most windows a shadow tally keeps unreported: the current one and those the allocator has not
-/// taken yet (I10). Past it, the oldest window's count is dropped (and counted).
-pub const MAX_SHADOW_WINDOWS: usize = 4;
+/// Most windows a per-window tally keeps unreported: the current one and those the allocator has
+/// not taken yet (I10). Past it, the oldest window's count is dropped (and logged).
+pub const MAX_TALLY_WINDOWS: usize = 4;
 
-/// What a shadow global rule counted per window without spending (cumulative, as reported), and
-/// how much of it the ledger has taken.
+/// An amount per window that the ledger keeps the largest report of (a shadow rule's count, the
+/// most settle debt carried, tokens written off), and how much of it the ledger has taken.
 #[derive(Debug, Default)]
-pub(super) struct ShadowTally {
-    windows: Vec<ShadowWindow>,
+pub(super) struct WindowTally {
+    windows: Vec<TallyWindow>,
 }
 
 #[derive(Debug, Clone, Copy)]
-struct ShadowWindow {
+struct TallyWindow {
     start_ms: u64,
     counted_tokens: u64,
     reported_tokens: u64,
 }
 
-impl ShadowTally {
-    /// Counts `tokens` in the window starting at `start_ms`.
+impl WindowTally {
+    /// Counts `tokens` more in the window starting at `start_ms`.
     pub(super) fn count(&mut self, start_ms: u64, tokens: u64) {
-        if let Some(window) = self.windows.iter_mut().find(|w| w.start_ms == start_ms) {
-            window.counted_tokens = window.counted_tokens.saturating_add(tokens);
-            return;
+        let window = self.window(start_ms);
+        window.counted_tokens = window.counted_tokens.saturating_add(tokens);
+    }
+
+    /// Raises the window's amount to at least `tokens` (a peak).
+    pub(super) fn raise(&mut self, start_ms: u64, tokens: u64) {
+        if tokens > 0 {
+            let window = self.window(start_ms);
+            window.counted_tokens = window.counted_tokens.max(tokens);
         }
-        if self.windows.len() >= MAX_SHADOW_WINDOWS {
+    }
+
+    fn window(&mut self, start_ms: u64) -> &mut TallyWindow {
+        if let Some(index) = self.windows.iter().position(|w| w.start_ms == start_ms) {
+            return &mut self.windows[index];
+        }
+        if self.windows.len() >= MAX_TALLY_WINDOWS {
             self.windows.sort_by_key(|w| w.start_ms);
             let dropped = self.windows.remove(0);
             tracing::warn!(
                 window_start_ms = dropped.start_ms,
-                "a shadow rule's count was dropped: the allocator took no report for it"
+                "a pool's per-window count was dropped: the allocator took no report for it"
             );
         }
-        self.windows.push(ShadowWindow {
+        self.windows.push(TallyWindow {
             start_ms,
-            counted_tokens: tokens,
+            counted_tokens: 0,
             reported_tokens: 0,
         });
+        let last = self.windows.len() - 1;
+        &mut self.windows[last]
     }
 
     /// (window start, cumulative count) of every window with counts the ledger has not taken.
@@ -140,7 +158,9 @@ impl PoolSlot {
             renewed: Notify::new(),
             evicted: AtomicBool::new(false),
             allocator_view: Mutex::new(None),
-            shadow: Mutex::new(ShadowTally::default()),
+            shadow: Mutex::new(WindowTally::default()),
+            settle_debt: Mutex::new(WindowTally::default()),
+            written_off: Mutex::new(WindowTally::default()),
         }
     }
 }
@@ -354,6 +374,8 @@ impl Agent {
             fallback_claim_block_tokens: self.fallback_claim_block_tokens(
                 terms.fallback_per_region_tokens / self.settings.region_agents.max(1),
             ),
+            settle_debt_tokens: terms.settle_debt_per_region_tokens
+                / self.settings.region_agents.max(1),
         })
     }
 }

@@ -1,5 +1,5 @@
-//! Reports to the ledger: each pool's pending lines and its shadow rule's counts, one report per
-//! (pool, window).
+//! Reports to the ledger: each pool's pending lines, its shadow rule's counts and its settle debt
+//! and write-offs, one report per (pool, window).
 
 use std::sync::atomic::Ordering;
 
@@ -28,9 +28,20 @@ impl Agent {
         for ((tenant, pool), slot) in slots {
             self.report_cursor.fetch_add(1, Ordering::Relaxed);
             let now_ms = self.clock.now_ms();
-            let pending = lock(&slot.holder).pending_report(now_ms);
+            let (pending, debt_tokens) = {
+                let mut holder = lock(&slot.holder);
+                (holder.pending_report(now_ms), holder.debt_tokens())
+            };
+            // Debt carried into a window is that window's too, settled there or not.
+            lock(&slot.settle_debt).raise(slot.window_at(now_ms).start_ms, debt_tokens);
             let shadow = lock(&slot.shadow).unreported();
-            if pending.is_empty() && shadow.is_empty() {
+            let settle_debt = lock(&slot.settle_debt).unreported();
+            let written_off = lock(&slot.written_off).unreported();
+            if pending.is_empty()
+                && shadow.is_empty()
+                && settle_debt.is_empty()
+                && written_off.is_empty()
+            {
                 continue;
             }
             let mut windows: Vec<u64> = pending
@@ -38,7 +49,12 @@ impl Agent {
                 .iter()
                 .map(|l| l.window_start_ms)
                 .chain(pending.fallback.iter().map(|f| f.window_start_ms))
-                .chain(shadow.iter().map(|(start_ms, _)| *start_ms))
+                .chain(
+                    [&shadow, &settle_debt, &written_off]
+                        .into_iter()
+                        .flatten()
+                        .map(|(start_ms, _)| *start_ms),
+                )
                 .collect();
             windows.sort_unstable();
             windows.dedup();
@@ -76,10 +92,9 @@ impl Agent {
                         .fallback
                         .first()
                         .map_or(0, |f| f.admitted_tokens),
-                    shadow_admitted_tokens: shadow
-                        .iter()
-                        .find(|(start_ms, _)| *start_ms == window_start_ms)
-                        .map_or(0, |(_, tokens)| *tokens),
+                    shadow_admitted_tokens: in_window(&shadow, window_start_ms),
+                    settle_debt_tokens: in_window(&settle_debt, window_start_ms),
+                    written_off_tokens: in_window(&written_off, window_start_ms),
                 };
                 let sent = allocator.report(&body).await;
                 self.note_allocator(&sent);
@@ -88,11 +103,13 @@ impl Agent {
                         let now_ms = self.clock.now_ms();
                         lock(&slot.holder).acknowledge(&part, now_ms);
                         let current_start_ms = slot.window_at(now_ms).start_ms;
-                        lock(&slot.shadow).acknowledge(
-                            window_start_ms,
-                            body.shadow_admitted_tokens,
-                            current_start_ms,
-                        );
+                        for (tally, tokens) in [
+                            (&slot.shadow, body.shadow_admitted_tokens),
+                            (&slot.settle_debt, body.settle_debt_tokens),
+                            (&slot.written_off, body.written_off_tokens),
+                        ] {
+                            lock(tally).acknowledge(window_start_ms, tokens, current_start_ms);
+                        }
                         self.note_change();
                     }
                     Err(error) => {
@@ -102,4 +119,12 @@ impl Agent {
             }
         }
     }
+}
+
+/// A tally's amount in the window starting at `window_start_ms` (0: none).
+fn in_window(tally: &[(u64, u64)], window_start_ms: u64) -> u64 {
+    tally
+        .iter()
+        .find(|(start_ms, _)| *start_ms == window_start_ms)
+        .map_or(0, |(_, tokens)| *tokens)
 }

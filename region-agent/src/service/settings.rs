@@ -37,7 +37,15 @@ pub struct AgentSettings {
     /// tokens per window in a partition, so the region's agents together stay within the pool's
     /// allowance (the bound's fallback term is per region, not per agent process).
     pub region_agents: u64,
+    /// How long a metered admission may be settled after it was decided, ms (at most
+    /// [`MAX_SETTLE_WINDOW_MS`]); past it the estimate stands.
+    pub settle_window_ms: u64,
 }
+
+/// The shipped settle window, ms: long enough for a slow streamed response.
+pub const DEFAULT_SETTLE_WINDOW_MS: u64 = 300_000;
+/// The longest settle window an agent accepts, ms (I10: open settlements are held in memory).
+pub const MAX_SETTLE_WINDOW_MS: u64 = 3_600_000;
 
 /// The allocator round trip the shipped binary sizes renewals with, ms.
 pub const DEFAULT_ALLOCATOR_ROUND_TRIP_MS: u64 = 20;
@@ -59,6 +67,7 @@ impl AgentSettings {
             allocator_round_trip_ms: DEFAULT_ALLOCATOR_ROUND_TRIP_MS,
             policy_max_age_ms: 0,
             region_agents: 1,
+            settle_window_ms: DEFAULT_SETTLE_WINDOW_MS,
         }
     }
 }

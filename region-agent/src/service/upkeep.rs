@@ -30,6 +30,8 @@ impl Agent {
             if current
                 && holder.is_idle(now_ms, POOL_IDLE_MS)
                 && lock(&slot.shadow).may_forget(window_start_ms)
+                && lock(&slot.settle_debt).may_forget(window_start_ms)
+                && lock(&slot.written_off).may_forget(window_start_ms)
             {
                 slot.evicted.store(true, Ordering::Release);
                 self.dropped_reports_of_evicted

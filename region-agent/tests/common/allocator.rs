@@ -31,6 +31,11 @@ pub struct Allocator {
     pub fallback_by_window: Mutex<HashMap<u64, u64>>,
     /// Reported shadow admits per window (cumulative: the largest wins).
     pub shadow_by_window: Mutex<HashMap<u64, u64>>,
+    /// The pool's `settleDebtPerRegion`.
+    pub settle_debt_per_region_tokens: AtomicU64,
+    /// Reported settle debt (the most carried) and written-off tokens per window (largest wins).
+    pub settle_debt_by_window: Mutex<HashMap<u64, u64>>,
+    pub written_off_by_window: Mutex<HashMap<u64, u64>>,
     /// Its clock (the agents' under test should read the same one).
     pub clock: Arc<dyn Clock>,
 }
@@ -47,6 +52,9 @@ impl Allocator {
             spent_by_lease: Mutex::new(HashMap::new()),
             fallback_by_window: Mutex::new(HashMap::new()),
             shadow_by_window: Mutex::new(HashMap::new()),
+            settle_debt_per_region_tokens: AtomicU64::new(0),
+            settle_debt_by_window: Mutex::new(HashMap::new()),
+            written_off_by_window: Mutex::new(HashMap::new()),
             clock: Arc::new(SystemClock),
         })
     }
@@ -76,12 +84,29 @@ impl Allocator {
     pub fn reported_shadow(&self) -> u64 {
         self.shadow_by_window.lock().expect("lock").values().sum()
     }
+
+    pub fn reported_settle_debt(&self) -> u64 {
+        self.settle_debt_by_window
+            .lock()
+            .expect("lock")
+            .values()
+            .sum()
+    }
+
+    pub fn reported_written_off(&self) -> u64 {
+        self.written_off_by_window
+            .lock()
+            .expect("lock")
+            .values()
+            .sum()
+    }
 }
 
 async fn terms(State(fake): State<Arc<Allocator>>) -> Response {
     Json(serde_json::json!({
         "limit": fake.limit_tokens, "windowMs": 3_600_000, "chunk": fake.chunk_tokens, "leaseTtlMs": 600_000,
         "fallbackPerRegion": fake.fallback_per_region_tokens, "regions": ["eu"], "version": 1,
+        "settleDebtPerRegion": fake.settle_debt_per_region_tokens.load(Ordering::SeqCst),
     }))
     .into_response()
 }
@@ -131,10 +156,16 @@ async fn report(
     let mut fallback = fake.fallback_by_window.lock().expect("lock");
     let entry = fallback.entry(window).or_default();
     *entry = (*entry).max(admitted);
-    let shadow = body["shadowAdmitted"].as_u64().unwrap_or(0);
-    let mut shadows = fake.shadow_by_window.lock().expect("lock");
-    let entry = shadows.entry(window).or_default();
-    *entry = (*entry).max(shadow);
+    for (field, by_window) in [
+        ("shadowAdmitted", &fake.shadow_by_window),
+        ("settleDebt", &fake.settle_debt_by_window),
+        ("writtenOff", &fake.written_off_by_window),
+    ] {
+        let amount = body[field].as_u64().unwrap_or(0);
+        let mut by_window = by_window.lock().expect("lock");
+        let entry = by_window.entry(window).or_default();
+        *entry = (*entry).max(amount);
+    }
     Json(serde_json::json!({ "duplicate": false })).into_response()
 }
 

@@ -82,5 +82,6 @@ pub fn user_request(id: &str, user: &str, route: &str) -> allot_shared::contract
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     }
 }

@@ -97,7 +97,8 @@ enum Command {
         command: PolicyCommand,
     },
     /// The worst case a pool can admit in one window, term by term
-    /// (admitted <= G + unclamped carry-over + fallback allowances + lost grant records).
+    /// (admitted <= G + unclamped carry-over + fallback allowances + lost grant records
+    /// + settle debt).
     Bound {
         /// G: the pool's global quota per window, in tokens.
         #[arg(long, default_value_t = 1_000)]
@@ -114,6 +115,10 @@ enum Command {
         /// Tokens each region may admit per window while the allocator is unreachable.
         #[arg(long, default_value_t = 100)]
         fallback: u64,
+        /// Debt each region may carry per window from metered requests settled above their
+        /// estimate, tokens (the pool's settleDebtPerRegion).
+        #[arg(long, default_value_t = 0)]
+        settle_debt: u64,
         /// Number of regions sharing the pool.
         #[arg(long, default_value_t = 2)]
         regions: usize,
@@ -181,6 +186,7 @@ fn main() -> ExitCode {
             chunk,
             lease_ttl_ms,
             fallback,
+            settle_debt,
             regions,
             unclamped,
             max_leases_per_region,
@@ -191,6 +197,7 @@ fn main() -> ExitCode {
             chunk_tokens: chunk,
             lease_ttl_ms,
             fallback_per_region_tokens: fallback,
+            settle_debt_per_region_tokens: settle_debt,
             regions,
             unclamped,
             max_leases_per_region,

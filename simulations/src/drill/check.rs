@@ -340,6 +340,7 @@ mod tests {
             unclamped_carry_over_tokens: 0,
             fallback_allowance_tokens: 200,
             lost_grant_record_tokens: 0,
+            settle_debt_tokens: 0,
         }
     }
 

@@ -535,6 +535,7 @@ fn pool_spec(scenario: &Scenario, limit_tokens: u64, regions: Vec<RegionId>) -> 
         chunk_tokens: scenario.chunk_tokens,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region_tokens,
+        settle_debt_per_region_tokens: 0,
         regions,
     }
 }
@@ -590,6 +591,7 @@ fn holder_config(scenario: &Scenario, window: WindowSpec) -> HolderConfig {
         renewal_patience_ms: ms(FIRST_GRANT_WAIT),
         // The drills' agents keep no state directory: a restart starts from the ledger's count.
         fallback_claim_block_tokens: 0,
+        settle_debt_tokens: 0,
     }
 }
 

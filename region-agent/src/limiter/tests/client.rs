@@ -90,6 +90,7 @@ fn plan<'b>(
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     };
     request.validate().expect("a valid request");
     plan_request(bundle, &request, &pepper(), IpPrefixes::default(), 30_000)
