@@ -2,7 +2,8 @@
 //! calling the agent's HTTP API. Checks without spending (`dryRun`) leave the ledger untouched;
 //! `GET /v1/quota` shows the caller's own and exposed quotas, the pool's from the allocator's last
 //! answer; a soft rule flags the caller; a pool in shadow mode grants nothing while the ledger
-//! records what enforcing it would have spent.
+//! records what enforcing it would have spent; a monthly plan follows the local calendar; metered
+//! requests settle their actual cost after the response, and the ledger accounts for every token.
 
 use serde_json::{Value, json};
 
@@ -241,4 +242,209 @@ async fn a_monthly_plan_follows_the_local_calendar_from_grant_to_ledger() {
     assert_eq!(window["windowStartMs"], start_ms, "{window}");
     assert_eq!(window["windowEndMs"], end_ms, "{window}");
     assert_eq!(window["spent"], 5, "{window}");
+}
+
+/// Posts `body` to the agent's `path` and returns the status and the JSON answer.
+async fn post(http: &reqwest::Client, url: &str, path: &str, body: &Value) -> (u16, Value) {
+    let answer = http
+        .post(format!("{url}{path}"))
+        .bearer_auth(GATEWAY)
+        .json(body)
+        .send()
+        .await
+        .expect("agent call");
+    let status = answer.status().as_u16();
+    (status, answer.json().await.expect("JSON answer"))
+}
+
+fn metered(n: usize, user: &str, estimate: u64) -> Value {
+    json!({ "requestId": format!("llm-{n}"), "tenantId": "atlas",
+            "principal": { "type": "user", "id": user }, "routeGroup": "chat", "method": "POST",
+            "costHint": estimate, "metered": true })
+}
+
+fn settle(n: usize, actual: u64) -> Value {
+    json!({ "decisionId": format!("llm-{n}"), "tenantId": "atlas", "actualCost": actual })
+}
+
+/// Paid, owed and written off of one limit's part of a settle answer.
+fn parts(charge: &Value) -> (u64, u64, u64) {
+    let amount = |name: &str| {
+        charge[name]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{name} in {charge}"))
+    };
+    (amount("paid"), amount("owed"), amount("writtenOff"))
+}
+
+/// Metered requests (model tokens known only after the response) through a real agent, Redis,
+/// allocator and ledger: the estimate is charged at admission, the actual cost settled once; extra
+/// cost is charged to the user's regional rule and to the pool at once where it fits, owed where it
+/// does not (the pool's debt within settleDebtPerRegion, paid first from the next lease), written
+/// off and counted beyond; and the ledger's spent figure is every estimate plus every extra token
+/// but those written off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metered_requests_settle_their_actual_cost_and_the_ledger_counts_every_token() {
+    let etcd = EtcdCluster::single();
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let allocator = start_allocator(&etcd, dir.path()).await;
+    put_pool(
+        &allocator,
+        "atlas",
+        "llm",
+        &json!({ "limit": 1_000, "windowMs": 3_600_000, "chunk": 50, "leaseTtlMs": 60_000,
+                 "fallbackPerRegion": 0, "settleDebtPerRegion": 30, "regions": ["eu"] }),
+    )
+    .await;
+    let bundle = stack::bundle(&json!({ "rules": [
+        { "id": "user-chat", "scope": "user", "routeGroup": "chat", "algorithm": "fixed_window",
+          "limit": 100, "windowMs": 3_600_000, "failMode": "closed" },
+        { "id": "llm-tokens", "scope": "global", "routeGroup": "chat", "pool": "llm",
+          "failMode": "closed" }
+    ]}));
+    let (agent, url) = start_agent("eu", &allocator, &redis, bundle).await;
+    let http = stack::http();
+
+    // 10 estimated, 25 used: 15 more, on U-1's rule and on the pool.
+    let (status, admitted) = post(&http, &url, "/v1/admit", &metered(1, "U-1", 10)).await;
+    assert_eq!(
+        (status, admitted["allowed"].clone()),
+        (200, json!(true)),
+        "{admitted}"
+    );
+    assert!(admitted["settleByMs"].as_u64().is_some(), "{admitted}");
+    let (status, first) = post(&http, &url, "/v1/settle", &settle(1, 25)).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(
+        (first["estimate"].clone(), first["extra"].clone()),
+        (json!(10), json!(15))
+    );
+    assert_eq!(parts(&first["regional"]), (15, 0, 0), "{first}");
+    let (paid, owed, written_off) = parts(&first["pools"][0]);
+    assert_eq!(paid + owed + written_off, 15, "{first}");
+    assert_eq!(written_off, 0, "the debt bound holds 15: {first}");
+    let mut pool_written_off = written_off;
+    // The same settlement again is answered as before; another cost is refused, naming the field;
+    // an id never admitted as metered is not open.
+    let (status, again) = post(&http, &url, "/v1/settle", &settle(1, 25)).await;
+    assert_eq!(
+        (status, again["replayed"].clone()),
+        (200, json!(true)),
+        "{again}"
+    );
+    assert_eq!(again["pools"], first["pools"], "charged once");
+    let (status, conflict) = post(&http, &url, "/v1/settle", &settle(1, 30)).await;
+    assert_eq!(
+        (status, conflict["field"].clone()),
+        (409, json!("actualCost")),
+        "{conflict}"
+    );
+    let (status, unknown) = post(&http, &url, "/v1/settle", &settle(99, 3)).await;
+    assert_eq!(
+        (status, unknown["field"].clone()),
+        (404, json!("decisionId")),
+        "{unknown}"
+    );
+    let (status, bad) = post(
+        &http,
+        &url,
+        "/v1/settle",
+        &json!({ "decisionId": "llm-1",
+        "tenantId": "atlas", "actualCost": -1 }),
+    )
+    .await;
+    assert_eq!(
+        (status, bad["field"].clone()),
+        (400, json!("actualCost")),
+        "{bad}"
+    );
+    // An overestimate is not refunded.
+    let (_, overestimated) = post(&http, &url, "/v1/admit", &metered(2, "U-2", 8)).await;
+    assert_eq!(overestimated["allowed"], true, "{overestimated}");
+    let (_, refund) = post(&http, &url, "/v1/settle", &settle(2, 3)).await;
+    assert_eq!(
+        (refund["unused"].clone(), refund["extra"].clone()),
+        (json!(5), json!(0)),
+        "{refund}"
+    );
+
+    // 5 estimated, 200 used: U-1's rule has 70 left, so its 195 extra are owed (at most one full
+    // limit, 100; the rest written off); the pool pays what its leases hold, owes up to 30 and
+    // writes off the rest.
+    let (_, admitted) = post(&http, &url, "/v1/admit", &metered(3, "U-1", 5)).await;
+    assert_eq!(admitted["allowed"], true, "{admitted}");
+    let (status, big) = post(&http, &url, "/v1/settle", &settle(3, 200)).await;
+    assert_eq!(status, 200, "{big}");
+    assert_eq!(parts(&big["regional"]), (0, 100, 95), "{big}");
+    let (paid, owed, written_off) = parts(&big["pools"][0]);
+    assert_eq!(paid + owed + written_off, 195, "{big}");
+    assert!(
+        owed <= 30 && written_off > 0,
+        "the pool's debt is bounded: {big}"
+    );
+    pool_written_off += written_off;
+    // U-1 owes its rule 100 with 70 left: its next request is denied by that rule, and nothing else
+    // is charged for it.
+    let (_, owing) = post(
+        &http,
+        &url,
+        "/v1/admit",
+        &json!({ "requestId": "u1-next",
+        "tenantId": "atlas", "principal": { "type": "user", "id": "U-1" }, "routeGroup": "chat",
+        "method": "POST" }),
+    )
+    .await;
+    assert_eq!(
+        (owing["allowed"].clone(), owing["deniedScope"].clone()),
+        (json!(false), json!("user")),
+        "{owing}"
+    );
+    // U-3 is admitted once the region's next lease has paid the pool's debt.
+    let mut admitted_for_u3 = 0u64;
+    for n in 0..200 {
+        let (_, answer) = post(
+            &http,
+            &url,
+            "/v1/admit",
+            &json!({ "requestId": format!("u3-{n}"),
+            "tenantId": "atlas", "principal": { "type": "user", "id": "U-3" },
+            "routeGroup": "chat", "method": "POST" }),
+        )
+        .await;
+        if answer["allowed"] == true {
+            admitted_for_u3 += 1;
+            if admitted_for_u3 == 3 {
+                break;
+            }
+        } else {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(
+        admitted_for_u3, 3,
+        "the pool's debt is paid from its next leases"
+    );
+
+    // The ledger: every estimate (10 + 8 + 5), every extra token but those written off (15 + 195),
+    // and U-3's three requests are spent; the window shows the debt carried and what was written off.
+    agent.send_reports().await;
+    let window = &windows(&allocator, "atlas", "llm", 1).await[0];
+    assert_eq!(
+        window["spent"],
+        10 + 8 + 5 + 15 + 195 - pool_written_off + admitted_for_u3,
+        "{window}"
+    );
+    assert_eq!(window["writtenOff"], pool_written_off, "{window}");
+    assert!(
+        window["settleDebt"]
+            .as_u64()
+            .is_some_and(|debt| debt > 0 && debt <= 30),
+        "{window}"
+    );
+    assert_eq!(
+        window["bound"],
+        1_000 + 30,
+        "the debt is a term of the bound: {window}"
+    );
 }
