@@ -13,6 +13,7 @@
 //! | `user` / `api_key` / `remote_address` | `principal` of type `user` / `api_key` / `ip` | exactly one required |
 //! | `route_group` | `routeGroup` | required |
 //! | `method` | `method` | optional (default `UNKNOWN`, which no method matcher names) |
+//! | `allot_charge` | `after_response`: charge the cost, never deny (below) | optional |
 //! | any other key | ignored | lets one Envoy action list feed several services |
 //!
 //! - The cost is the descriptor's `hits_addend`, else the request's `hits_addend` when non-zero, else 1
@@ -22,6 +23,15 @@
 //!   more be admitted, and how much is left?" without using any of it. (The request-level
 //!   `hits_addend` cannot say this: proto3 cannot tell an explicit 0 from an unset field, and Envoy
 //!   sends 0 for "1".)
+//! - A descriptor with `allot_charge: after_response` is a **charge after the response**, for
+//!   costs known only once it is done (model tokens, bytes): Envoy's rate limit filter applied on
+//!   stream done, its `hits_addend` the actual cost. It is charged as a metered admission estimated
+//!   at 0 is settled ([`crate::service::settlement`]): never denied, charged at once where the
+//!   rules have room, owed (paid first by the principal's next requests, the pool's within its
+//!   `settleDebtPerRegion`) where they do not, written off and counted beyond. Its status is `OK`
+//!   when all of it was charged at once, else `OVER_LIMIT` (the next request will feel it); Envoy
+//!   ignores both once the stream is done. A `hits_addend` of 0 has nothing to charge and is
+//!   refused.
 //! - The request id is a fresh random [`DecisionId`](allot_shared::ids::DecisionId) per descriptor: Envoy's calls carry no stable id,
 //!   so an RLS decision is never idempotent across Envoy retries.
 //! - `domain` is not used for matching (the `tenant` entry is); it is only bounded.
@@ -64,7 +74,7 @@
 
 use std::sync::Arc;
 
-use allot_shared::contract::{AdmissionRequest, Decision, PrincipalType, Reason};
+use allot_shared::contract::{AdmissionRequest, Decision, PrincipalType, Reason, SettleAnswer};
 use allot_shared::policy::PolicyBundle;
 use tonic::{Request, Response, Status};
 
@@ -182,6 +192,54 @@ pub fn admission_request(
     Ok(request)
 }
 
+/// The entry that marks a descriptor as a charge after the response, and its one value.
+pub const CHARGE_ENTRY: (&str, &str) = ("allot_charge", "after_response");
+
+/// Whether a descriptor is a charge after the response (`allot_charge: after_response`), or which
+/// entry is wrong.
+pub fn charges_after_response(
+    index: usize,
+    descriptor: &RateLimitDescriptor,
+) -> Result<bool, Status> {
+    let (key, value) = CHARGE_ENTRY;
+    let Some(entry) = descriptor.entries.iter().find(|entry| entry.key == key) else {
+        return Ok(false);
+    };
+    if entry.value != value {
+        return Err(invalid(index, key, format_args!("must be {value}")));
+    }
+    if descriptor.hits_addend == Some(0) {
+        return Err(invalid(
+            index,
+            "hits_addend",
+            "a charge after the response needs the cost it charges (1 or more)",
+        ));
+    }
+    Ok(true)
+}
+
+/// The status of a charge after the response: `OK` when all of it was charged at once.
+fn charge_status(answer: Option<&SettleAnswer>) -> DescriptorStatus {
+    let charged_at_once = answer.is_some_and(|answer| {
+        answer.regional.owed == 0
+            && answer.regional.written_off == 0
+            && answer
+                .pools
+                .iter()
+                .all(|pool| pool.owed == 0 && pool.written_off == 0)
+    });
+    DescriptorStatus {
+        code: if charged_at_once {
+            Code::Ok
+        } else {
+            Code::OverLimit
+        } as i32,
+        current_limit: None,
+        limit_remaining: 0,
+        duration_until_reset: Some(duration_ms(0)),
+    }
+}
+
 fn duration_ms(ms: i64) -> prost_types::Duration {
     let ms = ms.max(0);
     prost_types::Duration {
@@ -292,13 +350,25 @@ impl RateLimitApi {
             .descriptors
             .iter()
             .enumerate()
-            .map(|(index, d)| admission_request(index, d, request.hits_addend))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|(index, d)| {
+                Ok((
+                    admission_request(index, d, request.hits_addend)?,
+                    charges_after_response(index, d)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, Status>>()?;
         let mut statuses = Vec::with_capacity(admissions.len());
         let mut headers = Vec::new();
         let mut upstream_headers = Vec::new();
         let mut over = false;
-        for (index, admission) in admissions.iter().enumerate() {
+        for (index, (admission, after_response)) in admissions.iter().enumerate() {
+            if *after_response {
+                let answer = self.agent.charge_after_response(admission).await;
+                let status = charge_status(answer.as_ref());
+                over |= status.code == Code::OverLimit as i32;
+                statuses.push(status);
+                continue;
+            }
             let decision = self
                 .agent
                 .admit(admission)

@@ -18,7 +18,7 @@ pub const DRY_RUNS: &str = "allot_agent_dry_runs_total";
 /// Metered admissions by how they ended, `outcome`: `exact`, `under` (actual above the estimate:
 /// extra charged or owed), `over` (actual below it: the rest stays spent), `expired` (not settled
 /// within the settle window: the estimate stands), `evicted` (pushed out of a full table early:
-/// the estimate stands).
+/// the estimate stands), `after_response` (charged after the response over RLS, unestimated).
 pub const SETTLEMENTS: &str = "allot_agent_settlements_total";
 /// Metered admissions open for settlement (gauge; at most `MAX_OPEN_SETTLEMENTS`).
 pub const OPEN_SETTLEMENTS: &str = "allot_agent_open_settlements";

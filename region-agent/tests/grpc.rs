@@ -414,3 +414,63 @@ async fn advisory_rules_answer_ok_and_flag_their_would_be_denials_in_headers() {
         "the caller is never told of a shadow rule"
     );
 }
+
+/// `allot_charge: after_response` charges a cost known only once the response is done (Envoy's
+/// filter applied on stream done): never denied, `OK` when it fit, `OVER_LIMIT` when the rest is
+/// owed, and what is owed is paid before the user's next request is admitted.
+#[tokio::test]
+async fn a_charge_after_the_response_is_never_denied_and_what_does_not_fit_is_owed() {
+    let mut served = serve(true).await;
+    let charge = |name: &str, cost: u64| {
+        let mut descriptor = user(name);
+        descriptor.entries.push(Entry {
+            key: "allot_charge".to_owned(),
+            value: "after_response".to_owned(),
+        });
+        descriptor.hits_addend = Some(cost);
+        descriptor
+    };
+    let check = |name: &str| RateLimitDescriptor {
+        hits_addend: Some(0),
+        ..user(name)
+    };
+    // Dave's bucket holds 2: a charge of 1 fits, and 1 is left.
+    let answer = ask(&mut served, vec![charge("dave", 1)]).await;
+    assert_eq!(answer.overall_code, Code::Ok as i32, "{answer:?}");
+    let left = ask(&mut served, vec![check("dave")]).await;
+    assert_eq!(
+        (left.overall_code, left.statuses[0].limit_remaining),
+        (Code::Ok as i32, 0),
+        "the charge was spent: {left:?}"
+    );
+    // A charge of 5 does not fit: owed (at most one full limit), so Dave's next request waits.
+    let answer = ask(&mut served, vec![charge("dave", 5)]).await;
+    assert_eq!(answer.overall_code, Code::OverLimit as i32, "{answer:?}");
+    let next = ask(&mut served, vec![user("dave")]).await;
+    assert_eq!(next.overall_code, Code::OverLimit as i32, "{next:?}");
+    // Erin owes nothing: her requests are untouched.
+    let erin = ask(&mut served, vec![user("erin")]).await;
+    assert_eq!(erin.overall_code, Code::Ok as i32, "{erin:?}");
+    // The entry's one value, and a cost to charge.
+    let mut wrong = charge("dave", 1);
+    wrong.entries.last_mut().expect("entry").value = "later".to_owned();
+    let status = served
+        .client
+        .should_rate_limit(request(vec![wrong], Some(TOKEN)))
+        .await
+        .expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status.message().contains("descriptors[0].allot_charge"),
+        "{status:?}"
+    );
+    let status = served
+        .client
+        .should_rate_limit(request(vec![charge("dave", 0)], Some(TOKEN)))
+        .await
+        .expect_err("refused");
+    assert!(
+        status.message().contains("descriptors[0].hits_addend"),
+        "{status:?}"
+    );
+}

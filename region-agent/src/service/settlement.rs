@@ -327,6 +327,12 @@ impl Agent {
         };
         // Charged in a task of its own: a gateway that goes away mid-settlement must not leave
         // it half done (a retry could not tell what was charged).
+        let outcome = match actual_units.cmp(&request.cost_hint) {
+            std::cmp::Ordering::Equal => "exact",
+            std::cmp::Ordering::Greater => "under",
+            std::cmp::Ordering::Less => "over",
+        };
+        metrics::counter!(crate::metrics::SETTLEMENTS, "outcome" => outcome).increment(1);
         let agent = self.clone();
         let charged =
             tokio::spawn(async move { agent.charge_extra(&request, &bundle, actual_units).await })
@@ -351,6 +357,36 @@ impl Agent {
         }
     }
 
+    /// Charges `request`'s cost once its response is done, for gateways that can only say what a
+    /// request cost then (Envoy's rate limit filter applied on stream done: an RLS descriptor with
+    /// `allot_charge: after_response`). It is the settlement of a metered admission estimated at
+    /// 0: never denied (the response is gone), charged at once where it fits, owed where it does
+    /// not, written off and counted beyond. `None` before the agent has a bundle. Not idempotent:
+    /// such calls carry no stable id.
+    pub async fn charge_after_response(
+        self: &Arc<Self>,
+        request: &AdmissionRequest,
+    ) -> Option<SettleAnswer> {
+        let bundle = self.bundle()?;
+        metrics::counter!(crate::metrics::SETTLEMENTS, "outcome" => "after_response").increment(1);
+        let unestimated = AdmissionRequest {
+            cost_hint: 0,
+            metered: false,
+            dry_run: false,
+            ..request.clone()
+        };
+        let actual_units = request.cost_hint;
+        // In a task of its own, as a settlement: a caller gone mid-charge leaves it whole.
+        let agent = self.clone();
+        tokio::spawn(async move {
+            agent
+                .charge_extra(&unestimated, &bundle, actual_units)
+                .await
+        })
+        .await
+        .ok()
+    }
+
     /// Charges what `actual_units` costs beyond the estimate `request` was admitted with.
     async fn charge_extra(
         self: &Arc<Self>,
@@ -361,12 +397,6 @@ impl Agent {
         let estimate_units = request.cost_hint;
         let extra_units = actual_units.saturating_sub(estimate_units);
         let unused_units = estimate_units.saturating_sub(actual_units);
-        let outcome = match actual_units.cmp(&estimate_units) {
-            std::cmp::Ordering::Equal => "exact",
-            std::cmp::Ordering::Greater => "under",
-            std::cmp::Ordering::Less => "over",
-        };
-        metrics::counter!(crate::metrics::SETTLEMENTS, "outcome" => outcome).increment(1);
         metrics::counter!(crate::metrics::SETTLE_UNUSED_UNITS).increment(unused_units);
         let (regional, pools) = if extra_units == 0 {
             (Charge::default(), Vec::new())
@@ -472,8 +502,14 @@ impl Agent {
             let Limit::Global(pool) = &rule.limit else {
                 continue;
             };
-            let extra_tokens =
-                global_cost_tokens(rule, &actual).saturating_sub(global_cost_tokens(rule, request));
+            // Nothing was estimated for a charge after the response (not even a pool's one-token
+            // minimum).
+            let estimated_tokens = if request.cost_hint == 0 {
+                0
+            } else {
+                global_cost_tokens(rule, request)
+            };
+            let extra_tokens = global_cost_tokens(rule, &actual).saturating_sub(estimated_tokens);
             if extra_tokens == 0 {
                 continue;
             }
