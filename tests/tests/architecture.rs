@@ -347,3 +347,41 @@ fn the_checks_catch_what_they_look_for() {
     assert!(!documented(&rows, "a/src/ne.rs"), "a name inside another");
     assert!(!documented(&rows, "b/src/one.rs"), "another crate");
 }
+
+/// Every alert names a runbook that exists: `runbook_url: "docs/operations.md#<anchor>"`, and
+/// operations.md has the `### <Alert>` heading whose anchor that is, under the alert's own name.
+#[test]
+fn every_alert_has_its_runbook() {
+    let root = repo_root();
+    let alerts = read(&root.join("deploy/prometheus/allot-alerts.yml"));
+    let operations = read(&root.join("docs/operations.md"));
+    let anchors: Vec<String> = operations
+        .lines()
+        .filter_map(|line| line.strip_prefix("### "))
+        .map(|heading| heading.trim().to_lowercase())
+        .collect();
+    let mut alert = None;
+    let mut checked = 0;
+    for line in alerts.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("- alert: ") {
+            alert = Some(name.trim().to_owned());
+        }
+        if let Some(url) = line.strip_prefix("runbook_url: ") {
+            let name = alert.take().expect("a runbook_url belongs to an alert");
+            let anchor = url
+                .trim_matches('"')
+                .strip_prefix("docs/operations.md#")
+                .unwrap_or_else(|| {
+                    panic!("{name}: runbook_url {url} is not in docs/operations.md")
+                });
+            assert_eq!(anchor, name.to_lowercase(), "{name}'s runbook is its own");
+            assert!(
+                anchors.iter().any(|a| a == anchor),
+                "docs/operations.md has no runbook heading for {name}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(alert.is_none(), "{alert:?} has no runbook_url");
+    assert!(checked >= 10, "only {checked} alerts were read");
+}
