@@ -4,10 +4,12 @@
 //! (`eu`, `us`) on in-process limiter stores, on loopback ports; an example tenant pool
 //! (`atlas`/`api`: 1,000 per minute, chunk 100, fallback 100 per region) and the dev policy bundle
 //! (`deploy/examples/dev-bundle.json`: the example rules, a per-user burst guard being dark-launched
-//! in shadow mode and the tenant's soft plan). With `--demo` it drives synthetic traffic, 90% through
-//! EU and 10% through US, and prints a live per-window table: what was admitted and denied, what the
-//! shadow and soft rules would have denied, and what one user is told of their quota. Nothing here is
-//! for production: every store forgets everything when the process ends, and it says so.
+//! in shadow mode and the tenant's soft plan), and a monthly plan of model tokens (`atlas`/`llm`: a
+//! month in Europe/Berlin) spent by a metered chat route. With `--demo` it drives synthetic traffic,
+//! 90% through EU and 10% through US, and prints a live per-window table: what was admitted and
+//! denied, what the shadow and soft rules would have denied, what one user is told of their quota,
+//! and the chat route's requests, estimated at admission and settled after the response. Nothing here
+//! is for production: every store forgets everything when the process ends, and it says so.
 
 use std::fmt::Write as _;
 use std::io::{IsTerminal as _, Write as _};
@@ -113,6 +115,19 @@ pub async fn run_dev(
     put_pool(&*kv, &tenant, &pool, spec, clock.now_ms())
         .await
         .map_err(|e| e.to_string())?;
+    let llm_pool = id(LLM_POOL, PoolId::parse)?;
+    let llm_config = llm_spec(regions.clone())
+        .validate()
+        .map_err(|e| e.to_string())?;
+    put_pool(
+        &*kv,
+        &tenant,
+        &llm_pool,
+        llm_spec(regions.clone()),
+        clock.now_ms(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     let draft = allot_shared::policy::parse_bundle(DEV_BUNDLE).map_err(|e| e.to_string())?;
     allot_allocator::policies::publish(
         &*kv,
@@ -211,6 +226,9 @@ pub async fn run_dev(
     println!(
         "  pool atlas/api: 1000 per minute, chunk 100, fallback 100 per region, regions eu,us"
     );
+    println!(
+        "  pool atlas/llm: {LLM_LIMIT_TOKENS} model tokens a month (Europe/Berlin), chunk {LLM_CHUNK_TOKENS}, settle debt {LLM_SETTLE_DEBT_TOKENS} per region: the metered route chat"
+    );
     println!();
     println!("try:");
     println!(
@@ -232,7 +250,7 @@ pub async fn run_dev(
                 .map(|(r, _, a)| (r.clone(), a.clone()))
                 .collect(),
             demo_ledger,
-            pool_config,
+            [pool_config, llm_config],
             clock.clone(),
             options.demo_rate_per_s,
         ));
@@ -253,6 +271,32 @@ pub async fn run_dev(
 
 /// Most demo requests awaiting an answer at once.
 const MAX_DEMO_IN_FLIGHT: usize = 1_024;
+
+/// The demo's monthly plan of model tokens, spent by the metered chat route.
+const LLM_POOL: &str = "llm";
+const LLM_LIMIT_TOKENS: u64 = 50_000_000;
+const LLM_CHUNK_TOKENS: u64 = 20_000;
+const LLM_SETTLE_DEBT_TOKENS: u64 = 5_000;
+/// What the demo's gateway estimates a chat request costs; the responses use 100 to 1,000 tokens
+/// (550 on average), so most settle above the estimate and the extra is charged after them.
+const CHAT_ESTIMATE_TOKENS: u64 = 400;
+const CHAT_ACTUAL_TOKENS: std::ops::RangeInclusive<u64> = 100..=1_000;
+
+fn llm_spec(regions: Vec<RegionId>) -> PoolSpec {
+    PoolSpec {
+        limit_tokens: LLM_LIMIT_TOKENS,
+        window_ms: 0,
+        window: Some(allot_shared::wire::CalendarWindowSpec {
+            calendar: "month".to_owned(),
+            time_zone: "Europe/Berlin".to_owned(),
+        }),
+        chunk_tokens: LLM_CHUNK_TOKENS,
+        lease_ttl_ms: 15_000,
+        fallback_per_region_tokens: 10_000,
+        settle_debt_per_region_tokens: LLM_SETTLE_DEBT_TOKENS,
+        regions,
+    }
+}
 
 /// Aborts a task when dropped (the demo's traffic driver stops with the demo).
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -277,6 +321,145 @@ struct Seen {
 /// What the demo's gateways saw, per window and region.
 type WindowCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<(u64, usize), Seen>>>;
 
+/// What the metered chat route's gateway saw in one minute, model tokens.
+#[derive(Debug, Default, Clone, Copy)]
+struct Metered {
+    settled: u64,
+    denied: u64,
+    estimated_tokens: u64,
+    used_tokens: u64,
+    /// Extra cost charged at once to the plan.
+    paid_tokens: u64,
+    /// Extra cost the region owes the plan, paid from its next leases.
+    owed_tokens: u64,
+    written_off_tokens: u64,
+}
+
+/// The metered route's counts per minute (its start, epoch ms).
+type MeteredCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Metered>>>;
+
+/// The metered chat route: a request every 100 ms per 10 demo requests a second, through EU,
+/// admitted with an estimate and settled with what the response used once it is done.
+async fn metered_chat(
+    agent: Arc<Agent>,
+    counts: MeteredCounts,
+    clock: Arc<dyn Clock>,
+    rate_per_s: u64,
+) {
+    let interval = Duration::from_micros(10_000_000 / rate_per_s.max(1));
+    let mut tick = tokio::time::interval(interval);
+    let mut in_flight = tokio::task::JoinSet::new();
+    let mut n: u64 = 0;
+    loop {
+        tick.tick().await;
+        while in_flight.try_join_next().is_some() {}
+        if in_flight.len() >= MAX_DEMO_IN_FLIGHT {
+            continue;
+        }
+        n += 1;
+        let (Ok(request_id), Ok(tenant), Ok(route_group)) = (
+            DecisionId::parse(&format!("chat-{n}")),
+            TenantId::parse("atlas"),
+            RouteGroup::parse("chat"),
+        ) else {
+            continue;
+        };
+        let request = AdmissionRequest {
+            request_id: request_id.clone(),
+            tenant_id: tenant.clone(),
+            principal: Principal {
+                kind: PrincipalType::User,
+                id: format!("U-{}", n % 50),
+                api_key_id: None,
+            },
+            route_group,
+            method: "POST".to_owned(),
+            cost_hint: CHAT_ESTIMATE_TOKENS,
+            policy_epoch: None,
+            dry_run: false,
+            metered: true,
+        };
+        let (agent, counts, clock) = (agent.clone(), counts.clone(), clock.clone());
+        in_flight.spawn(async move {
+            let minute = |clock: &Arc<dyn Clock>| clock.now_ms() / 60_000 * 60_000;
+            let Ok(decision) = agent.admit(&request).await else {
+                return;
+            };
+            if !decision.allowed {
+                lock_counts(&counts)
+                    .entry(minute(&clock))
+                    .or_default()
+                    .denied += 1;
+                return;
+            }
+            // The model answers, then the gateway settles what it used.
+            tokio::time::sleep(Duration::from_millis(rand::random_range(50..400))).await;
+            let actual = rand::random_range(CHAT_ACTUAL_TOKENS);
+            let settle = allot_shared::contract::SettleRequest {
+                decision_id: request_id,
+                tenant_id: tenant,
+                actual_cost_units: actual,
+            };
+            let Ok(answer) = agent.settle(&settle).await else {
+                return;
+            };
+            let mut counts = lock_counts(&counts);
+            let seen = counts.entry(minute(&clock)).or_default();
+            seen.settled += 1;
+            seen.estimated_tokens += answer.estimate_units;
+            seen.used_tokens += answer.actual_cost_units;
+            for pool in &answer.pools {
+                seen.paid_tokens += pool.paid;
+                seen.owed_tokens += pool.owed;
+                seen.written_off_tokens += pool.written_off;
+            }
+            while counts.len() > 4 {
+                counts.pop_first();
+            }
+        });
+    }
+}
+
+fn lock_counts<T>(counts: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    counts.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The metered route's line under the table: this minute's settlements, and the month's plan.
+async fn metered_line(
+    counts: &MeteredCounts,
+    ledger: &Ledger,
+    config: &allot_shared::lease::PoolConfig,
+    now_ms: u64,
+) -> String {
+    let seen = lock_counts(counts)
+        .get(&(now_ms / 60_000 * 60_000))
+        .copied()
+        .unwrap_or_default();
+    let (Ok(tenant), Ok(pool)) = (TenantId::parse("atlas"), PoolId::parse(LLM_POOL)) else {
+        return String::new();
+    };
+    let month = ledger
+        .windows(&tenant, &pool, config, 1, now_ms)
+        .await
+        .ok()
+        .and_then(|rows| rows.into_iter().next());
+    format!(
+        "chat (metered, estimated {CHAT_ESTIMATE_TOKENS} model tokens, settled after the response), this minute: \
+         {} settled, {} denied; {} estimated, {} used: {} extra charged at once, {} owed, {} written off\n\
+         atlas/llm this month (Europe/Berlin): {} of {} spent, the region's debt at most {}\n",
+        seen.settled,
+        seen.denied,
+        seen.estimated_tokens,
+        seen.used_tokens,
+        seen.paid_tokens,
+        seen.owed_tokens,
+        seen.written_off_tokens,
+        month.as_ref().map_or(0, |w| w.spent_tokens),
+        config.limit_tokens(),
+        month.as_ref().map_or(0, |w| w.settle_debt_tokens),
+    )
+}
+
 /// Synthetic traffic, 90/10 over the first two agents, and every 5 s a per-window table: what each
 /// region admitted (from the gateways' side), `G`, and the ledger's view of the window (fallback,
 /// stranded, overshoot and the bound). Long by design: the demo's load loop and its table in one
@@ -284,11 +467,20 @@ type WindowCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<(u64, usize)
 async fn demo(
     agents: Vec<(RegionId, Arc<Agent>)>,
     ledger: Ledger,
-    config: allot_shared::lease::PoolConfig,
+    [config, llm_config]: [allot_shared::lease::PoolConfig; 2],
     clock: Arc<dyn Clock>,
     rate_per_s: u64,
 ) {
     let counts: WindowCounts = Arc::default();
+    let metered: MeteredCounts = Arc::default();
+    let _chat = agents.first().map(|(_, agent)| {
+        AbortOnDrop(tokio::spawn(metered_chat(
+            agent.clone(),
+            metered.clone(),
+            clock.clone(),
+            rate_per_s,
+        )))
+    });
     let interval = Duration::from_micros(1_000_000 / rate_per_s.max(1));
     let (driver_counts, driver_agents, driver_clock) =
         (counts.clone(), agents.clone(), clock.clone());
@@ -419,6 +611,7 @@ async fn demo(
         if let Some((_, agent)) = agents.first() {
             out.push_str(&what_a_user_is_told(agent).await);
         }
+        out.push_str(&metered_line(&metered, &ledger, &llm_config, clock.now_ms()).await);
         screen.show(&out);
     }
 }
