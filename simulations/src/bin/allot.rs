@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use allot_simulations::dev::{DevOptions, run_dev};
-use allot_simulations::tools::{BoundArgs, bound_report, policy_check};
+use allot_simulations::tools::{BoundArgs, bound_report, policy_check, policy_replay};
 
 /// Runs `allot dev` on a runtime until Ctrl-C; prints nothing more on success.
 fn run_dev_blocking(options: DevOptions) -> Result<String, String> {
@@ -142,6 +142,26 @@ enum PolicyCommand {
         /// The bundle JSON file.
         file: PathBuf,
     },
+    /// Replay a decision log against a candidate bundle beside the current one, offline: the
+    /// denial rate per rule, who the candidate would deny, and per pool the tokens the denied
+    /// requests would not spend (stranded in their leases unless others spend them).
+    Replay {
+        /// The candidate bundle JSON file.
+        #[arg(long)]
+        bundle: PathBuf,
+        /// The bundle in force, to compare with.
+        #[arg(long)]
+        current: PathBuf,
+        /// The decision log: JSON lines of {"atMs": ..., "request": {...}}.
+        #[arg(long)]
+        sample: PathBuf,
+        /// Replay the candidate's shadow and soft rules as if enforced.
+        #[arg(long)]
+        enforce: bool,
+        /// Print both reports as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -180,6 +200,16 @@ fn main() -> ExitCode {
         Command::Policy {
             command: PolicyCommand::Check { file },
         } => policy_check(&file),
+        Command::Policy {
+            command:
+                PolicyCommand::Replay {
+                    bundle,
+                    current,
+                    sample,
+                    enforce,
+                    json,
+                },
+        } => policy_replay(&bundle, &current, &sample, enforce, json),
         Command::Bound {
             limit,
             window_ms,
