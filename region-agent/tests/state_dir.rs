@@ -294,3 +294,32 @@ async fn a_kill_between_journal_writes_never_reopens_the_fallback_allowance() {
         "{allowed} admitted after 13 of {allowance}: more than a block ({block}) lost"
     );
 }
+
+/// A shadow pool's count of the window survives a kill: the restarted agent goes on from the
+/// journaled count, so the ledger (which keeps the larger report) sees every admitted request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_pools_count_survives_a_restart_in_mid_window() {
+    const SHADOW: &str = r#"{ "bundleVersion": 8, "rules": [
+        { "id": "user-read", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
+          "limit": 1000, "windowMs": 3600000, "failMode": "closed" },
+        { "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed",
+          "mode": "shadow" } ] }"#;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let clock = clock();
+    let fake = Allocator::with_clock(1_000, 10, 0, clock.clone());
+    let first = start(dir.path(), &clock, client(fake.clone()).await, Some(SHADOW));
+    assert_eq!(admit(&first, 0, 12).await, (12, 0));
+    first.write_journal_if_changed().await;
+    // Killed before it reported.
+    drop(first);
+    assert_eq!(fake.reported_shadow(), 0);
+    let second = start(dir.path(), &clock, client(fake.clone()).await, Some(SHADOW));
+    assert_eq!(admit(&second, 100, 5).await, (5, 0));
+    second.send_reports().await;
+    assert_eq!(
+        fake.reported_shadow(),
+        17,
+        "the window's count went on from the journal"
+    );
+    assert_eq!(fake.reported_spent(), 0, "a shadow pool spends nothing");
+}

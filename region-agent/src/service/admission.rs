@@ -342,6 +342,8 @@ impl Agent {
             let window_start_ms = slot.window_at(self.clock.now_ms()).start_ms;
             let cost_tokens = global_cost_tokens(rule, request);
             lock(&slot.shadow).count(window_start_ms, cost_tokens);
+            // Journaled, so that a restart goes on counting the window rather than from zero.
+            self.note_change();
             metrics::counter!(crate::metrics::SHADOW_ADMITTED_TOKENS,
                 "tenant" => request.tenant_id.to_string(), "pool" => pool.to_string())
             .increment(cost_tokens);

@@ -117,6 +117,9 @@ impl Agent {
             });
             if let Some(slot) = pools.get(&saved.tenant, &saved.pool) {
                 lock(&slot.holder).restore(&saved.holder);
+                lock(&slot.shadow).restore(&saved.shadow);
+                lock(&slot.settle_debt).restore(&saved.settle_debt);
+                lock(&slot.written_off).restore(&saved.written_off);
                 restored.pools += 1;
                 restored.leases += saved.holder.leases.len();
                 restored.fallback_windows += saved.holder.fallback.len();
@@ -201,6 +204,9 @@ impl Agent {
                     terms,
                     terms_fetched_at_ms: fetched_at_ms,
                     holder: lock(&slot.holder).snapshot(claimed),
+                    shadow: lock(&slot.shadow).snapshot(),
+                    settle_debt: lock(&slot.settle_debt).snapshot(),
+                    written_off: lock(&slot.written_off).snapshot(),
                 }
             })
             .collect();

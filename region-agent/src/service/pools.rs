@@ -12,6 +12,7 @@ use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, lock};
 use crate::allocator_client::{AllocatorClient, PoolTerms};
 use crate::global::{HolderConfig, PoolHolder};
+use crate::state_dir::TallyWindow;
 
 /// Most pools an agent holds at once (I10).
 pub const MAX_POOLS: usize = 10_000;
@@ -60,14 +61,23 @@ pub(super) struct WindowTally {
     windows: Vec<TallyWindow>,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct TallyWindow {
-    start_ms: u64,
-    counted_tokens: u64,
-    reported_tokens: u64,
-}
-
 impl WindowTally {
+    /// Its windows, for the journal.
+    pub(super) fn snapshot(&self) -> Vec<TallyWindow> {
+        self.windows.clone()
+    }
+
+    /// Takes over what a crashed incarnation journaled: per window, the larger of its count and
+    /// this one's (both count the same window's admissions from its start), at most
+    /// [`MAX_TALLY_WINDOWS`] windows.
+    pub(super) fn restore(&mut self, journaled: &[TallyWindow]) {
+        for saved in journaled.iter().take(MAX_TALLY_WINDOWS) {
+            let window = self.window(saved.start_ms);
+            window.counted_tokens = window.counted_tokens.max(saved.counted_tokens);
+            window.reported_tokens = window.reported_tokens.max(saved.reported_tokens);
+        }
+    }
+
     /// Counts `tokens` more in the window starting at `start_ms`.
     pub(super) fn count(&mut self, start_ms: u64, tokens: u64) {
         let window = self.window(start_ms);
