@@ -436,6 +436,36 @@ fn a_lost_renewal_answer_is_asked_again_with_the_same_lease_id() {
     assert_eq!(holder.renewal_lease_id(third), third);
 }
 
+/// A lost answer asked again after a failover longer than the lease TTL comes back expired: it
+/// is never spent, but it was granted, so the holder reports it final with nothing spent and the
+/// ledger counts it stranded, not unreported (a lease whose final report never arrives).
+#[test]
+fn a_grant_answered_after_its_end_is_reported_final_with_nothing_spent() {
+    let mut holder = PoolHolder::new(config(0));
+    let t0 = 10 * MINUTE + 1_000;
+    let lost = grant(7, 1, 17, t0);
+    holder.renewal_failed(lost.lease_id, true);
+    let answered_ms = lost.expires_at_ms + 1_000;
+    assert_eq!(
+        holder.accept(lost, answered_ms),
+        GrantVerdict::AlreadyExpired
+    );
+    assert_eq!(holder.available_tokens(answered_ms), 0, "nothing to spend");
+    let report = holder.pending_report(answered_ms);
+    let line = report
+        .leases
+        .iter()
+        .find(|line| line.lease_id == lost.lease_id)
+        .expect("the late grant owes the ledger its final line");
+    assert!(line.final_line);
+    assert_eq!(line.spent_tokens, 0);
+    // The same answer again is known.
+    assert_eq!(
+        holder.accept(lost, answered_ms + 1),
+        GrantVerdict::Duplicate
+    );
+}
+
 /// A grant's end is moved onto the agent's clock: the lease lasts what the allocator granted,
 /// counted from when the agent asked, whatever the offset between the two clocks.
 #[test]

@@ -185,7 +185,8 @@ pub enum GrantVerdict {
         /// The highest epoch seen.
         highest: Epoch,
     },
-    /// Already past its usable end on arrival: ignored; its tokens are stranded at the allocator.
+    /// Already past its usable end on arrival: never spent; reported final with nothing spent, so
+    /// the ledger counts its tokens as stranded (not as unreported).
     AlreadyExpired,
     /// The same lease id is already held.
     Duplicate,
@@ -627,7 +628,11 @@ impl PoolHolder {
             reported_spent_tokens: 0,
         };
         if now_ms >= lease.usable_until_ms(self.config.expiry_margin_ms) {
+            // Answered too late to spend (a lost answer asked again after a failover longer than
+            // the TTL): never spent, but granted, so it owes the ledger a final line like any
+            // ended lease, or the ledger would count its tokens as unreported.
             self.stranded_tokens += grant.granted_tokens;
+            self.ended.push(lease);
             return GrantVerdict::AlreadyExpired;
         }
         self.exhausted_until_ms = 0;
