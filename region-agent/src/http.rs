@@ -160,8 +160,8 @@ async fn admit(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
 
 /// Builds an admission request from `X-Allot-*` headers, for proxies that cannot send a body:
 /// `X-Allot-Request-Id`, `X-Allot-Tenant`, `X-Allot-Principal-Type`, `X-Allot-Principal-Id`,
-/// `X-Allot-Route-Group` (required), `X-Allot-Api-Key-Id`, `X-Allot-Method` (default GET) and
-/// `X-Allot-Cost` (default 1).
+/// `X-Allot-Route-Group` (required), `X-Allot-Api-Key-Id`, `X-Allot-Method` (default GET),
+/// `X-Allot-Cost` (default 1) and `X-Allot-Metered` (`true` or `false`, the default).
 fn from_headers(headers: &HeaderMap) -> Result<AdmissionRequest, Box<Response>> {
     let get = |name: &str| {
         headers
