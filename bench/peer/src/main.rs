@@ -115,6 +115,7 @@ fn planned(bundle: &PolicyBundle, caller: usize) -> PlannedBatch<'_> {
         cost_hint: 1,
         policy_epoch: None,
         dry_run: false,
+        metered: false,
     };
     let pepper = Pepper::new(b"peer-bench-pepper-0123".to_vec()).expect("pepper");
     plan_request(bundle, &request, &pepper, IpPrefixes::default(), 30_000)

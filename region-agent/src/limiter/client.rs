@@ -22,7 +22,7 @@
 //! | --- | --- | --- |
 //! | a decision | success | answer it; a denial is remembered by the negative cache |
 //! | `NotExecuted` (before send, refused, unreachable) | failure | degrade (nothing ran) |
-//! | `NOSCRIPT` | | handled inside the store: load, retry once |
+//! | the store lost the function or script (`NOSCRIPT`, function not found) | | handled inside the store: load, retry once |
 //! | `Rejected` (the script refused the arguments) | no verdict | `POLICY_ERROR` (503), no retry; logged as an error |
 //! | `Ambiguous`, or the deadline passed after sending | failure | with a decision record: retry once, same decision id (the script replays a recorded admission); otherwise degrade |
 //! | `MalformedReply` | no verdict | degrade, no retry; logged as an error |

@@ -1,10 +1,14 @@
-//! The Redis limiter store: the Lua scripts on a single Redis or a Redis Cluster.
+//! The Redis limiter store: the Lua code on a single Redis or a Redis Cluster (Redis 7 or later).
 //!
-//! Scripts are loaded with `SCRIPT LOAD` when the store connects and called with `EVALSHA`. The
-//! script cache is volatile (a restart, a failover or `SCRIPT FLUSH` empties it), so a `NOSCRIPT`
-//! reply loads the script again and retries once: `NOSCRIPT` means the script did not run, so the
-//! retry cannot double-debit. On a cluster the reload goes only to the node that owns the call's
-//! slot, so a shard that is down elsewhere cannot fail it.
+//! The decision is a function library (`scripts/decide.lua`), loaded with `FUNCTION LOAD` when the
+//! store connects and called with `FCALL`: the library's code runs once when it is loaded, so a
+//! call pays only for the decision, and it keeps the arguments it has validated (docs/limiter.md).
+//! Its name carries the first 16 hex digits of its text's SHA-1, so agents of two versions each
+//! call their own. The concurrency script is loaded with `SCRIPT LOAD` and called with `EVALSHA`.
+//! Both can be lost (a restart without persistence, a flush), so a reply saying the function or
+//! script is unknown loads it again and retries once: such a reply means nothing ran, so the retry
+//! cannot double-debit. On a cluster the reload goes only to the node that owns the call's slot, so
+//! a shard that is down elsewhere cannot fail it.
 //!
 //! Every call runs under one deadline (`call_timeout`, a tokio timeout) covering the reload and the
 //! retry too. What a failure means is classified in [`StoreError`].
@@ -42,14 +46,14 @@ use allot_shared::keys;
 
 use super::batch::RuleBatch;
 use super::scripts::{
-    CONCURRENCY_SOURCE, DECIDE_SOURCE, SERVER_TIME, decide_args, decide_keys, lease_args,
-    parse_decide_reply, parse_lease_reply,
+    CONCURRENCY_SOURCE, DECIDE_SOURCE, LIBRARY_VERSION_PLACEHOLDER, SERVER_TIME, decide_args,
+    decide_keys, lease_args, parse_decide_reply, parse_lease_reply,
 };
 use super::store::{
     BatchDecision, LeaseCall, LeaseOperation, LeaseOutcome, LimiterStore, Rejection, StoreError,
 };
 
-/// Default budget of one store call (`EVALSHA`, and a reload and retry after `NOSCRIPT`): the
+/// Default budget of one store call (`FCALL` or `EVALSHA`, and a reload and retry): the
 /// limiter sits on every request's path, so a slow store must turn into a degraded decision quickly.
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_millis(25);
 
@@ -102,6 +106,86 @@ impl Script {
     }
 }
 
+/// The decide function library: its text with the version filled in, and the function's name.
+#[derive(Debug)]
+struct Library {
+    source: String,
+    function: String,
+}
+
+impl Library {
+    fn new(template: &str) -> Self {
+        let sha = redis::Script::new(template).get_hash().to_owned();
+        let version = &sha[..16];
+        Self {
+            source: template.replace(LIBRARY_VERSION_PLACEHOLDER, version),
+            function: format!("allot_decide_{version}"),
+        }
+    }
+
+    fn fcall(&self, keys: &[&str], args: &[String]) -> Cmd {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(&self.function).arg(keys.len()).arg(keys).arg(args);
+        cmd
+    }
+
+    /// `FUNCTION LOAD` without `REPLACE`: a library of this name is this very text (the name
+    /// carries its hash), so "already exists" is success.
+    fn load(&self) -> Cmd {
+        let mut cmd = redis::cmd("FUNCTION");
+        cmd.arg("LOAD").arg(&self.source);
+        cmd
+    }
+}
+
+/// Whether `error` says the library was loaded before (`FUNCTION LOAD` of a name that exists).
+fn already_loaded(error: &RedisError) -> bool {
+    error.to_string().contains("already exists")
+}
+
+/// Whether `error` is the reply to an `FCALL` of a function the server does not have: nothing ran.
+fn function_missing(error: &RedisError) -> bool {
+    error.code() == Some("ERR") && error.to_string().contains("Function not found")
+}
+
+/// What the store calls: the decide library or a script.
+#[derive(Clone, Copy)]
+enum Code<'a> {
+    Library(&'a Library),
+    Script(&'a Script),
+}
+
+impl Code<'_> {
+    fn call(&self, keys: &[&str], args: &[String]) -> Cmd {
+        match self {
+            Code::Library(library) => library.fcall(keys, args),
+            Code::Script(script) => script.evalsha(keys, args),
+        }
+    }
+
+    fn load(&self) -> Cmd {
+        match self {
+            Code::Library(library) => library.load(),
+            Code::Script(script) => script.load(),
+        }
+    }
+
+    /// Whether `error` says the server does not have this code (it did not run).
+    fn is_missing(&self, error: &RedisError) -> bool {
+        match self {
+            Code::Library(_) => function_missing(error),
+            Code::Script(_) => error.kind() == ErrorKind::Server(ServerErrorKind::NoScript),
+        }
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Code::Library(library) => &library.function,
+            Code::Script(script) => &script.sha,
+        }
+    }
+}
+
 /// The two topologies a store runs on. Both handles are cheap to clone and multiplex their calls
 /// over shared connections.
 #[derive(Clone)]
@@ -120,24 +204,38 @@ impl Connection {
         }
     }
 
-    /// Loads `script` where a call on `routing_key` runs: the one server, or the node owning the
+    /// Loads `code` where a call on `routing_key` runs: the one server, or the node owning the
     /// key's slot.
-    async fn load_for(&mut self, script: &Script, routing_key: &str) -> RedisResult<String> {
-        match self {
-            Connection::Single(connection) => script.load().query_async(connection).await,
+    async fn load_for(&mut self, code: Code<'_>, routing_key: &str) -> RedisResult<()> {
+        let loaded = match self {
+            Connection::Single(connection) => code
+                .load()
+                .query_async::<redis::Value>(connection)
+                .await
+                .map(drop),
             Connection::Cluster(connection) => {
                 let node = Route::with_key(routing_key, SlotAddr::Master);
                 let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
-                let reply = connection.route_command(script.load(), routing).await?;
-                Ok(String::from_redis_value(reply)?)
+                connection
+                    .route_command(code.load(), routing)
+                    .await
+                    .map(drop)
             }
+        };
+        match loaded {
+            Err(error) if already_loaded(&error) => Ok(()),
+            other => other,
         }
     }
 
-    /// Loads `script` on every server (when connecting).
-    async fn load_everywhere(&mut self, script: &Script) -> RedisResult<()> {
-        // On a cluster, SCRIPT LOAD is routed to every node and succeeds only if all do.
-        self.query::<redis::Value>(&script.load()).await.map(drop)
+    /// Loads `code` on every server (when connecting).
+    async fn load_everywhere(&mut self, code: Code<'_>) -> RedisResult<()> {
+        // On a cluster, SCRIPT LOAD and FUNCTION LOAD are routed to every master and succeed only
+        // if all do.
+        match self.query::<redis::Value>(&code.load()).await {
+            Err(error) if already_loaded(&error) => Ok(()),
+            other => other.map(drop),
+        }
     }
 }
 
@@ -237,11 +335,12 @@ enum ScriptTime {
 /// A limiter store on Redis (single server or cluster). See the module docs.
 pub struct RedisStore {
     connection: Connection,
-    decide_script: Script,
+    decide_library: Library,
     concurrency_script: Script,
     call_timeout: Duration,
     time: ScriptTime,
-    /// `NOSCRIPT` replies answered by loading the script again (telemetry and tests).
+    /// Replies saying the library or a script was unknown, answered by loading it again
+    /// (telemetry and tests).
     script_reloads: AtomicU64,
     /// Which master owns each slot, for per-shard breakers.
     shards: ShardMap,
@@ -310,16 +409,19 @@ impl RedisStore {
     ) -> Result<Self, StoreError> {
         let store = Self {
             connection: connection.clone(),
-            decide_script: Script::new(DECIDE_SOURCE),
+            decide_library: Library::new(DECIDE_SOURCE),
             concurrency_script: Script::new(CONCURRENCY_SOURCE),
             call_timeout: config.call_timeout,
             time: ScriptTime::Server,
             script_reloads: AtomicU64::new(0),
             shards: ShardMap::One,
         };
-        for script in [&store.decide_script, &store.concurrency_script] {
+        for code in [
+            Code::Library(&store.decide_library),
+            Code::Script(&store.concurrency_script),
+        ] {
             connection
-                .load_everywhere(script)
+                .load_everywhere(code)
                 .await
                 .map_err(not_connected)?;
         }
@@ -335,14 +437,15 @@ impl RedisStore {
         }
     }
 
-    /// The exact `EVALSHA` this store sends to decide `batch`, for benchmarks that compare the client
-    /// path with a raw call of the same script (the script must be loaded: connecting loads it).
+    /// The exact `FCALL` this store sends to decide `batch`, for benchmarks that compare the client
+    /// path with a raw call of the same function (it must be loaded: connecting loads it).
     pub fn decide_command(&self, batch: &RuleBatch) -> Cmd {
         let args = decide_args(batch, self.now_arg());
-        self.decide_script.evalsha(&decide_keys(batch), &args)
+        self.decide_library.fcall(&decide_keys(batch), &args)
     }
 
-    /// How many `NOSCRIPT` replies were answered by loading a script again.
+    /// How many replies saying the library or a script was unknown were answered by loading it
+    /// again.
     pub fn script_reloads(&self) -> u64 {
         self.script_reloads.load(Ordering::Relaxed)
     }
@@ -364,30 +467,31 @@ impl RedisStore {
         }
     }
 
-    /// Runs `script` under the call deadline: `EVALSHA`, and after `NOSCRIPT` one load and one retry.
+    /// Runs `code` under the call deadline: the call, and after a reply saying the server does
+    /// not have it, one load and one retry.
     async fn run(
         &self,
-        script: &Script,
+        code: Code<'_>,
         keys: &[&str],
         args: &[String],
     ) -> Result<Vec<i64>, StoreError> {
         let call = async {
             let mut connection = self.connection.clone();
-            let evalsha = script.evalsha(keys, args);
-            match connection.query::<Vec<i64>>(&evalsha).await {
-                Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            let command = code.call(keys, args);
+            match connection.query::<Vec<i64>>(&command).await {
+                Err(error) if code.is_missing(&error) => {
                     self.script_reloads.fetch_add(1, Ordering::Relaxed);
                     // Expected after a restart, a failover or a flush; frequent ones mean trouble.
-                    tracing::warn!(sha = %script.sha, "NOSCRIPT: loading the limiter script again");
+                    tracing::warn!(name = %code.name(), "the limiter's Lua code was unknown: loading it again");
                     let routing_key = keys.first().copied().unwrap_or_default();
-                    // The script did not run, so neither a failed load nor the retry can double-debit.
+                    // Nothing ran, so neither a failed load nor the retry can double-debit.
                     connection
-                        .load_for(script, routing_key)
+                        .load_for(code, routing_key)
                         .await
                         .map_err(|error| StoreError::NotExecuted {
-                            detail: format!("reloading the script after NOSCRIPT: {error}"),
+                            detail: format!("reloading the limiter's Lua code: {error}"),
                         })?;
-                    connection.query(&evalsha).await.map_err(classify)
+                    connection.query(&command).await.map_err(classify)
                 }
                 reply => reply.map_err(classify),
             }
@@ -412,7 +516,8 @@ impl RedisStore {
         keys: &[&str],
         args: &[String],
     ) -> Result<Vec<i64>, StoreError> {
-        self.run(&self.decide_script, keys, args).await
+        self.run(Code::Library(&self.decide_library), keys, args)
+            .await
     }
 
     async fn lease(
@@ -422,7 +527,7 @@ impl RedisStore {
     ) -> Result<LeaseOutcome, StoreError> {
         let args = lease_args(operation, call, self.now_arg());
         let reply = self
-            .run(&self.concurrency_script, &[call.key()], &args)
+            .run(Code::Script(&self.concurrency_script), &[call.key()], &args)
             .await?;
         parse_lease_reply(&reply).map_err(|detail| StoreError::MalformedReply { detail })
     }
@@ -433,7 +538,11 @@ impl LimiterStore for RedisStore {
     async fn decide(&self, batch: &RuleBatch) -> Result<BatchDecision, StoreError> {
         let args = decide_args(batch, self.now_arg());
         let reply = self
-            .run(&self.decide_script, &decide_keys(batch), &args)
+            .run(
+                Code::Library(&self.decide_library),
+                &decide_keys(batch),
+                &args,
+            )
             .await?;
         parse_decide_reply(batch, &reply).map_err(|detail| StoreError::MalformedReply { detail })
     }

@@ -9,8 +9,12 @@ use allot_shared::limit::multi::MAX_RULES_PER_REQUEST;
 use super::batch::{RuleBatch, RuleParams};
 use super::store::{BatchDecision, LeaseCall, LeaseOperation, LeaseOutcome};
 
-/// The multi-rule decision script.
+/// The multi-rule decision function library, with `LIBRARY_VERSION` where its version goes
+/// ([`crate::limiter::redis_store`] puts the first 16 hex digits of the text's SHA-1 there).
 pub(crate) const DECIDE_SOURCE: &str = include_str!("scripts/decide.lua");
+
+/// What [`DECIDE_SOURCE`] says where its version goes.
+pub(crate) const LIBRARY_VERSION_PLACEHOLDER: &str = "LIBRARY_VERSION";
 
 /// The concurrency-lease script.
 pub(crate) const CONCURRENCY_SOURCE: &str = include_str!("scripts/concurrency.lua");
@@ -19,12 +23,9 @@ pub(crate) const CONCURRENCY_SOURCE: &str = include_str!("scripts/concurrency.lu
 /// call sends it; only tests send a time of their own.
 pub(crate) const SERVER_TIME: u64 = 0;
 
-/// Fields per rule in the decide script's `ARGV`: algorithm, four parameters, cost.
-const ARGS_PER_RULE: usize = 6;
-
-/// Fields before the first rule in the decide script's `ARGV`: now, decision id, record TTL, n,
-/// dry run, advisory mask.
-const ARGS_BEFORE_RULES: usize = 6;
+/// Arguments before the first rule in the decide function's `ARGV`: the header (now, record TTL,
+/// n, dry run, advisory mask, in one argument) and the decision id. Each rule is one more.
+const ARGS_BEFORE_RULES: usize = 2;
 
 /// The decide script's `KEYS`: the decision record, then one key per rule.
 pub(crate) fn decide_keys(batch: &RuleBatch) -> Vec<&str> {
@@ -33,15 +34,20 @@ pub(crate) fn decide_keys(batch: &RuleBatch) -> Vec<&str> {
         .collect()
 }
 
-/// The decide script's `ARGV` for `batch` at `now_ms` ([`SERVER_TIME`] in production).
+/// The decide function's `ARGV` for `batch` at `now_ms` ([`SERVER_TIME`] in production): the
+/// header, the decision id, then one argument per rule (`"<algorithm> <p1> <p2> <p3> <p4>
+/// <cost>"`). The function validates each header and rule text once and keeps the result, so the
+/// texts are what the same policy always sends.
 pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64) -> Vec<String> {
-    let mut args = Vec::with_capacity(ARGS_BEFORE_RULES + ARGS_PER_RULE * batch.rules().len());
-    args.push(now_ms.to_string());
+    let mut args = Vec::with_capacity(ARGS_BEFORE_RULES + batch.rules().len());
+    args.push(format!(
+        "{now_ms} {} {} {} {}",
+        batch.record_ttl_ms(),
+        batch.rules().len(),
+        u8::from(batch.dry_run()),
+        advisory_mask(batch)
+    ));
     args.push(batch.decision_id().to_string());
-    args.push(batch.record_ttl_ms().to_string());
-    args.push(batch.rules().len().to_string());
-    args.push(if batch.dry_run() { "1" } else { "0" }.to_owned());
-    args.push(advisory_mask(batch).to_string());
     for rule in batch.rules() {
         let (code, p1, p2, p3, p4) = match *rule.params() {
             RuleParams::TokenBucket {
@@ -80,8 +86,10 @@ pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64) -> Vec<String> {
                 window_ms,
             } => ("sl", limit_units, window_ms, 0, 0),
         };
-        args.push(code.to_owned());
-        args.extend([p1, p2, p3, p4, rule.cost_millitokens()].map(|n| n.to_string()));
+        args.push(format!(
+            "{code} {p1} {p2} {p3} {p4} {}",
+            rule.cost_millitokens()
+        ));
     }
     args
 }
@@ -253,9 +261,10 @@ mod tests {
         assert_eq!(
             decide_args(&batch, SERVER_TIME),
             [
-                "0", "r-7", "30000", "2", "0", "0", //
-                "tb", "20000", "2000", "1000", "5000", "1000", //
-                "sl", "20", "10000", "0", "0", "1000",
+                "0 30000 2 0 0",
+                "r-7",
+                "tb 20000 2000 1000 5000 1000",
+                "sl 20 10000 0 0 1000",
             ]
         );
     }
@@ -263,8 +272,17 @@ mod tests {
     #[test]
     fn a_dry_run_says_so_in_its_header() {
         let args = decide_args(&batch().into_dry_run(), SERVER_TIME);
-        assert_eq!(args[..6], ["0", "r-7", "30000", "2", "1", "0"]);
-        assert_eq!(args.len(), 6 + 6 * 2);
+        assert_eq!(args[0], "0 30000 2 1 0");
+        assert_eq!(args.len(), 2 + 2);
+    }
+
+    /// The function's name carries its text's version, so two agent versions never call each
+    /// other's code; the text names no other version.
+    #[test]
+    fn the_library_is_named_after_its_text() {
+        let name = format!("allot_decide_{LIBRARY_VERSION_PLACEHOLDER}");
+        assert!(DECIDE_SOURCE.starts_with(&format!("#!lua name={name}\n")));
+        assert!(DECIDE_SOURCE.contains(&format!("redis.register_function('{name}', decide)")));
     }
 
     #[test]
@@ -308,7 +326,7 @@ mod tests {
             )
             .expect("valid")
         };
-        assert_eq!(decide_args(&advisory, SERVER_TIME)[5], "2");
+        assert_eq!(decide_args(&advisory, SERVER_TIME)[0], "0 0 2 0 2");
         let flagged = parse_decide_reply(&advisory, &[1, 0, 0, 0, 2, 19_000, 0]).expect("valid");
         assert_eq!(flagged.advisory_denials, [1]);
         assert!(

@@ -1,29 +1,35 @@
---[[ decide.lua: one all-or-nothing decision over every regional rule of one request.
+#!lua name=allot_decide_LIBRARY_VERSION
+--[[ decide.lua: one all-or-nothing decision over every regional rule of one request, as a Redis
+function library (Redis 7): loaded once with FUNCTION LOAD, called with
+FCALL allot_decide_LIBRARY_VERSION. The store substitutes LIBRARY_VERSION with the first 16 hex
+digits of the SHA-1 of this text, so agents of two versions never call each other's code.
 
-The reference is allot_shared::limit::multi::decide_all: this script must return exactly what it
+The reference is allot_shared::limit::multi::decide_all: this function must return exactly what it
 returns (allowed, first denying rule, retry hint, advisory denials, per-rule remaining) and write
 exactly its writes.
 
-KEYS[1]        the decision record (a string). Read and written only when ARGV[3] > 0.
+KEYS[1]        the decision record (a string). Read and written only when record_ttl_ms > 0.
 KEYS[2..n+1]   one key per rule, all distinct. Every key, KEYS[1] included, carries the same
-               {t:<tenant>} hash tag, so they share one Redis Cluster slot and this one script
+               {t:<tenant>} hash tag, so they share one Redis Cluster slot and this one call
                decides them atomically.
 
-ARGV[1]  now_ms          "0": read the server clock (TIME). Production always sends "0".
-                         A value in [1, 2^50] is a test clock: differential tests drive time with
-                         it, and key expiry follows it (PEXPIREAT now + ttl).
-ARGV[2]  decision_id     1 to 64 bytes: the sliding log's member.
-ARGV[3]  record_ttl_ms   0: no decision record. In [1, 2^40]: an admission is recorded under
+ARGV[1]  the header, five decimal fields separated by one space:
+         "<now_ms> <record_ttl_ms> <n> <dry_run> <advisory>"
+         now_ms          0: read the server clock (TIME). Production always sends 0. A value in
+                         [1, 2^50] is a test clock: differential tests drive time with it, and key
+                         expiry follows it (PEXPIREAT now + ttl).
+         record_ttl_ms   0: no decision record. In [1, 2^40]: an admission is recorded under
                          KEYS[1] for this long, and a call that finds the record replays it
                          without deciding (or debiting) again.
-ARGV[4]  n               the number of rules, 1 to 8. #KEYS = n + 1 and #ARGV = 6 + 6n.
-ARGV[5]  dry_run         "1": decide and reply as usual, but write nothing (no rule state, no
-                         decision record): a check that spends nothing. "0": a decision.
-ARGV[6]  advisory        a bit mask in [0, 2^n - 1]: bit i-1 set when rule i only advises (a
-                         shadow or soft rule). An advisory rule never denies: the request is
-                         decided by the others; when it is admitted, an advisory rule is written
-                         only if it admits too.
-ARGV[7 + 6(i-1) .. 12 + 6(i-1)]  rule i (1-based), six fields:
+         n               the number of rules, 1 to 8. #KEYS = n + 1 and #ARGV = 2 + n.
+         dry_run         1: decide and reply as usual, but write nothing (no rule state, no
+                         decision record): a check that spends nothing. 0: a decision.
+         advisory        a bit mask in [0, 2^n - 1]: bit i-1 set when rule i only advises (a shadow
+                         or soft rule). An advisory rule never denies: the request is decided by
+                         the others; when it is admitted, an advisory rule is written only if it
+                         admits too.
+ARGV[2]  decision_id     1 to 64 bytes: the sliding log's member.
+ARGV[2 + i]  rule i (1-based), six fields separated by one space:
          algorithm  p1                    p2                  p3         p4        p5
          "tb"       capacity_millitokens  refill_millitokens  period_ms  slack_ms  cost_millitokens
          "gcra"     capacity_millitokens  refill_millitokens  period_ms  0         cost_millitokens
@@ -31,10 +37,16 @@ ARGV[7 + 6(i-1) .. 12 + 6(i-1)]  rule i (1-based), six fields:
          Window algorithms count whole units: their cost must be a multiple of 1000 millitokens,
          and exactly 1000 for the sliding log (one entry per request).
 
-Every number is a decimal integer string (no sign, exponent, fraction, hex, "nan" or "inf").
-Parameters lie in [1, 2^40] (slack in [0, 2^40]) and capacity x period (limit x window) is at
-most 2^52: then every intermediate value stays below 2^53, where Lua's doubles are exact
-integers, and this script computes exactly what the Rust core computes.
+Every number is a decimal integer (no sign, exponent, fraction, hex, "nan" or "inf"). Parameters
+lie in [1, 2^40] (slack in [0, 2^40]) and capacity x period (limit x window) is at most 2^52: then
+every intermediate value stays below 2^53, where Lua's doubles are exact integers, and this function
+computes exactly what the Rust core computes.
+
+Validated once per text: a header or rule argument is parsed and validated in full the first time
+this library sees that exact text, and the result (immutable) is kept in a bounded table of the
+library (at most MAX_PARSED entries, emptied when full). A later call with the same text reuses the
+validated parse: identical bytes in, identical parse out, so no check is skipped for any input
+(docs/limiter.md argues it).
 
 Reply {allowed, denied_by, retry_ms, replayed, advisory_denied, remaining_1, ..., remaining_n}:
   allowed     1 or 0.
@@ -56,8 +68,9 @@ Stored state, one key per rule:
   sc    hash {w = current window start (ms), cur = its units, prev = the previous window's units}
   sl    sorted set: member = decision id, score = admission time (ms)
   the decision record: string "remaining_1 ... remaining_n" of an admission
-A denial writes nothing, and neither does a dry run. Every write sets the key's expiry in the same script, at the TTL the
-pure core computes (PEXPIREAT now + ttl, which on the server clock equals PEXPIRE ttl).
+A denial writes nothing, and neither does a dry run. Every write sets the key's expiry in the same
+call, at the TTL the pure core computes (PEXPIREAT now + ttl, which on the server clock equals
+PEXPIRE ttl).
 ]]
 
 local TWO_40 = 1099511627776
@@ -67,9 +80,11 @@ local TWO_53 = 9007199254740992
 local MAX_RULES = 8
 local MILLITOKENS_PER_UNIT = 1000
 local MAX_DECISION_ID_BYTES = 64
+-- Most parsed arguments kept (headers and rules together); past it the table starts empty again.
+local MAX_PARSED = 4096
 
--- A decimal integer argument in [min, max], or nil. The pattern refuses what tonumber would
--- accept ("1e3", "0x10", " 1", "inf", "nan"); `value ~= value` is the NaN guard behind it.
+-- A decimal integer in [min, max], or nil. The pattern refuses what tonumber would accept ("1e3",
+-- "0x10", " 1", "inf", "nan"); `value ~= value` is the NaN guard behind it.
 local function integer(text, min, max)
   if type(text) ~= 'string' or #text == 0 or #text > 16 or not string.find(text, '^%d+$') then
     return nil
@@ -81,7 +96,7 @@ local function integer(text, min, max)
   return value
 end
 
--- Integers leave the script through '%d': tostring and table.concat keep only 14 digits.
+-- Integers leave the library through '%d': tostring and table.concat keep only 14 digits.
 local function text(value)
   return string.format('%d', value)
 end
@@ -105,77 +120,157 @@ local function state_error(where, message)
   return { err = 'ALLOT_STATE ' .. where .. ': ' .. message }
 end
 
--- Header -------------------------------------------------------------------------------------
-
-local n = integer(ARGV[4], 1, MAX_RULES)
-if n == nil then
-  return arg_error('n must be 1 to ' .. MAX_RULES)
-end
-if #KEYS ~= n + 1 or #ARGV ~= 6 + 6 * n then
-  return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (6 + 6 * n) .. ' arguments')
-end
-if ARGV[5] ~= '0' and ARGV[5] ~= '1' then
-  return arg_error('dry run must be 0 or 1')
-end
-local dry_run = ARGV[5] == '1'
-local advisory_mask = integer(ARGV[6], 0, 2 ^ n - 1)
-if advisory_mask == nil then
-  return arg_error('advisory must be a mask of the n rules')
-end
--- Whether rule i only advises: bit i-1 of the mask.
-local function advisory(i)
-  return math.floor(advisory_mask / 2 ^ (i - 1)) % 2 == 1
-end
-local decision_id = ARGV[2]
-if #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
-  return arg_error('decision id must be 1 to ' .. MAX_DECISION_ID_BYTES .. ' bytes')
-end
-local record_ttl_ms = integer(ARGV[3], 0, TWO_40)
-if record_ttl_ms == nil then
-  return arg_error('record ttl must be in [0, 2^40]')
-end
-local now
-if ARGV[1] == '0' then
-  local time = redis.call('TIME')
-  now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-else
-  now = integer(ARGV[1], 1, TWO_50)
-  if now == nil then
-    return arg_error('now must be 0 (server clock) or in [1, 2^50]')
+-- The fields of `argument` split at single spaces (an empty field where two spaces meet), or nil
+-- when there are not `count` of them.
+local function fields(argument, count)
+  if type(argument) ~= 'string' then
+    return nil
   end
-end
-local seen_keys = {}
-for k = 2, n + 1 do
-  if seen_keys[KEYS[k]] then
-    return arg_error('rule key ' .. KEYS[k] .. ' appears twice')
+  local parts = {}
+  for part in string.gmatch(argument .. ' ', '([^ ]*) ') do
+    parts[#parts + 1] = part
   end
-  seen_keys[KEYS[k]] = true
+  if #parts ~= count or table.concat(parts, ' ') ~= argument then
+    return nil
+  end
+  return parts
 end
 
--- Replay -------------------------------------------------------------------------------------
+-- Parsed arguments by their exact text: {ok = parsed} or {err = the message}; an error is kept too,
+-- so a defective caller cannot make every call parse again.
+local parsed_by_text, parsed_count = {}, 0
 
-if record_ttl_ms > 0 then
-  local record = redis.pcall('GET', KEYS[1])
-  if type(record) == 'table' and record.err then
-    return state_error('decision record', 'the key is not a string')
+local function remember(argument, entry)
+  if parsed_count >= MAX_PARSED then
+    parsed_by_text, parsed_count = {}, 0
   end
-  if record then
-    local reply = { 1, 0, 0, 1, 0 }
-    for field in string.gmatch(record, '%S+') do
-      local remaining = integer(field, 0, TWO_53)
-      if remaining == nil then
-        return state_error('decision record', 'corrupt value')
-      end
-      reply[#reply + 1] = remaining
+  parsed_by_text[argument] = entry
+  parsed_count = parsed_count + 1
+  return entry
+end
+
+-- Header ---------------------------------------------------------------------------------------
+
+local function parse_header(argument)
+  local parts = fields(argument, 5)
+  if parts == nil then
+    return { err = 'the header must be five fields: now, record ttl, n, dry run, advisory' }
+  end
+  local header = {}
+  header.n = integer(parts[3], 1, MAX_RULES)
+  if header.n == nil then
+    return { err = 'n must be 1 to ' .. MAX_RULES }
+  end
+  if parts[4] ~= '0' and parts[4] ~= '1' then
+    return { err = 'dry run must be 0 or 1' }
+  end
+  header.dry_run = parts[4] == '1'
+  header.advisory_mask = integer(parts[5], 0, 2 ^ header.n - 1)
+  if header.advisory_mask == nil then
+    return { err = 'advisory must be a mask of the n rules' }
+  end
+  -- Whether rule i only advises: bit i-1 of the mask.
+  header.advisory = {}
+  for i = 1, header.n do
+    header.advisory[i] = math.floor(header.advisory_mask / 2 ^ (i - 1)) % 2 == 1
+  end
+  header.record_ttl_ms = integer(parts[2], 0, TWO_40)
+  if header.record_ttl_ms == nil then
+    return { err = 'record ttl must be in [0, 2^40]' }
+  end
+  if parts[1] == '0' then
+    header.server_time = true
+  else
+    header.now = integer(parts[1], 1, TWO_50)
+    if header.now == nil then
+      return { err = 'now must be 0 (server clock) or in [1, 2^50]' }
     end
-    if #reply < 6 or #reply > 5 + MAX_RULES then
-      return state_error('decision record', 'corrupt value')
-    end
-    return reply
   end
+  return { ok = header }
 end
 
--- Stored state -------------------------------------------------------------------------------
+-- Rules ----------------------------------------------------------------------------------------
+
+-- A rule's algorithm, parameters and cost (in the rule's own unit), validated, with what its
+-- decision derives from them alone; or {err = the message, without the rule's index}. An invalid
+-- cost alone is kept as `cost_err`: the core checks the cost after the stored state's shape.
+local function parse_rule(argument)
+  local parts = fields(argument, 6)
+  if parts == nil then
+    return { err = 'a rule must be six fields: algorithm, four parameters, cost' }
+  end
+  local kind = parts[1]
+  local spec = { kind = kind }
+  local where = '(' .. kind .. '): '
+  if kind == 'tb' or kind == 'gcra' then
+    spec.capacity = integer(parts[2], 1, TWO_40)
+    spec.refill = integer(parts[3], 1, TWO_40)
+    spec.period = integer(parts[4], 1, TWO_40)
+    if kind == 'tb' then
+      spec.slack = integer(parts[5], 0, TWO_40)
+    elseif parts[5] == '0' then
+      spec.slack = 0
+    end
+    if not (spec.capacity and spec.refill and spec.period and spec.slack) then
+      return { err = where .. 'capacity, refill and period must be in [1, 2^40], slack in [0, 2^40]' }
+    end
+    -- Both factors are at most 2^40: an inexact product is above 2^53, so the test still holds.
+    if spec.capacity * spec.period > TWO_52 then
+      return { err = where .. 'capacity x period must be at most 2^52' }
+    end
+  elseif kind == 'fw' or kind == 'sc' or kind == 'sl' then
+    spec.limit = integer(parts[2], 1, TWO_40)
+    spec.window = integer(parts[3], 1, TWO_40)
+    if not (spec.limit and spec.window and parts[4] == '0' and parts[5] == '0') then
+      return { err = where .. 'limit and window must be in [1, 2^40], then two zeros' }
+    end
+    if spec.limit * spec.window > TWO_52 then
+      return { err = where .. 'limit x window must be at most 2^52' }
+    end
+  else
+    return { err = where .. 'unknown algorithm' }
+  end
+  local cost_millitokens = integer(parts[6], 1, TWO_40 * MILLITOKENS_PER_UNIT)
+  if kind == 'tb' or kind == 'gcra' then
+    if cost_millitokens == nil or cost_millitokens > TWO_40 then
+      spec.cost_err = where .. 'cost must be in [1, 2^40] millitokens'
+      return { ok = spec }
+    end
+    spec.cost = cost_millitokens
+  else
+    if cost_millitokens == nil or cost_millitokens % MILLITOKENS_PER_UNIT ~= 0 then
+      spec.cost_err = where .. 'cost must be a positive multiple of 1000 millitokens'
+      return { ok = spec }
+    end
+    spec.cost = cost_millitokens / MILLITOKENS_PER_UNIT
+    if kind == 'sl' and spec.cost ~= 1 then
+      spec.cost_err = where .. 'cost must be exactly 1000 millitokens for the sliding log'
+      return { ok = spec }
+    end
+  end
+  -- What the decision derives from the parameters alone.
+  if kind == 'tb' then
+    spec.full_refill_ms = div_ceil(spec.capacity * spec.period, spec.refill)
+  elseif kind == 'gcra' then
+    spec.burst_ms = div_floor(spec.capacity * spec.period, spec.refill)
+    spec.increment_ms = div_ceil(spec.cost * spec.period, spec.refill)
+  end
+  return { ok = spec }
+end
+
+-- `argument` parsed by `parse`, from the table when this exact text was seen before.
+local function parsed(argument, parse)
+  if type(argument) ~= 'string' then
+    return parse(argument)
+  end
+  local entry = parsed_by_text[argument]
+  if entry == nil then
+    entry = remember(argument, parse(argument))
+  end
+  return entry
+end
+
+-- Stored state ---------------------------------------------------------------------------------
 
 local HASH_FIELDS = { 'tk', 'ts', 'w', 'n', 'cur', 'prev' }
 local HASH_SHAPES = {
@@ -190,15 +285,15 @@ local function read_hash(rule_index, key, kind)
   if values.err then
     return nil, state_error('rule ' .. rule_index, 'the key is not a hash')
   end
-  local fields, present, expected = {}, 0, HASH_SHAPES[kind]
+  local found, present, expected = {}, 0, HASH_SHAPES[kind]
   for f = 1, #HASH_FIELDS do
     local name, value = HASH_FIELDS[f], values[f]
     if value then
       if not expected[name] then
         return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' belongs to another algorithm')
       end
-      fields[name] = integer(value, 0, TWO_53)
-      if fields[name] == nil then
+      found[name] = integer(value, 0, TWO_53)
+      if found[name] == nil then
         return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is not an integer')
       end
       present = present + 1
@@ -208,11 +303,11 @@ local function read_hash(rule_index, key, kind)
     return nil
   end
   for name in pairs(expected) do
-    if fields[name] == nil then
+    if found[name] == nil then
       return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is missing')
     end
   end
-  return fields
+  return found
 end
 
 -- The GCRA key: nil when absent, the stored TAT, or an error reply.
@@ -234,7 +329,7 @@ end
 -- The sliding-log key, read against now: {live_count = entries admitted after now - window (later
 -- than now too, if the clock stepped back), replay = this decision id is one of them}; or an error
 -- reply. An entry admitted exactly a window ago has left.
-local function read_log(rule_index, key, window, now)
+local function read_log(rule_index, key, window, now, decision_id)
   local live_from = '(' .. text(now - window)
   local live_count = redis.pcall('ZCOUNT', key, live_from, '+inf')
   if type(live_count) == 'table' and live_count.err then
@@ -245,22 +340,23 @@ local function read_log(rule_index, key, window, now)
   return { live_count = live_count, live_from = live_from, replay = replay }
 end
 
-local function read_state(rule, now)
-  if rule.kind == 'gcra' then
-    return read_tat(rule.index, rule.key)
-  elseif rule.kind == 'sl' then
-    return read_log(rule.index, rule.key, rule.window, now)
+local function read_state(index, spec, key, now, decision_id)
+  if spec.kind == 'gcra' then
+    return read_tat(index, key)
+  elseif spec.kind == 'sl' then
+    return read_log(index, key, spec.window, now, decision_id)
   end
-  return read_hash(rule.index, rule.key, rule.kind)
+  return read_hash(index, key, spec.kind)
 end
 
--- Rules ----------------------------------------------------------------------------------------
+-- Decisions ------------------------------------------------------------------------------------
 -- Each decide_* returns an outcome:
 --   allowed    this rule admits the request
 --   remaining  after this rule's own decision (after its debit when allowed)
 --   available  what it holds without debiting, reported when another rule denies
 --   retry      when denied: ms, or -1 for never
---   write      when allowed: a function performing the write, or nil (a sliding-log replay)
+--   write      when allowed: true when the rule writes (not for a sliding-log replay), with what
+--              it writes in the outcome's other fields (see `write`)
 -- Costs are in the rule's unit: millitokens for tb and gcra, units for fw, sc and sl.
 
 local function never()
@@ -269,7 +365,7 @@ end
 
 local function decide_token_bucket(rule, state, now)
   if rule.cost > rule.capacity then return never() end
-  local full_refill_ms = div_ceil(rule.capacity * rule.period, rule.refill)
+  local full_refill_ms = rule.full_refill_ms
   local tokens = rule.capacity
   if state then
     local delta_ms = math.min(math.max(now - state.ts, 0), full_refill_ms)
@@ -287,19 +383,15 @@ local function decide_token_bucket(rule, state, now)
   local updated_at = state and math.max(state.ts, now) or now
   -- The key lives until the stored state would be full again: full refill + slack counted from
   -- updated_at, which a clock that stepped back leaves ahead of now (as the core does).
-  local expires_at = updated_at + full_refill_ms + rule.slack
   return {
     allowed = true, remaining = remaining, available = tokens,
-    write = function()
-      redis.call('HSET', rule.key, 'tk', text(remaining), 'ts', text(updated_at))
-      redis.call('PEXPIREAT', rule.key, text(expires_at))
-    end,
+    write = true, updated_at = updated_at, expires_at = updated_at + full_refill_ms + rule.slack,
   }
 end
 
 local function decide_gcra(rule, tat, now)
   if rule.cost > rule.capacity then return never() end
-  local burst_ms = div_floor(rule.capacity * rule.period, rule.refill)
+  local burst_ms = rule.burst_ms
   -- span <= burst, so span * refill <= capacity * period <= 2^52.
   local function millitokens_in(span_ms)
     return div_floor(span_ms * rule.refill, rule.period)
@@ -307,7 +399,7 @@ local function decide_gcra(rule, tat, now)
   -- How far the TAT runs ahead of now (0 for a fresh key or a TAT in the past). The core's
   -- new_tat - now is used + increment; it is compared term by term so no sum passes 2^53.
   local used_ms = math.max((tat or now) - now, 0)
-  local increment_ms = div_ceil(rule.cost * rule.period, rule.refill)
+  local increment_ms = rule.increment_ms
   local available = millitokens_in(burst_ms - math.min(used_ms, burst_ms))
   if used_ms > burst_ms or increment_ms > burst_ms - used_ms then
     -- The excess of used + increment over the tolerance.
@@ -315,12 +407,9 @@ local function decide_gcra(rule, tat, now)
     return { allowed = false, remaining = available, available = available, retry = retry }
   end
   -- Admitted: new_tat = now + used + increment <= now + burst, and the key lives until then.
-  local new_tat = now + used_ms + increment_ms
   return {
     allowed = true, remaining = millitokens_in(burst_ms - used_ms - increment_ms), available = available,
-    write = function()
-      redis.call('SET', rule.key, text(new_tat), 'PXAT', text(new_tat))
-    end,
+    write = true, new_tat = now + used_ms + increment_ms,
   }
 end
 
@@ -340,10 +429,7 @@ local function decide_fixed_window(rule, state, now)
   local new_count = count + rule.cost
   return {
     allowed = true, remaining = rule.limit - new_count, available = available,
-    write = function()
-      redis.call('HSET', rule.key, 'w', text(window_start), 'n', text(new_count))
-      redis.call('PEXPIREAT', rule.key, text(now + left_ms))
-    end,
+    write = true, window_start = window_start, count = new_count, expires_at = now + left_ms,
   }
 end
 
@@ -368,25 +454,25 @@ local function decide_sliding_counter(rule, state, now)
   -- stays exact: a term above the headroom (even one past 2^53, after a window change) already
   -- means "over", and comparing it needs no exactness.
   local headroom, over = rule.limit * w, false
-  for _, term in ipairs({ prev * (w - elapsed), cur * w }) do
-    if term > headroom then
+  local weighted_prev, full_cur = prev * (w - elapsed), cur * w
+  if weighted_prev > headroom then
+    over = true
+  else
+    headroom = headroom - weighted_prev
+    if full_cur > headroom then
       over = true
-      break
+    else
+      headroom = headroom - full_cur
     end
-    headroom = headroom - term
   end
   local available = over and 0 or div_floor(headroom, w)
   local cost_scaled = rule.cost * w
   if not over and cost_scaled <= headroom then
-    local new_cur = cur + rule.cost
     -- The state matters until both counts have aged out: the end of the next window.
-    local expires_at = window_start + 2 * w
     return {
       allowed = true, remaining = div_floor(headroom - cost_scaled, w), available = available,
-      write = function()
-        redis.call('HSET', rule.key, 'w', text(window_start), 'cur', text(new_cur), 'prev', text(prev))
-        redis.call('PEXPIREAT', rule.key, text(expires_at))
-      end,
+      write = true, window_start = window_start, count = cur + rule.cost, prev = prev,
+      expires_at = window_start + 2 * w,
     }
   end
   -- The earliest elapsed time e with weight * (w - e) <= slack is w - floor(slack / weight).
@@ -402,30 +488,18 @@ local function decide_sliding_counter(rule, state, now)
   return { allowed = false, remaining = available, available = available, retry = retry }
 end
 
-local function decide_sliding_log(rule, log, now)
+local function decide_sliding_log(rule, log, now, key)
   local available = math.max(rule.limit - log.live_count, 0)
   if log.replay then
     -- A retry of an admitted request: allowed again, counted once, nothing written.
     return { allowed = true, remaining = available, available = available }
   end
   if log.live_count >= rule.limit then
-    local oldest = redis.call('ZRANGEBYSCORE', rule.key, log.live_from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    local oldest = redis.call('ZRANGEBYSCORE', key, log.live_from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     local retry = math.max(tonumber(oldest[2]) + rule.window - now, 1)
     return { allowed = false, remaining = 0, available = available, retry = retry }
   end
-  return {
-    allowed = true, remaining = rule.limit - log.live_count - 1, available = available,
-    write = function()
-      -- Trim the entries that have left the window, so the set holds at most `limit` members. The
-      -- key lives until its newest entry leaves the window; after a clock step back that entry can
-      -- be later than now (as the core does).
-      local newest = redis.call('ZRANGE', rule.key, -1, -1, 'WITHSCORES')
-      local newest_at = math.max(tonumber(newest[2]) or now, now)
-      redis.call('ZREMRANGEBYSCORE', rule.key, '-inf', text(now - rule.window))
-      redis.call('ZADD', rule.key, text(now), decision_id)
-      redis.call('PEXPIREAT', rule.key, text(newest_at + rule.window))
-    end,
-  }
+  return { allowed = true, remaining = rule.limit - log.live_count - 1, available = available, write = true }
 end
 
 local DECIDE = {
@@ -436,112 +510,136 @@ local DECIDE = {
   sl = decide_sliding_log,
 }
 
--- Arguments ----------------------------------------------------------------------------------
-
--- Rule i's algorithm and parameters: a rule table, or nil and an error reply.
-local function parse_rule(i)
-  local base = 7 + 6 * (i - 1)
-  local kind = ARGV[base]
-  local rule = { index = i, kind = kind, key = KEYS[i + 1], cost_text = ARGV[base + 5] }
-  local where = 'rule ' .. i .. ' (' .. kind .. '): '
-  if kind == 'tb' or kind == 'gcra' then
-    rule.capacity = integer(ARGV[base + 1], 1, TWO_40)
-    rule.refill = integer(ARGV[base + 2], 1, TWO_40)
-    rule.period = integer(ARGV[base + 3], 1, TWO_40)
-    if kind == 'tb' then
-      rule.slack = integer(ARGV[base + 4], 0, TWO_40)
-    elseif ARGV[base + 4] == '0' then
-      rule.slack = 0
-    end
-    if not (rule.capacity and rule.refill and rule.period and rule.slack) then
-      return nil, arg_error(where .. 'capacity, refill and period must be in [1, 2^40], slack in [0, 2^40]')
-    end
-    -- Both factors are at most 2^40: an inexact product is above 2^53, so the test still holds.
-    if rule.capacity * rule.period > TWO_52 then
-      return nil, arg_error(where .. 'capacity x period must be at most 2^52')
-    end
-  elseif kind == 'fw' or kind == 'sc' or kind == 'sl' then
-    rule.limit = integer(ARGV[base + 1], 1, TWO_40)
-    rule.window = integer(ARGV[base + 2], 1, TWO_40)
-    if not (rule.limit and rule.window and ARGV[base + 3] == '0' and ARGV[base + 4] == '0') then
-      return nil, arg_error(where .. 'limit and window must be in [1, 2^40], then two zeros')
-    end
-    if rule.limit * rule.window > TWO_52 then
-      return nil, arg_error(where .. 'limit x window must be at most 2^52')
-    end
+-- Performs an admitting outcome's write to `key`.
+local function write(spec, key, outcome, now, decision_id)
+  local kind = spec.kind
+  if kind == 'fw' then
+    redis.call('HSET', key, 'w', text(outcome.window_start), 'n', text(outcome.count))
+    redis.call('PEXPIREAT', key, text(outcome.expires_at))
+  elseif kind == 'tb' then
+    redis.call('HSET', key, 'tk', text(outcome.remaining), 'ts', text(outcome.updated_at))
+    redis.call('PEXPIREAT', key, text(outcome.expires_at))
+  elseif kind == 'gcra' then
+    redis.call('SET', key, text(outcome.new_tat), 'PXAT', text(outcome.new_tat))
+  elseif kind == 'sc' then
+    redis.call('HSET', key, 'w', text(outcome.window_start), 'cur', text(outcome.count), 'prev', text(outcome.prev))
+    redis.call('PEXPIREAT', key, text(outcome.expires_at))
   else
-    return nil, arg_error(where .. 'unknown algorithm')
+    -- Trim the entries that have left the window, so the set holds at most `limit` members. The
+    -- key lives until its newest entry leaves the window; after a clock step back that entry can
+    -- be later than now (as the core does).
+    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    local newest_at = math.max(tonumber(newest[2]) or now, now)
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', text(now - spec.window))
+    redis.call('ZADD', key, text(now), decision_id)
+    redis.call('PEXPIREAT', key, text(newest_at + spec.window))
   end
-  return rule
 end
 
--- Sets rule.cost in the rule's own unit; returns an error reply when the cost is invalid.
-local function check_cost(rule)
-  local where = 'rule ' .. rule.index .. ' (' .. rule.kind .. '): '
-  local cost_millitokens = integer(rule.cost_text, 1, TWO_40 * MILLITOKENS_PER_UNIT)
-  if rule.kind == 'tb' or rule.kind == 'gcra' then
-    if cost_millitokens == nil or cost_millitokens > TWO_40 then
-      return arg_error(where .. 'cost must be in [1, 2^40] millitokens')
-    end
-    rule.cost = cost_millitokens
-    return nil
-  end
-  if cost_millitokens == nil or cost_millitokens % MILLITOKENS_PER_UNIT ~= 0 then
-    return arg_error(where .. 'cost must be a positive multiple of 1000 millitokens')
-  end
-  rule.cost = cost_millitokens / MILLITOKENS_PER_UNIT
-  if rule.kind == 'sl' and rule.cost ~= 1 then
-    return arg_error(where .. 'cost must be exactly 1000 millitokens for the sliding log')
-  end
-  return nil
-end
+-- The decision ---------------------------------------------------------------------------------
 
--- Decide -------------------------------------------------------------------------------------
--- Rule by rule in evaluation order, like the pure core: the parameters, then the stored state's
--- shape, then the cost, then the decision. Every error returns before anything is written.
-
-local outcomes = {}
-for i = 1, n do
-  local rule, problem = parse_rule(i)
-  if problem then return problem end
-  local state
-  state, problem = read_state(rule, now)
-  if problem then return problem end
-  problem = check_cost(rule)
-  if problem then return problem end
-  outcomes[i] = DECIDE[rule.kind](rule, state, now)
-end
-
-local denied_by, retry, advisory_denied = 0, 0, 0
-for i = 1, n do
-  local outcome = outcomes[i]
-  if not outcome.allowed and advisory(i) then
-    advisory_denied = advisory_denied + 2 ^ (i - 1)
-  elseif not outcome.allowed then
-    if denied_by == 0 then denied_by = i end
-    -- The hint is the maximum over denying rules; never (-1) dominates every wait.
-    if retry ~= -1 and (outcome.retry == -1 or outcome.retry > retry) then
-      retry = outcome.retry
+local function decide(keys, args)
+  local header_entry = parsed(args[1], parse_header)
+  if header_entry.err then
+    return arg_error(header_entry.err)
+  end
+  local header = header_entry.ok
+  local n = header.n
+  if #keys ~= n + 1 or #args ~= 2 + n then
+    return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (2 + n) .. ' arguments')
+  end
+  local decision_id = args[2]
+  if #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
+    return arg_error('decision id must be 1 to ' .. MAX_DECISION_ID_BYTES .. ' bytes')
+  end
+  -- At most 8 keys: compared pairwise, nothing allocated.
+  for k = 3, n + 1 do
+    for j = 2, k - 1 do
+      if keys[j] == keys[k] then
+        return arg_error('rule key ' .. keys[k] .. ' appears twice')
+      end
     end
   end
-end
-
-local reply = { denied_by == 0 and 1 or 0, denied_by, retry, 0, advisory_denied }
-for i = 1, n do
-  local outcome = outcomes[i]
-  -- When another rule denied, an admitting rule reports what it holds, undebited.
-  local report_available = denied_by ~= 0 and outcome.allowed
-  reply[5 + i] = report_available and outcome.available or outcome.remaining
-end
-
-if denied_by == 0 and not dry_run then
-  for i = 1, n do
-    if outcomes[i].write then outcomes[i].write() end
+  local now = header.now
+  if header.server_time then
+    local time = redis.call('TIME')
+    now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
   end
+  local record_ttl_ms = header.record_ttl_ms
+
+  -- Replay.
   if record_ttl_ms > 0 then
-    local remaining = {}
-    for i = 1, n do remaining[i] = text(reply[5 + i]) end
-    redis.call('SET', KEYS[1], table.concat(remaining, ' '), 'PXAT', text(now + record_ttl_ms))
+    local record = redis.pcall('GET', keys[1])
+    if type(record) == 'table' and record.err then
+      return state_error('decision record', 'the key is not a string')
+    end
+    if record then
+      local reply = { 1, 0, 0, 1, 0 }
+      for field in string.gmatch(record, '%S+') do
+        local remaining = integer(field, 0, TWO_53)
+        if remaining == nil then
+          return state_error('decision record', 'corrupt value')
+        end
+        reply[#reply + 1] = remaining
+      end
+      if #reply < 6 or #reply > 5 + MAX_RULES then
+        return state_error('decision record', 'corrupt value')
+      end
+      return reply
+    end
   end
+
+  -- Rule by rule in evaluation order, like the pure core: the parameters, then the stored state's
+  -- shape, then the decision. Every error returns before anything is written.
+  local specs, outcomes = {}, {}
+  for i = 1, n do
+    local entry = parsed(args[2 + i], parse_rule)
+    if entry.err then
+      return arg_error('rule ' .. i .. ' ' .. entry.err)
+    end
+    local spec = entry.ok
+    local state, problem = read_state(i, spec, keys[i + 1], now, decision_id)
+    if problem then return problem end
+    if spec.cost_err then
+      return arg_error('rule ' .. i .. ' ' .. spec.cost_err)
+    end
+    specs[i] = spec
+    outcomes[i] = DECIDE[spec.kind](spec, state, now, keys[i + 1])
+  end
+
+  local denied_by, retry, advisory_denied = 0, 0, 0
+  for i = 1, n do
+    local outcome = outcomes[i]
+    if not outcome.allowed and header.advisory[i] then
+      advisory_denied = advisory_denied + 2 ^ (i - 1)
+    elseif not outcome.allowed then
+      if denied_by == 0 then denied_by = i end
+      -- The hint is the maximum over denying rules; never (-1) dominates every wait.
+      if retry ~= -1 and (outcome.retry == -1 or outcome.retry > retry) then
+        retry = outcome.retry
+      end
+    end
+  end
+
+  local reply = { denied_by == 0 and 1 or 0, denied_by, retry, 0, advisory_denied }
+  for i = 1, n do
+    local outcome = outcomes[i]
+    -- When another rule denied, an admitting rule reports what it holds, undebited.
+    local report_available = denied_by ~= 0 and outcome.allowed
+    reply[5 + i] = report_available and outcome.available or outcome.remaining
+  end
+
+  if denied_by == 0 and not header.dry_run then
+    for i = 1, n do
+      if outcomes[i].write then write(specs[i], keys[i + 1], outcomes[i], now, decision_id) end
+    end
+    if record_ttl_ms > 0 then
+      local remaining = {}
+      for i = 1, n do remaining[i] = text(reply[5 + i]) end
+      redis.call('SET', keys[1], table.concat(remaining, ' '), 'PXAT', text(now + record_ttl_ms))
+    end
+  end
+  return reply
 end
-return reply
+
+redis.register_function('allot_decide_LIBRARY_VERSION', decide)

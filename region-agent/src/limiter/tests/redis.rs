@@ -65,7 +65,7 @@ async fn server_time_ms(connection: &Connection) -> u64 {
 }
 
 #[tokio::test]
-async fn a_flushed_script_cache_is_reloaded_once_and_the_call_succeeds() {
+async fn a_flushed_library_or_script_is_reloaded_once_and_the_call_succeeds() {
     let s = Subject::redis_single().await;
     s.set_now(FUTURE_BASE_MS);
     let atlas = tenant("atlas");
@@ -73,15 +73,17 @@ async fn a_flushed_script_cache_is_reloaded_once_and_the_call_succeeds() {
     assert!(s.decide(&request("r-1")).await.expect("decides").allowed);
     assert_eq!(s.redis_store().script_reloads(), 0);
 
+    // Every function library and every script is gone (as after a restart without persistence).
+    let _: String = redis_query(&s.redis_connection(), redis::cmd("FUNCTION").arg("FLUSH")).await;
     let _: String = redis_query(&s.redis_connection(), redis::cmd("SCRIPT").arg("FLUSH")).await;
     let decision = s
         .decide(&request("r-2"))
         .await
-        .expect("decides after NOSCRIPT");
+        .expect("decides after the library was lost");
     assert_eq!(
         decision.remaining,
         [18_000],
-        "the state survived; only the script was lost"
+        "the state survived; only the library was lost"
     );
     assert_eq!(s.redis_store().script_reloads(), 1);
 
@@ -290,24 +292,17 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     let store = s.redis_store();
     let keys = ["rl:v1:{t:a}:d:r-1", "rl:v1:{t:a}:x"];
     let now = FUTURE_BASE_MS.to_string();
-    let tb = |fields: [&str; 5]| {
-        let mut args = vec![
-            now.clone(),
+    // The header's fields: now, record ttl, n, dry run, advisory mask.
+    let header_fields = [now.as_str(), "0", "1", "0", "0"];
+    let call = |header: [&str; 5], kind: &str, fields: [&str; 5]| {
+        vec![
+            header.join(" "),
             "r-1".to_owned(),
-            "0".to_owned(),
-            "1".to_owned(),
-            "0".to_owned(),
-            "0".to_owned(),
-            "tb".to_owned(),
-        ];
-        args.extend(fields.map(str::to_owned));
-        args
+            format!("{kind} {}", fields.join(" ")),
+        ]
     };
-    let with = |kind: &str, fields: [&str; 5]| {
-        let mut args = tb(fields);
-        args[6] = kind.to_owned();
-        args
-    };
+    let tb = |fields: [&str; 5]| call(header_fields, "tb", fields);
+    let with = |kind: &str, fields: [&str; 5]| call(header_fields, kind, fields);
     let valid = tb(["20000", "2000", "1000", "5000", "1000"]);
     let mut cases: Vec<(&str, Vec<String>)> = vec![
         ("nan", tb(["nan", "2000", "1000", "5000", "1000"])),
@@ -358,27 +353,38 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
         ),
     ];
     let mut header = |field: usize, value: &str, name: &'static str| {
-        let mut args = valid.clone();
-        args[field] = value.to_owned();
-        cases.push((name, args));
+        let mut fields = header_fields;
+        fields[field] = value;
+        cases.push((
+            name,
+            call(fields, "tb", ["20000", "2000", "1000", "5000", "1000"]),
+        ));
     };
     header(0, "-5", "negative now");
     header(0, "1125899906842625", "now above 2^50");
-    header(1, &"x".repeat(65), "a 65-byte decision id");
-    header(2, "1099511627777", "record ttl above 2^40");
-    header(3, "2", "n larger than the keys");
-    header(3, "9", "more than 8 rules");
-    header(4, "2", "dry run neither 0 nor 1");
-    header(4, "", "an empty dry run flag");
+    header(1, "1099511627777", "record ttl above 2^40");
+    header(2, "2", "n larger than the keys");
+    header(2, "9", "more than 8 rules");
+    header(3, "2", "dry run neither 0 nor 1");
+    header(3, "", "an empty dry run flag");
     header(
-        5,
+        4,
         "2",
         "an advisory mask naming a rule the call does not have",
     );
-    header(5, "-1", "a negative advisory mask");
+    header(4, "-1", "a negative advisory mask");
+    let mut long_id = valid.clone();
+    long_id[1] = "x".repeat(65);
+    cases.push(("a 65-byte decision id", long_id));
+    let mut six_fields = valid.clone();
+    six_fields[0].push_str(" 0");
+    cases.push(("a header of six fields", six_fields));
+    let mut short_rule = valid.clone();
+    short_rule[2] = "tb 20000 2000 1000 5000".to_owned();
+    cases.push(("a rule missing a field", short_rule));
     let mut short = valid.clone();
     short.pop();
-    cases.push(("a missing field", short));
+    cases.push(("a missing rule", short));
     for (name, args) in &cases {
         let refused = store.run_decide_raw(&keys, args).await;
         assert!(
@@ -394,8 +400,8 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     }
     let duplicate = {
         let mut args = valid.clone();
-        args[3] = "2".to_owned();
-        args.extend(valid[6..].iter().cloned());
+        args[0] = format!("{now} 0 2 0 0");
+        args.push(valid[2].clone());
         args
     };
     let refused = store
