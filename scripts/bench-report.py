@@ -82,17 +82,20 @@ def main():
         print("`CAS` reads the key and compares-and-puts it, as a naive allocator would per grant.")
         print("`x` columns are allocator grants/s divided by that loop's transactions/s. `per pool` is the")
         print("limit on one pool's grants per commit (1 = no per-pool batching); commits of different pools")
-        print("are merged into one transaction by the committer in both cases.")
+        print("are merged into one transaction by the committer in both cases. `pools`: `warm` when every")
+        print("pool had a grant from the same grant service before the run (its worker holds the pool's")
+        print("configuration and window, the steady state), `cold` when none had (each pool's first grant")
+        print("reads them from etcd, as after a failover).")
         print()
         print("What to look for: on one hot pool, per-pool group commit is what keeps throughput far above")
         print("a compare-and-put loop (whose transactions mostly conflict); on many pools, merging pool")
         print("commits into shared transactions is what takes the allocator past the blind single-put")
-        print("ceiling (the target is at least 0.8 of it at 64 clients on 1,000 pools).")
+        print("ceiling (the target is at least 0.8 of it at 64 clients on 1,000 and on 10,000 warm pools).")
         print()
-        print("| shape | clients | per pool | grants/s | blind txn/s | x blind | shaped txn/s | x shaped | CAS txn/s | x CAS | CAS conflicts |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| shape | pools | clients | per pool | grants/s | blind txn/s | x blind | shaped txn/s | x shaped | CAS txn/s | x CAS | CAS conflicts |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in grants:
-            print(f"| {r['shape']} | {r['clients']} | {r['maxBatch']} | {r['grantsPerSecond']:.0f} | "
+            print(f"| {r['shape']} | {r.get('pools', 'cold')} | {r['clients']} | {r['maxBatch']} | {r['grantsPerSecond']:.0f} | "
                   f"{r['blindTxnPerSecond']:.0f} | {r['ratioToBlind']:.2f} | "
                   f"{r['shapedTxnPerSecond']:.0f} | {r['ratioToShaped']:.2f} | {r['casTxnPerSecond']:.0f} | "
                   f"{r['ratioToCas']:.2f} | {r['casConflictShare']:.0f}% |")
@@ -229,30 +232,38 @@ def main():
     if peer:
         print("## A peer: Kuadrant's Limitador on the same Redis")
         print()
-        print("`bench/peer` (run by `scripts/bench-peer`): one Redis started by the bench, one limit (per user,")
-        print("N requests per 60 s window, N never reached), each caller one user, 1 and 32 concurrent callers.")
-        print("`raw EVALSHA` calls Allot's decision script straight through the redis crate (the store's")
-        print("ceiling); `allot` is the regional limiter's client path (`Limiter::decide`) with that limit as a")
-        print("`fixed_window` rule; `limitador` is the `limitador` 0.14 library's `AsyncRedisStorage` through")
-        print("`AsyncRateLimiter::check_rate_limited_and_update`. Rounds of the three alternate in the run;")
-        print("`ratio` is decisions/s over raw's at the same callers. CPU per decision: this process (the")
+        print("`bench/peer` (run by `scripts/bench-peer`): one Redis started by the bench, 1 and 32 concurrent")
+        print("callers, each caller one user, two shapes: `1` rule (per user, N requests per 60 s window, N never")
+        print("reached) and `3` rules (the same per user, per route and per tenant: every caller shares the")
+        print("route's and the tenant's counters). `raw FCALL` calls Allot's decision function straight through")
+        print("the redis crate (the store's ceiling); `allot` is the regional limiter's client path")
+        print("(`Limiter::decide`) with those limits as `fixed_window` rules; `limitador` is the `limitador` 0.14")
+        print("library's `AsyncRedisStorage` through `AsyncRateLimiter::check_rate_limited_and_update` with the")
+        print("same limits. Rounds of the three alternate in the run; `x raw` is decisions/s over raw's at the")
+        print("same shape and callers; `x limitador` is Allot's Redis CPU per decision over Limitador's (the")
+        print("target is at most 0.7 on the 1-rule shape at 32 callers). CPU per decision: this process (the")
         print("limiter's client side, all callers) and Redis (`INFO cpu`); commands per decision from `INFO")
         print("commandstats`. What each enforces: Limitador keeps fixed-window counters and checks them")
         print("before it updates them (two steps, not atomic together: concurrent callers can pass the check")
-        print("together); Allot decides every rule of a request and writes them in one atomic script call, and")
+        print("together); Allot decides every rule of a request and writes them in one atomic call, and")
         print("offers token buckets and GCRA beside fixed windows.")
         print()
-        print("| callers | path | decisions/s | p50 us | p99 us | x raw | client CPU us/decision | Redis CPU us/decision | Redis commands/decision | by command |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        print("| rules | callers | path | decisions/s | p50 us | p99 us | x raw | client CPU us/decision | Redis CPU us/decision | x limitador | Redis commands/decision | by command |")
+        print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        limitador_cpu = {(r.get('rules', 1), r['callers']): r['redisCpuUsPerDecision']
+                         for r in peer if r['path'] == 'limitador'}
         for r in peer:
-            print(f"| {r['callers']} | {r['path']} | {r['decisionsPerSecond']:.0f} | {r['p50Us']} | "
+            rules = r.get('rules', 1)
+            peer_cpu = limitador_cpu.get((rules, r['callers']))
+            versus = f"{r['redisCpuUsPerDecision'] / peer_cpu:.2f}" if peer_cpu else "-"
+            print(f"| {rules} | {r['callers']} | {r['path']} | {r['decisionsPerSecond']:.0f} | {r['p50Us']} | "
                   f"{r['p99Us']} | {r['ratio']:.2f} | {r['clientCpuUsPerDecision']} | "
-                  f"{r['redisCpuUsPerDecision']} | {r['redisCommandsPerDecision']} | "
+                  f"{r['redisCpuUsPerDecision']} | {versus} | {r['redisCommandsPerDecision']} | "
                   f"{r.get('redisCommandsByName', '')} |")
         print()
-        print("Redis counts the commands a script runs inside it too: `evalsha` is the number of round trips")
-        print("(Allot: one script call decides and writes; Limitador: one script call to check, a second to")
-        print("update), the rest what the scripts do inside.")
+        print("Redis counts the commands a script or function runs inside it too: `fcall` and `evalsha` are the")
+        print("round trips (Allot: one call decides and writes; Limitador: one script call to check, a second")
+        print("to update), the rest what the Lua code does inside.")
         print()
 
 

@@ -7,6 +7,11 @@
 //! naive allocator would do: read the window key, then compare-and-put it; on one hot key most of those
 //! transactions conflict. Run with `scripts/bench` (or `cargo bench -p allot-allocator --bench grants`).
 //! Prints one JSON object per line for the report, and a table.
+//!
+//! `warm`: every pool has had a grant from this grant service before the run (its worker holds the
+//! pool's configuration and window, as in steady state); `cold`: none has (every pool's first grant
+//! in the run reads them from etcd first, as after a failover). The 10,000-pool shape is measured
+//! both ways; the others warm.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -129,6 +134,34 @@ async fn raw_loop(kv: Arc<EtcdKv>, keys: usize, clients: usize, mode: Raw) -> (f
     (ok / seconds, failed / (ok + failed).max(1.0))
 }
 
+/// One grant for every pool of `targets`, from 64 tasks: afterwards every pool's worker holds its
+/// configuration and window.
+async fn warm_up(grantor: &Grantor, targets: &Arc<Vec<(TenantId, PoolId)>>) {
+    let next = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (grantor, targets, next) = (grantor.clone(), targets.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let eu = RegionId::parse("eu").expect("region");
+            loop {
+                let n = next.fetch_add(1, Ordering::Relaxed) as usize;
+                let Some((tenant, pool)) = targets.get(n) else {
+                    return;
+                };
+                let request = GrantRequest {
+                    lease_id: LeaseId::from_parts(1, rand::random()),
+                    region: eu.clone(),
+                    want_tokens: 1,
+                };
+                let _ = grantor.grant(tenant, pool, request).await;
+            }
+        }));
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+}
+
 /// Grants per second through the grant service.
 async fn grant_loop(
     grantor: Grantor,
@@ -202,8 +235,9 @@ async fn main() {
             .expect("pool");
     }
     println!(
-        "{:<12} {:>8} {:>8} {:>10} {:>10} {:>8} {:>10} {:>8} {:>10} {:>8} {:>9}",
+        "{:<12} {:>5} {:>8} {:>8} {:>10} {:>10} {:>8} {:>10} {:>8} {:>10} {:>8} {:>9}",
         "shape",
+        "pools",
         "clients",
         "batch",
         "grants/s",
@@ -229,7 +263,15 @@ async fn main() {
             let (shaped, _) = raw_loop(kv.clone(), pool_count, clients, Raw::GrantShaped).await;
             let (cas, cas_failed) =
                 raw_loop(kv.clone(), pool_count, clients, Raw::CompareAndPut).await;
-            for max_batch in [120usize, 1] {
+            let states: &[&str] = if pool_count >= 10_000 {
+                &["warm", "cold"]
+            } else {
+                &["warm"]
+            };
+            for (&max_batch, &state) in [120usize, 1]
+                .iter()
+                .flat_map(|batch| states.iter().map(move |state| (batch, state)))
+            {
                 let kv_dyn: Arc<dyn Kv> = kv.clone();
                 let grantor = Grantor::new(
                     kv_dyn,
@@ -239,17 +281,21 @@ async fn main() {
                     None,
                 )
                 .with_max_batch(max_batch);
+                if state == "warm" {
+                    warm_up(&grantor, &targets).await;
+                }
                 let grants = grant_loop(grantor, targets.clone(), clients).await;
                 let (x_blind, x_cas) = (grants / blind.max(1.0), grants / cas.max(1.0));
                 let x_shaped = grants / shaped.max(1.0);
                 println!(
-                    "{shape:<12} {clients:>8} {max_batch:>8} {grants:>10.0} {blind:>10.0} {x_blind:>8.2} {shaped:>10.0} {x_shaped:>8.2} {cas:>10.0} {x_cas:>8.2} {:>8.0}%",
+                    "{shape:<12} {state:>5} {clients:>8} {max_batch:>8} {grants:>10.0} {blind:>10.0} {x_blind:>8.2} {shaped:>10.0} {x_shaped:>8.2} {cas:>10.0} {x_cas:>8.2} {:>8.0}%",
                     cas_failed * 100.0
                 );
                 let round2 = |x: f64| (x * 100.0).round() / 100.0;
                 println!(
                     "BENCH {}",
                     serde_json::json!({ "bench": "allocator_grants", "shape": shape, "clients": clients,
+                        "pools": state,
                         "maxBatch": max_batch, "grantsPerSecond": grants.round(),
                         "blindTxnPerSecond": blind.round(), "ratioToBlind": round2(x_blind),
                         "shapedTxnPerSecond": shaped.round(), "ratioToShaped": round2(x_shaped),

@@ -1,12 +1,14 @@
 //! Allot's regional limiter beside a peer, Kuadrant's Limitador (the `limitador` library, 0.14, its
 //! `AsyncRedisStorage` through `AsyncRateLimiter::check_rate_limited_and_update`), with the same
-//! limit, the same Redis and the same concurrency, in the same run, and both against the store's
-//! ceiling: a raw `EVALSHA` of Allot's decision script with the same keys and arguments.
+//! limits, the same Redis and the same concurrency, in the same run, and both against the store's
+//! ceiling: a raw `FCALL` of Allot's decision function with the same keys and arguments.
 //!
-//! The limit: per user, N requests per 60 s window, N so large that every decision admits (the bench
-//! measures the cost of a decision, not denials). Allot enforces it as a `fixed_window` rule (the
-//! same semantics as Limitador's counters) in one atomic script call; Limitador checks and then
-//! updates its counter (not atomic together). Each caller is one user.
+//! Two shapes. `1 rule`: per user, N requests per 60 s window. `3 rules`: the same per user, per
+//! route and per tenant (all callers share the route's and the tenant's counters). N is so large
+//! that every decision admits (the bench measures the cost of a decision, not denials). Allot
+//! enforces each limit as a `fixed_window` rule (the same semantics as Limitador's counters), all of
+//! a request's rules in one atomic call; Limitador checks and then updates its counters (not atomic
+//! together). Each caller is one user.
 //!
 //! Per path and concurrency: decisions/s, p50 and p99 latency, CPU per decision of this process
 //! (the client side: `/proc/self/stat`) and of Redis (`INFO cpu`), and Redis commands per decision
@@ -41,7 +43,62 @@ const ROUNDS: usize = 6;
 const WARM_UP: Duration = Duration::from_millis(300);
 /// Latencies kept per caller and round (I10).
 const MAX_SAMPLES_PER_CALLER: usize = 1_000_000;
-const NAMESPACE: &str = "bench";
+
+/// What one decision enforces.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// Per user.
+    OneRule,
+    /// Per user, per route and per tenant.
+    ThreeRules,
+}
+
+impl Shape {
+    fn rules(self) -> usize {
+        match self {
+            Shape::OneRule => 1,
+            Shape::ThreeRules => 3,
+        }
+    }
+
+    /// Limitador's namespace for the shape: its limits apply to every check in it.
+    fn namespace(self) -> &'static str {
+        match self {
+            Shape::OneRule => "bench-1",
+            Shape::ThreeRules => "bench-3",
+        }
+    }
+
+    /// Allot's bundle for the shape.
+    fn bundle(self) -> Arc<PolicyBundle> {
+        let window_ms = WINDOW_S * 1_000;
+        let rule = |id: &str, scope: &str| {
+            let mut rule = serde_json::json!({ "id": id, "scope": scope,
+                "algorithm": "fixed_window", "limit": LIMIT, "windowMs": window_ms,
+                "failMode": "closed" });
+            // The tenant's own limit covers every route.
+            if scope != "tenant" {
+                rule["routeGroup"] = serde_json::json!("read");
+            }
+            rule
+        };
+        let rules = match self {
+            Shape::OneRule => vec![rule("per-user", "user")],
+            Shape::ThreeRules => vec![
+                rule("per-user", "user"),
+                rule("per-route", "route"),
+                rule("per-tenant", "tenant"),
+            ],
+        };
+        let text = serde_json::json!({ "rules": rules }).to_string();
+        Arc::new(
+            parse_bundle(&text)
+                .expect("valid")
+                .into_file_bundle()
+                .expect("sealed"),
+        )
+    }
+}
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Path {
@@ -53,7 +110,7 @@ enum Path {
 impl Path {
     fn name(self) -> &'static str {
         match self {
-            Path::Raw => "raw EVALSHA",
+            Path::Raw => "raw FCALL",
             Path::Allot => "allot",
             Path::Limitador => "limitador",
         }
@@ -97,8 +154,24 @@ struct Subjects {
     limiter: Arc<Limiter>,
     store: Arc<RedisStore>,
     raw: redis::aio::MultiplexedConnection,
-    bundle: Arc<PolicyBundle>,
+    bundle: Bundles,
     limitador: Arc<AsyncRateLimiter>,
+}
+
+/// Allot's bundle of each shape.
+#[derive(Clone)]
+struct Bundles {
+    one_rule: Arc<PolicyBundle>,
+    three_rules: Arc<PolicyBundle>,
+}
+
+impl Bundles {
+    fn of(&self, shape: Shape) -> Arc<PolicyBundle> {
+        match shape {
+            Shape::OneRule => self.one_rule.clone(),
+            Shape::ThreeRules => self.three_rules.clone(),
+        }
+    }
 }
 
 fn planned(bundle: &PolicyBundle, caller: usize) -> PlannedBatch<'_> {
@@ -184,6 +257,7 @@ async fn redis_totals(
 }
 
 async fn measure(
+    shape: Shape,
     path: Path,
     callers: usize,
     run: Duration,
@@ -206,17 +280,23 @@ async fn measure(
                 bundle,
                 limitador,
             } = subjects;
+            let bundle = bundle.of(shape);
             let planned = planned(&bundle, caller);
-            let evalsha = store.decide_command(&planned.batch);
-            let namespace = Namespace::from(NAMESPACE);
-            let values = HashMap::from([("user".to_owned(), format!("U-{caller}"))]);
+            assert_eq!(planned.batch.rules().len(), shape.rules(), "every rule applies");
+            let fcall = store.decide_command(&planned.batch);
+            let namespace = Namespace::from(shape.namespace());
+            let values = HashMap::from([
+                ("user".to_owned(), format!("U-{caller}")),
+                ("route".to_owned(), "read".to_owned()),
+                ("tenant".to_owned(), "atlas".to_owned()),
+            ]);
             let mut latencies_us = Vec::with_capacity(50_000);
             let mut refused = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 let stopwatch = Stopwatch::start();
                 let admitted = match path {
                     Path::Raw => {
-                        let reply: Vec<i64> = evalsha.query_async(&mut raw).await.expect("EVALSHA");
+                        let reply: Vec<i64> = fcall.query_async(&mut raw).await.expect("FCALL");
                         reply.first() == Some(&1)
                     }
                     Path::Allot => {
@@ -281,29 +361,29 @@ async fn main() {
         .get_multiplexed_async_connection()
         .await
         .expect("connects");
-    let bundle_text = serde_json::json!({ "rules": [
-        { "id": "per-user", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
-          "limit": LIMIT, "windowMs": WINDOW_S * 1_000, "failMode": "closed" }
-    ]})
-    .to_string();
-    let bundle = Arc::new(
-        parse_bundle(&bundle_text)
-            .expect("valid")
-            .into_file_bundle()
-            .expect("sealed"),
-    );
+    let bundle = Bundles {
+        one_rule: Shape::OneRule.bundle(),
+        three_rules: Shape::ThreeRules.bundle(),
+    };
     let limitador = AsyncRateLimiter::new_with_storage(Box::new(
         AsyncRedisStorage::new(&server.url())
             .await
             .expect("Limitador connects"),
     ));
-    limitador.add_limit(Limit::new(
-        NAMESPACE,
-        LIMIT,
-        WINDOW_S,
-        [],
-        [Expression::parse("user").expect("a CEL variable")],
-    ));
+    for (shape, variables) in [
+        (Shape::OneRule, &["user"][..]),
+        (Shape::ThreeRules, &["user", "route", "tenant"][..]),
+    ] {
+        for variable in variables {
+            limitador.add_limit(Limit::new(
+                shape.namespace(),
+                LIMIT,
+                WINDOW_S,
+                [],
+                [Expression::parse(variable).expect("a CEL variable")],
+            ));
+        }
+    }
     let subjects = Subjects {
         limiter,
         store,
@@ -312,7 +392,8 @@ async fn main() {
         limitador: Arc::new(limitador),
     };
     println!(
-        "{:>8} {:>12} {:>12} {:>7} {:>7} {:>6} {:>13} {:>13} {:>12} {:>8}",
+        "{:>6} {:>8} {:>12} {:>12} {:>7} {:>7} {:>6} {:>13} {:>13} {:>12} {:>8}",
+        "rules",
         "callers",
         "path",
         "decisions/s",
@@ -324,16 +405,22 @@ async fn main() {
         "Redis cmds",
         "refused"
     );
-    for callers in [1usize, 32] {
+    for (shape, callers) in [
+        (Shape::OneRule, 1usize),
+        (Shape::OneRule, 32),
+        (Shape::ThreeRules, 1),
+        (Shape::ThreeRules, 32),
+    ] {
+        let rules = shape.rules();
         let paths = [Path::Raw, Path::Allot, Path::Limitador];
         let mut warm_up = Samples::default();
         for path in paths {
-            measure(path, callers, WARM_UP, &subjects, &mut warm_up).await;
+            measure(shape, path, callers, WARM_UP, &subjects, &mut warm_up).await;
         }
         let mut samples: Vec<Samples> = paths.iter().map(|_| Samples::default()).collect();
         for _ in 0..ROUNDS {
             for (path, samples) in paths.iter().zip(samples.iter_mut()) {
-                measure(*path, callers, ROUND, &subjects, samples).await;
+                measure(shape, *path, callers, ROUND, &subjects, samples).await;
             }
         }
         let raw_per_second = samples[0].per_second().max(1.0);
@@ -353,14 +440,14 @@ async fn main() {
                 .collect::<Vec<_>>()
                 .join(", ");
             println!(
-                "{callers:>8} {:>12} {per_second:>12.0} {p50:>7} {p99:>7} {ratio:>6.2} {client_cpu_us:>13.1} {redis_cpu_us:>13.1} {commands:>12.2} {:>8}  {by_command}",
+                "{rules:>6} {callers:>8} {:>12} {per_second:>12.0} {p50:>7} {p99:>7} {ratio:>6.2} {client_cpu_us:>13.1} {redis_cpu_us:>13.1} {commands:>12.2} {:>8}  {by_command}",
                 path.name(),
                 samples.refused
             );
             println!(
                 "BENCH {}",
                 serde_json::json!({
-                    "bench": "peer", "callers": callers, "path": path.name(),
+                    "bench": "peer", "rules": rules, "callers": callers, "path": path.name(),
                     "decisionsPerSecond": per_second.round(), "p50Us": p50, "p99Us": p99,
                     "ratio": (ratio * 100.0).round() / 100.0,
                     "clientCpuUsPerDecision": (client_cpu_us * 10.0).round() / 10.0,

@@ -47,6 +47,7 @@ mod bounded;
 pub mod breaker;
 pub mod cardinality;
 pub mod client;
+pub mod coalescing;
 pub mod decision;
 pub mod fallback;
 pub mod hot_tenants;

@@ -29,7 +29,6 @@
 //! grouped with their former master, which only makes breakers coarser (a failover keeps the slot
 //! ranges, so their shard index stays right). If the reply cannot be read, the cluster is one shard.
 
-#[cfg(test)]
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -45,6 +44,7 @@ use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerError
 use allot_shared::keys;
 
 use super::batch::RuleBatch;
+use super::coalescing::Coalescer;
 use super::scripts::{
     CONCURRENCY_SOURCE, DECIDE_SOURCE, LIBRARY_VERSION_PLACEHOLDER, SERVER_TIME, decide_args,
     decide_keys, lease_args, parse_decide_reply, parse_lease_reply,
@@ -60,13 +60,16 @@ pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_millis(25);
 /// Default budget for opening a connection.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Timeouts of a [`RedisStore`].
+/// Timeouts of a [`RedisStore`], and whether it coalesces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RedisStoreConfig {
     /// Deadline of one call, reload and retry included.
     pub call_timeout: Duration,
     /// Deadline for opening a connection.
     pub connect_timeout: Duration,
+    /// Decisions of one slot that arrive while a call of that slot is in flight go together in the
+    /// next call ([`super::coalescing`]; on by default).
+    pub coalesce: bool,
 }
 
 impl Default for RedisStoreConfig {
@@ -74,6 +77,7 @@ impl Default for RedisStoreConfig {
         Self {
             call_timeout: DEFAULT_CALL_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            coalesce: true,
         }
     }
 }
@@ -110,7 +114,10 @@ impl Script {
 #[derive(Debug)]
 struct Library {
     source: String,
+    /// One request.
     function: String,
+    /// Several requests of one slot, one after another ([`super::coalescing`]).
+    many_function: String,
 }
 
 impl Library {
@@ -120,12 +127,22 @@ impl Library {
         Self {
             source: template.replace(LIBRARY_VERSION_PLACEHOLDER, version),
             function: format!("allot_decide_{version}"),
+            many_function: format!("allot_decide_many_{version}"),
         }
     }
 
     fn fcall(&self, keys: &[&str], args: &[String]) -> Cmd {
         let mut cmd = redis::cmd("FCALL");
         cmd.arg(&self.function).arg(keys.len()).arg(keys).arg(args);
+        cmd
+    }
+
+    fn fcall_many(&self, keys: &[&str], args: &[String]) -> Cmd {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(&self.many_function)
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
         cmd
     }
 
@@ -148,10 +165,12 @@ fn function_missing(error: &RedisError) -> bool {
     error.code() == Some("ERR") && error.to_string().contains("Function not found")
 }
 
-/// What the store calls: the decide library or a script.
+/// What the store calls: the decide library's one-request function, its coalesced function, or a
+/// script.
 #[derive(Clone, Copy)]
 enum Code<'a> {
     Library(&'a Library),
+    Coalesced(&'a Library),
     Script(&'a Script),
 }
 
@@ -159,13 +178,14 @@ impl Code<'_> {
     fn call(&self, keys: &[&str], args: &[String]) -> Cmd {
         match self {
             Code::Library(library) => library.fcall(keys, args),
+            Code::Coalesced(library) => library.fcall_many(keys, args),
             Code::Script(script) => script.evalsha(keys, args),
         }
     }
 
     fn load(&self) -> Cmd {
         match self {
-            Code::Library(library) => library.load(),
+            Code::Library(library) | Code::Coalesced(library) => library.load(),
             Code::Script(script) => script.load(),
         }
     }
@@ -173,7 +193,7 @@ impl Code<'_> {
     /// Whether `error` says the server does not have this code (it did not run).
     fn is_missing(&self, error: &RedisError) -> bool {
         match self {
-            Code::Library(_) => function_missing(error),
+            Code::Library(_) | Code::Coalesced(_) => function_missing(error),
             Code::Script(_) => error.kind() == ErrorKind::Server(ServerErrorKind::NoScript),
         }
     }
@@ -181,6 +201,7 @@ impl Code<'_> {
     fn name(&self) -> &str {
         match self {
             Code::Library(library) => &library.function,
+            Code::Coalesced(library) => &library.many_function,
             Code::Script(script) => &script.sha,
         }
     }
@@ -332,30 +353,119 @@ enum ScriptTime {
     Driven(Arc<dyn Clock>),
 }
 
-/// A limiter store on Redis (single server or cluster). See the module docs.
-pub struct RedisStore {
+/// What sending a call needs: shared by the store and the tasks that send coalesced calls.
+pub(crate) struct Calls {
     connection: Connection,
     decide_library: Library,
     concurrency_script: Script,
     call_timeout: Duration,
-    time: ScriptTime,
     /// Replies saying the library or a script was unknown, answered by loading it again
     /// (telemetry and tests).
     script_reloads: AtomicU64,
+}
+
+impl Calls {
+    /// Runs `code` under the call deadline: the call, and after a reply saying the server does
+    /// not have it, one load and one retry.
+    async fn run<T: FromRedisValue>(
+        &self,
+        code: Code<'_>,
+        keys: &[&str],
+        args: &[String],
+    ) -> Result<T, StoreError> {
+        let call = async {
+            let mut connection = self.connection.clone();
+            let command = code.call(keys, args);
+            match connection.query::<T>(&command).await {
+                Err(error) if code.is_missing(&error) => {
+                    self.script_reloads.fetch_add(1, Ordering::Relaxed);
+                    // Expected after a restart, a failover or a flush; frequent ones mean trouble.
+                    tracing::warn!(name = %code.name(), "the limiter's Lua code was unknown: loading it again");
+                    let routing_key = keys.first().copied().unwrap_or_default();
+                    // Nothing ran, so neither a failed load nor the retry can double-debit.
+                    connection
+                        .load_for(code, routing_key)
+                        .await
+                        .map_err(|error| StoreError::NotExecuted {
+                            detail: format!("reloading the limiter's Lua code: {error}"),
+                        })?;
+                    connection.query(&command).await.map_err(classify)
+                }
+                reply => reply.map_err(classify),
+            }
+        };
+        tokio::time::timeout(self.call_timeout, call)
+            .await
+            .map_err(|_| StoreError::Ambiguous {
+                detail: format!("no reply within {:?}", self.call_timeout),
+            })?
+    }
+
+    /// One request's decision: its `KEYS` and `ARGV` as [`decide_keys`] and [`decide_args`] build
+    /// them.
+    pub(crate) async fn decide_one(
+        &self,
+        keys: &[&str],
+        args: &[String],
+    ) -> Result<Vec<i64>, StoreError> {
+        self.run(Code::Library(&self.decide_library), keys, args)
+            .await
+    }
+
+    /// Several requests of one slot in one call, decided one after another in this order; each
+    /// reply, or why that request was refused. The outer error is the call's (none of them ran, or
+    /// all may have).
+    pub(crate) async fn decide_many(
+        &self,
+        requests: &[(&[String], &[String])],
+    ) -> Result<Vec<Result<Vec<i64>, StoreError>>, StoreError> {
+        let keys: Vec<&str> = requests
+            .iter()
+            .flat_map(|(keys, _)| keys.iter().map(String::as_str))
+            .collect();
+        let mut args = Vec::with_capacity(1 + requests.iter().map(|(_, a)| a.len()).sum::<usize>());
+        args.push(requests.len().to_string());
+        for (_, request_args) in requests {
+            args.extend(request_args.iter().cloned());
+        }
+        let replies: Vec<redis::Value> = self
+            .run(Code::Coalesced(&self.decide_library), &keys, &args)
+            .await?;
+        if replies.len() != requests.len() {
+            return Err(StoreError::MalformedReply {
+                detail: format!(
+                    "{} replies to a coalesced call of {} requests",
+                    replies.len(),
+                    requests.len()
+                ),
+            });
+        }
+        Ok(replies.into_iter().map(coalesced_reply).collect())
+    }
+}
+
+/// A limiter store on Redis (single server or cluster). See the module docs.
+pub struct RedisStore {
+    calls: Arc<Calls>,
+    /// Decisions of one slot that arrive while a call of that slot is in flight go together in the
+    /// next call (`None`: every decision is a call of its own).
+    coalescer: Option<Arc<Coalescer>>,
+    time: ScriptTime,
     /// Which master owns each slot, for per-shard breakers.
     shards: ShardMap,
 }
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let topology = match self.connection {
+        let topology = match self.calls.connection {
             Connection::Single(_) => "single",
             Connection::Cluster(_) => "cluster",
         };
         f.debug_struct("RedisStore")
             .field("topology", &topology)
-            .field("call_timeout", &self.call_timeout)
+            .field("call_timeout", &self.calls.call_timeout)
             .field("script_reloads", &self.script_reloads())
+            .field("coalescing", &self.coalescer.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -408,17 +518,20 @@ impl RedisStore {
         config: RedisStoreConfig,
     ) -> Result<Self, StoreError> {
         let store = Self {
-            connection: connection.clone(),
-            decide_library: Library::new(DECIDE_SOURCE),
-            concurrency_script: Script::new(CONCURRENCY_SOURCE),
-            call_timeout: config.call_timeout,
+            calls: Arc::new(Calls {
+                connection: connection.clone(),
+                decide_library: Library::new(DECIDE_SOURCE),
+                concurrency_script: Script::new(CONCURRENCY_SOURCE),
+                call_timeout: config.call_timeout,
+                script_reloads: AtomicU64::new(0),
+            }),
+            coalescer: config.coalesce.then(|| Arc::new(Coalescer::default())),
             time: ScriptTime::Server,
-            script_reloads: AtomicU64::new(0),
             shards: ShardMap::One,
         };
         for code in [
-            Code::Library(&store.decide_library),
-            Code::Script(&store.concurrency_script),
+            Code::Library(&store.calls.decide_library),
+            Code::Script(&store.calls.concurrency_script),
         ] {
             connection
                 .load_everywhere(code)
@@ -441,13 +554,19 @@ impl RedisStore {
     /// path with a raw call of the same function (it must be loaded: connecting loads it).
     pub fn decide_command(&self, batch: &RuleBatch) -> Cmd {
         let args = decide_args(batch, self.now_arg());
-        self.decide_library.fcall(&decide_keys(batch), &args)
+        self.calls.decide_library.fcall(&decide_keys(batch), &args)
+    }
+
+    /// Decisions sent together in one coalesced call, and calls that carried more than one
+    /// decision, since the store connected (0, 0 without coalescing).
+    pub fn coalesced(&self) -> (u64, u64) {
+        self.coalescer.as_ref().map_or((0, 0), |c| c.counts())
     }
 
     /// How many replies saying the library or a script was unknown were answered by loading it
     /// again.
     pub fn script_reloads(&self) -> u64 {
-        self.script_reloads.load(Ordering::Relaxed)
+        self.calls.script_reloads.load(Ordering::Relaxed)
     }
 
     /// Makes the scripts take `now` from `clock` instead of the server's `TIME`, so differential
@@ -467,46 +586,10 @@ impl RedisStore {
         }
     }
 
-    /// Runs `code` under the call deadline: the call, and after a reply saying the server does
-    /// not have it, one load and one retry.
-    async fn run(
-        &self,
-        code: Code<'_>,
-        keys: &[&str],
-        args: &[String],
-    ) -> Result<Vec<i64>, StoreError> {
-        let call = async {
-            let mut connection = self.connection.clone();
-            let command = code.call(keys, args);
-            match connection.query::<Vec<i64>>(&command).await {
-                Err(error) if code.is_missing(&error) => {
-                    self.script_reloads.fetch_add(1, Ordering::Relaxed);
-                    // Expected after a restart, a failover or a flush; frequent ones mean trouble.
-                    tracing::warn!(name = %code.name(), "the limiter's Lua code was unknown: loading it again");
-                    let routing_key = keys.first().copied().unwrap_or_default();
-                    // Nothing ran, so neither a failed load nor the retry can double-debit.
-                    connection
-                        .load_for(code, routing_key)
-                        .await
-                        .map_err(|error| StoreError::NotExecuted {
-                            detail: format!("reloading the limiter's Lua code: {error}"),
-                        })?;
-                    connection.query(&command).await.map_err(classify)
-                }
-                reply => reply.map_err(classify),
-            }
-        };
-        tokio::time::timeout(self.call_timeout, call)
-            .await
-            .map_err(|_| StoreError::Ambiguous {
-                detail: format!("no reply within {:?}", self.call_timeout),
-            })?
-    }
-
     /// The store's connection, for tests that inspect keys directly.
     #[cfg(test)]
     pub(crate) fn connection(&self) -> Connection {
-        self.connection.clone()
+        self.calls.connection.clone()
     }
 
     /// Runs the decide script with raw arguments: for tests of the script's own validation.
@@ -516,8 +599,39 @@ impl RedisStore {
         keys: &[&str],
         args: &[String],
     ) -> Result<Vec<i64>, StoreError> {
-        self.run(Code::Library(&self.decide_library), keys, args)
-            .await
+        self.calls.decide_one(keys, args).await
+    }
+
+    /// Decides `batches` (requests of one slot, in order) in one coalesced call, at the store's
+    /// clock: for tests that hold coalesced calls to lone ones.
+    #[cfg(test)]
+    pub(crate) async fn decide_coalesced_raw(
+        &self,
+        batches: &[RuleBatch],
+    ) -> Result<Vec<Result<BatchDecision, StoreError>>, StoreError> {
+        let now_ms = self.now_arg();
+        let owned: Vec<(Vec<String>, Vec<String>)> = batches
+            .iter()
+            .map(|batch| {
+                let keys = decide_keys(batch).into_iter().map(str::to_owned).collect();
+                (keys, decide_args(batch, now_ms))
+            })
+            .collect();
+        let requests: Vec<(&[String], &[String])> = owned
+            .iter()
+            .map(|(keys, args)| (&keys[..], &args[..]))
+            .collect();
+        let replies = self.calls.decide_many(&requests).await?;
+        Ok(replies
+            .into_iter()
+            .zip(batches)
+            .map(|(reply, batch)| {
+                reply.and_then(|reply| {
+                    parse_decide_reply(batch, &reply)
+                        .map_err(|detail| StoreError::MalformedReply { detail })
+                })
+            })
+            .collect())
     }
 
     async fn lease(
@@ -526,8 +640,13 @@ impl RedisStore {
         operation: LeaseOperation,
     ) -> Result<LeaseOutcome, StoreError> {
         let args = lease_args(operation, call, self.now_arg());
-        let reply = self
-            .run(Code::Script(&self.concurrency_script), &[call.key()], &args)
+        let reply: Vec<i64> = self
+            .calls
+            .run(
+                Code::Script(&self.calls.concurrency_script),
+                &[call.key()],
+                &args,
+            )
             .await?;
         parse_lease_reply(&reply).map_err(|detail| StoreError::MalformedReply { detail })
     }
@@ -537,13 +656,21 @@ impl RedisStore {
 impl LimiterStore for RedisStore {
     async fn decide(&self, batch: &RuleBatch) -> Result<BatchDecision, StoreError> {
         let args = decide_args(batch, self.now_arg());
-        let reply = self
-            .run(
-                Code::Library(&self.decide_library),
-                &decide_keys(batch),
-                &args,
-            )
-            .await?;
+        let keys = decide_keys(batch);
+        let tag = keys::key_hash_tag(batch.record_key());
+        let reply = match (&self.coalescer, tag) {
+            (Some(coalescer), Some(tag)) => {
+                coalescer
+                    .decide(
+                        &self.calls,
+                        tag,
+                        keys.iter().map(|k| (*k).to_owned()).collect(),
+                        args,
+                    )
+                    .await
+            }
+            _ => self.calls.decide_one(&keys, &args).await,
+        }?;
         parse_decide_reply(batch, &reply).map_err(|detail| StoreError::MalformedReply { detail })
     }
 
@@ -583,6 +710,25 @@ impl LimiterStore for RedisStore {
                 .map_or(0, |&shard| usize::from(shard)),
         }
     }
+}
+
+/// One request's part of a coalesced reply: its reply, or the text of its error as a one-element
+/// array (the library's contract), refused as a lone call's error reply would be.
+fn coalesced_reply(reply: redis::Value) -> Result<Vec<i64>, StoreError> {
+    if let redis::Value::Array(items) = &reply
+        && let [redis::Value::BulkString(text)] = &items[..]
+    {
+        let detail = String::from_utf8_lossy(text).into_owned();
+        let kind = match detail.split_whitespace().next() {
+            Some("ALLOT_ARG") => Rejection::InvalidArgument,
+            Some("ALLOT_STATE" | "WRONGTYPE") => Rejection::StateMismatch,
+            _ => Rejection::ScriptDefect,
+        };
+        return Err(StoreError::Rejected { kind, detail });
+    }
+    Vec::<i64>::from_redis_value(reply).map_err(|error| StoreError::MalformedReply {
+        detail: error.to_string(),
+    })
 }
 
 fn not_connected(error: RedisError) -> StoreError {

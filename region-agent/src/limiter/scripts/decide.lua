@@ -538,38 +538,53 @@ end
 
 -- The decision ---------------------------------------------------------------------------------
 
-local function decide(keys, args)
-  local header_entry = parsed(args[1], parse_header)
+-- The state after an admitting outcome's write, as read_state would read it back.
+local function state_after(spec, outcome)
+  local kind = spec.kind
+  if kind == 'tb' then
+    return { tk = outcome.remaining, ts = outcome.updated_at }
+  elseif kind == 'fw' then
+    return { w = outcome.window_start, n = outcome.count }
+  elseif kind == 'sc' then
+    return { w = outcome.window_start, cur = outcome.count, prev = outcome.prev }
+  end
+  return outcome.new_tat
+end
+
+-- One request, whose keys start after keys[key_base] and arguments after args[arg_base], at
+-- `now` (the server's clock, read by the caller) unless its header names a test clock. `batch`
+-- is nil for a lone call; in a coalesced call it holds, by key, the state earlier requests of the
+-- call left (read once, then carried) and the writes they made, performed once at the call's end
+-- (a sliding log, whose reads need its set, is written at once). Returns the reply, or an error
+-- reply (then nothing of this request was written or carried).
+local function decide_request(keys, key_base, args, arg_base, now, batch)
+  local header_entry = parsed(args[arg_base + 1], parse_header)
   if header_entry.err then
     return arg_error(header_entry.err)
   end
   local header = header_entry.ok
   local n = header.n
-  if #keys ~= n + 1 or #args ~= 2 + n then
-    return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (2 + n) .. ' arguments')
-  end
-  local decision_id = args[2]
-  if #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
+  local decision_id = args[arg_base + 2]
+  if type(decision_id) ~= 'string' or #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
     return arg_error('decision id must be 1 to ' .. MAX_DECISION_ID_BYTES .. ' bytes')
   end
+  local record_key = keys[key_base + 1]
   -- At most 8 keys: compared pairwise, nothing allocated.
-  for k = 3, n + 1 do
-    for j = 2, k - 1 do
+  for k = key_base + 3, key_base + n + 1 do
+    for j = key_base + 2, k - 1 do
       if keys[j] == keys[k] then
         return arg_error('rule key ' .. keys[k] .. ' appears twice')
       end
     end
   end
-  local now = header.now
-  if header.server_time then
-    local time = redis.call('TIME')
-    now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  if not header.server_time then
+    now = header.now
   end
   local record_ttl_ms = header.record_ttl_ms
 
   -- Replay.
   if record_ttl_ms > 0 then
-    local record = redis.pcall('GET', keys[1])
+    local record = redis.pcall('GET', record_key)
     if type(record) == 'table' and record.err then
       return state_error('decision record', 'the key is not a string')
     end
@@ -593,18 +608,28 @@ local function decide(keys, args)
   -- shape, then the decision. Every error returns before anything is written.
   local specs, outcomes = {}, {}
   for i = 1, n do
-    local entry = parsed(args[2 + i], parse_rule)
+    local entry = parsed(args[arg_base + 2 + i], parse_rule)
     if entry.err then
       return arg_error('rule ' .. i .. ' ' .. entry.err)
     end
     local spec = entry.ok
-    local state, problem = read_state(i, spec, keys[i + 1], now, decision_id)
-    if problem then return problem end
+    local key = keys[key_base + 1 + i]
+    local state, problem
+    local carried = batch and spec.kind ~= 'sl' and batch.states[key]
+    if carried then
+      state = carried.state or nil
+    else
+      state, problem = read_state(i, spec, key, now, decision_id)
+      if problem then return problem end
+    end
     if spec.cost_err then
       return arg_error('rule ' .. i .. ' ' .. spec.cost_err)
     end
     specs[i] = spec
-    outcomes[i] = DECIDE[spec.kind](spec, state, now, keys[i + 1])
+    outcomes[i] = DECIDE[spec.kind](spec, state, now, key)
+    if batch and spec.kind ~= 'sl' and not carried then
+      batch.states[key] = { state = state or false }
+    end
   end
 
   local denied_by, retry, advisory_denied = 0, 0, 0
@@ -631,15 +656,97 @@ local function decide(keys, args)
 
   if denied_by == 0 and not header.dry_run then
     for i = 1, n do
-      if outcomes[i].write then write(specs[i], keys[i + 1], outcomes[i], now, decision_id) end
+      local outcome, key = outcomes[i], keys[key_base + 1 + i]
+      if outcome.write then
+        if batch and specs[i].kind ~= 'sl' then
+          batch.states[key] = { state = state_after(specs[i], outcome) }
+          if batch.writes[key] == nil then
+            batch.order[#batch.order + 1] = key
+          end
+          batch.writes[key] = { spec = specs[i], outcome = outcome, now = now }
+        else
+          write(specs[i], key, outcome, now, decision_id)
+        end
+      end
     end
     if record_ttl_ms > 0 then
       local remaining = {}
       for i = 1, n do remaining[i] = text(reply[5 + i]) end
-      redis.call('SET', keys[1], table.concat(remaining, ' '), 'PXAT', text(now + record_ttl_ms))
+      redis.call('SET', record_key, table.concat(remaining, ' '), 'PXAT', text(now + record_ttl_ms))
     end
   end
   return reply
 end
 
+-- The server's clock, ms.
+local function server_now()
+  local time = redis.call('TIME')
+  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+end
+
+-- A lone request: KEYS and ARGV as the header comment says.
+local function decide(keys, args)
+  local header_entry = parsed(args[1], parse_header)
+  if header_entry.err then
+    return arg_error(header_entry.err)
+  end
+  local n = header_entry.ok.n
+  if #keys ~= n + 1 or #args ~= 2 + n then
+    return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (2 + n) .. ' arguments')
+  end
+  local now = header_entry.ok.server_time and server_now() or 0
+  return decide_request(keys, 0, args, 0, now, nil)
+end
+
+-- Most requests one coalesced call decides.
+local MAX_REQUESTS = 64
+
+-- Several requests of one tenant (one slot), decided one after another in the order given, each
+-- all or nothing and each with its own reply, exactly as that many lone calls in a row at one
+-- instant would decide them. ARGV[1] is their count (1 to 64); then each request's arguments as
+-- a lone call's (header, decision id, rules), and KEYS each request's keys as a lone call's, in
+-- the same order. Replies {reply_1, ..., reply_count}: each a lone call's reply, or, for a
+-- request refused for its rules, decision id or state (the others are decided all the same), a
+-- one-element array holding the text of the error reply a lone call would have given. The reply as a whole is an error when the call's layout is wrong: the count, a header,
+-- or keys and arguments that do not add up (then nothing ran).
+local function decide_many(keys, args)
+  local count = integer(args[1], 1, MAX_REQUESTS)
+  if count == nil then
+    return arg_error('the request count must be 1 to ' .. MAX_REQUESTS)
+  end
+  -- The layout first, so that nothing is decided for a call that is cut short.
+  local key_base, arg_base = 0, 1
+  local bases = {}
+  for r = 1, count do
+    local header_entry = parsed(args[arg_base + 1], parse_header)
+    if header_entry.err then
+      return arg_error('request ' .. r .. ': ' .. header_entry.err)
+    end
+    local n = header_entry.ok.n
+    bases[r] = { key_base, arg_base }
+    key_base, arg_base = key_base + n + 1, arg_base + n + 2
+    if key_base > #keys or arg_base > #args then
+      return arg_error('request ' .. r .. ' runs past the keys or arguments')
+    end
+  end
+  if key_base ~= #keys or arg_base ~= #args then
+    return arg_error('expected ' .. key_base .. ' keys and ' .. arg_base .. ' arguments')
+  end
+  local now = server_now()
+  local batch = { states = {}, writes = {}, order = {} }
+  local replies = {}
+  for r = 1, count do
+    local reply = decide_request(keys, bases[r][1], args, bases[r][2], now, batch)
+    -- A refused request's error goes back as its one string, not as an error reply: clients may
+    -- take an error anywhere in a reply for the whole reply's.
+    replies[r] = reply.err and { reply.err } or reply
+  end
+  for _, key in ipairs(batch.order) do
+    local pending = batch.writes[key]
+    write(pending.spec, key, pending.outcome, pending.now, nil)
+  end
+  return replies
+end
+
 redis.register_function('allot_decide_LIBRARY_VERSION', decide)
+redis.register_function('allot_decide_many_LIBRARY_VERSION', decide_many)

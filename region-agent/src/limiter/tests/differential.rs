@@ -481,6 +481,130 @@ fn normalized(state: Option<Stored>) -> Option<Stored> {
     }
 }
 
+/// The batch of a request step: its rules from `pool` (each index once), a fresh decision id or a
+/// repeat of a recent one (recorded in `ids`).
+#[allow(clippy::too_many_arguments)]
+fn request_batch(
+    tenant: &allot_shared::ids::TenantId,
+    pool: &[PoolRule],
+    key_of: &dyn Fn(usize) -> String,
+    ids: &mut Vec<String>,
+    number: usize,
+    rules: Vec<(usize, (u8, u64), bool)>,
+    repeat_id: Option<usize>,
+    record_ttl_ms: u64,
+    dry_run: bool,
+) -> RuleBatch {
+    let mut chosen: Vec<usize> = Vec::new();
+    let mut batch_rules = Vec::new();
+    for (index, draw, advisory) in rules {
+        let index = index % pool.len();
+        if chosen.contains(&index) {
+            continue;
+        }
+        chosen.push(index);
+        let params = pool[index].params;
+        let cost = cost_millitokens(&params, draw);
+        let rule = BatchRule::new(key_of(index), params, cost).expect("valid");
+        batch_rules.push(if advisory { rule.into_advisory() } else { rule });
+    }
+    let id = match repeat_id {
+        Some(back) if !ids.is_empty() => ids[ids.len() - 1 - back % ids.len()].clone(),
+        _ => format!("r-{number}"),
+    };
+    ids.push(id.clone());
+    let batch = RuleBatch::new(tenant, decision_id(&id), record_ttl_ms, batch_rules)
+        .expect("a valid batch");
+    // A dry run writes nothing: the state comparisons after it prove it.
+    if dry_run { batch.into_dry_run() } else { batch }
+}
+
+/// Applies a policy change step to the pool.
+fn change(pool: &mut [PoolRule], rule: usize, tighten_percent: Option<u64>) {
+    let pool_len = pool.len();
+    let rule = &mut pool[rule % pool_len];
+    rule.params = match tighten_percent {
+        Some(percent) => tightened(rule.params, percent),
+        None => {
+            let redrawn = rule.alternative;
+            rule.alternative = rule.params;
+            redrawn
+        }
+    };
+}
+
+/// Every key of the pool, and every record of `records`, holds the reference's state with the
+/// reference's expiry in every subject.
+async fn states_agree(
+    reference: &mut Reference,
+    subjects: &[(&str, &Subject)],
+    pool: &[PoolRule],
+    key_of: &dyn Fn(usize) -> String,
+    records: &[&str],
+    now_ms: u64,
+    number: usize,
+) -> Result<(), TestCaseError> {
+    for (index, rule) in pool.iter().enumerate() {
+        let key = key_of(index);
+        for (_, subject) in subjects {
+            subject.expire(&[&key]).await;
+        }
+        let expected = normalized(reference.live(&key, now_ms));
+        let expected_expiry = reference.keys.get(&key).map(|(_, at)| *at);
+        for (name, subject) in subjects {
+            let stored = subject
+                .rule_state(&key, &rule.params)
+                .await
+                .map(Stored::Rule);
+            prop_assert_eq!(
+                normalized(stored),
+                expected.clone(),
+                "{} state of {}, step {}",
+                name,
+                key,
+                number
+            );
+            let expiry = subject.expires_at(&key).await;
+            prop_assert_eq!(
+                expiry,
+                expected_expiry,
+                "{} expiry of {}, step {}",
+                name,
+                key,
+                number
+            );
+        }
+    }
+    for record_key in records {
+        for (_, subject) in subjects {
+            subject.expire(&[record_key]).await;
+        }
+        let expected_record = match reference.live(record_key, now_ms) {
+            Some(Stored::Record(recorded)) => Some(recorded.remaining),
+            None => None,
+            Some(other) => panic!("the record key holds {other:?}"),
+        };
+        let expected_expiry = reference.keys.get(*record_key).map(|(_, at)| *at);
+        for (name, subject) in subjects {
+            prop_assert_eq!(
+                subject.record(record_key).await,
+                expected_record.clone(),
+                "{} record, step {}",
+                name,
+                number
+            );
+            prop_assert_eq!(
+                subject.expires_at(record_key).await,
+                expected_expiry,
+                "{} record expiry, step {}",
+                name,
+                number
+            );
+        }
+    }
+    Ok(())
+}
+
 async fn run_decisions(
     tally: &RefCell<Tally>,
     redis: &Subject,
@@ -498,21 +622,12 @@ async fn run_decisions(
     for (number, (clock_step, step)) in steps.into_iter().enumerate() {
         now_ms = now_ms.saturating_add_signed(clock_step).max(FUTURE_BASE_MS);
         tally.borrow_mut().clock_steps_back += u64::from(clock_step < 0);
-        let (rules, repeat_id, record_ttl_ms, dry_run) = match step {
+        let batch = match step {
             Step::Change {
                 rule,
                 tighten_percent,
             } => {
-                let pool_len = pool.len();
-                let rule = &mut pool[rule % pool_len];
-                rule.params = match tighten_percent {
-                    Some(percent) => tightened(rule.params, percent),
-                    None => {
-                        let redrawn = rule.alternative;
-                        rule.alternative = rule.params;
-                        redrawn
-                    }
-                };
+                change(&mut pool, rule, tighten_percent);
                 continue;
             }
             Step::Request {
@@ -520,30 +635,18 @@ async fn run_decisions(
                 repeat_id,
                 record_ttl_ms,
                 dry_run,
-            } => (rules, repeat_id, record_ttl_ms, dry_run),
+            } => request_batch(
+                &tenant,
+                &pool,
+                &key_of,
+                &mut ids,
+                number,
+                rules,
+                repeat_id,
+                record_ttl_ms,
+                dry_run,
+            ),
         };
-        let mut chosen: Vec<usize> = Vec::new();
-        let mut batch_rules = Vec::new();
-        for (index, draw, advisory) in rules {
-            let index = index % pool.len();
-            if chosen.contains(&index) {
-                continue;
-            }
-            chosen.push(index);
-            let params = pool[index].params;
-            let cost = cost_millitokens(&params, draw);
-            let rule = BatchRule::new(key_of(index), params, cost).expect("valid");
-            batch_rules.push(if advisory { rule.into_advisory() } else { rule });
-        }
-        let id = match repeat_id {
-            Some(back) if !ids.is_empty() => ids[ids.len() - 1 - back % ids.len()].clone(),
-            _ => format!("r-{number}"),
-        };
-        ids.push(id.clone());
-        let batch = RuleBatch::new(&tenant, decision_id(&id), record_ttl_ms, batch_rules)
-            .expect("a valid batch");
-        // A dry run writes nothing: the state comparison below after it proves it.
-        let batch = if dry_run { batch.into_dry_run() } else { batch };
         for subject in [&in_process, redis] {
             subject.set_now(now_ms);
         }
@@ -566,63 +669,125 @@ async fn run_decisions(
         );
         tally
             .borrow_mut()
-            .count(&expected, batch.rules().len(), dry_run);
+            .count(&expected, batch.rules().len(), batch.dry_run());
+        states_agree(
+            &mut reference,
+            &[("in-process", &in_process), ("redis", redis)],
+            &pool,
+            &key_of,
+            &[batch.record_key()],
+            now_ms,
+            number,
+        )
+        .await?;
+    }
+    Ok(())
+}
 
-        // Every key of the pool holds the same state with the same expiry everywhere.
-        for (index, rule) in pool.iter().enumerate() {
-            let key = key_of(index);
-            redis.expire(&[&key]).await;
-            let expected = normalized(reference.live(&key, now_ms));
-            let expected_expiry = reference.keys.get(&key).map(|(_, at)| *at);
-            for (name, subject) in [("in-process", &in_process), ("redis", redis)] {
-                let stored = subject
-                    .rule_state(&key, &rule.params)
-                    .await
-                    .map(Stored::Rule);
-                prop_assert_eq!(
-                    normalized(stored),
-                    expected.clone(),
-                    "{} state of {}, step {}",
-                    name,
-                    key,
-                    number
-                );
-                let expiry = subject.expires_at(&key).await;
-                prop_assert_eq!(
-                    expiry,
-                    expected_expiry,
-                    "{} expiry of {}, step {}",
-                    name,
-                    key,
-                    number
-                );
+/// The same steps as [`run_decisions`], but runs of consecutive requests (of `sizes`' lengths)
+/// go to Redis in one coalesced call, all at the clock of the run's first step: each reply and
+/// every state after the call must be what the pure core gives deciding them one by one.
+async fn run_coalesced(
+    tally: &RefCell<Tally>,
+    redis: &Subject,
+    start_offset_ms: u64,
+    mut pool: Vec<PoolRule>,
+    steps: Vec<(i64, Step)>,
+    sizes: Vec<usize>,
+) -> Result<(), TestCaseError> {
+    let case = NEXT_CASE.fetch_add(1, Ordering::Relaxed);
+    let tenant = tenant(&format!("coalesced-{case}"));
+    let mut reference = Reference::default();
+    let mut now_ms = FUTURE_BASE_MS + start_offset_ms;
+    let mut ids: Vec<String> = Vec::new();
+    let key_of = |index: usize| rule_key(&tenant, &format!("rule-{index}"));
+    let mut steps = steps.into_iter().enumerate().peekable();
+    let mut sizes = sizes.into_iter().cycle();
+    while steps.peek().is_some() {
+        let size = sizes.next().unwrap_or(1);
+        let mut batches = Vec::new();
+        let mut first_number = None;
+        while batches.len() < size {
+            let Some((number, (clock_step, step))) = steps.next() else {
+                break;
+            };
+            match step {
+                Step::Change {
+                    rule,
+                    tighten_percent,
+                } => {
+                    // A policy change ends the run: the next requests decide with it.
+                    change(&mut pool, rule, tighten_percent);
+                    break;
+                }
+                Step::Request {
+                    rules,
+                    repeat_id,
+                    record_ttl_ms,
+                    dry_run,
+                } => {
+                    if first_number.is_none() {
+                        now_ms = now_ms.saturating_add_signed(clock_step).max(FUTURE_BASE_MS);
+                        tally.borrow_mut().clock_steps_back += u64::from(clock_step < 0);
+                        first_number = Some(number);
+                    }
+                    batches.push(request_batch(
+                        &tenant,
+                        &pool,
+                        &key_of,
+                        &mut ids,
+                        number,
+                        rules,
+                        repeat_id,
+                        record_ttl_ms,
+                        dry_run,
+                    ));
+                }
             }
         }
-        // And the decision record.
-        let record_key = batch.record_key();
-        redis.expire(&[record_key]).await;
-        let expected_record = match reference.live(record_key, now_ms) {
-            Some(Stored::Record(recorded)) => Some(recorded.remaining),
-            None => None,
-            Some(other) => panic!("the record key holds {other:?}"),
+        let Some(number) = first_number else {
+            continue;
         };
-        let expected_expiry = reference.keys.get(record_key).map(|(_, at)| *at);
-        for (name, subject) in [("in-process", &in_process), ("redis", redis)] {
+        redis.set_now(now_ms);
+        // Expiry at the test clock, as a lone call's harness applies it.
+        let keys: Vec<&str> = batches
+            .iter()
+            .flat_map(|batch| {
+                std::iter::once(batch.record_key()).chain(batch.rules().iter().map(BatchRule::key))
+            })
+            .collect();
+        redis.expire(&keys).await;
+        let replies = redis
+            .redis_store()
+            .decide_coalesced_raw(&batches)
+            .await
+            .map_err(|error| TestCaseError::fail(format!("the coalesced call failed: {error}")))?;
+        prop_assert_eq!(replies.len(), batches.len());
+        for (offset, (batch, reply)) in batches.iter().zip(replies).enumerate() {
+            let expected = reference.decide(batch, now_ms);
             prop_assert_eq!(
-                subject.record(record_key).await,
-                expected_record.clone(),
-                "{} record, step {}",
-                name,
-                number
+                &rejection_of(reply),
+                &expected,
+                "request {} of the call at step {}: {:?}",
+                offset,
+                number,
+                batch
             );
-            prop_assert_eq!(
-                subject.expires_at(record_key).await,
-                expected_expiry,
-                "{} record expiry, step {}",
-                name,
-                number
-            );
+            tally
+                .borrow_mut()
+                .count(&expected, batch.rules().len(), batch.dry_run());
         }
+        let records: Vec<&str> = batches.iter().map(RuleBatch::record_key).collect();
+        states_agree(
+            &mut reference,
+            &[("redis", redis)],
+            &pool,
+            &key_of,
+            &records,
+            now_ms,
+            number,
+        )
+        .await?;
     }
     Ok(())
 }
@@ -784,6 +949,32 @@ fn decisions_agree_across_the_pure_core_the_in_process_store_and_redis() {
     let runtime = runtime();
     let redis = runtime.block_on(Subject::redis_single());
     check_decisions(&redis, &runtime, 96);
+}
+
+/// Coalesced calls decide as their requests would one by one: runs of 1 to 8 requests of random
+/// rules (several requests of a run sharing keys, as a hot tenant's do) in one call.
+#[test]
+fn coalesced_calls_decide_as_their_requests_one_by_one() {
+    let runtime = runtime();
+    let redis = runtime.block_on(Subject::redis_single());
+    let scenario = (
+        0u64..1_000_000,
+        pool(),
+        prop::collection::vec(step(), 1..40),
+        prop::collection::vec(1usize..=8, 1..8),
+    );
+    let tally = RefCell::new(Tally::default());
+    let result = runner(64).run(&scenario, |(start, pool, steps, sizes)| {
+        runtime.block_on(run_coalesced(&tally, &redis, start, pool, steps, sizes))
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+    let tally = tally.borrow();
+    assert!(
+        tally.allowed_multi_rule > 0 && tally.denied_with_a_wait > 0 && tally.rejected > 0,
+        "the coalesced calls admitted, denied and refused: {tally:?}"
+    );
 }
 
 #[test]

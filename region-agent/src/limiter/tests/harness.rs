@@ -32,6 +32,7 @@ pub(super) const FUTURE_BASE_MS: u64 = 1 << 42;
 pub(super) const TEST_CONFIG: RedisStoreConfig = RedisStoreConfig {
     call_timeout: Duration::from_secs(10),
     connect_timeout: Duration::from_secs(10),
+    coalesce: true,
 };
 
 /// How long tests wait for a restarted server to answer before failing.
