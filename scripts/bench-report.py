@@ -162,8 +162,8 @@ def main():
         print("Keep-alive HTTP callers in the bench process (they share the 2 cores with the agent, so")
         print("figures move by tens of percent between runs). `trivial` is an axum endpoint that takes the")
         print("very request an admit is (POST, bearer token, JSON body) and answers a constant JSON body: the")
-        print("HTTP stack's ceiling for this request. `raw-evalsha` sends the 3-rule script straight to Redis")
-        print("(the store's ceiling). `lease-only` is a policy with one global rule (tokens from leases in")
+        print("HTTP stack's ceiling for this request. `raw-evalsha` sends the 3-rule decision straight to Redis,")
+        print("one FCALL per decision (the store's ceiling). `lease-only` is a policy with one global rule (tokens from leases in")
         print("memory), compared with `trivial` (target at least 0.7); `lease+3-redis` adds three regional")
         print("rules in one script call, compared with `raw-evalsha` (target at least 0.8). The allocator is a")
         print("stub granting chunks of 100; renewals are prefetched off the request path. `grpc+3-redis` is the")
@@ -172,14 +172,20 @@ def main():
         print("lone Redis round trip is bounded near 0.6 whatever the agent does; the targets are throughput")
         print("targets, read at 64 callers. The agent and the allocator binaries (and this bench) use mimalloc.")
         print("`unavailable %`: answers LIMITER_UNAVAILABLE because a Redis call ran past the 10 ms decision")
-        print("budget under the bench's fail-closed rules (the load generator shares the 2 cores).")
+        print("budget under the bench's fail-closed rules (the load generator shares the 2 cores). The agents")
+        print("(and `trivial`) run on a runtime of their own, one worker thread: `agent us/decision` is that")
+        print("thread's CPU (user + system) per decision, steadier than throughput on a shared machine, and")
+        print("`per agent core` the decisions one core of such CPU decides per second (`grpc+3-redis`: Envoy RLS")
+        print("`ShouldRateLimit` decisions per second per agent core). Reproduce with `cargo bench -p")
+        print("allot-region-agent --bench agent`.")
         print()
-        print("| path | callers | decisions/s | p50 us | p99 us | x ceiling | unavailable % |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| path | callers | decisions/s | p50 us | p99 us | x ceiling | unavailable % | agent us/decision | per agent core |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         calls = []
         for r in agent:
             print(f"| {r['path']} | {r['callers']} | {r['admitsPerSecond']:.0f} | {r['p50Us']} | "
-                  f"{r['p99Us']} | {r['ratio']:.2f} | {r.get('unavailablePercent', 0)} |")
+                  f"{r['p99Us']} | {r['ratio']:.2f} | {r.get('unavailablePercent', 0)} | "
+                  f"{r.get('agentCpuUsPerDecision', '-')} | {r.get('decisionsPerAgentCoreSecond', '-')} |")
             if r['callers'] not in [c[0] for c in calls]:
                 calls.append((r['callers'], r['allocatorCallsPer1000Admits']))
         print()

@@ -5,11 +5,19 @@
 //! - `lease-only`: a policy with one global rule: tokens come from leases held in memory.
 //! - `lease+3-redis`: the same plus three regional rules decided in one Redis script call.
 //! - `grpc+3-redis`: the same decisions through Envoy's rate limit service (gRPC, tonic).
-//! - `raw-evalsha`: the same script and arguments sent straight to Redis (the store's ceiling).
+//! - `raw-evalsha`: the same decision function and arguments sent straight to Redis, one call per
+//!   decision (the store's ceiling; the name is kept for the report's history).
 //!
 //! The allocator is a stub in this process that grants chunks of at most 100 tokens (the agent's hot
 //! path is what is measured; allocator throughput has its own bench). It counts grant calls, to show
 //! how many allocator calls the admits cost (renewals are prefetched off the request path). Keep-alive HTTP clients, 1 and 64 concurrent callers, 3 s per figure.
+//!
+//! The agents and the `trivial` endpoint run on a runtime of their own (one worker thread, named
+//! [`common::AGENT_THREADS`]), the load generators and the stub allocator on another, so each row
+//! also reports the agent's CPU per decision (user + system of those threads only, from
+//! `/proc/self/task/*/stat`: steadier than throughput on a shared machine) and decisions per
+//! second per agent core (decisions over that CPU time). Both runtimes still share the machine's
+//! cores with the load generators and Redis.
 //! Prints a table and `BENCH {json}` lines with bench = "agent".
 
 use std::sync::Arc;
@@ -36,23 +44,34 @@ const RUN: Duration = Duration::from_secs(3);
 mod common;
 
 use common::{
-    GATEWAY, bundle, request, rls_request, serve_on_free_port, start_agent, stub_allocator,
+    AGENT_THREADS, GATEWAY, bundle, request, rls_request, serve_on_free_port, start_agent,
+    stub_allocator, thread_cpu_seconds,
 };
 
-/// Envoy's RLS v3 path: the same agent served over gRPC, called by `callers` tonic clients.
-async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
+/// Serves Envoy's RLS v3 for `api` on the agents' runtime; its URL.
+async fn serve_grpc_on(agents: &tokio::runtime::Handle, api: AgentApi) -> String {
+    agents
+        .spawn(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let url = format!("http://{}", listener.local_addr().expect("addr"));
+            tokio::spawn(allot_region_agent::grpc::serve_grpc(
+                listener,
+                api,
+                None,
+                std::future::pending(),
+            ));
+            url
+        })
+        .await
+        .expect("the agents' runtime")
+}
+
+/// Envoy's RLS v3 path: the agent served over gRPC at `url`, called by `callers` tonic clients.
+async fn drive_grpc(url: String, callers: u64) -> Figure {
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(allot_region_agent::grpc::serve_grpc(
-        listener,
-        api,
-        None,
-        std::future::pending(),
-    ));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for caller in 0..callers {
@@ -79,9 +98,21 @@ async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
             (latencies, unavailable)
         }));
     }
+    collect(tasks, stop).await
+}
+
+/// Lets `tasks` run for [`RUN`], stops them, and makes their figure, with the agents' CPU over the
+/// run.
+async fn collect(
+    tasks: Vec<tokio::task::JoinHandle<(Vec<u64>, u64)>>,
+    stop: Arc<AtomicBool>,
+) -> Figure {
+    let agent_cpu_before = thread_cpu_seconds(AGENT_THREADS);
     let stopwatch = Stopwatch::start();
     tokio::time::sleep(RUN).await;
     stop.store(true, Ordering::Relaxed);
+    let seconds = stopwatch.elapsed().as_secs_f64();
+    let agent_cpu_s = thread_cpu_seconds(AGENT_THREADS) - agent_cpu_before;
     let mut latencies = Vec::new();
     let mut unavailable = 0;
     for task in tasks {
@@ -89,19 +120,21 @@ async fn drive_grpc(api: AgentApi, callers: u64) -> Figure {
         latencies.extend(caller_latencies);
         unavailable += caller_unavailable;
     }
-    figure(latencies, unavailable, stopwatch.elapsed().as_secs_f64())
+    figure(latencies, unavailable, seconds, agent_cpu_s)
 }
 
-fn figure(mut latencies: Vec<u64>, unavailable: u64, seconds: f64) -> Figure {
+fn figure(mut latencies: Vec<u64>, unavailable: u64, seconds: f64, agent_cpu_s: f64) -> Figure {
     latencies.sort_unstable();
     let at = |fraction: f64| {
         latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
     };
+    let decisions = latencies.len().max(1) as f64;
     Figure {
         per_second: latencies.len() as f64 / seconds,
         p50_us: at(0.5),
         p99_us: at(0.99),
-        unavailable_share: unavailable as f64 / latencies.len().max(1) as f64,
+        unavailable_share: unavailable as f64 / decisions,
+        agent_cpu_us_per_decision: agent_cpu_s * 1e6 / decisions,
     }
 }
 
@@ -111,6 +144,8 @@ struct Figure {
     p99_us: u64,
     /// Share of answers that were LIMITER_UNAVAILABLE (a store call past the decision budget).
     unavailable_share: f64,
+    /// CPU of the agents' threads per decision, µs (the raw store path runs none of them: 0).
+    agent_cpu_us_per_decision: f64,
 }
 
 /// Drives `callers` keep-alive clients at `url` for [`RUN`]; every answer is allowed, or counted as
@@ -149,20 +184,11 @@ async fn drive(url: String, callers: u64, admit: bool) -> Figure {
             (latencies, unavailable)
         }));
     }
-    let stopwatch = Stopwatch::start();
-    tokio::time::sleep(RUN).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut latencies = Vec::new();
-    let mut unavailable = 0;
-    for task in tasks {
-        let (caller_latencies, caller_unavailable) = task.await.expect("caller");
-        latencies.extend(caller_latencies);
-        unavailable += caller_unavailable;
-    }
-    figure(latencies, unavailable, stopwatch.elapsed().as_secs_f64())
+    collect(tasks, stop).await
 }
 
-/// The raw store ceiling: the same script and arguments, EVALSHA from `callers` tasks.
+/// The raw store ceiling: the same function and arguments, one FCALL per decision from `callers`
+/// tasks.
 async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> Figure {
     let bundle = bundle(true);
     let pepper = Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper");
@@ -186,7 +212,7 @@ async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> F
                         .expect("regional rules");
                 let command = store.decide_command(&planned.batch);
                 let stopwatch = Stopwatch::start();
-                let reply: Vec<i64> = command.query_async(&mut connection).await.expect("EVALSHA");
+                let reply: Vec<i64> = command.query_async(&mut connection).await.expect("FCALL");
                 assert_eq!(reply.first(), Some(&1));
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
@@ -194,44 +220,61 @@ async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> F
             (latencies, 0)
         }));
     }
-    let stopwatch = Stopwatch::start();
-    tokio::time::sleep(RUN).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut latencies = Vec::new();
-    let mut unavailable = 0;
-    for task in tasks {
-        let (caller_latencies, caller_unavailable) = task.await.expect("caller");
-        latencies.extend(caller_latencies);
-        unavailable += caller_unavailable;
-    }
-    figure(latencies, unavailable, stopwatch.elapsed().as_secs_f64())
+    collect(tasks, stop).await
 }
 
-#[tokio::main(flavor = "multi_thread")]
-async fn main() {
+fn main() {
+    let agents = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(AGENT_THREADS)
+        .enable_all()
+        .build()
+        .expect("the agents' runtime");
+    let load = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("the load generators' runtime");
+    load.block_on(run(agents.handle().clone()));
+}
+
+async fn run(agents: tokio::runtime::Handle) {
     let redis = allot_testkit::RedisServer::start();
     let grants = Arc::new(AtomicU64::new(0));
     let allocator = stub_allocator(grants.clone(), 100).await;
-    let trivial = {
-        // Reads the request's body (as any handler must) and answers a constant decision.
-        let app = axum::Router::new().route(
-            "/constant",
-            post(|_body: axum::body::Bytes| async { Json(json!({ "allowed": true })) }),
-        );
-        serve_on_free_port(app).await
-    };
-    let in_process: Arc<dyn LimiterStore> =
-        Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));
-    let (lease_only, _) = start_agent(in_process, &allocator, false).await;
     let redis_store = Arc::new(
         RedisStore::connect(&redis.url(), RedisStoreConfig::default())
             .await
             .expect("redis"),
     );
-    let (with_redis, with_redis_api) = start_agent(redis_store.clone(), &allocator, true).await;
+    let on_agents = {
+        let (allocator, redis_store) = (allocator.clone(), redis_store.clone());
+        agents.spawn(async move {
+            // Reads the request's body (as any handler must) and answers a constant decision.
+            let app = axum::Router::new().route(
+                "/constant",
+                post(|_body: axum::body::Bytes| async { Json(json!({ "allowed": true })) }),
+            );
+            let trivial = serve_on_free_port(app).await;
+            let in_process: Arc<dyn LimiterStore> =
+                Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));
+            let (lease_only, _) = start_agent(in_process, &allocator, false).await;
+            let (with_redis, with_redis_api) = start_agent(redis_store, &allocator, true).await;
+            (trivial, lease_only, with_redis, with_redis_api)
+        })
+    };
+    let (trivial, lease_only, with_redis, with_redis_api) =
+        on_agents.await.expect("the agents' runtime");
+    let grpc_url = serve_grpc_on(&agents, with_redis_api).await;
     println!(
-        "{:<14} {:>8} {:>12} {:>8} {:>8} {:>12}",
-        "path", "callers", "admits/s", "p50 us", "p99 us", "x ceiling"
+        "{:<14} {:>8} {:>12} {:>8} {:>8} {:>12} {:>14} {:>16}",
+        "path",
+        "callers",
+        "admits/s",
+        "p50 us",
+        "p99 us",
+        "x ceiling",
+        "agent us/dec",
+        "per agent core"
     );
     for callers in [1u64, 64] {
         let ceiling = drive(trivial.clone(), callers, false).await;
@@ -239,7 +282,7 @@ async fn main() {
         let admits_before = grants.load(Ordering::Relaxed);
         let lease = drive(lease_only.clone(), callers, true).await;
         let redis_path = drive(with_redis.clone(), callers, true).await;
-        let grpc_path = drive_grpc(with_redis_api.clone(), callers).await;
+        let grpc_path = drive_grpc(grpc_url.clone(), callers).await;
         let admits =
             (lease.per_second + redis_path.per_second + grpc_path.per_second) * RUN.as_secs_f64();
         let calls = grants.load(Ordering::Relaxed) - admits_before;
@@ -251,8 +294,15 @@ async fn main() {
             ("grpc+3-redis", &grpc_path, raw.per_second),
         ] {
             let ratio = figure.per_second / against.max(1.0);
+            let agent_cpu_us = figure.agent_cpu_us_per_decision;
+            // Decisions one agent core decides per second at this CPU per decision.
+            let per_agent_core = if agent_cpu_us > 0.0 {
+                1e6 / agent_cpu_us
+            } else {
+                0.0
+            };
             println!(
-                "{path:<14} {callers:>8} {:>12.0} {:>8} {:>8} {ratio:>12.2}",
+                "{path:<14} {callers:>8} {:>12.0} {:>8} {:>8} {ratio:>12.2} {agent_cpu_us:>14.1} {per_agent_core:>16.0}",
                 figure.per_second, figure.p50_us, figure.p99_us
             );
             println!(
@@ -260,6 +310,8 @@ async fn main() {
                 json!({ "bench": "agent", "path": path, "callers": callers,
                     "admitsPerSecond": figure.per_second.round(), "p50Us": figure.p50_us,
                     "p99Us": figure.p99_us, "ratio": (ratio * 100.0).round() / 100.0,
+                    "agentCpuUsPerDecision": (agent_cpu_us * 10.0).round() / 10.0,
+                    "decisionsPerAgentCoreSecond": per_agent_core.round(),
                     "unavailablePercent": (figure.unavailable_share * 10_000.0).round() / 100.0,
                     "allocatorCallsPer1000Admits": if admits > 0.0 { (calls as f64 * 1000.0 / admits * 100.0).round() / 100.0 } else { 0.0 } })
             );

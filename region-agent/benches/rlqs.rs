@@ -29,7 +29,9 @@ use serde_json::json;
 
 mod common;
 
-use common::{GATEWAY, rls_request, start_agent, stub_allocator};
+use common::{
+    AGENT_THREADS, GATEWAY, rls_request, start_agent, stub_allocator, thread_cpu_seconds,
+};
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -41,28 +43,6 @@ const USERS: u64 = 100;
 /// Chunk of the stand-in allocator's grants: large enough that an assignment carries a gateway's
 /// demand (the agent bench uses the reference design's 100).
 const CHUNK_TOKENS: u64 = 100_000;
-
-/// CPU seconds (user + system) of this process's threads named `name`.
-fn thread_cpu_seconds(name: &str) -> f64 {
-    let ticks_per_second = 100.0; // USER_HZ on Linux
-    let mut ticks = 0u64;
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0.0;
-    };
-    for task in tasks.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim() != name {
-            continue;
-        }
-        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-        // Fields after the parenthesised command: state is field 3; utime 14, stime 15.
-        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-        let fields: Vec<&str> = after.split_whitespace().collect();
-        let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
-        ticks += field(14).unwrap_or(0) + field(15).unwrap_or(0);
-    }
-    ticks as f64 / ticks_per_second
-}
 
 /// Redis's CPU seconds so far (`INFO cpu`).
 async fn redis_cpu_seconds(connection: &mut redis::aio::MultiplexedConnection) -> f64 {
@@ -103,12 +83,12 @@ async fn measure<F>(connection: &mut redis::aio::MultiplexedConnection, run: F) 
 where
     F: std::future::Future<Output = Run>,
 {
-    let agent_before = thread_cpu_seconds("agent-rt");
+    let agent_before = thread_cpu_seconds(AGENT_THREADS);
     let redis_before = redis_cpu_seconds(connection).await;
     let stopwatch = Stopwatch::start();
     let outcome = run.await;
     let seconds = stopwatch.elapsed().as_secs_f64();
-    let agent_cpu = thread_cpu_seconds("agent-rt") - agent_before;
+    let agent_cpu = thread_cpu_seconds(AGENT_THREADS) - agent_before;
     let redis_cpu = redis_cpu_seconds(connection).await - redis_before;
     let per_1000 = |value: f64| value * 1_000.0 / outcome.decisions.max(1) as f64;
     Figure {
@@ -291,7 +271,7 @@ fn main() {
     let redis = allot_testkit::RedisServer::start();
     let agent_runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
-        .thread_name("agent-rt")
+        .thread_name(AGENT_THREADS)
         .enable_all()
         .build()
         .expect("agent runtime");

@@ -175,3 +175,29 @@ pub async fn start_agent(
     tokio::spawn(serve(listener, api.clone(), None, std::future::pending()));
     (url, api)
 }
+
+/// CPU seconds (user + system) of this process's threads named `name`.
+pub fn thread_cpu_seconds(name: &str) -> f64 {
+    let ticks_per_second = 100.0; // USER_HZ on Linux
+    let mut ticks = 0u64;
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        // Fields after the parenthesised command: state is field 3; utime 14, stime 15.
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
+        ticks += field(14).unwrap_or(0) + field(15).unwrap_or(0);
+    }
+    ticks as f64 / ticks_per_second
+}
+
+/// The name of the threads the benchmarks run agents on, so that their CPU can be told apart
+/// from the load generators'.
+pub const AGENT_THREADS: &str = "agent-rt";
