@@ -90,6 +90,14 @@ enum Command {
         /// Run for this long instead of the scenario's duration, ms.
         #[arg(long)]
         duration_ms: Option<u64>,
+        /// Run the one named drill with each value of a design parameter and print what each
+        /// costs: `partition-ms=0,30000,60000`, `lease-ttl-ms=...`, `chunk=...`,
+        /// `fallback-per-region=...` (each value over --seeds, 10 by default).
+        #[arg(long)]
+        vary: Option<allot_simulations::drill::vary::Vary>,
+        /// With --vary: write the sweep as an SVG of bars to this file.
+        #[arg(long, requires = "vary")]
+        plot: Option<PathBuf>,
     },
     /// Policy bundle tools.
     Policy {
@@ -186,6 +194,8 @@ fn main() -> ExitCode {
             seed,
             seeds,
             duration_ms,
+            vary,
+            plot,
         } => {
             return drill(&allot_simulations::drill::DrillOptions {
                 names,
@@ -195,6 +205,8 @@ fn main() -> ExitCode {
                 seed,
                 seeds,
                 duration_ms,
+                vary,
+                plot,
             });
         }
         Command::Policy {

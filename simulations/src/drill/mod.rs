@@ -12,6 +12,7 @@ mod gateways;
 pub mod report;
 pub mod results;
 pub mod scenario;
+pub mod vary;
 
 use std::path::PathBuf;
 
@@ -36,7 +37,14 @@ pub struct DrillOptions {
     pub seeds: Option<SeedRange>,
     /// Run for this long instead of the scenario's duration, ms.
     pub duration_ms: Option<u64>,
+    /// Run the one chosen drill with each value of a design parameter ([`vary`]).
+    pub vary: Option<vary::Vary>,
+    /// With `vary`: write the sweep's SVG here.
+    pub plot: Option<PathBuf>,
 }
+
+/// Seeds a `--vary` sweep runs per value unless `--seeds` says otherwise.
+pub const VARY_SEEDS: u64 = 10;
 
 /// Most seeds one `--seeds` sweep runs per drill (I10).
 pub const MAX_SEEDS: u64 = 10_000;
@@ -203,6 +211,9 @@ pub struct DrillOutcome {
 /// when the drills could not run at all.
 pub fn run_blocking(options: &DrillOptions) -> Result<DrillOutcome, String> {
     let chosen = chosen(options)?;
+    if let Some(varied) = &options.vary {
+        return run_vary(options, &chosen, varied);
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -290,5 +301,48 @@ pub fn run_blocking(options: &DrillOptions) -> Result<DrillOutcome, String> {
     Ok(DrillOutcome {
         output: out,
         failed,
+    })
+}
+
+/// `--vary`: the one chosen drill with each value (module [`vary`]); a table (or JSON), and the SVG
+/// with `plot`. Drills that fail their checks at some value are counted in the table, not errors:
+/// where a parameter stops being safe is what the sweep is for.
+fn run_vary(
+    options: &DrillOptions,
+    chosen: &[(Scenario, String)],
+    varied: &vary::Vary,
+) -> Result<DrillOutcome, String> {
+    let [(scenario, _)] = chosen else {
+        return Err("--vary takes one drill (a name or one --file)".to_owned());
+    };
+    let seeds = match options.seeds {
+        Some(seeds) => seeds,
+        None => SeedRange::first_n(VARY_SEEDS)?,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start a runtime: {e}"))?;
+    let points = runtime.block_on(vary::sweep(scenario, varied, seeds))?;
+    let mut output = if options.json {
+        let mut json = serde_json::to_string_pretty(&serde_json::json!({
+            "drill": scenario.name, "parameter": format!("{:?}", varied.parameter), "points": points,
+        }))
+        .map_err(|e| e.to_string())?;
+        json.push('\n');
+        json
+    } else {
+        vary::table(scenario, varied, &points)
+    };
+    if let Some(path) = &options.plot {
+        let svg = vary::svg(scenario, varied, &points)?;
+        std::fs::write(path, svg).map_err(|e| format!("--plot {}: {e}", path.display()))?;
+        if !options.json {
+            output.push_str(&format!("plot written to {}\n", path.display()));
+        }
+    }
+    Ok(DrillOutcome {
+        output,
+        failed: Vec::new(),
     })
 }
