@@ -272,35 +272,34 @@ end
 
 -- Stored state ---------------------------------------------------------------------------------
 
-local HASH_FIELDS = { 'tk', 'ts', 'w', 'n', 'cur', 'prev' }
 local HASH_SHAPES = {
   tb = { tk = true, ts = true },
   fw = { w = true, n = true },
   sc = { w = true, cur = true, prev = true },
 }
 
--- The hash of a tb, fw or sc rule: nil when absent, a table of its fields, or an error reply.
+-- The hash of a tb, fw or sc rule: nil when absent, a table of its fields, or an error reply. One
+-- HGETALL: every field the key holds comes back, so a field of another algorithm is seen too.
 local function read_hash(rule_index, key, kind)
-  local values = redis.pcall('HMGET', key, unpack(HASH_FIELDS))
+  local values = redis.pcall('HGETALL', key)
   if values.err then
     return nil, state_error('rule ' .. rule_index, 'the key is not a hash')
   end
-  local found, present, expected = {}, 0, HASH_SHAPES[kind]
-  for f = 1, #HASH_FIELDS do
-    local name, value = HASH_FIELDS[f], values[f]
-    if value then
-      if not expected[name] then
-        return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' belongs to another algorithm')
-      end
-      found[name] = integer(value, 0, TWO_53)
-      if found[name] == nil then
-        return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is not an integer')
-      end
-      present = present + 1
-    end
-  end
-  if present == 0 then
+  local count = #values
+  if count == 0 then
     return nil
+  end
+  local found, expected = {}, HASH_SHAPES[kind]
+  for f = 1, count, 2 do
+    local name = values[f]
+    if not expected[name] then
+      return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' belongs to another algorithm')
+    end
+    local value = integer(values[f + 1], 0, TWO_53)
+    if value == nil then
+      return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is not an integer')
+    end
+    found[name] = value
   end
   for name in pairs(expected) do
     if found[name] == nil then
@@ -430,6 +429,9 @@ local function decide_fixed_window(rule, state, now)
   return {
     allowed = true, remaining = rule.limit - new_count, available = available,
     write = true, window_start = window_start, count = new_count, expires_at = now + left_ms,
+    -- The stored window goes on: its start stays as it is. (Its expiry is set again all the
+    -- same: a policy may have changed the window's length since it was written.)
+    same_window = state ~= nil and state.w == window_start,
   }
 end
 
@@ -473,6 +475,9 @@ local function decide_sliding_counter(rule, state, now)
       allowed = true, remaining = div_floor(headroom - cost_scaled, w), available = available,
       write = true, window_start = window_start, count = cur + rule.cost, prev = prev,
       expires_at = window_start + 2 * w,
+      -- The stored window goes on: its start and the previous count stay (the expiry is set
+      -- again: the window's length may have changed).
+      same_window = state ~= nil and state.w == window_start and state.prev == prev,
     }
   end
   -- The earliest elapsed time e with weight * (w - e) <= slack is w - floor(slack / weight).
@@ -514,7 +519,11 @@ local DECIDE = {
 local function write(spec, key, outcome, now, decision_id)
   local kind = spec.kind
   if kind == 'fw' then
-    redis.call('HSET', key, 'w', text(outcome.window_start), 'n', text(outcome.count))
+    if outcome.same_window then
+      redis.call('HSET', key, 'n', text(outcome.count))
+    else
+      redis.call('HSET', key, 'w', text(outcome.window_start), 'n', text(outcome.count))
+    end
     redis.call('PEXPIREAT', key, text(outcome.expires_at))
   elseif kind == 'tb' then
     redis.call('HSET', key, 'tk', text(outcome.remaining), 'ts', text(outcome.updated_at))
@@ -522,7 +531,11 @@ local function write(spec, key, outcome, now, decision_id)
   elseif kind == 'gcra' then
     redis.call('SET', key, text(outcome.new_tat), 'PXAT', text(outcome.new_tat))
   elseif kind == 'sc' then
-    redis.call('HSET', key, 'w', text(outcome.window_start), 'cur', text(outcome.count), 'prev', text(outcome.prev))
+    if outcome.same_window then
+      redis.call('HSET', key, 'cur', text(outcome.count))
+    else
+      redis.call('HSET', key, 'w', text(outcome.window_start), 'cur', text(outcome.count), 'prev', text(outcome.prev))
+    end
     redis.call('PEXPIREAT', key, text(outcome.expires_at))
   else
     -- Trim the entries that have left the window, so the set holds at most `limit` members. The
@@ -537,6 +550,9 @@ local function write(spec, key, outcome, now, decision_id)
 end
 
 -- The decision ---------------------------------------------------------------------------------
+
+-- Each rule's parsed arguments and outcome during one request's decision (indices 1 to n).
+local SPECS, OUTCOMES = {}, {}
 
 -- The state after an admitting outcome's write, as read_state would read it back.
 local function state_after(spec, outcome)
@@ -606,7 +622,8 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
 
   -- Rule by rule in evaluation order, like the pure core: the parameters, then the stored state's
   -- shape, then the decision. Every error returns before anything is written.
-  local specs, outcomes = {}, {}
+  -- The library's own arrays, reused: requests are decided one at a time, each to its end.
+  local specs, outcomes = SPECS, OUTCOMES
   for i = 1, n do
     local entry = parsed(args[arg_base + 2 + i], parse_rule)
     if entry.err then
@@ -663,6 +680,8 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
           if batch.writes[key] == nil then
             batch.order[#batch.order + 1] = key
           end
+          -- Written once at the call's end, over what the key held before the call: whole.
+          outcome.same_window = nil
           batch.writes[key] = { spec = specs[i], outcome = outcome, now = now }
         else
           write(specs[i], key, outcome, now, decision_id)
