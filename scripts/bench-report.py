@@ -254,7 +254,9 @@ def main():
             print(f"| {r['path']} | {r['p50Ms']:.1f} | {r['p99Ms']:.1f} | {r['xApi']:.2f} |")
         print()
 
-    peer = bench_lines("peer.log")
+    peer_all = bench_lines("peer.log")
+    peer = [r for r in peer_all if r.get("bench") == "peer"]
+    instructions = [r for r in peer_all if r.get("bench") == "peer_instructions"]
     if peer:
         print("## A peer: Kuadrant's Limitador on the same Redis")
         print()
@@ -290,6 +292,21 @@ def main():
         print("Redis counts the commands a script or function runs inside it too: `fcall` and `evalsha` are the")
         print("round trips (Allot: one call decides and writes; Limitador: one script call to check, a second")
         print("to update), the rest what the Lua code does inside.")
+        print()
+    if instructions:
+        print("### The same, in instructions of the Redis process")
+        print()
+        print("CPU time moves with whatever else a shared machine runs; instructions do not. Here Redis runs")
+        print("under valgrind's callgrind, and each path makes exactly 4,000 decisions from 32 callers between")
+        print("a zeroing and a dump of its counters (`allot-peer-bench --instructions`, run by")
+        print("`scripts/bench-peer`); `x limitador` is the row's instructions per decision over Limitador's.")
+        print("Every path's keys exist before anything is counted.")
+        print()
+        print("| rules | callers | path | Redis instructions per decision | x limitador |")
+        print("| ---: | ---: | --- | ---: | ---: |")
+        for r in instructions:
+            print(f"| {r['rules']} | {r['callers']} | {r['path']} | {r['redisInstructionsPerDecision']:.0f} | "
+                  f"{r['ratioToLimitador']:.2f} |")
         print()
 
 

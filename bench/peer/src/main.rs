@@ -14,8 +14,12 @@
 //! (the client side: `/proc/self/stat`) and of Redis (`INFO cpu`), and Redis commands per decision
 //! (`INFO commandstats`). Paths run in alternating rounds so load that comes and goes hits all alike.
 //!
+//! `--instructions` measures the same paths in instructions the Redis process executes per decision,
+//! with Redis under valgrind's callgrind ([`instructions`]): a count that does not move with the
+//! machine's load, as CPU time does on a shared machine.
+//!
 //! Run with `scripts/bench-peer` (installs libclang-dev, which Limitador's bundled RocksDB needs to
-//! build). Not a test: nothing asserts a timing.
+//! build, and valgrind). Not a test: nothing asserts a timing.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,6 +37,8 @@ use allot_shared::policy::{PolicyBundle, parse_bundle};
 use limitador::AsyncRateLimiter;
 use limitador::limit::{Context, Expression, Limit, Namespace};
 use limitador::storage::redis::AsyncRedisStorage;
+
+mod instructions;
 
 /// Requests per user per window: never reached in a run.
 const LIMIT: u64 = 10_000_000_000;
@@ -282,7 +288,11 @@ async fn measure(
             } = subjects;
             let bundle = bundle.of(shape);
             let planned = planned(&bundle, caller);
-            assert_eq!(planned.batch.rules().len(), shape.rules(), "every rule applies");
+            assert_eq!(
+                planned.batch.rules().len(),
+                shape.rules(),
+                "every rule applies"
+            );
             let fcall = store.decide_command(&planned.batch);
             let namespace = Namespace::from(shape.namespace());
             let values = HashMap::from([
@@ -343,20 +353,35 @@ async fn measure(
     samples.redis_commands += commands_after.saturating_sub(commands_before + 1);
 }
 
-/// The comparison, start to end. Long by design: a benchmark script whose steps (start Redis, set up
-/// both limiters, run each shape, print the table) read in order.
-#[tokio::main(flavor = "multi_thread")]
-async fn main() {
-    let server = allot_testkit::RedisServer::start();
+/// Both limiters, the raw connection and the bundles, on the Redis at `url`; `patient`: deadlines
+/// for a Redis that runs tens of times slower than usual (under callgrind), so that nothing
+/// degrades.
+async fn subjects(url: &str, patient: bool) -> Subjects {
+    let (store_config, limiter_config) = if patient {
+        let long = Duration::from_secs(30);
+        (
+            RedisStoreConfig {
+                call_timeout: long,
+                connect_timeout: long,
+                ..RedisStoreConfig::default()
+            },
+            LimiterConfig {
+                decision_budget: long,
+                acquire_wait: long,
+                ..LimiterConfig::default()
+            },
+        )
+    } else {
+        (RedisStoreConfig::default(), LimiterConfig::default())
+    };
     let store = Arc::new(
-        RedisStore::connect(&server.url(), RedisStoreConfig::default())
+        RedisStore::connect(url, store_config)
             .await
             .expect("connects"),
     );
-    let limiter = Arc::new(
-        Limiter::new(store.clone(), LimiterConfig::default()).expect("the default config is valid"),
-    );
-    let raw = redis::Client::open(server.url())
+    let limiter =
+        Arc::new(Limiter::new(store.clone(), limiter_config).expect("the config is valid"));
+    let raw = redis::Client::open(url)
         .expect("url")
         .get_multiplexed_async_connection()
         .await
@@ -366,7 +391,7 @@ async fn main() {
         three_rules: Shape::ThreeRules.bundle(),
     };
     let limitador = AsyncRateLimiter::new_with_storage(Box::new(
-        AsyncRedisStorage::new(&server.url())
+        AsyncRedisStorage::new(url)
             .await
             .expect("Limitador connects"),
     ));
@@ -384,13 +409,26 @@ async fn main() {
             ));
         }
     }
-    let subjects = Subjects {
+    Subjects {
         limiter,
         store,
         raw,
         bundle,
         limitador: Arc::new(limitador),
-    };
+    }
+}
+
+/// The comparison, start to end. Long by design: a benchmark script whose steps (start Redis, set up
+/// both limiters, run each shape, print the table) read in order. With `--instructions`, instead,
+/// Redis runs under callgrind and each path is measured in instructions per decision.
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    if std::env::args().any(|arg| arg == "--instructions") {
+        instructions::run().await;
+        return;
+    }
+    let server = allot_testkit::RedisServer::start();
+    let subjects = subjects(&server.url(), false).await;
     println!(
         "{:>6} {:>8} {:>12} {:>12} {:>7} {:>7} {:>6} {:>13} {:>13} {:>12} {:>8}",
         "rules",
