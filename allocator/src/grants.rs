@@ -474,11 +474,15 @@ impl PoolWorker {
         );
     }
 
-    /// Loads configuration and window from the store. `Ok(false)` when the pool does not exist.
+    /// Loads configuration and window from the store, both reads at once (a cold worker's first
+    /// grant waits one round trip for them, not two). `Ok(false)` when the pool does not exist.
     async fn load(&mut self, leadership: Leadership) -> Result<bool, GrantFailure> {
         let kv = &*self.shared.kv;
-        let Some((stored_pool, pool_revision)) = get_pool(kv, &self.tenant, &self.pool).await?
-        else {
+        let (pool, window) = tokio::join!(
+            get_pool(kv, &self.tenant, &self.pool),
+            get_window(kv, &self.tenant, &self.pool)
+        );
+        let Some((stored_pool, pool_revision)) = pool? else {
             self.cache = None;
             return Ok(false);
         };
@@ -486,7 +490,7 @@ impl PoolWorker {
             .spec
             .validate()
             .map_err(|e| GrantFailure::Unavailable(format!("stored pool is invalid: {e}")))?;
-        let (window, window_revision) = match get_window(kv, &self.tenant, &self.pool).await? {
+        let (window, window_revision) = match window? {
             Some((window, revision)) => (Some(window), revision),
             None => (None, 0),
         };
