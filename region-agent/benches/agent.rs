@@ -44,8 +44,8 @@ const RUN: Duration = Duration::from_secs(3);
 mod common;
 
 use common::{
-    AGENT_THREADS, GATEWAY, bundle, request, rls_request, serve_on_free_port, start_agent,
-    stub_allocator, thread_cpu_seconds,
+    AGENT_THREADS, GATEWAY, agent_and_load_runtimes, bundle, request, rls_request,
+    serve_on_free_port, start_agent, stub_allocator, thread_cpu_seconds,
 };
 
 /// Serves Envoy's RLS v3 for `api` on the agents' runtime; its URL.
@@ -224,16 +224,7 @@ async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> F
 }
 
 fn main() {
-    let agents = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name(AGENT_THREADS)
-        .enable_all()
-        .build()
-        .expect("the agents' runtime");
-    let load = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("the load generators' runtime");
+    let (agents, load) = agent_and_load_runtimes();
     load.block_on(run(agents.handle().clone()));
 }
 

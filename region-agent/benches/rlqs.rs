@@ -30,7 +30,8 @@ use serde_json::json;
 mod common;
 
 use common::{
-    AGENT_THREADS, GATEWAY, rls_request, start_agent, stub_allocator, thread_cpu_seconds,
+    AGENT_THREADS, GATEWAY, agent_and_load_runtimes, redis_cpu_seconds, rls_request, start_agent,
+    stub_allocator, thread_cpu_seconds,
 };
 
 #[global_allocator]
@@ -43,22 +44,6 @@ const USERS: u64 = 100;
 /// Chunk of the stand-in allocator's grants: large enough that an assignment carries a gateway's
 /// demand (the agent bench uses the reference design's 100).
 const CHUNK_TOKENS: u64 = 100_000;
-
-/// Redis's CPU seconds so far (`INFO cpu`).
-async fn redis_cpu_seconds(connection: &mut redis::aio::MultiplexedConnection) -> f64 {
-    let info: String = redis::cmd("INFO")
-        .arg("cpu")
-        .query_async(connection)
-        .await
-        .expect("INFO");
-    info.lines()
-        .filter_map(|line| {
-            line.strip_prefix("used_cpu_sys:")
-                .or_else(|| line.strip_prefix("used_cpu_user:"))
-        })
-        .filter_map(|value| value.trim().parse::<f64>().ok())
-        .sum()
-}
 
 struct Figure {
     decisions_per_second: f64,
@@ -269,16 +254,7 @@ fn local_bucket() -> Run {
 
 fn main() {
     let redis = allot_testkit::RedisServer::start();
-    let agent_runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name(AGENT_THREADS)
-        .enable_all()
-        .build()
-        .expect("agent runtime");
-    let load = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("load runtime");
+    let (agent_runtime, load) = agent_and_load_runtimes();
     let redis_url = redis.url();
     let url = agent_runtime.block_on(async move {
         let grants = Arc::new(AtomicU64::new(0));

@@ -201,3 +201,35 @@ pub fn thread_cpu_seconds(name: &str) -> f64 {
 /// The name of the threads the benchmarks run agents on, so that their CPU can be told apart
 /// from the load generators'.
 pub const AGENT_THREADS: &str = "agent-rt";
+
+/// The runtime the benchmarks run agents on (one worker thread named [`AGENT_THREADS`]), and one
+/// for the load generators.
+pub fn agent_and_load_runtimes() -> (tokio::runtime::Runtime, tokio::runtime::Runtime) {
+    let agents = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(AGENT_THREADS)
+        .enable_all()
+        .build()
+        .expect("the agents' runtime");
+    let load = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("the load generators' runtime");
+    (agents, load)
+}
+
+/// Redis's CPU seconds so far, user + system (`INFO cpu`).
+pub async fn redis_cpu_seconds(connection: &mut redis::aio::MultiplexedConnection) -> f64 {
+    let info: String = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async(connection)
+        .await
+        .expect("INFO cpu");
+    info.lines()
+        .filter_map(|line| {
+            line.strip_prefix("used_cpu_sys:")
+                .or_else(|| line.strip_prefix("used_cpu_user:"))
+        })
+        .filter_map(|value| value.trim().parse::<f64>().ok())
+        .sum()
+}

@@ -122,16 +122,8 @@ impl Coalescer {
     /// After the slot's lone call: what waits is sent by a task of its own, or, when nothing
     /// waits, the slot has no call in flight any more.
     fn hand_over(self: &Arc<Self>, calls: &Arc<Calls>, tag: &str) {
-        {
-            let mut slots = self.slots();
-            let Some(queue) = slots.get_mut(tag) else {
-                return;
-            };
-            queue.retain(|waiting| !waiting.reply.is_closed());
-            if queue.is_empty() {
-                slots.remove(tag);
-                return;
-            }
+        if !self.still_waiting(tag) {
+            return;
         }
         let (coalescer, calls, tag) = (self.clone(), calls.clone(), tag.to_owned());
         tokio::spawn(async move {
@@ -147,24 +139,34 @@ impl Coalescer {
         });
     }
 
+    /// Whether decisions wait for the slot `tag`; when none do (callers that stopped waiting are
+    /// dropped: never sent, so nothing of theirs is decided), the slot has no call in flight any
+    /// more.
+    fn still_waiting(&self, tag: &str) -> bool {
+        keep_waiting(&mut self.slots(), tag)
+    }
+
+    /// The next call's decisions for the slot `tag` (at most [`MAX_REQUESTS_PER_CALL`], the
+    /// longest waiting first); none when nothing waits, and then the slot has no call in flight.
+    fn next_call(&self, tag: &str) -> Vec<Waiting> {
+        let mut slots = self.slots();
+        if !keep_waiting(&mut slots, tag) {
+            return Vec::new();
+        }
+        slots.get_mut(tag).map_or_else(Vec::new, |queue| {
+            let take = queue.len().min(MAX_REQUESTS_PER_CALL);
+            queue.drain(..take).collect()
+        })
+    }
+
     /// Sends what waits for the slot `tag`, a coalesced call at a time, until nothing does; then
     /// the slot has no call in flight.
     async fn send_waiting(&self, calls: &Calls, tag: &str) {
         loop {
-            let next: Vec<Waiting> = {
-                let mut slots = self.slots();
-                let Some(queue) = slots.get_mut(tag) else {
-                    return;
-                };
-                // Callers that stopped waiting: never sent, so nothing of theirs is decided.
-                queue.retain(|waiting| !waiting.reply.is_closed());
-                if queue.is_empty() {
-                    slots.remove(tag);
-                    return;
-                }
-                let take = queue.len().min(MAX_REQUESTS_PER_CALL);
-                queue.drain(..take).collect()
-            };
+            let next = self.next_call(tag);
+            if next.is_empty() {
+                return;
+            }
             if let [alone] = &next[..] {
                 let reply = calls.decide_one(&refs(&alone.keys), &alone.args).await;
                 if let Some(alone) = next.into_iter().next() {
@@ -193,6 +195,20 @@ impl Coalescer {
             }
         }
     }
+}
+
+/// Drops the decisions of `tag`'s queue whose callers stopped waiting; whether any are left (if
+/// none, the queue is removed: the slot has no call in flight).
+fn keep_waiting(slots: &mut HashMap<String, Vec<Waiting>>, tag: &str) -> bool {
+    let Some(queue) = slots.get_mut(tag) else {
+        return false;
+    };
+    queue.retain(|waiting| !waiting.reply.is_closed());
+    if queue.is_empty() {
+        slots.remove(tag);
+        return false;
+    }
+    true
 }
 
 /// Hands a slot on when its lone call ends, however it ends (answered, or its caller stopped

@@ -227,6 +227,50 @@ pub fn table(scenario: &Scenario, vary: &Vary, points: &[Point]) -> String {
     out
 }
 
+/// The x axis both charts of the sweep share: one position per value.
+struct Axes<'l> {
+    x_desc: &'static str,
+    x_range: std::ops::Range<f64>,
+    labels: usize,
+    x_label: &'l dyn Fn(&f64) -> String,
+}
+
+type BarChart<'a, 'b> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+impl Axes<'_> {
+    /// A chart on `area` with these axes, values up to `top`.
+    fn chart<'a, 'b>(
+        &self,
+        area: &'a DrawingArea<SVGBackend<'b>, plotters::coord::Shift>,
+        caption: &str,
+        y_desc: &str,
+        top: f64,
+    ) -> Result<BarChart<'a, 'b>, String> {
+        let fail = |e: &dyn std::fmt::Display| format!("plot of the sweep: {e}");
+        let mut chart = ChartBuilder::on(area)
+            .caption(caption, ("sans-serif", 15))
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(55)
+            .build_cartesian_2d(self.x_range.clone(), 0f64..top)
+            .map_err(|e| fail(&e))?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(self.labels)
+            .x_label_formatter(self.x_label)
+            .x_desc(self.x_desc)
+            .y_desc(y_desc)
+            .draw()
+            .map_err(|e| fail(&e))?;
+        Ok(chart)
+    }
+}
+
 /// The sweep as an SVG: the worst window's overshoot (mean over seeds as bars, the largest seed's
 /// as a mark, the bound's term as a line) and the denials while tokens were left, per value.
 pub fn svg(scenario: &Scenario, vary: &Vary, points: &[Point]) -> Result<String, String> {
@@ -263,30 +307,23 @@ pub fn svg(scenario: &Scenario, vary: &Vary, points: &[Point]) -> Result<String,
             }
         };
         let x_range = -0.5f64..(count as f64 - 0.5);
+        let axes = Axes {
+            x_desc: vary.parameter.name(),
+            x_range,
+            labels: points.len(),
+            x_label: &x_label,
+        };
         let bar = |i: usize, height: f64, color: RGBColor| {
             let x = i as f64;
             Rectangle::new([(x - 0.35, 0.0), (x + 0.35, height)], color.filled())
         };
         {
-            let mut chart = ChartBuilder::on(&top)
-                .caption(
-                    caption("worst window's overshoot above G"),
-                    ("sans-serif", 15),
-                )
-                .margin(10)
-                .x_label_area_size(30)
-                .y_label_area_size(55)
-                .build_cartesian_2d(x_range.clone(), 0f64..overshoot_top)
-                .map_err(|e| fail(&e))?;
-            chart
-                .configure_mesh()
-                .disable_x_mesh()
-                .x_labels(points.len())
-                .x_label_formatter(&x_label)
-                .x_desc(vary.parameter.name())
-                .y_desc("tokens per tenant")
-                .draw()
-                .map_err(|e| fail(&e))?;
+            let mut chart = axes.chart(
+                &top,
+                &caption("worst window's overshoot above G"),
+                "tokens per tenant",
+                overshoot_top,
+            )?;
             chart
                 .draw_series(
                     points
@@ -338,25 +375,12 @@ pub fn svg(scenario: &Scenario, vary: &Vary, points: &[Point]) -> Result<String,
                 .map_err(|e| fail(&e))?;
         }
         {
-            let mut chart = ChartBuilder::on(&bottom)
-                .caption(
-                    caption("requests denied while the pool had tokens"),
-                    ("sans-serif", 15),
-                )
-                .margin(10)
-                .x_label_area_size(30)
-                .y_label_area_size(55)
-                .build_cartesian_2d(x_range.clone(), 0f64..denied_top)
-                .map_err(|e| fail(&e))?;
-            chart
-                .configure_mesh()
-                .disable_x_mesh()
-                .x_labels(points.len())
-                .x_label_formatter(&x_label)
-                .x_desc(vary.parameter.name())
-                .y_desc("requests per run")
-                .draw()
-                .map_err(|e| fail(&e))?;
+            let mut chart = axes.chart(
+                &bottom,
+                &caption("requests denied while the pool had tokens"),
+                "requests per run",
+                denied_top,
+            )?;
             chart
                 .draw_series(
                     points.iter().enumerate().map(|(i, p)| {
