@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::oneshot;
 
-use super::redis_store::Calls;
+use super::redis_calls::Calls;
 use super::store::StoreError;
 
 /// Most decisions waiting behind one slot's call in flight (I10); past it a decision is sent alone.

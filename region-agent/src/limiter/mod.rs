@@ -53,6 +53,7 @@ pub mod fallback;
 pub mod hot_tenants;
 pub mod in_process;
 pub mod negative_cache;
+mod redis_calls;
 pub mod redis_store;
 mod scripts;
 pub mod store;

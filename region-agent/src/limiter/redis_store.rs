@@ -37,20 +37,20 @@ use std::time::Duration;
 use allot_shared::clock::Clock;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
-use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErrorKind};
+use redis::{Cmd, RedisError, RedisResult};
 
 use allot_shared::keys;
 
 use super::batch::RuleBatch;
 use super::coalescing::Coalescer;
+pub(crate) use super::redis_calls::Connection;
+use super::redis_calls::{Calls, Code, Library, Script};
 use super::scripts::{
-    CONCURRENCY_SOURCE, DECIDE_SOURCE, LIBRARY_VERSION_PLACEHOLDER, SERVER_TIME, decide_args,
-    decide_keys, lease_args, parse_decide_reply, parse_lease_reply,
+    CONCURRENCY_SOURCE, DECIDE_SOURCE, SERVER_TIME, decide_args, decide_keys, lease_args,
+    parse_decide_reply, parse_lease_reply,
 };
 use super::store::{
-    BatchDecision, LeaseCall, LeaseOperation, LeaseOutcome, LimiterStore, Rejection, StoreError,
+    BatchDecision, LeaseCall, LeaseOperation, LeaseOutcome, LimiterStore, StoreError,
 };
 
 /// Default budget of one store call (`FCALL` or `EVALSHA`, and a reload and retry): the
@@ -68,7 +68,8 @@ pub struct RedisStoreConfig {
     /// Deadline for opening a connection.
     pub connect_timeout: Duration,
     /// Decisions of one slot that arrive while a call of that slot is in flight go together in the
-    /// next call ([`super::coalescing`]; on by default).
+    /// next call ([`super::coalescing`]). Off by default: measured so far it saves a hot tenant's
+    /// Redis CPU and costs the decisions that wait latency (docs/limiter.md).
     pub coalesce: bool,
 }
 
@@ -77,185 +78,7 @@ impl Default for RedisStoreConfig {
         Self {
             call_timeout: DEFAULT_CALL_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            coalesce: true,
-        }
-    }
-}
-
-/// A script's source and the SHA-1 that `EVALSHA` names it by.
-#[derive(Debug)]
-struct Script {
-    source: &'static str,
-    sha: String,
-}
-
-impl Script {
-    fn new(source: &'static str) -> Self {
-        Self {
-            source,
-            sha: redis::Script::new(source).get_hash().to_owned(),
-        }
-    }
-
-    fn evalsha(&self, keys: &[&str], args: &[String]) -> Cmd {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha).arg(keys.len()).arg(keys).arg(args);
-        cmd
-    }
-
-    fn load(&self) -> Cmd {
-        let mut cmd = redis::cmd("SCRIPT");
-        cmd.arg("LOAD").arg(self.source);
-        cmd
-    }
-}
-
-/// The decide function library: its text with the version filled in, and the function's name.
-#[derive(Debug)]
-struct Library {
-    source: String,
-    /// One request.
-    function: String,
-    /// Several requests of one slot, one after another ([`super::coalescing`]).
-    many_function: String,
-}
-
-impl Library {
-    fn new(template: &str) -> Self {
-        let sha = redis::Script::new(template).get_hash().to_owned();
-        let version = &sha[..16];
-        Self {
-            source: template.replace(LIBRARY_VERSION_PLACEHOLDER, version),
-            function: format!("allot_decide_{version}"),
-            many_function: format!("allot_decide_many_{version}"),
-        }
-    }
-
-    fn fcall(&self, keys: &[&str], args: &[String]) -> Cmd {
-        let mut cmd = redis::cmd("FCALL");
-        cmd.arg(&self.function).arg(keys.len()).arg(keys).arg(args);
-        cmd
-    }
-
-    fn fcall_many(&self, keys: &[&str], args: &[String]) -> Cmd {
-        let mut cmd = redis::cmd("FCALL");
-        cmd.arg(&self.many_function)
-            .arg(keys.len())
-            .arg(keys)
-            .arg(args);
-        cmd
-    }
-
-    /// `FUNCTION LOAD` without `REPLACE`: a library of this name is this very text (the name
-    /// carries its hash), so "already exists" is success.
-    fn load(&self) -> Cmd {
-        let mut cmd = redis::cmd("FUNCTION");
-        cmd.arg("LOAD").arg(&self.source);
-        cmd
-    }
-}
-
-/// Whether `error` says the library was loaded before (`FUNCTION LOAD` of a name that exists).
-fn already_loaded(error: &RedisError) -> bool {
-    error.to_string().contains("already exists")
-}
-
-/// Whether `error` is the reply to an `FCALL` of a function the server does not have: nothing ran.
-fn function_missing(error: &RedisError) -> bool {
-    error.code() == Some("ERR") && error.to_string().contains("Function not found")
-}
-
-/// What the store calls: the decide library's one-request function, its coalesced function, or a
-/// script.
-#[derive(Clone, Copy)]
-enum Code<'a> {
-    Library(&'a Library),
-    Coalesced(&'a Library),
-    Script(&'a Script),
-}
-
-impl Code<'_> {
-    fn call(&self, keys: &[&str], args: &[String]) -> Cmd {
-        match self {
-            Code::Library(library) => library.fcall(keys, args),
-            Code::Coalesced(library) => library.fcall_many(keys, args),
-            Code::Script(script) => script.evalsha(keys, args),
-        }
-    }
-
-    fn load(&self) -> Cmd {
-        match self {
-            Code::Library(library) | Code::Coalesced(library) => library.load(),
-            Code::Script(script) => script.load(),
-        }
-    }
-
-    /// Whether `error` says the server does not have this code (it did not run).
-    fn is_missing(&self, error: &RedisError) -> bool {
-        match self {
-            Code::Library(_) | Code::Coalesced(_) => function_missing(error),
-            Code::Script(_) => error.kind() == ErrorKind::Server(ServerErrorKind::NoScript),
-        }
-    }
-
-    fn name(&self) -> &str {
-        match self {
-            Code::Library(library) => &library.function,
-            Code::Coalesced(library) => &library.many_function,
-            Code::Script(script) => &script.sha,
-        }
-    }
-}
-
-/// The two topologies a store runs on. Both handles are cheap to clone and multiplex their calls
-/// over shared connections.
-#[derive(Clone)]
-pub(crate) enum Connection {
-    /// One Redis; reconnects by itself after a restart or failover.
-    Single(ConnectionManager),
-    /// A Redis Cluster; every call of a request goes to the node owning its tenant's slot.
-    Cluster(ClusterConnection),
-}
-
-impl Connection {
-    pub(crate) async fn query<T: FromRedisValue>(&mut self, cmd: &Cmd) -> RedisResult<T> {
-        match self {
-            Connection::Single(connection) => cmd.query_async(connection).await,
-            Connection::Cluster(connection) => cmd.query_async(connection).await,
-        }
-    }
-
-    /// Loads `code` where a call on `routing_key` runs: the one server, or the node owning the
-    /// key's slot.
-    async fn load_for(&mut self, code: Code<'_>, routing_key: &str) -> RedisResult<()> {
-        let loaded = match self {
-            Connection::Single(connection) => code
-                .load()
-                .query_async::<redis::Value>(connection)
-                .await
-                .map(drop),
-            Connection::Cluster(connection) => {
-                let node = Route::with_key(routing_key, SlotAddr::Master);
-                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
-                connection
-                    .route_command(code.load(), routing)
-                    .await
-                    .map(drop)
-            }
-        };
-        match loaded {
-            Err(error) if already_loaded(&error) => Ok(()),
-            other => other,
-        }
-    }
-
-    /// Loads `code` on every server (when connecting).
-    async fn load_everywhere(&mut self, code: Code<'_>) -> RedisResult<()> {
-        // On a cluster, SCRIPT LOAD and FUNCTION LOAD are routed to every master and succeed only
-        // if all do.
-        match self.query::<redis::Value>(&code.load()).await {
-            Err(error) if already_loaded(&error) => Ok(()),
-            other => other.map(drop),
+            coalesce: false,
         }
     }
 }
@@ -351,97 +174,6 @@ enum ScriptTime {
     /// A test clock, sent as the scripts' `now_ms` argument.
     #[cfg(test)]
     Driven(Arc<dyn Clock>),
-}
-
-/// What sending a call needs: shared by the store and the tasks that send coalesced calls.
-pub(crate) struct Calls {
-    connection: Connection,
-    decide_library: Library,
-    concurrency_script: Script,
-    call_timeout: Duration,
-    /// Replies saying the library or a script was unknown, answered by loading it again
-    /// (telemetry and tests).
-    script_reloads: AtomicU64,
-}
-
-impl Calls {
-    /// Runs `code` under the call deadline: the call, and after a reply saying the server does
-    /// not have it, one load and one retry.
-    async fn run<T: FromRedisValue>(
-        &self,
-        code: Code<'_>,
-        keys: &[&str],
-        args: &[String],
-    ) -> Result<T, StoreError> {
-        let call = async {
-            let mut connection = self.connection.clone();
-            let command = code.call(keys, args);
-            match connection.query::<T>(&command).await {
-                Err(error) if code.is_missing(&error) => {
-                    self.script_reloads.fetch_add(1, Ordering::Relaxed);
-                    // Expected after a restart, a failover or a flush; frequent ones mean trouble.
-                    tracing::warn!(name = %code.name(), "the limiter's Lua code was unknown: loading it again");
-                    let routing_key = keys.first().copied().unwrap_or_default();
-                    // Nothing ran, so neither a failed load nor the retry can double-debit.
-                    connection
-                        .load_for(code, routing_key)
-                        .await
-                        .map_err(|error| StoreError::NotExecuted {
-                            detail: format!("reloading the limiter's Lua code: {error}"),
-                        })?;
-                    connection.query(&command).await.map_err(classify)
-                }
-                reply => reply.map_err(classify),
-            }
-        };
-        tokio::time::timeout(self.call_timeout, call)
-            .await
-            .map_err(|_| StoreError::Ambiguous {
-                detail: format!("no reply within {:?}", self.call_timeout),
-            })?
-    }
-
-    /// One request's decision: its `KEYS` and `ARGV` as [`decide_keys`] and [`decide_args`] build
-    /// them.
-    pub(crate) async fn decide_one(
-        &self,
-        keys: &[&str],
-        args: &[String],
-    ) -> Result<Vec<i64>, StoreError> {
-        self.run(Code::Library(&self.decide_library), keys, args)
-            .await
-    }
-
-    /// Several requests of one slot in one call, decided one after another in this order; each
-    /// reply, or why that request was refused. The outer error is the call's (none of them ran, or
-    /// all may have).
-    pub(crate) async fn decide_many(
-        &self,
-        requests: &[(&[String], &[String])],
-    ) -> Result<Vec<Result<Vec<i64>, StoreError>>, StoreError> {
-        let keys: Vec<&str> = requests
-            .iter()
-            .flat_map(|(keys, _)| keys.iter().map(String::as_str))
-            .collect();
-        let mut args = Vec::with_capacity(1 + requests.iter().map(|(_, a)| a.len()).sum::<usize>());
-        args.push(requests.len().to_string());
-        for (_, request_args) in requests {
-            args.extend(request_args.iter().cloned());
-        }
-        let replies: Vec<redis::Value> = self
-            .run(Code::Coalesced(&self.decide_library), &keys, &args)
-            .await?;
-        if replies.len() != requests.len() {
-            return Err(StoreError::MalformedReply {
-                detail: format!(
-                    "{} replies to a coalesced call of {} requests",
-                    replies.len(),
-                    requests.len()
-                ),
-            });
-        }
-        Ok(replies.into_iter().map(coalesced_reply).collect())
-    }
 }
 
 /// A limiter store on Redis (single server or cluster). See the module docs.
@@ -712,64 +444,9 @@ impl LimiterStore for RedisStore {
     }
 }
 
-/// One request's part of a coalesced reply: its reply, or the text of its error as a one-element
-/// array (the library's contract), refused as a lone call's error reply would be.
-fn coalesced_reply(reply: redis::Value) -> Result<Vec<i64>, StoreError> {
-    if let redis::Value::Array(items) = &reply
-        && let [redis::Value::BulkString(text)] = &items[..]
-    {
-        let detail = String::from_utf8_lossy(text).into_owned();
-        let kind = match detail.split_whitespace().next() {
-            Some("ALLOT_ARG") => Rejection::InvalidArgument,
-            Some("ALLOT_STATE" | "WRONGTYPE") => Rejection::StateMismatch,
-            _ => Rejection::ScriptDefect,
-        };
-        return Err(StoreError::Rejected { kind, detail });
-    }
-    Vec::<i64>::from_redis_value(reply).map_err(|error| StoreError::MalformedReply {
-        detail: error.to_string(),
-    })
-}
-
 fn not_connected(error: RedisError) -> StoreError {
     StoreError::NotExecuted {
         detail: format!("connecting: {error}"),
-    }
-}
-
-/// Classifies a failed `EVALSHA` by what it tells about the script having run (module docs of
-/// [`super::store`]).
-fn classify(error: RedisError) -> StoreError {
-    let detail = error.to_string();
-    if let Some(code) = error.code() {
-        // The server answered with an error. Our scripts write only after every check and every
-        // read, and Redis refuses a script's first write under memory pressure and never a later
-        // one, so no error reply leaves a partial write behind.
-        let rejected = |kind| StoreError::Rejected {
-            kind,
-            detail: detail.clone(),
-        };
-        return match code {
-            "ALLOT_ARG" => rejected(Rejection::InvalidArgument),
-            "ALLOT_STATE" | "WRONGTYPE" => rejected(Rejection::StateMismatch),
-            // A Lua runtime error, or keys in two slots: defects, not conditions to retry.
-            "ERR" | "CROSSSLOT" => rejected(Rejection::ScriptDefect),
-            // BUSY, LOADING, READONLY, OOM, MOVED, ASK, TRYAGAIN, CLUSTERDOWN, MASTERDOWN, NOSCRIPT
-            // (twice), NOPERM...: the server did not run the script to a write.
-            _ => StoreError::NotExecuted { detail },
-        };
-    }
-    match error.kind() {
-        ErrorKind::Io if error.is_connection_refusal() => StoreError::NotExecuted { detail },
-        // Sent, or possibly sent: the script may have run.
-        ErrorKind::Io => StoreError::Ambiguous { detail },
-        ErrorKind::Parse | ErrorKind::UnexpectedReturnType => StoreError::MalformedReply { detail },
-        ErrorKind::ClusterConnectionNotFound
-        | ErrorKind::Client
-        | ErrorKind::InvalidClientConfig
-        | ErrorKind::AuthenticationFailed => StoreError::NotExecuted { detail },
-        // Anything else: assume the worst that is safe.
-        _ => StoreError::Ambiguous { detail },
     }
 }
 

@@ -2,9 +2,7 @@
 //! drill's report with its bound, convergence and violations. Written by the engine, checked by
 //! [`super::check`], printed by [`super::report`].
 
-/// 2026-01-01T00:00:00Z: drills start in the window starting here (seed 0 on its boundary); window
-/// offsets are measured from it.
-pub const START_MS: u64 = 1_767_225_600_000;
+pub use super::scenario::START_MS;
 /// Most violation lines a report keeps (the rest are counted) (I10).
 pub const MAX_VIOLATION_LINES: usize = 100;
 

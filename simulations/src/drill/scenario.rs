@@ -8,6 +8,9 @@ use allot_shared::window::WindowSpec;
 use allot_shared::wire::CalendarWindowSpec;
 use serde::{Deserialize, Serialize};
 
+/// 2026-01-01T00:00:00Z: drills start in the window starting here (seed 0 on its boundary); window
+/// offsets are measured from it.
+pub const START_MS: u64 = 1_767_225_600_000;
 /// Virtual time advances in steps of this many ms unless a scenario says otherwise.
 pub const DEFAULT_TICK_MS: u64 = 100;
 /// Most tenants one drill simulates (each has its own pool and agents' holders) (I10).
@@ -388,8 +391,8 @@ impl Scenario {
             return Ok(DrillWindows {
                 phase_span_ms: length_ms.get(),
                 spec: WindowSpec::Fixed(length_ms),
-                base_ms: super::results::START_MS,
-                start_ms: super::results::START_MS,
+                base_ms: START_MS,
+                start_ms: START_MS,
             });
         };
         let spec = CalendarWindowSpec {
