@@ -110,6 +110,7 @@ async fn decide(shape: Shape, path: Path, subjects: &Subjects) {
     for caller in 0..CALLERS {
         let Subjects {
             limiter,
+            coalescing,
             store,
             mut raw,
             bundle,
@@ -132,6 +133,9 @@ async fn decide(shape: Shape, path: Path, subjects: &Subjects) {
                     }
                     Path::Allot => {
                         let _ = limiter.decide(&planned, None).await;
+                    }
+                    Path::AllotCoalescing => {
+                        let _ = coalescing.decide(&planned, None).await;
                     }
                     Path::Limitador => {
                         let context = Context::from(values.clone());
@@ -158,7 +162,7 @@ pub async fn run() {
         "rules", "callers", "path", "Redis instr./decision", "x limitador"
     );
     for shape in [Shape::OneRule, Shape::ThreeRules] {
-        let paths = [Path::Raw, Path::Allot, Path::Limitador];
+        let paths = Path::ALL;
         // Every path's keys exist before anything is counted (a first write costs more).
         for path in paths {
             decide(shape, path, &subjects).await;
@@ -169,7 +173,7 @@ pub async fn run() {
             decide(shape, path, &subjects).await;
             per_decision.push(redis.dumped_instructions() as f64 / DECISIONS as f64);
         }
-        let limitador = per_decision[2].max(1.0);
+        let limitador = per_decision[paths.len() - 1].max(1.0);
         for (path, instructions) in paths.iter().zip(&per_decision) {
             let versus = instructions / limitador;
             println!(

@@ -109,7 +109,10 @@ impl Shape {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Path {
     Raw,
+    /// The client path as configured by default.
     Allot,
+    /// The client path with coalescing on (a tenant's decisions share calls).
+    AllotCoalescing,
     Limitador,
 }
 
@@ -118,9 +121,18 @@ impl Path {
         match self {
             Path::Raw => "raw FCALL",
             Path::Allot => "allot",
+            Path::AllotCoalescing => "allot coalescing",
             Path::Limitador => "limitador",
         }
     }
+
+    /// Every path, the ceiling first and the peer last.
+    const ALL: [Path; 4] = [
+        Path::Raw,
+        Path::Allot,
+        Path::AllotCoalescing,
+        Path::Limitador,
+    ];
 }
 
 /// What the rounds of one path measured.
@@ -158,6 +170,7 @@ impl Samples {
 #[derive(Clone)]
 struct Subjects {
     limiter: Arc<Limiter>,
+    coalescing: Arc<Limiter>,
     store: Arc<RedisStore>,
     raw: redis::aio::MultiplexedConnection,
     bundle: Bundles,
@@ -281,6 +294,7 @@ async fn measure(
         tasks.push(tokio::spawn(async move {
             let Subjects {
                 limiter,
+                coalescing,
                 store,
                 mut raw,
                 bundle,
@@ -309,8 +323,13 @@ async fn measure(
                         let reply: Vec<i64> = fcall.query_async(&mut raw).await.expect("FCALL");
                         reply.first() == Some(&1)
                     }
-                    Path::Allot => {
-                        let decision = limiter.decide(&planned, None).await;
+                    Path::Allot | Path::AllotCoalescing => {
+                        let client = if path == Path::Allot {
+                            &limiter
+                        } else {
+                            &coalescing
+                        };
+                        let decision = client.decide(&planned, None).await;
                         decision.allowed() && decision.degraded.is_none()
                     }
                     Path::Limitador => {
@@ -380,7 +399,20 @@ async fn subjects(url: &str, patient: bool) -> Subjects {
             .expect("connects"),
     );
     let limiter =
-        Arc::new(Limiter::new(store.clone(), limiter_config).expect("the config is valid"));
+        Arc::new(Limiter::new(store.clone(), limiter_config.clone()).expect("the config is valid"));
+    let coalescing_store = Arc::new(
+        RedisStore::connect(
+            url,
+            RedisStoreConfig {
+                coalesce: true,
+                ..store_config
+            },
+        )
+        .await
+        .expect("connects"),
+    );
+    let coalescing =
+        Arc::new(Limiter::new(coalescing_store, limiter_config).expect("the config is valid"));
     let raw = redis::Client::open(url)
         .expect("url")
         .get_multiplexed_async_connection()
@@ -411,6 +443,7 @@ async fn subjects(url: &str, patient: bool) -> Subjects {
     }
     Subjects {
         limiter,
+        coalescing,
         store,
         raw,
         bundle,
@@ -450,7 +483,7 @@ async fn main() {
         (Shape::ThreeRules, 32),
     ] {
         let rules = shape.rules();
-        let paths = [Path::Raw, Path::Allot, Path::Limitador];
+        let paths = Path::ALL;
         let mut warm_up = Samples::default();
         for path in paths {
             measure(shape, path, callers, WARM_UP, &subjects, &mut warm_up).await;

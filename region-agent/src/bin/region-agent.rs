@@ -98,15 +98,19 @@ async fn start(args: AgentConfig) -> Result<(), String> {
         return Err("--gateway-token-file: no token".to_owned());
     }
     let clock = Arc::new(SystemClock);
+    let store_config = RedisStoreConfig {
+        coalesce: args.coalesce_hot_keys,
+        ..RedisStoreConfig::default()
+    };
     let store: Arc<dyn LimiterStore> = if !args.redis_cluster.is_empty() {
         Arc::new(
-            RedisStore::connect_cluster(&args.redis_cluster, RedisStoreConfig::default())
+            RedisStore::connect_cluster(&args.redis_cluster, store_config)
                 .await
                 .map_err(|e| format!("--redis-cluster: {e}"))?,
         )
     } else if let Some(url) = &args.redis {
         Arc::new(
-            RedisStore::connect(url, RedisStoreConfig::default())
+            RedisStore::connect(url, store_config)
                 .await
                 .map_err(|e| format!("--redis {url}: {e}"))?,
         )
