@@ -78,11 +78,15 @@ async fn tokens(redis: &RedisServer, key: &str) -> Option<u64> {
 }
 
 async fn agent_on(redis: &RedisServer) -> Arc<Agent> {
-    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
+    // Deadlines have their own tests; here a generous call deadline and budget keep a CPU-starved
+    // CI machine from turning a slow Redis reply into LIMITER_UNAVAILABLE.
+    let store_config = RedisStoreConfig {
+        call_timeout: std::time::Duration::from_secs(1),
+        ..RedisStoreConfig::default()
+    };
+    let store = RedisStore::connect(&redis.url(), store_config)
         .await
         .expect("redis");
-    // Deadlines have their own tests; here a generous budget keeps a CPU-starved CI machine from
-    // turning a slow Redis reply into LIMITER_UNAVAILABLE.
     let config = LimiterConfig {
         decision_budget: std::time::Duration::from_secs(1),
         acquire_wait: std::time::Duration::from_millis(500),

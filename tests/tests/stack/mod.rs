@@ -128,11 +128,16 @@ pub async fn agent(
     redis: &RedisServer,
     bundle: PolicyBundle,
 ) -> Arc<Agent> {
-    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
+    // The regional rules are incidental here: a generous call deadline and decision budget keep a
+    // CPU-starved CI machine from turning a slow Redis reply into LIMITER_UNAVAILABLE (deadlines
+    // have their own tests).
+    let store_config = RedisStoreConfig {
+        call_timeout: Duration::from_secs(2),
+        ..RedisStoreConfig::default()
+    };
+    let store = RedisStore::connect(&redis.url(), store_config)
         .await
         .expect("redis");
-    // The regional rules are incidental here: a generous decision budget keeps a CPU-starved CI
-    // machine from turning a slow Redis reply into LIMITER_UNAVAILABLE (deadlines have their own tests).
     let config = LimiterConfig {
         decision_budget: Duration::from_secs(2),
         acquire_wait: Duration::from_secs(1),
