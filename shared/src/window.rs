@@ -144,11 +144,25 @@ impl CalendarUnit {
 }
 
 /// Calendar windows: a unit in an IANA time zone.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct CalendarWindow {
     unit: CalendarUnit,
     time_zone_name: String,
     time_zone: jiff::tz::TimeZone,
+    /// The window last computed: a zone's windows never change (its rules are compiled in), and
+    /// most calls ask about the same one, so the time-zone arithmetic runs once per window.
+    last: std::sync::Mutex<Option<Window>>,
+}
+
+impl Clone for CalendarWindow {
+    fn clone(&self) -> Self {
+        Self {
+            unit: self.unit,
+            time_zone_name: self.time_zone_name.clone(),
+            time_zone: self.time_zone.clone(),
+            last: std::sync::Mutex::new(self.cached()),
+        }
+    }
 }
 
 impl PartialEq for CalendarWindow {
@@ -186,7 +200,16 @@ impl CalendarWindow {
             unit,
             time_zone_name: time_zone.to_owned(),
             time_zone: zone,
+            last: std::sync::Mutex::new(None),
         })
+    }
+
+    fn cached(&self) -> Option<Window> {
+        // A window is two numbers written at once: a poisoned lock still holds a whole one.
+        *self
+            .last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The calendar unit.
@@ -203,10 +226,22 @@ impl CalendarWindow {
     /// next one's. An instant jiff cannot represent (beyond the year 9999) falls in one window that
     /// ends at `u64::MAX`.
     pub fn containing(&self, now_ms: u64) -> Window {
-        self.bounds(now_ms).unwrap_or(Window {
-            start_ms: now_ms,
-            end_ms: u64::MAX,
-        })
+        if let Some(window) = self.cached().filter(|window| window.contains(now_ms)) {
+            return window;
+        }
+        match self.bounds(now_ms) {
+            Some(window) => {
+                *self
+                    .last
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(window);
+                window
+            }
+            None => Window {
+                start_ms: now_ms,
+                end_ms: u64::MAX,
+            },
+        }
     }
 
     fn bounds(&self, now_ms: u64) -> Option<Window> {

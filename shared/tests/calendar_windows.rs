@@ -183,3 +183,24 @@ proptest! {
         );
     }
 }
+
+proptest! {
+    /// One calendar spec asked about many instants, in any order (it remembers the last window it
+    /// computed), answers as a fresh spec asked about each alone.
+    #[test]
+    fn a_spec_asked_again_and_again_answers_as_a_fresh_one(
+        zone in prop::sample::select(ZONES),
+        unit in prop::sample::select(&[CalendarUnit::Day, CalendarUnit::Week, CalendarUnit::Month][..]),
+        start in 0u64..4_102_444_800_000,
+        steps in prop::collection::vec(-3_000_000_000i64..3_000_000_000, 1..40),
+    ) {
+        let reused = CalendarWindow::new(unit, zone).expect("known");
+        let mut now = start;
+        for step in steps {
+            now = now.saturating_add_signed(step);
+            let fresh = CalendarWindow::new(unit, zone).expect("known").containing(now);
+            prop_assert_eq!(reused.containing(now), fresh, "at {}", now);
+            prop_assert_eq!(reused.clone().containing(now), fresh, "a clone, at {}", now);
+        }
+    }
+}
