@@ -63,8 +63,15 @@ pub const POLICY_VERSION: &str = "allot_agent_policy_version";
 pub const POLICY_AGE_SECONDS: &str = "allot_agent_policy_age_seconds";
 /// The limiter's counters since start, by `path`: decisions, store_calls, store_retries,
 /// negative_cache_hits, cardinality_refusals, fallback, unavailable, policy_errors, breaker_refusals,
-/// in_flight_exhausted.
+/// in_flight_exhausted (waited for a place in flight in vain), shed (refused at once: the shard's
+/// waiting line was full), slow_calls (overran the deadline while the shard answered others).
 pub const LIMITER_DECISIONS: &str = "allot_agent_limiter_decisions";
+/// Each limiter shard's adaptive in-flight bound (calls), by `shard`.
+pub const STORE_IN_FLIGHT_LIMIT: &str = "allot_agent_store_in_flight_limit";
+/// Calls in flight to each limiter shard, by `shard`.
+pub const STORE_IN_FLIGHT: &str = "allot_agent_store_in_flight";
+/// Decisions waiting for a place among each shard's calls in flight, by `shard`.
+pub const STORE_WAITING: &str = "allot_agent_store_waiting";
 /// Tokens this agent may admit per window of a pool while cut off from the allocator:
 /// `fallbackPerRegion / region agents`.
 pub const FALLBACK_ALLOWANCE: &str = "allot_agent_fallback_allowance_tokens";

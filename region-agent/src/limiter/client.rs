@@ -12,9 +12,13 @@
 //! 4. **Cardinality.** A pre-authentication (`ip`) request whose source has created its quota of new
 //!    keys this interval is denied, no store call ([`cardinality`](super::cardinality)).
 //! 5. **Breaker.** The shard's circuit breaker is open: degrade at once ([`breaker`](super::breaker)).
-//! 6. **In-flight bound.** A permit of the shard's semaphore (`max_in_flight_per_shard`), waiting at
-//!    most `acquire_wait` (about 1 ms): none free means the shard is saturated, and the decision
-//!    degrades instead of queueing behind others.
+//! 6. **In-flight bound.** A place among the shard's calls in flight ([`overload`](super::overload)):
+//!    the bound follows the shard's reply latency (between `min_in_flight_per_shard` and
+//!    `max_in_flight_per_shard`, cut while replies are slower than a quarter of the budget). A
+//!    decision waits for one at most `acquire_wait`, and never so long that a call no longer fits in
+//!    the budget; when more decisions wait than the shard serves in that time, it is shed at once.
+//!    Either way nothing is sent, and the rules' fail modes answer: under overload the excess is
+//!    refused early instead of timing out late.
 //! 7. **The store call**, bounded by the deadline. Its failure is classified by phase
 //!    ([`StoreError`]):
 //!
@@ -25,6 +29,7 @@
 //! | the store lost the function or script (`NOSCRIPT`, function not found) | | handled inside the store: load, retry once |
 //! | `Rejected` (the script refused the arguments) | no verdict | `POLICY_ERROR` (503), no retry; logged as an error |
 //! | `Ambiguous`, or the deadline passed after sending | failure | with a decision record: retry once, same decision id (the script replays a recorded admission); otherwise degrade |
+//! | the deadline passed, but the shard answered some call within the last two budgets | no verdict | as above: the shard is slow, not down; the in-flight bound is cut instead |
 //! | `MalformedReply` | no verdict | degrade, no retry; logged as an error |
 //! | `KeyCapReached` (in-process store full) | no verdict | degrade |
 //!
@@ -58,7 +63,6 @@ use std::time::Duration;
 use allot_shared::contract::PrincipalType;
 use allot_shared::limit::RetryAfter;
 use allot_shared::policy::{FailMode, Scope};
-use tokio::sync::{Semaphore, TryAcquireError};
 
 use super::batch::{PlannedBatch, RuleBatch};
 use super::breaker::{BreakerConfig, BreakerSnapshot, CircuitBreaker};
@@ -68,6 +72,9 @@ use super::hot_tenants::{self, HotTenants};
 use super::negative_cache::{
     CachedDenial, DEFAULT_NEGATIVE_CACHE_MAX_ENTRIES, DEFAULT_NEGATIVE_CACHE_TTL_MS, NegativeCache,
 };
+use super::overload::{
+    ConcurrencyConfig, DEFAULT_MIN_IN_FLIGHT, InFlightBound, NoSlot, ShardLoad, Slot,
+};
 use super::store::{BatchDecision, LimiterStore, StoreError};
 use crate::clock::{MonotonicClock, SystemMonotonicClock, monotonic_now};
 
@@ -75,12 +82,18 @@ use crate::clock::{MonotonicClock, SystemMonotonicClock, monotonic_now};
 /// budget, and long enough for a round trip to a healthy regional Redis and one retry.
 pub const DEFAULT_DECISION_BUDGET: Duration = Duration::from_millis(10);
 
-/// Default longest wait for an in-flight permit (the reference design's "about a millisecond").
-pub const DEFAULT_ACQUIRE_WAIT: Duration = Duration::from_millis(1);
+/// Default longest wait for a place among a shard's calls in flight: half the default budget, so a
+/// decision that waited still has room for its call (whose latency the bound keeps under a quarter
+/// of the budget). Measured on the overload bench (docs/benchmarks.md).
+pub const DEFAULT_ACQUIRE_WAIT: Duration = Duration::from_millis(2);
 
-/// Default calls in flight per shard. The Redis store multiplexes them over one connection; past
-/// this many, a shard is saturated and waiting would only add latency.
+/// Default most calls in flight per shard, where the adaptive bound starts. The Redis store
+/// multiplexes them over one connection.
 pub const DEFAULT_MAX_IN_FLIGHT_PER_SHARD: usize = 128;
+
+/// The shard's replies should come within `decision_budget / LATENCY_TARGET_DIVISOR`; slower ones
+/// cut its in-flight bound.
+pub const LATENCY_TARGET_DIVISOR: u32 = 3;
 
 /// Most calls in flight per shard a configuration may ask for (I10).
 pub const MAX_IN_FLIGHT_PER_SHARD: usize = 65_536;
@@ -97,10 +110,13 @@ pub const DEFAULT_UNAVAILABLE_RETRY_MS: u64 = 1_000;
 pub struct LimiterConfig {
     /// One decision's deadline, from start to answer.
     pub decision_budget: Duration,
-    /// Longest wait for an in-flight permit before degrading.
+    /// Longest wait for a place among a shard's calls in flight before degrading.
     pub acquire_wait: Duration,
-    /// Calls in flight per shard, 1 to [`MAX_IN_FLIGHT_PER_SHARD`].
+    /// Most calls in flight per shard, 1 to [`MAX_IN_FLIGHT_PER_SHARD`]: where the adaptive bound
+    /// starts and what it never passes.
     pub max_in_flight_per_shard: usize,
+    /// Least the adaptive bound goes down to, at least 1 (above `max_in_flight_per_shard`, that).
+    pub min_in_flight_per_shard: usize,
     /// When a shard's breaker opens and how it recovers.
     pub breaker: BreakerConfig,
     /// Longest time a denial is served from memory, in ms (0 turns the negative cache off).
@@ -123,6 +139,7 @@ impl Default for LimiterConfig {
             decision_budget: DEFAULT_DECISION_BUDGET,
             acquire_wait: DEFAULT_ACQUIRE_WAIT,
             max_in_flight_per_shard: DEFAULT_MAX_IN_FLIGHT_PER_SHARD,
+            min_in_flight_per_shard: DEFAULT_MIN_IN_FLIGHT,
             breaker: BreakerConfig::default(),
             negative_cache_ttl_ms: DEFAULT_NEGATIVE_CACHE_TTL_MS,
             negative_cache_max_entries: DEFAULT_NEGATIVE_CACHE_MAX_ENTRIES,
@@ -150,6 +167,11 @@ impl LimiterConfig {
                 "max_in_flight_per_shard must be in [1, 65536]",
             ));
         }
+        if self.min_in_flight_per_shard == 0 {
+            return Err(LimiterConfigError(
+                "min_in_flight_per_shard must be at least 1",
+            ));
+        }
         if self.negative_cache_max_entries == 0 || self.fallback_max_buckets == 0 {
             return Err(LimiterConfigError(
                 "negative_cache_max_entries and fallback_max_buckets must be at least 1",
@@ -159,6 +181,17 @@ impl LimiterConfig {
         self.cardinality.validate().map_err(LimiterConfigError)?;
         Ok(())
     }
+
+    /// How the shards' in-flight bounds move.
+    fn concurrency(&self) -> ConcurrencyConfig {
+        ConcurrencyConfig {
+            latency_target: self.decision_budget / LATENCY_TARGET_DIVISOR,
+            min_limit: self
+                .min_in_flight_per_shard
+                .min(self.max_in_flight_per_shard),
+            max_limit: self.max_in_flight_per_shard,
+        }
+    }
 }
 
 /// Why the store did not decide a request.
@@ -166,8 +199,11 @@ impl LimiterConfig {
 pub enum DegradeCause {
     /// The shard's breaker is open (nothing sent).
     BreakerOpen,
-    /// No in-flight permit within `acquire_wait` (nothing sent).
+    /// No place among the shard's calls in flight within the wait (nothing sent).
     PoolExhausted,
+    /// More decisions waited for the shard than it serves within the wait: refused at once
+    /// (nothing sent).
+    Shed,
     /// The store did not run the script: unreachable, refused, busy, redirected.
     NotExecuted,
     /// The call was sent and its outcome is unknown: the script may have debited.
@@ -280,8 +316,13 @@ pub struct LimiterStats {
     pub policy_errors: u64,
     /// Degraded decisions whose store was refused by an open breaker.
     pub breaker_refusals: u64,
-    /// Degraded decisions that found no in-flight permit in time.
+    /// Degraded decisions that found no place in flight in time.
     pub pool_exhausted: u64,
+    /// Degraded decisions shed at once: the shard's waiting line was full.
+    pub shed: u64,
+    /// Calls that overran their deadline while the shard answered others (slow, not down: no
+    /// breaker failure).
+    pub slow_calls: u64,
 }
 
 #[derive(Debug, Default)]
@@ -296,6 +337,8 @@ struct Counters {
     policy_errors: AtomicU64,
     breaker_refusals: AtomicU64,
     pool_exhausted: AtomicU64,
+    shed: AtomicU64,
+    slow_calls: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -306,13 +349,41 @@ fn bump(counter: &AtomicU64) {
 #[derive(Debug)]
 struct Shard {
     breaker: CircuitBreaker,
-    in_flight: Semaphore,
+    in_flight: InFlightBound,
+    /// When the shard last replied, µs after `epoch`: a call that overran its deadline while the
+    /// shard answered others met a slow shard, not a dead one.
+    last_reply_us: AtomicU64,
+    epoch: tokio::time::Instant,
     /// The shard's store-call latency histogram, registered on first use (after the recorder is
     /// installed) so the hot path neither formats nor allocates a label.
     latency: std::sync::OnceLock<metrics::Histogram>,
 }
 
 impl Shard {
+    /// A reply after `latency`: noted, and told to the in-flight bound.
+    fn replied(&self, slot: &Slot<'_>, latency: Duration) {
+        self.last_reply_us
+            .fetch_max(self.elapsed_us(), Ordering::AcqRel);
+        slot.replied(latency);
+    }
+
+    /// Whether the shard replied to some call within `window` before now. Checked when a call
+    /// overruns: a shard that answers nothing for that long is down, not slow. (Looking back
+    /// further than the overrun call's own wait also covers the agent's own stalls: when its
+    /// threads were held up, its timers fire before the replies that arrived meanwhile are read.)
+    fn answered_within(&self, window: Duration) -> bool {
+        let last_us = self.last_reply_us.load(Ordering::Acquire);
+        let window_us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
+        last_us > 0 && self.elapsed_us().saturating_sub(last_us) <= window_us
+    }
+
+    fn elapsed_us(&self) -> u64 {
+        // At least 1: 0 means "never replied".
+        u64::try_from(self.epoch.elapsed().as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
     fn record_latency(&self, index: usize, seconds: f64) {
         self.latency
             .get_or_init(
@@ -382,7 +453,9 @@ impl Limiter {
         let shards = (0..shard_count)
             .map(|_| Shard {
                 breaker: CircuitBreaker::new(config.breaker),
-                in_flight: Semaphore::new(config.max_in_flight_per_shard),
+                in_flight: InFlightBound::new(config.concurrency()),
+                last_reply_us: AtomicU64::new(0),
+                epoch: monotonic_now(),
                 latency: std::sync::OnceLock::new(),
             })
             .collect();
@@ -424,22 +497,14 @@ impl Limiter {
                 detail: "the shard's breaker is open".to_owned(),
             });
         };
-        let _permit = match shard.in_flight.try_acquire() {
-            Ok(permit) => permit,
-            Err(TryAcquireError::NoPermits | TryAcquireError::Closed) => {
-                let wait = self.config.acquire_wait;
-                match tokio::time::timeout(wait, shard.in_flight.acquire()).await {
-                    Ok(Ok(permit)) => permit,
-                    // Nothing was sent: the breaker call is dropped without a verdict.
-                    _ => {
-                        bump(&self.counters.pool_exhausted);
-                        return Err(StoreError::NotExecuted {
-                            detail: "the shard's in-flight calls are at their bound".to_owned(),
-                        });
-                    }
-                }
-            }
-        };
+        // Nothing sent without a place: the breaker call is dropped without a verdict.
+        let slot =
+            self.place_in_flight(shard, deadline)
+                .await
+                .map_err(|_| StoreError::NotExecuted {
+                    detail: "the shard's in-flight calls are at their bound".to_owned(),
+                })?;
+        let sent = monotonic_now();
         let store = &self.store;
         let call_future = async {
             match op {
@@ -448,19 +513,35 @@ impl Limiter {
                 LeaseOp::Release => store.release_lease(call).await,
             }
         };
-        let result = match tokio::time::timeout_at(deadline, call_future).await {
-            Ok(outcome) => outcome,
-            Err(_) => Err(StoreError::Ambiguous {
-                detail: "the concurrency lease call missed its deadline".to_owned(),
-            }),
+        let (result, overran) = match tokio::time::timeout_at(deadline, call_future).await {
+            Ok(outcome) => (outcome, false),
+            Err(_) => (
+                Err(StoreError::Ambiguous {
+                    detail: "the concurrency lease call missed its deadline".to_owned(),
+                }),
+                true,
+            ),
         };
         let now_ms = self.clock.elapsed_ms();
         // The verdicts of the decision path's table (module docs): a reply is a success; a call
-        // not executed or ambiguous is a failure; a rejection, a malformed reply or a full
-        // in-process store say nothing about the store's health.
+        // not executed or ambiguous is a failure, unless it overran while the shard answered
+        // others; a rejection, a malformed reply or a full in-process store say nothing about the
+        // store's health.
         match &result {
-            Ok(_) => breaker_call.succeeded(),
+            Ok(_) => {
+                shard.replied(&slot, monotonic_now().duration_since(sent));
+                breaker_call.succeeded();
+            }
+            Err(StoreError::Ambiguous { .. })
+                if overran && shard.answered_within(self.slow_not_down_window()) =>
+            {
+                bump(&self.counters.slow_calls);
+                slot.overran();
+            }
             Err(StoreError::NotExecuted { .. } | StoreError::Ambiguous { .. }) => {
+                if overran {
+                    slot.overran();
+                }
                 breaker_call.finally_failed(now_ms);
             }
             Err(
@@ -470,6 +551,14 @@ impl Limiter {
             ) => {}
         }
         result
+    }
+
+    /// Every shard's in-flight bound, by shard index.
+    pub fn shard_loads(&self) -> Vec<ShardLoad> {
+        self.shards
+            .iter()
+            .map(|shard| shard.in_flight.load())
+            .collect()
     }
 
     /// Every shard's breaker, by shard index.
@@ -496,6 +585,8 @@ impl Limiter {
             policy_errors: read(&c.policy_errors),
             breaker_refusals: read(&c.breaker_refusals),
             pool_exhausted: read(&c.pool_exhausted),
+            shed: read(&c.shed),
+            slow_calls: read(&c.slow_calls),
         }
     }
 
@@ -683,6 +774,40 @@ impl Limiter {
         counted.err().map(|refusal| (first, refusal))
     }
 
+    /// How far back a reply shows an overrun shard is slow rather than down: two decision budgets.
+    fn slow_not_down_window(&self) -> Duration {
+        self.config.decision_budget * 2
+    }
+
+    /// A place among the shard's calls in flight, waiting at most `acquire_wait` and never past the
+    /// point where a call of the latency target would miss `deadline` (module docs, step 6).
+    async fn place_in_flight<'s>(
+        &self,
+        shard: &'s Shard,
+        deadline: tokio::time::Instant,
+    ) -> Result<Slot<'s>, DegradeCause> {
+        let latency_target = self.config.decision_budget / LATENCY_TARGET_DIVISOR;
+        let wait = self.config.acquire_wait.min(
+            deadline
+                .saturating_duration_since(monotonic_now())
+                .saturating_sub(latency_target),
+        );
+        shard
+            .in_flight
+            .acquire(wait)
+            .await
+            .map_err(|refusal| match refusal {
+                NoSlot::Shed => {
+                    bump(&self.counters.shed);
+                    DegradeCause::Shed
+                }
+                NoSlot::WaitedOut => {
+                    bump(&self.counters.pool_exhausted);
+                    DegradeCause::PoolExhausted
+                }
+            })
+    }
+
     /// The store call with its breaker, permit, deadline and retry (module docs).
     async fn call_store(
         &self,
@@ -697,22 +822,10 @@ impl Limiter {
             bump(&self.counters.breaker_refusals);
             return (Err(CallFailure::Degrade(DegradeCause::BreakerOpen)), 0);
         };
-        let _permit = match shard.in_flight.try_acquire() {
-            Ok(permit) => permit,
-            Err(TryAcquireError::NoPermits | TryAcquireError::Closed) => {
-                let wait = self
-                    .config
-                    .acquire_wait
-                    .min(deadline.saturating_duration_since(monotonic_now()));
-                match tokio::time::timeout(wait, shard.in_flight.acquire()).await {
-                    Ok(Ok(permit)) => permit,
-                    // Nothing was sent: the breaker call is dropped without a verdict.
-                    _ => {
-                        bump(&self.counters.pool_exhausted);
-                        return (Err(CallFailure::Degrade(DegradeCause::PoolExhausted)), 0);
-                    }
-                }
-            }
+        // Nothing sent without a place: the breaker call is dropped without a verdict.
+        let slot = match self.place_in_flight(shard, deadline).await {
+            Ok(slot) => slot,
+            Err(cause) => return (Err(CallFailure::Degrade(cause)), 0),
         };
         let max_calls: u8 = if batch.record_ttl_ms() > 0 { 2 } else { 1 };
         let mut calls: u8 = 0;
@@ -728,14 +841,13 @@ impl Limiter {
                 deadline
             };
             let result = tokio::time::timeout_at(call_deadline, self.store.decide(batch)).await;
-            shard.record_latency(
-                shard_index,
-                monotonic_now().duration_since(now).as_secs_f64(),
-            );
+            let latency = monotonic_now().duration_since(now);
+            shard.record_latency(shard_index, latency.as_secs_f64());
             let now_ms = self.clock.elapsed_ms();
             let degrade = |cause| (Err(CallFailure::Degrade(ambiguous.unwrap_or(cause))), calls);
             let cause = match result {
                 Ok(Ok(decision)) => {
+                    shard.replied(&slot, latency);
                     breaker_call.succeeded();
                     return (Ok(decision), calls);
                 }
@@ -762,16 +874,29 @@ impl Limiter {
                     tracing::warn!(decision_id = %batch.decision_id(), %detail, "ambiguous limiter call");
                     DegradeCause::Ambiguous
                 }
-                Err(_elapsed) => DegradeCause::DeadlineExceeded,
+                Err(_elapsed) => {
+                    slot.overran();
+                    DegradeCause::DeadlineExceeded
+                }
             };
+            // Slow, not down: the shard answered other calls lately.
+            let slow = cause == DegradeCause::DeadlineExceeded
+                && shard.answered_within(self.slow_not_down_window());
+            if slow {
+                bump(&self.counters.slow_calls);
+            }
             if calls < max_calls && monotonic_now() < deadline {
                 // The same batch, so the same decision id: a recorded admission is replayed.
                 ambiguous = Some(cause);
-                breaker_call.failed(now_ms);
+                if !slow {
+                    breaker_call.failed(now_ms);
+                }
                 bump(&self.counters.store_retries);
                 continue;
             }
-            breaker_call.finally_failed(now_ms);
+            if !slow {
+                breaker_call.finally_failed(now_ms);
+            }
             return (Err(CallFailure::Degrade(cause)), calls);
         }
     }

@@ -184,6 +184,15 @@ impl Agent {
             };
             metrics::gauge!(crate::metrics::BREAKER_STATE, "shard" => shard.to_string()).set(state);
         }
+        for (shard, load) in self.limiter.shard_loads().iter().enumerate() {
+            let shard = shard.to_string();
+            metrics::gauge!(crate::metrics::STORE_IN_FLIGHT_LIMIT, "shard" => shard.clone())
+                .set(load.limit as f64);
+            metrics::gauge!(crate::metrics::STORE_IN_FLIGHT, "shard" => shard.clone())
+                .set(load.in_flight as f64);
+            metrics::gauge!(crate::metrics::STORE_WAITING, "shard" => shard)
+                .set(load.waiting as f64);
+        }
         let bundle = self.bundle.load();
         let version = bundle.as_ref().map_or(0, |b| b.version());
         metrics::gauge!(crate::metrics::POLICY_VERSION).set(version as f64);
@@ -204,6 +213,8 @@ impl Agent {
             ("policy_errors", stats.policy_errors),
             ("breaker_refusals", stats.breaker_refusals),
             ("in_flight_exhausted", stats.pool_exhausted),
+            ("shed", stats.shed),
+            ("slow_calls", stats.slow_calls),
         ] {
             metrics::gauge!(crate::metrics::LIMITER_DECISIONS, "path" => path).set(count as f64);
         }

@@ -1,0 +1,521 @@
+//! Graceful overload: each shard's in-flight bound, learnt from how fast the shard answers, and a
+//! short, bounded wait for it.
+//!
+//! A store that is saturated but answering is not down. Were every decision sent at once, the queue
+//! would grow inside Redis: each call waits behind all the others, replies pass the decision budget,
+//! decisions time out late, and a breaker counting those timeouts would cut a healthy shard off. So a
+//! shard keeps at most `limit` calls in flight, and `limit` follows the replies (AIMD):
+//!
+//! - while the smoothed reply latency (a moving average over about ten replies) is above the latency
+//!   target, a reply cuts the limit to `limit x 0.9`, at most once per target interval (a slow round
+//!   of replies is one signal, not `limit` of them); so does a call that overran its deadline;
+//! - otherwise a reply to a call sent while the limit was reached raises it by `1 / limit` (about
+//!   one call per round of replies); an unused limit does not grow;
+//! - the limit stays within `[min_limit, max_limit]` and starts at `max_limit`.
+//!
+//! With `limit` calls in flight and a store deciding `C` calls a second, a call takes about
+//! `limit / C` (Little's law): the limit settles where replies come back within the target, so the
+//! store stays busy and a call that is sent ends well inside the budget.
+//!
+//! A decision that finds the limit reached waits, in arrival order, for a call to end, at most the
+//! wait the limiter gives it. When more decisions wait already than the shard can serve in that wait
+//! (twice `limit x wait / latency`), it does not queue at all: it is shed at once and its rules' fail modes
+//! answer (a fast 503, or the local bucket). Under overload the excess is refused early instead of
+//! timing out late, and the waiting queue is bounded (I10).
+//!
+//! `ConcurrencyCore` is the pure arithmetic (time is an argument); `InFlightBound` puts it behind a
+//! mutex beside a semaphore holding `limit` permits.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+/// The factor a slow reply multiplies the limit by.
+const CUT_FACTOR: f64 = 0.9;
+
+/// The weight of a new reply in the smoothed latency.
+const LATENCY_SMOOTHING: f64 = 0.1;
+
+/// How many times the calls that end within a wait may wait for them.
+const WAITING_ROOM: f64 = 2.0;
+
+/// Most decisions that wait for one shard, whatever the arithmetic says (I10).
+pub const MAX_WAITING_PER_SHARD: usize = 4_096;
+
+/// Default least in-flight limit: a shard that answers slowly keeps two calls going, so its replies
+/// keep telling how it is doing.
+pub const DEFAULT_MIN_IN_FLIGHT: usize = 2;
+
+/// How a shard's in-flight bound moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConcurrencyConfig {
+    /// Replies slower than this cut the limit.
+    pub latency_target: Duration,
+    /// The least limit, at least 1.
+    pub min_limit: usize,
+    /// The most, and the first, limit.
+    pub max_limit: usize,
+}
+
+/// What a shard's bound shows to metrics and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardLoad {
+    /// Calls the shard may have in flight now.
+    pub limit: usize,
+    /// Calls in flight now.
+    pub in_flight: usize,
+    /// Decisions waiting for a call to end.
+    pub waiting: usize,
+    /// The smoothed reply latency, µs (0 before the first reply).
+    pub latency_us: u64,
+}
+
+/// The pure arithmetic of the bound. See the module docs.
+#[derive(Debug, Clone)]
+pub(crate) struct ConcurrencyCore {
+    config: ConcurrencyConfig,
+    limit: f64,
+    latency_us: f64,
+    last_cut_us: Option<u64>,
+}
+
+impl ConcurrencyCore {
+    pub(crate) fn new(config: ConcurrencyConfig) -> Self {
+        debug_assert!(config.min_limit >= 1 && config.min_limit <= config.max_limit);
+        Self {
+            config,
+            limit: config.max_limit as f64,
+            latency_us: 0.0,
+            last_cut_us: None,
+        }
+    }
+
+    /// The whole number of calls allowed in flight.
+    pub(crate) fn limit(&self) -> usize {
+        // The limit is kept within [min_limit, max_limit], both whole numbers.
+        self.limit.floor() as usize
+    }
+
+    /// The smoothed reply latency, µs.
+    pub(crate) fn latency_us(&self) -> u64 {
+        self.latency_us.round() as u64
+    }
+
+    /// A reply after `latency_us`, to a call sent while the limit was reached (`limit_reached`) or
+    /// not, at `now_us`.
+    pub(crate) fn on_reply(&mut self, latency_us: u64, limit_reached: bool, now_us: u64) {
+        let sample = latency_us as f64;
+        self.latency_us = if self.latency_us == 0.0 {
+            sample
+        } else {
+            self.latency_us + LATENCY_SMOOTHING * (sample - self.latency_us)
+        };
+        // The smoothed latency, not the reply's own: one reply held up by a scheduling hiccup says
+        // little about the shard's queue.
+        if self.latency_us > self.target_us() as f64 {
+            self.cut(now_us);
+        } else if limit_reached {
+            self.limit = (self.limit + 1.0 / self.limit).min(self.config.max_limit as f64);
+        }
+        self.check();
+    }
+
+    /// A call that overran its deadline at `now_us`: as slow a reply as there is.
+    pub(crate) fn on_overrun(&mut self, now_us: u64) {
+        self.cut(now_us);
+        self.check();
+    }
+
+    /// How many decisions may wait for `wait`: twice as many calls as end in that time (the
+    /// estimate follows a moving average, so it is given room; past it a wait is likely in vain).
+    pub(crate) fn max_waiting(&self, wait: Duration) -> usize {
+        if self.latency_us < 1.0 {
+            // No reply yet: nothing to go by but the bound.
+            return MAX_WAITING_PER_SHARD;
+        }
+        let wait_us = wait.as_micros() as f64;
+        let ending = WAITING_ROOM * self.limit * wait_us / self.latency_us;
+        (ending.floor() as usize).min(MAX_WAITING_PER_SHARD)
+    }
+
+    fn target_us(&self) -> u64 {
+        u64::try_from(self.config.latency_target.as_micros()).unwrap_or(u64::MAX)
+    }
+
+    fn cut(&mut self, now_us: u64) {
+        let interval_us = self.target_us().max(1);
+        if self
+            .last_cut_us
+            .is_some_and(|last| now_us < last.saturating_add(interval_us))
+        {
+            return;
+        }
+        self.last_cut_us = Some(now_us);
+        self.limit = (self.limit * CUT_FACTOR).max(self.config.min_limit as f64);
+    }
+
+    fn check(&self) {
+        debug_assert!(
+            self.limit >= self.config.min_limit as f64
+                && self.limit <= self.config.max_limit as f64,
+            "the limit {} left [{}, {}]",
+            self.limit,
+            self.config.min_limit,
+            self.config.max_limit
+        );
+    }
+}
+
+/// Why no call may be sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NoSlot {
+    /// More decisions wait already than the shard serves in the wait: refused at once.
+    Shed,
+    /// The wait ended before a call did.
+    WaitedOut,
+}
+
+/// A shard's in-flight bound: the core and a semaphore with `limit` permits.
+#[derive(Debug)]
+pub(crate) struct InFlightBound {
+    core: Mutex<ConcurrencyCore>,
+    permits: Semaphore,
+    /// Permits the semaphore holds beyond the limit (in use when the limit was cut), forgotten as
+    /// their calls end.
+    excess: AtomicUsize,
+    /// Permits in existence: the limit when the last change was applied.
+    granted: AtomicUsize,
+    waiting: AtomicUsize,
+    epoch: tokio::time::Instant,
+}
+
+impl InFlightBound {
+    pub(crate) fn new(config: ConcurrencyConfig) -> Self {
+        let core = ConcurrencyCore::new(config);
+        let limit = core.limit();
+        Self {
+            core: Mutex::new(core),
+            permits: Semaphore::new(limit),
+            excess: AtomicUsize::new(0),
+            granted: AtomicUsize::new(limit),
+            waiting: AtomicUsize::new(0),
+            epoch: crate::clock::monotonic_now(),
+        }
+    }
+
+    /// A slot for one call, waiting at most `wait` behind others (module docs).
+    pub(crate) async fn acquire(&self, wait: Duration) -> Result<Slot<'_>, NoSlot> {
+        if let Ok(permit) = self.permits.try_acquire() {
+            let limit_reached = self.permits.available_permits() == 0;
+            return Ok(self.slot(permit, limit_reached));
+        }
+        if wait.is_zero() {
+            return Err(NoSlot::WaitedOut);
+        }
+        let max_waiting = self.lock().max_waiting(wait);
+        let _waiting = Waiting::join(&self.waiting, max_waiting).ok_or(NoSlot::Shed)?;
+        match tokio::time::timeout(wait, self.permits.acquire()).await {
+            Ok(Ok(permit)) => Ok(self.slot(permit, true)),
+            _ => Err(NoSlot::WaitedOut),
+        }
+    }
+
+    /// Where the bound stands.
+    pub(crate) fn load(&self) -> ShardLoad {
+        let core = self.lock();
+        let limit = core.limit();
+        let granted = self.granted.load(Ordering::Relaxed);
+        let excess = self.excess.load(Ordering::Relaxed);
+        ShardLoad {
+            limit,
+            in_flight: (granted + excess).saturating_sub(self.permits.available_permits()),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            latency_us: core.latency_us(),
+        }
+    }
+
+    fn slot<'a>(&'a self, permit: SemaphorePermit<'a>, limit_reached: bool) -> Slot<'a> {
+        Slot {
+            bound: self,
+            permit: Some(permit),
+            limit_reached,
+        }
+    }
+
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Applies a change of the core under its lock: adds permits, or takes them back (now if they
+    /// are free, else as their calls end).
+    fn update(&self, change: impl FnOnce(&mut ConcurrencyCore, u64)) {
+        let now_us = self.now_us();
+        let mut core = self.lock();
+        change(&mut core, now_us);
+        let limit = core.limit();
+        let granted = self.granted.swap(limit, Ordering::Relaxed);
+        if limit > granted {
+            let mut more = limit - granted;
+            // Cancel pending take-backs first.
+            while more > 0 {
+                let excess = self.excess.load(Ordering::Relaxed);
+                if excess == 0 {
+                    break;
+                }
+                let cancelled = excess.min(more);
+                if self
+                    .excess
+                    .compare_exchange(
+                        excess,
+                        excess - cancelled,
+                        Ordering::AcqRel,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+                {
+                    more -= cancelled;
+                }
+            }
+            self.permits.add_permits(more);
+        } else if limit < granted {
+            let fewer = granted - limit;
+            let taken = self.permits.forget_permits(fewer);
+            self.excess.fetch_add(fewer - taken, Ordering::AcqRel);
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ConcurrencyCore> {
+        // The core's arithmetic cannot leave it half-updated: a panic elsewhere leaves it usable.
+        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A place in a shard's waiting line, left on drop (a cancelled decision leaves it too).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn join(count: &'a AtomicUsize, max: usize) -> Option<Self> {
+        let before = count.fetch_add(1, Ordering::AcqRel);
+        if before >= max {
+            count.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(Self(count))
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One call's place in flight. Tell it how the call went; dropped without a word (the call was not
+/// sent, or ended without a reply that says anything of the shard's speed) it changes nothing.
+#[derive(Debug)]
+pub(crate) struct Slot<'a> {
+    bound: &'a InFlightBound,
+    permit: Option<SemaphorePermit<'a>>,
+    limit_reached: bool,
+}
+
+impl Slot<'_> {
+    /// The shard replied after `latency`.
+    pub(crate) fn replied(&self, latency: Duration) {
+        let latency_us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        let limit_reached = self.limit_reached;
+        self.bound
+            .update(|core, now_us| core.on_reply(latency_us, limit_reached, now_us));
+    }
+
+    /// The call overran its deadline.
+    pub(crate) fn overran(&self) {
+        self.bound.update(|core, now_us| core.on_overrun(now_us));
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        let Some(permit) = self.permit.take() else {
+            return;
+        };
+        // A permit beyond a cut limit goes away instead of back to the semaphore.
+        let excess = &self.bound.excess;
+        let mut current = excess.load(Ordering::Relaxed);
+        while current > 0 {
+            match excess.compare_exchange(current, current - 1, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => {
+                    permit.forget();
+                    return;
+                }
+                Err(actual) => current = actual,
+            }
+        }
+        drop(permit);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn config(max_limit: usize) -> ConcurrencyConfig {
+        ConcurrencyConfig {
+            latency_target: Duration::from_millis(2),
+            min_limit: DEFAULT_MIN_IN_FLIGHT,
+            max_limit,
+        }
+    }
+
+    #[test]
+    fn slow_replies_cut_the_limit_once_per_target_interval_and_fast_ones_raise_it_when_it_binds() {
+        let mut core = ConcurrencyCore::new(config(100));
+        assert_eq!(core.limit(), 100, "starts at the most");
+        core.on_reply(5_000, true, 0);
+        assert_eq!(core.limit(), 90);
+        core.on_reply(5_000, true, 1_999);
+        assert_eq!(core.limit(), 90, "one cut per interval");
+        core.on_reply(5_000, true, 2_000);
+        assert_eq!(core.limit(), 81);
+        for _ in 0..81 {
+            core.on_reply(500, false, 3_000);
+        }
+        assert_eq!(core.limit(), 81, "an unused limit does not grow");
+        for _ in 0..82 {
+            core.on_reply(500, true, 3_000);
+        }
+        assert_eq!(core.limit(), 82, "about one more per round of replies");
+        core.on_reply(6_000, false, 9_000);
+        assert_eq!(core.limit(), 82, "one slow reply among quick ones is a hiccup");
+        core.on_overrun(10_000);
+        assert_eq!(core.limit(), 73, "an overrun is a slow reply");
+    }
+
+    #[test]
+    fn the_waiting_line_is_what_ends_within_the_wait() {
+        let mut core = ConcurrencyCore::new(config(40));
+        assert_eq!(
+            core.max_waiting(Duration::from_millis(5)),
+            MAX_WAITING_PER_SHARD,
+            "no reply yet"
+        );
+        core.on_reply(1_000, false, 0);
+        // 40 calls ending every millisecond: 200 in five, and room for twice as many.
+        assert_eq!(core.max_waiting(Duration::from_millis(5)), 400);
+        assert_eq!(core.max_waiting(Duration::ZERO), 0);
+        core.on_reply(1, false, 0);
+        assert!(core.max_waiting(Duration::from_secs(60)) <= MAX_WAITING_PER_SHARD);
+    }
+
+    proptest! {
+        #[test]
+        fn the_limit_stays_within_its_bounds(
+            max_limit in 2usize..300,
+            replies in proptest::collection::vec((0u64..20_000, any::<bool>(), 0u64..3_000), 1..400),
+        ) {
+            let mut core = ConcurrencyCore::new(config(max_limit));
+            let mut now_us = 0u64;
+            for (latency_us, reached, step_us) in replies {
+                now_us += step_us;
+                if latency_us == 0 {
+                    core.on_overrun(now_us);
+                } else {
+                    core.on_reply(latency_us, reached, now_us);
+                }
+                prop_assert!((DEFAULT_MIN_IN_FLIGHT..=max_limit).contains(&core.limit()));
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cut_takes_back_permits_as_their_calls_end_and_a_raise_gives_them_back() {
+        let bound = InFlightBound::new(ConcurrencyConfig {
+            latency_target: Duration::from_millis(1),
+            min_limit: 1,
+            max_limit: 10,
+        });
+        let mut slots = Vec::new();
+        for _ in 0..10 {
+            slots.push(bound.acquire(Duration::ZERO).await.expect("a free slot"));
+        }
+        assert!(slots.last().is_some_and(|slot| slot.limit_reached));
+        assert_eq!(
+            bound.acquire(Duration::ZERO).await.err(),
+            Some(NoSlot::WaitedOut)
+        );
+        slots[0].replied(Duration::from_millis(50));
+        assert_eq!(bound.load().limit, 9);
+        assert_eq!(bound.load().in_flight, 10, "the calls sent go on");
+        slots.pop();
+        assert_eq!(bound.load().in_flight, 9);
+        assert_eq!(
+            bound.acquire(Duration::ZERO).await.err(),
+            Some(NoSlot::WaitedOut),
+            "the ended call's permit was taken back"
+        );
+        slots.pop();
+        let again = bound
+            .acquire(Duration::ZERO)
+            .await
+            .expect("one free under 9");
+        assert!(again.limit_reached, "the ninth call reaches the limit");
+        for _ in 0..30 {
+            slots[0].replied(Duration::from_micros(10));
+        }
+        assert_eq!(
+            bound.load().limit,
+            9,
+            "calls sent below the limit do not raise it"
+        );
+        for _ in 0..30 {
+            again.replied(Duration::from_micros(10));
+        }
+        assert_eq!(bound.load().limit, 10);
+        drop(again);
+        assert!(bound.acquire(Duration::ZERO).await.is_ok(), "raised again");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_waiting_line_sheds_at_once_and_a_waiter_gets_the_next_free_slot() {
+        let bound = std::sync::Arc::new(InFlightBound::new(ConcurrencyConfig {
+            latency_target: Duration::from_millis(10),
+            min_limit: 1,
+            max_limit: 1,
+        }));
+        let held = bound.acquire(Duration::ZERO).await.expect("free");
+        // One call ending every 4 ms: in a 4 ms wait one ends, and two decisions may wait.
+        held.replied(Duration::from_millis(4));
+        let waiters: Vec<_> = (0..2)
+            .map(|_| {
+                let bound = bound.clone();
+                tokio::spawn(async move {
+                    let slot = bound.acquire(Duration::from_millis(4)).await;
+                    // Hold it past the other's wait.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    slot.map(|slot| slot.limit_reached)
+                })
+            })
+            .collect();
+        while bound.load().waiting < 2 {
+            tokio::task::yield_now().await;
+        }
+        let started = crate::clock::monotonic_now();
+        assert_eq!(
+            bound.acquire(Duration::from_millis(4)).await.err(),
+            Some(NoSlot::Shed)
+        );
+        assert_eq!(started.elapsed(), Duration::ZERO, "shed without waiting");
+        drop(held);
+        let mut outcomes = Vec::new();
+        for waiter in waiters {
+            outcomes.push(waiter.await.expect("ends"));
+        }
+        assert!(outcomes.contains(&Ok(true)), "{outcomes:?}");
+        assert!(outcomes.contains(&Err(NoSlot::WaitedOut)), "{outcomes:?}");
+        assert_eq!(bound.load().waiting, 0, "the line is empty again");
+    }
+}
