@@ -14,7 +14,7 @@
 //! 5. **Breaker.** The shard's circuit breaker is open: degrade at once ([`breaker`](super::breaker)).
 //! 6. **In-flight bound.** A place among the shard's calls in flight ([`overload`](super::overload)):
 //!    the bound follows the shard's reply latency (between `min_in_flight_per_shard` and
-//!    `max_in_flight_per_shard`, cut while replies are slower than a quarter of the budget). A
+//!    `max_in_flight_per_shard`, cut while replies are slower than a third of the budget). A
 //!    decision waits for one at most `acquire_wait`, and never so long that a call no longer fits in
 //!    the budget; when more decisions wait than the shard serves in that time, it is shed at once.
 //!    Either way nothing is sent, and the rules' fail modes answer: under overload the excess is
@@ -82,9 +82,11 @@ use crate::clock::{MonotonicClock, SystemMonotonicClock, monotonic_now};
 /// budget, and long enough for a round trip to a healthy regional Redis and one retry.
 pub const DEFAULT_DECISION_BUDGET: Duration = Duration::from_millis(10);
 
-/// Default longest wait for a place among a shard's calls in flight: half the default budget, so a
-/// decision that waited still has room for its call (whose latency the bound keeps under a quarter
-/// of the budget). Measured on the overload bench (docs/benchmarks.md).
+/// Default longest wait for a place among a shard's calls in flight: a fifth of the default budget,
+/// so a decision that waited still has room for its call (whose latency the bound keeps near a
+/// third of the budget) and a hiccup. Chosen on the overload bench (docs/benchmarks.md): a 5 ms
+/// wait made every admitted decision wait 5 ms under overload, and a 1 ms one shed decisions that
+/// 64 closed-loop callers would have had answered.
 pub const DEFAULT_ACQUIRE_WAIT: Duration = Duration::from_millis(2);
 
 /// Default most calls in flight per shard, where the adaptive bound starts. The Redis store
