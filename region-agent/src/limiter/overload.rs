@@ -390,7 +390,11 @@ mod tests {
         }
         assert_eq!(core.limit(), 82, "about one more per round of replies");
         core.on_reply(6_000, false, 9_000);
-        assert_eq!(core.limit(), 82, "one slow reply among quick ones is a hiccup");
+        assert_eq!(
+            core.limit(),
+            82,
+            "one slow reply among quick ones is a hiccup"
+        );
         core.on_overrun(10_000);
         assert_eq!(core.limit(), 73, "an overrun is a slow reply");
     }

@@ -878,15 +878,19 @@ async fn overruns_while_the_shard_answers_others_do_not_open_its_breaker() {
     ));
     s.store.hang_marked.store(true, Ordering::SeqCst);
     let bundle = Arc::new(bundle());
-    let hung: Vec<_> = (0..5)
-        .map(|n| {
-            let (s, bundle) = (s.clone(), bundle.clone());
-            tokio::spawn(async move {
-                let id = format!("hang-{n}");
-                s.limiter.decide(&user(&bundle, "read", &id), None).await
+    // Decisions the store never answers, each in a task of its own.
+    let spawn_hung = |prefix: &str, count: usize| -> Vec<_> {
+        (0..count)
+            .map(|n| {
+                let (s, bundle) = (s.clone(), bundle.clone());
+                let id = format!("hang-{prefix}{n}");
+                tokio::spawn(
+                    async move { s.limiter.decide(&user(&bundle, "read", &id), None).await },
+                )
             })
-        })
-        .collect();
+            .collect()
+    };
+    let hung = spawn_hung("", 5);
     let started = monotonic_now();
     let mut fast = 0;
     while monotonic_now().duration_since(started) < Duration::from_millis(60) {
@@ -906,16 +910,7 @@ async fn overruns_while_the_shard_answers_others_do_not_open_its_breaker() {
 
     // Nothing answered for two budgets: three overruns are three failures, and the breaker opens.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let alone: Vec<_> = (0..3)
-        .map(|n| {
-            let (s, bundle) = (s.clone(), bundle.clone());
-            tokio::spawn(async move {
-                let id = format!("hang-alone-{n}");
-                s.limiter.decide(&user(&bundle, "read", &id), None).await
-            })
-        })
-        .collect();
-    for task in alone {
+    for task in spawn_hung("alone-", 3) {
         task.await.expect("ends");
     }
     assert_eq!(s.limiter.breakers()[0].state, BreakerState::Open);
