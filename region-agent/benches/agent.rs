@@ -224,6 +224,11 @@ async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> F
 }
 
 fn main() {
+    if std::env::var_os("ALLOT_BENCH_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let (agents, load) = agent_and_load_runtimes();
     load.block_on(run(agents.handle().clone()));
 }
@@ -255,7 +260,7 @@ async fn run(agents: tokio::runtime::Handle) {
     };
     let (trivial, lease_only, with_redis, with_redis_api) =
         on_agents.await.expect("the agents' runtime");
-    let grpc_url = serve_grpc_on(&agents, with_redis_api).await;
+    let grpc_url = serve_grpc_on(&agents, with_redis_api.clone()).await;
     println!(
         "{:<14} {:>8} {:>12} {:>8} {:>8} {:>12} {:>14} {:>16}",
         "path",
@@ -268,6 +273,7 @@ async fn run(agents: tokio::runtime::Handle) {
         "per agent core"
     );
     for callers in [1u64, 64] {
+        let limiter_before = with_redis_api.agent.limiter_stats();
         let ceiling = drive(trivial.clone(), callers, false).await;
         let raw = raw_evalsha(redis_store.clone(), &redis.url(), callers).await;
         let admits_before = grants.load(Ordering::Relaxed);
@@ -277,6 +283,18 @@ async fn run(agents: tokio::runtime::Handle) {
         let admits =
             (lease.per_second + redis_path.per_second + grpc_path.per_second) * RUN.as_secs_f64();
         let calls = grants.load(Ordering::Relaxed) - admits_before;
+        // Why the Redis agent's limiter did not decide (both of its paths, HTTP and gRPC).
+        let limiter = with_redis_api.agent.limiter_stats();
+        println!(
+            "BENCH {}",
+            json!({ "bench": "agent_limiter", "callers": callers,
+                "decisions": limiter.decisions - limiter_before.decisions,
+                "unavailable": limiter.unavailable - limiter_before.unavailable,
+                "breakerRefusals": limiter.breaker_refusals - limiter_before.breaker_refusals,
+                "waitedOut": limiter.pool_exhausted - limiter_before.pool_exhausted,
+                "shed": limiter.shed - limiter_before.shed,
+                "slowCalls": limiter.slow_calls - limiter_before.slow_calls })
+        );
         for (path, figure, against) in [
             ("trivial", &ceiling, ceiling.per_second),
             ("raw-evalsha", &raw, raw.per_second),

@@ -29,7 +29,7 @@
 //! | the store lost the function or script (`NOSCRIPT`, function not found) | | handled inside the store: load, retry once |
 //! | `Rejected` (the script refused the arguments) | no verdict | `POLICY_ERROR` (503), no retry; logged as an error |
 //! | `Ambiguous`, or the deadline passed after sending | failure | with a decision record: retry once, same decision id (the script replays a recorded admission); otherwise degrade |
-//! | the deadline passed, but the shard answered some call within the last two budgets | no verdict | as above: the shard is slow, not down; the in-flight bound is cut instead |
+//! | the deadline passed, but the shard answered some call within the last ten budgets, or the agent was held up (its timer fired half a budget late) | no verdict | as above: the shard is slow, not down; the in-flight bound is cut instead |
 //! | `MalformedReply` | no verdict | degrade, no retry; logged as an error |
 //! | `KeyCapReached` (in-process store full) | no verdict | degrade |
 //!
@@ -96,6 +96,13 @@ pub const DEFAULT_MAX_IN_FLIGHT_PER_SHARD: usize = 128;
 /// The shard's replies should come within `decision_budget / LATENCY_TARGET_DIVISOR`; slower ones
 /// cut its in-flight bound.
 pub const LATENCY_TARGET_DIVISOR: u32 = 3;
+
+/// A shard that answered some call within this many decision budgets is slow, not down, when a
+/// call overruns: its overruns are no breaker failures. Ten budgets (100 ms by default): a
+/// saturated agent or store can keep every reply past the budget for a few budgets in a row (the
+/// agent bench saw its breaker opened that way with two), and a dead shard is cut off a tenth of a
+/// second later than it would be by counting every overrun.
+pub const SLOW_NOT_DOWN_BUDGETS: u32 = 10;
 
 /// Most calls in flight per shard a configuration may ask for (I10).
 pub const MAX_IN_FLIGHT_PER_SHARD: usize = 65_536;
@@ -524,19 +531,17 @@ impl Limiter {
                 true,
             ),
         };
+        let slow = overran && self.slow_not_down(shard, deadline).await;
         let now_ms = self.clock.elapsed_ms();
         // The verdicts of the decision path's table (module docs): a reply is a success; a call
-        // not executed or ambiguous is a failure, unless it overran while the shard answered
-        // others; a rejection, a malformed reply or a full in-process store say nothing about the
-        // store's health.
+        // not executed or ambiguous is a failure, unless it overran a slow shard; a rejection, a
+        // malformed reply or a full in-process store say nothing about the store's health.
         match &result {
             Ok(_) => {
                 shard.replied(&slot, monotonic_now().duration_since(sent));
                 breaker_call.succeeded();
             }
-            Err(StoreError::Ambiguous { .. })
-                if overran && shard.answered_within(self.slow_not_down_window()) =>
-            {
+            Err(StoreError::Ambiguous { .. }) if slow => {
                 bump(&self.counters.slow_calls);
                 slot.overran();
             }
@@ -776,9 +781,16 @@ impl Limiter {
         counted.err().map(|refusal| (first, refusal))
     }
 
-    /// How far back a reply shows an overrun shard is slow rather than down: two decision budgets.
-    fn slow_not_down_window(&self) -> Duration {
-        self.config.decision_budget * 2
+    /// Whether a call that overran `call_deadline` met a slow shard rather than a dead one: once the
+    /// replies that arrived meanwhile have been read (one yield lets their tasks run first), the
+    /// shard answered some call within the last [`SLOW_NOT_DOWN_BUDGETS`] budgets; or this agent was
+    /// held up itself (its
+    /// timer fired half a budget late or more: a stall says nothing of the shard).
+    async fn slow_not_down(&self, shard: &Shard, call_deadline: tokio::time::Instant) -> bool {
+        let budget = self.config.decision_budget;
+        let late = monotonic_now().saturating_duration_since(call_deadline);
+        tokio::task::yield_now().await;
+        late >= budget / 2 || shard.answered_within(budget * SLOW_NOT_DOWN_BUDGETS)
     }
 
     /// A place among the shard's calls in flight, waiting at most `acquire_wait` and never past the
@@ -881,11 +893,15 @@ impl Limiter {
                     DegradeCause::DeadlineExceeded
                 }
             };
-            // Slow, not down: the shard answered other calls lately.
             let slow = cause == DegradeCause::DeadlineExceeded
-                && shard.answered_within(self.slow_not_down_window());
+                && self.slow_not_down(shard, call_deadline).await;
             if slow {
                 bump(&self.counters.slow_calls);
+            } else if cause == DegradeCause::DeadlineExceeded {
+                tracing::warn!(
+                    shard = shard_index,
+                    "a limiter call overran its deadline and the shard has not answered lately"
+                );
             }
             if calls < max_calls && monotonic_now() < deadline {
                 // The same batch, so the same decision id: a recorded admission is replayed.

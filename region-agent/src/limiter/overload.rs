@@ -38,15 +38,20 @@ const CUT_FACTOR: f64 = 0.9;
 /// The weight of a new reply in the smoothed latency.
 const LATENCY_SMOOTHING: f64 = 0.1;
 
+/// The interval over which replies are counted for the shard's reply rate, µs.
+const RATE_INTERVAL_US: u64 = 10_000;
+
 /// How many times the calls that end within a wait may wait for them.
 const WAITING_ROOM: f64 = 2.0;
 
 /// Most decisions that wait for one shard, whatever the arithmetic says (I10).
 pub const MAX_WAITING_PER_SHARD: usize = 4_096;
 
-/// Default least in-flight limit: a shard that answers slowly keeps two calls going, so its replies
-/// keep telling how it is doing.
-pub const DEFAULT_MIN_IN_FLIGHT: usize = 2;
+/// Default least in-flight limit. Replies also come back slowly when the agent itself is busy (it
+/// reads them late), and cutting the bound does not help then; 32 calls in flight keep a shard of
+/// tens of thousands of decisions a second busy whatever the agent's own delays (the agent bench,
+/// docs/benchmarks.md), and are answered within a third of the budget by a store of 10,000 a second.
+pub const DEFAULT_MIN_IN_FLIGHT: usize = 32;
 
 /// How a shard's in-flight bound moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,6 +84,10 @@ pub(crate) struct ConcurrencyCore {
     limit: f64,
     latency_us: f64,
     last_cut_us: Option<u64>,
+    /// Replies counted since `rate_since_us`, and the rate of the last full interval.
+    rate_since_us: u64,
+    rate_replies: u64,
+    replies_per_us: f64,
 }
 
 impl ConcurrencyCore {
@@ -89,6 +98,9 @@ impl ConcurrencyCore {
             limit: config.max_limit as f64,
             latency_us: 0.0,
             last_cut_us: None,
+            rate_since_us: 0,
+            rate_replies: 0,
+            replies_per_us: 0.0,
         }
     }
 
@@ -106,6 +118,7 @@ impl ConcurrencyCore {
     /// A reply after `latency_us`, to a call sent while the limit was reached (`limit_reached`) or
     /// not, at `now_us`.
     pub(crate) fn on_reply(&mut self, latency_us: u64, limit_reached: bool, now_us: u64) {
+        self.count_reply(now_us);
         let sample = latency_us as f64;
         self.latency_us = if self.latency_us == 0.0 {
             sample
@@ -128,16 +141,31 @@ impl ConcurrencyCore {
         self.check();
     }
 
-    /// How many decisions may wait for `wait`: twice as many calls as end in that time (the
-    /// estimate follows a moving average, so it is given room; past it a wait is likely in vain).
+    /// How many decisions may wait for `wait`: twice as many calls as end in that time, by the
+    /// replies counted in the last interval or by `limit / latency`, whichever says more (both are
+    /// estimates, so they are given room; past it a wait is likely in vain). The counted rate
+    /// matters when the agent itself is busy: its replies are read late, the latency it sees
+    /// grows, and `limit / latency` then undercounts what the shard serves.
     pub(crate) fn max_waiting(&self, wait: Duration) -> usize {
         if self.latency_us < 1.0 {
             // No reply yet: nothing to go by but the bound.
             return MAX_WAITING_PER_SHARD;
         }
         let wait_us = wait.as_micros() as f64;
-        let ending = WAITING_ROOM * self.limit * wait_us / self.latency_us;
+        let by_latency = self.limit * wait_us / self.latency_us;
+        let by_rate = self.replies_per_us * wait_us;
+        let ending = WAITING_ROOM * by_latency.max(by_rate);
         (ending.floor() as usize).min(MAX_WAITING_PER_SHARD)
+    }
+
+    fn count_reply(&mut self, now_us: u64) {
+        let elapsed_us = now_us.saturating_sub(self.rate_since_us);
+        if elapsed_us >= RATE_INTERVAL_US {
+            self.replies_per_us = self.rate_replies as f64 / elapsed_us as f64;
+            self.rate_since_us = now_us;
+            self.rate_replies = 0;
+        }
+        self.rate_replies += 1;
     }
 
     fn target_us(&self) -> u64 {
@@ -366,7 +394,7 @@ mod tests {
     fn config(max_limit: usize) -> ConcurrencyConfig {
         ConcurrencyConfig {
             latency_target: Duration::from_millis(2),
-            min_limit: DEFAULT_MIN_IN_FLIGHT,
+            min_limit: 2,
             max_limit,
         }
     }
@@ -413,6 +441,14 @@ mod tests {
         assert_eq!(core.max_waiting(Duration::ZERO), 0);
         core.on_reply(1, false, 0);
         assert!(core.max_waiting(Duration::from_secs(60)) <= MAX_WAITING_PER_SHARD);
+
+        // Replies read late (a busy agent): 8 ms each by its clock, yet one every 10 µs.
+        let mut busy = ConcurrencyCore::new(config(40));
+        for n in 0..=2_000u64 {
+            busy.on_reply(8_000, false, n * 10);
+        }
+        // By latency 40 x 2 / 8 = 10 end in 2 ms; by the count, 200.
+        assert_eq!(busy.max_waiting(Duration::from_millis(2)), 400);
     }
 
     proptest! {
@@ -430,7 +466,7 @@ mod tests {
                 } else {
                     core.on_reply(latency_us, reached, now_us);
                 }
-                prop_assert!((DEFAULT_MIN_IN_FLIGHT..=max_limit).contains(&core.limit()));
+                prop_assert!((2..=max_limit).contains(&core.limit()));
             }
         }
     }
