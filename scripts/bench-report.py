@@ -167,7 +167,7 @@ def main():
         print("| rules | config | offered | offered/s | goodput/s | x peak | p50 us | p99 us | shed % | waited % | unavailable % | overran | breaker | limit |")
         print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in overload:
-            print(f"| {r.get('rules', 3)} | {r['config']} | {r['offered']} | {r.get('offeredPerSecond', '-')} | "
+            print(f"| {r.get('rules', 3)} | {r['config']} | {r['offered']} | {format(r['offeredPerSecond'], '.0f') if 'offeredPerSecond' in r else '-'} | "
                   f"{r['goodputPerSecond']:.0f} | {r['ratioToPeak']:.2f} | {r['p50Us']} | {r['p99Us']} | "
                   f"{r.get('shedPercent', '-')} | {r.get('waitedOutPercent', '-')} | "
                   f"{r.get('unavailablePercent', r.get('degradedPercent', '-'))} | {r.get('overran', '-')} | "
@@ -190,7 +190,7 @@ def main():
                   f"{r['p99Us']} | {r['ratio']:.2f} | {r['redisBytesPerPrincipal']} |")
         print()
 
-    agent = bench_lines("agent.log")
+    agent = [r for r in bench_lines("agent.log") if r.get("bench", "agent") == "agent"]
     if agent:
         print("## Region agent: admissions over HTTP")
         print()
@@ -231,6 +231,12 @@ def main():
                   "LIMITER_UNAVAILABLE: the store did not decide them within the 10 ms budget on this machine,")
             print("so that row's throughput counts fast refusals and its ratio is not a like-for-like figure;")
             print("compare the same row of a run at 0 % (git history of this file).")
+            print()
+        for r in [r for r in bench_lines("agent.log") if r.get("bench") == "agent_limiter"]:
+            print(f"The Redis agent's limiter at {r['callers']} caller(s), both of its paths: {r['decisions']} decisions, "
+                  f"{r['unavailable']} LIMITER_UNAVAILABLE ({r['shed']} shed at once, {r['waitedOut']} waited for a "
+                  f"place in vain, {r['breakerRefusals']} refused by an open breaker), {r['slowCalls']} overruns of a "
+                  "slow shard.")
             print()
         for callers, per_1000 in calls:
             print(f"Allocator calls per 1,000 admits over the three agent paths at {callers} "
