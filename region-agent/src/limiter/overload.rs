@@ -18,10 +18,11 @@
 //! store stays busy and a call that is sent ends well inside the budget.
 //!
 //! A decision that finds the limit reached waits, in arrival order, for a call to end, at most the
-//! wait the limiter gives it. When more decisions wait already than the shard can serve in that wait
-//! (twice `limit x wait / latency`), it does not queue at all: it is shed at once and its rules' fail modes
-//! answer (a fast 503, or the local bucket). Under overload the excess is refused early instead of
-//! timing out late, and the waiting queue is bounded (I10).
+//! wait the limiter gives it. When more decisions wait already than twice what the shard serves in
+//! that wait (by the replies counted over the last 10 ms, or `limit x wait / latency`, whichever says
+//! more), it does not queue at all: it is shed at once and its rules' fail modes answer (a fast 503,
+//! or the local bucket). Under overload the excess is refused early instead of timing out late, and
+//! the waiting queue is bounded (I10).
 //!
 //! `ConcurrencyCore` is the pure arithmetic (time is an argument); `InFlightBound` puts it behind a
 //! mutex beside a semaphore holding `limit` permits.
