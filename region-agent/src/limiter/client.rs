@@ -191,10 +191,15 @@ impl LimiterConfig {
         Ok(())
     }
 
+    /// The latency a shard's replies should stay within: a share of the decision budget.
+    fn latency_target(&self) -> Duration {
+        self.decision_budget / LATENCY_TARGET_DIVISOR
+    }
+
     /// How the shards' in-flight bounds move.
     fn concurrency(&self) -> ConcurrencyConfig {
         ConcurrencyConfig {
-            latency_target: self.decision_budget / LATENCY_TARGET_DIVISOR,
+            latency_target: self.latency_target(),
             min_limit: self
                 .min_in_flight_per_shard
                 .min(self.max_in_flight_per_shard),
@@ -359,40 +364,12 @@ fn bump(counter: &AtomicU64) {
 struct Shard {
     breaker: CircuitBreaker,
     in_flight: InFlightBound,
-    /// When the shard last replied, µs after `epoch`: a call that overran its deadline while the
-    /// shard answered others met a slow shard, not a dead one.
-    last_reply_us: AtomicU64,
-    epoch: tokio::time::Instant,
     /// The shard's store-call latency histogram, registered on first use (after the recorder is
     /// installed) so the hot path neither formats nor allocates a label.
     latency: std::sync::OnceLock<metrics::Histogram>,
 }
 
 impl Shard {
-    /// A reply after `latency`: noted, and told to the in-flight bound.
-    fn replied(&self, slot: &Slot<'_>, latency: Duration) {
-        self.last_reply_us
-            .fetch_max(self.elapsed_us(), Ordering::AcqRel);
-        slot.replied(latency);
-    }
-
-    /// Whether the shard replied to some call within `window` before now. Checked when a call
-    /// overruns: a shard that answers nothing for that long is down, not slow. (Looking back
-    /// further than the overrun call's own wait also covers the agent's own stalls: when its
-    /// threads were held up, its timers fire before the replies that arrived meanwhile are read.)
-    fn answered_within(&self, window: Duration) -> bool {
-        let last_us = self.last_reply_us.load(Ordering::Acquire);
-        let window_us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
-        last_us > 0 && self.elapsed_us().saturating_sub(last_us) <= window_us
-    }
-
-    fn elapsed_us(&self) -> u64 {
-        // At least 1: 0 means "never replied".
-        u64::try_from(self.epoch.elapsed().as_micros())
-            .unwrap_or(u64::MAX)
-            .max(1)
-    }
-
     fn record_latency(&self, index: usize, seconds: f64) {
         self.latency
             .get_or_init(
@@ -463,8 +440,6 @@ impl Limiter {
             .map(|_| Shard {
                 breaker: CircuitBreaker::new(config.breaker),
                 in_flight: InFlightBound::new(config.concurrency()),
-                last_reply_us: AtomicU64::new(0),
-                epoch: monotonic_now(),
                 latency: std::sync::OnceLock::new(),
             })
             .collect();
@@ -531,24 +506,18 @@ impl Limiter {
                 true,
             ),
         };
-        let slow = overran && self.slow_not_down(shard, deadline).await;
+        let slow = overran && self.overran(shard, shard_index, &slot, deadline);
         let now_ms = self.clock.elapsed_ms();
         // The verdicts of the decision path's table (module docs): a reply is a success; a call
         // not executed or ambiguous is a failure, unless it overran a slow shard; a rejection, a
         // malformed reply or a full in-process store say nothing about the store's health.
         match &result {
             Ok(_) => {
-                shard.replied(&slot, monotonic_now().duration_since(sent));
+                slot.replied(monotonic_now().duration_since(sent));
                 breaker_call.succeeded();
             }
-            Err(StoreError::Ambiguous { .. }) if slow => {
-                bump(&self.counters.slow_calls);
-                slot.overran();
-            }
+            Err(StoreError::Ambiguous { .. }) if slow => {}
             Err(StoreError::NotExecuted { .. } | StoreError::Ambiguous { .. }) => {
-                if overran {
-                    slot.overran();
-                }
                 breaker_call.finally_failed(now_ms);
             }
             Err(
@@ -781,16 +750,34 @@ impl Limiter {
         counted.err().map(|refusal| (first, refusal))
     }
 
-    /// Whether a call that overran `call_deadline` met a slow shard rather than a dead one: once the
-    /// replies that arrived meanwhile have been read (one yield lets their tasks run first), the
-    /// shard answered some call within the last [`SLOW_NOT_DOWN_BUDGETS`] budgets; or this agent was
-    /// held up itself (its
-    /// timer fired half a budget late or more: a stall says nothing of the shard).
-    async fn slow_not_down(&self, shard: &Shard, call_deadline: tokio::time::Instant) -> bool {
+    /// A call that overran `call_deadline`: it cuts the shard's in-flight bound, and says whether
+    /// it met a slow shard rather than a dead one (counted in `slow_calls`, no breaker failure):
+    /// the shard answered some call within the last [`SLOW_NOT_DOWN_BUDGETS`] budgets, or this
+    /// agent was held up itself (its timer fired half a budget late or more: a stall says nothing
+    /// of the shard). Otherwise the overrun is logged and counts against the breaker.
+    fn overran(
+        &self,
+        shard: &Shard,
+        shard_index: usize,
+        slot: &Slot<'_>,
+        call_deadline: tokio::time::Instant,
+    ) -> bool {
+        slot.overran();
         let budget = self.config.decision_budget;
         let late = monotonic_now().saturating_duration_since(call_deadline);
-        tokio::task::yield_now().await;
-        late >= budget / 2 || shard.answered_within(budget * SLOW_NOT_DOWN_BUDGETS)
+        let slow = late >= budget / 2
+            || shard
+                .in_flight
+                .answered_within(budget * SLOW_NOT_DOWN_BUDGETS);
+        if slow {
+            bump(&self.counters.slow_calls);
+        } else {
+            tracing::warn!(
+                shard = shard_index,
+                "a limiter call overran its deadline and the shard has not answered lately"
+            );
+        }
+        slow
     }
 
     /// A place among the shard's calls in flight, waiting at most `acquire_wait` and never past the
@@ -800,11 +787,10 @@ impl Limiter {
         shard: &'s Shard,
         deadline: tokio::time::Instant,
     ) -> Result<Slot<'s>, DegradeCause> {
-        let latency_target = self.config.decision_budget / LATENCY_TARGET_DIVISOR;
         let wait = self.config.acquire_wait.min(
             deadline
                 .saturating_duration_since(monotonic_now())
-                .saturating_sub(latency_target),
+                .saturating_sub(self.config.latency_target()),
         );
         shard
             .in_flight
@@ -861,7 +847,7 @@ impl Limiter {
             let degrade = |cause| (Err(CallFailure::Degrade(ambiguous.unwrap_or(cause))), calls);
             let cause = match result {
                 Ok(Ok(decision)) => {
-                    shard.replied(&slot, latency);
+                    slot.replied(latency);
                     breaker_call.succeeded();
                     return (Ok(decision), calls);
                 }
@@ -888,21 +874,10 @@ impl Limiter {
                     tracing::warn!(decision_id = %batch.decision_id(), %detail, "ambiguous limiter call");
                     DegradeCause::Ambiguous
                 }
-                Err(_elapsed) => {
-                    slot.overran();
-                    DegradeCause::DeadlineExceeded
-                }
+                Err(_elapsed) => DegradeCause::DeadlineExceeded,
             };
             let slow = cause == DegradeCause::DeadlineExceeded
-                && self.slow_not_down(shard, call_deadline).await;
-            if slow {
-                bump(&self.counters.slow_calls);
-            } else if cause == DegradeCause::DeadlineExceeded {
-                tracing::warn!(
-                    shard = shard_index,
-                    "a limiter call overran its deadline and the shard has not answered lately"
-                );
-            }
+                && self.overran(shard, shard_index, &slot, call_deadline);
             if calls < max_calls && monotonic_now() < deadline {
                 // The same batch, so the same decision id: a recorded admission is replayed.
                 ambiguous = Some(cause);

@@ -27,7 +27,7 @@
 //! `ConcurrencyCore` is the pure arithmetic (time is an argument); `InFlightBound` puts it behind a
 //! mutex beside a semaphore holding `limit` permits.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -212,11 +212,11 @@ pub(crate) struct InFlightBound {
     core: Mutex<ConcurrencyCore>,
     permits: Semaphore,
     /// Permits the semaphore holds beyond the limit (in use when the limit was cut), forgotten as
-    /// their calls end.
+    /// their calls end. Besides these, the semaphore holds exactly the core's limit.
     excess: AtomicUsize,
-    /// Permits in existence: the limit when the last change was applied.
-    granted: AtomicUsize,
     waiting: AtomicUsize,
+    /// When the shard last replied, µs after `epoch` (0: never).
+    last_reply_us: AtomicU64,
     epoch: tokio::time::Instant,
 }
 
@@ -228,8 +228,8 @@ impl InFlightBound {
             core: Mutex::new(core),
             permits: Semaphore::new(limit),
             excess: AtomicUsize::new(0),
-            granted: AtomicUsize::new(limit),
             waiting: AtomicUsize::new(0),
+            last_reply_us: AtomicU64::new(0),
             epoch: crate::clock::monotonic_now(),
         }
     }
@@ -255,11 +255,10 @@ impl InFlightBound {
     pub(crate) fn load(&self) -> ShardLoad {
         let core = self.lock();
         let limit = core.limit();
-        let granted = self.granted.load(Ordering::Relaxed);
         let excess = self.excess.load(Ordering::Relaxed);
         ShardLoad {
             limit,
-            in_flight: (granted + excess).saturating_sub(self.permits.available_permits()),
+            in_flight: (limit + excess).saturating_sub(self.permits.available_permits()),
             waiting: self.waiting.load(Ordering::Relaxed),
             latency_us: core.latency_us(),
         }
@@ -273,8 +272,19 @@ impl InFlightBound {
         }
     }
 
+    /// Whether the shard replied to some call within `window` before now: checked when a call
+    /// overruns, since a shard that answers nothing for that long is down, not slow.
+    pub(crate) fn answered_within(&self, window: Duration) -> bool {
+        let last_us = self.last_reply_us.load(Ordering::Acquire);
+        let window_us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
+        last_us > 0 && self.now_us().saturating_sub(last_us) <= window_us
+    }
+
+    /// µs since the bound was made, at least 1 (0 stands for "never").
     fn now_us(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+        u64::try_from(self.epoch.elapsed().as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1)
     }
 
     /// Applies a change of the core under its lock: adds permits, or takes them back (now if they
@@ -282,34 +292,21 @@ impl InFlightBound {
     fn update(&self, change: impl FnOnce(&mut ConcurrencyCore, u64)) {
         let now_us = self.now_us();
         let mut core = self.lock();
+        let before = core.limit();
         change(&mut core, now_us);
         let limit = core.limit();
-        let granted = self.granted.swap(limit, Ordering::Relaxed);
-        if limit > granted {
-            let mut more = limit - granted;
-            // Cancel pending take-backs first.
-            while more > 0 {
-                let excess = self.excess.load(Ordering::Relaxed);
-                if excess == 0 {
-                    break;
-                }
-                let cancelled = excess.min(more);
-                if self
-                    .excess
-                    .compare_exchange(
-                        excess,
-                        excess - cancelled,
-                        Ordering::AcqRel,
-                        Ordering::Relaxed,
-                    )
-                    .is_ok()
-                {
-                    more -= cancelled;
-                }
-            }
-            self.permits.add_permits(more);
-        } else if limit < granted {
-            let fewer = granted - limit;
+        if limit > before {
+            // Cancel pending take-backs first, then add what is left.
+            let more = limit - before;
+            let pending = self
+                .excess
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |excess| {
+                    Some(excess.saturating_sub(more))
+                })
+                .unwrap_or(0);
+            self.permits.add_permits(more - pending.min(more));
+        } else if limit < before {
+            let fewer = before - limit;
             let taken = self.permits.forget_permits(fewer);
             self.excess.fetch_add(fewer - taken, Ordering::AcqRel);
         }
@@ -355,8 +352,10 @@ impl Slot<'_> {
     pub(crate) fn replied(&self, latency: Duration) {
         let latency_us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
         let limit_reached = self.limit_reached;
-        self.bound
-            .update(|core, now_us| core.on_reply(latency_us, limit_reached, now_us));
+        self.bound.update(|core, now_us| {
+            core.on_reply(latency_us, limit_reached, now_us);
+            self.bound.last_reply_us.fetch_max(now_us, Ordering::AcqRel);
+        });
     }
 
     /// The call overran its deadline.
@@ -371,19 +370,16 @@ impl Drop for Slot<'_> {
             return;
         };
         // A permit beyond a cut limit goes away instead of back to the semaphore.
-        let excess = &self.bound.excess;
-        let mut current = excess.load(Ordering::Relaxed);
-        while current > 0 {
-            match excess.compare_exchange(current, current - 1, Ordering::AcqRel, Ordering::Relaxed)
-            {
-                Ok(_) => {
-                    permit.forget();
-                    return;
-                }
-                Err(actual) => current = actual,
-            }
+        let beyond_limit = self
+            .bound
+            .excess
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |excess| {
+                excess.checked_sub(1)
+            })
+            .is_ok();
+        if beyond_limit {
+            permit.forget();
         }
-        drop(permit);
     }
 }
 
