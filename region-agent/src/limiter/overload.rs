@@ -49,9 +49,10 @@ const WAITING_ROOM: f64 = 2.0;
 pub const MAX_WAITING_PER_SHARD: usize = 4_096;
 
 /// Default least in-flight limit. Replies also come back slowly when the agent itself is busy (it
-/// reads them late), and cutting the bound does not help then; 32 calls in flight keep a shard of
-/// tens of thousands of decisions a second busy whatever the agent's own delays (the agent bench,
-/// docs/benchmarks.md), and are answered within a third of the budget by a store of 10,000 a second.
+/// reads them late), and cutting the bound does not help then: with a floor of 2 the agent bench at
+/// 64 callers shed most of its decisions (docs/benchmarks.md has the run with 32). By Little's law
+/// a store deciding 10,000 calls a second answers 32 in flight within 3.2 ms, a third of the
+/// default budget.
 pub const DEFAULT_MIN_IN_FLIGHT: usize = 32;
 
 /// How a shard's in-flight bound moves.
