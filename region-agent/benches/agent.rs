@@ -18,7 +18,9 @@
 //! `/proc/self/task/*/stat`: steadier than throughput on a shared machine) and decisions per
 //! second per agent core (decisions over that CPU time). Both runtimes still share the machine's
 //! cores with the load generators and Redis.
-//! Prints a table and `BENCH {json}` lines with bench = "agent".
+//! Prints a table and `BENCH {json}` lines with bench = "agent", and per caller count one with
+//! bench = "agent_limiter": why the Redis agent's limiter did not decide (shed, waited in vain,
+//! refused by an open breaker). `ALLOT_BENCH_LOG=1` prints the agent's warnings to stderr.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -25,7 +25,8 @@
 //! default configuration, and reports goodput (decisions the store made, per second), its ratio to
 //! that peak, the latency of those decisions from their arrival, and how many were shed.
 //!
-//! Run with `cargo bench -p allot-region-agent --bench limiter`. Not a test: nothing asserts a
+//! Run with `cargo bench -p allot-region-agent --bench limiter` (with `ALLOT_BENCH_OVERLOAD_ONLY=1`,
+//! only the overload section). Not a test: nothing asserts a
 //! timing.
 
 use std::sync::Arc;
@@ -537,12 +538,12 @@ async fn principals_growth(subjects: &Subjects) {
 #[derive(Default)]
 struct OverloadRun {
     offered: u64,
-    decided_latencies_us: Vec<u64>,
+    /// The decisions the store made: their latencies from arrival, over the run's seconds.
+    decided: Samples,
     shed: u64,
     waited_out: u64,
     overran: u64,
     unavailable: u64,
-    seconds: f64,
 }
 
 /// How long each overload run offers load, after [`OVERLOAD_SETTLE`] (in which the in-flight bound
@@ -582,8 +583,8 @@ async fn offer_open_loop(
                 run.offered += 1;
                 match decision.degraded {
                     None => {
-                        if run.decided_latencies_us.len() < MAX_SAMPLES_PER_CALLER {
-                            run.decided_latencies_us.push(took_us);
+                        if run.decided.latencies_us.len() < MAX_SAMPLES_PER_CALLER {
+                            run.decided.latencies_us.push(took_us);
                         }
                     }
                     Some(DegradeCause::Shed) => run.shed += 1,
@@ -609,7 +610,7 @@ async fn offer_open_loop(
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner),
     );
-    run.seconds = seconds;
+    run.decided.seconds = seconds;
     run
 }
 
@@ -751,17 +752,9 @@ async fn overload_shape(url: &str, rules: usize, bundle_json: &str, loads: &[f64
         let opened_before = limiter.breakers()[0].opened_total;
         let mut run = offer_open_loop(limiter, &batches, per_second, OVERLOAD_RUN).await;
         let opened = limiter.breakers()[0].opened_total - opened_before;
-        let goodput = run.decided_latencies_us.len() as f64 / run.seconds;
+        let goodput = run.decided.per_second();
         let ratio = goodput / peak.max(1.0);
-        run.decided_latencies_us.sort_unstable();
-        let at = |fraction: f64| {
-            let last = run.decided_latencies_us.len().saturating_sub(1);
-            run.decided_latencies_us
-                .get(((last as f64) * fraction).round() as usize)
-                .copied()
-                .unwrap_or(0)
-        };
-        let (p50, p99) = (at(0.50), at(0.99));
+        let (p50, p99) = (run.decided.percentile(0.50), run.decided.percentile(0.99));
         let offered = run.offered.max(1) as f64;
         let shed_pct = 100.0 * run.shed as f64 / offered;
         let waited_pct = 100.0 * run.waited_out as f64 / offered;
