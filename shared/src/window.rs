@@ -205,9 +205,12 @@ impl CalendarWindow {
     }
 
     fn cached(&self) -> Option<Window> {
+        *self.last()
+    }
+
+    fn last(&self) -> std::sync::MutexGuard<'_, Option<Window>> {
         // A window is two numbers written at once: a poisoned lock still holds a whole one.
-        *self
-            .last
+        self.last
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -231,10 +234,7 @@ impl CalendarWindow {
         }
         match self.bounds(now_ms) {
             Some(window) => {
-                *self
-                    .last
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(window);
+                *self.last() = Some(window);
                 window
             }
             None => Window {
