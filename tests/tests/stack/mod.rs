@@ -135,14 +135,26 @@ pub async fn agent(
         call_timeout: Duration::from_secs(2),
         ..RedisStoreConfig::default()
     };
-    let store = RedisStore::connect(&redis.url(), store_config)
-        .await
-        .expect("redis");
     let config = LimiterConfig {
         decision_budget: Duration::from_secs(2),
         acquire_wait: Duration::from_secs(1),
         ..LimiterConfig::default()
     };
+    agent_with(region, allocator_url, redis, bundle, store_config, config).await
+}
+
+/// [`agent`] with the given store and limiter settings (the shipped defaults, say).
+pub async fn agent_with(
+    region: &str,
+    allocator_url: &str,
+    redis: &RedisServer,
+    bundle: PolicyBundle,
+    store_config: RedisStoreConfig,
+    config: LimiterConfig,
+) -> Arc<Agent> {
+    let store = RedisStore::connect(&redis.url(), store_config)
+        .await
+        .expect("redis");
     let limiter = Limiter::new(Arc::new(store), config).expect("limiter");
     let client =
         AllocatorClient::new(vec![allocator_url.to_owned()], AGENT.to_owned()).expect("client");
@@ -186,12 +198,13 @@ pub async fn start_agent(
     bundle: PolicyBundle,
 ) -> (Arc<Agent>, String) {
     let agent = agent(region, allocator_url, redis, bundle).await;
-    let (listener, url) = listener().await;
-    tokio::spawn(serve(
-        listener,
-        api(agent.clone()),
-        None,
-        std::future::pending(),
-    ));
+    let url = serve_agent(agent.clone()).await;
     (agent, url)
+}
+
+/// Serves the gateway HTTP API of `agent` on a loopback port; its URL.
+pub async fn serve_agent(agent: Arc<Agent>) -> String {
+    let (listener, url) = listener().await;
+    tokio::spawn(serve(listener, api(agent), None, std::future::pending()));
+    url
 }
