@@ -7,13 +7,19 @@
 //! - `grpc+3-redis`: the same decisions through Envoy's rate limit service (gRPC, tonic).
 //! - `raw-evalsha`: the same decision function and arguments sent straight to Redis, one call per
 //!   decision (the store's ceiling; the name is kept for the report's history).
+//! - `open 0.5x`, `open 0.8x`: `lease+3-redis` offered open loop, evenly spaced, at those fractions
+//!   of what it decided closed loop at 64 callers: below capacity, where every request should be
+//!   decided (64 closed-loop callers are at capacity by construction: by Little's law their mean
+//!   wait is 64 over the throughput, past the 10 ms budget whenever fewer than 6,400 are decided
+//!   per second).
 //!
 //! The allocator is a stub in this process that grants chunks of at most 100 tokens (the agent's hot
 //! path is what is measured; allocator throughput has its own bench). It counts grant calls, to show
 //! how many allocator calls the admits cost (renewals are prefetched off the request path). Keep-alive HTTP clients, 1 and 64 concurrent callers, 3 s per figure.
 //!
 //! The agents and the `trivial` endpoint run on a runtime of their own (one worker thread, named
-//! [`common::AGENT_THREADS`]), the load generators and the stub allocator on another, so each row
+//! [`common::AGENT_THREADS`]; the Redis agent's store connection too, as in the agent), the load
+//! generators and the stub allocator on another, so each row
 //! also reports the agent's CPU per decision (user + system of those threads only, from
 //! `/proc/self/task/*/stat`: steadier than throughput on a shared machine) and decisions per
 //! second per agent core (decisions over that CPU time). Both runtimes still share the machine's
@@ -26,7 +32,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use allot_region_agent::clock::{Stopwatch, SystemClock};
+use allot_region_agent::clock::{Stopwatch, SystemClock, monotonic_now};
 use allot_region_agent::http::AgentApi;
 use allot_region_agent::limiter::{
     InProcessStore, LimiterStore, RedisStore, RedisStoreConfig, plan_request,
@@ -189,6 +195,61 @@ async fn drive(url: String, callers: u64, admit: bool) -> Figure {
     collect(tasks, stop).await
 }
 
+/// Connections an open-loop run may hold at once; a request due while all are busy is not sent
+/// (counted: it would have waited, so the offered rate was not met).
+const OPEN_LOOP_CONNECTIONS: usize = 256;
+
+/// The offered rates of the open-loop runs, as fractions of the closed-loop peak at 64 callers
+/// (below capacity: every request should be decided).
+const OPEN_LOOP_FRACTIONS: [f64; 2] = [0.5, 0.8];
+
+/// Open loop: admits sent to `url` at `per_second`, evenly spaced, for [`RUN`], whatever the answers
+/// take (up to [`OPEN_LOOP_CONNECTIONS`] at once); the figure, and how many were due but not sent.
+async fn drive_open(url: String, per_second: f64) -> (Figure, u64) {
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(OPEN_LOOP_CONNECTIONS)
+        .build()
+        .expect("http client");
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(OPEN_LOOP_CONNECTIONS));
+    let mut tasks = tokio::task::JoinSet::new();
+    let agent_cpu_before = thread_cpu_seconds(AGENT_THREADS);
+    let (start, stopwatch) = (monotonic_now(), Stopwatch::start());
+    let (mut n, mut unsent) = (0u64, 0u64);
+    while stopwatch.elapsed() < RUN {
+        tokio::time::sleep_until(start + Duration::from_secs_f64(n as f64 / per_second)).await;
+        n += 1;
+        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+            unsent += 1;
+            continue;
+        };
+        let (http, url) = (http.clone(), url.clone());
+        tasks.spawn(async move {
+            let stopwatch = Stopwatch::start();
+            let response = http
+                .post(format!("{url}/v1/admit"))
+                .bearer_auth(GATEWAY)
+                .json(&request(n))
+                .send()
+                .await;
+            let body: Value = response.expect("answer").json().await.expect("json");
+            drop(permit);
+            let unavailable = body["reason"] == "LIMITER_UNAVAILABLE";
+            assert!(unavailable || body["allowed"] == true, "{body}");
+            (stopwatch.elapsed().as_micros() as u64, unavailable)
+        });
+    }
+    let mut latencies = Vec::new();
+    let mut unavailable = 0;
+    while let Some(answer) = tasks.join_next().await {
+        let (latency_us, was_unavailable) = answer.expect("request");
+        latencies.push(latency_us);
+        unavailable += u64::from(was_unavailable);
+    }
+    let seconds = stopwatch.elapsed().as_secs_f64();
+    let agent_cpu_s = thread_cpu_seconds(AGENT_THREADS) - agent_cpu_before;
+    (figure(latencies, unavailable, seconds, agent_cpu_s), unsent)
+}
+
 /// The raw store ceiling: the same function and arguments, one FCALL per decision from `callers`
 /// tasks.
 async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> Figure {
@@ -239,14 +300,16 @@ async fn run(agents: tokio::runtime::Handle) {
     let redis = allot_testkit::RedisServer::start();
     let grants = Arc::new(AtomicU64::new(0));
     let allocator = stub_allocator(grants.clone(), 100).await;
-    let redis_store = Arc::new(
-        RedisStore::connect(&redis.url(), RedisStoreConfig::default())
-            .await
-            .expect("redis"),
-    );
     let on_agents = {
-        let (allocator, redis_store) = (allocator.clone(), redis_store.clone());
+        let (allocator, redis_url) = (allocator.clone(), redis.url());
         agents.spawn(async move {
+            // Connected here, so that the connection's task (which writes the calls and reads the
+            // replies) runs on the agent's thread, as in the agent, and its CPU is the agent's.
+            let redis_store = Arc::new(
+                RedisStore::connect(&redis_url, RedisStoreConfig::default())
+                    .await
+                    .expect("redis"),
+            );
             // Reads the request's body (as any handler must) and answers a constant decision.
             let app = axum::Router::new().route(
                 "/constant",
@@ -256,11 +319,12 @@ async fn run(agents: tokio::runtime::Handle) {
             let in_process: Arc<dyn LimiterStore> =
                 Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));
             let (lease_only, _) = start_agent(in_process, &allocator, false).await;
-            let (with_redis, with_redis_api) = start_agent(redis_store, &allocator, true).await;
-            (trivial, lease_only, with_redis, with_redis_api)
+            let (with_redis, with_redis_api) =
+                start_agent(redis_store.clone(), &allocator, true).await;
+            (trivial, lease_only, with_redis, with_redis_api, redis_store)
         })
     };
-    let (trivial, lease_only, with_redis, with_redis_api) =
+    let (trivial, lease_only, with_redis, with_redis_api, redis_store) =
         on_agents.await.expect("the agents' runtime");
     let grpc_url = serve_grpc_on(&agents, with_redis_api.clone()).await;
     println!(
@@ -274,6 +338,7 @@ async fn run(agents: tokio::runtime::Handle) {
         "agent us/dec",
         "per agent core"
     );
+    let mut peak_decided = 0.0;
     for callers in [1u64, 64] {
         let limiter_before = with_redis_api.agent.limiter_stats();
         let ceiling = drive(trivial.clone(), callers, false).await;
@@ -327,5 +392,43 @@ async fn run(agents: tokio::runtime::Handle) {
                     "allocatorCallsPer1000Admits": if admits > 0.0 { (calls as f64 * 1000.0 / admits * 100.0).round() / 100.0 } else { 0.0 } })
             );
         }
+        if callers == 64 {
+            // Below capacity: what the closed loop decided (fast refusals left out), offered in part.
+            peak_decided = redis_path.per_second * (1.0 - redis_path.unavailable_share);
+        }
+    }
+    open_loop(&with_redis, &with_redis_api, peak_decided).await;
+}
+
+/// `lease+3-redis` offered open loop below the closed-loop peak: the fractions of
+/// [`OPEN_LOOP_FRACTIONS`], each a table row and a `BENCH` line with bench = "agent_open".
+async fn open_loop(url: &str, api: &AgentApi, peak_decided: f64) {
+    for fraction in OPEN_LOOP_FRACTIONS {
+        let offered = peak_decided * fraction;
+        let limiter_before = api.agent.limiter_stats();
+        let (figure, unsent) = drive_open(url.to_owned(), offered).await;
+        let limiter = api.agent.limiter_stats();
+        let label = format!("open {fraction}x");
+        println!(
+            "{label:<14} {:>8} {:>12.0} {:>8} {:>8} {:>12} {:>14.1} {:>16}",
+            "-",
+            figure.per_second,
+            figure.p50_us,
+            figure.p99_us,
+            format!("{:.2}% unav", figure.unavailable_share * 100.0),
+            figure.agent_cpu_us_per_decision,
+            "-"
+        );
+        println!(
+            "BENCH {}",
+            json!({ "bench": "agent_open", "path": "lease+3-redis", "fraction": fraction,
+                "offeredPerSecond": offered.round(), "decidedPerSecond": figure.per_second.round(),
+                "unsent": unsent, "p50Us": figure.p50_us, "p99Us": figure.p99_us,
+                "unavailablePercent": (figure.unavailable_share * 10_000.0).round() / 100.0,
+                "shed": limiter.shed - limiter_before.shed,
+                "waitedOut": limiter.pool_exhausted - limiter_before.pool_exhausted,
+                "breakerRefusals": limiter.breaker_refusals - limiter_before.breaker_refusals,
+                "agentCpuUsPerDecision": (figure.agent_cpu_us_per_decision * 10.0).round() / 10.0 })
+        );
     }
 }
