@@ -213,7 +213,9 @@ def main():
         print("`unavailable %`: answers LIMITER_UNAVAILABLE under the bench's fail-closed rules, decisions the")
         print("store did not make within the 10 ms budget (an overrun, a wait for a place in flight in vain, or")
         print("a shed; the load generator shares the 2 cores). The agents run with the limiter's defaults. The agents")
-        print("(and `trivial`) run on a runtime of their own, one worker thread: `agent us/decision` is that")
+        print("(and `trivial`) run on a runtime of their own, one worker thread, with the Redis agent's store")
+        print("connection (as in the agent: the task that writes calls and reads replies is the agent's work):")
+        print("`agent us/decision` is that")
         print("thread's CPU (user + system) per decision, steadier than throughput on a shared machine, and")
         print("`per agent core` the decisions one core of such CPU decides per second (`grpc+3-redis`: Envoy RLS")
         print("`ShouldRateLimit` decisions per second per agent core). Reproduce with `cargo bench -p")
@@ -246,6 +248,24 @@ def main():
             print(f"Allocator calls per 1,000 admits over the three agent paths at {callers} "
                   f"caller(s): {per_1000} (target at most 20).")
         print()
+        opened = [r for r in bench_lines("agent.log") if r.get("bench") == "agent_open"]
+        if opened:
+            print("### Below capacity: open loop")
+            print()
+            print("64 closed-loop callers are at capacity by construction: by Little's law their mean wait is 64")
+            print("over the throughput, past the 10 ms budget whenever fewer than 6,400 decisions a second are")
+            print("made, so the closed-loop rows' `unavailable %` measures this machine's capacity. Below it,")
+            print("`lease+3-redis` is offered open loop, evenly spaced, at a fraction of what it decided closed")
+            print("loop at 64 callers (fast refusals left out), from up to 256 connections (`unsent`: due while")
+            print("all were busy). The target is 0 % LIMITER_UNAVAILABLE below capacity.")
+            print()
+            print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | shed | waited in vain | breaker | unsent | agent us/decision |")
+            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            for r in opened:
+                print(f"| {r['offeredPerSecond']:.0f} | {r['fraction']} | {r['decidedPerSecond']:.0f} | {r['p50Us']} | "
+                      f"{r['p99Us']} | {r['unavailablePercent']} | {r['shed']} | {r['waitedOut']} | "
+                      f"{r['breakerRefusals']} | {r['unsent']} | {r['agentCpuUsPerDecision']} |")
+            print()
 
     rlqs = bench_lines("rlqs.log")
     if rlqs:
