@@ -420,10 +420,18 @@ def accuracy():
               f"{r['maxOvershootTokens']} | {r['staticWrongPct']:.2f} % | "
               f"{r['staticMeanAbsWindowErrorPct']:.2f} % | {r['staticWorstWindowUnderPct']:.2f} % |")
     print()
-    print("`overshoot` is the most any window admitted past the limit, in requests. `straddling` requests")
-    print("(sent in one window, answered in the next: the agent may have decided them in either) per shape:")
-    print(", ".join(f"{r['shape']} {r['straddling']}" for r in shapes) + ".")
+    print("`overshoot` is the most any judged window admitted past the limit, in requests. Requests sent in")
+    print("one window and answered in the next (the agent may have decided them in either) are judged in")
+    print("neither, and the ideal does not see them: per shape, " +
+          ", ".join(f"{r['shape']} {r['straddling']}" for r in shapes) + ".")
     print()
+    if all("ledgerAdmitted" in r for r in shapes):
+        print("The ledger's own account, once the last lease ended and the agents reported (its `admitted`")
+        print("and `overshoot` columns over the shape's windows, warm-up included): " +
+              "; ".join(f"{r['shape']} {r['ledgerAdmitted']} admitted (the agents answered "
+                        f"{r['admittedByAgents']} admits), overshoot at most {r['ledgerMaxOvershoot']}"
+                        for r in shapes) + ".")
+        print()
     print("Where in its window each false deny was sent, by tenth of the window:")
     print()
     print("| shape | " + " | ".join(f"{n}" for n in range(1, 11)) + " |")

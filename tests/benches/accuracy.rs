@@ -17,8 +17,10 @@
 //! against its fixed half of the limit, the usual alternative to leasing.
 //!
 //! Requests are assigned to windows by when they were sent; one that was answered in the next window
-//! is counted as straddling (the agent may have decided it in either). The first window is a warm-up
-//! and is not judged.
+//! is straddling (the agent may have decided it in either): counted, and judged in neither (the
+//! ideal does not see it either). The first window is a warm-up and is not judged. Once the last
+//! lease has ended the agents report, and the ledger's count of admits and its overshoot column
+//! are printed beside the bench's own count.
 //!
 //! Prints a table and `BENCH {json}` lines: bench = "accuracy" per shape, "accuracy_window" per
 //! judged window. `python3 scripts/bench-report.py accuracy` renders docs/accuracy.md from them.
@@ -27,7 +29,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use allot_region_agent::clock::{Clock, SystemClock, monotonic_now};
+use allot_region_agent::clock::monotonic_now;
 
 use allot_region_agent::limiter::{LimiterConfig, RedisStoreConfig};
 use allot_testkit::{EtcdCluster, RedisServer};
@@ -137,10 +139,20 @@ struct MicroClock {
 }
 
 impl MicroClock {
+    // The agents' clock reads whole ms; windows are judged in µs, so the base is read at µs
+    // resolution (a base up to 1 ms behind would count a window's first requests in the one
+    // before).
+    #[expect(
+        clippy::disallowed_methods,
+        reason = "the bench times requests against the agents' wall clock"
+    )]
     fn start() -> Self {
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         Self {
             base: monotonic_now(),
-            base_us: SystemClock.now_ms() * 1_000,
+            base_us: u64::try_from(since_epoch.as_micros()).unwrap_or(u64::MAX),
         }
     }
 
@@ -290,6 +302,8 @@ struct Judgement {
     straddling: u64,
     static_false_admits: u64,
     static_false_denies: u64,
+    /// Every request the agents admitted, judged or not (the ledger's count to compare).
+    admitted_all: u64,
     /// False denies by when in its window the request was sent, in tenths of the window.
     false_denies_by_tenth: [u64; 10],
     windows: Vec<WindowTally>,
@@ -307,6 +321,7 @@ fn judge(mut outcomes: Vec<Outcome>, start_us: u64, shape: &Shape) -> Judgement 
         ..Judgement::default()
     };
     for outcome in outcomes {
+        judgement.admitted_all += u64::from(outcome.verdict == Verdict::Admitted);
         let window = window_of(outcome.sent_us);
         // The warm-up window, and anything sent late past the last window, is not judged.
         let Some(tally) = window
@@ -315,10 +330,13 @@ fn judge(mut outcomes: Vec<Outcome>, start_us: u64, shape: &Shape) -> Judgement 
         else {
             continue;
         };
-        judgement.requests += 1;
+        // Decided in this window or the next one, by the agent's clock: judged in neither, and
+        // left out of the ideal's count too.
         if window_of(outcome.answered_us) != window {
             judgement.straddling += 1;
+            continue;
         }
+        judgement.requests += 1;
         let region = outcome.region;
         let sent_before = tally.demand[0] + tally.demand[1];
         let ideal = sent_before < shape.limit;
@@ -358,7 +376,7 @@ fn share_pct(part: u64, whole: u64) -> f64 {
     }
 }
 
-fn report(shape: &Shape, seed: u64, judgement: &Judgement) {
+fn report(shape: &Shape, seed: u64, judgement: &Judgement, ledger: &LedgerTally) {
     let limit = shape.limit as f64;
     let error = |admitted: u64, ideal: u64| (admitted as f64 - ideal as f64) / limit;
     let agent_errors: Vec<f64> = judgement
@@ -410,6 +428,8 @@ fn report(shape: &Shape, seed: u64, judgement: &Judgement) {
         "worstWindowUnderPct": worst_under(&agent_errors),
         "worstWindowOverPct": worst_over(&agent_errors),
         "maxOvershootTokens": max_overshoot,
+        "admittedByAgents": judgement.admitted_all, "ledgerAdmitted": ledger.admitted,
+        "ledgerMaxOvershoot": ledger.max_overshoot,
         "staticWrongPct": share_pct(static_wrong, judgement.requests),
         "staticFalseAdmits": judgement.static_false_admits,
         "staticFalseDenies": judgement.static_false_denies,
@@ -417,6 +437,12 @@ fn report(shape: &Shape, seed: u64, judgement: &Judgement) {
         "staticWorstWindowUnderPct": worst_under(&static_errors),
     });
     println!("BENCH {line}");
+    if ledger.admitted != judgement.admitted_all || ledger.max_overshoot > 0 {
+        println!(
+            "  the ledger counts {} admits (the agents answered {}), overshoot up to {}",
+            ledger.admitted, judgement.admitted_all, ledger.max_overshoot
+        );
+    }
     for (n, w) in judgement.windows.iter().enumerate() {
         let line = json!({
             "bench": "accuracy_window", "shape": shape.name, "window": n + 1,
@@ -424,6 +450,35 @@ fn report(shape: &Shape, seed: u64, judgement: &Judgement) {
             "ideal": w.ideal, "staticSplit": w.static_split,
         });
         println!("BENCH {line}");
+    }
+}
+
+/// What the ledger counted for a shape once the agents reported: the requests admitted over its
+/// windows (warm-up included) and the most any window admitted past its limit (its `overshoot`).
+struct LedgerTally {
+    admitted: u64,
+    max_overshoot: u64,
+}
+
+/// Waits for the shape's last lease to end (window-clamped leases end with their window), has the
+/// agents report, and reads the ledger's rows of the shape's windows.
+async fn ledger(
+    allocator: &str,
+    tenant: &str,
+    agents: &[Arc<allot_region_agent::service::Agent>],
+    shape: &Shape,
+    end_us: u64,
+    clock: &MicroClock,
+) -> LedgerTally {
+    tokio::time::sleep_until(clock.instant_at(end_us) + Duration::from_millis(200)).await;
+    for agent in agents {
+        agent.send_reports().await;
+    }
+    let rows = stack::windows(allocator, tenant, "api", shape.windows + 2).await;
+    let column = |name: &'static str| rows.iter().filter_map(move |row| row[name].as_u64());
+    LedgerTally {
+        admitted: column("admitted").sum(),
+        max_overshoot: column("overshoot").max().unwrap_or(0),
     }
 }
 
@@ -461,21 +516,21 @@ async fn main() {
     let allocator = stack::start_allocator(&etcd, dir.path()).await;
     let start_agent = |region: usize| {
         let (allocator, redis) = (&allocator, &redis[region]);
-        async move {
-            let agent = stack::agent_with(
-                REGIONS[region],
-                allocator,
-                redis,
-                bundle(),
-                RedisStoreConfig::default(),
-                LimiterConfig::default(),
-            )
-            .await;
-            stack::serve_agent(agent).await
-        }
+        stack::agent_with(
+            REGIONS[region],
+            allocator,
+            redis,
+            bundle(),
+            RedisStoreConfig::default(),
+            LimiterConfig::default(),
+        )
     };
+    let agents = [start_agent(0).await, start_agent(1).await];
     let gateways = Gateways {
-        agents: [start_agent(0).await, start_agent(1).await],
+        agents: [
+            stack::serve_agent(agents[0].clone()).await,
+            stack::serve_agent(agents[1].clone()).await,
+        ],
         http: reqwest::Client::builder()
             .timeout(Duration::from_secs(2))
             .pool_max_idle_per_host(IN_FLIGHT)
@@ -506,6 +561,8 @@ async fn main() {
         let planned = plan(shape, &mut rng);
         let start_us = next_window_start_us(&gateways.clock, shape.window_ms, 500);
         let outcomes = run(planned, start_us, &tenant, &gateways).await;
-        report(shape, seed, &judge(outcomes, start_us, shape));
+        let end_us = start_us + (shape.windows + 1) * shape.window_ms * 1_000;
+        let ledger = ledger(&allocator, &tenant, &agents, shape, end_us, &gateways.clock).await;
+        report(shape, seed, &judge(outcomes, start_us, shape), &ledger);
     }
 }
