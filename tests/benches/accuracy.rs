@@ -10,9 +10,11 @@
 //!
 //! The ideal is one perfectly informed global counter deciding the same requests: per window, the
 //! first `limit` requests in the order they were sent are admitted, the rest denied. A decision is
-//! wrong when the agent's differs from the ideal's: a false admit (over the limit: an overshoot) or a
-//! false deny (a token was left in the window's limit and the agent said no). A request the agent
-//! failed to answer counts as a denial. The per-window error is (admitted - ideal admitted) / limit.
+//! wrong when the agent's differs from the ideal's: a false deny (a token was left in the window's
+//! limit and the agent said no) or a false admit (the ideal spent the limit on earlier requests,
+//! which the agents refused; a window overshoots only where its false admits outnumber its false
+//! denies). A request the agent failed to answer counts as a denial. The per-window error is
+//! (admitted - ideal admitted) / limit.
 //! Beside it, computed on the same requests (not run): a static split, each region deciding alone
 //! against its fixed half of the limit, the usual alternative to leasing.
 //!
@@ -30,7 +32,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use allot_region_agent::clock::monotonic_now;
-
 use allot_region_agent::limiter::{LimiterConfig, RedisStoreConfig};
 use allot_testkit::{EtcdCluster, RedisServer};
 use rand::rngs::StdRng;
