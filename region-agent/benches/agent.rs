@@ -173,19 +173,7 @@ async fn drive(url: String, callers: u64, admit: bool) -> Figure {
                 // The ceiling gets the very request an admit is (same method, headers and body),
                 // so the ratio measures what the agent does with it, not the client's extra work.
                 let path = if admit { "v1/admit" } else { "constant" };
-                let response = http
-                    .post(format!("{url}/{path}"))
-                    .bearer_auth(GATEWAY)
-                    .json(&request(n))
-                    .send()
-                    .await;
-                let body: Value = response.expect("answer").json().await.expect("json");
-                if body["reason"] == "LIMITER_UNAVAILABLE" {
-                    // A Redis call past the decision budget under a fail-closed rule: counted.
-                    unavailable += 1;
-                } else {
-                    assert_eq!(body["allowed"], true, "{body}");
-                }
+                unavailable += u64::from(post_admit(&http, &url, path, n).await);
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
@@ -193,6 +181,21 @@ async fn drive(url: String, callers: u64, admit: bool) -> Figure {
         }));
     }
     collect(tasks, stop).await
+}
+
+/// Posts admit `n` to `url`/`path`: true when it was answered LIMITER_UNAVAILABLE (a Redis call
+/// past the decision budget under a fail-closed rule); any other answer must be an admit.
+async fn post_admit(http: &reqwest::Client, url: &str, path: &str, n: u64) -> bool {
+    let response = http
+        .post(format!("{url}/{path}"))
+        .bearer_auth(GATEWAY)
+        .json(&request(n))
+        .send()
+        .await;
+    let body: Value = response.expect("answer").json().await.expect("json");
+    let unavailable = body["reason"] == "LIMITER_UNAVAILABLE";
+    assert!(unavailable || body["allowed"] == true, "{body}");
+    unavailable
 }
 
 /// Connections an open-loop run may hold at once; a request due while all are busy is not sent
@@ -225,16 +228,8 @@ async fn drive_open(url: String, per_second: f64) -> (Figure, u64) {
         let (http, url) = (http.clone(), url.clone());
         tasks.spawn(async move {
             let stopwatch = Stopwatch::start();
-            let response = http
-                .post(format!("{url}/v1/admit"))
-                .bearer_auth(GATEWAY)
-                .json(&request(n))
-                .send()
-                .await;
-            let body: Value = response.expect("answer").json().await.expect("json");
+            let unavailable = post_admit(&http, &url, "v1/admit", n).await;
             drop(permit);
-            let unavailable = body["reason"] == "LIMITER_UNAVAILABLE";
-            assert!(unavailable || body["allowed"] == true, "{body}");
             (stopwatch.elapsed().as_micros() as u64, unavailable)
         });
     }
