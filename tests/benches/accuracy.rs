@@ -107,18 +107,9 @@ enum Verdict {
     Admitted,
     /// Denied: the pool (or a rule) had nothing left.
     Denied,
-    /// Any other answer: unavailable (503), or no decision at all.
-    Failed(Failure),
-}
-
-/// Why a request got no admit-or-deny decision.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-enum Failure {
     /// 503 `LIMITER_UNAVAILABLE`: the store or the pool could not be reached in time.
     Unavailable,
-    /// Any other denial reason.
-    OtherReason,
-    /// No answer, or not a decision.
+    /// Any other answer, or none.
     NoDecision,
 }
 
@@ -269,17 +260,16 @@ async fn admit(http: &reqwest::Client, url: &str, body: &Value) -> Verdict {
         .send()
         .await
     else {
-        return Verdict::Failed(Failure::NoDecision);
+        return Verdict::NoDecision;
     };
     let Ok(decision) = response.json::<Value>().await else {
-        return Verdict::Failed(Failure::NoDecision);
+        return Verdict::NoDecision;
     };
     match (&decision["allowed"], decision["reason"].as_str()) {
         (Value::Bool(true), _) => Verdict::Admitted,
         (Value::Bool(false), Some("RATE_EXCEEDED")) => Verdict::Denied,
-        (Value::Bool(false), Some("LIMITER_UNAVAILABLE")) => Verdict::Failed(Failure::Unavailable),
-        (Value::Bool(false), _) => Verdict::Failed(Failure::OtherReason),
-        _ => Verdict::Failed(Failure::NoDecision),
+        (Value::Bool(false), Some("LIMITER_UNAVAILABLE")) => Verdict::Unavailable,
+        _ => Verdict::NoDecision,
     }
 }
 
@@ -288,8 +278,23 @@ async fn admit(http: &reqwest::Client, url: &str, body: &Value) -> Verdict {
 struct WindowTally {
     demand: [u64; 2],
     admitted: [u64; 2],
-    ideal: u64,
-    static_split: u64,
+}
+
+impl WindowTally {
+    /// What the ideal admitted: the first `limit` requests.
+    fn ideal(&self, limit: u64) -> u64 {
+        (self.demand[0] + self.demand[1]).min(limit)
+    }
+
+    /// What the static split admitted: each region the first of its `halves`.
+    fn static_split(&self, halves: [u64; 2]) -> u64 {
+        self.demand[0].min(halves[0]) + self.demand[1].min(halves[1])
+    }
+}
+
+/// The static split's halves of `limit`, by region.
+fn halves(limit: u64) -> [u64; 2] {
+    [limit.div_ceil(2), limit / 2]
 }
 
 /// How a shape's decisions compare with the ideal's.
@@ -316,7 +321,7 @@ fn judge(mut outcomes: Vec<Outcome>, start_us: u64, shape: &Shape) -> Judgement 
     outcomes.sort_by_key(|o| o.sent_us);
     let window_us = shape.window_ms * 1_000;
     let window_of = |us: u64| us.saturating_sub(start_us) / window_us;
-    let half = [shape.limit.div_ceil(2), shape.limit / 2];
+    let half = halves(shape.limit);
     let mut judgement = Judgement {
         windows: vec![WindowTally::default(); shape.windows as usize],
         ..Judgement::default()
@@ -343,14 +348,13 @@ fn judge(mut outcomes: Vec<Outcome>, start_us: u64, shape: &Shape) -> Judgement 
         let ideal = sent_before < shape.limit;
         let static_split = tally.demand[region] < half[region];
         tally.demand[region] += 1;
-        tally.ideal += u64::from(ideal);
-        tally.static_split += u64::from(static_split);
         let admitted = outcome.verdict == Verdict::Admitted;
         tally.admitted[region] += u64::from(admitted);
-        if let Verdict::Failed(failure) = outcome.verdict {
-            judgement.failed += 1;
-            judgement.unavailable += u64::from(failure == Failure::Unavailable);
-        }
+        judgement.failed += u64::from(matches!(
+            outcome.verdict,
+            Verdict::Unavailable | Verdict::NoDecision
+        ));
+        judgement.unavailable += u64::from(outcome.verdict == Verdict::Unavailable);
         match (admitted, ideal) {
             (true, false) => judgement.false_admits += 1,
             (false, true) => {
@@ -383,12 +387,12 @@ fn report(shape: &Shape, seed: u64, judgement: &Judgement, ledger: &LedgerTally)
     let agent_errors: Vec<f64> = judgement
         .windows
         .iter()
-        .map(|w| error(w.admitted[0] + w.admitted[1], w.ideal))
+        .map(|w| error(w.admitted[0] + w.admitted[1], w.ideal(shape.limit)))
         .collect();
     let static_errors: Vec<f64> = judgement
         .windows
         .iter()
-        .map(|w| error(w.static_split, w.ideal))
+        .map(|w| error(w.static_split(halves(shape.limit)), w.ideal(shape.limit)))
         .collect();
     let mean_abs = |errors: &[f64]| {
         100.0 * errors.iter().map(|e| e.abs()).sum::<f64>() / errors.len().max(1) as f64
@@ -448,7 +452,7 @@ fn report(shape: &Shape, seed: u64, judgement: &Judgement, ledger: &LedgerTally)
         let line = json!({
             "bench": "accuracy_window", "shape": shape.name, "window": n + 1,
             "limit": shape.limit, "demand": w.demand, "admitted": w.admitted,
-            "ideal": w.ideal, "staticSplit": w.static_split,
+            "ideal": w.ideal(shape.limit), "staticSplit": w.static_split(halves(shape.limit)),
         });
         println!("BENCH {line}");
     }
