@@ -83,33 +83,44 @@ local MAX_DECISION_ID_BYTES = 64
 -- Most parsed arguments kept (headers and rules together); past it the table starts empty again.
 local MAX_PARSED = 4096
 
--- A decimal integer in [min, max], or nil. The pattern refuses what tonumber would accept ("1e3",
--- "0x10", " 1", "inf", "nan"); `value ~= value` is the NaN guard behind it.
+-- Cost: this code runs on the store's one thread for every decision, and in Redis's Lua a call of a
+-- C function (string.find, tonumber, math.floor, type, pairs, next) costs about as much as a small
+-- Redis command. The hot path calls as few as it can: arithmetic coerces digit strings itself,
+-- integer division uses `%`, and min and max are written out. (The standard libraries are not
+-- reachable while a library loads, so they are named where they are called.)
+
+-- A decimal integer in [min, max], or nil. Every caller passes a string or nil (arguments, hash
+-- fields and string values are strings in Redis). The pattern refuses what tonumber would accept
+-- ("1e3", "0x10", " 1", "inf", "nan"); digits alone coerce to exactly the number they spell.
 local function integer(text, min, max)
-  if type(text) ~= 'string' or #text == 0 or #text > 16 or not string.find(text, '^%d+$') then
+  if text == nil or #text == 0 or #text > 16 or not string.find(text, '^%d+$') then
     return nil
   end
-  local value = tonumber(text)
-  if value == nil or value ~= value or value < min or value > max then
+  local value = text + 0
+  if value < min or value > max then
     return nil
   end
   return value
 end
 
--- Integers leave the library through '%d': tostring and table.concat keep only 14 digits.
+-- An integer in [0, 2^53] as decimal digits. Not tostring or `..`: they keep 14 significant
+-- digits, and they format as a float ('%.14g'), which costs several times what '%d' does.
 local function text(value)
   return string.format('%d', value)
 end
 
--- floor(a / b) for integers 0 <= a < 2^53 and b >= 1. The double quotient is off by less than
--- 1/b, which never reaches the next integer, so math.floor yields the exact integer quotient.
+-- floor(a / b) for integers 0 <= a < 2^53 and b >= 1. Lua's `a % b` is a - floor(a / b) * b: the
+-- double quotient is off by less than 1/b, which never reaches the next integer, so the floor is
+-- the exact integer quotient, every product and difference here is an exact integer, and so is
+-- the result.
 local function div_floor(a, b)
-  return math.floor(a / b)
+  return (a - a % b) / b
 end
 
 -- ceil(a / b) under the same bounds (a + b - 1 stays below 2^53: a <= 2^52 + 2^40, b <= 2^40).
 local function div_ceil(a, b)
-  return math.floor((a + b - 1) / b)
+  local c = a + b - 1
+  return (c - c % b) / b
 end
 
 local function arg_error(message)
@@ -260,11 +271,11 @@ end
 
 -- `argument` parsed by `parse`, from the table when this exact text was seen before.
 local function parsed(argument, parse)
-  if type(argument) ~= 'string' then
-    return parse(argument)
-  end
   local entry = parsed_by_text[argument]
   if entry == nil then
+    if argument == nil then
+      return parse(argument)
+    end
     entry = remember(argument, parse(argument))
   end
   return entry
@@ -277,6 +288,9 @@ local HASH_SHAPES = {
   fw = { w = true, n = true },
   sc = { w = true, cur = true, prev = true },
 }
+-- Fields per shape: a hash's field names are distinct, so a hash of only expected fields with
+-- this many of them has every one.
+local HASH_FIELD_COUNTS = { tb = 2, fw = 2, sc = 3 }
 
 -- The hash of a tb, fw or sc rule: nil when absent, a table of its fields, or an error reply. One
 -- HGETALL: every field the key holds comes back, so a field of another algorithm is seen too.
@@ -291,19 +305,22 @@ local function read_hash(rule_index, key, kind)
   end
   local found, expected = {}, HASH_SHAPES[kind]
   for f = 1, count, 2 do
-    local name = values[f]
+    local name, digits = values[f], values[f + 1]
     if not expected[name] then
       return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' belongs to another algorithm')
     end
-    local value = integer(values[f + 1], 0, TWO_53)
-    if value == nil then
+    -- integer(digits, 0, 2^53), written out: it runs for every field of every decision.
+    local value = #digits > 0 and #digits <= 16 and string.find(digits, '^%d+$') and digits + 0
+    if not value or value > TWO_53 then
       return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is not an integer')
     end
     found[name] = value
   end
-  for name in pairs(expected) do
-    if found[name] == nil then
-      return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is missing')
+  if count ~= 2 * HASH_FIELD_COUNTS[kind] then
+    for name in pairs(expected) do
+      if found[name] == nil then
+        return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is missing')
+      end
     end
   end
   return found
@@ -312,7 +329,8 @@ end
 -- The GCRA key: nil when absent, the stored TAT, or an error reply.
 local function read_tat(rule_index, key)
   local stored = redis.pcall('GET', key)
-  if type(stored) == 'table' and stored.err then
+  -- A string's fields are the string library's (stored.err is nil); only an error reply has one.
+  if stored and stored.err then
     return nil, state_error('rule ' .. rule_index, 'the key is not a string')
   end
   if not stored then
@@ -367,10 +385,18 @@ local function decide_token_bucket(rule, state, now)
   local full_refill_ms = rule.full_refill_ms
   local tokens = rule.capacity
   if state then
-    local delta_ms = math.min(math.max(now - state.ts, 0), full_refill_ms)
-    -- delta_ms * refill <= capacity * period + refill < 2^53. The min also clamps tokens stored
-    -- under a larger capacity: a tightened policy applies on the next call.
-    tokens = math.min(state.tk + div_floor(delta_ms * rule.refill, rule.period), rule.capacity)
+    local delta_ms = now - state.ts
+    if delta_ms < 0 then
+      delta_ms = 0
+    elseif delta_ms > full_refill_ms then
+      delta_ms = full_refill_ms
+    end
+    -- delta_ms * refill <= capacity * period + refill < 2^53. The clamp to capacity also covers
+    -- tokens stored under a larger capacity: a tightened policy applies on the next call.
+    tokens = state.tk + div_floor(delta_ms * rule.refill, rule.period)
+    if tokens > rule.capacity then
+      tokens = rule.capacity
+    end
   end
   if tokens < rule.cost then
     -- deficit <= capacity, so deficit * period <= 2^52.
@@ -379,7 +405,10 @@ local function decide_token_bucket(rule, state, now)
   end
   local remaining = tokens - rule.cost
   -- A clock that stepped back never moves the stored time back.
-  local updated_at = state and math.max(state.ts, now) or now
+  local updated_at = now
+  if state and state.ts > now then
+    updated_at = state.ts
+  end
   -- The key lives until the stored state would be full again: full refill + slack counted from
   -- updated_at, which a clock that stepped back leaves ahead of now (as the core does).
   return {
@@ -391,15 +420,17 @@ end
 local function decide_gcra(rule, tat, now)
   if rule.cost > rule.capacity then return never() end
   local burst_ms = rule.burst_ms
-  -- span <= burst, so span * refill <= capacity * period <= 2^52.
-  local function millitokens_in(span_ms)
-    return div_floor(span_ms * rule.refill, rule.period)
-  end
+  local refill, period = rule.refill, rule.period
   -- How far the TAT runs ahead of now (0 for a fresh key or a TAT in the past). The core's
   -- new_tat - now is used + increment; it is compared term by term so no sum passes 2^53.
-  local used_ms = math.max((tat or now) - now, 0)
+  local used_ms = 0
+  if tat and tat > now then
+    used_ms = tat - now
+  end
   local increment_ms = rule.increment_ms
-  local available = millitokens_in(burst_ms - math.min(used_ms, burst_ms))
+  -- The millitokens a span of the tolerance holds: span <= burst, so span * refill <= capacity *
+  -- period <= 2^52.
+  local available = div_floor((used_ms < burst_ms and burst_ms - used_ms or 0) * refill, period)
   if used_ms > burst_ms or increment_ms > burst_ms - used_ms then
     -- The excess of used + increment over the tolerance.
     local retry = (used_ms - burst_ms) + increment_ms
@@ -407,7 +438,8 @@ local function decide_gcra(rule, tat, now)
   end
   -- Admitted: new_tat = now + used + increment <= now + burst, and the key lives until then.
   return {
-    allowed = true, remaining = millitokens_in(burst_ms - used_ms - increment_ms), available = available,
+    allowed = true, remaining = div_floor((burst_ms - used_ms - increment_ms) * refill, period),
+    available = available,
     write = true, new_tat = now + used_ms + increment_ms,
   }
 end
@@ -419,7 +451,8 @@ local function decide_fixed_window(rule, state, now)
   if state and state.w >= current_start then
     window_start, count = state.w, state.n
   end
-  local available = math.max(rule.limit - count, 0)
+  local available = rule.limit - count
+  if available < 0 then available = 0 end
   if rule.cost > rule.limit then return never() end
   local left_ms = window_start + rule.window - now
   if count + rule.cost > rule.limit then
@@ -571,8 +604,9 @@ end
 -- `now` (the server's clock, read by the caller) unless its header names a test clock. `batch`
 -- is nil for a lone call; in a coalesced call it holds, by key, the state earlier requests of the
 -- call left (read once, then carried) and the writes they made, performed once at the call's end
--- (a sliding log, whose reads need its set, is written at once). Returns the reply, or an error
--- reply (then nothing of this request was written or carried).
+-- (a sliding log, whose reads need its set, is written at once): `read` holds each key's state
+-- as read (false when absent), `pending` its latest admitting outcome, `order` the keys to write.
+-- Returns the reply, or an error reply (then nothing of this request was written or carried).
 local function decide_request(keys, key_base, args, arg_base, now, batch)
   local header_entry = parsed(args[arg_base + 1], parse_header)
   if header_entry.err then
@@ -581,7 +615,7 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
   local header = header_entry.ok
   local n = header.n
   local decision_id = args[arg_base + 2]
-  if type(decision_id) ~= 'string' or #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
+  if decision_id == nil or #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
     return arg_error('decision id must be 1 to ' .. MAX_DECISION_ID_BYTES .. ' bytes')
   end
   local record_key = keys[key_base + 1]
@@ -601,7 +635,7 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
   -- Replay.
   if record_ttl_ms > 0 then
     local record = redis.pcall('GET', record_key)
-    if type(record) == 'table' and record.err then
+    if record and record.err then
       return state_error('decision record', 'the key is not a string')
     end
     if record then
@@ -632,21 +666,24 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
     local spec = entry.ok
     local key = keys[key_base + 1 + i]
     local state, problem
-    local carried = batch and spec.kind ~= 'sl' and batch.states[key]
-    if carried then
-      state = carried.state or nil
+    local carries = batch and spec.kind ~= 'sl'
+    local pending = carries and batch.pending[key]
+    if pending then
+      state = state_after(pending.spec, pending)
+    elseif carries and batch.read[key] ~= nil then
+      state = batch.read[key] or nil
     else
       state, problem = read_state(i, spec, key, now, decision_id)
       if problem then return problem end
+      if carries then
+        batch.read[key] = state or false
+      end
     end
     if spec.cost_err then
       return arg_error('rule ' .. i .. ' ' .. spec.cost_err)
     end
     specs[i] = spec
     outcomes[i] = DECIDE[spec.kind](spec, state, now, key)
-    if batch and spec.kind ~= 'sl' and not carried then
-      batch.states[key] = { state = state or false }
-    end
   end
 
   local denied_by, retry, advisory_denied = 0, 0, 0
@@ -676,13 +713,14 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
       local outcome, key = outcomes[i], keys[key_base + 1 + i]
       if outcome.write then
         if batch and specs[i].kind ~= 'sl' then
-          batch.states[key] = { state = state_after(specs[i], outcome) }
-          if batch.writes[key] == nil then
+          if batch.pending[key] == nil then
             batch.order[#batch.order + 1] = key
           end
-          -- Written once at the call's end, over what the key held before the call: whole.
+          -- Written once at the call's end, over what the key held before the call: whole. Until
+          -- then a later request of the call reads the state this write leaves.
           outcome.same_window = nil
-          batch.writes[key] = { spec = specs[i], outcome = outcome, now = now }
+          outcome.spec, outcome.now = specs[i], now
+          batch.pending[key] = outcome
         else
           write(specs[i], key, outcome, now, decision_id)
         end
@@ -700,7 +738,9 @@ end
 -- The server's clock, ms.
 local function server_now()
   local time = redis.call('TIME')
-  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  -- Seconds and microseconds, as digit strings: arithmetic coerces them exactly.
+  local micros = time[2]
+  return time[1] * 1000 + (micros - micros % 1000) / 1000
 end
 
 -- A lone request: KEYS and ARGV as the header comment says.
@@ -735,14 +775,14 @@ local function decide_many(keys, args)
   end
   -- The layout first, so that nothing is decided for a call that is cut short.
   local key_base, arg_base = 0, 1
-  local bases = {}
+  local key_bases, arg_bases = {}, {}
   for r = 1, count do
     local header_entry = parsed(args[arg_base + 1], parse_header)
     if header_entry.err then
       return arg_error('request ' .. r .. ': ' .. header_entry.err)
     end
     local n = header_entry.ok.n
-    bases[r] = { key_base, arg_base }
+    key_bases[r], arg_bases[r] = key_base, arg_base
     key_base, arg_base = key_base + n + 1, arg_base + n + 2
     if key_base > #keys or arg_base > #args then
       return arg_error('request ' .. r .. ' runs past the keys or arguments')
@@ -752,17 +792,17 @@ local function decide_many(keys, args)
     return arg_error('expected ' .. key_base .. ' keys and ' .. arg_base .. ' arguments')
   end
   local now = server_now()
-  local batch = { states = {}, writes = {}, order = {} }
+  local batch = { read = {}, pending = {}, order = {} }
   local replies = {}
   for r = 1, count do
-    local reply = decide_request(keys, bases[r][1], args, bases[r][2], now, batch)
+    local reply = decide_request(keys, key_bases[r], args, arg_bases[r], now, batch)
     -- A refused request's error goes back as its one string, not as an error reply: clients may
     -- take an error anywhere in a reply for the whole reply's.
     replies[r] = reply.err and { reply.err } or reply
   end
   for _, key in ipairs(batch.order) do
-    local pending = batch.writes[key]
-    write(pending.spec, key, pending.outcome, pending.now, nil)
+    local pending = batch.pending[key]
+    write(pending.spec, key, pending, pending.now, nil)
   end
   return replies
 end
