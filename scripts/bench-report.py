@@ -198,8 +198,9 @@ def main():
     if agent:
         print("## Region agent: admissions over HTTP")
         print()
-        print("Keep-alive HTTP callers in the bench process (they share the 2 cores with the agent, so")
-        print("figures move by tens of percent between runs). `trivial` is an axum endpoint that takes the")
+        print("Keep-alive HTTP callers in a load-generator process of their own (the bench binary started")
+        print("again; they still share the 2 cores with the agent, so figures move by tens of percent")
+        print("between runs). `trivial` is an axum endpoint that takes the")
         print("very request an admit is (POST, bearer token, JSON body) and answers a constant JSON body: the")
         print("HTTP stack's ceiling for this request. `raw-evalsha` sends the 3-rule decision straight to Redis,")
         print("one FCALL per decision (the store's ceiling). `lease-only` is a policy with one global rule (tokens from leases in")

@@ -17,17 +17,21 @@
 //! path is what is measured; allocator throughput has its own bench). It counts grant calls, to show
 //! how many allocator calls the admits cost (renewals are prefetched off the request path). Keep-alive HTTP clients, 1 and 64 concurrent callers, 3 s per figure.
 //!
-//! The agents and the `trivial` endpoint run on a runtime of their own (one worker thread, named
-//! [`common::AGENT_THREADS`]; the Redis agent's store connection too, as in the agent), the load
-//! generators and the stub allocator on another, so each row
-//! also reports the agent's CPU per decision (user + system of those threads only, from
+//! The agents and the `trivial` endpoint run in this process on a runtime of their own (one worker
+//! thread, named [`common::AGENT_THREADS`]; the Redis agent's store connection too, as in the
+//! agent), the stub allocator on another. The load generators run in a process of their own: this
+//! binary again, started with [`LOAD_ENV`] naming one run ([`Load`]), which prints `START` when its
+//! timed run begins and then one `RESULT {json}` line ([`Outcome`]). So no caller shares the
+//! agent's process (its allocator, its runtime's threads, its memory), and each row also reports
+//! the agent's CPU per decision (user + system of the agent's threads over the timed run, from
 //! `/proc/self/task/*/stat`: steadier than throughput on a shared machine) and decisions per
-//! second per agent core (decisions over that CPU time). Both runtimes still share the machine's
-//! cores with the load generators and Redis.
+//! second per agent core (decisions over that CPU time). The processes still share the machine's
+//! cores with each other and with Redis.
 //! Prints a table and `BENCH {json}` lines with bench = "agent", and per caller count one with
 //! bench = "agent_limiter": why the Redis agent's limiter did not decide (shed, waited in vain,
 //! refused by an open breaker). `ALLOT_BENCH_LOG=1` prints the agent's warnings to stderr.
 
+use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -40,7 +44,9 @@ use allot_region_agent::limiter::{
 use allot_shared::keys::{IpPrefixes, Pepper};
 use axum::Json;
 use axum::routing::post;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use tokio::io::AsyncBufReadExt;
 
 /// mimalloc: fewer cycles per allocation than the system allocator on the request path (measured
 /// by the agent benchmark, docs/benchmarks.md).
@@ -48,6 +54,36 @@ use serde_json::{Value, json};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const RUN: Duration = Duration::from_secs(3);
+
+/// Set in the load generator's process: the [`Load`] it runs, as JSON.
+const LOAD_ENV: &str = "ALLOT_BENCH_AGENT_LOAD";
+
+/// One timed run of load, made by the load generator's process.
+#[derive(Serialize, Deserialize)]
+enum Load {
+    /// `callers` keep-alive HTTP clients posting an admit to `url`/`path`.
+    Closed {
+        url: String,
+        path: String,
+        callers: u64,
+    },
+    /// `callers` tonic clients calling Envoy's RLS at `url`.
+    Grpc { url: String, callers: u64 },
+    /// `callers` tasks sending the decision function straight to the Redis at `redis_url`.
+    Raw { redis_url: String, callers: u64 },
+    /// Admits posted to `url` open loop at `per_second`.
+    Open { url: String, per_second: f64 },
+}
+
+/// What a run of load saw: every answer's latency, how many were LIMITER_UNAVAILABLE, how long
+/// the run took, and (open loop) how many were due but not sent.
+#[derive(Serialize, Deserialize)]
+struct Outcome {
+    latencies_us: Vec<u64>,
+    unavailable: u64,
+    seconds: f64,
+    unsent: u64,
+}
 
 mod common;
 
@@ -77,7 +113,7 @@ async fn serve_grpc_on(agents: &tokio::runtime::Handle, api: AgentApi) -> String
 }
 
 /// Envoy's RLS v3 path: the agent served over gRPC at `url`, called by `callers` tonic clients.
-async fn drive_grpc(url: String, callers: u64) -> Figure {
+async fn drive_grpc(url: String, callers: u64) -> Outcome {
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
     let stop = Arc::new(AtomicBool::new(false));
@@ -109,29 +145,100 @@ async fn drive_grpc(url: String, callers: u64) -> Figure {
     collect(tasks, stop).await
 }
 
-/// Lets `tasks` run for [`RUN`], stops them, and makes their figure, with the agents' CPU over the
-/// run.
+/// Tells the agents' process that the timed run begins (it reads the agents' CPU now).
+fn announce_start() {
+    println!("START");
+}
+
+/// Lets `tasks` run for [`RUN`], stops them, and gathers what they saw.
 async fn collect(
     tasks: Vec<tokio::task::JoinHandle<(Vec<u64>, u64)>>,
     stop: Arc<AtomicBool>,
-) -> Figure {
-    let agent_cpu_before = thread_cpu_seconds(AGENT_THREADS);
+) -> Outcome {
+    announce_start();
     let stopwatch = Stopwatch::start();
     tokio::time::sleep(RUN).await;
     stop.store(true, Ordering::Relaxed);
     let seconds = stopwatch.elapsed().as_secs_f64();
-    let agent_cpu_s = thread_cpu_seconds(AGENT_THREADS) - agent_cpu_before;
-    let mut latencies = Vec::new();
+    let mut latencies_us = Vec::new();
     let mut unavailable = 0;
     for task in tasks {
         let (caller_latencies, caller_unavailable) = task.await.expect("caller");
-        latencies.extend(caller_latencies);
+        latencies_us.extend(caller_latencies);
         unavailable += caller_unavailable;
     }
-    figure(latencies, unavailable, seconds, agent_cpu_s)
+    Outcome {
+        latencies_us,
+        unavailable,
+        seconds,
+        unsent: 0,
+    }
 }
 
-fn figure(mut latencies: Vec<u64>, unavailable: u64, seconds: f64, agent_cpu_s: f64) -> Figure {
+/// Runs `load` in a process of its own (this binary, with [`LOAD_ENV`] set) and makes its figure,
+/// with the agents' CPU from the run's start to its result.
+async fn measure(load: &Load) -> (Figure, u64) {
+    let mut child = tokio::process::Command::new(std::env::current_exe().expect("this binary"))
+        .env(LOAD_ENV, serde_json::to_string(load).expect("load as JSON"))
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the load generator's process");
+    let stdout = child.stdout.take().expect("its stdout");
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut next_line = async || {
+        lines
+            .next_line()
+            .await
+            .expect("the load generator's stdout")
+            .expect("a line from the load generator")
+    };
+    assert_eq!(next_line().await, "START");
+    let agent_cpu_before = thread_cpu_seconds(AGENT_THREADS);
+    let result = next_line().await;
+    let agent_cpu_s = thread_cpu_seconds(AGENT_THREADS) - agent_cpu_before;
+    let status = child.wait().await.expect("the load generator's exit");
+    assert!(status.success(), "the load generator failed: {status}");
+    let outcome: Outcome = serde_json::from_str(result.strip_prefix("RESULT ").expect("RESULT"))
+        .expect("the load generator's result");
+    // The raw store path runs nothing of the agents': what their idle threads spent is not its.
+    let agent_cpu_s = if matches!(load, Load::Raw { .. }) {
+        0.0
+    } else {
+        agent_cpu_s
+    };
+    let unsent = outcome.unsent;
+    (figure(outcome, agent_cpu_s), unsent)
+}
+
+/// The load generator's process: runs the [`Load`] in `json` and prints its `RESULT`.
+fn generate_load(json: &str) {
+    let load: Load = serde_json::from_str(json).expect("the load to run");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("the load generator's runtime");
+    let outcome = runtime.block_on(async {
+        match load {
+            Load::Closed { url, path, callers } => drive(url, path, callers).await,
+            Load::Grpc { url, callers } => drive_grpc(url, callers).await,
+            Load::Raw { redis_url, callers } => raw_evalsha(&redis_url, callers).await,
+            Load::Open { url, per_second } => drive_open(url, per_second).await,
+        }
+    });
+    println!(
+        "RESULT {}",
+        serde_json::to_string(&outcome).expect("outcome as JSON")
+    );
+}
+
+fn figure(outcome: Outcome, agent_cpu_s: f64) -> Figure {
+    let Outcome {
+        latencies_us: mut latencies,
+        unavailable,
+        seconds,
+        ..
+    } = outcome;
     latencies.sort_unstable();
     let at = |fraction: f64| {
         latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
@@ -156,13 +263,13 @@ struct Figure {
     agent_cpu_us_per_decision: f64,
 }
 
-/// Drives `callers` keep-alive clients at `url` for [`RUN`]; every answer is allowed, or counted as
-/// unavailable (a store call past the decision budget).
-async fn drive(url: String, callers: u64, admit: bool) -> Figure {
+/// Drives `callers` keep-alive clients posting admits to `url`/`path` for [`RUN`]; every answer is
+/// allowed, or counted as unavailable (a store call past the decision budget).
+async fn drive(url: String, path: String, callers: u64) -> Outcome {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for caller in 0..callers {
-        let (url, stop) = (url.clone(), stop.clone());
+        let (url, path, stop) = (url.clone(), path.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
             let http = reqwest::Client::new();
             let mut latencies = Vec::new();
@@ -170,10 +277,7 @@ async fn drive(url: String, callers: u64, admit: bool) -> Figure {
             let mut n = caller;
             while !stop.load(Ordering::Relaxed) {
                 let stopwatch = Stopwatch::start();
-                // The ceiling gets the very request an admit is (same method, headers and body),
-                // so the ratio measures what the agent does with it, not the client's extra work.
-                let path = if admit { "v1/admit" } else { "constant" };
-                unavailable += u64::from(post_admit(&http, &url, path, n).await);
+                unavailable += u64::from(post_admit(&http, &url, &path, n).await);
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
@@ -207,15 +311,15 @@ const OPEN_LOOP_CONNECTIONS: usize = 256;
 const OPEN_LOOP_FRACTIONS: [f64; 2] = [0.5, 0.8];
 
 /// Open loop: admits sent to `url` at `per_second`, evenly spaced, for [`RUN`], whatever the answers
-/// take (up to [`OPEN_LOOP_CONNECTIONS`] at once); the figure, and how many were due but not sent.
-async fn drive_open(url: String, per_second: f64) -> (Figure, u64) {
+/// take (up to [`OPEN_LOOP_CONNECTIONS`] at once), counting those due but not sent.
+async fn drive_open(url: String, per_second: f64) -> Outcome {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(OPEN_LOOP_CONNECTIONS)
         .build()
         .expect("http client");
     let in_flight = Arc::new(tokio::sync::Semaphore::new(OPEN_LOOP_CONNECTIONS));
     let mut tasks = tokio::task::JoinSet::new();
-    let agent_cpu_before = thread_cpu_seconds(AGENT_THREADS);
+    announce_start();
     let (start, stopwatch) = (monotonic_now(), Stopwatch::start());
     let (mut n, mut unsent) = (0u64, 0u64);
     while stopwatch.elapsed() < RUN {
@@ -233,21 +337,30 @@ async fn drive_open(url: String, per_second: f64) -> (Figure, u64) {
             (stopwatch.elapsed().as_micros() as u64, unavailable)
         });
     }
-    let mut latencies = Vec::new();
+    let mut latencies_us = Vec::new();
     let mut unavailable = 0;
     while let Some(answer) = tasks.join_next().await {
         let (latency_us, was_unavailable) = answer.expect("request");
-        latencies.push(latency_us);
+        latencies_us.push(latency_us);
         unavailable += u64::from(was_unavailable);
     }
-    let seconds = stopwatch.elapsed().as_secs_f64();
-    let agent_cpu_s = thread_cpu_seconds(AGENT_THREADS) - agent_cpu_before;
-    (figure(latencies, unavailable, seconds, agent_cpu_s), unsent)
+    Outcome {
+        latencies_us,
+        unavailable,
+        seconds: stopwatch.elapsed().as_secs_f64(),
+        unsent,
+    }
 }
 
 /// The raw store ceiling: the same function and arguments, one FCALL per decision from `callers`
 /// tasks.
-async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> Figure {
+async fn raw_evalsha(redis_url: &str, callers: u64) -> Outcome {
+    // Only to build the command: the store names the function its library was loaded as.
+    let store = Arc::new(
+        RedisStore::connect(redis_url, RedisStoreConfig::default())
+            .await
+            .expect("redis"),
+    );
     let bundle = bundle(true);
     let pepper = Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper");
     let stop = Arc::new(AtomicBool::new(false));
@@ -282,6 +395,9 @@ async fn raw_evalsha(store: Arc<RedisStore>, redis_url: &str, callers: u64) -> F
 }
 
 fn main() {
+    if let Ok(load) = std::env::var(LOAD_ENV) {
+        return generate_load(&load);
+    }
     if std::env::var_os("ALLOT_BENCH_LOG").is_some() {
         tracing_subscriber::fmt()
             .with_writer(std::io::stderr)
@@ -314,12 +430,11 @@ async fn run(agents: tokio::runtime::Handle) {
             let in_process: Arc<dyn LimiterStore> =
                 Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));
             let (lease_only, _) = start_agent(in_process, &allocator, false).await;
-            let (with_redis, with_redis_api) =
-                start_agent(redis_store.clone(), &allocator, true).await;
-            (trivial, lease_only, with_redis, with_redis_api, redis_store)
+            let (with_redis, with_redis_api) = start_agent(redis_store, &allocator, true).await;
+            (trivial, lease_only, with_redis, with_redis_api)
         })
     };
-    let (trivial, lease_only, with_redis, with_redis_api, redis_store) =
+    let (trivial, lease_only, with_redis, with_redis_api) =
         on_agents.await.expect("the agents' runtime");
     let grpc_url = serve_grpc_on(&agents, with_redis_api.clone()).await;
     println!(
@@ -336,12 +451,27 @@ async fn run(agents: tokio::runtime::Handle) {
     let mut peak_decided = 0.0;
     for callers in [1u64, 64] {
         let limiter_before = with_redis_api.agent.limiter_stats();
-        let ceiling = drive(trivial.clone(), callers, false).await;
-        let raw = raw_evalsha(redis_store.clone(), &redis.url(), callers).await;
+        // The ceiling gets the very request an admit is (same method, headers and body), so the
+        // ratio measures what the agent does with it, not the client's extra work.
+        let closed = |url: &str, path: &str| Load::Closed {
+            url: url.to_owned(),
+            path: path.to_owned(),
+            callers,
+        };
+        let (ceiling, _) = measure(&closed(&trivial, "constant")).await;
+        let raw_load = Load::Raw {
+            redis_url: redis.url(),
+            callers,
+        };
+        let (raw, _) = measure(&raw_load).await;
         let admits_before = grants.load(Ordering::Relaxed);
-        let lease = drive(lease_only.clone(), callers, true).await;
-        let redis_path = drive(with_redis.clone(), callers, true).await;
-        let grpc_path = drive_grpc(grpc_url.clone(), callers).await;
+        let (lease, _) = measure(&closed(&lease_only, "v1/admit")).await;
+        let (redis_path, _) = measure(&closed(&with_redis, "v1/admit")).await;
+        let grpc_load = Load::Grpc {
+            url: grpc_url.clone(),
+            callers,
+        };
+        let (grpc_path, _) = measure(&grpc_load).await;
         let admits =
             (lease.per_second + redis_path.per_second + grpc_path.per_second) * RUN.as_secs_f64();
         let calls = grants.load(Ordering::Relaxed) - admits_before;
@@ -401,7 +531,11 @@ async fn open_loop(url: &str, api: &AgentApi, peak_decided: f64) {
     for fraction in OPEN_LOOP_FRACTIONS {
         let offered = peak_decided * fraction;
         let limiter_before = api.agent.limiter_stats();
-        let (figure, unsent) = drive_open(url.to_owned(), offered).await;
+        let load = Load::Open {
+            url: url.to_owned(),
+            per_second: offered,
+        };
+        let (figure, unsent) = measure(&load).await;
         let limiter = api.agent.limiter_stats();
         let label = format!("open {fraction}x");
         println!(
