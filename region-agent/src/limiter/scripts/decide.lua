@@ -309,9 +309,8 @@ local function read_hash(rule_index, key, kind)
     if not expected[name] then
       return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' belongs to another algorithm')
     end
-    -- integer(digits, 0, 2^53), written out: it runs for every field of every decision.
-    local value = #digits > 0 and #digits <= 16 and string.find(digits, '^%d+$') and digits + 0
-    if not value or value > TWO_53 then
+    local value = integer(digits, 0, TWO_53)
+    if value == nil then
       return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is not an integer')
     end
     found[name] = value
