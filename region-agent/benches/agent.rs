@@ -175,9 +175,13 @@ async fn collect(
     }
 }
 
+/// The longest the agents' process waits for a line from the load generator (I10): its run plus
+/// room for starting up and connecting. A generator that overruns it fails the bench.
+const LOAD_LINE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Runs `load` in a process of its own (this binary, with [`LOAD_ENV`] set) and makes its figure,
 /// with the agents' CPU from the run's start to its result.
-async fn measure(load: &Load) -> (Figure, u64) {
+async fn measure(load: &Load) -> Figure {
     let mut child = tokio::process::Command::new(std::env::current_exe().expect("this binary"))
         .env(LOAD_ENV, serde_json::to_string(load).expect("load as JSON"))
         .stdout(Stdio::piped())
@@ -187,28 +191,25 @@ async fn measure(load: &Load) -> (Figure, u64) {
     let stdout = child.stdout.take().expect("its stdout");
     let mut lines = tokio::io::BufReader::new(stdout).lines();
     let mut next_line = async || {
-        lines
-            .next_line()
+        tokio::time::timeout(LOAD_LINE_TIMEOUT, lines.next_line())
             .await
+            .expect("the load generator answers within the timeout")
             .expect("the load generator's stdout")
             .expect("a line from the load generator")
     };
     assert_eq!(next_line().await, "START");
     let agent_cpu_before = thread_cpu_seconds(AGENT_THREADS);
     let result = next_line().await;
-    let agent_cpu_s = thread_cpu_seconds(AGENT_THREADS) - agent_cpu_before;
+    // The raw store path runs nothing of the agents': what their idle threads spent is not its.
+    let agent_cpu_s = match load {
+        Load::Raw { .. } => 0.0,
+        _ => thread_cpu_seconds(AGENT_THREADS) - agent_cpu_before,
+    };
     let status = child.wait().await.expect("the load generator's exit");
     assert!(status.success(), "the load generator failed: {status}");
     let outcome: Outcome = serde_json::from_str(result.strip_prefix("RESULT ").expect("RESULT"))
         .expect("the load generator's result");
-    // The raw store path runs nothing of the agents': what their idle threads spent is not its.
-    let agent_cpu_s = if matches!(load, Load::Raw { .. }) {
-        0.0
-    } else {
-        agent_cpu_s
-    };
-    let unsent = outcome.unsent;
-    (figure(outcome, agent_cpu_s), unsent)
+    figure(outcome, agent_cpu_s)
 }
 
 /// The load generator's process: runs the [`Load`] in `json` and prints its `RESULT`.
@@ -237,7 +238,7 @@ fn figure(outcome: Outcome, agent_cpu_s: f64) -> Figure {
         latencies_us: mut latencies,
         unavailable,
         seconds,
-        ..
+        unsent,
     } = outcome;
     latencies.sort_unstable();
     let at = |fraction: f64| {
@@ -250,6 +251,7 @@ fn figure(outcome: Outcome, agent_cpu_s: f64) -> Figure {
         p99_us: at(0.99),
         unavailable_share: unavailable as f64 / decisions,
         agent_cpu_us_per_decision: agent_cpu_s * 1e6 / decisions,
+        unsent,
     }
 }
 
@@ -261,6 +263,8 @@ struct Figure {
     unavailable_share: f64,
     /// CPU of the agents' threads per decision, µs (the raw store path runs none of them: 0).
     agent_cpu_us_per_decision: f64,
+    /// Open loop: requests due while every connection was busy, not sent (closed loop: 0).
+    unsent: u64,
 }
 
 /// Drives `callers` keep-alive clients posting admits to `url`/`path` for [`RUN`]; every answer is
@@ -458,20 +462,20 @@ async fn run(agents: tokio::runtime::Handle) {
             path: path.to_owned(),
             callers,
         };
-        let (ceiling, _) = measure(&closed(&trivial, "constant")).await;
+        let ceiling = measure(&closed(&trivial, "constant")).await;
         let raw_load = Load::Raw {
             redis_url: redis.url(),
             callers,
         };
-        let (raw, _) = measure(&raw_load).await;
+        let raw = measure(&raw_load).await;
         let admits_before = grants.load(Ordering::Relaxed);
-        let (lease, _) = measure(&closed(&lease_only, "v1/admit")).await;
-        let (redis_path, _) = measure(&closed(&with_redis, "v1/admit")).await;
+        let lease = measure(&closed(&lease_only, "v1/admit")).await;
+        let redis_path = measure(&closed(&with_redis, "v1/admit")).await;
         let grpc_load = Load::Grpc {
             url: grpc_url.clone(),
             callers,
         };
-        let (grpc_path, _) = measure(&grpc_load).await;
+        let grpc_path = measure(&grpc_load).await;
         let admits =
             (lease.per_second + redis_path.per_second + grpc_path.per_second) * RUN.as_secs_f64();
         let calls = grants.load(Ordering::Relaxed) - admits_before;
@@ -535,7 +539,7 @@ async fn open_loop(url: &str, api: &AgentApi, peak_decided: f64) {
             url: url.to_owned(),
             per_second: offered,
         };
-        let (figure, unsent) = measure(&load).await;
+        let figure = measure(&load).await;
         let limiter = api.agent.limiter_stats();
         let label = format!("open {fraction}x");
         println!(
@@ -552,7 +556,7 @@ async fn open_loop(url: &str, api: &AgentApi, peak_decided: f64) {
             "BENCH {}",
             json!({ "bench": "agent_open", "path": "lease+3-redis", "fraction": fraction,
                 "offeredPerSecond": offered.round(), "decidedPerSecond": figure.per_second.round(),
-                "unsent": unsent, "p50Us": figure.p50_us, "p99Us": figure.p99_us,
+                "unsent": figure.unsent, "p50Us": figure.p50_us, "p99Us": figure.p99_us,
                 "unavailablePercent": (figure.unavailable_share * 10_000.0).round() / 100.0,
                 "shed": limiter.shed - limiter_before.shed,
                 "waitedOut": limiter.pool_exhausted - limiter_before.pool_exhausted,
