@@ -68,13 +68,14 @@ async fn tokens(redis: &RedisServer, key: &str) -> Option<u64> {
         .get_multiplexed_async_connection()
         .await
         .expect("connection");
-    let value: Option<String> = redis::cmd("HGET")
+    // A token bucket's state is "t<tokens> <updated at>".
+    let state: Option<String> = redis::cmd("GET")
         .arg(key)
-        .arg("tk")
         .query_async(&mut connection)
         .await
-        .expect("HGET");
-    value.and_then(|v| v.parse().ok())
+        .expect("GET");
+    let tokens = state?.strip_prefix('t')?.split(' ').next()?.parse();
+    Some(tokens.expect("a token bucket's state"))
 }
 
 async fn agent_on(redis: &RedisServer) -> Arc<Agent> {

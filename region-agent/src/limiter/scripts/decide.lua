@@ -62,21 +62,28 @@ Error replies (nothing is written; the client treats them as a fault, never as a
   ALLOT_STATE  a key holds the state of another algorithm, or a corrupt value.
 
 Stored state, one key per rule:
-  tb    hash {tk = tokens (millitokens), ts = updated at (ms)}
+  tb    string "t<tokens (millitokens)> <updated at (ms)>"
   gcra  string: the theoretical arrival time (ms)
-  fw    hash {w = window start (ms), n = units admitted in it}
-  sc    hash {w = current window start (ms), cur = its units, prev = the previous window's units}
+  fw    string "f<window start (ms)> <units admitted in it>"
+  sc    string "s<current window start (ms)> <its units> <the previous window's units>"
   sl    sorted set: member = decision id, score = admission time (ms)
+  Numbers in decimal, one space apart; the letter names the algorithm, so that a rule never takes
+  another algorithm's state for its own. One GET reads a state and one SET writes it with its
+  expiry. Earlier versions kept tb, fw and sc in hashes ({tk, ts}, {w, n}, {w, cur, prev}): such a
+  hash is still read, and the next write replaces it with the string.
   the decision record: string "remaining_1 ... remaining_n" of an admission
 A denial writes nothing, and neither does a dry run. Every write sets the key's expiry in the same
-call, at the TTL the pure core computes (PEXPIREAT now + ttl, which on the server clock equals
-PEXPIRE ttl).
+call, at the TTL the pure core computes (SET ... PXAT now + ttl, or PEXPIREAT for a sorted set;
+on the server clock both equal a relative TTL).
 ]]
 
 local TWO_40 = 1099511627776
 local TWO_50 = 1125899906842624
 local TWO_52 = 4503599627370496
 local TWO_53 = 9007199254740992
+-- The largest stored number read back: below 2^53 every decimal integer converts to exactly its
+-- double, so a longer one (2^53 + 1, say) cannot pass for its rounded neighbour.
+local MAX_STORED = TWO_53 - 1
 local MAX_RULES = 8
 local MILLITOKENS_PER_UNIT = 1000
 local MAX_DECISION_ID_BYTES = 64
@@ -283,6 +290,15 @@ end
 
 -- Stored state ---------------------------------------------------------------------------------
 
+-- The string layouts of tb, fw and sc (see the header comment), to match and to write.
+local STATE_PATTERNS = {
+  tb = '^t(%d+) (%d+)$',
+  fw = '^f(%d+) (%d+)$',
+  sc = '^s(%d+) (%d+) (%d+)$',
+}
+local STATE_FORMATS = { tb = 't%d %d', fw = 'f%d %d', sc = 's%d %d %d' }
+
+-- The hashes of earlier versions, by algorithm.
 local HASH_SHAPES = {
   tb = { tk = true, ts = true },
   fw = { w = true, n = true },
@@ -292,8 +308,9 @@ local HASH_SHAPES = {
 -- this many of them has every one.
 local HASH_FIELD_COUNTS = { tb = 2, fw = 2, sc = 3 }
 
--- The hash of a tb, fw or sc rule: nil when absent, a table of its fields, or an error reply. One
--- HGETALL: every field the key holds comes back, so a field of another algorithm is seen too.
+-- The hash an earlier version wrote for a tb, fw or sc rule: nil when absent, a table of its
+-- fields, or an error reply. One HGETALL: every field the key holds comes back, so a field of
+-- another algorithm is seen too.
 local function read_hash(rule_index, key, kind)
   local values = redis.pcall('HGETALL', key)
   if values.err then
@@ -309,7 +326,7 @@ local function read_hash(rule_index, key, kind)
     if not expected[name] then
       return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' belongs to another algorithm')
     end
-    local value = integer(digits, 0, TWO_53)
+    local value = integer(digits, 0, MAX_STORED)
     if value == nil then
       return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is not an integer')
     end
@@ -325,6 +342,51 @@ local function read_hash(rule_index, key, kind)
   return found
 end
 
+-- Why a tb, fw or sc state string does not match its algorithm's layout (the slow path: a fault).
+local function string_state_problem(rule_index, kind, stored)
+  local where = 'rule ' .. rule_index
+  for other, pattern in pairs(STATE_PATTERNS) do
+    if other ~= kind and string.find(stored, pattern) then
+      return state_error(where, 'the key holds the state of another algorithm (' .. other .. ')')
+    end
+  end
+  return state_error(where, 'the key does not hold a ' .. kind .. ' state')
+end
+
+-- The state of a tb, fw or sc rule: nil when absent, a table of its fields (named as the hashes
+-- of earlier versions named them), or an error reply. One GET, and one match that checks the
+-- layout and captures every field at once; a hash is an earlier version's state.
+local function read_string_state(rule_index, key, kind)
+  local stored = redis.pcall('GET', key)
+  if not stored then
+    return nil
+  end
+  -- A string's fields are the string library's (stored.err is nil); only an error reply has one.
+  if stored.err then
+    return read_hash(rule_index, key, kind)
+  end
+  local a, b, c = string.match(stored, STATE_PATTERNS[kind])
+  -- At most 16 digits each, then below 2^53: exact integers, as integer() requires.
+  if a == nil or #a > 16 or #b > 16 or (c and #c > 16) then
+    return nil, string_state_problem(rule_index, kind, stored)
+  end
+  a, b = a + 0, b + 0
+  if c then
+    c = c + 0
+    if a > MAX_STORED or b > MAX_STORED or c > MAX_STORED then
+      return nil, string_state_problem(rule_index, kind, stored)
+    end
+    return { w = a, cur = b, prev = c }
+  end
+  if a > MAX_STORED or b > MAX_STORED then
+    return nil, string_state_problem(rule_index, kind, stored)
+  end
+  if kind == 'tb' then
+    return { tk = a, ts = b }
+  end
+  return { w = a, n = b }
+end
+
 -- The GCRA key: nil when absent, the stored TAT, or an error reply.
 local function read_tat(rule_index, key)
   local stored = redis.pcall('GET', key)
@@ -335,7 +397,7 @@ local function read_tat(rule_index, key)
   if not stored then
     return nil
   end
-  local tat = integer(stored, 0, TWO_53)
+  local tat = integer(stored, 0, MAX_STORED)
   if tat == nil then
     return nil, state_error('rule ' .. rule_index, 'the TAT is not an integer')
   end
@@ -362,7 +424,7 @@ local function read_state(index, spec, key, now, decision_id)
   elseif spec.kind == 'sl' then
     return read_log(index, key, spec.window, now, decision_id)
   end
-  return read_hash(index, key, spec.kind)
+  return read_string_state(index, key, spec.kind)
 end
 
 -- Decisions ------------------------------------------------------------------------------------
@@ -461,9 +523,6 @@ local function decide_fixed_window(rule, state, now)
   return {
     allowed = true, remaining = rule.limit - new_count, available = available,
     write = true, window_start = window_start, count = new_count, expires_at = now + left_ms,
-    -- The stored window goes on: its start stays as it is. (Its expiry is set again all the
-    -- same: a policy may have changed the window's length since it was written.)
-    same_window = state ~= nil and state.w == window_start,
   }
 end
 
@@ -507,9 +566,6 @@ local function decide_sliding_counter(rule, state, now)
       allowed = true, remaining = div_floor(headroom - cost_scaled, w), available = available,
       write = true, window_start = window_start, count = cur + rule.cost, prev = prev,
       expires_at = window_start + 2 * w,
-      -- The stored window goes on: its start and the previous count stay (the expiry is set
-      -- again: the window's length may have changed).
-      same_window = state ~= nil and state.w == window_start and state.prev == prev,
     }
   end
   -- The earliest elapsed time e with weight * (w - e) <= slack is w - floor(slack / weight).
@@ -550,25 +606,18 @@ local DECIDE = {
 -- Performs an admitting outcome's write to `key`.
 local function write(spec, key, outcome, now, decision_id)
   local kind = spec.kind
+  -- The whole state and its expiry in one SET (which also replaces an earlier version's hash).
   if kind == 'fw' then
-    if outcome.same_window then
-      redis.call('HSET', key, 'n', text(outcome.count))
-    else
-      redis.call('HSET', key, 'w', text(outcome.window_start), 'n', text(outcome.count))
-    end
-    redis.call('PEXPIREAT', key, text(outcome.expires_at))
+    local state = string.format(STATE_FORMATS.fw, outcome.window_start, outcome.count)
+    redis.call('SET', key, state, 'PXAT', text(outcome.expires_at))
   elseif kind == 'tb' then
-    redis.call('HSET', key, 'tk', text(outcome.remaining), 'ts', text(outcome.updated_at))
-    redis.call('PEXPIREAT', key, text(outcome.expires_at))
+    local state = string.format(STATE_FORMATS.tb, outcome.remaining, outcome.updated_at)
+    redis.call('SET', key, state, 'PXAT', text(outcome.expires_at))
   elseif kind == 'gcra' then
     redis.call('SET', key, text(outcome.new_tat), 'PXAT', text(outcome.new_tat))
   elseif kind == 'sc' then
-    if outcome.same_window then
-      redis.call('HSET', key, 'cur', text(outcome.count))
-    else
-      redis.call('HSET', key, 'w', text(outcome.window_start), 'cur', text(outcome.count), 'prev', text(outcome.prev))
-    end
-    redis.call('PEXPIREAT', key, text(outcome.expires_at))
+    local state = string.format(STATE_FORMATS.sc, outcome.window_start, outcome.count, outcome.prev)
+    redis.call('SET', key, state, 'PXAT', text(outcome.expires_at))
   else
     -- Trim the entries that have left the window, so the set holds at most `limit` members. The
     -- key lives until its newest entry leaves the window; after a clock step back that entry can
@@ -640,7 +689,7 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
     if record then
       local reply = { 1, 0, 0, 1, 0 }
       for field in string.gmatch(record, '%S+') do
-        local remaining = integer(field, 0, TWO_53)
+        local remaining = integer(field, 0, MAX_STORED)
         if remaining == nil then
           return state_error('decision record', 'corrupt value')
         end
@@ -715,10 +764,9 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
           if batch.pending[key] == nil then
             batch.order[#batch.order + 1] = key
           end
-          -- Written once at the call's end, over what the key held before the call: whole. Until
-          -- then a later request of the call reads the state this write leaves.
-          outcome.same_window = nil
-          outcome.spec, outcome.now = specs[i], now
+          -- Written once at the call's end. Until then a later request of the call reads the
+          -- state this write leaves.
+          outcome.spec = specs[i]
           batch.pending[key] = outcome
         else
           write(specs[i], key, outcome, now, decision_id)
@@ -801,7 +849,7 @@ local function decide_many(keys, args)
   end
   for _, key in ipairs(batch.order) do
     local pending = batch.pending[key]
-    write(pending.spec, key, pending, pending.now, nil)
+    write(pending.spec, key, pending, nil, nil)
   end
   return replies
 end

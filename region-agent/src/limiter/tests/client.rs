@@ -263,11 +263,11 @@ async fn redis_store(server: &RedisServer) -> Arc<RedisStore> {
     )
 }
 
-/// A token bucket's tokens on Redis.
+/// A token bucket's tokens on Redis: the first number of its state, "t<tokens> <updated at>".
 async fn redis_tokens(store: &RedisStore, key: &str) -> Option<u64> {
-    let [tokens]: [Option<u64>; 1] =
-        redis_query(&store.connection(), redis::cmd("HMGET").arg(key).arg("tk")).await;
-    tokens
+    let state: Option<String> = redis_query(&store.connection(), redis::cmd("GET").arg(key)).await;
+    let tokens = state?.strip_prefix('t')?.split(' ').next()?.parse();
+    Some(tokens.expect("a token bucket's state"))
 }
 
 fn store_decision(decision: &LimitDecision) -> &BatchDecision {

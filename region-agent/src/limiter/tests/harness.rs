@@ -203,7 +203,7 @@ impl Subject {
         }
     }
 
-    /// A token bucket's stored state; on Redis read with `HMGET key tk ts`.
+    /// A token bucket's stored state; on Redis read with `GET key`.
     pub(super) async fn token_bucket(&self, key: &str) -> Option<TokenBucketState> {
         match self.rule_state(key, &P_READ).await {
             Some(State::TokenBucket(state)) => Some(state),
@@ -319,18 +319,26 @@ async fn redis_rule_state(
     key: &str,
     params: &RuleParams,
 ) -> Option<State> {
-    let hash = |fields: &[&str]| {
-        let mut cmd = redis::cmd("HMGET");
-        cmd.arg(key).arg(fields);
-        cmd
+    // A tb, fw or sc state: its algorithm's letter, then its numbers one space apart.
+    let numbers = async |letter: char, count: usize| -> Option<Vec<u64>> {
+        let stored: Option<String> = redis_query(connection, redis::cmd("GET").arg(key)).await;
+        let stored = stored?;
+        let body = stored
+            .strip_prefix(letter)
+            .unwrap_or_else(|| panic!("{key}: {stored:?} is not a {letter} state"));
+        let numbers: Vec<u64> = body
+            .split(' ')
+            .map(|n| n.parse().unwrap_or_else(|_| panic!("{key}: {stored:?}")))
+            .collect();
+        assert_eq!(numbers.len(), count, "{key}: {stored:?}");
+        Some(numbers)
     };
     Some(match params {
         RuleParams::TokenBucket { .. } => {
-            let [tokens, updated_at]: [Option<u64>; 2] =
-                redis_query(connection, &hash(&["tk", "ts"])).await;
+            let n = numbers('t', 2).await?;
             State::TokenBucket(TokenBucketState {
-                tokens_millitokens: tokens?,
-                updated_at_ms: updated_at.expect("both fields or none"),
+                tokens_millitokens: n[0],
+                updated_at_ms: n[1],
             })
         }
         RuleParams::Gcra { .. } => {
@@ -338,20 +346,18 @@ async fn redis_rule_state(
             State::Gcra(GcraState { tat_ms: tat? })
         }
         RuleParams::FixedWindow { .. } => {
-            let [start, count]: [Option<u64>; 2] =
-                redis_query(connection, &hash(&["w", "n"])).await;
+            let n = numbers('f', 2).await?;
             State::FixedWindow(FixedWindowState {
-                window_start_ms: start?,
-                count_units: count.expect("both fields or none"),
+                window_start_ms: n[0],
+                count_units: n[1],
             })
         }
         RuleParams::SlidingCounter { .. } => {
-            let [start, current, previous]: [Option<u64>; 3] =
-                redis_query(connection, &hash(&["w", "cur", "prev"])).await;
+            let n = numbers('s', 3).await?;
             State::SlidingCounter(SlidingCounterState {
-                window_start_ms: start?,
-                current_units: current.expect("all fields or none"),
-                previous_units: previous.expect("all fields or none"),
+                window_start_ms: n[0],
+                current_units: n[1],
+                previous_units: n[2],
             })
         }
         RuleParams::SlidingLog { .. } => {

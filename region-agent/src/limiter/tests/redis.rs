@@ -5,6 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use allot_shared::limit::RetryAfter;
+use allot_shared::limit::fixed_window::FixedWindowState;
+use allot_shared::limit::multi::State;
+use allot_shared::limit::token_bucket::TokenBucketState;
 use allot_testkit::RedisServer;
 
 use super::harness::{
@@ -435,16 +438,7 @@ async fn corrupt_state_is_refused_not_reset() {
     let connection = s.redis_connection();
     let atlas = tenant("atlas");
     let key = rule_key(&atlas, "u:17");
-    for (name, fields) in [
-        ("a non-integer", vec!["tk", "abc", "ts", "1"]),
-        ("a missing field", vec!["tk", "5"]),
-        (
-            "a field of another algorithm",
-            vec!["tk", "5", "ts", "1", "n", "2"],
-        ),
-    ] {
-        let _: i64 = redis_query(&connection, redis::cmd("DEL").arg(&key)).await;
-        let _: i64 = redis_query(&connection, redis::cmd("HSET").arg(&key).arg(&fields)).await;
+    let refuse = async |name: &str| {
         let _: i64 = redis_query(&connection, redis::cmd("PEXPIRE").arg(&key).arg(60_000)).await;
         // Straight to the store: the keys above expire on the real clock, not the test clock.
         let refused = s
@@ -461,6 +455,34 @@ async fn corrupt_state_is_refused_not_reset() {
             ),
             "{name}: {refused:?}"
         );
+    };
+    for (name, value) in [
+        ("a non-integer", "tabc 1"),
+        ("a missing field", "t5"),
+        ("a sign", "t-5 1"),
+        ("a fraction", "t5.5 1"),
+        ("two spaces", "t5  1"),
+        ("seventeen digits", "t00000000000000005 1"),
+        ("past 2^53", "t9007199254740993 1"),
+        ("another algorithm's state", "f5 1"),
+        ("a GCRA state", "5"),
+        ("nothing", ""),
+    ] {
+        let _: () = redis_query(&connection, redis::cmd("SET").arg(&key).arg(value)).await;
+        refuse(name).await;
+    }
+    // The hashes of earlier versions are checked as strictly.
+    for (name, fields) in [
+        ("a hash with a non-integer", vec!["tk", "abc", "ts", "1"]),
+        ("a hash with a missing field", vec!["tk", "5"]),
+        (
+            "a hash with a field of another algorithm",
+            vec!["tk", "5", "ts", "1", "n", "2"],
+        ),
+    ] {
+        let _: i64 = redis_query(&connection, redis::cmd("DEL").arg(&key)).await;
+        let _: i64 = redis_query(&connection, redis::cmd("HSET").arg(&key).arg(&fields)).await;
+        refuse(name).await;
     }
     // A decision record that is not a string.
     let request = batch(&atlas, "r-2", 30_000, &[("u:18", P_READ, 1_000)]);
@@ -484,6 +506,65 @@ async fn corrupt_state_is_refused_not_reset() {
             })
         ),
         "{refused:?}"
+    );
+}
+
+/// An agent upgraded in place finds the state its earlier version wrote as hashes: it decides on
+/// it as it stands, then replaces it with its own layout.
+#[tokio::test]
+async fn state_an_earlier_version_kept_in_hashes_is_decided_on_and_rewritten() {
+    let s = Subject::redis_single().await;
+    let now = FUTURE_BASE_MS;
+    s.set_now(now);
+    let connection = s.redis_connection();
+    let atlas = tenant("atlas");
+    let window = RuleParams::FixedWindow {
+        limit_units: 5,
+        window_ms: 60_000,
+    };
+    let window_start = now - now % 60_000;
+    let bucket_key = rule_key(&atlas, "u:1");
+    let window_key = rule_key(&atlas, "u:2");
+    let earlier: [(&str, Vec<String>); 2] = [
+        (
+            &bucket_key,
+            vec!["tk".into(), "7000".into(), "ts".into(), now.to_string()],
+        ),
+        (
+            &window_key,
+            vec!["w".into(), window_start.to_string(), "n".into(), "4".into()],
+        ),
+    ];
+    for (key, fields) in &earlier {
+        let _: i64 = redis_query(&connection, redis::cmd("HSET").arg(key).arg(fields)).await;
+        let _: i64 = redis_query(&connection, redis::cmd("PEXPIRE").arg(key).arg(60_000)).await;
+    }
+    let decision = s
+        .store
+        .decide(&batch(
+            &atlas,
+            "r-1",
+            0,
+            &[("u:1", P_READ, 1_000), ("u:2", window, 1_000)],
+        ))
+        .await
+        .expect("decides");
+    assert!(decision.allowed, "{decision:?}");
+    // 7 tokens less one; the fifth of five units.
+    assert_eq!(decision.remaining, vec![6_000, 0]);
+    assert_eq!(
+        s.rule_state(&bucket_key, &P_READ).await,
+        Some(State::TokenBucket(TokenBucketState {
+            tokens_millitokens: 6_000,
+            updated_at_ms: now,
+        }))
+    );
+    assert_eq!(
+        s.rule_state(&window_key, &window).await,
+        Some(State::FixedWindow(FixedWindowState {
+            window_start_ms: window_start,
+            count_units: 5,
+        }))
     );
 }
 
