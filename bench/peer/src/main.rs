@@ -320,8 +320,8 @@ async fn measure(
                 let stopwatch = Stopwatch::start();
                 let admitted = match path {
                     Path::Raw => {
-                        let reply: Vec<i64> = fcall.query_async(&mut raw).await.expect("FCALL");
-                        reply.first() == Some(&1)
+                        let reply: String = fcall.query_async(&mut raw).await.expect("FCALL");
+                        reply.starts_with("1 ")
                     }
                     Path::Allot | Path::AllotCoalescing => {
                         let client = if path == Path::Allot {

@@ -12,7 +12,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErrorKind};
 
-use super::scripts::LIBRARY_VERSION_PLACEHOLDER;
+use super::scripts::{LIBRARY_VERSION_PLACEHOLDER, reply_integers};
 use super::store::{Rejection, StoreError};
 
 /// A script's source and the SHA-1 that `EVALSHA` names it by.
@@ -248,8 +248,10 @@ impl Calls {
         keys: &[&str],
         args: &[String],
     ) -> Result<Vec<i64>, StoreError> {
-        self.run(Code::Library(&self.decide_library), keys, args)
-            .await
+        let reply: Vec<u8> = self
+            .run(Code::Library(&self.decide_library), keys, args)
+            .await?;
+        reply_integers(&reply).map_err(|detail| StoreError::MalformedReply { detail })
     }
 
     /// Several requests of one slot in one call, decided one after another in this order; each
@@ -284,23 +286,25 @@ impl Calls {
     }
 }
 
-/// One request's part of a coalesced reply: its reply, or the text of its error as a one-element
-/// array (the library's contract), refused as a lone call's error reply would be.
+/// One request's part of a coalesced reply: a lone call's reply (it starts with a digit), or the
+/// text of its error (it starts with a letter; the library's contract), refused as a lone call's
+/// error reply would be.
 fn coalesced_reply(reply: redis::Value) -> Result<Vec<i64>, StoreError> {
-    if let redis::Value::Array(items) = &reply
-        && let [redis::Value::BulkString(text)] = &items[..]
-    {
-        let detail = String::from_utf8_lossy(text).into_owned();
-        let kind = match detail.split_whitespace().next() {
-            Some("ALLOT_ARG") => Rejection::InvalidArgument,
-            Some("ALLOT_STATE" | "WRONGTYPE") => Rejection::StateMismatch,
-            _ => Rejection::ScriptDefect,
-        };
-        return Err(StoreError::Rejected { kind, detail });
+    let redis::Value::BulkString(text) = reply else {
+        return Err(StoreError::MalformedReply {
+            detail: format!("a coalesced request's reply is not a string: {reply:?}"),
+        });
+    };
+    if text.first().is_some_and(u8::is_ascii_digit) {
+        return reply_integers(&text).map_err(|detail| StoreError::MalformedReply { detail });
     }
-    Vec::<i64>::from_redis_value(reply).map_err(|error| StoreError::MalformedReply {
-        detail: error.to_string(),
-    })
+    let detail = String::from_utf8_lossy(&text).into_owned();
+    let kind = match detail.split_whitespace().next() {
+        Some("ALLOT_ARG") => Rejection::InvalidArgument,
+        Some("ALLOT_STATE" | "WRONGTYPE") => Rejection::StateMismatch,
+        _ => Rejection::ScriptDefect,
+    };
+    Err(StoreError::Rejected { kind, detail })
 }
 
 /// Classifies a failed `EVALSHA` by what it tells about the script having run (module docs of

@@ -104,9 +104,21 @@ fn advisory_mask(batch: &RuleBatch) -> u64 {
         .fold(0, |mask, (index, _)| mask | 1 << index)
 }
 
-/// Parses the decide script's reply
-/// `{allowed, denied_by, retry_ms, replayed, advisory_denied, remaining...}`, checking it against
-/// the contract; the error says what broke it.
+/// The integers of the decide library's reply: one string of decimal integers, one space apart.
+pub(crate) fn reply_integers(reply: &[u8]) -> Result<Vec<i64>, String> {
+    let text = std::str::from_utf8(reply).map_err(|_| "the reply is not text".to_owned())?;
+    text.split(' ')
+        .map(|field| {
+            field
+                .parse()
+                .map_err(|_| format!("{field:?} in the reply {text:?} is not an integer"))
+        })
+        .collect()
+}
+
+/// Parses the decide library's reply
+/// `allowed denied_by retry_ms replayed advisory_denied remaining...`, checking it against the
+/// contract; the error says what broke it.
 pub(crate) fn parse_decide_reply(
     batch: &RuleBatch,
     reply: &[i64],
@@ -283,6 +295,17 @@ mod tests {
         let name = format!("allot_decide_{LIBRARY_VERSION_PLACEHOLDER}");
         assert!(DECIDE_SOURCE.starts_with(&format!("#!lua name={name}\n")));
         assert!(DECIDE_SOURCE.contains(&format!("redis.register_function('{name}', decide)")));
+    }
+
+    #[test]
+    fn a_reply_is_decimal_integers_one_space_apart() {
+        assert_eq!(
+            reply_integers(b"0 2 -1 0 1 7 0").expect("valid"),
+            [0, 2, -1, 0, 1, 7, 0]
+        );
+        for malformed in [&b""[..], b"1  0", b" 1", b"1 ", b"1 0x10", b"1\t0", b"\xff"] {
+            assert!(reply_integers(malformed).is_err(), "{malformed:?}");
+        }
     }
 
     #[test]

@@ -48,7 +48,9 @@ library (at most MAX_PARSED entries, emptied when full). A later call with the s
 validated parse: identical bytes in, identical parse out, so no check is skipped for any input
 (docs/limiter.md argues it).
 
-Reply {allowed, denied_by, retry_ms, replayed, advisory_denied, remaining_1, ..., remaining_n}:
+Reply "allowed denied_by retry_ms replayed advisory_denied remaining_1 ... remaining_n": one string,
+decimal integers one space apart (Redis turns a table reply into its protocol at a cost per element
+and per table, several times a string's):
   allowed     1 or 0.
   denied_by   1-based index of the first denying (enforced) rule, 0 when allowed.
   retry_ms    0 when allowed; otherwise the maximum over denying enforced rules, -1 (never)
@@ -632,6 +634,9 @@ end
 
 -- The decision ---------------------------------------------------------------------------------
 
+-- The reply's first five fields of an admission every rule made, and of a replay.
+local ADMITTED, REPLAYED = '1 0 0 0 0', '1 0 0 1 0'
+
 -- Each rule's parsed arguments and outcome during one request's decision (indices 1 to n).
 local SPECS, OUTCOMES = {}, {}
 
@@ -687,18 +692,17 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
       return state_error('decision record', 'the key is not a string')
     end
     if record then
-      local reply = { 1, 0, 0, 1, 0 }
+      local recorded = {}
       for field in string.gmatch(record, '%S+') do
-        local remaining = integer(field, 0, MAX_STORED)
-        if remaining == nil then
+        if integer(field, 0, MAX_STORED) == nil then
           return state_error('decision record', 'corrupt value')
         end
-        reply[#reply + 1] = remaining
+        recorded[#recorded + 1] = field
       end
-      if #reply < 6 or #reply > 5 + MAX_RULES then
+      if #recorded < 1 or #recorded > MAX_RULES then
         return state_error('decision record', 'corrupt value')
       end
-      return reply
+      return REPLAYED .. ' ' .. table.concat(recorded, ' ')
     end
   end
 
@@ -748,12 +752,13 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
     end
   end
 
-  local reply = { denied_by == 0 and 1 or 0, denied_by, retry, 0, advisory_denied }
+  -- Per rule, what is left, as the reply's tail: " remaining_1 ... remaining_n".
+  local remaining = ''
   for i = 1, n do
     local outcome = outcomes[i]
     -- When another rule denied, an admitting rule reports what it holds, undebited.
     local report_available = denied_by ~= 0 and outcome.allowed
-    reply[5 + i] = report_available and outcome.available or outcome.remaining
+    remaining = remaining .. ' ' .. text(report_available and outcome.available or outcome.remaining)
   end
 
   if denied_by == 0 and not header.dry_run then
@@ -774,12 +779,14 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
       end
     end
     if record_ttl_ms > 0 then
-      local remaining = {}
-      for i = 1, n do remaining[i] = text(reply[5 + i]) end
-      redis.call('SET', record_key, table.concat(remaining, ' '), 'PXAT', text(now + record_ttl_ms))
+      redis.call('SET', record_key, string.sub(remaining, 2), 'PXAT', text(now + record_ttl_ms))
     end
   end
-  return reply
+  if denied_by == 0 and advisory_denied == 0 then
+    return ADMITTED .. remaining
+  end
+  local verdict = string.format('%d %d %d 0 %d', denied_by == 0 and 1 or 0, denied_by, retry, advisory_denied)
+  return verdict .. remaining
 end
 
 -- The server's clock, ms.
@@ -811,9 +818,10 @@ local MAX_REQUESTS = 64
 -- all or nothing and each with its own reply, exactly as that many lone calls in a row at one
 -- instant would decide them. ARGV[1] is their count (1 to 64); then each request's arguments as
 -- a lone call's (header, decision id, rules), and KEYS each request's keys as a lone call's, in
--- the same order. Replies {reply_1, ..., reply_count}: each a lone call's reply, or, for a
--- request refused for its rules, decision id or state (the others are decided all the same), a
--- one-element array holding the text of the error reply a lone call would have given. The reply as a whole is an error when the call's layout is wrong: the count, a header,
+-- the same order. Replies {reply_1, ..., reply_count}: each a lone call's reply (a string of
+-- digits), or, for a request refused for its rules, decision id or state (the others are decided
+-- all the same), the text of the error reply a lone call would have given (it starts with a
+-- letter). The reply as a whole is an error when the call's layout is wrong: the count, a header,
 -- or keys and arguments that do not add up (then nothing ran).
 local function decide_many(keys, args)
   local count = integer(args[1], 1, MAX_REQUESTS)
@@ -843,9 +851,9 @@ local function decide_many(keys, args)
   local replies = {}
   for r = 1, count do
     local reply = decide_request(keys, key_bases[r], args, arg_bases[r], now, batch)
-    -- A refused request's error goes back as its one string, not as an error reply: clients may
-    -- take an error anywhere in a reply for the whole reply's.
-    replies[r] = reply.err and { reply.err } or reply
+    -- A refused request's error goes back as its text, not as an error reply: clients may take an
+    -- error anywhere in a reply for the whole reply's. (A string's `err` is nil.)
+    replies[r] = reply.err or reply
   end
   for _, key in ipairs(batch.order) do
     local pending = batch.pending[key]
