@@ -206,6 +206,9 @@ local function parse_header(argument)
       return { err = 'now must be 0 (server clock) or in [1, 2^50]' }
     end
   end
+  -- The shape decide_single serves: one rule, no decision record, no dry run, no advisory rule.
+  header.single = header.n == 1 and header.record_ttl_ms == 0 and not header.dry_run
+    and header.advisory_mask == 0
   return { ok = header }
 end
 
@@ -275,6 +278,8 @@ local function parse_rule(argument)
     spec.burst_ms = div_floor(spec.capacity * spec.period, spec.refill)
     spec.increment_ms = div_ceil(spec.cost * spec.period, spec.refill)
   end
+  -- A rule decide_single serves: valid, and a token bucket or a fixed window.
+  spec.single = kind == 'tb' or kind == 'fw'
   return { ok = spec }
 end
 
@@ -632,10 +637,93 @@ local function write(spec, key, outcome, now, decision_id)
   end
 end
 
--- The decision ---------------------------------------------------------------------------------
+-- The commonest shape ----------------------------------------------------------------------------
 
 -- The reply's first five fields of an admission every rule made, and of a replay.
 local ADMITTED, REPLAYED = '1 0 0 0 0', '1 0 0 1 0'
+
+-- The string layouts decide_single matches: two numbers, as STATE_PATTERNS has them.
+local SINGLE_PATTERNS = { tb = STATE_PATTERNS.tb, fw = STATE_PATTERNS.fw }
+
+-- A request of one token bucket or fixed window and nothing else (header.single, spec.single):
+-- the shape of a plain per-user limit, and most of a store's decisions. It decides as
+-- decide_token_bucket and decide_fixed_window do, step for step, with the state in locals
+-- instead of tables, and writes at once; the general path costs about a fifth more for its
+-- bookkeeping. Returns the reply, or nil when the general path must decide: the key's state is
+-- carried by a coalesced call, or is not a valid string of this algorithm (absent is valid; an
+-- earlier version's hash and every fault go to the general path, which reads them again and
+-- answers as it always has). Nothing is written before it returns nil.
+local function decide_single(spec, key, now, batch)
+  if batch and (batch.pending[key] or batch.read[key] ~= nil) then
+    return nil
+  end
+  local stored = redis.pcall('GET', key)
+  local first, second
+  if stored then
+    if stored.err then
+      return nil
+    end
+    first, second = string.match(stored, SINGLE_PATTERNS[spec.kind])
+    if first == nil or #first > 16 or #second > 16 then
+      return nil
+    end
+    first, second = first + 0, second + 0
+    if first > MAX_STORED or second > MAX_STORED then
+      return nil
+    end
+  end
+  local cost = spec.cost
+  if spec.kind == 'fw' then
+    local limit, window = spec.limit, spec.window
+    if cost > limit then
+      return '0 1 -1 0 0 0'
+    end
+    local window_start, count = now - now % window, 0
+    -- A stored window later than now's (the clock stepped back) is kept: stricter, never a reset.
+    if stored and first >= window_start then
+      window_start, count = first, second
+    end
+    local left_ms = window_start + window - now
+    if count + cost > limit then
+      local available = limit - count
+      if available < 0 then available = 0 end
+      return string.format('0 1 %d 0 0 %d', left_ms, available)
+    end
+    count = count + cost
+    redis.call('SET', key, string.format('f%d %d', window_start, count), 'PXAT', text(now + left_ms))
+    return ADMITTED .. ' ' .. text(limit - count)
+  end
+  local capacity, refill, period = spec.capacity, spec.refill, spec.period
+  if cost > capacity then
+    return '0 1 -1 0 0 0'
+  end
+  local tokens, updated_at = capacity, now
+  if stored then
+    local delta_ms = now - second
+    if delta_ms < 0 then
+      delta_ms = 0
+    elseif delta_ms > spec.full_refill_ms then
+      delta_ms = spec.full_refill_ms
+    end
+    tokens = first + div_floor(delta_ms * refill, period)
+    if tokens > capacity then
+      tokens = capacity
+    end
+    -- A clock that stepped back never moves the stored time back.
+    if second > now then
+      updated_at = second
+    end
+  end
+  if tokens < cost then
+    return string.format('0 1 %d 0 0 %d', div_ceil((cost - tokens) * period, refill), tokens)
+  end
+  local remaining = tokens - cost
+  local expires_at = updated_at + spec.full_refill_ms + spec.slack
+  redis.call('SET', key, string.format('t%d %d', remaining, updated_at), 'PXAT', text(expires_at))
+  return ADMITTED .. ' ' .. text(remaining)
+end
+
+-- The decision ---------------------------------------------------------------------------------
 
 -- Each rule's parsed arguments and outcome during one request's decision (indices 1 to n).
 local SPECS, OUTCOMES = {}, {}
@@ -684,6 +772,15 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
     now = header.now
   end
   local record_ttl_ms = header.record_ttl_ms
+  if header.single then
+    local spec = parsed(args[arg_base + 3], parse_rule).ok
+    if spec and spec.single then
+      local reply = decide_single(spec, keys[key_base + 2], now, batch)
+      if reply then
+        return reply
+      end
+    end
+  end
 
   -- Replay.
   if record_ttl_ms > 0 then

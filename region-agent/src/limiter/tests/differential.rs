@@ -174,14 +174,27 @@ enum Kind {
     SlidingLog,
 }
 
-fn kind() -> impl Strategy<Value = Kind> {
-    prop_oneof![
-        Just(Kind::TokenBucket),
-        Just(Kind::Gcra),
-        Just(Kind::FixedWindow),
-        Just(Kind::SlidingCounter),
-        Just(Kind::SlidingLog),
-    ]
+/// What a case's requests look like: any shape, or mostly the shape the decide library serves on a
+/// path of its own (one token bucket or fixed window; no decision record, dry run or advisory rule),
+/// with a two-rule request among them now and then, so that the two paths meet on one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Any,
+    Single,
+}
+
+fn kind(shape: Shape) -> BoxedStrategy<Kind> {
+    match shape {
+        Shape::Any => prop_oneof![
+            Just(Kind::TokenBucket),
+            Just(Kind::Gcra),
+            Just(Kind::FixedWindow),
+            Just(Kind::SlidingCounter),
+            Just(Kind::SlidingLog),
+        ]
+        .boxed(),
+        Shape::Single => prop_oneof![Just(Kind::TokenBucket), Just(Kind::FixedWindow)].boxed(),
+    }
 }
 
 /// A capacity (or limit) and a period (or window) with `capacity x period <= 2^52`: mostly small
@@ -251,8 +264,10 @@ struct PoolRule {
     alternative: RuleParams,
 }
 
-fn pool() -> impl Strategy<Value = Vec<PoolRule>> {
-    prop::collection::vec(kind(), 1..=8).prop_flat_map(|kinds| {
+fn pool(shape: Shape) -> impl Strategy<Value = Vec<PoolRule>> {
+    // Few rules for the single shape, so that its requests meet on keys.
+    let size = if shape == Shape::Single { 1..=3 } else { 1..=8 };
+    prop::collection::vec(kind(shape), size).prop_flat_map(|kinds| {
         kinds
             .into_iter()
             .map(|kind| {
@@ -293,19 +308,37 @@ enum Step {
     },
 }
 
-fn step() -> impl Strategy<Value = (i64, Step)> {
-    let request = (
-        prop::collection::vec(
-            (
-                any::<usize>(),
-                any::<(u8, u64)>(),
-                prop::bool::weighted(0.2),
-            ),
-            1..=8,
+fn step(shape: Shape) -> impl Strategy<Value = (i64, Step)> {
+    let (rule_count, advisory, dry_run) = match shape {
+        Shape::Any => (
+            prop_oneof![1 => Just(1usize), 3 => 1usize..=8].boxed(),
+            0.2,
+            0.15,
         ),
+        Shape::Single => (
+            prop_oneof![6 => Just(1usize), 1 => Just(2usize)].boxed(),
+            0.0,
+            0.0,
+        ),
+    };
+    let record_ttl_ms = match shape {
+        Shape::Any => prop_oneof![3 => Just(0u64), 1 => 1u64..5_000, 1 => Just(30_000u64)].boxed(),
+        Shape::Single => Just(0u64).boxed(),
+    };
+    let request = (
+        rule_count.prop_flat_map(move |count| {
+            prop::collection::vec(
+                (
+                    any::<usize>(),
+                    any::<(u8, u64)>(),
+                    prop::bool::weighted(advisory),
+                ),
+                count,
+            )
+        }),
         prop_oneof![4 => Just(None), 1 => (0usize..4).prop_map(Some)],
-        prop_oneof![3 => Just(0u64), 1 => 1u64..5_000, 1 => Just(30_000u64)],
-        prop::bool::weighted(0.15),
+        record_ttl_ms,
+        prop::bool::weighted(dry_run),
     )
         .prop_map(|(rules, repeat_id, record_ttl_ms, dry_run)| Step::Request {
             rules,
@@ -409,6 +442,7 @@ fn tightened(params: RuleParams, percent: u64) -> RuleParams {
 /// comparison vacuous for it) fails the test.
 #[derive(Debug, Default)]
 struct Tally {
+    allowed_single_rule: u64,
     allowed_multi_rule: u64,
     denied_with_a_wait: u64,
     denied_never: u64,
@@ -429,7 +463,8 @@ impl Tally {
         }
         match outcome {
             Ok(decision) if decision.replayed => self.replayed_records += 1,
-            Ok(decision) if decision.allowed => self.allowed_multi_rule += u64::from(rules > 1),
+            Ok(decision) if decision.allowed && rules == 1 => self.allowed_single_rule += 1,
+            Ok(decision) if decision.allowed => self.allowed_multi_rule += 1,
             Ok(decision) if decision.retry == RetryAfter::Never => self.denied_never += 1,
             Ok(_) => self.denied_with_a_wait += 1,
             Err(_) => self.rejected += 1,
@@ -892,8 +927,8 @@ fn runner(cases: u32) -> TestRunner {
 fn check_decisions(redis: &Subject, runtime: &tokio::runtime::Runtime, cases: u32) {
     let scenario = (
         0u64..1_000_000,
-        pool(),
-        prop::collection::vec(step(), 1..40),
+        pool(Shape::Any),
+        prop::collection::vec(step(Shape::Any), 1..40),
     );
     let tally = RefCell::new(Tally::default());
     let result = runner(cases).run(&scenario, |(start, pool, steps)| {
@@ -957,23 +992,57 @@ fn decisions_agree_across_the_pure_core_the_in_process_store_and_redis() {
 fn coalesced_calls_decide_as_their_requests_one_by_one() {
     let runtime = runtime();
     let redis = runtime.block_on(Subject::redis_single());
+    for (shape, cases) in [(Shape::Any, 64), (Shape::Single, 48)] {
+        let scenario = (
+            0u64..1_000_000,
+            pool(shape),
+            prop::collection::vec(step(shape), 1..40),
+            prop::collection::vec(1usize..=8, 1..8),
+        );
+        let tally = RefCell::new(Tally::default());
+        let result = runner(cases).run(&scenario, |(start, pool, steps, sizes)| {
+            runtime.block_on(run_coalesced(&tally, &redis, start, pool, steps, sizes))
+        });
+        if let Err(failure) = result {
+            panic!("{shape:?}: {failure}");
+        }
+        let tally = tally.borrow();
+        assert!(
+            tally.allowed_single_rule > 0
+                && tally.allowed_multi_rule > 0
+                && tally.denied_with_a_wait > 0
+                && tally.rejected > 0,
+            "{shape:?}: the coalesced calls admitted, denied and refused: {tally:?}"
+        );
+    }
+}
+
+/// Requests of the shape the decide library serves on a path of its own (and a few of two rules
+/// beside them, on the same keys) decide as the pure core does, lone and on a cluster's slot.
+#[test]
+fn single_rule_requests_agree_across_the_pure_core_the_in_process_store_and_redis() {
+    let runtime = runtime();
+    let redis = runtime.block_on(Subject::redis_single());
     let scenario = (
         0u64..1_000_000,
-        pool(),
-        prop::collection::vec(step(), 1..40),
-        prop::collection::vec(1usize..=8, 1..8),
+        pool(Shape::Single),
+        prop::collection::vec(step(Shape::Single), 1..60),
     );
     let tally = RefCell::new(Tally::default());
-    let result = runner(64).run(&scenario, |(start, pool, steps, sizes)| {
-        runtime.block_on(run_coalesced(&tally, &redis, start, pool, steps, sizes))
+    let result = runner(96).run(&scenario, |(start, pool, steps)| {
+        runtime.block_on(run_decisions(&tally, &redis, start, pool, steps))
     });
     if let Err(failure) = result {
         panic!("{failure}");
     }
     let tally = tally.borrow();
     assert!(
-        tally.allowed_multi_rule > 0 && tally.denied_with_a_wait > 0 && tally.rejected > 0,
-        "the coalesced calls admitted, denied and refused: {tally:?}"
+        tally.allowed_single_rule > 0
+            && tally.denied_with_a_wait > 0
+            && tally.denied_never > 0
+            && tally.rejected > 0
+            && tally.clock_steps_back > 0,
+        "every outcome of the single shape was reached: {tally:?}"
     );
 }
 
