@@ -118,6 +118,24 @@ local function text(value)
   return string.format('%d', value)
 end
 
+-- The last two numbers shared_text() formatted, and their digits.
+local last_value, last_digits, other_value, other_digits
+
+-- text(value) for numbers many writes share: a window's start and end, the call's clock and the
+-- expiry that follows from it. string.format costs as much as a small Redis command, and the
+-- decisions of a call (and of one window) write the same few of these again and again.
+local function shared_text(value)
+  if value == last_value then
+    return last_digits
+  end
+  if value == other_value then
+    return other_digits
+  end
+  other_value, other_digits = last_value, last_digits
+  last_value, last_digits = value, string.format('%d', value)
+  return last_digits
+end
+
 -- floor(a / b) for integers 0 <= a < 2^53 and b >= 1. Lua's `a % b` is a - floor(a / b) * b: the
 -- double quotient is off by less than 1/b, which never reaches the next integer, so the floor is
 -- the exact integer quotient, every product and difference here is an exact integer, and so is
@@ -297,13 +315,13 @@ end
 
 -- Stored state ---------------------------------------------------------------------------------
 
--- The string layouts of tb, fw and sc (see the header comment), to match and to write.
+-- The string layouts of tb, fw and sc (see the header comment), to match (`write` and
+-- decide_single write them).
 local STATE_PATTERNS = {
   tb = '^t(%d+) (%d+)$',
   fw = '^f(%d+) (%d+)$',
   sc = '^s(%d+) (%d+) (%d+)$',
 }
-local STATE_FORMATS = { tb = 't%d %d', fw = 'f%d %d', sc = 's%d %d %d' }
 
 -- The hashes of earlier versions, by algorithm.
 local HASH_SHAPES = {
@@ -615,16 +633,18 @@ local function write(spec, key, outcome, now, decision_id)
   local kind = spec.kind
   -- The whole state and its expiry in one SET (which also replaces an earlier version's hash).
   if kind == 'fw' then
-    local state = string.format(STATE_FORMATS.fw, outcome.window_start, outcome.count)
-    redis.call('SET', key, state, 'PXAT', text(outcome.expires_at))
+    local state = 'f' .. shared_text(outcome.window_start) .. ' ' .. text(outcome.count)
+    redis.call('SET', key, state, 'PXAT', shared_text(outcome.expires_at))
   elseif kind == 'tb' then
-    local state = string.format(STATE_FORMATS.tb, outcome.remaining, outcome.updated_at)
-    redis.call('SET', key, state, 'PXAT', text(outcome.expires_at))
+    local state = 't' .. text(outcome.remaining) .. ' ' .. shared_text(outcome.updated_at)
+    redis.call('SET', key, state, 'PXAT', shared_text(outcome.expires_at))
   elseif kind == 'gcra' then
-    redis.call('SET', key, text(outcome.new_tat), 'PXAT', text(outcome.new_tat))
+    local tat = text(outcome.new_tat)
+    redis.call('SET', key, tat, 'PXAT', tat)
   elseif kind == 'sc' then
-    local state = string.format(STATE_FORMATS.sc, outcome.window_start, outcome.count, outcome.prev)
-    redis.call('SET', key, state, 'PXAT', text(outcome.expires_at))
+    local state = 's' .. shared_text(outcome.window_start) .. ' ' .. text(outcome.count) .. ' '
+      .. text(outcome.prev)
+    redis.call('SET', key, state, 'PXAT', shared_text(outcome.expires_at))
   else
     -- Trim the entries that have left the window, so the set holds at most `limit` members. The
     -- key lives until its newest entry leaves the window; after a clock step back that entry can
@@ -690,7 +710,8 @@ local function decide_single(spec, key, now, batch)
       return string.format('0 1 %d 0 0 %d', left_ms, available)
     end
     count = count + cost
-    redis.call('SET', key, string.format('f%d %d', window_start, count), 'PXAT', text(now + left_ms))
+    local state = 'f' .. shared_text(window_start) .. ' ' .. text(count)
+    redis.call('SET', key, state, 'PXAT', shared_text(now + left_ms))
     return ADMITTED .. ' ' .. text(limit - count)
   end
   local capacity, refill, period = spec.capacity, spec.refill, spec.period
@@ -719,7 +740,8 @@ local function decide_single(spec, key, now, batch)
   end
   local remaining = tokens - cost
   local expires_at = updated_at + spec.full_refill_ms + spec.slack
-  redis.call('SET', key, string.format('t%d %d', remaining, updated_at), 'PXAT', text(expires_at))
+  local state = 't' .. text(remaining) .. ' ' .. shared_text(updated_at)
+  redis.call('SET', key, state, 'PXAT', shared_text(expires_at))
   return ADMITTED .. ' ' .. text(remaining)
 end
 
@@ -876,7 +898,7 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
       end
     end
     if record_ttl_ms > 0 then
-      redis.call('SET', record_key, string.sub(remaining, 2), 'PXAT', text(now + record_ttl_ms))
+      redis.call('SET', record_key, string.sub(remaining, 2), 'PXAT', shared_text(now + record_ttl_ms))
     end
   end
   if denied_by == 0 and advisory_denied == 0 then
@@ -928,6 +950,7 @@ local function decide_many(keys, args)
   -- The layout first, so that nothing is decided for a call that is cut short.
   local key_base, arg_base = 0, 1
   local key_bases, arg_bases = {}, {}
+  local key_count, arg_count = #keys, #args
   for r = 1, count do
     local header_entry = parsed(args[arg_base + 1], parse_header)
     if header_entry.err then
@@ -936,11 +959,11 @@ local function decide_many(keys, args)
     local n = header_entry.ok.n
     key_bases[r], arg_bases[r] = key_base, arg_base
     key_base, arg_base = key_base + n + 1, arg_base + n + 2
-    if key_base > #keys or arg_base > #args then
+    if key_base > key_count or arg_base > arg_count then
       return arg_error('request ' .. r .. ' runs past the keys or arguments')
     end
   end
-  if key_base ~= #keys or arg_base ~= #args then
+  if key_base ~= key_count or arg_base ~= arg_count then
     return arg_error('expected ' .. key_base .. ' keys and ' .. arg_base .. ' arguments')
   end
   local now = server_now()
@@ -952,7 +975,9 @@ local function decide_many(keys, args)
     -- error anywhere in a reply for the whole reply's. (A string's `err` is nil.)
     replies[r] = reply.err or reply
   end
-  for _, key in ipairs(batch.order) do
+  local order = batch.order
+  for k = 1, #order do
+    local key = order[k]
     local pending = batch.pending[key]
     write(pending.spec, key, pending, nil, nil)
   end
