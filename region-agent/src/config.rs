@@ -79,6 +79,11 @@ pub struct AgentArgs {
     /// default, see docs/limiter.md).
     #[arg(long, env = "ALLOT_COALESCE_HOT_KEYS")]
     pub coalesce_hot_keys: Option<bool>,
+    /// `true`: write regional rule state as hashes, which agents before string state read, for
+    /// the length of a rolling upgrade from such a version; off by default (strings, which cost
+    /// Redis less). Both are read either way.
+    #[arg(long, env = "ALLOT_WRITE_STATE_AS_HASHES")]
+    pub write_state_as_hashes: Option<bool>,
     /// This agent's id in policy status (default: `<region>-<listen port>`).
     #[arg(long, env = "ALLOT_AGENT_ID")]
     pub agent_id: Option<String>,
@@ -132,6 +137,7 @@ struct FileSettings {
     settle_window_ms: Option<u64>,
     decision_budget_ms: Option<u64>,
     coalesce_hot_keys: Option<bool>,
+    write_state_as_hashes: Option<bool>,
     agent_id: Option<String>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
@@ -188,6 +194,8 @@ pub struct AgentConfig {
     pub decision_budget_ms: u64,
     /// Whether the Redis store coalesces a tenant's decisions.
     pub coalesce_hot_keys: bool,
+    /// Whether the Redis store writes rule state as hashes (for a rolling upgrade).
+    pub write_state_as_hashes: bool,
     /// The agent id.
     pub agent_id: String,
     /// TLS for the gateway-facing servers (none: plain TCP).
@@ -316,6 +324,10 @@ impl AgentArgs {
                 .coalesce_hot_keys
                 .or(file.coalesce_hot_keys)
                 .unwrap_or(false),
+            write_state_as_hashes: self
+                .write_state_as_hashes
+                .or(file.write_state_as_hashes)
+                .unwrap_or(false),
             region_agents: match self.region_agents.or(file.region_agents).unwrap_or(1) {
                 0 => return Err("--region-agents: must be at least 1".to_owned()),
                 n => n,
@@ -361,6 +373,17 @@ mod tests {
             ..AgentArgs::default()
         };
         assert!(coalescing.resolve().expect("valid").coalesce_hot_keys);
+        assert!(
+            !config.write_state_as_hashes,
+            "rule state is written as strings by default"
+        );
+        let upgrading = AgentArgs {
+            region: Some("eu".to_owned()),
+            config: Some(path.clone()),
+            write_state_as_hashes: Some(true),
+            ..AgentArgs::default()
+        };
+        assert!(upgrading.resolve().expect("valid").write_state_as_hashes);
         let slow = AgentArgs {
             region: Some("eu".to_owned()),
             config: Some(path.clone()),

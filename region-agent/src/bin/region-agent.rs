@@ -13,7 +13,7 @@ use allot_region_agent::grpc::serve_grpc;
 use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::limiter::{
     DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter, LimiterConfig, LimiterStore, RedisStore,
-    RedisStoreConfig,
+    RedisStoreConfig, StateLayout,
 };
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::{AgentId, RegionId};
@@ -100,6 +100,11 @@ async fn start(args: AgentConfig) -> Result<(), String> {
     let clock = Arc::new(SystemClock);
     let store_config = RedisStoreConfig {
         coalesce: args.coalesce_hot_keys,
+        state_layout: if args.write_state_as_hashes {
+            StateLayout::Hashes
+        } else {
+            StateLayout::Strings
+        },
         ..RedisStoreConfig::default()
     };
     let store: Arc<dyn LimiterStore> = if !args.redis_cluster.is_empty() {

@@ -45,6 +45,7 @@ use super::batch::RuleBatch;
 use super::coalescing::Coalescer;
 pub(crate) use super::redis_calls::Connection;
 use super::redis_calls::{Calls, Code, Library, Script};
+pub use super::scripts::StateLayout;
 use super::scripts::{
     CONCURRENCY_SOURCE, DECIDE_SOURCE, SERVER_TIME, decide_args, decide_keys, lease_args,
     parse_decide_reply, parse_lease_reply,
@@ -71,6 +72,9 @@ pub struct RedisStoreConfig {
     /// next call ([`super::coalescing`]). Off by default: measured so far it saves a hot tenant's
     /// Redis CPU and costs the decisions that wait latency (docs/limiter.md).
     pub coalesce: bool,
+    /// How rule state is written (strings by default; hashes for the length of a rolling upgrade
+    /// from agents that wrote hashes). Both are read either way.
+    pub state_layout: StateLayout,
 }
 
 impl Default for RedisStoreConfig {
@@ -79,6 +83,7 @@ impl Default for RedisStoreConfig {
             call_timeout: DEFAULT_CALL_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             coalesce: false,
+            state_layout: StateLayout::Strings,
         }
     }
 }
@@ -183,6 +188,7 @@ pub struct RedisStore {
     /// next call (`None`: every decision is a call of its own).
     coalescer: Option<Arc<Coalescer>>,
     time: ScriptTime,
+    state_layout: StateLayout,
     /// Which master owns each slot, for per-shard breakers.
     shards: ShardMap,
 }
@@ -259,6 +265,7 @@ impl RedisStore {
             }),
             coalescer: config.coalesce.then(|| Arc::new(Coalescer::default())),
             time: ScriptTime::Server,
+            state_layout: config.state_layout,
             shards: ShardMap::One,
         };
         for code in [
@@ -285,7 +292,7 @@ impl RedisStore {
     /// The exact `FCALL` this store sends to decide `batch`, for benchmarks that compare the client
     /// path with a raw call of the same function (it must be loaded: connecting loads it).
     pub fn decide_command(&self, batch: &RuleBatch) -> Cmd {
-        let args = decide_args(batch, self.now_arg());
+        let args = decide_args(batch, self.now_arg(), self.state_layout);
         self.calls.decide_library.fcall(&decide_keys(batch), &args)
     }
 
@@ -346,7 +353,7 @@ impl RedisStore {
             .iter()
             .map(|batch| {
                 let keys = decide_keys(batch).into_iter().map(str::to_owned).collect();
-                (keys, decide_args(batch, now_ms))
+                (keys, decide_args(batch, now_ms, self.state_layout))
             })
             .collect();
         let requests: Vec<(&[String], &[String])> = owned
@@ -387,7 +394,7 @@ impl RedisStore {
 #[async_trait::async_trait]
 impl LimiterStore for RedisStore {
     async fn decide(&self, batch: &RuleBatch) -> Result<BatchDecision, StoreError> {
-        let args = decide_args(batch, self.now_arg());
+        let args = decide_args(batch, self.now_arg(), self.state_layout);
         let keys = decide_keys(batch);
         let tag = keys::key_hash_tag(batch.record_key());
         let reply = match (&self.coalescer, tag) {

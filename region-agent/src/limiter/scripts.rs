@@ -24,8 +24,21 @@ pub(crate) const CONCURRENCY_SOURCE: &str = include_str!("scripts/concurrency.lu
 pub(crate) const SERVER_TIME: u64 = 0;
 
 /// Arguments before the first rule in the decide function's `ARGV`: the header (now, record TTL,
-/// n, dry run, advisory mask, in one argument) and the decision id. Each rule is one more.
+/// n, dry run, advisory mask, state layout, in one argument) and the decision id. Each rule is one
+/// more.
 const ARGS_BEFORE_RULES: usize = 2;
+
+/// How the decide library writes a token bucket's, fixed window's or sliding counter's state. It
+/// reads both layouts whichever it writes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StateLayout {
+    /// One string per key (`f<start> <count>`): one `GET` reads it, one `SET` writes it.
+    #[default]
+    Strings,
+    /// The hashes agents wrote before the strings, which such agents need to read: for the length
+    /// of a rolling upgrade from them (docs/operations.md).
+    Hashes,
+}
 
 /// The decide script's `KEYS`: the decision record, then one key per rule.
 pub(crate) fn decide_keys(batch: &RuleBatch) -> Vec<&str> {
@@ -38,14 +51,15 @@ pub(crate) fn decide_keys(batch: &RuleBatch) -> Vec<&str> {
 /// header, the decision id, then one argument per rule (`"<algorithm> <p1> <p2> <p3> <p4>
 /// <cost>"`). The function validates each header and rule text once and keeps the result, so the
 /// texts are what the same policy always sends.
-pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64) -> Vec<String> {
+pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64, layout: StateLayout) -> Vec<String> {
     let mut args = Vec::with_capacity(ARGS_BEFORE_RULES + batch.rules().len());
     args.push(format!(
-        "{now_ms} {} {} {} {}",
+        "{now_ms} {} {} {} {} {}",
         batch.record_ttl_ms(),
         batch.rules().len(),
         u8::from(batch.dry_run()),
-        advisory_mask(batch)
+        advisory_mask(batch),
+        u8::from(layout == StateLayout::Hashes)
     ));
     args.push(batch.decision_id().to_string());
     for rule in batch.rules() {
@@ -271,9 +285,9 @@ mod tests {
             ]
         );
         assert_eq!(
-            decide_args(&batch, SERVER_TIME),
+            decide_args(&batch, SERVER_TIME, StateLayout::Strings),
             [
-                "0 30000 2 0 0",
+                "0 30000 2 0 0 0",
                 "r-7",
                 "tb 20000 2000 1000 5000 1000",
                 "sl 20 10000 0 0 1000",
@@ -282,9 +296,15 @@ mod tests {
     }
 
     #[test]
+    fn the_hash_layout_says_so_in_its_header() {
+        let args = decide_args(&batch(), SERVER_TIME, StateLayout::Hashes);
+        assert_eq!(args[0], "0 30000 2 0 0 1");
+    }
+
+    #[test]
     fn a_dry_run_says_so_in_its_header() {
-        let args = decide_args(&batch().into_dry_run(), SERVER_TIME);
-        assert_eq!(args[0], "0 30000 2 1 0");
+        let args = decide_args(&batch().into_dry_run(), SERVER_TIME, StateLayout::Strings);
+        assert_eq!(args[0], "0 30000 2 1 0 0");
         assert_eq!(args.len(), 2 + 2);
     }
 
@@ -349,7 +369,10 @@ mod tests {
             )
             .expect("valid")
         };
-        assert_eq!(decide_args(&advisory, SERVER_TIME)[0], "0 0 2 0 2");
+        assert_eq!(
+            decide_args(&advisory, SERVER_TIME, StateLayout::Strings)[0],
+            "0 0 2 0 2 0"
+        );
         let flagged = parse_decide_reply(&advisory, &[1, 0, 0, 0, 2, 19_000, 0]).expect("valid");
         assert_eq!(flagged.advisory_denials, [1]);
         assert!(

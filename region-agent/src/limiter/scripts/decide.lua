@@ -14,7 +14,7 @@ KEYS[2..n+1]   one key per rule, all distinct. Every key, KEYS[1] included, carr
                decides them atomically.
 
 ARGV[1]  the header, five decimal fields separated by one space:
-         "<now_ms> <record_ttl_ms> <n> <dry_run> <advisory>"
+         "<now_ms> <record_ttl_ms> <n> <dry_run> <advisory> <hashes>"
          now_ms          0: read the server clock (TIME). Production always sends 0. A value in
                          [1, 2^50] is a test clock: differential tests drive time with it, and key
                          expiry follows it (PEXPIREAT now + ttl).
@@ -28,6 +28,9 @@ ARGV[1]  the header, five decimal fields separated by one space:
                          or soft rule). An advisory rule never denies: the request is decided by
                          the others; when it is admitted, an advisory rule is written only if it
                          admits too.
+         hashes          1: write tb, fw and sc state as the hashes of earlier versions (which
+                         cannot read the strings), for a rolling upgrade from such a version.
+                         0: as strings. Both are read either way.
 ARGV[2]  decision_id     1 to 64 bytes: the sliding log's member.
 ARGV[2 + i]  rule i (1-based), six fields separated by one space:
          algorithm  p1                    p2                  p3         p4        p5
@@ -190,11 +193,15 @@ end
 -- Header ---------------------------------------------------------------------------------------
 
 local function parse_header(argument)
-  local parts = fields(argument, 5)
+  local parts = fields(argument, 6)
   if parts == nil then
-    return { err = 'the header must be five fields: now, record ttl, n, dry run, advisory' }
+    return { err = 'the header must be six fields: now, record ttl, n, dry run, advisory, hashes' }
   end
   local header = {}
+  if parts[6] ~= '0' and parts[6] ~= '1' then
+    return { err = 'hashes must be 0 or 1' }
+  end
+  header.hashes = parts[6] == '1'
   header.n = integer(parts[3], 1, MAX_RULES)
   if header.n == nil then
     return { err = 'n must be 1 to ' .. MAX_RULES }
@@ -224,9 +231,10 @@ local function parse_header(argument)
       return { err = 'now must be 0 (server clock) or in [1, 2^50]' }
     end
   end
-  -- The shape decide_single serves: one rule, no decision record, no dry run, no advisory rule.
+  -- The shape decide_single serves: one rule, no decision record, no dry run, no advisory rule,
+  -- state written as strings.
   header.single = header.n == 1 and header.record_ttl_ms == 0 and not header.dry_run
-    and header.advisory_mask == 0
+    and header.advisory_mask == 0 and not header.hashes
   return { ok = header }
 end
 
@@ -628,9 +636,26 @@ local DECIDE = {
   sl = decide_sliding_log,
 }
 
--- Performs an admitting outcome's write to `key`.
-local function write(spec, key, outcome, now, decision_id)
+-- Writes a tb, fw or sc state as the hash of earlier versions, replacing whatever the key held
+-- (a string), and its expiry.
+local function write_hash(kind, key, outcome)
+  redis.call('DEL', key)
+  if kind == 'fw' then
+    redis.call('HSET', key, 'w', text(outcome.window_start), 'n', text(outcome.count))
+  elseif kind == 'tb' then
+    redis.call('HSET', key, 'tk', text(outcome.remaining), 'ts', text(outcome.updated_at))
+  else
+    redis.call('HSET', key, 'w', text(outcome.window_start), 'cur', text(outcome.count), 'prev', text(outcome.prev))
+  end
+  redis.call('PEXPIREAT', key, text(outcome.expires_at))
+end
+
+-- Performs an admitting outcome's write to `key`: tb, fw and sc state as hashes when `hashes`.
+local function write(spec, key, outcome, now, decision_id, hashes)
   local kind = spec.kind
+  if hashes and (kind == 'fw' or kind == 'tb' or kind == 'sc') then
+    return write_hash(kind, key, outcome)
+  end
   -- The whole state and its expiry in one SET (which also replaces an earlier version's hash).
   if kind == 'fw' then
     local state = 'f' .. shared_text(outcome.window_start) .. ' ' .. text(outcome.count)
@@ -891,9 +916,12 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
           -- Written once at the call's end. Until then a later request of the call reads the
           -- state this write leaves.
           outcome.spec = specs[i]
+          if header.hashes then
+            outcome.hashes = true
+          end
           batch.pending[key] = outcome
         else
-          write(specs[i], key, outcome, now, decision_id)
+          write(specs[i], key, outcome, now, decision_id, header.hashes)
         end
       end
     end
@@ -979,7 +1007,7 @@ local function decide_many(keys, args)
   for k = 1, #order do
     local key = order[k]
     local pending = batch.pending[key]
-    write(pending.spec, key, pending, nil, nil)
+    write(pending.spec, key, pending, nil, nil, pending.hashes)
   end
   return replies
 end

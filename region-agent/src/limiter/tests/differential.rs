@@ -1046,6 +1046,15 @@ fn single_rule_requests_agree_across_the_pure_core_the_in_process_store_and_redi
     );
 }
 
+/// During a rolling upgrade agents that write rule state as hashes and agents that write strings
+/// share the keys: decisions taken by the two in turns agree with the pure core all the same.
+#[test]
+fn decisions_agree_while_two_state_layouts_share_the_keys() {
+    let runtime = runtime();
+    let redis = runtime.block_on(Subject::redis_rolling_upgrade());
+    check_decisions(&redis, &runtime, 48);
+}
+
 #[test]
 fn decisions_agree_on_a_three_master_cluster() {
     let runtime = runtime();

@@ -7,6 +7,7 @@
 //! part of what the stores are compared on, read back through `PEXPIRETIME`.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use allot_shared::clock::{Clock, ManualClock};
@@ -22,8 +23,8 @@ use allot_testkit::{RedisCluster, RedisServer};
 
 use crate::limiter::batch::{BatchRule, RuleBatch, RuleParams};
 use crate::limiter::in_process::{InProcessStore, Stored};
-use crate::limiter::redis_store::{Connection, RedisStore, RedisStoreConfig};
-use crate::limiter::store::{BatchDecision, LimiterStore, StoreError};
+use crate::limiter::redis_store::{Connection, RedisStore, RedisStoreConfig, StateLayout};
+use crate::limiter::store::{BatchDecision, LeaseCall, LeaseOutcome, LimiterStore, StoreError};
 
 /// 2^42 ms, in the year 2109: test clocks start here, far ahead of the real clock.
 pub(super) const FUTURE_BASE_MS: u64 = 1 << 42;
@@ -33,6 +34,7 @@ pub(super) const TEST_CONFIG: RedisStoreConfig = RedisStoreConfig {
     call_timeout: Duration::from_secs(10),
     connect_timeout: Duration::from_secs(10),
     coalesce: true,
+    state_layout: StateLayout::Strings,
 };
 
 /// How long tests wait for a restarted server to answer before failing.
@@ -83,6 +85,32 @@ pub(super) const P_TENANT: RuleParams = RuleParams::TokenBucket {
     slack_ms: 5_000,
 };
 
+/// Two stores on one server taking decisions in turns (leases go to the first).
+struct Alternating {
+    stores: [Arc<RedisStore>; 2],
+    next: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl LimiterStore for Alternating {
+    async fn decide(&self, batch: &RuleBatch) -> Result<BatchDecision, StoreError> {
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) % 2;
+        self.stores[turn].decide(batch).await
+    }
+
+    async fn acquire_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.stores[0].acquire_lease(call).await
+    }
+
+    async fn renew_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.stores[0].renew_lease(call).await
+    }
+
+    async fn release_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
+        self.stores[0].release_lease(call).await
+    }
+}
+
 /// Where a subject's keys can be inspected.
 enum Keys {
     InProcess(Arc<InProcessStore>),
@@ -123,6 +151,39 @@ impl Subject {
             .await
             .expect("connects");
         Self::redis(store, Some(server), None)
+    }
+
+    /// A fresh Redis server shared, as in a rolling upgrade, by a store that writes rule state as
+    /// strings and one that writes it as hashes: decisions alternate between them, so each finds
+    /// the other's layout. Key inspection and coalesced calls use the hash-writing store.
+    pub(super) async fn redis_rolling_upgrade() -> Self {
+        let server = RedisServer::start();
+        let clock = Arc::new(ManualClock::new(FUTURE_BASE_MS));
+        let connect = async |state_layout| {
+            let config = RedisStoreConfig {
+                state_layout,
+                ..TEST_CONFIG
+            };
+            let store = RedisStore::connect(&server.url(), config)
+                .await
+                .expect("connects");
+            Arc::new(store.with_test_clock(clock.clone()))
+        };
+        let strings = connect(StateLayout::Strings).await;
+        let hashes = connect(StateLayout::Hashes).await;
+        Self {
+            keys: Keys::Redis {
+                connection: hashes.connection(),
+                store: hashes.clone(),
+            },
+            store: Arc::new(Alternating {
+                stores: [strings, hashes],
+                next: AtomicUsize::new(0),
+            }),
+            clock,
+            redis: Some(server),
+            cluster: None,
+        }
     }
 
     /// A fresh 3-master cluster with a store on it, driven by the test clock.
@@ -319,8 +380,17 @@ async fn redis_rule_state(
     key: &str,
     params: &RuleParams,
 ) -> Option<State> {
-    // A tb, fw or sc state: its algorithm's letter, then its numbers one space apart.
-    let numbers = async |letter: char, count: usize| -> Option<Vec<u64>> {
+    // A tb, fw or sc state: its algorithm's letter, then its numbers one space apart; or the hash
+    // of those `fields`.
+    let numbers = async |letter: char, fields: &[&str]| -> Option<Vec<u64>> {
+        let count = fields.len();
+        let layout: String = redis_query(connection, redis::cmd("TYPE").arg(key)).await;
+        if layout == "hash" {
+            let values: Vec<Option<u64>> =
+                redis_query(connection, redis::cmd("HMGET").arg(key).arg(fields)).await;
+            let values: Option<Vec<u64>> = values.into_iter().collect();
+            return Some(values.unwrap_or_else(|| panic!("{key}: a field is missing")));
+        }
         let stored: Option<String> = redis_query(connection, redis::cmd("GET").arg(key)).await;
         let stored = stored?;
         let body = stored
@@ -335,7 +405,7 @@ async fn redis_rule_state(
     };
     Some(match params {
         RuleParams::TokenBucket { .. } => {
-            let n = numbers('t', 2).await?;
+            let n = numbers('t', &["tk", "ts"]).await?;
             State::TokenBucket(TokenBucketState {
                 tokens_millitokens: n[0],
                 updated_at_ms: n[1],
@@ -346,14 +416,14 @@ async fn redis_rule_state(
             State::Gcra(GcraState { tat_ms: tat? })
         }
         RuleParams::FixedWindow { .. } => {
-            let n = numbers('f', 2).await?;
+            let n = numbers('f', &["w", "n"]).await?;
             State::FixedWindow(FixedWindowState {
                 window_start_ms: n[0],
                 count_units: n[1],
             })
         }
         RuleParams::SlidingCounter { .. } => {
-            let n = numbers('s', 3).await?;
+            let n = numbers('s', &["w", "cur", "prev"]).await?;
             State::SlidingCounter(SlidingCounterState {
                 window_start_ms: n[0],
                 current_units: n[1],

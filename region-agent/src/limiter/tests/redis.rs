@@ -296,8 +296,8 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     let keys = ["rl:v1:{t:a}:d:r-1", "rl:v1:{t:a}:x"];
     let now = FUTURE_BASE_MS.to_string();
     // The header's fields: now, record ttl, n, dry run, advisory mask.
-    let header_fields = [now.as_str(), "0", "1", "0", "0"];
-    let call = |header: [&str; 5], kind: &str, fields: [&str; 5]| {
+    let header_fields = [now.as_str(), "0", "1", "0", "0", "0"];
+    let call = |header: [&str; 6], kind: &str, fields: [&str; 5]| {
         vec![
             header.join(" "),
             "r-1".to_owned(),
@@ -376,12 +376,16 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
         "an advisory mask naming a rule the call does not have",
     );
     header(4, "-1", "a negative advisory mask");
+    header(5, "2", "a state layout neither 0 nor 1");
     let mut long_id = valid.clone();
     long_id[1] = "x".repeat(65);
     cases.push(("a 65-byte decision id", long_id));
-    let mut six_fields = valid.clone();
-    six_fields[0].push_str(" 0");
-    cases.push(("a header of six fields", six_fields));
+    let mut seven_fields = valid.clone();
+    seven_fields[0].push_str(" 0");
+    cases.push(("a header of seven fields", seven_fields));
+    let mut five_fields = valid.clone();
+    five_fields[0] = header_fields[..5].join(" ");
+    cases.push(("a header of five fields", five_fields));
     let mut short_rule = valid.clone();
     short_rule[2] = "tb 20000 2000 1000 5000".to_owned();
     cases.push(("a rule missing a field", short_rule));
