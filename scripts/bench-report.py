@@ -160,7 +160,7 @@ def main():
         print("that saturates sooner). The peak is the goodput (decisions the store made,")
         print("per second) of 64 callers in a closed loop with the defaults; then decisions arrive open-loop")
         print("(one task each, whatever the answers) at 0.5x, 1x and 2x that peak for 3 s (after 0.5 s in")
-        print("which the in-flight bound settles), with the defaults (adaptive bound, 2 ms wait, shedding),")
+        print("which the in-flight bound settles), with the defaults (adaptive bound of at least 64, 4 ms wait, shedding),")
         print("and at 2x with a fixed bound of 128 and a 1 ms wait (the earlier defaults). `x peak` is the")
         print("goodput over the peak (the target under 2x is at least 0.9); latencies are of the decisions")
         print("the store made, from arrival (the target: p99 within the 10 ms budget); `shed` were refused at")

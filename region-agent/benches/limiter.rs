@@ -654,8 +654,8 @@ async fn overload(url: &str) {
 }
 
 /// Graceful overload on one shape: the peak goodput of 64 closed-loop callers with the defaults,
-/// then arrivals at `loads` x that peak, open loop, with the defaults (an adaptive in-flight bound,
-/// a 2 ms wait, shedding) and, at the highest, with a fixed bound of 128 and a 1 ms wait (the
+/// then arrivals at `loads` x that peak, open loop, with the defaults (an adaptive in-flight bound
+/// of at least 64, a 4 ms wait, shedding) and, at the highest, with a fixed bound of 128 and a 1 ms wait (the
 /// earlier defaults). Goodput counts the decisions the store made; the target under 2x is at least
 /// 0.9x the peak with the p99 of those decisions within the 10 ms budget.
 async fn overload_shape(url: &str, rules: usize, bundle_json: &str, loads: &[f64]) {
@@ -742,11 +742,37 @@ async fn overload_shape(url: &str, rules: usize, bundle_json: &str, loads: &[f64
         })
     );
     let highest = loads.iter().copied().fold(0.0, f64::max);
-    let runs = loads
+    let mut runs: Vec<(String, Arc<Limiter>, f64)> = loads
         .iter()
-        .map(|&load| ("defaults", &adaptive, load))
-        .chain([("fixed128", &fixed, highest)]);
+        .map(|&load| ("defaults".to_owned(), adaptive.clone(), load))
+        .chain([("fixed128".to_owned(), fixed.clone(), highest)])
+        .collect();
+    // ALLOT_BENCH_OVERLOAD_SWEEP=1: the candidates the defaults were chosen among, at 0.5x, 0.8x,
+    // 1x and 2x (`m<least in flight>w<wait ms>`).
+    if std::env::var_os("ALLOT_BENCH_OVERLOAD_SWEEP").is_some() {
+        for (min_in_flight, wait_ms) in [(32, 2), (32, 4), (32, 6), (64, 2), (64, 4)] {
+            let candidate = Arc::new(
+                Limiter::new(
+                    connect().await,
+                    LimiterConfig {
+                        min_in_flight_per_shard: min_in_flight,
+                        acquire_wait: Duration::from_millis(wait_ms),
+                        ..LimiterConfig::default()
+                    },
+                )
+                .expect("valid"),
+            );
+            for load in [0.5, 0.8, 1.0, 2.0] {
+                runs.push((
+                    format!("m{min_in_flight}w{wait_ms}"),
+                    candidate.clone(),
+                    load,
+                ));
+            }
+        }
+    }
     for (name, limiter, load) in runs {
+        let (name, limiter) = (name.as_str(), &limiter);
         let per_second = peak * load;
         offer_open_loop(limiter, &batches, per_second, OVERLOAD_SETTLE).await;
         let opened_before = limiter.breakers()[0].opened_total;

@@ -82,12 +82,15 @@ use crate::clock::{MonotonicClock, SystemMonotonicClock, monotonic_now};
 /// budget, and long enough for a round trip to a healthy regional Redis and one retry.
 pub const DEFAULT_DECISION_BUDGET: Duration = Duration::from_millis(10);
 
-/// Default longest wait for a place among a shard's calls in flight: a fifth of the default budget,
-/// so a decision that waited still has room for its call (whose latency the bound keeps near a
-/// third of the budget) and a hiccup. Chosen on the overload bench (docs/benchmarks.md): at twice
-/// the peak load, every decided call waits about the whole wait (the line is always full), and a
-/// 5 ms wait put their p50 at 6.3 ms against 4.8 ms with 2 ms, for the same goodput.
-pub const DEFAULT_ACQUIRE_WAIT: Duration = Duration::from_millis(2);
+/// Default longest wait for a place among a shard's calls in flight: two fifths of the default
+/// budget, so a decision that waited still has room for its call (whose latency the bound keeps
+/// near a third of the budget). Chosen on the overload bench's sweep
+/// (`ALLOT_BENCH_OVERLOAD_SWEEP=1 ALLOT_BENCH_OVERLOAD_ONLY=1 cargo bench -p allot-region-agent
+/// --bench limiter`, docs/limiter.md): with 2 ms, 0.4-1.3 % of the decisions offered at 0.5x and
+/// 0.8x of the peak were answered unavailable; with 4 ms (and a floor of 64) 0.0-0.3 %, while at
+/// 2x the goodput stayed 1.09x the peak and the p99 of decided calls 8.9 ms, within the budget
+/// (6 ms took it past: 10.4 ms).
+pub const DEFAULT_ACQUIRE_WAIT: Duration = Duration::from_millis(4);
 
 /// Default most calls in flight per shard, where the adaptive bound starts. The Redis store
 /// multiplexes them over one connection.
