@@ -924,19 +924,32 @@ fn runner(cases: u32) -> TestRunner {
     })
 }
 
-fn check_decisions(redis: &Subject, runtime: &tokio::runtime::Runtime, cases: u32) {
+/// `cases` random cases of `shape`, each of up to `max_steps` steps, decided one by one; what they
+/// reached.
+fn random_decisions(
+    redis: &Subject,
+    runtime: &tokio::runtime::Runtime,
+    shape: Shape,
+    cases: u32,
+    max_steps: usize,
+) -> RefCell<Tally> {
     let scenario = (
         0u64..1_000_000,
-        pool(Shape::Any),
-        prop::collection::vec(step(Shape::Any), 1..40),
+        pool(shape),
+        prop::collection::vec(step(shape), 1..max_steps),
     );
     let tally = RefCell::new(Tally::default());
     let result = runner(cases).run(&scenario, |(start, pool, steps)| {
         runtime.block_on(run_decisions(&tally, redis, start, pool, steps))
     });
     if let Err(failure) = result {
-        panic!("{failure}");
+        panic!("{shape:?}: {failure}");
     }
+    tally
+}
+
+fn check_decisions(redis: &Subject, runtime: &tokio::runtime::Runtime, cases: u32) {
+    let tally = random_decisions(redis, runtime, Shape::Any, cases, 40);
     // The rarest outcome, a replayed record, needs an admitted request with a record and a retry
     // of its id within the record's life: one fixed case reaches it whatever the random cases drew
     // (one unit of a fresh fixed window of 10 is admitted; a drawn rule may never admit, e.g. a
@@ -1018,23 +1031,13 @@ fn coalesced_calls_decide_as_their_requests_one_by_one() {
 }
 
 /// Requests of the shape the decide library serves on a path of its own (and a few of two rules
-/// beside them, on the same keys) decide as the pure core does, lone and on a cluster's slot.
+/// beside them, on the same keys) decide as the pure core does, one by one on one server (the
+/// coalesced test draws the shape too).
 #[test]
 fn single_rule_requests_agree_across_the_pure_core_the_in_process_store_and_redis() {
     let runtime = runtime();
     let redis = runtime.block_on(Subject::redis_single());
-    let scenario = (
-        0u64..1_000_000,
-        pool(Shape::Single),
-        prop::collection::vec(step(Shape::Single), 1..60),
-    );
-    let tally = RefCell::new(Tally::default());
-    let result = runner(96).run(&scenario, |(start, pool, steps)| {
-        runtime.block_on(run_decisions(&tally, &redis, start, pool, steps))
-    });
-    if let Err(failure) = result {
-        panic!("{failure}");
-    }
+    let tally = random_decisions(&redis, &runtime, Shape::Single, 96, 60);
     let tally = tally.borrow();
     assert!(
         tally.allowed_single_rule > 0
