@@ -386,9 +386,30 @@ local function string_state_problem(rule_index, kind, stored)
   return state_error(where, 'the key does not hold a ' .. kind .. ' state')
 end
 
+-- The numbers of a tb, fw or sc state string, or nil when it does not hold exactly `kind`'s
+-- layout: one match checks the layout and captures every field, each at most 16 digits and below
+-- 2^53 (exact integers, as integer() requires). The third number is nil but for sc.
+local function state_numbers(stored, kind)
+  local a, b, c = string.match(stored, STATE_PATTERNS[kind])
+  if a == nil or #a > 16 or #b > 16 or (c and #c > 16) then
+    return nil
+  end
+  a, b = a + 0, b + 0
+  if a > MAX_STORED or b > MAX_STORED then
+    return nil
+  end
+  if c then
+    c = c + 0
+    if c > MAX_STORED then
+      return nil
+    end
+  end
+  return a, b, c
+end
+
 -- The state of a tb, fw or sc rule: nil when absent, a table of its fields (named as the hashes
--- of earlier versions named them), or an error reply. One GET, and one match that checks the
--- layout and captures every field at once; a hash is an earlier version's state.
+-- of earlier versions named them), or an error reply. One GET; a hash is an earlier version's
+-- state.
 local function read_string_state(rule_index, key, kind)
   local stored = redis.pcall('GET', key)
   if not stored then
@@ -398,26 +419,16 @@ local function read_string_state(rule_index, key, kind)
   if stored.err then
     return read_hash(rule_index, key, kind)
   end
-  local a, b, c = string.match(stored, STATE_PATTERNS[kind])
-  -- At most 16 digits each, then below 2^53: exact integers, as integer() requires.
-  if a == nil or #a > 16 or #b > 16 or (c and #c > 16) then
-    return nil, string_state_problem(rule_index, kind, stored)
-  end
-  a, b = a + 0, b + 0
-  if c then
-    c = c + 0
-    if a > MAX_STORED or b > MAX_STORED or c > MAX_STORED then
-      return nil, string_state_problem(rule_index, kind, stored)
-    end
-    return { w = a, cur = b, prev = c }
-  end
-  if a > MAX_STORED or b > MAX_STORED then
+  local a, b, c = state_numbers(stored, kind)
+  if a == nil then
     return nil, string_state_problem(rule_index, kind, stored)
   end
   if kind == 'tb' then
     return { tk = a, ts = b }
+  elseif kind == 'fw' then
+    return { w = a, n = b }
   end
-  return { w = a, n = b }
+  return { w = a, cur = b, prev = c }
 end
 
 -- The GCRA key: nil when absent, the stored TAT, or an error reply.
@@ -687,9 +698,6 @@ end
 -- The reply's first five fields of an admission every rule made, and of a replay.
 local ADMITTED, REPLAYED = '1 0 0 0 0', '1 0 0 1 0'
 
--- The string layouts decide_single matches: two numbers, as STATE_PATTERNS has them.
-local SINGLE_PATTERNS = { tb = STATE_PATTERNS.tb, fw = STATE_PATTERNS.fw }
-
 -- A request of one token bucket or fixed window and nothing else (header.single, spec.single):
 -- the shape of a plain per-user limit, and most of a store's decisions. It decides as
 -- decide_token_bucket and decide_fixed_window do, step for step, with the state in locals
@@ -708,12 +716,8 @@ local function decide_single(spec, key, now, batch)
     if stored.err then
       return nil
     end
-    first, second = string.match(stored, SINGLE_PATTERNS[spec.kind])
-    if first == nil or #first > 16 or #second > 16 then
-      return nil
-    end
-    first, second = first + 0, second + 0
-    if first > MAX_STORED or second > MAX_STORED then
+    first, second = state_numbers(stored, spec.kind)
+    if first == nil then
       return nil
     end
   end
