@@ -299,12 +299,22 @@ fn coalesced_reply(reply: redis::Value) -> Result<Vec<i64>, StoreError> {
         return reply_integers(&text).map_err(|detail| StoreError::MalformedReply { detail });
     }
     let detail = String::from_utf8_lossy(&text).into_owned();
-    let kind = match detail.split_whitespace().next() {
-        Some("ALLOT_ARG") => Rejection::InvalidArgument,
-        Some("ALLOT_STATE" | "WRONGTYPE") => Rejection::StateMismatch,
-        _ => Rejection::ScriptDefect,
-    };
+    let kind = detail
+        .split_whitespace()
+        .next()
+        .and_then(refusal)
+        .unwrap_or(Rejection::ScriptDefect);
     Err(StoreError::Rejected { kind, detail })
+}
+
+/// What an error code of our Lua code says was wrong with the call, when it names one: the
+/// arguments, or the state under a key. Nothing was written.
+fn refusal(code: &str) -> Option<Rejection> {
+    match code {
+        "ALLOT_ARG" => Some(Rejection::InvalidArgument),
+        "ALLOT_STATE" | "WRONGTYPE" => Some(Rejection::StateMismatch),
+        _ => None,
+    }
 }
 
 /// Classifies a failed `EVALSHA` by what it tells about the script having run (module docs of
@@ -319,9 +329,10 @@ pub(super) fn classify(error: RedisError) -> StoreError {
             kind,
             detail: detail.clone(),
         };
+        if let Some(kind) = refusal(code) {
+            return rejected(kind);
+        }
         return match code {
-            "ALLOT_ARG" => rejected(Rejection::InvalidArgument),
-            "ALLOT_STATE" | "WRONGTYPE" => rejected(Rejection::StateMismatch),
             // A Lua runtime error, or keys in two slots: defects, not conditions to retry.
             "ERR" | "CROSSSLOT" => rejected(Rejection::ScriptDefect),
             // BUSY, LOADING, READONLY, OOM, MOVED, ASK, TRYAGAIN, CLUSTERDOWN, MASTERDOWN, NOSCRIPT
