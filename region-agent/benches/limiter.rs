@@ -26,7 +26,7 @@
 //! that peak, the latency of those decisions from their arrival, and how many were shed.
 //!
 //! Run with `cargo bench -p allot-region-agent --bench limiter` (with `ALLOT_BENCH_OVERLOAD_ONLY=1`,
-//! only the overload section). Not a test: nothing asserts a
+//! only the overload section; with `ALLOT_BENCH_HOT_TENANT_ONLY=1`, only the hot tenant's). Not a test: nothing asserts a
 //! timing.
 
 use std::sync::Arc;
@@ -268,6 +268,10 @@ async fn main() {
         overload(&server.url()).await;
         return;
     }
+    if std::env::var_os("ALLOT_BENCH_HOT_TENANT_ONLY").is_some() {
+        hot_tenant(&server.url(), &subjects).await;
+        return;
+    }
     println!(
         "{:>8} {:>7} {:>12} {:>8} {:>8} {:>7} {:>9}",
         "callers", "path", "decisions/s", "p50 µs", "p99 µs", "ratio", "degraded"
@@ -351,16 +355,22 @@ const HOT_TENANT_BUNDLE: &str = r#"{
     ]
 }"#;
 
+/// The hot tenant's stores: 0 is coalescing off; n > 0 is coalescing with n calls of a slot in
+/// flight at once.
+const HOT_TENANT_CALLS_IN_FLIGHT: [usize; 4] = [0, 1, 2, 3];
+
 /// A hot tenant, with and without coalescing: 64 callers, each one user, every request the user's
-/// bucket and the tenant's (one key all share), through the client path of two stores on the same
-/// Redis, one coalescing (the default) and one not, in alternating rounds, with a patient decision
-/// budget (250 ms) so that the store decides every one. Reports decisions/s, latency, Redis CPU per
-/// decision the store made (`INFO cpu`) and its ratio to the uncoalesced store's (the target is at
-/// most 0.5, with p99 no worse), and how many decisions went in coalesced calls.
+/// bucket and the tenant's (one key all share), through the client path of stores on the same
+/// Redis, one not coalescing (the default) and the others coalescing with 1, 2 and 3 calls of the
+/// slot in flight at once ([`HOT_TENANT_CALLS_IN_FLIGHT`]), in alternating rounds, with a patient
+/// decision budget (250 ms) so that the store decides every one. Reports decisions/s, latency,
+/// Redis CPU per decision the store made (`INFO cpu`) and its ratio to the uncoalesced store's
+/// (the target is at most 0.5, with p99 no worse), and how many decisions went in coalesced calls.
+
 async fn hot_tenant(url: &str, subjects: &Subjects) {
     println!();
     println!(
-        "{:>10} {:>12} {:>8} {:>8} {:>16} {:>8} {:>10}",
+        "{:>12} {:>12} {:>8} {:>8} {:>16} {:>8} {:>10}",
         "coalescing", "decisions/s", "p50 µs", "p99 µs", "Redis µs/decision", "x off", "coalesced"
     );
     let bundle = Arc::new(
@@ -370,9 +380,11 @@ async fn hot_tenant(url: &str, subjects: &Subjects) {
             .expect("sealed"),
     );
     let mut variants = Vec::new();
-    for coalesce in [false, true] {
+    // Off, then on with 1, 2 (the default) and 3 calls of the slot in flight at once.
+    for calls_in_flight in HOT_TENANT_CALLS_IN_FLIGHT {
         let config = RedisStoreConfig {
-            coalesce,
+            coalesce: calls_in_flight > 0,
+            coalesced_calls_in_flight: calls_in_flight,
             ..RedisStoreConfig::default()
         };
         let store = Arc::new(RedisStore::connect(url, config).await.expect("connects"));
@@ -390,7 +402,7 @@ async fn hot_tenant(url: &str, subjects: &Subjects) {
             raw: subjects.raw.clone(),
             bundle: bundle.clone(),
         };
-        variants.push((coalesce, variant, Samples::default(), 0.0f64));
+        variants.push((calls_in_flight, variant, Samples::default(), 0.0f64));
     }
     let mut info = subjects.raw.clone();
     for (_, variant, _, _) in &variants {
@@ -425,20 +437,25 @@ async fn hot_tenant(url: &str, subjects: &Subjects) {
         redis_cpu_s * 1e6 / (decided as f64).max(1.0)
     };
     let off_cpu_us = cpu_per_decision(&variants[0].2, variants[0].3);
-    for (coalesce, variant, samples, redis_cpu_s) in &mut variants {
+    for (calls_in_flight, variant, samples, redis_cpu_s) in &mut variants {
         let per_second = samples.per_second();
         let (p50, p99) = (samples.percentile(0.50), samples.percentile(0.99));
         let cpu_us = cpu_per_decision(samples, *redis_cpu_s);
         let versus_off = cpu_us / off_cpu_us.max(f64::MIN_POSITIVE);
         let (coalesced, _) = variant.store.coalesced();
-        let name = if *coalesce { "on" } else { "off" };
+        let name = match *calls_in_flight {
+            0 => "off".to_owned(),
+            1 => "on, 1 call".to_owned(),
+            n => format!("on, {n} calls"),
+        };
         println!(
-            "{name:>10} {per_second:>12.0} {p50:>8} {p99:>8} {cpu_us:>16.1} {versus_off:>8.2} {coalesced:>10}"
+            "{name:>12} {per_second:>12.0} {p50:>8} {p99:>8} {cpu_us:>16.1} {versus_off:>8.2} {coalesced:>10}"
         );
         println!(
             "BENCH {}",
             serde_json::json!({
-                "bench": "limiter_hot_tenant", "coalescing": name, "callers": 64,
+                "bench": "limiter_hot_tenant", "coalescing": if *calls_in_flight == 0 { "off" } else { "on" },
+                "callsInFlight": calls_in_flight, "callers": 64,
                 "decisionsPerSecond": per_second.round(), "p50Us": p50, "p99Us": p99,
                 "redisCpuUsPerDecision": (cpu_us * 10.0).round() / 10.0,
                 "ratioToOff": (versus_off * 100.0).round() / 100.0,

@@ -1,25 +1,34 @@
-//! Coalescing: decisions of one slot (one tenant's hash tag) that arrive while a call of that slot
-//! is in flight wait for it, and then go together in one call of the library's coalesced function,
-//! in arrival order. Each is still decided all or nothing and answered on its own, exactly as that
-//! many calls one after another at one instant would decide it; what they share is the call: one
-//! round trip, one read of the server's clock, and one read and one write of every key they have
-//! in common (a hot tenant's own rule), instead of one each.
+//! Coalescing: decisions of one slot (one tenant's hash tag) that arrive while the slot's calls
+//! are in flight wait for one of them to end, and then go together in one call of the library's
+//! coalesced function, in arrival order. Each is still decided all or nothing and answered on its
+//! own, exactly as that many calls one after another at one instant would decide it; what they
+//! share is the call: one round trip, one read of the server's clock, and one read and one write
+//! of every key they have in common (a hot tenant's own rule), instead of one each.
 //!
-//! The first decision of a slot with nothing in flight is sent at once, alone, by its caller:
-//! coalescing never delays a decision that could go now, and costs a lone call nothing but a map
-//! entry. When it ends, what waited meanwhile is sent by a task of its own, one coalesced call at
-//! a time (at most [`MAX_REQUESTS_PER_CALL`] each), until nothing waits. A decision whose caller
-//! stopped waiting (its deadline passed) before its call was sent is dropped from the queue unsent;
-//! one already sent runs to its end, as an ambiguous call would. Bounded
-//! (I10): at most [`MAX_WAITING_PER_SLOT`] decisions wait per slot (past it a decision is sent
-//! alone), and a slot's queue exists only while a call of it is in flight.
+//! A slot has at most `calls_in_flight` calls in flight at once (2 by default,
+//! [`DEFAULT_CALLS_IN_FLIGHT_PER_SLOT`]). A decision that arrives while fewer are in flight, and
+//! nothing of its slot waits, is sent at once, alone, by its caller: coalescing never delays a
+//! decision that could go now, and costs a lone call nothing but a map entry. When a call ends,
+//! what waited meanwhile is sent by a task of its own, one coalesced call at a time (at most
+//! [`MAX_REQUESTS_PER_CALL`] each), until nothing waits. With one call in flight the server would
+//! sit idle while a reply travels back and the next call is built and sent; with two, the next
+//! call is queued at the server while the previous one runs. A decision whose caller stopped
+//! waiting (its deadline passed) before its call was sent is dropped from the queue unsent; one
+//! already sent runs to its end, as an ambiguous call would. Bounded (I10): at most
+//! [`MAX_WAITING_PER_SLOT`] decisions wait per slot (past it a decision is sent alone), and a
+//! slot's queue exists only while a call of it is in flight.
+//!
+//! Calls of one slot in flight together are each atomic, like concurrent lone calls: the server
+//! runs one and then the other, and no decision's outcome depends on which went first beyond what
+//! concurrent lone calls allow. Decisions are sent in arrival order (a decision never goes alone
+//! while older ones of its slot wait).
 //!
 //! What a failed coalesced call means for each of its decisions is what it would mean for one call
 //! ([`StoreError`]): not executed, ambiguous (each caller handles it with its own decision record)
 //! or rejected; a request refused for its own arguments or state is refused alone.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::oneshot;
@@ -33,6 +42,13 @@ pub const MAX_WAITING_PER_SLOT: usize = 256;
 /// Most decisions one coalesced call carries (the library's own limit).
 pub const MAX_REQUESTS_PER_CALL: usize = 64;
 
+/// Calls of one slot in flight at once by default: one running at the server while the next
+/// waits there (module docs; chosen on the hot-tenant benchmark, docs/limiter.md).
+pub const DEFAULT_CALLS_IN_FLIGHT_PER_SLOT: usize = 2;
+
+/// Most calls of one slot a store may keep in flight at once (I10).
+pub const MAX_CALLS_IN_FLIGHT_PER_SLOT: usize = 8;
+
 /// One decision's call: its keys and arguments, and where its reply goes.
 struct Waiting {
     keys: Vec<String>,
@@ -40,15 +56,26 @@ struct Waiting {
     reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
 }
 
+/// A slot with calls in flight.
+struct Slot {
+    /// Its calls in flight (1 to the coalescer's bound), lone or coalesced.
+    calls_in_flight: usize,
+    /// Decisions waiting for one of them to end, oldest first.
+    waiting: Vec<Waiting>,
+}
+
 /// The decisions waiting per slot.
-#[derive(Default)]
 pub(crate) struct Coalescer {
-    /// By hash tag: present while a call of the slot is in flight, with what waits for it.
-    slots: Mutex<HashMap<String, Vec<Waiting>>>,
+    /// Calls of one slot in flight at once (1 to [`MAX_CALLS_IN_FLIGHT_PER_SLOT`]).
+    calls_in_flight: usize,
+    /// By hash tag: present while a call of the slot is in flight, with what waits.
+    slots: Mutex<HashMap<String, Slot>>,
     /// Decisions sent in coalesced calls of more than one.
     coalesced_decisions: AtomicU64,
     /// Coalesced calls of more than one decision.
     coalesced_calls: AtomicU64,
+    /// Most calls of one slot seen in flight at once (tests).
+    peak_calls_in_flight: AtomicUsize,
 }
 
 fn refs(keys: &[String]) -> Vec<&str> {
@@ -56,7 +83,19 @@ fn refs(keys: &[String]) -> Vec<&str> {
 }
 
 impl Coalescer {
-    fn slots(&self) -> MutexGuard<'_, HashMap<String, Vec<Waiting>>> {
+    /// A coalescer keeping at most `calls_in_flight` calls of a slot in flight, clamped to 1 to
+    /// [`MAX_CALLS_IN_FLIGHT_PER_SLOT`].
+    pub(crate) fn new(calls_in_flight: usize) -> Self {
+        Self {
+            calls_in_flight: calls_in_flight.clamp(1, MAX_CALLS_IN_FLIGHT_PER_SLOT),
+            slots: Mutex::default(),
+            coalesced_decisions: AtomicU64::new(0),
+            coalesced_calls: AtomicU64::new(0),
+            peak_calls_in_flight: AtomicUsize::new(0),
+        }
+    }
+
+    fn slots(&self) -> MutexGuard<'_, HashMap<String, Slot>> {
         self.slots
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -67,6 +106,15 @@ impl Coalescer {
         (
             self.coalesced_decisions.load(Ordering::Relaxed),
             self.coalesced_calls.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Most calls of one slot that were in flight at once, and slots with calls in flight now.
+    #[cfg(test)]
+    pub(crate) fn calls_in_flight(&self) -> (usize, usize) {
+        (
+            self.peak_calls_in_flight.load(Ordering::Relaxed),
+            self.slots().len(),
         )
     }
 
@@ -88,13 +136,27 @@ impl Coalescer {
         let turn = {
             let mut slots = self.slots();
             match slots.get_mut(tag) {
-                Some(queue) if queue.len() < MAX_WAITING_PER_SLOT => {
-                    queue.push(waiting);
+                // Room for another call, and nothing older waits: it goes now.
+                Some(slot)
+                    if slot.calls_in_flight < self.calls_in_flight && slot.waiting.is_empty() =>
+                {
+                    slot.calls_in_flight += 1;
+                    self.peak_calls_in_flight
+                        .fetch_max(slot.calls_in_flight, Ordering::Relaxed);
+                    Turn::Lead(waiting)
+                }
+                Some(slot) if slot.waiting.len() < MAX_WAITING_PER_SLOT => {
+                    slot.waiting.push(waiting);
                     Turn::Queued
                 }
                 Some(_) => Turn::Full(waiting),
                 None => {
-                    slots.insert(tag.to_owned(), Vec::new());
+                    let slot = Slot {
+                        calls_in_flight: 1,
+                        waiting: Vec::new(),
+                    };
+                    slots.insert(tag.to_owned(), slot);
+                    self.peak_calls_in_flight.fetch_max(1, Ordering::Relaxed);
                     Turn::Lead(waiting)
                 }
             }
@@ -119,48 +181,49 @@ impl Coalescer {
         })
     }
 
-    /// After the slot's lone call: what waits is sent by a task of its own, or, when nothing
-    /// waits, the slot has no call in flight any more.
+    /// After a lone call of the slot: what waits is sent by a task of its own (the call's place
+    /// in flight passes to it), or, when nothing waits, the slot has one call fewer in flight.
     fn hand_over(self: &Arc<Self>, calls: &Arc<Calls>, tag: &str) {
         if !self.still_waiting(tag) {
             return;
         }
         let (coalescer, calls, tag) = (self.clone(), calls.clone(), tag.to_owned());
         tokio::spawn(async move {
-            // Should this task panic, the slot's queue does not outlive it.
+            // Should this task panic, its place in flight is given back.
             let mut slot = SlotGuard {
                 coalescer: &coalescer,
                 tag: &tag,
                 armed: true,
             };
             coalescer.send_waiting(&calls, &tag).await;
-            // The queue is gone, and a new one of the same slot may be another task's now.
+            // Its place in flight is given back, and the slot may be another task's now.
             slot.armed = false;
         });
     }
 
-    /// Whether decisions wait for the slot `tag`; when none do (callers that stopped waiting are
-    /// dropped: never sent, so nothing of theirs is decided), the slot has no call in flight any
-    /// more.
+    /// Whether decisions wait for the slot `tag`, for the call that just ended to send; when none
+    /// do (callers that stopped waiting are dropped: never sent, so nothing of theirs is
+    /// decided), that call's place in flight is given back.
     fn still_waiting(&self, tag: &str) -> bool {
         keep_waiting(&mut self.slots(), tag)
     }
 
     /// The next call's decisions for the slot `tag` (at most [`MAX_REQUESTS_PER_CALL`], the
-    /// longest waiting first); none when nothing waits, and then the slot has no call in flight.
+    /// longest waiting first); none when nothing waits, and then the caller's place in flight is
+    /// given back.
     fn next_call(&self, tag: &str) -> Vec<Waiting> {
         let mut slots = self.slots();
         if !keep_waiting(&mut slots, tag) {
             return Vec::new();
         }
-        slots.get_mut(tag).map_or_else(Vec::new, |queue| {
-            let take = queue.len().min(MAX_REQUESTS_PER_CALL);
-            queue.drain(..take).collect()
+        slots.get_mut(tag).map_or_else(Vec::new, |slot| {
+            let take = slot.waiting.len().min(MAX_REQUESTS_PER_CALL);
+            slot.waiting.drain(..take).collect()
         })
     }
 
     /// Sends what waits for the slot `tag`, a coalesced call at a time, until nothing does; then
-    /// the slot has no call in flight.
+    /// its place in flight is given back.
     async fn send_waiting(&self, calls: &Calls, tag: &str) {
         loop {
             let next = self.next_call(tag);
@@ -197,18 +260,34 @@ impl Coalescer {
     }
 }
 
-/// Drops the decisions of `tag`'s queue whose callers stopped waiting; whether any are left (if
-/// none, the queue is removed: the slot has no call in flight).
-fn keep_waiting(slots: &mut HashMap<String, Vec<Waiting>>, tag: &str) -> bool {
-    let Some(queue) = slots.get_mut(tag) else {
+/// Called by one of `tag`'s calls in flight as it ends: drops the decisions of the slot's queue
+/// whose callers stopped waiting, and says whether any are left for it to send. If none are, its
+/// place in flight is given back (and the slot removed when no call of it is left in flight).
+fn keep_waiting(slots: &mut HashMap<String, Slot>, tag: &str) -> bool {
+    let Some(slot) = slots.get_mut(tag) else {
         return false;
     };
-    queue.retain(|waiting| !waiting.reply.is_closed());
-    if queue.is_empty() {
-        slots.remove(tag);
+    slot.waiting.retain(|waiting| !waiting.reply.is_closed());
+    if slot.waiting.is_empty() {
+        leave(slots, tag);
         return false;
     }
     true
+}
+
+/// One call of `tag` is no longer in flight; the slot is removed with the last (nothing can wait
+/// then: a decision waits only while every place is taken).
+fn leave(slots: &mut HashMap<String, Slot>, tag: &str) -> Option<Slot> {
+    let slot = slots.get_mut(tag)?;
+    debug_assert!(
+        slot.calls_in_flight >= 1,
+        "a slot in the map has a call in flight"
+    );
+    slot.calls_in_flight = slot.calls_in_flight.saturating_sub(1);
+    if slot.calls_in_flight == 0 {
+        return slots.remove(tag);
+    }
+    None
 }
 
 /// Hands a slot on when its lone call ends, however it ends (answered, or its caller stopped
@@ -225,8 +304,9 @@ impl Drop for HandOver {
     }
 }
 
-/// Removes a slot's queue if the task that sends its calls panics: the decisions still waiting
-/// are answered as not executed, and the slot's next decision starts a queue again.
+/// Gives back a sending task's place in flight if it panics; if it was the slot's last call in
+/// flight, the decisions still waiting are answered as not executed, and the slot's next decision
+/// starts a queue again.
 struct SlotGuard<'a> {
     coalescer: &'a Coalescer,
     tag: &'a str,
@@ -239,8 +319,8 @@ impl Drop for SlotGuard<'_> {
         if !self.armed {
             return;
         }
-        let left = self.coalescer.slots().remove(self.tag);
-        for waiting in left.into_iter().flatten() {
+        let left = leave(&mut self.coalescer.slots(), self.tag);
+        for waiting in left.into_iter().flat_map(|slot| slot.waiting) {
             let _ = waiting.reply.send(Err(StoreError::NotExecuted {
                 detail: "the slot's coalesced calls stopped".to_owned(),
             }));

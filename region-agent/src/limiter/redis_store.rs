@@ -42,7 +42,7 @@ use redis::{Cmd, RedisError, RedisResult};
 use allot_shared::keys;
 
 use super::batch::RuleBatch;
-use super::coalescing::Coalescer;
+use super::coalescing::{Coalescer, DEFAULT_CALLS_IN_FLIGHT_PER_SLOT};
 pub(crate) use super::redis_calls::Connection;
 use super::redis_calls::{Calls, Code, Library, Script};
 pub use super::scripts::StateLayout;
@@ -68,10 +68,14 @@ pub struct RedisStoreConfig {
     pub call_timeout: Duration,
     /// Deadline for opening a connection.
     pub connect_timeout: Duration,
-    /// Decisions of one slot that arrive while a call of that slot is in flight go together in the
+    /// Decisions of one slot that arrive while the slot's calls are in flight go together in the
     /// next call ([`super::coalescing`]). Off by default: measured so far it saves a hot tenant's
     /// Redis CPU and costs the decisions that wait latency (docs/limiter.md).
     pub coalesce: bool,
+    /// With `coalesce`, calls of one slot in flight at once (1 to
+    /// [`super::coalescing::MAX_CALLS_IN_FLIGHT_PER_SLOT`]; default
+    /// [`super::coalescing::DEFAULT_CALLS_IN_FLIGHT_PER_SLOT`]).
+    pub coalesced_calls_in_flight: usize,
     /// How rule state is written (strings by default; hashes for the length of a rolling upgrade
     /// from agents that wrote hashes). Both are read either way.
     pub state_layout: StateLayout,
@@ -83,6 +87,7 @@ impl Default for RedisStoreConfig {
             call_timeout: DEFAULT_CALL_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             coalesce: false,
+            coalesced_calls_in_flight: DEFAULT_CALLS_IN_FLIGHT_PER_SLOT,
             state_layout: StateLayout::Strings,
         }
     }
@@ -263,7 +268,9 @@ impl RedisStore {
                 call_timeout: config.call_timeout,
                 script_reloads: AtomicU64::new(0),
             }),
-            coalescer: config.coalesce.then(|| Arc::new(Coalescer::default())),
+            coalescer: config
+                .coalesce
+                .then(|| Arc::new(Coalescer::new(config.coalesced_calls_in_flight))),
             time: ScriptTime::Server,
             state_layout: config.state_layout,
             shards: ShardMap::One,
@@ -294,6 +301,15 @@ impl RedisStore {
     pub fn decide_command(&self, batch: &RuleBatch) -> Cmd {
         let args = decide_args(batch, self.now_arg(), self.state_layout);
         self.calls.decide_library.fcall(&decide_keys(batch), &args)
+    }
+
+    /// The coalescer's most calls of one slot in flight at once, and slots with calls in flight
+    /// now ((0, 0) without coalescing).
+    #[cfg(test)]
+    pub(crate) fn coalesced_calls_in_flight(&self) -> (usize, usize) {
+        self.coalescer
+            .as_ref()
+            .map_or((0, 0), |c| c.calls_in_flight())
     }
 
     /// Decisions sent together in one coalesced call, and calls that carried more than one

@@ -22,6 +22,7 @@ use allot_shared::limit::token_bucket::TokenBucketState;
 use allot_testkit::{RedisCluster, RedisServer};
 
 use crate::limiter::batch::{BatchRule, RuleBatch, RuleParams};
+use crate::limiter::coalescing::DEFAULT_CALLS_IN_FLIGHT_PER_SLOT;
 use crate::limiter::in_process::{InProcessStore, Stored};
 use crate::limiter::redis_store::{Connection, RedisStore, RedisStoreConfig, StateLayout};
 use crate::limiter::store::{BatchDecision, LeaseCall, LeaseOutcome, LimiterStore, StoreError};
@@ -34,6 +35,7 @@ pub(super) const TEST_CONFIG: RedisStoreConfig = RedisStoreConfig {
     call_timeout: Duration::from_secs(10),
     connect_timeout: Duration::from_secs(10),
     coalesce: true,
+    coalesced_calls_in_flight: DEFAULT_CALLS_IN_FLIGHT_PER_SLOT,
     state_layout: StateLayout::Strings,
 };
 
@@ -146,8 +148,13 @@ impl Subject {
     /// A fresh Redis server with a store on it, driven by the test clock. Call it on the test's own
     /// thread: the server dies with the thread that started it.
     pub(super) async fn redis_single() -> Self {
+        Self::redis_single_with(TEST_CONFIG).await
+    }
+
+    /// A fresh Redis server and a store on it with `config`.
+    pub(super) async fn redis_single_with(config: RedisStoreConfig) -> Self {
         let server = RedisServer::start();
-        let store = RedisStore::connect(&server.url(), TEST_CONFIG)
+        let store = RedisStore::connect(&server.url(), config)
             .await
             .expect("connects");
         Self::redis(store, Some(server), None)

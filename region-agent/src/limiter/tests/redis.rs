@@ -15,7 +15,7 @@ use super::harness::{
     redis_query, rule_key, tenant,
 };
 use crate::limiter::batch::RuleParams;
-use crate::limiter::redis_store::{Connection, RedisStore};
+use crate::limiter::redis_store::{Connection, RedisStore, RedisStoreConfig};
 use crate::limiter::store::{LeaseCall, LimiterStore, Rejection, StoreError};
 
 /// How often a recovering store is polled.
@@ -645,7 +645,7 @@ async fn tenants_spread_over_a_three_master_cluster_each_decide_in_one_slot() {
 /// 100 (no refill within the run) admits exactly 100 of the 64 users' 640 attempts, each admission
 /// seeing a distinct count left, and no user past its own limit of 3 (a user refused by its own
 /// rule takes nothing from the tenant's).
-async fn coalesced_decisions_of_a_hot_tenant_admit_exactly_its_limit(s: Subject) {
+async fn coalesced_decisions_of_a_hot_tenant_admit_exactly_its_limit(s: &Subject) {
     const TASKS: usize = 64;
     const CALLS_PER_TASK: usize = 10;
     let window = |limit_units| RuleParams::FixedWindow {
@@ -705,12 +705,34 @@ async fn coalesced_decisions_of_a_hot_tenant_admit_exactly_its_limit(s: Subject)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalesced_decisions_on_one_redis_admit_exactly_the_limit() {
-    coalesced_decisions_of_a_hot_tenant_admit_exactly_its_limit(Subject::redis_single().await)
+    coalesced_decisions_of_a_hot_tenant_admit_exactly_its_limit(&Subject::redis_single().await)
         .await;
+}
+
+/// However many calls of a slot may be in flight at once, a hot tenant's decisions admit exactly
+/// its limit, the bound holds (and is reached: a second call goes while the first is in flight),
+/// and when every decision is answered no slot is left holding a place in flight (a leaked place
+/// would queue the slot's later decisions behind calls that never end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_calls_in_flight_stay_within_their_bound_and_are_all_given_back() {
+    for calls_in_flight in 1..=3 {
+        let config = RedisStoreConfig {
+            coalesced_calls_in_flight: calls_in_flight,
+            ..TEST_CONFIG
+        };
+        let s = Subject::redis_single_with(config).await;
+        coalesced_decisions_of_a_hot_tenant_admit_exactly_its_limit(&s).await;
+        let (peak, slots_left) = s.redis_store().coalesced_calls_in_flight();
+        assert_eq!(
+            peak, calls_in_flight,
+            "at most {calls_in_flight} calls of the slot in flight, and that many were"
+        );
+        assert_eq!(slots_left, 0, "every place in flight given back");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coalesced_decisions_on_a_cluster_admit_exactly_the_limit() {
-    coalesced_decisions_of_a_hot_tenant_admit_exactly_its_limit(Subject::redis_cluster().await)
+    coalesced_decisions_of_a_hot_tenant_admit_exactly_its_limit(&Subject::redis_cluster().await)
         .await;
 }
