@@ -366,7 +366,6 @@ const HOT_TENANT_CALLS_IN_FLIGHT: [usize; 4] = [0, 1, 2, 3];
 /// decision budget (250 ms) so that the store decides every one. Reports decisions/s, latency,
 /// Redis CPU per decision the store made (`INFO cpu`) and its ratio to the uncoalesced store's
 /// (the target is at most 0.5, with p99 no worse), and how many decisions went in coalesced calls.
-
 async fn hot_tenant(url: &str, subjects: &Subjects) {
     println!();
     println!(
