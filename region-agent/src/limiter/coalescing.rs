@@ -140,9 +140,7 @@ impl Coalescer {
                 Some(slot)
                     if slot.calls_in_flight < self.calls_in_flight && slot.waiting.is_empty() =>
                 {
-                    slot.calls_in_flight += 1;
-                    self.peak_calls_in_flight
-                        .fetch_max(slot.calls_in_flight, Ordering::Relaxed);
+                    self.take_place(slot);
                     Turn::Lead(waiting)
                 }
                 Some(slot) if slot.waiting.len() < MAX_WAITING_PER_SLOT => {
@@ -151,12 +149,12 @@ impl Coalescer {
                 }
                 Some(_) => Turn::Full(waiting),
                 None => {
-                    let slot = Slot {
-                        calls_in_flight: 1,
+                    let mut slot = Slot {
+                        calls_in_flight: 0,
                         waiting: Vec::new(),
                     };
+                    self.take_place(&mut slot);
                     slots.insert(tag.to_owned(), slot);
-                    self.peak_calls_in_flight.fetch_max(1, Ordering::Relaxed);
                     Turn::Lead(waiting)
                 }
             }
@@ -179,6 +177,14 @@ impl Coalescer {
                 detail: "the coalesced call ended without an answer".to_owned(),
             })
         })
+    }
+
+    /// One more call of `slot` in flight (the caller checked there is room for it).
+    fn take_place(&self, slot: &mut Slot) {
+        slot.calls_in_flight += 1;
+        debug_assert!(slot.calls_in_flight <= self.calls_in_flight);
+        self.peak_calls_in_flight
+            .fetch_max(slot.calls_in_flight, Ordering::Relaxed);
     }
 
     /// After a lone call of the slot: what waits is sent by a task of its own (the call's place
@@ -275,8 +281,9 @@ fn keep_waiting(slots: &mut HashMap<String, Slot>, tag: &str) -> bool {
     true
 }
 
-/// One call of `tag` is no longer in flight; the slot is removed with the last (nothing can wait
-/// then: a decision waits only while every place is taken).
+/// One call of `tag` is no longer in flight. With the last, the slot is removed and returned: its
+/// waiting decisions (none when the call ended normally, having found nothing to send) are the
+/// caller's to answer.
 fn leave(slots: &mut HashMap<String, Slot>, tag: &str) -> Option<Slot> {
     let slot = slots.get_mut(tag)?;
     debug_assert!(
