@@ -174,13 +174,14 @@ enum Kind {
     SlidingLog,
 }
 
-/// What a case's requests look like: any shape, or mostly the shape the decide library serves on a
-/// path of its own (one token bucket or fixed window; no decision record, dry run or advisory rule),
-/// with a two-rule request among them now and then, so that the two paths meet on one key.
+/// What a case's requests look like: any shape, or the plain shape the decide library serves on
+/// paths of its own: one to three token buckets and fixed windows, no decision record, dry run or
+/// advisory rule. Its single-rule requests (a path of their own too) and its requests of two and
+/// three rules draw from a small pool of rules, so that the paths meet on one key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Shape {
     Any,
-    Single,
+    Plain,
 }
 
 fn kind(shape: Shape) -> BoxedStrategy<Kind> {
@@ -193,7 +194,7 @@ fn kind(shape: Shape) -> BoxedStrategy<Kind> {
             Just(Kind::SlidingLog),
         ]
         .boxed(),
-        Shape::Single => prop_oneof![Just(Kind::TokenBucket), Just(Kind::FixedWindow)].boxed(),
+        Shape::Plain => prop_oneof![Just(Kind::TokenBucket), Just(Kind::FixedWindow)].boxed(),
     }
 }
 
@@ -265,8 +266,8 @@ struct PoolRule {
 }
 
 fn pool(shape: Shape) -> impl Strategy<Value = Vec<PoolRule>> {
-    // Few rules for the single shape, so that its requests meet on keys.
-    let size = if shape == Shape::Single { 1..=3 } else { 1..=8 };
+    // Few rules for the plain shape, so that its requests meet on keys.
+    let size = if shape == Shape::Plain { 1..=4 } else { 1..=8 };
     prop::collection::vec(kind(shape), size).prop_flat_map(|kinds| {
         kinds
             .into_iter()
@@ -315,15 +316,15 @@ fn step(shape: Shape) -> impl Strategy<Value = (i64, Step)> {
             0.2,
             0.15,
         ),
-        Shape::Single => (
-            prop_oneof![6 => Just(1usize), 1 => Just(2usize)].boxed(),
+        Shape::Plain => (
+            prop_oneof![4 => Just(1usize), 2 => Just(2usize), 1 => Just(3usize)].boxed(),
             0.0,
             0.0,
         ),
     };
     let record_ttl_ms = match shape {
         Shape::Any => prop_oneof![3 => Just(0u64), 1 => 1u64..5_000, 1 => Just(30_000u64)].boxed(),
-        Shape::Single => Just(0u64).boxed(),
+        Shape::Plain => Just(0u64).boxed(),
     };
     let request = (
         rule_count.prop_flat_map(move |count| {
@@ -444,6 +445,8 @@ fn tightened(params: RuleParams, percent: u64) -> RuleParams {
 struct Tally {
     allowed_single_rule: u64,
     allowed_multi_rule: u64,
+    /// Denied requests of more than one rule (counted among the denials too).
+    denied_multi_rule: u64,
     denied_with_a_wait: u64,
     denied_never: u64,
     rejected: u64,
@@ -460,6 +463,9 @@ impl Tally {
         }
         if let Ok(decision) = outcome {
             self.advisory_denials += decision.advisory_denials.len() as u64;
+            if !decision.allowed && rules > 1 {
+                self.denied_multi_rule += 1;
+            }
         }
         match outcome {
             Ok(decision) if decision.replayed => self.replayed_records += 1,
@@ -1005,7 +1011,7 @@ fn decisions_agree_across_the_pure_core_the_in_process_store_and_redis() {
 fn coalesced_calls_decide_as_their_requests_one_by_one() {
     let runtime = runtime();
     let redis = runtime.block_on(Subject::redis_single());
-    for (shape, cases) in [(Shape::Any, 64), (Shape::Single, 48)] {
+    for (shape, cases) in [(Shape::Any, 64), (Shape::Plain, 48)] {
         let scenario = (
             0u64..1_000_000,
             pool(shape),
@@ -1023,6 +1029,7 @@ fn coalesced_calls_decide_as_their_requests_one_by_one() {
         assert!(
             tally.allowed_single_rule > 0
                 && tally.allowed_multi_rule > 0
+                && tally.denied_multi_rule > 0
                 && tally.denied_with_a_wait > 0
                 && tally.rejected > 0,
             "{shape:?}: the coalesced calls admitted, denied and refused: {tally:?}"
@@ -1030,22 +1037,24 @@ fn coalesced_calls_decide_as_their_requests_one_by_one() {
     }
 }
 
-/// Requests of the shape the decide library serves on a path of its own (and a few of two rules
-/// beside them, on the same keys) decide as the pure core does, one by one on one server (the
+/// Requests of the plain shape, which the decide library serves on paths of their own (one rule,
+/// and two or three on the same keys), decide as the pure core does, one by one on one server (the
 /// coalesced test draws the shape too).
 #[test]
-fn single_rule_requests_agree_across_the_pure_core_the_in_process_store_and_redis() {
+fn plain_requests_agree_across_the_pure_core_the_in_process_store_and_redis() {
     let runtime = runtime();
     let redis = runtime.block_on(Subject::redis_single());
-    let tally = random_decisions(&redis, &runtime, Shape::Single, 96, 60);
+    let tally = random_decisions(&redis, &runtime, Shape::Plain, 96, 60);
     let tally = tally.borrow();
     assert!(
         tally.allowed_single_rule > 0
+            && tally.allowed_multi_rule > 0
+            && tally.denied_multi_rule > 0
             && tally.denied_with_a_wait > 0
             && tally.denied_never > 0
             && tally.rejected > 0
             && tally.clock_steps_back > 0,
-        "every outcome of the single shape was reached: {tally:?}"
+        "every outcome of the plain shape was reached: {tally:?}"
     );
 }
 
