@@ -485,40 +485,46 @@ local function never()
   return { allowed = false, remaining = 0, available = 0, retry = -1 }
 end
 
+-- A token bucket's tokens at `now` and the time it then holds, from the tokens and time it
+-- stored (both nil when the key is empty: a full bucket). Every path of the library refills
+-- through here.
+local function refilled(rule, stored_tokens, stored_at, now)
+  if stored_tokens == nil then
+    return rule.capacity, now
+  end
+  local delta_ms = now - stored_at
+  if delta_ms < 0 then
+    delta_ms = 0
+  elseif delta_ms > rule.full_refill_ms then
+    delta_ms = rule.full_refill_ms
+  end
+  -- delta_ms * refill <= capacity * period + refill < 2^53. The clamp to capacity also covers
+  -- tokens stored under a larger capacity: a tightened policy applies on the next call.
+  local tokens = stored_tokens + div_floor(delta_ms * rule.refill, rule.period)
+  if tokens > rule.capacity then
+    tokens = rule.capacity
+  end
+  -- A clock that stepped back never moves the stored time back.
+  if stored_at > now then
+    return tokens, stored_at
+  end
+  return tokens, now
+end
+
 local function decide_token_bucket(rule, state, now)
   if rule.cost > rule.capacity then return never() end
-  local full_refill_ms = rule.full_refill_ms
-  local tokens = rule.capacity
-  if state then
-    local delta_ms = now - state.ts
-    if delta_ms < 0 then
-      delta_ms = 0
-    elseif delta_ms > full_refill_ms then
-      delta_ms = full_refill_ms
-    end
-    -- delta_ms * refill <= capacity * period + refill < 2^53. The clamp to capacity also covers
-    -- tokens stored under a larger capacity: a tightened policy applies on the next call.
-    tokens = state.tk + div_floor(delta_ms * rule.refill, rule.period)
-    if tokens > rule.capacity then
-      tokens = rule.capacity
-    end
-  end
+  local tokens, updated_at = refilled(rule, state and state.tk, state and state.ts, now)
   if tokens < rule.cost then
     -- deficit <= capacity, so deficit * period <= 2^52.
     local retry = div_ceil((rule.cost - tokens) * rule.period, rule.refill)
     return { allowed = false, remaining = tokens, available = tokens, retry = retry }
   end
   local remaining = tokens - rule.cost
-  -- A clock that stepped back never moves the stored time back.
-  local updated_at = now
-  if state and state.ts > now then
-    updated_at = state.ts
-  end
   -- The key lives until the stored state would be full again: full refill + slack counted from
   -- updated_at, which a clock that stepped back leaves ahead of now (as the core does).
   return {
     allowed = true, remaining = remaining, available = tokens,
-    write = true, updated_at = updated_at, expires_at = updated_at + full_refill_ms + rule.slack,
+    write = true, updated_at = updated_at, expires_at = updated_at + rule.full_refill_ms + rule.slack,
   }
 end
 
@@ -647,6 +653,16 @@ local DECIDE = {
   sl = decide_sliding_log,
 }
 
+-- Writes a tb or fw state string (its two numbers as STATE_PATTERNS lays them out) and its expiry
+-- in one SET, which also replaces an earlier version's hash.
+local function set_string_state(kind, key, first, second, expires_at)
+  if kind == 'tb' then
+    redis.call('SET', key, 't' .. text(first) .. ' ' .. shared_text(second), 'PXAT', shared_text(expires_at))
+  else
+    redis.call('SET', key, 'f' .. shared_text(first) .. ' ' .. text(second), 'PXAT', shared_text(expires_at))
+  end
+end
+
 -- Writes a tb, fw or sc state as the hash of earlier versions, replacing whatever the key held
 -- (a string), and its expiry.
 local function write_hash(kind, key, outcome)
@@ -669,11 +685,9 @@ local function write(spec, key, outcome, now, decision_id, hashes)
   end
   -- The whole state and its expiry in one SET (which also replaces an earlier version's hash).
   if kind == 'fw' then
-    local state = 'f' .. shared_text(outcome.window_start) .. ' ' .. text(outcome.count)
-    redis.call('SET', key, state, 'PXAT', shared_text(outcome.expires_at))
+    set_string_state(kind, key, outcome.window_start, outcome.count, outcome.expires_at)
   elseif kind == 'tb' then
-    local state = 't' .. text(outcome.remaining) .. ' ' .. shared_text(outcome.updated_at)
-    redis.call('SET', key, state, 'PXAT', shared_text(outcome.expires_at))
+    set_string_state(kind, key, outcome.remaining, outcome.updated_at, outcome.expires_at)
   elseif kind == 'gcra' then
     local tat = text(outcome.new_tat)
     redis.call('SET', key, tat, 'PXAT', tat)
@@ -742,38 +756,18 @@ local function decide_single(spec, key, now, batch)
       return string.format('0 1 %d 0 0 %d', left_ms, available)
     end
     count = count + cost
-    local state = 'f' .. shared_text(window_start) .. ' ' .. text(count)
-    redis.call('SET', key, state, 'PXAT', shared_text(now + left_ms))
+    set_string_state('fw', key, window_start, count, now + left_ms)
     return ADMITTED .. ' ' .. text(limit - count)
   end
-  local capacity, refill, period = spec.capacity, spec.refill, spec.period
-  if cost > capacity then
+  if cost > spec.capacity then
     return '0 1 -1 0 0 0'
   end
-  local tokens, updated_at = capacity, now
-  if stored then
-    local delta_ms = now - second
-    if delta_ms < 0 then
-      delta_ms = 0
-    elseif delta_ms > spec.full_refill_ms then
-      delta_ms = spec.full_refill_ms
-    end
-    tokens = first + div_floor(delta_ms * refill, period)
-    if tokens > capacity then
-      tokens = capacity
-    end
-    -- A clock that stepped back never moves the stored time back.
-    if second > now then
-      updated_at = second
-    end
-  end
+  local tokens, updated_at = refilled(spec, first, second, now)
   if tokens < cost then
-    return string.format('0 1 %d 0 0 %d', div_ceil((cost - tokens) * period, refill), tokens)
+    return string.format('0 1 %d 0 0 %d', div_ceil((cost - tokens) * spec.period, spec.refill), tokens)
   end
   local remaining = tokens - cost
-  local expires_at = updated_at + spec.full_refill_ms + spec.slack
-  local state = 't' .. text(remaining) .. ' ' .. shared_text(updated_at)
-  redis.call('SET', key, state, 'PXAT', shared_text(expires_at))
+  set_string_state('tb', key, remaining, updated_at, updated_at + spec.full_refill_ms + spec.slack)
   return ADMITTED .. ' ' .. text(remaining)
 end
 
@@ -871,10 +865,8 @@ local function plain_write(spec, key, first, second, expires_at, batch)
     else
       pending.window_start, pending.count = first, second
     end
-  elseif spec.kind == 'tb' then
-    redis.call('SET', key, 't' .. text(first) .. ' ' .. shared_text(second), 'PXAT', shared_text(expires_at))
   else
-    redis.call('SET', key, 'f' .. shared_text(first) .. ' ' .. text(second), 'PXAT', shared_text(expires_at))
+    set_string_state(spec.kind, key, first, second, expires_at)
   end
 end
 
@@ -951,35 +943,16 @@ local function decide_plain(keys, key_base, args, arg_base, n, now, batch)
           first_after, second_after, expires_at = window_start, count + cost, now + left_ms
         end
       end
+    elseif cost > spec.capacity then
+      held[i], wait_ms = 0, -1
     else
-      local capacity = spec.capacity
-      local tokens, updated_at = capacity, now
-      if first then
-        local delta_ms = now - second
-        if delta_ms < 0 then
-          delta_ms = 0
-        elseif delta_ms > spec.full_refill_ms then
-          delta_ms = spec.full_refill_ms
-        end
-        tokens = first + div_floor(delta_ms * spec.refill, spec.period)
-        if tokens > capacity then
-          tokens = capacity
-        end
-        -- A clock that stepped back never moves the stored time back.
-        if second > now then
-          updated_at = second
-        end
-      end
-      if cost > capacity then
-        held[i], wait_ms = 0, -1
+      local tokens, updated_at = refilled(spec, first, second, now)
+      held[i] = tokens
+      if tokens < cost then
+        wait_ms = div_ceil((cost - tokens) * spec.period, spec.refill)
       else
-        held[i] = tokens
-        if tokens < cost then
-          wait_ms = div_ceil((cost - tokens) * spec.period, spec.refill)
-        else
-          first_after, second_after = tokens - cost, updated_at
-          expires_at = updated_at + spec.full_refill_ms + spec.slack
-        end
+        first_after, second_after = tokens - cost, updated_at
+        expires_at = updated_at + spec.full_refill_ms + spec.slack
       end
     end
     if wait_ms then
