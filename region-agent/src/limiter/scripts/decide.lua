@@ -656,11 +656,9 @@ local DECIDE = {
 -- Writes a tb or fw state string (its two numbers as STATE_PATTERNS lays them out) and its expiry
 -- in one SET, which also replaces an earlier version's hash.
 local function set_string_state(kind, key, first, second, expires_at)
-  if kind == 'tb' then
-    redis.call('SET', key, 't' .. text(first) .. ' ' .. shared_text(second), 'PXAT', shared_text(expires_at))
-  else
-    redis.call('SET', key, 'f' .. shared_text(first) .. ' ' .. text(second), 'PXAT', shared_text(expires_at))
-  end
+  -- One string.format makes the state: formatting a field at a time made a string per field.
+  redis.call('SET', key, string.format(kind == 'tb' and 't%d %d' or 'f%d %d', first, second), 'PXAT',
+    shared_text(expires_at))
 end
 
 -- Writes a tb, fw or sc state as the hash of earlier versions, replacing whatever the key held
@@ -715,6 +713,19 @@ local SPECS, OUTCOMES = {}, {}
 -- The reply's first five fields of an admission every rule made, and of a replay.
 local ADMITTED, REPLAYED = '1 0 0 0 0', '1 0 0 1 0'
 
+-- The plain paths' whole replies for n rules, as string.format patterns: an admission's (the n
+-- remaining values) and a denial's (denied_by, retry, then the n values). One call of
+-- string.format makes the reply, where a field at a time made a string per field; it ignores
+-- arguments past its pattern's, so a caller passes eight values whatever n is.
+local ADMITTED_FORMAT, DENIED_FORMAT = {}, {}
+do
+  local admitted, denied = ADMITTED, '0 %d %d 0 0'
+  for n = 1, MAX_RULES do
+    admitted, denied = admitted .. ' %d', denied .. ' %d'
+    ADMITTED_FORMAT[n], DENIED_FORMAT[n] = admitted, denied
+  end
+end
+
 -- A plain request (see decide_plain) of one rule: the shape of a plain per-user limit, and most of
 -- a store's decisions. It decides as decide_token_bucket and decide_fixed_window do, step for
 -- step, with the state in locals instead of tables, and writes at once; decide_plain costs about
@@ -757,7 +768,7 @@ local function decide_single(spec, key, now, batch)
     end
     count = count + cost
     set_string_state('fw', key, window_start, count, now + left_ms)
-    return ADMITTED .. ' ' .. text(limit - count)
+    return string.format(ADMITTED_FORMAT[1], limit - count)
   end
   if cost > spec.capacity then
     return '0 1 -1 0 0 0'
@@ -768,7 +779,7 @@ local function decide_single(spec, key, now, batch)
   end
   local remaining = tokens - cost
   set_string_state('tb', key, remaining, updated_at, updated_at + spec.full_refill_ms + spec.slack)
-  return ADMITTED .. ' ' .. text(remaining)
+  return string.format(ADMITTED_FORMAT[1], remaining)
 end
 
 -- Per rule of a plain request but its last (reused: one request at a time), what an admission
@@ -824,10 +835,9 @@ end
 -- coalesced call what it read of a key another request names stays what later requests see
 -- (nothing of it changed), so they need not read it again.
 local function plain_denial(keys, key_base, n, denied_by, retry, batch)
-  local reply = string.format('0 %d %d 0 0', denied_by, retry)
-  for i = 1, n do
-    reply = reply .. ' ' .. text(PLAIN_HELD[i])
-  end
+  local held = PLAIN_HELD
+  local reply = string.format(DENIED_FORMAT[n], denied_by, retry, held[1], held[2], held[3], held[4],
+    held[5], held[6], held[7], held[8])
   if batch then
     for i = 1, n do
       local key = keys[key_base + 1 + i]
@@ -968,16 +978,18 @@ local function decide_plain(keys, key_base, args, arg_base, n, now, batch)
   if denied_by ~= 0 then
     return plain_denial(keys, key_base, n, denied_by, retry, batch)
   end
-  -- Admitted by every rule: each reports what is left after its debit, and writes.
-  local reply = ADMITTED
+  -- Admitted by every rule: each reports what is left after its debit (in `held`, whose values
+  -- before the debit a denial would have reported), and writes.
   for i = 1, n - 1 do
     local spec, first, second = specs[i], firsts[i], seconds[i]
-    reply = reply .. ' ' .. text(spec.kind == 'tb' and first or spec.limit - second)
+    held[i] = spec.kind == 'tb' and first or spec.limit - second
     plain_write(spec, keys[key_base + 1 + i], first, second, expiries[i], batch)
   end
   local spec = specs[n]
+  held[n] = spec.kind == 'tb' and first_after or spec.limit - second_after
   plain_write(spec, keys[key_base + 1 + n], first_after, second_after, expires_at, batch)
-  return reply .. ' ' .. text(spec.kind == 'tb' and first_after or spec.limit - second_after)
+  return string.format(ADMITTED_FORMAT[n], held[1], held[2], held[3], held[4], held[5], held[6],
+    held[7], held[8])
 end
 
 -- The decision ---------------------------------------------------------------------------------
