@@ -159,14 +159,30 @@ pub fn http() -> reqwest::Client {
         .expect("http client")
 }
 
-pub async fn wait_until(what: &str, seconds: u64, mut check: impl AsyncFnMut() -> bool) {
+/// How long [`Topology::wait_for_agent`] waits for an agent's readiness, s.
+const AGENT_READY_WITHIN_S: u64 = 90;
+
+pub async fn wait_until(what: &str, seconds: u64, check: impl AsyncFnMut() -> bool) {
+    if !holds_within(seconds, check).await {
+        panic!("timed out after {seconds} s waiting until {what}");
+    }
+}
+
+/// Whether `check` holds within `seconds` (polled every 50 ms).
+pub async fn holds_within(seconds: u64, mut check: impl AsyncFnMut() -> bool) -> bool {
     for _ in 0..seconds * 20 {
         if check().await {
-            return;
+            return true;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("timed out after {seconds} s waiting until {what}");
+    false
+}
+
+/// The last `lines` lines of `text`.
+fn last_lines(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 pub async fn role(client: &reqwest::Client, url: &str) -> Option<String> {
@@ -484,7 +500,10 @@ impl Topology {
 
     pub async fn wait_for_agent(&self, region: &str) {
         let url = &self.agents[region].url;
-        wait_until("the agent is ready", 30, async || {
+        // Ready: started, connected to its Redis, holding its policy bundle. Beside the soak and
+        // the real drill on two cores, a suite run once found an agent not ready after 30 s; the
+        // bound only ends a run that would otherwise hang, and then shows the agent's log.
+        let ready = holds_within(AGENT_READY_WITHIN_S, async || {
             self.client
                 .get(format!("{url}/readyz"))
                 .send()
@@ -492,6 +511,12 @@ impl Topology {
                 .is_ok_and(|r| r.status().is_success())
         })
         .await;
+        if !ready {
+            panic!(
+                "the {region} agent was not ready within {AGENT_READY_WITHIN_S} s; the end of its log:\n{}",
+                last_lines(&self.agents[region].process.log_text(), 40)
+            );
+        }
     }
 
     /// Every process of ours: allocators, then agents.
