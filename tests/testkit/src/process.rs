@@ -128,7 +128,8 @@ impl Drop for ServerProcess {
     }
 }
 
-fn log_tail(path: &Path) -> String {
+/// The last lines of the log at `path`, headed by its path, for failure messages.
+pub fn log_tail(path: &Path) -> String {
     match std::fs::read_to_string(path) {
         Ok(text) => {
             let lines: Vec<&str> = text.lines().collect();

@@ -87,6 +87,14 @@ impl Process {
         self.child.as_ref().map(Child::id)
     }
 
+    /// The end of the current incarnation's log, for failure messages.
+    pub fn log_tail(&self) -> String {
+        self.logs.last().map_or_else(
+            || "(no log yet)".to_owned(),
+            |log| allot_testkit::log_tail(log),
+        )
+    }
+
     /// Every incarnation's log, in order.
     pub fn log_text(&self) -> String {
         self.logs
@@ -177,12 +185,6 @@ pub async fn holds_within(seconds: u64, mut check: impl AsyncFnMut() -> bool) ->
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     false
-}
-
-/// The last `lines` lines of `text`.
-fn last_lines(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 pub async fn role(client: &reqwest::Client, url: &str) -> Option<String> {
@@ -513,8 +515,8 @@ impl Topology {
         .await;
         if !ready {
             panic!(
-                "the {region} agent was not ready within {AGENT_READY_WITHIN_S} s; the end of its log:\n{}",
-                last_lines(&self.agents[region].process.log_text(), 40)
+                "the {region} agent was not ready within {AGENT_READY_WITHIN_S} s\n{}",
+                self.agents[region].process.log_tail()
             );
         }
     }
