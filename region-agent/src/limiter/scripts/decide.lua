@@ -124,8 +124,8 @@ end
 -- The last two numbers shared_text() formatted, and their digits.
 local last_value, last_digits, other_value, other_digits
 
--- text(value) for numbers many writes share: a window's start and end, the call's clock and the
--- expiry that follows from it. string.format costs as much as a small Redis command, and the
+-- text(value) for numbers many writes share: an expiry (a window's end, or the call's clock plus a
+-- bucket's refill time) and a sliding counter's window start. string.format costs as much as a small Redis command, and the
 -- decisions of a call (and of one window) write the same few of these again and again.
 local function shared_text(value)
   if value == last_value then
@@ -764,7 +764,7 @@ local function decide_single(spec, key, now, batch)
     if count + cost > limit then
       local available = limit - count
       if available < 0 then available = 0 end
-      return string.format('0 1 %d 0 0 %d', left_ms, available)
+      return string.format(DENIED_FORMAT[1], 1, left_ms, available)
     end
     count = count + cost
     set_string_state('fw', key, window_start, count, now + left_ms)
@@ -775,7 +775,8 @@ local function decide_single(spec, key, now, batch)
   end
   local tokens, updated_at = refilled(spec, first, second, now)
   if tokens < cost then
-    return string.format('0 1 %d 0 0 %d', div_ceil((cost - tokens) * spec.period, spec.refill), tokens)
+    local wait_ms = div_ceil((cost - tokens) * spec.period, spec.refill)
+    return string.format(DENIED_FORMAT[1], 1, wait_ms, tokens)
   end
   local remaining = tokens - cost
   set_string_state('tb', key, remaining, updated_at, updated_at + spec.full_refill_ms + spec.slack)
