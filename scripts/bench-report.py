@@ -208,7 +208,10 @@ def main():
         print("one FCALL per decision (the store's ceiling). `lease-only` is a policy with one global rule (tokens from leases in")
         print("memory), compared with `trivial` (target at least 0.8); `lease+3-redis` adds three regional")
         print("rules in one script call, compared with `raw-evalsha` (target at least 0.9). The allocator is a")
-        print("stub granting chunks of 100; renewals are prefetched off the request path. `grpc+3-redis` is the")
+        print("stub granting chunks of 1,000 (one renewal of a pool is in flight at a time, so an agent admits")
+        print("at most about a chunk per grant round trip: the reference design's 100 last 3 ms at this bench's")
+        print("rate, less than a renewal takes on a loaded 2-core machine); renewals are prefetched off the")
+        print("request path. `grpc+3-redis` is the")
         print("same decision through Envoy's rate limit service (tonic). With one caller, requests are")
         print("sequential: an admit pays the HTTP hop and the Redis hop one after the other, so its ratio to a")
         print("lone Redis round trip is bounded near 0.6 whatever the agent does; the targets are throughput")
@@ -221,8 +224,9 @@ def main():
         print("`agent us/decision` is that")
         print("thread's CPU (user + system) per decision, steadier than throughput on a shared machine, and")
         print("`per agent core` the decisions one core of such CPU decides per second (`grpc+3-redis`: Envoy RLS")
-        print("`ShouldRateLimit` decisions per second per agent core). Reproduce with `cargo bench -p")
-        print("allot-region-agent --bench agent`.")
+        print("`ShouldRateLimit` decisions per second per agent core). `load us/decision` is the load")
+        print("generator's process CPU per decision and `Redis us/decision` Redis's (`INFO cpu`), both over")
+        print("the same timed run. Reproduce with `cargo bench -p allot-region-agent --bench agent`.")
         print()
         print("Where that CPU goes (`perf record --call-graph dwarf` on this bench, the agent's thread, 2026-12-02):")
         print("about a third in the kernel, and on loopback a sender's write also runs the receiving socket's")
@@ -232,13 +236,14 @@ def main():
         print("serde_json 3 %, metrics and tracing under 1 % each. The agent's own logic is not where the")
         print("ratio is lost.")
         print()
-        print("| path | callers | decisions/s | p50 us | p99 us | x ceiling | unavailable % | agent us/decision | per agent core |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| path | callers | decisions/s | p50 us | p99 us | x ceiling | unavailable % | agent us/decision | per agent core | load us/decision | Redis us/decision |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         calls = []
         for r in agent:
             print(f"| {r['path']} | {r['callers']} | {r['admitsPerSecond']:.0f} | {r['p50Us']} | "
                   f"{r['p99Us']} | {r['ratio']:.2f} | {r.get('unavailablePercent', 0)} | "
-                  f"{r.get('agentCpuUsPerDecision', '-')} | {r.get('decisionsPerAgentCoreSecond', '-')} |")
+                  f"{r.get('agentCpuUsPerDecision', '-')} | {r.get('decisionsPerAgentCoreSecond', '-')} | "
+                  f"{r.get('loadCpuUsPerDecision', '-')} | {r.get('redisCpuUsPerDecision', '-')} |")
             if r['callers'] not in [c[0] for c in calls]:
                 calls.append((r['callers'], r['allocatorCallsPer1000Admits']))
         print()
@@ -259,6 +264,25 @@ def main():
             print(f"Allocator calls per 1,000 admits over the three agent paths at {callers} "
                   f"caller(s): {per_1000} (target at most 20).")
         print()
+        budget = [r for r in bench_lines("agent.log") if r.get("bench") == "agent_cpu"]
+        if budget:
+            cores = budget[0]["cores"]
+            print("### What a target costs this machine")
+            print()
+            print("Per path at 64 callers, the CPU one decision takes in each of the three processes, from the")
+            print("rows above, and the cores the path needs to decide at its target: `lease-only` at 0.8 of")
+            print("`trivial`, `lease+3-redis` at 0.9 of `raw-evalsha`, each ceiling at its own rate. A path that")
+            print(f"needs more than the machine's {cores} cores cannot reach its target here, however the work is")
+            print("scheduled: the figure to move it is the agent's CPU per decision (or a machine where the load")
+            print("generator and Redis do not share the agent's cores).")
+            print()
+            print("| path | target decisions/s | load us | agent us | Redis us | total us | cores needed |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+            for r in budget:
+                print(f"| {r['path']} | {r['targetPerSecond']:.0f} | {r['loadCpuUsPerDecision']} | "
+                      f"{r['agentCpuUsPerDecision']} | {r['redisCpuUsPerDecision']} | "
+                      f"{r['totalCpuUsPerDecision']} | {r['coresNeeded']:.2f} |")
+            print()
         opened = [r for r in bench_lines("agent.log") if r.get("bench") == "agent_open"]
         if opened:
             print("### Below capacity: open loop")
@@ -268,7 +292,9 @@ def main():
             print("made, so the closed-loop rows' `unavailable %` measures this machine's capacity. Below it,")
             print("`lease+3-redis` is offered open loop, evenly spaced, at a fraction of what it decided closed")
             print("loop at 64 callers (fast refusals left out), from up to 256 connections (`unsent`: due while")
-            print("all were busy). The target is 0 % LIMITER_UNAVAILABLE below capacity.")
+            print("all were busy). The open-loop load generator runs at niceness 10: it stands in for gateways on")
+            print("other hosts, so it does not hold a core the agent or Redis waits for. The target is 0 %")
+            print("LIMITER_UNAVAILABLE below capacity.")
             print()
             print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | shed | waited in vain | breaker | unsent | agent us/decision |")
             print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

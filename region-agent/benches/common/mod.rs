@@ -176,9 +176,25 @@ pub async fn start_agent(
     (url, api)
 }
 
+/// Clock ticks per second in `/proc`'s CPU times (USER_HZ on Linux).
+const TICKS_PER_SECOND: f64 = 100.0;
+
+/// User + system clock ticks in a `/proc/.../stat` text (0 when it cannot be read).
+fn stat_cpu_ticks(stat: &str) -> u64 {
+    // Fields after the parenthesised command: state is field 3; utime 14, stime 15.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let field = |n: usize| {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    field(14) + field(15)
+}
+
 /// CPU seconds (user + system) of this process's threads named `name`.
 pub fn thread_cpu_seconds(name: &str) -> f64 {
-    let ticks_per_second = 100.0; // USER_HZ on Linux
     let mut ticks = 0u64;
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return 0.0;
@@ -188,14 +204,16 @@ pub fn thread_cpu_seconds(name: &str) -> f64 {
         if comm.trim() != name {
             continue;
         }
-        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-        // Fields after the parenthesised command: state is field 3; utime 14, stime 15.
-        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-        let fields: Vec<&str> = after.split_whitespace().collect();
-        let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok());
-        ticks += field(14).unwrap_or(0) + field(15).unwrap_or(0);
+        ticks +=
+            stat_cpu_ticks(&std::fs::read_to_string(task.path().join("stat")).unwrap_or_default());
     }
-    ticks as f64 / ticks_per_second
+    ticks as f64 / TICKS_PER_SECOND
+}
+
+/// CPU seconds (user + system) of this whole process so far, every thread.
+pub fn process_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    stat_cpu_ticks(&stat) as f64 / TICKS_PER_SECOND
 }
 
 /// The name of the threads the benchmarks run agents on, so that their CPU can be told apart
