@@ -12,7 +12,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErrorKind};
 
-use super::scripts::{LIBRARY_VERSION_PLACEHOLDER, reply_integers};
+use super::scripts::{LIBRARY_VERSION_PLACEHOLDER, coalesced_call, reply_integers};
 use super::store::{Rejection, StoreError};
 
 /// A script's source and the SHA-1 that `EVALSHA` names it by.
@@ -261,15 +261,10 @@ impl Calls {
         &self,
         requests: &[(&[String], &[String])],
     ) -> Result<Vec<Result<Vec<i64>, StoreError>>, StoreError> {
-        let keys: Vec<&str> = requests
-            .iter()
-            .flat_map(|(keys, _)| keys.iter().map(String::as_str))
-            .collect();
-        let mut args = Vec::with_capacity(1 + requests.iter().map(|(_, a)| a.len()).sum::<usize>());
-        args.push(requests.len().to_string());
-        for (_, request_args) in requests {
-            args.extend(request_args.iter().cloned());
-        }
+        let (keys, args) = coalesced_call(requests).map_err(|detail| StoreError::Rejected {
+            kind: Rejection::InvalidArgument,
+            detail,
+        })?;
         let replies: Vec<redis::Value> = self
             .run(Code::Coalesced(&self.decide_library), &keys, &args)
             .await?;
@@ -282,6 +277,22 @@ impl Calls {
                 ),
             });
         }
+        Ok(replies.into_iter().map(coalesced_reply).collect())
+    }
+}
+
+#[cfg(test)]
+impl Calls {
+    /// The coalesced function with raw `KEYS` and `ARGV`: for tests of its own validation. Each
+    /// request's reply, or why it was refused.
+    pub(crate) async fn decide_many_raw(
+        &self,
+        keys: &[&str],
+        args: &[String],
+    ) -> Result<Vec<Result<Vec<i64>, StoreError>>, StoreError> {
+        let replies: Vec<redis::Value> = self
+            .run(Code::Coalesced(&self.decide_library), keys, args)
+            .await?;
         Ok(replies.into_iter().map(coalesced_reply).collect())
     }
 }

@@ -357,6 +357,16 @@ impl RedisStore {
         self.calls.decide_one(keys, args).await
     }
 
+    /// Runs the coalesced decide function with raw arguments: for tests of its own validation.
+    #[cfg(test)]
+    pub(crate) async fn run_decide_many_raw(
+        &self,
+        keys: &[&str],
+        args: &[String],
+    ) -> Result<Vec<Result<Vec<i64>, StoreError>>, StoreError> {
+        self.calls.decide_many_raw(keys, args).await
+    }
+
     /// Decides `batches` (requests of one slot, in order) in one coalesced call, at the store's
     /// clock: for tests that hold coalesced calls to lone ones.
     #[cfg(test)]

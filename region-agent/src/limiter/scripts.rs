@@ -3,6 +3,9 @@
 //! top of each script (`scripts/decide.lua`, `scripts/concurrency.lua`); this module must follow them
 //! field by field.
 
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
 use allot_shared::limit::RetryAfter;
 use allot_shared::limit::multi::MAX_RULES_PER_REQUEST;
 
@@ -106,6 +109,95 @@ pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64, layout: StateLayout) -
         ));
     }
     args
+}
+
+/// The coalesced function's `KEYS` and `ARGV` for `requests`, each given as a lone call's keys
+/// and arguments ([`decide_keys`], [`decide_args`]), in order: every key once, every header and
+/// rule text once, and a layout naming them once per run of requests that share it (the format is
+/// documented at `decide_many` in `scripts/decide.lua`). A request's decision id is sent only when
+/// the function can read it: for a sliding log, or a decision record. `Err` when a request is not
+/// a lone call's layout (its keys are not its record's and one per rule).
+pub(crate) fn coalesced_call<'a>(
+    requests: &[(&'a [String], &'a [String])],
+) -> Result<(Vec<&'a str>, Vec<String>), String> {
+    let mut keys: Vec<&'a str> = Vec::new();
+    let mut key_slots: HashMap<&'a str, usize> = HashMap::new();
+    let mut texts: Vec<&'a str> = Vec::new();
+    let mut text_indices: HashMap<&'a str, usize> = HashMap::new();
+    // Per request its layout and the decision id it sends.
+    let mut layouts: Vec<(String, Option<&'a str>)> = Vec::with_capacity(requests.len());
+    for (index, (request_keys, request_args)) in requests.iter().enumerate() {
+        let (Some((header, rest)), Some((record_key, rule_keys))) =
+            (request_args.split_first(), request_keys.split_first())
+        else {
+            return Err(format!(
+                "request {} has no header or no record key",
+                index + 1
+            ));
+        };
+        let Some((decision_id, rules)) = rest.split_first() else {
+            return Err(format!("request {} has no decision id", index + 1));
+        };
+        if rules.len() != rule_keys.len() {
+            return Err(format!(
+                "request {} has {} rules and {} rule keys",
+                index + 1,
+                rules.len(),
+                rule_keys.len()
+            ));
+        }
+        let mut text_index = |text: &'a str| {
+            let next = texts.len() + 1;
+            *text_indices.entry(text).or_insert_with(|| {
+                texts.push(text);
+                next
+            })
+        };
+        // The header's second field is the record's TTL (0: no record).
+        let keeps_record = header.split(' ').nth(1) != Some("0");
+        let sends_id = keeps_record || rules.iter().any(|rule| rule.starts_with("sl "));
+        let mut layout = format!(
+            "{} {}",
+            text_index(header),
+            if sends_id { 'i' } else { '-' }
+        );
+        // Keys this request takes: known to later requests only, so that a key named twice in
+        // one request reaches the function twice, which refuses it as a lone call would.
+        let mut taken: Vec<(&'a str, usize)> = Vec::new();
+        let mut push_slot = |layout: &mut String, key: &'a str| match key_slots.get(key) {
+            Some(slot) => {
+                let _ = write!(layout, " {slot}");
+            }
+            None => {
+                keys.push(key);
+                taken.push((key, keys.len()));
+                layout.push_str(" n");
+            }
+        };
+        if keeps_record {
+            push_slot(&mut layout, record_key);
+        } else {
+            layout.push_str(" -");
+        }
+        for (rule, key) in rules.iter().zip(rule_keys) {
+            let _ = write!(layout, " {}", text_index(rule));
+            push_slot(&mut layout, key);
+        }
+        for (key, slot) in taken {
+            key_slots.entry(key).or_insert(slot);
+        }
+        layouts.push((layout, sends_id.then_some(decision_id.as_str())));
+    }
+    let mut args = Vec::with_capacity(2 + texts.len() + 3 * layouts.len());
+    args.push(requests.len().to_string());
+    args.push(texts.len().to_string());
+    args.extend(texts.iter().map(|text| (*text).to_owned()));
+    for run in layouts.chunk_by(|(a, _), (b, _)| a == b) {
+        args.push(run.len().to_string());
+        args.push(run[0].0.clone());
+        args.extend(run.iter().filter_map(|(_, id)| id.map(str::to_owned)));
+    }
+    Ok((keys, args))
 }
 
 /// The batch's advisory rules as the script's mask: bit `i` for rule `i` (0-based).
@@ -388,5 +480,91 @@ mod tests {
         );
         assert!(parse_lease_reply(&[2, 3]).is_err());
         assert!(parse_lease_reply(&[1]).is_err());
+    }
+
+    fn strings(texts: &[&str]) -> Vec<String> {
+        texts.iter().map(|text| (*text).to_owned()).collect()
+    }
+
+    /// A hot tenant's call: each key once, each text once, one layout per run of requests that
+    /// share it; no decision id and no record key where the function cannot read them.
+    #[test]
+    fn a_coalesced_call_sends_what_its_requests_share_once() {
+        let user = "tb 20000 2000 1000 5000 1000";
+        let tenant = "tb 90000 9000 1000 0 1000";
+        let log = "sl 20 10000 0 0 1000";
+        let plain_header = "0 0 2 0 0 0";
+        let recorded_header = "0 30000 2 0 0 0";
+        let request = |user_key: &str, id: &str, header: &str, tenant_rule: &str| {
+            (
+                strings(&[&format!("{{t:a}}r:{id}"), user_key, "{t:a}tenant"]),
+                strings(&[header, id, user, tenant_rule]),
+            )
+        };
+        let owned = [
+            request("{t:a}u:1", "d1", plain_header, tenant),
+            request("{t:a}u:2", "d2", plain_header, tenant),
+            request("{t:a}u:3", "d3", plain_header, tenant),
+            request("{t:a}u:1", "d4", recorded_header, tenant),
+            request("{t:a}u:4", "d5", plain_header, log),
+        ];
+        let requests: Vec<(&[String], &[String])> =
+            owned.iter().map(|(k, a)| (&k[..], &a[..])).collect();
+        let (keys, args) = coalesced_call(&requests).expect("lone layouts");
+        assert_eq!(
+            keys,
+            [
+                "{t:a}u:1",
+                "{t:a}tenant",
+                "{t:a}u:2",
+                "{t:a}u:3",
+                "{t:a}r:d4",
+                "{t:a}u:4"
+            ]
+        );
+        assert_eq!(
+            args,
+            strings(&[
+                "5",
+                "5",
+                plain_header,
+                user,
+                tenant,
+                recorded_header,
+                log,
+                // The first request takes its keys; the next two name the tenant's again.
+                "1",
+                "1 - - 2 n 3 n",
+                "2",
+                "1 - - 2 n 3 2",
+                // A decision record: its key and the decision id are sent; the user's key is
+                // the first request's.
+                "1",
+                "4 i n 2 1 3 2",
+                "d4",
+                // A sliding log reads the decision id.
+                "1",
+                "1 i - 2 n 5 2",
+                "d5",
+            ])
+        );
+    }
+
+    /// A key a request names twice is sent twice, so that the function refuses the request as a
+    /// lone call would; a request that is not a lone call's layout refuses the call.
+    #[test]
+    fn a_coalesced_call_keeps_a_repeated_key_and_refuses_a_broken_request() {
+        let rule = "tb 20000 2000 1000 5000 1000";
+        let keys_twice = strings(&["{t:a}r:1", "{t:a}u:1", "{t:a}u:1"]);
+        let args = strings(&["0 0 2 0 0 0", "d1", rule, rule]);
+        let (keys, call_args) =
+            coalesced_call(&[(&keys_twice[..], &args[..])]).expect("a lone layout");
+        assert_eq!(keys, ["{t:a}u:1", "{t:a}u:1"]);
+        assert_eq!(call_args[4..], strings(&["1", "1 - - 2 n 2 n"]));
+        let missing_key = strings(&["{t:a}r:1", "{t:a}u:1"]);
+        assert!(coalesced_call(&[(&missing_key[..], &args[..])]).is_err());
+        let no_id = strings(&["0 0 1 0 0 0"]);
+        assert!(coalesced_call(&[(&missing_key[..], &no_id[..])]).is_err());
+        assert!(coalesced_call(&[(&[][..], &args[..])]).is_err());
     }
 }

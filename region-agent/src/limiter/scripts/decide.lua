@@ -709,6 +709,8 @@ end
 
 -- Each rule's parsed arguments and outcome during one request's decision (indices 1 to n).
 local SPECS, OUTCOMES = {}, {}
+-- A coalesced call's request as a lone call's keys and arguments (reused: one request at a time).
+local REQUEST_KEYS, REQUEST_ARGS = {}, {}
 
 -- The reply's first five fields of an admission every rule made, and of a replay.
 local ADMITTED, REPLAYED = '1 0 0 0 0', '1 0 0 1 0'
@@ -791,6 +793,9 @@ local PLAIN_FIRST, PLAIN_SECOND, PLAIN_EXPIRES, PLAIN_HELD = {}, {}, {}, {}
 -- state was read from the store by this request (not carried), and the numbers read (nil when the
 -- key was empty).
 local PLAIN_READ, PLAIN_READ_FIRST, PLAIN_READ_SECOND = {}, {}, {}
+-- Per rule of a plain request, whether its key is carried through a coalesced call (another
+-- request of the call names it too).
+local PLAIN_SHARED = {}
 
 -- The numbers of `key`'s state as an earlier request of the call carried it (its pending write, or
 -- what it read), after true when there is such a state and it is of this rule's algorithm (tb or
@@ -818,24 +823,10 @@ local function carried_state(kind, key, batch)
   return false
 end
 
--- How many requests of a coalesced call name each rule key (1, or 2 for two and more), for
--- decide_plain, which carries only the state of keys another request names too: the others it
--- writes at once. Counted when a call first needs it (a call of single-rule requests never does).
-local function rule_key_counts(keys, batch)
-  local named, key_bases, count = {}, batch.key_bases, batch.count
-  for r = 1, count do
-    for k = key_bases[r] + 2, key_bases[r + 1] or #keys do
-      local key = keys[k]
-      named[key] = named[key] and 2 or 1
-    end
-  end
-  return named
-end
-
 -- A denied plain request's reply: every rule reports what it holds, and nothing is written. In a
 -- coalesced call what it read of a key another request names stays what later requests see
 -- (nothing of it changed), so they need not read it again.
-local function plain_denial(keys, key_base, n, denied_by, retry, batch)
+local function plain_denial(keys, key_base, specs, n, denied_by, retry, batch)
   local held = PLAIN_HELD
   local reply = string.format(DENIED_FORMAT[n], denied_by, retry, held[1], held[2], held[3], held[4],
     held[5], held[6], held[7], held[8])
@@ -846,7 +837,7 @@ local function plain_denial(keys, key_base, n, denied_by, retry, batch)
         local first, second = PLAIN_READ_FIRST[i], PLAIN_READ_SECOND[i]
         if first == nil then
           batch.read[key] = false
-        elseif SPECS[i].kind == 'tb' then
+        elseif specs[i].kind == 'tb' then
           batch.read[key] = { tk = first, ts = second }
         else
           batch.read[key] = { w = first, n = second }
@@ -858,26 +849,28 @@ local function plain_denial(keys, key_base, n, denied_by, retry, batch)
 end
 
 -- An admitted plain request's write of rule `spec`'s new state (`first` and `second` as the
--- string holds them) with its expiry. In a coalesced call a key another request names too is
--- written once at the call's end, and until then later requests read it from `batch`; any other
--- key at once, as a lone call writes it.
-local function plain_write(spec, key, first, second, expires_at, batch)
-  if batch and batch.named[key] == 2 then
+-- string holds them) with its expiry. A key another request of a coalesced call names too (the
+-- caller passes the call's `batch` for it) is written once at the call's end, and until then
+-- later requests read it from `batch`; any other key at once, as a lone call writes it.
+local function plain_write(kind, spec, key, first, second, expires_at, batch)
+  if batch then
     local pending = batch.pending[key]
     if pending == nil then
       pending = { write = true }
       batch.pending[key] = pending
       batch.order[#batch.order + 1] = key
     end
-    -- Written as a string: the latest admitting request's layout, as in the general path.
+    -- Written as a string: the latest admitting request's layout, as in the general path. `plain`,
+    -- `first` and `second` are how a later plain request reads it back.
     pending.spec, pending.expires_at, pending.hashes = spec, expires_at, nil
-    if spec.kind == 'tb' then
+    pending.plain, pending.first, pending.second = kind, first, second
+    if kind == 'tb' then
       pending.remaining, pending.updated_at = first, second
     else
       pending.window_start, pending.count = first, second
     end
   else
-    set_string_state(spec.kind, key, first, second, expires_at)
+    set_string_state(kind, key, first, second, expires_at)
   end
 end
 
@@ -886,31 +879,32 @@ end
 -- tenant's, and most of a store's decisions. It decides as decide_token_bucket and
 -- decide_fixed_window do, step for step, with the numbers in locals and the library's own arrays
 -- instead of a table per state and per outcome (the general path costs a fifth to a third more).
--- Returns the reply, or nil when the general path must decide (an invalid rule, a state that is
--- not a valid string of the rule's algorithm, or one carried for another algorithm): nothing is
--- written or carried before it returns nil.
-local function decide_plain(keys, key_base, args, arg_base, n, now, batch)
-  local specs, firsts, seconds, expiries, held = SPECS, PLAIN_FIRST, PLAIN_SECOND, PLAIN_EXPIRES, PLAIN_HELD
+-- `specs` are the request's parsed rules, every one valid and plain (plain_specs). Returns the
+-- reply, or nil when the general path must decide (a state that is not a valid string of the
+-- rule's algorithm, or one carried for another algorithm): nothing is written or carried before it
+-- returns nil.
+local function decide_plain(keys, key_base, specs, n, now, batch)
+  local firsts, seconds, expiries, held, shared = PLAIN_FIRST, PLAIN_SECOND, PLAIN_EXPIRES, PLAIN_HELD,
+    PLAIN_SHARED
+  local named, pendings = batch and batch.named, batch and batch.pending
   local denied_by, retry = 0, 0
-  -- What an admission writes, per rule: the last rule's stays in these locals, the others' go to
-  -- the arrays.
-  local first_after, second_after, expires_at
-  if batch and not batch.named then
-    batch.named = rule_key_counts(keys, batch)
-  end
   for i = 1, n do
-    local spec = parsed(args[arg_base + 2 + i], parse_rule).ok
-    if not (spec and spec.plain) then
-      return nil
-    end
-    specs[i] = spec
+    local spec = specs[i]
     local key, kind = keys[key_base + 1 + i], spec.kind
-    local shared = batch and batch.named[key] == 2
+    local is_shared = named ~= nil and named[key] == 2
+    shared[i] = is_shared
     local carried, first, second
-    if shared then
-      carried, first, second = carried_state(kind, key, batch)
-      if carried == false then
-        return nil
+    if is_shared then
+      -- The latest admission of an earlier request of the call, when it wrote this algorithm's
+      -- state as a plain request writes it; anything else carried_state sorts out.
+      local pending = pendings[key]
+      if pending and pending.plain == kind then
+        carried, first, second = true, pending.first, pending.second
+      else
+        carried, first, second = carried_state(kind, key, batch)
+        if carried == false then
+          return nil
+        end
       end
       PLAIN_READ[i] = carried == nil
     end
@@ -930,10 +924,12 @@ local function decide_plain(keys, key_base, args, arg_base, n, now, batch)
           return nil
         end
       end
-      if shared then
+      if is_shared then
         PLAIN_READ_FIRST[i], PLAIN_READ_SECOND[i] = first, second
       end
     end
+    -- The rule's decision: what it holds before any debit (reported when the request is denied),
+    -- and either its wait or what its admission writes.
     local cost, wait_ms = spec.cost, nil
     if kind == 'fw' then
       local limit, window = spec.limit, spec.window
@@ -951,7 +947,7 @@ local function decide_plain(keys, key_base, args, arg_base, n, now, batch)
         if count + cost > limit then
           wait_ms = left_ms
         else
-          first_after, second_after, expires_at = window_start, count + cost, now + left_ms
+          firsts[i], seconds[i], expiries[i] = window_start, count + cost, now + left_ms
         end
       end
     elseif cost > spec.capacity then
@@ -962,8 +958,8 @@ local function decide_plain(keys, key_base, args, arg_base, n, now, batch)
       if tokens < cost then
         wait_ms = div_ceil((cost - tokens) * spec.period, spec.refill)
       else
-        first_after, second_after = tokens - cost, updated_at
-        expires_at = updated_at + spec.full_refill_ms + spec.slack
+        firsts[i], seconds[i] = tokens - cost, updated_at
+        expiries[i] = updated_at + spec.full_refill_ms + spec.slack
       end
     end
     if wait_ms then
@@ -972,25 +968,51 @@ local function decide_plain(keys, key_base, args, arg_base, n, now, batch)
       if retry ~= -1 and (wait_ms == -1 or wait_ms > retry) then
         retry = wait_ms
       end
-    elseif i < n then
-      firsts[i], seconds[i], expiries[i] = first_after, second_after, expires_at
     end
   end
   if denied_by ~= 0 then
-    return plain_denial(keys, key_base, n, denied_by, retry, batch)
+    return plain_denial(keys, key_base, specs, n, denied_by, retry, batch)
   end
   -- Admitted by every rule: each reports what is left after its debit (in `held`, whose values
   -- before the debit a denial would have reported), and writes.
-  for i = 1, n - 1 do
+  for i = 1, n do
     local spec, first, second = specs[i], firsts[i], seconds[i]
-    held[i] = spec.kind == 'tb' and first or spec.limit - second
-    plain_write(spec, keys[key_base + 1 + i], first, second, expiries[i], batch)
+    local kind = spec.kind
+    held[i] = kind == 'tb' and first or spec.limit - second
+    plain_write(kind, spec, keys[key_base + 1 + i], first, second, expiries[i], shared[i] and batch)
   end
-  local spec = specs[n]
-  held[n] = spec.kind == 'tb' and first_after or spec.limit - second_after
-  plain_write(spec, keys[key_base + 1 + n], first_after, second_after, expires_at, batch)
   return string.format(ADMITTED_FORMAT[n], held[1], held[2], held[3], held[4], held[5], held[6],
     held[7], held[8])
+end
+
+-- The `n` rules whose texts follow texts[offset], parsed, when every one is valid and plain (a
+-- token bucket or a fixed window): the array `into`, filled; else nil.
+local function plain_specs(texts, offset, n, into)
+  for i = 1, n do
+    local spec = parsed(texts[offset + i], parse_rule).ok
+    if not (spec and spec.plain) then
+      return nil
+    end
+    into[i] = spec
+  end
+  return into
+end
+
+-- A rule key that the request whose keys follow keys[key_base + 1] names twice, or nil. At most 8
+-- keys: compared pairwise, nothing allocated.
+local function repeated_key(keys, key_base, n)
+  if n == 2 then
+    local second = keys[key_base + 3]
+    return keys[key_base + 2] == second and second or nil
+  end
+  for k = key_base + 3, key_base + n + 1 do
+    for j = key_base + 2, k - 1 do
+      if keys[j] == keys[k] then
+        return keys[k]
+      end
+    end
+  end
+  return nil
 end
 
 -- The decision ---------------------------------------------------------------------------------
@@ -1027,13 +1049,9 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
     return arg_error('decision id must be 1 to ' .. MAX_DECISION_ID_BYTES .. ' bytes')
   end
   local record_key = keys[key_base + 1]
-  -- At most 8 keys: compared pairwise, nothing allocated.
-  for k = key_base + 3, key_base + n + 1 do
-    for j = key_base + 2, k - 1 do
-      if keys[j] == keys[k] then
-        return arg_error('rule key ' .. keys[k] .. ' appears twice')
-      end
-    end
+  local repeated = n > 1 and repeated_key(keys, key_base, n)
+  if repeated then
+    return arg_error('rule key ' .. repeated .. ' appears twice')
   end
   if not header.server_time then
     now = header.now
@@ -1046,7 +1064,8 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
       local spec = parsed(args[arg_base + 3], parse_rule).ok
       reply = spec and spec.plain and decide_single(spec, keys[key_base + 2], now, batch)
     end
-    reply = reply or decide_plain(keys, key_base, args, arg_base, n, now, batch)
+    local plain = not reply and plain_specs(args, arg_base + 2, n, SPECS)
+    reply = reply or plain and decide_plain(keys, key_base, plain, n, now, batch)
     if reply then
       return reply
     end
@@ -1181,50 +1200,243 @@ local function decide(keys, args)
   return decide_request(keys, 0, args, 0, now, nil)
 end
 
--- Most requests one coalesced call decides.
+-- Most requests one coalesced call decides, and most distinct texts (headers and rules) it sends.
 local MAX_REQUESTS = 64
+local MAX_TEXTS = MAX_REQUESTS * (1 + MAX_RULES)
+
+-- The decision id handed to a request of a coalesced call that sends none: it has no sliding log
+-- and no decision record, the only parts of a decision that read the id.
+local NO_ID = '-'
+
+-- A key slot of a layout: 0 for the call's next key not yet taken, j for KEYS[j], false for none
+-- ('-'), or nil.
+local function key_slot(field)
+  if field == 'n' then
+    return 0
+  elseif field == '-' then
+    return false
+  end
+  return integer(field, 1, MAX_REQUESTS * (1 + MAX_RULES))
+end
+
+-- A request's layout in a coalesced call (see decide_many) as {ok = its structure} or {err = why
+-- not}: the text indices of its header and rules, its rule count, whether its decision id
+-- follows, and per key slot (its decision record's, then one per rule) what key_slot answers;
+-- `fresh` counts the slots that take a new key, `latest` is the highest KEYS index the others
+-- name, and `shared` lists those indices for rule keys. The structure names no text, so the same
+-- layout in the next call is the same structure: it is parsed once (`parsed`), and checked
+-- against each call's texts (check_layout).
+local function parse_layout(layout)
+  local parts = {}
+  for part in string.gmatch(layout, '%S+') do
+    parts[#parts + 1] = part
+  end
+  local count = #parts
+  if count < 5 or count % 2 == 0 or count > 3 + 2 * MAX_RULES or table.concat(parts, ' ') ~= layout then
+    return { err = 'a layout must be a header, an id flag, a record slot and 1 to ' .. MAX_RULES
+      .. ' rules with their key slots, one space apart' }
+  end
+  if parts[2] ~= 'i' and parts[2] ~= '-' then
+    return { err = 'the id flag must be i or -' }
+  end
+  local structure = { header = integer(parts[1], 1, MAX_TEXTS), id = parts[2] == 'i',
+    n = (count - 3) / 2, rules = {}, slots = {}, fresh = 0, latest = 0, shared = {} }
+  if structure.header == nil then
+    return { err = 'the header must be a text index' }
+  end
+  for s = 1, structure.n + 1 do
+    local slot = key_slot(parts[2 * s + 1])
+    if slot == nil or (s > 1 and slot == false) then
+      return { err = 'a key slot must be n or a key index (or - for the record)' }
+    end
+    structure.slots[s] = slot
+    if slot == 0 then
+      structure.fresh = structure.fresh + 1
+    elseif slot then
+      if slot > structure.latest then
+        structure.latest = slot
+      end
+      if s > 1 then
+        structure.shared[#structure.shared + 1] = slot
+      end
+    end
+    if s > 1 then
+      structure.rules[s - 1] = integer(parts[2 * s], 1, MAX_TEXTS)
+      if structure.rules[s - 1] == nil then
+        return { err = 'rule ' .. (s - 1) .. ' must be a text index' }
+      end
+    end
+  end
+  return { ok = structure }
+end
+
+-- What `layout` (a structure) means with this call's `text_count` texts (ARGV[3 ..]) and server
+-- clock `now`: {header = its text, now = the clock its requests are decided at, specs = its
+-- parsed rules when the request is plain (decide_plain), else nil}; or nil and why it does not fit:
+-- every index must name a text, the header must count the layout's rules, a request without a
+-- record slot must keep no record, and one without its decision id must have neither a record nor
+-- a sliding log.
+local function layout_in_call(layout, args, text_count, now)
+  if layout.header > text_count then
+    return nil, 'the header names no text'
+  end
+  local header_text = args[2 + layout.header]
+  local header_entry = parsed(header_text, parse_header)
+  if header_entry.err then
+    return nil, header_entry.err
+  end
+  local header = header_entry.ok
+  if header.n ~= layout.n then
+    return nil, 'the header counts ' .. header.n .. ' rules, the layout ' .. layout.n
+  end
+  local keeps_record = header.record_ttl_ms > 0
+  if keeps_record and layout.slots[1] == false then
+    return nil, 'a request that keeps a decision record needs its record key'
+  end
+  local needs_id = keeps_record
+  for i = 1, layout.n do
+    if layout.rules[i] > text_count then
+      return nil, 'rule ' .. i .. ' names no text'
+    end
+    needs_id = needs_id or string.sub(args[2 + layout.rules[i]], 1, 3) == 'sl '
+  end
+  if needs_id and not layout.id then
+    return nil, 'a sliding log or a decision record needs the decision id'
+  end
+  local rules = {}
+  for i = 1, layout.n do
+    rules[i] = args[2 + layout.rules[i]]
+  end
+  return {
+    header = header_text,
+    rules = rules,
+    now = header.server_time and now or header.now,
+    specs = header.plain and plain_specs(rules, 0, layout.n, {}) or nil,
+  }
+end
 
 -- Several requests of one tenant (one slot), decided one after another in the order given, each
 -- all or nothing and each with its own reply, exactly as that many lone calls in a row at one
--- instant would decide them. ARGV[1] is their count (1 to 64); then each request's arguments as
--- a lone call's (header, decision id, rules), and KEYS each request's keys as a lone call's, in
--- the same order. Replies {reply_1, ..., reply_count}: each a lone call's reply (a string of
--- digits), or, for a request refused for its rules, decision id or state (the others are decided
--- all the same), the text of the error reply a lone call would have given (it starts with a
--- letter). The reply as a whole is an error when the call's layout is wrong: the count, a header,
--- or keys and arguments that do not add up (then nothing ran).
+-- instant would decide them. What the requests have in common is sent once: every key once in
+-- KEYS, every header and rule text once in ARGV, and a layout once for a run of requests that
+-- share it.
+--
+-- KEYS     the call's keys, each once, in the order the requests first name them.
+-- ARGV[1]  the request count R, 1 to 64.
+-- ARGV[2]  the text count T; ARGV[3 .. 2 + T] the texts, each a header or a rule as a lone call
+--          sends it.
+-- Then the requests in order, in runs: a run is the count of its requests, their layout, and
+-- (when the layout says so) each one's decision id. A layout is "<header> <id> <record> <rule_1>
+-- <key_1> ... <rule_n> <key_n>", one space apart, where <header> and each <rule_i> are text
+-- indices (1 to T), <id> is `i` when the run's decision ids follow and `-` when it sends none
+-- (allowed when its requests have no sliding log and keep no decision record), and each key slot
+-- is `n` (the next key of KEYS not taken yet: keys are taken in order, a request's slots in
+-- order), an index j of KEYS taken by a request of an earlier run, or, for <record> of a request
+-- that keeps no record, `-`.
+--
+-- Replies {reply_1, ..., reply_R}: each a lone call's reply (a string of digits), or, for a
+-- request refused for its rules, decision id or state (the others are decided all the same), the
+-- text of the error reply a lone call would have given (it starts with a letter). The reply as a
+-- whole is an error when the call's layout is wrong (the counts, a run, a layout, a header, or keys
+-- and arguments that do not add up): then nothing ran.
 local function decide_many(keys, args)
   local count = integer(args[1], 1, MAX_REQUESTS)
   if count == nil then
     return arg_error('the request count must be 1 to ' .. MAX_REQUESTS)
   end
-  -- The layout first, so that nothing is decided for a call that is cut short.
-  local key_base, arg_base = 0, 1
-  local key_bases, arg_bases = {}, {}
-  local key_count, arg_count = #keys, #args
-  for r = 1, count do
-    local header_entry = parsed(args[arg_base + 1], parse_header)
-    if header_entry.err then
-      return arg_error('request ' .. r .. ': ' .. header_entry.err)
-    end
-    local n = header_entry.ok.n
-    key_bases[r], arg_bases[r] = key_base, arg_base
-    key_base, arg_base = key_base + n + 1, arg_base + n + 2
-    if key_base > key_count or arg_base > arg_count then
-      return arg_error('request ' .. r .. ' runs past the keys or arguments')
-    end
-  end
-  if key_base ~= key_count or arg_base ~= arg_count then
-    return arg_error('expected ' .. key_base .. ' keys and ' .. arg_base .. ' arguments')
+  local text_count = integer(args[2], 1, MAX_TEXTS)
+  if text_count == nil or 2 + text_count > #args then
+    return arg_error('the text count must be 1 to ' .. MAX_TEXTS .. ', within the arguments')
   end
   local now = server_now()
-  local batch = { read = {}, pending = {}, order = {}, key_bases = key_bases, count = count }
+  -- Every run first, so that nothing is decided for a call that is cut short. Each distinct
+  -- layout is parsed once (and kept for later calls) and read against the call's texts once.
+  local in_call, named, run_layouts = {}, {}, {}
+  local arg, taken, decided = 3 + text_count, 0, 0
+  local key_count, arg_count = #keys, #args
+  while decided < count do
+    local run = integer(args[arg], 1, count - decided)
+    local layout_text = args[arg + 1]
+    if run == nil or layout_text == nil then
+      return arg_error('request ' .. (decided + 1) .. ': a run must be its count (within the requests) and a layout')
+    end
+    local entry = parsed(layout_text, parse_layout)
+    if entry.err then
+      return arg_error('request ' .. (decided + 1) .. ': ' .. entry.err)
+    end
+    local layout = entry.ok
+    run_layouts[#run_layouts + 1] = layout
+    if in_call[layout] == nil then
+      local meaning, problem = layout_in_call(layout, args, text_count, now)
+      if meaning == nil then
+        return arg_error('request ' .. (decided + 1) .. ': ' .. problem)
+      end
+      in_call[layout] = meaning
+      -- Keys another request names too: their state is carried through the call (decide_plain).
+      for k = 1, #layout.shared do
+        local key = keys[layout.shared[k]]
+        if key then
+          named[key] = 2
+        end
+      end
+    end
+    if layout.latest > taken then
+      return arg_error('request ' .. (decided + 1) .. ': a key slot names a key no earlier run took')
+    end
+    taken, decided = taken + run * layout.fresh, decided + run
+    arg = arg + 2 + (layout.id and run or 0)
+    if taken > key_count or arg > arg_count + 1 then
+      return arg_error('request ' .. decided .. ' runs past the keys or arguments')
+    end
+  end
+  if taken ~= key_count or arg ~= arg_count + 1 then
+    return arg_error('expected ' .. taken .. ' keys and ' .. (arg - 1) .. ' arguments')
+  end
+  local batch = { read = {}, pending = {}, order = {}, named = named }
+  local request_keys, request_args = REQUEST_KEYS, REQUEST_ARGS
   local replies = {}
-  for r = 1, count do
-    local reply = decide_request(keys, key_bases[r], args, arg_bases[r], now, batch)
-    -- A refused request's error goes back as its text, not as an error reply: clients may take an
-    -- error anywhere in a reply for the whole reply's. (A string's `err` is nil.)
-    replies[r] = reply.err or reply
+  arg, taken, decided = 3 + text_count, 0, 0
+  for k = 1, #run_layouts do
+    local run, layout = args[arg] + 0, run_layouts[k]
+    local meaning = in_call[layout]
+    local n, slots, with_id = layout.n, layout.slots, layout.id
+    arg = arg + 2
+    for _ = 1, run do
+      local decision_id = NO_ID
+      if with_id then
+        decision_id, arg = args[arg], arg + 1
+      end
+      -- The request as a lone call's keys.
+      for s = 1, n + 1 do
+        local j = slots[s]
+        if j == 0 then
+          taken = taken + 1
+          j = taken
+        end
+        request_keys[s] = j and keys[j]
+      end
+      -- A plain request on the plain paths (their replies are strings); whatever they leave, and
+      -- every other request, as a lone call's arguments on the general path.
+      local reply
+      local specs = meaning.specs
+      if specs and not (n > 1 and repeated_key(request_keys, 0, n)) then
+        local at = meaning.now
+        reply = n == 1 and decide_single(specs[1], request_keys[2], at, batch)
+          or decide_plain(request_keys, 0, specs, n, at, batch)
+      end
+      if not reply then
+        request_args[1], request_args[2] = meaning.header, decision_id
+        for i = 1, n do
+          request_args[2 + i] = meaning.rules[i]
+        end
+        reply = decide_request(request_keys, 0, request_args, 0, now, batch)
+        -- A refused request's error goes back as its text, not as an error reply: clients may
+        -- take an error anywhere in a reply for the whole reply's. (A string's `err` is nil.)
+        reply = reply.err or reply
+      end
+      decided = decided + 1
+      replies[decided] = reply
+    end
   end
   local order = batch.order
   for k = 1, #order do

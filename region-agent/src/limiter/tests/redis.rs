@@ -435,6 +435,179 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     );
 }
 
+/// The coalesced function refuses a call whose layout is wrong as a whole, before deciding or
+/// writing anything; a request refused for its own keys is answered with its error text while
+/// the others are decided.
+#[tokio::test]
+async fn the_coalesced_function_refuses_malformed_layouts_and_writes_nothing() {
+    let s = Subject::redis_single().await;
+    let store = s.redis_store();
+    let now = FUTURE_BASE_MS.to_string();
+    let header = format!("{now} 0 2 0 0 0");
+    let user = "tb 20000 2000 1000 5000 1000";
+    let tenant = "tb 90000 9000 1000 0 1000";
+    let keys = ["rl:v1:{t:m}:u:1", "rl:v1:{t:m}:t", "rl:v1:{t:m}:u:2"];
+    // Two requests: the first takes the first user's key and the tenant's, the second takes the
+    // second user's and names the tenant's again.
+    let call = |runs: &[&str]| {
+        let mut args = vec![
+            "2".to_owned(),
+            "3".to_owned(),
+            header.clone(),
+            user.to_owned(),
+            tenant.to_owned(),
+        ];
+        args.extend(runs.iter().map(|field| (*field).to_owned()));
+        args
+    };
+    let valid = call(&["1", "1 - - 2 n 3 n", "1", "1 - - 2 n 3 2"]);
+    let recorded = format!("{now} 30000 2 0 0 0");
+    let logged = "sl 20 10000 0 0 1000";
+    let mut cases: Vec<(&str, Vec<&str>, Vec<String>)> = vec![
+        (
+            "a run longer than the requests left",
+            keys.to_vec(),
+            call(&["2", "1 - - 2 n 3 n"]),
+        ),
+        (
+            "a run of none",
+            keys.to_vec(),
+            call(&["0", "1 - - 2 n 3 n", "2", "1 - - 2 n 3 2"]),
+        ),
+        (
+            "a missing run",
+            keys.to_vec(),
+            call(&["1", "1 - - 2 n 3 n"]),
+        ),
+        (
+            "a key named before any request took it",
+            keys.to_vec(),
+            call(&["1", "1 - - 2 n 3 n", "1", "1 - - 2 3 3 n"]),
+        ),
+        (
+            "a header index past the texts",
+            keys.to_vec(),
+            call(&["1", "4 - - 2 n 3 n", "1", "1 - - 2 n 3 2"]),
+        ),
+        (
+            "a rule index past the texts",
+            keys.to_vec(),
+            call(&["1", "1 - - 2 n 9 n", "1", "1 - - 2 n 3 2"]),
+        ),
+        (
+            "a layout of fewer rules than its header",
+            keys.to_vec(),
+            call(&["1", "1 - - 2 n", "1", "1 - - 2 n 3 2"]),
+        ),
+        (
+            "an id flag neither i nor -",
+            keys.to_vec(),
+            call(&["1", "1 x - 2 n 3 n", "1", "1 - - 2 n 3 2"]),
+        ),
+        (
+            "two spaces in a layout",
+            keys.to_vec(),
+            call(&["1", "1 -  - 2 n 3 n", "1", "1 - - 2 n 3 2"]),
+        ),
+        (
+            "a key left over",
+            vec![keys[0], keys[1], keys[2], "rl:v1:{t:m}:extra"],
+            valid.clone(),
+        ),
+        ("a key missing", keys[..2].to_vec(), valid.clone()),
+        ("an argument left over", keys.to_vec(), {
+            let mut args = valid.clone();
+            args.push("1".to_owned());
+            args
+        }),
+        ("a request count of none", keys.to_vec(), {
+            let mut args = valid.clone();
+            args[0] = "0".to_owned();
+            args
+        }),
+        ("a text count past the arguments", keys.to_vec(), {
+            let mut args = valid.clone();
+            args[1] = "40".to_owned();
+            args
+        }),
+    ];
+    // A decision record needs its key and the decision id; a sliding log needs the id.
+    let mut record_without_key = valid.clone();
+    record_without_key[2] = recorded.clone();
+    record_without_key[6] = "1 i - 2 n 3 n".to_owned();
+    record_without_key.insert(7, "d1".to_owned());
+    cases.push((
+        "a decision record without its key",
+        keys.to_vec(),
+        record_without_key,
+    ));
+    let mut record_without_id = valid.clone();
+    record_without_id[2] = recorded.clone();
+    cases.push((
+        "a decision record without the id",
+        keys.to_vec(),
+        record_without_id,
+    ));
+    let mut log_without_id = valid.clone();
+    log_without_id[4] = logged.to_owned();
+    cases.push((
+        "a sliding log without the id",
+        keys.to_vec(),
+        log_without_id,
+    ));
+    for (name, keys, args) in &cases {
+        let refused = store.run_decide_many_raw(keys, args).await;
+        assert!(
+            matches!(
+                refused,
+                Err(StoreError::Rejected {
+                    kind: Rejection::InvalidArgument,
+                    ..
+                })
+            ),
+            "{name}: {refused:?}"
+        );
+    }
+    let written: i64 =
+        redis_query(&s.redis_connection(), redis::cmd("EXISTS").arg(&keys[..])).await;
+    assert_eq!(written, 0, "no refused call wrote anything");
+
+    // A request naming one key twice is refused on its own; the other is decided.
+    let repeated = store
+        .run_decide_many_raw(
+            &[keys[0], keys[0], keys[2], keys[1]],
+            &call(&["1", "1 - - 2 n 3 n", "1", "1 - - 2 n 3 n"]),
+        )
+        .await
+        .expect("the call runs");
+    assert!(
+        matches!(
+            &repeated[..],
+            [
+                Err(StoreError::Rejected {
+                    kind: Rejection::InvalidArgument,
+                    ..
+                }),
+                Ok(_)
+            ]
+        ),
+        "{repeated:?}"
+    );
+    // The valid call: the second user's bucket and the tenant's were each debited once already,
+    // by the other request of the call above.
+    let decided = store
+        .run_decide_many_raw(&keys, &valid)
+        .await
+        .expect("the valid call decides");
+    assert_eq!(
+        decided,
+        [
+            Ok(vec![1, 0, 0, 0, 0, 19_000, 88_000]),
+            Ok(vec![1, 0, 0, 0, 0, 18_000, 87_000])
+        ]
+    );
+}
+
 #[tokio::test]
 async fn corrupt_state_is_refused_not_reset() {
     let s = Subject::redis_single().await;
