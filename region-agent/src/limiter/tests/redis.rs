@@ -463,98 +463,76 @@ async fn the_coalesced_function_refuses_malformed_layouts_and_writes_nothing() {
     let valid = call(&["1", "1 - - 2 n 3 n", "1", "1 - - 2 n 3 2"]);
     let recorded = format!("{now} 30000 2 0 0 0");
     let logged = "sl 20 10000 0 0 1000";
-    let mut cases: Vec<(&str, Vec<&str>, Vec<String>)> = vec![
+    // Runs that do not add up, or layouts that do not fit the texts.
+    let broken_runs: [(&str, &[&str]); 9] = [
         (
             "a run longer than the requests left",
-            keys.to_vec(),
-            call(&["2", "1 - - 2 n 3 n"]),
+            &["2", "1 - - 2 n 3 n"],
         ),
         (
             "a run of none",
-            keys.to_vec(),
-            call(&["0", "1 - - 2 n 3 n", "2", "1 - - 2 n 3 2"]),
+            &["0", "1 - - 2 n 3 n", "2", "1 - - 2 n 3 2"],
         ),
-        (
-            "a missing run",
-            keys.to_vec(),
-            call(&["1", "1 - - 2 n 3 n"]),
-        ),
+        ("a missing run", &["1", "1 - - 2 n 3 n"]),
         (
             "a key named before any request took it",
-            keys.to_vec(),
-            call(&["1", "1 - - 2 n 3 n", "1", "1 - - 2 3 3 n"]),
+            &["1", "1 - - 2 n 3 n", "1", "1 - - 2 3 3 n"],
         ),
         (
             "a header index past the texts",
-            keys.to_vec(),
-            call(&["1", "4 - - 2 n 3 n", "1", "1 - - 2 n 3 2"]),
+            &["1", "4 - - 2 n 3 n", "1", "1 - - 2 n 3 2"],
         ),
         (
             "a rule index past the texts",
-            keys.to_vec(),
-            call(&["1", "1 - - 2 n 9 n", "1", "1 - - 2 n 3 2"]),
+            &["1", "1 - - 2 n 9 n", "1", "1 - - 2 n 3 2"],
         ),
         (
             "a layout of fewer rules than its header",
-            keys.to_vec(),
-            call(&["1", "1 - - 2 n", "1", "1 - - 2 n 3 2"]),
+            &["1", "1 - - 2 n", "1", "1 - - 2 n 3 2"],
         ),
         (
             "an id flag neither i nor -",
-            keys.to_vec(),
-            call(&["1", "1 x - 2 n 3 n", "1", "1 - - 2 n 3 2"]),
+            &["1", "1 x - 2 n 3 n", "1", "1 - - 2 n 3 2"],
         ),
         (
             "two spaces in a layout",
-            keys.to_vec(),
-            call(&["1", "1 -  - 2 n 3 n", "1", "1 - - 2 n 3 2"]),
+            &["1", "1 -  - 2 n 3 n", "1", "1 - - 2 n 3 2"],
         ),
-        (
-            "a key left over",
-            vec![keys[0], keys[1], keys[2], "rl:v1:{t:m}:extra"],
-            valid.clone(),
-        ),
-        ("a key missing", keys[..2].to_vec(), valid.clone()),
-        ("an argument left over", keys.to_vec(), {
-            let mut args = valid.clone();
-            args.push("1".to_owned());
-            args
-        }),
-        ("a request count of none", keys.to_vec(), {
-            let mut args = valid.clone();
-            args[0] = "0".to_owned();
-            args
-        }),
-        ("a text count past the arguments", keys.to_vec(), {
-            let mut args = valid.clone();
-            args[1] = "40".to_owned();
-            args
-        }),
     ];
+    let mut cases: Vec<(&str, Vec<&str>, Vec<String>)> = broken_runs
+        .iter()
+        .map(|(name, runs)| (*name, keys.to_vec(), call(runs)))
+        .collect();
+    // Keys that do not add up.
+    cases.push((
+        "a key left over",
+        vec![keys[0], keys[1], keys[2], "rl:v1:{t:m}:extra"],
+        valid.clone(),
+    ));
+    cases.push(("a key missing", keys[..2].to_vec(), valid.clone()));
+    // The valid call's arguments with one thing changed.
+    let mut changed = |name: &'static str, change: &dyn Fn(&mut Vec<String>)| {
+        let mut args = valid.clone();
+        change(&mut args);
+        cases.push((name, keys.to_vec(), args));
+    };
+    changed("an argument left over", &|args| args.push("1".to_owned()));
+    changed("a request count of none", &|args| args[0] = "0".to_owned());
+    changed("a text count past the arguments", &|args| {
+        args[1] = "40".to_owned()
+    });
     // A decision record needs its key and the decision id; a sliding log needs the id.
-    let mut record_without_key = valid.clone();
-    record_without_key[2] = recorded.clone();
-    record_without_key[6] = "1 i - 2 n 3 n".to_owned();
-    record_without_key.insert(7, "d1".to_owned());
-    cases.push((
-        "a decision record without its key",
-        keys.to_vec(),
-        record_without_key,
-    ));
-    let mut record_without_id = valid.clone();
-    record_without_id[2] = recorded.clone();
-    cases.push((
-        "a decision record without the id",
-        keys.to_vec(),
-        record_without_id,
-    ));
-    let mut log_without_id = valid.clone();
-    log_without_id[4] = logged.to_owned();
-    cases.push((
-        "a sliding log without the id",
-        keys.to_vec(),
-        log_without_id,
-    ));
+    changed("a decision record without its key", &|args| {
+        args[2] = recorded.clone();
+        args[6] = "1 i - 2 n 3 n".to_owned();
+        args.insert(7, "d1".to_owned());
+    });
+    changed("a decision record without the id", &|args| {
+        args[2] = recorded.clone()
+    });
+    changed("a sliding log without the id", &|args| {
+        args[4] = logged.to_owned()
+    });
     for (name, keys, args) in &cases {
         let refused = store.run_decide_many_raw(keys, args).await;
         assert!(
