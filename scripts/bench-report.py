@@ -212,7 +212,9 @@ def main():
         print("at most about a chunk per grant round trip: the reference design's 100 last 3 ms at this bench's")
         print("rate, less than a renewal takes on a loaded 2-core machine); renewals are prefetched off the")
         print("request path. `grpc+3-redis` is the")
-        print("same decision through Envoy's rate limit service (tonic). With one caller, requests are")
+        print("same decision through Envoy's rate limit service (tonic); `lease+3-redis coalescing` the same")
+        print("as `lease+3-redis` through an agent whose store coalesces (`--coalesce-hot-keys true`: every")
+        print("caller's route and tenant keys are shared). With one caller, requests are")
         print("sequential: an admit pays the HTTP hop and the Redis hop one after the other, so its ratio to a")
         print("lone Redis round trip is bounded near 0.6 whatever the agent does; the targets are throughput")
         print("targets, read at 64 callers. The agent and the allocator binaries (and this bench) use mimalloc.")
@@ -261,7 +263,7 @@ def main():
                   "slow shard.")
             print()
         for callers, per_1000 in calls:
-            print(f"Allocator calls per 1,000 admits over the three agent paths at {callers} "
+            print(f"Allocator calls per 1,000 admits over the agent paths at {callers} "
                   f"caller(s): {per_1000} (target at most 20).")
         print()
         budget = [r for r in bench_lines("agent.log") if r.get("bench") == "agent_cpu"]

@@ -5,6 +5,9 @@
 //! - `lease-only`: a policy with one global rule: tokens come from leases held in memory.
 //! - `lease+3-redis`: the same plus three regional rules decided in one Redis script call.
 //! - `grpc+3-redis`: the same decisions through Envoy's rate limit service (gRPC, tonic).
+//! - `lease+3-redis coalescing`: `lease+3-redis` through an agent whose store coalesces
+//!   (`--coalesce-hot-keys true`): the three rules share the tenant's slot, and its route and tenant
+//!   keys are shared by every caller.
 //! - `raw-evalsha`: the same decision function and arguments sent straight to Redis, one call per
 //!   decision (the store's ceiling; the name is kept for the report's history).
 //! - `open 0.5x`, `open 0.8x`: `lease+3-redis` offered open loop, evenly spaced, at those fractions
@@ -471,6 +474,17 @@ async fn run(agents: tokio::runtime::Handle) {
                     .await
                     .expect("redis"),
             );
+            let coalescing_store = Arc::new(
+                RedisStore::connect(
+                    &redis_url,
+                    RedisStoreConfig {
+                        coalesce: true,
+                        ..RedisStoreConfig::default()
+                    },
+                )
+                .await
+                .expect("redis"),
+            );
             // Reads the request's body (as any handler must) and answers a constant decision.
             let app = axum::Router::new().route(
                 "/constant",
@@ -481,14 +495,15 @@ async fn run(agents: tokio::runtime::Handle) {
                 Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));
             let (lease_only, _) = start_agent(in_process, &allocator, false).await;
             let (with_redis, with_redis_api) = start_agent(redis_store, &allocator, true).await;
-            (trivial, lease_only, with_redis, with_redis_api)
+            let (coalescing, _) = start_agent(coalescing_store, &allocator, true).await;
+            (trivial, lease_only, with_redis, with_redis_api, coalescing)
         })
     };
-    let (trivial, lease_only, with_redis, with_redis_api) =
+    let (trivial, lease_only, with_redis, with_redis_api, coalescing) =
         on_agents.await.expect("the agents' runtime");
     let grpc_url = serve_grpc_on(&agents, with_redis_api.clone()).await;
     println!(
-        "{:<14} {:>8} {:>12} {:>8} {:>8} {:>12} {:>14} {:>16} {:>12} {:>12}",
+        "{:<24} {:>8} {:>12} {:>8} {:>8} {:>12} {:>14} {:>16} {:>12} {:>12}",
         "path",
         "callers",
         "admits/s",
@@ -524,8 +539,12 @@ async fn run(agents: tokio::runtime::Handle) {
             callers,
         };
         let grpc_path = measure(&grpc_load, &mut redis_info).await;
-        let admits =
-            (lease.per_second + redis_path.per_second + grpc_path.per_second) * RUN.as_secs_f64();
+        let coalesced_path = measure(&closed(&coalescing, "v1/admit"), &mut redis_info).await;
+        let admits = (lease.per_second
+            + redis_path.per_second
+            + grpc_path.per_second
+            + coalesced_path.per_second)
+            * RUN.as_secs_f64();
         let calls = grants.load(Ordering::Relaxed) - admits_before;
         // Why the Redis agent's limiter did not decide (both of its paths, HTTP and gRPC).
         let limiter = with_redis_api.agent.limiter_stats();
@@ -545,6 +564,7 @@ async fn run(agents: tokio::runtime::Handle) {
             ("lease-only", &lease, ceiling.per_second),
             ("lease+3-redis", &redis_path, raw.per_second),
             ("grpc+3-redis", &grpc_path, raw.per_second),
+            ("lease+3-redis coalescing", &coalesced_path, raw.per_second),
         ] {
             let ratio = figure.per_second / against.max(1.0);
             let agent_cpu_us = figure.agent_cpu_us_per_decision;
@@ -555,7 +575,7 @@ async fn run(agents: tokio::runtime::Handle) {
                 0.0
             };
             println!(
-                "{path:<14} {callers:>8} {:>12.0} {:>8} {:>8} {ratio:>12.2} {agent_cpu_us:>14.1} {per_agent_core:>16.0} {:>12.1} {:>12.1}",
+                "{path:<24} {callers:>8} {:>12.0} {:>8} {:>8} {ratio:>12.2} {agent_cpu_us:>14.1} {per_agent_core:>16.0} {:>12.1} {:>12.1}",
                 figure.per_second,
                 figure.p50_us,
                 figure.p99_us,
@@ -578,7 +598,7 @@ async fn run(agents: tokio::runtime::Handle) {
         if callers == 64 {
             // Below capacity: what the closed loop decided (fast refusals left out), offered in part.
             peak_decided = redis_path.per_second * (1.0 - redis_path.unavailable_share);
-            cpu_account(&ceiling, &raw, &lease, &redis_path);
+            cpu_account(&ceiling, &raw, &lease, &redis_path, &coalesced_path);
         }
     }
     open_loop(&with_redis, &with_redis_api, peak_decided, &mut redis_info).await;
@@ -590,11 +610,17 @@ async fn run(agents: tokio::runtime::Handle) {
 /// `trivial`, `lease+3-redis` at 0.9 of `raw-evalsha`; the ceilings at their own rate). A path
 /// that needs more cores than the machine has cannot reach its target here, however the work is
 /// scheduled. A table, and one `BENCH` line with bench = "agent_cpu" per path.
-fn cpu_account(ceiling: &Figure, raw: &Figure, lease: &Figure, redis_path: &Figure) {
+fn cpu_account(
+    ceiling: &Figure,
+    raw: &Figure,
+    lease: &Figure,
+    redis_path: &Figure,
+    coalesced_path: &Figure,
+) {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     println!();
     println!(
-        "{:<14} {:>12} {:>10} {:>10} {:>10} {:>10} {:>12}",
+        "{:<24} {:>12} {:>10} {:>10} {:>10} {:>10} {:>12}",
         "at 64 callers", "target/s", "load us", "agent us", "Redis us", "total us", "cores needed"
     );
     for (path, figure, target_per_second) in [
@@ -602,13 +628,18 @@ fn cpu_account(ceiling: &Figure, raw: &Figure, lease: &Figure, redis_path: &Figu
         ("raw-evalsha", raw, raw.per_second),
         ("lease-only", lease, ceiling.per_second * 0.8),
         ("lease+3-redis", redis_path, raw.per_second * 0.9),
+        (
+            "lease+3-redis coalescing",
+            coalesced_path,
+            raw.per_second * 0.9,
+        ),
     ] {
         let total_us = figure.load_cpu_us_per_decision
             + figure.agent_cpu_us_per_decision
             + figure.redis_cpu_us_per_decision;
         let cores_needed = target_per_second * total_us / 1e6;
         println!(
-            "{path:<14} {target_per_second:>12.0} {:>10.1} {:>10.1} {:>10.1} {total_us:>10.1} {cores_needed:>12.2}",
+            "{path:<24} {target_per_second:>12.0} {:>10.1} {:>10.1} {:>10.1} {total_us:>10.1} {cores_needed:>12.2}",
             figure.load_cpu_us_per_decision,
             figure.agent_cpu_us_per_decision,
             figure.redis_cpu_us_per_decision
@@ -645,7 +676,7 @@ async fn open_loop(
         let limiter = api.agent.limiter_stats();
         let label = format!("open {fraction}x");
         println!(
-            "{label:<14} {:>8} {:>12.0} {:>8} {:>8} {:>12} {:>14.1} {:>16}",
+            "{label:<24} {:>8} {:>12.0} {:>8} {:>8} {:>12} {:>14.1} {:>16}",
             "-",
             figure.per_second,
             figure.p50_us,
