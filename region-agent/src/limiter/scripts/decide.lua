@@ -833,7 +833,7 @@ local function plain_denial(keys, key_base, specs, n, denied_by, retry, batch)
   if batch then
     for i = 1, n do
       local key = keys[key_base + 1 + i]
-      if batch.named[key] == 2 and PLAIN_READ[i] then
+      if PLAIN_SHARED[i] and PLAIN_READ[i] then
         local first, second = PLAIN_READ_FIRST[i], PLAIN_READ_SECOND[i]
         if first == nil then
           batch.read[key] = false
@@ -852,7 +852,8 @@ end
 -- string holds them) with its expiry. A key another request of a coalesced call names too (the
 -- caller passes the call's `batch` for it) is written once at the call's end, and until then
 -- later requests read it from `batch`; any other key at once, as a lone call writes it.
-local function plain_write(kind, spec, key, first, second, expires_at, batch)
+local function plain_write(spec, key, first, second, expires_at, batch)
+  local kind = spec.kind
   if batch then
     local pending = batch.pending[key]
     if pending == nil then
@@ -860,10 +861,8 @@ local function plain_write(kind, spec, key, first, second, expires_at, batch)
       batch.pending[key] = pending
       batch.order[#batch.order + 1] = key
     end
-    -- Written as a string: the latest admitting request's layout, as in the general path. `plain`,
-    -- `first` and `second` are how a later plain request reads it back.
+    -- Written as a string: the latest admitting request's layout, as in the general path.
     pending.spec, pending.expires_at, pending.hashes = spec, expires_at, nil
-    pending.plain, pending.first, pending.second = kind, first, second
     if kind == 'tb' then
       pending.remaining, pending.updated_at = first, second
     else
@@ -886,25 +885,19 @@ end
 local function decide_plain(keys, key_base, specs, n, now, batch)
   local firsts, seconds, expiries, held, shared = PLAIN_FIRST, PLAIN_SECOND, PLAIN_EXPIRES, PLAIN_HELD,
     PLAIN_SHARED
-  local named, pendings = batch and batch.named, batch and batch.pending
+  local shared_keys = batch and batch.shared
   local denied_by, retry = 0, 0
   for i = 1, n do
     local spec = specs[i]
     local key, kind = keys[key_base + 1 + i], spec.kind
-    local is_shared = named ~= nil and named[key] == 2
+    -- A boolean, never nil: the arrays keep no holes.
+    local is_shared = shared_keys ~= nil and shared_keys[key] == true
     shared[i] = is_shared
     local carried, first, second
     if is_shared then
-      -- The latest admission of an earlier request of the call, when it wrote this algorithm's
-      -- state as a plain request writes it; anything else carried_state sorts out.
-      local pending = pendings[key]
-      if pending and pending.plain == kind then
-        carried, first, second = true, pending.first, pending.second
-      else
-        carried, first, second = carried_state(kind, key, batch)
-        if carried == false then
-          return nil
-        end
+      carried, first, second = carried_state(kind, key, batch)
+      if carried == false then
+        return nil
       end
       PLAIN_READ[i] = carried == nil
     end
@@ -977,9 +970,8 @@ local function decide_plain(keys, key_base, specs, n, now, batch)
   -- before the debit a denial would have reported), and writes.
   for i = 1, n do
     local spec, first, second = specs[i], firsts[i], seconds[i]
-    local kind = spec.kind
-    held[i] = kind == 'tb' and first or spec.limit - second
-    plain_write(kind, spec, keys[key_base + 1 + i], first, second, expiries[i], shared[i] and batch)
+    held[i] = spec.kind == 'tb' and first or spec.limit - second
+    plain_write(spec, keys[key_base + 1 + i], first, second, expiries[i], shared[i] and batch)
   end
   return string.format(ADMITTED_FORMAT[n], held[1], held[2], held[3], held[4], held[5], held[6],
     held[7], held[8])
@@ -1203,6 +1195,10 @@ end
 -- Most requests one coalesced call decides, and most distinct texts (headers and rules) it sends.
 local MAX_REQUESTS = 64
 local MAX_TEXTS = MAX_REQUESTS * (1 + MAX_RULES)
+-- Most keys a coalesced call names (each request's record and rule keys), and the longest layout:
+-- 3 + 2 x 8 fields of at most 3 characters, one space apart, well within it.
+local MAX_CALL_KEYS = MAX_REQUESTS * (1 + MAX_RULES)
+local MAX_LAYOUT_BYTES = 96
 
 -- The decision id handed to a request of a coalesced call that sends none: it has no sliding log
 -- and no decision record, the only parts of a decision that read the id.
@@ -1216,7 +1212,7 @@ local function key_slot(field)
   elseif field == '-' then
     return false
   end
-  return integer(field, 1, MAX_REQUESTS * (1 + MAX_RULES))
+  return integer(field, 1, MAX_CALL_KEYS)
 end
 
 -- A request's layout in a coalesced call (see decide_many) as {ok = its structure} or {err = why
@@ -1225,8 +1221,11 @@ end
 -- `fresh` counts the slots that take a new key, `latest` is the highest KEYS index the others
 -- name, and `shared` lists those indices for rule keys. The structure names no text, so the same
 -- layout in the next call is the same structure: it is parsed once (`parsed`), and checked
--- against each call's texts (check_layout).
+-- against each call's texts (layout_in_call).
 local function parse_layout(layout)
+  if #layout > MAX_LAYOUT_BYTES then
+    return { err = 'a layout must be at most ' .. MAX_LAYOUT_BYTES .. ' bytes' }
+  end
   local parts = {}
   for part in string.gmatch(layout, '%S+') do
     parts[#parts + 1] = part
@@ -1293,19 +1292,16 @@ local function layout_in_call(layout, args, text_count, now)
   if keeps_record and layout.slots[1] == false then
     return nil, 'a request that keeps a decision record needs its record key'
   end
-  local needs_id = keeps_record
+  local needs_id, rules = keeps_record, {}
   for i = 1, layout.n do
     if layout.rules[i] > text_count then
       return nil, 'rule ' .. i .. ' names no text'
     end
-    needs_id = needs_id or string.sub(args[2 + layout.rules[i]], 1, 3) == 'sl '
+    rules[i] = args[2 + layout.rules[i]]
+    needs_id = needs_id or string.sub(rules[i], 1, 3) == 'sl '
   end
   if needs_id and not layout.id then
     return nil, 'a sliding log or a decision record needs the decision id'
-  end
-  local rules = {}
-  for i = 1, layout.n do
-    rules[i] = args[2 + layout.rules[i]]
   end
   return {
     header = header_text,
@@ -1351,7 +1347,7 @@ local function decide_many(keys, args)
   local now = server_now()
   -- Every run first, so that nothing is decided for a call that is cut short. Each distinct
   -- layout is parsed once (and kept for later calls) and read against the call's texts once.
-  local in_call, named, run_layouts = {}, {}, {}
+  local in_call, shared_keys, run_layouts = {}, {}, {}
   local arg, taken, decided = 3 + text_count, 0, 0
   local key_count, arg_count = #keys, #args
   while decided < count do
@@ -1376,7 +1372,7 @@ local function decide_many(keys, args)
       for k = 1, #layout.shared do
         local key = keys[layout.shared[k]]
         if key then
-          named[key] = 2
+          shared_keys[key] = true
         end
       end
     end
@@ -1392,7 +1388,7 @@ local function decide_many(keys, args)
   if taken ~= key_count or arg ~= arg_count + 1 then
     return arg_error('expected ' .. taken .. ' keys and ' .. (arg - 1) .. ' arguments')
   end
-  local batch = { read = {}, pending = {}, order = {}, named = named }
+  local batch = { read = {}, pending = {}, order = {}, shared = shared_keys }
   local request_keys, request_args = REQUEST_KEYS, REQUEST_ARGS
   local replies = {}
   arg, taken, decided = 3 + text_count, 0, 0
