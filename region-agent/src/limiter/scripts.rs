@@ -43,6 +43,20 @@ pub enum StateLayout {
     Hashes,
 }
 
+/// A sliding log's algorithm code in a rule text: the one rule the decision id matters to.
+const SLIDING_LOG: &str = "sl";
+
+/// Whether a header [`decide_args`] wrote keeps a decision record (its second field, the record's
+/// TTL, is not 0).
+fn keeps_record(header: &str) -> bool {
+    header.split(' ').nth(1) != Some("0")
+}
+
+/// Whether a rule text [`decide_args`] wrote is a sliding log's.
+fn is_sliding_log(rule: &str) -> bool {
+    rule.split(' ').next() == Some(SLIDING_LOG)
+}
+
 /// The decide script's `KEYS`: the decision record, then one key per rule.
 pub(crate) fn decide_keys(batch: &RuleBatch) -> Vec<&str> {
     std::iter::once(batch.record_key())
@@ -101,7 +115,7 @@ pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64, layout: StateLayout) -
             RuleParams::SlidingLog {
                 limit_units,
                 window_ms,
-            } => ("sl", limit_units, window_ms, 0, 0),
+            } => (SLIDING_LOG, limit_units, window_ms, 0, 0),
         };
         args.push(format!(
             "{code} {p1} {p2} {p3} {p4} {}",
@@ -153,24 +167,23 @@ pub(crate) fn coalesced_call<'a>(
                 next
             })
         };
-        // The header's second field is the record's TTL (0: no record).
-        let keeps_record = header.split(' ').nth(1) != Some("0");
-        let sends_id = keeps_record || rules.iter().any(|rule| rule.starts_with("sl "));
+        let keeps_record = keeps_record(header);
+        let sends_id = keeps_record || rules.iter().any(|rule| is_sliding_log(rule));
         let mut layout = format!(
             "{} {}",
             text_index(header),
             if sends_id { 'i' } else { '-' }
         );
-        // Keys this request takes: known to later requests only, so that a key named twice in
-        // one request reaches the function twice, which refuses it as a lone call would.
-        let mut taken: Vec<(&'a str, usize)> = Vec::new();
+        // The keys this request takes are keys[first_taken..]: known to later requests only, so
+        // that a key named twice in one request reaches the function twice, which refuses it as a
+        // lone call would.
+        let first_taken = keys.len();
         let mut push_slot = |layout: &mut String, key: &'a str| match key_slots.get(key) {
             Some(slot) => {
                 let _ = write!(layout, " {slot}");
             }
             None => {
                 keys.push(key);
-                taken.push((key, keys.len()));
                 layout.push_str(" n");
             }
         };
@@ -183,8 +196,9 @@ pub(crate) fn coalesced_call<'a>(
             let _ = write!(layout, " {}", text_index(rule));
             push_slot(&mut layout, key);
         }
-        for (key, slot) in taken {
-            key_slots.entry(key).or_insert(slot);
+        for (index, key) in keys.iter().enumerate().skip(first_taken) {
+            // KEYS is 1-based in the function.
+            key_slots.entry(key).or_insert(index + 1);
         }
         layouts.push((layout, sends_id.then_some(decision_id.as_str())));
     }
