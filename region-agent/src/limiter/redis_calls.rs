@@ -12,7 +12,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErrorKind};
 
-use super::scripts::{LIBRARY_VERSION_PLACEHOLDER, coalesced_call, reply_integers};
+use super::scripts::{
+    LIBRARY_VERSION_PLACEHOLDER, coalesced_call, repeated_key_refusal, reply_integers,
+};
 use super::store::{Rejection, StoreError};
 
 /// A script's source and the SHA-1 that `EVALSHA` names it by.
@@ -255,9 +257,48 @@ impl Calls {
     }
 
     /// Several requests of one slot in one call, decided one after another in this order; each
-    /// reply, or why that request was refused. The outer error is the call's (none of them ran, or
-    /// all may have).
+    /// reply, or why that request was refused. A request naming a key twice is refused here, as
+    /// the lone function refuses it (a call sends each key once), and the others go together. The
+    /// outer error is the call's (none of them ran, or all may have).
     pub(crate) async fn decide_many(
+        &self,
+        requests: &[(&[String], &[String])],
+    ) -> Result<Vec<Result<Vec<i64>, StoreError>>, StoreError> {
+        let refusals: Vec<Option<String>> = requests
+            .iter()
+            .map(|(keys, args)| repeated_key_refusal(keys, args))
+            .collect();
+        let sent: Vec<(&[String], &[String])> = requests
+            .iter()
+            .zip(&refusals)
+            .filter(|(_, refusal)| refusal.is_none())
+            .map(|(request, _)| *request)
+            .collect();
+        let mut replies = if sent.is_empty() {
+            Vec::new()
+        } else {
+            self.decide_sent(&sent).await?
+        }
+        .into_iter();
+        Ok(refusals
+            .into_iter()
+            .map(|refusal| match refusal {
+                Some(detail) => Err(StoreError::Rejected {
+                    kind: Rejection::InvalidArgument,
+                    detail,
+                }),
+                // decide_sent answers each request it sent, in order.
+                None => replies.next().unwrap_or_else(|| {
+                    Err(StoreError::MalformedReply {
+                        detail: "fewer replies than requests sent".to_owned(),
+                    })
+                }),
+            })
+            .collect())
+    }
+
+    /// `requests` (each naming every key once) in one coalesced call.
+    async fn decide_sent(
         &self,
         requests: &[(&[String], &[String])],
     ) -> Result<Vec<Result<Vec<i64>, StoreError>>, StoreError> {

@@ -367,6 +367,16 @@ impl RedisStore {
         self.calls.decide_many_raw(keys, args).await
     }
 
+    /// Decides `requests` (lone calls' keys and arguments, of one slot, in order) as a coalescing
+    /// store sends them: for tests of what goes in a coalesced call and what is refused alone.
+    #[cfg(test)]
+    pub(crate) async fn decide_many_requests(
+        &self,
+        requests: &[(&[String], &[String])],
+    ) -> Result<Vec<Result<Vec<i64>, StoreError>>, StoreError> {
+        self.calls.decide_many(requests).await
+    }
+
     /// Decides `batches` (requests of one slot, in order) in one coalesced call, at the store's
     /// clock: for tests that hold coalesced calls to lone ones.
     #[cfg(test)]

@@ -125,12 +125,32 @@ pub(crate) fn decide_args(batch: &RuleBatch, now_ms: u64, layout: StateLayout) -
     args
 }
 
+/// Why a request, given as a lone call's keys and arguments, cannot go in a coalesced call: it
+/// names a key twice (a rule's key again, or its decision record's as a rule's), and a coalesced
+/// call sends each key once. The text is the error the lone function answers for a rule key named
+/// twice (`ALLOT_ARG`: refused for its arguments, nothing written), so that such a request is
+/// refused alone, as a lone call would be, while the others of its call are decided.
+pub(crate) fn repeated_key_refusal(keys: &[String], args: &[String]) -> Option<String> {
+    let (record_key, rule_keys) = keys.split_first()?;
+    if let Some(key) = rule_keys
+        .iter()
+        .enumerate()
+        .find_map(|(i, key)| rule_keys[..i].contains(key).then_some(key))
+    {
+        return Some(format!("ALLOT_ARG rule key {key} appears twice"));
+    }
+    let keeps_record = args.first().is_some_and(|header| keeps_record(header));
+    (keeps_record && rule_keys.contains(record_key))
+        .then(|| format!("ALLOT_ARG the decision record key {record_key} is also a rule key"))
+}
+
 /// The coalesced function's `KEYS` and `ARGV` for `requests`, each given as a lone call's keys
 /// and arguments ([`decide_keys`], [`decide_args`]), in order: every key once, every header and
 /// rule text once, and a layout naming them once per run of requests that share it (the format is
 /// documented at `decide_many` in `scripts/decide.lua`). A request's decision id is sent only when
 /// the function can read it: for a sliding log, or a decision record. `Err` when a request is not
-/// a lone call's layout (its keys are not its record's and one per rule).
+/// a lone call's layout (its keys are not its record's and one per rule), or names a key twice
+/// ([`repeated_key_refusal`]: the caller refuses such a request before).
 pub(crate) fn coalesced_call<'a>(
     requests: &[(&'a [String], &'a [String])],
 ) -> Result<(Vec<&'a str>, Vec<String>), String> {
@@ -160,6 +180,9 @@ pub(crate) fn coalesced_call<'a>(
                 rule_keys.len()
             ));
         }
+        if let Some(refusal) = repeated_key_refusal(request_keys, request_args) {
+            return Err(format!("request {}: {refusal}", index + 1));
+        }
         let mut text_index = |text: &'a str| {
             let next = texts.len() + 1;
             *text_indices.entry(text).or_insert_with(|| {
@@ -174,9 +197,7 @@ pub(crate) fn coalesced_call<'a>(
             text_index(header),
             if sends_id { 'i' } else { '-' }
         );
-        // The keys this request takes are keys[first_taken..]: known to later requests only, so
-        // that a key named twice in one request reaches the function twice, which refuses it as a
-        // lone call would.
+        // The keys this request takes are keys[first_taken..]: known to later requests.
         let first_taken = keys.len();
         let mut push_slot = |layout: &mut String, key: &'a str| match key_slots.get(key) {
             Some(slot) => {
@@ -564,17 +585,26 @@ mod tests {
         );
     }
 
-    /// A key a request names twice is sent twice, so that the function refuses the request as a
-    /// lone call would; a request that is not a lone call's layout refuses the call.
+    /// A request naming a key twice is refused as the lone function refuses it (a rule key), or
+    /// for its record key named as a rule's when it keeps a record; a coalesced call, which sends
+    /// each key once, refuses it whole, and so does a request that is not a lone call's layout.
     #[test]
-    fn a_coalesced_call_keeps_a_repeated_key_and_refuses_a_broken_request() {
+    fn a_request_naming_a_key_twice_cannot_be_coalesced_and_a_broken_one_refuses_the_call() {
         let rule = "tb 20000 2000 1000 5000 1000";
         let keys_twice = strings(&["{t:a}r:1", "{t:a}u:1", "{t:a}u:1"]);
         let args = strings(&["0 0 2 0 0 0", "d1", rule, rule]);
-        let (keys, call_args) =
-            coalesced_call(&[(&keys_twice[..], &args[..])]).expect("a lone layout");
-        assert_eq!(keys, ["{t:a}u:1", "{t:a}u:1"]);
-        assert_eq!(call_args[4..], strings(&["1", "1 - - 2 n 2 n"]));
+        assert_eq!(
+            repeated_key_refusal(&keys_twice, &args).as_deref(),
+            Some("ALLOT_ARG rule key {t:a}u:1 appears twice")
+        );
+        assert!(coalesced_call(&[(&keys_twice[..], &args[..])]).is_err());
+        let record_as_rule = strings(&["{t:a}u:1", "{t:a}u:1", "{t:a}t"]);
+        let recorded = strings(&["0 30000 2 0 0 0", "d1", rule, rule]);
+        assert!(repeated_key_refusal(&record_as_rule, &recorded).is_some());
+        // Without a record the record key is not sent, so it repeats nothing.
+        assert_eq!(repeated_key_refusal(&record_as_rule, &args), None);
+        let distinct = strings(&["{t:a}r:1", "{t:a}u:1", "{t:a}t"]);
+        assert_eq!(repeated_key_refusal(&distinct, &recorded), None);
         let missing_key = strings(&["{t:a}r:1", "{t:a}u:1"]);
         assert!(coalesced_call(&[(&missing_key[..], &args[..])]).is_err());
         let no_id = strings(&["0 0 1 0 0 0"]);

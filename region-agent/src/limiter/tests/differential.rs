@@ -24,9 +24,10 @@ use allot_shared::{MAX_CAPACITY_TIMES_PERIOD, MAX_RULE_PARAMETER};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-use super::harness::{FUTURE_BASE_MS, Subject, decision_id, rule_key, tenant};
+use super::harness::{FUTURE_BASE_MS, Subject, decision_id, redis_query, rule_key, tenant};
 use crate::limiter::batch::{BatchRule, RuleBatch, RuleParams};
 use crate::limiter::in_process::Stored;
+use crate::limiter::redis_store::Connection;
 use crate::limiter::store::{BatchDecision, LeaseCall, LeaseOutcome, Rejection, StoreError};
 
 /// The pure core over a map, with Redis's expiry rule (a key is gone once `now > expires_at`).
@@ -1035,6 +1036,185 @@ fn coalesced_calls_decide_as_their_requests_one_by_one() {
             "{shape:?}: the coalesced calls admitted, denied and refused: {tally:?}"
         );
     }
+}
+
+/// What a key of a hot tenant's call holds before the call.
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    Nothing,
+    /// A token bucket string with this many whole tokens, written a moment ago.
+    Bucket(u64),
+    /// The same as the hash an earlier version wrote.
+    EarlierHash(u64),
+    /// A fixed window's string: another algorithm's state, which refuses the request.
+    AnotherAlgorithm,
+}
+
+fn held() -> impl Strategy<Value = Held> {
+    prop_oneof![
+        2 => Just(Held::Nothing),
+        4 => (0u64..=4).prop_map(Held::Bucket),
+        1 => (0u64..=4).prop_map(Held::EarlierHash),
+        1 => Just(Held::AnotherAlgorithm),
+    ]
+}
+
+/// Writes `held` under `key`, with a far expiry.
+async fn hold(connection: &Connection, key: &str, held: Held, now_ms: u64) {
+    let at = now_ms - 1;
+    let expires = (now_ms + 3_600_000).to_string();
+    let string = |value: String| {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(key).arg(value).arg("PXAT").arg(&expires);
+        cmd
+    };
+    let commands = match held {
+        Held::Nothing => Vec::new(),
+        Held::Bucket(tokens) => vec![string(format!("t{} {at}", tokens * 1_000))],
+        Held::EarlierHash(tokens) => {
+            let mut fields = redis::cmd("HSET");
+            fields
+                .arg(key)
+                .arg("tk")
+                .arg(tokens * 1_000)
+                .arg("ts")
+                .arg(at);
+            let mut expiry = redis::cmd("PEXPIREAT");
+            expiry.arg(key).arg(&expires);
+            vec![fields, expiry]
+        }
+        Held::AnotherAlgorithm => vec![string(format!("f{at} 1"))],
+    };
+    for cmd in &commands {
+        let _: redis::Value = redis_query(connection, cmd).await;
+    }
+}
+
+/// What `key` holds, as comparable text: its type, its value (a hash's fields sorted) and when it
+/// expires.
+async fn held_now(connection: &Connection, key: &str) -> String {
+    let kind: String = redis_query(connection, redis::cmd("TYPE").arg(key)).await;
+    let value = match kind.as_str() {
+        "string" => redis_query::<String>(connection, redis::cmd("GET").arg(key)).await,
+        "hash" => {
+            let mut fields: Vec<(String, String)> =
+                redis_query(connection, redis::cmd("HGETALL").arg(key)).await;
+            fields.sort();
+            format!("{fields:?}")
+        }
+        _ => String::new(),
+    };
+    let expires: i64 = redis_query(connection, redis::cmd("PEXPIRETIME").arg(key)).await;
+    format!("{kind} {value} {expires}")
+}
+
+/// A hot tenant's coalesced call, each request its own user's bucket and the tenant's (the shape
+/// whose users' keys the library reads in one MGET and whose tenant's state it carries through the
+/// run), decides and writes exactly as the same requests do in lone calls one after another,
+/// whatever the keys held before: nothing, a bucket, an earlier version's hash (read, then
+/// replaced), or another algorithm's state (which refuses that request alone, or every request
+/// when the tenant's key holds it).
+#[test]
+fn a_hot_tenants_coalesced_call_decides_as_lone_calls_in_a_row() {
+    let runtime = runtime();
+    let redis = runtime.block_on(Subject::redis_single());
+    let store = redis.redis_store();
+    let connection = redis.redis_connection();
+    let scenario = (
+        prop::collection::vec(held(), 2..=12),
+        held(),
+        1u64..=4,
+        1u64..=10,
+        0u64..1_000_000,
+    );
+    let outcomes = RefCell::new(HashMap::<&str, u64>::new());
+    let result = runner(48).run(
+        &scenario,
+        |(users, tenant_held, user_units, tenant_units, offset_ms)| {
+            runtime.block_on(async {
+                let case = NEXT_CASE.fetch_add(1, Ordering::Relaxed);
+                let now_ms = FUTURE_BASE_MS + offset_ms;
+                let header = format!("{now_ms} 0 2 0 0 0");
+                let user_rule = format!("tb {} 1000 60000 0 1000", user_units * 1_000);
+                let tenant_rule = format!("tb {} 1000 60000 0 1000", tenant_units * 1_000);
+                // The same requests under two tenants: one coalesced, one lone call at a time.
+                let requests = |name: &str| -> Vec<(Vec<String>, Vec<String>)> {
+                    let tenant = tenant(&format!("{name}-{case}"));
+                    (0..users.len())
+                        .map(|user| {
+                            let keys = vec![
+                                rule_key(&tenant, &format!("r:{user}")),
+                                rule_key(&tenant, &format!("u:{user}")),
+                                rule_key(&tenant, "t"),
+                            ];
+                            let args = vec![
+                                header.clone(),
+                                format!("d{user}"),
+                                user_rule.clone(),
+                                tenant_rule.clone(),
+                            ];
+                            (keys, args)
+                        })
+                        .collect()
+                };
+                let (coalesced, lone) = (requests("hot-many"), requests("hot-lone"));
+                for requests in [&coalesced, &lone] {
+                    for ((keys, _), held) in requests.iter().zip(&users) {
+                        hold(&connection, &keys[1], *held, now_ms).await;
+                    }
+                    hold(&connection, &requests[0].0[2], tenant_held, now_ms).await;
+                }
+                let sent: Vec<(&[String], &[String])> = coalesced
+                    .iter()
+                    .map(|(keys, args)| (&keys[..], &args[..]))
+                    .collect();
+                let replies = store
+                    .decide_many_requests(&sent)
+                    .await
+                    .map_err(|error| TestCaseError::fail(format!("the call failed: {error}")))?;
+                prop_assert_eq!(replies.len(), lone.len());
+                let kind = |reply: Result<Vec<i64>, StoreError>| {
+                    reply.map_err(|error| match error {
+                        StoreError::Rejected { kind, .. } => Some(kind),
+                        _ => None,
+                    })
+                };
+                for (user, ((keys, args), reply)) in lone.iter().zip(replies).enumerate() {
+                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    let alone = kind(store.run_decide_raw(&keys, args).await);
+                    let outcome = match &alone {
+                        Ok(fields) if fields.first() == Some(&1) => "admitted",
+                        Ok(_) => "denied",
+                        Err(_) => "refused",
+                    };
+                    *outcomes.borrow_mut().entry(outcome).or_default() += 1;
+                    prop_assert_eq!(kind(reply), alone, "request {}", user);
+                }
+                for ((many_keys, _), (lone_keys, _)) in coalesced.iter().zip(&lone) {
+                    for (many_key, lone_key) in many_keys.iter().zip(lone_keys) {
+                        prop_assert_eq!(
+                            held_now(&connection, many_key).await,
+                            held_now(&connection, lone_key).await,
+                            "{} against {}",
+                            many_key,
+                            lone_key
+                        );
+                    }
+                }
+                Ok(())
+            })
+        },
+    );
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+    let outcomes = outcomes.borrow();
+    assert!(
+        ["admitted", "denied", "refused"]
+            .iter()
+            .all(|outcome| outcomes.get(outcome).copied().unwrap_or(0) > 0),
+        "the calls admitted, denied and refused: {outcomes:?}"
+    );
 }
 
 /// Requests of the plain shape, which the decide library serves on paths of their own (one rule,

@@ -528,14 +528,43 @@ async fn the_coalesced_function_refuses_malformed_layouts_and_writes_nothing() {
         redis_query(&s.redis_connection(), redis::cmd("EXISTS").arg(&keys[..])).await;
     assert_eq!(written, 0, "no refused call wrote anything");
 
-    // A request naming one key twice is refused on its own; the other is decided.
-    let repeated = store
+    // A call that sends a key twice is refused whole, before anything ran: the function reads a
+    // key a request takes for itself straight from the store.
+    let twice = store
         .run_decide_many_raw(
             &[keys[0], keys[0], keys[2], keys[1]],
             &call(&["1", "1 - - 2 n 3 n", "1", "1 - - 2 n 3 n"]),
         )
+        .await;
+    assert!(refused_for_its_arguments(&twice), "{twice:?}");
+    let written: i64 =
+        redis_query(&s.redis_connection(), redis::cmd("EXISTS").arg(&keys[..])).await;
+    assert_eq!(written, 0, "the call that sent a key twice wrote nothing");
+    // A request naming one key twice is refused on its own, as the lone function refuses it; the
+    // other is decided.
+    let record = "rl:v1:{t:m}:r:1".to_owned();
+    let lone_args = vec![
+        header.clone(),
+        "d1".to_owned(),
+        user.to_owned(),
+        tenant.to_owned(),
+    ];
+    let twice_keys = [record.clone(), keys[0].to_owned(), keys[0].to_owned()];
+    let other_keys = [record, keys[2].to_owned(), keys[1].to_owned()];
+    let repeated = store
+        .decide_many_requests(&[(&twice_keys, &lone_args), (&other_keys, &lone_args)])
         .await
         .expect("the call runs");
+    let twice_key_refs: Vec<&str> = twice_keys.iter().map(String::as_str).collect();
+    let lone_refusal = store.run_decide_raw(&twice_key_refs, &lone_args).await;
+    let says_twice = |refusal: &Result<Vec<i64>, StoreError>| {
+        matches!(refusal, Err(StoreError::Rejected { kind: Rejection::InvalidArgument, detail })
+            if detail.contains(&format!("rule key {} appears twice", keys[0])))
+    };
+    assert!(
+        says_twice(&repeated[0]) && says_twice(&lone_refusal),
+        "{repeated:?} against the lone call's {lone_refusal:?}"
+    );
     assert!(
         matches!(
             &repeated[..],
