@@ -46,7 +46,8 @@ every intermediate value stays below 2^53, where Lua's doubles are exact integer
 computes exactly what the Rust core computes.
 
 Validated once per text: a header or rule argument is parsed and validated in full the first time
-this library sees that exact text, and the result (immutable) is kept in a bounded table of the
+this library sees that exact text, and the result (never changed, but for the meaning a coalesced
+call's layout last had, which it keeps for the next call) is kept in a bounded table of the
 library (at most MAX_PARSED entries, emptied when full). A later call with the same text reuses the
 validated parse: identical bytes in, identical parse out, so no check is skipped for any input
 (docs/limiter.md argues it).
@@ -814,6 +815,9 @@ local function carried_state(kind, key, batch)
     return nil
   elseif read == false then
     return true
+  elseif type(read) ~= 'table' then
+    -- A GCRA's theoretical arrival time, read by an earlier request of the call.
+    return false
   elseif kind == 'tb' and read.tk then
     return true, read.tk, read.ts
   elseif kind == 'fw' and read.n then
@@ -1009,6 +1013,23 @@ end
 
 -- The decision ---------------------------------------------------------------------------------
 
+-- The algorithm whose state `state` is, as read_state reads it (and as a coalesced call carries
+-- it), or nil when there is none.
+local function carried_kind(state)
+  if type(state) == 'number' then
+    return 'gcra'
+  elseif type(state) ~= 'table' then
+    return nil
+  elseif state.tk then
+    return 'tb'
+  elseif state.cur then
+    return 'sc'
+  elseif state.n then
+    return 'fw'
+  end
+  return nil
+end
+
 -- The state after an admitting outcome's write, as read_state would read it back.
 local function state_after(spec, outcome)
   local kind = spec.kind
@@ -1097,7 +1118,13 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
     local key = keys[key_base + 1 + i]
     local state, problem
     local carries = batch and spec.kind ~= 'sl'
-    local pending = carries and batch.pending[key]
+    local pending = batch and batch.pending[key]
+    -- A state carried for another algorithm is refused, as a lone call refuses the string or
+    -- the sorted set it then finds (nothing of this request is written).
+    local held_kind = pending and pending.spec.kind or carries and carried_kind(batch.read[key])
+    if held_kind and held_kind ~= spec.kind then
+      return state_error('rule ' .. i, 'the key holds the state of another algorithm (' .. held_kind .. ')')
+    end
     if pending then
       state = state_after(pending.spec, pending)
     elseif carries and batch.read[key] ~= nil then
@@ -1229,9 +1256,9 @@ end
 -- follows, and per key slot (its decision record's, then one per rule) what key_slot answers;
 -- `fresh` counts the slots that take a new key, `latest` is the highest KEYS index the others
 -- name, `shared` lists those indices for rule keys, and `repeats` is true when two rules name the
--- same index (the request names a key twice: refused, as a lone call is). The structure names no text, so the same
--- layout in the next call is the same structure: it is parsed once (`parsed`), and checked
--- against each call's texts (layout_in_call).
+-- same index (the request names a key twice: refused, as a lone call is). The structure names
+-- texts by index only, so the same layout in the next call is the same structure: it is parsed
+-- once (`parsed`), and checked against each call's texts (layout_in_call).
 local function parse_layout(layout)
   if #layout > MAX_LAYOUT_BYTES then
     return { err = 'a layout must be at most ' .. MAX_LAYOUT_BYTES .. ' bytes' }
@@ -1360,7 +1387,8 @@ local function decide_taken(keys, taken, layout, meaning, decision_id, now, batc
   -- other request, as a lone call's arguments on the general path.
   local reply
   local specs = meaning.specs
-  if specs and not (n > 1 and repeated_key(request_keys, 0, n)) then
+  local id_fits = decision_id == NO_ID or (#decision_id > 0 and #decision_id <= MAX_DECISION_ID_BYTES)
+  if specs and id_fits and not (n > 1 and repeated_key(request_keys, 0, n)) then
     local at = meaning.now
     reply = n == 1 and decide_single(specs[1], request_keys[2], at, batch)
       or decide_plain(request_keys, 0, specs, n, at, batch)
@@ -1402,8 +1430,9 @@ local function run_to_batch(specs, n, batch)
 end
 
 -- The state of run key `key` for a rule of `kind` from what earlier requests carried, else from
--- one GET (then kept in `batch` as read, as decide_plain keeps it): true and its two numbers, or
--- false when another path must decide (decide_plain returns nil for the same states).
+-- one GET (then kept in `batch` as read at once: nothing of the call writes the key before the
+-- call's end, so later requests may read it there whatever this one decides): true and its two
+-- numbers, or false when another path must decide (decide_plain returns nil for the same states).
 local function run_state(kind, key, batch)
   local carried, first, second = carried_state(kind, key, batch)
   if carried ~= nil then
@@ -1441,8 +1470,8 @@ end
 -- A run of plain requests (decide_plain's shape) whose rules name no key twice, decided as
 -- decide_plain decides each, in order: the replies go to replies[decided + 1 ..]. Returns the keys
 -- taken and the requests decided after the run. What makes it cheaper than a request at a time:
--- a key every request of the run names (a tenant's) is read once and carried in the run's locals,
--- not in `batch`; the keys each request takes for itself (a user's) are read in one MGET and
+-- a key every request of the run names (a tenant's) is read once and carried in the run's own
+-- arrays, handed to `batch` only when the run ends or falls back; the keys each request takes for itself (a user's) are read in one MGET and
 -- written at once, with no bookkeeping; and a key a later request names too (a tenant's, taken
 -- by the call's first request) goes through `batch` as decide_plain carries it. A request whose
 -- state decide_plain would not decide (a state of another algorithm, an earlier version's hash, a
@@ -1700,13 +1729,11 @@ local function decide_many(keys, args)
     arg = arg + 2
     -- Plain requests of several rules as a run (a user's and its tenant's: the tenant's state
     -- read once, carried in locals); of one rule each on decide_single, which costs less per
-    -- request than the run's loop. Plain requests need no decision id (they have no sliding log
-    -- and keep no record).
-    if meaning.specs and layout.n > 1 and not layout.repeats then
+    -- request than the run's loop. The agent sends no decision id for a plain request (it has no
+    -- sliding log and keeps no record); one sent anyway is checked per request, as a lone call
+    -- checks it.
+    if meaning.specs and layout.n > 1 and not layout.repeats and not layout.id then
       taken, decided = decide_plain_run(keys, taken, run, layout, meaning, now, batch, replies, decided)
-      if layout.id then
-        arg = arg + run
-      end
     else
       for _ = 1, run do
         local decision_id = NO_ID

@@ -1042,48 +1042,63 @@ fn coalesced_calls_decide_as_their_requests_one_by_one() {
 #[derive(Debug, Clone, Copy)]
 enum Held {
     Nothing,
-    /// A token bucket string with this many whole tokens, written a moment ago.
-    Bucket(u64),
+    /// The rule's own state as a string: a bucket with this many whole tokens, or a window with
+    /// this many units admitted.
+    Own(u64),
     /// The same as the hash an earlier version wrote.
     EarlierHash(u64),
-    /// A fixed window's string: another algorithm's state, which refuses the request.
+    /// The other algorithm's string (a window's for a bucket, a bucket's for a window), which
+    /// refuses the request.
     AnotherAlgorithm,
 }
 
 fn held() -> impl Strategy<Value = Held> {
     prop_oneof![
         2 => Just(Held::Nothing),
-        4 => (0u64..=4).prop_map(Held::Bucket),
+        4 => (0u64..=4).prop_map(Held::Own),
         1 => (0u64..=4).prop_map(Held::EarlierHash),
         1 => Just(Held::AnotherAlgorithm),
     ]
 }
 
-/// Writes `held` under `key`, with a far expiry.
-async fn hold(connection: &Connection, key: &str, held: Held, now_ms: u64) {
-    let at = now_ms - 1;
-    let expires = (now_ms + 3_600_000).to_string();
+/// Writes `held` under `key` for a token bucket rule (`bucket`) or a fixed window of `window_ms`,
+/// as of `at_ms` (after the call's clock when the clock stepped back), with a far expiry.
+async fn hold(
+    connection: &Connection,
+    key: &str,
+    held: Held,
+    bucket: bool,
+    window_ms: u64,
+    at_ms: u64,
+) {
+    let at = at_ms;
+    let window_start = at - at % window_ms;
+    let expires = (at_ms + 3_600_000).to_string();
     let string = |value: String| {
         let mut cmd = redis::cmd("SET");
         cmd.arg(key).arg(value).arg("PXAT").arg(&expires);
         cmd
     };
+    let bucket_string = |tokens: u64| format!("t{} {at}", tokens * 1_000);
+    let window_string = |units: u64| format!("f{window_start} {units}");
     let commands = match held {
         Held::Nothing => Vec::new(),
-        Held::Bucket(tokens) => vec![string(format!("t{} {at}", tokens * 1_000))],
-        Held::EarlierHash(tokens) => {
+        Held::Own(amount) if bucket => vec![string(bucket_string(amount))],
+        Held::Own(amount) => vec![string(window_string(amount))],
+        Held::EarlierHash(amount) => {
             let mut fields = redis::cmd("HSET");
-            fields
-                .arg(key)
-                .arg("tk")
-                .arg(tokens * 1_000)
-                .arg("ts")
-                .arg(at);
+            fields.arg(key);
+            if bucket {
+                fields.arg("tk").arg(amount * 1_000).arg("ts").arg(at);
+            } else {
+                fields.arg("w").arg(window_start).arg("n").arg(amount);
+            }
             let mut expiry = redis::cmd("PEXPIREAT");
             expiry.arg(key).arg(&expires);
             vec![fields, expiry]
         }
-        Held::AnotherAlgorithm => vec![string(format!("f{at} 1"))],
+        Held::AnotherAlgorithm if bucket => vec![string(window_string(1))],
+        Held::AnotherAlgorithm => vec![string(bucket_string(1))],
     };
     for cmd in &commands {
         let _: redis::Value = redis_query(connection, cmd).await;
@@ -1108,12 +1123,13 @@ async fn held_now(connection: &Connection, key: &str) -> String {
     format!("{kind} {value} {expires}")
 }
 
-/// A hot tenant's coalesced call, each request its own user's bucket and the tenant's (the shape
-/// whose users' keys the library reads in one MGET and whose tenant's state it carries through the
-/// run), decides and writes exactly as the same requests do in lone calls one after another,
-/// whatever the keys held before: nothing, a bucket, an earlier version's hash (read, then
-/// replaced), or another algorithm's state (which refuses that request alone, or every request
-/// when the tenant's key holds it).
+/// A hot tenant's coalesced call, each request its own user's bucket or window and the tenant's
+/// bucket (the shape whose users' keys the library reads in one MGET and whose tenant's state it
+/// carries through the run), decides and writes exactly as the same requests do in lone calls one
+/// after another, whatever the keys held before: nothing, the rule's own state (written a moment
+/// ago, or after the call's clock: a clock that stepped back), an earlier version's hash (read,
+/// then replaced), or another algorithm's state (which refuses that request alone, or every
+/// request when the tenant's key holds it).
 #[test]
 fn a_hot_tenants_coalesced_call_decides_as_lone_calls_in_a_row() {
     let runtime = runtime();
@@ -1123,19 +1139,31 @@ fn a_hot_tenants_coalesced_call_decides_as_lone_calls_in_a_row() {
     let scenario = (
         prop::collection::vec(held(), 2..=12),
         held(),
-        1u64..=4,
+        (1u64..=4, any::<bool>()),
         1u64..=10,
-        0u64..1_000_000,
+        (0u64..1_000_000, any::<bool>()),
     );
     let outcomes = RefCell::new(HashMap::<&str, u64>::new());
     let result = runner(48).run(
         &scenario,
-        |(users, tenant_held, user_units, tenant_units, offset_ms)| {
+        |(
+            users,
+            tenant_held,
+            (user_units, user_bucket),
+            tenant_units,
+            (offset_ms, stepped_back),
+        )| {
             runtime.block_on(async {
                 let case = NEXT_CASE.fetch_add(1, Ordering::Relaxed);
                 let now_ms = FUTURE_BASE_MS + offset_ms;
                 let header = format!("{now_ms} 0 2 0 0 0");
-                let user_rule = format!("tb {} 1000 60000 0 1000", user_units * 1_000);
+                let user_rule = if user_bucket {
+                    format!("tb {} 1000 60000 0 1000", user_units * 1_000)
+                } else {
+                    format!("fw {user_units} 60000 0 0 1000")
+                };
+                // The states were written a moment ago, or after the call's clock.
+                let at_ms = if stepped_back { now_ms + 5 } else { now_ms - 1 };
                 let tenant_rule = format!("tb {} 1000 60000 0 1000", tenant_units * 1_000);
                 // The same requests under two tenants: one coalesced, one lone call at a time.
                 let requests = |name: &str| -> Vec<(Vec<String>, Vec<String>)> {
@@ -1160,9 +1188,17 @@ fn a_hot_tenants_coalesced_call_decides_as_lone_calls_in_a_row() {
                 let (coalesced, lone) = (requests("hot-many"), requests("hot-lone"));
                 for requests in [&coalesced, &lone] {
                     for ((keys, _), held) in requests.iter().zip(&users) {
-                        hold(&connection, &keys[1], *held, now_ms).await;
+                        hold(&connection, &keys[1], *held, user_bucket, 60_000, at_ms).await;
                     }
-                    hold(&connection, &requests[0].0[2], tenant_held, now_ms).await;
+                    hold(
+                        &connection,
+                        &requests[0].0[2],
+                        tenant_held,
+                        true,
+                        60_000,
+                        at_ms,
+                    )
+                    .await;
                 }
                 let sent: Vec<(&[String], &[String])> = coalesced
                     .iter()

@@ -867,6 +867,90 @@ async fn coalesced_decisions_on_one_redis_admit_exactly_the_limit() {
         .await;
 }
 
+/// Requests of one coalesced call naming one key under rules of different algorithms: each later
+/// request is answered as it is when the requests go one by one in lone calls (the state an
+/// earlier request read or wrote is another algorithm's, so it is refused), never with the call
+/// failing or a state taken for another algorithm's.
+#[tokio::test]
+async fn a_key_carried_for_another_algorithm_is_refused_as_lone_calls_refuse_it() {
+    let s = Subject::redis_single().await;
+    let store = s.redis_store();
+    let connection = s.redis_connection();
+    let now = FUTURE_BASE_MS;
+    let header = format!("{now} 0 1 0 0 0");
+    let gcra = "gcra 1000 1000 1000 0 1000";
+    let bucket = "tb 5000 1000 1000 0 1000";
+    let window = "fw 5 60000 0 0 1000";
+    let log = "sl 5 60000 0 0 1000";
+    // Each case: what the key holds first (a GCRA's arrival time far ahead, so it denies), then
+    // the rules of the requests, in order.
+    let cases: [(Option<u64>, &[&str]); 4] = [
+        (Some(now + 100_000), &[gcra, bucket]),
+        (None, &[window, bucket]),
+        (None, &[bucket, window, gcra]),
+        (None, &[bucket, log]),
+    ];
+    let mut refused = 0;
+    for (case, (held, rules)) in cases.iter().enumerate() {
+        let mut answers = Vec::new();
+        for way in ["many", "lone"] {
+            let tenant = tenant(&format!("carried-{way}-{case}"));
+            let key = rule_key(&tenant, "k");
+            if let Some(tat) = held {
+                let _: () = redis_query(&connection, redis::cmd("SET").arg(&key).arg(tat)).await;
+            }
+            let requests: Vec<(Vec<String>, Vec<String>)> = rules
+                .iter()
+                .enumerate()
+                .map(|(i, rule)| {
+                    let keys = vec![rule_key(&tenant, &format!("r:{i}")), key.clone()];
+                    let args = vec![header.clone(), format!("d{i}"), (*rule).to_owned()];
+                    (keys, args)
+                })
+                .collect();
+            let replies = if way == "many" {
+                let sent: Vec<(&[String], &[String])> = requests
+                    .iter()
+                    .map(|(keys, args)| (&keys[..], &args[..]))
+                    .collect();
+                store
+                    .decide_many_requests(&sent)
+                    .await
+                    .expect("the coalesced call runs")
+            } else {
+                let mut replies = Vec::new();
+                for (keys, args) in &requests {
+                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    replies.push(store.run_decide_raw(&keys, args).await);
+                }
+                replies
+            };
+            let kinds: Vec<Result<Vec<i64>, Option<Rejection>>> = replies
+                .into_iter()
+                .map(|reply| {
+                    reply.map_err(|error| match error {
+                        StoreError::Rejected { kind, .. } => Some(kind),
+                        _ => None,
+                    })
+                })
+                .collect();
+            answers.push(kinds);
+        }
+        refused += answers[1]
+            .iter()
+            .filter(|answer| **answer == Err(Some(Rejection::StateMismatch)))
+            .count();
+        assert_eq!(
+            answers[0], answers[1],
+            "case {case}: coalesced against lone"
+        );
+    }
+    assert!(
+        refused >= cases.len(),
+        "every case refused a later request: {refused}"
+    );
+}
+
 /// However many calls of a slot may be in flight at once, a hot tenant's decisions admit exactly
 /// its limit, the bound holds (and is reached: a second call goes while the first is in flight),
 /// and when every decision is answered no slot is left holding a place in flight (a leaked place
