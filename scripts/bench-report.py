@@ -142,17 +142,18 @@ def main():
         print("(`degraded` counts those it did not). Redis CPU from `INFO cpu`, per decision the store made;")
         print("`x off` is that over the uncoalesced store's (the target is at most 0.5, with p99 no worse);")
         print("`coalesced` counts decisions sent in coalesced calls, `per call` how many a coalesced call")
-        print("carried on average (the batch a call's fixed cost is spread over). Reproduce with")
+        print("carried on average (the batch a call's fixed cost is spread over), `alone %` the share of")
+        print("the measured decisions that went alone (a call of their slot free, nothing waiting). Reproduce with")
         print("`cargo bench -p allot-region-agent --bench limiter` (`ALLOT_BENCH_HOT_TENANT_ONLY=1`: this")
         print("section alone).")
         print()
-        print("| coalescing | calls in flight | decisions/s | p50 us | p99 us | Redis CPU us/decision | x off | coalesced decisions | per call | degraded |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| coalescing | calls in flight | decisions/s | p50 us | p99 us | Redis CPU us/decision | x off | coalesced decisions | per call | alone % | degraded |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in hot:
             in_flight = r.get("callsInFlight", 0) or "-"
             print(f"| {r['coalescing']} | {in_flight} | {r['decisionsPerSecond']:.0f} | {r['p50Us']} | {r['p99Us']} | "
                   f"{r['redisCpuUsPerDecision']} | {r['ratioToOff']:.2f} | {r['coalescedDecisions']} | "
-                  f"{r.get('decisionsPerCall', '-')} | {r.get('degraded', 0)} |")
+                  f"{r.get('decisionsPerCall', '-')} | {r.get('alonePercent', '-')} | {r.get('degraded', 0)} |")
         print()
 
     overload = [r for r in limiter_all if r.get("bench") == "limiter_overload"]

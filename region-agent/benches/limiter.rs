@@ -372,7 +372,7 @@ const HOT_TENANT_CALLS_IN_FLIGHT: [usize; 4] = [0, 1, 2, 3];
 async fn hot_tenant(url: &str, subjects: &Subjects) {
     println!();
     println!(
-        "{:>12} {:>12} {:>8} {:>8} {:>16} {:>8} {:>10} {:>9}",
+        "{:>12} {:>12} {:>8} {:>8} {:>16} {:>8} {:>10} {:>9} {:>8}",
         "coalescing",
         "decisions/s",
         "p50 µs",
@@ -380,7 +380,8 @@ async fn hot_tenant(url: &str, subjects: &Subjects) {
         "Redis µs/decision",
         "x off",
         "coalesced",
-        "per call"
+        "per call",
+        "alone %"
     );
     let bundle = Arc::new(
         parse_bundle(HOT_TENANT_BUNDLE)
@@ -425,6 +426,11 @@ async fn hot_tenant(url: &str, subjects: &Subjects) {
         )
         .await;
     }
+    // Coalesced decisions and calls before the measured rounds: the rows count the rounds' alone.
+    let warmed: Vec<(u64, u64)> = variants
+        .iter()
+        .map(|(_, variant, _, _)| variant.store.coalesced())
+        .collect();
     for _ in 0..HOT_TENANT_ROUNDS {
         for (_, variant, samples, redis_cpu_s) in &mut variants {
             let before = redis_cpu_seconds(&mut info).await;
@@ -446,21 +452,32 @@ async fn hot_tenant(url: &str, subjects: &Subjects) {
         redis_cpu_s * 1e6 / (decided as f64).max(1.0)
     };
     let off_cpu_us = cpu_per_decision(&variants[0].2, variants[0].3);
-    for (calls_in_flight, variant, samples, redis_cpu_s) in &mut variants {
+    for ((calls_in_flight, variant, samples, redis_cpu_s), (warm_decisions, warm_calls)) in
+        variants.iter_mut().zip(warmed)
+    {
         let per_second = samples.per_second();
         let (p50, p99) = (samples.percentile(0.50), samples.percentile(0.99));
         let cpu_us = cpu_per_decision(samples, *redis_cpu_s);
         let versus_off = cpu_us / off_cpu_us.max(f64::MIN_POSITIVE);
         let (coalesced, calls) = variant.store.coalesced();
-        // Decisions per coalesced call: the batch a call's fixed cost is spread over.
+        let (coalesced, calls) = (coalesced - warm_decisions, calls - warm_calls);
+        // Decisions per coalesced call: the batch a call's fixed cost is spread over. The rest
+        // went alone (a decision that finds a call of its slot free and nothing waiting goes at
+        // once), at a lone call's cost.
         let per_call = coalesced as f64 / (calls as f64).max(1.0);
+        let decided = (samples.latencies_us.len() as u64).saturating_sub(samples.degraded);
+        let alone_percent = if *calls_in_flight == 0 {
+            100.0
+        } else {
+            100.0 * decided.saturating_sub(coalesced) as f64 / (decided as f64).max(1.0)
+        };
         let name = match *calls_in_flight {
             0 => "off".to_owned(),
             1 => "on, 1 call".to_owned(),
             n => format!("on, {n} calls"),
         };
         println!(
-            "{name:>12} {per_second:>12.0} {p50:>8} {p99:>8} {cpu_us:>16.1} {versus_off:>8.2} {coalesced:>10} {per_call:>9.1}"
+            "{name:>12} {per_second:>12.0} {p50:>8} {p99:>8} {cpu_us:>16.1} {versus_off:>8.2} {coalesced:>10} {per_call:>9.1} {alone_percent:>8.1}"
         );
         println!(
             "BENCH {}",
@@ -471,6 +488,7 @@ async fn hot_tenant(url: &str, subjects: &Subjects) {
                 "redisCpuUsPerDecision": (cpu_us * 10.0).round() / 10.0,
                 "ratioToOff": (versus_off * 100.0).round() / 100.0,
                 "coalescedDecisions": coalesced, "decisionsPerCall": (per_call * 10.0).round() / 10.0,
+                "alonePercent": (alone_percent * 10.0).round() / 10.0,
                 "degraded": samples.degraded,
             })
         );
