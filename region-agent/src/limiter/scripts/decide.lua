@@ -377,13 +377,19 @@ local function read_hash(rule_index, key, kind)
 end
 
 -- Why a tb, fw or sc state string does not match its algorithm's layout (the slow path: a fault).
+-- Rule `rule_index`'s key holds (or a coalesced call carries for it) algorithm `other`'s state.
+local function another_algorithm(rule_index, other)
+  return state_error('rule ' .. rule_index,
+    'the key holds the state of another algorithm (' .. other .. ')')
+end
+
 local function string_state_problem(rule_index, kind, stored)
-  local where = 'rule ' .. rule_index
   for other, pattern in pairs(STATE_PATTERNS) do
     if other ~= kind and string.find(stored, pattern) then
-      return state_error(where, 'the key holds the state of another algorithm (' .. other .. ')')
+      return another_algorithm(rule_index, other)
     end
   end
+  local where = 'rule ' .. rule_index
   return state_error(where, 'the key does not hold a ' .. kind .. ' state')
 end
 
@@ -797,6 +803,23 @@ local PLAIN_READ, PLAIN_READ_FIRST, PLAIN_READ_SECOND = {}, {}, {}
 -- request of the call names it too).
 local PLAIN_SHARED = {}
 
+-- The algorithm whose state `state` is, as read_state reads it (and as a coalesced call carries
+-- it), or nil when there is none.
+local function carried_kind(state)
+  if type(state) == 'number' then
+    return 'gcra'
+  elseif type(state) ~= 'table' then
+    return nil
+  elseif state.tk then
+    return 'tb'
+  elseif state.cur then
+    return 'sc'
+  elseif state.n then
+    return 'fw'
+  end
+  return nil
+end
+
 -- The numbers of `key`'s state as an earlier request of the call carried it (its pending write, or
 -- what it read), after true when there is such a state and it is of this rule's algorithm (tb or
 -- fw); false when there is one of another (the general path decides); nil when nothing is carried.
@@ -815,15 +838,12 @@ local function carried_state(kind, key, batch)
     return nil
   elseif read == false then
     return true
-  elseif type(read) ~= 'table' then
-    -- A GCRA's theoretical arrival time, read by an earlier request of the call.
+  elseif carried_kind(read) ~= kind then
     return false
-  elseif kind == 'tb' and read.tk then
+  elseif kind == 'tb' then
     return true, read.tk, read.ts
-  elseif kind == 'fw' and read.n then
-    return true, read.w, read.n
   end
-  return false
+  return true, read.w, read.n
 end
 
 -- A denied plain request's reply: every rule reports what it holds, and nothing is written. In a
@@ -1013,23 +1033,6 @@ end
 
 -- The decision ---------------------------------------------------------------------------------
 
--- The algorithm whose state `state` is, as read_state reads it (and as a coalesced call carries
--- it), or nil when there is none.
-local function carried_kind(state)
-  if type(state) == 'number' then
-    return 'gcra'
-  elseif type(state) ~= 'table' then
-    return nil
-  elseif state.tk then
-    return 'tb'
-  elseif state.cur then
-    return 'sc'
-  elseif state.n then
-    return 'fw'
-  end
-  return nil
-end
-
 -- The state after an admitting outcome's write, as read_state would read it back.
 local function state_after(spec, outcome)
   local kind = spec.kind
@@ -1123,7 +1126,7 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
     -- the sorted set it then finds (nothing of this request is written).
     local held_kind = pending and pending.spec.kind or carries and carried_kind(batch.read[key])
     if held_kind and held_kind ~= spec.kind then
-      return state_error('rule ' .. i, 'the key holds the state of another algorithm (' .. held_kind .. ')')
+      return another_algorithm(i, held_kind)
     end
     if pending then
       state = state_after(pending.spec, pending)
@@ -1372,8 +1375,9 @@ end
 
 -- One request of a coalesced call, its keys taken from KEYS after `taken` as its layout's slots
 -- say, decided as a lone call would be with the state earlier requests left in `batch`: its reply,
--- and the keys taken after it.
-local function decide_taken(keys, taken, layout, meaning, decision_id, now, batch)
+-- and the keys taken after it. `general` sends it straight to the general path (the plain paths
+-- found a state they do not decide: trying them again would read its keys again for nothing).
+local function decide_taken(keys, taken, layout, meaning, decision_id, now, batch, general)
   local request_keys, n, slots = REQUEST_KEYS, layout.n, layout.slots
   for s = 1, n + 1 do
     local j = slots[s]
@@ -1386,7 +1390,7 @@ local function decide_taken(keys, taken, layout, meaning, decision_id, now, batc
   -- A plain request on the plain paths (their replies are strings); whatever they leave, and every
   -- other request, as a lone call's arguments on the general path.
   local reply
-  local specs = meaning.specs
+  local specs = not general and meaning.specs
   local id_fits = decision_id == NO_ID or (#decision_id > 0 and #decision_id <= MAX_DECISION_ID_BYTES)
   if specs and id_fits and not (n > 1 and repeated_key(request_keys, 0, n)) then
     local at = meaning.now
@@ -1471,8 +1475,8 @@ end
 -- decide_plain decides each, in order: the replies go to replies[decided + 1 ..]. Returns the keys
 -- taken and the requests decided after the run. What makes it cheaper than a request at a time:
 -- a key every request of the run names (a tenant's) is read once and carried in the run's own
--- arrays, handed to `batch` only when the run ends or falls back; the keys each request takes for itself (a user's) are read in one MGET and
--- written at once, with no bookkeeping; and a key a later request names too (a tenant's, taken
+-- arrays, handed to `batch` only when the run ends or falls back; the keys each request takes for
+-- itself (a user's) are read in one MGET and written at once, with no bookkeeping; and a key a later request names too (a tenant's, taken
 -- by the call's first request) goes through `batch` as decide_plain carries it. A request whose
 -- state decide_plain would not decide (a state of another algorithm, an earlier version's hash, a
 -- fault) goes to decide_taken, with the run's state handed over first.
@@ -1595,7 +1599,7 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
         run_to_batch(specs, n, batch)
         changed = false
       end
-      reply, taken = decide_taken(keys, taken_before, layout, meaning, NO_ID, now, batch)
+      reply, taken = decide_taken(keys, taken_before, layout, meaning, NO_ID, now, batch, true)
       -- The request may have changed what the run holds.
       for i = 1, n do
         loaded[i] = false

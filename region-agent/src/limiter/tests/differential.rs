@@ -1071,15 +1071,14 @@ async fn hold(
     window_ms: u64,
     at_ms: u64,
 ) {
-    let at = at_ms;
-    let window_start = at - at % window_ms;
+    let window_start = at_ms - at_ms % window_ms;
     let expires = (at_ms + 3_600_000).to_string();
     let string = |value: String| {
         let mut cmd = redis::cmd("SET");
         cmd.arg(key).arg(value).arg("PXAT").arg(&expires);
         cmd
     };
-    let bucket_string = |tokens: u64| format!("t{} {at}", tokens * 1_000);
+    let bucket_string = |tokens: u64| format!("t{} {at_ms}", tokens * 1_000);
     let window_string = |units: u64| format!("f{window_start} {units}");
     let commands = match held {
         Held::Nothing => Vec::new(),
@@ -1089,7 +1088,7 @@ async fn hold(
             let mut fields = redis::cmd("HSET");
             fields.arg(key);
             if bucket {
-                fields.arg("tk").arg(amount * 1_000).arg("ts").arg(at);
+                fields.arg("tk").arg(amount * 1_000).arg("ts").arg(at_ms);
             } else {
                 fields.arg("w").arg(window_start).arg("n").arg(amount);
             }
