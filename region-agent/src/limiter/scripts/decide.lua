@@ -99,14 +99,28 @@ local MAX_PARSED = 4096
 -- Cost: this code runs on the store's one thread for every decision, and in Redis's Lua a call of a
 -- C function (string.find, tonumber, math.floor, type, pairs, next) costs about as much as a small
 -- Redis command. The hot path calls as few as it can: arithmetic coerces digit strings itself,
--- integer division uses `%`, and min and max are written out. (The standard libraries are not
--- reachable while a library loads, so they are named where they are called.)
+-- integer division uses `%`, and min and max are written out.
+--
+-- The library functions it calls are locals, bound by the first call (bind_library): a function's
+-- globals are an empty table that looks names up in Redis's through a metatable, so `string.format`
+-- cost two table misses, a metamethod and two lookups on every use (about 1,400 instructions per
+-- decision of a hot tenant's). They cannot be bound as the library loads: while it loads, only
+-- the API that registers functions is reachable.
+local format, find, match, sub, gmatch, concat, max, floor
+local unpack_values, to_number, type_of, pairs_of, redis_call, redis_pcall
+
+local function bind_library()
+  format, find, match, sub, gmatch = string.format, string.find, string.match, string.sub, string.gmatch
+  concat, max, floor = table.concat, math.max, math.floor
+  unpack_values, to_number, type_of, pairs_of = unpack, tonumber, type, pairs
+  redis_call, redis_pcall = redis.call, redis.pcall
+end
 
 -- A decimal integer in [min, max], or nil. Every caller passes a string or nil (arguments, hash
 -- fields and string values are strings in Redis). The pattern refuses what tonumber would accept
 -- ("1e3", "0x10", " 1", "inf", "nan"); digits alone coerce to exactly the number they spell.
 local function integer(text, min, max)
-  if text == nil or #text == 0 or #text > 16 or not string.find(text, '^%d+$') then
+  if text == nil or #text == 0 or #text > 16 or not find(text, '^%d+$') then
     return nil
   end
   local value = text + 0
@@ -119,7 +133,7 @@ end
 -- An integer in [0, 2^53] as decimal digits. Not tostring or `..`: they keep 14 significant
 -- digits, and they format as a float ('%.14g'), which costs several times what '%d' does.
 local function text(value)
-  return string.format('%d', value)
+  return format('%d', value)
 end
 
 -- The last two numbers shared_text() formatted, and their digits.
@@ -136,7 +150,7 @@ local function shared_text(value)
     return other_digits
   end
   other_value, other_digits = last_value, last_digits
-  last_value, last_digits = value, string.format('%d', value)
+  last_value, last_digits = value, format('%d', value)
   return last_digits
 end
 
@@ -165,14 +179,14 @@ end
 -- The fields of `argument` split at single spaces (an empty field where two spaces meet), or nil
 -- when there are not `count` of them.
 local function fields(argument, count)
-  if type(argument) ~= 'string' then
+  if type_of(argument) ~= 'string' then
     return nil
   end
   local parts = {}
-  for part in string.gmatch(argument .. ' ', '([^ ]*) ') do
+  for part in gmatch(argument .. ' ', '([^ ]*) ') do
     parts[#parts + 1] = part
   end
-  if #parts ~= count or table.concat(parts, ' ') ~= argument then
+  if #parts ~= count or concat(parts, ' ') ~= argument then
     return nil
   end
   return parts
@@ -218,7 +232,7 @@ local function parse_header(argument)
   -- Whether rule i only advises: bit i-1 of the mask.
   header.advisory = {}
   for i = 1, header.n do
-    header.advisory[i] = math.floor(header.advisory_mask / 2 ^ (i - 1)) % 2 == 1
+    header.advisory[i] = floor(header.advisory_mask / 2 ^ (i - 1)) % 2 == 1
   end
   header.record_ttl_ms = integer(parts[2], 0, TWO_40)
   if header.record_ttl_ms == nil then
@@ -346,7 +360,7 @@ local HASH_FIELD_COUNTS = { tb = 2, fw = 2, sc = 3 }
 -- fields, or an error reply. One HGETALL: every field the key holds comes back, so a field of
 -- another algorithm is seen too.
 local function read_hash(rule_index, key, kind)
-  local values = redis.pcall('HGETALL', key)
+  local values = redis_pcall('HGETALL', key)
   if values.err then
     return nil, state_error('rule ' .. rule_index, 'the key is not a hash')
   end
@@ -367,7 +381,7 @@ local function read_hash(rule_index, key, kind)
     found[name] = value
   end
   if count ~= 2 * HASH_FIELD_COUNTS[kind] then
-    for name in pairs(expected) do
+    for name in pairs_of(expected) do
       if found[name] == nil then
         return nil, state_error('rule ' .. rule_index, 'field ' .. name .. ' is missing')
       end
@@ -384,8 +398,8 @@ local function another_algorithm(rule_index, other)
 end
 
 local function string_state_problem(rule_index, kind, stored)
-  for other, pattern in pairs(STATE_PATTERNS) do
-    if other ~= kind and string.find(stored, pattern) then
+  for other, pattern in pairs_of(STATE_PATTERNS) do
+    if other ~= kind and find(stored, pattern) then
       return another_algorithm(rule_index, other)
     end
   end
@@ -397,7 +411,7 @@ end
 -- layout: one match checks the layout and captures every field, each at most 16 digits and below
 -- 2^53 (exact integers, as integer() requires). The third number is nil but for sc.
 local function state_numbers(stored, kind)
-  local a, b, c = string.match(stored, STATE_PATTERNS[kind])
+  local a, b, c = match(stored, STATE_PATTERNS[kind])
   if a == nil or #a > 16 or #b > 16 or (c and #c > 16) then
     return nil
   end
@@ -418,7 +432,7 @@ end
 -- of earlier versions named them), or an error reply. One GET; a hash is an earlier version's
 -- state.
 local function read_string_state(rule_index, key, kind)
-  local stored = redis.pcall('GET', key)
+  local stored = redis_pcall('GET', key)
   if not stored then
     return nil
   end
@@ -440,7 +454,7 @@ end
 
 -- The GCRA key: nil when absent, the stored TAT, or an error reply.
 local function read_tat(rule_index, key)
-  local stored = redis.pcall('GET', key)
+  local stored = redis_pcall('GET', key)
   -- A string's fields are the string library's (stored.err is nil); only an error reply has one.
   if stored and stored.err then
     return nil, state_error('rule ' .. rule_index, 'the key is not a string')
@@ -460,12 +474,12 @@ end
 -- reply. An entry admitted exactly a window ago has left.
 local function read_log(rule_index, key, window, now, decision_id)
   local live_from = '(' .. text(now - window)
-  local live_count = redis.pcall('ZCOUNT', key, live_from, '+inf')
-  if type(live_count) == 'table' and live_count.err then
+  local live_count = redis_pcall('ZCOUNT', key, live_from, '+inf')
+  if type_of(live_count) == 'table' and live_count.err then
     return nil, state_error('rule ' .. rule_index, 'the key is not a sorted set')
   end
-  local admitted_at = redis.call('ZSCORE', key, decision_id)
-  local replay = admitted_at and tonumber(admitted_at) > now - window
+  local admitted_at = redis_call('ZSCORE', key, decision_id)
+  local replay = admitted_at and to_number(admitted_at) > now - window
   return { live_count = live_count, live_from = live_from, replay = replay }
 end
 
@@ -633,19 +647,19 @@ local function decide_sliding_counter(rule, state, now)
     -- Only in the next window, where the current count becomes the weighted one (cur > 0 here).
     wait = (w - elapsed) + (w - div_floor((rule.limit - rule.cost) * w, cur))
   end
-  local retry = math.max(wait + (effective - now), 1)
+  local retry = max(wait + (effective - now), 1)
   return { allowed = false, remaining = available, available = available, retry = retry }
 end
 
 local function decide_sliding_log(rule, log, now, key)
-  local available = math.max(rule.limit - log.live_count, 0)
+  local available = max(rule.limit - log.live_count, 0)
   if log.replay then
     -- A retry of an admitted request: allowed again, counted once, nothing written.
     return { allowed = true, remaining = available, available = available }
   end
   if log.live_count >= rule.limit then
-    local oldest = redis.call('ZRANGEBYSCORE', key, log.live_from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-    local retry = math.max(tonumber(oldest[2]) + rule.window - now, 1)
+    local oldest = redis_call('ZRANGEBYSCORE', key, log.live_from, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    local retry = max(to_number(oldest[2]) + rule.window - now, 1)
     return { allowed = false, remaining = 0, available = available, retry = retry }
   end
   return { allowed = true, remaining = rule.limit - log.live_count - 1, available = available, write = true }
@@ -663,22 +677,22 @@ local DECIDE = {
 -- in one SET, which also replaces an earlier version's hash.
 local function set_string_state(kind, key, first, second, expires_at)
   -- One string.format makes the state: formatting a field at a time made a string per field.
-  redis.call('SET', key, string.format(kind == 'tb' and 't%d %d' or 'f%d %d', first, second), 'PXAT',
+  redis_call('SET', key, format(kind == 'tb' and 't%d %d' or 'f%d %d', first, second), 'PXAT',
     shared_text(expires_at))
 end
 
 -- Writes a tb, fw or sc state as the hash of earlier versions, replacing whatever the key held
 -- (a string), and its expiry.
 local function write_hash(kind, key, outcome)
-  redis.call('DEL', key)
+  redis_call('DEL', key)
   if kind == 'fw' then
-    redis.call('HSET', key, 'w', text(outcome.window_start), 'n', text(outcome.count))
+    redis_call('HSET', key, 'w', text(outcome.window_start), 'n', text(outcome.count))
   elseif kind == 'tb' then
-    redis.call('HSET', key, 'tk', text(outcome.remaining), 'ts', text(outcome.updated_at))
+    redis_call('HSET', key, 'tk', text(outcome.remaining), 'ts', text(outcome.updated_at))
   else
-    redis.call('HSET', key, 'w', text(outcome.window_start), 'cur', text(outcome.count), 'prev', text(outcome.prev))
+    redis_call('HSET', key, 'w', text(outcome.window_start), 'cur', text(outcome.count), 'prev', text(outcome.prev))
   end
-  redis.call('PEXPIREAT', key, text(outcome.expires_at))
+  redis_call('PEXPIREAT', key, text(outcome.expires_at))
 end
 
 -- Performs an admitting outcome's write to `key`: tb, fw and sc state as hashes when `hashes`.
@@ -694,20 +708,20 @@ local function write(spec, key, outcome, now, decision_id, hashes)
     set_string_state(kind, key, outcome.remaining, outcome.updated_at, outcome.expires_at)
   elseif kind == 'gcra' then
     local tat = text(outcome.new_tat)
-    redis.call('SET', key, tat, 'PXAT', tat)
+    redis_call('SET', key, tat, 'PXAT', tat)
   elseif kind == 'sc' then
     local state = 's' .. shared_text(outcome.window_start) .. ' ' .. text(outcome.count) .. ' '
       .. text(outcome.prev)
-    redis.call('SET', key, state, 'PXAT', shared_text(outcome.expires_at))
+    redis_call('SET', key, state, 'PXAT', shared_text(outcome.expires_at))
   else
     -- Trim the entries that have left the window, so the set holds at most `limit` members. The
     -- key lives until its newest entry leaves the window; after a clock step back that entry can
     -- be later than now (as the core does).
-    local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    local newest_at = math.max(tonumber(newest[2]) or now, now)
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', text(now - spec.window))
-    redis.call('ZADD', key, text(now), decision_id)
-    redis.call('PEXPIREAT', key, text(newest_at + spec.window))
+    local newest = redis_call('ZRANGE', key, -1, -1, 'WITHSCORES')
+    local newest_at = max(to_number(newest[2]) or now, now)
+    redis_call('ZREMRANGEBYSCORE', key, '-inf', text(now - spec.window))
+    redis_call('ZADD', key, text(now), decision_id)
+    redis_call('PEXPIREAT', key, text(newest_at + spec.window))
   end
 end
 
@@ -746,7 +760,7 @@ local function decide_single(spec, key, now, batch)
   if batch and (batch.pending[key] or batch.read[key] ~= nil) then
     return nil
   end
-  local stored = redis.pcall('GET', key)
+  local stored = redis_pcall('GET', key)
   local first, second
   if stored then
     if stored.err then
@@ -772,11 +786,11 @@ local function decide_single(spec, key, now, batch)
     if count + cost > limit then
       local available = limit - count
       if available < 0 then available = 0 end
-      return string.format(DENIED_FORMAT[1], 1, left_ms, available)
+      return format(DENIED_FORMAT[1], 1, left_ms, available)
     end
     count = count + cost
     set_string_state('fw', key, window_start, count, now + left_ms)
-    return string.format(ADMITTED_FORMAT[1], limit - count)
+    return format(ADMITTED_FORMAT[1], limit - count)
   end
   if cost > spec.capacity then
     return '0 1 -1 0 0 0'
@@ -784,11 +798,11 @@ local function decide_single(spec, key, now, batch)
   local tokens, updated_at = refilled(spec, first, second, now)
   if tokens < cost then
     local wait_ms = div_ceil((cost - tokens) * spec.period, spec.refill)
-    return string.format(DENIED_FORMAT[1], 1, wait_ms, tokens)
+    return format(DENIED_FORMAT[1], 1, wait_ms, tokens)
   end
   local remaining = tokens - cost
   set_string_state('tb', key, remaining, updated_at, updated_at + spec.full_refill_ms + spec.slack)
-  return string.format(ADMITTED_FORMAT[1], remaining)
+  return format(ADMITTED_FORMAT[1], remaining)
 end
 
 -- Per rule of a plain request (reused: one request at a time), what an admission writes: the
@@ -806,9 +820,9 @@ local PLAIN_SHARED = {}
 -- The algorithm whose state `state` is, as read_state reads it (and as a coalesced call carries
 -- it), or nil when there is none.
 local function carried_kind(state)
-  if type(state) == 'number' then
+  if type_of(state) == 'number' then
     return 'gcra'
-  elseif type(state) ~= 'table' then
+  elseif type_of(state) ~= 'table' then
     return nil
   elseif state.tk then
     return 'tb'
@@ -851,7 +865,7 @@ end
 -- (nothing of it changed), so they need not read it again.
 local function plain_denial(keys, key_base, specs, n, denied_by, retry, batch)
   local held = PLAIN_HELD
-  local reply = string.format(DENIED_FORMAT[n], denied_by, retry, held[1], held[2], held[3], held[4],
+  local reply = format(DENIED_FORMAT[n], denied_by, retry, held[1], held[2], held[3], held[4],
     held[5], held[6], held[7], held[8])
   if batch then
     for i = 1, n do
@@ -930,7 +944,7 @@ local function decide_plain(keys, key_base, specs, n, now, batch)
       -- One GET, which must find nothing or a valid string of this algorithm: an earlier
       -- version's hash and every fault go to the general path, which reads them again and
       -- answers as it always has.
-      local stored = redis.pcall('GET', key)
+      local stored = redis_pcall('GET', key)
       if stored then
         -- A string's fields are the string library's (stored.err is nil); only an error reply
         -- has one.
@@ -997,7 +1011,7 @@ local function decide_plain(keys, key_base, specs, n, now, batch)
     held[i] = spec.kind == 'tb' and first or spec.limit - second
     plain_write(spec, keys[key_base + 1 + i], first, second, shared[i] and batch)
   end
-  return string.format(ADMITTED_FORMAT[n], held[1], held[2], held[3], held[4], held[5], held[6],
+  return format(ADMITTED_FORMAT[n], held[1], held[2], held[3], held[4], held[5], held[6],
     held[7], held[8])
 end
 
@@ -1089,13 +1103,13 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
 
   -- Replay.
   if record_ttl_ms > 0 then
-    local record = redis.pcall('GET', record_key)
+    local record = redis_pcall('GET', record_key)
     if record and record.err then
       return state_error('decision record', 'the key is not a string')
     end
     if record then
       local recorded = {}
-      for field in string.gmatch(record, '%S+') do
+      for field in gmatch(record, '%S+') do
         if integer(field, 0, MAX_STORED) == nil then
           return state_error('decision record', 'corrupt value')
         end
@@ -1104,7 +1118,7 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
       if #recorded < 1 or #recorded > MAX_RULES then
         return state_error('decision record', 'corrupt value')
       end
-      return REPLAYED .. ' ' .. table.concat(recorded, ' ')
+      return REPLAYED .. ' ' .. concat(recorded, ' ')
     end
   end
 
@@ -1190,19 +1204,19 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
       end
     end
     if record_ttl_ms > 0 then
-      redis.call('SET', record_key, string.sub(remaining, 2), 'PXAT', shared_text(now + record_ttl_ms))
+      redis_call('SET', record_key, sub(remaining, 2), 'PXAT', shared_text(now + record_ttl_ms))
     end
   end
   if denied_by == 0 and advisory_denied == 0 then
     return ADMITTED .. remaining
   end
-  local verdict = string.format('%d %d %d 0 %d', denied_by == 0 and 1 or 0, denied_by, retry, advisory_denied)
+  local verdict = format('%d %d %d 0 %d', denied_by == 0 and 1 or 0, denied_by, retry, advisory_denied)
   return verdict .. remaining
 end
 
 -- The server's clock, ms.
 local function server_now()
-  local time = redis.call('TIME')
+  local time = redis_call('TIME')
   -- Seconds and microseconds, as digit strings: arithmetic coerces them exactly.
   local micros = time[2]
   return time[1] * 1000 + (micros - micros % 1000) / 1000
@@ -1210,6 +1224,9 @@ end
 
 -- A lone request: KEYS and ARGV as the header comment says.
 local function decide(keys, args)
+  if not format then
+    bind_library()
+  end
   local header_entry = parsed(args[1], parse_header)
   if header_entry.err then
     return arg_error(header_entry.err)
@@ -1267,11 +1284,11 @@ local function parse_layout(layout)
     return { err = 'a layout must be at most ' .. MAX_LAYOUT_BYTES .. ' bytes' }
   end
   local parts = {}
-  for part in string.gmatch(layout, '%S+') do
+  for part in gmatch(layout, '%S+') do
     parts[#parts + 1] = part
   end
   local count = #parts
-  if count < 5 or count % 2 == 0 or count > 3 + 2 * MAX_RULES or table.concat(parts, ' ') ~= layout then
+  if count < 5 or count % 2 == 0 or count > 3 + 2 * MAX_RULES or concat(parts, ' ') ~= layout then
     return { err = 'a layout must be a header, an id flag, a record slot and 1 to ' .. MAX_RULES
       .. ' rules with their key slots, one space apart' }
   end
@@ -1357,7 +1374,7 @@ local function layout_in_call(layout, args, text_count, now)
       return nil, 'rule ' .. i .. ' names no text'
     end
     rules[i] = args[2 + layout.rules[i]]
-    needs_id = needs_id or string.sub(rules[i], 1, 3) == 'sl '
+    needs_id = needs_id or sub(rules[i], 1, 3) == 'sl '
   end
   if needs_id and not layout.id then
     return nil, 'a sliding log or a decision record needs the decision id'
@@ -1442,7 +1459,7 @@ local function run_state(kind, key, batch)
   if carried ~= nil then
     return carried, first, second
   end
-  local stored = redis.pcall('GET', key)
+  local stored = redis_pcall('GET', key)
   if stored then
     if stored.err then
       return false
@@ -1468,7 +1485,7 @@ local function run_keys_absent(keys, after, values)
       nils[count] = keys[after + k]
     end
   end
-  return count == 0 or redis.call('EXISTS', unpack(nils, 1, count)) == 0
+  return count == 0 or redis_call('EXISTS', unpack_values(nils, 1, count)) == 0
 end
 
 -- A run of plain requests (decide_plain's shape) whose rules name no key twice, decided as
@@ -1501,7 +1518,7 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
   -- when it counts none, else each nil is read again with a GET.
   local prefetched, prefetched_after, all_absent = nil, taken, false
   if run > 1 and layout.fresh > 0 then
-    prefetched = redis.call('MGET', unpack(keys, taken + 1, taken + run * layout.fresh))
+    prefetched = redis_call('MGET', unpack_values(keys, taken + 1, taken + run * layout.fresh))
     all_absent = run_keys_absent(keys, taken, prefetched)
   end
   for _ = 1, run do
@@ -1539,7 +1556,7 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
           local stored = prefetched and prefetched[taken - prefetched_after]
           if not stored and not all_absent then
             -- Not read with the run, or read as nil (empty, or not a string).
-            stored = redis.pcall('GET', key)
+            stored = redis_pcall('GET', key)
             if stored and stored.err then
               fits = false
               break
@@ -1605,7 +1622,7 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
         loaded[i] = false
       end
     elseif denied_by ~= 0 then
-      reply = string.format(DENIED_FORMAT[n], denied_by, retry, unpack(held, 1, n))
+      reply = format(DENIED_FORMAT[n], denied_by, retry, unpack_values(held, 1, n))
     else
       -- Admitted by every rule: a run key's new state stays in the run, a request's own key is
       -- written at once.
@@ -1619,7 +1636,7 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
         end
       end
       changed = true
-      reply = string.format(ADMITTED_FORMAT[n], unpack(held, 1, n))
+      reply = format(ADMITTED_FORMAT[n], unpack_values(held, 1, n))
     end
     decided = decided + 1
     replies[decided] = reply
@@ -1656,6 +1673,9 @@ end
 -- whole is an error when the call's layout is wrong (the counts, a run, a layout, a header, a key
 -- sent twice, or keys and arguments that do not add up): then nothing ran.
 local function decide_many(keys, args)
+  if not format then
+    bind_library()
+  end
   local count = integer(args[1], 1, MAX_REQUESTS)
   if count == nil then
     return arg_error('the request count must be 1 to ' .. MAX_REQUESTS)
