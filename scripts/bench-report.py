@@ -137,7 +137,7 @@ def main():
         print("tenant's (one key all callers share), through the client path of stores on the same Redis in")
         print("alternating rounds: one that sends every decision alone (`off`, the default) and ones that")
         print("coalesce (`--coalesce-hot-keys true`: decisions of a slot that arrive while its calls are in")
-        print("flight go together in the next call) with 1, 2 (the default) and 3 calls of a slot in flight at")
+        print("flight go together in the next call) with 1 (the default), 2 and 3 calls of a slot in flight at")
         print("once, all with a patient decision budget (250 ms) so that the store decides every one")
         print("(`degraded` counts those it did not). Redis CPU from `INFO cpu`, per decision the store made;")
         print("`x off` is that over the uncoalesced store's (the target is at most 0.5, with p99 no worse);")

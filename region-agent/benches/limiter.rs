@@ -390,7 +390,7 @@ async fn hot_tenant(url: &str, subjects: &Subjects) {
             .expect("sealed"),
     );
     let mut variants = Vec::new();
-    // Off, then on with 1, 2 (the default) and 3 calls of the slot in flight at once.
+    // Off, then on with 1 (the default), 2 and 3 calls of the slot in flight at once.
     for calls_in_flight in HOT_TENANT_CALLS_IN_FLIGHT {
         let config = RedisStoreConfig {
             coalesce: calls_in_flight > 0,

@@ -5,16 +5,20 @@
 //! share is the call: one round trip, one read of the server's clock, and one read and one write
 //! of every key they have in common (a hot tenant's own rule), instead of one each.
 //!
-//! A slot has at most `calls_in_flight` calls in flight at once (2 by default,
+//! A slot has at most `calls_in_flight` calls in flight at once (1 by default,
 //! [`DEFAULT_CALLS_IN_FLIGHT_PER_SLOT`]). A decision that arrives while fewer are in flight, and
 //! nothing of its slot waits, is sent at once, alone, by its caller: coalescing never delays a
 //! decision that could go now, and costs a lone call nothing but a map entry. When a call ends,
 //! what waited meanwhile is sent by a task of its own, one coalesced call at a time (at most
-//! [`MAX_REQUESTS_PER_CALL`] each), until nothing waits. With one call in flight the server would
-//! sit idle while a reply travels back and the next call is built and sent; with two, the next
-//! call is queued at the server while the previous one runs. A decision whose caller stopped
-//! waiting (its deadline passed) before its call was sent is dropped from the queue unsent; one
-//! already sent runs to its end, as an ambiguous call would. Bounded (I10): at most
+//! [`MAX_REQUESTS_PER_CALL`] each), until nothing waits. Between two calls the task chooses what
+//! goes first ([`SEND_FIRST_AT`]): when a near-full call waits, it is sent before the last call's
+//! decisions are answered, so the server does not sit idle while their callers run; when some but
+//! fewer wait, the answered callers get one turn of the runtime first, and their next decisions
+//! join the call; when none wait, the place in flight is given back. A call's fixed cost is spread
+//! over more decisions that way (a call of 64 costs the server about two fifths of what 64 lone
+//! calls cost), and what it costs a decision is a turn of the runtime. A decision whose caller
+//! stopped waiting (its deadline passed) before its call was sent is dropped from the queue
+//! unsent; one already sent runs to its end, as an ambiguous call would. Bounded (I10): at most
 //! [`MAX_WAITING_PER_SLOT`] decisions wait per slot (past it a decision is sent alone), and a
 //! slot's queue exists only while a call of it is in flight.
 //!
@@ -42,9 +46,15 @@ pub const MAX_WAITING_PER_SLOT: usize = 256;
 /// Most decisions one coalesced call carries (the library's own limit).
 pub const MAX_REQUESTS_PER_CALL: usize = 64;
 
-/// Calls of one slot in flight at once by default: one running at the server while the next
-/// waits there (module docs; chosen on the hot-tenant benchmark, docs/limiter.md).
-pub const DEFAULT_CALLS_IN_FLIGHT_PER_SLOT: usize = 2;
+/// Calls of one slot in flight at once by default (module docs; chosen on the hot-tenant
+/// benchmark, docs/limiter.md: a second call in flight halves the calls' size, and costs the
+/// server more per decision than its latency gains are worth).
+pub const DEFAULT_CALLS_IN_FLIGHT_PER_SLOT: usize = 1;
+
+/// Decisions waiting when a call ends from which the next call is sent before the ended call's
+/// decisions are answered; below it they are answered first, and their callers get a turn to
+/// join the next call (module docs; chosen on the hot-tenant benchmark, docs/limiter.md).
+pub const SEND_FIRST_AT: usize = 48;
 
 /// Most calls of one slot a store may keep in flight at once (I10).
 pub const MAX_CALLS_IN_FLIGHT_PER_SLOT: usize = 8;
@@ -228,39 +238,89 @@ impl Coalescer {
         })
     }
 
-    /// Sends what waits for the slot `tag`, a coalesced call at a time, until nothing does; then
-    /// its place in flight is given back.
+    /// Sends what waits for the slot `tag`, a call at a time, until nothing does; then its place
+    /// in flight is given back. Between two calls (module docs): with at least [`SEND_FIRST_AT`]
+    /// waiting, the next call is taken and sent before the last one's decisions are answered
+    /// (answering wakes their callers, and the server would sit idle while they ran ahead of the
+    /// connection's writer); with some but fewer, they are answered first and their callers get a
+    /// turn; with none, the place is given back before they are answered.
     async fn send_waiting(&self, calls: &Calls, tag: &str) {
+        let mut sent = self.next_call(tag);
+        if sent.is_empty() {
+            return;
+        }
+        let mut replies = self.call(calls, &sent).await;
         loop {
-            let next = self.next_call(tag);
-            if next.is_empty() {
-                return;
-            }
-            if let [alone] = &next[..] {
-                let reply = calls.decide_one(&refs(&alone.keys), &alone.args).await;
-                if let Some(alone) = next.into_iter().next() {
-                    let _ = alone.reply.send(reply);
+            // None waiting: the place is given back before the answers (below), as nothing of
+            // the slot needs it.
+            if (1..SEND_FIRST_AT).contains(&self.waiting(tag)) {
+                answer(sent, replies);
+                // One turn for the callers just answered: their next decisions join this call.
+                tokio::task::yield_now().await;
+                sent = self.next_call(tag);
+                if sent.is_empty() {
+                    return;
                 }
+                replies = self.call(calls, &sent).await;
                 continue;
             }
-            self.coalesced_calls.fetch_add(1, Ordering::Relaxed);
-            self.coalesced_decisions
-                .fetch_add(next.len() as u64, Ordering::Relaxed);
-            let requests: Vec<(&[String], &[String])> = next
-                .iter()
-                .map(|waiting| (&waiting.keys[..], &waiting.args[..]))
-                .collect();
-            match calls.decide_many(&requests).await {
-                Ok(replies) => {
-                    for (waiting, reply) in next.into_iter().zip(replies) {
-                        let _ = waiting.reply.send(reply);
-                    }
-                }
-                Err(error) => {
-                    for waiting in next {
-                        let _ = waiting.reply.send(Err(error.clone()));
-                    }
-                }
+            let next = self.next_call(tag);
+            if next.is_empty() {
+                answer(sent, replies);
+                return;
+            }
+            // Polled in this order: the next call reaches the connection's writer first.
+            let (next_replies, ()) = tokio::join!(biased; self.call(calls, &next), async {
+                answer(sent, replies)
+            });
+            (sent, replies) = (next, next_replies);
+        }
+    }
+
+    /// Decisions waiting for the slot `tag`.
+    fn waiting(&self, tag: &str) -> usize {
+        self.slots().get(tag).map_or(0, |slot| slot.waiting.len())
+    }
+
+    /// One call of what waited: alone when it is one decision, else coalesced.
+    async fn call(&self, calls: &Calls, waiting: &[Waiting]) -> Replies {
+        if let [alone] = waiting {
+            return Replies::Each(vec![
+                calls.decide_one(&refs(&alone.keys), &alone.args).await,
+            ]);
+        }
+        self.coalesced_calls.fetch_add(1, Ordering::Relaxed);
+        self.coalesced_decisions
+            .fetch_add(waiting.len() as u64, Ordering::Relaxed);
+        let requests: Vec<(&[String], &[String])> = waiting
+            .iter()
+            .map(|waiting| (&waiting.keys[..], &waiting.args[..]))
+            .collect();
+        match calls.decide_many(&requests).await {
+            Ok(replies) => Replies::Each(replies),
+            Err(error) => Replies::Failed(error),
+        }
+    }
+}
+
+/// What a call of waiting decisions answered: a reply each, or the call's failure for all.
+enum Replies {
+    Each(Vec<Result<Vec<i64>, StoreError>>),
+    Failed(StoreError),
+}
+
+/// Hands each waiting decision its reply.
+fn answer(waiting: Vec<Waiting>, replies: Replies) {
+    match replies {
+        Replies::Each(replies) => {
+            debug_assert_eq!(waiting.len(), replies.len(), "a reply per decision");
+            for (waiting, reply) in waiting.into_iter().zip(replies) {
+                let _ = waiting.reply.send(reply);
+            }
+        }
+        Replies::Failed(error) => {
+            for waiting in waiting {
+                let _ = waiting.reply.send(Err(error.clone()));
             }
         }
     }
