@@ -75,8 +75,8 @@ pub struct AgentArgs {
     #[arg(long, env = "ALLOT_DECISION_BUDGET_MS")]
     pub decision_budget_ms: Option<u64>,
     /// Send a tenant's decisions that arrive while its Redis call is in flight together in its next
-    /// call (less Redis CPU for a hot tenant, more latency for the decisions that wait; off by
-    /// default, see docs/limiter.md).
+    /// call (on a hot tenant, less Redis CPU per decision and a lower p99; off by default, see
+    /// docs/limiter.md).
     #[arg(long, env = "ALLOT_COALESCE_HOT_KEYS")]
     pub coalesce_hot_keys: Option<bool>,
     /// `true`: write regional rule state as hashes, which agents before string state read, for
