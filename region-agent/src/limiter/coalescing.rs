@@ -245,35 +245,36 @@ impl Coalescer {
     /// connection's writer); with some but fewer, they are answered first and their callers get a
     /// turn; with none, the place is given back before they are answered.
     async fn send_waiting(&self, calls: &Calls, tag: &str) {
-        let mut sent = self.next_call(tag);
+        let sent = self.next_call(tag);
         if sent.is_empty() {
             return;
         }
-        let mut replies = self.call(calls, &sent).await;
+        let replies = self.call(calls, &sent).await;
+        let mut done = Answers::new(sent, replies);
         loop {
             // None waiting: the place is given back before the answers (below), as nothing of
             // the slot needs it.
             if (1..SEND_FIRST_AT).contains(&self.waiting(tag)) {
-                answer(sent, replies);
+                drop(done);
                 // One turn for the callers just answered: their next decisions join this call.
                 tokio::task::yield_now().await;
-                sent = self.next_call(tag);
+                let sent = self.next_call(tag);
                 if sent.is_empty() {
                     return;
                 }
-                replies = self.call(calls, &sent).await;
+                let replies = self.call(calls, &sent).await;
+                done = Answers::new(sent, replies);
                 continue;
             }
             let next = self.next_call(tag);
             if next.is_empty() {
-                answer(sent, replies);
                 return;
             }
             // Polled in this order: the next call reaches the connection's writer first.
-            let (next_replies, ()) = tokio::join!(biased; self.call(calls, &next), async {
-                answer(sent, replies)
+            let (next_replies, ()) = tokio::join!(biased; self.call(calls, &next), async move {
+                drop(done)
             });
-            (sent, replies) = (next, next_replies);
+            done = Answers::new(next, next_replies);
         }
     }
 
@@ -307,6 +308,31 @@ impl Coalescer {
 enum Replies {
     Each(Vec<Result<Vec<i64>, StoreError>>),
     Failed(StoreError),
+}
+
+/// A call's decisions and its replies, handed to them when this is dropped: however the sending
+/// task goes on (it sends the next call before answering, and that call may fail or panic), the
+/// decisions of a call that ran get what it decided.
+struct Answers {
+    waiting: Vec<Waiting>,
+    replies: Option<Replies>,
+}
+
+impl Answers {
+    fn new(waiting: Vec<Waiting>, replies: Replies) -> Self {
+        Self {
+            waiting,
+            replies: Some(replies),
+        }
+    }
+}
+
+impl Drop for Answers {
+    fn drop(&mut self) {
+        if let Some(replies) = self.replies.take() {
+            answer(std::mem::take(&mut self.waiting), replies);
+        }
+    }
 }
 
 /// Hands each waiting decision its reply.
