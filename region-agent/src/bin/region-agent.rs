@@ -13,7 +13,7 @@ use allot_region_agent::grpc::serve_grpc;
 use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::limiter::{
     DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter, LimiterConfig, LimiterStore, RedisStore,
-    RedisStoreConfig, StateLayout, StoreError,
+    RedisStoreConfig, StateLayout,
 };
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::{AgentId, RegionId};
@@ -59,38 +59,6 @@ fn agent_token(path: &Path, region: &RegionId) -> Result<String, String> {
         "--agent-token-file {}: no token for region {region}",
         path.display()
     ))
-}
-
-/// Attempts at opening the Redis store before the agent gives up starting (I10), with
-/// [`STORE_RETRY_FIRST_DELAY`] doubling between them up to [`STORE_RETRY_MAX_DELAY`]: about 11 s
-/// in all with the store's 1 s connect timeout. A region's Redis that is slow to answer as the
-/// agent starts (still starting, or a loaded machine) is waited for; one that stays away fails
-/// the start with its error.
-const STORE_CONNECT_ATTEMPTS: u32 = 6;
-const STORE_RETRY_FIRST_DELAY: Duration = Duration::from_millis(200);
-const STORE_RETRY_MAX_DELAY: Duration = Duration::from_secs(2);
-
-/// Opens the Redis store with `connect`, again after a connection failure (`NotExecuted`: nothing
-/// ran), at most [`STORE_CONNECT_ATTEMPTS`] times; any other error ends the start at once.
-async fn connect_store<T, F, Fut>(what: &str, mut connect: F) -> Result<T, String>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, StoreError>>,
-{
-    let mut delay = STORE_RETRY_FIRST_DELAY;
-    for attempt in 1..=STORE_CONNECT_ATTEMPTS {
-        match connect().await {
-            Ok(store) => return Ok(store),
-            Err(error @ StoreError::NotExecuted { .. }) if attempt < STORE_CONNECT_ATTEMPTS => {
-                tracing::warn!(%error, attempt, retry_in_ms = delay.as_millis() as u64,
-                    "{what}: the store did not answer; trying again");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(STORE_RETRY_MAX_DELAY);
-            }
-            Err(error) => return Err(format!("{what}: {error}")),
-        }
-    }
-    Err(format!("{what}: no attempt left"))
 }
 
 async fn shutdown_signal() {
@@ -141,17 +109,15 @@ async fn start(args: AgentConfig) -> Result<(), String> {
     };
     let store: Arc<dyn LimiterStore> = if !args.redis_cluster.is_empty() {
         Arc::new(
-            connect_store("--redis-cluster", || {
-                RedisStore::connect_cluster(&args.redis_cluster, store_config)
-            })
-            .await?,
+            RedisStore::connect_cluster(&args.redis_cluster, store_config)
+                .await
+                .map_err(|e| format!("--redis-cluster: {e}"))?,
         )
     } else if let Some(url) = &args.redis {
         Arc::new(
-            connect_store(&format!("--redis {url}"), || {
-                RedisStore::connect(url, store_config)
-            })
-            .await?,
+            RedisStore::connect(url, store_config)
+                .await
+                .map_err(|e| format!("--redis {url}: {e}"))?,
         )
     } else {
         eprintln!(
@@ -321,85 +287,5 @@ async fn main() -> ExitCode {
             eprintln!("region-agent: {message}");
             ExitCode::from(2)
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::cell::Cell;
-
-    use allot_region_agent::limiter::Rejection;
-
-    use super::*;
-
-    fn not_executed() -> StoreError {
-        StoreError::NotExecuted {
-            detail: "connecting: timed out".to_owned(),
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_store_that_did_not_answer_is_tried_again_until_it_opens() {
-        let calls = Cell::new(0);
-        let opened = connect_store("--redis x", || {
-            calls.set(calls.get() + 1);
-            let call = calls.get();
-            async move {
-                if call < 3 {
-                    Err(not_executed())
-                } else {
-                    Ok(call)
-                }
-            }
-        })
-        .await;
-        assert_eq!(opened, Ok(3), "opened on the third attempt");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_store_that_never_answers_fails_the_start_after_the_bounded_attempts() {
-        let calls = Cell::new(0);
-        let started = allot_region_agent::clock::monotonic_now();
-        let opened: Result<(), String> = connect_store("--redis x", || {
-            calls.set(calls.get() + 1);
-            async { Err(not_executed()) }
-        })
-        .await;
-        let error = opened.expect_err("never opens");
-        assert!(
-            error.starts_with("--redis x: ") && error.contains("timed out"),
-            "names the flag and the last error: {error}"
-        );
-        assert_eq!(
-            calls.get(),
-            STORE_CONNECT_ATTEMPTS,
-            "every attempt, no more"
-        );
-        let waited = started.elapsed();
-        assert!(
-            waited >= Duration::from_secs(5) && waited <= Duration::from_secs(6),
-            "waits between attempts, doubling to the cap: {waited:?}"
-        );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_store_that_refused_is_not_tried_again() {
-        let calls = Cell::new(0);
-        let opened: Result<(), String> = connect_store("--redis x", || {
-            calls.set(calls.get() + 1);
-            async {
-                Err(StoreError::Rejected {
-                    kind: Rejection::InvalidArgument,
-                    detail: "the library did not load".to_owned(),
-                })
-            }
-        })
-        .await;
-        assert!(opened.is_err());
-        assert_eq!(
-            calls.get(),
-            1,
-            "a refusal is not a store that did not answer"
-        );
     }
 }
