@@ -66,7 +66,8 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 pub struct RedisStoreConfig {
     /// Deadline of one call, reload and retry included.
     pub call_timeout: Duration,
-    /// Deadline for opening a connection.
+    /// Deadline for opening a connection, and for the setup on it (loading the Lua code, which
+    /// Redis compiles; reading a cluster's slots).
     pub connect_timeout: Duration,
     /// Decisions of one slot that arrive while the slot's calls are in flight go together in the
     /// next call ([`super::coalescing`]). Off by default, where a tenant's calls are sent as its
@@ -218,9 +219,11 @@ impl RedisStore {
     /// Connects to one Redis at `url` (`redis://host:port`) and loads the scripts.
     pub async fn connect(url: &str, config: RedisStoreConfig) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(not_connected)?;
+        // The connection's own reply timeout bounds the setup (loading the library, which Redis
+        // compiles); every decision call runs under `call_timeout` in `Calls::run`.
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
-            .set_response_timeout(Some(config.call_timeout));
+            .set_response_timeout(Some(config.connect_timeout));
         let manager = ConnectionManager::new_with_config(client, manager_config)
             .await
             .map_err(not_connected)?;
@@ -236,7 +239,8 @@ impl RedisStore {
             // Never re-send: a command re-sent after a dropped connection may debit twice (I6).
             .retries(0)
             .connection_timeout(config.connect_timeout)
-            .response_timeout(config.call_timeout)
+            // As for one server: the setup's bound; each call has its own deadline.
+            .response_timeout(config.connect_timeout)
             .build()
             .map_err(not_connected)?;
         let mut connection = client.get_async_connection().await.map_err(not_connected)?;

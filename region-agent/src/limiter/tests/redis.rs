@@ -978,3 +978,31 @@ async fn coalesced_decisions_on_a_cluster_admit_exactly_the_limit() {
     coalesced_decisions_of_a_hot_tenant_admit_exactly_its_limit(&Subject::redis_cluster().await)
         .await;
 }
+
+/// Connecting loads the decision library, whose compilation takes a Redis several milliseconds
+/// (more on a loaded machine): that setup is bounded by the connect timeout, not by the deadline of
+/// one decision, which a store started beside a busy Redis would otherwise miss and fail to start.
+#[tokio::test]
+async fn connecting_loads_the_library_within_the_connect_timeout_not_a_decisions_deadline() {
+    let server = RedisServer::start();
+    let config = RedisStoreConfig {
+        call_timeout: Duration::from_micros(1),
+        connect_timeout: Duration::from_secs(5),
+        ..TEST_CONFIG
+    };
+    for attempt in 0..3 {
+        // Each time on a server that has to compile the library again.
+        redis::cmd("FUNCTION")
+            .arg("FLUSH")
+            .query::<()>(
+                &mut redis::Client::open(server.url())
+                    .expect("url")
+                    .get_connection()
+                    .expect("connects"),
+            )
+            .expect("FUNCTION FLUSH");
+        RedisStore::connect(&server.url(), config)
+            .await
+            .unwrap_or_else(|error| panic!("attempt {attempt}: connects and loads: {error}"));
+    }
+}
