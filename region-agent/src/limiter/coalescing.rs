@@ -245,36 +245,25 @@ impl Coalescer {
     /// connection's writer); with some but fewer, they are answered first and their callers get a
     /// turn; with none, the place is given back before they are answered.
     async fn send_waiting(&self, calls: &Calls, tag: &str) {
-        let sent = self.next_call(tag);
-        if sent.is_empty() {
-            return;
-        }
-        let replies = self.call(calls, &sent).await;
-        let mut done = Answers::new(sent, replies);
+        // The last call's decisions and replies, not yet answered.
+        let mut done: Option<Answers> = None;
         loop {
-            // None waiting: the place is given back before the answers (below), as nothing of
-            // the slot needs it.
-            if (1..SEND_FIRST_AT).contains(&self.waiting(tag)) {
-                drop(done);
+            // None waiting: the place is given back before the answers (next_call, below), as
+            // nothing of the slot needs it.
+            if done.is_some() && (1..SEND_FIRST_AT).contains(&self.waiting(tag)) {
+                drop(done.take());
                 // One turn for the callers just answered: their next decisions join this call.
                 tokio::task::yield_now().await;
-                let sent = self.next_call(tag);
-                if sent.is_empty() {
-                    return;
-                }
-                let replies = self.call(calls, &sent).await;
-                done = Answers::new(sent, replies);
-                continue;
             }
             let next = self.next_call(tag);
             if next.is_empty() {
                 return;
             }
             // Polled in this order: the next call reaches the connection's writer first.
-            let (next_replies, ()) = tokio::join!(biased; self.call(calls, &next), async move {
+            let (replies, ()) = tokio::join!(biased; self.call(calls, &next), async move {
                 drop(done)
             });
-            done = Answers::new(next, next_replies);
+            done = Some(Answers::new(next, replies));
         }
     }
 
