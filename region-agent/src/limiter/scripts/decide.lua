@@ -675,10 +675,23 @@ local DECIDE = {
 
 -- Writes a tb or fw state string (its two numbers as STATE_PATTERNS lays them out) and its expiry
 -- in one SET, which also replaces an earlier version's hash.
+-- One string.format makes a tb or fw state: formatting a field at a time made a string per field.
+local STATE_FORMAT = { tb = 't%d %d', fw = 'f%d %d' }
+
 local function set_string_state(kind, key, first, second, expires_at)
-  -- One string.format makes the state: formatting a field at a time made a string per field.
-  redis_call('SET', key, format(kind == 'tb' and 't%d %d' or 'f%d %d', first, second), 'PXAT',
-    shared_text(expires_at))
+  redis_call('SET', key, format(STATE_FORMAT[kind], first, second), 'PXAT', shared_text(expires_at))
+end
+
+-- Writes a plain rule's new state (`first` and `second` as the string holds them) at once, with
+-- the expiry the plain paths give it: a bucket lives until it would be full again (full refill +
+-- slack from its time, which a clock that stepped back leaves ahead of now, as the core does); a
+-- window until its end. (plain_write computes the same expiry for a key it carries.) It writes
+-- the SET itself rather than through set_string_state: a Lua call costs about 600 instructions,
+-- and the run's loop writes every user's key through here.
+local function set_plain_state(spec, key, first, second)
+  local kind = spec.kind
+  local expires_at = kind == 'tb' and second + spec.full_refill_ms + spec.slack or first + spec.window
+  redis_call('SET', key, format(STATE_FORMAT[kind], first, second), 'PXAT', shared_text(expires_at))
 end
 
 -- Writes a tb, fw or sc state as the hash of earlier versions, replacing whatever the key held
@@ -789,6 +802,8 @@ local function decide_single(spec, key, now, batch)
       return format(DENIED_FORMAT[1], 1, left_ms, available)
     end
     count = count + cost
+    -- set_plain_state's write, with the expiry this path has in hand (its lookups cost about
+    -- 600 instructions of a lone decision).
     set_string_state('fw', key, window_start, count, now + left_ms)
     return format(ADMITTED_FORMAT[1], limit - count)
   end
@@ -889,14 +904,11 @@ end
 -- string holds them) with its expiry. A key another request of a coalesced call names too (the
 -- caller passes the call's `batch` for it) is written once at the call's end, and until then
 -- later requests read it from `batch`; any other key at once, as a lone call writes it.
--- (decide_plain_run writes the expiry out for the keys it writes at once: a change here goes
--- there.)
 local function plain_write(spec, key, first, second, batch)
   local kind = spec.kind
-  -- A bucket lives until it would be full again (full refill + slack from its time, which a clock
-  -- that stepped back leaves ahead of now, as the core does); a window until its end.
-  local expires_at = kind == 'tb' and second + spec.full_refill_ms + spec.slack or first + spec.window
   if batch then
+    -- set_plain_state's expiry, kept for the write at the call's end.
+    local expires_at = kind == 'tb' and second + spec.full_refill_ms + spec.slack or first + spec.window
     local pending = batch.pending[key]
     if pending == nil then
       pending = { write = true }
@@ -911,7 +923,7 @@ local function plain_write(spec, key, first, second, batch)
       pending.window_start, pending.count = first, second
     end
   else
-    set_string_state(kind, key, first, second, expires_at)
+    set_plain_state(spec, key, first, second)
   end
 end
 
@@ -1652,9 +1664,8 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
           if fresh_carried[i] then
             plain_write(spec, key, first, second, batch)
           else
-            -- plain_write's write at once, without its call (about 600 instructions).
-            set_string_state(spec.kind, key, first, second, spec.kind == 'tb'
-              and second + spec.full_refill_ms + spec.slack or first + spec.window)
+            -- plain_write's write at once, without its call.
+            set_plain_state(spec, key, first, second)
           end
         end
       end
