@@ -302,12 +302,21 @@ def main():
             print("other hosts, so it does not hold a core the agent or Redis waits for. The target is 0 %")
             print("LIMITER_UNAVAILABLE below capacity.")
             print()
-            print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | shed | waited in vain | breaker | unsent | agent us/decision |")
-            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            print("Two columns say how far a row is from that picture. `machine busy %` is the whole machine's CPU")
+            print("(`/proc/stat`, every core and process) over the run: the open loop costs the load generator")
+            print("more per request than the closed loop (a task per request), so a fraction of the closed-loop")
+            print("peak is a larger fraction of the machine. `sent late %` counts the requests the generator sent")
+            print("more than 2 ms after they were due, and `latest send ms` the worst: a generator that waits for a")
+            print("core sends what fell due meanwhile at once, a burst rather than the even spacing offered, and")
+            print("a burst of more decisions than the agent decides within the budget is answered unavailable.")
+            print()
+            print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | shed | waited in vain | breaker | unsent | agent us/decision | machine busy % | sent late % | latest send ms |")
+            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             for r in opened:
                 print(f"| {r['offeredPerSecond']:.0f} | {r['fraction']} | {r['decidedPerSecond']:.0f} | {r['p50Us']} | "
                       f"{r['p99Us']} | {r['unavailablePercent']} | {r['shed']} | {r['waitedOut']} | "
-                      f"{r['breakerRefusals']} | {r['unsent']} | {r['agentCpuUsPerDecision']} |")
+                      f"{r['breakerRefusals']} | {r['unsent']} | {r['agentCpuUsPerDecision']} | "
+                      f"{r.get('machineBusyPercent', '-')} | {r.get('lateSendPercent', '-')} | {r.get('maxLateMs', '-')} |")
             print()
 
     rlqs = bench_lines("rlqs.log")

@@ -10,11 +10,12 @@
 //!   keys are shared by every caller.
 //! - `raw-evalsha`: the same decision function and arguments sent straight to Redis, one call per
 //!   decision (the store's ceiling; the name is kept for the report's history).
-//! - `open 0.5x`, `open 0.8x`: `lease+3-redis` offered open loop, evenly spaced, at those fractions
-//!   of what it decided closed loop at 64 callers: below capacity, where every request should be
-//!   decided (64 closed-loop callers are at capacity by construction: by Little's law their mean
-//!   wait is 64 over the throughput, past the 10 ms budget whenever fewer than 6,400 are decided
-//!   per second).
+//! - `open 0.5x`, `open 0.65x`, `open 0.8x`: `lease+3-redis` offered open loop, evenly spaced,
+//!   at those fractions of what it decided closed loop at 64 callers: below capacity, where every
+//!   request should be decided (64 closed-loop callers are at capacity by construction: by Little's
+//!   law their mean wait is 64 over the throughput, past the 10 ms budget whenever fewer than 6,400
+//!   are decided per second). Each row also says how busy the whole machine was and how many
+//!   requests the load generator sent late (after waiting for a core itself: a burst).
 //!
 //! The allocator is a stub in this process that grants chunks of at most [`CHUNK_TOKENS`] (the agent's hot
 //! path is what is measured; allocator throughput has its own bench). It counts grant calls, to show
@@ -79,8 +80,8 @@ enum Load {
 }
 
 /// What a run of load saw: every answer's latency, how many were LIMITER_UNAVAILABLE, how long
-/// the run took, (open loop) how many were due but not sent, and the CPU the load generator's
-/// process spent on the run.
+/// the run took, (open loop) how many were due but not sent and how late the sent ones left, and
+/// the CPU the load generator's process spent on the run.
 #[derive(Serialize, Deserialize)]
 struct Outcome {
     latencies_us: Vec<u64>,
@@ -88,14 +89,18 @@ struct Outcome {
     seconds: f64,
     unsent: u64,
     load_cpu_s: f64,
+    /// Open loop: requests sent more than [`LATE_SEND`] after they were due (closed loop: 0).
+    late_sends: u64,
+    /// Open loop: the latest a request was sent after it was due, µs (closed loop: 0).
+    max_late_us: u64,
 }
 
 mod common;
 
 use common::{
-    AGENT_THREADS, GATEWAY, agent_and_load_runtimes, bundle, process_cpu_seconds,
-    redis_cpu_seconds, request, rls_request, serve_on_free_port, start_agent, stub_allocator,
-    thread_cpu_seconds,
+    AGENT_THREADS, GATEWAY, agent_and_load_runtimes, bundle, machine_cpu_ticks,
+    process_cpu_seconds, redis_cpu_seconds, request, rls_request, serve_on_free_port, start_agent,
+    stub_allocator, thread_cpu_seconds,
 };
 
 /// Serves Envoy's RLS v3 for `api` on the agents' runtime; its URL.
@@ -181,6 +186,8 @@ async fn collect(
         seconds,
         unsent: 0,
         load_cpu_s: process_cpu_seconds() - load_cpu_before,
+        late_sends: 0,
+        max_late_us: 0,
     }
 }
 
@@ -221,9 +228,11 @@ async fn measure(load: &Load, redis_info: &mut redis::aio::MultiplexedConnection
             .expect("a line from the load generator")
     };
     assert_eq!(next_line().await, "START");
+    let machine_before = machine_cpu_ticks();
     let agent_cpu_before = thread_cpu_seconds(AGENT_THREADS);
     let redis_cpu_before = redis_cpu_seconds(redis_info).await;
     let result = next_line().await;
+    let machine_after = machine_cpu_ticks();
     let redis_cpu_s = redis_cpu_seconds(redis_info).await - redis_cpu_before;
     // The raw store path runs nothing of the agents': what their idle threads spent is not its.
     let agent_cpu_s = match load {
@@ -234,7 +243,14 @@ async fn measure(load: &Load, redis_info: &mut redis::aio::MultiplexedConnection
     assert!(status.success(), "the load generator failed: {status}");
     let outcome: Outcome = serde_json::from_str(result.strip_prefix("RESULT ").expect("RESULT"))
         .expect("the load generator's result");
-    figure(outcome, agent_cpu_s, redis_cpu_s)
+    let busy_ticks = machine_after.0.saturating_sub(machine_before.0);
+    let all_ticks = machine_after.1.saturating_sub(machine_before.1).max(1);
+    figure(
+        outcome,
+        agent_cpu_s,
+        redis_cpu_s,
+        busy_ticks as f64 / all_ticks as f64,
+    )
 }
 
 /// The load generator's process: runs the [`Load`] in `json` and prints its `RESULT`.
@@ -258,13 +274,15 @@ fn generate_load(json: &str) {
     );
 }
 
-fn figure(outcome: Outcome, agent_cpu_s: f64, redis_cpu_s: f64) -> Figure {
+fn figure(outcome: Outcome, agent_cpu_s: f64, redis_cpu_s: f64, machine_busy: f64) -> Figure {
     let Outcome {
         latencies_us: mut latencies,
         unavailable,
         seconds,
         unsent,
         load_cpu_s,
+        late_sends,
+        max_late_us,
     } = outcome;
     latencies.sort_unstable();
     let at = |fraction: f64| {
@@ -280,6 +298,9 @@ fn figure(outcome: Outcome, agent_cpu_s: f64, redis_cpu_s: f64) -> Figure {
         load_cpu_us_per_decision: load_cpu_s * 1e6 / decisions,
         redis_cpu_us_per_decision: redis_cpu_s * 1e6 / decisions,
         unsent,
+        late_share: late_sends as f64 / decisions,
+        max_late_us,
+        machine_busy,
     }
 }
 
@@ -297,6 +318,12 @@ struct Figure {
     redis_cpu_us_per_decision: f64,
     /// Open loop: requests due while every connection was busy, not sent (closed loop: 0).
     unsent: u64,
+    /// Open loop: share of the requests sent more than [`LATE_SEND`] after they were due.
+    late_share: f64,
+    /// Open loop: the latest a request was sent after it was due, µs.
+    max_late_us: u64,
+    /// Share of the machine's CPU (every core, every process) busy over the run.
+    machine_busy: f64,
 }
 
 /// Drives `callers` keep-alive clients posting admits to `url`/`path` for [`RUN`]; every answer is
@@ -344,7 +371,7 @@ const OPEN_LOOP_CONNECTIONS: usize = 256;
 
 /// The offered rates of the open-loop runs, as fractions of the closed-loop peak at 64 callers
 /// (below capacity: every request should be decided).
-const OPEN_LOOP_FRACTIONS: [f64; 2] = [0.5, 0.8];
+const OPEN_LOOP_FRACTIONS: [f64; 3] = [0.5, 0.65, 0.8];
 
 /// The open-loop load generator's niceness (see [`measure`]).
 const OPEN_LOOP_NICENESS: u32 = 10;
@@ -356,6 +383,9 @@ const OPEN_LOOP_NICENESS: u32 = 10;
 /// way (docs/operations.md: `AllotRegionDepletedWhilePoolHadTokens`). A pool sized for this
 /// demand holds more per grant.
 const CHUNK_TOKENS: u64 = 1_000;
+
+/// An open-loop request sent later than this after it was due counts as sent late.
+const LATE_SEND: Duration = Duration::from_millis(2);
 
 /// Open loop: admits sent to `url` at `per_second`, evenly spaced, for [`RUN`], whatever the answers
 /// take (up to [`OPEN_LOOP_CONNECTIONS`] at once), counting those due but not sent.
@@ -369,8 +399,15 @@ async fn drive_open(url: String, per_second: f64) -> Outcome {
     let load_cpu_before = announce_start();
     let (start, stopwatch) = (monotonic_now(), Stopwatch::start());
     let (mut n, mut unsent) = (0u64, 0u64);
+    let (mut late_sends, mut max_late) = (0u64, Duration::ZERO);
     while stopwatch.elapsed() < RUN {
-        tokio::time::sleep_until(start + Duration::from_secs_f64(n as f64 / per_second)).await;
+        let due = start + Duration::from_secs_f64(n as f64 / per_second);
+        tokio::time::sleep_until(due).await;
+        // A generator that wakes late sends what fell due meanwhile at once: a burst, not the
+        // even spacing it offers.
+        let late = monotonic_now().saturating_duration_since(due);
+        late_sends += u64::from(late > LATE_SEND);
+        max_late = max_late.max(late);
         n += 1;
         let Ok(permit) = in_flight.clone().try_acquire_owned() else {
             unsent += 1;
@@ -397,6 +434,8 @@ async fn drive_open(url: String, per_second: f64) -> Outcome {
         seconds: stopwatch.elapsed().as_secs_f64(),
         unsent,
         load_cpu_s: process_cpu_seconds() - load_cpu_before,
+        late_sends,
+        max_late_us: u64::try_from(max_late.as_micros()).unwrap_or(u64::MAX),
     }
 }
 
@@ -592,6 +631,7 @@ async fn run(agents: tokio::runtime::Handle) {
                     "loadCpuUsPerDecision": (figure.load_cpu_us_per_decision * 10.0).round() / 10.0,
                     "redisCpuUsPerDecision": (figure.redis_cpu_us_per_decision * 10.0).round() / 10.0,
                     "unavailablePercent": (figure.unavailable_share * 10_000.0).round() / 100.0,
+                    "machineBusyPercent": (figure.machine_busy * 1_000.0).round() / 10.0,
                     "allocatorCallsPer1000Admits": if admits > 0.0 { (calls as f64 * 1000.0 / admits * 100.0).round() / 100.0 } else { 0.0 } })
             );
         }
@@ -683,7 +723,12 @@ async fn open_loop(
             figure.p99_us,
             format!("{:.2}% unav", figure.unavailable_share * 100.0),
             figure.agent_cpu_us_per_decision,
-            "-"
+            format!(
+                "busy {:.0}%, late {:.1}% (max {:.1} ms)",
+                figure.machine_busy * 100.0,
+                figure.late_share * 100.0,
+                figure.max_late_us as f64 / 1_000.0
+            )
         );
         println!(
             "BENCH {}",
@@ -694,6 +739,9 @@ async fn open_loop(
                 "shed": limiter.shed - limiter_before.shed,
                 "waitedOut": limiter.pool_exhausted - limiter_before.pool_exhausted,
                 "breakerRefusals": limiter.breaker_refusals - limiter_before.breaker_refusals,
+                "machineBusyPercent": (figure.machine_busy * 1_000.0).round() / 10.0,
+                "lateSendPercent": (figure.late_share * 1_000.0).round() / 10.0,
+                "maxLateMs": (figure.max_late_us as f64 / 100.0).round() / 10.0,
                 "agentCpuUsPerDecision": (figure.agent_cpu_us_per_decision * 10.0).round() / 10.0 })
         );
     }

@@ -216,6 +216,25 @@ pub fn process_cpu_seconds() -> f64 {
     stat_cpu_ticks(&stat) as f64 / TICKS_PER_SECOND
 }
 
+/// The whole machine's CPU ticks so far, busy and in all (`/proc/stat`'s first line: every core,
+/// every process; idle and iowait are not busy), so that a run can say how busy the machine was.
+pub fn machine_cpu_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(all_cores) = stat.lines().next() else {
+        return (0, 0);
+    };
+    // user nice system idle iowait irq softirq steal (guest time is inside user already).
+    let ticks: Vec<u64> = all_cores
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|field| field.parse().ok())
+        .collect();
+    let total: u64 = ticks.iter().sum();
+    let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
 /// The name of the threads the benchmarks run agents on, so that their CPU can be told apart
 /// from the load generators'.
 pub const AGENT_THREADS: &str = "agent-rt";
