@@ -248,8 +248,9 @@ impl Coalescer {
         // The last call's decisions and replies, not yet answered.
         let mut done: Option<Answers> = None;
         loop {
-            // None waiting: the place is given back before the answers (next_call, below), as
-            // nothing of the slot needs it.
+            // Some waiting, but fewer than a near-full call: answer first and give their callers
+            // a turn. (At least SEND_FIRST_AT: sent first, below. None: next_call gives the place
+            // back before the answers, as nothing of the slot needs it.)
             if done.is_some() && (1..SEND_FIRST_AT).contains(&self.waiting(tag)) {
                 drop(done.take());
                 // One turn for the callers just answered: their next decisions join this call.

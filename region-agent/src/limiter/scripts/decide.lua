@@ -673,11 +673,11 @@ local DECIDE = {
   sl = decide_sliding_log,
 }
 
--- Writes a tb or fw state string (its two numbers as STATE_PATTERNS lays them out) and its expiry
--- in one SET, which also replaces an earlier version's hash.
 -- One string.format makes a tb or fw state: formatting a field at a time made a string per field.
 local STATE_FORMAT = { tb = 't%d %d', fw = 'f%d %d' }
 
+-- Writes a tb or fw state string (its two numbers as STATE_PATTERNS lays them out) and its expiry
+-- in one SET, which also replaces an earlier version's hash.
 local function set_string_state(kind, key, first, second, expires_at)
   redis_call('SET', key, format(STATE_FORMAT[kind], first, second), 'PXAT', shared_text(expires_at))
 end
