@@ -9,16 +9,19 @@
 //!   clients are cut off), idle connections, and a graceful shutdown with a deadline;
 //! - [`problem`]: every error a client sees as problem+json, including those layers answer;
 //! - [`router`]: the bounds every router gets (body size, concurrency, request time);
+//! - [`deadline`]: request deadlines on a coarse shared tick, not a timer per request;
 //! - [`mod@metrics`]: the process-wide Prometheus recorder, set up once.
 //!
 //! Architecture invariant: this crate depends on nothing of ours; it knows no Allot type.
 
+pub mod deadline;
 pub mod metrics;
 pub mod problem;
 pub mod router;
 pub mod serve;
 pub mod tls;
 
+pub use deadline::{CoarseDeadlines, DeadlinePassed};
 pub use problem::problem_for_plain_errors;
 pub use router::{RouterLimits, bounded_router};
 pub use serve::{PROBE_PATHS, ServeLimits, serve};

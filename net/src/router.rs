@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
-use axum::http::StatusCode;
 
 /// A router's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,10 +29,8 @@ where
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
             limits.max_concurrent_requests,
         ))
-        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            StatusCode::SERVICE_UNAVAILABLE,
-            limits.request_timeout,
-        ))
+        // Not a timer per request: see `deadline`.
+        .layer(crate::deadline::DeadlineLayer::new(limits.request_timeout))
         // Outermost, so body-limit and timeout answers are problem+json too.
         .layer(axum::middleware::map_response(
             crate::problem::problem_for_plain_errors,

@@ -146,6 +146,8 @@ pub struct RateLimitApi {
     gateway_tokens: Arc<Vec<String>>,
     /// Calls decided at once; the rest wait ([`MAX_CONCURRENT_REQUESTS`]).
     permits: Arc<tokio::sync::Semaphore>,
+    /// Each call's [`REQUEST_TIMEOUT`], on a shared coarse tick rather than a timer per call.
+    deadlines: allot_net::CoarseDeadlines,
 }
 
 impl RateLimitApi {
@@ -155,6 +157,7 @@ impl RateLimitApi {
             agent: api.agent.clone(),
             gateway_tokens: api.gateway_tokens.clone(),
             permits: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REQUESTS)),
+            deadlines: allot_net::CoarseDeadlines::for_limit(REQUEST_TIMEOUT),
         }
     }
 
@@ -297,14 +300,13 @@ impl RateLimitService for RateLimitApi {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let stopwatch = crate::clock::Stopwatch::start();
-        let answer = match tokio::time::timeout(REQUEST_TIMEOUT, async {
+        let work = async {
             let _permit = self.permits.acquire().await;
             self.decide(request).await
-        })
-        .await
-        {
+        };
+        let answer = match self.deadlines.within(REQUEST_TIMEOUT, work).await {
             Ok(answer) => answer,
-            Err(_elapsed) => Err(Status::unavailable(format!(
+            Err(allot_net::DeadlinePassed) => Err(Status::unavailable(format!(
                 "not decided within {} ms",
                 REQUEST_TIMEOUT.as_millis()
             ))),
