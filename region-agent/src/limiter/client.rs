@@ -29,7 +29,7 @@
 //! | the store lost the function or script (`NOSCRIPT`, function not found) | | handled inside the store: load, retry once |
 //! | `Rejected` (the script refused the arguments) | no verdict | `POLICY_ERROR` (503), no retry; logged as an error |
 //! | `Ambiguous`, or the deadline passed after sending | failure | with a decision record: retry once, same decision id (the script replays a recorded admission); otherwise degrade |
-//! | the deadline passed, but the shard answered some call within the last ten budgets, or the agent was held up (its timer fired half a budget late) | no verdict | as above: the shard is slow, not down; the in-flight bound is cut instead |
+//! | the deadline passed (or an `Ambiguous` reply came only after it: the store's own call timeout noticed first), but the shard answered some call within the last ten budgets, or the agent was held up (its timer fired half a budget late) | no verdict | as above: the shard is slow, not down; the in-flight bound is cut instead |
 //! | `MalformedReply` | no verdict | degrade, no retry; logged as an error |
 //! | `KeyCapReached` (in-process store full) | no verdict | degrade |
 //!
@@ -341,6 +341,9 @@ pub struct LimiterStats {
     /// Calls that overran their deadline while the shard answered others (slow, not down: no
     /// breaker failure).
     pub slow_calls: u64,
+    /// Calls counted as failures against their shard's breaker: not executed, ambiguous, or past
+    /// the deadline while the shard answered nothing else.
+    pub breaker_failures: u64,
 }
 
 #[derive(Debug, Default)]
@@ -357,6 +360,7 @@ struct Counters {
     pool_exhausted: AtomicU64,
     shed: AtomicU64,
     slow_calls: AtomicU64,
+    breaker_failures: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -510,7 +514,10 @@ impl Limiter {
                 true,
             ),
         };
-        let slow = overran && self.overran(shard, shard_index, &slot, deadline);
+        // As on the decision path: an ambiguous reply past the deadline missed it.
+        let missed_deadline = overran
+            || (matches!(result, Err(StoreError::Ambiguous { .. })) && monotonic_now() >= deadline);
+        let slow = missed_deadline && self.overran(shard, shard_index, &slot, deadline);
         let now_ms = self.clock.elapsed_ms();
         // The verdicts of the decision path's table (module docs): a reply is a success; a call
         // not executed or ambiguous is a failure, unless it overran a slow shard; a rejection, a
@@ -523,6 +530,7 @@ impl Limiter {
             Err(StoreError::Ambiguous { .. }) if slow => {}
             Err(StoreError::NotExecuted { .. } | StoreError::Ambiguous { .. }) => {
                 breaker_call.finally_failed(now_ms);
+                bump(&self.counters.breaker_failures);
             }
             Err(
                 StoreError::Rejected { .. }
@@ -567,6 +575,7 @@ impl Limiter {
             pool_exhausted: read(&c.pool_exhausted),
             shed: read(&c.shed),
             slow_calls: read(&c.slow_calls),
+            breaker_failures: read(&c.breaker_failures),
         }
     }
 
@@ -863,6 +872,7 @@ impl Limiter {
                 Ok(Err(StoreError::NotExecuted { detail })) => {
                     tracing::warn!(%detail, "limiter store did not execute the call; degrading");
                     breaker_call.finally_failed(now_ms);
+                    bump(&self.counters.breaker_failures);
                     return degrade(DegradeCause::NotExecuted);
                 }
                 Ok(Err(StoreError::MalformedReply { detail })) => {
@@ -880,19 +890,24 @@ impl Limiter {
                 }
                 Err(_elapsed) => DegradeCause::DeadlineExceeded,
             };
-            let slow = cause == DegradeCause::DeadlineExceeded
-                && self.overran(shard, shard_index, &slot, call_deadline);
+            // A reply missed its deadline whichever timer noticed first: the store's own call
+            // timeout fires first when this thread ran late past both, and is judged the same way.
+            let missed_deadline = cause == DegradeCause::DeadlineExceeded
+                || (cause == DegradeCause::Ambiguous && monotonic_now() >= call_deadline);
+            let slow = missed_deadline && self.overran(shard, shard_index, &slot, call_deadline);
             if calls < max_calls && monotonic_now() < deadline {
                 // The same batch, so the same decision id: a recorded admission is replayed.
                 ambiguous = Some(cause);
                 if !slow {
                     breaker_call.failed(now_ms);
+                    bump(&self.counters.breaker_failures);
                 }
                 bump(&self.counters.store_retries);
                 continue;
             }
             if !slow {
                 breaker_call.finally_failed(now_ms);
+                bump(&self.counters.breaker_failures);
             }
             return (Err(CallFailure::Degrade(cause)), calls);
         }

@@ -215,6 +215,7 @@ impl Agent {
             ("in_flight_exhausted", stats.pool_exhausted),
             ("shed", stats.shed),
             ("slow_calls", stats.slow_calls),
+            ("breaker_failures", stats.breaker_failures),
         ] {
             metrics::gauge!(crate::metrics::LIMITER_DECISIONS, "path" => path).set(count as f64);
         }

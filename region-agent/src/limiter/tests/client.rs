@@ -115,6 +115,9 @@ struct Instrumented {
     hang_marked: AtomicBool,
     /// Every call takes this long before it answers, ms (a saturated shard that still answers).
     delay_ms: AtomicU64,
+    /// Calls whose decision id starts `late-` take this long, ms, then report `Ambiguous`: the
+    /// store's own call timeout, noticing a missed reply before the limiter's deadline does.
+    late_ambiguous_ms: AtomicU64,
     /// Calls are rejected as invalid arguments (a policy fault).
     reject: AtomicBool,
     decision_ids: Mutex<Vec<String>>,
@@ -131,6 +134,7 @@ impl Instrumented {
             hang: AtomicBool::new(false),
             hang_marked: AtomicBool::new(false),
             delay_ms: AtomicU64::new(0),
+            late_ambiguous_ms: AtomicU64::new(0),
             reject: AtomicBool::new(false),
             decision_ids: Mutex::new(Vec::new()),
             lease_calls: AtomicU64::new(0),
@@ -160,6 +164,13 @@ impl LimiterStore for Instrumented {
         let marked = batch.decision_id().to_string().starts_with("hang-");
         if self.hang.load(Ordering::SeqCst) || (marked && self.hang_marked.load(Ordering::SeqCst)) {
             std::future::pending::<()>().await;
+        }
+        let late_ambiguous_ms = self.late_ambiguous_ms.load(Ordering::SeqCst);
+        if late_ambiguous_ms > 0 && batch.decision_id().to_string().starts_with("late-") {
+            tokio::time::sleep(Duration::from_millis(late_ambiguous_ms)).await;
+            return Err(StoreError::Ambiguous {
+                detail: "no reply within the store's call timeout (test)".to_owned(),
+            });
         }
         let delay_ms = self.delay_ms.load(Ordering::SeqCst);
         if delay_ms > 0 {
@@ -917,6 +928,65 @@ async fn overruns_while_the_shard_answers_others_do_not_open_its_breaker() {
     }
     assert_eq!(s.limiter.breakers()[0].state, BreakerState::Open);
     assert_eq!(s.limiter.stats().slow_calls, 5, "none of these was slow");
+}
+
+/// The store's own call timeout can notice a missed reply before the limiter's deadline does (both
+/// fire together when the agent's thread ran late past them): such an `Ambiguous` past the
+/// deadline is judged as an overrun, so it opens no breaker while the shard answers others, and
+/// still counts as a failure when nothing has answered.
+#[tokio::test(start_paused = true)]
+async fn an_ambiguous_reply_past_the_deadline_is_judged_as_an_overrun() {
+    let budget = Duration::from_millis(50);
+    let clock = Arc::new(ManualClock::new(1 << 42));
+    let s = Arc::new(limiter_over(
+        Arc::new(InProcessStore::new(clock, 10_000)),
+        LimiterConfig {
+            decision_budget: budget,
+            ..config()
+        },
+    ));
+    let budget_ms = u64::try_from(budget.as_millis()).expect("ms");
+    s.store.late_ambiguous_ms.store(budget_ms, Ordering::SeqCst);
+    let bundle = Arc::new(bundle());
+    // Not idempotent, so each decision is one call whose deadline is the decision's.
+    let spawn_late = |prefix: &str, count: usize| -> Vec<_> {
+        (0..count)
+            .map(|n| {
+                let (s, bundle) = (s.clone(), bundle.clone());
+                let id = format!("late-{prefix}{n}");
+                tokio::spawn(
+                    async move { s.limiter.decide(&user(&bundle, "slow", &id), None).await },
+                )
+            })
+            .collect()
+    };
+    let late = spawn_late("", 5);
+    let started = monotonic_now();
+    let mut fast = 0;
+    while monotonic_now().duration_since(started) < budget + budget / 5 {
+        let id = format!("fast-{fast}");
+        let planned = plan(&bundle, "atlas", PrincipalType::User, &id, "read", &id);
+        assert!(s.limiter.decide(&planned, None).await.degraded.is_none());
+        fast += 1;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for task in late {
+        let decision = task.await.expect("ends");
+        assert_eq!(decision.degraded, Some(DegradeCause::Ambiguous));
+    }
+    assert_eq!(s.limiter.stats().slow_calls, 5);
+    assert_eq!(s.limiter.stats().breaker_failures, 0);
+    assert_eq!(s.limiter.breakers()[0].state, BreakerState::Closed);
+    assert_eq!(s.limiter.breakers()[0].recent_failures, 0);
+
+    // Nothing answered for ten budgets: the same replies are failures, and the breaker opens.
+    tokio::time::sleep(budget * 11).await;
+    for task in spawn_late("alone-", 3) {
+        task.await.expect("ends");
+    }
+    assert_eq!(s.limiter.breakers()[0].state, BreakerState::Open);
+    assert_eq!(s.limiter.stats().slow_calls, 5, "none of these was slow");
+    assert_eq!(s.limiter.stats().breaker_failures, 3);
 }
 
 #[tokio::test(start_paused = true)]
