@@ -232,7 +232,10 @@ def main():
         print("`per agent core` the decisions one core of such CPU decides per second (`grpc+3-redis`: Envoy RLS")
         print("`ShouldRateLimit` decisions per second per agent core). `load us/decision` is the load")
         print("generator's process CPU per decision and `Redis us/decision` Redis's (`INFO cpu`), both over")
-        print("the same timed run. Reproduce with `cargo bench -p allot-region-agent --bench agent`.")
+        print("the same timed run. Each figure is three 1 s slices, taken round-robin with the table's other")
+        print("figures (a slice of each, three times over): a machine that slows down or speeds up during the")
+        print("bench then moves every figure alike, and a ratio compares like with like. Reproduce with")
+        print("`cargo bench -p allot-region-agent --bench agent`.")
         print()
         print("Where that CPU goes (`perf record --call-graph dwarf` on this bench, the agent's thread, 2026-12-02):")
         print("about a third in the kernel, and on loopback a sender's write also runs the receiving socket's")
@@ -240,7 +243,11 @@ def main():
         print("inclusively, under hyper (HTTP/1 parsing, encoding and the socket writes); the admission pipeline")
         print("about a sixth, of which the limiter's client path 12 % and the Redis codec 9 %; allocation 9 %,")
         print("serde_json 3 %, metrics and tracing under 1 % each. The agent's own logic is not where the")
-        print("ratio is lost.")
+        print("ratio is lost. One cost was the request timeout itself: a tokio timer per request, whose")
+        print("registration woke the runtime's timer driver with an eventfd write on nearly every decision")
+        print("(`perf stat -e syscalls:sys_enter_write` on the bench process: 443,723 writes in a run before,")
+        print("95,952 after). Request deadlines now compare against one coarse tick per server")
+        print("(`net/src/deadline.rs`).")
         print()
         print("| path | callers | decisions/s | p50 us | p99 us | x ceiling | unavailable % | agent us/decision | per agent core | load us/decision | Redis us/decision |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -260,11 +267,16 @@ def main():
             print("so that row's throughput counts fast refusals and its ratio is not a like-for-like figure;")
             print("compare the same row of a run at 0 % (git history of this file).")
             print()
+        for r in [r for r in agent if float(r.get('depletedPercent', 0)) > 0]:
+            print(f"In this run `{r['path']}` at {r['callers']} callers had {r['depletedPercent']} % of its admits "
+                  "denied by the global rule while its lease was being renewed (the stand-in allocator always")
+            print("has tokens: the operations guide's `AllotRegionDepletedWhilePoolHadTokens`).")
+            print()
         for r in [r for r in bench_lines("agent.log") if r.get("bench") == "agent_limiter"]:
             print(f"The Redis agent's limiter at {r['callers']} caller(s), both of its paths: {r['decisions']} decisions, "
                   f"{r['unavailable']} LIMITER_UNAVAILABLE ({r['shed']} shed at once, {r['waitedOut']} waited for a "
                   f"place in vain, {r['breakerRefusals']} refused by an open breaker), {r['slowCalls']} overruns of a "
-                  "slow shard.")
+                  f"slow shard, {r.get('breakerFailures', '-')} calls counted against a breaker.")
             print()
         for callers, per_1000 in calls:
             print(f"Allocator calls per 1,000 admits over the agent paths at {callers} "
@@ -300,7 +312,10 @@ def main():
             print("loop at 64 callers (fast refusals left out), from up to 256 connections (`unsent`: due while")
             print("all were busy). The open-loop load generator runs at niceness 10: it stands in for gateways on")
             print("other hosts, so it does not hold a core the agent or Redis waits for. The target is 0 %")
-            print("LIMITER_UNAVAILABLE below capacity.")
+            print("LIMITER_UNAVAILABLE below capacity. The three fractions are measured round-robin too (three")
+            print("1 s slices each). `lease ran dry %` counts admits the global rule denied although the stand-in")
+            print("allocator always has tokens: the agent's lease ran out while its renewal was on the way")
+            print("(the operations guide's `AllotRegionDepletedWhilePoolHadTokens`).")
             print()
             print("Two columns say how far a row is from that picture. `machine busy %` is the whole machine's CPU")
             print("(`/proc/stat`, every core and process) over the run: offered open loop, the agent spends more")
@@ -311,12 +326,12 @@ def main():
             print("core sends what fell due meanwhile at once, a burst rather than the even spacing offered, and")
             print("a burst of more decisions than the agent decides within the budget is answered unavailable.")
             print()
-            print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | shed | waited in vain | breaker | unsent | agent us/decision | machine busy % | sent late % | latest send ms |")
-            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | lease ran dry % | shed | waited in vain | breaker | breaker failures | unsent | agent us/decision | machine busy % | sent late % | latest send ms |")
+            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             for r in opened:
                 print(f"| {r['offeredPerSecond']:.0f} | {r['fraction']} | {r['decidedPerSecond']:.0f} | {r['p50Us']} | "
-                      f"{r['p99Us']} | {r['unavailablePercent']} | {r['shed']} | {r['waitedOut']} | "
-                      f"{r['breakerRefusals']} | {r['unsent']} | {r['agentCpuUsPerDecision']} | "
+                      f"{r['p99Us']} | {r['unavailablePercent']} | {r.get('depletedPercent', '-')} | {r['shed']} | {r['waitedOut']} | "
+                      f"{r['breakerRefusals']} | {r.get('breakerFailures', '-')} | {r['unsent']} | {r['agentCpuUsPerDecision']} | "
                       f"{r.get('machineBusyPercent', '-')} | {r.get('lateSendPercent', '-')} | {r.get('maxLateMs', '-')} |")
             print()
 
@@ -465,7 +480,7 @@ def accuracy():
     print("  (not run): each region admits up to its fixed half of the limit.")
     print()
     print("| shape | window | limit | chunk | lease TTL | requests | wrong | false admits | false denies | failed | mean \\|err\\| | worst under | overshoot | static: wrong | static: mean \\|err\\| | static: worst under |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in shapes:
         print(f"| {r['shape']} | {r['windowMs']} ms | {r['limit']} | {r['chunk']} | {r['leaseTtlMs']} ms | "
               f"{r['requests']} | {r['wrongPct']:.2f} % | {r['falseAdmits']} | {r['falseDenies']} | "

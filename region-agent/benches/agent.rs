@@ -19,7 +19,7 @@
 //!
 //! The allocator is a stub in this process that grants chunks of at most [`CHUNK_TOKENS`] (the agent's hot
 //! path is what is measured; allocator throughput has its own bench). It counts grant calls, to show
-//! how many allocator calls the admits cost (renewals are prefetched off the request path). Keep-alive HTTP clients, 1 and 64 concurrent callers, 3 s per figure.
+//! how many allocator calls the admits cost (renewals are prefetched off the request path). Keep-alive HTTP clients, 1 and 64 concurrent callers; each figure is three 1 s slices, taken round-robin with the other figures of its table ([`RUN`]).
 //!
 //! The agents and the `trivial` endpoint run in this process on a runtime of their own (one worker
 //! thread, named [`common::AGENT_THREADS`]; the Redis agent's store connection too, as in the
@@ -57,7 +57,13 @@ use tokio::io::AsyncBufReadExt;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-const RUN: Duration = Duration::from_secs(3);
+/// One timed slice of load. Every figure is [`ROUNDS`] slices, taken round-robin with the other
+/// figures of its table (a slice of each, then again), so that a machine that slows down or speeds
+/// up during the bench moves every figure alike and a ratio compares like with like.
+const RUN: Duration = Duration::from_secs(1);
+
+/// Slices per figure (see [`RUN`]).
+const ROUNDS: usize = 3;
 
 /// Set in the load generator's process: the [`Load`] it runs, as JSON.
 const LOAD_ENV: &str = "ALLOT_BENCH_AGENT_LOAD";
@@ -86,6 +92,10 @@ enum Load {
 struct Outcome {
     latencies_us: Vec<u64>,
     unavailable: u64,
+    /// Answers the global rule denied although the stand-in allocator always has tokens: the
+    /// agent's lease ran dry while its renewal was on the way (what the operations guide's
+    /// `AllotRegionDepletedWhilePoolHadTokens` alert watches).
+    depleted: u64,
     seconds: f64,
     unsent: u64,
     load_cpu_s: f64,
@@ -150,7 +160,7 @@ async fn drive_grpc(url: String, callers: u64) -> Outcome {
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
-            (latencies, unavailable)
+            (latencies, unavailable, 0)
         }));
     }
     collect(tasks, stop).await
@@ -165,7 +175,7 @@ fn announce_start() -> f64 {
 
 /// Lets `tasks` run for [`RUN`], stops them, and gathers what they saw.
 async fn collect(
-    tasks: Vec<tokio::task::JoinHandle<(Vec<u64>, u64)>>,
+    tasks: Vec<tokio::task::JoinHandle<(Vec<u64>, u64, u64)>>,
     stop: Arc<AtomicBool>,
 ) -> Outcome {
     let load_cpu_before = announce_start();
@@ -174,15 +184,17 @@ async fn collect(
     stop.store(true, Ordering::Relaxed);
     let seconds = stopwatch.elapsed().as_secs_f64();
     let mut latencies_us = Vec::new();
-    let mut unavailable = 0;
+    let (mut unavailable, mut depleted) = (0, 0);
     for task in tasks {
-        let (caller_latencies, caller_unavailable) = task.await.expect("caller");
+        let (caller_latencies, caller_unavailable, caller_depleted) = task.await.expect("caller");
         latencies_us.extend(caller_latencies);
         unavailable += caller_unavailable;
+        depleted += caller_depleted;
     }
     Outcome {
         latencies_us,
         unavailable,
+        depleted,
         seconds,
         unsent: 0,
         load_cpu_s: process_cpu_seconds() - load_cpu_before,
@@ -198,7 +210,7 @@ const LOAD_LINE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Runs `load` in a process of its own (this binary, with [`LOAD_ENV`] set) and makes its figure,
 /// with the agents' and Redis's CPU (`redis_info`: a connection to the bench's Redis) from the
 /// run's start to its result.
-async fn measure(load: &Load, redis_info: &mut redis::aio::MultiplexedConnection) -> Figure {
+async fn measure(load: &Load, redis_info: &mut redis::aio::MultiplexedConnection) -> Sample {
     let this_binary = std::env::current_exe().expect("this binary");
     // Below capacity the load generator stands in for gateways on other hosts: at a lower
     // priority it never holds a core the agent or Redis is waiting for (at capacity, the closed
@@ -243,14 +255,77 @@ async fn measure(load: &Load, redis_info: &mut redis::aio::MultiplexedConnection
     assert!(status.success(), "the load generator failed: {status}");
     let outcome: Outcome = serde_json::from_str(result.strip_prefix("RESULT ").expect("RESULT"))
         .expect("the load generator's result");
-    let busy_ticks = machine_after.0.saturating_sub(machine_before.0);
-    let all_ticks = machine_after.1.saturating_sub(machine_before.1).max(1);
-    figure(
+    Sample {
         outcome,
         agent_cpu_s,
         redis_cpu_s,
-        busy_ticks as f64 / all_ticks as f64,
-    )
+        busy_ticks: machine_after.0.saturating_sub(machine_before.0),
+        all_ticks: machine_after.1.saturating_sub(machine_before.1),
+    }
+}
+
+/// What one or more slices of a load measured, summed.
+struct Sample {
+    outcome: Outcome,
+    agent_cpu_s: f64,
+    redis_cpu_s: f64,
+    /// The whole machine's busy and total CPU ticks over the slices (`/proc/stat`).
+    busy_ticks: u64,
+    all_ticks: u64,
+}
+
+impl Sample {
+    /// `self` and `other` as one sample: counts and times added, the latest send the later.
+    fn merged(mut self, other: Sample) -> Sample {
+        let (mine, theirs) = (&mut self.outcome, other.outcome);
+        mine.latencies_us.extend(theirs.latencies_us);
+        mine.unavailable += theirs.unavailable;
+        mine.depleted += theirs.depleted;
+        mine.seconds += theirs.seconds;
+        mine.unsent += theirs.unsent;
+        mine.load_cpu_s += theirs.load_cpu_s;
+        mine.late_sends += theirs.late_sends;
+        mine.max_late_us = mine.max_late_us.max(theirs.max_late_us);
+        self.agent_cpu_s += other.agent_cpu_s;
+        self.redis_cpu_s += other.redis_cpu_s;
+        self.busy_ticks += other.busy_ticks;
+        self.all_ticks += other.all_ticks;
+        self
+    }
+
+    fn figure(self) -> Figure {
+        let machine_busy = self.busy_ticks as f64 / self.all_ticks.max(1) as f64;
+        figure(
+            self.outcome,
+            self.agent_cpu_s,
+            self.redis_cpu_s,
+            machine_busy,
+        )
+    }
+}
+
+/// Each of `loads` measured [`ROUNDS`] times, round-robin (see [`RUN`]); their figures in order.
+/// `between` runs after every slice with the slice's load index (to read counters per load).
+async fn measure_in_rounds(
+    loads: &[Load],
+    redis_info: &mut redis::aio::MultiplexedConnection,
+    mut between: impl FnMut(usize),
+) -> Vec<Figure> {
+    let mut samples: Vec<Option<Sample>> = loads.iter().map(|_| None).collect();
+    for _ in 0..ROUNDS {
+        for (index, load) in loads.iter().enumerate() {
+            let sample = measure(load, redis_info).await;
+            between(index);
+            samples[index] = Some(match samples[index].take() {
+                Some(sum) => sum.merged(sample),
+                None => sample,
+            });
+        }
+    }
+    samples
+        .into_iter()
+        .map(|sample| sample.expect("every load measured").figure())
+        .collect()
 }
 
 /// The load generator's process: runs the [`Load`] in `json` and prints its `RESULT`.
@@ -278,6 +353,7 @@ fn figure(outcome: Outcome, agent_cpu_s: f64, redis_cpu_s: f64, machine_busy: f6
     let Outcome {
         latencies_us: mut latencies,
         unavailable,
+        depleted,
         seconds,
         unsent,
         load_cpu_s,
@@ -294,6 +370,7 @@ fn figure(outcome: Outcome, agent_cpu_s: f64, redis_cpu_s: f64, machine_busy: f6
         p50_us: at(0.5),
         p99_us: at(0.99),
         unavailable_share: unavailable as f64 / decisions,
+        depleted_share: depleted as f64 / decisions,
         agent_cpu_us_per_decision: agent_cpu_s * 1e6 / decisions,
         load_cpu_us_per_decision: load_cpu_s * 1e6 / decisions,
         redis_cpu_us_per_decision: redis_cpu_s * 1e6 / decisions,
@@ -310,6 +387,8 @@ struct Figure {
     p99_us: u64,
     /// Share of answers that were LIMITER_UNAVAILABLE (a store call past the decision budget).
     unavailable_share: f64,
+    /// Share of answers denied by the global rule while the lease was renewed ([`Outcome::depleted`]).
+    depleted_share: f64,
     /// CPU of the agents' threads per decision, µs (the raw store path runs none of them: 0).
     agent_cpu_us_per_decision: f64,
     /// CPU of the load generator's process per decision, µs.
@@ -336,15 +415,19 @@ async fn drive(url: String, path: String, callers: u64) -> Outcome {
         tasks.push(tokio::spawn(async move {
             let http = reqwest::Client::new();
             let mut latencies = Vec::new();
-            let mut unavailable = 0u64;
+            let (mut unavailable, mut depleted) = (0u64, 0u64);
             let mut n = caller;
             while !stop.load(Ordering::Relaxed) {
                 let stopwatch = Stopwatch::start();
-                unavailable += u64::from(post_admit(&http, &url, &path, n).await);
+                match post_admit(&http, &url, &path, n).await {
+                    Answer::Admitted => {}
+                    Answer::Unavailable => unavailable += 1,
+                    Answer::Depleted => depleted += 1,
+                }
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
-            (latencies, unavailable)
+            (latencies, unavailable, depleted)
         }));
     }
     collect(tasks, stop).await
@@ -352,7 +435,7 @@ async fn drive(url: String, path: String, callers: u64) -> Outcome {
 
 /// Posts admit `n` to `url`/`path`: true when it was answered LIMITER_UNAVAILABLE (a Redis call
 /// past the decision budget under a fail-closed rule); any other answer must be an admit.
-async fn post_admit(http: &reqwest::Client, url: &str, path: &str, n: u64) -> bool {
+async fn post_admit(http: &reqwest::Client, url: &str, path: &str, n: u64) -> Answer {
     let response = http
         .post(format!("{url}/{path}"))
         .bearer_auth(GATEWAY)
@@ -360,9 +443,23 @@ async fn post_admit(http: &reqwest::Client, url: &str, path: &str, n: u64) -> bo
         .send()
         .await;
     let body: Value = response.expect("answer").json().await.expect("json");
-    let unavailable = body["reason"] == "LIMITER_UNAVAILABLE";
-    assert!(unavailable || body["allowed"] == true, "{body}");
-    unavailable
+    if body["allowed"] == true {
+        Answer::Admitted
+    } else if body["reason"] == "LIMITER_UNAVAILABLE" {
+        Answer::Unavailable
+    } else {
+        assert_eq!(body["deniedScope"], "global", "{body}");
+        Answer::Depleted
+    }
+}
+
+/// How an admit was answered (see [`post_admit`]).
+enum Answer {
+    Admitted,
+    /// LIMITER_UNAVAILABLE: the store did not decide within the budget.
+    Unavailable,
+    /// Denied by the global rule: the agent's lease ran dry (see [`Outcome::depleted`]).
+    Depleted,
 }
 
 /// Connections an open-loop run may hold at once; a request due while all are busy is not sent
@@ -416,21 +513,26 @@ async fn drive_open(url: String, per_second: f64) -> Outcome {
         let (http, url) = (http.clone(), url.clone());
         tasks.spawn(async move {
             let stopwatch = Stopwatch::start();
-            let unavailable = post_admit(&http, &url, "v1/admit", n).await;
+            let answer = post_admit(&http, &url, "v1/admit", n).await;
             drop(permit);
-            (stopwatch.elapsed().as_micros() as u64, unavailable)
+            (stopwatch.elapsed().as_micros() as u64, answer)
         });
     }
     let mut latencies_us = Vec::new();
-    let mut unavailable = 0;
+    let (mut unavailable, mut depleted) = (0, 0);
     while let Some(answer) = tasks.join_next().await {
-        let (latency_us, was_unavailable) = answer.expect("request");
+        let (latency_us, answer) = answer.expect("request");
         latencies_us.push(latency_us);
-        unavailable += u64::from(was_unavailable);
+        match answer {
+            Answer::Admitted => {}
+            Answer::Unavailable => unavailable += 1,
+            Answer::Depleted => depleted += 1,
+        }
     }
     Outcome {
         latencies_us,
         unavailable,
+        depleted,
         seconds: stopwatch.elapsed().as_secs_f64(),
         unsent,
         load_cpu_s: process_cpu_seconds() - load_cpu_before,
@@ -475,7 +577,7 @@ async fn raw_evalsha(redis_url: &str, callers: u64) -> Outcome {
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
-            (latencies, 0)
+            (latencies, 0, 0)
         }));
     }
     collect(tasks, stop).await
@@ -564,26 +666,31 @@ async fn run(agents: tokio::runtime::Handle) {
             path: path.to_owned(),
             callers,
         };
-        let ceiling = measure(&closed(&trivial, "constant"), &mut redis_info).await;
-        let raw_load = Load::Raw {
-            redis_url: redis.url(),
-            callers,
-        };
-        let raw = measure(&raw_load, &mut redis_info).await;
+        let loads = [
+            closed(&trivial, "constant"),
+            Load::Raw {
+                redis_url: redis.url(),
+                callers,
+            },
+            closed(&lease_only, "v1/admit"),
+            closed(&with_redis, "v1/admit"),
+            Load::Grpc {
+                url: grpc_url.clone(),
+                callers,
+            },
+            closed(&coalescing, "v1/admit"),
+        ];
+        // Only the agent paths take grants; the ceilings' slices add none.
         let admits_before = grants.load(Ordering::Relaxed);
-        let lease = measure(&closed(&lease_only, "v1/admit"), &mut redis_info).await;
-        let redis_path = measure(&closed(&with_redis, "v1/admit"), &mut redis_info).await;
-        let grpc_load = Load::Grpc {
-            url: grpc_url.clone(),
-            callers,
-        };
-        let grpc_path = measure(&grpc_load, &mut redis_info).await;
-        let coalesced_path = measure(&closed(&coalescing, "v1/admit"), &mut redis_info).await;
+        let figures = measure_in_rounds(&loads, &mut redis_info, |_| {}).await;
+        let [ceiling, raw, lease, redis_path, grpc_path, coalesced_path] =
+            <[Figure; 6]>::try_from(figures).unwrap_or_else(|_| panic!("six figures"));
         let admits = (lease.per_second
             + redis_path.per_second
             + grpc_path.per_second
             + coalesced_path.per_second)
-            * RUN.as_secs_f64();
+            * RUN.as_secs_f64()
+            * ROUNDS as f64;
         let calls = grants.load(Ordering::Relaxed) - admits_before;
         // Why the Redis agent's limiter did not decide (both of its paths, HTTP and gRPC).
         let limiter = with_redis_api.agent.limiter_stats();
@@ -595,7 +702,8 @@ async fn run(agents: tokio::runtime::Handle) {
                 "breakerRefusals": limiter.breaker_refusals - limiter_before.breaker_refusals,
                 "waitedOut": limiter.pool_exhausted - limiter_before.pool_exhausted,
                 "shed": limiter.shed - limiter_before.shed,
-                "slowCalls": limiter.slow_calls - limiter_before.slow_calls })
+                "slowCalls": limiter.slow_calls - limiter_before.slow_calls,
+                "breakerFailures": limiter.breaker_failures - limiter_before.breaker_failures })
         );
         for (path, figure, against) in [
             ("trivial", &ceiling, ceiling.per_second),
@@ -631,6 +739,7 @@ async fn run(agents: tokio::runtime::Handle) {
                     "loadCpuUsPerDecision": (figure.load_cpu_us_per_decision * 10.0).round() / 10.0,
                     "redisCpuUsPerDecision": (figure.redis_cpu_us_per_decision * 10.0).round() / 10.0,
                     "unavailablePercent": (figure.unavailable_share * 10_000.0).round() / 100.0,
+                    "depletedPercent": (figure.depleted_share * 10_000.0).round() / 100.0,
                     "machineBusyPercent": (figure.machine_busy * 1_000.0).round() / 10.0,
                     "allocatorCallsPer1000Admits": if admits > 0.0 { (calls as f64 * 1000.0 / admits * 100.0).round() / 100.0 } else { 0.0 } })
             );
@@ -697,6 +806,16 @@ fn cpu_account(
     }
 }
 
+/// Decisions the limiter did not make, by why.
+#[derive(Debug, Clone, Copy, Default)]
+struct LimiterRefusals {
+    shed: u64,
+    waited_out: u64,
+    breaker: u64,
+    /// Calls counted against the breaker (what opens it).
+    breaker_failures: u64,
+}
+
 /// `lease+3-redis` offered open loop below the closed-loop peak: the fractions of
 /// [`OPEN_LOOP_FRACTIONS`], each a table row and a `BENCH` line with bench = "agent_open".
 async fn open_loop(
@@ -705,15 +824,28 @@ async fn open_loop(
     peak_decided: f64,
     redis_info: &mut redis::aio::MultiplexedConnection,
 ) {
-    for fraction in OPEN_LOOP_FRACTIONS {
-        let offered = peak_decided * fraction;
-        let limiter_before = api.agent.limiter_stats();
-        let load = Load::Open {
+    let loads: Vec<Load> = OPEN_LOOP_FRACTIONS
+        .iter()
+        .map(|fraction| Load::Open {
             url: url.to_owned(),
-            per_second: offered,
-        };
-        let figure = measure(&load, redis_info).await;
-        let limiter = api.agent.limiter_stats();
+            per_second: peak_decided * fraction,
+        })
+        .collect();
+    // Why the limiter did not decide, per fraction: each slice's change of its counters.
+    let mut refusals = [LimiterRefusals::default(); OPEN_LOOP_FRACTIONS.len()];
+    let mut last = api.agent.limiter_stats();
+    let figures = measure_in_rounds(&loads, redis_info, |index| {
+        let now = api.agent.limiter_stats();
+        refusals[index].shed += now.shed - last.shed;
+        refusals[index].waited_out += now.pool_exhausted - last.pool_exhausted;
+        refusals[index].breaker += now.breaker_refusals - last.breaker_refusals;
+        refusals[index].breaker_failures += now.breaker_failures - last.breaker_failures;
+        last = now;
+    })
+    .await;
+    for ((fraction, figure), refusals) in OPEN_LOOP_FRACTIONS.into_iter().zip(figures).zip(refusals)
+    {
+        let offered = peak_decided * fraction;
         let label = format!("open {fraction}x");
         println!(
             "{label:<24} {:>8} {:>12.0} {:>8} {:>8} {:>12} {:>14.1} {:>16}",
@@ -736,9 +868,11 @@ async fn open_loop(
                 "offeredPerSecond": offered.round(), "decidedPerSecond": figure.per_second.round(),
                 "unsent": figure.unsent, "p50Us": figure.p50_us, "p99Us": figure.p99_us,
                 "unavailablePercent": (figure.unavailable_share * 10_000.0).round() / 100.0,
-                "shed": limiter.shed - limiter_before.shed,
-                "waitedOut": limiter.pool_exhausted - limiter_before.pool_exhausted,
-                "breakerRefusals": limiter.breaker_refusals - limiter_before.breaker_refusals,
+                "depletedPercent": (figure.depleted_share * 10_000.0).round() / 100.0,
+                "shed": refusals.shed,
+                "waitedOut": refusals.waited_out,
+                "breakerRefusals": refusals.breaker,
+                "breakerFailures": refusals.breaker_failures,
                 "machineBusyPercent": (figure.machine_busy * 1_000.0).round() / 10.0,
                 "lateSendPercent": (figure.late_share * 1_000.0).round() / 10.0,
                 "maxLateMs": (figure.max_late_us as f64 / 100.0).round() / 10.0,
