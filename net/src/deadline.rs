@@ -62,13 +62,9 @@ impl CoarseDeadlines {
         Self::new(limit / 16)
     }
 
-    /// The length of one tick.
-    pub fn tick(&self) -> Duration {
-        self.tick
-    }
-
     /// `work`'s output, or [`DeadlinePassed`] if `limit` passes first (then `work` is dropped).
-    /// `work` is polled first, so what is ready at once never waits on the tick.
+    /// `work` is polled first on every wake-up, and the wait on the tick is only set up once `work`
+    /// has had to wait: what is ready in its first poll costs a clock read and nothing else.
     pub async fn within<F: Future>(
         &self,
         limit: Duration,
@@ -80,14 +76,23 @@ impl CoarseDeadlines {
             .now_tick(self.tick)
             .saturating_add(ticks_in(limit, self.tick))
             .saturating_add(1);
-        let mut published = ticks.published.clone();
-        tokio::select! {
-            biased;
-            output = work => Ok(output),
-            // An error means the ticking task is gone (its runtime is shutting down): the request
-            // is cut off rather than left without a bound.
-            _ = published.wait_for(|&tick| tick >= due_tick) => Err(DeadlinePassed),
-        }
+        let mut work = std::pin::pin!(work);
+        let mut expiry: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = None;
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(output) = work.as_mut().poll(cx) {
+                return Poll::Ready(Ok(output));
+            }
+            let expiry = expiry.get_or_insert_with(|| {
+                let mut published = ticks.published.clone();
+                Box::pin(async move {
+                    // An error means the ticking task is gone (its runtime is shutting down): the
+                    // request is cut off rather than left without a bound.
+                    let _ = published.wait_for(|&tick| tick >= due_tick).await;
+                })
+            });
+            expiry.as_mut().poll(cx).map(|()| Err(DeadlinePassed))
+        })
+        .await
     }
 
     // Request deadlines are transport timing on tokio's clock, not decision time (architecture
