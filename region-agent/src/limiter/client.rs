@@ -505,19 +505,15 @@ impl Limiter {
                 LeaseOp::Release => store.release_lease(call).await,
             }
         };
-        let (result, overran) = match tokio::time::timeout_at(deadline, call_future).await {
-            Ok(outcome) => (outcome, false),
-            Err(_) => (
+        let result = tokio::time::timeout_at(deadline, call_future)
+            .await
+            .unwrap_or_else(|_elapsed| {
                 Err(StoreError::Ambiguous {
                     detail: "the concurrency lease call missed its deadline".to_owned(),
-                }),
-                true,
-            ),
-        };
-        // As on the decision path: an ambiguous reply past the deadline missed it.
-        let missed_deadline = overran
-            || (matches!(result, Err(StoreError::Ambiguous { .. })) && monotonic_now() >= deadline);
-        let slow = missed_deadline && self.overran(shard, shard_index, &slot, deadline);
+                })
+            });
+        let slow = matches!(result, Err(StoreError::Ambiguous { .. }))
+            && self.met_a_slow_shard(shard, shard_index, &slot, deadline);
         let now_ms = self.clock.elapsed_ms();
         // The verdicts of the decision path's table (module docs): a reply is a success; a call
         // not executed or ambiguous is a failure, unless it overran a slow shard; a rejection, a
@@ -763,18 +759,24 @@ impl Limiter {
         counted.err().map(|refusal| (first, refusal))
     }
 
-    /// A call that overran `call_deadline`: it cuts the shard's in-flight bound, and says whether
-    /// it met a slow shard rather than a dead one (counted in `slow_calls`, no breaker failure):
-    /// the shard answered some call within the last [`SLOW_NOT_DOWN_BUDGETS`] budgets, or this
-    /// agent was held up itself (its timer fired half a budget late or more: a stall says nothing
-    /// of the shard). Otherwise the overrun is logged and counts against the breaker.
-    fn overran(
+    /// Whether a call that ended ambiguous (or timed out) met a slow shard rather than a dead one
+    /// (counted in `slow_calls`, no breaker failure). Only a call that ended past `call_deadline`
+    /// overran: whichever timer noticed first, the deadline's or the store's own call timeout
+    /// (which answers first when this thread ran late past both). An overrun cuts the shard's
+    /// in-flight bound, and met a slow shard when the shard answered some call within the last
+    /// [`SLOW_NOT_DOWN_BUDGETS`] budgets, or this agent was held up itself (its timer fired half a
+    /// budget late or more: a stall says nothing of the shard). Otherwise the overrun is logged
+    /// and counts against the breaker, as does an ambiguous call that ended in time.
+    fn met_a_slow_shard(
         &self,
         shard: &Shard,
         shard_index: usize,
         slot: &Slot<'_>,
         call_deadline: tokio::time::Instant,
     ) -> bool {
+        if monotonic_now() < call_deadline {
+            return false;
+        }
         slot.overran();
         let budget = self.config.decision_budget;
         let late = monotonic_now().saturating_duration_since(call_deadline);
@@ -890,11 +892,8 @@ impl Limiter {
                 }
                 Err(_elapsed) => DegradeCause::DeadlineExceeded,
             };
-            // A reply missed its deadline whichever timer noticed first: the store's own call
-            // timeout fires first when this thread ran late past both, and is judged the same way.
-            let missed_deadline = cause == DegradeCause::DeadlineExceeded
-                || (cause == DegradeCause::Ambiguous && monotonic_now() >= call_deadline);
-            let slow = missed_deadline && self.overran(shard, shard_index, &slot, call_deadline);
+            // Only `Ambiguous` and `DeadlineExceeded` get here.
+            let slow = self.met_a_slow_shard(shard, shard_index, &slot, call_deadline);
             if calls < max_calls && monotonic_now() < deadline {
                 // The same batch, so the same decision id: a recorded admission is replayed.
                 ambiguous = Some(cause);
