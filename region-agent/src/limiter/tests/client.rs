@@ -876,6 +876,38 @@ async fn an_overloaded_shard_stays_closed_shrinks_its_bound_and_sheds_the_excess
     assert_eq!(stats.slow_calls, 0);
 }
 
+/// `count` decisions on `route` for users `{prefix}{n}` (also their decision ids, which the
+/// instrumented store reads), each in a task of its own.
+fn spawn_decisions(
+    s: &Arc<Setup>,
+    bundle: &Arc<PolicyBundle>,
+    route: &'static str,
+    prefix: &str,
+    count: usize,
+) -> Vec<tokio::task::JoinHandle<LimitDecision>> {
+    (0..count)
+        .map(|n| {
+            let (s, bundle) = (s.clone(), bundle.clone());
+            let id = format!("{prefix}{n}");
+            tokio::spawn(async move { s.limiter.decide(&user(&bundle, route, &id), None).await })
+        })
+        .collect()
+}
+
+/// Decisions the shard answers, one a millisecond for `span`: the shard is seen answering while
+/// other calls wait.
+async fn answer_others_for(s: &Setup, bundle: &PolicyBundle, span: Duration) {
+    let started = monotonic_now();
+    let mut fast = 0;
+    while monotonic_now().duration_since(started) < span {
+        let id = format!("fast-{fast}");
+        let planned = plan(bundle, "atlas", PrincipalType::User, &id, "read", &id);
+        assert!(s.limiter.decide(&planned, None).await.degraded.is_none());
+        fast += 1;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// A call that overruns its deadline while the shard answers other calls met a slow shard, not a
 /// dead one: no breaker failure. When nothing has answered for ten budgets, the same overruns open
 /// it.
@@ -891,28 +923,9 @@ async fn overruns_while_the_shard_answers_others_do_not_open_its_breaker() {
     ));
     s.store.hang_marked.store(true, Ordering::SeqCst);
     let bundle = Arc::new(bundle());
-    // Decisions the store never answers, each in a task of its own.
-    let spawn_hung = |prefix: &str, count: usize| -> Vec<_> {
-        (0..count)
-            .map(|n| {
-                let (s, bundle) = (s.clone(), bundle.clone());
-                let id = format!("hang-{prefix}{n}");
-                tokio::spawn(
-                    async move { s.limiter.decide(&user(&bundle, "read", &id), None).await },
-                )
-            })
-            .collect()
-    };
-    let hung = spawn_hung("", 5);
-    let started = monotonic_now();
-    let mut fast = 0;
-    while monotonic_now().duration_since(started) < Duration::from_millis(60) {
-        let id = format!("fast-{fast}");
-        let planned = plan(&bundle, "atlas", PrincipalType::User, &id, "read", &id);
-        assert!(s.limiter.decide(&planned, None).await.degraded.is_none());
-        fast += 1;
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    // Decisions the store never answers.
+    let hung = spawn_decisions(&s, &bundle, "read", "hang-", 5);
+    answer_others_for(&s, &bundle, Duration::from_millis(60)).await;
     for task in hung {
         let decision = task.await.expect("ends");
         assert_eq!(decision.degraded, Some(DegradeCause::DeadlineExceeded));
@@ -923,7 +936,7 @@ async fn overruns_while_the_shard_answers_others_do_not_open_its_breaker() {
 
     // Nothing answered for ten budgets: three overruns are three failures, and the breaker opens.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    for task in spawn_hung("alone-", 3) {
+    for task in spawn_decisions(&s, &bundle, "read", "hang-alone-", 3) {
         task.await.expect("ends");
     }
     assert_eq!(s.limiter.breakers()[0].state, BreakerState::Open);
@@ -949,27 +962,8 @@ async fn an_ambiguous_reply_past_the_deadline_is_judged_as_an_overrun() {
     s.store.late_ambiguous_ms.store(budget_ms, Ordering::SeqCst);
     let bundle = Arc::new(bundle());
     // Not idempotent, so each decision is one call whose deadline is the decision's.
-    let spawn_late = |prefix: &str, count: usize| -> Vec<_> {
-        (0..count)
-            .map(|n| {
-                let (s, bundle) = (s.clone(), bundle.clone());
-                let id = format!("late-{prefix}{n}");
-                tokio::spawn(
-                    async move { s.limiter.decide(&user(&bundle, "slow", &id), None).await },
-                )
-            })
-            .collect()
-    };
-    let late = spawn_late("", 5);
-    let started = monotonic_now();
-    let mut fast = 0;
-    while monotonic_now().duration_since(started) < budget + budget / 5 {
-        let id = format!("fast-{fast}");
-        let planned = plan(&bundle, "atlas", PrincipalType::User, &id, "read", &id);
-        assert!(s.limiter.decide(&planned, None).await.degraded.is_none());
-        fast += 1;
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let late = spawn_decisions(&s, &bundle, "slow", "late-", 5);
+    answer_others_for(&s, &bundle, budget + budget / 5).await;
     for task in late {
         let decision = task.await.expect("ends");
         assert_eq!(decision.degraded, Some(DegradeCause::Ambiguous));
@@ -981,7 +975,7 @@ async fn an_ambiguous_reply_past_the_deadline_is_judged_as_an_overrun() {
 
     // Nothing answered for ten budgets: the same replies are failures, and the breaker opens.
     tokio::time::sleep(budget * 11).await;
-    for task in spawn_late("alone-", 3) {
+    for task in spawn_decisions(&s, &bundle, "slow", "late-alone-", 3) {
         task.await.expect("ends");
     }
     assert_eq!(s.limiter.breakers()[0].state, BreakerState::Open);
