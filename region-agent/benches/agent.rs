@@ -85,17 +85,39 @@ enum Load {
     Open { url: String, per_second: f64 },
 }
 
-/// What a run of load saw: every answer's latency, how many were LIMITER_UNAVAILABLE, how long
+/// Answers that were not admits, by why.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+struct Refusals {
+    /// LIMITER_UNAVAILABLE (gRPC: UNAVAILABLE): the store did not decide within the budget.
+    unavailable: u64,
+    /// Denied by the global rule although the stand-in allocator always has tokens: the agent's
+    /// lease ran dry while its renewal was on the way (what the operations guide's
+    /// `AllotRegionDepletedWhilePoolHadTokens` alert watches).
+    depleted: u64,
+}
+
+impl Refusals {
+    fn count(&mut self, answer: Answer) {
+        match answer {
+            Answer::Admitted => {}
+            Answer::Unavailable => self.unavailable += 1,
+            Answer::Depleted => self.depleted += 1,
+        }
+    }
+
+    fn add(&mut self, other: Refusals) {
+        self.unavailable += other.unavailable;
+        self.depleted += other.depleted;
+    }
+}
+
+/// What a run of load saw: every answer's latency, how many were refused and why, how long
 /// the run took, (open loop) how many were due but not sent and how late the sent ones left, and
 /// the CPU the load generator's process spent on the run.
 #[derive(Serialize, Deserialize)]
 struct Outcome {
     latencies_us: Vec<u64>,
-    unavailable: u64,
-    /// Answers the global rule denied although the stand-in allocator always has tokens: the
-    /// agent's lease ran dry while its renewal was on the way (what the operations guide's
-    /// `AllotRegionDepletedWhilePoolHadTokens` alert watches).
-    depleted: u64,
+    refusals: Refusals,
     seconds: f64,
     unsent: u64,
     load_cpu_s: f64,
@@ -144,7 +166,7 @@ async fn drive_grpc(url: String, callers: u64) -> Outcome {
         tasks.push(tokio::spawn(async move {
             let mut client = RateLimitServiceClient::connect(url).await.expect("connect");
             let mut latencies = Vec::new();
-            let mut unavailable = 0u64;
+            let mut refusals = Refusals::default();
             let mut n = caller;
             while !stop.load(Ordering::Relaxed) {
                 let request = rls_request(n, 1_000);
@@ -154,13 +176,15 @@ async fn drive_grpc(url: String, callers: u64) -> Outcome {
                         assert_eq!(answer.into_inner().overall_code, Code::Ok as i32);
                     }
                     // A Redis call past the decision budget under a fail-closed rule: counted.
-                    Err(status) if status.code() == tonic::Code::Unavailable => unavailable += 1,
+                    Err(status) if status.code() == tonic::Code::Unavailable => {
+                        refusals.count(Answer::Unavailable);
+                    }
                     Err(status) => panic!("answer: {status:?}"),
                 }
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
-            (latencies, unavailable, 0)
+            (latencies, refusals)
         }));
     }
     collect(tasks, stop).await
@@ -175,7 +199,7 @@ fn announce_start() -> f64 {
 
 /// Lets `tasks` run for [`RUN`], stops them, and gathers what they saw.
 async fn collect(
-    tasks: Vec<tokio::task::JoinHandle<(Vec<u64>, u64, u64)>>,
+    tasks: Vec<tokio::task::JoinHandle<(Vec<u64>, Refusals)>>,
     stop: Arc<AtomicBool>,
 ) -> Outcome {
     let load_cpu_before = announce_start();
@@ -184,17 +208,15 @@ async fn collect(
     stop.store(true, Ordering::Relaxed);
     let seconds = stopwatch.elapsed().as_secs_f64();
     let mut latencies_us = Vec::new();
-    let (mut unavailable, mut depleted) = (0, 0);
+    let mut refusals = Refusals::default();
     for task in tasks {
-        let (caller_latencies, caller_unavailable, caller_depleted) = task.await.expect("caller");
+        let (caller_latencies, caller_refusals) = task.await.expect("caller");
         latencies_us.extend(caller_latencies);
-        unavailable += caller_unavailable;
-        depleted += caller_depleted;
+        refusals.add(caller_refusals);
     }
     Outcome {
         latencies_us,
-        unavailable,
-        depleted,
+        refusals,
         seconds,
         unsent: 0,
         load_cpu_s: process_cpu_seconds() - load_cpu_before,
@@ -275,12 +297,11 @@ struct Sample {
 }
 
 impl Sample {
-    /// `self` and `other` as one sample: counts and times added, the latest send the later.
-    fn merged(mut self, other: Sample) -> Sample {
+    /// Adds `other` to this sample: counts and times added, the latest send the later.
+    fn add(&mut self, other: Sample) {
         let (mine, theirs) = (&mut self.outcome, other.outcome);
         mine.latencies_us.extend(theirs.latencies_us);
-        mine.unavailable += theirs.unavailable;
-        mine.depleted += theirs.depleted;
+        mine.refusals.add(theirs.refusals);
         mine.seconds += theirs.seconds;
         mine.unsent += theirs.unsent;
         mine.load_cpu_s += theirs.load_cpu_s;
@@ -290,17 +311,37 @@ impl Sample {
         self.redis_cpu_s += other.redis_cpu_s;
         self.busy_ticks += other.busy_ticks;
         self.all_ticks += other.all_ticks;
-        self
     }
 
     fn figure(self) -> Figure {
-        let machine_busy = self.busy_ticks as f64 / self.all_ticks.max(1) as f64;
-        figure(
-            self.outcome,
-            self.agent_cpu_s,
-            self.redis_cpu_s,
-            machine_busy,
-        )
+        let Outcome {
+            latencies_us: mut latencies,
+            refusals,
+            seconds,
+            unsent,
+            load_cpu_s,
+            late_sends,
+            max_late_us,
+        } = self.outcome;
+        latencies.sort_unstable();
+        let at = |fraction: f64| {
+            latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
+        };
+        let decisions = latencies.len().max(1) as f64;
+        Figure {
+            per_second: latencies.len() as f64 / seconds,
+            p50_us: at(0.5),
+            p99_us: at(0.99),
+            unavailable_share: refusals.unavailable as f64 / decisions,
+            depleted_share: refusals.depleted as f64 / decisions,
+            agent_cpu_us_per_decision: self.agent_cpu_s * 1e6 / decisions,
+            load_cpu_us_per_decision: load_cpu_s * 1e6 / decisions,
+            redis_cpu_us_per_decision: self.redis_cpu_s * 1e6 / decisions,
+            unsent,
+            late_share: late_sends as f64 / decisions,
+            max_late_us,
+            machine_busy: self.busy_ticks as f64 / self.all_ticks.max(1) as f64,
+        }
     }
 }
 
@@ -311,21 +352,19 @@ async fn measure_in_rounds(
     redis_info: &mut redis::aio::MultiplexedConnection,
     mut between: impl FnMut(usize),
 ) -> Vec<Figure> {
-    let mut samples: Vec<Option<Sample>> = loads.iter().map(|_| None).collect();
-    for _ in 0..ROUNDS {
+    let mut sums: Vec<Sample> = Vec::with_capacity(loads.len());
+    for round in 0..ROUNDS {
         for (index, load) in loads.iter().enumerate() {
             let sample = measure(load, redis_info).await;
             between(index);
-            samples[index] = Some(match samples[index].take() {
-                Some(sum) => sum.merged(sample),
-                None => sample,
-            });
+            if round == 0 {
+                sums.push(sample);
+            } else {
+                sums[index].add(sample);
+            }
         }
     }
-    samples
-        .into_iter()
-        .map(|sample| sample.expect("every load measured").figure())
-        .collect()
+    sums.into_iter().map(Sample::figure).collect()
 }
 
 /// The load generator's process: runs the [`Load`] in `json` and prints its `RESULT`.
@@ -349,45 +388,13 @@ fn generate_load(json: &str) {
     );
 }
 
-fn figure(outcome: Outcome, agent_cpu_s: f64, redis_cpu_s: f64, machine_busy: f64) -> Figure {
-    let Outcome {
-        latencies_us: mut latencies,
-        unavailable,
-        depleted,
-        seconds,
-        unsent,
-        load_cpu_s,
-        late_sends,
-        max_late_us,
-    } = outcome;
-    latencies.sort_unstable();
-    let at = |fraction: f64| {
-        latencies[((latencies.len() as f64 * fraction) as usize).min(latencies.len() - 1)]
-    };
-    let decisions = latencies.len().max(1) as f64;
-    Figure {
-        per_second: latencies.len() as f64 / seconds,
-        p50_us: at(0.5),
-        p99_us: at(0.99),
-        unavailable_share: unavailable as f64 / decisions,
-        depleted_share: depleted as f64 / decisions,
-        agent_cpu_us_per_decision: agent_cpu_s * 1e6 / decisions,
-        load_cpu_us_per_decision: load_cpu_s * 1e6 / decisions,
-        redis_cpu_us_per_decision: redis_cpu_s * 1e6 / decisions,
-        unsent,
-        late_share: late_sends as f64 / decisions,
-        max_late_us,
-        machine_busy,
-    }
-}
-
 struct Figure {
     per_second: f64,
     p50_us: u64,
     p99_us: u64,
     /// Share of answers that were LIMITER_UNAVAILABLE (a store call past the decision budget).
     unavailable_share: f64,
-    /// Share of answers denied by the global rule while the lease was renewed ([`Outcome::depleted`]).
+    /// Share of answers denied by the global rule while the lease was renewed ([`Refusals::depleted`]).
     depleted_share: f64,
     /// CPU of the agents' threads per decision, µs (the raw store path runs none of them: 0).
     agent_cpu_us_per_decision: f64,
@@ -406,7 +413,7 @@ struct Figure {
 }
 
 /// Drives `callers` keep-alive clients posting admits to `url`/`path` for [`RUN`]; every answer is
-/// allowed, or counted as unavailable (a store call past the decision budget).
+/// an admit, or a refusal counted by why ([`post_admit`]).
 async fn drive(url: String, path: String, callers: u64) -> Outcome {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
@@ -415,26 +422,23 @@ async fn drive(url: String, path: String, callers: u64) -> Outcome {
         tasks.push(tokio::spawn(async move {
             let http = reqwest::Client::new();
             let mut latencies = Vec::new();
-            let (mut unavailable, mut depleted) = (0u64, 0u64);
+            let mut refusals = Refusals::default();
             let mut n = caller;
             while !stop.load(Ordering::Relaxed) {
                 let stopwatch = Stopwatch::start();
-                match post_admit(&http, &url, &path, n).await {
-                    Answer::Admitted => {}
-                    Answer::Unavailable => unavailable += 1,
-                    Answer::Depleted => depleted += 1,
-                }
+                refusals.count(post_admit(&http, &url, &path, n).await);
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
-            (latencies, unavailable, depleted)
+            (latencies, refusals)
         }));
     }
     collect(tasks, stop).await
 }
 
-/// Posts admit `n` to `url`/`path`: true when it was answered LIMITER_UNAVAILABLE (a Redis call
-/// past the decision budget under a fail-closed rule); any other answer must be an admit.
+/// Posts admit `n` to `url`/`path` and says how it was answered: an admit, LIMITER_UNAVAILABLE (a
+/// Redis call past the decision budget under a fail-closed rule), or a global denial (a lease run
+/// dry); any other answer fails the bench.
 async fn post_admit(http: &reqwest::Client, url: &str, path: &str, n: u64) -> Answer {
     let response = http
         .post(format!("{url}/{path}"))
@@ -456,9 +460,9 @@ async fn post_admit(http: &reqwest::Client, url: &str, path: &str, n: u64) -> An
 /// How an admit was answered (see [`post_admit`]).
 enum Answer {
     Admitted,
-    /// LIMITER_UNAVAILABLE: the store did not decide within the budget.
+    /// See [`Refusals::unavailable`].
     Unavailable,
-    /// Denied by the global rule: the agent's lease ran dry (see [`Outcome::depleted`]).
+    /// See [`Refusals::depleted`].
     Depleted,
 }
 
@@ -519,20 +523,15 @@ async fn drive_open(url: String, per_second: f64) -> Outcome {
         });
     }
     let mut latencies_us = Vec::new();
-    let (mut unavailable, mut depleted) = (0, 0);
+    let mut refusals = Refusals::default();
     while let Some(answer) = tasks.join_next().await {
         let (latency_us, answer) = answer.expect("request");
         latencies_us.push(latency_us);
-        match answer {
-            Answer::Admitted => {}
-            Answer::Unavailable => unavailable += 1,
-            Answer::Depleted => depleted += 1,
-        }
+        refusals.count(answer);
     }
     Outcome {
         latencies_us,
-        unavailable,
-        depleted,
+        refusals,
         seconds: stopwatch.elapsed().as_secs_f64(),
         unsent,
         load_cpu_s: process_cpu_seconds() - load_cpu_before,
@@ -577,7 +576,7 @@ async fn raw_evalsha(redis_url: &str, callers: u64) -> Outcome {
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }
-            (latencies, 0, 0)
+            (latencies, Refusals::default())
         }));
     }
     collect(tasks, stop).await
