@@ -92,19 +92,14 @@ async fn requests_within_their_deadline_are_answered() {
 async fn a_body_past_the_limit_answers_413_problem_json() {
     let base = serve_bounded().await;
     let http = client();
-    let small = http
-        .post(format!("{base}/echo"))
-        .body("x".repeat(1_000))
-        .send()
-        .await
-        .expect("answer");
+    let echo = |body_bytes: usize| {
+        http.post(format!("{base}/echo"))
+            .body("x".repeat(body_bytes))
+            .send()
+    };
+    let small = echo(1_000).await.expect("answer");
     assert_eq!(small.status(), reqwest::StatusCode::OK);
-    let large = http
-        .post(format!("{base}/echo"))
-        .body("x".repeat(2_000))
-        .send()
-        .await
-        .expect("answer");
+    let large = echo(2_000).await.expect("answer");
     assert_eq!(large.status(), reqwest::StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(
         large.headers()["content-type"],
