@@ -4,7 +4,9 @@
 //! # One decision, step by step
 //!
 //! 1. **Deadline.** The decision gets one deadline, `decision_budget` from now on the monotonic clock;
-//!    every wait below ends by it.
+//!    every wait below ends by it. A wait whose timer fires takes what became ready in the same turn
+//!    of the runtime (a reply, a free place; `late_turn.rs`): a thread held up past a deadline
+//!    finds both due at once, and the timer alone must not decide.
 //! 2. **Hot tenant.** A tenant configured with `k` sub-slots has its batch moved to one of them
 //!    ([`hot_tenants`]).
 //! 3. **Negative cache.** The same key set was denied less than `min(hint, 250 ms)` ago: deny from
@@ -69,6 +71,7 @@ use super::breaker::{BreakerConfig, BreakerSnapshot, CircuitBreaker};
 use super::cardinality::{CardinalityConfig, CardinalityGuard, CardinalityRefusal, SourceId};
 use super::fallback::{DEFAULT_FALLBACK_MAX_BUCKETS, FallbackDecision, LocalBuckets, LocalRule};
 use super::hot_tenants::{self, HotTenants};
+use super::late_turn;
 use super::negative_cache::{
     CachedDenial, DEFAULT_NEGATIVE_CACHE_MAX_ENTRIES, DEFAULT_NEGATIVE_CACHE_TTL_MS, NegativeCache,
 };
@@ -505,9 +508,9 @@ impl Limiter {
                 LeaseOp::Release => store.release_lease(call).await,
             }
         };
-        let result = tokio::time::timeout_at(deadline, call_future)
+        let result = late_turn::within(deadline, call_future)
             .await
-            .unwrap_or_else(|_elapsed| {
+            .unwrap_or_else(|| {
                 Err(StoreError::Ambiguous {
                     detail: "the concurrency lease call missed its deadline".to_owned(),
                 })
@@ -855,42 +858,43 @@ impl Limiter {
             } else {
                 deadline
             };
-            let result = tokio::time::timeout_at(call_deadline, self.store.decide(batch)).await;
+            // A reply read in the turn the deadline fired is taken (see `late_turn`).
+            let result = late_turn::within(call_deadline, self.store.decide(batch)).await;
             let latency = monotonic_now().duration_since(now);
             shard.record_latency(shard_index, latency.as_secs_f64());
             let now_ms = self.clock.elapsed_ms();
             let degrade = |cause| (Err(CallFailure::Degrade(ambiguous.unwrap_or(cause))), calls);
             let cause = match result {
-                Ok(Ok(decision)) => {
+                Some(Ok(decision)) => {
                     slot.replied(latency);
                     breaker_call.succeeded();
                     return (Ok(decision), calls);
                 }
-                Ok(Err(StoreError::Rejected { kind, detail })) => {
+                Some(Err(StoreError::Rejected { kind, detail })) => {
                     tracing::error!(decision_id = %batch.decision_id(), ?kind, %detail,
                         "the limiter script rejected a call: a policy fault");
                     return (Err(CallFailure::Rejected), calls);
                 }
-                Ok(Err(StoreError::NotExecuted { detail })) => {
+                Some(Err(StoreError::NotExecuted { detail })) => {
                     tracing::warn!(%detail, "limiter store did not execute the call; degrading");
                     breaker_call.finally_failed(now_ms);
                     bump(&self.counters.breaker_failures);
                     return degrade(DegradeCause::NotExecuted);
                 }
-                Ok(Err(StoreError::MalformedReply { detail })) => {
+                Some(Err(StoreError::MalformedReply { detail })) => {
                     tracing::error!(decision_id = %batch.decision_id(), %detail,
                         "limiter script reply breaks its contract; degrading");
                     return degrade(DegradeCause::MalformedReply);
                 }
-                Ok(Err(StoreError::KeyCapReached { max_keys })) => {
+                Some(Err(StoreError::KeyCapReached { max_keys })) => {
                     tracing::warn!(max_keys, "in-process limiter store is full; degrading");
                     return degrade(DegradeCause::StoreFull);
                 }
-                Ok(Err(StoreError::Ambiguous { detail })) => {
+                Some(Err(StoreError::Ambiguous { detail })) => {
                     tracing::warn!(decision_id = %batch.decision_id(), %detail, "ambiguous limiter call");
                     DegradeCause::Ambiguous
                 }
-                Err(_elapsed) => DegradeCause::DeadlineExceeded,
+                None => DegradeCause::DeadlineExceeded,
             };
             // Only `Ambiguous` and `DeadlineExceeded` get here.
             let slow = self.met_a_slow_shard(shard, shard_index, &slot, call_deadline);

@@ -52,6 +52,7 @@ pub mod decision;
 pub mod fallback;
 pub mod hot_tenants;
 pub mod in_process;
+mod late_turn;
 pub mod negative_cache;
 pub mod overload;
 mod redis_calls;

@@ -19,10 +19,14 @@
 //!
 //! A decision that finds the limit reached waits, in arrival order, for a call to end, at most the
 //! wait the limiter gives it. When more decisions wait already than twice what the shard serves in
-//! that wait (by the replies counted over the last 10 ms, or `limit x wait / latency`, whichever says
-//! more), it does not queue at all: it is shed at once and its rules' fail modes answer (a fast 503,
-//! or the local bucket). Under overload the excess is refused early instead of timing out late, and
-//! the waiting queue is bounded (I10).
+//! that wait, it does not queue at all: it is shed at once and its rules' fail modes answer (a fast
+//! 503, or the local bucket). Under overload the excess is refused early instead of timing out late,
+//! and the waiting queue is bounded (I10). What the shard serves is the most of `limit / latency`
+//! now and of what it was seen to serve in each 10 ms interval of the last 80 ms (the replies
+//! counted, or `limit / latency` then). The agent measures both through its own thread: a thread
+//! held up reads replies late, so for a moment the shard looks slow, just as the requests that
+//! arrived meanwhile come in at once. Remembering the recent best keeps that moment from shedding
+//! a burst the shard serves in time; a shard that really slows down is shed again 80 ms later.
 //!
 //! `ConcurrencyCore` is the pure arithmetic (time is an argument); `InFlightBound` puts it behind a
 //! mutex beside a semaphore holding `limit` permits.
@@ -33,6 +37,8 @@ use std::time::Duration;
 
 use tokio::sync::{Semaphore, SemaphorePermit};
 
+use super::late_turn;
+
 /// The factor a slow reply multiplies the limit by.
 const CUT_FACTOR: f64 = 0.9;
 
@@ -41,6 +47,9 @@ const LATENCY_SMOOTHING: f64 = 0.1;
 
 /// The interval over which replies are counted for the shard's reply rate, µs.
 const RATE_INTERVAL_US: u64 = 10_000;
+
+/// The intervals ([`RATE_INTERVAL_US`]) whose serving rates are remembered (module docs).
+const REMEMBERED_INTERVALS: usize = 8;
 
 /// How many times the calls that end within a wait may wait for them.
 const WAITING_ROOM: f64 = 2.0;
@@ -87,10 +96,13 @@ pub(crate) struct ConcurrencyCore {
     limit: f64,
     latency_us: f64,
     last_cut_us: Option<u64>,
-    /// Replies counted since `rate_since_us`, and the rate of the last full interval.
+    /// Replies counted since `rate_since_us`.
     rate_since_us: u64,
     rate_replies: u64,
-    replies_per_us: f64,
+    /// Calls per µs the shard served in each of the last closed intervals, a ring whose next entry
+    /// to overwrite is `served_next` (0: not yet measured).
+    served_per_us: [f64; REMEMBERED_INTERVALS],
+    served_next: usize,
 }
 
 impl ConcurrencyCore {
@@ -103,7 +115,8 @@ impl ConcurrencyCore {
             last_cut_us: None,
             rate_since_us: 0,
             rate_replies: 0,
-            replies_per_us: 0.0,
+            served_per_us: [0.0; REMEMBERED_INTERVALS],
+            served_next: 0,
         }
     }
 
@@ -144,31 +157,49 @@ impl ConcurrencyCore {
         self.check();
     }
 
-    /// How many decisions may wait for `wait`: twice as many calls as end in that time, by the
-    /// replies counted in the last interval or by `limit / latency`, whichever says more (both are
-    /// estimates, so they are given room; past it a wait is likely in vain). The counted rate
-    /// matters when the agent itself is busy: its replies are read late, the latency it sees
-    /// grows, and `limit / latency` then undercounts what the shard serves.
+    /// How many decisions may wait for `wait`: twice as many calls as end in that time at what the
+    /// shard serves (module docs; an estimate, so it is given room: past it a wait is likely in
+    /// vain). The counted replies matter when the agent itself is busy: its replies are read late,
+    /// the latency it sees grows, and `limit / latency` then undercounts what the shard serves.
     pub(crate) fn max_waiting(&self, wait: Duration) -> usize {
         if self.latency_us < 1.0 {
             // No reply yet: nothing to go by but the bound.
             return MAX_WAITING_PER_SHARD;
         }
-        let wait_us = wait.as_micros() as f64;
-        let by_latency = self.limit * wait_us / self.latency_us;
-        let by_rate = self.replies_per_us * wait_us;
-        let ending = WAITING_ROOM * by_latency.max(by_rate);
+        let serving_per_us = self.serving_now_per_us().max(self.served_lately_per_us());
+        let ending = WAITING_ROOM * serving_per_us * wait.as_micros() as f64;
         (ending.floor() as usize).min(MAX_WAITING_PER_SHARD)
+    }
+
+    /// Calls per µs the shard serves by Little's law: `limit` in flight, each `latency` long.
+    fn serving_now_per_us(&self) -> f64 {
+        if self.latency_us < 1.0 {
+            return 0.0;
+        }
+        self.limit / self.latency_us
+    }
+
+    /// The most calls per µs the shard served in any remembered interval.
+    fn served_lately_per_us(&self) -> f64 {
+        self.served_per_us.iter().copied().fold(0.0, f64::max)
     }
 
     fn count_reply(&mut self, now_us: u64) {
         let elapsed_us = now_us.saturating_sub(self.rate_since_us);
         if elapsed_us >= RATE_INTERVAL_US {
-            self.replies_per_us = self.rate_replies as f64 / elapsed_us as f64;
+            let counted_per_us = self.rate_replies as f64 / elapsed_us as f64;
+            self.remember_served(counted_per_us.max(self.serving_now_per_us()));
             self.rate_since_us = now_us;
             self.rate_replies = 0;
         }
         self.rate_replies += 1;
+    }
+
+    fn remember_served(&mut self, per_us: f64) {
+        if let Some(entry) = self.served_per_us.get_mut(self.served_next) {
+            *entry = per_us;
+        }
+        self.served_next = (self.served_next + 1) % REMEMBERED_INTERVALS;
     }
 
     fn target_us(&self) -> u64 {
@@ -247,10 +278,13 @@ impl InFlightBound {
         }
         let max_waiting = self.lock().max_waiting(wait);
         let _waiting = Waiting::join(&self.waiting, max_waiting).ok_or(NoSlot::Shed)?;
-        match tokio::time::timeout(wait, self.permits.acquire()).await {
-            Ok(Ok(permit)) => Ok(self.slot(permit, true)),
-            _ => Err(NoSlot::WaitedOut),
-        }
+        // A place freed in the turn the wait expired is taken (see `late_turn`).
+        let deadline = crate::clock::monotonic_now() + wait;
+        late_turn::within(deadline, self.permits.acquire())
+            .await
+            .ok_or(NoSlot::WaitedOut)?
+            .map(|permit| self.slot(permit, true))
+            .map_err(|_closed| NoSlot::WaitedOut)
     }
 
     /// Where the bound stands.
@@ -516,6 +550,85 @@ mod tests {
         assert_eq!(bound.load().limit, 10);
         drop(again);
         assert!(bound.acquire(Duration::ZERO).await.is_ok(), "raised again");
+    }
+
+    #[test]
+    fn a_moment_of_late_replies_keeps_the_line_and_a_lasting_slowdown_shrinks_it() {
+        let mut core = ConcurrencyCore::new(config(40));
+        let wait = Duration::from_millis(2);
+        // 40 calls in flight, 1 ms each: a reply every 25 µs, for 50 ms.
+        let mut now_us = 0;
+        while now_us < 50_000 {
+            core.on_reply(1_000, false, now_us);
+            now_us += 25;
+        }
+        // 40 calls a millisecond: 80 in the wait, and room for twice as many.
+        let steady = core.max_waiting(wait);
+        assert!((159..=161).contains(&steady), "{steady}");
+
+        // This thread held up for 20 ms: the replies that came meanwhile are read at once, late.
+        now_us += 20_000;
+        for _ in 0..40 {
+            core.on_reply(21_000, false, now_us);
+        }
+        assert!(
+            core.latency_us() > 15_000,
+            "the late replies are seen as slow ones"
+        );
+        assert!(
+            core.max_waiting(wait) >= steady,
+            "the shard served 40 a millisecond just before: {} < {steady}",
+            core.max_waiting(wait)
+        );
+
+        // The shard itself slows to 10 ms a call, for longer than the remembered intervals.
+        let slow_until_us = now_us + 100_000;
+        while now_us < slow_until_us {
+            now_us += 250;
+            core.on_reply(10_000, false, now_us);
+        }
+        assert!(
+            core.max_waiting(wait) <= steady / 8,
+            "{} waiting for a shard that serves a tenth as many",
+            core.max_waiting(wait)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_that_expires_as_its_place_frees_gets_the_place() {
+        let bound: &'static InFlightBound =
+            Box::leak(Box::new(InFlightBound::new(ConcurrencyConfig {
+                latency_target: Duration::from_millis(10),
+                min_limit: 1,
+                max_limit: 1,
+            })));
+        let wait = Duration::from_millis(4);
+        let held = bound.acquire(Duration::ZERO).await.expect("free");
+        // The held call's task ends at the very instant the wait expires (as after a stall, when
+        // both were due while the thread was held up); the waiter's timer was set first, so the
+        // waiter runs first.
+        let waiter = tokio::spawn(async move { bound.acquire(wait).await.map(|_slot| ()) });
+        while bound.load().waiting < 1 {
+            tokio::task::yield_now().await;
+        }
+        let holder = tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            drop(held);
+        });
+        holder.await.expect("ends");
+        assert_eq!(
+            waiter.await.expect("ends"),
+            Ok(()),
+            "the freed place is taken"
+        );
+        let started = crate::clock::monotonic_now();
+        let _held = bound.acquire(Duration::ZERO).await.expect("free again");
+        assert_eq!(
+            bound.acquire(wait).await.err(),
+            Some(NoSlot::WaitedOut),
+            "a place that stays taken is still waited out"
+        );
+        assert_eq!(started.elapsed(), wait, "after the wait, not later");
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,0 +1,68 @@
+//! Deadlines that lose a tie to work already done.
+//!
+//! A timer and the reply it guards can become ready in the same turn of the runtime: always after
+//! this thread was held up (both fell due while it was), and then the task whose timer fired may
+//! run before the task that reads the reply off the socket, or before the decision that ends and
+//! frees a place. Counted as missed, such a wait answers `LIMITER_UNAVAILABLE` for a store that
+//! answered in time but for this thread. So when a limiter wait expires it looks once more, after
+//! every task that is ready has run (one turn of the runtime: bounded, and only when late already).
+
+use std::future::Future;
+use std::pin::{Pin, pin};
+use std::task::Poll;
+
+use tokio::time::Instant;
+
+/// `work`'s output if it ends by `deadline`, or in the turn of the runtime after its timer fired.
+pub(crate) async fn within<F: Future>(deadline: Instant, work: F) -> Option<F::Output> {
+    let mut work = pin!(work);
+    match tokio::time::timeout_at(deadline, work.as_mut()).await {
+        Ok(output) => Some(output),
+        Err(_elapsed) => one_more_look(work).await,
+    }
+}
+
+/// Polls `work` once more after every task that is ready now has run: `yield_now` puts this task
+/// behind them (and behind the I/O they are woken by at the runtime's next look at its driver).
+pub(crate) async fn one_more_look<F: Future + ?Sized>(mut work: Pin<&mut F>) -> Option<F::Output> {
+    tokio::task::yield_now().await;
+    std::future::poll_fn(|cx| match work.as_mut().poll(cx) {
+        Poll::Ready(output) => Poll::Ready(Some(output)),
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::monotonic_now;
+    use std::time::Duration;
+
+    #[tokio::test(start_paused = true)]
+    async fn work_done_in_the_turn_its_deadline_fired_is_taken() {
+        let deadline = monotonic_now() + Duration::from_millis(5);
+        let (reply, replied) = tokio::sync::oneshot::channel();
+        let waiting = tokio::spawn(within(deadline, replied));
+        // The waiting task sets its timer first, so it runs first when both fire.
+        tokio::task::yield_now().await;
+        tokio::spawn(async move {
+            tokio::time::sleep_until(deadline).await;
+            let _ = reply.send(7);
+        });
+        let output = waiting.await.expect("ends");
+        assert_eq!(output.and_then(Result::ok), Some(7), "the reply is taken");
+        assert_eq!(monotonic_now(), deadline);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_still_pending_after_its_deadline_is_not_waited_for() {
+        let deadline = monotonic_now() + Duration::from_millis(5);
+        assert_eq!(within(deadline, std::future::pending::<()>()).await, None);
+        assert_eq!(
+            monotonic_now(),
+            deadline,
+            "answered at the deadline, not later"
+        );
+    }
+}
