@@ -810,6 +810,8 @@ fn cpu_account(
 struct LimiterRefusals {
     shed: u64,
     waited_out: u64,
+    /// Calls that ran past their deadline while the shard answered others (slow, not down).
+    overran: u64,
     breaker: u64,
     /// Calls counted against the breaker (what opens it).
     breaker_failures: u64,
@@ -837,6 +839,7 @@ async fn open_loop(
         let now = api.agent.limiter_stats();
         refusals[index].shed += now.shed - last.shed;
         refusals[index].waited_out += now.pool_exhausted - last.pool_exhausted;
+        refusals[index].overran += now.slow_calls - last.slow_calls;
         refusals[index].breaker += now.breaker_refusals - last.breaker_refusals;
         refusals[index].breaker_failures += now.breaker_failures - last.breaker_failures;
         last = now;
@@ -870,6 +873,7 @@ async fn open_loop(
                 "depletedPercent": (figure.depleted_share * 10_000.0).round() / 100.0,
                 "shed": refusals.shed,
                 "waitedOut": refusals.waited_out,
+                "overran": refusals.overran,
                 "breakerRefusals": refusals.breaker,
                 "breakerFailures": refusals.breaker_failures,
                 "machineBusyPercent": (figure.machine_busy * 1_000.0).round() / 10.0,
