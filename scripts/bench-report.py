@@ -317,7 +317,9 @@ def main():
             print("allocator always has tokens: the agent's lease ran out while its renewal was on the way")
             print("(the operations guide's `AllotRegionDepletedWhilePoolHadTokens`). Of the limiter's refusals,")
             print("`shed` were refused at once, `waited in vain` waited for a place among the calls in flight,")
-            print("`overran` counts calls that ran past their deadline while the shard answered others.")
+            print("`overran` counts calls that ran past their deadline while the shard answered others, and")
+            print("`agent held up` the waits and calls among these that ran out while the agent's own thread was")
+            print("held up (the timer that ended them fired at least half its span late).")
             print()
             print("Two columns say how far a row is from that picture. `machine busy %` is the whole machine's CPU")
             print("(`/proc/stat`, every core and process) over the run: offered open loop, the agent spends more")
@@ -328,12 +330,12 @@ def main():
             print("core sends what fell due meanwhile at once, a burst rather than the even spacing offered, and")
             print("a burst of more decisions than the agent decides within the budget is answered unavailable.")
             print()
-            print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | lease ran dry % | shed | waited in vain | overran | breaker | breaker failures | unsent | agent us/decision | machine busy % | sent late % | latest send ms |")
-            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | lease ran dry % | shed | waited in vain | overran | agent held up | breaker | breaker failures | unsent | agent us/decision | machine busy % | sent late % | latest send ms |")
+            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             for r in opened:
                 print(f"| {r['offeredPerSecond']:.0f} | {r['fraction']} | {r['decidedPerSecond']:.0f} | {r['p50Us']} | "
                       f"{r['p99Us']} | {r['unavailablePercent']} | {r.get('depletedPercent', '-')} | {r['shed']} | {r['waitedOut']} | "
-                      f"{r.get('overran', '-')} | {r['breakerRefusals']} | {r.get('breakerFailures', '-')} | {r['unsent']} | {r['agentCpuUsPerDecision']} | "
+                      f"{r.get('overran', '-')} | {r.get('heldUp', '-')} | {r['breakerRefusals']} | {r.get('breakerFailures', '-')} | {r['unsent']} | {r['agentCpuUsPerDecision']} | "
                       f"{r.get('machineBusyPercent', '-')} | {r.get('lateSendPercent', '-')} | {r.get('maxLateMs', '-')} |")
             print()
 

@@ -812,6 +812,8 @@ struct LimiterRefusals {
     waited_out: u64,
     /// Calls that ran past their deadline while the shard answered others (slow, not down).
     overran: u64,
+    /// Waits and calls that ran out while the agent's own thread was held up.
+    held_up: u64,
     breaker: u64,
     /// Calls counted against the breaker (what opens it).
     breaker_failures: u64,
@@ -840,6 +842,7 @@ async fn open_loop(
         refusals[index].shed += now.shed - last.shed;
         refusals[index].waited_out += now.pool_exhausted - last.pool_exhausted;
         refusals[index].overran += now.slow_calls - last.slow_calls;
+        refusals[index].held_up += now.held_up - last.held_up;
         refusals[index].breaker += now.breaker_refusals - last.breaker_refusals;
         refusals[index].breaker_failures += now.breaker_failures - last.breaker_failures;
         last = now;
@@ -874,6 +877,7 @@ async fn open_loop(
                 "shed": refusals.shed,
                 "waitedOut": refusals.waited_out,
                 "overran": refusals.overran,
+                "heldUp": refusals.held_up,
                 "breakerRefusals": refusals.breaker,
                 "breakerFailures": refusals.breaker_failures,
                 "machineBusyPercent": (figure.machine_busy * 1_000.0).round() / 10.0,

@@ -347,6 +347,10 @@ pub struct LimiterStats {
     /// Calls counted as failures against their shard's breaker: not executed, ambiguous, or past
     /// the deadline while the shard answered nothing else.
     pub breaker_failures: u64,
+    /// Waits for a place in flight and store calls that ran out while this agent's own thread was
+    /// held up: the timer that ended them fired at least half its span late. Not the store's
+    /// doing: an agent that counts many needs CPU (or fewer neighbours on its cores).
+    pub held_up: u64,
 }
 
 #[derive(Debug, Default)]
@@ -364,6 +368,7 @@ struct Counters {
     shed: AtomicU64,
     slow_calls: AtomicU64,
     breaker_failures: AtomicU64,
+    held_up: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -575,6 +580,7 @@ impl Limiter {
             shed: read(&c.shed),
             slow_calls: read(&c.slow_calls),
             breaker_failures: read(&c.breaker_failures),
+            held_up: read(&c.held_up),
         }
     }
 
@@ -783,7 +789,11 @@ impl Limiter {
         slot.overran();
         let budget = self.config.decision_budget;
         let late = monotonic_now().saturating_duration_since(call_deadline);
-        let slow = late >= budget / 2
+        let held_up = late >= budget / 2;
+        if held_up {
+            bump(&self.counters.held_up);
+        }
+        let slow = held_up
             || shard
                 .in_flight
                 .answered_within(budget * SLOW_NOT_DOWN_BUDGETS);
@@ -805,9 +815,10 @@ impl Limiter {
         shard: &'s Shard,
         deadline: tokio::time::Instant,
     ) -> Result<Slot<'s>, DegradeCause> {
+        let asked = monotonic_now();
         let wait = self.config.acquire_wait.min(
             deadline
-                .saturating_duration_since(monotonic_now())
+                .saturating_duration_since(asked)
                 .saturating_sub(self.config.latency_target()),
         );
         shard
@@ -821,6 +832,10 @@ impl Limiter {
                 }
                 NoSlot::WaitedOut => {
                     bump(&self.counters.pool_exhausted);
+                    // The wait's timer fired half a wait late or more: this thread was held up.
+                    if !wait.is_zero() && monotonic_now() >= asked + wait + wait / 2 {
+                        bump(&self.counters.held_up);
+                    }
                     DegradeCause::PoolExhausted
                 }
             })

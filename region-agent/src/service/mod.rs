@@ -216,6 +216,7 @@ impl Agent {
             ("shed", stats.shed),
             ("slow_calls", stats.slow_calls),
             ("breaker_failures", stats.breaker_failures),
+            ("held_up", stats.held_up),
         ] {
             metrics::gauge!(crate::metrics::LIMITER_DECISIONS, "path" => path).set(count as f64);
         }

@@ -773,6 +773,59 @@ async fn a_saturated_shard_degrades_after_its_wait_and_a_hung_call_at_the_deadli
     );
     assert_eq!(s.store.calls(), 1);
     assert_eq!(s.limiter.stats().pool_exhausted, 1);
+    assert_eq!(
+        s.limiter.stats().held_up,
+        0,
+        "both timers fired on time: nothing held this thread up"
+    );
+}
+
+/// A wait or a call that runs out because this agent's own thread was held up (both fell due
+/// while it was) is counted apart from the store's slowness: the agent needs CPU, not the store.
+#[tokio::test(start_paused = true)]
+async fn waits_and_calls_that_run_out_while_the_agent_is_held_up_are_counted_as_such() {
+    let clock = Arc::new(ManualClock::new(1 << 42));
+    let budget = Duration::from_millis(50);
+    let s = limiter_over(
+        Arc::new(InProcessStore::new(clock, 10_000)),
+        LimiterConfig {
+            decision_budget: budget,
+            max_in_flight_per_shard: 1,
+            ..config()
+        },
+    );
+    s.store.hang.store(true, Ordering::SeqCst);
+    let s = Arc::new(s);
+    let bundle = Arc::new(bundle());
+    let decide = |id: &'static str| {
+        let (s, bundle) = (s.clone(), bundle.clone());
+        tokio::spawn(async move { s.limiter.decide(&user(&bundle, "read", id), None).await })
+    };
+    let hung = decide("r-1");
+    while s.store.calls() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let waiting = decide("r-2");
+    while s.limiter.shard_loads().first().map(|load| load.waiting) != Some(1) {
+        tokio::task::yield_now().await;
+    }
+    // Past the wait (not the budget) in one step, as a thread that could not run sees time pass.
+    tokio::time::advance(Duration::from_millis(20)).await;
+    let waited = waiting.await.expect("ends");
+    assert_eq!(waited.degraded, Some(DegradeCause::PoolExhausted));
+    assert_eq!(s.limiter.stats().held_up, 1, "the wait");
+    // Then past the hung call's deadline the same way.
+    tokio::time::advance(budget * 2).await;
+    let hung = hung.await.expect("ends");
+    assert_eq!(hung.degraded, Some(DegradeCause::DeadlineExceeded));
+    let stats = s.limiter.stats();
+    assert_eq!(stats.pool_exhausted, 1);
+    assert_eq!(stats.held_up, 2, "the wait and the call: {stats:?}");
+    assert_eq!(
+        stats.slow_calls, 1,
+        "a held-up overrun is the agent's, not a dead shard's"
+    );
+    assert_eq!(stats.breaker_failures, 0);
 }
 
 /// Under overload a shard keeps answering, only slower: its breaker must stay closed, its in-flight
