@@ -341,15 +341,17 @@ pub struct LimiterStats {
     pub pool_exhausted: u64,
     /// Degraded decisions shed at once: the shard's waiting line was full.
     pub shed: u64,
-    /// Calls that overran their deadline while the shard answered others (slow, not down: no
-    /// breaker failure).
+    /// Calls that overran their deadline while the shard answered others, or while this agent was
+    /// held up (slow, not down: no breaker failure). A first attempt counted here may have been
+    /// retried and decided.
     pub slow_calls: u64,
     /// Calls counted as failures against their shard's breaker: not executed, ambiguous, or past
     /// the deadline while the shard answered nothing else.
     pub breaker_failures: u64,
     /// Waits for a place in flight and store calls that ran out while this agent's own thread was
-    /// held up: the timer that ended them fired at least half its span late. Not the store's
-    /// doing: an agent that counts many needs CPU (or fewer neighbours on its cores).
+    /// held up: a wait that ended half the wait late, a call half the decision budget past its
+    /// deadline (and at least 2 ms either way). Not the store's doing: an agent that counts many
+    /// needs CPU (or fewer neighbours on its cores). A subset of `pool_exhausted` and `slow_calls`.
     pub held_up: u64,
 }
 
@@ -369,6 +371,16 @@ struct Counters {
     slow_calls: AtomicU64,
     breaker_failures: AtomicU64,
     held_up: AtomicU64,
+}
+
+/// Least lateness that says this thread was held up: tokio's timers fire up to a millisecond late
+/// on their own.
+const HELD_UP_AT_LEAST: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// Whether a timer over `span` that ended `late` after it was due says this thread was held up:
+/// late by half its span, and by more than timers are late on their own.
+fn was_held_up(late: std::time::Duration, span: std::time::Duration) -> bool {
+    late >= (span / 2).max(HELD_UP_AT_LEAST)
 }
 
 fn bump(counter: &AtomicU64) {
@@ -789,7 +801,7 @@ impl Limiter {
         slot.overran();
         let budget = self.config.decision_budget;
         let late = monotonic_now().saturating_duration_since(call_deadline);
-        let held_up = late >= budget / 2;
+        let held_up = was_held_up(late, budget);
         if held_up {
             bump(&self.counters.held_up);
         }
@@ -832,8 +844,8 @@ impl Limiter {
                 }
                 NoSlot::WaitedOut => {
                     bump(&self.counters.pool_exhausted);
-                    // The wait's timer fired half a wait late or more: this thread was held up.
-                    if !wait.is_zero() && monotonic_now() >= asked + wait + wait / 2 {
+                    let late = monotonic_now().saturating_duration_since(asked + wait);
+                    if !wait.is_zero() && was_held_up(late, wait) {
                         bump(&self.counters.held_up);
                     }
                     DegradeCause::PoolExhausted

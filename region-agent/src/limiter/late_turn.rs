@@ -1,11 +1,12 @@
 //! Deadlines that lose a tie to work already done.
 //!
-//! A timer and the reply it guards can become ready in the same turn of the runtime: always after
-//! this thread was held up (both fell due while it was), and then the task whose timer fired may
-//! run before the task that reads the reply off the socket, or before the decision that ends and
-//! frees a place. Counted as missed, such a wait answers `LIMITER_UNAVAILABLE` for a store that
-//! answered in time but for this thread. So when a limiter wait expires it looks once more, after
-//! every task that is ready has run (one turn of the runtime: bounded, and only when late already).
+//! A timer and the reply it guards can become ready in the same turn of the runtime, typically
+//! after this thread was held up (both fell due while it was), and then the task whose timer fired
+//! may run before the task that reads the reply off the socket, or before the decision that ends
+//! and frees a place. Counted as missed, such a wait answers `LIMITER_UNAVAILABLE` for a store that
+//! answered in time but for this thread. So when a limiter wait expires it looks once more, behind
+//! the tasks this worker has queued and those its next look at the I/O driver wakes (one turn:
+//! bounded, and only when late already).
 
 use std::future::Future;
 use std::pin::{Pin, pin};
@@ -22,9 +23,9 @@ pub(crate) async fn within<F: Future>(deadline: Instant, work: F) -> Option<F::O
     }
 }
 
-/// Polls `work` once more after every task that is ready now has run: `yield_now` puts this task
-/// behind them (and behind the I/O they are woken by at the runtime's next look at its driver).
-pub(crate) async fn one_more_look<F: Future + ?Sized>(mut work: Pin<&mut F>) -> Option<F::Output> {
+/// Polls `work`, which has not finished, once more behind the tasks this worker has queued:
+/// `yield_now` defers this task until after the runtime's next look at its I/O driver.
+async fn one_more_look<F: Future + ?Sized>(mut work: Pin<&mut F>) -> Option<F::Output> {
     tokio::task::yield_now().await;
     std::future::poll_fn(|cx| match work.as_mut().poll(cx) {
         Poll::Ready(output) => Poll::Ready(Some(output)),
@@ -53,6 +54,28 @@ mod tests {
         let output = waiting.await.expect("ends");
         assert_eq!(output.and_then(Result::ok), Some(7), "the reply is taken");
         assert_eq!(monotonic_now(), deadline);
+    }
+
+    /// Pending when first polled, ready when polled again.
+    struct ReadyOnSecondPoll(bool);
+
+    impl Future for ReadyOnSecondPoll {
+        type Output = ();
+        fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<()> {
+            if self.0 {
+                return Poll::Ready(());
+            }
+            self.0 = true;
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_past_its_deadline_is_polled_once_more() {
+        let past = monotonic_now();
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(within(past, ReadyOnSecondPoll(false)).await, Some(()));
     }
 
     #[tokio::test(start_paused = true)]

@@ -21,12 +21,18 @@
 //! wait the limiter gives it. When more decisions wait already than twice what the shard serves in
 //! that wait, it does not queue at all: it is shed at once and its rules' fail modes answer (a fast
 //! 503, or the local bucket). Under overload the excess is refused early instead of timing out late,
-//! and the waiting queue is bounded (I10). What the shard serves is the most of `limit / latency`
-//! now and of what it was seen to serve in each 10 ms interval of the last 80 ms (the replies
-//! counted, or `limit / latency` then). The agent measures both through its own thread: a thread
-//! held up reads replies late, so for a moment the shard looks slow, just as the requests that
-//! arrived meanwhile come in at once. Remembering the recent best keeps that moment from shedding
-//! a burst the shard serves in time; a shard that really slows down is shed again 80 ms later.
+//! and the waiting queue is bounded (I10). What the shard serves is the more of `limit / latency`
+//! now and of the replies counted over the last 10 ms interval.
+//!
+//! The agent measures both through its own thread, and a thread held up (a busy host, a neighbour
+//! on its core) reads the replies of that moment late: the shard looks slow just as the requests
+//! that arrived meanwhile come in together, and judged by that moment a burst the shard serves in
+//! time would be shed. Such a moment shows as a gap: no reply for [`REPLY_GAP_US`] while calls
+//! were out, where a shard answering at its pace replies every few µs. For [`REMEMBERED_US`] after
+//! a gap, what the shard serves is also the most it served in any interval that closed within the
+//! last [`REMEMBERED_US`]. Under a steady overload replies come without gaps, the memory stays
+//! unused, and the excess is shed as early as before; a shard that stops answering is judged by
+//! what it serves now once its remembered intervals age out.
 //!
 //! `ConcurrencyCore` is the pure arithmetic (time is an argument); `InFlightBound` puts it behind a
 //! mutex beside a semaphore holding `limit` permits.
@@ -48,8 +54,15 @@ const LATENCY_SMOOTHING: f64 = 0.1;
 /// The interval over which replies are counted for the shard's reply rate, µs.
 const RATE_INTERVAL_US: u64 = 10_000;
 
-/// The intervals ([`RATE_INTERVAL_US`]) whose serving rates are remembered (module docs).
-const REMEMBERED_INTERVALS: usize = 8;
+/// How long a closed interval's serving rate is remembered, and how long after a gap in the
+/// replies the remembered best counts (module docs), µs.
+const REMEMBERED_US: u64 = 80_000;
+
+/// Intervals ([`RATE_INTERVAL_US`]) that fit in [`REMEMBERED_US`].
+const REMEMBERED_INTERVALS: usize = (REMEMBERED_US / RATE_INTERVAL_US) as usize;
+
+/// No reply for this long, with calls out, is a gap (module docs), µs.
+const REPLY_GAP_US: u64 = 5_000;
 
 /// How many times the calls that end within a wait may wait for them.
 const WAITING_ROOM: f64 = 2.0;
@@ -99,10 +112,22 @@ pub(crate) struct ConcurrencyCore {
     /// Replies counted since `rate_since_us`.
     rate_since_us: u64,
     rate_replies: u64,
-    /// Calls per µs the shard served in each of the last closed intervals, a ring whose next entry
-    /// to overwrite is `served_next` (0: not yet measured).
-    served_per_us: [f64; REMEMBERED_INTERVALS],
+    /// The last closed intervals: calls per µs the shard served, and when the interval closed
+    /// (µs); a ring whose next entry to overwrite is `served_next`. The newest is the last
+    /// interval's rate.
+    served: [Served; REMEMBERED_INTERVALS],
     served_next: usize,
+    /// When the last reply came, µs (`None`: never).
+    last_reply_us: Option<u64>,
+    /// Until when the remembered best counts, after the last gap in the replies, µs.
+    remember_until_us: u64,
+}
+
+/// One closed interval's serving rate.
+#[derive(Debug, Clone, Copy, Default)]
+struct Served {
+    per_us: f64,
+    closed_us: u64,
 }
 
 impl ConcurrencyCore {
@@ -115,8 +140,10 @@ impl ConcurrencyCore {
             last_cut_us: None,
             rate_since_us: 0,
             rate_replies: 0,
-            served_per_us: [0.0; REMEMBERED_INTERVALS],
+            served: [Served::default(); REMEMBERED_INTERVALS],
             served_next: 0,
+            last_reply_us: None,
+            remember_until_us: 0,
         }
     }
 
@@ -157,16 +184,20 @@ impl ConcurrencyCore {
         self.check();
     }
 
-    /// How many decisions may wait for `wait`: twice as many calls as end in that time at what the
-    /// shard serves (module docs; an estimate, so it is given room: past it a wait is likely in
-    /// vain). The counted replies matter when the agent itself is busy: its replies are read late,
-    /// the latency it sees grows, and `limit / latency` then undercounts what the shard serves.
-    pub(crate) fn max_waiting(&self, wait: Duration) -> usize {
+    /// How many decisions may wait for `wait` at `now_us`: twice as many calls as end in that time
+    /// at what the shard serves (module docs; an estimate, so it is given room: past it a wait is
+    /// likely in vain). The counted replies matter when the agent itself is busy: its replies are
+    /// read late, the latency it sees grows, and `limit / latency` then undercounts what the shard
+    /// serves.
+    pub(crate) fn max_waiting(&self, wait: Duration, now_us: u64) -> usize {
         if self.latency_us < 1.0 {
             // No reply yet: nothing to go by but the bound.
             return MAX_WAITING_PER_SHARD;
         }
-        let serving_per_us = self.serving_now_per_us().max(self.served_lately_per_us());
+        let serving_per_us = self
+            .serving_now_per_us()
+            .max(self.served_lately_per_us(now_us));
+        debug_assert!(serving_per_us.is_finite() && serving_per_us >= 0.0);
         let ending = WAITING_ROOM * serving_per_us * wait.as_micros() as f64;
         (ending.floor() as usize).min(MAX_WAITING_PER_SHARD)
     }
@@ -179,26 +210,49 @@ impl ConcurrencyCore {
         self.limit / self.latency_us
     }
 
-    /// The most calls per µs the shard served in any remembered interval.
-    fn served_lately_per_us(&self) -> f64 {
-        self.served_per_us.iter().copied().fold(0.0, f64::max)
+    /// The last interval's rate; within [`REMEMBERED_US`] after a gap, the best remembered one.
+    /// Intervals closed longer than [`REMEMBERED_US`] ago count for nothing.
+    fn served_lately_per_us(&self, now_us: u64) -> f64 {
+        let fresh = |served: &Served| now_us.saturating_sub(served.closed_us) <= REMEMBERED_US;
+        if now_us < self.remember_until_us {
+            return self
+                .served
+                .iter()
+                .filter(|served| fresh(served))
+                .map(|served| served.per_us)
+                .fold(0.0, f64::max);
+        }
+        let newest = (self.served_next + REMEMBERED_INTERVALS - 1) % REMEMBERED_INTERVALS;
+        self.served
+            .get(newest)
+            .filter(|served| fresh(served))
+            .map_or(0.0, |served| served.per_us)
     }
 
     fn count_reply(&mut self, now_us: u64) {
+        if self
+            .last_reply_us
+            .is_some_and(|last| now_us.saturating_sub(last) >= REPLY_GAP_US)
+        {
+            self.remember_until_us = now_us.saturating_add(REMEMBERED_US);
+        }
+        self.last_reply_us = Some(now_us);
         let elapsed_us = now_us.saturating_sub(self.rate_since_us);
         if elapsed_us >= RATE_INTERVAL_US {
             let counted_per_us = self.rate_replies as f64 / elapsed_us as f64;
-            self.remember_served(counted_per_us.max(self.serving_now_per_us()));
+            self.remember_served(Served {
+                per_us: counted_per_us.max(self.serving_now_per_us()),
+                closed_us: now_us,
+            });
             self.rate_since_us = now_us;
             self.rate_replies = 0;
         }
         self.rate_replies += 1;
     }
 
-    fn remember_served(&mut self, per_us: f64) {
-        if let Some(entry) = self.served_per_us.get_mut(self.served_next) {
-            *entry = per_us;
-        }
+    fn remember_served(&mut self, served: Served) {
+        debug_assert!(served.per_us.is_finite() && served.per_us >= 0.0);
+        self.served[self.served_next] = served;
         self.served_next = (self.served_next + 1) % REMEMBERED_INTERVALS;
     }
 
@@ -276,7 +330,7 @@ impl InFlightBound {
         if wait.is_zero() {
             return Err(NoSlot::WaitedOut);
         }
-        let max_waiting = self.lock().max_waiting(wait);
+        let max_waiting = self.lock().max_waiting(wait, self.now_us());
         let _waiting = Waiting::join(&self.waiting, max_waiting).ok_or(NoSlot::Shed)?;
         // A place freed in the turn the wait expired is taken (see `late_turn`).
         let deadline = crate::clock::monotonic_now() + wait;
@@ -464,16 +518,16 @@ mod tests {
     fn the_waiting_line_is_what_ends_within_the_wait() {
         let mut core = ConcurrencyCore::new(config(40));
         assert_eq!(
-            core.max_waiting(Duration::from_millis(5)),
+            core.max_waiting(Duration::from_millis(5), 0),
             MAX_WAITING_PER_SHARD,
             "no reply yet"
         );
         core.on_reply(1_000, false, 0);
         // 40 calls ending every millisecond: 200 in five, and room for twice as many.
-        assert_eq!(core.max_waiting(Duration::from_millis(5)), 400);
-        assert_eq!(core.max_waiting(Duration::ZERO), 0);
+        assert_eq!(core.max_waiting(Duration::from_millis(5), 0), 400);
+        assert_eq!(core.max_waiting(Duration::ZERO, 0), 0);
         core.on_reply(1, false, 0);
-        assert!(core.max_waiting(Duration::from_secs(60)) <= MAX_WAITING_PER_SHARD);
+        assert!(core.max_waiting(Duration::from_secs(60), 0) <= MAX_WAITING_PER_SHARD);
 
         // Replies read late (a busy agent): 8 ms each by its clock, yet one every 10 µs.
         let mut busy = ConcurrencyCore::new(config(40));
@@ -481,7 +535,7 @@ mod tests {
             busy.on_reply(8_000, false, n * 10);
         }
         // By latency 40 x 2 / 8 = 10 end in 2 ms; by the count, 200.
-        assert_eq!(busy.max_waiting(Duration::from_millis(2)), 400);
+        assert_eq!(busy.max_waiting(Duration::from_millis(2), 20_000), 400);
     }
 
     proptest! {
@@ -556,14 +610,9 @@ mod tests {
     fn a_moment_of_late_replies_keeps_the_line_and_a_lasting_slowdown_shrinks_it() {
         let mut core = ConcurrencyCore::new(config(40));
         let wait = Duration::from_millis(2);
-        // 40 calls in flight, 1 ms each: a reply every 25 µs, for 50 ms.
-        let mut now_us = 0;
-        while now_us < 50_000 {
-            core.on_reply(1_000, false, now_us);
-            now_us += 25;
-        }
+        let mut now_us = steady_until(&mut core, 50_000);
         // 40 calls a millisecond: 80 in the wait, and room for twice as many.
-        let steady = core.max_waiting(wait);
+        let steady = core.max_waiting(wait, now_us);
         assert!((159..=161).contains(&steady), "{steady}");
 
         // This thread held up for 20 ms: the replies that came meanwhile are read at once, late.
@@ -576,9 +625,9 @@ mod tests {
             "the late replies are seen as slow ones"
         );
         assert!(
-            core.max_waiting(wait) >= steady,
+            core.max_waiting(wait, now_us) >= steady,
             "the shard served 40 a millisecond just before: {} < {steady}",
-            core.max_waiting(wait)
+            core.max_waiting(wait, now_us)
         );
 
         // The shard itself slows to 10 ms a call, for longer than the remembered intervals.
@@ -588,9 +637,57 @@ mod tests {
             core.on_reply(10_000, false, now_us);
         }
         assert!(
-            core.max_waiting(wait) <= steady / 8,
+            core.max_waiting(wait, now_us) <= steady / 8,
             "{} waiting for a shard that serves a tenth as many",
-            core.max_waiting(wait)
+            core.max_waiting(wait, now_us)
+        );
+    }
+
+    /// 40 calls in flight answered in 1 ms each (a reply every 25 µs) from 0 until `until_us`.
+    fn steady_until(core: &mut ConcurrencyCore, until_us: u64) -> u64 {
+        let mut now_us = 0;
+        while now_us < until_us {
+            core.on_reply(1_000, false, now_us);
+            now_us += 25;
+        }
+        now_us
+    }
+
+    #[test]
+    fn a_shard_that_slows_without_a_gap_is_judged_by_its_new_pace_at_once() {
+        let mut core = ConcurrencyCore::new(config(40));
+        let wait = Duration::from_millis(2);
+        let mut now_us = steady_until(&mut core, 50_000);
+        let steady = core.max_waiting(wait, now_us);
+        // A quarter of the pace, replies still coming every 100 µs: an overload, not a stall.
+        let slow_until_us = now_us + 25_000;
+        while now_us < slow_until_us {
+            now_us += 100;
+            core.on_reply(4_000, false, now_us);
+        }
+        assert!(
+            core.max_waiting(wait, now_us) <= steady / 2,
+            "the excess is shed as early as the new pace says: {} waiting against {steady} before",
+            core.max_waiting(wait, now_us)
+        );
+    }
+
+    #[test]
+    fn a_shard_that_stops_answering_is_not_remembered_for_long() {
+        let mut core = ConcurrencyCore::new(config(40));
+        let wait = Duration::from_millis(2);
+        let mut now_us = steady_until(&mut core, 50_000);
+        let steady = core.max_waiting(wait, now_us);
+        // Every call from now on overruns: no reply, only cuts.
+        let silent_until_us = now_us + 200_000;
+        while now_us < silent_until_us {
+            now_us += 1_000;
+            core.on_overrun(now_us);
+        }
+        assert!(
+            core.max_waiting(wait, now_us) <= steady / 8,
+            "{} waiting for a shard that answers nothing",
+            core.max_waiting(wait, now_us)
         );
     }
 
