@@ -27,10 +27,10 @@
 //! The agent measures both through its own thread, and a thread held up (a busy host, a neighbour
 //! on its core) reads the replies of that moment late: the shard looks slow just as the requests
 //! that arrived meanwhile come in together, and judged by that moment a burst the shard serves in
-//! time would be shed. Such a moment shows as a gap: no reply for [`REPLY_GAP_US`] while calls
-//! were out, where a shard answering at its pace replies every few µs. For [`REMEMBERED_US`] after
+//! time would be shed. Such a moment shows as a gap: no reply for `REPLY_GAP_US` while calls
+//! were out, where a shard answering at its pace replies every few µs. For `REMEMBERED_US` after
 //! a gap, what the shard serves is also the most it served in any interval that closed within the
-//! last [`REMEMBERED_US`]. Under a steady overload replies come without gaps, the memory stays
+//! last `REMEMBERED_US`. Under a steady overload replies come without gaps, the memory stays
 //! unused, and the excess is shed as early as before; a shard that stops answering is judged by
 //! what it serves now once its remembered intervals age out.
 //!
@@ -58,7 +58,7 @@ const RATE_INTERVAL_US: u64 = 10_000;
 /// replies the remembered best counts (module docs), µs.
 const REMEMBERED_US: u64 = 80_000;
 
-/// Intervals ([`RATE_INTERVAL_US`]) that fit in [`REMEMBERED_US`].
+/// Intervals ([`RATE_INTERVAL_US`]) that fit in `REMEMBERED_US`.
 const REMEMBERED_INTERVALS: usize = (REMEMBERED_US / RATE_INTERVAL_US) as usize;
 
 /// No reply for this long, with calls out, is a gap (module docs), µs.
@@ -210,8 +210,8 @@ impl ConcurrencyCore {
         self.limit / self.latency_us
     }
 
-    /// The last interval's rate; within [`REMEMBERED_US`] after a gap, the best remembered one.
-    /// Intervals closed longer than [`REMEMBERED_US`] ago count for nothing.
+    /// The last interval's rate; within `REMEMBERED_US` after a gap, the best remembered one.
+    /// Intervals closed longer than `REMEMBERED_US` ago count for nothing.
     fn served_lately_per_us(&self, now_us: u64) -> f64 {
         let fresh = |served: &Served| now_us.saturating_sub(served.closed_us) <= REMEMBERED_US;
         if now_us < self.remember_until_us {
