@@ -107,6 +107,9 @@ pub struct BreakerSnapshot {
     pub opened_total: u64,
     /// Calls refused because the breaker was open or its probes were all in flight.
     pub refused_total: u64,
+    /// Failures reported, each attempt of a call that fails and is retried included (stale ones
+    /// too: they are counted, though they change nothing).
+    pub failed_total: u64,
 }
 
 /// How a call was let through.
@@ -131,6 +134,7 @@ pub(crate) struct BreakerCore {
     probes_in_flight: u32,
     opened_total: u64,
     refused_total: u64,
+    failed_total: u64,
 }
 
 impl BreakerCore {
@@ -144,6 +148,7 @@ impl BreakerCore {
             probes_in_flight: 0,
             opened_total: 0,
             refused_total: 0,
+            failed_total: 0,
         }
     }
 
@@ -184,6 +189,7 @@ impl BreakerCore {
 
     /// A call let through as `pass` timed out or failed at `now_ms`.
     pub(crate) fn failed(&mut self, pass: Pass, now_ms: u64) {
+        self.failed_total += 1;
         match (self.state, pass) {
             (BreakerState::Closed, Pass::Normal) => {
                 if self.failures.len() == self.config.failure_threshold as usize {
@@ -225,6 +231,7 @@ impl BreakerCore {
             recent_failures: self.failures.iter().filter(|&&t| t >= window_start).count(),
             opened_total: self.opened_total,
             refused_total: self.refused_total,
+            failed_total: self.failed_total,
         }
     }
 }
@@ -332,6 +339,7 @@ mod tests {
         let snapshot = breaker.snapshot(2_100);
         assert_eq!(snapshot.state, BreakerState::Open);
         assert_eq!(snapshot.opened_total, 1);
+        assert_eq!(snapshot.failed_total, 5, "every failure reported, aged out or not");
     }
 
     #[test]

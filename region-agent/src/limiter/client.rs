@@ -365,11 +365,9 @@ struct Counters {
     fallback_decisions: AtomicU64,
     unavailable: AtomicU64,
     policy_errors: AtomicU64,
-    breaker_refusals: AtomicU64,
     pool_exhausted: AtomicU64,
     shed: AtomicU64,
     slow_calls: AtomicU64,
-    breaker_failures: AtomicU64,
     held_up: AtomicU64,
 }
 
@@ -504,7 +502,6 @@ impl Limiter {
             });
         };
         let Some(breaker_call) = shard.breaker.admit(self.clock.elapsed_ms()) else {
-            bump(&self.counters.breaker_refusals);
             return Err(StoreError::NotExecuted {
                 detail: "the shard's breaker is open".to_owned(),
             });
@@ -546,7 +543,6 @@ impl Limiter {
             Err(StoreError::Ambiguous { .. }) if slow => {}
             Err(StoreError::NotExecuted { .. } | StoreError::Ambiguous { .. }) => {
                 breaker_call.finally_failed(now_ms);
-                bump(&self.counters.breaker_failures);
             }
             Err(
                 StoreError::Rejected { .. }
@@ -578,6 +574,9 @@ impl Limiter {
     pub fn stats(&self) -> LimiterStats {
         let c = &self.counters;
         let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        // Breaker verdicts are counted where they are made, by each shard's breaker.
+        let breakers = self.breakers();
+        let over_breakers = |count: fn(&BreakerSnapshot) -> u64| breakers.iter().map(count).sum();
         LimiterStats {
             decisions: read(&c.decisions),
             store_calls: read(&c.store_calls),
@@ -587,11 +586,11 @@ impl Limiter {
             fallback_decisions: read(&c.fallback_decisions),
             unavailable: read(&c.unavailable),
             policy_errors: read(&c.policy_errors),
-            breaker_refusals: read(&c.breaker_refusals),
+            breaker_refusals: over_breakers(|breaker| breaker.refused_total),
             pool_exhausted: read(&c.pool_exhausted),
             shed: read(&c.shed),
             slow_calls: read(&c.slow_calls),
-            breaker_failures: read(&c.breaker_failures),
+            breaker_failures: over_breakers(|breaker| breaker.failed_total),
             held_up: read(&c.held_up),
         }
     }
@@ -864,7 +863,6 @@ impl Limiter {
             return (Err(CallFailure::Degrade(DegradeCause::NotExecuted)), 0);
         };
         let Some(mut breaker_call) = shard.breaker.admit(self.clock.elapsed_ms()) else {
-            bump(&self.counters.breaker_refusals);
             return (Err(CallFailure::Degrade(DegradeCause::BreakerOpen)), 0);
         };
         // Nothing sent without a place: the breaker call is dropped without a verdict.
@@ -905,7 +903,6 @@ impl Limiter {
                 Some(Err(StoreError::NotExecuted { detail })) => {
                     tracing::warn!(%detail, "limiter store did not execute the call; degrading");
                     breaker_call.finally_failed(now_ms);
-                    bump(&self.counters.breaker_failures);
                     return degrade(DegradeCause::NotExecuted);
                 }
                 Some(Err(StoreError::MalformedReply { detail })) => {
@@ -930,14 +927,12 @@ impl Limiter {
                 ambiguous = Some(cause);
                 if !slow {
                     breaker_call.failed(now_ms);
-                    bump(&self.counters.breaker_failures);
                 }
                 bump(&self.counters.store_retries);
                 continue;
             }
             if !slow {
                 breaker_call.finally_failed(now_ms);
-                bump(&self.counters.breaker_failures);
             }
             return (Err(CallFailure::Degrade(cause)), calls);
         }
