@@ -339,7 +339,10 @@ mod tests {
         let snapshot = breaker.snapshot(2_100);
         assert_eq!(snapshot.state, BreakerState::Open);
         assert_eq!(snapshot.opened_total, 1);
-        assert_eq!(snapshot.failed_total, 5, "every failure reported, aged out or not");
+        assert_eq!(
+            snapshot.failed_total, 5,
+            "every failure reported, aged out or not"
+        );
     }
 
     #[test]

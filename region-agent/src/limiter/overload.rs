@@ -37,7 +37,7 @@
 //! `ConcurrencyCore` is the pure arithmetic (time is an argument); `InFlightBound` puts it behind a
 //! mutex beside a semaphore holding `limit` permits.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -158,6 +158,12 @@ impl ConcurrencyCore {
         self.latency_us.round() as u64
     }
 
+    /// Whether the shard replied within `window_us` before `now_us`.
+    fn answered_within(&self, window_us: u64, now_us: u64) -> bool {
+        self.last_reply_us
+            .is_some_and(|last| now_us.saturating_sub(last) <= window_us)
+    }
+
     /// A reply after `latency_us`, to a call sent while the limit was reached (`limit_reached`) or
     /// not, at `now_us`.
     pub(crate) fn on_reply(&mut self, latency_us: u64, limit_reached: bool, now_us: u64) {
@@ -236,7 +242,8 @@ impl ConcurrencyCore {
         {
             self.remember_until_us = now_us.saturating_add(REMEMBERED_US);
         }
-        self.last_reply_us = Some(now_us);
+        // `now_us` is read before the core's lock: replies may arrive here slightly out of order.
+        self.last_reply_us = Some(self.last_reply_us.map_or(now_us, |last| last.max(now_us)));
         let elapsed_us = now_us.saturating_sub(self.rate_since_us);
         if elapsed_us >= RATE_INTERVAL_US {
             let counted_per_us = self.rate_replies as f64 / elapsed_us as f64;
@@ -302,8 +309,7 @@ pub(crate) struct InFlightBound {
     /// their calls end. Besides these, the semaphore holds exactly the core's limit.
     excess: AtomicUsize,
     waiting: AtomicUsize,
-    /// When the shard last replied, µs after `epoch` (0: never).
-    last_reply_us: AtomicU64,
+    /// The origin of the core's µs.
     epoch: tokio::time::Instant,
 }
 
@@ -316,7 +322,6 @@ impl InFlightBound {
             permits: Semaphore::new(limit),
             excess: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
-            last_reply_us: AtomicU64::new(0),
             epoch: crate::clock::monotonic_now(),
         }
     }
@@ -365,16 +370,14 @@ impl InFlightBound {
     /// Whether the shard replied to some call within `window` before now: checked when a call
     /// overruns, since a shard that answers nothing for that long is down, not slow.
     pub(crate) fn answered_within(&self, window: Duration) -> bool {
-        let last_us = self.last_reply_us.load(Ordering::Acquire);
         let window_us = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
-        last_us > 0 && self.now_us().saturating_sub(last_us) <= window_us
+        let now_us = self.now_us();
+        self.lock().answered_within(window_us, now_us)
     }
 
-    /// µs since the bound was made, at least 1 (0 stands for "never").
+    /// µs since the bound was made: the core's clock.
     fn now_us(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros())
-            .unwrap_or(u64::MAX)
-            .max(1)
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
     /// Applies a change of the core under its lock: adds permits, or takes them back (now if they
@@ -442,10 +445,8 @@ impl Slot<'_> {
     pub(crate) fn replied(&self, latency: Duration) {
         let latency_us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
         let limit_reached = self.limit_reached;
-        self.bound.update(|core, now_us| {
-            core.on_reply(latency_us, limit_reached, now_us);
-            self.bound.last_reply_us.fetch_max(now_us, Ordering::AcqRel);
-        });
+        self.bound
+            .update(|core, now_us| core.on_reply(latency_us, limit_reached, now_us));
     }
 
     /// The call overran its deadline.
