@@ -794,12 +794,13 @@ impl Limiter {
         slot: &Slot<'_>,
         call_deadline: tokio::time::Instant,
     ) -> bool {
-        if monotonic_now() < call_deadline {
+        let now = monotonic_now();
+        if now < call_deadline {
             return false;
         }
         slot.overran();
         let budget = self.config.decision_budget;
-        let late = monotonic_now().saturating_duration_since(call_deadline);
+        let late = now.duration_since(call_deadline);
         let held_up = was_held_up(late, budget);
         if held_up {
             bump(&self.counters.held_up);
