@@ -609,11 +609,8 @@ mod tests {
 
     #[test]
     fn a_moment_of_late_replies_keeps_the_line_and_a_lasting_slowdown_shrinks_it() {
-        let mut core = ConcurrencyCore::new(config(40));
-        let wait = Duration::from_millis(2);
-        let mut now_us = steady_until(&mut core, 50_000);
+        let (mut core, mut now_us, steady) = steady_for_50_ms();
         // 40 calls a millisecond: 80 in the wait, and room for twice as many.
-        let steady = core.max_waiting(wait, now_us);
         assert!((159..=161).contains(&steady), "{steady}");
 
         // This thread held up for 20 ms: the replies that came meanwhile are read at once, late.
@@ -625,10 +622,10 @@ mod tests {
             core.latency_us() > 15_000,
             "the late replies are seen as slow ones"
         );
+        let line = core.max_waiting(WAIT, now_us);
         assert!(
-            core.max_waiting(wait, now_us) >= steady,
-            "the shard served 40 a millisecond just before: {} < {steady}",
-            core.max_waiting(wait, now_us)
+            line >= steady,
+            "the shard served 40 a millisecond just before: {line} < {steady}"
         );
 
         // The shard itself slows to 10 ms a call, for longer than the remembered intervals.
@@ -637,58 +634,58 @@ mod tests {
             now_us += 250;
             core.on_reply(10_000, false, now_us);
         }
+        let line = core.max_waiting(WAIT, now_us);
         assert!(
-            core.max_waiting(wait, now_us) <= steady / 8,
-            "{} waiting for a shard that serves a tenth as many",
-            core.max_waiting(wait, now_us)
+            line <= steady / 8,
+            "{line} waiting for a shard that serves a tenth as many"
         );
     }
 
-    /// 40 calls in flight answered in 1 ms each (a reply every 25 µs) from 0 until `until_us`.
-    fn steady_until(core: &mut ConcurrencyCore, until_us: u64) -> u64 {
+    /// The wait the pace tests size the line for.
+    const WAIT: Duration = Duration::from_millis(2);
+
+    /// A core whose 40 calls in flight were answered in 1 ms each (a reply every 25 µs) for 50 ms;
+    /// the time then, and the line it allows for [`WAIT`].
+    fn steady_for_50_ms() -> (ConcurrencyCore, u64, usize) {
+        let mut core = ConcurrencyCore::new(config(40));
         let mut now_us = 0;
-        while now_us < until_us {
+        while now_us < 50_000 {
             core.on_reply(1_000, false, now_us);
             now_us += 25;
         }
-        now_us
+        let steady = core.max_waiting(WAIT, now_us);
+        (core, now_us, steady)
     }
 
     #[test]
     fn a_shard_that_slows_without_a_gap_is_judged_by_its_new_pace_at_once() {
-        let mut core = ConcurrencyCore::new(config(40));
-        let wait = Duration::from_millis(2);
-        let mut now_us = steady_until(&mut core, 50_000);
-        let steady = core.max_waiting(wait, now_us);
+        let (mut core, mut now_us, steady) = steady_for_50_ms();
         // A quarter of the pace, replies still coming every 100 µs: an overload, not a stall.
         let slow_until_us = now_us + 25_000;
         while now_us < slow_until_us {
             now_us += 100;
             core.on_reply(4_000, false, now_us);
         }
+        let line = core.max_waiting(WAIT, now_us);
         assert!(
-            core.max_waiting(wait, now_us) <= steady / 2,
-            "the excess is shed as early as the new pace says: {} waiting against {steady} before",
-            core.max_waiting(wait, now_us)
+            line <= steady / 2,
+            "the excess is shed as early as the new pace says: {line} waiting against {steady} before"
         );
     }
 
     #[test]
     fn a_shard_that_stops_answering_is_not_remembered_for_long() {
-        let mut core = ConcurrencyCore::new(config(40));
-        let wait = Duration::from_millis(2);
-        let mut now_us = steady_until(&mut core, 50_000);
-        let steady = core.max_waiting(wait, now_us);
+        let (mut core, mut now_us, steady) = steady_for_50_ms();
         // Every call from now on overruns: no reply, only cuts.
         let silent_until_us = now_us + 200_000;
         while now_us < silent_until_us {
             now_us += 1_000;
             core.on_overrun(now_us);
         }
+        let line = core.max_waiting(WAIT, now_us);
         assert!(
-            core.max_waiting(wait, now_us) <= steady / 8,
-            "{} waiting for a shard that answers nothing",
-            core.max_waiting(wait, now_us)
+            line <= steady / 8,
+            "{line} waiting for a shard that answers nothing"
         );
     }
 

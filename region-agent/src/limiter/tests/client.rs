@@ -797,15 +797,16 @@ async fn waits_and_calls_that_run_out_while_the_agent_is_held_up_are_counted_as_
     s.store.hang.store(true, Ordering::SeqCst);
     let s = Arc::new(s);
     let bundle = Arc::new(bundle());
-    let decide = |id: &'static str| {
-        let (s, bundle) = (s.clone(), bundle.clone());
-        tokio::spawn(async move { s.limiter.decide(&user(&bundle, "read", id), None).await })
+    let one = |prefix| {
+        spawn_decisions(&s, &bundle, "read", prefix, 1)
+            .pop()
+            .expect("one")
     };
-    let hung = decide("r-1");
+    let hung = one("hung-");
     while s.store.calls() == 0 {
         tokio::task::yield_now().await;
     }
-    let waiting = decide("r-2");
+    let waiting = one("waiting-");
     while s.limiter.shard_loads().first().map(|load| load.waiting) != Some(1) {
         tokio::task::yield_now().await;
     }
