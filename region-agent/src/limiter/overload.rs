@@ -618,6 +618,9 @@ mod tests {
         for _ in 0..40 {
             core.on_reply(21_000, false, now_us);
         }
+        // It catches up slowly: more late replies for longer than an interval, so the last
+        // interval's count is of the catching up, not of the shard.
+        now_us = replies(&mut core, now_us, 12_000, 500, 20_000);
         assert!(
             core.latency_us() > 15_000,
             "the late replies are seen as slow ones"
@@ -629,16 +632,28 @@ mod tests {
         );
 
         // The shard itself slows to 10 ms a call, for longer than the remembered intervals.
-        let slow_until_us = now_us + 100_000;
-        while now_us < slow_until_us {
-            now_us += 250;
-            core.on_reply(10_000, false, now_us);
-        }
+        now_us = replies(&mut core, now_us, 100_000, 250, 10_000);
         let line = core.max_waiting(WAIT, now_us);
         assert!(
             line <= steady / 8,
             "{line} waiting for a shard that serves a tenth as many"
         );
+    }
+
+    /// Replies of `latency_us` every `every_us` for `span_us` after `from_us`; the time after.
+    fn replies(
+        core: &mut ConcurrencyCore,
+        from_us: u64,
+        span_us: u64,
+        every_us: u64,
+        latency_us: u64,
+    ) -> u64 {
+        let mut now_us = from_us;
+        while now_us < from_us + span_us {
+            now_us += every_us;
+            core.on_reply(latency_us, false, now_us);
+        }
+        now_us
     }
 
     /// The wait the pace tests size the line for.
@@ -648,11 +663,7 @@ mod tests {
     /// the time then, and the line it allows for [`WAIT`].
     fn steady_for_50_ms() -> (ConcurrencyCore, u64, usize) {
         let mut core = ConcurrencyCore::new(config(40));
-        let mut now_us = 0;
-        while now_us < 50_000 {
-            core.on_reply(1_000, false, now_us);
-            now_us += 25;
-        }
+        let now_us = replies(&mut core, 0, 50_000, 25, 1_000);
         let steady = core.max_waiting(WAIT, now_us);
         (core, now_us, steady)
     }
@@ -661,11 +672,7 @@ mod tests {
     fn a_shard_that_slows_without_a_gap_is_judged_by_its_new_pace_at_once() {
         let (mut core, mut now_us, steady) = steady_for_50_ms();
         // A quarter of the pace, replies still coming every 100 µs: an overload, not a stall.
-        let slow_until_us = now_us + 25_000;
-        while now_us < slow_until_us {
-            now_us += 100;
-            core.on_reply(4_000, false, now_us);
-        }
+        now_us = replies(&mut core, now_us, 25_000, 100, 4_000);
         let line = core.max_waiting(WAIT, now_us);
         assert!(
             line <= steady / 2,
