@@ -276,7 +276,8 @@ def main():
             print(f"The Redis agent's limiter at {r['callers']} caller(s), both of its paths: {r['decisions']} decisions, "
                   f"{r['unavailable']} LIMITER_UNAVAILABLE ({r['shed']} shed at once, {r['waitedOut']} waited for a "
                   f"place in vain, {r['breakerRefusals']} refused by an open breaker), {r['slowCalls']} overruns of a "
-                  f"slow shard, {r.get('breakerFailures', '-')} calls counted against a breaker.")
+                  f"slow shard, {r.get('heldUp', '-')} waits and calls run out while the agent was held up, "
+                  f"{r.get('breakerFailures', '-')} calls counted against a breaker.")
             print()
         for callers, per_1000 in calls:
             print(f"Allocator calls per 1,000 admits over the agent paths at {callers} "

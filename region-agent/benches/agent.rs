@@ -43,7 +43,7 @@ use std::time::Duration;
 use allot_region_agent::clock::{Stopwatch, SystemClock, monotonic_now};
 use allot_region_agent::http::AgentApi;
 use allot_region_agent::limiter::{
-    InProcessStore, LimiterStore, RedisStore, RedisStoreConfig, plan_request,
+    InProcessStore, LimiterStats, LimiterStore, RedisStore, RedisStoreConfig, plan_request,
 };
 use allot_shared::keys::{IpPrefixes, Pepper};
 use axum::Json;
@@ -693,16 +693,18 @@ async fn run(agents: tokio::runtime::Handle) {
         let calls = grants.load(Ordering::Relaxed) - admits_before;
         // Why the Redis agent's limiter did not decide (both of its paths, HTTP and gRPC).
         let limiter = with_redis_api.agent.limiter_stats();
+        let refusals = LimiterRefusals::between(&limiter_before, &limiter);
         println!(
             "BENCH {}",
             json!({ "bench": "agent_limiter", "callers": callers,
                 "decisions": limiter.decisions - limiter_before.decisions,
                 "unavailable": limiter.unavailable - limiter_before.unavailable,
-                "breakerRefusals": limiter.breaker_refusals - limiter_before.breaker_refusals,
-                "waitedOut": limiter.pool_exhausted - limiter_before.pool_exhausted,
-                "shed": limiter.shed - limiter_before.shed,
-                "slowCalls": limiter.slow_calls - limiter_before.slow_calls,
-                "breakerFailures": limiter.breaker_failures - limiter_before.breaker_failures })
+                "breakerRefusals": refusals.breaker,
+                "waitedOut": refusals.waited_out,
+                "shed": refusals.shed,
+                "slowCalls": refusals.overran,
+                "heldUp": refusals.held_up,
+                "breakerFailures": refusals.breaker_failures })
         );
         for (path, figure, against) in [
             ("trivial", &ceiling, ceiling.per_second),
@@ -819,6 +821,29 @@ struct LimiterRefusals {
     breaker_failures: u64,
 }
 
+impl LimiterRefusals {
+    /// What the limiter's counters say happened from `before` to `after`.
+    fn between(before: &LimiterStats, after: &LimiterStats) -> Self {
+        Self {
+            shed: after.shed - before.shed,
+            waited_out: after.pool_exhausted - before.pool_exhausted,
+            overran: after.slow_calls - before.slow_calls,
+            held_up: after.held_up - before.held_up,
+            breaker: after.breaker_refusals - before.breaker_refusals,
+            breaker_failures: after.breaker_failures - before.breaker_failures,
+        }
+    }
+
+    fn add(&mut self, other: Self) {
+        self.shed += other.shed;
+        self.waited_out += other.waited_out;
+        self.overran += other.overran;
+        self.held_up += other.held_up;
+        self.breaker += other.breaker;
+        self.breaker_failures += other.breaker_failures;
+    }
+}
+
 /// `lease+3-redis` offered open loop below the closed-loop peak: the fractions of
 /// [`OPEN_LOOP_FRACTIONS`], each a table row and a `BENCH` line with bench = "agent_open".
 async fn open_loop(
@@ -839,12 +864,7 @@ async fn open_loop(
     let mut last = api.agent.limiter_stats();
     let figures = measure_in_rounds(&loads, redis_info, |index| {
         let now = api.agent.limiter_stats();
-        refusals[index].shed += now.shed - last.shed;
-        refusals[index].waited_out += now.pool_exhausted - last.pool_exhausted;
-        refusals[index].overran += now.slow_calls - last.slow_calls;
-        refusals[index].held_up += now.held_up - last.held_up;
-        refusals[index].breaker += now.breaker_refusals - last.breaker_refusals;
-        refusals[index].breaker_failures += now.breaker_failures - last.breaker_failures;
+        refusals[index].add(LimiterRefusals::between(&last, &now));
         last = now;
     })
     .await;
