@@ -24,15 +24,18 @@ pub fn bounded_router<S>(router: Router<S>, limits: RouterLimits) -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
 {
-    router
-        .layer(DefaultBodyLimit::max(limits.max_body_bytes))
-        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-            limits.max_concurrent_requests,
-        ))
-        // Not a timer per request: see `deadline`.
-        .layer(crate::deadline::DeadlineLayer::new(limits.request_timeout))
+    // One stack, applied once: each `Router::layer` call boxes every route again, a box cloned and
+    // a future boxed per layer and request. Listed outermost first.
+    let stack = tower::ServiceBuilder::new()
         // Outermost, so body-limit and timeout answers are problem+json too.
         .layer(axum::middleware::map_response(
             crate::problem::problem_for_plain_errors,
         ))
+        // Not a timer per request: see `deadline`.
+        .layer(crate::deadline::DeadlineLayer::new(limits.request_timeout))
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+            limits.max_concurrent_requests,
+        ))
+        .layer(DefaultBodyLimit::max(limits.max_body_bytes));
+    router.layer(stack)
 }
