@@ -336,6 +336,13 @@ def main():
             print("core sends what fell due meanwhile at once, a burst rather than the even spacing offered, and")
             print("a burst of more decisions than the agent decides within the budget is answered unavailable.")
             print()
+            stalls = [r for r in bench_lines("agent.log") if r.get("bench") == "agent_core_stalls"]
+            for r in stalls:
+                print(f"Before these rows, a thread spinning alone on the agent's core for {r['probeSeconds']:.0f} s saw it")
+                print(f"stall (a gap of {r['stallAtLeastMs']} ms or more between two clock reads: the core given to the")
+                print(f"hypervisor's other guests or the kernel) {r['stallsPerSecond']} times a second, the longest")
+                print(f"{r['longestMs']} ms. A stall of the agent's core holds up every decision in flight on it.")
+                print()
             print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | lease ran dry % | shed | waited in vain | overran | agent held up | breaker | breaker failures | unsent | agent us/decision | machine busy % | sent late % | latest send ms |")
             print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             for r in opened:

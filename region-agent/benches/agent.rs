@@ -567,18 +567,6 @@ fn give_the_agent_a_core(redis_pid: u32) {
         cores > OTHER_CORE,
         "the open loop gives the agent a core of its own: this machine has {cores}"
     );
-    let pin = |core: usize, pid: String, all_threads: bool| {
-        let mut taskset = std::process::Command::new("taskset");
-        if all_threads {
-            taskset.arg("-a");
-        }
-        let status = taskset
-            .args(["-p", "-c", &core.to_string(), &pid])
-            .stdout(Stdio::null())
-            .status()
-            .expect("taskset (util-linux)");
-        assert!(status.success(), "taskset -p -c {core} {pid}: {status}");
-    };
     pin(OTHER_CORE, std::process::id().to_string(), true);
     pin(OTHER_CORE, redis_pid.to_string(), true);
     for task in std::fs::read_dir("/proc/self/task")
@@ -594,6 +582,55 @@ fn give_the_agent_a_core(redis_pid: u32) {
             );
         }
     }
+}
+
+/// Pins process or thread `pid` (with `all_threads`, every thread of the process) to `core`.
+fn pin(core: usize, pid: String, all_threads: bool) {
+    let mut taskset = std::process::Command::new("taskset");
+    if all_threads {
+        taskset.arg("-a");
+    }
+    let status = taskset
+        .args(["-p", "-c", &core.to_string(), &pid])
+        .stdout(Stdio::null())
+        .status()
+        .expect("taskset (util-linux)");
+    assert!(status.success(), "taskset -p -c {core} {pid}: {status}");
+}
+
+/// How long the stall probe watches the agent's core.
+const STALL_PROBE: Duration = Duration::from_secs(2);
+
+/// A gap between two clock reads of a spinning thread at least this long is a stall.
+const STALL_AT_LEAST: Duration = Duration::from_millis(1);
+
+/// Stalls of [`AGENT_CORE`] with nothing of the bench on it: a thread pinned there reads the clock
+/// in a loop for [`STALL_PROBE`] and counts the gaps of [`STALL_AT_LEAST`] or more (the core given
+/// to something else: the hypervisor's other guests, the kernel). A stall of the agent's core
+/// holds up every decision in flight on it, however the agent waits. Returns how many a second,
+/// and the longest.
+fn stalls_of_the_agent_core() -> (f64, Duration) {
+    std::thread::spawn(|| {
+        let tid = std::fs::read_link("/proc/thread-self")
+            .expect("this thread's id")
+            .file_name()
+            .expect("a task id")
+            .to_string_lossy()
+            .into_owned();
+        pin(AGENT_CORE, tid, false);
+        let (start, mut last) = (monotonic_now(), monotonic_now());
+        let (mut stalls, mut longest) = (0u64, Duration::ZERO);
+        while last.duration_since(start) < STALL_PROBE {
+            let now = monotonic_now();
+            let gap = now.duration_since(last);
+            stalls += u64::from(gap >= STALL_AT_LEAST);
+            longest = longest.max(gap);
+            last = now;
+        }
+        (stalls as f64 / STALL_PROBE.as_secs_f64(), longest)
+    })
+    .join()
+    .expect("the stall probe")
 }
 
 /// The stand-in allocator's chunk. One renewal of a pool is in flight at a time, so an agent
@@ -990,6 +1027,19 @@ async fn open_loop(
         .and_then(|pid| pid.trim().parse().ok())
         .expect("Redis's process id");
     give_the_agent_a_core(redis_pid);
+    let (stalls_per_second, longest_stall) = stalls_of_the_agent_core();
+    println!(
+        "agent core idle: {stalls_per_second:.1} stalls/s of {} ms or more, longest {:.1} ms",
+        STALL_AT_LEAST.as_millis(),
+        longest_stall.as_secs_f64() * 1_000.0
+    );
+    println!(
+        "BENCH {}",
+        json!({ "bench": "agent_core_stalls", "probeSeconds": STALL_PROBE.as_secs_f64(),
+            "stallAtLeastMs": STALL_AT_LEAST.as_millis(),
+            "stallsPerSecond": (stalls_per_second * 10.0).round() / 10.0,
+            "longestMs": (longest_stall.as_secs_f64() * 10_000.0).round() / 10.0 })
+    );
     // Why the limiter did not decide, per fraction: each slice's change of its counters.
     let mut refusals = [LimiterRefusals::default(); OPEN_LOOP_FRACTIONS.len()];
     let mut last = api.agent.limiter_stats();
