@@ -178,19 +178,23 @@ pub struct Deadline<S> {
 
 impl<S> tower::Service<Request> for Deadline<S>
 where
-    S: tower::Service<Request, Response = Response> + Send,
+    S: tower::Service<Request, Response = Response> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
     type Response = Response;
     type Error = S::Error;
     type Future = Pin<Box<dyn Future<Output = Result<Response, S::Error>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.inner.poll_ready(cx)
+    /// Always ready: the inner service's readiness (a place under the concurrency limit) is waited
+    /// for in `call`, within the deadline, so a request queued for a place is cut off like one
+    /// waiting for its answer.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request) -> Self::Future {
-        let answer = self.inner.call(request);
+        use tower::ServiceExt;
+        let answer = self.inner.clone().oneshot(request);
         let DeadlineLayer { deadlines, limit } = self.layer.clone();
         Box::pin(async move {
             match deadlines.within(limit, answer).await {

@@ -1,6 +1,6 @@
 //! The bounds every router of ours gets (I10), in one place: the body size, how many requests run
-//! at once (the rest wait in the listener's backlog), how long one may take (then 503), and
-//! problem+json for what those layers answer on their own.
+//! at once (the rest wait for a place), how long one may take, its wait for a place included (then
+//! 503), and problem+json for what those layers answer on their own.
 
 use std::time::Duration;
 

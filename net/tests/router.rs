@@ -1,5 +1,6 @@
 //! The bounds every router gets, against a real socket: a request past its deadline answers 503
-//! problem+json, one within it is answered, and a body past the limit answers 413 problem+json.
+//! problem+json, its wait for a place under the concurrency limit included; one within it is
+//! answered, and a body past the limit answers 413 problem+json.
 
 use std::time::Duration;
 
@@ -10,6 +11,15 @@ use axum::routing::{get, post};
 const REQUEST_TIMEOUT: Duration = Duration::from_millis(300);
 
 async fn serve_bounded() -> String {
+    serve_with(RouterLimits {
+        max_body_bytes: 1_024,
+        max_concurrent_requests: 8,
+        request_timeout: REQUEST_TIMEOUT,
+    })
+    .await
+}
+
+async fn serve_with(limits: RouterLimits) -> String {
     let routes = Router::new()
         .route(
             "/forever",
@@ -26,14 +36,7 @@ async fn serve_bounded() -> String {
             }),
         )
         .route("/echo", post(|body: String| async move { body }));
-    let router = bounded_router(
-        routes,
-        RouterLimits {
-            max_body_bytes: 1_024,
-            max_concurrent_requests: 8,
-            request_timeout: REQUEST_TIMEOUT,
-        },
-    );
+    let router = bounded_router(routes, limits);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -105,4 +108,43 @@ async fn a_body_past_the_limit_answers_413_problem_json() {
         large.headers()["content-type"],
         allot_net::problem::PROBLEM_CONTENT_TYPE
     );
+}
+
+/// The deadline covers the wait for a place: with one place, held by a request that runs until
+/// its own deadline, a second request is cut off at its deadline too, not one deadline after it
+/// got the place.
+#[tokio::test]
+#[allow(clippy::disallowed_methods)] // a test measuring how long the server held the request
+async fn a_request_waiting_for_a_place_is_cut_off_at_its_deadline() {
+    let request_timeout = Duration::from_secs(1);
+    let base = serve_with(RouterLimits {
+        max_body_bytes: 1_024,
+        max_concurrent_requests: 1,
+        request_timeout,
+    })
+    .await;
+    let http = client();
+    let holder = tokio::spawn(http.get(format!("{base}/forever")).send());
+    // The holder takes the one place first.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = std::time::Instant::now();
+    let queued = http
+        .get(format!("{base}/forever"))
+        .send()
+        .await
+        .expect("an answer, not the client's own timeout");
+    let waited = started.elapsed();
+    assert_eq!(queued.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        queued.headers()["content-type"],
+        allot_net::problem::PROBLEM_CONTENT_TYPE
+    );
+    // Cut off after its own deadline (plus at most two ticks), not after the holder's deadline
+    // and then a whole one of its own (about 1.9 s).
+    assert!(
+        waited >= request_timeout && waited < request_timeout * 3 / 2,
+        "the queued request was answered after {waited:?} (deadline {request_timeout:?})"
+    );
+    let held = holder.await.expect("joins").expect("an answer");
+    assert_eq!(held.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
 }
