@@ -125,20 +125,8 @@ fn parse<T: serde::de::DeserializeOwned>(
             Problem::new(415, "Unsupported media type", "send application/json"),
         )));
     }
-    // Every admit is parsed here, and tracking the path costs an allocation per field: a body is
-    // parsed plainly, and only one that fails is parsed again to name the field at fault (the same
-    // bytes fail at the same place).
-    if let Ok(parsed) = serde_json::from_slice(body) {
-        return Ok(parsed);
-    }
-    let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let error = match serde_path_to_error::deserialize(&mut deserializer) {
-        Ok(parsed) => return Ok(parsed),
-        Err(error) => error,
-    };
-    let path = error.path().to_string();
-    let named = FieldError::from_serde(&path, error.into_inner().to_string(), "body");
-    Err(Box::new(invalid(&named.field, &named.message)))
+    FieldError::parse_json(body, "body")
+        .map_err(|named| Box::new(invalid(&named.field, &named.message)))
 }
 
 async fn admit(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {

@@ -188,6 +188,23 @@ async fn check_takes_headers_and_refuses_bad_input() {
         hostile.json::<Value>().await.expect("json")["field"],
         "tenantId"
     );
+    // A whole admit followed by anything but whitespace is not one document: refused, not read in
+    // part.
+    let mut trailing = serde_json::to_vec(&request("r-trailing", "user", "U-1")).expect("json");
+    trailing.extend_from_slice(b" {}");
+    let trailing = http
+        .post(format!("{url}/v1/admit"))
+        .bearer_auth(GATEWAY)
+        .header("content-type", "application/json")
+        .body(trailing)
+        .send()
+        .await
+        .expect("admit");
+    assert_eq!(trailing.status(), 400);
+    assert_eq!(
+        trailing.json::<Value>().await.expect("json")["field"],
+        "body"
+    );
     let unauthenticated = http
         .post(format!("{url}/v1/admit"))
         .json(&request("r-1", "user", "U-1"))

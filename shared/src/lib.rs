@@ -75,6 +75,28 @@ impl FieldError {
         };
         Self { field, message }
     }
+
+    /// A JSON document of type `T` from `bytes`, or the error naming the field at fault (`whole`
+    /// when nothing narrower is known, and for anything after the document). Tracking the path
+    /// allocates a string per field, and only a document that fails needs it: a document is
+    /// parsed plainly, and one that fails is parsed again with its path to name the field.
+    pub fn parse_json<T: serde::de::DeserializeOwned>(
+        bytes: &[u8],
+        whole: &str,
+    ) -> Result<T, Self> {
+        if let Ok(parsed) = serde_json::from_slice(bytes) {
+            return Ok(parsed);
+        }
+        let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+        let parsed = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+            let path = error.path().to_string();
+            Self::from_serde(&path, error.into_inner().to_string(), whole)
+        })?;
+        deserializer
+            .end()
+            .map_err(|error| Self::new(whole, error.to_string()))?;
+        Ok(parsed)
+    }
 }
 
 /// Millitokens in one token.
@@ -92,6 +114,47 @@ pub const MAX_CAPACITY_TIMES_PERIOD: u64 = 1 << 52;
 #[cfg(test)]
 mod tests {
     use super::FieldError;
+
+    #[derive(Debug, PartialEq, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Document {
+        limit: u64,
+        window: Window,
+    }
+
+    #[derive(Debug, PartialEq, serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Window {
+        time_zone: String,
+    }
+
+    #[test]
+    fn json_documents_parse_or_name_the_field_at_fault() {
+        let parse = |text: &str| FieldError::parse_json::<Document>(text.as_bytes(), "body");
+        assert_eq!(
+            parse(r#" {"limit": 5, "window": {"timeZone": "UTC"}} "#),
+            Ok(Document {
+                limit: 5,
+                window: Window {
+                    time_zone: "UTC".to_owned()
+                }
+            })
+        );
+        let field = |text: &str| parse(text).expect_err(text).field;
+        assert_eq!(field(r#"{"limit": "5", "window": {}}"#), "limit");
+        assert_eq!(field(r#"{"limit": 5, "window": {}}"#), "window.timeZone");
+        assert_eq!(field(r#"{"limit": 5}"#), "window");
+        assert_eq!(
+            field(r#"{"limit": 5, "window": {"timeZone": "UTC"}, "colour": 1}"#),
+            "colour"
+        );
+        assert_eq!(
+            field(r#"{"limit": 5, "window": {"timeZone": "UTC"}} {}"#),
+            "body",
+            "anything after the document"
+        );
+        assert_eq!(field("{"), "body");
+    }
 
     #[test]
     fn serde_errors_name_the_missing_or_unknown_field() {

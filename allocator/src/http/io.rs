@@ -35,16 +35,8 @@ pub fn parse_json<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Res
             "send the body as Content-Type: application/json",
         ));
     }
-    let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
-        let path = error.path().to_string();
-        let named = FieldError::from_serde(&path, error.into_inner().to_string(), "body");
-        ApiError::invalid(named.field, named.message)
-    })?;
-    deserializer
-        .end()
-        .map_err(|e| ApiError::invalid("body", e.to_string()))?;
-    Ok(value)
+    FieldError::parse_json(body, "body")
+        .map_err(|named| ApiError::invalid(named.field, named.message))
 }
 
 /// Parses the `{tenant}/{pool}` path segments.
