@@ -420,10 +420,14 @@ struct Figure {
 async fn drive(url: String, path: String, callers: u64) -> Outcome {
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
-    for caller in 0..callers {
-        let (url, path, stop) = (url.clone(), path.clone(), stop.clone());
+    // Opened before the timed run, so none is connected in it.
+    let mut connections = Vec::new();
+    for _ in 0..callers {
+        connections.push(AdmitConnection::open(&url, &path).await);
+    }
+    for (caller, mut connection) in (0..callers).zip(connections) {
+        let stop = stop.clone();
         tasks.push(tokio::spawn(async move {
-            let mut connection = AdmitConnection::open(&url, &path).await;
             let mut latencies = Vec::new();
             let mut refusals = Refusals::default();
             let mut n = caller;
@@ -485,6 +489,11 @@ impl AdmitConnection {
             .header(CONTENT_TYPE, "application/json")
             .body(http_body_util::Full::new(bytes::Bytes::from(body)))
             .expect("request");
+        // The connection takes the next request once it has read the last answer's end.
+        self.sender
+            .ready()
+            .await
+            .expect("the connection stays open");
         let response = self.sender.send_request(request).await.expect("answer");
         let body = http_body_util::BodyExt::collect(response.into_body())
             .await
@@ -562,13 +571,22 @@ const OTHER_CORE: usize = 1;
 /// the agent would decide in time waits for a core instead: a figure of the machine, not of the
 /// agent. The open loop is the bench's last table, so nothing after it runs pinned.
 fn give_the_agent_a_core(redis_pid: u32) {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let status = std::fs::read_to_string("/proc/self/status").expect("this process's status");
+    let allowed = status
+        .lines()
+        .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
+        .map(str::trim)
+        .unwrap_or_default();
     assert!(
-        cores > OTHER_CORE,
-        "the open loop gives the agent a core of its own: this machine has {cores}"
+        [AGENT_CORE, OTHER_CORE]
+            .iter()
+            .all(|core| cpu_list_has(allowed, *core)),
+        "the open loop gives the agent core {AGENT_CORE} and the rest core {OTHER_CORE}: this \
+         process may run on cores {allowed}"
     );
     pin(OTHER_CORE, std::process::id().to_string(), true);
     pin(OTHER_CORE, redis_pid.to_string(), true);
+    let mut agent_threads = 0;
     for task in std::fs::read_dir("/proc/self/task")
         .expect("this process's threads")
         .flatten()
@@ -580,8 +598,21 @@ fn give_the_agent_a_core(redis_pid: u32) {
                 task.file_name().to_string_lossy().into_owned(),
                 false,
             );
+            agent_threads += 1;
         }
     }
+    assert!(agent_threads > 0, "no thread named {AGENT_THREADS} to pin");
+}
+
+/// Whether a CPU list as Linux writes it (`0-3,6`) names `core`.
+fn cpu_list_has(list: &str, core: usize) -> bool {
+    list.split(',').any(|range| {
+        let (first, last) = range.split_once('-').unwrap_or((range, range));
+        match (first.trim().parse::<usize>(), last.trim().parse::<usize>()) {
+            (Ok(first), Ok(last)) => (first..=last).contains(&core),
+            _ => false,
+        }
+    })
 }
 
 /// Pins process or thread `pid` (with `all_threads`, every thread of the process) to `core`.
@@ -604,7 +635,7 @@ const STALL_PROBE: Duration = Duration::from_secs(2);
 /// A gap between two clock reads of a spinning thread at least this long is a stall.
 const STALL_AT_LEAST: Duration = Duration::from_millis(1);
 
-/// Stalls of [`AGENT_CORE`] with nothing of the bench on it: a thread pinned there reads the clock
+/// Stalls of [`AGENT_CORE`] while the agents on it are idle: a thread pinned there reads the clock
 /// in a loop for [`STALL_PROBE`] and counts the gaps of [`STALL_AT_LEAST`] or more (the core given
 /// to something else: the hypervisor's other guests, the kernel). A stall of the agent's core
 /// holds up every decision in flight on it, however the agent waits. Returns how many a second,
