@@ -371,16 +371,6 @@ struct Counters {
     held_up: AtomicU64,
 }
 
-/// Least lateness that says this thread was held up: tokio's timers fire up to a millisecond late
-/// on their own.
-const HELD_UP_AT_LEAST: std::time::Duration = std::time::Duration::from_millis(2);
-
-/// Whether a timer over `span` that ended `late` after it was due says this thread was held up:
-/// late by half its span, and by more than timers are late on their own.
-fn was_held_up(late: std::time::Duration, span: std::time::Duration) -> bool {
-    late >= (span / 2).max(HELD_UP_AT_LEAST)
-}
-
 fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
@@ -801,7 +791,7 @@ impl Limiter {
         slot.overran();
         let budget = self.config.decision_budget;
         let late = now.duration_since(call_deadline);
-        let held_up = was_held_up(late, budget);
+        let held_up = late_turn::was_held_up(late, budget);
         if held_up {
             bump(&self.counters.held_up);
         }
@@ -827,10 +817,9 @@ impl Limiter {
         shard: &'s Shard,
         deadline: tokio::time::Instant,
     ) -> Result<Slot<'s>, DegradeCause> {
-        let asked = monotonic_now();
         let wait = self.config.acquire_wait.min(
             deadline
-                .saturating_duration_since(asked)
+                .saturating_duration_since(monotonic_now())
                 .saturating_sub(self.config.latency_target()),
         );
         shard
@@ -842,10 +831,9 @@ impl Limiter {
                     bump(&self.counters.shed);
                     DegradeCause::Shed
                 }
-                NoSlot::WaitedOut => {
+                NoSlot::WaitedOut { held_up } => {
                     bump(&self.counters.pool_exhausted);
-                    let late = monotonic_now().saturating_duration_since(asked + wait);
-                    if !wait.is_zero() && was_held_up(late, wait) {
+                    if held_up {
                         bump(&self.counters.held_up);
                     }
                     DegradeCause::PoolExhausted

@@ -11,8 +11,19 @@
 use std::future::Future;
 use std::pin::{Pin, pin};
 use std::task::Poll;
+use std::time::Duration;
 
 use tokio::time::Instant;
+
+/// Least lateness that says this thread was held up: tokio's timers fire up to a millisecond late
+/// on their own.
+const HELD_UP_AT_LEAST: Duration = Duration::from_millis(2);
+
+/// Whether a timer over `span` that ended `late` after it was due says this thread was held up:
+/// late by half its span, and by more than timers are late on their own.
+pub(crate) fn was_held_up(late: Duration, span: Duration) -> bool {
+    late >= (span / 2).max(HELD_UP_AT_LEAST)
+}
 
 /// `work`'s output if it ends by `deadline`, or in the turn of the runtime after its timer fired.
 pub(crate) async fn within<F: Future>(deadline: Instant, work: F) -> Option<F::Output> {
@@ -38,7 +49,6 @@ async fn one_more_look<F: Future + ?Sized>(mut work: Pin<&mut F>) -> Option<F::O
 mod tests {
     use super::*;
     use crate::clock::monotonic_now;
-    use std::time::Duration;
 
     #[tokio::test(start_paused = true)]
     async fn work_done_in_the_turn_its_deadline_fired_is_taken() {

@@ -296,8 +296,9 @@ impl ConcurrencyCore {
 pub(crate) enum NoSlot {
     /// More decisions wait already than the shard serves in the wait: refused at once.
     Shed,
-    /// The wait ended before a call did.
-    WaitedOut,
+    /// The wait ended before a call did; `held_up` when it ended half the wait late or more, this
+    /// thread held up meanwhile ([`late_turn::was_held_up`]).
+    WaitedOut { held_up: bool },
 }
 
 /// A shard's in-flight bound: the core and a semaphore with `limit` permits.
@@ -333,17 +334,23 @@ impl InFlightBound {
             return Ok(self.slot(permit, limit_reached));
         }
         if wait.is_zero() {
-            return Err(NoSlot::WaitedOut);
+            return Err(NoSlot::WaitedOut { held_up: false });
         }
         let max_waiting = self.lock().max_waiting(wait, self.now_us());
         let _waiting = Waiting::join(&self.waiting, max_waiting).ok_or(NoSlot::Shed)?;
         // A place freed in the turn the wait expired is taken (see `late_turn`).
         let deadline = crate::clock::monotonic_now() + wait;
+        let waited_out = || {
+            let late = crate::clock::monotonic_now().saturating_duration_since(deadline);
+            NoSlot::WaitedOut {
+                held_up: late_turn::was_held_up(late, wait),
+            }
+        };
         late_turn::within(deadline, self.permits.acquire())
             .await
-            .ok_or(NoSlot::WaitedOut)?
+            .ok_or_else(waited_out)?
             .map(|permit| self.slot(permit, true))
-            .map_err(|_closed| NoSlot::WaitedOut)
+            .map_err(|_closed| waited_out())
     }
 
     /// Where the bound stands.
@@ -573,7 +580,7 @@ mod tests {
         assert!(slots.last().is_some_and(|slot| slot.limit_reached));
         assert_eq!(
             bound.acquire(Duration::ZERO).await.err(),
-            Some(NoSlot::WaitedOut)
+            Some(NoSlot::WaitedOut { held_up: false })
         );
         slots[0].replied(Duration::from_millis(50));
         assert_eq!(bound.load().limit, 9);
@@ -582,7 +589,7 @@ mod tests {
         assert_eq!(bound.load().in_flight, 9);
         assert_eq!(
             bound.acquire(Duration::ZERO).await.err(),
-            Some(NoSlot::WaitedOut),
+            Some(NoSlot::WaitedOut { held_up: false }),
             "the ended call's permit was taken back"
         );
         slots.pop();
@@ -727,10 +734,39 @@ mod tests {
         let _held = bound.acquire(Duration::ZERO).await.expect("free again");
         assert_eq!(
             bound.acquire(wait).await.err(),
-            Some(NoSlot::WaitedOut),
+            Some(NoSlot::WaitedOut { held_up: false }),
             "a place that stays taken is still waited out"
         );
         assert_eq!(started.elapsed(), wait, "after the wait, not later");
+    }
+
+    /// A wait whose timer fires well past its end says this thread was held up; one that ends on
+    /// time does not.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_that_ran_out_late_says_the_thread_was_held_up() {
+        let bound: &'static InFlightBound =
+            Box::leak(Box::new(InFlightBound::new(ConcurrencyConfig {
+                latency_target: Duration::from_millis(10),
+                min_limit: 1,
+                max_limit: 1,
+            })));
+        let wait = Duration::from_millis(4);
+        let _held = bound.acquire(Duration::ZERO).await.expect("free");
+        let waiter = tokio::spawn(async move { bound.acquire(wait).await.err() });
+        while bound.load().waiting < 1 {
+            tokio::task::yield_now().await;
+        }
+        // The runtime stands still for 10 ms (as a held-up thread does), past the 4 ms wait.
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert_eq!(
+            waiter.await.expect("ends"),
+            Some(NoSlot::WaitedOut { held_up: true })
+        );
+        assert_eq!(
+            bound.acquire(wait).await.err(),
+            Some(NoSlot::WaitedOut { held_up: false }),
+            "on time"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -769,7 +805,10 @@ mod tests {
             outcomes.push(waiter.await.expect("ends"));
         }
         assert!(outcomes.contains(&Ok(true)), "{outcomes:?}");
-        assert!(outcomes.contains(&Err(NoSlot::WaitedOut)), "{outcomes:?}");
+        assert!(
+            outcomes.contains(&Err(NoSlot::WaitedOut { held_up: false })),
+            "{outcomes:?}"
+        );
         assert_eq!(bound.load().waiting, 0, "the line is empty again");
     }
 }
