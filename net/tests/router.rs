@@ -45,6 +45,17 @@ async fn serve_with(limits: RouterLimits) -> String {
     format!("http://{addr}")
 }
 
+/// Asserts `answer` is a problem+json answer of `status`.
+async fn assert_problem(answer: reqwest::Response, status: reqwest::StatusCode) {
+    assert_eq!(answer.status(), status);
+    assert_eq!(
+        answer.headers()["content-type"],
+        allot_net::problem::PROBLEM_CONTENT_TYPE
+    );
+    let problem: serde_json::Value = answer.json().await.expect("problem+json");
+    assert_eq!(problem["status"], status.as_u16());
+}
+
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
@@ -63,13 +74,7 @@ async fn a_request_past_its_deadline_answers_503_problem_json_once_the_deadline_
         .await
         .expect("an answer, not the client's own timeout");
     let waited = started.elapsed();
-    assert_eq!(answer.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(
-        answer.headers()["content-type"],
-        allot_net::problem::PROBLEM_CONTENT_TYPE
-    );
-    let problem: serde_json::Value = answer.json().await.expect("problem+json");
-    assert_eq!(problem["status"], 503);
+    assert_problem(answer, reqwest::StatusCode::SERVICE_UNAVAILABLE).await;
     assert!(
         waited >= REQUEST_TIMEOUT,
         "cut off after {waited:?}, before its {REQUEST_TIMEOUT:?}"
@@ -103,11 +108,7 @@ async fn a_body_past_the_limit_answers_413_problem_json() {
     let small = echo(1_000).await.expect("answer");
     assert_eq!(small.status(), reqwest::StatusCode::OK);
     let large = echo(2_000).await.expect("answer");
-    assert_eq!(large.status(), reqwest::StatusCode::PAYLOAD_TOO_LARGE);
-    assert_eq!(
-        large.headers()["content-type"],
-        allot_net::problem::PROBLEM_CONTENT_TYPE
-    );
+    assert_problem(large, reqwest::StatusCode::PAYLOAD_TOO_LARGE).await;
 }
 
 /// The deadline covers the wait for a place: with one place, held by a request that runs until
@@ -134,11 +135,7 @@ async fn a_request_waiting_for_a_place_is_cut_off_at_its_deadline() {
         .await
         .expect("an answer, not the client's own timeout");
     let waited = started.elapsed();
-    assert_eq!(queued.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(
-        queued.headers()["content-type"],
-        allot_net::problem::PROBLEM_CONTENT_TYPE
-    );
+    assert_problem(queued, reqwest::StatusCode::SERVICE_UNAVAILABLE).await;
     // Cut off after its own deadline (plus at most two ticks), not after the holder's deadline
     // and then a whole one of its own (about 1.9 s).
     assert!(

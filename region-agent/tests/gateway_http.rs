@@ -28,6 +28,12 @@ async fn start() -> String {
     common::serve_http(agent, GATEWAY).await
 }
 
+/// Asserts `answer` refuses the request as bad input naming `field`.
+async fn assert_refused(answer: reqwest::Response, field: &str) {
+    assert_eq!(answer.status(), 400);
+    assert_eq!(answer.json::<Value>().await.expect("json")["field"], field);
+}
+
 fn request(id: &str, kind: &str, who: &str) -> Value {
     json!({ "requestId": id, "tenantId": "atlas", "principal": { "type": kind, "id": who },
             "routeGroup": "read", "method": "GET" })
@@ -158,11 +164,7 @@ async fn check_takes_headers_and_refuses_bad_input() {
     let bad = with_headers("h-3", Some(("x-allot-cost", "lots")))
         .await
         .expect("check");
-    assert_eq!(bad.status(), 400);
-    assert_eq!(
-        bad.json::<Value>().await.expect("json")["field"],
-        "x-allot-cost"
-    );
+    assert_refused(bad, "x-allot-cost").await;
     let missing = http
         .post(format!("{url}/v1/check"))
         .bearer_auth(GATEWAY)
@@ -170,11 +172,7 @@ async fn check_takes_headers_and_refuses_bad_input() {
         .send()
         .await
         .expect("check");
-    assert_eq!(missing.status(), 400);
-    assert_eq!(
-        missing.json::<Value>().await.expect("json")["field"],
-        "x-allot-tenant"
-    );
+    assert_refused(missing, "x-allot-tenant").await;
     let hostile = http
         .post(format!("{url}/v1/admit"))
         .bearer_auth(GATEWAY)
@@ -183,11 +181,7 @@ async fn check_takes_headers_and_refuses_bad_input() {
         .send()
         .await
         .expect("admit");
-    assert_eq!(hostile.status(), 400);
-    assert_eq!(
-        hostile.json::<Value>().await.expect("json")["field"],
-        "tenantId"
-    );
+    assert_refused(hostile, "tenantId").await;
     // A whole admit followed by anything but whitespace is not one document: refused, not read in
     // part.
     let mut trailing = serde_json::to_vec(&request("r-trailing", "user", "U-1")).expect("json");
@@ -200,11 +194,7 @@ async fn check_takes_headers_and_refuses_bad_input() {
         .send()
         .await
         .expect("admit");
-    assert_eq!(trailing.status(), 400);
-    assert_eq!(
-        trailing.json::<Value>().await.expect("json")["field"],
-        "body"
-    );
+    assert_refused(trailing, "body").await;
     let unauthenticated = http
         .post(format!("{url}/v1/admit"))
         .json(&request("r-1", "user", "U-1"))
