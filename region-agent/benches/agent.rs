@@ -134,7 +134,7 @@ mod common;
 use common::{
     AGENT_THREADS, GATEWAY, agent_and_load_runtimes, bundle, machine_cpu_ticks,
     process_cpu_seconds, redis_cpu_seconds, request, rls_request, serve_on_free_port, start_agent,
-    stub_allocator, thread_cpu_seconds,
+    stub_allocator, thread_cpu_seconds, threads_named,
 };
 
 /// Serves Envoy's RLS v3 for `api` on the agents' runtime; its URL.
@@ -495,13 +495,19 @@ impl AdmitConnection {
             .await
             .expect("the connection stays open");
         let response = self.sender.send_request(request).await.expect("answer");
-        let body = http_body_util::BodyExt::collect(response.into_body())
-            .await
-            .expect("answer body")
-            .to_bytes();
+        let body = http_body_util::BodyExt::collect(http_body_util::Limited::new(
+            response.into_body(),
+            MAX_ANSWER_BYTES,
+        ))
+        .await
+        .expect("an answer body within its bound")
+        .to_bytes();
         answer_of(&body)
     }
 }
+
+/// Most bytes the bench reads of an admit's answer (a decision is a few hundred).
+const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
 /// An admit's answer, as far as the bench reads it.
 #[derive(Deserialize)]
@@ -586,22 +592,19 @@ fn give_the_agent_a_core(redis_pid: u32) {
     );
     pin(OTHER_CORE, std::process::id().to_string(), true);
     pin(OTHER_CORE, redis_pid.to_string(), true);
-    let mut agent_threads = 0;
-    for task in std::fs::read_dir("/proc/self/task")
-        .expect("this process's threads")
-        .flatten()
-    {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim() == AGENT_THREADS {
-            pin(
-                AGENT_CORE,
-                task.file_name().to_string_lossy().into_owned(),
-                false,
-            );
-            agent_threads += 1;
-        }
+    let agent_threads = threads_named(AGENT_THREADS);
+    assert!(
+        !agent_threads.is_empty(),
+        "no thread named {AGENT_THREADS} to pin"
+    );
+    for task in agent_threads {
+        let tid = task
+            .file_name()
+            .expect("a task id")
+            .to_string_lossy()
+            .into_owned();
+        pin(AGENT_CORE, tid, false);
     }
-    assert!(agent_threads > 0, "no thread named {AGENT_THREADS} to pin");
 }
 
 /// Whether a CPU list as Linux writes it (`0-3,6`) names `core`.

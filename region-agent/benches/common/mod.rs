@@ -193,20 +193,26 @@ fn stat_cpu_ticks(stat: &str) -> u64 {
     field(14) + field(15)
 }
 
+/// This process's threads named `name`: their `/proc/self/task/<id>` directories.
+pub fn threads_named(name: &str) -> Vec<std::path::PathBuf> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .map(|task| task.path())
+        .filter(|task| {
+            std::fs::read_to_string(task.join("comm")).is_ok_and(|comm| comm.trim() == name)
+        })
+        .collect()
+}
+
 /// CPU seconds (user + system) of this process's threads named `name`.
 pub fn thread_cpu_seconds(name: &str) -> f64 {
-    let mut ticks = 0u64;
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0.0;
-    };
-    for task in tasks.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim() != name {
-            continue;
-        }
-        ticks +=
-            stat_cpu_ticks(&std::fs::read_to_string(task.path().join("stat")).unwrap_or_default());
-    }
+    let ticks: u64 = threads_named(name)
+        .iter()
+        .map(|task| stat_cpu_ticks(&std::fs::read_to_string(task.join("stat")).unwrap_or_default()))
+        .sum();
     ticks as f64 / TICKS_PER_SECOND
 }
 
