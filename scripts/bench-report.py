@@ -352,6 +352,22 @@ def main():
                       f"{r.get('machineBusyPercent', '-')} | {r.get('lateSendPercent', '-')} | {r.get('maxLateMs', '-')} |")
             print()
 
+    router = bench_lines("router.log")
+    if router:
+        print("### The agent's router in process")
+        print()
+        print("An admit through the agent's HTTP router called in process (`tower::ServiceExt::oneshot`, no")
+        print("sockets), beside a bare axum route taking the same request and answering a constant body: what")
+        print("the agent's bounds (body limit, concurrency limit, deadline, problem+json), parsing, deciding")
+        print("(`lease-only`) and encoding add to the framework's own work. Each figure is the mean of 50,000")
+        print("requests over three rounds. Reproduce with `cargo bench -p allot-region-agent --bench router`.")
+        print()
+        print("| route | ns/request | x trivial |")
+        print("| --- | ---: | ---: |")
+        for r in router:
+            print(f"| {r['route']} | {r['nsPerRequest']:.0f} | {r['xTrivial']:.2f} |")
+        print()
+
     rlqs = bench_lines("rlqs.log")
     if rlqs:
         print("## Gateways deciding locally (RLQS) beside one call per request (RLS)")
