@@ -703,14 +703,18 @@ mod tests {
         );
     }
 
+    /// A bound of one place, for tasks that outlive the test's borrow.
+    fn one_place() -> &'static InFlightBound {
+        Box::leak(Box::new(InFlightBound::new(ConcurrencyConfig {
+            latency_target: Duration::from_millis(10),
+            min_limit: 1,
+            max_limit: 1,
+        })))
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_wait_that_expires_as_its_place_frees_gets_the_place() {
-        let bound: &'static InFlightBound =
-            Box::leak(Box::new(InFlightBound::new(ConcurrencyConfig {
-                latency_target: Duration::from_millis(10),
-                min_limit: 1,
-                max_limit: 1,
-            })));
+        let bound = one_place();
         let wait = Duration::from_millis(4);
         let held = bound.acquire(Duration::ZERO).await.expect("free");
         // The held call's task ends at the very instant the wait expires (as after a stall, when
@@ -744,12 +748,7 @@ mod tests {
     /// time does not.
     #[tokio::test(start_paused = true)]
     async fn a_wait_that_ran_out_late_says_the_thread_was_held_up() {
-        let bound: &'static InFlightBound =
-            Box::leak(Box::new(InFlightBound::new(ConcurrencyConfig {
-                latency_target: Duration::from_millis(10),
-                min_limit: 1,
-                max_limit: 1,
-            })));
+        let bound = one_place();
         let wait = Duration::from_millis(4);
         let _held = bound.acquire(Duration::ZERO).await.expect("free");
         let waiter = tokio::spawn(async move { bound.acquire(wait).await.err() });
