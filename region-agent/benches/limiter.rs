@@ -242,10 +242,17 @@ async fn measure(
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {
     let server = allot_testkit::RedisServer::start();
+    // Coalescing off: the client path against raw FCALL, one call per decision on both.
     let store = Arc::new(
-        RedisStore::connect(&server.url(), RedisStoreConfig::default())
-            .await
-            .expect("connects"),
+        RedisStore::connect(
+            &server.url(),
+            RedisStoreConfig {
+                coalesce: false,
+                ..RedisStoreConfig::default()
+            },
+        )
+        .await
+        .expect("connects"),
     );
     let limiter = Arc::new(
         Limiter::new(store.clone(), LimiterConfig::default()).expect("the default config is valid"),

@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use clap::Parser;
 use serde::Deserialize;
 
+use crate::limiter::RedisStoreConfig;
+
 /// Flags; each also reads an `ALLOT_*` environment variable, and any left unset falls back to the
 /// TOML file given with `--config` (keys as the flags, with underscores).
 #[derive(Debug, Clone, Default, Parser)]
@@ -75,8 +77,8 @@ pub struct AgentArgs {
     #[arg(long, env = "ALLOT_DECISION_BUDGET_MS")]
     pub decision_budget_ms: Option<u64>,
     /// Send a tenant's decisions that arrive while its Redis call is in flight together in its next
-    /// call (on a hot tenant, less Redis CPU per decision and a lower p99; off by default, see
-    /// docs/limiter.md).
+    /// call (on a hot tenant, less Redis CPU per decision and a lower p99; on by default, see
+    /// docs/limiter.md). `false` sends every decision in a call of its own.
     #[arg(long, env = "ALLOT_COALESCE_HOT_KEYS")]
     pub coalesce_hot_keys: Option<bool>,
     /// `true`: write regional rule state as hashes, which agents before string state read, for
@@ -323,7 +325,7 @@ impl AgentArgs {
             coalesce_hot_keys: self
                 .coalesce_hot_keys
                 .or(file.coalesce_hot_keys)
-                .unwrap_or(false),
+                .unwrap_or(RedisStoreConfig::default().coalesce),
             write_state_as_hashes: self
                 .write_state_as_hashes
                 .or(file.write_state_as_hashes)
@@ -365,14 +367,14 @@ mod tests {
         assert_eq!(config.grpc_listen.port(), 8081, "defaults fill the rest");
         assert_eq!(config.agent_id, "eu-9700");
         assert_eq!(config.decision_budget_ms, DEFAULT_DECISION_BUDGET_MS);
-        assert!(!config.coalesce_hot_keys, "coalescing is off by default");
-        let coalescing = AgentArgs {
+        assert!(config.coalesce_hot_keys, "coalescing is on by default");
+        let alone = AgentArgs {
             region: Some("eu".to_owned()),
             config: Some(path.clone()),
-            coalesce_hot_keys: Some(true),
+            coalesce_hot_keys: Some(false),
             ..AgentArgs::default()
         };
-        assert!(coalescing.resolve().expect("valid").coalesce_hot_keys);
+        assert!(!alone.resolve().expect("valid").coalesce_hot_keys);
         assert!(
             !config.write_state_as_hashes,
             "rule state is written as strings by default"

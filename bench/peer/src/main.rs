@@ -109,9 +109,9 @@ impl Shape {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Path {
     Raw,
-    /// The client path as configured by default.
+    /// The client path with every decision in a call of its own (`--coalesce-hot-keys false`).
     Allot,
-    /// The client path with coalescing on (a tenant's decisions share calls).
+    /// The client path as configured by default: coalescing on (a tenant's decisions share calls).
     AllotCoalescing,
     Limitador,
 }
@@ -394,9 +394,15 @@ async fn subjects(url: &str, patient: bool) -> Subjects {
         (RedisStoreConfig::default(), LimiterConfig::default())
     };
     let store = Arc::new(
-        RedisStore::connect(url, store_config)
-            .await
-            .expect("connects"),
+        RedisStore::connect(
+            url,
+            RedisStoreConfig {
+                coalesce: false,
+                ..store_config
+            },
+        )
+        .await
+        .expect("connects"),
     );
     let limiter =
         Arc::new(Limiter::new(store.clone(), limiter_config.clone()).expect("the config is valid"));
