@@ -519,7 +519,7 @@ def accuracy():
     print("  (not run): each region admits up to its fixed half of the limit.")
     print()
     print("| shape | window | limit | chunk | lease TTL | requests | wrong | false admits | false denies | failed | mean \\|err\\| | worst under | overshoot | static: wrong | static: mean \\|err\\| | static: worst under |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- |" + " ---: |" * 15)
     for r in shapes:
         print(f"| {r['shape']} | {r['windowMs']} ms | {r['limit']} | {r['chunk']} | {r['leaseTtlMs']} ms | "
               f"{r['requests']} | {r['wrongPct']:.2f} % | {r['falseAdmits']} | {r['falseDenies']} | "
