@@ -35,8 +35,8 @@ use std::time::Duration;
 
 use allot_region_agent::clock::Stopwatch;
 use allot_region_agent::limiter::{
-    DegradeCause, Limiter, LimiterConfig, PlannedBatch, RedisStore, RedisStoreConfig, Verdict,
-    plan_request,
+    DegradeCause, Limiter, LimiterConfig, LimiterStore, PlannedBatch, RedisStore, RedisStoreConfig,
+    Verdict, plan_request,
 };
 use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
 use allot_shared::ids::{DecisionId, RouteGroup, TenantId};

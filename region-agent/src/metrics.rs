@@ -66,9 +66,12 @@ pub const POLICY_AGE_SECONDS: &str = "allot_agent_policy_age_seconds";
 /// in_flight_exhausted (waited for a place in flight in vain), shed (refused at once: the shard's
 /// waiting line was full), slow_calls (overran the deadline while the shard answered others),
 /// breaker_failures (calls counted against their shard's breaker), held_up (waits and calls that
-/// ran out while the agent's own thread was held up: it needs CPU, not the store). The paths
-/// overlap (held_up is part of in_flight_exhausted and slow_calls; slow_calls counts calls, some
-/// of them retried and decided): read each on its own, never their sum.
+/// ran out while the agent's own thread was held up: it needs CPU, not the store), coalesced
+/// (decisions sent together in Redis calls of more than one) and coalesced_calls (those calls:
+/// coalesced / coalesced_calls is how many decisions share a call). The paths overlap (held_up is
+/// part of in_flight_exhausted and slow_calls; slow_calls counts calls, some of them retried and
+/// decided; coalesced and coalesced_calls are store work, not outcomes): read each on its own,
+/// never their sum.
 pub const LIMITER_DECISIONS: &str = "allot_agent_limiter_decisions";
 /// Each limiter shard's adaptive in-flight bound (calls), by `shard`.
 pub const STORE_IN_FLIGHT_LIMIT: &str = "allot_agent_store_in_flight_limit";

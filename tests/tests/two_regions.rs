@@ -169,6 +169,11 @@ async fn two_regions_share_one_pool_without_overshoot() {
         metrics.contains("allot_agent_store_seconds_bucket{shard=\"0\""),
         "{metrics}"
     );
+    // How much of the store's work went in shared calls (agents coalesce by default).
+    assert!(
+        metrics.contains("allot_agent_limiter_decisions{path=\"coalesced_calls\"}"),
+        "{metrics}"
+    );
     assert!(
         metrics.contains(
             "allot_agent_lease_depletions_total{tenant=\"atlas\",pool=\"api\",pool_state=\"available\"}"

@@ -353,6 +353,12 @@ pub struct LimiterStats {
     /// deadline (and at least 2 ms either way). Not the store's doing: an agent that counts many
     /// needs CPU (or fewer neighbours on its cores). A subset of `pool_exhausted` and `slow_calls`.
     pub held_up: u64,
+    /// Decisions the store sent together in coalesced calls of more than one (a hot tenant's that
+    /// arrived while its call was in flight); 0 for a store that sends every decision alone.
+    pub coalesced_decisions: u64,
+    /// The coalesced calls that carried them: `coalesced_decisions / coalesced_calls` is how
+    /// many decisions share a call's fixed cost.
+    pub coalesced_calls: u64,
 }
 
 #[derive(Debug, Default)]
@@ -567,6 +573,7 @@ impl Limiter {
         // Breaker verdicts are counted where they are made, by each shard's breaker.
         let breakers = self.breakers();
         let over_breakers = |count: fn(&BreakerSnapshot) -> u64| breakers.iter().map(count).sum();
+        let (coalesced_decisions, coalesced_calls) = self.store.coalesced();
         LimiterStats {
             decisions: read(&c.decisions),
             store_calls: read(&c.store_calls),
@@ -582,6 +589,8 @@ impl Limiter {
             slow_calls: read(&c.slow_calls),
             breaker_failures: over_breakers(|breaker| breaker.failed_total),
             held_up: read(&c.held_up),
+            coalesced_decisions,
+            coalesced_calls,
         }
     }
 

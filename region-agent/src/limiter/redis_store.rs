@@ -318,12 +318,6 @@ impl RedisStore {
             .map_or((0, 0), |c| c.calls_in_flight())
     }
 
-    /// Decisions sent together in one coalesced call, and calls that carried more than one
-    /// decision, since the store connected (0, 0 without coalescing).
-    pub fn coalesced(&self) -> (u64, u64) {
-        self.coalescer.as_ref().map_or((0, 0), |c| c.counts())
-    }
-
     /// How many replies saying the library or a script was unknown were answered by loading it
     /// again.
     pub fn script_reloads(&self) -> u64 {
@@ -465,6 +459,10 @@ impl LimiterStore for RedisStore {
 
     async fn release_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
         self.lease(call, LeaseOperation::Release).await
+    }
+
+    fn coalesced(&self) -> (u64, u64) {
+        self.coalescer.as_ref().map_or((0, 0), |c| c.counts())
     }
 
     fn shard_count(&self) -> usize {

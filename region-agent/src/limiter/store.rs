@@ -65,6 +65,12 @@ pub trait LimiterStore: Send + Sync {
         let _ = key;
         0
     }
+
+    /// Decisions sent together in coalesced calls of more than one, and such calls, since the
+    /// store was made: (0, 0) for a store that sends every decision alone.
+    fn coalesced(&self) -> (u64, u64) {
+        (0, 0)
+    }
 }
 
 /// The outcome of [`LimiterStore::decide`]: [`MultiDecision`] without the writes (the store made

@@ -217,6 +217,8 @@ impl Agent {
             ("slow_calls", stats.slow_calls),
             ("breaker_failures", stats.breaker_failures),
             ("held_up", stats.held_up),
+            ("coalesced", stats.coalesced_decisions),
+            ("coalesced_calls", stats.coalesced_calls),
         ] {
             metrics::gauge!(crate::metrics::LIMITER_DECISIONS, "path" => path).set(count as f64);
         }

@@ -4,8 +4,11 @@
 //! The limiter's breakers, caches, fallback buckets and windows run on a [`ManualMonotonicClock`]
 //! that the tests step; the Redis scripts use the server's `TIME`, as in production.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Poll;
 use std::time::Duration;
 
 use allot_shared::contract::{
@@ -27,7 +30,7 @@ use crate::limiter::client::{
 };
 use crate::limiter::hot_tenants::HotTenants;
 use crate::limiter::in_process::InProcessStore;
-use crate::limiter::redis_store::RedisStore;
+use crate::limiter::redis_store::{RedisStore, RedisStoreConfig};
 use crate::limiter::store::{
     BatchDecision, LeaseCall, LeaseOutcome, LimiterStore, Rejection, StoreError,
 };
@@ -221,6 +224,10 @@ impl LimiterStore for Instrumented {
 
     fn shard_of_key(&self, key: &str) -> usize {
         self.inner.shard_of_key(key)
+    }
+
+    fn coalesced(&self) -> (u64, u64) {
+        self.inner.coalesced()
     }
 }
 
@@ -521,6 +528,89 @@ async fn the_negative_cache_answers_a_flood_against_an_exhausted_key_with_one_st
     let decision = s.limiter.decide(&user(&bundle, "slow", "s-b"), None).await;
     assert!(!store_decision(&decision).allowed);
     assert_eq!(s.store.calls(), 8);
+}
+
+/// Decides `requests` concurrently on this task: each is polled once, in order, before any is
+/// polled again, so every decision has reached the store before the first reply is read.
+async fn decide_together(limiter: &Limiter, requests: &[PlannedBatch<'_>]) -> Vec<LimitDecision> {
+    type Deciding<'a> = Pin<Box<dyn Future<Output = LimitDecision> + Send + 'a>>;
+    let mut deciding: Vec<Deciding<'_>> = requests
+        .iter()
+        .map(|planned| Box::pin(limiter.decide(planned, None)) as Deciding<'_>)
+        .collect();
+    let mut decided: Vec<Option<LimitDecision>> = requests.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        for (future, slot) in deciding.iter_mut().zip(decided.iter_mut()) {
+            if slot.is_none()
+                && let Poll::Ready(decision) = future.as_mut().poll(cx)
+            {
+                *slot = Some(decision);
+            }
+        }
+        if decided.iter().all(Option::is_some) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    decided.into_iter().flatten().collect()
+}
+
+/// A tenant's decisions that reach the store while its call is in flight go together in its next
+/// call, each answered on its own, and the limiter counts them for the agent's metrics
+/// (`allot_agent_limiter_decisions{path="coalesced"}` and `{path="coalesced_calls"}`); a store
+/// that sends every decision alone counts none.
+#[tokio::test]
+async fn a_tenants_decisions_that_wait_for_its_call_share_the_next_and_are_counted() {
+    let server = RedisServer::start();
+    let bundle = bundle();
+    // export: each user's bucket (20) and the tenant's (100), which every request shares.
+    let requests = |prefix: &str| -> Vec<PlannedBatch<'_>> {
+        (0..32)
+            .map(|n| {
+                let user = format!("U-{n}");
+                let id = format!("{prefix}-{n}");
+                plan(&bundle, "atlas", PrincipalType::User, &user, "export", &id)
+            })
+            .collect()
+    };
+    let coalescing = limiter_over(redis_store(&server).await, config());
+    let decisions = decide_together(&coalescing.limiter, &requests("c")).await;
+    assert!(decisions.iter().all(LimitDecision::allowed));
+    assert_eq!(
+        coalescing.store.calls(),
+        32,
+        "each is still its own decision"
+    );
+    let stats = coalescing.limiter.stats();
+    assert_eq!(
+        (stats.coalesced_decisions, stats.coalesced_calls),
+        (31, 1),
+        "the first went alone; the 31 that waited for it went in one call"
+    );
+
+    let alone_store = RedisStore::connect(
+        &server.url(),
+        RedisStoreConfig {
+            coalesce: false,
+            ..TEST_CONFIG
+        },
+    )
+    .await
+    .expect("connects");
+    let alone = limiter_over(Arc::new(alone_store), config());
+    let decisions = decide_together(&alone.limiter, &requests("a")).await;
+    assert!(decisions.iter().all(LimitDecision::allowed));
+    let stats = alone.limiter.stats();
+    assert_eq!((stats.coalesced_decisions, stats.coalesced_calls), (0, 0));
+    assert_eq!(stats.store_calls, 32);
+    // Both took from the tenant's one bucket: 64 of its 100 tokens (in millitokens).
+    let left: Vec<u64> = decisions
+        .iter()
+        .map(|decision| store_decision(decision).remaining[1])
+        .collect();
+    assert_eq!(left.iter().min(), Some(&36_000), "{left:?}");
 }
 
 #[tokio::test]
