@@ -282,7 +282,12 @@ def main():
                   f"{r['unavailable']} LIMITER_UNAVAILABLE ({r['shed']} shed at once, {r['waitedOut']} waited for a "
                   f"place in vain, {r['breakerRefusals']} refused by an open breaker), {r['slowCalls']} overruns of a "
                   f"slow shard, {r.get('heldUp', '-')} waits and calls run out while the agent was held up, "
-                  f"{r.get('breakerFailures', '-')} calls counted against a breaker.")
+                  f"{r.get('breakerFailures', '-')} calls counted against a breaker.", end="")
+            if r.get("coalescedCalls"):
+                per_call = r["coalescedDecisions"] / r["coalescedCalls"]
+                print(f" {r['coalescedDecisions']} decisions went in {r['coalescedCalls']} coalesced calls "
+                      f"({per_call:.1f} a call).", end="")
+            print()
             print()
         for callers, per_1000 in calls:
             print(f"Allocator calls per 1,000 admits over the agent paths at {callers} "

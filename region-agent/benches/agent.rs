@@ -897,7 +897,9 @@ async fn run(agents: tokio::runtime::Handle) {
                 "shed": refusals.shed,
                 "slowCalls": refusals.overran,
                 "heldUp": refusals.held_up,
-                "breakerFailures": refusals.breaker_failures })
+                "breakerFailures": refusals.breaker_failures,
+                "coalescedDecisions": limiter.coalesced_decisions - limiter_before.coalesced_decisions,
+                "coalescedCalls": limiter.coalesced_calls - limiter_before.coalesced_calls })
         );
         for (path, figure, against) in [
             ("trivial", &ceiling, ceiling.per_second),
