@@ -371,7 +371,7 @@ const HOT_TENANT_CALLS_IN_FLIGHT: [usize; 4] = [0, 1, 2, 3];
 
 /// A hot tenant, with and without coalescing: 64 callers, each one user, every request the user's
 /// bucket and the tenant's (one key all share), through the client path of stores on the same
-/// Redis, one not coalescing (the default) and the others coalescing with 1, 2 and 3 calls of the
+/// Redis, one not coalescing (`coalesce: false`) and the others coalescing with 1, 2 and 3 calls of the
 /// slot in flight at once ([`HOT_TENANT_CALLS_IN_FLIGHT`]), in alternating rounds, with a patient
 /// decision budget (250 ms) so that the store decides every one. Reports decisions/s, latency,
 /// Redis CPU per decision the store made (`INFO cpu`) and its ratio to the uncoalesced store's

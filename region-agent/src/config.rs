@@ -375,6 +375,20 @@ mod tests {
             ..AgentArgs::default()
         };
         assert!(!alone.resolve().expect("valid").coalesce_hot_keys);
+        let alone_by_file = dir.path().join("alone.toml");
+        std::fs::write(
+            &alone_by_file,
+            "region = \"us\"\ngateway_token_file = \"/etc/g\"\npepper_file = \"/etc/p\"\ncoalesce_hot_keys = false\n",
+        )
+        .expect("write");
+        let alone = AgentArgs {
+            config: Some(alone_by_file),
+            ..AgentArgs::default()
+        };
+        assert!(
+            !alone.resolve().expect("valid").coalesce_hot_keys,
+            "the file turns the default off"
+        );
         assert!(
             !config.write_state_as_hashes,
             "rule state is written as strings by default"

@@ -169,7 +169,8 @@ async fn two_regions_share_one_pool_without_overshoot() {
         metrics.contains("allot_agent_store_seconds_bucket{shard=\"0\""),
         "{metrics}"
     );
-    // How much of the store's work went in shared calls (agents coalesce by default).
+    // The coalescing counters are exported (agents coalesce by default; the value depends on
+    // whether any decisions waited for a call, which this test does not arrange).
     assert!(
         metrics.contains("allot_agent_limiter_decisions{path=\"coalesced_calls\"}"),
         "{metrics}"

@@ -111,6 +111,12 @@ impl LimiterStore for Alternating {
     async fn release_lease(&self, call: &LeaseCall) -> Result<LeaseOutcome, StoreError> {
         self.stores[0].release_lease(call).await
     }
+
+    fn coalesced(&self) -> (u64, u64) {
+        let [(a_decisions, a_calls), (b_decisions, b_calls)] =
+            [self.stores[0].coalesced(), self.stores[1].coalesced()];
+        (a_decisions + b_decisions, a_calls + b_calls)
+    }
 }
 
 /// Where a subject's keys can be inspected.
