@@ -604,14 +604,21 @@ async fn a_tenants_decisions_that_wait_for_its_call_share_the_next_and_are_count
         )
     };
 
-    let coalescing_store = connect(true).await;
-    let coalescing = limiter_over(coalescing_store.clone(), config());
-    let fcalls_before = fcalls(&coalescing_store).await;
-    let decisions = decide_together(&coalescing.limiter, &requests("c")).await;
-    assert!(decisions.iter().all(LimitDecision::allowed));
+    // Decides the requests together through a limiter over a fresh store: the limiter, the
+    // decisions, and the FCALLs Redis ran for them.
+    let decide_round = async |coalesce, prefix| {
+        let store = connect(coalesce).await;
+        let setup = limiter_over(store.clone(), config());
+        let fcalls_before = fcalls(&store).await;
+        let decisions = decide_together(&setup.limiter, &requests(prefix)).await;
+        assert!(decisions.iter().all(LimitDecision::allowed));
+        let fcalls_run = fcalls(&store).await - fcalls_before;
+        (setup, decisions, fcalls_run)
+    };
+
+    let (coalescing, _, fcalls_run) = decide_round(true, "c").await;
     assert_eq!(
-        fcalls(&coalescing_store).await - fcalls_before,
-        2,
+        fcalls_run, 2,
         "Redis ran one lone call and one coalesced call"
     );
     let stats = coalescing.limiter.stats();
@@ -621,16 +628,8 @@ async fn a_tenants_decisions_that_wait_for_its_call_share_the_next_and_are_count
         "the first went alone; the 31 that waited for it went in one call"
     );
 
-    let alone_store = connect(false).await;
-    let alone = limiter_over(alone_store.clone(), config());
-    let fcalls_before = fcalls(&alone_store).await;
-    let decisions = decide_together(&alone.limiter, &requests("a")).await;
-    assert!(decisions.iter().all(LimitDecision::allowed));
-    assert_eq!(
-        fcalls(&alone_store).await - fcalls_before,
-        32,
-        "a call each"
-    );
+    let (alone, decisions, fcalls_run) = decide_round(false, "a").await;
+    assert_eq!(fcalls_run, 32, "a call each");
     let stats = alone.limiter.stats();
     assert_eq!((stats.coalesced_decisions, stats.coalesced_calls), (0, 0));
     // Both took from the tenant's one bucket: 64 of its 100 tokens (in millitokens; it refills one
