@@ -128,20 +128,21 @@ impl Coalescer {
         )
     }
 
-    /// Decides one request of the slot `tag` (module docs): its reply, as a lone call's.
+    /// Decides one request of the slot `tag` (module docs): its reply, as a lone call's. The keys
+    /// are copied only when the decision waits: one that goes at once is sent from the caller's.
     pub(crate) async fn decide(
         self: &Arc<Self>,
         calls: &Arc<Calls>,
         tag: &str,
-        keys: Vec<String>,
+        keys: &[&str],
         args: Vec<String>,
     ) -> Result<Vec<i64>, StoreError> {
-        let (reply, answer) = oneshot::channel();
-        let waiting = Waiting { keys, args, reply };
+        /// Whether the decision goes now (leading the slot's calls, or alone past a full queue)
+        /// or waits for a call in flight to carry it.
         enum Turn {
-            Queued,
-            Full(Waiting),
-            Lead(Waiting),
+            Lead(Vec<String>),
+            Alone(Vec<String>),
+            Queued(oneshot::Receiver<Result<Vec<i64>, StoreError>>),
         }
         let turn = {
             let mut slots = self.slots();
@@ -151,13 +152,15 @@ impl Coalescer {
                     if slot.calls_in_flight < self.calls_in_flight && slot.waiting.is_empty() =>
                 {
                     self.take_place(slot);
-                    Turn::Lead(waiting)
+                    Turn::Lead(args)
                 }
                 Some(slot) if slot.waiting.len() < MAX_WAITING_PER_SLOT => {
-                    slot.waiting.push(waiting);
-                    Turn::Queued
+                    let (reply, answer) = oneshot::channel();
+                    let keys = keys.iter().map(|key| (*key).to_owned()).collect();
+                    slot.waiting.push(Waiting { keys, args, reply });
+                    Turn::Queued(answer)
                 }
-                Some(_) => Turn::Full(waiting),
+                Some(_) => Turn::Alone(args),
                 None => {
                     let mut slot = Slot {
                         calls_in_flight: 0,
@@ -165,28 +168,28 @@ impl Coalescer {
                     };
                     self.take_place(&mut slot);
                     slots.insert(tag.to_owned(), slot);
-                    Turn::Lead(waiting)
+                    Turn::Lead(args)
                 }
             }
         };
-        if let Turn::Full(alone) = turn {
-            return calls.decide_one(&refs(&alone.keys), &alone.args).await;
+        match turn {
+            Turn::Alone(args) => calls.decide_one(keys, &args).await,
+            Turn::Lead(args) => {
+                // Sent from here, so a caller that stops waiting stops its own call as it would
+                // without coalescing; however this ends, what waited meanwhile is handed on.
+                let _hand_over = HandOver {
+                    coalescer: self,
+                    calls,
+                    tag,
+                };
+                calls.decide_one(keys, &args).await
+            }
+            Turn::Queued(answer) => answer.await.unwrap_or_else(|_| {
+                Err(StoreError::NotExecuted {
+                    detail: "the coalesced call ended without an answer".to_owned(),
+                })
+            }),
         }
-        if let Turn::Lead(first) = turn {
-            // Sent from here, so a caller that stops waiting stops its own call as it would
-            // without coalescing; however this ends, what waited meanwhile is handed on.
-            let _hand_over = HandOver {
-                coalescer: self.clone(),
-                calls: calls.clone(),
-                tag: tag.to_owned(),
-            };
-            return calls.decide_one(&refs(&first.keys), &first.args).await;
-        }
-        answer.await.unwrap_or_else(|_| {
-            Err(StoreError::NotExecuted {
-                detail: "the coalesced call ended without an answer".to_owned(),
-            })
-        })
     }
 
     /// One more call of `slot` in flight (the caller checked there is room for it).
@@ -375,15 +378,15 @@ fn leave(slots: &mut HashMap<String, Slot>, tag: &str) -> Option<Slot> {
 
 /// Hands a slot on when its lone call ends, however it ends (answered, or its caller stopped
 /// waiting).
-struct HandOver {
-    coalescer: Arc<Coalescer>,
-    calls: Arc<Calls>,
-    tag: String,
+struct HandOver<'a> {
+    coalescer: &'a Arc<Coalescer>,
+    calls: &'a Arc<Calls>,
+    tag: &'a str,
 }
 
-impl Drop for HandOver {
+impl Drop for HandOver<'_> {
     fn drop(&mut self) {
-        self.coalescer.hand_over(&self.calls, &self.tag);
+        self.coalescer.hand_over(self.calls, self.tag);
     }
 }
 

@@ -434,16 +434,7 @@ impl LimiterStore for RedisStore {
         let keys = decide_keys(batch);
         let tag = keys::key_hash_tag(batch.record_key());
         let reply = match (&self.coalescer, tag) {
-            (Some(coalescer), Some(tag)) => {
-                coalescer
-                    .decide(
-                        &self.calls,
-                        tag,
-                        keys.iter().map(|k| (*k).to_owned()).collect(),
-                        args,
-                    )
-                    .await
-            }
+            (Some(coalescer), Some(tag)) => coalescer.decide(&self.calls, tag, &keys, args).await,
             _ => self.calls.decide_one(&keys, &args).await,
         }?;
         parse_decide_reply(batch, &reply).map_err(|detail| StoreError::MalformedReply { detail })
