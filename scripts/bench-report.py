@@ -39,6 +39,15 @@ def criterion_means():
     return means
 
 
+def table_header(*columns, left=None):
+    """Prints a Markdown table's header row and its alignment row, one cell per column: the columns
+    named in `left` (by default the first) left-aligned as text, the rest right-aligned as numbers."""
+    if left is None:
+        left = columns[:1]
+    print("| " + " | ".join(columns) + " |")
+    print("| " + " | ".join("---" if column in left else "---:" for column in columns) + " |")
+
+
 def bench_lines(log):
     rows = []
     path = os.path.join(ROOT, "target", "bench", log)
@@ -66,8 +75,7 @@ def main():
         print("## Decision core (`allot-shared`, criterion)")
         print()
         ceiling = means.get("ceiling: copy the state")
-        print("| decision | ns per decision | x ceiling |")
-        print("| --- | ---: | ---: |")
+        table_header("decision", "ns per decision", "x ceiling")
         for title, ns in means.items():
             ratio = f"{ns / ceiling:.1f}" if ceiling else "-"
             print(f"| {title} | {ns:.1f} | {ratio} |")
@@ -96,8 +104,7 @@ def main():
         print("commits into shared transactions is what takes the allocator past the blind single-put")
         print("ceiling (the target is at least 0.8 of it at 64 clients on 1,000 and on 10,000 warm pools).")
         print()
-        print("| shape | pools | clients | per pool | grants/s | blind txn/s | x blind | shaped txn/s | x shaped | CAS txn/s | x CAS | CAS conflicts |")
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        table_header("shape", "pools", "clients", "per pool", "grants/s", "blind txn/s", "x blind", "shaped txn/s", "x shaped", "CAS txn/s", "x CAS", "CAS conflicts", left=("shape", "pools"))
         for r in grants:
             print(f"| {r['shape']} | {r.get('pools', 'cold')} | {r['clients']} | {r['maxBatch']} | {r['grantsPerSecond']:.0f} | "
                   f"{r['blindTxnPerSecond']:.0f} | {r['ratioToBlind']:.2f} | "
@@ -117,8 +124,7 @@ def main():
         print("the two paths alternate within the run;")
         print("`ratio` is the row's decisions/s over raw's at the same callers (the target is at least 0.9).")
         print()
-        print("| callers | path | decisions/s | p50 us | p99 us | ratio | degraded |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        table_header("callers", "path", "decisions/s", "p50 us", "p99 us", "ratio", "degraded", left=("path",))
         for r in limiter:
             print(f"| {r['callers']} | {r['path']} | {r['decisionsPerSecond']:.0f} | {r['p50Us']} | "
                   f"{r['p99Us']} | {r['ratio']:.2f} | {r.get('degraded', 0)} |")
@@ -148,8 +154,7 @@ def main():
         print("`cargo bench -p allot-region-agent --bench limiter` (`ALLOT_BENCH_HOT_TENANT_ONLY=1`: this")
         print("section alone).")
         print()
-        print("| coalescing | calls in flight | decisions/s | p50 us | p99 us | Redis CPU us/decision | x off | coalesced decisions | per call | alone % | degraded |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        table_header("coalescing", "calls in flight", "decisions/s", "p50 us", "p99 us", "Redis CPU us/decision", "x off", "coalesced decisions", "per call", "alone %", "degraded")
         for r in hot:
             in_flight = r.get("callsInFlight", 0) or "-"
             print(f"| {r['coalescing']} | {in_flight} | {r['decisionsPerSecond']:.0f} | {r['p50Us']} | {r['p99Us']} | "
@@ -175,8 +180,7 @@ def main():
         print("many). Everything shares the 2 cores. Reproduce with `cargo bench -p allot-region-agent --bench")
         print("limiter` (`ALLOT_BENCH_OVERLOAD_ONLY=1`: this section alone).")
         print()
-        print("| rules | config | offered | offered/s | goodput/s | x peak | p50 us | p99 us | shed % | waited % | unavailable % | overran | breaker | limit |")
-        print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        table_header("rules", "config", "offered", "offered/s", "goodput/s", "x peak", "p50 us", "p99 us", "shed %", "waited %", "unavailable %", "overran", "breaker", "limit", left=("config", "offered"))
         for r in overload:
             print(f"| {r.get('rules', 3)} | {r['config']} | {r['offered']} | {format(r['offeredPerSecond'], '.0f') if 'offeredPerSecond' in r else '-'} | "
                   f"{r['goodputPerSecond']:.0f} | {r['ratioToPeak']:.2f} | {r['p50Us']} | {r['p99Us']} | "
@@ -194,8 +198,7 @@ def main():
         print("every user's keys once (the user rule's key; route and tenant keys are shared). What the agent")
         print("keeps per principal (negative cache, cardinality tracking) is capped (I10).")
         print()
-        print("| principals | path | decisions/s | p50 us | p99 us | x raw | Redis bytes per principal |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        table_header("principals", "path", "decisions/s", "p50 us", "p99 us", "x raw", "Redis bytes per principal", left=("path",))
         for r in principals:
             print(f"| {r['principals']} | {r['path']} | {r['decisionsPerSecond']:.0f} | {r['p50Us']} | "
                   f"{r['p99Us']} | {r['ratio']:.2f} | {r['redisBytesPerPrincipal']} |")
@@ -254,8 +257,7 @@ def main():
         print("95,952 after). Request deadlines now compare against one coarse tick per server")
         print("(`net/src/deadline.rs`).")
         print()
-        print("| path | callers | decisions/s | p50 us | p99 us | x ceiling | unavailable % | agent us/decision | per agent core | load us/decision | Redis us/decision |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        table_header("path", "callers", "decisions/s", "p50 us", "p99 us", "x ceiling", "unavailable %", "agent us/decision", "per agent core", "load us/decision", "Redis us/decision")
         calls = []
         for r in agent:
             print(f"| {r['path']} | {r['callers']} | {r['admitsPerSecond']:.0f} | {r['p50Us']} | "
@@ -305,8 +307,7 @@ def main():
             print("scheduled: the figure to move it is the agent's CPU per decision (or a machine where the load")
             print("generator and Redis do not share the agent's cores).")
             print()
-            print("| path | target decisions/s | load us | agent us | Redis us | total us | cores needed |")
-            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+            table_header("path", "target decisions/s", "load us", "agent us", "Redis us", "total us", "cores needed")
             for r in budget:
                 print(f"| {r['path']} | {r['targetPerSecond']:.0f} | {r['loadCpuUsPerDecision']} | "
                       f"{r['agentCpuUsPerDecision']} | {r['redisCpuUsPerDecision']} | "
@@ -351,8 +352,7 @@ def main():
                 print(f"hypervisor's other guests or the kernel) {r['stallsPerSecond']} times a second, the longest")
                 print(f"{r['longestMs']} ms. A stall of the agent's core holds up every decision in flight on it.")
                 print()
-            print("| offered | x peak | decided/s | p50 us | p99 us | unavailable % | lease ran dry % | shed | waited in vain | overran | agent held up | breaker | breaker failures | unsent | agent us/decision | machine busy % | sent late % | latest send ms |")
-            print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            table_header("offered", "x peak", "decided/s", "p50 us", "p99 us", "unavailable %", "lease ran dry %", "shed", "waited in vain", "overran", "agent held up", "breaker", "breaker failures", "unsent", "agent us/decision", "machine busy %", "sent late %", "latest send ms", left=())
             for r in opened:
                 print(f"| {r['offeredPerSecond']:.0f} | {r['fraction']} | {r['decidedPerSecond']:.0f} | {r['p50Us']} | "
                       f"{r['p99Us']} | {r['unavailablePercent']} | {r.get('depletedPercent', '-')} | {r['shed']} | {r['waitedOut']} | "
@@ -370,8 +370,7 @@ def main():
         print("(`lease-only`) and encoding add to the framework's own work. Each figure is the mean of 50,000")
         print("requests over three rounds. Reproduce with `cargo bench -p allot-region-agent --bench router`.")
         print()
-        print("| route | ns/request | x trivial |")
-        print("| --- | ---: | ---: |")
+        table_header("route", "ns/request", "x trivial")
         for r in router:
             print(f"| {r['route']} | {r['nsPerRequest']:.0f} | {r['xTrivial']:.2f} |")
         print()
@@ -397,8 +396,7 @@ def main():
         print("allocator grants chunks of 100,000 here, so one assignment can carry a gateway's demand.")
         print("Reproduce this section alone with `cargo bench -p allot-region-agent --bench rlqs`.")
         print()
-        print("| path | decisions/s | x rls | admitted % | unavailable % | agent CPU us/1000 | x rls | Redis CPU us/1000 | agent calls/1000 |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        table_header("path", "decisions/s", "x rls", "admitted %", "unavailable %", "agent CPU us/1000", "x rls", "Redis CPU us/1000", "agent calls/1000")
         for r in rlqs:
             print(f"| {r['path']} | {r['decisionsPerSecond']:.0f} | {r['xRls']:.2f} | {r['admittedPercent']} | "
                   f"{r.get('unavailablePercent', 0)} | {r['agentCpuUsPer1000']:.0f} | {r['agentCpuXRls']:.3f} | "
@@ -423,8 +421,7 @@ def main():
         print("current window for its 50 pools and renders; `x api` is the ceiling's median over the page's.")
         print("Reproduce this section alone with `cargo bench -p allot-allocator --bench console`.")
         print()
-        print("| path | p50 ms | p99 ms | x api |")
-        print("| --- | ---: | ---: | ---: |")
+        table_header("path", "p50 ms", "p99 ms", "x api")
         for r in console:
             print(f"| {r['path']} | {r['p50Ms']:.1f} | {r['p99Ms']:.1f} | {r['xApi']:.2f} |")
         print()
@@ -454,8 +451,7 @@ def main():
         print("together); Allot decides every rule of a request and writes them in one atomic call, and")
         print("offers token buckets and GCRA beside fixed windows.")
         print()
-        print("| rules | callers | path | decisions/s | p50 us | p99 us | x raw | client CPU us/decision | Redis CPU us/decision | x limitador | Redis commands/decision | by command |")
-        print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        table_header("rules", "callers", "path", "decisions/s", "p50 us", "p99 us", "x raw", "client CPU us/decision", "Redis CPU us/decision", "x limitador", "Redis commands/decision", "by command", left=("path", "by command"))
         limitador_cpu = {(r.get('rules', 1), r['callers']): r['redisCpuUsPerDecision']
                          for r in peer if r['path'] == 'limitador'}
         for r in peer:
@@ -480,8 +476,7 @@ def main():
         print("`scripts/bench-peer`); `x limitador` is the row's instructions per decision over Limitador's.")
         print("Every path's keys exist before anything is counted.")
         print()
-        print("| rules | callers | path | Redis instructions per decision | x limitador |")
-        print("| ---: | ---: | --- | ---: | ---: |")
+        table_header("rules", "callers", "path", "Redis instructions per decision", "x limitador", left=("path",))
         for r in instructions:
             print(f"| {r['rules']} | {r['callers']} | {r['path']} | {r['redisInstructionsPerDecision']:.0f} | "
                   f"{r['ratioToLimitador']:.2f} |")
@@ -523,8 +518,7 @@ def accuracy():
     print("- **static split**: the usual alternative without an allocator, computed on the same requests")
     print("  (not run): each region admits up to its fixed half of the limit.")
     print()
-    print("| shape | window | limit | chunk | lease TTL | requests | wrong | false admits | false denies | failed | mean \\|err\\| | worst under | overshoot | static: wrong | static: mean \\|err\\| | static: worst under |")
-    print("| --- |" + " ---: |" * 15)
+    table_header("shape", "window", "limit", "chunk", "lease TTL", "requests", "wrong", "false admits", "false denies", "failed", "mean \\|err\\|", "worst under", "overshoot", "static: wrong", "static: mean \\|err\\|", "static: worst under")
     for r in shapes:
         print(f"| {r['shape']} | {r['windowMs']} ms | {r['limit']} | {r['chunk']} | {r['leaseTtlMs']} ms | "
               f"{r['requests']} | {r['wrongPct']:.2f} % | {r['falseAdmits']} | {r['falseDenies']} | "
@@ -546,8 +540,7 @@ def accuracy():
         print()
     print("Where in its window each false deny was sent, by tenth of the window:")
     print()
-    print("| shape | " + " | ".join(f"{n}" for n in range(1, 11)) + " |")
-    print("| --- |" + " ---: |" * 10)
+    table_header("shape", *(str(tenth) for tenth in range(1, 11)))
     for r in shapes:
         tenths = r.get("falseDeniesByTenth", [])
         print(f"| {r['shape']} | " + " | ".join(str(n) for n in tenths) + " |")
@@ -568,8 +561,7 @@ def accuracy():
             continue
         print(f"### {r['shape']}: window by window")
         print()
-        print("| window | demand eu | demand us | ideal | admitted eu | admitted us | error | static split | static error |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        table_header("window", "demand eu", "demand us", "ideal", "admitted eu", "admitted us", "error", "static split", "static error", left=())
         for w in rows:
             admitted = sum(w["admitted"])
             error = 100.0 * (admitted - w["ideal"]) / w["limit"]
