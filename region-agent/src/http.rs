@@ -202,7 +202,12 @@ fn from_headers(headers: &HeaderMap) -> Result<AdmissionRequest, Box<Response>> 
         "costHint": cost,
         "metered": metered,
     });
-    serde_path_to_error::deserialize(value).map_err(|error| {
+    // As `FieldError::parse_json`: plainly first, and with the path (a string per field) only to
+    // name the header of a request that fails.
+    if let Ok(request) = <AdmissionRequest as serde::Deserialize>::deserialize(&value) {
+        return Ok(request);
+    }
+    serde_path_to_error::deserialize(&value).map_err(|error| {
         Box::new(invalid(
             &format!("x-allot-{}", error.path()),
             &error.into_inner().to_string(),
