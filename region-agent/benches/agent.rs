@@ -499,7 +499,7 @@ impl AdmitConnection {
         let response = self.sender.send_request(request).await.expect("answer");
         let body = http_body_util::BodyExt::collect(http_body_util::Limited::new(
             response.into_body(),
-            MAX_ANSWER_BYTES,
+            common::MAX_ANSWER_BYTES,
         ))
         .await
         .expect("an answer body within its bound")
@@ -507,9 +507,6 @@ impl AdmitConnection {
         answer_of(&body)
     }
 }
-
-/// Most bytes the bench reads of an admit's answer (a decision is a few hundred).
-const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
 /// An admit's answer, as far as the bench reads it.
 #[derive(Deserialize)]
@@ -600,12 +597,7 @@ fn give_the_agent_a_core(redis_pid: u32) {
         "no thread named {AGENT_THREADS} to pin"
     );
     for task in agent_threads {
-        let tid = task
-            .file_name()
-            .expect("a task id")
-            .to_string_lossy()
-            .into_owned();
-        pin(AGENT_CORE, tid, false);
+        pin(AGENT_CORE, task_id(&task), false);
     }
 }
 
@@ -618,6 +610,14 @@ fn cpu_list_has(list: &str, core: usize) -> bool {
             _ => false,
         }
     })
+}
+
+/// The thread id a `/proc/<pid>/task/<id>` (or `/proc/thread-self`) path names.
+fn task_id(task: &std::path::Path) -> String {
+    task.file_name()
+        .expect("a task id")
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// Pins process or thread `pid` (with `all_threads`, every thread of the process) to `core`.
@@ -647,13 +647,8 @@ const STALL_AT_LEAST: Duration = Duration::from_millis(1);
 /// and the longest.
 fn stalls_of_the_agent_core() -> (f64, Duration) {
     std::thread::spawn(|| {
-        let tid = std::fs::read_link("/proc/thread-self")
-            .expect("this thread's id")
-            .file_name()
-            .expect("a task id")
-            .to_string_lossy()
-            .into_owned();
-        pin(AGENT_CORE, tid, false);
+        let this_thread = std::fs::read_link("/proc/thread-self").expect("this thread's id");
+        pin(AGENT_CORE, task_id(&this_thread), false);
         let (start, mut last) = (monotonic_now(), monotonic_now());
         let (mut stalls, mut longest) = (0u64, Duration::ZERO);
         while last.duration_since(start) < STALL_PROBE {

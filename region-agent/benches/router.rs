@@ -26,9 +26,6 @@ const REQUESTS: u64 = 50_000;
 /// Rounds, each taking every figure once.
 const ROUNDS: u64 = 3;
 
-/// Most bytes read of an answer.
-const MAX_ANSWER_BYTES: usize = 64 * 1024;
-
 fn admit_request(path: &str, n: u64) -> axum::http::Request<Body> {
     axum::http::Request::post(path)
         .header("authorization", format!("Bearer {}", common::GATEWAY))
@@ -48,7 +45,7 @@ async fn mean_ns(router: &axum::Router, path: &str, first: u64) -> f64 {
     for request in requests {
         let answer = router.clone().oneshot(request).await.expect("infallible");
         assert!(answer.status().is_success(), "{}", answer.status());
-        axum::body::to_bytes(answer.into_body(), MAX_ANSWER_BYTES)
+        axum::body::to_bytes(answer.into_body(), common::MAX_ANSWER_BYTES)
             .await
             .expect("answer body");
     }

@@ -193,6 +193,9 @@ fn stat_cpu_ticks(stat: &str) -> u64 {
     field(14) + field(15)
 }
 
+/// Most bytes a bench reads of an admit's answer (a decision is a few hundred).
+pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
 /// This process's threads named `name`: their `/proc/self/task/<id>` directories.
 pub fn threads_named(name: &str) -> Vec<std::path::PathBuf> {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
