@@ -15,6 +15,14 @@ pub const SHADOW_ADMITTED_TOKENS: &str = "allot_agent_shadow_admitted_tokens_tot
 /// Dry runs (`dryRun`, an RLS `hits_addend` of 0: checks that spend nothing) by `outcome`
 /// (allowed, denied); not counted in [`DECISIONS`].
 pub const DRY_RUNS: &str = "allot_agent_dry_runs_total";
+/// Retries of admitted idempotent requests answered with the admission already made (nothing
+/// reserved, spent or settled again), by `tier`: `agent` (remembered by the agent) or `store` (the
+/// regional store replayed its decision record; the request's global reservation was cancelled).
+pub const REPLAYED_ADMISSIONS: &str = "allot_agent_replayed_admissions_total";
+/// Admitted idempotent requests the agent forgot before their retention ended, to stay within
+/// `MAX_REMEMBERED_ADMISSIONS`: a retry of one is decided again (the store's record still keeps
+/// its regional rules to one debit).
+pub const IDEMPOTENCY_FORGOTTEN_EARLY: &str = "allot_agent_idempotency_forgotten_early_total";
 /// Metered admissions by how they ended, `outcome`: `exact`, `under` (actual above the estimate:
 /// extra charged or owed), `over` (actual below it: the rest stays spent), `expired` (not settled
 /// within the settle window: the estimate stands), `evicted` (pushed out of a full table early:

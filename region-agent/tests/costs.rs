@@ -99,3 +99,42 @@ fn the_canonical_form_states_which_cost_a_rule_charges() {
     let error = allot_shared::policy::parse_bundle(&text).expect_err("not a boolean");
     assert_eq!(error.field, "rules[2].chargesCostHint");
 }
+
+/// A cost no state of a rule could admit is the client's error, known from the bundle alone: 429
+/// `COST_TOO_HIGH`, never to be retried, naming the rule, and nothing is spent. The largest hint a
+/// request may carry (2^30) included, whose cost the store would refuse as an argument (once a 503
+/// `POLICY_ERROR` that paged on-call).
+#[tokio::test]
+async fn a_cost_no_rule_could_ever_admit_is_refused_as_too_high_whatever_the_hint() {
+    use allot_shared::contract::{Reason, http_status};
+    let agent = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        None,
+        Some(common::bundle(BUNDLE)),
+    );
+    let cases = [
+        ("read", 101),
+        ("complete", 51),
+        ("read", 1 << 30),
+        ("complete", 1 << 30),
+    ];
+    for (n, (route, hint)) in (0u64..).zip(cases) {
+        let decision = agent
+            .admit(&request(100 + n, route, hint))
+            .await
+            .expect("decision");
+        assert!(!decision.allowed, "{route} x {hint}: {decision:?}");
+        assert_eq!(decision.reason, Some(Reason::CostTooHigh), "{decision:?}");
+        assert_eq!(http_status(&decision), 429);
+        assert_eq!(decision.retry_after_ms, -1, "never admissible as it is");
+        assert_eq!(decision.limit_units, 100, "{decision:?}");
+        assert!(decision.policy_id.is_some(), "names the rule: {decision:?}");
+    }
+    // Nothing was spent: the whole window is left for what fits.
+    let fits = agent
+        .admit(&request(200, "complete", 50))
+        .await
+        .expect("decision");
+    assert!(fits.allowed && fits.remaining_units == 0, "{fits:?}");
+}

@@ -384,3 +384,52 @@ fn token_bucket_ttl_covers_a_stored_time_ahead_of_now() {
     assert_eq!(write.state.updated_at_ms, 100_000);
     assert_eq!(write.ttl_ms, 20_000 + 15_000);
 }
+
+/// Any algorithm of small or extreme parameters.
+fn any_algorithm() -> impl Strategy<Value = Algorithm> {
+    let amount = prop_oneof![1u64..=10, 1_000u64..=50_000, Just(MAX_RULE_PARAMETER)];
+    let period = prop_oneof![1u64..=1_000, Just(3_600_000u64)];
+    (0u8..5, amount, period).prop_filter_map(
+        "valid parameters",
+        |(kind, amount, period)| match kind {
+            0 => TokenBucket::new(amount, amount, period, 0)
+                .ok()
+                .map(Algorithm::TokenBucket),
+            1 => Gcra::new(amount, amount, period).ok().map(Algorithm::Gcra),
+            2 => FixedWindow::new(amount, period)
+                .ok()
+                .map(Algorithm::FixedWindow),
+            3 => SlidingCounter::new(amount, period)
+                .ok()
+                .map(Algorithm::SlidingCounter),
+            _ => allot_shared::limit::sliding_log::SlidingLog::new(amount.min(1_000), period)
+                .ok()
+                .map(Algorithm::SlidingLog),
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2_048))]
+
+    /// `can_ever_admit` is exactly whether a fresh key admits the cost: a request it refuses would
+    /// be refused by every state (a fresh key is the fullest), and one it lets through would be
+    /// admitted by a fresh key. Costs range over every u64, the parameter bound's edges included.
+    #[test]
+    fn a_cost_that_can_never_be_admitted_is_known_before_any_state(
+        algorithm in any_algorithm(),
+        cost in prop_oneof![
+            0u64..=3_000,
+            Just(MAX_RULE_PARAMETER),
+            Just(MAX_RULE_PARAMETER + 1),
+            any::<u64>(),
+            (1u64..=50).prop_map(|units| units * 1_000),
+        ],
+        now in 0u64..(1 << 45),
+    ) {
+        let input = RuleInput { algorithm: &algorithm, state: None, cost_millitokens: cost, advisory: false };
+        let fresh = decide_all(&[input], now, "r-1");
+        let admitted = matches!(&fresh, Ok(decision) if decision.allowed);
+        prop_assert_eq!(algorithm.can_ever_admit(cost), admitted, "{:?} {:?}", algorithm, fresh);
+    }
+}

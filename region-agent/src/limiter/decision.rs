@@ -49,6 +49,11 @@ pub fn limit_units(params: &RuleParams) -> u64 {
     limit / unit
 }
 
+/// A regional rule's limit in whole units, as a decision reports it.
+pub fn algorithm_limit_units(algorithm: &allot_shared::limit::multi::Algorithm) -> u64 {
+    limit_units(&RuleParams::from_algorithm(algorithm))
+}
+
 /// The index with the smallest `remaining / limit`; the first on a tie. Rules without a known limit
 /// (0) are skipped. `None` when none is left.
 fn most_constraining(shares: &[(u64, u64)]) -> Option<usize> {

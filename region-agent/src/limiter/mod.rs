@@ -74,7 +74,7 @@ pub use client::{
     DegradeCause, LimitDecision, Limiter, LimiterConfig, LimiterConfigError, LimiterStats,
     Screened, SubSlot, Verdict,
 };
-pub use decision::{Holding, concurrency_denial};
+pub use decision::{Holding, algorithm_limit_units, concurrency_denial};
 pub use fallback::FallbackDecision;
 pub use hot_tenants::HotTenants;
 pub use in_process::{DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore};

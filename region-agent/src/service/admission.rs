@@ -43,11 +43,13 @@ use allot_shared::limit::multi::Algorithm;
 use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule};
 
 use super::pools::{PoolSlot, TERMS_RETRY_MS};
+use super::replays::{Begin, ORIGINAL_WAIT, Ticket};
 use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, RequestRejected, lock};
 use crate::global::{Denial, Refusal, Reservation};
 use crate::limiter::{
-    DEFAULT_SOURCE_PREFIXES, LeaseCall, LeaseOp, PlannedBatch, Screened, SourceId, plan_request,
+    DEFAULT_SOURCE_PREFIXES, LeaseCall, LeaseOp, PlannedBatch, Screened, SourceId, Verdict,
+    plan_request,
 };
 
 /// Retry hint of a concurrency denial, ms: a slot frees when a holder finishes, at no known time.
@@ -237,6 +239,72 @@ impl Agent {
                 POLICY_UNAVAILABLE_RETRY_MS,
             ));
         };
+        // A dry run spends nothing, so it has nothing to replay.
+        if request.dry_run || !applies_idempotent_rule(&bundle, request) {
+            return self.decide_afresh(request, bundle).await;
+        }
+        let ticket = match self.begin_idempotent(request, bundle.version()).await {
+            Ok(ticket) => ticket,
+            Err(answer) => return Ok(answer),
+        };
+        let decision = self.decide_afresh(request, bundle).await?;
+        if decision.allowed
+            && let Some(ticket) = ticket
+        {
+            let until_ms = self
+                .clock
+                .now_ms()
+                .saturating_add(self.settings.decision_record_ttl_ms);
+            ticket.admitted(decision.clone(), until_ms);
+        }
+        Ok(decision)
+    }
+
+    /// Where an idempotent request stands: `Ok` to decide it (with the ticket that remembers its
+    /// admission, if there is room), or `Err` with the answer: the admission already made for this
+    /// request id, or `LIMITER_UNAVAILABLE` when its original is still being decided after
+    /// [`ORIGINAL_WAIT`].
+    async fn begin_idempotent(
+        &self,
+        request: &AdmissionRequest,
+        version: u64,
+    ) -> Result<Option<Ticket>, Decision> {
+        let (tenant, request_id) = (&request.tenant_id, &request.request_id);
+        let mut waited = false;
+        loop {
+            match self.replays.begin(tenant, request_id, self.clock.now_ms()) {
+                Begin::Replay(decision) => {
+                    metrics::counter!(crate::metrics::REPLAYED_ADMISSIONS, "tier" => "agent")
+                        .increment(1);
+                    return Err(decision);
+                }
+                Begin::Decide(ticket) => return Ok(Some(ticket)),
+                Begin::Unremembered => return Ok(None),
+                Begin::Wait(_) if waited => {
+                    tracing::warn!("a retry's original is still being decided");
+                    return Err(refused(
+                        request,
+                        version,
+                        None,
+                        Reason::LimiterUnavailable,
+                        POLICY_UNAVAILABLE_RETRY_MS,
+                    ));
+                }
+                Begin::Wait(mut original) => {
+                    waited = true;
+                    // Fails (at once, if already so) when the original's entry is settled.
+                    let _ = tokio::time::timeout(ORIGINAL_WAIT, original.changed()).await;
+                }
+            }
+        }
+    }
+
+    /// Decides a request with no earlier admission to answer again.
+    async fn decide_afresh(
+        self: &Arc<Self>,
+        request: &AdmissionRequest,
+        bundle: Arc<PolicyBundle>,
+    ) -> Result<Decision, RequestRejected> {
         let version = bundle.version();
         // 1. Refusals from memory: nothing is reserved yet.
         if let Some(rule) = self.stale_strict_rule(&bundle, request) {
@@ -247,6 +315,10 @@ impl Agent {
                 Reason::LimiterUnavailable,
                 POLICY_UNAVAILABLE_RETRY_MS,
             ));
+        }
+        // A cost no rule state could ever admit is refused before anything is paid or asked.
+        if let Some(denied) = inadmissible_cost(&bundle, request, version) {
+            return Ok(denied);
         }
         // A principal owing extra cost of a metered request pays it first.
         if let Some(denied) = self.pay_regional_debt(request, &bundle).await {
@@ -295,16 +367,22 @@ impl Agent {
             Err(denied) => return Ok(denied),
         };
         // 3. Regional rules, within the hold.
-        let mut decision = match (&planned, screened) {
+        let (mut decision, replayed) = match (&planned, screened) {
             (Some(planned), Some(screened)) => {
                 self.decide_regional_in_time(request, planned, screened)
                     .await
             }
-            _ => admitted_by_global_rules_only(request, version),
+            _ => (admitted_by_global_rules_only(request, version), false),
         };
         // 4. Settle. A dry run spends nothing: its reservations are cancelled.
         if request.dry_run {
             decision.fallback |= decision.allowed && hold.uses_fallback();
+            drop(hold);
+        } else if decision.allowed && replayed {
+            // The store answered a retry with the admission its original made (this agent forgot
+            // it, restarted, or is another agent of the region): that admission spent the global
+            // rules, so this one spends nothing.
+            metrics::counter!(crate::metrics::REPLAYED_ADMISSIONS, "tier" => "store").increment(1);
             drop(hold);
         } else if decision.allowed {
             let pools: Vec<&PoolId> = global_rules
@@ -535,13 +613,14 @@ impl Agent {
     }
 
     /// The regional rules, answered `LIMITER_UNAVAILABLE` past the [regional
-    /// hold](Self::regional_hold) (concurrency slots that may have been taken are released).
+    /// hold](Self::regional_hold) (concurrency slots that may have been taken are released); with
+    /// whether the store replayed a recorded admission of the same request id.
     async fn decide_regional_in_time(
         &self,
         request: &AdmissionRequest,
         planned: &PlannedBatch<'_>,
         screened: Screened,
-    ) -> Decision {
+    ) -> (Decision, bool) {
         // A dry run takes no slot (module docs).
         let slots = if request.dry_run {
             Vec::new()
@@ -559,13 +638,14 @@ impl Agent {
                 tracing::warn!("regional rules not decided within the hold");
                 let calls: Vec<&LeaseCall> = slots.iter().map(|(_, call)| call).collect();
                 self.release_all(&calls).await;
-                refused(
+                let decision = refused(
                     request,
                     planned.policy_version,
                     None,
                     Reason::LimiterUnavailable,
                     POLICY_UNAVAILABLE_RETRY_MS,
-                )
+                );
+                (decision, false)
             }
         }
     }
@@ -579,7 +659,7 @@ impl Agent {
         planned: &PlannedBatch<'_>,
         screened: Screened,
         slots: &[(usize, LeaseCall)],
-    ) -> Decision {
+    ) -> (Decision, bool) {
         let mut fallback = false;
         let mut held = Vec::new();
         for (index, call) in slots {
@@ -590,23 +670,22 @@ impl Agent {
                 Ok(outcome) if outcome.held => held.push(call),
                 Ok(_) => {
                     self.release_all(&held).await;
-                    return crate::limiter::concurrency_denial(
-                        planned,
-                        *index,
-                        CONCURRENCY_RETRY_MS,
-                    );
+                    let denial =
+                        crate::limiter::concurrency_denial(planned, *index, CONCURRENCY_RETRY_MS);
+                    return (denial, false);
                 }
                 Err(error) => {
                     tracing::warn!(%error, rule = %rule.id, "concurrency lease call failed");
                     if matches!(rule.fail_mode, FailMode::Closed) {
                         self.release_all(&held).await;
-                        return refused(
+                        let refusal = refused(
                             request,
                             planned.policy_version,
                             Some(rule),
                             Reason::LimiterUnavailable,
                             POLICY_UNAVAILABLE_RETRY_MS,
                         );
+                        return (refusal, false);
                     }
                     // local_bounded: the rate rule's local bucket still bounds the request.
                     fallback = true;
@@ -614,12 +693,13 @@ impl Agent {
             }
         }
         let decided = self.limiter.decide_screened(planned, screened).await;
+        let replayed = matches!(&decided.verdict, Verdict::Store(store) if store.replayed);
         let mut decision = self.with_jitter(decided.to_contract(planned), planned);
         decision.fallback |= fallback;
         if !decision.allowed {
             self.release_all(&held).await;
         }
-        decision
+        (decision, replayed)
     }
 
     async fn release_all(&self, calls: &[&LeaseCall]) {
@@ -802,6 +882,55 @@ fn concurrency_calls(
             .map(|call| (index, call))
         })
         .collect()
+}
+
+/// The `COST_TOO_HIGH` refusal of a request whose cost a regional rule that applies could never
+/// admit, whatever its state: above an enforced rule's capacity or window limit, or not a valid
+/// cost at all (beyond 2^40 millitokens, or overflowing `costMillis x costHint`), which no rule,
+/// advisory or not, can be asked about. Decided from the bundle alone, before any store call, so a
+/// huge `costHint` is the client's error (429, never retried), not an outage.
+fn inadmissible_cost(
+    bundle: &PolicyBundle,
+    request: &AdmissionRequest,
+    version: u64,
+) -> Option<Decision> {
+    let rules = bundle.regional_rules_for(
+        &request.tenant_id,
+        &request.route_group,
+        request.principal.kind,
+    );
+    let (rule, algorithm) = rules.into_iter().find_map(|rule| {
+        let Limit::Regional(algorithm) = &rule.limit else {
+            return None;
+        };
+        let cost = rule.cost_millitokens_for(request.cost_hint);
+        let valid = cost.filter(|&c| (1..=allot_shared::MAX_RULE_PARAMETER).contains(&c));
+        let refused = match valid {
+            None => true,
+            Some(_) if rule.mode.is_advisory() => false,
+            Some(cost) => !algorithm.can_ever_admit(cost),
+        };
+        refused.then_some((rule, algorithm))
+    })?;
+    let mut decision = refused(request, version, Some(rule), Reason::CostTooHigh, 0);
+    decision.limit_units = crate::limiter::algorithm_limit_units(algorithm);
+    decision.retry_after_ms = -1;
+    Some(decision)
+}
+
+/// Whether any rule that applies to `request` is `idempotent`: a retry with the same request id is
+/// then the same request, on every tier.
+fn applies_idempotent_rule(bundle: &PolicyBundle, request: &AdmissionRequest) -> bool {
+    let (tenant, route, kind) = (
+        &request.tenant_id,
+        &request.route_group,
+        request.principal.kind,
+    );
+    bundle
+        .regional_rules_for(tenant, route, kind)
+        .into_iter()
+        .chain(bundle.global_rules_for(tenant, route, kind))
+        .any(|rule| rule.idempotent)
 }
 
 /// An admission by global rules alone (no regional rule applies).

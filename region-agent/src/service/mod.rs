@@ -10,6 +10,8 @@
 //! - [`background`]: the loops that run reports and upkeep, and policy refresh.
 //! - [`persistence`]: the state directory: restore at start, the journal, durable fallback
 //!   claims.
+//! - [`replays`]: admitted idempotent requests, answered again to a retry rather than decided
+//!   again on any tier.
 //! - [`settlement`]: metered admissions settled after the response (`POST /v1/settle`), and the
 //!   debt of extra cost the next admissions pay first.
 //! - [`subleases`]: assignments carved for gateways that enforce quota themselves (Envoy's RLQS).
@@ -20,6 +22,7 @@ pub mod background;
 pub mod persistence;
 pub mod pools;
 pub mod quota;
+pub mod replays;
 pub mod reports;
 pub mod settings;
 pub mod settlement;
@@ -93,6 +96,8 @@ pub struct Agent {
     subleases: Mutex<subleases::SubleaseDemand>,
     /// Metered admissions open for settlement, and principals owing regional debt.
     settlements: Mutex<settlement::Settlements>,
+    /// Admitted idempotent requests, answered again to their retries.
+    replays: replays::Replays,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -134,6 +139,7 @@ impl Agent {
             claims_wanted: Mutex::new(Vec::new()),
             subleases: Mutex::new(subleases::SubleaseDemand::default()),
             settlements: Mutex::new(settlement::Settlements::default()),
+            replays: replays::Replays::default(),
         })
     }
 

@@ -40,6 +40,32 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Whether a request costing `cost_millitokens` could ever be admitted by this rule, whatever
+    /// its state: the cost is a valid parameter (at most 2^40; whole units for window algorithms,
+    /// exactly one unit for the sliding log) and fits in the rule's capacity or window limit. A
+    /// request that fails this is refused before any store is asked (`COST_TOO_HIGH`).
+    pub fn can_ever_admit(&self, cost_millitokens: u64) -> bool {
+        if cost_millitokens == 0 || cost_millitokens > crate::MAX_RULE_PARAMETER {
+            return false;
+        }
+        let whole_units = || {
+            cost_millitokens
+                .is_multiple_of(MILLITOKENS_PER_TOKEN)
+                .then_some(cost_millitokens / MILLITOKENS_PER_TOKEN)
+        };
+        match self {
+            Algorithm::TokenBucket(bucket) => cost_millitokens <= bucket.capacity_millitokens(),
+            Algorithm::Gcra(gcra) => cost_millitokens <= gcra.capacity_millitokens(),
+            Algorithm::FixedWindow(window) => {
+                whole_units().is_some_and(|units| units <= window.limit_units())
+            }
+            Algorithm::SlidingCounter(counter) => {
+                whole_units().is_some_and(|units| units <= counter.limit_units())
+            }
+            Algorithm::SlidingLog(log) => whole_units() == Some(1) && log.limit_units() >= 1,
+        }
+    }
+
     /// The shape of the state this algorithm stores, as the last segment of its store key: a rule
     /// whose algorithm changes starts from fresh state under a new key instead of meeting the old
     /// algorithm's state (which would be an error until it expired). Never contains `:`.
