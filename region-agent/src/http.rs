@@ -26,7 +26,7 @@ use std::time::Duration;
 use allot_shared::FieldError;
 use allot_shared::contract::{
     AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, QuotaQuery, SettleRequest, http_status,
-    rate_limit_fields, retry_after_header,
+    retry_after_header,
 };
 use axum::Router;
 use axum::body::Bytes;
@@ -256,9 +256,7 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
     if let Some(bundle) = api.agent.bundle() {
         let kind = request.principal.kind;
         let (soft, shadow) = crate::visibility::violation_headers(&bundle, kind, &decision);
-        let rate_limit = crate::visibility::caller_view(&bundle, kind, &decision)
-            .map(|view| rate_limit_fields(&view));
-        let (policy, current) = rate_limit.unzip();
+        let (policy, current) = crate::visibility::rate_limit_headers(&bundle, kind, &decision);
         let headers = response.headers_mut();
         for (name, value) in [
             (crate::visibility::SOFT_LIMIT_HEADER, soft),

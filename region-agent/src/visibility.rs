@@ -6,14 +6,17 @@
 //! rule's pool is not shown in headers (its window is the allocator's); `GET /v1/quota` shows it.
 
 use allot_shared::contract::{
-    AdvisoryMode, Decision, PrincipalType, QuotaView, retry_after_header,
+    AdvisoryMode, Decision, PrincipalType, QuotaView, Reason, rate_limit_fields, retry_after_header,
 };
 use allot_shared::limit::multi::Algorithm;
 use allot_shared::policy::{Limit, PolicyBundle};
 
 /// The rule `decision` names as the caller may see it, or `None`. A token bucket has no window, so
 /// the view's window is its time to refill from empty: an approximation the RateLimit header draft
-/// allows.
+/// allows. The reset (`t`) is the retry hint of a denial; a request that will not be admitted again
+/// soon (none left after an admission, or a denial with no hint, such as `COST_TOO_HIGH`) says the
+/// whole window, the most it may wait, never `t=0`. An outage has no view (see
+/// [`rate_limit_headers`]).
 pub fn caller_view(
     bundle: &PolicyBundle,
     caller: PrincipalType,
@@ -27,13 +30,43 @@ pub fn caller_view(
     let Limit::Regional(algorithm) = &rule.limit else {
         return None;
     };
+    let window_seconds = window_ms(algorithm).div_ceil(1_000).max(1);
     Some(QuotaView {
         policy_name: rule_id.to_owned(),
         quota_units: decision.limit_units,
-        window_seconds: window_ms(algorithm).div_ceil(1_000).max(1),
+        window_seconds,
         remaining_units: decision.remaining_units,
-        reset_seconds: retry_after_header(decision).unwrap_or(0),
+        reset_seconds: reset_seconds(decision, window_seconds),
     })
+}
+
+/// Seconds until `decision`'s caller may expect more quota, for the `t` parameter.
+fn reset_seconds(decision: &Decision, window_seconds: u64) -> u64 {
+    match retry_after_header(decision) {
+        Some(seconds) => seconds,
+        None if decision.allowed && decision.remaining_units > 0 => 0,
+        None => window_seconds,
+    }
+}
+
+/// The `RateLimit-Policy` and `RateLimit` field values for `decision`, as the caller may see them
+/// (each `None` to send no field). An outage (`LIMITER_UNAVAILABLE`, `POLICY_ERROR`) knows the
+/// policy but not what is left of it: it sends the policy alone, never a made-up `r=0`.
+pub fn rate_limit_headers(
+    bundle: &PolicyBundle,
+    caller: PrincipalType,
+    decision: &Decision,
+) -> (Option<String>, Option<String>) {
+    let Some(view) = caller_view(bundle, caller, decision) else {
+        return (None, None);
+    };
+    let (policy, current) = rate_limit_fields(&view);
+    let outage = !decision.allowed
+        && matches!(
+            decision.reason,
+            Some(Reason::LimiterUnavailable | Reason::PolicyError)
+        );
+    (Some(policy), (!outage).then_some(current))
 }
 
 /// The header a soft rule's violation is flagged to the caller in (HTTP `/v1/check`, Envoy's

@@ -203,3 +203,60 @@ async fn check_takes_headers_and_refuses_bad_input() {
         .expect("admit");
     assert_eq!(unauthenticated.status(), 401);
 }
+
+/// An outage knows the caller's policy but not what is left of it: `/v1/check` answers 503 with
+/// the policy alone, never a `RateLimit` field that says the quota is used up. And an admission
+/// that took the last unit says when more comes (the window), not `t=0`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_never_claims_the_quota_is_used_up() {
+    use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
+    let mut redis = allot_testkit::RedisServer::start();
+    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
+        .await
+        .expect("redis");
+    let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
+    let bundle = common::bundle(
+        &json!({ "rules": [
+            { "id": "read-user", "scope": "user", "principalType": "user", "routeGroup": "read",
+              "algorithm": "fixed_window", "limit": 2, "windowMs": 60000, "failMode": "closed" }
+        ]})
+        .to_string(),
+    );
+    let agent = allot_region_agent::service::Agent::new(
+        common::settings(),
+        Arc::new(SystemClock),
+        limiter,
+        None,
+        Some(bundle),
+    );
+    let url = common::serve_http(agent, GATEWAY).await;
+    let http = reqwest::Client::new();
+    let check = |id: &str| {
+        http.post(format!("{url}/v1/check"))
+            .bearer_auth(GATEWAY)
+            .json(&request(id, "user", "U-17"))
+            .send()
+    };
+    let first = check("r-1").await.expect("check");
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.headers()["ratelimit"], "\"read-user\";r=1;t=0");
+    let last = check("r-2").await.expect("check");
+    assert_eq!(last.status(), 200);
+    assert_eq!(
+        last.headers()["ratelimit"],
+        "\"read-user\";r=0;t=60",
+        "none left: more comes with the next window, not now"
+    );
+    redis.stop();
+    let outage = check("r-3").await.expect("check");
+    assert_eq!(outage.status(), 503);
+    assert!(
+        outage.headers().get("ratelimit").is_none(),
+        "an outage does not know what is left: {:?}",
+        outage.headers()
+    );
+    assert_eq!(
+        outage.headers()["ratelimit-policy"],
+        "\"read-user\";q=2;w=60"
+    );
+}
