@@ -417,3 +417,40 @@ async fn over_http_checks_and_quotas_are_authenticated_and_bad_input_names_the_f
         assert_eq!(problem["field"], field, "{query}: {problem}");
     }
 }
+
+/// A request decided by global rules alone names its pool, with the figures `GET /v1/quota` shows
+/// for it (`G`, and what is left by the allocator's last word plus what is held), not zeros.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_by_global_rules_alone_shows_the_pools_figures() {
+    let fake = Allocator::new(10, 5, 0);
+    let agent = Agent::new(
+        common::settings(),
+        Arc::new(SystemClock),
+        allot_region_agent::limiter::Limiter::new(
+            Arc::new(allot_region_agent::limiter::InProcessStore::new(
+                Arc::new(SystemClock),
+                1_000,
+            )),
+            allot_region_agent::limiter::LimiterConfig::default(),
+        )
+        .expect("limiter"),
+        Some(client(fake.clone()).await),
+        Some(common::bundle(
+            r#"{ "rules": [ { "id": "global-api", "scope": "global", "pool": "api",
+                 "expose": true, "failMode": "closed" } ] }"#,
+        )),
+    );
+    let mut remaining = Vec::new();
+    for n in 0..3 {
+        let decision = agent
+            .admit(&common::user_request(&format!("g-{n}"), "U-1", "read"))
+            .await
+            .expect("decision");
+        assert!(decision.allowed, "{decision:?}");
+        assert_eq!(decision.policy_id.as_deref(), Some("global-api"));
+        assert_eq!(decision.limit_units, 10, "the pool's G: {decision:?}");
+        remaining.push(decision.remaining_units);
+    }
+    // 5 granted to this agent, 5 left to grant: 9, 8, 7 after each admission.
+    assert_eq!(remaining, [9, 8, 7]);
+}

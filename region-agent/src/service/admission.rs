@@ -38,7 +38,7 @@ use std::time::Duration;
 use allot_shared::contract::{
     AdmissionRequest, AdvisoryMode, Decision, DeniedScope, PrincipalType, Reason,
 };
-use allot_shared::ids::{PoolId, TenantId};
+use allot_shared::ids::{PoolId, RuleId, TenantId};
 use allot_shared::limit::multi::Algorithm;
 use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule};
 
@@ -122,7 +122,8 @@ struct GlobalRefusal {
 /// mid-decision must not leave tokens reserved).
 #[derive(Default)]
 struct GlobalHold {
-    held: Vec<(Arc<PoolSlot>, Reservation)>,
+    /// (the pool's slot, the reservation, the rule it is for).
+    held: Vec<(Arc<PoolSlot>, Reservation, RuleId)>,
     /// A dry run's: a rule would have been admitted from a fallback allowance not yet claimed.
     would_claim_fallback: bool,
 }
@@ -130,13 +131,13 @@ struct GlobalHold {
 impl GlobalHold {
     /// Whether any reservation came (or, for a dry run, would come) from a fallback allowance.
     fn uses_fallback(&self) -> bool {
-        self.would_claim_fallback || self.held.iter().any(|(_, r)| r.is_fallback())
+        self.would_claim_fallback || self.held.iter().any(|(_, r, _)| r.is_fallback())
     }
 
     /// Spends every reservation. Returns whether any came from a fallback allowance.
     fn commit(mut self, tenant: &TenantId, pools: &[&PoolId]) -> bool {
         let mut fallback = false;
-        for ((slot, reservation), pool) in self.held.drain(..).zip(pools) {
+        for ((slot, reservation, _), pool) in self.held.drain(..).zip(pools) {
             if reservation.is_fallback() {
                 fallback = true;
                 metrics::counter!(crate::metrics::FALLBACK_ADMITS,
@@ -151,7 +152,7 @@ impl GlobalHold {
 
 impl Drop for GlobalHold {
     fn drop(&mut self) {
-        for (slot, reservation) in self.held.drain(..) {
+        for (slot, reservation, _) in self.held.drain(..) {
             lock(&slot.holder).cancel(reservation);
         }
     }
@@ -372,7 +373,10 @@ impl Agent {
                 self.decide_regional_in_time(request, planned, screened)
                     .await
             }
-            _ => (admitted_by_global_rules_only(request, version), false),
+            _ => {
+                let admitted = admitted_by_global_rules_only(request, version);
+                (self.with_pool_figures(admitted, &hold), false)
+            }
         };
         // 4. Settle. A dry run spends nothing: its reservations are cancelled.
         if request.dry_run {
@@ -495,7 +499,9 @@ impl Agent {
             for (index, (rule, pool, slot)) in pools.iter().enumerate() {
                 let cost_tokens = global_cost_tokens(rule, request);
                 match self.try_reserve(tenant, pool, slot, cost_tokens, request.dry_run) {
-                    Attempt::Reserved(reservation) => hold.held.push((slot.clone(), reservation)),
+                    Attempt::Reserved(reservation) => {
+                        hold.held.push((slot.clone(), reservation, rule.id.clone()));
+                    }
                     Attempt::Evicted => {
                         wait = Some((index, Wait::Lookup));
                         break;
@@ -809,6 +815,35 @@ impl Agent {
             violations: Vec::new(),
             settle_by_ms: None,
         }
+    }
+
+    /// An admission by global rules alone, naming its most constraining pool (the smallest share
+    /// left) with the figures `GET /v1/quota` shows: `G`, and what is left as the allocator last
+    /// said plus what this agent holds (what it holds, before the allocator's first answer in the
+    /// window), after this request.
+    fn with_pool_figures(&self, mut decision: Decision, hold: &GlobalHold) -> Decision {
+        let now_ms = self.clock.now_ms();
+        let mut most_constraining: Option<(&RuleId, u64, u64)> = None;
+        for (slot, _, rule_id) in &hold.held {
+            let figures = super::quota::pool_figures(slot, now_ms);
+            let remaining_tokens = figures
+                .remaining_tokens
+                .unwrap_or(figures.held_tokens)
+                .min(figures.limit_tokens);
+            let tighter = most_constraining.is_none_or(|(_, remaining, limit)| {
+                u128::from(remaining_tokens) * u128::from(limit)
+                    < u128::from(remaining) * u128::from(figures.limit_tokens)
+            });
+            if tighter {
+                most_constraining = Some((rule_id, remaining_tokens, figures.limit_tokens));
+            }
+        }
+        if let Some((rule_id, remaining_tokens, limit_tokens)) = most_constraining {
+            decision.policy_id = Some(rule_id.to_string());
+            decision.limit_units = limit_tokens;
+            decision.remaining_units = remaining_tokens;
+        }
+        decision
     }
 
     /// `decision` with jitter on its retry hint when a window rule denied it at its edge (I5).
