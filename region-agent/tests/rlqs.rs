@@ -137,6 +137,21 @@ impl Gateway {
 
 impl Reporter {
     async fn report(&mut self, id: &BucketId, elapsed_ms: u64, allowed: u64, denied: u64) {
+        let elapsed = prost_types::Duration {
+            seconds: i64::try_from(elapsed_ms / 1_000).expect("fits"),
+            nanos: i32::try_from(elapsed_ms % 1_000 * 1_000_000).expect("fits"),
+        };
+        self.report_elapsed(id, elapsed, allowed, denied).await;
+    }
+
+    /// A report whose `time_elapsed` is exactly `elapsed`, valid or not.
+    async fn report_elapsed(
+        &mut self,
+        id: &BucketId,
+        elapsed: prost_types::Duration,
+        allowed: u64,
+        denied: u64,
+    ) {
         let message = RateLimitQuotaUsageReports {
             domain: if self.domain_sent {
                 String::new()
@@ -145,10 +160,7 @@ impl Reporter {
             },
             bucket_quota_usages: vec![BucketQuotaUsage {
                 bucket_id: Some(id.clone()),
-                time_elapsed: Some(prost_types::Duration {
-                    seconds: i64::try_from(elapsed_ms / 1_000).expect("fits"),
-                    nanos: i32::try_from(elapsed_ms % 1_000 * 1_000_000).expect("fits"),
-                }),
+                time_elapsed: Some(elapsed),
                 num_requests_allowed: allowed,
                 num_requests_denied: denied,
             }],
@@ -541,6 +553,57 @@ async fn the_envoy_example_builds_buckets_the_agent_maps() {
         assert!(
             action.bucket_action.is_some(),
             "{keys:?} gets an action: {action:?}"
+        );
+    }
+}
+
+/// Envoy reports a new bucket at once with a `time_elapsed` of 0, and later ones in whole seconds
+/// (which round down to 0 too): the stream goes on and the bucket gets its assignment. Durations
+/// that are no protobuf `Duration` at all, or negative, end the stream saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_of_zero_elapsed_is_envoys_first_and_bad_durations_say_why() {
+    let fake = Allocator::new(1_000, 200, 0);
+    let served = serve(&fake, POOL_ONLY).await;
+    let mut gateway = open(&served, TOKEN).await.expect("open");
+    let id = user_bucket("U-1");
+    gateway.report(&id, 0, 1, 0).await;
+    let (strategy, ttl_ms) = gateway.token_bucket_for(&id).await;
+    assert!(strategy.admissible_requests(ttl_ms) >= 1, "{strategy:?}");
+    gateway.report(&id, 0, 0, 0).await;
+    gateway.report(&id, 1_000, 2, 0).await;
+    gateway.report(&id, 0, 1, 0).await;
+    let (strategy, ttl_ms) = gateway.token_bucket_for(&id).await;
+    assert!(
+        strategy.admissible_requests(ttl_ms) >= 1,
+        "the stream is up"
+    );
+
+    for (elapsed, says) in [
+        ((315_576_000_001, 0), "outside protobuf's Duration range"),
+        ((0, 1_000_000_000), "outside protobuf's Duration range"),
+        ((-1, 0), "negative"),
+        ((0, -5), "negative"),
+    ] {
+        let mut gateway = open(&served, TOKEN).await.expect("open");
+        let (seconds, nanos) = elapsed;
+        gateway
+            .reporter
+            .report_elapsed(&id, prost_types::Duration { seconds, nanos }, 1, 0)
+            .await;
+        let status = loop {
+            match gateway.answers.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("{elapsed:?}: the stream ended without an error"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(
+            status
+                .message()
+                .contains("bucket_quota_usages[0].time_elapsed")
+                && status.message().contains(says),
+            "{elapsed:?}: {status:?}"
         );
     }
 }

@@ -252,7 +252,7 @@ fn apply(
             let ttl_ms = assignment
                 .assignment_time_to_live
                 .as_ref()
-                .and_then(duration_ms)
+                .and_then(|duration| duration_ms(duration).ok())
                 .unwrap_or(u64::MAX);
             let until_ms = now_ms.saturating_add(ttl_ms);
             let enforcing = match assignment
@@ -266,7 +266,7 @@ fn apply(
                         fill_interval_ms: bucket
                             .fill_interval
                             .as_ref()
-                            .and_then(duration_ms)
+                            .and_then(|duration| duration_ms(duration).ok())
                             .unwrap_or(1_000),
                     };
                     Enforcing::TokenBucket(EnforcedBucket::new(strategy, ttl_ms, now_ms))

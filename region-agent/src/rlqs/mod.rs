@@ -12,7 +12,9 @@
 //! ([`crate::grpc`]): `tenant`, one of `user` / `api_key` / `remote_address`, `route_group`, and an
 //! optional `method`; other keys are ignored. A bucket stands for its requests one at a time (cost
 //! 1). An entry that cannot be mapped ends the stream with `INVALID_ARGUMENT` naming the usage and
-//! key, as does a report without `time_elapsed` or a second domain.
+//! key, as does a report without `time_elapsed` (a negative one, or one outside protobuf's range
+//! for a `Duration`) or a second domain. A `time_elapsed` of 0 is accepted: Envoy reports a new
+//! bucket at once with 0, and later reports in whole seconds, which can round down to 0.
 //!
 //! # Assignments
 //! - A bucket limited by global (leased) rules, regional rules or both gets a `token_bucket`: the
@@ -318,12 +320,13 @@ impl Session {
             let fail = |key: &str, message: &dyn std::fmt::Display| {
                 Status::invalid_argument(format!("bucket_quota_usages[{index}].{key}: {message}"))
             };
+            // Envoy reports a new bucket at once with 0, and rounds later reports down to whole
+            // seconds, so 0 is a report like any other.
             let elapsed_ms = usage
                 .time_elapsed
                 .as_ref()
-                .and_then(duration_ms)
-                .filter(|ms| *ms > 0)
-                .ok_or_else(|| fail("time_elapsed", &"required, and above zero"))?;
+                .ok_or_else(|| fail("time_elapsed", &"required"))
+                .and_then(|elapsed| duration_ms(elapsed).map_err(|m| fail("time_elapsed", &m)))?;
             let entries: BTreeMap<String, String> = usage
                 .bucket_id
                 .as_ref()
@@ -366,7 +369,10 @@ impl Session {
                 continue;
             };
             bucket.last_report_ms = now_ms;
-            bucket.report_interval_ms = elapsed_ms;
+            if elapsed_ms > 0 {
+                // A report of 0 says nothing of how often this gateway reports.
+                bucket.report_interval_ms = elapsed_ms;
+            }
             bucket.demand.record(
                 usage
                     .num_requests_allowed
@@ -644,11 +650,22 @@ fn duration_of_ms(ms: u64) -> prost_types::Duration {
     }
 }
 
-/// A protobuf duration in whole ms (rounded up); `None` when negative.
-fn duration_ms(duration: &prost_types::Duration) -> Option<u64> {
-    let seconds = u64::try_from(duration.seconds).ok()?;
-    let nanos = u64::try_from(duration.nanos).ok()?;
-    seconds
-        .checked_mul(1_000)?
-        .checked_add(nanos.div_ceil(1_000_000))
+/// The largest `seconds` of a valid protobuf `Duration` (about 10,000 years).
+const MAX_DURATION_SECONDS: i64 = 315_576_000_000;
+
+/// A protobuf duration of at least 0, in whole ms (rounded up); refused, saying why, when it is
+/// negative or outside protobuf's own range for a `Duration`.
+fn duration_ms(duration: &prost_types::Duration) -> Result<u64, String> {
+    let prost_types::Duration { seconds, nanos } = *duration;
+    if !(-MAX_DURATION_SECONDS..=MAX_DURATION_SECONDS).contains(&seconds)
+        || !(-999_999_999..=999_999_999).contains(&nanos)
+    {
+        return Err(format!(
+            "{seconds} s {nanos} ns is outside protobuf's Duration range (seconds within              +-{MAX_DURATION_SECONDS}, nanos within +-999999999)"
+        ));
+    }
+    match (u64::try_from(seconds), u64::try_from(nanos)) {
+        (Ok(seconds), Ok(nanos)) => Ok(seconds * 1_000 + nanos.div_ceil(1_000_000)),
+        _ => Err(format!("{seconds} s {nanos} ns is negative")),
+    }
 }
