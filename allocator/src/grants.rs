@@ -452,11 +452,7 @@ impl PoolWorker {
                 Attempt::Retry => {
                     self.cache = None;
                     // A broken fence means another node leads now: stop, and say who.
-                    if let Ok(current) = self.shared.kv.get(crate::leader::LEADER_KEY).await
-                        && current.as_ref().map(|c| c.mod_revision)
-                            != Some(leadership.leader_revision)
-                    {
-                        let leader = current.and_then(|c| serde_json::from_slice(&c.value).ok());
+                    if let Some(leader) = self.deposed(leadership).await {
                         return reply_all(batch, Err(GrantFailure::NotLeader(leader)));
                     }
                     batch = self.answer_from_store(batch).await;
@@ -634,6 +630,16 @@ impl PoolWorker {
                 }
             }
         }
+        if plan.new_records.is_empty()
+            && let Some(leader) = self.deposed(leadership).await
+        {
+            // Nothing to commit, so no transaction met the fence: the answers (refusals, or
+            // repeats of records this worker remembers) came from a cache a deposed leader may no
+            // longer own. A deposed leader says who leads instead.
+            self.cache = None;
+            reply_all(std::mem::take(batch), Err(GrantFailure::NotLeader(leader)));
+            return Attempt::Done;
+        }
         for record in &plan.new_records {
             self.remember(record);
         }
@@ -653,6 +659,17 @@ impl PoolWorker {
             let _ = pending.reply.send(answer);
         }
         Attempt::Done
+    }
+
+    /// `Some(the leader now)` when `leadership`'s fence no longer holds (another node leads, or
+    /// none); `None` while it holds, or when the store cannot say (the answer stands, as a
+    /// refusal grants nothing).
+    async fn deposed(&self, leadership: Leadership) -> Option<Option<LeaderRecord>> {
+        let current = self.shared.kv.get(crate::leader::LEADER_KEY).await.ok()?;
+        if current.as_ref().map(|c| c.mod_revision) == Some(leadership.leader_revision) {
+            return None;
+        }
+        Some(current.and_then(|c| serde_json::from_slice(&c.value).ok()))
     }
 
     /// The store lease for grant records of `window`: it outlives the window's end by one window

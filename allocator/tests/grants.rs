@@ -290,6 +290,40 @@ async fn a_deposed_leader_cannot_grant(kv: Arc<dyn Kv>) {
     );
 }
 
+/// A deposed leader whose cache says the pool is used up still says it does not lead, rather than
+/// answer a refusal no store read backs (a partition drill once took that for a grant after the
+/// failover).
+async fn a_deposed_leader_answers_no_refusal_from_its_cache(kv: Arc<dyn Kv>) {
+    configure(&*kv, 100, 100).await;
+    let (old, _clock, old_leadership) = leader(kv.clone()).await;
+    let granted = old
+        .grant(&tenant(), &pool(), request(1, "eu", 100))
+        .await
+        .expect("grant");
+    assert_eq!(granted.granted_tokens, 100);
+    let exhausted = old
+        .grant(&tenant(), &pool(), request(2, "eu", 10))
+        .await
+        .expect("a refusal while it leads");
+    assert_eq!(exhausted.granted_tokens, 0, "the pool is used up");
+    kv.revoke(old_leadership.lease).await.expect("revoke");
+    let new = try_acquire(&*kv, "node-b", "http://b", 30)
+        .await
+        .expect("store")
+        .expect("node b leads");
+    let answer = old.grant(&tenant(), &pool(), request(3, "us", 10)).await;
+    assert!(
+        matches!(&answer, Err(GrantFailure::NotLeader(Some(leader))) if leader.epoch == new.epoch),
+        "a deposed leader names the new one: {answer:?}"
+    );
+    // What it did commit is still answered as it was, by a lease id it remembers.
+    let repeat = old
+        .grant(&tenant(), &pool(), request(1, "eu", 100))
+        .await
+        .expect("a committed grant's answer");
+    assert_eq!(repeat.granted_tokens, 100);
+}
+
 fn memory() -> Arc<dyn Kv> {
     Arc::new(MemoryKv::new(Arc::new(ManualClock::new(T0_MS))))
 }
@@ -336,6 +370,11 @@ on_both_stores!(
     tail_exhaustion_and_clamping,
     memory_tail_exhaustion_and_clamping,
     etcd_tail_exhaustion_and_clamping
+);
+on_both_stores!(
+    a_deposed_leader_answers_no_refusal_from_its_cache,
+    memory_a_deposed_leader_answers_no_refusal_from_its_cache,
+    etcd_a_deposed_leader_answers_no_refusal_from_its_cache
 );
 on_both_stores!(
     a_deposed_leader_cannot_grant,

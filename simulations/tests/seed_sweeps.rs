@@ -65,6 +65,7 @@ sweeps! {
     blackhole => "blackhole",
     failover_etcd => "failover-etcd",
     failover_lost => "failover-lost",
+    failover_exhausted => "failover-exhausted",
     independent => "independent",
     static_split => "static-split",
     demand_weighted => "demand-weighted",

@@ -1208,10 +1208,23 @@ impl DrillAllocator {
                     },
                 )
                 .await;
-            if attempt.is_ok() {
-                return Err(DrillError::Broken(
-                    "a deposed allocator granted after the failover".to_owned(),
-                ));
+            // Fenced off, a deposed allocator says it does not lead. Tokens from it would be a
+            // grant the new leader cannot know of; a refusal from it, an answer from a stale cache.
+            match attempt {
+                Ok(record) if record.granted_tokens > 0 => {
+                    return Err(DrillError::Broken(format!(
+                        "a deposed allocator granted {} tokens after the failover",
+                        record.granted_tokens
+                    )));
+                }
+                Ok(_) => {
+                    return Err(DrillError::Broken(
+                        "a deposed allocator answered from its cache after the failover instead \
+                         of saying it does not lead"
+                            .to_owned(),
+                    ));
+                }
+                Err(_) => {}
             }
         }
         Ok(lost)

@@ -579,7 +579,7 @@ impl Scenario {
 
 /// The built-in suite: the reference design's table of drills (files under
 /// `simulations/scenarios/`, compiled in).
-pub const BUILTIN: [(&str, &str); 20] = [
+pub const BUILTIN: [(&str, &str); 21] = [
     ("clamped", include_str!("../../scenarios/clamped.toml")),
     ("unclamped", include_str!("../../scenarios/unclamped.toml")),
     ("fallback", include_str!("../../scenarios/fallback.toml")),
@@ -591,6 +591,10 @@ pub const BUILTIN: [(&str, &str); 20] = [
     (
         "failover-lost",
         include_str!("../../scenarios/failover-lost.toml"),
+    ),
+    (
+        "failover-exhausted",
+        include_str!("../../scenarios/failover-exhausted.toml"),
     ),
     (
         "independent",
