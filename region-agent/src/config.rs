@@ -86,6 +86,14 @@ pub struct AgentArgs {
     /// Redis less). Both are read either way.
     #[arg(long, env = "ALLOT_WRITE_STATE_AS_HASHES")]
     pub write_state_as_hashes: Option<bool>,
+    /// Prefix length anonymous (`ip`) IPv4 callers are keyed by (1 to 32; default 32). The HMAC
+    /// input is the prefix, not the address; a rule's own `ipPrefixV4` overrides it.
+    #[arg(long, env = "ALLOT_IP_PREFIX_V4")]
+    pub ip_prefix_v4: Option<u8>,
+    /// Prefix length anonymous (`ip`) IPv6 callers are keyed by (1 to 128; default 64); a rule's
+    /// own `ipPrefixV6` overrides it.
+    #[arg(long, env = "ALLOT_IP_PREFIX_V6")]
+    pub ip_prefix_v6: Option<u8>,
     /// This agent's id in policy status (default: `<region>-<listen port>`).
     #[arg(long, env = "ALLOT_AGENT_ID")]
     pub agent_id: Option<String>,
@@ -140,6 +148,8 @@ struct FileSettings {
     decision_budget_ms: Option<u64>,
     coalesce_hot_keys: Option<bool>,
     write_state_as_hashes: Option<bool>,
+    ip_prefix_v4: Option<u8>,
+    ip_prefix_v6: Option<u8>,
     agent_id: Option<String>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
@@ -198,6 +208,8 @@ pub struct AgentConfig {
     pub coalesce_hot_keys: bool,
     /// Whether the Redis store writes rule state as hashes (for a rolling upgrade).
     pub write_state_as_hashes: bool,
+    /// Prefix lengths anonymous callers are keyed by.
+    pub ip_prefixes: allot_shared::keys::IpPrefixes,
     /// The agent id.
     pub agent_id: String,
     /// TLS for the gateway-facing servers (none: plain TCP).
@@ -247,9 +259,30 @@ impl AgentArgs {
                 Err(format!("--{flag} must be within [0, 1], got {value}"))
             }
         };
+        let defaults = allot_shared::keys::IpPrefixes::default();
+        let prefix = |flag: &str, value: Option<u8>, max: u8, default: u8| match value {
+            None => Ok(default),
+            Some(bits @ 1..) if bits <= max => Ok(bits),
+            Some(bits) => Err(format!("--{flag} must be in [1, {max}], got {bits}")),
+        };
+        let ip_prefixes = allot_shared::keys::IpPrefixes {
+            v4_bits: prefix(
+                "ip-prefix-v4",
+                self.ip_prefix_v4.or(file.ip_prefix_v4),
+                32,
+                defaults.v4_bits,
+            )?,
+            v6_bits: prefix(
+                "ip-prefix-v6",
+                self.ip_prefix_v6.or(file.ip_prefix_v6),
+                128,
+                defaults.v6_bits,
+            )?,
+        };
         Ok(AgentConfig {
             tls,
             allocator_tls,
+            ip_prefixes,
             state_dir: self.state_dir.or(file.state_dir),
             agent_id: self
                 .agent_id
@@ -410,6 +443,39 @@ mod tests {
             slow.resolve().expect_err("out of range"),
             "--decision-budget-ms must be in [1, 1000], got 0"
         );
+
+        assert_eq!(
+            config.ip_prefixes,
+            allot_shared::keys::IpPrefixes::default(),
+            "/32 and /64 unless told"
+        );
+        let coarse = AgentArgs {
+            region: Some("eu".to_owned()),
+            config: Some(path.clone()),
+            ip_prefix_v4: Some(24),
+            ip_prefix_v6: Some(48),
+            ..AgentArgs::default()
+        };
+        let prefixes = coarse.resolve().expect("valid").ip_prefixes;
+        assert_eq!((prefixes.v4_bits, prefixes.v6_bits), (24, 48));
+        for (v4, v6, message) in [
+            (Some(0), None, "--ip-prefix-v4 must be in [1, 32], got 0"),
+            (Some(33), None, "--ip-prefix-v4 must be in [1, 32], got 33"),
+            (
+                None,
+                Some(129),
+                "--ip-prefix-v6 must be in [1, 128], got 129",
+            ),
+        ] {
+            let wrong = AgentArgs {
+                region: Some("eu".to_owned()),
+                config: Some(path.clone()),
+                ip_prefix_v4: v4,
+                ip_prefix_v6: v6,
+                ..AgentArgs::default()
+            };
+            assert_eq!(wrong.resolve().expect_err("out of range"), message);
+        }
 
         std::fs::write(&path, "regoin = \"us\"\n").expect("write");
         let typo = AgentArgs {

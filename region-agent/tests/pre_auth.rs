@@ -118,3 +118,107 @@ fn which_rules_apply_to_an_unauthenticated_caller() {
         ["tenant-all", "global-api"]
     );
 }
+
+/// Two addresses of one `/24` each get their own `ip` limit when the agent keys at /32 (its
+/// default), and share one when it keys at /24 (`--ip-prefix-v4 24`).
+#[tokio::test]
+async fn the_agents_prefix_length_decides_which_addresses_share_a_limit() {
+    const ANON_TWO: &str = r#"{ "rules": [
+        { "id": "anon", "scope": "user", "principalType": "ip", "algorithm": "fixed_window",
+          "limit": 2, "windowMs": 3600000, "failMode": "closed" } ] }"#;
+    for (v4_bits, admitted_together) in [(32, 4), (24, 2)] {
+        let mut settings = common::settings();
+        settings.ip_prefixes.v4_bits = v4_bits;
+        let agent = common::agent(
+            settings,
+            Arc::new(SystemClock),
+            None,
+            Some(common::bundle(ANON_TWO)),
+        );
+        let mut admitted = 0;
+        for n in 0..6 {
+            let address = if n % 2 == 0 {
+                "198.51.100.7"
+            } else {
+                "198.51.100.200"
+            };
+            let decision = agent
+                .admit(&request(n, PrincipalType::Ip, address, "read"))
+                .await
+                .expect("decision");
+            admitted += u64::from(decision.allowed);
+        }
+        assert_eq!(admitted, admitted_together, "keyed at /{v4_bits}");
+    }
+}
+
+/// A rule's own prefix length keys it apart: a narrow per-address limit under a broader ceiling
+/// over the whole `/24` (and the `/48` of IPv6), as the reference design advises where abuse is
+/// the concern. One host rotating through its /24 meets the ceiling; each address meets its own.
+#[tokio::test]
+async fn a_rule_over_a_broader_prefix_is_a_ceiling_over_the_narrow_one() {
+    const NARROW_AND_CEILING: &str = r#"{ "rules": [
+        { "id": "anon-address", "scope": "user", "principalType": "ip", "algorithm": "fixed_window",
+          "limit": 3, "windowMs": 3600000, "failMode": "closed" },
+        { "id": "anon-block", "scope": "user", "principalType": "ip", "algorithm": "fixed_window",
+          "limit": 5, "windowMs": 3600000, "failMode": "closed",
+          "ipPrefixV4": 24, "ipPrefixV6": 48 } ] }"#;
+    let agent = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        None,
+        Some(common::bundle(NARROW_AND_CEILING)),
+    );
+    let mut denied_by = Vec::new();
+    for n in 0..8 {
+        let decision = agent
+            .admit(&request(n, PrincipalType::Ip, "198.51.100.7", "read"))
+            .await
+            .expect("decision");
+        if !decision.allowed {
+            denied_by.push(decision.policy_id.clone().unwrap_or_default());
+        }
+    }
+    assert_eq!(denied_by.len(), 5, "the address's own 3: {denied_by:?}");
+    assert!(denied_by.iter().all(|rule| rule == "anon-address"));
+    // Fresh addresses of the same /24: the block has 2 of its 5 left.
+    let mut admitted = 0;
+    for n in 0..6 {
+        let decision = agent
+            .admit(&request(
+                100 + n,
+                PrincipalType::Ip,
+                &format!("198.51.100.{}", 10 + n),
+                "read",
+            ))
+            .await
+            .expect("decision");
+        if decision.allowed {
+            admitted += 1;
+        } else {
+            assert_eq!(
+                decision.policy_id.as_deref(),
+                Some("anon-block"),
+                "{decision:?}"
+            );
+        }
+    }
+    assert_eq!(admitted, 2, "the ceiling caps the whole /24");
+    // Another /24 is another block.
+    let other = agent
+        .admit(&request(200, PrincipalType::Ip, "198.51.101.1", "read"))
+        .await
+        .expect("decision");
+    assert!(other.allowed, "{other:?}");
+    // IPv6: the ceiling is the /48, the narrow limit the agent's /64.
+    let mut v6_admitted = 0;
+    for n in 0..7 {
+        let address = format!("2001:db8:7:{n:x}::1");
+        let decision = agent
+            .admit(&request(300 + n, PrincipalType::Ip, &address, "read"))
+            .await
+            .expect("decision");
+        v6_admitted += u64::from(decision.allowed);
+    }
+    assert_eq!(v6_admitted, 5, "seven /64s of one /48 share its ceiling");
+}

@@ -94,6 +94,38 @@ impl Default for IpPrefixes {
     }
 }
 
+/// A rule's own prefix lengths for anonymous principals (`ipPrefixV4`, `ipPrefixV6`), each `None`
+/// to keep the agent's. A rule with its own lengths keys its buckets apart from rules keyed at the
+/// agent's ([`RulePrefixes::key_segment`]), so a second rule over a broader prefix is a ceiling
+/// over the narrow one, not the same bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RulePrefixes {
+    /// IPv4 prefix length, 1 to 32.
+    pub v4_bits: Option<u8>,
+    /// IPv6 prefix length, 1 to 128.
+    pub v6_bits: Option<u8>,
+}
+
+impl RulePrefixes {
+    /// The lengths in force for this rule on an agent keying at `agent`.
+    pub fn resolve(self, agent: IpPrefixes) -> IpPrefixes {
+        IpPrefixes {
+            v4_bits: self.v4_bits.unwrap_or(agent.v4_bits),
+            v6_bits: self.v6_bits.unwrap_or(agent.v6_bits),
+        }
+    }
+
+    /// The principal segment of this rule's keys: `ipp<v4>-<v6>`, 0 for a length left to the agent
+    /// (never `ip`, the segment of rules keyed at the agent's lengths).
+    pub fn key_segment(self) -> String {
+        format!(
+            "ipp{}-{}",
+            self.v4_bits.unwrap_or(0),
+            self.v6_bits.unwrap_or(0)
+        )
+    }
+}
+
 /// The canonical `address/bits` text of the prefix of `addr`.
 pub fn ip_prefix(addr: IpAddr, prefixes: IpPrefixes) -> String {
     match addr {
@@ -194,10 +226,21 @@ pub fn principal_key(
     hash: &PrincipalHash,
     route_group: Option<&RouteGroup>,
 ) -> String {
+    principal_key_in(tenant, kind.key_segment(), hash, route_group)
+}
+
+/// The key of a per-principal rule whose principal segment is `segment` (a type's, or a rule's own
+/// prefix lengths': [`RulePrefixes::key_segment`]).
+pub fn principal_key_in(
+    tenant: &TenantId,
+    segment: &str,
+    hash: &PrincipalHash,
+    route_group: Option<&RouteGroup>,
+) -> String {
     format!(
         "rl:v{STATE_VERSION}:{}:{}:{}:{}",
         hash_tag(tenant),
-        kind.key_segment(),
+        segment,
         hash,
         route_segment(route_group)
     )

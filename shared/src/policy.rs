@@ -216,6 +216,9 @@ pub struct Rule {
     pub exposure: Exposure,
     /// Whether it denies, or only advises (`mode`).
     pub mode: Mode,
+    /// Its own prefix lengths for anonymous principals (`ipPrefixV4`, `ipPrefixV6`; per-principal
+    /// rules of `principalType: ip` only); `None` keeps the agent's.
+    pub ip_prefixes: Option<crate::keys::RulePrefixes>,
     canonical: Value,
 }
 
@@ -264,6 +267,24 @@ impl Rule {
         self.canonical.clone()
     }
 
+    /// The principal segment of this per-principal rule's keys for a principal of
+    /// `principal_type`: the type's, or, for an anonymous principal under a rule with its own
+    /// prefix lengths, those lengths' ([`crate::keys::RulePrefixes::key_segment`]).
+    pub fn principal_segment(
+        &self,
+        principal_type: PrincipalType,
+    ) -> std::borrow::Cow<'static, str> {
+        match (principal_type, self.ip_prefixes) {
+            (PrincipalType::Ip, Some(prefixes)) => prefixes.key_segment().into(),
+            _ => principal_type.key_segment().into(),
+        }
+    }
+
+    /// The prefix lengths that key this rule's anonymous principals on an agent keying at `agent`.
+    pub fn ip_prefixes_on(&self, agent: crate::keys::IpPrefixes) -> crate::keys::IpPrefixes {
+        self.ip_prefixes.map_or(agent, |own| own.resolve(agent))
+    }
+
     /// The store key this rule uses for a request of `tenant` by a principal of `principal_type`
     /// whose keyed hash is `principal_hash`, state shape included (`keys::rule_state_key`); `None`
     /// for global (leased) rules, which have no regional key. Every key carries the tenant's hash
@@ -279,9 +300,12 @@ impl Rule {
             return None;
         };
         let rule_key = match key_shape(self)?.0 {
-            KeyKind::Principal => {
-                crate::keys::principal_key(tenant, principal_type, principal_hash, route_group)
-            }
+            KeyKind::Principal(_) => crate::keys::principal_key_in(
+                tenant,
+                &self.principal_segment(principal_type),
+                principal_hash,
+                route_group,
+            ),
             KeyKind::Tenant => crate::keys::tenant_key(tenant, route_group),
         };
         Some(crate::keys::rule_state_key(
@@ -627,6 +651,7 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
              replaces",
         ));
     }
+    let ip_prefixes = parse_ip_prefixes(f, scope, &matcher)?;
     if mode.is_advisory() && concurrency.is_some() {
         return Err(error(
             f.at("concurrencyMax"),
@@ -647,8 +672,41 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
         strict,
         exposure,
         mode,
+        ip_prefixes,
         canonical: Value::Null,
     })
+}
+
+/// `ipPrefixV4` and `ipPrefixV6`: a per-principal rule's own prefix lengths for anonymous callers,
+/// so only on `scope: user` rules of `principalType: ip`. Canonical only when stated.
+fn parse_ip_prefixes(
+    f: &mut Fields<'_>,
+    scope: Scope,
+    matcher: &Matcher,
+) -> Result<Option<crate::keys::RulePrefixes>, PolicyError> {
+    let mut bits = |name: &'static str, max: u64| -> Result<Option<u8>, PolicyError> {
+        let Some(value) = f.u64(name)? else {
+            return Ok(None);
+        };
+        if !(1..=max).contains(&value) {
+            return Err(error(
+                f.at(name),
+                format!("must be a prefix length in [1, {max}], got {value}"),
+            ));
+        }
+        if scope != Scope::User || matcher.principal_type != Some(PrincipalType::Ip) {
+            return Err(error(
+                f.at(name),
+                "applies only to per-principal rules of anonymous callers (scope user, \
+                 principalType ip)",
+            ));
+        }
+        Ok(u8::try_from(value).ok())
+    };
+    let v4_bits = bits("ipPrefixV4", 32)?;
+    let v6_bits = bits("ipPrefixV6", 128)?;
+    Ok((v4_bits.is_some() || v6_bits.is_some())
+        .then_some(crate::keys::RulePrefixes { v4_bits, v6_bits }))
 }
 
 fn parse_algorithm(
@@ -731,8 +789,9 @@ fn parse_algorithm(
 /// Whose identity a regional rule's key carries (see [`crate::keys`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum KeyKind {
-    /// `<u|k|ip>:<principal hash>`: user-scope rules.
-    Principal,
+    /// `<u|k|ip>:<principal hash>`: user-scope rules; `ipp<v4>-<v6>:<hash>` for anonymous
+    /// principals under a rule with its own prefix lengths.
+    Principal(Option<crate::keys::RulePrefixes>),
     /// `tenant:<tenant>`: tenant- and route-scope rules.
     Tenant,
 }
@@ -745,7 +804,8 @@ type KeyShape<'a> = (KeyKind, Option<&'a RouteGroup>);
 fn key_shape(rule: &Rule) -> Option<KeyShape<'_>> {
     let kind = match (&rule.limit, rule.scope) {
         (Limit::Global(_), _) | (_, Scope::Global) => return None,
-        (_, Scope::User) => KeyKind::Principal,
+        // A rule with its own prefix lengths has keys of its own (a ceiling over another rule).
+        (_, Scope::User) => KeyKind::Principal(rule.ip_prefixes),
         (_, Scope::Route | Scope::Tenant) => KeyKind::Tenant,
     };
     Some((kind, rule.matcher.route_group.as_ref()))

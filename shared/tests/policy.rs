@@ -670,3 +670,62 @@ fn a_shadow_rule_is_a_dark_launch_unless_it_says_expose() {
     assert!(rule(r#","mode":"soft""#).rules()[0].visible_to(PrincipalType::User));
     assert!(rule(r#","mode":"shadow","expose":true"#).rules()[0].visible_to(PrincipalType::User));
 }
+
+/// `ipPrefixV4` / `ipPrefixV6` give an anonymous per-principal rule its own prefix lengths: in
+/// range, only where an address is keyed, and a rule with its own lengths may sit beside one at
+/// the agent's (a ceiling), but not beside another with the same lengths.
+#[test]
+fn a_rules_own_ip_prefix_is_checked_and_keys_it_apart() {
+    let rule = |extra: &str| {
+        format!(
+            r#"{{ "id": "anon-{n}", "scope": "user", "principalType": "ip", "algorithm": "fixed_window",
+                 "limit": 5, "windowMs": 60000, "failMode": "closed"{extra} }}"#,
+            n = extra.len()
+        )
+    };
+    let bundle = |rules: &[String]| {
+        allot_shared::policy::parse_bundle(&format!(r#"{{ "rules": [{}] }}"#, rules.join(",")))
+    };
+    let parsed = bundle(&[rule(""), rule(r#", "ipPrefixV4": 24, "ipPrefixV6": 48"#)])
+        .expect("a narrow rule and its ceiling");
+    let ceiling = &parsed.rules[1];
+    assert_eq!(
+        ceiling.ip_prefixes.map(|p| (p.v4_bits, p.v6_bits)),
+        Some((Some(24), Some(48)))
+    );
+    assert_eq!(ceiling.to_json()["ipPrefixV4"], 24, "canonical when stated");
+    assert!(
+        parsed.rules[0].to_json().get("ipPrefixV4").is_none(),
+        "absent otherwise"
+    );
+    for (extra, field, says) in [
+        (r#", "ipPrefixV4": 0"#, "ipPrefixV4", "[1, 32]"),
+        (r#", "ipPrefixV4": 33"#, "ipPrefixV4", "[1, 32]"),
+        (r#", "ipPrefixV6": 129"#, "ipPrefixV6", "[1, 128]"),
+    ] {
+        let error = bundle(&[rule(extra)]).expect_err(extra);
+        assert!(
+            error.field.ends_with(field) && error.message.contains(says),
+            "{extra}: {error:?}"
+        );
+    }
+    let on_users = bundle(&[r#"{ "id": "u", "scope": "user", "principalType": "user",
+        "algorithm": "fixed_window", "limit": 5, "windowMs": 60000, "failMode": "closed",
+        "ipPrefixV4": 24 }"#
+        .to_owned()])
+    .expect_err("users have no address");
+    assert!(on_users.field.ends_with("ipPrefixV4"), "{on_users:?}");
+    assert!(
+        on_users.message.contains("principalType ip"),
+        "{on_users:?}"
+    );
+    let same_twice = bundle(&[
+        rule(r#", "ipPrefixV4": 24"#),
+        rule(r#", "ipPrefixV4": 24 "#),
+    ])
+    .expect_err("one key twice");
+    assert!(
+        same_twice.message.contains("share a store key"),
+        "{same_twice:?}"
+    );
+}

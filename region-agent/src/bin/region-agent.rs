@@ -17,7 +17,7 @@ use allot_region_agent::limiter::{
 };
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::{AgentId, RegionId};
-use allot_shared::keys::{IpPrefixes, Pepper};
+use allot_shared::keys::Pepper;
 use clap::Parser;
 
 /// mimalloc: fewer cycles per allocation than the system allocator on the request path (measured
@@ -164,6 +164,7 @@ async fn start(args: AgentConfig) -> Result<(), String> {
     };
     let agent_id = AgentId::parse(&args.agent_id).map_err(|e| format!("--agent-id: {e}"))?;
     let settings = AgentSettings {
+        ip_prefixes: args.ip_prefixes,
         policy_max_age_ms: args.policy_max_age_ms,
         region_agents: args.region_agents,
         settle_window_ms: args.settle_window_ms,
@@ -205,7 +206,7 @@ async fn start(args: AgentConfig) -> Result<(), String> {
         let log = allot_region_agent::decision_log::DecisionLog::open(
             config,
             log_pepper,
-            IpPrefixes::default(),
+            args.ip_prefixes,
         )
         .map_err(|e| format!("--decision-log {}: {e}", path.display()))?;
         agent.set_decision_log(log);

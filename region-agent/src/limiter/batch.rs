@@ -429,12 +429,18 @@ pub fn plan_request<'a>(
     if rules.is_empty() {
         return Ok(None);
     }
-    // The keyed hash of the principal, computed once and only if a user-scope rule needs it.
+    // The keyed hash of the principal, computed once and only if a user-scope rule needs it (a
+    // rule with its own prefix lengths hashes the address at them).
     let principal_hash = std::cell::OnceCell::new();
     let mut batch_rules = Vec::with_capacity(rules.len());
     for rule in &rules {
         let route_group = rule.matcher.route_group.as_ref();
         let rule_key = match rule.scope {
+            Scope::User if kind == PrincipalType::Ip && rule.ip_prefixes.is_some() => {
+                let prefixes = rule.ip_prefixes_on(ip_prefixes);
+                let hash = keys::principal_hash(pepper, kind, &request.principal.id, prefixes);
+                keys::principal_key_in(tenant, &rule.principal_segment(kind), &hash, route_group)
+            }
             Scope::User => {
                 let hash = principal_hash.get_or_init(|| {
                     keys::principal_hash(pepper, kind, &request.principal.id, ip_prefixes)

@@ -132,7 +132,20 @@ impl Agent {
             let Limit::Regional(algorithm) = &rule.limit else {
                 return None;
             };
-            let key = rule.key_for(tenant, kind, &principal_hash)?;
+            let key = match rule.ip_prefixes {
+                // A rule with its own prefix lengths keys the address at them.
+                Some(_) if kind == allot_shared::contract::PrincipalType::Ip => {
+                    let prefixes = rule.ip_prefixes_on(self.settings.ip_prefixes);
+                    let own_hash = keys::principal_hash(
+                        &self.settings.pepper,
+                        kind,
+                        &query.principal_id,
+                        prefixes,
+                    );
+                    rule.key_for(tenant, kind, &own_hash)?
+                }
+                _ => rule.key_for(tenant, kind, &principal_hash)?,
+            };
             let params = RuleParams::from_algorithm(algorithm);
             batch_rules.push(BatchRule::new(key, params, MILLITOKENS_PER_TOKEN).ok()?);
         }
