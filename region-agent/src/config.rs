@@ -45,6 +45,16 @@ pub struct AgentArgs {
     /// Redis Cluster seed URLs, comma-separated (instead of --redis).
     #[arg(long, env = "ALLOT_REDIS_CLUSTER", value_delimiter = ',')]
     pub redis_cluster: Option<Vec<String>>,
+    /// PEM CA certificates to trust for a `rediss://` limiter store (default: the system's roots).
+    #[arg(long, env = "ALLOT_REDIS_CA")]
+    pub redis_ca: Option<PathBuf>,
+    /// PEM client certificate to present to a `rediss://` limiter store (mutual TLS); needs
+    /// --redis-client-key.
+    #[arg(long, env = "ALLOT_REDIS_CLIENT_CERT")]
+    pub redis_client_cert: Option<PathBuf>,
+    /// PEM private key of --redis-client-cert.
+    #[arg(long, env = "ALLOT_REDIS_CLIENT_KEY")]
+    pub redis_client_key: Option<PathBuf>,
     /// A policy bundle file. Without it the bundle is fetched from the allocator.
     #[arg(long, env = "ALLOT_POLICY_FILE")]
     pub policy_file: Option<PathBuf>,
@@ -137,6 +147,9 @@ struct FileSettings {
     pepper_file: Option<PathBuf>,
     redis: Option<String>,
     redis_cluster: Option<Vec<String>>,
+    redis_ca: Option<PathBuf>,
+    redis_client_cert: Option<PathBuf>,
+    redis_client_key: Option<PathBuf>,
     policy_file: Option<PathBuf>,
     decision_log: Option<PathBuf>,
     decision_log_allowed_rate: Option<f64>,
@@ -186,6 +199,8 @@ pub struct AgentConfig {
     pub redis: Option<String>,
     /// Redis Cluster seeds (empty: none).
     pub redis_cluster: Vec<String>,
+    /// Certificates for a `rediss://` store, read at start.
+    pub redis_tls: crate::limiter::RedisTls,
     /// A bundle file.
     pub policy_file: Option<PathBuf>,
     /// The decision log file.
@@ -279,10 +294,16 @@ impl AgentArgs {
                 defaults.v6_bits,
             )?,
         };
+        let redis_tls = redis_tls(
+            self.redis_ca.or(file.redis_ca),
+            self.redis_client_cert.or(file.redis_client_cert),
+            self.redis_client_key.or(file.redis_client_key),
+        )?;
         Ok(AgentConfig {
             tls,
             allocator_tls,
             ip_prefixes,
+            redis_tls,
             state_dir: self.state_dir.or(file.state_dir),
             agent_id: self
                 .agent_id
@@ -369,6 +390,34 @@ impl AgentArgs {
             },
         })
     }
+}
+
+/// The certificates of a `rediss://` store, read now so that a bad file stops the start naming it.
+fn redis_tls(
+    ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+) -> Result<crate::limiter::RedisTls, String> {
+    let read = |flag: &str, path: &PathBuf| {
+        let pem = std::fs::read(path).map_err(|e| format!("--{flag} {}: {e}", path.display()))?;
+        if !pem.starts_with(b"-----BEGIN") {
+            return Err(format!("--{flag} {}: not a PEM file", path.display()));
+        }
+        Ok(pem)
+    };
+    let client_pem = match (cert, key) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => Some((
+            read("redis-client-cert", &cert)?,
+            read("redis-client-key", &key)?,
+        )),
+        (Some(_), None) => return Err("--redis-client-cert needs --redis-client-key".to_owned()),
+        (None, Some(_)) => return Err("--redis-client-key needs --redis-client-cert".to_owned()),
+    };
+    Ok(crate::limiter::RedisTls {
+        ca_pem: ca.map(|path| read("redis-ca", &path)).transpose()?,
+        client_pem,
+    })
 }
 
 #[cfg(test)]

@@ -109,13 +109,17 @@ async fn start(args: AgentConfig) -> Result<(), String> {
     };
     let store: Arc<dyn LimiterStore> = if !args.redis_cluster.is_empty() {
         Arc::new(
-            RedisStore::connect_cluster(&args.redis_cluster, store_config)
-                .await
-                .map_err(|e| format!("--redis-cluster: {e}"))?,
+            RedisStore::connect_cluster_with_tls(
+                &args.redis_cluster,
+                store_config,
+                &args.redis_tls,
+            )
+            .await
+            .map_err(|e| format!("--redis-cluster: {e}"))?,
         )
     } else if let Some(url) = &args.redis {
         Arc::new(
-            RedisStore::connect(url, store_config)
+            RedisStore::connect_with_tls(url, store_config, &args.redis_tls)
                 .await
                 .map_err(|e| format!("--redis {url}: {e}"))?,
         )

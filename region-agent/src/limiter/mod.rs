@@ -80,5 +80,5 @@ pub use hot_tenants::HotTenants;
 pub use in_process::{DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore};
 pub use negative_cache::CachedDenial;
 pub use overload::{ConcurrencyConfig, MAX_WAITING_PER_SHARD, ShardLoad};
-pub use redis_store::{RedisStore, RedisStoreConfig, StateLayout};
+pub use redis_store::{RedisStore, RedisStoreConfig, RedisTls, StateLayout};
 pub use store::{BatchDecision, LeaseCall, LeaseOutcome, LimiterStore, Rejection, StoreError};

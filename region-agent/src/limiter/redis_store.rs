@@ -84,6 +84,43 @@ pub struct RedisStoreConfig {
     pub state_layout: StateLayout,
 }
 
+/// PEM certificates for a limiter store reached over TLS (`rediss://`).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct RedisTls {
+    /// CA certificates to trust (PEM); `None`: the system's roots.
+    pub ca_pem: Option<Vec<u8>>,
+    /// Client certificate chain and private key (PEM), for mutual TLS.
+    pub client_pem: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for RedisTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisTls")
+            .field("ca", &self.ca_pem.is_some())
+            .field("client_certificate", &self.client_pem.is_some())
+            .finish()
+    }
+}
+
+impl RedisTls {
+    /// Whether anything is configured (otherwise `rediss://` trusts the system's roots).
+    fn is_set(&self) -> bool {
+        self.ca_pem.is_some() || self.client_pem.is_some()
+    }
+
+    fn certificates(&self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self.client_pem.clone().map(|(client_cert, client_key)| {
+                redis::ClientTlsConfig {
+                    client_cert,
+                    client_key,
+                }
+            }),
+            root_cert: self.ca_pem.clone(),
+        }
+    }
+}
+
 impl Default for RedisStoreConfig {
     fn default() -> Self {
         Self {
@@ -217,9 +254,24 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// Connects to one Redis at `url` (`redis://host:port`) and loads the scripts.
+    /// Connects to one Redis at `url` (`redis://host:port`, or `rediss://` over TLS trusting
+    /// the system's roots) and loads the scripts.
     pub async fn connect(url: &str, config: RedisStoreConfig) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(not_connected)?;
+        Self::connect_with_tls(url, config, &RedisTls::default()).await
+    }
+
+    /// [`connect`](Self::connect), with `tls`'s certificates for a `rediss://` URL.
+    pub async fn connect_with_tls(
+        url: &str,
+        config: RedisStoreConfig,
+        tls: &RedisTls,
+    ) -> Result<Self, StoreError> {
+        let client = if tls.is_set() {
+            redis::Client::build_with_tls(url, tls.certificates())
+        } else {
+            redis::Client::open(url)
+        }
+        .map_err(not_connected)?;
         // The connection's own reply timeout bounds the setup (loading the library, which Redis
         // compiles); every decision call runs under `call_timeout` in `Calls::run`.
         let manager_config = ConnectionManagerConfig::new()
@@ -236,7 +288,21 @@ impl RedisStore {
         seed_urls: &[String],
         config: RedisStoreConfig,
     ) -> Result<Self, StoreError> {
-        let client = ClusterClientBuilder::new(seed_urls.iter().map(String::as_str))
+        Self::connect_cluster_with_tls(seed_urls, config, &RedisTls::default()).await
+    }
+
+    /// [`connect_cluster`](Self::connect_cluster), with `tls`'s certificates for `rediss://`
+    /// seeds.
+    pub async fn connect_cluster_with_tls(
+        seed_urls: &[String],
+        config: RedisStoreConfig,
+        tls: &RedisTls,
+    ) -> Result<Self, StoreError> {
+        let mut builder = ClusterClientBuilder::new(seed_urls.iter().map(String::as_str));
+        if tls.is_set() {
+            builder = builder.certs(tls.certificates());
+        }
+        let client = builder
             // Never re-send: a command re-sent after a dropped connection may debit twice (I6).
             .retries(0)
             .connection_timeout(config.connect_timeout)

@@ -128,6 +128,8 @@ pub struct RedisServer {
     // Invariant: declared before `_dir`, so the server is killed before its dir
     // is deleted (fields drop in declaration order).
     node: Node,
+    /// The TLS port, for a server started with [`RedisServer::start_tls`].
+    tls_port: Option<u16>,
     _dir: TempDir,
 }
 
@@ -157,11 +159,69 @@ impl RedisServer {
         };
         let mut server = Self {
             node: Node::new(redis_server, dir.path(), port, &[]),
+            tls_port: None,
             _dir: dir,
         };
         server.node.start();
         server.try_wait_ready()?;
         Ok(server)
+    }
+
+    /// Starts a server that also serves TLS ([`RedisServer::tls_url`]) with `pki`'s server
+    /// certificate; with `client_certificates`, TLS clients must present a certificate `pki`'s CA
+    /// signed. Its plain port stays open for readiness probes and test inspection.
+    ///
+    /// # Panics
+    /// As [`RedisServer::start`]; also if this `redis-server` was built without TLS.
+    #[must_use]
+    pub fn start_tls(pki: &crate::TestPki, client_certificates: bool) -> Self {
+        let redis_server = Binary::RedisServer.require();
+        let attempt = || -> Result<Self, String> {
+            let dir = temp_dir()?;
+            let [port, tls_port] = free_ports(2)[..] else {
+                unreachable!("free_ports(2) returns two ports")
+            };
+            let tls_port_arg = tls_port.to_string();
+            let (cert, key, ca) = (
+                pki.server_cert().to_string_lossy().into_owned(),
+                pki.server_key().to_string_lossy().into_owned(),
+                pki.ca().to_string_lossy().into_owned(),
+            );
+            let auth = if client_certificates { "yes" } else { "no" };
+            let extra = [
+                ("--tls-port", tls_port_arg.as_str()),
+                ("--tls-cert-file", cert.as_str()),
+                ("--tls-key-file", key.as_str()),
+                ("--tls-ca-cert-file", ca.as_str()),
+                ("--tls-auth-clients", auth),
+            ];
+            let mut server = Self {
+                node: Node::new(&redis_server, dir.path(), port, &extra),
+                tls_port: Some(tls_port),
+                _dir: dir,
+            };
+            server.node.start();
+            server.try_wait_ready()?;
+            Ok(server)
+        };
+        match attempt() {
+            Ok(server) => server,
+            Err(failure) if lost_port_race(&failure) => {
+                attempt().unwrap_or_else(|failure| panic!("{failure}"))
+            }
+            Err(failure) => panic!("{failure}"),
+        }
+    }
+
+    /// `rediss://localhost:TLS_PORT` (the server certificate's name), for a server started with
+    /// [`RedisServer::start_tls`].
+    ///
+    /// # Panics
+    /// If it was started without TLS.
+    #[must_use]
+    pub fn tls_url(&self) -> String {
+        let port = self.tls_port.expect("a server started with start_tls");
+        format!("rediss://localhost:{port}")
     }
 
     /// `redis://127.0.0.1:PORT`.
