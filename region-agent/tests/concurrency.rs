@@ -145,3 +145,61 @@ async fn a_heartbeat_keeps_a_long_exports_slot_and_a_late_one_does_not_resurrect
         .expect("renew");
     assert_eq!(bad.status(), 400);
 }
+
+/// A hung Redis (`CLIENT PAUSE`) under a `local_bounded` rule with a concurrency cap: the slot
+/// call and the decision call share the regional hold, and every admission is answered from the
+/// rule's local bucket within it, never `LIMITER_UNAVAILABLE`, at the default decision budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_store_answers_local_bounded_rules_from_their_local_bucket_every_time() {
+    use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
+    use allot_region_agent::service::Agent;
+    let redis = allot_testkit::RedisServer::start();
+    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
+        .await
+        .expect("redis");
+    let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
+    let agent = Agent::new(
+        common::settings(),
+        Arc::new(SystemClock),
+        limiter,
+        None,
+        Some(common::bundle(
+            r#"{ "rules": [ { "id": "export-user", "scope": "user", "routeGroup": "export",
+                "algorithm": "token_bucket", "capacityMillis": 100000, "refillMillis": 1000,
+                "periodMs": 1000, "concurrencyMax": 3, "failMode": "local_bounded",
+                "localCapacityMillis": 8000, "localRefillMillis": 1, "localPeriodMs": 60000 } ] }"#,
+        )),
+    );
+    let first = agent.admit(&export(0, 1)).await.expect("decision");
+    assert!(
+        first.allowed && !first.fallback,
+        "the store decides: {first:?}"
+    );
+    agent.release(&export(0, 1)).await.expect("released");
+    let mut pause = redis::Client::open(redis.url())
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    let paused: String = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(4_000)
+        .arg("ALL")
+        .query_async(&mut pause)
+        .await
+        .expect("pause");
+    assert_eq!(paused, "OK");
+    let mut answers = Vec::new();
+    for n in 1..=12 {
+        let decision = agent.admit(&export(n, 1)).await.expect("decision");
+        assert_ne!(
+            decision.reason,
+            Some(Reason::LimiterUnavailable),
+            "admission {n}: {decision:?}"
+        );
+        assert!(decision.fallback, "the local bucket answered: {decision:?}");
+        answers.push(decision.allowed);
+    }
+    // The local bucket holds 8 and refills 1 a minute: 8 admitted, then refused by it.
+    assert_eq!(answers.iter().filter(|a| **a).count(), 8, "{answers:?}");
+}

@@ -490,7 +490,18 @@ impl Limiter {
         op: LeaseOp,
         call: &super::store::LeaseCall,
     ) -> Result<super::store::LeaseOutcome, StoreError> {
-        let deadline = monotonic_now() + self.config.decision_budget;
+        self.lease_until(op, call, monotonic_now() + self.config.decision_budget)
+            .await
+    }
+
+    /// [`lease`](Self::lease), ending by `deadline` or the decision budget, whichever is first.
+    pub async fn lease_until(
+        &self,
+        op: LeaseOp,
+        call: &super::store::LeaseCall,
+        deadline: tokio::time::Instant,
+    ) -> Result<super::store::LeaseOutcome, StoreError> {
+        let deadline = deadline.min(monotonic_now() + self.config.decision_budget);
         let shard_index = self.store.shard_of_key(call.key()) % self.shards.len();
         let Some(shard) = self.shards.get(shard_index) else {
             return Err(StoreError::NotExecuted {
@@ -705,7 +716,25 @@ impl Limiter {
         planned: &PlannedBatch<'_>,
         screened: Screened,
     ) -> LimitDecision {
-        let deadline = monotonic_now() + self.config.decision_budget;
+        self.decide_screened_until(
+            planned,
+            screened,
+            monotonic_now() + self.config.decision_budget,
+        )
+        .await
+    }
+
+    /// [`decide_screened`](Self::decide_screened), giving the store until `deadline` or the
+    /// decision budget, whichever is first; past it the rules' fail modes answer, so a caller with
+    /// less time left than a budget still gets `local_bounded` rules decided by their local
+    /// buckets in time.
+    pub async fn decide_screened_until(
+        &self,
+        planned: &PlannedBatch<'_>,
+        screened: Screened,
+        deadline: tokio::time::Instant,
+    ) -> LimitDecision {
+        let deadline = deadline.min(monotonic_now() + self.config.decision_budget);
         let Screened {
             spread,
             sub_slot,

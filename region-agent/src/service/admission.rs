@@ -666,13 +666,22 @@ impl Agent {
         screened: Screened,
         slots: &[(usize, LeaseCall)],
     ) -> (Decision, bool) {
+        // Every store call ends early enough for the fail modes to answer within the hold (half a
+        // budget to spare, for a thread that runs late): a hung store costs a local_bounded rule
+        // its local bucket's answer, never a 503.
+        let store_deadline = crate::clock::monotonic_now() + self.regional_hold()
+            - self.limiter.decision_budget() / 2;
         let mut fallback = false;
         let mut held = Vec::new();
         for (index, call) in slots {
             let Some(rule) = planned.rules.get(*index) else {
                 continue;
             };
-            match self.limiter.lease(LeaseOp::Acquire, call).await {
+            match self
+                .limiter
+                .lease_until(LeaseOp::Acquire, call, store_deadline)
+                .await
+            {
                 Ok(outcome) if outcome.held => held.push(call),
                 Ok(_) => {
                     self.release_all(&held).await;
@@ -698,7 +707,10 @@ impl Agent {
                 }
             }
         }
-        let decided = self.limiter.decide_screened(planned, screened).await;
+        let decided = self
+            .limiter
+            .decide_screened_until(planned, screened, store_deadline)
+            .await;
         let replayed = matches!(&decided.verdict, Verdict::Store(store) if store.replayed);
         let mut decision = self.with_jitter(decided.to_contract(planned), planned);
         decision.fallback |= fallback;
