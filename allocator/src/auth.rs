@@ -50,7 +50,7 @@ pub const TOKEN_PREFIX: &str = "/allot/tokens/";
 pub enum OperatorRole {
     /// Reads pools, windows, policies, the audit log.
     Viewer,
-    /// Also configures pools and publishes and promotes policies.
+    /// Also configures pools and publishes, promotes and rolls back policies.
     Author,
     /// Also mints and revokes tokens.
     Admin,

@@ -128,6 +128,13 @@ async fn every_endpoint_checks_the_role() {
             false,
         ),
         (
+            Method::POST,
+            "/v1/policies/1/rollback",
+            None,
+            Some("author"),
+            false,
+        ),
+        (
             Method::GET,
             "/v1/policies/status",
             None,

@@ -5,7 +5,7 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{AGENT, OPERATOR, Server, start};
+use common::{AGENT, AUTHOR, OPERATOR, Server, start};
 
 fn pool_body() -> Value {
     json!({ "limit": 1000, "windowMs": 60000, "chunk": 100, "leaseTtlMs": 15000,
@@ -541,6 +541,205 @@ async fn policies_publish_stage_promote_and_report() {
             .status(),
         400
     );
+}
+
+const BUNDLE: &str = include_str!("../../deploy/examples/northstar-bundle.json");
+
+/// The example bundle with its first rule's burst changed, so versions differ in content.
+fn bundle_with_capacity(capacity_millis: u64) -> String {
+    BUNDLE.replacen(
+        "\"capacityMillis\": 20000",
+        &format!("\"capacityMillis\": {capacity_millis}"),
+        1,
+    )
+}
+
+/// An answer's status, JSON body and `Location`.
+struct Answered {
+    status: u16,
+    body: Value,
+    location: Option<String>,
+}
+
+impl Server {
+    async fn publish_policy(&self, query: &str, body: String) -> Answered {
+        let request = self
+            .client
+            .put(format!("{}/v1/policies{query}", self.url))
+            .header("content-type", "application/json")
+            .body(body);
+        answered(request).await
+    }
+
+    /// `POST /v1/policies/{version}/{action}` (promote, rollback) as an author.
+    async fn policy_action(&self, version: &str, action: &str) -> Answered {
+        let request = self
+            .client
+            .post(format!("{}/v1/policies/{version}/{action}", self.url));
+        answered(request).await
+    }
+
+    /// The bundle version an agent of `region` is told to run.
+    async fn version_for(&self, region: &str) -> Option<u64> {
+        let (status, bundle) = self
+            .get(&format!("/v1/policies/current?region={region}"), AGENT)
+            .await;
+        assert_eq!(status, 200, "{bundle}");
+        bundle["bundleVersion"].as_u64()
+    }
+}
+
+async fn answered(request: reqwest::RequestBuilder) -> Answered {
+    let response = request.bearer_auth(AUTHOR).send().await.expect("send");
+    let status = response.status().as_u16();
+    if !response.status().is_success() {
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json",
+            "errors are problem+json"
+        );
+    }
+    let location = response
+        .headers()
+        .get("location")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let body = response.json().await.unwrap_or(Value::Null);
+    Answered {
+        status,
+        body,
+        location,
+    }
+}
+
+/// Agents only install a higher version: promoting an older one would leave running agents on the
+/// current one while new ones fetch the older (a region split), so it is refused with the way out;
+/// a rollback publishes the older content as the next version, current everywhere.
+#[tokio::test]
+async fn promoting_an_older_version_is_refused_and_a_rollback_publishes_it_anew() {
+    let server = start().await;
+    let first = server.publish_policy("", BUNDLE.to_owned()).await;
+    assert_eq!(
+        (first.status, first.body["bundleVersion"].as_u64()),
+        (200, Some(1))
+    );
+    let second = server
+        .publish_policy("", bundle_with_capacity(30_000))
+        .await;
+    assert_eq!(second.body["bundleVersion"], 2, "{}", second.body);
+
+    let refused = server.policy_action("1", "promote").await;
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    let detail = refused.body["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("version 1 is older than the current version 2")
+            && detail.contains("POST /v1/policies/1/rollback"),
+        "{detail}"
+    );
+    let (_, status) = server.get("/v1/policies/status", OPERATOR).await;
+    assert_eq!(
+        (
+            status["rollout"]["current"].as_u64(),
+            status["rollout"]["latest"].as_u64()
+        ),
+        (Some(2), Some(2)),
+        "{status}"
+    );
+    let again = server.policy_action("2", "promote").await;
+    assert_eq!(
+        again.status, 200,
+        "promoting the current version is a no-op"
+    );
+
+    let rolled = server.policy_action("1", "rollback").await;
+    assert_eq!(rolled.status, 201, "{}", rolled.body);
+    assert_eq!(rolled.location.as_deref(), Some("/v1/policies/3"));
+    assert_eq!(rolled.body["bundleVersion"], 3);
+    assert_eq!(rolled.body["rules"], first.body["rules"], "v1's rules");
+    assert_ne!(rolled.body["checksum"], first.body["checksum"]);
+    // The checksum is v1's content sealed as version 3 at its publication time: nothing else.
+    let v1 = allot_shared::policy::parse_bundle(&first.body.to_string()).expect("v1");
+    let published_at = rolled.body["publishedAt"].as_str().map(str::to_owned);
+    let resealed = v1.seal(3, published_at);
+    assert_eq!(rolled.body["checksum"], resealed.checksum());
+
+    let (_, status) = server.get("/v1/policies/status", OPERATOR).await;
+    assert_eq!(status["rollout"]["current"], 3, "{status}");
+    assert!(status["rollout"].get("canary").is_none(), "{status}");
+    assert_eq!(server.version_for("eu").await, Some(3));
+    let (_, stored) = server.get("/v1/policies/3", AGENT).await;
+    assert_eq!(stored, rolled.body);
+
+    // Audited as a rollback of the new version.
+    let (_, audit) = server.get("/v1/audit?last=1", OPERATOR).await;
+    let entry = &audit["entries"][0];
+    assert_eq!(
+        (
+            entry["action"].as_str(),
+            entry["target"].as_str(),
+            entry["version"].as_u64()
+        ),
+        (Some("policy.rollback"), Some("3"), Some(3)),
+        "{audit}"
+    );
+    assert_eq!(server.policy_action("9", "rollback").await.status, 404);
+    let bad = server.policy_action("x", "rollback").await;
+    assert_eq!(
+        (bad.status, bad.body["field"].as_str()),
+        (400, Some("version"))
+    );
+}
+
+/// A canary replaced by a newer one must not leave the older canary's regions behind: their
+/// agents run a version above the current one and would never go back down to it.
+#[tokio::test]
+async fn a_newer_canary_never_strands_the_older_canarys_regions() {
+    let server = start().await;
+    assert_eq!(
+        server.publish_policy("", BUNDLE.to_owned()).await.status,
+        200
+    );
+    let staged = server
+        .publish_policy("?canary=eu", bundle_with_capacity(30_000))
+        .await;
+    assert_eq!(staged.body["bundleVersion"], 2, "{}", staged.body);
+
+    let refused = server
+        .publish_policy("?canary=us", bundle_with_capacity(40_000))
+        .await;
+    assert_eq!(refused.status, 409, "{}", refused.body);
+    assert_eq!(refused.body["field"], "canary");
+    let detail = refused.body["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("canary version 2 runs in eu") && detail.contains("must include eu"),
+        "{detail}"
+    );
+    assert_eq!(
+        server.version_for("eu").await,
+        Some(2),
+        "eu stays on its canary"
+    );
+    assert_eq!(server.version_for("us").await, Some(1));
+
+    let widened = server
+        .publish_policy("?canary=us,eu", bundle_with_capacity(40_000))
+        .await;
+    assert_eq!(widened.body["bundleVersion"], 3, "{}", widened.body);
+    for (region, version) in [("eu", 3), ("us", 3), ("ap", 1)] {
+        assert_eq!(server.version_for(region).await, Some(version), "{region}");
+    }
+
+    // Promoting the orphaned version 2 raises everyone else to it; the canary regions keep 3.
+    assert_eq!(server.policy_action("2", "promote").await.status, 200);
+    for (region, version) in [("eu", 3), ("us", 3), ("ap", 2)] {
+        assert_eq!(server.version_for(region).await, Some(version), "{region}");
+    }
+    assert_eq!(server.policy_action("1", "promote").await.status, 409);
+    // A rollback ends the canary: everyone runs version 1's content as version 4.
+    assert_eq!(server.policy_action("1", "rollback").await.status, 201);
+    for region in ["eu", "us", "ap"] {
+        assert_eq!(server.version_for(region).await, Some(4), "{region}");
+    }
 }
 
 /// Calendar windows: a monthly plan in Berlin time. The spec round-trips, grants and terms carry

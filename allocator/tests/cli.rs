@@ -308,6 +308,55 @@ async fn failures_are_one_line_with_a_non_zero_exit() {
     assert_eq!(half.status.code(), Some(2), "--calendar needs --time-zone");
 }
 
+/// Runs `allotctl` expecting a one-line failure with exit 1; the line.
+async fn failure(server: &str, args: &[&str]) -> String {
+    let output = allotctl(server, OPERATOR, args).await;
+    assert_eq!(output.status.code(), Some(1), "{args:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    stderr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_promote_only_goes_up_and_rollback_republishes_older_content() {
+    let server = start().await;
+    let url = server.url.as_str();
+    let bundle = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/examples/northstar-bundle.json"
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    let candidate = dir.path().join("candidate.json");
+    let text = std::fs::read_to_string(bundle).expect("bundle");
+    std::fs::write(
+        &candidate,
+        text.replacen("\"capacityMillis\": 20000", "\"capacityMillis\": 30000", 1),
+    )
+    .expect("candidate");
+    for file in [bundle, candidate.to_str().expect("path")] {
+        stdout(&allotctl(url, OPERATOR, &["policies", "publish", file]).await);
+    }
+
+    let refused = failure(url, &["policies", "promote", "1"]).await;
+    assert!(
+        refused
+            .starts_with("allotctl: 409 Conflict: version 1 is older than the current version 2"),
+        "{refused}"
+    );
+    let rolled = stdout(&allotctl(url, OPERATOR, &["policies", "rollback", "1"]).await);
+    assert!(
+        rolled.starts_with("bundle version 3 (5 rules), sha256:"),
+        "{rolled}"
+    );
+    let status = stdout(&allotctl(url, OPERATOR, &["policies", "status"]).await);
+    assert!(status.starts_with("current v3, latest v3\n"), "{status}");
+    let json = stdout(&allotctl(url, OPERATOR, &["--json", "policies", "rollback", "2"]).await);
+    let json: serde_json::Value = serde_json::from_str(&json).expect("--json prints JSON");
+    assert_eq!(json["bundleVersion"], 4);
+    let unknown = failure(url, &["policies", "rollback", "9"]).await;
+    assert!(unknown.starts_with("allotctl: 404"), "{unknown}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_and_audit_with_allotctl() {
     let server = start().await;

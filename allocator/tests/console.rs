@@ -143,12 +143,13 @@ const PAGES: [&str; 11] = [
     "/console/audit",
 ];
 
-const CHANGES: [&str; 7] = [
+const CHANGES: [&str; 8] = [
     "/console/pools/new",
     "/console/pools/atlas/api/edit",
     "/console/pools/atlas/api/delete",
     "/console/policies/publish",
     "/console/policies/1/promote",
+    "/console/policies/1/rollback",
     "/console/tokens",
     "/console/sign-out",
 ];
@@ -544,7 +545,7 @@ async fn an_admin_mints_a_token_shown_once_and_revoking_it_ends_its_sessions() {
 }
 
 #[tokio::test]
-async fn policies_publish_with_field_errors_diff_and_promote() {
+async fn policies_publish_with_field_errors_diff_promote_and_roll_back() {
     let server = start().await;
     let author = signed_in(&server, AUTHOR).await;
     let page = author.get("/console/policies").await;
@@ -671,9 +672,51 @@ async fn policies_publish_with_field_errors_diff_and_promote() {
     let (_, status) = server_get(&server, "/v1/policies/status").await;
     assert_eq!(status["rollout"]["current"], 2);
 
+    // Below the current version the console offers a rollback, never a promotion (agents never
+    // go back to a lower version); a promotion asked for anyway shows the API's refusal.
+    let page = author.get("/console/policies").await;
+    assert!(
+        page.text.contains("Roll back to 1") && !page.text.contains("Promote 1"),
+        "{}",
+        page.text
+    );
+    let refused = author
+        .post("/console/policies/1/promote", &[("csrf", &csrf)])
+        .await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert!(
+        refused.text.contains("older than the current version 2"),
+        "{}",
+        refused.text
+    );
+    let forged = author
+        .post("/console/policies/1/rollback", &[("csrf", "0123")])
+        .await;
+    assert_eq!(forged.status, StatusCode::FORBIDDEN);
+    let rolled = author
+        .post("/console/policies/1/rollback", &[("csrf", &csrf)])
+        .await;
+    assert_eq!(rolled.location.as_deref(), Some("/console/policies"));
+    let (_, status) = server_get(&server, "/v1/policies/status").await;
+    assert_eq!(
+        (
+            status["rollout"]["current"].as_u64(),
+            status["rollout"]["latest"].as_u64()
+        ),
+        (Some(3), Some(3)),
+        "only the genuine rollback published: {status}"
+    );
+    let (_, rolled_back) = server_get(&server, "/v1/policies/3").await;
+    let (_, first) = server_get(&server, "/v1/policies/1").await;
+    assert_eq!(rolled_back["rules"], first["rules"]);
+
     let viewer = signed_in(&server, VIEWER).await;
     let seen = viewer.get("/console/policies").await;
-    assert!(!seen.text.contains("Publish a bundle") && !seen.text.contains("Promote"));
+    assert!(
+        !seen.text.contains("Publish a bundle")
+            && !seen.text.contains("Promote")
+            && !seen.text.contains("Roll back to")
+    );
 }
 
 #[tokio::test]

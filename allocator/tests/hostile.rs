@@ -425,6 +425,13 @@ fn cases() -> Vec<Case> {
             Some("version"),
         ),
         (
+            Method::POST,
+            "/v1/policies/0/rollback",
+            OPERATOR,
+            400,
+            Some("version"),
+        ),
+        (
             Method::GET,
             "/v1/audit?last=1&last=1",
             OPERATOR,

@@ -175,8 +175,10 @@ enum PoliciesCommand {
         #[arg(long)]
         canary: Option<String>,
     },
-    /// Make a version current everywhere.
+    /// Make a version current everywhere (the current one or a newer one: agents never go back).
     Promote { version: u64 },
+    /// Publish an earlier version's content as the next version, current everywhere at once.
+    Rollback { version: u64 },
     /// Show a bundle: `current` (optionally for a region) or a version.
     Get {
         #[arg(default_value = "current")]
@@ -407,6 +409,11 @@ fn policies_call(command: PoliciesCommand) -> Result<Call, String> {
             Method::POST,
             format!("/v1/policies/{version}/promote"),
             Answer::Rollout,
+        ),
+        PoliciesCommand::Rollback { version } => call(
+            Method::POST,
+            format!("/v1/policies/{version}/rollback"),
+            Answer::Bundle,
         ),
         PoliciesCommand::Get { version, region } => {
             let query = region

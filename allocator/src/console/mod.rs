@@ -95,6 +95,10 @@ pub fn router(state: ConsoleState) -> Router {
             "/console/policies/{version}/promote",
             post(policies::promote),
         )
+        .route(
+            "/console/policies/{version}/rollback",
+            post(policies::rollback),
+        )
         .route("/console/tokens", get(tokens::page).post(tokens::mint))
         .route("/console/tokens/{id}/revoke", post(tokens::revoke))
         .route("/console/audit", get(audit::page))

@@ -1,5 +1,7 @@
 //! Policy bundles: the rollout, recent versions, a readable diff between two, publishing a pasted
-//! bundle (the API's validation errors shown with the rule and field they name), and promotion.
+//! bundle (the API's validation errors shown with the rule and field they name), promotion of newer
+//! versions and rollback to older ones (agents never go back to a lower version, so an older
+//! version's content comes back as a new version).
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
@@ -101,6 +103,16 @@ async fn page_body(session: &Session, api: &Api, publish: Markup) -> Result<Mark
                                     form.inline method="post" action=(format!("/console/policies/{version}/promote")) {
                                         (csrf_field(session))
                                         button.secondary type="submit" { "Promote " (version) }
+                                    }
+                                }
+                                @if may_author && version < rollout.current {
+                                    " "
+                                    form.inline method="post" action=(format!("/console/policies/{version}/rollback")) {
+                                        (csrf_field(session))
+                                        button.secondary type="submit"
+                                            title=(format!("publish version {version}'s content as a new version, current everywhere")) {
+                                            "Roll back to " (version)
+                                        }
                                     }
                                 }
                             }
@@ -313,6 +325,19 @@ pub async fn promote(
 ) -> Response {
     let SignedIn { api, .. } = &signed_in;
     let path = format!("/v1/policies/{}/promote", query_escape(version.trim()));
+    match api.act(Method::POST, &path).await {
+        Ok(_) => Redirect::to("/console/policies").into_response(),
+        Err(problem) => console.failed(&signed_in, Section::Policies, &problem),
+    }
+}
+
+pub async fn rollback(
+    State(console): State<ConsoleState>,
+    Path(version): Path<String>,
+    Change { signed_in, .. }: Change<CsrfForm>,
+) -> Response {
+    let SignedIn { api, .. } = &signed_in;
+    let path = format!("/v1/policies/{}/rollback", query_escape(version.trim()));
     match api.act(Method::POST, &path).await {
         Ok(_) => Redirect::to("/console/policies").into_response(),
         Err(problem) => console.failed(&signed_in, Section::Policies, &problem),

@@ -28,7 +28,7 @@ pub enum Answer {
     Minted,
     /// `GET /v1/audit`.
     Audit,
-    /// `PUT /v1/policies`, `GET /v1/policies/{version}`.
+    /// `PUT /v1/policies`, `GET /v1/policies/{version}`, `POST /v1/policies/{version}/rollback`.
     Bundle,
     /// `POST /v1/policies/{version}/promote`.
     Rollout,

@@ -122,6 +122,11 @@ impl From<PolicyStoreError> for ApiError {
             PolicyStoreError::UnknownVersion(_) | PolicyStoreError::NothingCurrent => {
                 Self::not_found(error.to_string())
             }
+            // Agents only go up (I13): a change that would move a region down is refused.
+            PolicyStoreError::OlderThanCurrent { .. } => Self::conflict(error.to_string()),
+            PolicyStoreError::CanaryRegionsLeftBehind { .. } => {
+                Self::conflict(error.to_string()).with_field("canary")
+            }
             PolicyStoreError::Contended => Self::conflict(error.to_string()),
             other => Self::unavailable("Store unavailable", other.to_string()),
         }

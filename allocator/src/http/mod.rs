@@ -117,6 +117,10 @@ pub fn routes(state: ApiState) -> Router {
             post(policies::promote_policy),
         )
         .route(
+            "/v1/policies/{version}/rollback",
+            post(policies::rollback_policy),
+        )
+        .route(
             "/v1/tokens",
             get(tokens::list_tokens).post(tokens::post_token),
         )

@@ -1,4 +1,5 @@
-//! Policy bundles: publish (with an optional canary), read, promote, and what every agent runs.
+//! Policy bundles: publish (with an optional canary), read, promote, roll back, and what every agent
+//! runs.
 
 use allot_shared::ids::RegionId;
 use allot_shared::policy::{PolicyBundle, parse_bundle};
@@ -169,6 +170,56 @@ pub async fn promote_policy(
         },
     )
     .await
+}
+
+/// `POST /v1/policies/{version}/rollback`: publishes `version`'s content as the next version,
+/// current everywhere at once. Answers 201 with the new bundle (its location in `Location`).
+pub async fn rollback_policy(
+    State(state): State<ApiState>,
+    Path(version): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
+    let version = parse_version(&version)?;
+    run_change(
+        state,
+        credential,
+        "policy.rollback",
+        async move |state, credential| {
+            let now_ms = state.clock.now_ms();
+            let published_at = allot_shared::window::rfc3339_utc(now_ms);
+            let bundle = policies::rollback(&*state.kv, version, published_at).await?;
+            let target = bundle.version().to_string();
+            state
+                .ledger
+                .record_bundle(&bundle, &credential.actor(), now_ms)
+                .await
+                .map_err(|e| unrecorded("bundle record", "policy.rollback", &target, e))?;
+            tracing::info!(
+                version = bundle.version(),
+                content_of = version,
+                checksum = bundle.checksum(),
+                "policy rolled back"
+            );
+            Ok(Changed {
+                response: created_bundle_response(&bundle),
+                target,
+                version: bundle.version(),
+                detail: serde_json::json!({ "checksum": bundle.checksum(), "contentOf": version }),
+            })
+        },
+    )
+    .await
+}
+
+/// A bundle just created at its own version's path: 201, with `Location`.
+fn created_bundle_response(bundle: &PolicyBundle) -> Response {
+    let mut response = bundle_response(bundle);
+    *response.status_mut() = StatusCode::CREATED;
+    if let Ok(location) = HeaderValue::from_str(&format!("/v1/policies/{}", bundle.version())) {
+        response.headers_mut().insert(header::LOCATION, location);
+    }
+    response
 }
 
 pub async fn post_agent_status(

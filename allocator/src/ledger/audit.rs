@@ -23,7 +23,8 @@ pub struct AuditEntry {
     pub at_ms: u64,
     /// `<role>:<token id>`.
     pub actor: String,
-    /// `pool.put`, `pool.delete`, `policy.publish`, `policy.promote`, `token.mint`, `token.revoke`.
+    /// `pool.put`, `pool.delete`, `policy.publish`, `policy.promote`,
+    /// `policy.rollback`, `token.mint`, `token.revoke`.
     pub action: String,
     /// What changed: `tenant/pool`, a policy version, a token id.
     pub target: String,
