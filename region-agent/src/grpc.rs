@@ -5,7 +5,10 @@
 //! (`region-agent/proto/envoy_rls_v3_subset*.proto`, generated at build time into `OUT_DIR`).
 //!
 //! # Descriptor mapping
-//! Every descriptor of a request becomes one [`AdmissionRequest`], decided in request order:
+//! Every descriptor of a request becomes one [`AdmissionRequest`]; a call's descriptors are decided
+//! **all or none** ([`Agent::admit_together`]): one store call for all their regional rules, their
+//! global reservations committed only if every one is admitted, so a call that is `OVER_LIMIT`
+//! spends nothing for any of its descriptors:
 //!
 //! | descriptor entry | admission request | |
 //! |---|---|---|
@@ -38,10 +41,17 @@
 //! - Every descriptor is validated before any is decided; a missing or repeated entry, an invalid
 //!   value, more than [`MAX_DESCRIPTORS`] descriptors or [`MAX_ENTRIES`] entries, or an entry over
 //!   [`MAX_ENTRY_BYTES`] answers `INVALID_ARGUMENT` naming the descriptor and key, and debits nothing.
+//!   So do descriptors one store call cannot decide together: two tenants in one call (or a hot
+//!   tenant's principals in two sub-slots), one sliding-log key twice, or more than 8 distinct
+//!   regional rules.
+//! - Order: checks (`hits_addend` 0) first; if one is over, the call is over and the descriptors
+//!   that would spend are answered as checks too (nothing spent). Then the spending descriptors,
+//!   together; then charges after the response.
 //!
 //! # Answer
 //! - allowed -> `OK`; denied (rate or concurrency) -> `OVER_LIMIT`; `overall_code` is `OVER_LIMIT` when
-//!   any descriptor is.
+//!   any descriptor is. A call denied is denied for every descriptor that would have spent: each is
+//!   `OVER_LIMIT`, naming the rule that denied the call.
 //! - `duration_until_reset` = the decision's `retryAfterMs` (0 when allowed, and 0 when the request can
 //!   never succeed, `retryAfterMs = -1`).
 //! - `current_limit` = `{requests_per_unit: limit, unit: UNKNOWN, name: policy id}` and
@@ -64,8 +74,8 @@
 //! `failure_mode_deny` decides: `true` turns it into a denial (Envoy answers 500 by default), `false`
 //! lets the request through. Allot's per-rule fail modes have already decided everything they could
 //! (`open` and `local_bounded` rules answer `OK`/`OVER_LIMIT` themselves), so `UNAVAILABLE` only
-//! reaches Envoy for rules that must not be guessed. Descriptors decided before the failing one have
-//! been debited (as with any partial multi-descriptor denial).
+//! reaches Envoy for rules that must not be guessed. Nothing of the call was spent: its descriptors
+//! are decided together.
 //!
 //! # Authentication and bounds
 //! Gateways send metadata `authorization: Bearer <gateway token>` (the HTTP API's tokens); otherwise
@@ -329,9 +339,70 @@ impl RateLimitService for RateLimitApi {
     }
 }
 
+/// What a call's answer gathers as its descriptors are decided.
+#[derive(Default)]
+struct CallAnswer {
+    over: bool,
+    headers: Vec<HeaderValue>,
+    upstream_headers: Vec<HeaderValue>,
+}
+
+impl CallAnswer {
+    /// Takes descriptor `index`'s decision into the answer: its status, and the headers it adds.
+    fn record(
+        &mut self,
+        agent: &Agent,
+        index: usize,
+        admission: &AdmissionRequest,
+        decision: &Decision,
+    ) -> DescriptorStatus {
+        if index == 0 && admission.principal.kind.is_authenticated() {
+            self.headers.push(HeaderValue {
+                key: DECISION_ID_HEADER.to_owned(),
+                value: decision.decision_id.to_string(),
+            });
+        }
+        self.over |= !decision.allowed;
+        let bundle = agent.bundle();
+        if let Some(bundle) = bundle.as_deref() {
+            let (soft, shadow) =
+                crate::visibility::violation_headers(bundle, admission.principal.kind, decision);
+            let header = |key: &str, value: String| HeaderValue {
+                key: key.to_owned(),
+                value,
+            };
+            self.headers
+                .extend(soft.map(|v| header(crate::visibility::SOFT_LIMIT_HEADER, v)));
+            self.upstream_headers
+                .extend(shadow.map(|v| header(crate::visibility::SHADOW_DENIED_HEADER, v)));
+        }
+        descriptor_status(bundle.as_deref(), admission.principal.kind, decision)
+    }
+}
+
 impl RateLimitApi {
-    /// One `ShouldRateLimit` call: every descriptor decided in order, the first outage answering
-    /// `UNAVAILABLE` (so Envoy's `failure_mode_deny` decides).
+    /// One descriptor decided alone (a check); an outage answers `UNAVAILABLE`.
+    async fn decide_one(
+        &self,
+        index: usize,
+        admission: &AdmissionRequest,
+    ) -> Result<Decision, Status> {
+        let decision = self
+            .agent
+            .admit(admission)
+            .await
+            .map_err(|rejected| invalid(index, &rejected.field, rejected.message))?;
+        if is_outage(&decision) {
+            return Err(Status::unavailable(
+                "a fail-closed rule could not be decided; Envoy's failure_mode_deny applies",
+            ));
+        }
+        Ok(decision)
+    }
+
+    /// One `ShouldRateLimit` call: its checks (`hits_addend` 0) first, then every descriptor that
+    /// spends decided together, all or none ([`Agent::admit_together`]), then charges after the
+    /// response; an outage answers `UNAVAILABLE` (so Envoy's `failure_mode_deny` decides).
     async fn decide(
         &self,
         request: Request<RateLimitRequest>,
@@ -359,56 +430,64 @@ impl RateLimitApi {
                 ))
             })
             .collect::<Result<Vec<_>, Status>>()?;
-        let mut statuses = Vec::with_capacity(admissions.len());
-        let mut headers = Vec::new();
-        let mut upstream_headers = Vec::new();
-        let mut over = false;
+        let mut answer = CallAnswer::default();
+        let mut statuses: Vec<Option<DescriptorStatus>> = vec![None; admissions.len()];
+        // Checks first: a dry run spends nothing, and one that is over makes the call over, so
+        // nothing else of it may spend either.
         for (index, (admission, after_response)) in admissions.iter().enumerate() {
-            if *after_response {
-                let answer = self.agent.charge_after_response(admission).await;
-                let status = charge_status(answer.as_ref());
-                over |= status.code == Code::OverLimit as i32;
-                statuses.push(status);
-                continue;
+            if admission.dry_run && !after_response {
+                let decision = self.decide_one(index, admission).await?;
+                statuses[index] = Some(answer.record(&self.agent, index, admission, &decision));
             }
-            let decision = self
-                .agent
-                .admit(admission)
-                .await
-                .map_err(|rejected| invalid(index, &rejected.field, rejected.message))?;
-            if is_outage(&decision) {
+        }
+        let spending: Vec<usize> = (0..admissions.len())
+            .filter(|&index| !admissions[index].0.dry_run && !admissions[index].1)
+            .collect();
+        if answer.over {
+            // Answered as checks: the call is over, so these spend nothing.
+            for &index in &spending {
+                let mut check = admissions[index].0.clone();
+                check.dry_run = true;
+                let decision = self.decide_one(index, &check).await?;
+                statuses[index] = Some(answer.record(&self.agent, index, &check, &decision));
+            }
+        } else if !spending.is_empty() {
+            let requests: Vec<AdmissionRequest> = spending
+                .iter()
+                .map(|&index| admissions[index].0.clone())
+                .collect();
+            let decisions =
+                self.agent
+                    .admit_together(&requests)
+                    .await
+                    .map_err(|(at, rejected)| {
+                        invalid(spending[at], &rejected.field, rejected.message)
+                    })?;
+            if decisions.iter().any(is_outage) {
                 return Err(Status::unavailable(
                     "a fail-closed rule could not be decided; Envoy's failure_mode_deny applies",
                 ));
             }
-            if index == 0 && admission.principal.kind.is_authenticated() {
-                headers.push(HeaderValue {
-                    key: DECISION_ID_HEADER.to_owned(),
-                    value: decision.decision_id.to_string(),
-                });
+            for (&index, decision) in spending.iter().zip(&decisions) {
+                let admission = &admissions[index].0;
+                statuses[index] = Some(answer.record(&self.agent, index, admission, decision));
             }
-            over |= !decision.allowed;
-            let bundle = self.agent.bundle();
-            if let Some(bundle) = bundle.as_deref() {
-                let (soft, shadow) = crate::visibility::violation_headers(
-                    bundle,
-                    admission.principal.kind,
-                    &decision,
-                );
-                let header = |key: &str, value: String| HeaderValue {
-                    key: key.to_owned(),
-                    value,
-                };
-                headers.extend(soft.map(|v| header(crate::visibility::SOFT_LIMIT_HEADER, v)));
-                upstream_headers
-                    .extend(shadow.map(|v| header(crate::visibility::SHADOW_DENIED_HEADER, v)));
-            }
-            statuses.push(descriptor_status(
-                bundle.as_deref(),
-                admission.principal.kind,
-                &decision,
-            ));
         }
+        // Charges after the response: never denied (the request is done).
+        for (index, (admission, after_response)) in admissions.iter().enumerate() {
+            if *after_response {
+                let charged = self.agent.charge_after_response(admission).await;
+                let status = charge_status(charged.as_ref());
+                answer.over |= status.code == Code::OverLimit as i32;
+                statuses[index] = Some(status);
+            }
+        }
+        let CallAnswer {
+            over,
+            headers,
+            upstream_headers,
+        } = answer;
+        let statuses: Vec<DescriptorStatus> = statuses.into_iter().flatten().collect();
         let overall = if over { Code::OverLimit } else { Code::Ok };
         Ok(Response::new(RateLimitResponse {
             overall_code: overall as i32,

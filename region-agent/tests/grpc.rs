@@ -190,7 +190,98 @@ async fn one_descriptor_over_makes_the_whole_request_over() {
     let answer = ask(&mut served, vec![user("carol"), user("bob")]).await;
     assert_eq!(answer.overall_code, Code::OverLimit as i32);
     let codes: Vec<i32> = answer.statuses.iter().map(|s| s.code).collect();
-    assert_eq!(codes, vec![Code::Ok as i32, Code::OverLimit as i32]);
+    assert_eq!(
+        codes,
+        vec![Code::OverLimit as i32, Code::OverLimit as i32],
+        "a call denied is denied for every descriptor"
+    );
+}
+
+/// A call's descriptors are all or none: denied by one, it debits none. U-a has quota left and
+/// U-b has none; the call is over, and U-a still has every token (envoyproxy/ratelimit would have
+/// counted U-a's hit).
+#[tokio::test]
+async fn a_call_denied_by_one_descriptor_debits_none_of_the_others() {
+    let mut served = serve(true).await;
+    for _ in 0..2 {
+        assert_eq!(
+            ask(&mut served, vec![user("U-b")]).await.overall_code,
+            Code::Ok as i32
+        );
+    }
+    for _ in 0..5 {
+        let answer = ask(&mut served, vec![user("U-a"), user("U-b")]).await;
+        assert_eq!(answer.overall_code, Code::OverLimit as i32);
+    }
+    for n in 0..2 {
+        let answer = ask(&mut served, vec![user("U-a")]).await;
+        assert_eq!(answer.overall_code, Code::Ok as i32, "U-a's token {n}");
+    }
+    assert_eq!(
+        ask(&mut served, vec![user("U-a")]).await.overall_code,
+        Code::OverLimit as i32,
+        "and only its two"
+    );
+}
+
+/// Two descriptors on one tenant-wide budget are charged together: with one unit left, a call
+/// needing two is over and spends nothing; a call needing one is admitted.
+#[tokio::test]
+async fn descriptors_sharing_a_budget_are_charged_their_sum_in_one_call() {
+    let mut served = serve_bundle(Some(
+        r#"{ "bundleVersion": 1, "rules": [
+            {"id": "tenant-read", "scope": "tenant", "routeGroup": "read",
+             "algorithm": "fixed_window", "limit": 3, "windowMs": 3600000, "failMode": "closed"} ] }"#,
+    ))
+    .await;
+    assert_eq!(
+        ask(&mut served, vec![user("A"), user("B")])
+            .await
+            .overall_code,
+        Code::Ok as i32,
+        "two of three"
+    );
+    let over = ask(&mut served, vec![user("C"), user("D")]).await;
+    assert_eq!(
+        over.overall_code,
+        Code::OverLimit as i32,
+        "two more do not fit"
+    );
+    assert_eq!(
+        ask(&mut served, vec![user("E")]).await.overall_code,
+        Code::Ok as i32,
+        "the last one is still there"
+    );
+}
+
+/// What one store call cannot decide all or none is refused, naming the descriptor: two tenants
+/// in one call.
+#[tokio::test]
+async fn descriptors_of_two_tenants_in_one_call_are_an_invalid_argument() {
+    let mut served = serve(true).await;
+    let other_tenant = descriptor(&[
+        ("tenant", "globex"),
+        ("user", "U-a"),
+        ("route_group", "read"),
+    ]);
+    let status = served
+        .client
+        .should_rate_limit(request(vec![user("U-a"), other_tenant], Some(TOKEN)))
+        .await
+        .expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status.message().contains("descriptors[1]") && status.message().contains("all or none"),
+        "{}",
+        status.message()
+    );
+    for _ in 0..2 {
+        assert_eq!(
+            ask(&mut served, vec![user("U-a")]).await.overall_code,
+            Code::Ok as i32,
+            "nothing was spent"
+        );
+    }
 }
 
 #[tokio::test]

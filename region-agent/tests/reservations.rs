@@ -315,3 +315,60 @@ async fn a_global_rule_charges_its_stated_cost_or_the_hint_when_it_says_so() {
         );
     }
 }
+
+/// Several requests decided together (an Envoy call's descriptors) are all or none on every tier:
+/// one user's exhausted bucket denies the call, and neither the other user's bucket nor the
+/// tenant's pool is spent; an exhausted pool denies the call, and no bucket is spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_decided_together_spend_nothing_anywhere_when_one_is_denied() {
+    let fake = Allocator::new(6, 6, 0);
+    let agent = agent_for(&fake, USER_BUCKET_AND_POOL).await;
+    for n in 0..2 {
+        let spent = agent
+            .admit(&request(n, "U-flood", "read", 1))
+            .await
+            .expect("decision");
+        assert!(spent.allowed, "{spent:?}");
+    }
+    for n in 10..20 {
+        let call = [
+            request(n, "U-a", "read", 1),
+            request(100 + n, "U-flood", "read", 1),
+        ];
+        let decisions = agent.admit_together(&call).await.expect("decisions");
+        assert!(decisions.iter().all(|d| !d.allowed), "{decisions:?}");
+        assert_eq!(decisions[0].decision_id, call[0].request_id);
+        assert_eq!(decisions[1].denied_scope, Some(DeniedScope::User));
+    }
+    // U-a's bucket is whole, and the pool lost only U-flood's two.
+    let together = [request(30, "U-a", "read", 1), request(31, "U-b", "read", 1)];
+    let both = agent.admit_together(&together).await.expect("decisions");
+    assert!(both.iter().all(|d| d.allowed), "{both:?}");
+    let again = agent
+        .admit(&request(32, "U-a", "read", 1))
+        .await
+        .expect("decision");
+    assert!(again.allowed, "U-a's second of two: {again:?}");
+    agent.send_reports().await;
+    assert_eq!(fake.reported_spent(), 5, "2 + 2 together + 1");
+    // The pool has 1 left: a call needing 2 of it is denied by the pool, and spends no bucket.
+    let call = [request(40, "U-c", "read", 1), request(41, "U-d", "read", 1)];
+    let denied = agent.admit_together(&call).await.expect("decisions");
+    assert!(
+        denied
+            .iter()
+            .all(|d| d.denied_scope == Some(DeniedScope::Global)),
+        "{denied:?}"
+    );
+    for (n, user) in [(42, "U-c"), (43, "U-d")] {
+        let alone = agent
+            .admit(&request(n, user, "read", 1))
+            .await
+            .expect("decision");
+        if n == 42 {
+            assert!(alone.allowed, "the pool's last token: {alone:?}");
+        }
+    }
+    agent.send_reports().await;
+    assert_eq!(fake.reported_spent(), 6);
+}

@@ -356,6 +356,98 @@ impl RuleBatch {
     }
 }
 
+/// Why several requests' batches cannot be decided as one store call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CombineError {
+    /// Nothing to combine.
+    #[error("no request has a regional rule")]
+    Empty,
+    /// Their keys live under different hash tags (two tenants, or a hot tenant's principals in two
+    /// sub-slots): no single call can decide them atomically.
+    #[error("request {0} is under another hash tag than request 0 (another tenant or sub-slot)")]
+    ForeignTag(usize),
+    /// Two requests spend one key the store cannot charge twice in one call (a sliding log counts
+    /// one entry per request), or one key under two rules.
+    #[error("request {later} spends key {key} of request {earlier}, which cannot be charged twice")]
+    SharedKey {
+        /// The earlier request.
+        earlier: usize,
+        /// The later one.
+        later: usize,
+        /// The key.
+        key: String,
+    },
+    /// More distinct regional rules than one call decides.
+    #[error("the requests' regional rules are {0}, above {MAX_RULES_PER_REQUEST} for one call")]
+    RuleCount(usize),
+    /// The summed cost of a shared key is out of range.
+    #[error("the summed cost on key {0} is out of range")]
+    Cost(String),
+}
+
+/// Several requests' batches (as [screened](super::Limiter::screen), a hot tenant's already in its
+/// sub-slot) as one all-or-nothing store call: each distinct key once, a key two of them share
+/// charged their summed cost, under the first's decision id, with no decision record. Returns the
+/// combined batch and, for each request, the combined indexes of its rules (in its own order).
+pub fn combine_batches(
+    batches: &[&RuleBatch],
+) -> Result<(RuleBatch, Vec<Vec<usize>>), CombineError> {
+    let first = batches.first().ok_or(CombineError::Empty)?;
+    let tag = keys::key_hash_tag(first.record_key())
+        .ok_or(CombineError::ForeignTag(0))?
+        .to_owned();
+    let mut rules: Vec<BatchRule> = Vec::new();
+    let mut owner_of_rule: Vec<usize> = Vec::new();
+    let mut indexes = Vec::with_capacity(batches.len());
+    for (request, batch) in batches.iter().enumerate() {
+        let mut own = Vec::with_capacity(batch.rules().len());
+        for rule in batch.rules() {
+            if keys::key_hash_tag(rule.key()) != Some(tag.as_str()) {
+                return Err(CombineError::ForeignTag(request));
+            }
+            match rules.iter().position(|earlier| earlier.key == rule.key) {
+                None => {
+                    own.push(rules.len());
+                    rules.push(rule.clone());
+                    owner_of_rule.push(request);
+                }
+                Some(at) => {
+                    let shared = &mut rules[at];
+                    let chargeable_twice = shared.params == rule.params
+                        && shared.advisory == rule.advisory
+                        && !matches!(shared.algorithm, Algorithm::SlidingLog(_));
+                    if !chargeable_twice {
+                        return Err(CombineError::SharedKey {
+                            earlier: owner_of_rule[at],
+                            later: request,
+                            key: rule.key.clone(),
+                        });
+                    }
+                    shared.cost_millitokens = shared
+                        .cost_millitokens
+                        .checked_add(rule.cost_millitokens)
+                        .filter(|cost| *cost <= MAX_RULE_PARAMETER)
+                        .ok_or_else(|| CombineError::Cost(rule.key.clone()))?;
+                    own.push(at);
+                }
+            }
+        }
+        indexes.push(own);
+    }
+    if rules.len() > MAX_RULES_PER_REQUEST {
+        return Err(CombineError::RuleCount(rules.len()));
+    }
+    let combined = RuleBatch::under_tag(
+        &tag,
+        first.record_key().to_owned(),
+        first.decision_id().clone(),
+        0,
+        rules,
+    )
+    .map_err(|_| CombineError::ForeignTag(0))?;
+    Ok((combined, indexes))
+}
+
 /// A request's batch beside the policy rules it came from: `rules[i]` is batch rule `i`, so a
 /// denial's index names its rule (and scope), its fail mode and its local bucket.
 #[derive(Debug, Clone)]
@@ -685,5 +777,115 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    fn batch(id: &str, rules: Vec<BatchRule>) -> RuleBatch {
+        RuleBatch::new(&tenant(), DecisionId::parse(id).expect("id"), 0, rules).expect("batch")
+    }
+
+    fn window(key: &str, cost_millitokens: u64) -> BatchRule {
+        let params = RuleParams::FixedWindow {
+            limit_units: 5,
+            window_ms: 1_000,
+        };
+        BatchRule::new(key.to_owned(), params, cost_millitokens).expect("rule")
+    }
+
+    fn log(key: &str) -> BatchRule {
+        let params = RuleParams::SlidingLog {
+            limit_units: 5,
+            window_ms: 1_000,
+        };
+        BatchRule::new(key.to_owned(), params, 1_000).expect("rule")
+    }
+
+    const TENANT_KEY: &str = "rl:v1:{t:atlas}:tenant:atlas:*";
+
+    #[test]
+    fn a_shared_key_is_decided_once_at_the_summed_cost() {
+        let a = batch(
+            "r-a",
+            vec![
+                window("rl:v1:{t:atlas}:u:a", 1_000),
+                window(TENANT_KEY, 1_000),
+            ],
+        );
+        let b = batch(
+            "r-b",
+            vec![
+                window("rl:v1:{t:atlas}:u:b", 2_000),
+                window(TENANT_KEY, 2_000),
+            ],
+        );
+        let (combined, indexes) = combine_batches(&[&a, &b]).expect("combinable");
+        let keys: Vec<&str> = combined.rules().iter().map(BatchRule::key).collect();
+        assert_eq!(
+            keys,
+            ["rl:v1:{t:atlas}:u:a", TENANT_KEY, "rl:v1:{t:atlas}:u:b"]
+        );
+        let costs: Vec<u64> = combined
+            .rules()
+            .iter()
+            .map(BatchRule::cost_millitokens)
+            .collect();
+        assert_eq!(costs, [1_000, 3_000, 2_000], "the tenant key pays for both");
+        assert_eq!(indexes, [vec![0, 1], vec![2, 1]]);
+        assert_eq!(combined.record_ttl_ms(), 0, "no decision record");
+        assert_eq!(combined.decision_id(), a.decision_id());
+    }
+
+    #[test]
+    fn what_one_store_call_cannot_decide_is_refused_naming_the_request() {
+        let a = batch("r-a", vec![window(TENANT_KEY, 1_000)]);
+        let other_tenant = RuleBatch::new(
+            &TenantId::parse("birch").expect("tenant"),
+            DecisionId::parse("r-b").expect("id"),
+            0,
+            vec![window("rl:v1:{t:birch}:tenant:birch:*", 1_000)],
+        )
+        .expect("batch");
+        assert_eq!(
+            combine_batches(&[&a, &other_tenant]),
+            Err(CombineError::ForeignTag(1))
+        );
+        let logged = batch("r-c", vec![log("rl:v1:{t:atlas}:route:read:sl")]);
+        let logged_again = batch("r-d", vec![log("rl:v1:{t:atlas}:route:read:sl")]);
+        assert!(matches!(
+            combine_batches(&[&a, &logged, &logged_again]),
+            Err(CombineError::SharedKey {
+                earlier: 1,
+                later: 2,
+                ..
+            })
+        ));
+        let other_params = batch(
+            "r-e",
+            vec![
+                BatchRule::new(
+                    TENANT_KEY.to_owned(),
+                    RuleParams::FixedWindow {
+                        limit_units: 6,
+                        window_ms: 1_000,
+                    },
+                    1_000,
+                )
+                .expect("rule"),
+            ],
+        );
+        assert!(matches!(
+            combine_batches(&[&a, &other_params]),
+            Err(CombineError::SharedKey { later: 1, .. })
+        ));
+        let many: Vec<RuleBatch> = (0..9)
+            .map(|i| {
+                batch(
+                    "r-m",
+                    vec![window(&format!("rl:v1:{{t:atlas}}:x:{i}"), 1_000)],
+                )
+            })
+            .collect();
+        let many: Vec<&RuleBatch> = many.iter().collect();
+        assert_eq!(combine_batches(&many), Err(CombineError::RuleCount(9)));
+        assert_eq!(combine_batches(&[]), Err(CombineError::Empty));
     }
 }

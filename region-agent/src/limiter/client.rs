@@ -284,6 +284,14 @@ pub struct Screened {
     now_ms: u64,
 }
 
+impl Screened {
+    /// The batch the store would decide for `planned`: a hot tenant's in its sub-slot, else the
+    /// planned one.
+    pub fn batch<'b>(&'b self, planned: &'b PlannedBatch<'_>) -> &'b RuleBatch {
+        self.spread.as_ref().unwrap_or(&planned.batch)
+    }
+}
+
 /// The client path's answer for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LimitDecision {
@@ -765,6 +773,24 @@ impl Limiter {
                 answer(verdict, Some(cause), store_calls)
             }
         }
+    }
+
+    /// Decides a batch built from several screened requests' batches
+    /// ([`combine_batches`](super::batch::combine_batches)) in one store call, all or nothing, by
+    /// `deadline` or the decision budget, whichever is first; past it the rules' fail modes
+    /// answer. The requests were screened one by one, so nothing is screened (or spread) again.
+    pub async fn decide_combined_until(
+        &self,
+        combined: &PlannedBatch<'_>,
+        deadline: tokio::time::Instant,
+    ) -> LimitDecision {
+        let screened = Screened {
+            spread: None,
+            sub_slot: None,
+            now_ms: self.clock.elapsed_ms(),
+        };
+        self.decide_screened_until(combined, screened, deadline)
+            .await
     }
 
     /// The longest one store decision may take (the per-decision deadline).

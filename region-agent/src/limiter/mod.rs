@@ -64,8 +64,8 @@ pub mod store;
 mod tests;
 
 pub use batch::{
-    BatchError, BatchRule, DEFAULT_DECISION_RECORD_TTL_MS, PlannedBatch, RuleBatch, RuleParams,
-    plan_request,
+    BatchError, BatchRule, CombineError, DEFAULT_DECISION_RECORD_TTL_MS, PlannedBatch, RuleBatch,
+    RuleParams, combine_batches, plan_request,
 };
 pub use breaker::{BreakerConfig, BreakerSnapshot, BreakerState};
 pub use cardinality::{CardinalityConfig, CardinalityRefusal, DEFAULT_SOURCE_PREFIXES, SourceId};

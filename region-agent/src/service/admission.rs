@@ -121,7 +121,7 @@ struct GlobalRefusal {
 /// cancelled otherwise, and cancelled when dropped unsettled (a gateway that went away
 /// mid-decision must not leave tokens reserved).
 #[derive(Default)]
-struct GlobalHold {
+pub(super) struct GlobalHold {
     /// (the pool's slot, the reservation, the rule it is for).
     held: Vec<(Arc<PoolSlot>, Reservation, RuleId)>,
     /// A dry run's: a rule would have been admitted from a fallback allowance not yet claimed.
@@ -135,7 +135,7 @@ impl GlobalHold {
     }
 
     /// Spends every reservation. Returns whether any came from a fallback allowance.
-    fn commit(mut self, tenant: &TenantId, pools: &[&PoolId]) -> bool {
+    pub(super) fn commit(mut self, tenant: &TenantId, pools: &[&PoolId]) -> bool {
         let mut fallback = false;
         for ((slot, reservation, _), pool) in self.held.drain(..).zip(pools) {
             if reservation.is_fallback() {
@@ -175,6 +175,12 @@ impl Agent {
             metrics::counter!(crate::metrics::DRY_RUNS, "outcome" => outcome).increment(1);
             return Ok(decision);
         }
+        self.count_decision(request, &decision);
+        Ok(decision)
+    }
+
+    /// Counts a decision (not a dry run's) in the metrics and the decision log.
+    pub(super) fn count_decision(&self, request: &AdmissionRequest, decision: &Decision) {
         let scope = decision.denied_scope.map_or("none", |s| match s {
             DeniedScope::User => "user",
             DeniedScope::Tenant => "tenant",
@@ -213,9 +219,8 @@ impl Agent {
             .increment(1);
         }
         if let Some(log) = self.decision_log.get() {
-            log.record(self.clock.now_ms(), request, &decision);
+            log.record(self.clock.now_ms(), request, decision);
         }
-        Ok(decision)
     }
 
     /// How long global tokens stay reserved at most while the regional rules are decided: two
@@ -413,7 +418,11 @@ impl Agent {
     /// Counts an admitted request against its shadow global rules' pools, per window, for the
     /// ledger: what enforcing them would have spent. A pool whose terms cannot be had is not
     /// counted (the windows are in them).
-    async fn count_shadow_usage(self: &Arc<Self>, request: &AdmissionRequest, rules: &[&Rule]) {
+    pub(super) async fn count_shadow_usage(
+        self: &Arc<Self>,
+        request: &AdmissionRequest,
+        rules: &[&Rule],
+    ) {
         for rule in rules {
             let Limit::Global(pool) = &rule.limit else {
                 continue;
@@ -475,7 +484,7 @@ impl Agent {
     /// in between. A rule that must wait (for a renewal under way, or for a fallback claim to be
     /// written) ends the pass: what it holds is cancelled, the wait happens, and the pass starts
     /// again (each kind of wait at most once).
-    async fn reserve_global(
+    pub(super) async fn reserve_global(
         self: &Arc<Self>,
         request: &AdmissionRequest,
         version: u64,
@@ -720,7 +729,7 @@ impl Agent {
         (decision, replayed)
     }
 
-    async fn release_all(&self, calls: &[&LeaseCall]) {
+    pub(super) async fn release_all(&self, calls: &[&LeaseCall]) {
         for call in calls {
             if let Err(error) = self.limiter.lease(LeaseOp::Release, call).await {
                 // The slot lapses with its lease TTL anyway.
@@ -833,7 +842,7 @@ impl Agent {
     /// left) with the figures `GET /v1/quota` shows: `G`, and what is left as the allocator last
     /// said plus what this agent holds (what it holds, before the allocator's first answer in the
     /// window), after this request.
-    fn with_pool_figures(&self, mut decision: Decision, hold: &GlobalHold) -> Decision {
+    pub(super) fn with_pool_figures(&self, mut decision: Decision, hold: &GlobalHold) -> Decision {
         let now_ms = self.clock.now_ms();
         let mut most_constraining: Option<(&RuleId, u64, u64)> = None;
         for (slot, _, rule_id) in &hold.held {
@@ -859,7 +868,11 @@ impl Agent {
     }
 
     /// `decision` with jitter on its retry hint when a window rule denied it at its edge (I5).
-    fn with_jitter(&self, mut decision: Decision, planned: &PlannedBatch<'_>) -> Decision {
+    pub(super) fn with_jitter(
+        &self,
+        mut decision: Decision,
+        planned: &PlannedBatch<'_>,
+    ) -> Decision {
         if decision.allowed || decision.reason != Some(Reason::RateExceeded) {
             return decision;
         }
@@ -908,7 +921,7 @@ fn jittered(retry_ms: u64) -> i64 {
 }
 
 /// The concurrency slot calls of a planned request: (rule index, call), one per rule with a cap.
-fn concurrency_calls(
+pub(super) fn concurrency_calls(
     planned: &PlannedBatch<'_>,
     request: &AdmissionRequest,
 ) -> Vec<(usize, LeaseCall)> {
@@ -936,7 +949,7 @@ fn concurrency_calls(
 /// cost at all (beyond 2^40 millitokens, or overflowing `costMillis x costHint`), which no rule,
 /// advisory or not, can be asked about. Decided from the bundle alone, before any store call, so a
 /// huge `costHint` is the client's error (429, never retried), not an outage.
-fn inadmissible_cost(
+pub(super) fn inadmissible_cost(
     bundle: &PolicyBundle,
     request: &AdmissionRequest,
     version: u64,
@@ -981,7 +994,7 @@ fn applies_idempotent_rule(bundle: &PolicyBundle, request: &AdmissionRequest) ->
 }
 
 /// An admission by global rules alone (no regional rule applies).
-fn admitted_by_global_rules_only(request: &AdmissionRequest, version: u64) -> Decision {
+pub(super) fn admitted_by_global_rules_only(request: &AdmissionRequest, version: u64) -> Decision {
     Decision {
         allowed: true,
         decision_id: request.request_id.clone(),
@@ -1000,7 +1013,7 @@ fn admitted_by_global_rules_only(request: &AdmissionRequest, version: u64) -> De
 }
 
 /// A refusal that no budget decided (no bundle, policy error, an outage).
-fn refused(
+pub(super) fn refused(
     request: &AdmissionRequest,
     version: u64,
     rule: Option<&Rule>,

@@ -15,6 +15,7 @@
 //! - [`settlement`]: metered admissions settled after the response (`POST /v1/settle`), and the
 //!   debt of extra cost the next admissions pay first.
 //! - [`subleases`]: assignments carved for gateways that enforce quota themselves (Envoy's RLQS).
+//! - [`together`]: several requests decided all or none (an Envoy call's descriptors).
 //! - [`settings`]: the agent's settings and their defaults.
 
 pub mod admission;
@@ -27,6 +28,7 @@ pub mod reports;
 pub mod settings;
 pub mod settlement;
 pub mod subleases;
+pub mod together;
 pub mod upkeep;
 
 use std::collections::HashMap;
