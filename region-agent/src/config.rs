@@ -7,7 +7,10 @@ use std::path::PathBuf;
 use clap::Parser;
 use serde::Deserialize;
 
-use crate::limiter::RedisStoreConfig;
+use allot_shared::ids::TenantId;
+
+use crate::limiter::hot_tenants::MAX_SUB_SLOTS;
+use crate::limiter::{HotTenants, RedisStoreConfig};
 
 /// Flags; each also reads an `ALLOT_*` environment variable, and any left unset falls back to the
 /// TOML file given with `--config` (keys as the flags, with underscores).
@@ -104,6 +107,17 @@ pub struct AgentArgs {
     /// own `ipPrefixV6` overrides it.
     #[arg(long, env = "ALLOT_IP_PREFIX_V6")]
     pub ip_prefix_v6: Option<u8>,
+    /// A tenant whose regional keys spread over `K` sub-slots (Redis Cluster slots) instead of
+    /// one, `TENANT=K` with `K` in [2, 64]; repeat, or comma-separate in the variable. Its tenant
+    /// and route budgets are split `K` ways (see docs/limiter.md); every agent of a region must
+    /// say the same. Spread the gateway's pseudo-tenant of unauthenticated traffic this way too.
+    #[arg(
+        long = "hot-tenant",
+        env = "ALLOT_HOT_TENANTS",
+        value_delimiter = ',',
+        value_name = "TENANT=K"
+    )]
+    pub hot_tenants: Option<Vec<String>>,
     /// This agent's id in policy status (default: `<region>-<listen port>`).
     #[arg(long, env = "ALLOT_AGENT_ID")]
     pub agent_id: Option<String>,
@@ -163,6 +177,7 @@ struct FileSettings {
     write_state_as_hashes: Option<bool>,
     ip_prefix_v4: Option<u8>,
     ip_prefix_v6: Option<u8>,
+    hot_tenants: Option<std::collections::BTreeMap<String, u32>>,
     agent_id: Option<String>,
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
@@ -225,6 +240,8 @@ pub struct AgentConfig {
     pub write_state_as_hashes: bool,
     /// Prefix lengths anonymous callers are keyed by.
     pub ip_prefixes: allot_shared::keys::IpPrefixes,
+    /// Tenants spread over sub-slots.
+    pub hot_tenants: HotTenants,
     /// The agent id.
     pub agent_id: String,
     /// TLS for the gateway-facing servers (none: plain TCP).
@@ -294,6 +311,19 @@ impl AgentArgs {
                 defaults.v6_bits,
             )?,
         };
+        let hot_tenants = match self.hot_tenants {
+            Some(flags) => hot_tenants(flags.iter().map(|flag| {
+                flag.split_once('=')
+                    .map(|(tenant, k)| (tenant.trim().to_owned(), k.trim().parse::<u32>()))
+                    .ok_or_else(|| format!("--hot-tenant {flag}: expected TENANT=K"))
+            }))?,
+            None => hot_tenants(
+                file.hot_tenants
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(tenant, k)| Ok((tenant, Ok(k)))),
+            )?,
+        };
         let redis_tls = redis_tls(
             self.redis_ca.or(file.redis_ca),
             self.redis_client_cert.or(file.redis_client_cert),
@@ -303,6 +333,7 @@ impl AgentArgs {
             tls,
             allocator_tls,
             ip_prefixes,
+            hot_tenants,
             redis_tls,
             state_dir: self.state_dir.or(file.state_dir),
             agent_id: self
@@ -390,6 +421,26 @@ impl AgentArgs {
             },
         })
     }
+}
+
+/// `--hot-tenant` entries (or the file's `hot_tenants` table) as the limiter's [`HotTenants`], or
+/// one line naming the entry that is wrong.
+fn hot_tenants(
+    entries: impl Iterator<Item = Result<(String, Result<u32, std::num::ParseIntError>), String>>,
+) -> Result<HotTenants, String> {
+    let mut hot = HotTenants::new();
+    for entry in entries {
+        let (tenant, k) = entry?;
+        let k = k.map_err(|e| format!("--hot-tenant {tenant}: K is not a count: {e}"))?;
+        let id = TenantId::parse(&tenant).map_err(|e| format!("--hot-tenant {tenant}: {e}"))?;
+        if hot.sub_slots(&id).is_some() {
+            return Err(format!("--hot-tenant {tenant}: given twice"));
+        }
+        hot = hot
+            .with_tenant(id, k)
+            .map_err(|_| format!("--hot-tenant {tenant}={k}: K must be in [2, {MAX_SUB_SLOTS}]"))?;
+    }
+    Ok(hot)
 }
 
 /// The certificates of a `rediss://` store, read now so that a bad file stops the start naming it.
@@ -536,6 +587,74 @@ mod tests {
         assert_eq!(
             AgentArgs::default().resolve().expect_err("missing"),
             "--region is required"
+        );
+    }
+
+    #[test]
+    fn hot_tenants_come_from_flags_or_the_file_and_bad_entries_say_which() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("agent.toml");
+        std::fs::write(
+            &path,
+            "region = \"us\"\ngateway_token_file = \"/etc/g\"\npepper_file = \"/etc/p\"\n[hot_tenants]\nedge = 16\natlas = 4\n",
+        )
+        .expect("write");
+        let with = |flags: Option<Vec<&str>>| AgentArgs {
+            config: Some(path.clone()),
+            hot_tenants: flags.map(|flags| flags.into_iter().map(str::to_owned).collect()),
+            ..AgentArgs::default()
+        };
+        let tenant = |id: &str| TenantId::parse(id).expect("tenant");
+        let from_file = with(None).resolve().expect("valid").hot_tenants;
+        assert_eq!(from_file.sub_slots(&tenant("edge")), Some(16));
+        assert_eq!(from_file.sub_slots(&tenant("atlas")), Some(4));
+        let from_flags = with(Some(vec!["birch=8"]))
+            .resolve()
+            .expect("valid")
+            .hot_tenants;
+        assert_eq!(from_flags.sub_slots(&tenant("birch")), Some(8));
+        assert_eq!(
+            from_flags.sub_slots(&tenant("edge")),
+            None,
+            "flags replace the file's table"
+        );
+        for (flag, message) in [
+            ("birch", "--hot-tenant birch: expected TENANT=K"),
+            ("birch=1", "--hot-tenant birch=1: K must be in [2, 64]"),
+            ("birch=65", "--hot-tenant birch=65: K must be in [2, 64]"),
+        ] {
+            assert_eq!(
+                with(Some(vec![flag])).resolve().expect_err("wrong"),
+                message
+            );
+        }
+        let error = with(Some(vec!["birch=many"]))
+            .resolve()
+            .expect_err("not a count");
+        assert!(
+            error.starts_with("--hot-tenant birch: K is not a count"),
+            "{error}"
+        );
+        let error = with(Some(vec!["a:b=4"])).resolve().expect_err("bad id");
+        assert!(error.starts_with("--hot-tenant a:b: "), "{error}");
+        assert_eq!(
+            with(Some(vec!["birch=4", "birch=8"]))
+                .resolve()
+                .expect_err("twice"),
+            "--hot-tenant birch: given twice"
+        );
+        assert_eq!(
+            AgentArgs {
+                region: Some("eu".to_owned()),
+                gateway_token_file: Some("/etc/g".into()),
+                pepper_file: Some("/etc/p".into()),
+                ..AgentArgs::default()
+            }
+            .resolve()
+            .expect("valid")
+            .hot_tenants,
+            HotTenants::new(),
+            "no tenant is spread unless told"
         );
     }
 }

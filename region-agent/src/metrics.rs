@@ -10,6 +10,10 @@ use metrics_exporter_prometheus::PrometheusHandle;
 pub const DECISIONS: &str = "allot_agent_decisions_total";
 /// Requests a shadow or soft rule would have denied (it denied none), by `rule` and `mode`.
 pub const ADVISORY_DENIALS: &str = "allot_agent_advisory_denials_total";
+/// Sub-slots of a hot tenant, by `tenant` (gauge; only tenants given with `--hot-tenant`): its
+/// tenant and route budgets are split this many ways, which may admit up to `sub_slots - 1` units
+/// of rounding above each (docs/limiter.md).
+pub const HOT_TENANT_SUB_SLOTS: &str = "allot_agent_hot_tenant_sub_slots";
 /// Tokens a shadow global rule counted without spending, by `tenant` and `pool`.
 pub const SHADOW_ADMITTED_TOKENS: &str = "allot_agent_shadow_admitted_tokens_total";
 /// Dry runs (`dryRun`, an RLS `hits_addend` of 0: checks that spend nothing) by `outcome`

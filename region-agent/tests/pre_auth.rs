@@ -222,3 +222,96 @@ async fn a_rule_over_a_broader_prefix_is_a_ceiling_over_the_narrow_one() {
     }
     assert_eq!(v6_admitted, 5, "seven /64s of one /48 share its ceiling");
 }
+
+/// A gateway's pseudo-tenant of unauthenticated traffic (`edge`) given with `--hot-tenant edge=4`
+/// spreads its keys over four hash tags (four Cluster slots) instead of one, and an address's own
+/// bucket stays whole: it lives in one sub-slot, chosen by the address's keyed hash.
+#[tokio::test]
+async fn a_hot_pseudo_tenant_spreads_pre_authentication_keys_and_keeps_each_addresss_bucket_whole()
+{
+    use allot_region_agent::config::AgentArgs;
+    use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
+    use allot_region_agent::service::Agent;
+    use clap::Parser;
+
+    let args = AgentArgs::try_parse_from([
+        "region-agent",
+        "--region",
+        "eu",
+        "--gateway-token-file",
+        "/unused",
+        "--pepper-file",
+        "/unused",
+        "--hot-tenant",
+        "edge=4",
+    ])
+    .expect("flags");
+    let hot_tenants = args.resolve().expect("valid").hot_tenants;
+    let redis = allot_testkit::RedisServer::start();
+    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
+        .await
+        .expect("redis");
+    let limiter = Limiter::new(
+        Arc::new(store),
+        LimiterConfig {
+            hot_tenants,
+            ..LimiterConfig::default()
+        },
+    )
+    .expect("limiter");
+    let agent = Agent::new(
+        common::settings(),
+        Arc::new(SystemClock),
+        limiter,
+        None,
+        Some(common::bundle(
+            r#"{ "rules": [ { "id": "anon", "scope": "user", "principalType": "ip",
+                "algorithm": "fixed_window", "limit": 3, "windowMs": 3600000,
+                "failMode": "closed" } ] }"#,
+        )),
+    );
+    let edge = |n: u64, address: &str| AdmissionRequest {
+        tenant_id: TenantId::parse("edge").expect("tenant"),
+        ..request(n, PrincipalType::Ip, address, "read")
+    };
+    for n in 0..32 {
+        let decision = agent
+            .admit(&edge(n, &format!("198.51.100.{n}")))
+            .await
+            .expect("decision");
+        assert!(decision.allowed, "{decision:?}");
+    }
+    let mut connection = redis::Client::open(redis.url())
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut connection)
+        .await
+        .expect("keys");
+    let tags: std::collections::BTreeSet<&str> = keys
+        .iter()
+        .filter_map(|key| Some(&key[key.find('{')?..=key.find('}')?]))
+        .collect();
+    assert_eq!(
+        tags.into_iter().collect::<Vec<_>>(),
+        ["{t:edge:0}", "{t:edge:1}", "{t:edge:2}", "{t:edge:3}"],
+        "32 addresses over the four sub-slots, none in the plain tag: {keys:?}"
+    );
+    // One address's own limit of 3 is whole, not split four ways: two more, then denied.
+    for n in 100..102 {
+        let again = agent
+            .admit(&edge(n, "198.51.100.7"))
+            .await
+            .expect("decision");
+        assert!(again.allowed, "{again:?}");
+    }
+    let over = agent
+        .admit(&edge(102, "198.51.100.7"))
+        .await
+        .expect("decision");
+    assert!(!over.allowed, "{over:?}");
+    assert_eq!(over.policy_id.as_deref(), Some("anon"));
+}

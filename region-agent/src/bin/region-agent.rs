@@ -137,6 +137,7 @@ async fn start(args: AgentConfig) -> Result<(), String> {
         store,
         LimiterConfig {
             decision_budget: std::time::Duration::from_millis(args.decision_budget_ms),
+            hot_tenants: args.hot_tenants.clone(),
             ..LimiterConfig::default()
         },
     )

@@ -576,6 +576,11 @@ impl Limiter {
             .collect()
     }
 
+    /// The tenants spread over sub-slots.
+    pub fn hot_tenants(&self) -> &HotTenants {
+        &self.config.hot_tenants
+    }
+
     /// Every shard's breaker, by shard index.
     pub fn breakers(&self) -> Vec<BreakerSnapshot> {
         let now_ms = self.clock.elapsed_ms();

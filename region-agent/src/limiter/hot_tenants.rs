@@ -98,6 +98,11 @@ impl HotTenants {
     pub fn sub_slots(&self, tenant: &TenantId) -> Option<u32> {
         self.sub_slots.get(tenant).copied()
     }
+
+    /// Every hot tenant and its sub-slot count, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&TenantId, u32)> {
+        self.sub_slots.iter().map(|(tenant, k)| (tenant, *k))
+    }
 }
 
 /// Moves a key built by `allot_shared::keys` into sub-slot `index` of `tenant` (module docs).

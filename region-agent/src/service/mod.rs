@@ -201,6 +201,10 @@ impl Agent {
             metrics::gauge!(crate::metrics::STORE_WAITING, "shard" => shard)
                 .set(load.waiting as f64);
         }
+        for (tenant, sub_slots) in self.limiter.hot_tenants().iter() {
+            metrics::gauge!(crate::metrics::HOT_TENANT_SUB_SLOTS, "tenant" => tenant.to_string())
+                .set(f64::from(sub_slots));
+        }
         let bundle = self.bundle.load();
         let version = bundle.as_ref().map_or(0, |b| b.version());
         metrics::gauge!(crate::metrics::POLICY_VERSION).set(version as f64);
