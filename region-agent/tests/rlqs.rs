@@ -273,11 +273,15 @@ async fn a_reported_bucket_gets_a_token_bucket_carved_from_the_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scarce_quota_goes_by_demand_and_never_beyond_what_is_held() {
     let fake = Allocator::new(120, 120, 0);
+    // Demand first, so both are weighed before tokens are held: the lease the first report asks
+    // for arrives after the second report (sent right after it), yet within the agent's patience
+    // for a first grant (200 ms), past which the pool would be denied for a while.
+    fake.grant_delay_ms
+        .store(120, std::sync::atomic::Ordering::SeqCst);
     let served = serve(&fake, POOL_ONLY).await;
     let mut busy = open(&served, TOKEN).await.expect("open");
     let mut quiet = open(&served, TOKEN).await.expect("open");
     let id = user_bucket("U-shared");
-    // Demand first, so both are weighed before tokens are held.
     busy.report(&id, 1_000, 0, 90).await;
     quiet.report(&id, 1_000, 0, 10).await;
     let mut latest: HashMap<&str, (BucketStrategy, u64)> = HashMap::new();
@@ -412,6 +416,17 @@ async fn bad_streams_end_with_an_error_naming_the_field() {
 /// without one it denies) under `per_second` requests a second for `for_ms`, reporting every
 /// 500 ms. Returns what it admitted.
 async fn enforce(served: &Served, id: &BucketId, per_second: u64, for_ms: u64) -> u64 {
+    enforce_reporting_every(served, id, per_second, for_ms, 500).await
+}
+
+/// As [`enforce`], reporting every `report_every_ms` (Envoy's filter: every 5 s).
+async fn enforce_reporting_every(
+    served: &Served,
+    id: &BucketId,
+    per_second: u64,
+    for_ms: u64,
+    report_every_ms: u64,
+) -> u64 {
     let clock = SystemClock;
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", served.address))
         .expect("uri")
@@ -428,7 +443,7 @@ async fn enforce(served: &Served, id: &BucketId, per_second: u64, for_ms: u64) -
     .await
     .expect("open");
     let start_ms = clock.now_ms();
-    let mut last_report_ms = 0;
+    let mut last_report_ms = start_ms;
     let step_ms = 20;
     let mut owed = 0u64;
     while clock.now_ms() < start_ms + for_ms {
@@ -437,7 +452,7 @@ async fn enforce(served: &Served, id: &BucketId, per_second: u64, for_ms: u64) -
             owed -= 1_000;
             gateway.decide(id);
         }
-        if clock.now_ms() >= last_report_ms + 500 {
+        if clock.now_ms() >= last_report_ms + report_every_ms {
             gateway.report().await.expect("report");
             last_report_ms = clock.now_ms();
         }
@@ -446,6 +461,23 @@ async fn enforce(served: &Served, id: &BucketId, per_second: u64, for_ms: u64) -
     gateway.report().await.expect("report");
     tokio::time::sleep(Duration::from_millis(300)).await;
     gateway.counts(id).allowed
+}
+
+/// Envoy reads an assignment's time to live and fill interval in whole seconds. A quiet bucket's
+/// carve is smaller than a request a second of its life; written with a fill interval between
+/// whole seconds, Envoy would refill it every second and admit more than was carved. A pool of 3,
+/// a gateway reading as Envoy does, asking 100 times a second and reporting every 5 s: it admits
+/// what the pool holds and never more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_carve_read_in_whole_seconds_as_envoy_does_admits_no_more_than_it_holds() {
+    let fake = Allocator::new(3, 3, 0);
+    let served = serve(&fake, POOL_ONLY).await;
+    let id = user_bucket("U-quiet");
+    let admitted = enforce_reporting_every(&served, &id, 100, 7_000, 5_000).await;
+    assert!(
+        (1..=3).contains(&admitted),
+        "{admitted} admitted of a pool of 3"
+    );
 }
 
 /// Cut off from the allocator (its grants hang), an agent carves assignments from the fallback

@@ -5,7 +5,7 @@
 
 use std::num::NonZeroU64;
 
-use allot_region_agent::global::sublease::{BucketStrategy, EnforcedBucket, share};
+use allot_region_agent::global::sublease::{BucketStrategy, EnforcedBucket, Spread, share};
 use allot_region_agent::global::*;
 use allot_shared::ids::{Epoch, LeaseId};
 use allot_shared::window::{Window, WindowSpec};
@@ -38,7 +38,11 @@ proptest! {
         ttl_ms in 1u64..120_000,
         gaps in prop::collection::vec(0u64..400, 1..2_000),
     ) {
-        let strategy = BucketStrategy::spreading(requests, ttl_ms).expect("some");
+        let Some(Spread { strategy, ttl_ms }) = BucketStrategy::spreading(requests, ttl_ms) else {
+            prop_assert!(requests < 2 || ttl_ms < 1_000, "{} over {} ms is assignable", requests, ttl_ms);
+            return Ok(());
+        };
+        prop_assert!(ttl_ms % 1_000 == 0 && strategy.fill_interval_ms == 1_000, "whole seconds");
         prop_assert!(strategy.admissible_requests(ttl_ms) <= requests);
         let start_ms = 1_000_000;
         let mut bucket = EnforcedBucket::new(strategy, ttl_ms, start_ms);
@@ -63,7 +67,7 @@ proptest! {
         let total: u64 = wants.iter().sum();
         let mut left = available;
         for wanted in &wants {
-            let given = share(left, *wanted, total);
+            let given = share(left, *wanted, total, 2);
             prop_assert!(given <= *wanted && given <= left);
             left -= given;
         }

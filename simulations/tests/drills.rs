@@ -281,10 +281,10 @@ fn the_figures_in_the_drill_docs_are_what_the_drills_produce() {
     // Fallback, heal, restart, fallback again in the same window: one allowance, not two.
     let again = drill("agent-restart-fallback");
     assert_eq!(again.windows[1].regions[0].fallback, 100);
-    assert_eq!(admitted_per_window(&drill("rlqs"), None), [983, 974, 979]);
+    assert_eq!(admitted_per_window(&drill("rlqs"), None), [967, 947, 958]);
     assert_eq!(
         admitted_per_window(&drill("rlqs-partition"), None)[2],
-        1_060
+        1_038
     );
 }
 
@@ -364,7 +364,15 @@ fn gateways_of_a_partitioned_region_admit_their_allowance_and_no_more() {
     let report = drill("rlqs-partition");
     let s = &report.scenario;
     let cut = &report.windows[1];
-    assert_eq!(cut.regions[0].fallback, s.fallback_per_region_tokens);
+    // All of the allowance but, at most, a last token: one request cannot be written as an
+    // assignment Envoy enforces (whole seconds), so it is denied rather than handed out.
+    let fallback = cut.regions[0].fallback;
+    assert!(
+        (s.fallback_per_region_tokens - 1..=s.fallback_per_region_tokens).contains(&fallback),
+        "{fallback} of {}: {}",
+        s.fallback_per_region_tokens,
+        report.table()
+    );
     assert_eq!(cut.regions[0].leased, 0);
     let healed = &report.windows[2];
     let admitted: u64 = healed.regions.iter().map(|r| r.admitted()).sum();

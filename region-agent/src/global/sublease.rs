@@ -11,15 +11,32 @@
 //! `tokens_per_fill / fill_interval`, so within a time to live of `ttl_ms` it admits at most
 //! `max_tokens + floor(ttl_ms * tokens_per_fill / fill_interval_ms)`
 //! ([`BucketStrategy::admissible_requests`]). [`BucketStrategy::spreading`] writes a carve of `n`
-//! requests so that this is at most `n`; an assignment replaced before its end starts a fresh bucket,
-//! so every assignment is a carve of its own, and the sum of the carves of live assignments is at
-//! most what the agent holds plus the fallback allowance left in the window.
+//! requests so that this is at most `n`; an assignment replaced before its end holds at most a
+//! fresh bucket's `max_tokens` (Envoy keeps the old bucket, never fuller, when only the time to
+//! live changed), so every assignment is a carve of its own, and the sum of the carves of live
+//! assignments is at most what the agent holds plus the fallback allowance left in the window.
+//!
+//! # Whole seconds
+//! Envoy's filter reads an assignment's `assignment_time_to_live` and its bucket's `fill_interval`
+//! in whole seconds: the nanos are dropped, a time to live of 0 expires at once, and a fill
+//! interval under a second divides by zero (no limit at all). It keeps the bucket it has when
+//! `max_tokens` and `tokens_per_fill` are unchanged, whatever the fill interval's seconds say. So
+//! every assignment here is written in whole seconds ([`MIN_ASSIGNMENT_TTL_MS`] at least) and
+//! refilled every [`FILL_INTERVAL_MS`] exactly; a carve too small to be spread over its time to
+//! live at one request a second gets a shorter one instead, and one of fewer than
+//! [`MIN_ASSIGNMENT_REQUESTS`] is not assigned at all.
 
 /// How long an assignment lasts at most, ms.
 pub const ASSIGNMENT_TTL_MS: u64 = 5_000;
 /// Shorter assignments are not made (the leases behind them end too soon): the bucket waits for
-/// the next lease, ms.
-pub const MIN_ASSIGNMENT_TTL_MS: u64 = 500;
+/// the next lease, ms. One second: Envoy reads a time to live in whole seconds.
+pub const MIN_ASSIGNMENT_TTL_MS: u64 = 1_000;
+/// The fewest requests an assignment holds: a bucket of one refilled by one a second admits two
+/// within the shortest time to live, and Envoy can be told no slower refill (module docs).
+pub const MIN_ASSIGNMENT_REQUESTS: u64 = 2;
+/// An assignment found too small for its gateway's demand is renewed once it has lasted this long,
+/// ms (a first assignment is sized on a single request: Envoy reports a new bucket at once).
+pub const UNDERSIZED_RENEW_AFTER_MS: u64 = 500;
 /// An assignment is renewed once this share of its time to live has passed, percent.
 pub const RENEW_AT_PERCENT: u64 = 60;
 /// An assignment is renewed once its gateway reported this share of it used, percent.
@@ -33,7 +50,7 @@ pub const DELIVERY_MARGIN_MS: u64 = 200;
 pub const MIN_SETTLE_GRACE_MS: u64 = 1_000;
 /// See [`MIN_SETTLE_GRACE_MS`].
 pub const MAX_SETTLE_GRACE_MS: u64 = 60_000;
-/// Refill interval of assignments that hold at least one request per second of their life, ms.
+/// Refill interval of every assignment, ms: one second, the shortest Envoy reads as more than 0.
 pub const FILL_INTERVAL_MS: u64 = 1_000;
 /// Demand is kept in thousandths of a request per second.
 pub const RATE_SCALE: u64 = 1_000;
@@ -63,41 +80,44 @@ impl BucketStrategy {
         u64::from(self.max_tokens).saturating_add(u64::try_from(refilled).unwrap_or(u64::MAX))
     }
 
-    /// A strategy that admits at most `requests` within `ttl_ms`, spread over it: refilled about
-    /// every second when there is at least a request per second of life, with a burst of one
-    /// fill; otherwise one request at a time at even intervals. `None` for no request at all.
-    pub fn spreading(requests: u64, ttl_ms: u64) -> Option<Self> {
+    /// A strategy that admits at most `requests` within a time to live of at most `ttl_ms`, spread
+    /// over it, in whole seconds (module docs): a burst of one fill and a fill every second. A carve
+    /// of fewer requests than the seconds it would last plus one gets a shorter time to live
+    /// (`requests - 1` seconds, a request a second). `None` under [`MIN_ASSIGNMENT_REQUESTS`] or
+    /// under a second.
+    pub fn spreading(requests: u64, ttl_ms: u64) -> Option<Spread> {
         let requests = requests.min(u64::from(u32::MAX));
-        if requests == 0 {
+        let whole_seconds = ttl_ms / FILL_INTERVAL_MS;
+        if requests < MIN_ASSIGNMENT_REQUESTS || whole_seconds == 0 {
             return None;
         }
-        // Whole fills the time to live spans, rounded up: the continuous refill within it adds at
-        // most `per_fill * fills`.
-        let fills = ttl_ms.div_ceil(FILL_INTERVAL_MS);
-        let strategy = if requests > fills {
-            // A burst of at least one fill, and a fill per interval: per_fill * (fills + 1) <=
-            // requests.
-            let per_fill = requests / (fills + 1);
-            let burst = requests - per_fill * fills;
-            Self {
+        // Fills within the time to live; the continuous refill adds at most `per_fill * fills`,
+        // and `per_fill * (fills + 1) <= requests` leaves a burst of at least one fill.
+        let fills = whole_seconds.min(requests - 1);
+        let per_fill = requests / (fills + 1);
+        let burst = requests - per_fill * fills;
+        let spread = Spread {
+            strategy: Self {
                 max_tokens: u32::try_from(burst).unwrap_or(u32::MAX),
                 tokens_per_fill: u32::try_from(per_fill).unwrap_or(u32::MAX),
                 fill_interval_ms: FILL_INTERVAL_MS,
-            }
-        } else {
-            // Fewer requests than seconds: one at the start, one more every `interval`, with
-            // `floor(ttl / interval) <= requests - 1`.
-            let interval_ms = ttl_ms / requests + 1;
-            Self {
-                max_tokens: 1,
-                tokens_per_fill: 1,
-                fill_interval_ms: interval_ms,
-            }
+            },
+            ttl_ms: fills * FILL_INTERVAL_MS,
         };
-        debug_assert!(strategy.admissible_requests(ttl_ms) <= requests);
-        debug_assert!(strategy.max_tokens >= 1 && strategy.tokens_per_fill >= 1);
-        Some(strategy)
+        debug_assert!(spread.strategy.admissible_requests(spread.ttl_ms) <= requests);
+        debug_assert!(spread.strategy.max_tokens >= 1 && spread.strategy.tokens_per_fill >= 1);
+        debug_assert!(spread.ttl_ms >= MIN_ASSIGNMENT_TTL_MS && spread.ttl_ms <= ttl_ms);
+        Some(spread)
     }
+}
+
+/// An assignment as written: its strategy and its time to live, whole seconds both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spread {
+    /// The token bucket.
+    pub strategy: BucketStrategy,
+    /// The time to live, ms: a whole number of seconds.
+    pub ttl_ms: u64,
 }
 
 /// A gateway enforcing one assignment the way Envoy's filter does: the bucket starts full, refills
@@ -121,6 +141,14 @@ impl EnforcedBucket {
             milli_tokens: u64::from(strategy.max_tokens) * 1_000,
             refilled_at_ms: now_ms,
         }
+    }
+
+    /// The same bucket, its tokens as they are, given a new time to live from `now_ms` (Envoy
+    /// keeps a bucket an assignment does not change).
+    #[must_use]
+    pub fn renewed(mut self, ttl_ms: u64, now_ms: u64) -> Self {
+        self.ends_at_ms = now_ms.saturating_add(ttl_ms);
+        self
     }
 
     /// Whether its time to live has run out at `now_ms`.
@@ -157,7 +185,7 @@ impl EnforcedBucket {
 /// The time to live of an assignment of `requests` for a gateway measured at `rate_milli_per_s`,
 /// whose carve must be spent within `usable_ms`: about as long as the carve lasts at that rate,
 /// within [`MIN_ASSIGNMENT_TTL_MS`] and [`ASSIGNMENT_TTL_MS`], ending [`DELIVERY_MARGIN_MS`]
-/// before the carve must be spent. A carve smaller than the demand (a small chunk, scarce quota)
+/// before the carve must be spent, in whole seconds. A carve smaller than the demand (a small chunk, scarce quota)
 /// is thus spread over a shorter time and renewed sooner, rather than trickled over the longest
 /// one. `None` when that leaves less than the minimum (wait for the next lease).
 pub fn assignment_ttl_ms(requests: u64, rate_milli_per_s: u64, usable_ms: u64) -> Option<u64> {
@@ -171,6 +199,8 @@ pub fn assignment_ttl_ms(requests: u64, rate_milli_per_s: u64, usable_ms: u64) -
             .clamp(MIN_ASSIGNMENT_TTL_MS, ASSIGNMENT_TTL_MS)
     };
     let ttl_ms = lasts_ms.min(usable_ms.saturating_sub(DELIVERY_MARGIN_MS));
+    // Whole seconds, rounded down: Envoy drops the rest.
+    let ttl_ms = ttl_ms - ttl_ms % 1_000;
     (ttl_ms >= MIN_ASSIGNMENT_TTL_MS).then_some(ttl_ms)
 }
 
@@ -178,7 +208,7 @@ pub fn assignment_ttl_ms(requests: u64, rate_milli_per_s: u64, usable_ms: u64) -
 /// reported `used_requests`, is due for renewal at `now_ms` when its gateway's demand now wants
 /// `wanted_requests`: [`RENEW_AT_PERCENT`] of its life has passed, [`RENEW_AT_USED_PERCENT`] of it
 /// is used, or it holds less than half of what is wanted now (demand grew: a first assignment is
-/// sized on a single request) and has lasted [`MIN_ASSIGNMENT_TTL_MS`].
+/// sized on a single request) and has lasted [`UNDERSIZED_RENEW_AFTER_MS`].
 pub fn renewal_due(
     sent_at_ms: u64,
     ttl_ms: u64,
@@ -190,7 +220,7 @@ pub fn renewal_due(
     let aged = now_ms >= sent_at_ms + ttl_ms * RENEW_AT_PERCENT / 100;
     let used_up = requests > 0 && used_requests * 100 >= requests * RENEW_AT_USED_PERCENT;
     let undersized =
-        wanted_requests >= 2 * requests.max(1) && now_ms >= sent_at_ms + MIN_ASSIGNMENT_TTL_MS;
+        wanted_requests >= 2 * requests.max(1) && now_ms >= sent_at_ms + UNDERSIZED_RENEW_AFTER_MS;
     aged || used_up || undersized
 }
 
@@ -277,24 +307,31 @@ pub const MIN_DENY_TTL_MS: u64 = 1_000;
 /// after the agent has some again (a heal, a new window, a new lease).
 pub const MAX_DENY_TTL_MS: u64 = 5_000;
 
-/// How long a bucket nothing can be carved for is denied, given the refusal's retry hint.
+/// How long a bucket nothing can be carved for is denied, given the refusal's retry hint: whole
+/// seconds (rounded up), as Envoy reads them.
 pub fn deny_ttl_ms(retry_after_ms: u64) -> u64 {
-    retry_after_ms.clamp(MIN_DENY_TTL_MS, MAX_DENY_TTL_MS)
+    retry_after_ms
+        .div_ceil(1_000)
+        .saturating_mul(1_000)
+        .clamp(MIN_DENY_TTL_MS, MAX_DENY_TTL_MS)
 }
 
 /// Requests an assignment of `ttl_ms` should hold for a gateway measured at `rate_milli_per_s`
 /// (thousandths of a request per second): its demand over the time to live with
-/// [`HEADROOM_PERCENT`], at least one.
+/// [`HEADROOM_PERCENT`], at least [`MIN_ASSIGNMENT_REQUESTS`].
 pub fn wanted_requests(rate_milli_per_s: u64, ttl_ms: u64) -> u64 {
     let over_ttl = u128::from(rate_milli_per_s) * u128::from(ttl_ms) * u128::from(HEADROOM_PERCENT)
         / (u128::from(RATE_SCALE) * 1_000 * 100);
-    u64::try_from(over_ttl).unwrap_or(u64::MAX).max(1)
+    u64::try_from(over_ttl)
+        .unwrap_or(u64::MAX)
+        .max(MIN_ASSIGNMENT_REQUESTS)
 }
 
 /// What one gateway gets of `available` when every gateway of the pool wants `total_wanted` and
 /// this one `wanted`: all it wants when there is enough for everyone, else its share in proportion
-/// to what it wants (rounded down, at least one while anything is available).
-pub fn share(available: u64, wanted: u64, total_wanted: u64) -> u64 {
+/// to what it wants (rounded down), at least `floor` (the smallest assignment, while that much is
+/// available and wanted: a share below it could not be told to Envoy at all).
+pub fn share(available: u64, wanted: u64, total_wanted: u64, floor: u64) -> u64 {
     if available == 0 || wanted == 0 {
         return 0;
     }
@@ -303,9 +340,10 @@ pub fn share(available: u64, wanted: u64, total_wanted: u64) -> u64 {
         return wanted;
     }
     let proportional = u128::from(available) * u128::from(wanted) / u128::from(total_wanted);
+    let most = wanted.min(available);
     u64::try_from(proportional)
         .unwrap_or(u64::MAX)
-        .clamp(1, wanted.min(available))
+        .clamp(floor.clamp(1, most), most)
 }
 
 /// Demand of one gateway for one bucket, measured from its reports: an exponentially weighted
@@ -349,44 +387,92 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_spread_carve_admits_no_more_than_it_holds_and_nearly_all_of_it() {
+    fn a_spread_carve_admits_no_more_than_it_holds_in_whole_seconds_and_nearly_all_of_it() {
         for (requests, ttl_ms) in [
-            (1, 5_000),
             (2, 5_000),
+            (3, 5_000),
             (5, 5_000),
             (6, 5_000),
             (7, 5_000),
             (100, 5_000),
             (1_000_000, 5_000),
-            (3, 1),
-            (10, 999),
+            (10, 1_999),
             (10, 60_000),
             (57, 5_500),
             (1_000, 5_999),
         ] {
-            let strategy = BucketStrategy::spreading(requests, ttl_ms).expect("some");
-            let admissible = strategy.admissible_requests(ttl_ms);
+            let Spread {
+                strategy,
+                ttl_ms: given_ms,
+            } = BucketStrategy::spreading(requests, ttl_ms).expect("some");
+            assert_eq!(given_ms % 1_000, 0, "whole seconds: {given_ms}");
+            assert!((MIN_ASSIGNMENT_TTL_MS..=ttl_ms).contains(&given_ms));
+            assert_eq!(strategy.fill_interval_ms, FILL_INTERVAL_MS);
+            let admissible = strategy.admissible_requests(given_ms);
             assert!(
                 admissible <= requests,
-                "{requests} over {ttl_ms}: {strategy:?}"
+                "{requests} over {ttl_ms}: {strategy:?} for {given_ms}"
             );
             assert!(
                 admissible * 2 >= requests,
                 "{requests} over {ttl_ms} admits only {admissible}: {strategy:?}"
             );
         }
+        let small = BucketStrategy::spreading(3, 5_000).expect("some");
+        assert_eq!(
+            (
+                small.strategy.max_tokens,
+                small.strategy.tokens_per_fill,
+                small.ttl_ms
+            ),
+            (1, 1, 2_000),
+            "three requests: one, then one a second for two seconds"
+        );
         assert_eq!(BucketStrategy::spreading(0, 5_000), None);
+        assert_eq!(
+            BucketStrategy::spreading(1, 5_000),
+            None,
+            "Envoy cannot be told one"
+        );
+        assert_eq!(
+            BucketStrategy::spreading(10, 999),
+            None,
+            "under a second is 0 to Envoy"
+        );
+    }
+
+    #[test]
+    fn times_to_live_are_whole_seconds() {
+        assert_eq!(assignment_ttl_ms(1_000, 0, 60_000), Some(ASSIGNMENT_TTL_MS));
+        assert_eq!(
+            assignment_ttl_ms(1_000, 0, 3_150),
+            Some(2_000),
+            "2.95 s is 2 s"
+        );
+        assert_eq!(assignment_ttl_ms(1_000, 0, 1_150), None, "0.95 s is 0 s");
+        assert_eq!(
+            assignment_ttl_ms(3, 2_000, 60_000),
+            Some(1_000),
+            "1.5 s of demand is 1 s"
+        );
+        assert_eq!(deny_ttl_ms(0), 1_000);
+        assert_eq!(
+            deny_ttl_ms(1_200),
+            2_000,
+            "rounded up: a denial may last longer"
+        );
+        assert_eq!(deny_ttl_ms(60_000), MAX_DENY_TTL_MS);
     }
 
     #[test]
     fn an_enforced_bucket_admits_what_its_strategy_allows_and_nothing_after() {
-        let strategy = BucketStrategy::spreading(30, 5_000).expect("some");
-        let mut bucket = EnforcedBucket::new(strategy, 5_000, 1_000);
+        let Spread { strategy, ttl_ms } = BucketStrategy::spreading(30, 5_000).expect("some");
+        let mut bucket = EnforcedBucket::new(strategy, ttl_ms, 1_000);
         let admitted = (1_000..7_000)
             .step_by(10)
             .filter(|&now_ms| bucket.try_admit(now_ms))
             .count() as u64;
-        let admissible = strategy.admissible_requests(5_000);
+        let admissible = strategy.admissible_requests(ttl_ms);
         assert!(admitted <= admissible, "{admitted} > {admissible}");
         assert!(
             admitted + u64::from(strategy.tokens_per_fill) >= admissible,
@@ -397,11 +483,20 @@ mod tests {
 
     #[test]
     fn scarce_tokens_go_by_demand() {
-        assert_eq!(share(100, 30, 60), 30, "enough for all");
-        assert_eq!(share(60, 90, 120), 45);
-        assert_eq!(share(60, 30, 120), 15);
-        assert_eq!(share(1, 1, 1_000), 1, "at least one while anything is held");
-        assert_eq!(share(0, 10, 10), 0);
+        assert_eq!(share(100, 30, 60, 2), 30, "enough for all");
+        assert_eq!(share(60, 90, 120, 2), 45);
+        assert_eq!(share(60, 30, 120, 2), 15);
+        assert_eq!(
+            share(10, 10, 1_000, 2),
+            2,
+            "the smallest assignment while it is held"
+        );
+        assert_eq!(
+            share(1, 10, 1_000, 2),
+            1,
+            "at least one while anything is held"
+        );
+        assert_eq!(share(0, 10, 10, 2), 0);
     }
 
     #[test]
@@ -419,6 +514,6 @@ mod tests {
         demand.record(0, 1_000);
         assert_eq!(demand.rate_milli_per_s(), 25_000);
         assert_eq!(wanted_requests(50_000, 5_000), 375, "50/s over 5 s, 1.5x");
-        assert_eq!(wanted_requests(0, 5_000), 1);
+        assert_eq!(wanted_requests(0, 5_000), MIN_ASSIGNMENT_REQUESTS);
     }
 }

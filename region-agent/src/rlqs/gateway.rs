@@ -7,6 +7,17 @@
 //! run out ([`EnforcedBucket`]); a bucket without a live assignment is decided by
 //! [`NoAssignment`] (Envoy's `no_assignment_behavior` and, after expiry,
 //! `expired_assignment_behavior` with `fallback_rate_limit`).
+//!
+//! It reads and sends what Envoy's `rate_limit_quota` filter does, never friendlier:
+//! - durations in **whole seconds**: an assignment's time to live and a bucket's fill interval lose
+//!   their nanos; a time to live of 0 (or none) expires at once; a fill interval of 0 seconds
+//!   divides Envoy's refill by zero, which admits everything until the assignment ends;
+//!   `tokens_per_fill` unset is 0 (no refill);
+//! - a token bucket whose `max_tokens`, `tokens_per_fill` and fill interval nanos equal the one in
+//!   force is kept as it is (its tokens and its old fill interval), only its time to live renewed;
+//! - a new bucket is reported at once, its first request counted, with a `time_elapsed` of 0;
+//!   every report's `time_elapsed` is whole seconds, rounded down; every message names the
+//!   domain.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -20,8 +31,8 @@ use super::proto::envoy::service::rate_limit_quota::v3::rate_limit_quota_respons
 use super::proto::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
 use super::proto::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use super::proto::envoy::service::rate_limit_quota::v3::{BucketId, RateLimitQuotaUsageReports};
+use super::proto::envoy::r#type::v3::TokenBucket;
 use super::proto::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
-use super::{duration_ms, duration_of_ms};
 use crate::clock::Clock;
 use crate::global::sublease::{BucketStrategy, EnforcedBucket};
 
@@ -41,9 +52,18 @@ pub enum NoAssignment {
 #[derive(Debug, Clone, Copy)]
 enum Enforcing {
     Nothing,
-    AllowAll { until_ms: u64 },
-    DenyAll { until_ms: u64 },
-    TokenBucket(EnforcedBucket),
+    AllowAll {
+        until_ms: u64,
+    },
+    DenyAll {
+        until_ms: u64,
+    },
+    /// With what Envoy compares to keep a bucket: `max_tokens`, `tokens_per_fill` and the fill
+    /// interval's nanos (not its seconds).
+    TokenBucket {
+        enforced: EnforcedBucket,
+        kept_if_equal: (u32, u32, i32),
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -79,7 +99,6 @@ pub struct Gateway {
     buckets: Buckets,
     reports: mpsc::Sender<RateLimitQuotaUsageReports>,
     domain: String,
-    domain_sent: bool,
     no_assignment: NoAssignment,
     reader: tokio::task::JoinHandle<Option<Status>>,
 }
@@ -131,7 +150,6 @@ impl Gateway {
             buckets,
             reports,
             domain: domain.to_owned(),
-            domain_sent: false,
             no_assignment,
             reader,
         })
@@ -144,6 +162,7 @@ impl Gateway {
         let now_ms = self.clock.now_ms();
         let key: BTreeMap<String, String> = id.bucket.clone().into_iter().collect();
         let mut buckets = lock(&self.buckets);
+        let new = !buckets.contains_key(&key);
         let bucket = buckets.entry(key).or_insert_with(|| LocalBucket {
             id: id.clone(),
             enforcing: Enforcing::Nothing,
@@ -154,7 +173,7 @@ impl Gateway {
             reported_at_ms: now_ms,
         });
         let allowed = match &mut bucket.enforcing {
-            Enforcing::TokenBucket(enforced) if !enforced.expired(now_ms) => {
+            Enforcing::TokenBucket { enforced, .. } if !enforced.expired(now_ms) => {
                 enforced.try_admit(now_ms)
             }
             Enforcing::AllowAll { until_ms } if now_ms < *until_ms => true,
@@ -168,45 +187,36 @@ impl Gateway {
             bucket.denied += 1;
             bucket.denied_unreported += 1;
         }
+        if new {
+            // Envoy reports a new bucket at once, with its first request and 0 elapsed; a report
+            // that cannot be queued is dropped, as Envoy drops one while its stream is down.
+            let usage = take_usage(bucket, now_ms);
+            let _dropped = self.reports.try_send(RateLimitQuotaUsageReports {
+                domain: self.domain.clone(),
+                bucket_quota_usages: vec![usage],
+            });
+        }
         allowed
     }
 
-    /// Sends the usage of every bucket since its last report (the first message carries the
-    /// domain).
+    /// Sends the usage of every bucket since its last report (Envoy's filter does so every
+    /// 5 s, whatever the bucket's `reporting_interval` says).
     pub async fn report(&mut self) -> Result<(), Status> {
         let now_ms = self.clock.now_ms();
         let usages: Vec<BucketQuotaUsage> = {
             let mut buckets = lock(&self.buckets);
             buckets
                 .values_mut()
-                .map(|bucket| {
-                    let usage = BucketQuotaUsage {
-                        bucket_id: Some(bucket.id.clone()),
-                        time_elapsed: Some(duration_of_ms(
-                            now_ms.saturating_sub(bucket.reported_at_ms).max(1),
-                        )),
-                        num_requests_allowed: bucket.allowed_unreported,
-                        num_requests_denied: bucket.denied_unreported,
-                    };
-                    bucket.allowed_unreported = 0;
-                    bucket.denied_unreported = 0;
-                    bucket.reported_at_ms = now_ms;
-                    usage
-                })
+                .map(|bucket| take_usage(bucket, now_ms))
                 .collect()
         };
         if usages.is_empty() {
             return Ok(());
         }
         let message = RateLimitQuotaUsageReports {
-            domain: if self.domain_sent {
-                String::new()
-            } else {
-                self.domain.clone()
-            },
+            domain: self.domain.clone(),
             bucket_quota_usages: usages,
         };
-        self.domain_sent = true;
         self.reports
             .send(message)
             .await
@@ -230,7 +240,7 @@ impl Gateway {
         let key: BTreeMap<String, String> = id.bucket.clone().into_iter().collect();
         lock(&self.buckets)
             .get(&key)
-            .is_some_and(|bucket| matches!(bucket.enforcing, Enforcing::TokenBucket(_)))
+            .is_some_and(|bucket| matches!(bucket.enforcing, Enforcing::TokenBucket { .. }))
     }
 }
 
@@ -249,27 +259,18 @@ fn apply(
             buckets.remove(&key);
         }
         Some(Action::QuotaAssignmentAction(assignment)) => {
-            let ttl_ms = assignment
-                .assignment_time_to_live
-                .as_ref()
-                .and_then(|duration| duration_ms(duration).ok())
-                .unwrap_or(u64::MAX);
-            let until_ms = now_ms.saturating_add(ttl_ms);
+            let until_ms = now_ms.saturating_add(whole_seconds_ms(
+                assignment.assignment_time_to_live.as_ref(),
+            ));
+            let Some(bucket) = buckets.get_mut(&key) else {
+                return;
+            };
             let enforcing = match assignment
                 .rate_limit_strategy
                 .and_then(|strategy| strategy.strategy)
             {
-                Some(Strategy::TokenBucket(bucket)) => {
-                    let strategy = BucketStrategy {
-                        max_tokens: bucket.max_tokens,
-                        tokens_per_fill: bucket.tokens_per_fill.unwrap_or(1),
-                        fill_interval_ms: bucket
-                            .fill_interval
-                            .as_ref()
-                            .and_then(|duration| duration_ms(duration).ok())
-                            .unwrap_or(1_000),
-                    };
-                    Enforcing::TokenBucket(EnforcedBucket::new(strategy, ttl_ms, now_ms))
+                Some(Strategy::TokenBucket(token_bucket)) => {
+                    token_bucket_as_envoy(&bucket.enforcing, &token_bucket, until_ms, now_ms)
                 }
                 Some(Strategy::BlanketRule(rule))
                     if BlanketRule::try_from(rule) == Ok(BlanketRule::DenyAll) =>
@@ -279,10 +280,157 @@ fn apply(
                 // ALLOW_ALL, no strategy (allow all), or one this gateway does not enforce.
                 _ => Enforcing::AllowAll { until_ms },
             };
-            if let Some(bucket) = buckets.get_mut(&key) {
-                bucket.enforcing = enforcing;
-            }
+            bucket.enforcing = enforcing;
         }
         None => {}
+    }
+}
+
+/// A bucket's usage since its last report, as Envoy reports it (elapsed whole seconds, rounded
+/// down); its counters start again.
+fn take_usage(bucket: &mut LocalBucket, now_ms: u64) -> BucketQuotaUsage {
+    let elapsed_s = now_ms.saturating_sub(bucket.reported_at_ms) / 1_000;
+    let usage = BucketQuotaUsage {
+        bucket_id: Some(bucket.id.clone()),
+        time_elapsed: Some(prost_types::Duration {
+            seconds: i64::try_from(elapsed_s).unwrap_or(i64::MAX),
+            nanos: 0,
+        }),
+        num_requests_allowed: bucket.allowed_unreported,
+        num_requests_denied: bucket.denied_unreported,
+    };
+    bucket.allowed_unreported = 0;
+    bucket.denied_unreported = 0;
+    bucket.reported_at_ms = now_ms;
+    usage
+}
+
+/// A duration as Envoy's filter reads it: whole seconds, the nanos dropped; none is 0.
+pub fn whole_seconds_ms(duration: Option<&prost_types::Duration>) -> u64 {
+    let Some(duration) = duration else {
+        return 0;
+    };
+    // absl::ToInt64Seconds: the whole duration, truncated toward zero.
+    let nanos = i128::from(duration.seconds) * 1_000_000_000 + i128::from(duration.nanos);
+    u64::try_from(nanos / 1_000_000_000)
+        .unwrap_or(0)
+        .saturating_mul(1_000)
+}
+
+/// The token bucket Envoy enforces for an assignment until `until_ms`: the one in force kept when
+/// Envoy finds it equal, else a new one, full; a fill interval of 0 whole seconds admits
+/// everything (Envoy divides its refill by zero).
+fn token_bucket_as_envoy(
+    in_force: &Enforcing,
+    token_bucket: &TokenBucket,
+    until_ms: u64,
+    now_ms: u64,
+) -> Enforcing {
+    let fill = token_bucket.fill_interval.unwrap_or_default();
+    let tokens_per_fill = token_bucket.tokens_per_fill.unwrap_or(0);
+    let kept_if_equal = (token_bucket.max_tokens, tokens_per_fill, fill.nanos);
+    let ttl_ms = until_ms.saturating_sub(now_ms);
+    if let Enforcing::TokenBucket {
+        enforced,
+        kept_if_equal: in_force_key,
+    } = in_force
+        && *in_force_key == kept_if_equal
+    {
+        return Enforcing::TokenBucket {
+            enforced: enforced.renewed(ttl_ms, now_ms),
+            kept_if_equal,
+        };
+    }
+    let fill_interval_ms = whole_seconds_ms(Some(&fill));
+    if fill_interval_ms == 0 {
+        return Enforcing::AllowAll { until_ms };
+    }
+    let strategy = BucketStrategy {
+        max_tokens: token_bucket.max_tokens,
+        tokens_per_fill,
+        fill_interval_ms,
+    };
+    Enforcing::TokenBucket {
+        enforced: EnforcedBucket::new(strategy, ttl_ms, now_ms),
+        kept_if_equal,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn duration(seconds: i64, nanos: i32) -> prost_types::Duration {
+        prost_types::Duration { seconds, nanos }
+    }
+
+    fn bucket(max_tokens: u32, tokens_per_fill: Option<u32>, fill: (i64, i32)) -> TokenBucket {
+        TokenBucket {
+            max_tokens,
+            tokens_per_fill,
+            fill_interval: Some(duration(fill.0, fill.1)),
+        }
+    }
+
+    fn admitted(enforcing: &mut Enforcing, from_ms: u64, until_ms: u64) -> u64 {
+        (from_ms..until_ms)
+            .step_by(10)
+            .filter(|&now_ms| match enforcing {
+                Enforcing::TokenBucket { enforced, .. } => enforced.try_admit(now_ms),
+                Enforcing::AllowAll { until_ms } => now_ms < *until_ms,
+                _ => false,
+            })
+            .count() as u64
+    }
+
+    #[test]
+    fn durations_are_whole_seconds_truncated_and_none_is_zero() {
+        assert_eq!(whole_seconds_ms(None), 0);
+        assert_eq!(whole_seconds_ms(Some(&duration(0, 999_999_999))), 0);
+        assert_eq!(whole_seconds_ms(Some(&duration(1, 999_000_000))), 1_000);
+        assert_eq!(whole_seconds_ms(Some(&duration(2, -500_000_000))), 1_000);
+        assert_eq!(whole_seconds_ms(Some(&duration(-3, 0))), 0);
+    }
+
+    #[test]
+    fn a_token_bucket_is_read_as_envoy_reads_it() {
+        // A fill interval of 1.667 s is 1 s to Envoy: one a second, not one every 1.667 s.
+        let mut sub_second = token_bucket_as_envoy(
+            &Enforcing::Nothing,
+            &bucket(1, Some(1), (1, 667_000_000)),
+            5_000,
+            0,
+        );
+        assert_eq!(admitted(&mut sub_second, 0, 5_000), 5);
+        // Under a second is 0 seconds: Envoy's refill divides by zero and admits everything.
+        let mut unlimited = token_bucket_as_envoy(
+            &Enforcing::Nothing,
+            &bucket(1, Some(1), (0, 500_000_000)),
+            1_000,
+            0,
+        );
+        assert_eq!(admitted(&mut unlimited, 0, 2_000), 100);
+        // No tokens_per_fill: no refill at all.
+        let mut no_refill =
+            token_bucket_as_envoy(&Enforcing::Nothing, &bucket(3, None, (1, 0)), 5_000, 0);
+        assert_eq!(admitted(&mut no_refill, 0, 5_000), 3);
+    }
+
+    #[test]
+    fn an_unchanged_bucket_is_kept_with_its_tokens_and_its_old_fill_interval() {
+        let mut first =
+            token_bucket_as_envoy(&Enforcing::Nothing, &bucket(2, Some(1), (1, 0)), 1_000, 0);
+        assert_eq!(admitted(&mut first, 0, 10), 1, "one of two taken");
+        // Same max_tokens and tokens_per_fill, another fill interval's seconds: kept as it is.
+        let mut kept = token_bucket_as_envoy(&first, &bucket(2, Some(1), (4, 0)), 3_500, 500);
+        assert_eq!(
+            admitted(&mut kept, 500, 3_500),
+            1 + 3,
+            "the token left and one a second (the old interval) for 3 s"
+        );
+        // Another max_tokens: a new bucket, full.
+        let mut fresh = token_bucket_as_envoy(&kept, &bucket(5, Some(1), (1, 0)), 5_000, 4_000);
+        assert_eq!(admitted(&mut fresh, 4_000, 4_010), 1);
+        assert_eq!(admitted(&mut fresh, 4_010, 4_020), 1, "it started full");
     }
 }

@@ -26,7 +26,10 @@
 //!   charged for the whole carve in one store call (what the gateway does not use is not given
 //!   back to them: no refunds). The bucket starts full with about one second's worth and refills
 //!   every second ([`crate::global::sublease::BucketStrategy::spreading`]), so it can never admit
-//!   more than its carve within its time to live. The timing rules are pure functions of
+//!   more than its carve within its time to live. Every duration sent is whole seconds, since
+//!   Envoy reads no more of one (a sub-second fill interval would be no limit at all to it); a
+//!   carve smaller than one request a second of its life gets a shorter life, and one of fewer
+//!   than two requests is not sent. The timing rules are pure functions of
 //!   [`crate::global::sublease`], which the drills run too.
 //! - An assignment is renewed when [`RENEW_AT_PERCENT`] of its time to live has passed,
 //!   [`RENEW_AT_USED_PERCENT`] of it is reported used, or the gateway's demand has grown to more
@@ -71,8 +74,8 @@ pub use crate::global::sublease::{
     RENEW_AT_USED_PERCENT,
 };
 use crate::global::sublease::{
-    BucketStrategy, Demand, Settlement, admissible_until_replaced, assignment_ttl_ms, deny_ttl_ms,
-    renewal_due, settlement, wanted_requests,
+    BucketStrategy, Demand, Settlement, Spread, admissible_until_replaced, assignment_ttl_ms,
+    deny_ttl_ms, renewal_due, settlement, wanted_requests,
 };
 use crate::http::AgentApi;
 use crate::service::Agent;
@@ -542,8 +545,15 @@ async fn assign(agent: &Arc<Agent>, bucket: &mut Bucket) -> Option<Assigned> {
                 agent.cancel_carve(carve);
                 return None;
             };
+            let Some(Spread { strategy, ttl_ms }) =
+                BucketStrategy::spreading(carve.requests(), ttl_ms)
+            else {
+                // Too little to tell Envoy (fewer than two requests): denied until there is more.
+                agent.cancel_carve(carve);
+                cut_replaced(agent, bucket, now_ms);
+                return Some(deny_all(bucket, MIN_DENY_TTL_MS, now_ms));
+            };
             let mut carve = carve;
-            let strategy = BucketStrategy::spreading(carve.requests(), ttl_ms)?;
             agent.cut_carve(&mut carve, strategy.admissible_requests(ttl_ms));
             cut_replaced(agent, bucket, now_ms);
             bucket.handed.push_back(Handed {
@@ -564,7 +574,7 @@ async fn assign(agent: &Arc<Agent>, bucket: &mut Bucket) -> Option<Assigned> {
                 Strategy::TokenBucket(TokenBucket {
                     max_tokens: strategy.max_tokens,
                     tokens_per_fill: Some(strategy.tokens_per_fill),
-                    fill_interval: Some(duration_of_ms(strategy.fill_interval_ms)),
+                    fill_interval: Some(whole_seconds(strategy.fill_interval_ms)),
                 }),
             )))
         }
@@ -584,21 +594,25 @@ async fn assign(agent: &Arc<Agent>, bucket: &mut Bucket) -> Option<Assigned> {
             )))
         }
         Carving::Denied { retry_after_ms } => {
-            let ttl_ms = deny_ttl_ms(retry_after_ms);
             cut_replaced(agent, bucket, now_ms);
-            bucket.told = Told::DenyAll {
-                until_ms: now_ms + ttl_ms,
-            };
-            bucket.limited = true;
-            count_action("deny_all");
-            Some(Assigned::Action(assignment(
-                &bucket.id,
-                ttl_ms,
-                Strategy::BlanketRule(BlanketRule::DenyAll as i32),
-            )))
+            Some(deny_all(bucket, deny_ttl_ms(retry_after_ms), now_ms))
         }
         Carving::Awaiting => None,
     }
+}
+
+/// `DENY_ALL` for `ttl_ms` (whole seconds).
+fn deny_all(bucket: &mut Bucket, ttl_ms: u64, now_ms: u64) -> Assigned {
+    bucket.told = Told::DenyAll {
+        until_ms: now_ms + ttl_ms,
+    };
+    bucket.limited = true;
+    count_action("deny_all");
+    Assigned::Action(assignment(
+        &bucket.id,
+        ttl_ms,
+        Strategy::BlanketRule(BlanketRule::DenyAll as i32),
+    ))
 }
 
 /// The assignment in force is being replaced at `now_ms`: its gateway uses it until the
@@ -622,7 +636,7 @@ fn assignment(id: &BucketId, ttl_ms: u64, strategy: Strategy) -> BucketAction {
     BucketAction {
         bucket_id: Some(id.clone()),
         bucket_action: Some(Action::QuotaAssignmentAction(QuotaAssignmentAction {
-            assignment_time_to_live: Some(duration_of_ms(ttl_ms)),
+            assignment_time_to_live: Some(whole_seconds(ttl_ms)),
             rate_limit_strategy: Some(RateLimitStrategy {
                 strategy: Some(strategy),
             }),
@@ -642,11 +656,12 @@ fn count_action(action: &'static str) {
     metrics::counter!(crate::metrics::RLQS_ACTIONS, "action" => action).increment(1);
 }
 
-fn duration_of_ms(ms: u64) -> prost_types::Duration {
+/// A duration Envoy reads as meant: whole seconds, no nanos (it drops them).
+fn whole_seconds(ms: u64) -> prost_types::Duration {
+    debug_assert!(ms.is_multiple_of(1_000), "{ms} ms is not whole seconds");
     prost_types::Duration {
         seconds: i64::try_from(ms / 1_000).unwrap_or(i64::MAX),
-        // In [0, 999_000_000]: fits.
-        nanos: i32::try_from((ms % 1_000) * 1_000_000).unwrap_or(0),
+        nanos: 0,
     }
 }
 

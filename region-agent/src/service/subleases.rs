@@ -30,7 +30,8 @@ use super::admission::{POLICY_UNAVAILABLE_RETRY_MS, global_cost_tokens};
 use super::pools::{PoolKey, PoolSlot, TERMS_RETRY_MS};
 use super::{Agent, lock};
 use crate::global::sublease::{
-    CarveKind, DELIVERY_MARGIN_MS, MIN_ASSIGNMENT_TTL_MS, carve_kind, share,
+    CarveKind, DELIVERY_MARGIN_MS, MIN_ASSIGNMENT_REQUESTS, MIN_ASSIGNMENT_TTL_MS, carve_kind,
+    share,
 };
 use crate::global::{Denial, Reservation};
 use crate::limiter::plan_request;
@@ -320,7 +321,12 @@ impl Agent {
             let chunk_tokens = holder.config().chunk_tokens.max(1);
             let spendable = holder.spendable_tokens(now_ms, reachable).min(chunk_tokens);
             let wanted_tokens = ask.wanted_requests.saturating_mul(part.tokens_per_request);
-            let given_tokens = share(spendable, wanted_tokens, total_wanted);
+            let given_tokens = share(
+                spendable,
+                wanted_tokens,
+                total_wanted,
+                MIN_ASSIGNMENT_REQUESTS.saturating_mul(part.tokens_per_request),
+            );
             requests = requests.min(given_tokens / part.tokens_per_request);
             totals_wanted.push(total_wanted);
         }

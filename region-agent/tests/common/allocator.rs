@@ -23,6 +23,8 @@ pub struct Allocator {
     pub remaining: AtomicU64,
     /// Grants never answer (a blackholed allocator).
     pub hang_grants: AtomicBool,
+    /// Grants answer this late, ms (a slow allocator).
+    pub grant_delay_ms: AtomicU64,
     /// The tokens asked for by each grant.
     pub wants: Mutex<Vec<u64>>,
     /// Reported spent per lease (cumulative: the largest line wins, as in the ledger).
@@ -48,6 +50,7 @@ impl Allocator {
             fallback_per_region_tokens,
             remaining: AtomicU64::new(limit_tokens),
             hang_grants: AtomicBool::new(false),
+            grant_delay_ms: AtomicU64::new(0),
             wants: Mutex::new(Vec::new()),
             spent_by_lease: Mutex::new(HashMap::new()),
             fallback_by_window: Mutex::new(HashMap::new()),
@@ -117,6 +120,10 @@ async fn grant(
 ) -> Response {
     if fake.hang_grants.load(Ordering::SeqCst) {
         std::future::pending::<()>().await;
+    }
+    let delay_ms = fake.grant_delay_ms.load(Ordering::SeqCst);
+    if delay_ms > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(delay_ms)).await;
     }
     let want = body["want"].as_u64().unwrap_or(0).min(fake.chunk_tokens);
     fake.wants.lock().expect("lock").push(want);

@@ -14,9 +14,9 @@ use std::collections::VecDeque;
 
 use allot_region_agent::global::holder::{Denial, PoolHolder, Reservation};
 use allot_region_agent::global::sublease::{
-    ASSIGNMENT_TTL_MS, BucketStrategy, CarveKind, Demand, EnforcedBucket, Settlement,
-    admissible_until_replaced, assignment_ttl_ms, carve_kind, deny_ttl_ms, renewal_due, settlement,
-    share, wanted_requests,
+    ASSIGNMENT_TTL_MS, BucketStrategy, CarveKind, Demand, EnforcedBucket, MIN_ASSIGNMENT_REQUESTS,
+    Settlement, Spread, admissible_until_replaced, assignment_ttl_ms, carve_kind, deny_ttl_ms,
+    renewal_due, settlement, share, wanted_requests,
 };
 use allot_shared::ids::LeaseId;
 
@@ -264,7 +264,7 @@ fn assign(
     let wanted = wanted_requests(rate, ASSIGNMENT_TTL_MS);
     let chunk = holder.config().chunk_tokens.max(1);
     let spendable = holder.spendable_tokens(now_ms, reachable).min(chunk);
-    let given = share(spendable, wanted, total_wanted);
+    let given = share(spendable, wanted, total_wanted, MIN_ASSIGNMENT_REQUESTS);
     if given == 0 {
         return match holder.reserve_for_sublease(wanted.min(chunk), now_ms, reachable) {
             Ok(reservation) => {
@@ -302,7 +302,7 @@ fn assign(
         holder.cancel(reservation);
         return true;
     };
-    let Some(strategy) = BucketStrategy::spreading(given, ttl_ms) else {
+    let Some(Spread { strategy, ttl_ms }) = BucketStrategy::spreading(given, ttl_ms) else {
         holder.cancel(reservation);
         return false;
     };
