@@ -16,7 +16,9 @@
 //! | `user` / `api_key` / `remote_address` | `principal` of type `user` / `api_key` / `ip` | exactly one required |
 //! | `route_group` | `routeGroup` | required |
 //! | `method` | `method` | optional (default `UNKNOWN`, which no method matcher names) |
+//! | `request_id` | `requestId` (Envoy's `x-request-id`); else a fresh random id | optional |
 //! | `allot_charge` | `after_response`: charge the cost, never deny (below) | optional |
+//! | `allot_release` | `stream_done`: free the request's concurrency slots (below) | optional, with `request_id` |
 //! | any other key | ignored | lets one Envoy action list feed several services |
 //!
 //! - The cost is the descriptor's `hits_addend`, else the request's `hits_addend` when non-zero, else 1
@@ -35,8 +37,12 @@
 //!   when all of it was charged at once, else `OVER_LIMIT` (the next request will feel it); Envoy
 //!   ignores both once the stream is done. A `hits_addend` of 0 has nothing to charge and is
 //!   refused.
-//! - The request id is a fresh random [`DecisionId`](allot_shared::ids::DecisionId) per descriptor: Envoy's calls carry no stable id,
-//!   so an RLS decision is never idempotent across Envoy retries.
+//! - The request id is the `request_id` entry (Envoy's `x-request-id`, copied by a
+//!   `request_headers` action), else a fresh random [`DecisionId`] per descriptor. Concurrency
+//!   slots are held under it, so that a descriptor with `allot_release: stream_done` and the same
+//!   id, sent by Envoy when the stream is done (`apply_on_stream_done`), frees them as
+//!   `/v1/release` does; it answers `OK`, which Envoy ignores. A release without `request_id` is
+//!   refused, as is Envoy's `is_negative_hits` (nothing is given back over RLS).
 //! - `domain` is not used for matching (the `tenant` entry is); it is only bounded.
 //! - Every descriptor is validated before any is decided; a missing or repeated entry, an invalid
 //!   value, more than [`MAX_DESCRIPTORS`] descriptors or [`MAX_ENTRIES`] entries, or an entry over
@@ -46,7 +52,7 @@
 //!   regional rules.
 //! - Order: checks (`hits_addend` 0) first; if one is over, the call is over and the descriptors
 //!   that would spend are answered as checks too (nothing spent). Then the spending descriptors,
-//!   together; then charges after the response.
+//!   together; then charges after the response; then releases.
 //!
 //! # Answer
 //! - allowed -> `OK`; denied (rate or concurrency) -> `OVER_LIMIT`; `overall_code` is `OVER_LIMIT` when
@@ -85,6 +91,7 @@
 use std::sync::Arc;
 
 use allot_shared::contract::{AdmissionRequest, Decision, PrincipalType, Reason, SettleAnswer};
+use allot_shared::ids::DecisionId;
 use allot_shared::policy::PolicyBundle;
 use tonic::{Request, Response, Status};
 
@@ -186,6 +193,14 @@ pub fn admission_request(
     descriptor: &RateLimitDescriptor,
     request_hits: u32,
 ) -> Result<AdmissionRequest, Status> {
+    if descriptor.is_negative_hits {
+        return Err(invalid(
+            index,
+            "is_negative_hits",
+            "hits are never given back over RLS (a denied call spends nothing already; free a \
+             request's concurrency slots with allot_release)",
+        ));
+    }
     let (cost_hint, dry_run) = match descriptor.hits_addend {
         Some(0) => (1, true),
         Some(hits) => (hits, false),
@@ -202,11 +217,83 @@ pub fn admission_request(
         &|key, message| invalid(index, key, message),
     )?;
     request.dry_run = dry_run;
+    let mut ids = descriptor
+        .entries
+        .iter()
+        .filter(|entry| entry.key == REQUEST_ID_ENTRY);
+    if let Some(id) = ids.next() {
+        if ids.next().is_some() {
+            return Err(invalid(index, REQUEST_ID_ENTRY, "given twice"));
+        }
+        request.request_id =
+            DecisionId::parse(&id.value).map_err(|e| invalid(index, REQUEST_ID_ENTRY, e))?;
+    }
     Ok(request)
 }
 
+/// The entry that names the request a descriptor belongs to: Envoy's `x-request-id`, copied by a
+/// `request_headers` action. Its concurrency slots are held under it, so that the descriptor sent
+/// when the stream is done ([`RELEASE_ENTRY`]) can free them.
+pub const REQUEST_ID_ENTRY: &str = "request_id";
+
+/// The entry that marks a descriptor as the release of its request's concurrency slots, and its
+/// one value.
+pub const RELEASE_ENTRY: (&str, &str) = ("allot_release", "stream_done");
+
 /// The entry that marks a descriptor as a charge after the response, and its one value.
 pub const CHARGE_ENTRY: (&str, &str) = ("allot_charge", "after_response");
+
+/// What a descriptor asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Asks {
+    /// An admission (or, at `hits_addend` 0, a check).
+    Admission,
+    /// A charge after the response ([`CHARGE_ENTRY`]).
+    ChargeAfterResponse,
+    /// The release of the concurrency slots its request holds ([`RELEASE_ENTRY`]).
+    Release,
+}
+
+/// What descriptor `index` asks for, or which entry is wrong.
+pub fn what_it_asks(index: usize, descriptor: &RateLimitDescriptor) -> Result<Asks, Status> {
+    match (
+        charges_after_response(index, descriptor)?,
+        releases_slots(index, descriptor)?,
+    ) {
+        (true, true) => Err(invalid(
+            index,
+            RELEASE_ENTRY.0,
+            "a descriptor charges or releases, not both: send two",
+        )),
+        (true, false) => Ok(Asks::ChargeAfterResponse),
+        (false, true) => Ok(Asks::Release),
+        (false, false) => Ok(Asks::Admission),
+    }
+}
+
+/// Whether a descriptor releases its request's slots (`allot_release: stream_done`, with the
+/// request's id), or which entry is wrong.
+fn releases_slots(index: usize, descriptor: &RateLimitDescriptor) -> Result<bool, Status> {
+    let (key, value) = RELEASE_ENTRY;
+    let Some(entry) = descriptor.entries.iter().find(|entry| entry.key == key) else {
+        return Ok(false);
+    };
+    if entry.value != value {
+        return Err(invalid(index, key, format_args!("must be {value}")));
+    }
+    if !descriptor
+        .entries
+        .iter()
+        .any(|entry| entry.key == REQUEST_ID_ENTRY)
+    {
+        return Err(invalid(
+            index,
+            REQUEST_ID_ENTRY,
+            "missing: a release names the request whose slots it frees (Envoy's x-request-id)",
+        ));
+    }
+    Ok(true)
+}
 
 /// Whether a descriptor is a charge after the response (`allot_charge: after_response`), or which
 /// entry is wrong.
@@ -247,6 +334,16 @@ fn charge_status(answer: Option<&SettleAnswer>) -> DescriptorStatus {
         } else {
             Code::OverLimit
         } as i32,
+        current_limit: None,
+        limit_remaining: 0,
+        duration_until_reset: Some(duration_ms(0)),
+    }
+}
+
+/// The status of a release: `OK`, nothing to show (Envoy ignores it on stream done).
+fn released_status() -> DescriptorStatus {
+    DescriptorStatus {
+        code: Code::Ok as i32,
         current_limit: None,
         limit_remaining: 0,
         duration_until_reset: Some(duration_ms(0)),
@@ -426,7 +523,7 @@ impl RateLimitApi {
             .map(|(index, d)| {
                 Ok((
                     admission_request(index, d, request.hits_addend)?,
-                    charges_after_response(index, d)?,
+                    what_it_asks(index, d)?,
                 ))
             })
             .collect::<Result<Vec<_>, Status>>()?;
@@ -434,14 +531,17 @@ impl RateLimitApi {
         let mut statuses: Vec<Option<DescriptorStatus>> = vec![None; admissions.len()];
         // Checks first: a dry run spends nothing, and one that is over makes the call over, so
         // nothing else of it may spend either.
-        for (index, (admission, after_response)) in admissions.iter().enumerate() {
-            if admission.dry_run && !after_response {
+        for (index, (admission, asks)) in admissions.iter().enumerate() {
+            if admission.dry_run && *asks == Asks::Admission {
                 let decision = self.decide_one(index, admission).await?;
                 statuses[index] = Some(answer.record(&self.agent, index, admission, &decision));
             }
         }
         let spending: Vec<usize> = (0..admissions.len())
-            .filter(|&index| !admissions[index].0.dry_run && !admissions[index].1)
+            .filter(|&index| {
+                let (admission, asks) = &admissions[index];
+                !admission.dry_run && *asks == Asks::Admission
+            })
             .collect();
         if answer.over {
             // Answered as checks: the call is over, so these spend nothing.
@@ -473,13 +573,22 @@ impl RateLimitApi {
                 statuses[index] = Some(answer.record(&self.agent, index, admission, decision));
             }
         }
-        // Charges after the response: never denied (the request is done).
-        for (index, (admission, after_response)) in admissions.iter().enumerate() {
-            if *after_response {
+        // Charges after the response (never denied: the request is done), then releases.
+        for (index, (admission, asks)) in admissions.iter().enumerate() {
+            if *asks == Asks::ChargeAfterResponse {
                 let charged = self.agent.charge_after_response(admission).await;
                 let status = charge_status(charged.as_ref());
                 answer.over |= status.code == Code::OverLimit as i32;
                 statuses[index] = Some(status);
+            }
+        }
+        for (index, (admission, asks)) in admissions.iter().enumerate() {
+            if *asks == Asks::Release {
+                self.agent
+                    .release(admission)
+                    .await
+                    .map_err(|rejected| invalid(index, &rejected.field, rejected.message))?;
+                statuses[index] = Some(released_status());
             }
         }
         let CallAnswer {

@@ -98,6 +98,7 @@ fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
             })
             .collect(),
         hits_addend: None,
+        is_negative_hits: false,
     }
 }
 

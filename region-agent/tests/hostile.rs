@@ -205,6 +205,7 @@ async fn hostile_gateway_input_gets_a_problem_and_spends_nothing() {
             })
             .collect(),
         hits_addend: None,
+        is_negative_hits: false,
     };
     let odd: Vec<(Vec<RateLimitDescriptor>, u32)> = vec![
         (vec![], 0),

@@ -304,6 +304,7 @@ async fn every_link_runs_over_tls() {
                 })
                 .collect(),
             hits_addend: None,
+            is_negative_hits: false,
         }],
         hits_addend: 0,
     });

@@ -113,6 +113,7 @@ pub fn rls_request(
                 entry("route_group", "read".to_owned()),
             ],
             hits_addend: None,
+            is_negative_hits: false,
         }],
         hits_addend: 0,
     });
