@@ -91,7 +91,7 @@
 use std::sync::Arc;
 
 use allot_shared::contract::{AdmissionRequest, Decision, PrincipalType, Reason, SettleAnswer};
-use allot_shared::ids::DecisionId;
+use allot_shared::ids::{DecisionId, PoolId};
 use allot_shared::policy::PolicyBundle;
 use tonic::{Request, Response, Status};
 
@@ -375,13 +375,15 @@ pub fn descriptor_status(
     bundle: Option<&PolicyBundle>,
     kind: PrincipalType,
     decision: &Decision,
+    pool_window_ms: &dyn Fn(&PoolId) -> Option<u64>,
 ) -> DescriptorStatus {
     let code = if decision.allowed {
         Code::Ok
     } else {
         Code::OverLimit
     };
-    let view = bundle.and_then(|bundle| crate::visibility::caller_view(bundle, kind, decision));
+    let view = bundle
+        .and_then(|bundle| crate::visibility::caller_view(bundle, kind, decision, pool_window_ms));
     DescriptorStatus {
         code: code as i32,
         current_limit: view.as_ref().map(|view| RateLimit {
@@ -473,7 +475,13 @@ impl CallAnswer {
             self.upstream_headers
                 .extend(shadow.map(|v| header(crate::visibility::SHADOW_DENIED_HEADER, v)));
         }
-        descriptor_status(bundle.as_deref(), admission.principal.kind, decision)
+        let pool_window_ms = |pool: &PoolId| agent.pool_window_ms(&admission.tenant_id, pool);
+        descriptor_status(
+            bundle.as_deref(),
+            admission.principal.kind,
+            decision,
+            &pool_window_ms,
+        )
     }
 }
 

@@ -28,6 +28,7 @@ use allot_shared::contract::{
     AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, QuotaQuery, SettleRequest, http_status,
     retry_after_header,
 };
+use allot_shared::ids::PoolId;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -256,7 +257,9 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
     if let Some(bundle) = api.agent.bundle() {
         let kind = request.principal.kind;
         let (soft, shadow) = crate::visibility::violation_headers(&bundle, kind, &decision);
-        let (policy, current) = crate::visibility::rate_limit_headers(&bundle, kind, &decision);
+        let pool_window_ms = |pool: &PoolId| api.agent.pool_window_ms(&request.tenant_id, pool);
+        let (policy, current) =
+            crate::visibility::rate_limit_headers(&bundle, kind, &decision, &pool_window_ms);
         let headers = response.headers_mut();
         for (name, value) in [
             (crate::visibility::SOFT_LIMIT_HEADER, soft),

@@ -3,11 +3,14 @@
 //! ([`Rule::visible_to`](allot_shared::policy::Rule::visible_to): an authenticated caller, and a rule
 //! of its own scope unless the rule's `expose` says otherwise). An admission names its most
 //! constraining rule, which can be the tenant's: unless exposed, it is not shown either. A global
-//! rule's pool is not shown in headers (its window is the allocator's); `GET /v1/quota` shows it.
+//! rule (shown only when it says `"expose": true`) shows its pool's figures as `GET /v1/quota`
+//! does: the pool's limit, what is left of it, and the pool's window, once the agent holds the
+//! pool.
 
 use allot_shared::contract::{
     AdvisoryMode, Decision, PrincipalType, QuotaView, Reason, rate_limit_fields, retry_after_header,
 };
+use allot_shared::ids::PoolId;
 use allot_shared::limit::multi::Algorithm;
 use allot_shared::policy::{Limit, PolicyBundle};
 
@@ -16,21 +19,27 @@ use allot_shared::policy::{Limit, PolicyBundle};
 /// allows. The reset (`t`) is the retry hint of a denial; a request that will not be admitted again
 /// soon (none left after an admission, or a denial with no hint, such as `COST_TOO_HIGH`) says the
 /// whole window, the most it may wait, never `t=0`. An outage has no view (see
-/// [`rate_limit_headers`]).
+/// [`rate_limit_headers`]). `pool_window_ms` is the window of a pool of the caller's tenant, when
+/// the agent holds it.
 pub fn caller_view(
     bundle: &PolicyBundle,
     caller: PrincipalType,
     decision: &Decision,
+    pool_window_ms: &dyn Fn(&PoolId) -> Option<u64>,
 ) -> Option<QuotaView> {
     let rule_id = decision.policy_id.as_deref()?;
     let rule = bundle.rules().iter().find(|r| r.id.as_str() == rule_id)?;
     if !rule.visible_to(caller) {
         return None;
     }
-    let Limit::Regional(algorithm) = &rule.limit else {
-        return None;
+    let window_ms = match &rule.limit {
+        Limit::Regional(algorithm) => window_ms(algorithm),
+        // The decision carries the pool's figures when a global rule decided it; without them
+        // (a denial before the pool was held) there is nothing true to show.
+        Limit::Global(pool) if decision.limit_units > 0 => pool_window_ms(pool)?,
+        Limit::Global(_) => return None,
     };
-    let window_seconds = window_ms(algorithm).div_ceil(1_000).max(1);
+    let window_seconds = window_ms.div_ceil(1_000).max(1);
     Some(QuotaView {
         policy_name: rule_id.to_owned(),
         quota_units: decision.limit_units,
@@ -56,8 +65,9 @@ pub fn rate_limit_headers(
     bundle: &PolicyBundle,
     caller: PrincipalType,
     decision: &Decision,
+    pool_window_ms: &dyn Fn(&PoolId) -> Option<u64>,
 ) -> (Option<String>, Option<String>) {
-    let Some(view) = caller_view(bundle, caller, decision) else {
+    let Some(view) = caller_view(bundle, caller, decision, pool_window_ms) else {
         return (None, None);
     };
     let (policy, current) = rate_limit_fields(&view);

@@ -453,4 +453,29 @@ async fn a_decision_by_global_rules_alone_shows_the_pools_figures() {
     }
     // 5 granted to this agent, 5 left to grant: 9, 8, 7 after each admission.
     assert_eq!(remaining, [9, 8, 7]);
+    // The same figures in the RateLimit fields of /v1/check: the rule says `expose`, and the
+    // pool's window is the allocator's (an hour here).
+    let url = common::serve_http(agent, GATEWAY).await;
+    let checked = reqwest::Client::new()
+        .post(format!("{url}/v1/check"))
+        .bearer_auth(GATEWAY)
+        .json(&common::user_request("g-3", "U-1", "read"))
+        .send()
+        .await
+        .expect("check");
+    assert_eq!(checked.status(), 200);
+    let field = |name: &str| {
+        checked
+            .headers()
+            .get(name)
+            .map(|value| value.to_str().expect("ascii").to_owned())
+    };
+    assert_eq!(
+        field("ratelimit-policy").as_deref(),
+        Some("\"global-api\";q=10;w=3600")
+    );
+    assert_eq!(
+        field("ratelimit").as_deref(),
+        Some("\"global-api\";r=6;t=0")
+    );
 }

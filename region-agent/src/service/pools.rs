@@ -246,6 +246,19 @@ fn duration_ms(duration: std::time::Duration) -> u64 {
 }
 
 impl Agent {
+    /// The length of the window of `tenant`'s pool `pool` in force now, ms, when the agent holds
+    /// the pool (no fetch: for what a caller is told of a decision already made).
+    pub fn pool_window_ms(&self, tenant: &TenantId, pool: &PoolId) -> Option<u64> {
+        let slot = lock(&self.pools).get(tenant, pool)?.clone();
+        let now_ms = self.clock.now_ms();
+        let length_ms = lock(&slot.holder)
+            .config()
+            .window
+            .containing(now_ms)
+            .length_ms();
+        Some(length_ms)
+    }
+
     /// The pool's slot, fetching its terms on first use. `None` when the terms cannot be had (no
     /// allocator, unknown pool, unreachable, or too many pools).
     ///
