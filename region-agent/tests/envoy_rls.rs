@@ -8,8 +8,6 @@
 use std::sync::Arc;
 
 use allot_region_agent::clock::SystemClock;
-use allot_region_agent::grpc::serve_grpc;
-use allot_region_agent::http::AgentApi;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -37,19 +35,7 @@ async fn serve() -> (
         None,
         Some(common::bundle(BUNDLE)),
     );
-    let api = AgentApi {
-        agent,
-        gateway_tokens: Arc::new(vec![TOKEN.to_owned()]),
-        metrics: None,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let address = listener.local_addr().expect("address");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_grpc(listener, api, None, async move {
-        let _ = stopped.await;
-    }));
+    let (address, stop) = common::serve_grpc(agent, TOKEN).await;
     let client = RateLimitServiceClient::connect(format!("http://{address}"))
         .await
         .expect("connect");

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use allot_region_agent::clock::SystemClock;
+use allot_region_agent::grpc::DECISION_ID_HEADER;
 use allot_region_agent::grpc::proto::envoy::extensions::common::ratelimit::v3::{
     RateLimitDescriptor, rate_limit_descriptor::Entry,
 };
@@ -12,13 +13,13 @@ use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_s
 use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::{
     RateLimitRequest, RateLimitResponse,
 };
-use allot_region_agent::grpc::{DECISION_ID_HEADER, serve_grpc};
-use allot_region_agent::http::AgentApi;
 use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::RegionId;
 use allot_shared::keys::Pepper;
 use tonic::transport::Channel;
+
+mod common;
 
 const TOKEN: &str = "gateway-token-1";
 
@@ -66,19 +67,7 @@ async fn serve_bundle(bundle: Option<&str>) -> Served {
         )
     };
     let agent = Agent::new(settings, clock, limiter, None, bundle);
-    let api = AgentApi {
-        agent,
-        gateway_tokens: Arc::new(vec![TOKEN.to_owned()]),
-        metrics: None,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_grpc(listener, api, None, async move {
-        let _ = stopped.await;
-    }));
+    let (addr, stop) = common::serve_grpc(agent, TOKEN).await;
     let client = RateLimitServiceClient::connect(format!("http://{addr}"))
         .await
         .expect("connect");

@@ -9,8 +9,6 @@ use std::time::Duration;
 use allot_region_agent::clock::{Clock, SystemClock};
 use allot_region_agent::global::sublease::BucketStrategy;
 use allot_region_agent::rlqs::gateway::{Gateway as ReferenceGateway, NoAssignment};
-use allot_region_agent::grpc::serve_grpc;
-use allot_region_agent::http::AgentApi;
 use allot_region_agent::rlqs::proto::envoy::r#type::v3::rate_limit_strategy::{
     BlanketRule, Strategy,
 };
@@ -64,19 +62,7 @@ async fn serve(fake: &Arc<Allocator>, bundle: &str) -> Served {
         Some(client(fake.clone()).await),
         Some(common::bundle(bundle)),
     );
-    let api = AgentApi {
-        agent: agent.clone(),
-        gateway_tokens: Arc::new(vec![TOKEN.to_owned()]),
-        metrics: None,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let address = listener.local_addr().expect("address");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_grpc(listener, api, None, async move {
-        let _ = stopped.await;
-    }));
+    let (address, stop) = common::serve_grpc(agent.clone(), TOKEN).await;
     Served {
         agent,
         address,

@@ -117,6 +117,23 @@ struct GlobalRefusal {
     limit_tokens: u64,
 }
 
+/// A concurrency slot to take: the request, its plan, the rule's index in it, the lease call.
+pub(super) type SlotCall<'c, 'b> = (
+    &'c AdmissionRequest,
+    &'c PlannedBatch<'b>,
+    usize,
+    &'c LeaseCall,
+);
+
+/// The concurrency slots taken for a decision, and whether a `local_bounded` rule's slot could
+/// not be asked for (the answer is then a fallback's).
+pub(super) struct SlotsHeld<'c> {
+    /// The slots taken, to release if the decision is a denial.
+    pub(super) held: Vec<&'c LeaseCall>,
+    /// A `local_bounded` rule's lease call failed.
+    pub(super) fallback: bool,
+}
+
 /// The global reservations of one request. Settled once: committed when the request is admitted,
 /// cancelled otherwise, and cancelled when dropped unsettled (a gateway that went away
 /// mid-decision must not leave tokens reserved).
@@ -360,14 +377,7 @@ impl Agent {
             },
         };
         // 2. Global rules: reserved, not yet spent. A shadow global rule is only counted.
-        let (shadow_rules, global_rules): (Vec<&Rule>, Vec<&Rule>) = bundle
-            .global_rules_for(
-                &request.tenant_id,
-                &request.route_group,
-                request.principal.kind,
-            )
-            .into_iter()
-            .partition(|rule| rule.mode.is_advisory());
+        let (shadow_rules, global_rules) = global_rules_of(&bundle, request);
         let hold = match self.reserve_global(request, version, &global_rules).await {
             Ok(hold) => hold,
             Err(denied) => return Ok(denied),
@@ -675,47 +685,15 @@ impl Agent {
         screened: Screened,
         slots: &[(usize, LeaseCall)],
     ) -> (Decision, bool) {
-        // Every store call ends early enough for the fail modes to answer within the hold (half a
-        // budget to spare, for a thread that runs late): a hung store costs a local_bounded rule
-        // its local bucket's answer, never a 503.
-        let store_deadline = crate::clock::monotonic_now() + self.regional_hold()
-            - self.limiter.decision_budget() / 2;
-        let mut fallback = false;
-        let mut held = Vec::new();
-        for (index, call) in slots {
-            let Some(rule) = planned.rules.get(*index) else {
-                continue;
-            };
-            match self
-                .limiter
-                .lease_until(LeaseOp::Acquire, call, store_deadline)
-                .await
-            {
-                Ok(outcome) if outcome.held => held.push(call),
-                Ok(_) => {
-                    self.release_all(&held).await;
-                    let denial =
-                        crate::limiter::concurrency_denial(planned, *index, CONCURRENCY_RETRY_MS);
-                    return (denial, false);
-                }
-                Err(error) => {
-                    tracing::warn!(%error, rule = %rule.id, "concurrency lease call failed");
-                    if matches!(rule.fail_mode, FailMode::Closed) {
-                        self.release_all(&held).await;
-                        let refusal = refused(
-                            request,
-                            planned.policy_version,
-                            Some(rule),
-                            Reason::LimiterUnavailable,
-                            POLICY_UNAVAILABLE_RETRY_MS,
-                        );
-                        return (refusal, false);
-                    }
-                    // local_bounded: the rate rule's local bucket still bounds the request.
-                    fallback = true;
-                }
-            }
-        }
+        let store_deadline = self.store_deadline();
+        let slots: Vec<SlotCall<'_, '_>> = slots
+            .iter()
+            .map(|(rule_index, call)| (request, planned, *rule_index, call))
+            .collect();
+        let SlotsHeld { held, fallback } = match self.acquire_slots(&slots, store_deadline).await {
+            Ok(taken) => taken,
+            Err(denial) => return (denial, false),
+        };
         let decided = self
             .limiter
             .decide_screened_until(planned, screened, store_deadline)
@@ -727,6 +705,64 @@ impl Agent {
             self.release_all(&held).await;
         }
         (decision, replayed)
+    }
+
+    /// When every store call of a decision must end: early enough for the fail modes to answer
+    /// within the hold (half a budget to spare, for a thread that runs late), so a hung store costs
+    /// a local_bounded rule its local bucket's answer, never a 503.
+    pub(super) fn store_deadline(&self) -> tokio::time::Instant {
+        crate::clock::monotonic_now() + self.regional_hold() - self.limiter.decision_budget() / 2
+    }
+
+    /// Takes every concurrency slot of `slots` (the request, its plan, the rule's index in it, the
+    /// call) by `deadline`. A slot refused, or a `closed` rule's lease call failed, ends it: what
+    /// was taken is released and `Err` is the denial. A `local_bounded` rule's failed call is
+    /// passed over (its rate rule's local bucket still bounds the request) and marks the answer as
+    /// fallback.
+    pub(super) async fn acquire_slots<'c>(
+        &self,
+        slots: &[SlotCall<'c, '_>],
+        deadline: tokio::time::Instant,
+    ) -> Result<SlotsHeld<'c>, Decision> {
+        let mut taken = SlotsHeld {
+            held: Vec::new(),
+            fallback: false,
+        };
+        for &(request, planned, rule_index, call) in slots {
+            let Some(rule) = planned.rules.get(rule_index) else {
+                continue;
+            };
+            let refusal = match self
+                .limiter
+                .lease_until(LeaseOp::Acquire, call, deadline)
+                .await
+            {
+                Ok(outcome) if outcome.held => {
+                    taken.held.push(call);
+                    continue;
+                }
+                Ok(_) => {
+                    crate::limiter::concurrency_denial(planned, rule_index, CONCURRENCY_RETRY_MS)
+                }
+                Err(error) => {
+                    tracing::warn!(%error, rule = %rule.id, "concurrency lease call failed");
+                    if !matches!(rule.fail_mode, FailMode::Closed) {
+                        taken.fallback = true;
+                        continue;
+                    }
+                    refused(
+                        request,
+                        planned.policy_version,
+                        Some(rule),
+                        Reason::LimiterUnavailable,
+                        POLICY_UNAVAILABLE_RETRY_MS,
+                    )
+                }
+            };
+            self.release_all(&taken.held).await;
+            return Err(refusal);
+        }
+        Ok(taken)
     }
 
     pub(super) async fn release_all(&self, calls: &[&LeaseCall]) {
@@ -1010,6 +1046,21 @@ pub(super) fn admitted_by_global_rules_only(request: &AdmissionRequest, version:
         violations: Vec::new(),
         settle_by_ms: None,
     }
+}
+
+/// `request`'s global rules in `bundle`: (the advisory ones, only counted; the enforced ones).
+pub(super) fn global_rules_of<'b>(
+    bundle: &'b PolicyBundle,
+    request: &AdmissionRequest,
+) -> (Vec<&'b Rule>, Vec<&'b Rule>) {
+    bundle
+        .global_rules_for(
+            &request.tenant_id,
+            &request.route_group,
+            request.principal.kind,
+        )
+        .into_iter()
+        .partition(|rule| rule.mode.is_advisory())
 }
 
 /// A refusal that no budget decided (no bundle, policy error, an outage).

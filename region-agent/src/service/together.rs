@@ -25,16 +25,15 @@ use allot_shared::FieldError;
 use allot_shared::contract::{AdmissionRequest, Decision, Reason};
 use allot_shared::ids::PoolId;
 use allot_shared::limit::multi::MAX_RULES_PER_REQUEST;
-use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule};
+use allot_shared::policy::{Limit, PolicyBundle, Rule};
 
 use super::Agent;
 use super::admission::{
-    CONCURRENCY_RETRY_MS, GlobalHold, POLICY_UNAVAILABLE_RETRY_MS, admitted_by_global_rules_only,
-    concurrency_calls, inadmissible_cost, refused,
+    GlobalHold, POLICY_UNAVAILABLE_RETRY_MS, SlotCall, SlotsHeld, admitted_by_global_rules_only,
+    concurrency_calls, global_rules_of, inadmissible_cost, refused,
 };
 use crate::limiter::{
-    LeaseCall, LeaseOp, LimitDecision, PlannedBatch, Screened, Verdict, combine_batches,
-    concurrency_denial, plan_request,
+    LeaseCall, LimitDecision, PlannedBatch, Screened, Verdict, combine_batches, plan_request,
 };
 
 /// Why requests could not be decided together: the request at fault (its index) and why.
@@ -170,14 +169,7 @@ impl Agent {
                     }
                 },
             };
-            let (shadow_rules, global_rules): (Vec<&Rule>, Vec<&Rule>) = bundle
-                .global_rules_for(
-                    &request.tenant_id,
-                    &request.route_group,
-                    request.principal.kind,
-                )
-                .into_iter()
-                .partition(|rule| rule.mode.is_advisory());
+            let (shadow_rules, global_rules) = global_rules_of(bundle, request);
             members.push(Member {
                 request,
                 planned,
@@ -248,51 +240,23 @@ impl Agent {
         combined: Option<&Combined<'_>>,
         slots: &[(usize, usize, LeaseCall)],
     ) -> Vec<Option<Decision>> {
-        let store_deadline = crate::clock::monotonic_now() + self.regional_hold()
-            - self.limiter.decision_budget() / 2;
-        let mut fallback = false;
-        let mut held: Vec<&LeaseCall> = Vec::new();
-        for (member, rule_index, call) in slots {
-            let Some((planned, _)) = members[*member].planned.as_ref() else {
-                continue;
-            };
-            let Some(rule) = planned.rules.get(*rule_index) else {
-                continue;
-            };
-            match self
-                .limiter
-                .lease_until(LeaseOp::Acquire, call, store_deadline)
-                .await
-            {
-                Ok(outcome) if outcome.held => held.push(call),
-                Ok(_) => {
-                    self.release_all(&held).await;
-                    let denial = concurrency_denial(planned, *rule_index, CONCURRENCY_RETRY_MS);
-                    return for_every_member(members, &denial)
-                        .into_iter()
-                        .map(Some)
-                        .collect();
-                }
-                Err(error) => {
-                    tracing::warn!(%error, rule = %rule.id, "concurrency lease call failed");
-                    if matches!(rule.fail_mode, FailMode::Closed) {
-                        self.release_all(&held).await;
-                        let denial = refused(
-                            members[*member].request,
-                            planned.policy_version,
-                            Some(rule),
-                            Reason::LimiterUnavailable,
-                            POLICY_UNAVAILABLE_RETRY_MS,
-                        );
-                        return for_every_member(members, &denial)
-                            .into_iter()
-                            .map(Some)
-                            .collect();
-                    }
-                    fallback = true;
-                }
+        let store_deadline = self.store_deadline();
+        let slots: Vec<SlotCall<'_, '_>> = slots
+            .iter()
+            .filter_map(|(member, rule_index, call)| {
+                let (planned, _) = members[*member].planned.as_ref()?;
+                Some((members[*member].request, planned, *rule_index, call))
+            })
+            .collect();
+        let SlotsHeld { held, fallback } = match self.acquire_slots(&slots, store_deadline).await {
+            Ok(taken) => taken,
+            Err(denial) => {
+                return for_every_member(members, &denial)
+                    .into_iter()
+                    .map(Some)
+                    .collect();
             }
-        }
+        };
         let Some(combined) = combined else {
             return members.iter().map(|_| None).collect();
         };

@@ -65,6 +65,33 @@ pub async fn serve_http(agent: Arc<Agent>, token: &str) -> String {
     url
 }
 
+/// Serves `agent`'s gRPC services (RLS and RLQS) on a loopback port to gateways holding `token`:
+/// its address, and the sender that stops it (dropping it stops it too).
+pub async fn serve_grpc(
+    agent: Arc<Agent>,
+    token: &str,
+) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("address");
+    let api = allot_region_agent::http::AgentApi {
+        agent,
+        gateway_tokens: Arc::new(vec![token.to_owned()]),
+        metrics: None,
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(allot_region_agent::grpc::serve_grpc(
+        listener,
+        api,
+        None,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    (address, stop)
+}
+
 /// A GET request `id` by user `user` of tenant `atlas` on `route`, costing 1.
 pub fn user_request(id: &str, user: &str, route: &str) -> allot_shared::contract::AdmissionRequest {
     use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
