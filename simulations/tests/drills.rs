@@ -419,3 +419,33 @@ fn calendar_days_end_at_local_midnight_across_a_daylight_saving_switch() {
         assert!(w.regions[0].fallback <= s.fallback_per_region_tokens);
     }
 }
+
+/// Every file of `simulations/scenarios/` is a built-in drill of its file's name, and every
+/// built-in drill is such a file: a new file is a new drill, never silently left out.
+#[test]
+fn every_scenario_file_is_a_built_in_drill_of_its_name() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/scenarios");
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .expect("the scenarios")
+        .map(|entry| entry.expect("an entry").path())
+        .filter(|path| path.is_file() && path.extension().is_some_and(|ext| ext == "toml"))
+        .map(|path| {
+            path.file_stem()
+                .and_then(|stem| stem.to_str())
+                .expect("a name")
+                .to_owned()
+        })
+        .collect();
+    files.sort();
+    assert!(files.len() >= 21, "{files:?}");
+    let listed: Vec<&str> = allot_simulations::drill::scenario::BUILTIN
+        .iter()
+        .map(|(name, _)| *name)
+        .collect();
+    assert_eq!(listed, files);
+    let parsed: Vec<String> = builtin().into_iter().map(|s| s.name).collect();
+    assert_eq!(
+        parsed, files,
+        "each parses, and names itself as its file does"
+    );
+}

@@ -331,7 +331,10 @@ mod tests {
     use crate::drill::scenario::builtin;
 
     fn clamped() -> Scenario {
-        builtin().remove(0)
+        builtin()
+            .into_iter()
+            .find(|scenario| scenario.name == "clamped")
+            .expect("the clamped drill")
     }
 
     fn bound() -> OvershootBound {

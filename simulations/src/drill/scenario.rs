@@ -577,76 +577,9 @@ impl Scenario {
     }
 }
 
-/// The built-in suite: the reference design's table of drills (files under
-/// `simulations/scenarios/`, compiled in).
-pub const BUILTIN: [(&str, &str); 21] = [
-    ("clamped", include_str!("../../scenarios/clamped.toml")),
-    ("unclamped", include_str!("../../scenarios/unclamped.toml")),
-    ("fallback", include_str!("../../scenarios/fallback.toml")),
-    ("blackhole", include_str!("../../scenarios/blackhole.toml")),
-    (
-        "failover-etcd",
-        include_str!("../../scenarios/failover-etcd.toml"),
-    ),
-    (
-        "failover-lost",
-        include_str!("../../scenarios/failover-lost.toml"),
-    ),
-    (
-        "failover-exhausted",
-        include_str!("../../scenarios/failover-exhausted.toml"),
-    ),
-    (
-        "independent",
-        include_str!("../../scenarios/independent.toml"),
-    ),
-    (
-        "static-split",
-        include_str!("../../scenarios/static-split.toml"),
-    ),
-    (
-        "demand-weighted",
-        include_str!("../../scenarios/demand-weighted.toml"),
-    ),
-    (
-        "full-split",
-        include_str!("../../scenarios/full-split.toml"),
-    ),
-    (
-        "answer-loss",
-        include_str!("../../scenarios/answer-loss.toml"),
-    ),
-    ("latency", include_str!("../../scenarios/latency.toml")),
-    (
-        "agent-restart",
-        include_str!("../../scenarios/agent-restart.toml"),
-    ),
-    (
-        "agent-restart-fallback",
-        include_str!("../../scenarios/agent-restart-fallback.toml"),
-    ),
-    (
-        "clock-skew",
-        include_str!("../../scenarios/clock-skew.toml"),
-    ),
-    (
-        "clock-rate-beyond-margin",
-        include_str!("../../scenarios/clock-rate-beyond-margin.toml"),
-    ),
-    ("rlqs", include_str!("../../scenarios/rlqs.toml")),
-    (
-        "rlqs-partition",
-        include_str!("../../scenarios/rlqs-partition.toml"),
-    ),
-    (
-        "rlqs-agent-restart",
-        include_str!("../../scenarios/rlqs-agent-restart.toml"),
-    ),
-    (
-        "calendar-dst",
-        include_str!("../../scenarios/calendar-dst.toml"),
-    ),
-];
+// The built-in suite (`BUILTIN`): every file of `simulations/scenarios/`, listed by the build
+// script, so that a new file there is a new drill.
+include!(concat!(env!("OUT_DIR"), "/builtin_scenarios.rs"));
 
 /// Calendar windows' ends lie whole multiples of this apart (half an hour), ms.
 const CALENDAR_STEP_MS: u64 = 1_800_000;
