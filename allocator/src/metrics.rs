@@ -44,6 +44,12 @@ pub const POLICY_CURRENT_VERSION: &str = "allot_policy_current_version";
 pub const WINDOW_ADMITTED: &str = "allot_pool_window_admitted_tokens";
 /// The stated bound of that window (G + carry-over + fallback terms), by `tenant` and `pool`.
 pub const WINDOW_BOUND: &str = "allot_pool_window_bound_tokens";
+/// Windows checked against their overshoot bound once they settled (each window once, ledger-wide).
+pub const BOUND_WINDOWS_CHECKED: &str = "allot_bound_windows_checked_total";
+/// Checked windows that admitted more than their bound: the design's promise broken (page).
+pub const BOUND_VIOLATIONS: &str = "allot_bound_violations_total";
+/// Violations the ledger holds, over all time and every allocator (gauge, set by the leader).
+pub const BOUND_VIOLATIONS_RECORDED: &str = "allot_bound_violations_recorded";
 /// Tokens admitted beyond G in that window, by `tenant` and `pool`.
 pub const WINDOW_OVERSHOOT: &str = "allot_pool_window_overshoot_tokens";
 

@@ -22,7 +22,7 @@ use crate::kv::Kv;
 use crate::kv::etcd::EtcdKv;
 use crate::kv::memory::MemoryKv;
 use crate::leader::{ElectionConfig, Role, run_election};
-use crate::ledger::Ledger;
+use crate::ledger::{Ledger, WindowRow};
 use crate::pools::{StoredPool, list_grants, list_pools};
 use allot_shared::ids::{PoolId, TenantId};
 
@@ -323,8 +323,8 @@ pub const WINDOW_GAUGE_SETTLE_MS: u64 = 5_000;
 
 /// Publishes the ledger's view as gauges: the rollout's current bundle version, and for each pool
 /// (at most [`MAX_WINDOW_GAUGE_POOLS`]) the admitted tokens and the bound of its latest settled
-/// window, so an alert can compare them (`allot_pool_window_admitted_tokens` >
-/// `allot_pool_window_bound_tokens`).
+/// window. On the way, checks every window that settled since the last round against its bound,
+/// once (the ledger's `bound_checks`), counting windows checked and violations.
 pub async fn publish_ledger_gauges(
     ledger: &Ledger,
     kv: &dyn Kv,
@@ -365,13 +365,23 @@ pub async fn publish_ledger_gauges(
             continue;
         };
         let rows = ledger
-            .windows(tenant, pool, &config, 3, now_ms)
+            .windows(tenant, pool, &config, CHECKED_WINDOWS_PER_ROUND, now_ms)
             .await
             .map_err(|e| e.to_string())?;
-        let settled = rows
-            .iter()
-            .find(|row| row.window_end_ms.saturating_add(WINDOW_GAUGE_SETTLE_MS) <= now_ms);
-        if let Some(row) = settled {
+        let settled: Vec<WindowRow> = settled_windows(&rows, now_ms).cloned().collect();
+        let added = ledger
+            .record_bound_checks(tenant, pool, &settled, now_ms)
+            .await
+            .map_err(|e| e.to_string())?;
+        metrics::counter!(crate::metrics::BOUND_WINDOWS_CHECKED).increment(added.windows);
+        if added.violations > 0 {
+            tracing::error!(
+                %tenant, %pool, windows = added.violations,
+                "a window admitted more than its overshoot bound"
+            );
+            metrics::counter!(crate::metrics::BOUND_VIOLATIONS).increment(added.violations);
+        }
+        if let Some(row) = settled.first() {
             let labels = [("tenant", tenant.to_string()), ("pool", pool.to_string())];
             metrics::gauge!(crate::metrics::WINDOW_ADMITTED, &labels)
                 .set(row.admitted_tokens as f64);
@@ -380,7 +390,23 @@ pub async fn publish_ledger_gauges(
                 .set(row.overshoot_tokens as f64);
         }
     }
+    let summary = ledger
+        .bound_check_summary(0)
+        .await
+        .map_err(|e| e.to_string())?;
+    metrics::gauge!(crate::metrics::BOUND_VIOLATIONS_RECORDED).set(summary.violations as f64);
     Ok(())
+}
+
+/// Windows read per pool per round ([`LEDGER_RECONCILE_INTERVAL`]): every window that closed
+/// since the last round, for windows of 2 s or longer.
+pub const CHECKED_WINDOWS_PER_ROUND: u64 = 16;
+
+/// The windows of `rows` (newest first, as the ledger gives them) that ended
+/// [`WINDOW_GAUGE_SETTLE_MS`] ago or more: their last reports are in, so their figures are final.
+pub fn settled_windows(rows: &[WindowRow], now_ms: u64) -> impl Iterator<Item = &WindowRow> {
+    rows.iter()
+        .filter(move |row| row.window_end_ms.saturating_add(WINDOW_GAUGE_SETTLE_MS) <= now_ms)
 }
 
 /// Serves the allocator on `listener` over `kv` until `shutdown` resolves, then stops taking requests,

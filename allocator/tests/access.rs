@@ -150,6 +150,7 @@ async fn every_endpoint_checks_the_role() {
         ),
         (Method::GET, "/v1/tokens", None, Some("admin"), false),
         (Method::GET, "/v1/audit", None, Some("viewer"), false),
+        (Method::GET, "/v1/bound-checks", None, Some("viewer"), false),
         (Method::GET, "/v1/regions", None, Some("viewer"), false),
         (
             Method::DELETE,
@@ -538,4 +539,18 @@ async fn minted_tokens_and_the_audit_log() {
         .0,
         400
     );
+    let (status, checks) = call(&server, Method::GET, "/v1/bound-checks", Some(VIEWER), None).await;
+    assert_eq!(status, 200, "{checks}");
+    assert_eq!(checks["violations"], 0, "{checks}");
+    assert!(checks["windowsChecked"].is_u64(), "{checks}");
+    let (status, refused) = call(
+        &server,
+        Method::GET,
+        "/v1/bound-checks?recent=101",
+        Some(VIEWER),
+        None,
+    )
+    .await;
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused.to_string().contains("recent"), "{refused}");
 }

@@ -247,6 +247,14 @@ async fn sign_in_accepts_operator_tokens_only_and_sets_a_strict_cookie() {
     // Signing out ends the session on the server: the old cookie no longer works.
     let pools = browser.get("/console/pools").await;
     assert_eq!(pools.status, StatusCode::OK);
+    // The bound checks of closed windows head the pool list (none closed yet here).
+    assert!(
+        pools
+            .text
+            .contains("0 windows checked against their bound, none over it"),
+        "{}",
+        pools.text
+    );
     let out = browser
         .post("/console/sign-out", &[("csrf", &pools.csrf())])
         .await;

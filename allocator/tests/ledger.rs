@@ -4,7 +4,9 @@
 //! PostgreSQL tests use the server named by `ALLOT_TEST_POSTGRES_URL` (scripts/test sets it), each
 //! in a database of its own, created and dropped by the test.
 
-use allot_allocator::ledger::{AuditEntry, Ledger, LedgerError, PoolChange, Report, ReportLease};
+use allot_allocator::ledger::{
+    AuditEntry, Ledger, LedgerError, PoolChange, Report, ReportLease, WindowRow,
+};
 use allot_allocator::pools::GrantRecord;
 use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::PoolConfig;
@@ -352,6 +354,82 @@ impl Drop for PostgresDatabase {
         })
         .join();
     }
+}
+
+/// A window row as the ledger's accounting gives it, with what matters to the bound check.
+fn checked_window(window_start_ms: u64, admitted_tokens: u64, bound_tokens: u64) -> WindowRow {
+    WindowRow {
+        window_start_ms,
+        window_end_ms: window_start_ms + WINDOW_MS,
+        limit_tokens: 1_000,
+        admitted_tokens,
+        bound_tokens,
+        overshoot_tokens: admitted_tokens.saturating_sub(1_000),
+        ..WindowRow::default()
+    }
+}
+
+/// Each window is checked once, whoever checks it again; a window over its bound is a violation,
+/// listed newest first with its figures.
+async fn bound_checks(ledger: Ledger) {
+    let fine = checked_window(W0, 990, 1_200);
+    let over = checked_window(W0 + WINDOW_MS, 1_250, 1_200);
+    let added = ledger
+        .record_bound_checks(
+            &tenant(),
+            &pool(),
+            &[over.clone(), fine.clone()],
+            W0 + 200_000,
+        )
+        .await
+        .expect("checked");
+    assert_eq!((added.windows, added.violations), (2, 1));
+    let again = ledger
+        .record_bound_checks(&tenant(), &pool(), &[over, fine], W0 + 230_000)
+        .await
+        .expect("checked again");
+    assert_eq!(
+        (again.windows, again.violations),
+        (0, 0),
+        "each window once"
+    );
+    let summary = ledger.bound_check_summary(10).await.expect("summary");
+    assert_eq!((summary.windows_checked, summary.violations), (2, 1));
+    let [violation] = summary.recent_violations.as_slice() else {
+        panic!("one violation: {summary:?}");
+    };
+    assert_eq!(
+        (
+            violation.tenant.as_str(),
+            violation.pool.as_str(),
+            violation.window_start_ms,
+            violation.admitted,
+            violation.bound,
+            violation.checked_at_ms
+        ),
+        ("atlas", "api", W0 + WINDOW_MS, 1_250, 1_200, W0 + 200_000)
+    );
+    assert!(
+        ledger
+            .bound_check_summary(0)
+            .await
+            .expect("summary")
+            .recent_violations
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn sqlite_bound_checks() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    bound_checks(ledger).await;
+}
+
+#[tokio::test]
+async fn postgres_bound_checks() {
+    let (_database, url) = PostgresDatabase::create().await;
+    let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+    bound_checks(ledger).await;
 }
 
 #[tokio::test]

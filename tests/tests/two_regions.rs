@@ -213,6 +213,38 @@ async fn two_regions_share_one_pool_without_overshoot() {
         rendered.contains("allot_policy_current_version 0"),
         "{rendered}"
     );
+    // The same round checked the settled window against its bound, once: a second round adds
+    // nothing, and nothing was over.
+    let checked = ledger.bound_check_summary(10).await.expect("checks");
+    assert!(checked.windows_checked >= 1, "{checked:?}");
+    assert_eq!(checked.violations, 0, "{checked:?}");
+    publish_ledger_gauges(
+        &ledger,
+        &kv,
+        &pools,
+        window_end_ms + WINDOW_GAUGE_SETTLE_MS + 1,
+    )
+    .await
+    .expect("gauges again");
+    assert_eq!(
+        ledger.bound_check_summary(10).await.expect("checks"),
+        checked,
+        "each window is checked once"
+    );
+    let rendered = allot_allocator::metrics::handle()
+        .expect("recorder")
+        .render();
+    assert!(
+        rendered.contains(&format!(
+            "allot_bound_windows_checked_total {}",
+            checked.windows_checked
+        )),
+        "{rendered}"
+    );
+    assert!(
+        rendered.contains("allot_bound_violations_recorded 0"),
+        "{rendered}"
+    );
 }
 
 /// A denial anywhere debits nothing anywhere, as a gateway sees it: a pool of 50 and a per-user

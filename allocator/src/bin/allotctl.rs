@@ -85,6 +85,12 @@ enum Command {
         #[arg(long, default_value_t = 50)]
         last: u64,
     },
+    /// Every window checked against its overshoot bound so far, and the newest violations.
+    BoundChecks {
+        /// How many of the newest violations to list (0 to 100).
+        #[arg(long, default_value_t = 20)]
+        recent: u64,
+    },
     /// Take a grant, as an agent would (for drills). Needs an agent token.
     Grant {
         tenant: String,
@@ -481,6 +487,11 @@ async fn execute(cli: Cli) -> Result<String, String> {
         Command::Audit { last } => {
             call(Method::GET, format!("/v1/audit?last={last}"), Answer::Audit)
         }
+        Command::BoundChecks { recent } => call(
+            Method::GET,
+            format!("/v1/bound-checks?recent={recent}"),
+            Answer::BoundChecks,
+        ),
         Command::Windows { tenant, pool, last } => call(
             Method::GET,
             format!("{}/windows?last={last}", pool_path(&tenant, &pool)),

@@ -17,6 +17,7 @@ use super::layout::{
 use super::{CarriesCsrf, Change, ConsoleState, CsrfForm, SignedIn};
 use crate::auth::OperatorRole;
 use crate::http::{PoolList, PoolView, WindowList};
+use crate::ledger::BoundCheckSummary;
 use crate::ledger::WindowRow;
 
 /// Pools per page of the list.
@@ -91,6 +92,11 @@ pub async fn list(
             .and_then(|list| list.windows.into_iter().next());
         rows.push((*pool, window));
     }
+    // The bound checks of every settled window: a line, and the newest violations if any.
+    let checks = api
+        .get::<BoundCheckSummary>("/v1/bound-checks?recent=5")
+        .await
+        .ok();
     let may_edit = session.role >= OperatorRole::Author;
     let page_href = |n: usize| format!("/console/pools?q={}&page={n}", query_escape(&search));
     let body = html! {
@@ -101,6 +107,26 @@ pub async fn list(
             }
             button type="submit" { "Search" }
             @if may_edit { a.button.secondary href="/console/pools/new" { "New pool" } }
+        }
+        @if let Some(checks) = &checks {
+            @if checks.violations == 0 {
+                p.muted id="bound-checks" {
+                    (checks.windows_checked) " windows checked against their bound, none over it"
+                }
+            } @else {
+                p.error id="bound-checks" role="alert" {
+                    (checks.violations) " of " (checks.windows_checked)
+                    " checked windows admitted more than their bound (a correctness defect): "
+                    @for (i, violation) in checks.recent_violations.iter().enumerate() {
+                        @if i > 0 { ", " }
+                        a href=(pool_href(&violation.tenant, &violation.pool)) {
+                            (violation.tenant) "/" (violation.pool)
+                        }
+                        " from " (utc(violation.window_start_ms)) " (" (violation.admitted)
+                        " of " (violation.bound) ")"
+                    }
+                }
+            }
         }
         p.muted { (matching.len()) " of " (all.len()) " pools · page " (page_number) " of " (pages) }
         div.table-wrap {

@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::http::{AuditList, MintAnswer, PolicyStatus, PoolList, PoolView, TokenList, WindowList};
+use crate::ledger::BoundCheckSummary;
 use crate::policies::Rollout;
 
 /// What an API call answers.
@@ -28,6 +29,8 @@ pub enum Answer {
     Minted,
     /// `GET /v1/audit`.
     Audit,
+    /// `GET /v1/bound-checks`.
+    BoundChecks,
     /// `PUT /v1/policies`, `GET /v1/policies/{version}`, `POST /v1/policies/{version}/rollback`.
     Bundle,
     /// `POST /v1/policies/{version}/promote`.
@@ -50,6 +53,7 @@ impl Answer {
             Self::Tokens => "a token list",
             Self::Minted => "a minted token",
             Self::Audit => "an audit list",
+            Self::BoundChecks => "a bound check summary",
             Self::Bundle => "a policy bundle",
             Self::Rollout => "a rollout",
             Self::PolicyStatus => "a policy status",
@@ -69,6 +73,7 @@ pub fn render(answer: Answer, value: &Value) -> Result<String, String> {
         Answer::Tokens => tokens_table(&read::<TokenList>(answer, value)?),
         Answer::Minted => minted(&read::<MintAnswer>(answer, value)?),
         Answer::Audit => audit_table(&read::<AuditList>(answer, value)?),
+        Answer::BoundChecks => bound_checks(&read::<BoundCheckSummary>(answer, value)?),
         Answer::Bundle => bundle_line(&read_bundle(value)?),
         Answer::Rollout => format!("{}\n", rollout_line(&read::<Rollout>(answer, value)?)),
         Answer::PolicyStatus => policy_status(&read::<PolicyStatus>(answer, value)?),
@@ -257,6 +262,33 @@ fn audit_table(list: &AuditList) -> String {
             entry.target,
             entry.version,
             entry.detail
+        );
+    }
+    out
+}
+
+fn bound_checks(summary: &BoundCheckSummary) -> String {
+    let mut out = format!(
+        "{} windows checked against their bound, {} over it\n",
+        summary.windows_checked, summary.violations
+    );
+    if summary.recent_violations.is_empty() {
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "{:<24} {:<16} {:<16} {:>10} {:>10}",
+        "window start", "tenant", "pool", "admitted", "bound"
+    );
+    for violation in &summary.recent_violations {
+        let _ = writeln!(
+            out,
+            "{:<24} {:<16} {:<16} {:>10} {:>10}",
+            rfc3339_utc(violation.window_start_ms),
+            violation.tenant,
+            violation.pool,
+            violation.admitted,
+            violation.bound
         );
     }
     out

@@ -129,6 +129,7 @@ pub fn routes(state: ApiState) -> Router {
             axum::routing::delete(tokens::delete_token),
         )
         .route("/v1/audit", get(ops::get_audit))
+        .route("/v1/bound-checks", get(ops::get_bound_checks))
         .fallback(ops::not_found)
         .with_state(state)
 }

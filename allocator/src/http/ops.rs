@@ -44,6 +44,34 @@ pub async fn get_audit(
     Ok(json_response(StatusCode::OK, &AuditList { entries }))
 }
 
+/// `GET /v1/bound-checks?recent=N`: every window checked against its overshoot bound so far, the
+/// violations, and the newest `N` of them (default 20, at most 100).
+pub async fn get_bound_checks(
+    State(state): State<ApiState>,
+    query: Result<Query<BoundChecksQuery>, QueryRejection>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
+    let Query(query) = query.map_err(|e| ApiError::invalid("recent", e.body_text()))?;
+    let recent = query.recent.unwrap_or(20);
+    if recent > crate::ledger::MAX_RECENT_VIOLATIONS {
+        return Err(ApiError::invalid(
+            "recent",
+            format!("must be in [0, {}]", crate::ledger::MAX_RECENT_VIOLATIONS),
+        ));
+    }
+    let summary = state.ledger.bound_check_summary(recent).await?;
+    Ok(json_response(StatusCode::OK, &summary))
+}
+
+/// The query of `GET /v1/bound-checks`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BoundChecksQuery {
+    /// How many of the newest violations to list.
+    pub recent: Option<u64>,
+}
+
 pub async fn metrics_text() -> Response {
     match crate::metrics::handle() {
         Some(handle) => (

@@ -35,6 +35,7 @@ macro_rules! on_db {
 
 pub mod accounting;
 pub mod audit;
+pub mod bound_checks;
 pub mod regions;
 pub mod reports;
 mod schema;
@@ -42,6 +43,7 @@ mod schema;
 pub use accounting::{MAX_WINDOWS, WindowAmounts, WindowRow, account};
 pub use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 pub use audit::{AuditEntry, MAX_AUDIT_ENTRIES, PoolChange};
+pub use bound_checks::{BoundCheckSummary, BoundViolation, MAX_RECENT_VIOLATIONS};
 pub use regions::{FallbackRow, MAX_RECENT_FALLBACK_ROWS};
 pub use reports::MAX_LEASES_PER_REPORT;
 

@@ -50,6 +50,18 @@ pub(super) const AUDIT_COLUMNS: [AuditLog; 7] = [
 ];
 
 #[derive(Iden, Clone, Copy)]
+pub(super) enum BoundChecks {
+    Table,
+    Tenant,
+    Pool,
+    WindowStartMs,
+    WindowEndMs,
+    Admitted,
+    Bound,
+    CheckedAtMs,
+}
+
+#[derive(Iden, Clone, Copy)]
 pub(super) enum Grants {
     Table,
     LeaseId,

@@ -1,0 +1,167 @@
+//! The overshoot bound, checked for every window once it has ended: a row a window, written once,
+//! so the counts are the ledger's (the same after a restart or a failover), not one process's.
+
+use allot_shared::ids::{PoolId, TenantId};
+use sea_query::{Expr, OnConflict, Order, PostgresQueryBuilder, Query, SqliteQueryBuilder};
+use sea_query_binder::SqlxBinder;
+use serde::{Deserialize, Serialize};
+
+use super::schema::BoundChecks;
+use super::{Database, Ledger, LedgerError, WindowRow, i64_of, u64_of};
+
+/// Most recent violations a summary lists (I10).
+pub const MAX_RECENT_VIOLATIONS: u64 = 100;
+
+/// One window that admitted more than its bound.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow)]
+#[serde(rename_all = "camelCase")]
+pub struct BoundViolation {
+    /// The pool's tenant.
+    pub tenant: String,
+    /// The pool.
+    pub pool: String,
+    /// Window start, epoch ms.
+    #[sqlx(try_from = "i64")]
+    pub window_start_ms: u64,
+    /// Window end, epoch ms.
+    #[sqlx(try_from = "i64")]
+    pub window_end_ms: u64,
+    /// Tokens admitted in it (spent from leases and admitted in fallback).
+    #[sqlx(try_from = "i64")]
+    pub admitted: u64,
+    /// Its stated bound.
+    #[sqlx(try_from = "i64")]
+    pub bound: u64,
+    /// When it was checked, epoch ms.
+    #[sqlx(try_from = "i64")]
+    pub checked_at_ms: u64,
+}
+
+/// What the checks have found, over every window checked so far.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BoundCheckSummary {
+    /// Windows checked.
+    pub windows_checked: u64,
+    /// Windows that admitted more than their bound.
+    pub violations: u64,
+    /// The newest violations, newest first (at most [`MAX_RECENT_VIOLATIONS`]).
+    pub recent_violations: Vec<BoundViolation>,
+}
+
+/// What one round of checks added.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChecksAdded {
+    /// Windows checked for the first time.
+    pub windows: u64,
+    /// Of those, violations.
+    pub violations: u64,
+}
+
+impl Ledger {
+    /// Records the check of each of `rows` (windows of `tenant`'s `pool` that have ended and
+    /// settled) not checked before; what it added.
+    pub async fn record_bound_checks(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        rows: &[WindowRow],
+        now_ms: u64,
+    ) -> Result<ChecksAdded, LedgerError> {
+        let mut added = ChecksAdded::default();
+        for row in rows {
+            let insert = Query::insert()
+                .into_table(BoundChecks::Table)
+                .columns([
+                    BoundChecks::Tenant,
+                    BoundChecks::Pool,
+                    BoundChecks::WindowStartMs,
+                    BoundChecks::WindowEndMs,
+                    BoundChecks::Admitted,
+                    BoundChecks::Bound,
+                    BoundChecks::CheckedAtMs,
+                ])
+                .values_panic([
+                    tenant.as_str().into(),
+                    pool.as_str().into(),
+                    i64_of(row.window_start_ms).into(),
+                    i64_of(row.window_end_ms).into(),
+                    i64_of(row.admitted_tokens).into(),
+                    i64_of(row.bound_tokens).into(),
+                    i64_of(now_ms).into(),
+                ])
+                .on_conflict(
+                    OnConflict::columns([
+                        BoundChecks::Tenant,
+                        BoundChecks::Pool,
+                        BoundChecks::WindowStartMs,
+                    ])
+                    .do_nothing()
+                    .to_owned(),
+                )
+                .to_owned();
+            let inserted: u64 = on_db!(self, insert, |sql, values, pool| {
+                sqlx::query_with(&sql, values)
+                    .execute(pool)
+                    .await?
+                    .rows_affected()
+            });
+            if inserted > 0 {
+                added.windows += 1;
+                if row.admitted_tokens > row.bound_tokens {
+                    added.violations += 1;
+                }
+            }
+        }
+        Ok(added)
+    }
+
+    /// Every window checked so far, its violations, and the newest `recent` of them (at most
+    /// [`MAX_RECENT_VIOLATIONS`]).
+    pub async fn bound_check_summary(&self, recent: u64) -> Result<BoundCheckSummary, LedgerError> {
+        let violated = || Expr::col(BoundChecks::Admitted).gt(Expr::col(BoundChecks::Bound));
+        let count_all = Query::select()
+            .expr(Expr::col(BoundChecks::Tenant).count())
+            .from(BoundChecks::Table)
+            .to_owned();
+        let count_violations = Query::select()
+            .expr(Expr::col(BoundChecks::Tenant).count())
+            .from(BoundChecks::Table)
+            .and_where(violated())
+            .to_owned();
+        let newest = Query::select()
+            .columns([
+                BoundChecks::Tenant,
+                BoundChecks::Pool,
+                BoundChecks::WindowStartMs,
+                BoundChecks::WindowEndMs,
+                BoundChecks::Admitted,
+                BoundChecks::Bound,
+                BoundChecks::CheckedAtMs,
+            ])
+            .from(BoundChecks::Table)
+            .and_where(violated())
+            .order_by(BoundChecks::CheckedAtMs, Order::Desc)
+            .order_by(BoundChecks::WindowStartMs, Order::Desc)
+            .limit(recent.min(MAX_RECENT_VIOLATIONS))
+            .to_owned();
+        let windows_checked: i64 = on_db!(self, count_all, |sql, values, pool| {
+            sqlx::query_scalar_with(&sql, values)
+                .fetch_one(pool)
+                .await?
+        });
+        let violations: i64 = on_db!(self, count_violations, |sql, values, pool| {
+            sqlx::query_scalar_with(&sql, values)
+                .fetch_one(pool)
+                .await?
+        });
+        let recent_violations: Vec<BoundViolation> = on_db!(self, newest, |sql, values, pool| {
+            sqlx::query_as_with(&sql, values).fetch_all(pool).await?
+        });
+        Ok(BoundCheckSummary {
+            windows_checked: u64_of(windows_checked),
+            violations: u64_of(violations),
+            recent_violations,
+        })
+    }
+}

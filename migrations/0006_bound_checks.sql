@@ -1,0 +1,15 @@
+-- Every window of every pool is checked against its overshoot bound once it has ended and its last
+-- reports have arrived: one row a window, written once (a later check of the same window, by this
+-- leader or the next, adds nothing). A row whose admitted exceeds its bound is a violation.
+CREATE TABLE bound_checks (
+    tenant           TEXT    NOT NULL,
+    pool             TEXT    NOT NULL,
+    window_start_ms  BIGINT  NOT NULL,
+    window_end_ms    BIGINT  NOT NULL,
+    admitted         BIGINT  NOT NULL,
+    bound            BIGINT  NOT NULL,
+    checked_at_ms    BIGINT  NOT NULL,
+    PRIMARY KEY (tenant, pool, window_start_ms)
+);
+
+CREATE INDEX bound_checks_violations ON bound_checks (checked_at_ms) WHERE admitted > bound;
