@@ -36,7 +36,13 @@ pub fn grant_key(tenant: &TenantId, pool: &PoolId, lease: &LeaseId) -> String {
     format!("{}{lease}", grant_prefix(tenant, pool))
 }
 
-/// A pool's configuration as operators write it (`PUT /v1/pools/{tenant}/{pool}`).
+/// A pool's configuration as operators write it (`PUT /v1/pools/{tenant}/{pool}`), and as it is
+/// stored. One of three types of a pool's terms, each for its own boundary: this is the operator's
+/// document (unknown fields refused, `windowMs` or `window`, defaults for what may be left out),
+/// kept as written; [`PoolConfig`] is the validated value every decision uses (its invariants held
+/// by construction, [`PoolSpec::validate`] the one way in); [`PoolTerms`](allot_shared::wire::PoolTerms)
+/// is what agents are told (the same terms plus the version and a region's fallback so far, read
+/// tolerantly by agents of other versions).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolSpec {

@@ -32,7 +32,10 @@ pub const MIN_LEASE_TTL_MS: u64 = 100;
 /// Most regions one pool may span (I10).
 pub const MAX_REGIONS_PER_POOL: usize = 64;
 
-/// A validated pool configuration.
+/// A validated pool configuration: the value grants, holders and bounds are computed from, its
+/// invariants held by construction. Operators write it as the allocator's `PoolSpec` and agents
+/// receive it as [`PoolTerms`](crate::wire::PoolTerms); both become this before anything uses
+/// them.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolConfig {
     limit_tokens: u64,

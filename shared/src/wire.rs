@@ -52,7 +52,11 @@ impl CalendarWindowSpec {
     }
 }
 
-/// A pool's terms as the allocator gives them to agents (`GET /v1/pools/{tenant}/{pool}/terms`).
+/// A pool's terms as the allocator gives them to agents (`GET /v1/pools/{tenant}/{pool}/terms`):
+/// the operator's terms (the allocator's `PoolSpec`) with the version they were written as and,
+/// asked for one region, its fallback admits so far. A wire message, so agents of another version
+/// read it tolerantly (`windowMs` is always set, for calendar windows the longest one); agents
+/// validate it into a [`PoolConfig`](crate::lease::PoolConfig) before using it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PoolTerms {
