@@ -35,6 +35,7 @@ pub mod http;
 pub mod limiter;
 pub mod metrics;
 pub mod rlqs;
+pub mod server;
 pub mod service;
 pub mod state_dir;
 pub mod visibility;

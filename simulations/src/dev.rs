@@ -25,7 +25,6 @@ use allot_allocator::ledger::Ledger;
 use allot_allocator::pools::{PoolSpec, put_pool};
 use allot_allocator::server::{Settings, run};
 use allot_region_agent::allocator_client::AllocatorClient;
-use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::limiter::{
     DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter, LimiterConfig,
 };
@@ -193,19 +192,20 @@ pub async fn run_dev(
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-        let api = AgentApi {
-            agent: agent.clone(),
-            gateway_tokens: Arc::new(vec![gateway.clone()]),
+        let serving = allot_region_agent::server::Serving {
+            gateway_tokens: vec![gateway.clone()],
+            tls: None,
             // The allocator in this process installed the recorder; its registry holds both.
             metrics: allot_allocator::metrics::handle(),
         };
-        let until_stopped = agents_stop_signal();
-        agent_tasks.push(tokio::spawn(async move {
-            let _ = serve(listener, api, None, until_stopped).await;
-        }));
-        agent_tasks.push(tokio::spawn(agent.clone().run_background(
-            Duration::from_secs(1),
-            Duration::from_secs(5),
+        let listeners = allot_region_agent::server::Listeners {
+            http: listener,
+            grpc: None,
+        };
+        agent_tasks.push(tokio::spawn(allot_region_agent::server::run(
+            agent.clone(),
+            listeners,
+            serving,
             agents_stop_signal(),
         )));
         agents.push((region.clone(), addr, agent));

@@ -4,17 +4,15 @@
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
 
 use allot_region_agent::allocator_client::AllocatorClient;
 use allot_region_agent::clock::SystemClock;
 use allot_region_agent::config::{AgentArgs, AgentConfig};
-use allot_region_agent::grpc::serve_grpc;
-use allot_region_agent::http::{AgentApi, serve};
 use allot_region_agent::limiter::{
     DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore, Limiter, LimiterConfig, LimiterStore, RedisStore,
     RedisStoreConfig, StateLayout,
 };
+use allot_region_agent::server::{Listeners, Serving};
 use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::ids::{AgentId, RegionId};
 use allot_shared::keys::Pepper;
@@ -222,54 +220,27 @@ async fn start(args: AgentConfig) -> Result<(), String> {
     let grpc_listener = tokio::net::TcpListener::bind(args.grpc_listen)
         .await
         .map_err(|e| format!("cannot listen on {} (--grpc-listen): {e}", args.grpc_listen))?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let background = tokio::spawn(agent.clone().run_background(
-        Duration::from_secs(1),
-        Duration::from_secs(5),
-        async move {
-            let mut stopped = stopped;
-            let _ = stopped.wait_for(|s| *s).await;
-        },
-    ));
-    let api = AgentApi {
-        agent,
-        gateway_tokens: Arc::new(gateway_tokens),
-        metrics: allot_region_agent::metrics::install(),
-    };
-    tracing::info!(listen = %args.listen, grpc_listen = %args.grpc_listen, "region agent serving");
-    // One signal stops both servers (and, after them, the background work).
-    let (signal_tx, signal_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        let _ = signal_tx.send(true);
-    });
-    let signalled = move || {
-        let mut rx = signal_rx.clone();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
-    };
     let acceptor = args
         .tls
         .as_ref()
         .map(allot_net::ServerTls::acceptor)
         .transpose()
         .map_err(|e| format!("TLS: {e}"))?;
-    let served = tokio::try_join!(
-        async {
-            serve(listener, api.clone(), acceptor.clone(), signalled())
-                .await
-                .map_err(|e| format!("http: {e}"))
+    tracing::info!(listen = %args.listen, grpc_listen = %args.grpc_listen, "region agent serving");
+    allot_region_agent::server::run(
+        agent,
+        Listeners {
+            http: listener,
+            grpc: Some(grpc_listener),
         },
-        async {
-            serve_grpc(grpc_listener, api.clone(), acceptor.clone(), signalled())
-                .await
-                .map_err(|e| format!("grpc: {e}"))
+        Serving {
+            gateway_tokens,
+            tls: acceptor,
+            metrics: allot_region_agent::metrics::install(),
         },
-    );
-    let _ = stop.send(true);
-    let _ = background.await;
-    served.map(|_| ())
+        shutdown_signal(),
+    )
+    .await
 }
 
 #[tokio::main]
