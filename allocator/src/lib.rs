@@ -16,6 +16,7 @@ pub mod http;
 pub mod kv;
 pub mod leader;
 pub mod ledger;
+pub mod ledger_sync;
 pub mod metrics;
 pub mod policies;
 pub mod pools;

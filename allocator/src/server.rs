@@ -1,4 +1,5 @@
-//! Assembling and running an allocator: store, election, grant service and HTTP API.
+//! Assembling and running an allocator: store, election, grant service, the ledger sync
+//! ([`crate::ledger_sync`]) and HTTP API.
 //!
 //! `run` takes a bound listener and a shutdown future, so `main` and the tests drive the same code:
 //! tests bind port 0 and start real allocators in-process.
@@ -16,15 +17,14 @@ use tokio::sync::watch;
 
 use crate::auth::{TokenBook, Tokens};
 use crate::clock::{Clock, SystemClock};
-use crate::grants::{CommittedGrants, Grantor};
+use crate::grants::Grantor;
 use crate::http::ApiState;
 use crate::kv::Kv;
 use crate::kv::etcd::EtcdKv;
 use crate::kv::memory::MemoryKv;
 use crate::leader::{ElectionConfig, Role, run_election};
-use crate::ledger::{Ledger, WindowRow};
-use crate::pools::{StoredPool, list_grants, list_pools};
-use allot_shared::ids::{PoolId, TenantId};
+use crate::ledger::Ledger;
+use crate::ledger_sync::{LEDGER_FEED_BATCHES, feed_ledger};
 
 pub use crate::auth::MIN_TOKEN_LEN;
 
@@ -222,191 +222,6 @@ pub async fn open_store(settings: &Settings, clock: Arc<dyn Clock>) -> Result<Ar
         .await
         .map_err(|e| format!("cannot connect to etcd at {}: {e}", settings.etcd.join(",")))?;
     Ok(Arc::new(kv))
-}
-
-/// Grants copied to the ledger per batch of the feed, and the feed's capacity in batches (I10).
-pub const LEDGER_FEED_BATCHES: usize = 1_024;
-/// How often every pool's grant records in the store are reconciled into the ledger.
-pub const LEDGER_RECONCILE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Copies committed grants into the ledger, and periodically reconciles the ledger with the store
-/// so that a grant the feed dropped (full, or the database was down) still arrives.
-async fn feed_ledger(
-    ledger: Ledger,
-    kv: Arc<dyn Kv>,
-    clock: Arc<dyn Clock>,
-    role: watch::Receiver<Role>,
-    mut feed: tokio::sync::mpsc::Receiver<CommittedGrants>,
-    shutdown: impl Future<Output = ()>,
-) {
-    tokio::pin!(shutdown);
-    let mut reconcile = tokio::time::interval(LEDGER_RECONCILE_INTERVAL);
-    loop {
-        tokio::select! {
-            () = &mut shutdown => return,
-            committed = feed.recv() => {
-                let Some(committed) = committed else { return };
-                if let Err(error) = ledger
-                    .record_grants(&committed.tenant, &committed.pool, &committed.records)
-                    .await
-                {
-                    tracing::warn!(%error, "could not copy grants to the ledger; reconciliation will");
-                }
-            }
-            _ = reconcile.tick() => {
-                // The leader's ledger is the one reports reach; a follower would re-read every
-                // pool's grants for nothing.
-                if !matches!(*role.borrow(), Role::Leader(_)) {
-                    continue;
-                }
-                // One listing of the pools serves both passes.
-                let pools = match list_pools(&*kv).await {
-                    Ok(pools) => pools,
-                    Err(error) => {
-                        tracing::warn!(%error, "ledger round skipped: pools not listed");
-                        continue;
-                    }
-                };
-                if let Err(error) = reconcile_grants(&ledger, &*kv, &pools).await {
-                    tracing::warn!(%error, "ledger reconciliation failed");
-                }
-                if let Err(error) =
-                    publish_ledger_gauges(&ledger, &*kv, &pools, clock.now_ms()).await
-                {
-                    tracing::warn!(%error, "ledger gauges not updated");
-                }
-            }
-        }
-    }
-}
-
-/// Copies every grant record of `pools` (as [`list_pools`] returns them) that the ledger lacks.
-/// Listings stop at [`MAX_PREFIX_KEYS`](crate::kv::MAX_PREFIX_KEYS) keys (I10); reaching that is
-/// logged and counted (`allot_ledger_reconcile_truncated_total`), never silent.
-pub async fn reconcile_grants(
-    ledger: &Ledger,
-    kv: &dyn Kv,
-    pools: &[(TenantId, PoolId, StoredPool)],
-) -> Result<(), String> {
-    let truncated = |what: &str| {
-        tracing::warn!(
-            what,
-            max = crate::kv::MAX_PREFIX_KEYS,
-            "ledger reconciliation read a listing at its cap; the rest waits for a later round"
-        );
-        metrics::counter!(crate::metrics::LEDGER_RECONCILE_TRUNCATED, "listing" => what.to_owned())
-            .increment(1);
-    };
-    if pools.len() >= crate::kv::MAX_PREFIX_KEYS {
-        truncated("pools");
-    }
-    for (tenant, pool, _) in pools {
-        let records = list_grants(kv, tenant, pool)
-            .await
-            .map_err(|e| e.to_string())?;
-        if records.len() >= crate::kv::MAX_PREFIX_KEYS {
-            truncated("grants");
-        }
-        ledger
-            .record_grants(tenant, pool, &records)
-            .await
-            .map_err(|e| e.to_string())?;
-    }
-    Ok(())
-}
-
-/// Most pools whose last window is published as gauges per round (I10).
-pub const MAX_WINDOW_GAUGE_POOLS: usize = 1_000;
-/// A window's row is published once it ended this long ago, ms: its last reports (every second,
-/// and a final one at lease expiry) have arrived by then.
-pub const WINDOW_GAUGE_SETTLE_MS: u64 = 5_000;
-
-/// Publishes the ledger's view as gauges: the rollout's current bundle version, and for each pool
-/// (at most [`MAX_WINDOW_GAUGE_POOLS`]) the admitted tokens and the bound of its latest settled
-/// window. On the way, checks every window that settled since the last round against its bound,
-/// once (the ledger's `bound_checks`), counting windows checked and violations.
-pub async fn publish_ledger_gauges(
-    ledger: &Ledger,
-    kv: &dyn Kv,
-    pools: &[(TenantId, PoolId, StoredPool)],
-    now_ms: u64,
-) -> Result<(), String> {
-    let rollout = crate::policies::rollout(kv)
-        .await
-        .map_err(|e| e.to_string())?;
-    metrics::gauge!(crate::metrics::POLICY_CURRENT_VERSION).set(rollout.current as f64);
-    let agents = crate::policies::agent_statuses(kv, now_ms)
-        .await
-        .map_err(|e| e.to_string())?;
-    // Regions whose agents went away are set to 0, not left at their last count (a stale 2 would
-    // page for ever).
-    static REPORTED: std::sync::Mutex<std::collections::BTreeSet<String>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    let by_region = crate::policies::pepper_fingerprints(&agents);
-    {
-        let mut reported = REPORTED
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for region in reported.iter() {
-            if !by_region.keys().any(|r| r.as_str() == region) {
-                metrics::gauge!(crate::metrics::REGION_PEPPER_FINGERPRINTS, "region" => region.clone())
-                    .set(0.0);
-            }
-        }
-        reported.clear();
-        for (region, fingerprints) in by_region {
-            metrics::gauge!(crate::metrics::REGION_PEPPER_FINGERPRINTS, "region" => region.to_string())
-                .set(fingerprints.len() as f64);
-            reported.insert(region.to_string());
-        }
-    }
-    for (tenant, pool, stored) in pools.iter().take(MAX_WINDOW_GAUGE_POOLS) {
-        let Ok(config) = stored.spec.validate() else {
-            continue;
-        };
-        let rows = ledger
-            .windows(tenant, pool, &config, CHECKED_WINDOWS_PER_ROUND, now_ms)
-            .await
-            .map_err(|e| e.to_string())?;
-        let settled: Vec<WindowRow> = settled_windows(&rows, now_ms).cloned().collect();
-        let added = ledger
-            .record_bound_checks(tenant, pool, &settled, now_ms)
-            .await
-            .map_err(|e| e.to_string())?;
-        metrics::counter!(crate::metrics::BOUND_WINDOWS_CHECKED).increment(added.windows);
-        if added.violations > 0 {
-            tracing::error!(
-                %tenant, %pool, windows = added.violations,
-                "a window admitted more than its overshoot bound"
-            );
-            metrics::counter!(crate::metrics::BOUND_VIOLATIONS).increment(added.violations);
-        }
-        if let Some(row) = settled.first() {
-            let labels = [("tenant", tenant.to_string()), ("pool", pool.to_string())];
-            metrics::gauge!(crate::metrics::WINDOW_ADMITTED, &labels)
-                .set(row.admitted_tokens as f64);
-            metrics::gauge!(crate::metrics::WINDOW_BOUND, &labels).set(row.bound_tokens as f64);
-            metrics::gauge!(crate::metrics::WINDOW_OVERSHOOT, &labels)
-                .set(row.overshoot_tokens as f64);
-        }
-    }
-    let summary = ledger
-        .bound_check_summary(0)
-        .await
-        .map_err(|e| e.to_string())?;
-    metrics::gauge!(crate::metrics::BOUND_VIOLATIONS_RECORDED).set(summary.violations as f64);
-    Ok(())
-}
-
-/// Windows read per pool per round ([`LEDGER_RECONCILE_INTERVAL`]): every window that closed
-/// since the last round, for windows of 2 s or longer.
-pub const CHECKED_WINDOWS_PER_ROUND: u64 = 16;
-
-/// The windows of `rows` (newest first, as the ledger gives them) that ended
-/// [`WINDOW_GAUGE_SETTLE_MS`] ago or more: their last reports are in, so their figures are final.
-pub fn settled_windows(rows: &[WindowRow], now_ms: u64) -> impl Iterator<Item = &WindowRow> {
-    rows.iter()
-        .filter(move |row| row.window_end_ms.saturating_add(WINDOW_GAUGE_SETTLE_MS) <= now_ms)
 }
 
 /// Serves the allocator on `listener` over `kv` until `shutdown` resolves, then stops taking requests,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::ledger::Ledger;
-use allot_allocator::server::{WINDOW_GAUGE_SETTLE_MS, publish_ledger_gauges};
+use allot_allocator::ledger_sync::{WINDOW_GAUGE_SETTLE_MS, publish_ledger_gauges};
 use allot_region_agent::service::Agent;
 use allot_testkit::{EtcdCluster, RedisServer};
 use serde_json::{Value, json};
