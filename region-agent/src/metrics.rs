@@ -55,7 +55,7 @@ pub const REGIONAL_DEBTORS: &str = "allot_agent_regional_debtors";
 pub const QUOTA_READS: &str = "allot_agent_quota_reads_total";
 /// Requests admitted from a pool's fallback allowance, by `tenant` and `pool`.
 pub const FALLBACK_ADMITS: &str = "allot_agent_fallback_admits_total";
-/// Lease renewals by `outcome` (granted, partial, exhausted, stale_epoch, expired, failed).
+/// Lease renewals by `outcome` (granted, partial, exhausted, stale_epoch, expired, gone, failed).
 pub const RENEWALS: &str = "allot_agent_renewals_total";
 /// Tokens granted to this agent.
 pub const TOKENS_GRANTED: &str = "allot_agent_tokens_granted_total";

@@ -803,3 +803,68 @@ proptest! {
         prop_assert_eq!(spent, requests + extra - written_off - holder.debt_tokens());
     }
 }
+
+/// The protocol's renewal, as the agent and the drills take it: one in flight at a time; an
+/// unanswered renewal is asked again with its own lease id (so a grant committed but never
+/// answered is recovered, not granted twice); a refusal or a gone pool forgets the id; a grant of
+/// less than was wanted is partial, a stale epoch's grant is not held.
+#[test]
+fn the_renewal_steps_recover_lost_answers_and_ask_one_at_a_time() {
+    use allot_region_agent::global::driver::{
+        RenewalAnswer, RenewalOutcome, finish_renewal, start_renewal,
+    };
+    let mut holder = PoolHolder::new(config(0));
+    let t0 = 3 * MINUTE;
+    let fresh = |n: u128| LeaseId::from_parts(t0, n);
+    assert_eq!(
+        start_renewal(&mut holder, t0, fresh(1)),
+        None,
+        "no demand yet"
+    );
+    holder.spend(1, t0, true);
+    let ask = start_renewal(&mut holder, t0, fresh(1)).expect("wanted");
+    assert_eq!((ask.lease_id, ask.want_tokens), (fresh(1), 4));
+    assert_eq!(
+        start_renewal(&mut holder, t0, fresh(2)),
+        None,
+        "one in flight"
+    );
+    let outcome = finish_renewal(&mut holder, &ask, RenewalAnswer::Unanswered, t0 + 10);
+    assert_eq!(outcome, RenewalOutcome::Failed);
+    let again = start_renewal(&mut holder, t0 + 20, fresh(3)).expect("wanted again");
+    assert_eq!(
+        again.lease_id,
+        fresh(1),
+        "the unanswered id, not a fresh one"
+    );
+    let refused = finish_renewal(&mut holder, &again, RenewalAnswer::Refused, t0 + 30);
+    assert_eq!(refused, RenewalOutcome::Failed);
+    let next = start_renewal(&mut holder, t0 + 40, fresh(4)).expect("wanted");
+    assert_eq!(next.lease_id, fresh(4), "a refusal forgets the id");
+    let partial = LeaseGrant {
+        lease_id: next.lease_id,
+        ..grant(4, 2, next.want_tokens - 1, t0 + 40)
+    };
+    assert_eq!(
+        finish_renewal(&mut holder, &next, RenewalAnswer::Granted(partial), t0 + 50),
+        RenewalOutcome::Partial
+    );
+    assert!(matches!(holder.spend(1, t0 + 60, true), Spend::Leased(_)));
+    // A grant of an older epoch than one already held is ignored.
+    for _ in 0..2 {
+        holder.spend(1, t0 + 4_000, true);
+    }
+    let stale_ask = start_renewal(&mut holder, t0 + 5_000, fresh(5)).expect("running low");
+    let stale = LeaseGrant {
+        lease_id: stale_ask.lease_id,
+        ..grant(5, 1, 10, t0 + 5_000)
+    };
+    let outcome = finish_renewal(
+        &mut holder,
+        &stale_ask,
+        RenewalAnswer::Granted(stale),
+        t0 + 5_010,
+    );
+    assert_eq!(outcome, RenewalOutcome::StaleEpoch);
+    assert!(!outcome.held());
+}

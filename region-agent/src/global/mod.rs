@@ -3,9 +3,11 @@
 //! Global (cross-tenant or cross-region) budgets cannot share a script with a tenant's regional keys,
 //! so the agent holds leases of them and spends those in memory: no network call on the request path.
 //! [`holder`] is the per-pool state machine (reserve, commit or cancel, renew, fall back, report);
-//! the agent service (`crate::service`) drives it with the allocator client, its clock and its
-//! reachability.
+//! [`driver`] the protocol's steps on it (a renewal started and finished), which the agent service
+//! (`crate::service`, with the allocator client, its clock and its reachability) and the drills
+//! both take.
 
+pub mod driver;
 pub mod holder;
 pub mod sublease;
 

@@ -10,7 +10,8 @@ use super::pools::{
     AllocatorView, MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, PoolSlot, TERMS_REFRESH_MS,
 };
 use super::{Agent, lock};
-use crate::global::{GrantVerdict, LeaseGrant};
+use crate::global::LeaseGrant;
+use crate::global::driver::{RenewalAnswer, RenewalOutcome, finish_renewal, start_renewal};
 
 impl Agent {
     /// Pool upkeep: forgets pools idle for [`POOL_IDLE_MS`] with nothing held or owed, and fetches
@@ -92,16 +93,11 @@ impl Agent {
             return;
         };
         let asked = {
-            let mut holder = lock(&slot.holder);
             let now_ms = self.clock.now_ms();
-            let want = holder.wants(now_ms);
-            want.map(|want| {
-                holder.begin_renewal(now_ms);
-                let fresh = LeaseId::from_parts(now_ms, rand::random());
-                (want, holder.renewal_lease_id(fresh))
-            })
+            let fresh = LeaseId::from_parts(now_ms, rand::random());
+            start_renewal(&mut lock(&slot.holder), now_ms, fresh)
         };
-        let Some((want, lease_id)) = asked else {
+        let Some(ask) = asked else {
             return;
         };
         let (agent, slot, tenant, pool) =
@@ -109,58 +105,59 @@ impl Agent {
         tokio::spawn(async move {
             let asked_at_ms = agent.clock.now_ms();
             let stopwatch = crate::clock::Stopwatch::start();
-            let answer = allocator
-                .grant(&tenant, &pool, &agent.settings.region, lease_id, want)
+            let called = allocator
+                .grant(
+                    &tenant,
+                    &pool,
+                    &agent.settings.region,
+                    ask.lease_id,
+                    ask.want_tokens,
+                )
                 .await;
             metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "grant")
                 .record(stopwatch.elapsed().as_secs_f64());
-            agent.note_allocator(&answer);
-            match answer {
+            agent.note_allocator(&called);
+            let answer = match &called {
                 Ok(Some(answer)) => {
-                    let grant = LeaseGrant::from_answer(&answer, asked_at_ms);
-                    // Under the holder's lock, so that a quota read sees the grant and the
-                    // allocator's figure after it together.
-                    let verdict = {
-                        let mut holder = lock(&slot.holder);
-                        let verdict = holder.accept(grant, agent.clock.now_ms());
-                        if !matches!(verdict, GrantVerdict::StaleEpoch { .. }) {
-                            note_allocator_view(&slot, &answer, asked_at_ms);
-                        }
-                        verdict
-                    };
-                    agent.note_change();
-                    let outcome = match verdict {
-                        GrantVerdict::Accepted if answer.granted_tokens < want => "partial",
-                        GrantVerdict::Accepted => "granted",
-                        GrantVerdict::Exhausted { .. } => "exhausted",
-                        GrantVerdict::StaleEpoch { .. } => {
-                            tracing::warn!(epoch = %answer.epoch, %tenant, %pool,
-                                "grant from a stale allocator epoch ignored");
-                            "stale_epoch"
-                        }
-                        GrantVerdict::AlreadyExpired | GrantVerdict::Duplicate => "expired",
-                    };
-                    metrics::counter!(crate::metrics::RENEWALS, "outcome" => outcome).increment(1);
-                    if matches!(verdict, GrantVerdict::Accepted) {
-                        metrics::counter!(crate::metrics::TOKENS_GRANTED)
-                            .increment(answer.granted_tokens);
-                    }
+                    RenewalAnswer::Granted(LeaseGrant::from_answer(answer, asked_at_ms))
                 }
-                Ok(None) => {
-                    lock(&slot.holder).renewal_failed(lease_id, false);
-                    tracing::warn!(%tenant, %pool, "the pool no longer exists");
+                Ok(None) => RenewalAnswer::PoolGone,
+                // No answer (or a 5xx): the grant may have been committed. A refusal is final.
+                Err(error) if error.is_unreachable() => RenewalAnswer::Unanswered,
+                Err(_) => RenewalAnswer::Refused,
+            };
+            // Under the holder's lock, so that a quota read sees the grant and the allocator's
+            // figure after it together.
+            let outcome = {
+                let mut holder = lock(&slot.holder);
+                let outcome = finish_renewal(&mut holder, &ask, answer, agent.clock.now_ms());
+                if let (Ok(Some(answer)), false) = (&called, outcome == RenewalOutcome::StaleEpoch)
+                {
+                    note_allocator_view(&slot, answer, asked_at_ms);
                 }
-                Err(error) => {
-                    // No answer (or a 5xx): the grant may have been committed; ask again with
-                    // the same lease id. A refusal is final.
-                    lock(&slot.holder).renewal_failed(lease_id, error.is_unreachable());
-                    metrics::counter!(crate::metrics::RENEWALS, "outcome" => "failed").increment(1);
+                outcome
+            };
+            metrics::counter!(crate::metrics::RENEWALS, "outcome" => outcome.as_str()).increment(1);
+            match (&called, outcome) {
+                (Ok(Some(answer)), RenewalOutcome::StaleEpoch) => {
+                    tracing::warn!(epoch = %answer.epoch, %tenant, %pool,
+                        "grant from a stale allocator epoch ignored");
+                }
+                (Ok(Some(answer)), outcome) if outcome.held() => {
+                    metrics::counter!(crate::metrics::TOKENS_GRANTED)
+                        .increment(answer.granted_tokens);
+                }
+                (Ok(None), _) => tracing::warn!(%tenant, %pool, "the pool no longer exists"),
+                (Err(error), _) => {
                     metrics::counter!(crate::metrics::ALLOCATOR_ERRORS, "call" => "grant")
                         .increment(1);
                     tracing::warn!(%error, %tenant, %pool, "renewal failed");
                 }
+                _ => {}
             }
-            lock(&slot.holder).end_renewal();
+            if called.as_ref().is_ok_and(Option::is_some) {
+                agent.note_change();
+            }
             slot.renewed.notify_waiters();
         });
     }

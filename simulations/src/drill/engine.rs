@@ -22,8 +22,11 @@ use allot_allocator::kv::{Kv, Op};
 use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
 use allot_allocator::pools::{PoolSpec, get_window, put_pool};
 use allot_region_agent::allocator_client::CALL_TIMEOUT;
+use allot_region_agent::global::driver::{
+    RenewalAnswer, RenewalAsk, RenewalOutcome, finish_renewal, start_renewal,
+};
 use allot_region_agent::global::holder::{
-    Denial, GrantVerdict, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
+    Denial, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
 };
 use allot_region_agent::limiter::LimiterConfig;
 use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
@@ -54,7 +57,8 @@ struct InFlight {
     gives_up_at_ms: u64,
     /// The lease's end on the allocator's (true) clock, to check spends against.
     true_expires_at_ms: u64,
-    lease_id: LeaseId,
+    /// The renewal it answers.
+    ask: RenewalAsk,
     /// `None`: the answer is lost.
     answer: Option<LeaseGrant>,
 }
@@ -939,17 +943,16 @@ impl Step<'_> {
         let Some(holder) = self.held.holder.as_mut() else {
             return Ok(None);
         };
-        let Some(want_tokens) = holder.wants(self.agent_now_ms) else {
+        // Lease ids are made from the virtual time and a counter of renewals asked (reproducible).
+        let fresh = LeaseId::from_parts(self.now_ms, self.allocator.leases_asked + 1);
+        let Some(ask) = start_renewal(holder, self.agent_now_ms, fresh) else {
             return Ok(None);
         };
-        holder.begin_renewal(self.agent_now_ms);
         self.allocator.leases_asked += 1;
-        let fresh = LeaseId::from_parts(self.now_ms, self.allocator.leases_asked);
-        let lease_id = holder.renewal_lease_id(fresh);
+        let (lease_id, want_tokens) = (ask.lease_id, ask.want_tokens);
         if self.conditions.partitioned {
             // The call fails at once: nothing reached the allocator.
-            holder.end_renewal();
-            holder.renewal_failed(lease_id, true);
+            finish_renewal(holder, &ask, RenewalAnswer::Unanswered, self.agent_now_ms);
             *self.believes_reachable = false;
             return Ok(None);
         }
@@ -982,7 +985,7 @@ impl Step<'_> {
             true_expires_at_ms: record.expires_at_ms,
             deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.conditions.added_ms,
             gives_up_at_ms: self.now_ms + ms(CALL_TIMEOUT),
-            lease_id,
+            ask,
             answer: (!lost).then_some(answer),
         };
         if lost {
@@ -1006,10 +1009,14 @@ impl Step<'_> {
         let Some(holder) = self.held.holder.as_mut() else {
             return Ok(());
         };
-        holder.end_renewal();
         let Some(grant) = flight.answer else {
-            holder.renewal_failed(flight.lease_id, true);
-            self.held.committed_unanswered = Some(flight.lease_id);
+            finish_renewal(
+                holder,
+                &flight.ask,
+                RenewalAnswer::Unanswered,
+                self.agent_now_ms,
+            );
+            self.held.committed_unanswered = Some(flight.ask.lease_id);
             *self.believes_reachable = false;
             return Ok(());
         };
@@ -1018,25 +1025,26 @@ impl Step<'_> {
         if recovered {
             self.held.committed_unanswered = None;
         }
-        match holder.accept(grant, self.agent_now_ms) {
-            GrantVerdict::Accepted => {
-                self.held
-                    .lease_ends
-                    .push((grant.lease_id, flight.true_expires_at_ms));
-                if recovered {
-                    self.checker
-                        .record(self.tenant, self.region_index)
-                        .recovered_tokens += grant.granted_tokens;
-                }
+        let outcome = finish_renewal(
+            holder,
+            &flight.ask,
+            RenewalAnswer::Granted(grant),
+            self.agent_now_ms,
+        );
+        if outcome == RenewalOutcome::StaleEpoch {
+            return Err(DrillError::Broken(format!(
+                "a grant from a stale epoch reached the holder ({grant:?})"
+            )));
+        }
+        if outcome.held() {
+            self.held
+                .lease_ends
+                .push((grant.lease_id, flight.true_expires_at_ms));
+            if recovered {
+                self.checker
+                    .record(self.tenant, self.region_index)
+                    .recovered_tokens += grant.granted_tokens;
             }
-            GrantVerdict::StaleEpoch { highest } => {
-                return Err(DrillError::Broken(format!(
-                    "a grant from a stale epoch reached the holder (highest {highest:?})"
-                )));
-            }
-            GrantVerdict::Exhausted { .. }
-            | GrantVerdict::AlreadyExpired
-            | GrantVerdict::Duplicate => {}
         }
         Ok(())
     }

@@ -1,0 +1,130 @@
+//! The lease protocol's steps, in one place: what an agent does about a pool's leases, whoever
+//! carries its messages. The agent service (over HTTP to the allocator) and the drills (in virtual
+//! time, with lost, late and refused answers) take exactly these steps; the [`PoolHolder`] keeps
+//! the state. Pure: no I/O, no clock.
+//!
+//! A renewal is two steps with one message between them:
+//! 1. [`start_renewal`]: when the holder wants tokens and none is on its way, the lease id to ask
+//!    with and how many. The id is the last unanswered one when there is one: grants are
+//!    idempotent by lease id, so asking again recovers a grant whose answer was lost instead of
+//!    taking a second one.
+//! 2. [`finish_renewal`]: what came back (a grant, the pool gone, a refusal, or nothing), taken
+//!    into the holder; it says how the renewal ended. Only an answer that may hide a committed
+//!    grant (none, or a server error) keeps the id for the next renewal.
+//!
+//! Between the two, the holder has a renewal in flight and starts no other (single flight).
+
+use allot_shared::ids::LeaseId;
+
+use super::holder::{GrantVerdict, LeaseGrant, PoolHolder};
+
+/// A renewal to send: `want_tokens` of the pool, asked with `lease_id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenewalAsk {
+    /// The id to ask with (the grant is idempotent by it).
+    pub lease_id: LeaseId,
+    /// Tokens wanted.
+    pub want_tokens: u64,
+}
+
+/// What came back for a renewal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenewalAnswer {
+    /// The allocator answered with a grant (possibly of nothing: the pool is exhausted).
+    Granted(LeaseGrant),
+    /// The pool no longer exists.
+    PoolGone,
+    /// A definite refusal: nothing was granted, and asking again with the same id is pointless.
+    Refused,
+    /// No answer, or a server error: the grant may have been committed, so the next renewal asks
+    /// with the same id.
+    Unanswered,
+}
+
+/// How a renewal ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenewalOutcome {
+    /// Granted all that was wanted, and held.
+    Granted,
+    /// Granted less than was wanted, and held.
+    Partial,
+    /// Nothing granted: the pool is exhausted until the holder may ask again.
+    Exhausted,
+    /// From an allocator epoch older than one already seen: ignored.
+    StaleEpoch,
+    /// Arrived past its usable end, or already held: nothing to spend.
+    Expired,
+    /// The pool no longer exists.
+    PoolGone,
+    /// Refused or unanswered.
+    Failed,
+}
+
+impl RenewalOutcome {
+    /// Its name in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Granted => "granted",
+            Self::Partial => "partial",
+            Self::Exhausted => "exhausted",
+            Self::StaleEpoch => "stale_epoch",
+            Self::Expired => "expired",
+            Self::PoolGone => "gone",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// Whether the grant is now held (spendable).
+    pub fn held(self) -> bool {
+        matches!(self, Self::Granted | Self::Partial)
+    }
+}
+
+/// Step 1: the renewal to send now, if the holder wants one and none is in flight; `fresh` is
+/// the id to use when no earlier renewal went unanswered. The renewal is in flight from here
+/// until [`finish_renewal`].
+pub fn start_renewal(holder: &mut PoolHolder, now_ms: u64, fresh: LeaseId) -> Option<RenewalAsk> {
+    let want_tokens = holder.wants(now_ms)?;
+    holder.begin_renewal(now_ms);
+    Some(RenewalAsk {
+        lease_id: holder.renewal_lease_id(fresh),
+        want_tokens,
+    })
+}
+
+/// Step 2: takes what came back for `ask` into the holder at `now_ms` and ends the renewal.
+pub fn finish_renewal(
+    holder: &mut PoolHolder,
+    ask: &RenewalAsk,
+    answer: RenewalAnswer,
+    now_ms: u64,
+) -> RenewalOutcome {
+    let outcome = match answer {
+        RenewalAnswer::Granted(grant) => {
+            debug_assert_eq!(grant.lease_id, ask.lease_id, "an answer to another renewal");
+            match holder.accept(grant, now_ms) {
+                GrantVerdict::Accepted if grant.granted_tokens < ask.want_tokens => {
+                    RenewalOutcome::Partial
+                }
+                GrantVerdict::Accepted => RenewalOutcome::Granted,
+                GrantVerdict::Exhausted { .. } => RenewalOutcome::Exhausted,
+                GrantVerdict::StaleEpoch { .. } => RenewalOutcome::StaleEpoch,
+                GrantVerdict::AlreadyExpired | GrantVerdict::Duplicate => RenewalOutcome::Expired,
+            }
+        }
+        RenewalAnswer::PoolGone => {
+            holder.renewal_failed(ask.lease_id, false);
+            RenewalOutcome::PoolGone
+        }
+        RenewalAnswer::Refused => {
+            holder.renewal_failed(ask.lease_id, false);
+            RenewalOutcome::Failed
+        }
+        RenewalAnswer::Unanswered => {
+            holder.renewal_failed(ask.lease_id, true);
+            RenewalOutcome::Failed
+        }
+    };
+    holder.end_renewal();
+    outcome
+}
