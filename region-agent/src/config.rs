@@ -312,11 +312,14 @@ impl AgentArgs {
             )?,
         };
         let hot_tenants = match self.hot_tenants {
-            Some(flags) => hot_tenants(flags.iter().map(|flag| {
-                flag.split_once('=')
-                    .map(|(tenant, k)| (tenant.trim().to_owned(), k.trim().parse::<u32>()))
-                    .ok_or_else(|| format!("--hot-tenant {flag}: expected TENANT=K"))
-            }))?,
+            // An empty variable (`ALLOT_HOT_TENANTS=`) names no tenant.
+            Some(flags) => hot_tenants(flags.iter().filter(|flag| !flag.trim().is_empty()).map(
+                |flag| {
+                    flag.split_once('=')
+                        .map(|(tenant, k)| (tenant.trim().to_owned(), k.trim().parse::<u32>()))
+                        .ok_or_else(|| format!("--hot-tenant {flag}: expected TENANT=K"))
+                },
+            ))?,
             None => hot_tenants(
                 file.hot_tenants
                     .unwrap_or_default()
@@ -637,6 +640,11 @@ mod tests {
         );
         let error = with(Some(vec!["a:b=4"])).resolve().expect_err("bad id");
         assert!(error.starts_with("--hot-tenant a:b: "), "{error}");
+        assert_eq!(
+            with(Some(vec![""])).resolve().expect("valid").hot_tenants,
+            HotTenants::new(),
+            "an empty variable names no tenant"
+        );
         assert_eq!(
             with(Some(vec!["birch=4", "birch=8"]))
                 .resolve()

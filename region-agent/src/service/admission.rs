@@ -487,49 +487,69 @@ impl Agent {
     }
 
     /// Reserves every global rule's cost, in bundle order; the first refusal cancels what was
-    /// reserved and is the decision.
-    ///
-    /// Nothing is held while anything is awaited, so a reservation never outlives the regional
-    /// hold: every rule's pool is looked up first; then one pass reserves every rule with no wait
-    /// in between. A rule that must wait (for a renewal under way, or for a fallback claim to be
-    /// written) ends the pass: what it holds is cancelled, the wait happens, and the pass starts
-    /// again (each kind of wait at most once).
+    /// reserved and is the decision. See [`reserve_global_all`](Self::reserve_global_all).
     pub(super) async fn reserve_global(
         self: &Arc<Self>,
         request: &AdmissionRequest,
         version: u64,
         rules: &[&Rule],
     ) -> Result<GlobalHold, Decision> {
-        let tenant = &request.tenant_id;
-        let mut pools: Vec<(&Rule, &PoolId, Arc<PoolSlot>)> = Vec::with_capacity(rules.len());
-        for rule in rules {
-            let Limit::Global(pool) = &rule.limit else {
-                continue;
-            };
-            match self.slot(tenant, pool).await {
-                Some(slot) => pools.push((rule, pool, slot)),
-                None => return Err(self.global_denial(request, version, rule, fail_closed())),
+        let mut holds = self
+            .reserve_global_all(&[(request, rules)], version)
+            .await?;
+        Ok(holds.pop().unwrap_or_default())
+    }
+
+    /// Reserves the global rules of several requests, all or none: a hold per request, or the
+    /// first refusal (of the request it names), with everything reserved cancelled.
+    ///
+    /// Nothing is held while anything is awaited, so a reservation never outlives the regional
+    /// hold: every rule's pool is looked up first; then one pass reserves every rule of every
+    /// request with no wait in between. A rule that must wait (for a renewal under way, or for a
+    /// fallback claim to be written) ends the pass: everything held is cancelled, the wait happens,
+    /// and the pass starts again (each kind of wait at most once).
+    pub(super) async fn reserve_global_all(
+        self: &Arc<Self>,
+        requests: &[(&AdmissionRequest, &[&Rule])],
+        version: u64,
+    ) -> Result<Vec<GlobalHold>, Decision> {
+        // (the request's index, its rule, the rule's pool and slot), in order.
+        let mut pools: Vec<(usize, &Rule, &PoolId, Arc<PoolSlot>)> = Vec::new();
+        for (index, (request, rules)) in requests.iter().enumerate() {
+            for rule in rules.iter() {
+                let Limit::Global(pool) = &rule.limit else {
+                    continue;
+                };
+                match self.slot(&request.tenant_id, pool).await {
+                    Some(slot) => pools.push((index, rule, pool, slot)),
+                    None => return Err(self.global_denial(request, version, rule, fail_closed())),
+                }
             }
         }
         let (mut waited_for_grant, mut claimed) = (false, false);
         for _pass in 0..MAX_RESERVATION_PASSES {
-            let mut hold = GlobalHold::default();
+            let mut holds: Vec<GlobalHold> =
+                requests.iter().map(|_| GlobalHold::default()).collect();
             let mut wait = None;
-            for (index, (rule, pool, slot)) in pools.iter().enumerate() {
+            for (at, (index, rule, pool, slot)) in pools.iter().enumerate() {
+                let request = requests[*index].0;
+                let tenant = &request.tenant_id;
                 let cost_tokens = global_cost_tokens(rule, request);
                 match self.try_reserve(tenant, pool, slot, cost_tokens, request.dry_run) {
                     Attempt::Reserved(reservation) => {
-                        hold.held.push((slot.clone(), reservation, rule.id.clone()));
+                        holds[*index]
+                            .held
+                            .push((slot.clone(), reservation, rule.id.clone()));
                     }
                     Attempt::Evicted => {
-                        wait = Some((index, Wait::Lookup));
+                        wait = Some((at, Wait::Lookup));
                         break;
                     }
                     Attempt::Refused(refusal)
                         if request.dry_run && refusal.denial == Denial::FallbackUnclaimed =>
                     {
                         // Would be admitted once claimed; a dry run claims nothing.
-                        hold.would_claim_fallback = true;
+                        holds[*index].would_claim_fallback = true;
                     }
                     Attempt::Refused(refusal) => {
                         if !waited_for_grant && !request.dry_run {
@@ -548,17 +568,19 @@ impl Agent {
                             };
                             return Err(self.global_denial(request, version, rule, refused));
                         };
-                        wait = Some((index, next));
+                        wait = Some((at, next));
                         break;
                     }
                 }
             }
-            let Some((index, wait)) = wait else {
-                return Ok(hold);
+            let Some((at, wait)) = wait else {
+                return Ok(holds);
             };
             // Nothing stays reserved while this request waits.
-            drop(hold);
-            let (rule, pool, slot) = &mut pools[index];
+            drop(holds);
+            let (index, rule, pool, slot) = &mut pools[at];
+            let request = requests[*index].0;
+            let tenant = &request.tenant_id;
             match wait {
                 Wait::Lookup => match self.slot(tenant, pool).await {
                     Some(fresh) => *slot = fresh,
@@ -576,7 +598,9 @@ impl Agent {
                 }
             }
         }
-        let (rule, _, slot) = &pools[pools.len().saturating_sub(1)];
+        let Some((index, rule, _, slot)) = pools.last() else {
+            return Ok(requests.iter().map(|_| GlobalHold::default()).collect());
+        };
         let refused = GlobalRefusal {
             refusal: Refusal {
                 denial: Denial::AwaitingGrant,
@@ -584,7 +608,7 @@ impl Agent {
             },
             limit_tokens: slot.limit.load(Ordering::Relaxed),
         };
-        Err(self.global_denial(request, version, rule, refused))
+        Err(self.global_denial(requests[*index].0, version, rule, refused))
     }
 
     /// One reservation attempt on a pool's holder, without waiting for anything; starts a renewal

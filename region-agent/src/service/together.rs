@@ -91,23 +91,21 @@ impl Agent {
             Err(denial) => return Ok(for_every(requests, &denial)),
         };
         let combined = combine(&members, bundle.version())?;
-        // 2. Global rules, reserved together.
-        let mut holds = Vec::with_capacity(members.len());
-        for member in &members {
-            match self
-                .reserve_global(member.request, bundle.version(), &member.global_rules)
-                .await
-            {
-                Ok(hold) => holds.push(hold),
-                // Dropping the holds cancels what the others reserved.
-                Err(denial) => return Ok(for_every(requests, &denial)),
-            }
-        }
+        // 2. Global rules, reserved together in one pass (nothing held across a wait).
+        let asks: Vec<(&AdmissionRequest, &[&Rule])> = members
+            .iter()
+            .map(|member| (member.request, member.global_rules.as_slice()))
+            .collect();
+        let holds = match self.reserve_global_all(&asks, bundle.version()).await {
+            Ok(holds) => holds,
+            Err(denial) => return Ok(for_every(requests, &denial)),
+        };
         // 3. Regional rules, within one hold.
         let decisions = self
             .decide_regional_together(&members, combined.as_ref(), &holds)
             .await;
-        // 4. Settle: all admitted, or nothing spent.
+        // 4. Settle: all admitted, or nothing spent. Every hold is committed before anything is
+        // awaited, so a call dropped midway cannot leave part of it committed.
         if decisions.iter().all(|decision| decision.allowed) {
             let mut decisions = decisions;
             for ((member, hold), decision) in members.iter().zip(holds).zip(&mut decisions) {
@@ -116,6 +114,8 @@ impl Agent {
                 if !pools.is_empty() {
                     self.note_change();
                 }
+            }
+            for member in &members {
                 self.count_shadow_usage(member.request, &member.shadow_rules)
                     .await;
             }
