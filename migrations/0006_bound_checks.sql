@@ -1,6 +1,6 @@
--- Every window of every pool is checked against its overshoot bound once it has ended and its last
--- reports have arrived: one row a window, written once (a later check of the same window, by this
--- leader or the next, adds nothing). A row whose admitted exceeds its bound is a violation.
+-- Every window of every pool is checked against its overshoot bound once it has ended and settled,
+-- and again for a while as late reports arrive: one row a window (a later check, by this leader or
+-- the next, updates it). A row whose admitted exceeds its bound is a violation.
 CREATE TABLE bound_checks (
     tenant           TEXT    NOT NULL,
     pool             TEXT    NOT NULL,

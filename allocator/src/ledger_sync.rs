@@ -114,8 +114,9 @@ pub const WINDOW_GAUGE_SETTLE_MS: u64 = 5_000;
 
 /// Publishes the ledger's view as gauges: the rollout's current bundle version, and for each pool
 /// (at most [`MAX_WINDOW_GAUGE_POOLS`]) the admitted tokens and the bound of its latest settled
-/// window. On the way, checks every window that settled since the last round against its bound,
-/// once (the ledger's `bound_checks`), counting windows checked and violations.
+/// window. On the way, checks every window that settled against its bound (the ledger's
+/// `bound_checks`), again each round for [`BOUND_RECHECK_MS`] after it ended, counting windows
+/// checked and violations.
 pub async fn publish_ledger_gauges(
     ledger: &Ledger,
     kv: &dyn Kv,
@@ -156,12 +157,17 @@ pub async fn publish_ledger_gauges(
             continue;
         };
         let rows = ledger
-            .windows(tenant, pool, &config, CHECKED_WINDOWS_PER_ROUND, now_ms)
+            .windows(tenant, pool, &config, windows_to_read(&config), now_ms)
             .await
             .map_err(|e| e.to_string())?;
         let settled: Vec<WindowRow> = settled_windows(&rows, now_ms).cloned().collect();
+        let to_check: Vec<WindowRow> = settled
+            .iter()
+            .filter(|row| row.window_end_ms.saturating_add(BOUND_RECHECK_MS) >= now_ms)
+            .cloned()
+            .collect();
         let added = ledger
-            .record_bound_checks(tenant, pool, &settled, now_ms)
+            .record_bound_checks(tenant, pool, &to_check, now_ms)
             .await
             .map_err(|e| e.to_string())?;
         metrics::counter!(crate::metrics::BOUND_WINDOWS_CHECKED).increment(added.windows);
@@ -189,13 +195,53 @@ pub async fn publish_ledger_gauges(
     Ok(())
 }
 
-/// Windows read per pool per round ([`LEDGER_RECONCILE_INTERVAL`]): every window that closed
-/// since the last round, for windows of 2 s or longer.
-pub const CHECKED_WINDOWS_PER_ROUND: u64 = 16;
+/// How long after its end a window is checked again each round, ms: reports that come late
+/// (a region's, after a partition heals) still move its figures, and a window they take over its
+/// bound is counted then. Later reports are in the ledger's windows view but not re-checked.
+pub const BOUND_RECHECK_MS: u64 = 600_000;
+
+/// Most windows read per pool per round (I10): windows shorter than about 2.5 s are re-checked
+/// for less than [`BOUND_RECHECK_MS`].
+pub const MAX_CHECKED_WINDOWS_PER_ROUND: u64 = 256;
+
+/// Windows to read per pool per round: every window that ended within the re-check span, the
+/// round and the settling time, and the ones not settled yet.
+pub fn windows_to_read(config: &allot_shared::lease::PoolConfig) -> u64 {
+    let span_ms = BOUND_RECHECK_MS
+        + u64::try_from(LEDGER_RECONCILE_INTERVAL.as_millis()).unwrap_or(u64::MAX)
+        + WINDOW_GAUGE_SETTLE_MS;
+    let shortest_ms = config.window().shortest_ms().max(1);
+    (span_ms.div_ceil(shortest_ms) + 2).clamp(3, MAX_CHECKED_WINDOWS_PER_ROUND)
+}
 
 /// The windows of `rows` (newest first, as the ledger gives them) that ended
 /// [`WINDOW_GAUGE_SETTLE_MS`] ago or more: their last reports are in, so their figures are final.
 pub fn settled_windows(rows: &[WindowRow], now_ms: u64) -> impl Iterator<Item = &WindowRow> {
     rows.iter()
         .filter(move |row| row.window_end_ms.saturating_add(WINDOW_GAUGE_SETTLE_MS) <= now_ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use allot_shared::ids::RegionId;
+    use allot_shared::lease::PoolConfig;
+
+    fn config(window_ms: u64) -> PoolConfig {
+        let regions = vec![RegionId::parse("eu").expect("region")];
+        PoolConfig::new(1_000, window_ms, 100, 1_000, 0, regions).expect("valid")
+    }
+
+    #[test]
+    fn every_window_of_the_recheck_span_is_read_within_the_bound() {
+        // A minute: the 10-minute span, the round and the settling time, and two more.
+        assert_eq!(windows_to_read(&config(60_000)), 13);
+        // An hour or a day: the newest three.
+        assert_eq!(windows_to_read(&config(3_600_000)), 3);
+        // A second: at most the bound, a shorter span re-checked.
+        assert_eq!(
+            windows_to_read(&config(1_000)),
+            MAX_CHECKED_WINDOWS_PER_ROUND
+        );
+    }
 }

@@ -417,6 +417,33 @@ async fn bound_checks(ledger: Ledger) {
             .recent_violations
             .is_empty()
     );
+    // Reports that come late (a region's, after a partition) move a checked window: checked again,
+    // it is updated, and counted as a violation when it crosses its bound then, once.
+    let late = checked_window(W0 + 2 * WINDOW_MS, 1_100, 1_200);
+    let first = ledger
+        .record_bound_checks(&tenant(), &pool(), &[late], W0 + 300_000)
+        .await
+        .expect("checked");
+    assert_eq!((first.windows, first.violations), (1, 0));
+    let crossed = checked_window(W0 + 2 * WINDOW_MS, 1_230, 1_200);
+    let mut counted = Vec::new();
+    for _ in 0..2 {
+        let added = ledger
+            .record_bound_checks(
+                &tenant(),
+                &pool(),
+                std::slice::from_ref(&crossed),
+                W0 + 330_000,
+            )
+            .await
+            .expect("checked again");
+        assert_eq!(added.windows, 0, "not a new window");
+        counted.push(added.violations);
+    }
+    assert_eq!(counted, [1, 0], "counted when it crossed, once");
+    let summary = ledger.bound_check_summary(10).await.expect("summary");
+    assert_eq!((summary.windows_checked, summary.violations), (3, 2));
+    assert_eq!(summary.recent_violations[0].admitted, 1_230, "{summary:?}");
 }
 
 #[tokio::test]

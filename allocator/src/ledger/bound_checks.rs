@@ -54,13 +54,15 @@ pub struct BoundCheckSummary {
 pub struct ChecksAdded {
     /// Windows checked for the first time.
     pub windows: u64,
-    /// Of those, violations.
+    /// Windows found over their bound, on their first check or on a later one that crossed it.
     pub violations: u64,
 }
 
 impl Ledger {
     /// Records the check of each of `rows` (windows of `tenant`'s `pool` that have ended and
-    /// settled) not checked before; what it added.
+    /// settled): a window checked for the first time is added; one checked before is updated when
+    /// its figures moved (reports that came late, after a partition healed), and counted as a
+    /// violation when it crosses its bound then. What it added.
     pub async fn record_bound_checks(
         &self,
         tenant: &TenantId,
@@ -70,50 +72,113 @@ impl Ledger {
     ) -> Result<ChecksAdded, LedgerError> {
         let mut added = ChecksAdded::default();
         for row in rows {
-            let insert = Query::insert()
-                .into_table(BoundChecks::Table)
-                .columns([
-                    BoundChecks::Tenant,
-                    BoundChecks::Pool,
-                    BoundChecks::WindowStartMs,
-                    BoundChecks::WindowEndMs,
-                    BoundChecks::Admitted,
-                    BoundChecks::Bound,
-                    BoundChecks::CheckedAtMs,
-                ])
-                .values_panic([
-                    tenant.as_str().into(),
-                    pool.as_str().into(),
-                    i64_of(row.window_start_ms).into(),
-                    i64_of(row.window_end_ms).into(),
-                    i64_of(row.admitted_tokens).into(),
-                    i64_of(row.bound_tokens).into(),
-                    i64_of(now_ms).into(),
-                ])
-                .on_conflict(
-                    OnConflict::columns([
-                        BoundChecks::Tenant,
-                        BoundChecks::Pool,
-                        BoundChecks::WindowStartMs,
-                    ])
-                    .do_nothing()
-                    .to_owned(),
-                )
-                .to_owned();
-            let inserted: u64 = on_db!(self, insert, |sql, values, pool| {
-                sqlx::query_with(&sql, values)
-                    .execute(pool)
-                    .await?
-                    .rows_affected()
-            });
-            if inserted > 0 {
-                added.windows += 1;
-                if row.admitted_tokens > row.bound_tokens {
-                    added.violations += 1;
+            let over = row.admitted_tokens > row.bound_tokens;
+            match self.checked(tenant, pool, row.window_start_ms).await? {
+                None => {
+                    self.insert_check(tenant, pool, row, now_ms).await?;
+                    added.windows += 1;
+                    added.violations += u64::from(over);
                 }
+                Some((admitted, bound))
+                    if (admitted, bound) != (row.admitted_tokens, row.bound_tokens) =>
+                {
+                    self.update_check(tenant, pool, row, now_ms).await?;
+                    added.violations += u64::from(over && admitted <= bound);
+                }
+                Some(_) => {}
             }
         }
         Ok(added)
+    }
+
+    /// The admitted and bound a window was last checked with, if it was.
+    async fn checked(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        window_start_ms: u64,
+    ) -> Result<Option<(u64, u64)>, LedgerError> {
+        let select = Query::select()
+            .columns([BoundChecks::Admitted, BoundChecks::Bound])
+            .from(BoundChecks::Table)
+            .and_where(Expr::col(BoundChecks::Tenant).eq(tenant.as_str()))
+            .and_where(Expr::col(BoundChecks::Pool).eq(pool.as_str()))
+            .and_where(Expr::col(BoundChecks::WindowStartMs).eq(i64_of(window_start_ms)))
+            .to_owned();
+        let found: Option<(i64, i64)> = on_db!(self, select, |sql, values, pool| {
+            sqlx::query_as_with(&sql, values)
+                .fetch_optional(pool)
+                .await?
+        });
+        Ok(found.map(|(admitted, bound)| (u64_of(admitted), u64_of(bound))))
+    }
+
+    async fn insert_check(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        row: &WindowRow,
+        now_ms: u64,
+    ) -> Result<(), LedgerError> {
+        let insert = Query::insert()
+            .into_table(BoundChecks::Table)
+            .columns([
+                BoundChecks::Tenant,
+                BoundChecks::Pool,
+                BoundChecks::WindowStartMs,
+                BoundChecks::WindowEndMs,
+                BoundChecks::Admitted,
+                BoundChecks::Bound,
+                BoundChecks::CheckedAtMs,
+            ])
+            .values_panic([
+                tenant.as_str().into(),
+                pool.as_str().into(),
+                i64_of(row.window_start_ms).into(),
+                i64_of(row.window_end_ms).into(),
+                i64_of(row.admitted_tokens).into(),
+                i64_of(row.bound_tokens).into(),
+                i64_of(now_ms).into(),
+            ])
+            // Another leader's check of the same window came first: it stands.
+            .on_conflict(
+                OnConflict::columns([
+                    BoundChecks::Tenant,
+                    BoundChecks::Pool,
+                    BoundChecks::WindowStartMs,
+                ])
+                .do_nothing()
+                .to_owned(),
+            )
+            .to_owned();
+        on_db!(self, insert, |sql, values, pool| {
+            sqlx::query_with(&sql, values).execute(pool).await?;
+        });
+        Ok(())
+    }
+
+    async fn update_check(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        row: &WindowRow,
+        now_ms: u64,
+    ) -> Result<(), LedgerError> {
+        let update = Query::update()
+            .table(BoundChecks::Table)
+            .values([
+                (BoundChecks::Admitted, i64_of(row.admitted_tokens).into()),
+                (BoundChecks::Bound, i64_of(row.bound_tokens).into()),
+                (BoundChecks::CheckedAtMs, i64_of(now_ms).into()),
+            ])
+            .and_where(Expr::col(BoundChecks::Tenant).eq(tenant.as_str()))
+            .and_where(Expr::col(BoundChecks::Pool).eq(pool.as_str()))
+            .and_where(Expr::col(BoundChecks::WindowStartMs).eq(i64_of(row.window_start_ms)))
+            .to_owned();
+        on_db!(self, update, |sql, values, pool| {
+            sqlx::query_with(&sql, values).execute(pool).await?;
+        });
+        Ok(())
     }
 
     /// Every window checked so far, its violations, and the newest `recent` of them (at most
