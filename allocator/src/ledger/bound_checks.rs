@@ -2,12 +2,33 @@
 //! so the counts are the ledger's (the same after a restart or a failover), not one process's.
 
 use allot_shared::ids::{PoolId, TenantId};
-use sea_query::{Expr, OnConflict, Order, PostgresQueryBuilder, Query, SqliteQueryBuilder};
+use sea_query::{
+    Condition, Expr, OnConflict, Order, PostgresQueryBuilder, Query, SqliteQueryBuilder,
+};
 use sea_query_binder::SqlxBinder;
 use serde::{Deserialize, Serialize};
 
 use super::schema::BoundChecks;
 use super::{Database, Ledger, LedgerError, WindowRow, i64_of, u64_of};
+
+/// Every column of a check, in the order rows are written and read.
+const CHECK_COLUMNS: [BoundChecks; 7] = [
+    BoundChecks::Tenant,
+    BoundChecks::Pool,
+    BoundChecks::WindowStartMs,
+    BoundChecks::WindowEndMs,
+    BoundChecks::Admitted,
+    BoundChecks::Bound,
+    BoundChecks::CheckedAtMs,
+];
+
+/// The condition naming one window's check.
+fn the_window(tenant: &TenantId, pool: &PoolId, window_start_ms: u64) -> Condition {
+    Condition::all()
+        .add(Expr::col(BoundChecks::Tenant).eq(tenant.as_str()))
+        .add(Expr::col(BoundChecks::Pool).eq(pool.as_str()))
+        .add(Expr::col(BoundChecks::WindowStartMs).eq(i64_of(window_start_ms)))
+}
 
 /// Most recent violations a summary lists (I10).
 pub const MAX_RECENT_VIOLATIONS: u64 = 100;
@@ -101,9 +122,7 @@ impl Ledger {
         let select = Query::select()
             .columns([BoundChecks::Admitted, BoundChecks::Bound])
             .from(BoundChecks::Table)
-            .and_where(Expr::col(BoundChecks::Tenant).eq(tenant.as_str()))
-            .and_where(Expr::col(BoundChecks::Pool).eq(pool.as_str()))
-            .and_where(Expr::col(BoundChecks::WindowStartMs).eq(i64_of(window_start_ms)))
+            .cond_where(the_window(tenant, pool, window_start_ms))
             .to_owned();
         let found: Option<(i64, i64)> = on_db!(self, select, |sql, values, pool| {
             sqlx::query_as_with(&sql, values)
@@ -122,15 +141,7 @@ impl Ledger {
     ) -> Result<(), LedgerError> {
         let insert = Query::insert()
             .into_table(BoundChecks::Table)
-            .columns([
-                BoundChecks::Tenant,
-                BoundChecks::Pool,
-                BoundChecks::WindowStartMs,
-                BoundChecks::WindowEndMs,
-                BoundChecks::Admitted,
-                BoundChecks::Bound,
-                BoundChecks::CheckedAtMs,
-            ])
+            .columns(CHECK_COLUMNS)
             .values_panic([
                 tenant.as_str().into(),
                 pool.as_str().into(),
@@ -171,9 +182,7 @@ impl Ledger {
                 (BoundChecks::Bound, i64_of(row.bound_tokens).into()),
                 (BoundChecks::CheckedAtMs, i64_of(now_ms).into()),
             ])
-            .and_where(Expr::col(BoundChecks::Tenant).eq(tenant.as_str()))
-            .and_where(Expr::col(BoundChecks::Pool).eq(pool.as_str()))
-            .and_where(Expr::col(BoundChecks::WindowStartMs).eq(i64_of(row.window_start_ms)))
+            .cond_where(the_window(tenant, pool, row.window_start_ms))
             .to_owned();
         on_db!(self, update, |sql, values, pool| {
             sqlx::query_with(&sql, values).execute(pool).await?;
@@ -195,15 +204,7 @@ impl Ledger {
             .and_where(violated())
             .to_owned();
         let newest = Query::select()
-            .columns([
-                BoundChecks::Tenant,
-                BoundChecks::Pool,
-                BoundChecks::WindowStartMs,
-                BoundChecks::WindowEndMs,
-                BoundChecks::Admitted,
-                BoundChecks::Bound,
-                BoundChecks::CheckedAtMs,
-            ])
+            .columns(CHECK_COLUMNS)
             .from(BoundChecks::Table)
             .and_where(violated())
             .order_by(BoundChecks::CheckedAtMs, Order::Desc)
