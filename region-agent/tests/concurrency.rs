@@ -151,25 +151,16 @@ async fn a_heartbeat_keeps_a_long_exports_slot_and_a_late_one_does_not_resurrect
 /// rule's local bucket within it, never `LIMITER_UNAVAILABLE`, at the default decision budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_store_answers_local_bounded_rules_from_their_local_bucket_every_time() {
-    use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
-    use allot_region_agent::service::Agent;
     let redis = allot_testkit::RedisServer::start();
-    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
-        .await
-        .expect("redis");
-    let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
-    let agent = Agent::new(
-        common::settings(),
-        Arc::new(SystemClock),
-        limiter,
-        None,
-        Some(common::bundle(
-            r#"{ "rules": [ { "id": "export-user", "scope": "user", "routeGroup": "export",
-                "algorithm": "token_bucket", "capacityMillis": 100000, "refillMillis": 1000,
-                "periodMs": 1000, "concurrencyMax": 3, "failMode": "local_bounded",
-                "localCapacityMillis": 8000, "localRefillMillis": 1, "localPeriodMs": 60000 } ] }"#,
-        )),
-    );
+    let agent = common::agent_on_redis(
+        &redis,
+        allot_region_agent::limiter::LimiterConfig::default(),
+        r#"{ "rules": [ { "id": "export-user", "scope": "user", "routeGroup": "export",
+            "algorithm": "token_bucket", "capacityMillis": 100000, "refillMillis": 1000,
+            "periodMs": 1000, "concurrencyMax": 3, "failMode": "local_bounded",
+            "localCapacityMillis": 8000, "localRefillMillis": 1, "localPeriodMs": 60000 } ] }"#,
+    )
+    .await;
     let first = agent.admit(&export(0, 1)).await.expect("decision");
     assert!(
         first.allowed && !first.fallback,

@@ -230,8 +230,7 @@ async fn a_rule_over_a_broader_prefix_is_a_ceiling_over_the_narrow_one() {
 async fn a_hot_pseudo_tenant_spreads_pre_authentication_keys_and_keeps_each_addresss_bucket_whole()
 {
     use allot_region_agent::config::AgentArgs;
-    use allot_region_agent::limiter::{Limiter, LimiterConfig, RedisStore, RedisStoreConfig};
-    use allot_region_agent::service::Agent;
+    use allot_region_agent::limiter::LimiterConfig;
     use clap::Parser;
 
     let args = AgentArgs::try_parse_from([
@@ -248,28 +247,17 @@ async fn a_hot_pseudo_tenant_spreads_pre_authentication_keys_and_keeps_each_addr
     .expect("flags");
     let hot_tenants = args.resolve().expect("valid").hot_tenants;
     let redis = allot_testkit::RedisServer::start();
-    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
-        .await
-        .expect("redis");
-    let limiter = Limiter::new(
-        Arc::new(store),
+    let agent = common::agent_on_redis(
+        &redis,
         LimiterConfig {
             hot_tenants,
             ..LimiterConfig::default()
         },
+        r#"{ "rules": [ { "id": "anon", "scope": "user", "principalType": "ip",
+            "algorithm": "fixed_window", "limit": 3, "windowMs": 3600000,
+            "failMode": "closed" } ] }"#,
     )
-    .expect("limiter");
-    let agent = Agent::new(
-        common::settings(),
-        Arc::new(SystemClock),
-        limiter,
-        None,
-        Some(common::bundle(
-            r#"{ "rules": [ { "id": "anon", "scope": "user", "principalType": "ip",
-                "algorithm": "fixed_window", "limit": 3, "windowMs": 3600000,
-                "failMode": "closed" } ] }"#,
-        )),
-    );
+    .await;
     let edge = |n: u64, address: &str| AdmissionRequest {
         tenant_id: TenantId::parse("edge").expect("tenant"),
         ..request(n, PrincipalType::Ip, address, "read")

@@ -45,6 +45,27 @@ pub fn agent(
     Agent::new(settings, clock, limiter, allocator, bundle)
 }
 
+/// An agent on `redis` (a real server the test started) with `config`, serving `bundle`; no
+/// allocator.
+pub async fn agent_on_redis(
+    redis: &allot_testkit::RedisServer,
+    config: LimiterConfig,
+    bundle: &str,
+) -> Arc<Agent> {
+    use allot_region_agent::limiter::{RedisStore, RedisStoreConfig};
+    let store = RedisStore::connect(&redis.url(), RedisStoreConfig::default())
+        .await
+        .expect("redis");
+    let limiter = Limiter::new(Arc::new(store), config).expect("limiter");
+    Agent::new(
+        settings(),
+        Arc::new(allot_region_agent::clock::SystemClock),
+        limiter,
+        None,
+        Some(self::bundle(bundle)),
+    )
+}
+
 /// Serves `agent`'s gateway HTTP API on a loopback port to gateways holding `token`; its URL.
 pub async fn serve_http(agent: Arc<Agent>, token: &str) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
