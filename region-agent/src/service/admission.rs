@@ -139,8 +139,8 @@ pub(super) struct SlotsHeld<'c> {
 /// mid-decision must not leave tokens reserved).
 #[derive(Default)]
 pub(super) struct GlobalHold {
-    /// (the pool's slot, the reservation, the rule it is for).
-    held: Vec<(Arc<PoolSlot>, Reservation, RuleId)>,
+    /// (the pool's slot, the reservation, the rule it is for, the pool).
+    held: Vec<(Arc<PoolSlot>, Reservation, RuleId, PoolId)>,
     /// A dry run's: a rule would have been admitted from a fallback allowance not yet claimed.
     would_claim_fallback: bool,
 }
@@ -148,13 +148,13 @@ pub(super) struct GlobalHold {
 impl GlobalHold {
     /// Whether any reservation came (or, for a dry run, would come) from a fallback allowance.
     fn uses_fallback(&self) -> bool {
-        self.would_claim_fallback || self.held.iter().any(|(_, r, _)| r.is_fallback())
+        self.would_claim_fallback || self.held.iter().any(|(_, r, _, _)| r.is_fallback())
     }
 
     /// Spends every reservation. Returns whether any came from a fallback allowance.
-    pub(super) fn commit(mut self, tenant: &TenantId, pools: &[&PoolId]) -> bool {
+    fn commit(mut self, tenant: &TenantId) -> bool {
         let mut fallback = false;
-        for ((slot, reservation, _), pool) in self.held.drain(..).zip(pools) {
+        for (slot, reservation, _, pool) in self.held.drain(..) {
             if reservation.is_fallback() {
                 fallback = true;
                 metrics::counter!(crate::metrics::FALLBACK_ADMITS,
@@ -169,7 +169,7 @@ impl GlobalHold {
 
 impl Drop for GlobalHold {
     fn drop(&mut self) {
-        for (slot, reservation, _) in self.held.drain(..) {
+        for (slot, reservation, _, _) in self.held.drain(..) {
             lock(&slot.holder).cancel(reservation);
         }
     }
@@ -404,17 +404,7 @@ impl Agent {
             metrics::counter!(crate::metrics::REPLAYED_ADMISSIONS, "tier" => "store").increment(1);
             drop(hold);
         } else if decision.allowed {
-            let pools: Vec<&PoolId> = global_rules
-                .iter()
-                .filter_map(|rule| match &rule.limit {
-                    Limit::Global(pool) => Some(pool),
-                    Limit::Regional(_) => None,
-                })
-                .collect();
-            decision.fallback |= hold.commit(&request.tenant_id, &pools);
-            if !pools.is_empty() {
-                self.note_change();
-            }
+            decision.fallback |= self.commit_global(request, hold);
             self.count_shadow_usage(request, &shadow_rules).await;
             if request.metered {
                 decision.settle_by_ms = Some(self.open_settlement(request, bundle.clone()));
@@ -494,10 +484,26 @@ impl Agent {
         version: u64,
         rules: &[&Rule],
     ) -> Result<GlobalHold, Decision> {
+        // Most requests have no global rule: nothing to look up, nothing to allocate.
+        if rules.is_empty() {
+            return Ok(GlobalHold::default());
+        }
         let mut holds = self
             .reserve_global_all(&[(request, rules)], version)
             .await?;
         Ok(holds.pop().unwrap_or_default())
+    }
+
+    /// Spends `request`'s admitted hold: its reservations committed, the report loop told.
+    /// Whether any came from a fallback allowance. No await: a call dropped after the decision
+    /// cannot leave part of it committed.
+    pub(super) fn commit_global(&self, request: &AdmissionRequest, hold: GlobalHold) -> bool {
+        if hold.held.is_empty() {
+            return false;
+        }
+        let fallback = hold.commit(&request.tenant_id);
+        self.note_change();
+        fallback
     }
 
     /// Reserves the global rules of several requests, all or none: a hold per request, or the
@@ -537,9 +543,12 @@ impl Agent {
                 let cost_tokens = global_cost_tokens(rule, request);
                 match self.try_reserve(tenant, pool, slot, cost_tokens, request.dry_run) {
                     Attempt::Reserved(reservation) => {
-                        holds[*index]
-                            .held
-                            .push((slot.clone(), reservation, rule.id.clone()));
+                        holds[*index].held.push((
+                            slot.clone(),
+                            reservation,
+                            rule.id.clone(),
+                            (*pool).clone(),
+                        ));
                     }
                     Attempt::Evicted => {
                         wait = Some((at, Wait::Lookup));
@@ -905,7 +914,7 @@ impl Agent {
     pub(super) fn with_pool_figures(&self, mut decision: Decision, hold: &GlobalHold) -> Decision {
         let now_ms = self.clock.now_ms();
         let mut most_constraining: Option<(&RuleId, u64, u64)> = None;
-        for (slot, _, rule_id) in &hold.held {
+        for (slot, _, rule_id, _) in &hold.held {
             let figures = super::quota::pool_figures(slot, now_ms);
             let remaining_tokens = figures
                 .remaining_tokens

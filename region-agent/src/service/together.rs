@@ -23,9 +23,8 @@ use std::sync::Arc;
 
 use allot_shared::FieldError;
 use allot_shared::contract::{AdmissionRequest, Decision, Reason};
-use allot_shared::ids::PoolId;
 use allot_shared::limit::multi::MAX_RULES_PER_REQUEST;
-use allot_shared::policy::{Limit, PolicyBundle, Rule};
+use allot_shared::policy::{PolicyBundle, Rule};
 
 use super::Agent;
 use super::admission::{
@@ -109,11 +108,7 @@ impl Agent {
         if decisions.iter().all(|decision| decision.allowed) {
             let mut decisions = decisions;
             for ((member, hold), decision) in members.iter().zip(holds).zip(&mut decisions) {
-                let pools = pools_of(&member.global_rules);
-                decision.fallback |= hold.commit(&member.request.tenant_id, &pools);
-                if !pools.is_empty() {
-                    self.note_change();
-                }
+                decision.fallback |= self.commit_global(member.request, hold);
             }
             for member in &members {
                 self.count_shadow_usage(member.request, &member.shadow_rules)
@@ -395,16 +390,6 @@ fn combined_version(members: &[Member<'_>]) -> u64 {
         .iter()
         .find_map(|member| member.planned.as_ref())
         .map_or(0, |(planned, _)| planned.policy_version)
-}
-
-fn pools_of<'r>(rules: &[&'r Rule]) -> Vec<&'r PoolId> {
-    rules
-        .iter()
-        .filter_map(|rule| match &rule.limit {
-            Limit::Global(pool) => Some(pool),
-            Limit::Regional(_) => None,
-        })
-        .collect()
 }
 
 /// The call's denial as every request's answer (each under its own decision id).
