@@ -101,7 +101,7 @@ impl Agent {
         };
         // 3. Regional rules, within one hold.
         let decisions = self
-            .decide_regional_together(&members, combined.as_ref(), &holds)
+            .decide_regional_together(&members, combined.as_ref(), &holds, bundle.version())
             .await;
         // 4. Settle: all admitted, or nothing spent. Every hold is committed before anything is
         // awaited, so a call dropped midway cannot leave part of it committed.
@@ -182,6 +182,7 @@ impl Agent {
         members: &[Member<'_>],
         combined: Option<&Combined<'_>>,
         holds: &[GlobalHold],
+        version: u64,
     ) -> Vec<Decision> {
         let slots: Vec<(usize, usize, LeaseCall)> = members
             .iter()
@@ -206,12 +207,12 @@ impl Agent {
                 self.release_all(&calls).await;
                 let denial = refused(
                     members[0].request,
-                    self.bundle().map_or(0, |b| b.version()),
+                    version,
                     None,
                     Reason::LimiterUnavailable,
                     POLICY_UNAVAILABLE_RETRY_MS,
                 );
-                return for_every_member(members, &denial);
+                return for_every(members.iter().map(|m| m.request), &denial);
             }
         };
         // Requests with no regional rule: admitted by their global rules, with their pools'
@@ -222,7 +223,7 @@ impl Agent {
             .map(|(decision, (member, hold))| match decision {
                 Some(decision) => decision,
                 None => self.with_pool_figures(
-                    admitted_by_global_rules_only(member.request, combined_version(members)),
+                    admitted_by_global_rules_only(member.request, version),
                     hold,
                 ),
             })
@@ -245,12 +246,7 @@ impl Agent {
             .collect();
         let SlotsHeld { held, fallback } = match self.acquire_slots(&slots, store_deadline).await {
             Ok(taken) => taken,
-            Err(denial) => {
-                return for_every_member(members, &denial)
-                    .into_iter()
-                    .map(Some)
-                    .collect();
-            }
+            Err(denial) => return every_member_denied(members, &denial),
         };
         let Some(combined) = combined else {
             return members.iter().map(|_| None).collect();
@@ -263,10 +259,7 @@ impl Agent {
             self.with_jitter(decided.to_contract(&combined.planned), &combined.planned);
         if !call_decision.allowed {
             self.release_all(&held).await;
-            return for_every_member(members, &call_decision)
-                .into_iter()
-                .map(Some)
-                .collect();
+            return every_member_denied(members, &call_decision);
         }
         members
             .iter()
@@ -385,17 +378,13 @@ fn own_decision(
     Some(own.to_contract(planned))
 }
 
-fn combined_version(members: &[Member<'_>]) -> u64 {
-    members
-        .iter()
-        .find_map(|member| member.planned.as_ref())
-        .map_or(0, |(planned, _)| planned.policy_version)
-}
-
 /// The call's denial as every request's answer (each under its own decision id).
-fn for_every(requests: &[AdmissionRequest], denial: &Decision) -> Vec<Decision> {
+fn for_every<'r>(
+    requests: impl IntoIterator<Item = &'r AdmissionRequest>,
+    denial: &Decision,
+) -> Vec<Decision> {
     requests
-        .iter()
+        .into_iter()
         .map(|request| Decision {
             decision_id: request.request_id.clone(),
             ..denial.clone()
@@ -403,12 +392,10 @@ fn for_every(requests: &[AdmissionRequest], denial: &Decision) -> Vec<Decision> 
         .collect()
 }
 
-fn for_every_member(members: &[Member<'_>], denial: &Decision) -> Vec<Decision> {
-    members
-        .iter()
-        .map(|member| Decision {
-            decision_id: member.request.request_id.clone(),
-            ..denial.clone()
-        })
+/// [`for_every`] member, as the regional step answers (every member decided).
+fn every_member_denied(members: &[Member<'_>], denial: &Decision) -> Vec<Option<Decision>> {
+    for_every(members.iter().map(|member| member.request), denial)
+        .into_iter()
+        .map(Some)
         .collect()
 }
