@@ -1,6 +1,8 @@
 //! The overshoot bound, checked for every window once it has ended: a row a window, written once,
 //! so the counts are the ledger's (the same after a restart or a failover), not one process's.
 
+use std::collections::BTreeMap;
+
 use allot_shared::ids::{PoolId, TenantId};
 use sea_query::{
     Condition, Expr, OnConflict, Order, PostgresQueryBuilder, Query, SqliteQueryBuilder,
@@ -91,16 +93,21 @@ impl Ledger {
         rows: &[WindowRow],
         now_ms: u64,
     ) -> Result<ChecksAdded, LedgerError> {
+        let Some(oldest_ms) = rows.iter().map(|row| row.window_start_ms).min() else {
+            return Ok(ChecksAdded::default());
+        };
+        // One read of the pool's checks from the oldest row on, not one a window.
+        let checked = self.checked_since(tenant, pool, oldest_ms).await?;
         let mut added = ChecksAdded::default();
         for row in rows {
             let over = row.admitted_tokens > row.bound_tokens;
-            match self.checked(tenant, pool, row.window_start_ms).await? {
+            match checked.get(&row.window_start_ms) {
                 None => {
                     self.insert_check(tenant, pool, row, now_ms).await?;
                     added.windows += 1;
                     added.violations += u64::from(over);
                 }
-                Some((admitted, bound))
+                Some(&(admitted, bound))
                     if (admitted, bound) != (row.admitted_tokens, row.bound_tokens) =>
                 {
                     self.update_check(tenant, pool, row, now_ms).await?;
@@ -112,24 +119,32 @@ impl Ledger {
         Ok(added)
     }
 
-    /// The admitted and bound a window was last checked with, if it was.
-    async fn checked(
+    /// The admitted and bound each window of `tenant`'s `pool` from `oldest_ms` on was last
+    /// checked with, by window start.
+    async fn checked_since(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
-        window_start_ms: u64,
-    ) -> Result<Option<(u64, u64)>, LedgerError> {
+        oldest_ms: u64,
+    ) -> Result<BTreeMap<u64, (u64, u64)>, LedgerError> {
         let select = Query::select()
-            .columns([BoundChecks::Admitted, BoundChecks::Bound])
+            .columns([
+                BoundChecks::WindowStartMs,
+                BoundChecks::Admitted,
+                BoundChecks::Bound,
+            ])
             .from(BoundChecks::Table)
-            .cond_where(the_window(tenant, pool, window_start_ms))
+            .and_where(Expr::col(BoundChecks::Tenant).eq(tenant.as_str()))
+            .and_where(Expr::col(BoundChecks::Pool).eq(pool.as_str()))
+            .and_where(Expr::col(BoundChecks::WindowStartMs).gte(i64_of(oldest_ms)))
             .to_owned();
-        let found: Option<(i64, i64)> = on_db!(self, select, |sql, values, pool| {
-            sqlx::query_as_with(&sql, values)
-                .fetch_optional(pool)
-                .await?
+        let found: Vec<(i64, i64, i64)> = on_db!(self, select, |sql, values, pool| {
+            sqlx::query_as_with(&sql, values).fetch_all(pool).await?
         });
-        Ok(found.map(|(admitted, bound)| (u64_of(admitted), u64_of(bound))))
+        Ok(found
+            .into_iter()
+            .map(|(start, admitted, bound)| (u64_of(start), (u64_of(admitted), u64_of(bound))))
+            .collect())
     }
 
     async fn insert_check(
@@ -221,9 +236,13 @@ impl Ledger {
                 .fetch_one(pool)
                 .await?
         });
-        let recent_violations: Vec<BoundViolation> = on_db!(self, newest, |sql, values, pool| {
-            sqlx::query_as_with(&sql, values).fetch_all(pool).await?
-        });
+        let recent_violations: Vec<BoundViolation> = if recent == 0 {
+            Vec::new()
+        } else {
+            on_db!(self, newest, |sql, values, pool| {
+                sqlx::query_as_with(&sql, values).fetch_all(pool).await?
+            })
+        };
         Ok(BoundCheckSummary {
             windows_checked: u64_of(windows_checked),
             violations: u64_of(violations),
