@@ -162,7 +162,7 @@ impl From<StoredWindow> for PoolWindowState {
 }
 
 /// A grant as stored (the answer to an agent is [`GrantRecord::answer`]).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GrantRecord {
     /// The request's lease id.

@@ -19,7 +19,7 @@ use allot_shared::ids::LeaseId;
 use super::holder::{GrantVerdict, LeaseGrant, PoolHolder};
 
 /// A renewal to send: `want_tokens` of the pool, asked with `lease_id`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RenewalAsk {
     /// The id to ask with (the grant is idempotent by it).
     pub lease_id: LeaseId,
@@ -28,7 +28,7 @@ pub struct RenewalAsk {
 }
 
 /// What came back for a renewal.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RenewalAnswer {
     /// The allocator answered with a grant (possibly of nothing: the pool is exhausted).
     Granted(LeaseGrant),
@@ -42,7 +42,7 @@ pub enum RenewalAnswer {
 }
 
 /// How a renewal ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RenewalOutcome {
     /// Granted all that was wanted, and held.
     Granted,

@@ -43,7 +43,7 @@ const RATE_BUCKET_MS: u64 = 1_000;
 const RATE_SCALE: u64 = 1_024;
 
 /// What the holder needs to know about its pool (from the last pool configuration the agent saw).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct HolderConfig {
     /// How the pool's windows are cut.
     pub window: WindowSpec,
@@ -88,7 +88,7 @@ pub struct DebtCharge {
 }
 
 /// A grant as the allocator answered it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LeaseGrant {
     /// The lease id the agent asked with.
     pub lease_id: LeaseId,
@@ -145,7 +145,7 @@ impl LeaseGrant {
 }
 
 /// A lease this agent holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct HeldLease {
     /// The grant.
     pub grant: LeaseGrant,
@@ -336,7 +336,7 @@ impl PendingReport {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 struct FallbackCount {
     admitted_tokens: u64,
     reserved_tokens: u64,
@@ -359,7 +359,7 @@ impl FallbackCount {
 /// What a holder must not lose in a crash, for a journal: the leases it holds or owes a final
 /// report (a restarted agent reports them final with the spend journaled), and each window's
 /// fallback admits and durable claims.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct HolderSnapshot {
     /// Leases live or ended and not yet acknowledged final.
@@ -372,7 +372,7 @@ pub struct HolderSnapshot {
 }
 
 /// One lease in a [`HolderSnapshot`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct JournaledLease {
     /// The lease.
@@ -390,7 +390,7 @@ pub struct JournaledLease {
 }
 
 /// One window's fallback in a [`HolderSnapshot`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct JournaledFallback {
     /// The window's start, epoch ms.
@@ -407,7 +407,7 @@ pub struct JournaledFallback {
 
 /// Demand, as two integer EWMAs over one-second buckets: a fast one (alpha 1/4) that says how soon
 /// what is held runs out, and a slow one that sizes leases.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct SpendRate {
     bucket_start_ms: u64,
     bucket_tokens: u64,
@@ -499,7 +499,25 @@ impl SpendRate {
     }
 }
 
+impl PartialEq for PoolHolder {
+    fn eq(&self, other: &Self) -> bool {
+        self.deciding_state() == other.deciding_state()
+    }
+}
+
+impl Eq for PoolHolder {}
+
+impl std::hash::Hash for PoolHolder {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.deciding_state().hash(state);
+    }
+}
+
 /// The holder of one pool.
+///
+/// Two holders are equal when they decide alike: equality and hashing leave out the counters
+/// kept only for metrics (stranded tokens, dropped reports), so the model checker does not tell
+/// apart states that differ only in their history.
 #[derive(Debug, Clone)]
 pub struct PoolHolder {
     config: HolderConfig,
@@ -530,6 +548,58 @@ pub struct PoolHolder {
 }
 
 impl PoolHolder {
+    /// Everything that decides what the holder does next (all but the metrics counters). The
+    /// exhaustive pattern makes a new field a compile error here until it is placed.
+    #[allow(clippy::type_complexity)]
+    fn deciding_state(
+        &self,
+    ) -> (
+        (&HolderConfig, &[HeldLease], &[HeldLease], Epoch, u64),
+        (
+            &BTreeMap<u64, FallbackCount>,
+            &SpendRate,
+            Option<u64>,
+            bool,
+            u64,
+        ),
+        (u64, u64, Option<LeaseId>, u64),
+    ) {
+        let Self {
+            config,
+            live,
+            ended,
+            highest_epoch,
+            exhausted_until_ms,
+            fallback,
+            rate,
+            last_demand_ms,
+            renewal_in_flight,
+            renewal_started_at_ms,
+            wanted_for_request_tokens,
+            reserved_tokens,
+            unanswered_lease,
+            dropped_reports: _,
+            stranded_tokens: _,
+            debt_tokens,
+        } = self;
+        (
+            (config, live, ended, *highest_epoch, *exhausted_until_ms),
+            (
+                fallback,
+                rate,
+                *last_demand_ms,
+                *renewal_in_flight,
+                *renewal_started_at_ms,
+            ),
+            (
+                *wanted_for_request_tokens,
+                *reserved_tokens,
+                *unanswered_lease,
+                *debt_tokens,
+            ),
+        )
+    }
+
     /// An empty holder.
     pub fn new(config: HolderConfig) -> Self {
         let rate = SpendRate::new(config.lease_ttl_ms);
@@ -1408,6 +1478,8 @@ impl PoolHolder {
     /// Marks the renewal as finished (with or without a grant).
     pub fn end_renewal(&mut self) {
         self.renewal_in_flight = false;
+        // Meaningful only while a renewal is in flight.
+        self.renewal_started_at_ms = 0;
     }
 
     /// The lease id to ask the next renewal with: the id of a renewal whose answer was lost, if any
