@@ -10,4 +10,5 @@
 
 pub mod dev;
 pub mod drill;
+pub mod model;
 pub mod tools;

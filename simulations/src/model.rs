@@ -1,0 +1,1038 @@
+//! The lease protocol, model-checked: every interleaving of the shipped agent steps (the
+//! [`driver`](allot_region_agent::global::driver) on a [`PoolHolder`]) and the shipped grant
+//! decision ([`plan_batch`] behind the store's conditional commit, idempotent by lease id), for
+//! small configurations, explored exhaustively by [stateright] and checked against the overshoot
+//! bound.
+//!
+//! What the model adds is only what the real system gets from its surroundings: time advancing in
+//! steps, a network that loses, duplicates, delays and reorders messages, an allocator failover
+//! (a deposed leader keeps serving until it notices), agent restarts from the state directory's
+//! journal, and the gateway's requests. Each of those is an action; the checker tries every order.
+//! Faults are bounded (a count of each) and happen before the *heal*; after it, every message is
+//! delivered before time moves on, so renewals must resume.
+//!
+//! The allocator's side is the worker's steps in order: a lease id already granted is answered
+//! from its record (idempotency across batches, which lives in the store); otherwise
+//! [`plan_batch`] decides on the leader's cached window and the commit succeeds only while the
+//! leader's fence and the window's revision still hold (etcd's compare). A commit that fails the
+//! revision reloads the cache and decides again; a deposed leader answers "not leader".
+//!
+//! Properties, per window of the allocator's clock: admitted tokens stay within
+//! [`OvershootBound`]; a token is spent only before its lease's end and inside its window; no grant
+//! from a stale epoch is held; a denial debits nothing; after the heal every renewal is answered
+//! within a step. [`Variant`]s break one guard each so a test can show the checker catches it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use allot_allocator::grants::plan_batch;
+use allot_allocator::pools::GrantRecord;
+use allot_region_agent::global::driver::{
+    RenewalAnswer, RenewalAsk, finish_renewal, start_renewal,
+};
+use allot_region_agent::global::{
+    Denial, HolderConfig, HolderSnapshot, LeaseGrant, PoolHolder, Spend,
+};
+use allot_shared::ids::{Epoch, LeaseId, RegionId};
+use allot_shared::lease::{
+    GrantRequest, LeaseClamping, OvershootBound, PoolConfig, PoolConfigError, PoolWindowState,
+};
+use allot_shared::window::{CalendarUnit, CalendarWindow, WindowSpec};
+use allot_shared::wire::GrantAnswer;
+use stateright::{Model, Property};
+
+/// Most regions a model may have (the state grows with each).
+pub const MAX_MODEL_REGIONS: usize = 3;
+
+/// How the model's windows are cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelWindow {
+    /// Fixed windows of this many ms, the first starting when the model does.
+    Fixed(u64),
+    /// Calendar days in Europe/Berlin, crossing the local midnight that begins the day daylight
+    /// saving starts (a 23-hour day) half way through the model.
+    BerlinDay,
+}
+
+/// A guard of the protocol deliberately broken, to show the checker catches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// The code as shipped.
+    Shipped,
+    /// The allocator commits without its compare (leader fence and window revision): a deposed
+    /// leader grants from its stale view of the window.
+    FenceSkipped,
+    /// Leases are not clamped to their window's end.
+    ClampRemoved,
+    /// An agent times a grant from when its answer arrives, as if it were new, rather than from
+    /// its own ask with what was left of the lease when the allocator answered.
+    RecoveredTimedFromReceipt,
+}
+
+/// A configuration to explore.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    /// Regions sharing the pool (1 to [`MAX_MODEL_REGIONS`]).
+    pub regions: usize,
+    /// `G`, tokens per window.
+    pub limit_tokens: u64,
+    /// Largest grant, tokens.
+    pub chunk_tokens: u64,
+    /// Lease TTL before clamping, ms.
+    pub lease_ttl_ms: u64,
+    /// The windows.
+    pub window: ModelWindow,
+    /// Tokens a region may admit per window while the allocator is unreachable.
+    pub fallback_per_region_tokens: u64,
+    /// How far time moves in one tick, ms; also the agent's call timeout.
+    pub step_ms: u64,
+    /// Ticks until the model ends.
+    pub steps: u32,
+    /// Requests each region's gateways send in every step (steady demand: when each arrives,
+    /// relative to the protocol's messages, is the checker's choice; whether it arrives is not,
+    /// which keeps the state space to what the protocol does).
+    pub spends_per_step: u8,
+    /// Messages the network may lose, in all.
+    pub losses: u8,
+    /// Requests the network may deliver twice, in all.
+    pub duplicates: u8,
+    /// Allocator failovers.
+    pub failovers: u8,
+    /// Agent restarts (from the state directory's journal).
+    pub restarts: u8,
+    /// The tick from which nothing fails: no loss, duplicate, failover or restart, and every
+    /// message is delivered before time moves on.
+    pub heal_at_step: u32,
+    /// Which guard, if any, is broken.
+    pub variant: Variant,
+}
+
+impl ModelConfig {
+    /// The base of the configurations CI explores: 2 regions, `G` = 3 in chunks of 2, 2 s
+    /// windows with leases of 2 s, 1 token of fallback per region and window, a request per
+    /// region every 1 s step, over 5 s (the first window, a whole second one, and the start of a
+    /// third), healed after 2 s; no fault (each configuration adds its own).
+    pub fn small() -> Self {
+        Self {
+            regions: 2,
+            limit_tokens: 3,
+            chunk_tokens: 2,
+            lease_ttl_ms: 2_000,
+            window: ModelWindow::Fixed(2_000),
+            fallback_per_region_tokens: 1,
+            step_ms: 1_000,
+            steps: 5,
+            spends_per_step: 1,
+            losses: 0,
+            duplicates: 0,
+            failovers: 0,
+            restarts: 0,
+            heal_at_step: 2,
+            variant: Variant::Shipped,
+        }
+    }
+
+    /// The same configuration with `variant`.
+    pub fn with_variant(self, variant: Variant) -> Self {
+        Self { variant, ..self }
+    }
+}
+
+/// A built model: the configuration with what every state shares.
+#[derive(Debug, Clone)]
+pub struct LeaseModel {
+    config: ModelConfig,
+    pool: PoolConfig,
+    holder: HolderConfig,
+    regions: Vec<RegionId>,
+    origin_ms: u64,
+    bound_tokens: u64,
+    /// Check only this property (the checker stops at its first discovery).
+    only: Option<&'static str>,
+}
+
+/// Why a configuration cannot be modelled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelConfigError {
+    /// The pool terms are invalid.
+    #[error("invalid pool: {0}")]
+    Pool(#[from] PoolConfigError),
+    /// Something else.
+    #[error("invalid model: {0}")]
+    Invalid(&'static str),
+}
+
+/// 2026-01-01T00:00:00Z, where fixed windows start.
+const FIXED_ORIGIN_MS: u64 = 1_767_225_600_000;
+/// An instant on 2026-03-29 in Berlin, the day daylight saving starts.
+const BERLIN_DST_DAY_MS: u64 = 1_774_774_800_000;
+
+impl LeaseModel {
+    /// Builds the model, validating the pool terms exactly as the allocator does.
+    pub fn new(config: ModelConfig) -> Result<Self, ModelConfigError> {
+        if !(1..=MAX_MODEL_REGIONS).contains(&config.regions) {
+            return Err(ModelConfigError::Invalid("regions must be 1 to 3"));
+        }
+        if config.step_ms == 0 || config.steps == 0 || config.heal_at_step > config.steps {
+            return Err(ModelConfigError::Invalid(
+                "step_ms and steps must be positive and heal_at_step at most steps",
+            ));
+        }
+        let (window, origin_ms) = match config.window {
+            ModelWindow::Fixed(ms) => {
+                let length = std::num::NonZeroU64::new(ms)
+                    .ok_or(ModelConfigError::Invalid("a window of 0 ms"))?;
+                (
+                    WindowSpec::Fixed(length),
+                    FIXED_ORIGIN_MS - FIXED_ORIGIN_MS % ms,
+                )
+            }
+            ModelWindow::BerlinDay => {
+                let calendar = CalendarWindow::new(CalendarUnit::Day, "Europe/Berlin")
+                    .map_err(|_| ModelConfigError::Invalid("no Europe/Berlin time zone"))?;
+                let spec = WindowSpec::Calendar(calendar);
+                let midnight = spec.containing(BERLIN_DST_DAY_MS).start_ms;
+                let half_ms = u64::from(config.steps / 2) * config.step_ms;
+                (spec, midnight - half_ms)
+            }
+        };
+        let regions: Vec<RegionId> = (0..config.regions)
+            .map(|r| RegionId::parse(&format!("r{r}")))
+            .collect::<Result<_, _>>()
+            .map_err(|_| ModelConfigError::Invalid("region name"))?;
+        let pool = PoolConfig::with_window(
+            config.limit_tokens,
+            window.clone(),
+            config.chunk_tokens,
+            config.lease_ttl_ms,
+            config.fallback_per_region_tokens,
+            regions.clone(),
+        )?;
+        let holder = HolderConfig {
+            window,
+            chunk_tokens: config.chunk_tokens,
+            lease_ttl_ms: config.lease_ttl_ms,
+            fallback_per_region_tokens: config.fallback_per_region_tokens,
+            expiry_margin_ms: 50,
+            round_trip_ms: 20,
+            // A renewal unanswered for a whole step counts as an unreachable allocator.
+            renewal_patience_ms: config.step_ms,
+            // A state directory: fallback only within durable claims, one token at a time.
+            fallback_claim_block_tokens: 1,
+            settle_debt_tokens: 0,
+        };
+        // Leases are clamped, grant records survive a failover (etcd), and nothing is settled.
+        let bound_tokens =
+            OvershootBound::for_design(&pool, LeaseClamping::Clamped, 1, 0).total_tokens();
+        Ok(Self {
+            config,
+            pool,
+            holder,
+            regions,
+            origin_ms,
+            bound_tokens,
+            only: None,
+        })
+    }
+
+    /// The model checking only `property` (one of this module's property names), so the
+    /// checker stops at the first state that breaks it: how a broken variant is shown.
+    pub fn checking_only(self, property: &'static str) -> Self {
+        Self {
+            only: Some(property),
+            ..self
+        }
+    }
+
+    /// The bound every window is checked against, tokens.
+    pub fn bound_tokens(&self) -> u64 {
+        self.bound_tokens
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn now_ms(&self, state: &ModelState) -> u64 {
+        self.origin_ms + u64::from(state.step) * self.config.step_ms
+    }
+
+    fn healed(&self, state: &ModelState) -> bool {
+        state.step >= self.config.heal_at_step
+    }
+
+    fn clamping(&self) -> LeaseClamping {
+        match self.config.variant {
+            Variant::ClampRemoved => LeaseClamping::Unclamped,
+            _ => LeaseClamping::Clamped,
+        }
+    }
+}
+
+/// A breach of a safety property, recorded by the step that saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Breach {
+    /// A token was spent at or after its lease's end (the allocator's clock).
+    SpentPastLeaseEnd,
+    /// A token was spent outside its lease's window.
+    SpentOutsideWindow,
+    /// A grant older than one already taken was held.
+    StaleEpochHeld,
+    /// A denied request changed what was spent or spendable.
+    DenialDebited,
+    /// After the heal, a renewal went a whole step unanswered.
+    RenewalUnansweredAfterHeal,
+    /// A window that ended admitted more than the bound.
+    OverBound,
+}
+
+impl Breach {
+    fn bit(self) -> u8 {
+        1 << (self as u8)
+    }
+}
+
+/// What the allocator answered.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Reply {
+    /// A grant (possibly of nothing).
+    Grant(GrantAnswerKey),
+    /// A definite refusal.
+    Refused,
+    /// A deposed leader: the agent's client treats it as no answer.
+    NotLeader,
+}
+
+/// A [`GrantAnswer`] with an order, so the network can be kept sorted (one state per multiset).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GrantAnswerKey(pub GrantAnswer);
+
+impl PartialOrd for GrantAnswerKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for GrantAnswerKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        let key = |a: &GrantAnswer| {
+            (
+                a.lease_id,
+                a.epoch,
+                a.granted_tokens,
+                a.expires_at_ms,
+                a.answered_at_ms,
+                a.window_start_ms,
+            )
+        };
+        key(&self.0).cmp(&key(&other.0))
+    }
+}
+
+/// A message in flight.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Message {
+    /// A region's renewal, to the allocator.
+    Ask {
+        /// The asking region.
+        region: u8,
+        /// The call that sent it gave up: the allocator still serves it, but its answer goes
+        /// nowhere (an answer travels back on its call's own connection).
+        orphan: bool,
+        /// The lease id asked with.
+        lease_id: LeaseId,
+        /// Tokens wanted.
+        want_tokens: u64,
+    },
+    /// The allocator's answer, to the region.
+    Answer {
+        /// The region.
+        region: u8,
+        /// The lease id it answers.
+        lease_id: LeaseId,
+        /// What was answered.
+        reply: Reply,
+    },
+}
+
+/// One allocator node that believes it leads.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Leader {
+    epoch: Epoch,
+    /// Its cached window and the store revision it was read at.
+    window: Option<PoolWindowState>,
+    revision: u64,
+}
+
+/// The allocator: the store (etcd) and the nodes serving from it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Allocator {
+    /// The epoch the store's leader key holds: the fence.
+    epoch: Epoch,
+    window: Option<PoolWindowState>,
+    window_revision: u64,
+    records: BTreeMap<LeaseId, GrantRecord>,
+    /// The newest last; a deposed one serves until the model forgets it.
+    leaders: Vec<Leader>,
+}
+
+/// A renewal call the agent is waiting on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Call {
+    ask: RenewalAsk,
+    asked_at_ms: u64,
+}
+
+/// One region's agent, for the pool.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Region {
+    holder: PoolHolder,
+    call: Option<Call>,
+    reachable: bool,
+    next_lease: u32,
+    journal: HolderSnapshot,
+    spends_this_step: u8,
+    highest_epoch_held: Epoch,
+}
+
+/// A state of the whole system.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ModelState {
+    step: u32,
+    allocator: Allocator,
+    regions: Vec<Region>,
+    /// Messages in flight, sorted (a multiset).
+    network: Vec<Message>,
+    losses: u8,
+    duplicates: u8,
+    failovers: u8,
+    restarts: u8,
+    /// Tokens admitted per window (its start on the allocator's clock).
+    admitted: BTreeMap<u64, u64>,
+    breaches: u8,
+}
+
+impl ModelState {
+    /// The tokens admitted in each window, by its start.
+    pub fn admitted(&self) -> &BTreeMap<u64, u64> {
+        &self.admitted
+    }
+
+    /// The breaches recorded so far.
+    pub fn breaches_list(&self) -> Vec<Breach> {
+        [
+            Breach::SpentPastLeaseEnd,
+            Breach::SpentOutsideWindow,
+            Breach::StaleEpochHeld,
+            Breach::DenialDebited,
+            Breach::RenewalUnansweredAfterHeal,
+            Breach::OverBound,
+        ]
+        .into_iter()
+        .filter(|b| self.breached(*b))
+        .collect()
+    }
+
+    /// Whether a step recorded `breach`.
+    pub fn breached(&self, breach: Breach) -> bool {
+        self.breaches & breach.bit() != 0
+    }
+}
+
+/// A step the checker may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// Time moves on a step: calls that timed out give up, agents journal and renew.
+    Tick,
+    /// A gateway asks region `r`'s agent to admit one token.
+    Spend(u8),
+    /// An ask is served by leader `leader` (0 the oldest) and its answer arrives at once: the
+    /// only way asks travel after the heal (and in a model without faults), which spares the
+    /// checker the interleavings of answers with other regions' steps that change nothing.
+    RoundTrip {
+        /// Index into the network.
+        index: u8,
+        /// Which leader serves it.
+        leader: u8,
+    },
+    /// Message `index` arrives; an ask is served by leader `leader` (0 the oldest).
+    Deliver {
+        /// Index into the network.
+        index: u8,
+        /// Which leader serves an ask.
+        leader: u8,
+    },
+    /// Message `index` is lost.
+    Lose(u8),
+    /// Ask `index` is delivered twice.
+    Duplicate(u8),
+    /// The allocator fails over to a new leader of the next epoch.
+    FailOver,
+    /// Region `r`'s agent crashes and restarts from its journal.
+    Restart(u8),
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+impl Allocator {
+    /// The grant worker's steps for one ask at `leader`, at `now_ms`.
+    fn serve(
+        &mut self,
+        model: &LeaseModel,
+        leader: usize,
+        request: &GrantRequest,
+        now_ms: u64,
+    ) -> Reply {
+        if let Some(record) = self.records.get(&request.lease_id) {
+            return Reply::Grant(GrantAnswerKey(record.answer(now_ms)));
+        }
+        let fence = model.config.variant != Variant::FenceSkipped;
+        // The second attempt decides on a freshly read window, so it commits or is deposed.
+        for _ in 0..2 {
+            let Some(node) = self.leaders.get(leader) else {
+                return Reply::NotLeader;
+            };
+            let plan = plan_batch(
+                &model.pool,
+                node.window.as_ref(),
+                node.epoch,
+                now_ms,
+                model.clamping(),
+                std::iter::once(request),
+            );
+            let deposed = node.epoch != self.epoch;
+            let Some(record) = plan.new_records.first() else {
+                if deposed {
+                    return Reply::NotLeader;
+                }
+                return match plan.answers.into_iter().next() {
+                    Some(Ok(record)) => Reply::Grant(GrantAnswerKey(
+                        GrantRecord {
+                            ungranted_tokens: None,
+                            ..record
+                        }
+                        .answer(now_ms),
+                    )),
+                    _ => Reply::Refused,
+                };
+            };
+            let compare_holds = !deposed && node.revision == self.window_revision;
+            if compare_holds || !fence {
+                self.window_revision += 1;
+                self.window = plan.window.clone();
+                // What the window had left is shown to callers and decides nothing; it differs
+                // only with the order of grants, which would split one state into many.
+                let record = GrantRecord {
+                    ungranted_tokens: None,
+                    ..record.clone()
+                };
+                let answer = record.answer(now_ms);
+                self.records.insert(record.lease_id, record);
+                let revision = self.window_revision;
+                if let Some(node) = self.leaders.get_mut(leader) {
+                    node.window = plan.window;
+                    node.revision = revision;
+                }
+                return Reply::Grant(GrantAnswerKey(answer));
+            }
+            if deposed {
+                return Reply::NotLeader;
+            }
+            let (window, revision) = (self.window.clone(), self.window_revision);
+            if let Some(node) = self.leaders.get_mut(leader) {
+                node.window = window;
+                node.revision = revision;
+            }
+        }
+        Reply::NotLeader
+    }
+}
+
+/// Tokens a holder has spent or admitted in fallback, as its journal would say.
+fn used_tokens(snapshot: &HolderSnapshot) -> u64 {
+    let leased: u64 = snapshot.leases.iter().map(|l| l.spent_tokens).sum();
+    let fallback: u64 = snapshot.fallback.iter().map(|f| f.admitted_tokens).sum();
+    leased + fallback
+}
+
+/// Region `r`'s call is over (it gave up, or the agent restarted): its answer, if one is on its
+/// way, goes nowhere, and an ask still on its way is served without one.
+fn end_call(state: &mut ModelState, r: usize) {
+    state.regions[r].call = None;
+    let region = r as u8;
+    state
+        .network
+        .retain(|m| !matches!(m, Message::Answer { region: to, .. } if *to == region));
+    for message in &mut state.network {
+        if let Message::Ask {
+            region: from,
+            orphan,
+            ..
+        } = message
+            && *from == region
+        {
+            *orphan = true;
+        }
+    }
+    state.network.sort();
+}
+
+impl LeaseModel {
+    fn lease_id(region: usize, n: u32) -> LeaseId {
+        LeaseId::from_parts(0, ((region as u128) << 32) | u128::from(n) | (1 << 64))
+    }
+
+    /// The agent's upkeep: start a renewal if the holder wants one and no call is out.
+    fn renew(&self, state: &mut ModelState, r: usize, now_ms: u64) {
+        let Some(region) = state.regions.get_mut(r) else {
+            return;
+        };
+        if region.call.is_some() {
+            return;
+        }
+        let fresh = Self::lease_id(r, region.next_lease);
+        if let Some(ask) = start_renewal(&mut region.holder, now_ms, fresh) {
+            if ask.lease_id == fresh {
+                region.next_lease += 1;
+            }
+            region.call = Some(Call {
+                ask,
+                asked_at_ms: now_ms,
+            });
+            state.network.push(Message::Ask {
+                region: r as u8,
+                orphan: false,
+                lease_id: ask.lease_id,
+                want_tokens: ask.want_tokens,
+            });
+            state.network.sort();
+        }
+    }
+
+    fn tick(&self, state: &mut ModelState) {
+        let healed_before = self.healed(state);
+        state.step += 1;
+        let now_ms = self.now_ms(state);
+        for r in 0..state.regions.len() {
+            let region = &mut state.regions[r];
+            region.spends_this_step = 0;
+            if let Some(call) = region.call
+                && now_ms.saturating_sub(call.asked_at_ms) >= self.config.step_ms
+            {
+                if healed_before && call.asked_at_ms >= self.heal_ms() {
+                    state.breaches |= Breach::RenewalUnansweredAfterHeal.bit();
+                }
+                // The call times out: no answer, so the grant may exist and the id is kept.
+                finish_renewal(
+                    &mut region.holder,
+                    &call.ask,
+                    RenewalAnswer::Unanswered,
+                    now_ms,
+                );
+                region.reachable = false;
+                end_call(state, r);
+            }
+            let region = &mut state.regions[r];
+            if region.reachable {
+                // The agent's report round: what the allocator acknowledges is done with.
+                let report = region.holder.pending_report(now_ms);
+                region.holder.acknowledge(&report, now_ms);
+            }
+            region.journal = region.holder.snapshot(None);
+            self.renew(state, r, now_ms);
+        }
+        self.close_windows(state, now_ms);
+    }
+
+    /// Windows that ended are checked against the bound and forgotten, and grant records past
+    /// their retention (a window past the window's end) vanish, as the store's lease removes
+    /// them: states that differ only in history become one.
+    fn close_windows(&self, state: &mut ModelState, now_ms: u64) {
+        let current_start_ms = self.pool.window_at(now_ms).start_ms;
+        let bound_tokens = self.bound_tokens;
+        let mut over = false;
+        state.admitted.retain(|&start_ms, &mut admitted| {
+            over |= admitted > bound_tokens;
+            start_ms >= current_start_ms
+        });
+        if over {
+            state.breaches |= Breach::OverBound.bit();
+        }
+        state.allocator.records.retain(|_, record| {
+            let length_ms = record.window_end_ms - record.window_start_ms;
+            record.window_end_ms + length_ms > now_ms
+        });
+    }
+
+    fn heal_ms(&self) -> u64 {
+        self.origin_ms + u64::from(self.config.heal_at_step) * self.config.step_ms
+    }
+
+    fn spend(&self, state: &mut ModelState, r: usize) {
+        let now_ms = self.now_ms(state);
+        let Some(region) = state.regions.get_mut(r) else {
+            return;
+        };
+        region.spends_this_step += 1;
+        let before = (
+            used_tokens(&region.holder.snapshot(None)),
+            region.holder.available_tokens(now_ms),
+        );
+        let mut outcome = region.holder.spend(1, now_ms, region.reachable);
+        if let Spend::Denied {
+            denial: Denial::FallbackUnclaimed,
+            ..
+        } = outcome
+            && let Some((window_start_ms, claimed)) = region.holder.fallback_claim_wanted(1, now_ms)
+        {
+            // The agent makes the claim durable (journal written and synced), then admits.
+            region.journal = region.holder.snapshot(Some((window_start_ms, claimed)));
+            region.holder.claim_durable(window_start_ms, claimed);
+            outcome = region.holder.spend(1, now_ms, region.reachable);
+        }
+        let window_start_ms = self.pool.window_at(now_ms).start_ms;
+        match outcome {
+            Spend::Leased(lease_id) => {
+                match state.allocator.records.get(&lease_id) {
+                    Some(record) => {
+                        if now_ms >= record.expires_at_ms {
+                            state.breaches |= Breach::SpentPastLeaseEnd.bit();
+                        }
+                        if !(record.window_start_ms..record.window_end_ms).contains(&now_ms) {
+                            state.breaches |= Breach::SpentOutsideWindow.bit();
+                        }
+                    }
+                    None => state.breaches |= Breach::SpentPastLeaseEnd.bit(),
+                }
+                *state.admitted.entry(window_start_ms).or_default() += 1;
+            }
+            Spend::Fallback { .. } => *state.admitted.entry(window_start_ms).or_default() += 1,
+            Spend::Denied { .. } => {
+                let region = &mut state.regions[r];
+                let after = (
+                    used_tokens(&region.holder.snapshot(None)),
+                    region.holder.available_tokens(now_ms),
+                );
+                if after != before {
+                    state.breaches |= Breach::DenialDebited.bit();
+                }
+            }
+        }
+        self.renew(state, r, now_ms);
+    }
+
+    /// Message `index` arrives (an ask at `leader`); with `round_trip`, an ask's answer arrives at
+    /// once too.
+    fn deliver(&self, state: &mut ModelState, index: usize, leader: usize, round_trip: bool) {
+        let now_ms = self.now_ms(state);
+        let message = state.network.remove(index);
+        match message {
+            Message::Ask {
+                region,
+                orphan,
+                lease_id,
+                want_tokens,
+            } => {
+                let request = GrantRequest {
+                    lease_id,
+                    region: self.regions[usize::from(region)].clone(),
+                    want_tokens,
+                };
+                let reply = state.allocator.serve(self, leader, &request, now_ms);
+                if !orphan {
+                    state.network.push(Message::Answer {
+                        region,
+                        lease_id,
+                        reply,
+                    });
+                    state.network.sort();
+                    if round_trip
+                        && let Some(index) = state.network.iter().position(|m| {
+                            matches!(m, Message::Answer { region: to, lease_id: id, .. }
+                                if *to == region && *id == lease_id)
+                        })
+                    {
+                        self.deliver(state, index, 0, false);
+                    }
+                }
+            }
+            Message::Answer {
+                region: r,
+                lease_id,
+                reply,
+            } => {
+                let r = usize::from(r);
+                let region = &mut state.regions[r];
+                // Answers of calls that ended are dropped with them (see `end_call`).
+                let Some(call) = region.call.filter(|c| c.ask.lease_id == lease_id) else {
+                    return;
+                };
+                let answer = match &reply {
+                    Reply::Grant(GrantAnswerKey(answer)) => {
+                        RenewalAnswer::Granted(self.lease_grant(answer, call.asked_at_ms, now_ms))
+                    }
+                    Reply::Refused => RenewalAnswer::Refused,
+                    Reply::NotLeader => RenewalAnswer::Unanswered,
+                };
+                let outcome = finish_renewal(&mut region.holder, &call.ask, answer, now_ms);
+                if let (true, RenewalAnswer::Granted(grant)) = (outcome.held(), answer) {
+                    if grant.epoch < region.highest_epoch_held {
+                        state.breaches |= Breach::StaleEpochHeld.bit();
+                    }
+                    region.highest_epoch_held = region.highest_epoch_held.max(grant.epoch);
+                }
+                region.reachable = answer != RenewalAnswer::Unanswered;
+                end_call(state, r);
+                self.renew(state, r, now_ms);
+            }
+        }
+    }
+
+    /// The grant the agent takes from `answer`, asked at `asked_at_ms`, arriving at `now_ms`.
+    fn lease_grant(&self, answer: &GrantAnswer, asked_at_ms: u64, now_ms: u64) -> LeaseGrant {
+        let grant = LeaseGrant::from_answer(answer, asked_at_ms);
+        match self.config.variant {
+            Variant::RecoveredTimedFromReceipt => LeaseGrant {
+                expires_at_ms: now_ms
+                    .saturating_add(answer.expires_at_ms.saturating_sub(answer.issued_at_ms)),
+                ..grant
+            },
+            _ => grant,
+        }
+    }
+
+    fn fail_over(&self, state: &mut ModelState) {
+        let allocator = &mut state.allocator;
+        allocator.epoch = Epoch(allocator.epoch.0 + 1);
+        let leader = Leader {
+            epoch: allocator.epoch,
+            window: allocator.window.clone(),
+            revision: allocator.window_revision,
+        };
+        allocator.leaders.push(leader);
+        if allocator.leaders.len() > 2 {
+            allocator.leaders.remove(0);
+        }
+    }
+
+    fn restart(&self, state: &mut ModelState, r: usize) {
+        let Some(region) = state.regions.get_mut(r) else {
+            return;
+        };
+        let mut holder = PoolHolder::new(self.holder.clone());
+        holder.restore(&region.journal);
+        region.holder = holder;
+        region.reachable = true;
+        region.highest_epoch_held = region.holder.highest_epoch();
+        end_call(state, r);
+    }
+}
+
+impl Model for LeaseModel {
+    type State = ModelState;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<ModelState> {
+        let region = Region {
+            holder: PoolHolder::new(self.holder.clone()),
+            call: None,
+            reachable: true,
+            next_lease: 0,
+            journal: HolderSnapshot::default(),
+            spends_this_step: 0,
+            highest_epoch_held: Epoch(0),
+        };
+        vec![ModelState {
+            step: 0,
+            allocator: Allocator {
+                epoch: Epoch(1),
+                window: None,
+                window_revision: 0,
+                records: BTreeMap::new(),
+                leaders: vec![Leader {
+                    epoch: Epoch(1),
+                    window: None,
+                    revision: 0,
+                }],
+            },
+            regions: vec![region; self.config.regions],
+            network: Vec::new(),
+            losses: self.config.losses,
+            duplicates: self.config.duplicates,
+            failovers: self.config.failovers,
+            restarts: self.config.restarts,
+            admitted: BTreeMap::new(),
+            breaches: 0,
+        }]
+    }
+
+    fn actions(&self, state: &ModelState, actions: &mut Vec<Action>) {
+        let broken = self.properties().iter().any(|p| {
+            p.expectation == stateright::Expectation::Always && !(p.condition)(self, state)
+        });
+        if broken {
+            // A breach of a checked property ends the behaviour: its trace is the shortest one
+            // that shows it, and the states past it are not worth exploring.
+            return;
+        }
+        let healed = self.healed(state);
+        let demand_met = state
+            .regions
+            .iter()
+            .all(|r| r.spends_this_step >= self.config.spends_per_step);
+        if state.step < self.config.steps && demand_met && (!healed || state.network.is_empty()) {
+            actions.push(Action::Tick);
+        }
+        for (r, region) in state.regions.iter().enumerate() {
+            if region.spends_this_step < self.config.spends_per_step {
+                actions.push(Action::Spend(r as u8));
+            }
+        }
+        let leaders = state.allocator.leaders.len() as u8;
+        for (index, message) in state.network.iter().enumerate() {
+            // Equal messages lead to equal states: try the first of a run only.
+            if index > 0 && state.network[index - 1] == *message {
+                continue;
+            }
+            let index = index as u8;
+            match message {
+                Message::Ask { .. } => {
+                    for leader in 0..leaders {
+                        actions.push(Action::RoundTrip { index, leader });
+                        if !healed {
+                            // Served now, answered later (or never).
+                            actions.push(Action::Deliver { index, leader });
+                        }
+                    }
+                    if !healed && state.duplicates > 0 {
+                        actions.push(Action::Duplicate(index));
+                    }
+                }
+                Message::Answer { .. } => actions.push(Action::Deliver { index, leader: 0 }),
+            }
+            if !healed && state.losses > 0 {
+                actions.push(Action::Lose(index));
+            }
+        }
+        if !healed && state.failovers > 0 {
+            actions.push(Action::FailOver);
+        }
+        if !healed && state.restarts > 0 {
+            for r in 0..state.regions.len() {
+                actions.push(Action::Restart(r as u8));
+            }
+        }
+    }
+
+    fn next_state(&self, last: &ModelState, action: Action) -> Option<ModelState> {
+        let mut state = last.clone();
+        match action {
+            Action::Tick => self.tick(&mut state),
+            Action::Spend(r) => self.spend(&mut state, usize::from(r)),
+            Action::RoundTrip { index, leader } => {
+                self.deliver(&mut state, usize::from(index), usize::from(leader), true)
+            }
+            Action::Deliver { index, leader } => {
+                self.deliver(&mut state, usize::from(index), usize::from(leader), false)
+            }
+            Action::Lose(index) => {
+                state.losses -= 1;
+                state.network.remove(usize::from(index));
+            }
+            Action::Duplicate(index) => {
+                state.duplicates -= 1;
+                let copy = state.network[usize::from(index)].clone();
+                state.network.push(copy);
+                state.network.sort();
+            }
+            Action::FailOver => {
+                state.failovers -= 1;
+                self.fail_over(&mut state);
+            }
+            Action::Restart(r) => {
+                state.restarts -= 1;
+                self.restart(&mut state, usize::from(r));
+            }
+        }
+        Some(state)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        let mut properties = self.all_properties();
+        if let Some(only) = self.only {
+            properties.retain(|p| p.name == only);
+        }
+        properties
+    }
+}
+
+impl LeaseModel {
+    fn all_properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(WITHIN_BOUND, |model: &Self, state: &ModelState| {
+                !state.breached(Breach::OverBound)
+                    && state.admitted.values().all(|&a| a <= model.bound_tokens)
+            }),
+            Property::always(SPENT_IN_LEASE_LIFE, |_: &Self, state: &ModelState| {
+                !state.breached(Breach::SpentPastLeaseEnd)
+            }),
+            Property::always(SPENT_IN_WINDOW, |_: &Self, state: &ModelState| {
+                !state.breached(Breach::SpentOutsideWindow)
+            }),
+            Property::always(NO_STALE_EPOCH, |_: &Self, state: &ModelState| {
+                !state.breached(Breach::StaleEpochHeld)
+            }),
+            Property::always(DENIAL_DEBITS_NOTHING, |_: &Self, state: &ModelState| {
+                !state.breached(Breach::DenialDebited)
+            }),
+            Property::always(RESUMES_AFTER_HEAL, |_: &Self, state: &ModelState| {
+                !state.breached(Breach::RenewalUnansweredAfterHeal)
+            }),
+            Property::sometimes(REACHES_LIMIT, |model: &Self, state: &ModelState| {
+                state
+                    .admitted
+                    .values()
+                    .any(|&a| a >= model.config.limit_tokens)
+            }),
+            Property::sometimes(HOLDS_AFTER_FAILOVER, |_: &Self, state: &ModelState| {
+                state
+                    .regions
+                    .iter()
+                    .any(|r| r.highest_epoch_held > Epoch(1))
+            }),
+            Property::sometimes(ADMITS_IN_FALLBACK, |_: &Self, state: &ModelState| {
+                state.regions.iter().any(|r| {
+                    r.holder
+                        .snapshot(None)
+                        .fallback
+                        .iter()
+                        .any(|f| f.admitted_tokens > 0)
+                })
+            }),
+        ]
+    }
+}
+
+/// Per window, admitted tokens stay within the overshoot bound.
+pub const WITHIN_BOUND: &str = "admitted within the bound";
+/// No token is spent at or after its lease's end.
+pub const SPENT_IN_LEASE_LIFE: &str = "spent within its lease's life";
+/// No token is spent outside its lease's window.
+pub const SPENT_IN_WINDOW: &str = "spent within its window";
+/// No grant from an epoch older than one held is held.
+pub const NO_STALE_EPOCH: &str = "no stale epoch held";
+/// A denied request changes nothing.
+pub const DENIAL_DEBITS_NOTHING: &str = "a denial debits nothing";
+/// After the heal, every renewal is answered within a step.
+pub const RESUMES_AFTER_HEAL: &str = "renewals resume after the heal";
+/// Coverage: some window admits its whole limit.
+pub const REACHES_LIMIT: &str = "a window admits its limit";
+/// Coverage: a grant of the failover's epoch is held.
+pub const HOLDS_AFTER_FAILOVER: &str = "a grant after a failover is held";
+/// Coverage: something is admitted in fallback.
+pub const ADMITS_IN_FALLBACK: &str = "something is admitted in fallback";

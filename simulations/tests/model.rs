@@ -1,0 +1,201 @@
+//! The lease protocol's model, checked exhaustively in debug builds within CI's time: the shipped
+//! code keeps every safety property in each configuration (and reaches the interesting states:
+//! a window's whole limit admitted, fallback, a grant after a failover), and each deliberately
+//! broken guard is caught, with the shortest trace that shows it.
+//!
+//! `scripts/model-check` runs a deeper configuration in a release build.
+
+use std::time::Instant;
+
+use allot_simulations::model::{
+    ADMITS_IN_FALLBACK, DENIAL_DEBITS_NOTHING, HOLDS_AFTER_FAILOVER, LeaseModel, ModelConfig,
+    ModelWindow, NO_STALE_EPOCH, REACHES_LIMIT, RESUMES_AFTER_HEAL, SPENT_IN_LEASE_LIFE,
+    SPENT_IN_WINDOW, Variant, WITHIN_BOUND,
+};
+use stateright::{Checker, Model};
+
+const SAFETY: [&str; 6] = [
+    WITHIN_BOUND,
+    SPENT_IN_LEASE_LIFE,
+    SPENT_IN_WINDOW,
+    NO_STALE_EPOCH,
+    DENIAL_DEBITS_NOTHING,
+    RESUMES_AFTER_HEAL,
+];
+
+/// Explores every state of `config`; asserts no safety property is broken and each of
+/// `reached` is reached.
+fn holds(name: &str, config: ModelConfig, reached: &[&'static str]) {
+    let model = LeaseModel::new(config).expect("a valid model");
+    let bound_tokens = model.bound_tokens();
+    // Printed for the docs' table; nothing is asserted on it.
+    #[allow(clippy::disallowed_methods)]
+    let started = Instant::now();
+    let checker = model.checker().threads(2).spawn_bfs().join();
+    eprintln!(
+        "{name}: {} states, {} unique, in {:.1} s (bound {bound_tokens} tokens a window)",
+        checker.state_count(),
+        checker.unique_state_count(),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(checker.is_done());
+    for property in SAFETY {
+        if let Some(path) = checker.discovery(property) {
+            panic!("{name}: {property:?} broken:\n{path}");
+        }
+    }
+    for property in reached {
+        assert!(
+            checker.discovery(property).is_some(),
+            "{name}: never reached {property:?}: the model explores less than it claims"
+        );
+    }
+}
+
+/// Explores `config` with one guard broken until `property` breaks; returns the trace's length.
+fn caught(config: ModelConfig, property: &'static str) -> usize {
+    let variant = config.variant;
+    let model = LeaseModel::new(config)
+        .expect("a valid model")
+        .checking_only(property);
+    let checker = model.checker().spawn_bfs().join();
+    let path = checker
+        .discovery(property)
+        .unwrap_or_else(|| panic!("{variant:?} was not caught by {property:?}"));
+    let actions = path.clone().into_actions();
+    eprintln!(
+        "{variant:?} breaks {property:?} after {} steps ({} states explored):",
+        actions.len(),
+        checker.state_count()
+    );
+    for action in &actions {
+        eprintln!("  {action}");
+    }
+    actions.len()
+}
+
+#[test]
+fn a_lost_message_and_a_failover_keep_every_property() {
+    let config = ModelConfig {
+        losses: 1,
+        failovers: 1,
+        ..ModelConfig::small()
+    };
+    holds(
+        "loss and failover",
+        config,
+        &[REACHES_LIMIT, ADMITS_IN_FALLBACK, HOLDS_AFTER_FAILOVER],
+    );
+}
+
+#[test]
+fn a_duplicated_request_and_an_agent_restart_keep_every_property() {
+    let config = ModelConfig {
+        duplicates: 1,
+        restarts: 1,
+        ..ModelConfig::small()
+    };
+    holds(
+        "duplicate and restart",
+        config,
+        &[REACHES_LIMIT, ADMITS_IN_FALLBACK],
+    );
+}
+
+#[test]
+fn calendar_days_across_daylight_saving_keep_every_property() {
+    let config = ModelConfig {
+        window: ModelWindow::BerlinDay,
+        losses: 1,
+        ..ModelConfig::small()
+    };
+    holds(
+        "calendar day, loss",
+        config,
+        &[REACHES_LIMIT, ADMITS_IN_FALLBACK],
+    );
+}
+
+/// The variants' configuration: no fallback, so the bound is `G` itself and any grant beyond it
+/// shows.
+fn tight() -> ModelConfig {
+    ModelConfig {
+        limit_tokens: 2,
+        chunk_tokens: 1,
+        fallback_per_region_tokens: 0,
+        ..ModelConfig::small()
+    }
+}
+
+/// Two requests a step: a deposed leader's grant shows within the first window.
+fn busy_failover() -> ModelConfig {
+    ModelConfig {
+        failovers: 1,
+        spends_per_step: 2,
+        steps: 2,
+        ..tight()
+    }
+}
+
+#[test]
+fn a_commit_without_the_fence_is_caught() {
+    let config = busy_failover().with_variant(Variant::FenceSkipped);
+    assert!(caught(config, WITHIN_BOUND) > 0);
+}
+
+#[test]
+fn a_lease_not_clamped_to_its_window_is_caught() {
+    let config = tight().with_variant(Variant::ClampRemoved);
+    assert!(caught(config.clone(), SPENT_IN_WINDOW) > 0);
+    assert!(caught(config, WITHIN_BOUND) > 0);
+}
+
+#[test]
+fn a_recovered_grant_timed_from_its_receipt_is_caught() {
+    let config = ModelConfig {
+        losses: 1,
+        ..tight()
+    }
+    .with_variant(Variant::RecoveredTimedFromReceipt);
+    assert!(caught(config.clone(), SPENT_IN_LEASE_LIFE) > 0);
+    assert!(caught(config, WITHIN_BOUND) > 0);
+}
+
+#[test]
+fn the_shipped_code_passes_where_the_variants_fail() {
+    // The variants' own configurations, unbroken: what catches them is the break, not the setup.
+    holds(
+        "tight, failover and loss",
+        ModelConfig {
+            failovers: 1,
+            losses: 1,
+            ..tight()
+        },
+        &[REACHES_LIMIT, HOLDS_AFTER_FAILOVER],
+    );
+    holds(
+        "tight, busy, failover",
+        busy_failover(),
+        &[REACHES_LIMIT, HOLDS_AFTER_FAILOVER],
+    );
+}
+
+/// The deeper configuration `scripts/model-check` runs (release build): every fault at once
+/// (a loss, a duplicate, a failover and a restart) over three windows, healed after two steps.
+#[test]
+#[ignore = "minutes in a release build: scripts/model-check"]
+fn a_deeper_configuration_keeps_every_property() {
+    let config = ModelConfig {
+        losses: 1,
+        duplicates: 1,
+        failovers: 1,
+        restarts: 1,
+        steps: 6,
+        ..ModelConfig::small()
+    };
+    holds(
+        "every fault, three windows",
+        config,
+        &[REACHES_LIMIT, ADMITS_IN_FALLBACK, HOLDS_AFTER_FAILOVER],
+    );
+}
