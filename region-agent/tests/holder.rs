@@ -868,3 +868,46 @@ fn the_renewal_steps_recover_lost_answers_and_ask_one_at_a_time() {
     assert_eq!(outcome, RenewalOutcome::StaleEpoch);
     assert!(!outcome.held());
 }
+
+/// A report round, as the agent and the drills take it: one part per window, every line in one
+/// part; a part the allocator took is done with, one it did not take is owed again, whole.
+#[test]
+fn the_report_steps_split_by_window_and_keep_what_was_not_taken() {
+    use allot_region_agent::global::driver::{finish_report, start_report};
+    let mut holder = PoolHolder::new(config(5));
+    let t0 = 3 * MINUTE;
+    assert!(start_report(&mut holder, t0).is_empty(), "nothing owed yet");
+    assert_eq!(
+        holder.accept(grant(1, 1, 3, t0), t0),
+        GrantVerdict::Accepted
+    );
+    assert!(matches!(holder.spend(2, t0 + 10, true), Spend::Leased(_)));
+    // The next window: the old lease has ended; the allocator is cut off, so fallback admits.
+    let t1 = t0 + MINUTE + 1_000;
+    assert!(matches!(holder.spend(1, t1, false), Spend::Fallback { .. }));
+    let parts = start_report(&mut holder, t1);
+    let windows: Vec<u64> = parts.iter().map(|p| p.window_start_ms).collect();
+    assert_eq!(
+        windows,
+        vec![t0, t0 + MINUTE],
+        "oldest first, one part each"
+    );
+    assert_eq!(parts[0].lines.leases.len(), 1);
+    assert!(
+        parts[0].lines.leases[0].final_line,
+        "the ended lease reports final"
+    );
+    assert_eq!(parts[0].lines.leases[0].spent_tokens, 2);
+    assert_eq!(parts[1].lines.fallback.len(), 1);
+    assert_eq!(parts[1].lines.fallback[0].admitted_tokens, 1);
+    // Only the old window's part is taken: the fallback line is owed again, the final line not.
+    finish_report(&mut holder, &parts[0], t1);
+    let again = start_report(&mut holder, t1 + 10);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0], parts[1]);
+    finish_report(&mut holder, &again[0], t1 + 10);
+    assert!(
+        start_report(&mut holder, t1 + 20).is_empty(),
+        "all reported"
+    );
+}

@@ -28,7 +28,7 @@ use std::fmt;
 use allot_allocator::grants::plan_batch;
 use allot_allocator::pools::GrantRecord;
 use allot_region_agent::global::driver::{
-    RenewalAnswer, RenewalAsk, finish_renewal, start_renewal,
+    RenewalAnswer, RenewalAsk, finish_renewal, finish_report, start_renewal, start_report,
 };
 use allot_region_agent::global::{
     Denial, HolderConfig, HolderSnapshot, LeaseGrant, PoolHolder, Spend,
@@ -640,8 +640,9 @@ impl LeaseModel {
             let region = &mut state.regions[r];
             if region.reachable {
                 // The agent's report round: what the allocator acknowledges is done with.
-                let report = region.holder.pending_report(now_ms);
-                region.holder.acknowledge(&report, now_ms);
+                for part in start_report(&mut region.holder, now_ms) {
+                    finish_report(&mut region.holder, &part, now_ms);
+                }
             }
             region.journal = region.holder.snapshot(None);
             self.renew(state, r, now_ms);

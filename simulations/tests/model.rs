@@ -132,7 +132,8 @@ fn busy_failover() -> ModelConfig {
     ModelConfig {
         failovers: 1,
         spends_per_step: 2,
-        steps: 2,
+        steps: 1,
+        heal_at_step: 1,
         ..tight()
     }
 }

@@ -13,10 +13,14 @@
 //!    grant (none, or a server error) keeps the id for the next renewal.
 //!
 //! Between the two, the holder has a renewal in flight and starts no other (single flight).
+//!
+//! A report round is two steps too: [`start_report`] says what the holder owes the ledger, one
+//! part per window (the ledger takes reports per pool and window), and [`finish_report`] takes
+//! in that the allocator took a part. A part not taken stays owed, whole, for the next round.
 
 use allot_shared::ids::LeaseId;
 
-use super::holder::{GrantVerdict, LeaseGrant, PoolHolder};
+use super::holder::{GrantVerdict, LeaseGrant, PendingReport, PoolHolder};
 
 /// A renewal to send: `want_tokens` of the pool, asked with `lease_id`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -127,4 +131,62 @@ pub fn finish_renewal(
     };
     holder.end_renewal();
     outcome
+}
+
+/// One window's part of a report round.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReportPart {
+    /// The window's start, epoch ms.
+    pub window_start_ms: u64,
+    /// The holder's lines of that window: its leases' spend and its fallback admits.
+    pub lines: PendingReport,
+}
+
+/// Reporting, step 1: what the holder owes the ledger at `now_ms`, one part per window, oldest
+/// first (empty: nothing owed). Nothing is marked reported until [`finish_report`].
+pub fn start_report(holder: &mut PoolHolder, now_ms: u64) -> Vec<ReportPart> {
+    let pending = holder.pending_report(now_ms);
+    let mut windows: Vec<u64> = pending
+        .leases
+        .iter()
+        .map(|l| l.window_start_ms)
+        .chain(pending.fallback.iter().map(|f| f.window_start_ms))
+        .collect();
+    windows.sort_unstable();
+    windows.dedup();
+    let parts: Vec<ReportPart> = windows
+        .into_iter()
+        .map(|window_start_ms| ReportPart {
+            window_start_ms,
+            lines: PendingReport {
+                leases: pending
+                    .leases
+                    .iter()
+                    .filter(|l| l.window_start_ms == window_start_ms)
+                    .copied()
+                    .collect(),
+                fallback: pending
+                    .fallback
+                    .iter()
+                    .filter(|f| f.window_start_ms == window_start_ms)
+                    .copied()
+                    .collect(),
+            },
+        })
+        .collect();
+    debug_assert_eq!(
+        parts
+            .iter()
+            .map(|p| p.lines.leases.len() + p.lines.fallback.len())
+            .sum::<usize>(),
+        pending.leases.len() + pending.fallback.len(),
+        "every line goes in exactly one part"
+    );
+    parts
+}
+
+/// Reporting, step 2: the allocator took `part` at `now_ms`: its final lines are done with, its
+/// counts reported.
+pub fn finish_report(holder: &mut PoolHolder, part: &ReportPart, now_ms: u64) {
+    holder.acknowledge(&part.lines, now_ms);
 }

@@ -7,7 +7,7 @@ use allot_shared::ids::LeaseId;
 
 use super::{Agent, lock};
 use crate::allocator_client::{Report, ReportLease};
-use crate::global::PendingReport;
+use crate::global::driver::{self, ReportPart};
 
 impl Agent {
     /// Sends every pool's pending report lines, one report per (pool, window), and acknowledges what
@@ -28,27 +28,28 @@ impl Agent {
         for ((tenant, pool), slot) in slots {
             self.report_cursor.fetch_add(1, Ordering::Relaxed);
             let now_ms = self.clock.now_ms();
-            let (pending, debt_tokens) = {
+            let (parts, debt_tokens) = {
                 let mut holder = lock(&slot.holder);
-                (holder.pending_report(now_ms), holder.debt_tokens())
+                (
+                    driver::start_report(&mut holder, now_ms),
+                    holder.debt_tokens(),
+                )
             };
             // Debt carried into a window is that window's too, settled there or not.
             lock(&slot.settle_debt).raise(slot.window_at(now_ms).start_ms, debt_tokens);
             let shadow = lock(&slot.shadow).unreported();
             let settle_debt = lock(&slot.settle_debt).unreported();
             let written_off = lock(&slot.written_off).unreported();
-            if pending.is_empty()
+            if parts.is_empty()
                 && shadow.is_empty()
                 && settle_debt.is_empty()
                 && written_off.is_empty()
             {
                 continue;
             }
-            let mut windows: Vec<u64> = pending
-                .leases
+            let mut windows: Vec<u64> = parts
                 .iter()
-                .map(|l| l.window_start_ms)
-                .chain(pending.fallback.iter().map(|f| f.window_start_ms))
+                .map(|p| p.window_start_ms)
                 .chain(
                     [&shadow, &settle_debt, &written_off]
                         .into_iter()
@@ -59,20 +60,14 @@ impl Agent {
             windows.sort_unstable();
             windows.dedup();
             for window_start_ms in windows {
-                let part = PendingReport {
-                    leases: pending
-                        .leases
-                        .iter()
-                        .filter(|l| l.window_start_ms == window_start_ms)
-                        .copied()
-                        .collect(),
-                    fallback: pending
-                        .fallback
-                        .iter()
-                        .filter(|f| f.window_start_ms == window_start_ms)
-                        .copied()
-                        .collect(),
-                };
+                let part = parts
+                    .iter()
+                    .find(|p| p.window_start_ms == window_start_ms)
+                    .cloned()
+                    .unwrap_or(ReportPart {
+                        window_start_ms,
+                        ..ReportPart::default()
+                    });
                 let body = Report {
                     report_id: LeaseId::from_parts(now_ms, rand::random()).to_string(),
                     region: self.settings.region.clone(),
@@ -80,6 +75,7 @@ impl Agent {
                     pool: pool.clone(),
                     window_start_ms,
                     leases: part
+                        .lines
                         .leases
                         .iter()
                         .map(|l| ReportLease {
@@ -89,6 +85,7 @@ impl Agent {
                         })
                         .collect(),
                     fallback_admitted_tokens: part
+                        .lines
                         .fallback
                         .first()
                         .map_or(0, |f| f.admitted_tokens),
@@ -101,7 +98,7 @@ impl Agent {
                 match sent {
                     Ok(()) => {
                         let now_ms = self.clock.now_ms();
-                        lock(&slot.holder).acknowledge(&part, now_ms);
+                        driver::finish_report(&mut lock(&slot.holder), &part, now_ms);
                         let current_start_ms = slot.window_at(now_ms).start_ms;
                         for (tally, tokens) in [
                             (&slot.shadow, body.shadow_admitted_tokens),

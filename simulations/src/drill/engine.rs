@@ -23,7 +23,7 @@ use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
 use allot_allocator::pools::{PoolSpec, get_window, put_pool};
 use allot_region_agent::allocator_client::CALL_TIMEOUT;
 use allot_region_agent::global::driver::{
-    RenewalAnswer, RenewalAsk, RenewalOutcome, finish_renewal, start_renewal,
+    self, RenewalAnswer, RenewalAsk, RenewalOutcome, finish_renewal, start_renewal,
 };
 use allot_region_agent::global::holder::{
     Denial, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
@@ -898,16 +898,17 @@ impl Step<'_> {
         if self.held.admitted_since_report == 0 {
             return;
         }
-        let report = holder.pending_report(self.agent_now_ms);
-        for line in &report.fallback {
-            let (window_start_ms, admitted) = self.ledger_fallback;
-            if line.window_start_ms > *window_start_ms {
-                *self.ledger_fallback = (line.window_start_ms, line.admitted_tokens);
-            } else if line.window_start_ms == *window_start_ms {
-                *admitted = (*admitted).max(line.admitted_tokens);
+        for part in driver::start_report(holder, self.agent_now_ms) {
+            for line in &part.lines.fallback {
+                let (window_start_ms, admitted) = self.ledger_fallback;
+                if line.window_start_ms > *window_start_ms {
+                    *self.ledger_fallback = (line.window_start_ms, line.admitted_tokens);
+                } else if line.window_start_ms == *window_start_ms {
+                    *admitted = (*admitted).max(line.admitted_tokens);
+                }
             }
+            driver::finish_report(holder, &part, self.agent_now_ms);
         }
-        holder.acknowledge(&report, self.agent_now_ms);
         self.held.admitted_since_report = 0;
     }
 
