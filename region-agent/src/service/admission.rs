@@ -253,7 +253,7 @@ impl Agent {
         request: &AdmissionRequest,
     ) -> Result<Decision, RequestRejected> {
         request.validate()?;
-        let Some(bundle) = self.bundle.load_full() else {
+        let Some(bundle) = self.bundle.load() else {
             return Ok(refused(
                 request,
                 0,
@@ -820,7 +820,7 @@ impl Agent {
     /// The concurrency slots `request` holds under the bundle in force: none without a bundle, or
     /// when the request cannot be planned against it (it could not have taken one either).
     fn slots_of(&self, request: &AdmissionRequest) -> Vec<LeaseCall> {
-        let Some(bundle) = self.bundle.load_full() else {
+        let Some(bundle) = self.bundle.load() else {
             return Vec::new();
         };
         let Ok(Some(planned)) = plan_request(

@@ -2,7 +2,6 @@
 //! the journal.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::Agent;
@@ -27,8 +26,7 @@ impl Agent {
                 if self.offer_bundle(bundle) {
                     self.save_bundle().await;
                 }
-                self.bundle_confirmed_at_ms
-                    .store(self.clock.now_ms(), Ordering::Relaxed);
+                self.bundle.confirm(self.clock.now_ms());
                 self.note_change();
             }
             Ok(None) => {}
@@ -36,7 +34,7 @@ impl Agent {
                 tracing::warn!(%error, "policy refresh failed; keeping the bundle in force")
             }
         }
-        let version = self.bundle.load().as_ref().map_or(0, |b| b.version());
+        let version = self.bundle.version();
         if let Err(error) = allocator
             .report_status(
                 &self.settings.region,

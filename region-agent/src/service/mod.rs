@@ -20,6 +20,7 @@
 
 pub mod admission;
 pub mod background;
+mod bundle;
 pub mod persistence;
 pub mod pools;
 pub mod quota;
@@ -36,7 +37,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use allot_shared::policy::PolicyBundle;
-use arc_swap::ArcSwapOption;
 
 pub use admission::{
     AWAITING_GRANT_RETRY_MS, CONCURRENCY_RETRY_MS, POLICY_UNAVAILABLE_RETRY_MS,
@@ -64,7 +64,7 @@ pub type RequestRejected = allot_shared::FieldError;
 pub struct Agent {
     settings: AgentSettings,
     clock: Arc<dyn Clock>,
-    bundle: ArcSwapOption<PolicyBundle>,
+    bundle: bundle::BundleSlot,
     limiter: Limiter,
     allocator: Option<Arc<AllocatorClient>>,
     pools: Mutex<PoolSlots>,
@@ -75,11 +75,6 @@ pub struct Agent {
     /// Where the next report round starts, so a round cut short does not starve the same pools.
     report_cursor: AtomicUsize,
     reachable: AtomicBool,
-    /// When the bundle in force was installed, epoch ms (0: none).
-    bundle_installed_at_ms: std::sync::atomic::AtomicU64,
-    /// When the allocator last confirmed the bundle in force (installed it, or answered the same or
-    /// an older version), epoch ms.
-    bundle_confirmed_at_ms: std::sync::atomic::AtomicU64,
     /// The sampled decision log, when configured.
     /// Set once at startup; read lock-free on every admit.
     decision_log: std::sync::OnceLock<crate::decision_log::DecisionLog>,
@@ -118,13 +113,10 @@ impl Agent {
         allocator: Option<Arc<AllocatorClient>>,
         bundle: Option<PolicyBundle>,
     ) -> Arc<Self> {
-        let installed_at_ms = if bundle.is_some() { clock.now_ms() } else { 0 };
         Arc::new(Self {
-            bundle_installed_at_ms: std::sync::atomic::AtomicU64::new(installed_at_ms),
-            bundle_confirmed_at_ms: std::sync::atomic::AtomicU64::new(installed_at_ms),
+            bundle: bundle::BundleSlot::new(bundle, clock.now_ms()),
             settings,
             clock,
-            bundle: ArcSwapOption::from(bundle.map(Arc::new)),
             limiter,
             allocator,
             pools: Mutex::new(PoolSlots::default()),
@@ -160,25 +152,12 @@ impl Agent {
 
     /// The bundle in force.
     pub fn bundle(&self) -> Option<Arc<PolicyBundle>> {
-        self.bundle.load_full()
+        self.bundle.load()
     }
 
     /// Installs `candidate` if it is newer than the bundle in force (only higher versions, I13).
     pub fn offer_bundle(&self, candidate: PolicyBundle) -> bool {
-        let current = self.bundle.load_full();
-        if current
-            .as_ref()
-            .is_some_and(|c| !c.is_superseded_by(&candidate))
-        {
-            return false;
-        }
-        tracing::info!(version = candidate.version(), "policy bundle installed");
-        self.bundle.store(Some(Arc::new(candidate)));
-        self.bundle_installed_at_ms
-            .store(self.clock.now_ms(), Ordering::Relaxed);
-        self.bundle_confirmed_at_ms
-            .store(self.clock.now_ms(), Ordering::Relaxed);
-        true
+        self.bundle.offer(candidate, self.clock.now_ms())
     }
 
     /// Sets the gauges that describe the agent's state now (called at each metrics scrape).
@@ -205,10 +184,8 @@ impl Agent {
             metrics::gauge!(crate::metrics::HOT_TENANT_SUB_SLOTS, "tenant" => tenant.to_string())
                 .set(f64::from(sub_slots));
         }
-        let bundle = self.bundle.load();
-        let version = bundle.as_ref().map_or(0, |b| b.version());
-        metrics::gauge!(crate::metrics::POLICY_VERSION).set(version as f64);
-        let installed = self.bundle_installed_at_ms.load(Ordering::Relaxed);
+        metrics::gauge!(crate::metrics::POLICY_VERSION).set(self.bundle.version() as f64);
+        let installed = self.bundle.installed_at_ms();
         if installed > 0 {
             let age_ms = self.clock.now_ms().saturating_sub(installed);
             metrics::gauge!(crate::metrics::POLICY_AGE_SECONDS).set(age_ms as f64 / 1_000.0);
@@ -284,7 +261,7 @@ impl Agent {
         if max_age_ms == 0 || self.allocator.is_none() {
             return false;
         }
-        let confirmed = self.bundle_confirmed_at_ms.load(Ordering::Relaxed);
+        let confirmed = self.bundle.confirmed_at_ms();
         self.clock.now_ms().saturating_sub(confirmed) > max_age_ms
     }
 

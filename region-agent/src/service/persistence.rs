@@ -82,14 +82,12 @@ impl Agent {
                 .and_then(|draft| draft.into_verified())
             {
                 Ok(bundle) => {
-                    restored.bundle_version = Some(bundle.version());
-                    self.bundle.store(Some(Arc::new(bundle)));
-                    self.bundle_installed_at_ms
-                        .store(self.clock.now_ms(), Ordering::Relaxed);
+                    let version = bundle.version();
                     // Aged from the allocator's last confirmation (never: already stale).
                     let confirmed = journal.as_ref().map_or(0, |j| j.bundle_confirmed_at_ms);
-                    self.bundle_confirmed_at_ms
-                        .store(confirmed, Ordering::Relaxed);
+                    if self.bundle.restore(bundle, confirmed, self.clock.now_ms()) {
+                        restored.bundle_version = Some(version);
+                    }
                 }
                 Err(error) => {
                     tracing::warn!(%error, "saved bundle does not verify; ignored");
@@ -212,7 +210,7 @@ impl Agent {
             .collect();
         Journal {
             written_at_ms: self.clock.now_ms(),
-            bundle_confirmed_at_ms: self.bundle_confirmed_at_ms.load(Ordering::Relaxed),
+            bundle_confirmed_at_ms: self.bundle.confirmed_at_ms(),
             pools,
         }
     }
@@ -272,7 +270,7 @@ impl Agent {
     /// Keeps the bundle in force in the state directory (the background refresh does so for every
     /// bundle it installs from the allocator).
     pub async fn save_bundle(&self) {
-        let (Some(dir), Some(bundle)) = (self.state.get().cloned(), self.bundle.load_full()) else {
+        let (Some(dir), Some(bundle)) = (self.state.get().cloned(), self.bundle.load()) else {
             return;
         };
         let saved = SavedBundle {

@@ -42,7 +42,7 @@ impl Agent {
         query: &QuotaQuery,
     ) -> Result<Option<QuotaStatus>, RequestRejected> {
         query.validate()?;
-        let Some(bundle) = self.bundle.load_full() else {
+        let Some(bundle) = self.bundle.load() else {
             return Ok(None);
         };
         let mut rules = visible_rules(&bundle, query);

@@ -201,7 +201,7 @@ impl Agent {
     /// holds, at most one chunk), then its regional rules in one store call (less when they hold
     /// less). `request` stands for one request of the bucket (its cost hint is 1).
     pub async fn carve(self: &Arc<Self>, request: &AdmissionRequest, ask: CarveAsk) -> Carving {
-        let Some(bundle) = self.bundle.load_full() else {
+        let Some(bundle) = self.bundle.load() else {
             return Carving::Denied {
                 retry_after_ms: POLICY_UNAVAILABLE_RETRY_MS,
             };
@@ -559,7 +559,7 @@ impl Agent {
         request: &AdmissionRequest,
         requests: u64,
     ) -> u64 {
-        let Some(bundle) = self.bundle.load_full() else {
+        let Some(bundle) = self.bundle.load() else {
             return 0;
         };
         let rules = bundle.global_rules_for(
