@@ -634,7 +634,7 @@ impl LeaseModel {
                     RenewalAnswer::Unanswered,
                     now_ms,
                 );
-                region.reachable = false;
+                region.reachable = RenewalAnswer::Unanswered.reached_allocator();
                 end_call(state, r);
             }
             let region = &mut state.regions[r];
@@ -787,7 +787,7 @@ impl LeaseModel {
                     }
                     region.highest_epoch_held = region.highest_epoch_held.max(grant.epoch);
                 }
-                region.reachable = answer != RenewalAnswer::Unanswered;
+                region.reachable = answer.reached_allocator();
                 end_call(state, r);
                 self.renew(state, r, now_ms);
             }

@@ -45,6 +45,15 @@ pub enum RenewalAnswer {
     Unanswered,
 }
 
+impl RenewalAnswer {
+    /// Whether the answer came from the allocator. Fallback applies while the last call did not
+    /// reach it (with nothing held, [`PoolHolder::reserve`] then admits from the window's
+    /// allowance), and ends with the first answer that did: a refusal reached it too.
+    pub fn reached_allocator(&self) -> bool {
+        !matches!(self, Self::Unanswered)
+    }
+}
+
 /// How a renewal ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RenewalOutcome {

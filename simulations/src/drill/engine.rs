@@ -953,8 +953,9 @@ impl Step<'_> {
         let (lease_id, want_tokens) = (ask.lease_id, ask.want_tokens);
         if self.conditions.partitioned {
             // The call fails at once: nothing reached the allocator.
-            finish_renewal(holder, &ask, RenewalAnswer::Unanswered, self.agent_now_ms);
-            *self.believes_reachable = false;
+            let answer = RenewalAnswer::Unanswered;
+            finish_renewal(holder, &ask, answer, self.agent_now_ms);
+            *self.believes_reachable = answer.reached_allocator();
             return Ok(None);
         }
         let record = self
@@ -1011,17 +1012,13 @@ impl Step<'_> {
             return Ok(());
         };
         let Some(grant) = flight.answer else {
-            finish_renewal(
-                holder,
-                &flight.ask,
-                RenewalAnswer::Unanswered,
-                self.agent_now_ms,
-            );
+            let answer = RenewalAnswer::Unanswered;
+            finish_renewal(holder, &flight.ask, answer, self.agent_now_ms);
             self.held.committed_unanswered = Some(flight.ask.lease_id);
-            *self.believes_reachable = false;
+            *self.believes_reachable = answer.reached_allocator();
             return Ok(());
         };
-        *self.believes_reachable = true;
+        *self.believes_reachable = RenewalAnswer::Granted(grant).reached_allocator();
         let recovered = self.held.committed_unanswered == Some(grant.lease_id);
         if recovered {
             self.held.committed_unanswered = None;
