@@ -79,16 +79,8 @@ pub struct Agent {
     /// Set once at startup; read lock-free on every admit.
     decision_log: std::sync::OnceLock<crate::decision_log::DecisionLog>,
     decision_counters: crate::metrics::DecisionCounters,
-    /// The state directory, when configured. Set once at startup.
-    state: std::sync::OnceLock<crate::state_dir::StateDir>,
-    /// Changes the journal must keep, counted; and the count the last journal written saw.
-    journal_generation: AtomicU64,
-    journal_written: AtomicU64,
-    /// One journal writer at a time (the periodic write and fallback claims), held by tasks of
-    /// their own from the snapshot to the end of the write.
-    journal_writer: tokio::sync::Mutex<()>,
-    /// Fallback claims requests are waiting for: (the pool's slot, the request's cost).
-    claims_wanted: Mutex<Vec<(Arc<pools::PoolSlot>, u64)>>,
+    /// The state directory and the journal's bookkeeping, when configured.
+    persistence: persistence::Persistence,
     /// What gateways' sub-leases want of each pool.
     subleases: Mutex<subleases::SubleaseDemand>,
     /// Metered admissions open for settlement, and principals owing regional debt.
@@ -126,11 +118,7 @@ impl Agent {
             reachable: AtomicBool::new(true),
             decision_log: std::sync::OnceLock::new(),
             decision_counters: crate::metrics::DecisionCounters::default(),
-            state: std::sync::OnceLock::new(),
-            journal_generation: AtomicU64::new(0),
-            journal_written: AtomicU64::new(0),
-            journal_writer: tokio::sync::Mutex::new(()),
-            claims_wanted: Mutex::new(Vec::new()),
+            persistence: persistence::Persistence::default(),
             subleases: Mutex::new(subleases::SubleaseDemand::default()),
             settlements: Mutex::new(settlement::Settlements::default()),
             replays: replays::Replays::default(),

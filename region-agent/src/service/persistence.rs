@@ -22,8 +22,8 @@
 //! put an older snapshot on disk after a newer claim). Claims are group-committed: a writer takes
 //! every claim wanted when it starts.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use allot_shared::ids::{PoolId, TenantId};
@@ -40,6 +40,34 @@ pub const JOURNAL_INTERVAL: Duration = Duration::from_millis(250);
 pub const FALLBACK_CLAIM_BLOCKS: u64 = 8;
 /// Longest a request waits for a fallback claim to be written and synced.
 pub const CLAIM_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// The state directory and the journal's bookkeeping: whether anything changed since the last
+/// write, the one writer, and the fallback claims waiting for it.
+#[derive(Default)]
+pub(super) struct Persistence {
+    /// Set once at startup.
+    dir: std::sync::OnceLock<StateDir>,
+    /// Changes the journal must keep, counted; and the count the last journal written saw.
+    generation: AtomicU64,
+    written: AtomicU64,
+    /// One journal writer at a time (the periodic write and fallback claims), held by tasks of
+    /// their own from the snapshot to the end of the write.
+    writer: tokio::sync::Mutex<()>,
+    /// Fallback claims requests are waiting for: (the pool's slot, the request's cost).
+    claims_wanted: Mutex<Vec<(Arc<PoolSlot>, u64)>>,
+}
+
+impl Persistence {
+    /// The state directory, if any.
+    pub(super) fn dir(&self) -> Option<&StateDir> {
+        self.dir.get()
+    }
+
+    /// Whether the agent keeps state (fallback then goes by durable claims).
+    pub(super) fn keeps_state(&self) -> bool {
+        self.dir.get().is_some()
+    }
+}
 
 /// What [`Agent::restore_state`] took over.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -58,20 +86,20 @@ impl Agent {
     /// Keeps state in `dir` from now on. Once per agent, before it serves (pools created before
     /// it take no fallback claims).
     pub fn set_state_dir(&self, dir: StateDir) {
-        if self.state.set(dir).is_err() {
+        if self.persistence.dir.set(dir).is_err() {
             tracing::warn!("a state directory is already set; the new one is ignored");
         }
     }
 
     /// The state directory, if any.
     pub fn state_dir(&self) -> Option<&StateDir> {
-        self.state.get()
+        self.persistence.dir()
     }
 
     /// Takes over what the state directory holds (module docs). Call once, before serving.
     pub fn restore_state(&self) -> Restored {
         let mut restored = Restored::default();
-        let Some(dir) = self.state.get() else {
+        let Some(dir) = self.persistence.dir() else {
             return restored;
         };
         let journal: Option<Journal> = dir.load(StateFile::Journal);
@@ -139,8 +167,8 @@ impl Agent {
 
     /// Notes a change the journal must keep (a spend, a grant, an acknowledged report, new terms).
     pub(super) fn note_change(&self) {
-        if self.state.get().is_some() {
-            self.journal_generation.fetch_add(1, Ordering::Relaxed);
+        if self.persistence.keeps_state() {
+            self.persistence.generation.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -148,26 +176,27 @@ impl Agent {
     /// its own holding the writer: a caller that stops waiting (a round's deadline, shutdown) does
     /// not cut it short or let another writer in before it is done.
     pub async fn write_journal_if_changed(self: &Arc<Self>) {
-        let generation = self.journal_generation.load(Ordering::Relaxed);
-        if generation == self.journal_written.load(Ordering::Relaxed) {
+        let generation = self.persistence.generation.load(Ordering::Relaxed);
+        if generation == self.persistence.written.load(Ordering::Relaxed) {
             return;
         }
         let agent = self.clone();
         let written = tokio::spawn(async move {
-            let _writer = agent.journal_writer.lock().await;
+            let _writer = agent.persistence.writer.lock().await;
             let journal = agent.journal(&[]);
             agent.write_journal(journal).await
         })
         .await;
         if matches!(written, Ok(Ok(()))) {
-            self.journal_written
+            self.persistence
+                .written
                 .fetch_max(generation, Ordering::Relaxed);
         }
     }
 
     /// Writes `journal` (the caller holds the writer). Errors are logged and counted.
     async fn write_journal(&self, journal: Journal) -> std::io::Result<()> {
-        let Some(dir) = self.state.get().cloned() else {
+        let Some(dir) = self.persistence.dir().cloned() else {
             return Ok(());
         };
         let written = tokio::task::spawn_blocking(move || dir.write(StateFile::Journal, &journal))
@@ -228,7 +257,7 @@ impl Agent {
         slot: &Arc<PoolSlot>,
         cost_tokens: u64,
     ) -> bool {
-        lock(&self.claims_wanted).push((slot.clone(), cost_tokens));
+        lock(&self.persistence.claims_wanted).push((slot.clone(), cost_tokens));
         let agent = self.clone();
         let flush = tokio::spawn(async move { agent.flush_claims().await });
         let _ = tokio::time::timeout(CLAIM_WRITE_TIMEOUT, flush).await;
@@ -245,8 +274,8 @@ impl Agent {
 
     /// Writes every claim wanted in one journal, then records them as durable.
     async fn flush_claims(self: Arc<Self>) {
-        let _writer = self.journal_writer.lock().await;
-        let wanted = std::mem::take(&mut *lock(&self.claims_wanted));
+        let _writer = self.persistence.writer.lock().await;
+        let wanted = std::mem::take(&mut *lock(&self.persistence.claims_wanted));
         let now_ms = self.clock.now_ms();
         let claims: Vec<(Arc<PoolSlot>, (u64, u64))> = wanted
             .into_iter()
@@ -270,7 +299,8 @@ impl Agent {
     /// Keeps the bundle in force in the state directory (the background refresh does so for every
     /// bundle it installs from the allocator).
     pub async fn save_bundle(&self) {
-        let (Some(dir), Some(bundle)) = (self.state.get().cloned(), self.bundle.load()) else {
+        let (Some(dir), Some(bundle)) = (self.persistence.dir().cloned(), self.bundle.load())
+        else {
             return;
         };
         let saved = SavedBundle {
@@ -291,7 +321,7 @@ impl Agent {
     /// Claim blocks for a pool's holder: `fallbackPerRegion / FALLBACK_CLAIM_BLOCKS`, at least 1;
     /// 0 (no claims) without a state directory.
     pub(super) fn fallback_claim_block_tokens(&self, fallback_per_region_tokens: u64) -> u64 {
-        if self.state.get().is_none() {
+        if !self.persistence.keeps_state() {
             return 0;
         }
         (fallback_per_region_tokens / FALLBACK_CLAIM_BLOCKS).max(1)

@@ -410,7 +410,7 @@ impl Agent {
                 let wanted = lock(&part.slot.holder)
                     .fallback_claim_wanted(part.tokens_per_request, now_ms)
                     .is_some()
-                    && self.state.get().is_some()
+                    && self.persistence.keeps_state()
                     && !self.allocator_reachable();
                 if wanted
                     && !self
