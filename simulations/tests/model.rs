@@ -3,7 +3,7 @@
 //! a window's whole limit admitted, fallback, a grant after a failover), and each deliberately
 //! broken guard is caught, with the shortest trace that shows it.
 //!
-//! `scripts/model-check` runs a deeper configuration in a release build.
+//! `scripts/model-check` runs deeper configurations in a release build.
 
 use std::time::Instant;
 
@@ -267,6 +267,25 @@ fn a_deeper_configuration_keeps_every_property() {
         "every fault at once",
         config,
         &[REACHES_LIMIT, ADMITS_IN_FALLBACK, HOLDS_AFTER_FAILOVER],
+        Search::DepthFirst,
+    );
+}
+
+/// Three regions sharing the pool (`scripts/model-check`, release build, depth first): a lost
+/// message, over four steps.
+#[test]
+#[ignore = "minutes in a release build: scripts/model-check"]
+fn three_regions_keep_every_property() {
+    let config = ModelConfig {
+        regions: 3,
+        losses: 1,
+        steps: 4,
+        ..ModelConfig::small()
+    };
+    holds_searching(
+        "three regions, loss",
+        config,
+        &[REACHES_LIMIT, ADMITS_IN_FALLBACK],
         Search::DepthFirst,
     );
 }
