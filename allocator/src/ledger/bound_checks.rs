@@ -4,9 +4,7 @@
 use std::collections::BTreeMap;
 
 use allot_shared::ids::{PoolId, TenantId};
-use sea_query::{
-    Condition, Expr, OnConflict, Order, PostgresQueryBuilder, Query, SqliteQueryBuilder,
-};
+use sea_query::{Expr, OnConflict, Order, PostgresQueryBuilder, Query, SqliteQueryBuilder};
 use sea_query_binder::SqlxBinder;
 use serde::{Deserialize, Serialize};
 
@@ -24,12 +22,9 @@ const CHECK_COLUMNS: [BoundChecks; 7] = [
     BoundChecks::CheckedAtMs,
 ];
 
-/// The condition naming one window's check.
-fn the_window(tenant: &TenantId, pool: &PoolId, window_start_ms: u64) -> Condition {
-    Condition::all()
-        .add(Expr::col(BoundChecks::Tenant).eq(tenant.as_str()))
-        .add(Expr::col(BoundChecks::Pool).eq(pool.as_str()))
-        .add(Expr::col(BoundChecks::WindowStartMs).eq(i64_of(window_start_ms)))
+/// A check whose window admitted more than its bound.
+fn violated() -> sea_query::SimpleExpr {
+    Expr::col(BoundChecks::Admitted).gt(Expr::col(BoundChecks::Bound))
 }
 
 /// Most recent violations a summary lists (I10).
@@ -103,14 +98,14 @@ impl Ledger {
             let over = row.admitted_tokens > row.bound_tokens;
             match checked.get(&row.window_start_ms) {
                 None => {
-                    self.insert_check(tenant, pool, row, now_ms).await?;
+                    self.write_check(tenant, pool, row, now_ms).await?;
                     added.windows += 1;
                     added.violations += u64::from(over);
                 }
                 Some(&(admitted, bound))
                     if (admitted, bound) != (row.admitted_tokens, row.bound_tokens) =>
                 {
-                    self.update_check(tenant, pool, row, now_ms).await?;
+                    self.write_check(tenant, pool, row, now_ms).await?;
                     added.violations += u64::from(over && admitted <= bound);
                 }
                 Some(_) => {}
@@ -147,14 +142,16 @@ impl Ledger {
             .collect())
     }
 
-    async fn insert_check(
+    /// Writes the check of `row`: added, or its figures updated (late reports moved them). A
+    /// check another leader wrote meanwhile is overwritten with figures at least as new.
+    async fn write_check(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
         row: &WindowRow,
         now_ms: u64,
     ) -> Result<(), LedgerError> {
-        let insert = Query::insert()
+        let upsert = Query::insert()
             .into_table(BoundChecks::Table)
             .columns(CHECK_COLUMNS)
             .values_panic([
@@ -166,57 +163,47 @@ impl Ledger {
                 i64_of(row.bound_tokens).into(),
                 i64_of(now_ms).into(),
             ])
-            // Another leader's check of the same window came first: it stands.
             .on_conflict(
                 OnConflict::columns([
                     BoundChecks::Tenant,
                     BoundChecks::Pool,
                     BoundChecks::WindowStartMs,
                 ])
-                .do_nothing()
+                .update_columns([
+                    BoundChecks::Admitted,
+                    BoundChecks::Bound,
+                    BoundChecks::CheckedAtMs,
+                ])
                 .to_owned(),
             )
             .to_owned();
-        on_db!(self, insert, |sql, values, pool| {
+        on_db!(self, upsert, |sql, values, pool| {
             sqlx::query_with(&sql, values).execute(pool).await?;
         });
         Ok(())
     }
 
-    async fn update_check(
-        &self,
-        tenant: &TenantId,
-        pool: &PoolId,
-        row: &WindowRow,
-        now_ms: u64,
-    ) -> Result<(), LedgerError> {
-        let update = Query::update()
-            .table(BoundChecks::Table)
-            .values([
-                (BoundChecks::Admitted, i64_of(row.admitted_tokens).into()),
-                (BoundChecks::Bound, i64_of(row.bound_tokens).into()),
-                (BoundChecks::CheckedAtMs, i64_of(now_ms).into()),
-            ])
-            .cond_where(the_window(tenant, pool, row.window_start_ms))
+    /// Windows checked so far that admitted more than their bound (the partial index's rows).
+    pub async fn bound_violations_recorded(&self) -> Result<u64, LedgerError> {
+        let count = Query::select()
+            .expr(Expr::col(BoundChecks::Tenant).count())
+            .from(BoundChecks::Table)
+            .and_where(violated())
             .to_owned();
-        on_db!(self, update, |sql, values, pool| {
-            sqlx::query_with(&sql, values).execute(pool).await?;
+        let violations: i64 = on_db!(self, count, |sql, values, pool| {
+            sqlx::query_scalar_with(&sql, values)
+                .fetch_one(pool)
+                .await?
         });
-        Ok(())
+        Ok(u64_of(violations))
     }
 
     /// Every window checked so far, its violations, and the newest `recent` of them (at most
     /// [`MAX_RECENT_VIOLATIONS`]).
     pub async fn bound_check_summary(&self, recent: u64) -> Result<BoundCheckSummary, LedgerError> {
-        let violated = || Expr::col(BoundChecks::Admitted).gt(Expr::col(BoundChecks::Bound));
         let count_all = Query::select()
             .expr(Expr::col(BoundChecks::Tenant).count())
             .from(BoundChecks::Table)
-            .to_owned();
-        let count_violations = Query::select()
-            .expr(Expr::col(BoundChecks::Tenant).count())
-            .from(BoundChecks::Table)
-            .and_where(violated())
             .to_owned();
         let newest = Query::select()
             .columns(CHECK_COLUMNS)
@@ -231,11 +218,7 @@ impl Ledger {
                 .fetch_one(pool)
                 .await?
         });
-        let violations: i64 = on_db!(self, count_violations, |sql, values, pool| {
-            sqlx::query_scalar_with(&sql, values)
-                .fetch_one(pool)
-                .await?
-        });
+        let violations = self.bound_violations_recorded().await?;
         let recent_violations: Vec<BoundViolation> = if recent == 0 {
             Vec::new()
         } else {
@@ -245,7 +228,7 @@ impl Ledger {
         };
         Ok(BoundCheckSummary {
             windows_checked: u64_of(windows_checked),
-            violations: u64_of(violations),
+            violations,
             recent_violations,
         })
     }
