@@ -134,7 +134,7 @@ pub struct GrantBody {
 }
 
 /// `POST /v1/grants` answer: a grant (idempotent by lease id) and when this answer was made.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GrantAnswer {
     /// The request's lease id.

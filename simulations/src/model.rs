@@ -23,7 +23,6 @@
 //! within a step. [`Variant`]s break one guard each so a test can show the checker catches it.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use allot_allocator::grants::plan_batch;
 use allot_allocator::pools::GrantRecord;
@@ -249,11 +248,6 @@ impl LeaseModel {
         self.bound_tokens
     }
 
-    /// The configuration.
-    pub fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
     fn now_ms(&self, state: &ModelState) -> u64 {
         self.origin_ms + u64::from(state.step) * self.config.step_ms
     }
@@ -297,37 +291,11 @@ impl Breach {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Reply {
     /// A grant (possibly of nothing).
-    Grant(GrantAnswerKey),
+    Grant(GrantAnswer),
     /// A definite refusal.
     Refused,
     /// A deposed leader: the agent's client treats it as no answer.
     NotLeader,
-}
-
-/// A [`GrantAnswer`] with an order, so the network can be kept sorted (one state per multiset).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct GrantAnswerKey(pub GrantAnswer);
-
-impl PartialOrd for GrantAnswerKey {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for GrantAnswerKey {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        let key = |a: &GrantAnswer| {
-            (
-                a.lease_id,
-                a.epoch,
-                a.granted_tokens,
-                a.expires_at_ms,
-                a.answered_at_ms,
-                a.window_start_ms,
-            )
-        };
-        key(&self.0).cmp(&key(&other.0))
-    }
 }
 
 /// A message in flight.
@@ -414,26 +382,6 @@ pub struct ModelState {
 }
 
 impl ModelState {
-    /// The tokens admitted in each window, by its start.
-    pub fn admitted(&self) -> &BTreeMap<u64, u64> {
-        &self.admitted
-    }
-
-    /// The breaches recorded so far.
-    pub fn breaches_list(&self) -> Vec<Breach> {
-        [
-            Breach::SpentPastLeaseEnd,
-            Breach::SpentOutsideWindow,
-            Breach::StaleEpochHeld,
-            Breach::DenialDebited,
-            Breach::RenewalUnansweredAfterHeal,
-            Breach::OverBound,
-        ]
-        .into_iter()
-        .filter(|b| self.breached(*b))
-        .collect()
-    }
-
     /// Whether a step recorded `breach`.
     pub fn breached(&self, breach: Breach) -> bool {
         self.breaches & breach.bit() != 0
@@ -473,12 +421,6 @@ pub enum Action {
     Restart(u8),
 }
 
-impl fmt::Display for Action {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self, f)
-    }
-}
-
 impl Allocator {
     /// The grant worker's steps for one ask at `leader`, at `now_ms`.
     fn serve(
@@ -489,7 +431,7 @@ impl Allocator {
         now_ms: u64,
     ) -> Reply {
         if let Some(record) = self.records.get(&request.lease_id) {
-            return Reply::Grant(GrantAnswerKey(record.answer(now_ms)));
+            return Reply::Grant(record.answer(now_ms));
         }
         let fence = model.config.variant != Variant::FenceSkipped;
         // The second attempt decides on a freshly read window, so it commits or is deposed.
@@ -511,13 +453,13 @@ impl Allocator {
                     return Reply::NotLeader;
                 }
                 return match plan.answers.into_iter().next() {
-                    Some(Ok(record)) => Reply::Grant(GrantAnswerKey(
+                    Some(Ok(record)) => Reply::Grant(
                         GrantRecord {
                             ungranted_tokens: None,
                             ..record
                         }
                         .answer(now_ms),
-                    )),
+                    ),
                     _ => Reply::Refused,
                 };
             };
@@ -538,7 +480,7 @@ impl Allocator {
                     node.window = plan.window;
                     node.revision = revision;
                 }
-                return Reply::Grant(GrantAnswerKey(answer));
+                return Reply::Grant(answer);
             }
             if deposed {
                 return Reply::NotLeader;
@@ -774,7 +716,7 @@ impl LeaseModel {
                     return;
                 };
                 let answer = match &reply {
-                    Reply::Grant(GrantAnswerKey(answer)) => {
+                    Reply::Grant(answer) => {
                         RenewalAnswer::Granted(self.lease_grant(answer, call.asked_at_ms, now_ms))
                     }
                     Reply::Refused => RenewalAnswer::Refused,
@@ -873,9 +815,9 @@ impl Model for LeaseModel {
     }
 
     fn actions(&self, state: &ModelState, actions: &mut Vec<Action>) {
-        let broken = self.properties().iter().any(|p| {
-            p.expectation == stateright::Expectation::Always && !(p.condition)(self, state)
-        });
+        let broken = SAFETY
+            .iter()
+            .any(|&(name, breach)| self.checks(name) && !self.keeps(breach, state));
         if broken {
             // A breach of a checked property ends the behaviour: its trace is the shortest one
             // that shows it, and the states past it are not worth exploring.
@@ -964,35 +906,21 @@ impl Model for LeaseModel {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        let mut properties = self.all_properties();
-        if let Some(only) = self.only {
-            properties.retain(|p| p.name == only);
-        }
-        properties
-    }
-}
-
-impl LeaseModel {
-    fn all_properties(&self) -> Vec<Property<Self>> {
-        vec![
-            Property::always(WITHIN_BOUND, |model: &Self, state: &ModelState| {
-                !state.breached(Breach::OverBound)
-                    && state.admitted.values().all(|&a| a <= model.bound_tokens)
+        let always = |name, keeps: fn(&Self, &ModelState) -> bool| Property::always(name, keeps);
+        let mut properties = vec![
+            always(WITHIN_BOUND, |m, s| m.keeps(Breach::OverBound, s)),
+            always(SPENT_IN_LEASE_LIFE, |m, s| {
+                m.keeps(Breach::SpentPastLeaseEnd, s)
             }),
-            Property::always(SPENT_IN_LEASE_LIFE, |_: &Self, state: &ModelState| {
-                !state.breached(Breach::SpentPastLeaseEnd)
+            always(SPENT_IN_WINDOW, |m, s| {
+                m.keeps(Breach::SpentOutsideWindow, s)
             }),
-            Property::always(SPENT_IN_WINDOW, |_: &Self, state: &ModelState| {
-                !state.breached(Breach::SpentOutsideWindow)
+            always(NO_STALE_EPOCH, |m, s| m.keeps(Breach::StaleEpochHeld, s)),
+            always(DENIAL_DEBITS_NOTHING, |m, s| {
+                m.keeps(Breach::DenialDebited, s)
             }),
-            Property::always(NO_STALE_EPOCH, |_: &Self, state: &ModelState| {
-                !state.breached(Breach::StaleEpochHeld)
-            }),
-            Property::always(DENIAL_DEBITS_NOTHING, |_: &Self, state: &ModelState| {
-                !state.breached(Breach::DenialDebited)
-            }),
-            Property::always(RESUMES_AFTER_HEAL, |_: &Self, state: &ModelState| {
-                !state.breached(Breach::RenewalUnansweredAfterHeal)
+            always(RESUMES_AFTER_HEAL, |m, s| {
+                m.keeps(Breach::RenewalUnansweredAfterHeal, s)
             }),
             Property::sometimes(REACHES_LIMIT, |model: &Self, state: &ModelState| {
                 state
@@ -1015,9 +943,36 @@ impl LeaseModel {
                         .any(|f| f.admitted_tokens > 0)
                 })
             }),
-        ]
+        ];
+        properties.retain(|p| self.checks(p.name));
+        properties
     }
 }
+
+impl LeaseModel {
+    /// Whether `state` keeps the property `breach` would break.
+    fn keeps(&self, breach: Breach, state: &ModelState) -> bool {
+        !state.breached(breach)
+            && (breach != Breach::OverBound
+                || state.admitted.values().all(|&a| a <= self.bound_tokens))
+    }
+
+    /// Whether the property `name` is checked: all are, unless the model is
+    /// [`checking_only`](Self::checking_only) one.
+    fn checks(&self, name: &str) -> bool {
+        self.only.is_none_or(|only| only == name)
+    }
+}
+
+/// The safety properties, each with the breach that breaks it.
+pub const SAFETY: [(&str, Breach); 6] = [
+    (WITHIN_BOUND, Breach::OverBound),
+    (SPENT_IN_LEASE_LIFE, Breach::SpentPastLeaseEnd),
+    (SPENT_IN_WINDOW, Breach::SpentOutsideWindow),
+    (NO_STALE_EPOCH, Breach::StaleEpochHeld),
+    (DENIAL_DEBITS_NOTHING, Breach::DenialDebited),
+    (RESUMES_AFTER_HEAL, Breach::RenewalUnansweredAfterHeal),
+];
 
 /// Per window, admitted tokens stay within the overshoot bound.
 pub const WITHIN_BOUND: &str = "admitted within the bound";
