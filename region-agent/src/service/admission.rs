@@ -139,8 +139,8 @@ pub(super) struct SlotsHeld<'c> {
 /// mid-decision must not leave tokens reserved).
 #[derive(Default)]
 pub(super) struct GlobalHold {
-    /// (the pool's slot, the reservation, the rule it is for, the pool).
-    held: Vec<(Arc<PoolSlot>, Reservation, RuleId, PoolId)>,
+    /// (the pool's slot, the reservation, the rule it is for).
+    held: Vec<(Arc<PoolSlot>, Reservation, RuleId)>,
     /// A dry run's: a rule would have been admitted from a fallback allowance not yet claimed.
     would_claim_fallback: bool,
 }
@@ -148,17 +148,17 @@ pub(super) struct GlobalHold {
 impl GlobalHold {
     /// Whether any reservation came (or, for a dry run, would come) from a fallback allowance.
     fn uses_fallback(&self) -> bool {
-        self.would_claim_fallback || self.held.iter().any(|(_, r, _, _)| r.is_fallback())
+        self.would_claim_fallback || self.held.iter().any(|(_, r, _)| r.is_fallback())
     }
 
     /// Spends every reservation. Returns whether any came from a fallback allowance.
     fn commit(mut self, tenant: &TenantId) -> bool {
         let mut fallback = false;
-        for (slot, reservation, _, pool) in self.held.drain(..) {
+        for (slot, reservation, _) in self.held.drain(..) {
             if reservation.is_fallback() {
                 fallback = true;
                 metrics::counter!(crate::metrics::FALLBACK_ADMITS,
-                    "tenant" => tenant.to_string(), "pool" => pool.to_string())
+                    "tenant" => tenant.to_string(), "pool" => slot.pool.to_string())
                 .increment(1);
             }
             lock(&slot.holder).commit(reservation);
@@ -169,7 +169,7 @@ impl GlobalHold {
 
 impl Drop for GlobalHold {
     fn drop(&mut self) {
-        for (slot, reservation, _, _) in self.held.drain(..) {
+        for (slot, reservation, _) in self.held.drain(..) {
             lock(&slot.holder).cancel(reservation);
         }
     }
@@ -543,12 +543,9 @@ impl Agent {
                 let cost_tokens = global_cost_tokens(rule, request);
                 match self.try_reserve(tenant, pool, slot, cost_tokens, request.dry_run) {
                     Attempt::Reserved(reservation) => {
-                        holds[*index].held.push((
-                            slot.clone(),
-                            reservation,
-                            rule.id.clone(),
-                            (*pool).clone(),
-                        ));
+                        holds[*index]
+                            .held
+                            .push((slot.clone(), reservation, rule.id.clone()));
                     }
                     Attempt::Evicted => {
                         wait = Some((at, Wait::Lookup));
@@ -914,7 +911,7 @@ impl Agent {
     pub(super) fn with_pool_figures(&self, mut decision: Decision, hold: &GlobalHold) -> Decision {
         let now_ms = self.clock.now_ms();
         let mut most_constraining: Option<(&RuleId, u64, u64)> = None;
-        for (slot, _, rule_id, _) in &hold.held {
+        for (slot, _, rule_id) in &hold.held {
             let figures = super::quota::pool_figures(slot, now_ms);
             let remaining_tokens = figures
                 .remaining_tokens

@@ -136,6 +136,7 @@ impl Agent {
             let key = (saved.tenant.clone(), saved.pool.clone());
             pools.get_or_insert_with(key, || {
                 Arc::new(PoolSlot::new(
+                    saved.pool.clone(),
                     config,
                     saved.terms.clone(),
                     saved.terms_fetched_at_ms,

@@ -31,6 +31,8 @@ pub const MAX_TERMS_REFRESH_PER_ROUND: usize = 64;
 pub const POOL_IDLE_MS: u64 = 600_000;
 
 pub(super) struct PoolSlot {
+    /// The pool (its tenant is the map's key): named in metrics without a copy per request.
+    pub(super) pool: PoolId,
     pub(super) holder: Mutex<PoolHolder>,
     /// `G` of the terms in force, tokens (read on every global denial).
     pub(super) limit: AtomicU64,
@@ -160,8 +162,14 @@ impl PoolSlot {
         lock(&self.holder).config().window.containing(now_ms)
     }
 
-    pub(super) fn new(config: HolderConfig, terms: PoolTerms, fetched_at_ms: u64) -> Self {
+    pub(super) fn new(
+        pool: PoolId,
+        config: HolderConfig,
+        terms: PoolTerms,
+        fetched_at_ms: u64,
+    ) -> Self {
         Self {
+            pool,
             holder: Mutex::new(PoolHolder::new(config)),
             limit: AtomicU64::new(terms.limit_tokens),
             terms: Mutex::new((terms, fetched_at_ms)),
@@ -335,7 +343,7 @@ impl Agent {
                         let mut pools = lock(&self.pools);
                         if pools.len() < MAX_POOLS {
                             pools.get_or_insert_with(key.clone(), || {
-                                let slot = PoolSlot::new(config, terms, now_ms);
+                                let slot = PoolSlot::new(key.1.clone(), config, terms, now_ms);
                                 if let Some(f) = fallback_in_window {
                                     lock(&slot.holder)
                                         .seed_fallback(f.window_start_ms, f.admitted_tokens);
