@@ -106,6 +106,21 @@ pub struct CommittedGrants {
     pub records: Vec<GrantRecord>,
 }
 
+/// The leader lease the allocator runs with unless told otherwise (`--leader-lease-ttl-s`), ms.
+pub const DEFAULT_LEADER_LEASE_TTL_MS: u64 = 5_000;
+
+/// Least time a grant record stays in the store after its commit, for an election whose leader
+/// lease lasts `leader_lease_ttl_ms`: two ledger rounds plus an election. The ledger copies grants
+/// from the store at least once a round and at once when a node takes the lead, so a grant whose
+/// leader died before feeding it to the ledger is still in the store when the next leader looks.
+pub fn record_min_lifetime_ms(leader_lease_ttl_ms: u64) -> u64 {
+    let round_ms = u64::try_from(crate::ledger_sync::LEDGER_RECONCILE_INTERVAL.as_millis())
+        .unwrap_or(u64::MAX);
+    round_ms
+        .saturating_mul(2)
+        .saturating_add(leader_lease_ttl_ms)
+}
+
 struct Shared {
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
@@ -119,6 +134,8 @@ struct Shared {
     commit_feed: Option<mpsc::Sender<CommittedGrants>>,
     /// Most grants per transaction (1 disables group commit; benchmarks compare both).
     max_batch: usize,
+    /// Least time a grant record stays in the store after its commit, ms.
+    record_min_lifetime_ms: u64,
     /// The committer that merges concurrent pool commits into shared transactions.
     commits: mpsc::Sender<CommitJob>,
 }
@@ -251,6 +268,7 @@ impl Grantor {
                 record_leases: Mutex::new(HashMap::new()),
                 commit_feed,
                 max_batch: MAX_BATCH,
+                record_min_lifetime_ms: record_min_lifetime_ms(DEFAULT_LEADER_LEASE_TTL_MS),
                 commits,
             }),
         }
@@ -261,6 +279,16 @@ impl Grantor {
     pub fn with_max_batch(mut self, max_batch: usize) -> Self {
         if let Some(shared) = Arc::get_mut(&mut self.shared) {
             shared.max_batch = max_batch.clamp(1, MAX_BATCH);
+        }
+        self
+    }
+
+    /// The same grantor for an election whose leader lease lasts `leader_lease_ttl_ms`: grant
+    /// records then outlive their commit by [`record_min_lifetime_ms`] of it. Call before the
+    /// first grant.
+    pub fn with_leader_lease_ttl_ms(mut self, leader_lease_ttl_ms: u64) -> Self {
+        if let Some(shared) = Arc::get_mut(&mut self.shared) {
+            shared.record_min_lifetime_ms = record_min_lifetime_ms(leader_lease_ttl_ms);
         }
         self
     }
@@ -685,7 +713,14 @@ impl PoolWorker {
         {
             return Ok(lease);
         }
-        let ttl_ms = window.window.end_ms.saturating_sub(now_ms) + window.window.length_ms();
+        // Every grant of the window is committed by its end, and its record must outlive the
+        // commit by a window (retries are answered from it) and by the least lifetime (some
+        // leader's ledger round copies it).
+        let after_end_ms = window
+            .window
+            .length_ms()
+            .max(self.shared.record_min_lifetime_ms);
+        let ttl_ms = window.window.end_ms.saturating_sub(now_ms) + after_end_ms;
         let ttl_s = i64::try_from(ttl_ms.div_ceil(1_000)).unwrap_or(i64::MAX);
         let lease = self.shared.kv.grant_lease(ttl_s).await?;
         let mut leases = self

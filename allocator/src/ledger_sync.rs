@@ -20,18 +20,22 @@ pub const LEDGER_FEED_BATCHES: usize = 1_024;
 /// How often every pool's grant records in the store are reconciled into the ledger.
 pub const LEDGER_RECONCILE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Copies committed grants into the ledger, and periodically reconciles the ledger with the store
-/// so that a grant the feed dropped (full, or the database was down) still arrives.
-pub(crate) async fn feed_ledger(
+/// Copies committed grants into the ledger, and reconciles the ledger with the store every
+/// [`LEDGER_RECONCILE_INTERVAL`] and at once when this node takes the lead, so that a grant the
+/// feed dropped (full, the database down, or a leader killed with grants still in its feed) still
+/// arrives. Grant records outlive their commit by [`crate::grants::record_min_lifetime_ms`]: longer
+/// than a round's period plus an election, so some leader's round always sees each one.
+pub async fn feed_ledger(
     ledger: Ledger,
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
-    role: watch::Receiver<Role>,
+    mut role: watch::Receiver<Role>,
     mut feed: tokio::sync::mpsc::Receiver<CommittedGrants>,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
     let mut reconcile = tokio::time::interval(LEDGER_RECONCILE_INTERVAL);
+    let (mut leading, mut election_over) = (false, false);
     loop {
         tokio::select! {
             () = &mut shutdown => return,
@@ -44,30 +48,49 @@ pub(crate) async fn feed_ledger(
                     tracing::warn!(%error, "could not copy grants to the ledger; reconciliation will");
                 }
             }
+            changed = role.changed(), if !election_over => {
+                if changed.is_err() {
+                    // The election ended (shutdown): only the feed is left to drain.
+                    election_over = true;
+                    continue;
+                }
+                let now_leading = matches!(*role.borrow_and_update(), Role::Leader(_));
+                let took_lead = now_leading && !leading;
+                leading = now_leading;
+                if took_lead {
+                    // The last leader may have died with grants in its feed: copy them while
+                    // their records are still in the store.
+                    ledger_round(&ledger, &*kv, &*clock).await;
+                    reconcile.reset();
+                }
+            }
             _ = reconcile.tick() => {
                 // The leader's ledger is the one reports reach; a follower would re-read every
                 // pool's grants for nothing.
-                if !matches!(*role.borrow(), Role::Leader(_)) {
-                    continue;
-                }
-                // One listing of the pools serves both passes.
-                let pools = match list_pools(&*kv).await {
-                    Ok(pools) => pools,
-                    Err(error) => {
-                        tracing::warn!(%error, "ledger round skipped: pools not listed");
-                        continue;
-                    }
-                };
-                if let Err(error) = reconcile_grants(&ledger, &*kv, &pools).await {
-                    tracing::warn!(%error, "ledger reconciliation failed");
-                }
-                if let Err(error) =
-                    publish_ledger_gauges(&ledger, &*kv, &pools, clock.now_ms()).await
-                {
-                    tracing::warn!(%error, "ledger gauges not updated");
+                leading = matches!(*role.borrow(), Role::Leader(_));
+                if leading {
+                    ledger_round(&ledger, &*kv, &*clock).await;
                 }
             }
         }
+    }
+}
+
+/// One leader's round: copy the grants the ledger lacks, publish gauges, check settled windows.
+async fn ledger_round(ledger: &Ledger, kv: &dyn Kv, clock: &dyn Clock) {
+    // One listing of the pools serves both passes.
+    let pools = match list_pools(kv).await {
+        Ok(pools) => pools,
+        Err(error) => {
+            tracing::warn!(%error, "ledger round skipped: pools not listed");
+            return;
+        }
+    };
+    if let Err(error) = reconcile_grants(ledger, kv, &pools).await {
+        tracing::warn!(%error, "ledger reconciliation failed");
+    }
+    if let Err(error) = publish_ledger_gauges(ledger, kv, &pools, clock.now_ms()).await {
+        tracing::warn!(%error, "ledger gauges not updated");
     }
 }
 

@@ -264,7 +264,8 @@ pub async fn run(
         role.clone(),
         LeaseClamping::Clamped,
         Some(feed_sender),
-    );
+    )
+    .with_leader_lease_ttl_ms(u64::try_from(settings.leader_lease_ttl_s).unwrap_or(0) * 1_000);
     let tokens = Arc::new(TokenBook::from_files(&settings.tokens).map_err(std::io::Error::other)?);
     if tokens.unscoped_agent_tokens > 0 {
         tracing::warn!(

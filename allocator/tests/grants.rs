@@ -381,3 +381,130 @@ on_both_stores!(
     memory_a_deposed_leader_cannot_grant,
     etcd_a_deposed_leader_cannot_grant
 );
+
+/// A grant record outlives its window by two ledger rounds and an election, however short the
+/// window: a leader killed before it fed a grant to the ledger leaves it in the store for the next
+/// leader's round, which copies it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_record_outlives_a_short_window_until_a_ledger_round_has_seen_it() {
+    let clock = Arc::new(ManualClock::new(T0_MS));
+    let kv: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
+    let mut one_second = spec(1_000, 100);
+    one_second.window_ms = 1_000;
+    one_second.lease_ttl_ms = 1_000;
+    put_pool(&*kv, &tenant(), &pool(), one_second, T0_MS)
+        .await
+        .expect("pool configured");
+    let leadership = try_acquire(&*kv, "node-a", "http://a", 30)
+        .await
+        .expect("store")
+        .expect("the first node leads");
+    let (_role_sender, role) = watch::channel(Role::Leader(leadership));
+    let leader_lease_ttl_ms = 5_000;
+    let grantor = Grantor::new(
+        kv.clone(),
+        clock.clone(),
+        role,
+        LeaseClamping::Clamped,
+        None,
+    )
+    .with_leader_lease_ttl_ms(leader_lease_ttl_ms);
+    grantor
+        .grant(&tenant(), &pool(), request(1, "eu", 100))
+        .await
+        .expect("granted");
+    let lifetime_ms = allot_allocator::grants::record_min_lifetime_ms(leader_lease_ttl_ms);
+    assert!(
+        lifetime_ms
+            > 2 * u64::try_from(
+                allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL.as_millis()
+            )
+            .expect("ms"),
+        "longer than two rounds"
+    );
+    // Two windows on (where a window's records used to end), and just short of the lifetime.
+    for at_ms in [T0_MS + 2_001, T0_MS + lifetime_ms - 1] {
+        clock.set(at_ms);
+        assert!(
+            get_grant(&*kv, &tenant(), &pool(), &lease(1))
+                .await
+                .expect("store")
+                .is_some(),
+            "the record is still in the store {} ms after its commit",
+            at_ms - T0_MS
+        );
+    }
+    // Records do go: one window past the lifetime after the window's end.
+    clock.set(T0_MS + 1_000 + lifetime_ms + 1_000);
+    assert!(
+        list_grants(&*kv, &tenant(), &pool())
+            .await
+            .expect("store")
+            .is_empty(),
+        "the record expired after its lifetime"
+    );
+}
+
+/// A node that takes the lead copies into the ledger at once what the last leader committed but
+/// never fed it, not a reconciliation period later (by then a short window's records could be gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_copies_unfed_grants_into_the_ledger_at_once() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ledger = allot_allocator::ledger::Ledger::connect(&format!(
+        "sqlite://{}",
+        dir.path().join("ledger.db").display()
+    ))
+    .await
+    .expect("ledger");
+    let kv = memory();
+    configure(&*kv, 1_000, 100).await;
+    // The old leader commits a grant and dies before its feed reached the ledger (no feed here).
+    let (grantor, clock, leadership) = leader(kv.clone()).await;
+    grantor
+        .grant(&tenant(), &pool(), request(1, "eu", 100))
+        .await
+        .expect("granted");
+    // This node's sync starts as a follower, then takes the lead.
+    let (role_sender, role) = watch::channel(Role::Follower(None));
+    let (_feed_sender, feed) = tokio::sync::mpsc::channel(1);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let sync = tokio::spawn(allot_allocator::ledger_sync::feed_ledger(
+        ledger.clone(),
+        kv.clone(),
+        clock.clone(),
+        role,
+        feed,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let config = spec(1_000, 100).validate().expect("valid");
+    let granted = async || {
+        ledger
+            .windows(&tenant(), &pool(), &config, 1, T0_MS)
+            .await
+            .expect("ledger")
+            .first()
+            .map_or(0, |w| w.granted_tokens)
+    };
+    // A follower's first round copies nothing.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(granted().await, 0, "a follower does not copy grants");
+    role_sender
+        .send(Role::Leader(leadership))
+        .expect("the sync listens");
+    let mut copied = 0;
+    for _ in 0..50 {
+        copied = granted().await;
+        if copied > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        copied, 100,
+        "the new leader's first round copied the grant within 5 s (a round is every 30 s)"
+    );
+    let _ = stop.send(());
+    sync.await.expect("the sync stops");
+}
