@@ -52,6 +52,10 @@ pub const BOUND_VIOLATIONS: &str = "allot_bound_violations_total";
 pub const BOUND_VIOLATIONS_RECORDED: &str = "allot_bound_violations_recorded";
 /// Tokens admitted beyond G in that window, by `tenant` and `pool`.
 pub const WINDOW_OVERSHOOT: &str = "allot_pool_window_overshoot_tokens";
+/// Agent runs that started after a run of the same agent that did not end cleanly (a crash, or a
+/// stop with fallback admits unreported), by `region`: each counts its start window's fallback
+/// allowance as used.
+pub const AGENT_UNCLEAN_RESTARTS: &str = "allot_agent_unclean_restarts_total";
 
 /// The process-wide Prometheus recorder (installed on first use, `allot_net::metrics`) and its
 /// handle for `/metrics`: the grant batch and pools-per-transaction sizes count items.

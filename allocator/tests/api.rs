@@ -860,3 +860,92 @@ async fn calendar_pools_grant_within_the_local_month() {
         "nothing was written"
     );
 }
+
+/// Agent sessions over HTTP: a run starts (the region's first agent is clean), a crash leaves the
+/// next run unclean, a clean end makes the next one clean; only agents of the region may speak for
+/// it, and a bad body is a 400 naming the field.
+#[tokio::test]
+async fn agent_sessions_say_how_the_last_run_ended() {
+    let server = start().await;
+    let call = async |path: &'static str, token: &'static str, body: Value| {
+        let response = server
+            .client
+            .post(format!("{}{path}", server.url))
+            .bearer_auth(token)
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        let status = response.status().as_u16();
+        if status != 200 {
+            assert_eq!(
+                response.headers()["content-type"],
+                "application/problem+json",
+                "errors are problem+json"
+            );
+        }
+        Answered {
+            status,
+            body: response.json().await.unwrap_or(Value::Null),
+            location: None,
+        }
+    };
+    let run = |n: u128| {
+        json!({ "region": "eu", "agentId": "eu-9700",
+                "incarnation": allot_shared::ids::AgentIncarnation::from_parts(1, n) })
+    };
+    let first = call("/v1/agent-sessions", AGENT, run(1)).await;
+    assert_eq!(first.status, 200, "{:?}", first.body);
+    assert_eq!(
+        first.body["predecessorEndedCleanly"], true,
+        "the first agent"
+    );
+    assert!(first.body["startedAtMs"].as_u64().is_some());
+    let crashed = call("/v1/agent-sessions", AGENT, run(2)).await;
+    assert_eq!(
+        crashed.body["predecessorEndedCleanly"], false,
+        "run 1 never ended"
+    );
+    let ended = call("/v1/agent-sessions/end", AGENT, run(2)).await;
+    assert_eq!(
+        (ended.status, ended.body["ended"].clone()),
+        (200, json!(true))
+    );
+    let clean = call("/v1/agent-sessions", AGENT, run(3)).await;
+    assert_eq!(clean.body["predecessorEndedCleanly"], true, "run 2 ended");
+
+    // An agent token scoped to eu may not speak for us.
+    let us = json!({ "region": "us", "agentId": "us-1",
+                     "incarnation": allot_shared::ids::AgentIncarnation::from_parts(1, 9) });
+    let refused = call("/v1/agent-sessions", common::AGENT_EU, us).await;
+    assert_eq!(refused.status, 403, "{:?}", refused.body);
+    assert_eq!(refused.body["field"], "region");
+    // Operators are not agents.
+    assert_eq!(
+        call("/v1/agent-sessions", OPERATOR, run(4)).await.status,
+        403
+    );
+    for (body, field) in [
+        (
+            json!({ "region": "eu", "agentId": "eu 1", "incarnation": allot_shared::ids::AgentIncarnation::from_parts(1, 5) }),
+            "agentId",
+        ),
+        (
+            json!({ "region": "eu", "agentId": "eu-1", "incarnation": "9f3a61c2-e07b-4d18-8a2b-0c1d2e3f4a5b" }),
+            "incarnation",
+        ),
+        (json!({ "region": "eu", "agentId": "eu-1" }), "incarnation"),
+        (
+            json!({ "region": "eu", "agentId": "eu-1", "incarnation": allot_shared::ids::AgentIncarnation::from_parts(1, 5), "extra": 1 }),
+            "extra",
+        ),
+    ] {
+        let bad = call("/v1/agent-sessions", AGENT, body.clone()).await;
+        assert_eq!(bad.status, 400, "{body}: {:?}", bad.body);
+        assert!(
+            bad.body.to_string().contains(field),
+            "{body}: the problem names {field}: {:?}",
+            bad.body
+        );
+    }
+}

@@ -485,3 +485,87 @@ async fn migrations_are_idempotent_and_urls_are_checked() {
         Err(LedgerError::UnsupportedUrl(_))
     ));
 }
+
+/// Agent sessions: the first agent of a region starts clean; a run that never ended makes the next
+/// run of its agent id unclean; a clean end makes it clean; a retried start gets its first answer;
+/// an end by a run that is no longer the latest changes nothing; a new agent id in a region that
+/// had agents starts unclean (its history is unknown).
+async fn agent_sessions(ledger: Ledger) {
+    use allot_shared::ids::{AgentId, AgentIncarnation};
+    use allot_shared::wire::AgentSession;
+    let session = |region_name: &str, agent: &str, run: u128| AgentSession {
+        region: region(region_name),
+        agent_id: AgentId::parse(agent).expect("agent id"),
+        incarnation: AgentIncarnation::from_parts(W0, run),
+    };
+    let start = async |s: &AgentSession, at_ms: u64| {
+        ledger.start_agent_session(s, at_ms).await.expect("started")
+    };
+    let first = start(&session("eu", "eu-1", 1), W0).await;
+    assert!(first.predecessor_ended_cleanly, "the region's first agent");
+    assert_eq!(first.started_at_ms, W0);
+    let retried = start(&session("eu", "eu-1", 1), W0 + 500).await;
+    assert_eq!(retried, first, "a retried start gets its first answer");
+    // The first run crashes: the second learns it.
+    let second = start(&session("eu", "eu-1", 2), W0 + 1_000).await;
+    assert!(
+        !second.predecessor_ended_cleanly,
+        "the run before never ended"
+    );
+    assert_eq!(
+        start(&session("eu", "eu-1", 2), W0 + 1_500).await,
+        second,
+        "the verdict is kept for its run"
+    );
+    assert!(
+        !ledger
+            .end_agent_session(&session("eu", "eu-1", 1), W0 + 2_000)
+            .await
+            .expect("end"),
+        "a run that is no longer the latest cannot end the agent's session"
+    );
+    assert!(
+        ledger
+            .end_agent_session(&session("eu", "eu-1", 2), W0 + 2_000)
+            .await
+            .expect("end"),
+        "the latest run ends"
+    );
+    let third = start(&session("eu", "eu-1", 3), W0 + 3_000).await;
+    assert!(
+        third.predecessor_ended_cleanly,
+        "the run before ended cleanly"
+    );
+    // Another agent id in a region that already had agents: nobody knows how its last run ended.
+    let renamed = start(&session("eu", "eu-7", 1), W0 + 3_000).await;
+    assert!(
+        !renamed.predecessor_ended_cleanly,
+        "an unknown history is unclean"
+    );
+    // Regions are apart: the first agent of another region starts clean.
+    assert!(
+        start(&session("us", "us-1", 1), W0)
+            .await
+            .predecessor_ended_cleanly
+    );
+    assert!(
+        !ledger
+            .end_agent_session(&session("ap", "ap-1", 1), W0)
+            .await
+            .expect("end"),
+        "a run never started does not end"
+    );
+}
+
+#[tokio::test]
+async fn sqlite_agent_sessions() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    agent_sessions(ledger).await;
+}
+
+#[tokio::test]
+async fn postgres_agent_sessions() {
+    let (_database, url) = PostgresDatabase::create().await;
+    let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+    agent_sessions(ledger).await;
+}

@@ -237,6 +237,12 @@ uuid_v7_id!(
     "lease id"
 );
 uuid_v7_id!(
+    /// One run of an agent process, minted when it starts: the allocator tells one run of an
+    /// agent from the next by it (a crash leaves a run that never said it ended).
+    AgentIncarnation,
+    "agent incarnation"
+);
+uuid_v7_id!(
     /// The id of a record that is not a lease: a report (its idempotency key), a pool change, an
     /// audit entry. A UUID v7, so records sort by when they were made.
     RecordId,

@@ -7,6 +7,8 @@
 //! | `POST /v1/grants` | [`GrantBody`] | [`GrantAnswer`] |
 //! | `POST /v1/reports` | [`Report`] ([`ReportLease`] lines) | [`ReportReceipt`] |
 //! | `POST /v1/policies/status` | [`AgentStatus`] | 204 |
+//! | `POST /v1/agent-sessions` | [`AgentSession`] | [`AgentSessionStarted`] |
+//! | `POST /v1/agent-sessions/end` | [`AgentSession`] | [`AgentSessionEnded`] |
 //! | `GET /v1/policies/current?region=` | | the bundle's wire form (`policy::PolicyBundle::to_json`) |
 //!
 //! Requests are parsed strictly by the allocator (`deny_unknown_fields`: a misspelt field is a 400
@@ -16,7 +18,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{AgentId, Epoch, LeaseId, PoolId, RegionId, TenantId};
+use crate::ids::{AgentId, AgentIncarnation, Epoch, LeaseId, PoolId, RegionId, TenantId};
 
 /// Calendar windows as pool specs and terms write them: `{"calendar": "month", "timeZone":
 /// "Europe/Berlin"}` (`calendar`: `day`, `week` or `month`; an IANA time zone name).
@@ -95,7 +97,7 @@ pub struct PoolTerms {
 }
 
 /// A region's fallback admits in one window, as the allocator's ledger holds them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct FallbackInWindow {
     /// The window's start, epoch ms.
@@ -273,4 +275,39 @@ pub struct AgentStatus {
     /// pepper). Agents of one region must agree on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pepper_fingerprint: Option<String>,
+}
+
+/// One run of an agent (`POST /v1/agent-sessions` when it first reaches the allocator, and
+/// `POST /v1/agent-sessions/end` when it stops with every fallback admit reported).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentSession {
+    /// The agent's region.
+    pub region: RegionId,
+    /// The agent's id: the same across its restarts, distinct among its region's agents.
+    pub agent_id: AgentId,
+    /// This run of it.
+    pub incarnation: AgentIncarnation,
+}
+
+/// `POST /v1/agent-sessions` answer: how the agent's previous run ended. The same for every retry
+/// of one run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentSessionStarted {
+    /// Whether the previous run of this agent id ended with every fallback admit reported (or no
+    /// agent of the region ever ran before). When false, that run may have admitted fallback the
+    /// ledger never saw, up to its allowance, in the window this run starts in.
+    pub predecessor_ended_cleanly: bool,
+    /// When the allocator first heard of this run, epoch ms.
+    pub started_at_ms: u64,
+}
+
+/// `POST /v1/agent-sessions/end` answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentSessionEnded {
+    /// Whether this run is recorded as ended cleanly (false: a later run of the agent id started
+    /// meanwhile, or this one was never started).
+    pub ended: bool,
 }

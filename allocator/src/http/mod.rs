@@ -8,11 +8,12 @@
 //! Every change runs to completion and is written to the ledger's audit log with its actor and
 //! version. Every request is bounded: body size, time and concurrency (I10).
 //!
-//! A file per resource: `pools`, `regions`, `grants` (and reports), `policies`, `tokens`, `ops` (audit,
+//! A file per resource: `pools`, `regions`, `grants` (and reports), `agent_sessions`, `policies`, `tokens`, `ops` (audit,
 //! metrics, health); beside them `access` (who may call what), `changes` (running and auditing a
 //! change), `errors` and `io` (bodies, paths, answers).
 
 mod access;
+mod agent_sessions;
 mod changes;
 mod errors;
 mod grants;
@@ -105,6 +106,14 @@ pub fn routes(state: ApiState) -> Router {
         .route("/v1/regions", get(regions::list_regions))
         .route("/v1/grants", post(grants::post_grant))
         .route("/v1/reports", post(grants::post_report))
+        .route(
+            "/v1/agent-sessions",
+            post(agent_sessions::post_session_start),
+        )
+        .route(
+            "/v1/agent-sessions/end",
+            post(agent_sessions::post_session_end),
+        )
         .route("/v1/policies", axum::routing::put(policies::put_policy))
         .route("/v1/policies/current", get(policies::get_current_policy))
         .route(

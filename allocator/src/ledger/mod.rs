@@ -34,6 +34,7 @@ macro_rules! on_db {
 }
 
 pub mod accounting;
+pub mod agent_sessions;
 pub mod audit;
 pub mod bound_checks;
 pub mod regions;

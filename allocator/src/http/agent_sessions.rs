@@ -1,0 +1,55 @@
+//! Agent sessions: an agent says when one of its runs starts (and learns how the run before it
+//! ended) and when it ends cleanly, with every fallback admit reported. See
+//! [`crate::ledger::agent_sessions`].
+
+use allot_shared::wire::{AgentSession, AgentSessionEnded};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+
+use super::ApiState;
+use super::access::{Needs, authorize, check_region};
+use super::errors::ApiError;
+use super::io::{json_response, parse_json};
+
+/// `POST /v1/agent-sessions`: a run starts; answers `AgentSessionStarted`.
+pub async fn post_session_start(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Agent)?;
+    let session: AgentSession = parse_json(&headers, &body)?;
+    check_region(&credential, &session.region)?;
+    let started = state
+        .ledger
+        .start_agent_session(&session, state.clock.now_ms())
+        .await?;
+    if !started.predecessor_ended_cleanly {
+        tracing::info!(region = %session.region, agent = %session.agent_id,
+            "an agent's previous run did not end cleanly: its fallback allowance of this window \
+             counts as used");
+        metrics::counter!(crate::metrics::AGENT_UNCLEAN_RESTARTS,
+            "region" => session.region.to_string())
+        .increment(1);
+    }
+    Ok(json_response(StatusCode::OK, &started))
+}
+
+/// `POST /v1/agent-sessions/end`: a run ends with every fallback admit reported; answers
+/// `AgentSessionEnded`.
+pub async fn post_session_end(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Agent)?;
+    let session: AgentSession = parse_json(&headers, &body)?;
+    check_region(&credential, &session.region)?;
+    let ended = state
+        .ledger
+        .end_agent_session(&session, state.clock.now_ms())
+        .await?;
+    Ok(json_response(StatusCode::OK, &AgentSessionEnded { ended }))
+}

@@ -1,0 +1,126 @@
+//! Agent sessions: each agent's latest run and whether the run before it ended cleanly. An agent
+//! without a state directory forgets, when it crashes, the fallback it admitted but had not yet
+//! reported; its next run asks here whether that can have happened, and if so counts its
+//! allowance of the window it starts in as used. One row per (region, agent id); the verdict a run
+//! receives is stored with it, so a retried start gets the same answer.
+
+use allot_shared::ids::{AgentId, AgentIncarnation, RegionId};
+use allot_shared::wire::{AgentSession, AgentSessionStarted};
+
+use super::{Database, Ledger, LedgerError, i64_of, u64_of};
+
+/// Records `session` as its agent's latest run (at `now_ms`, its first start) and answers how the
+/// run before it ended. Postgres numbering; SQLite takes the same numbers as `?N`.
+const START_SQL: &str = "\
+INSERT INTO agent_sessions (region, agent_id, incarnation, started_at_ms, ended_at_ms, predecessor_ended)
+VALUES ($1, $2, $3, $4, NULL,
+        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $5) THEN 0 ELSE 1 END)
+ON CONFLICT (region, agent_id) DO UPDATE SET
+    predecessor_ended = CASE
+        WHEN agent_sessions.incarnation = excluded.incarnation THEN agent_sessions.predecessor_ended
+        WHEN agent_sessions.ended_at_ms IS NULL THEN 0
+        ELSE 1 END,
+    started_at_ms = CASE
+        WHEN agent_sessions.incarnation = excluded.incarnation THEN agent_sessions.started_at_ms
+        ELSE excluded.started_at_ms END,
+    ended_at_ms = CASE
+        WHEN agent_sessions.incarnation = excluded.incarnation THEN agent_sessions.ended_at_ms
+        ELSE NULL END,
+    incarnation = excluded.incarnation
+RETURNING predecessor_ended, started_at_ms";
+
+/// Marks the run ended, if it is still its agent's latest.
+const END_SQL: &str = "\
+UPDATE agent_sessions SET ended_at_ms = $1
+WHERE region = $2 AND agent_id = $3 AND incarnation = $4";
+
+#[derive(sqlx::FromRow)]
+struct Started {
+    predecessor_ended: i64,
+    started_at_ms: i64,
+}
+
+/// `sql` with Postgres's `$N` placeholders as SQLite's `?N`.
+fn for_sqlite(sql: &str) -> String {
+    sql.replace('$', "?")
+}
+
+impl Ledger {
+    /// Starts `session` at `now_ms` (idempotent for one incarnation) and says how the agent's run
+    /// before it ended: cleanly when it said so, or when no agent of the region ever ran.
+    pub async fn start_agent_session(
+        &self,
+        session: &AgentSession,
+        now_ms: u64,
+    ) -> Result<AgentSessionStarted, LedgerError> {
+        let (region, agent, incarnation) = texts(session);
+        let started: Started = match &self.database {
+            Database::Sqlite(pool) => {
+                sqlx::query_as(&for_sqlite(START_SQL))
+                    .bind(&region)
+                    .bind(&agent)
+                    .bind(&incarnation)
+                    .bind(i64_of(now_ms))
+                    .bind(&region)
+                    .fetch_one(pool)
+                    .await?
+            }
+            Database::Postgres(pool) => {
+                sqlx::query_as(START_SQL)
+                    .bind(&region)
+                    .bind(&agent)
+                    .bind(&incarnation)
+                    .bind(i64_of(now_ms))
+                    .bind(&region)
+                    .fetch_one(pool)
+                    .await?
+            }
+        };
+        Ok(AgentSessionStarted {
+            predecessor_ended_cleanly: started.predecessor_ended == 1,
+            started_at_ms: u64_of(started.started_at_ms),
+        })
+    }
+
+    /// Ends `session` at `now_ms`; false when it is not its agent's latest run (a later one
+    /// started, or it never did).
+    pub async fn end_agent_session(
+        &self,
+        session: &AgentSession,
+        now_ms: u64,
+    ) -> Result<bool, LedgerError> {
+        let (region, agent, incarnation) = texts(session);
+        let ended = match &self.database {
+            Database::Sqlite(pool) => sqlx::query(&for_sqlite(END_SQL))
+                .bind(i64_of(now_ms))
+                .bind(&region)
+                .bind(&agent)
+                .bind(&incarnation)
+                .execute(pool)
+                .await?
+                .rows_affected(),
+            Database::Postgres(pool) => sqlx::query(END_SQL)
+                .bind(i64_of(now_ms))
+                .bind(&region)
+                .bind(&agent)
+                .bind(&incarnation)
+                .execute(pool)
+                .await?
+                .rows_affected(),
+        };
+        Ok(ended == 1)
+    }
+}
+
+fn texts(session: &AgentSession) -> (String, String, String) {
+    let AgentSession {
+        region,
+        agent_id,
+        incarnation,
+    } = session;
+    (
+        RegionId::as_str(region).to_owned(),
+        AgentId::as_str(agent_id).to_owned(),
+        AgentIncarnation::to_string(incarnation),
+    )
+}
