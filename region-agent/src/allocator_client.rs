@@ -11,8 +11,8 @@ use std::time::Duration;
 use allot_shared::ids::{AgentId, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::policy::{PolicyBundle, parse_bundle};
 pub use allot_shared::wire::{
-    AgentStatus, FallbackInWindow, GrantAnswer, GrantBody, PoolTerms, Report, ReportLease,
-    ReportReceipt,
+    AgentSession, AgentSessionEnded, AgentSessionStarted, AgentStatus, FallbackInWindow,
+    GrantAnswer, GrantBody, PoolTerms, Report, ReportLease, ReportReceipt,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -245,6 +245,32 @@ impl AllocatorClient {
         };
         self.call(reqwest::Method::POST, "/v1/grants", Some(&to_json(&body)?))
             .await
+    }
+
+    /// Starts this run's session (idempotent for one incarnation): how the agent's previous run
+    /// ended. `None` from an allocator that keeps no sessions (older than the agent).
+    pub async fn start_session(
+        &self,
+        session: &AgentSession,
+    ) -> Result<Option<AgentSessionStarted>, ClientError> {
+        self.call(
+            reqwest::Method::POST,
+            "/v1/agent-sessions",
+            Some(&to_json(session)?),
+        )
+        .await
+    }
+
+    /// Ends this run's session: every fallback admit is reported. Whether it is recorded ended.
+    pub async fn end_session(&self, session: &AgentSession) -> Result<bool, ClientError> {
+        let ended: Option<AgentSessionEnded> = self
+            .call(
+                reqwest::Method::POST,
+                "/v1/agent-sessions/end",
+                Some(&to_json(session)?),
+            )
+            .await?;
+        Ok(ended.is_some_and(|e| e.ended))
     }
 
     /// Sends a report (idempotent by its id).

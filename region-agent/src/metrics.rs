@@ -116,6 +116,10 @@ pub const REPORT_LINES_DROPPED: &str = "allot_agent_report_lines_dropped";
 pub const STATE_FILES_IGNORED: &str = "allot_agent_state_files_ignored_total";
 /// State file writes, by file and outcome (ok, failed).
 pub const STATE_WRITES: &str = "allot_agent_state_writes_total";
+/// Pools whose current window's fallback allowance this run counted as used when it took them
+/// up, by `tenant` and `pool`: the previous run of the agent did not end cleanly and left no
+/// journal, so it may have admitted that allowance unreported.
+pub const FALLBACK_PRESUMED_USED: &str = "allot_agent_fallback_presumed_used_total";
 /// Fallback claims made durable before admitting beyond the last one, by outcome (ok, failed).
 pub const FALLBACK_CLAIMS: &str = "allot_agent_fallback_claims_total";
 /// What a restarted agent took over from its state directory, by what (bundle, pools, leases,

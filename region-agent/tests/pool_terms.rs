@@ -40,6 +40,23 @@ struct Fake {
     grants_unavailable: bool,
     /// What the region already admitted in fallback this window, per the ledger.
     fallback_in_window_tokens: u64,
+    /// How the agent's previous run ended, as the allocator's session record says.
+    predecessor_ended_cleanly: bool,
+    session_starts: AtomicU64,
+    session_ends: AtomicU64,
+}
+
+async fn session_start(State(fake): State<Arc<Fake>>) -> Response {
+    fake.session_starts.fetch_add(1, Ordering::SeqCst);
+    Json(serde_json::json!({
+        "predecessorEndedCleanly": fake.predecessor_ended_cleanly, "startedAtMs": 1_000_000,
+    }))
+    .into_response()
+}
+
+async fn session_end(State(fake): State<Arc<Fake>>) -> Response {
+    fake.session_ends.fetch_add(1, Ordering::SeqCst);
+    Json(serde_json::json!({ "ended": true })).into_response()
 }
 
 async fn terms(State(fake): State<Arc<Fake>>) -> Response {
@@ -75,6 +92,8 @@ async fn allocator(fake: Arc<Fake>) -> Arc<AllocatorClient> {
     let app = axum::Router::new()
         .route("/v1/pools/{tenant}/{pool}/terms", get(terms))
         .route("/v1/grants", post(grant))
+        .route("/v1/agent-sessions", post(session_start))
+        .route("/v1/agent-sessions/end", post(session_end))
         .with_state(fake);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -98,6 +117,9 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         fallback_per_region_tokens: 0,
         grants_unavailable: false,
         fallback_in_window_tokens: 0,
+        predecessor_ended_cleanly: true,
+        session_starts: AtomicU64::new(0),
+        session_ends: AtomicU64::new(0),
     })
 }
 
@@ -264,4 +286,71 @@ async fn a_restarted_agent_counts_the_fallback_its_region_already_admitted_this_
         fallback_admits, 2,
         "10 allowed, 8 already admitted before the restart"
     );
+}
+
+/// The previous run of this agent crashed (the allocator's session record never saw it end), and
+/// this run has no journal: that run may have admitted its whole fallback allowance of this window
+/// unreported, so this run admits none in it; the next window has its allowance again.
+#[tokio::test]
+async fn after_an_unclean_end_the_start_window_admits_no_fallback() {
+    let fake = Arc::new(Fake {
+        fallback_per_region_tokens: 10,
+        grants_unavailable: true,
+        predecessor_ended_cleanly: false,
+        ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
+    });
+    let (agent, clock) = setup(&fake).await;
+    for n in 0..5 {
+        let decision = admit(&agent, n).await;
+        assert!(
+            !decision.allowed && decision.fallback,
+            "the allowance counts as used: {decision:?}"
+        );
+        assert_eq!(decision.reason, Some(Reason::RateExceeded));
+    }
+    assert_eq!(
+        fake.session_starts.load(Ordering::SeqCst),
+        1,
+        "started once"
+    );
+    // The next minute window (the agent's clock started at 1,000,000 ms, in the window from
+    // 960,000).
+    clock.set(1_020_000);
+    let fallback_admits = {
+        let mut admitted = 0;
+        for n in 5..20 {
+            let decision = admit(&agent, n).await;
+            admitted += u64::from(decision.allowed && decision.fallback);
+        }
+        admitted
+    };
+    assert_eq!(fallback_admits, 10, "a whole allowance in the next window");
+}
+
+/// A run ends its session when it stops with every fallback admit reported; with one unreported it
+/// does not, so its successor counts the window as used.
+#[tokio::test]
+async fn a_session_ends_only_with_every_fallback_admit_reported() {
+    let cut_off = Arc::new(Fake {
+        fallback_per_region_tokens: 10,
+        grants_unavailable: true,
+        ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
+    });
+    let (agent, _clock) = setup(&cut_off).await;
+    let decision = admit(&agent, 0).await;
+    assert!(decision.allowed && decision.fallback, "{decision:?}");
+    assert!(
+        !agent.end_session().await,
+        "a fallback admit is unreported (the stand-in takes no reports)"
+    );
+    assert_eq!(cut_off.session_ends.load(Ordering::SeqCst), 0);
+
+    let quiet = fake(Some(1_000), Duration::ZERO);
+    let (agent, _clock) = setup(&quiet).await;
+    assert_eq!(admit(&agent, 0).await.limit_units, 1_000);
+    assert!(
+        agent.end_session().await,
+        "nothing in fallback: ends cleanly"
+    );
+    assert_eq!(quiet.session_ends.load(Ordering::SeqCst), 1);
 }

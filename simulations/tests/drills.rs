@@ -281,6 +281,11 @@ fn the_figures_in_the_drill_docs_are_what_the_drills_produce() {
     // Fallback, heal, restart, fallback again in the same window: one allowance, not two.
     let again = drill("agent-restart-fallback");
     assert_eq!(again.windows[1].regions[0].fallback, 100);
+    // A crash inside the partition: its fallback admits never reached the ledger, and the new run
+    // counts the window's allowance as used; still one allowance.
+    let crashed = drill("agent-crash-in-partition");
+    assert_eq!(crashed.windows[1].regions[0].fallback, 100);
+    assert_eq!(crashed.windows[1].regions[0].unreported_tokens, 178);
     assert_eq!(admitted_per_window(&drill("rlqs"), None), [967, 947, 958]);
     assert_eq!(
         admitted_per_window(&drill("rlqs-partition"), None)[2],

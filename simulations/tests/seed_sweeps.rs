@@ -74,6 +74,7 @@ sweeps! {
     latency => "latency",
     agent_restart => "agent-restart",
     agent_restart_fallback => "agent-restart-fallback",
+    agent_crash_in_partition => "agent-crash-in-partition",
     clock_skew => "clock-skew",
     clock_rate_beyond_margin => "clock-rate-beyond-margin",
     rlqs => "rlqs",

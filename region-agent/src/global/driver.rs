@@ -17,10 +17,16 @@
 //! A report round is two steps too: [`start_report`] says what the holder owes the ledger, one
 //! part per window (the ledger takes reports per pool and window), and [`finish_report`] takes
 //! in that the allocator took a part. A part not taken stays owed, whole, for the next round.
+//!
+//! A holder starts with [`take_over_window`]: an agent that comes up counts what its region already
+//! admitted in fallback in the current window (the ledger's count) and, when its previous run did
+//! not end cleanly and left no journal, the whole of its allowance of the window it started in
+//! (that run may have admitted it unreported). So no run of an agent re-opens an allowance.
 
 use allot_shared::ids::LeaseId;
 
 use super::holder::{GrantVerdict, LeaseGrant, PendingReport, PoolHolder};
+use allot_shared::wire::FallbackInWindow;
 
 /// A renewal to send: `want_tokens` of the pool, asked with `lease_id`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -198,4 +204,31 @@ pub fn start_report(holder: &mut PoolHolder, now_ms: u64) -> Vec<ReportPart> {
 /// counts reported.
 pub fn finish_report(holder: &mut PoolHolder, part: &ReportPart, now_ms: u64) {
     holder.acknowledge(&part.lines, now_ms);
+}
+
+/// What a new holder takes over of the window it starts in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Inherited {
+    /// What the region admitted in fallback in the current window, as the ledger holds it.
+    pub ledger_fallback: Option<FallbackInWindow>,
+    /// When this run of the agent started, epoch ms, if the run before it did not end cleanly and
+    /// this one has no journal of it: that run may have admitted fallback nobody knows of, up to
+    /// the allowance, in the window this run started in.
+    pub unclean_start_ms: Option<u64>,
+}
+
+/// A new holder's first step, at `now_ms`: takes over what its window already used (see the
+/// module docs). Returns whether the window's allowance was presumed used.
+pub fn take_over_window(holder: &mut PoolHolder, inherited: Inherited, now_ms: u64) -> bool {
+    let window = holder.config().window.containing(now_ms);
+    if let Some(fallback) = inherited.ledger_fallback {
+        holder.seed_fallback(fallback.window_start_ms, fallback.admitted_tokens);
+    }
+    let presumed = inherited
+        .unclean_start_ms
+        .is_some_and(|started_ms| window.contains(started_ms));
+    if presumed {
+        holder.presume_fallback_used(window.start_ms);
+    }
+    presumed
 }

@@ -1587,6 +1587,28 @@ impl PoolHolder {
         count.unknown_tokens = used.saturating_sub(count.admitted_tokens);
     }
 
+    /// Counts the whole allowance of the window starting at `window_start_ms` as used: an earlier
+    /// run of this agent may have admitted it in fallback without the ledger or this holder
+    /// knowing. What is counted so beyond the admits is never reported (nobody knows it was
+    /// admitted); it only keeps this run from admitting it again.
+    pub fn presume_fallback_used(&mut self, window_start_ms: u64) {
+        let allowance = self.config.fallback_per_region_tokens;
+        let count = self.fallback.entry(window_start_ms).or_default();
+        let used = count.used_tokens();
+        count.unknown_tokens += allowance.saturating_sub(used);
+        debug_assert!(count.used_tokens() >= allowance, "the allowance is used up");
+    }
+
+    /// Whether every fallback admit of windows starting at or after `window_start_ms` is reported
+    /// and none is reserved or of unknown fate: what the ledger holds of them is all there is.
+    pub fn fallback_settled_from(&self, window_start_ms: u64) -> bool {
+        self.fallback.range(window_start_ms..).all(|(_, count)| {
+            count.admitted_tokens == count.reported_tokens
+                && count.reserved_tokens == 0
+                && count.unknown_tokens == 0
+        })
+    }
+
     /// Tokens stranded so far (granted to this agent, unspent at the lease's end).
     pub fn stranded_tokens(&self) -> u64 {
         self.stranded_tokens

@@ -53,7 +53,8 @@ impl Agent {
     /// [`JOURNAL_INTERVAL`](super::JOURNAL_INTERVAL) when something changed. The loops are
     /// independent (a slow allocator holds up neither the other loops nor shutdown), each round
     /// has [`ROUND_TIMEOUT`], and a last round of reports is sent within
-    /// [`FINAL_REPORT_TIMEOUT`], then the journal written once more.
+    /// [`FINAL_REPORT_TIMEOUT`], then the journal written once more and the session ended (when
+    /// every fallback admit is reported).
     pub async fn run_background(
         self: Arc<Self>,
         report_every: Duration,
@@ -93,6 +94,12 @@ impl Agent {
             tracing::warn!("the last reports did not reach the allocator before shutdown");
         }
         self.write_journal_if_changed().await;
+        if tokio::time::timeout(FINAL_REPORT_TIMEOUT, self.end_session())
+            .await
+            .is_ok_and(|ended| ended)
+        {
+            tracing::info!("session ended cleanly: every fallback admit is reported");
+        }
     }
 }
 

@@ -26,6 +26,7 @@ pub mod pools;
 pub mod quota;
 pub mod replays;
 pub mod reports;
+mod session;
 pub mod settings;
 pub mod settlement;
 pub mod subleases;
@@ -87,6 +88,8 @@ pub struct Agent {
     settlements: Mutex<settlement::Settlements>,
     /// Admitted idempotent requests, answered again to their retries.
     replays: replays::Replays,
+    /// This run, as the allocator knows it.
+    session: session::Session,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -107,6 +110,7 @@ impl Agent {
     ) -> Arc<Self> {
         Arc::new(Self {
             bundle: bundle::BundleSlot::new(bundle, clock.now_ms()),
+            session: session::Session::new(clock.now_ms(), rand::random()),
             settings,
             clock,
             limiter,

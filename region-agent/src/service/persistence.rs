@@ -103,6 +103,9 @@ impl Agent {
             return restored;
         };
         let journal: Option<Journal> = dir.load(StateFile::Journal);
+        if journal.is_some() {
+            self.session.note_journal_restored();
+        }
         if self.bundle.load().is_none()
             && let Some(saved) = dir.load::<SavedBundle>(StateFile::Bundle)
         {

@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, lock};
 use crate::allocator_client::{AllocatorClient, PoolTerms};
-use crate::global::{HolderConfig, PoolHolder};
+use crate::global::{HolderConfig, PoolHolder, driver};
 use crate::state_dir::TallyWindow;
 
 /// Most pools an agent holds at once (I10).
@@ -326,9 +326,16 @@ impl Agent {
     ) {
         let (tenant, pool) = &key;
         let stopwatch = crate::clock::Stopwatch::start();
-        let answer = allocator
-            .pool_terms(tenant, pool, Some(&self.settings.region))
-            .await;
+        // This run's session starts before its first holder: the holder takes over how the last
+        // run ended.
+        let answer = match self.start_session(&allocator).await {
+            Ok(_) => {
+                allocator
+                    .pool_terms(tenant, pool, Some(&self.settings.region))
+                    .await
+            }
+            Err(error) => Err(error),
+        };
         metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
             .record(stopwatch.elapsed().as_secs_f64());
         self.note_allocator(&answer);
@@ -342,11 +349,21 @@ impl Agent {
                     Some(config) => {
                         let mut pools = lock(&self.pools);
                         if pools.len() < MAX_POOLS {
+                            let inherited = self.inherited(fallback_in_window);
                             pools.get_or_insert_with(key.clone(), || {
                                 let slot = PoolSlot::new(key.1.clone(), config, terms, now_ms);
-                                if let Some(f) = fallback_in_window {
-                                    lock(&slot.holder)
-                                        .seed_fallback(f.window_start_ms, f.admitted_tokens);
+                                let presumed = driver::take_over_window(
+                                    &mut lock(&slot.holder),
+                                    inherited,
+                                    now_ms,
+                                );
+                                if presumed {
+                                    metrics::counter!(
+                                        crate::metrics::FALLBACK_PRESUMED_USED,
+                                        "tenant" => key.0.to_string(),
+                                        "pool" => key.1.to_string()
+                                    )
+                                    .increment(1);
                                 }
                                 Arc::new(slot)
                             });

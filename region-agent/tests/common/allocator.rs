@@ -38,6 +38,9 @@ pub struct Allocator {
     /// Reported settle debt (the most carried) and written-off tokens per window (largest wins).
     pub settle_debt_by_window: Mutex<HashMap<u64, u64>>,
     pub written_off_by_window: Mutex<HashMap<u64, u64>>,
+    /// The agent's latest run as the session record keeps it: (incarnation, verdict given to it,
+    /// ended cleanly).
+    pub session: Mutex<Option<(String, bool, bool)>>,
     /// Its clock (the agents' under test should read the same one).
     pub clock: Arc<dyn Clock>,
 }
@@ -58,6 +61,7 @@ impl Allocator {
             settle_debt_per_region_tokens: AtomicU64::new(0),
             settle_debt_by_window: Mutex::new(HashMap::new()),
             written_off_by_window: Mutex::new(HashMap::new()),
+            session: Mutex::new(None),
             clock: Arc::new(SystemClock),
         })
     }
@@ -176,11 +180,49 @@ async fn report(
     Json(serde_json::json!({ "duplicate": false })).into_response()
 }
 
+/// As the allocator's session record: the first run is clean, a retried start keeps its verdict,
+/// a new run learns whether the one before ended.
+async fn session_start(
+    State(fake): State<Arc<Allocator>>,
+    Json(body): Json<serde_json::Value>,
+) -> Response {
+    let incarnation = body["incarnation"].as_str().unwrap_or_default().to_owned();
+    let mut session = fake.session.lock().expect("lock");
+    let clean = match session.as_ref() {
+        None => true,
+        Some((latest, verdict, _)) if *latest == incarnation => *verdict,
+        Some((_, _, ended)) => *ended,
+    };
+    *session = Some((incarnation, clean, false));
+    Json(serde_json::json!({
+        "predecessorEndedCleanly": clean, "startedAtMs": fake.clock.now_ms(),
+    }))
+    .into_response()
+}
+
+async fn session_end(
+    State(fake): State<Arc<Allocator>>,
+    Json(body): Json<serde_json::Value>,
+) -> Response {
+    let incarnation = body["incarnation"].as_str().unwrap_or_default();
+    let mut session = fake.session.lock().expect("lock");
+    let ended = match session.as_mut() {
+        Some((latest, _, ended)) if latest == incarnation => {
+            *ended = true;
+            true
+        }
+        _ => false,
+    };
+    Json(serde_json::json!({ "ended": ended })).into_response()
+}
+
 pub async fn client(fake: Arc<Allocator>) -> Arc<AllocatorClient> {
     let app = axum::Router::new()
         .route("/v1/pools/{tenant}/{pool}/terms", get(terms))
         .route("/v1/grants", post(grant))
         .route("/v1/reports", post(report))
+        .route("/v1/agent-sessions", post(session_start))
+        .route("/v1/agent-sessions/end", post(session_end))
         .with_state(fake);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -23,7 +23,7 @@ use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
 use allot_allocator::pools::{PoolSpec, get_window, put_pool};
 use allot_region_agent::allocator_client::CALL_TIMEOUT;
 use allot_region_agent::global::driver::{
-    self, RenewalAnswer, RenewalAsk, RenewalOutcome, finish_renewal, start_renewal,
+    self, Inherited, RenewalAnswer, RenewalAsk, RenewalOutcome, finish_renewal, start_renewal,
 };
 use allot_region_agent::global::holder::{
     Denial, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
@@ -33,7 +33,7 @@ use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, PoolConfig};
 use allot_shared::window::{Window, WindowSpec};
-use allot_shared::wire::{CalendarWindowSpec, GrantAnswer};
+use allot_shared::wire::{CalendarWindowSpec, FallbackInWindow, GrantAnswer};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
@@ -91,6 +91,10 @@ struct RegionAgent {
     believes_reachable: bool,
     /// Down until this instant (ms since the start) after a crash.
     down_until_ms: Option<u64>,
+    /// When the running process started on the agent's clock, epoch ms, if the one before it
+    /// crashed: the drills' agents keep no state directory, so it counts that window's fallback
+    /// allowance as used (as the shipped agent does, told by the allocator's session record).
+    unclean_start_ms: Option<u64>,
     pools: Vec<HeldPool>,
 }
 
@@ -289,6 +293,7 @@ impl<'s> Drill<'s> {
                 ledger_fallback: vec![(0, 0); tenant_count],
                 believes_reachable: true,
                 down_until_ms: None,
+                unclean_start_ms: None,
                 pools: (0..tenant_count)
                     .map(|_| HeldPool {
                         demand_remainder: arrival_phase(&mut phases),
@@ -378,6 +383,8 @@ impl<'s> Drill<'s> {
             {
                 crash(&mut self.agents[r], &mut self.checker, r, agent_now_ms);
                 self.agents[r].down_until_ms = Some(at_ms + down_ms);
+                let back_in_ms = (at_ms + down_ms).saturating_sub(elapsed_ms);
+                self.agents[r].unclean_start_ms = Some(agent_now_ms + back_in_ms);
             }
         }
         let agent = &mut self.agents[r];
@@ -427,6 +434,7 @@ impl<'s> Drill<'s> {
                 believes_reachable: &mut agent.believes_reachable,
                 held: &mut agent.pools[t],
                 ledger_fallback: &mut agent.ledger_fallback[t],
+                unclean_start_ms: agent.unclean_start_ms,
                 tenant: t,
                 region_index: r,
                 conditions: c,
@@ -665,6 +673,7 @@ struct Step<'a> {
     believes_reachable: &'a mut bool,
     held: &'a mut HeldPool,
     ledger_fallback: &'a mut (u64, u64),
+    unclean_start_ms: Option<u64>,
     tenant: usize,
     region_index: usize,
     conditions: RegionConditions,
@@ -771,16 +780,24 @@ impl Step<'_> {
     }
 
     /// The agent fetches the pool's terms on first use (not while cut off), with what its region
-    /// already admitted in fallback this window (as the ledger holds it).
+    /// already admitted in fallback this window (as the ledger holds it), and takes over the
+    /// window as the shipped agent does.
     fn look_up_terms(&mut self, config: HolderConfig) {
         if self.held.holder.is_some() || self.conditions.partitioned {
             return;
         }
         let mut holder = PoolHolder::new(config);
-        let (window_start_ms, admitted) = *self.ledger_fallback;
-        if window_start_ms == self.window_start_ms {
-            holder.seed_fallback(window_start_ms, admitted);
-        }
+        let (window_start_ms, admitted_tokens) = *self.ledger_fallback;
+        let inherited = Inherited {
+            ledger_fallback: (window_start_ms == self.window_start_ms).then_some(
+                FallbackInWindow {
+                    window_start_ms,
+                    admitted_tokens,
+                },
+            ),
+            unclean_start_ms: self.unclean_start_ms,
+        };
+        driver::take_over_window(&mut holder, inherited, self.agent_now_ms);
         self.held.holder = Some(holder);
     }
 

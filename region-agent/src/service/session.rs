@@ -1,0 +1,142 @@
+//! This run of the agent, as the allocator knows it: an incarnation minted at start, started at the
+//! allocator before the first pool's terms are fetched, ended when the agent stops with every
+//! fallback admit reported.
+//!
+//! Why: an agent keeps its fallback count in memory. A run that crashes during a partition takes
+//! with it the fallback it admitted and had not reported, and the ledger never learns of it. A run
+//! with a state directory recovers it from the journal's claims. A run without one cannot; it asks
+//! the allocator how the previous run of its agent id ended, and if not cleanly, counts its
+//! allowance of the window it started in as used ([`crate::global::driver::take_over_window`]).
+//! It fails closed for the rest of that window (for a monthly pool, the month), never open.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use allot_shared::ids::AgentIncarnation;
+
+use super::{Agent, lock};
+use crate::allocator_client::{AgentSession, AgentSessionStarted, AllocatorClient, ClientError};
+use crate::global::driver::Inherited;
+
+/// This run's session.
+pub(super) struct Session {
+    incarnation: AgentIncarnation,
+    /// When this run started, epoch ms (the agent's clock).
+    started_at_ms: u64,
+    /// The allocator's answer to this run's start.
+    started: tokio::sync::OnceCell<AgentSessionStarted>,
+    /// Whether the state directory gave back a journal: its claims then cover the previous run.
+    journal_restored: AtomicBool,
+}
+
+impl Session {
+    /// A run started at `now_ms`, with `random` bits for its incarnation.
+    pub(super) fn new(now_ms: u64, random: u128) -> Self {
+        Self {
+            incarnation: AgentIncarnation::from_parts(now_ms, random),
+            started_at_ms: now_ms,
+            started: tokio::sync::OnceCell::new(),
+            journal_restored: AtomicBool::new(false),
+        }
+    }
+
+    pub(super) fn note_journal_restored(&self) {
+        self.journal_restored.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Agent {
+    /// This run's incarnation.
+    pub fn incarnation(&self) -> AgentIncarnation {
+        self.session.incarnation
+    }
+
+    fn session_message(&self) -> AgentSession {
+        AgentSession {
+            region: self.settings.region.clone(),
+            agent_id: self.settings.agent_id.clone(),
+            incarnation: self.session.incarnation,
+        }
+    }
+
+    /// Starts this run's session at `allocator`, once (concurrent callers wait for the one call).
+    pub(super) async fn start_session(
+        &self,
+        allocator: &AllocatorClient,
+    ) -> Result<AgentSessionStarted, ClientError> {
+        self.session
+            .started
+            .get_or_try_init(|| async {
+                let started = allocator
+                    .start_session(&self.session_message())
+                    .await?
+                    // An allocator that keeps no sessions cannot say: as if not clean.
+                    .unwrap_or(AgentSessionStarted {
+                        predecessor_ended_cleanly: false,
+                        started_at_ms: self.session.started_at_ms,
+                    });
+                if !started.predecessor_ended_cleanly
+                    && !self.session.journal_restored.load(Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        "the previous run of this agent did not end cleanly and left no journal: \
+                         its fallback allowance of the current window counts as used"
+                    );
+                }
+                Ok(started)
+            })
+            .await
+            .copied()
+    }
+
+    /// What a holder created now takes over (with the ledger's count from the pool's terms).
+    pub(super) fn inherited(
+        &self,
+        ledger_fallback: Option<allot_shared::wire::FallbackInWindow>,
+    ) -> Inherited {
+        let unclean = self
+            .session
+            .started
+            .get()
+            .is_none_or(|started| !started.predecessor_ended_cleanly);
+        let unclean_start_ms = (unclean && !self.session.journal_restored.load(Ordering::Relaxed))
+            .then_some(self.session.started_at_ms);
+        Inherited {
+            ledger_fallback,
+            unclean_start_ms,
+        }
+    }
+
+    /// Ends this run's session if it started and every fallback admit of every pool's current
+    /// window and after is reported: the next run may then trust the ledger's count. Whether it
+    /// ended.
+    pub async fn end_session(self: &Arc<Self>) -> bool {
+        let (Some(allocator), Some(_)) = (self.allocator.clone(), self.session.started.get())
+        else {
+            return false;
+        };
+        let now_ms = self.clock.now_ms();
+        let slots: Vec<_> = lock(&self.pools)
+            .iter()
+            .map(|(_, slot)| slot.clone())
+            .collect();
+        let settled = slots.iter().all(|slot| {
+            let current_start_ms = slot.window_at(now_ms).start_ms;
+            lock(&slot.holder).fallback_settled_from(current_start_ms)
+        });
+        if !settled {
+            tracing::warn!(
+                "fallback admits are unreported at shutdown: the next run counts this window's \
+                 allowance as used"
+            );
+            return false;
+        }
+        match allocator.end_session(&self.session_message()).await {
+            Ok(ended) => ended,
+            Err(error) => {
+                tracing::warn!(%error, "the session did not end at the allocator");
+                false
+            }
+        }
+    }
+}
