@@ -35,7 +35,9 @@ pub async fn feed_ledger(
 ) {
     tokio::pin!(shutdown);
     let mut reconcile = tokio::time::interval(LEDGER_RECONCILE_INTERVAL);
-    let (mut leading, mut election_over) = (false, false);
+    // The term this node last led in: a new term (even one reached through a lapse that a long
+    // round hid) is a new lead, whose predecessor's unfed grants are copied at once.
+    let (mut led_term, mut election_over) = (None, false);
     loop {
         tokio::select! {
             () = &mut shutdown => return,
@@ -54,9 +56,14 @@ pub async fn feed_ledger(
                     election_over = true;
                     continue;
                 }
-                let now_leading = matches!(*role.borrow_and_update(), Role::Leader(_));
-                let took_lead = now_leading && !leading;
-                leading = now_leading;
+                let term = match *role.borrow_and_update() {
+                    Role::Leader(leadership) => Some(leadership.epoch),
+                    _ => None,
+                };
+                let took_lead = term.is_some() && term != led_term;
+                if term.is_some() {
+                    led_term = term;
+                }
                 if took_lead {
                     // The last leader may have died with grants in its feed: copy them while
                     // their records are still in the store.
@@ -67,8 +74,12 @@ pub async fn feed_ledger(
             _ = reconcile.tick() => {
                 // The leader's ledger is the one reports reach; a follower would re-read every
                 // pool's grants for nothing.
-                leading = matches!(*role.borrow(), Role::Leader(_));
-                if leading {
+                let term = match *role.borrow() {
+                    Role::Leader(leadership) => Some(leadership.epoch),
+                    _ => None,
+                };
+                if term.is_some() {
+                    led_term = term;
                     ledger_round(&ledger, &*kv, &*clock).await;
                 }
             }
