@@ -906,6 +906,16 @@ async fn agent_sessions_say_how_the_last_run_ended() {
         crashed.body["predecessorEndedCleanly"], false,
         "run 1 never ended"
     );
+    assert!(
+        crashed.body["uncleanSinceMs"].as_u64().is_some(),
+        "{:?}",
+        crashed.body
+    );
+    assert!(
+        first.body.get("uncleanSinceMs").is_none(),
+        "{:?}",
+        first.body
+    );
     let ended = call("/v1/agent-sessions/end", AGENT, run(2)).await;
     assert_eq!(
         (ended.status, ended.body["ended"].clone()),

@@ -504,6 +504,7 @@ async fn agent_sessions(ledger: Ledger) {
     let first = start(&session("eu", "eu-1", 1), W0).await;
     assert!(first.predecessor_ended_cleanly, "the region's first agent");
     assert_eq!(first.started_at_ms, W0);
+    assert_eq!(first.unclean_since_ms, None);
     let retried = start(&session("eu", "eu-1", 1), W0 + 500).await;
     assert_eq!(retried, first, "a retried start gets its first answer");
     // The first run crashes: the second learns it.
@@ -511,6 +512,11 @@ async fn agent_sessions(ledger: Ledger) {
     assert!(
         !second.predecessor_ended_cleanly,
         "the run before never ended"
+    );
+    assert_eq!(
+        second.unclean_since_ms,
+        Some(W0 + 1_000),
+        "this run follows an unclean end"
     );
     assert_eq!(
         start(&session("eu", "eu-1", 2), W0 + 1_500).await,
@@ -536,12 +542,18 @@ async fn agent_sessions(ledger: Ledger) {
         third.predecessor_ended_cleanly,
         "the run before ended cleanly"
     );
+    assert_eq!(
+        third.unclean_since_ms,
+        Some(W0 + 1_000),
+        "a clean end does not vouch for the crash before it"
+    );
     // Another agent id in a region that already had agents: nobody knows how its last run ended.
     let renamed = start(&session("eu", "eu-7", 1), W0 + 3_000).await;
     assert!(
         !renamed.predecessor_ended_cleanly,
         "an unknown history is unclean"
     );
+    assert_eq!(renamed.unclean_since_ms, Some(W0 + 3_000));
     // Regions are apart: the first agent of another region starts clean.
     assert!(
         start(&session("us", "us-1", 1), W0)

@@ -118,7 +118,8 @@ pub struct AgentArgs {
         value_name = "TENANT=K"
     )]
     pub hot_tenants: Option<Vec<String>>,
-    /// This agent's id in policy status (default: `<region>-<listen port>`).
+    /// This agent's id in policy status and agent sessions (default: `<region>-<host name>-<listen
+    /// port>`).
     #[arg(long, env = "ALLOT_AGENT_ID")]
     pub agent_id: Option<String>,
     /// PEM certificate chain to serve gateways with TLS (HTTP and gRPC); needs --tls-key.
@@ -342,7 +343,7 @@ impl AgentArgs {
             agent_id: self
                 .agent_id
                 .or(file.agent_id)
-                .unwrap_or_else(|| format!("{region}-{}", listen.port())),
+                .unwrap_or_else(|| default_agent_id(&region, &host_name(), listen.port())),
             region,
             listen,
             grpc_listen: self
@@ -428,6 +429,39 @@ impl AgentArgs {
 
 /// `--hot-tenant` entries (or the file's `hot_tenants` table) as the limiter's [`HotTenants`], or
 /// one line naming the entry that is wrong.
+/// The agent id when none is given: `<region>-<host>-<port>`, the same across the agent's
+/// restarts on one host and distinct between agents of a region on different hosts (the
+/// allocator's agent sessions tell one agent's runs apart by it). At most 64 characters of
+/// `[A-Za-z0-9._-]`.
+pub fn default_agent_id(region: &str, host: &str, port: u16) -> String {
+    let host: String = host
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let suffix = format!("-{port}");
+    let room = 64usize.saturating_sub(region.len() + 1 + suffix.len());
+    let host: String = host.chars().take(room).collect();
+    if host.is_empty() {
+        format!("{region}{suffix}")
+    } else {
+        format!("{region}-{host}{suffix}")
+    }
+}
+
+/// This machine's host name (Linux), or empty when it cannot be read.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|name| name.trim().to_owned())
+        .unwrap_or_default()
+}
+
 fn hot_tenants(
     entries: impl Iterator<Item = Result<(String, Result<u32, std::num::ParseIntError>), String>>,
 ) -> Result<HotTenants, String> {
@@ -501,7 +535,17 @@ mod tests {
         );
         assert_eq!(config.policy_max_age_ms, 5);
         assert_eq!(config.grpc_listen.port(), 8081, "defaults fill the rest");
-        assert_eq!(config.agent_id, "eu-9700");
+        assert_eq!(config.agent_id, default_agent_id("eu", &host_name(), 9700));
+        assert_eq!(
+            default_agent_id("eu", "node-7.example", 9700),
+            "eu-node-7.example-9700"
+        );
+        assert_eq!(
+            default_agent_id("eu", "odd host/name", 1),
+            "eu-odd-host-name-1"
+        );
+        assert_eq!(default_agent_id("eu", "", 9700), "eu-9700");
+        assert_eq!(default_agent_id("eu", &"h".repeat(100), 9700).len(), 64);
         assert_eq!(config.decision_budget_ms, DEFAULT_DECISION_BUDGET_MS);
         assert!(config.coalesce_hot_keys, "coalescing is on by default");
         let alone = AgentArgs {

@@ -40,8 +40,10 @@ struct Fake {
     grants_unavailable: bool,
     /// What the region already admitted in fallback this window, per the ledger.
     fallback_in_window_tokens: u64,
-    /// How the agent's previous run ended, as the allocator's session record says.
+    /// How the agent's previous run ended, as the allocator's session record says, and when the
+    /// latest run that followed an unclean end started.
     predecessor_ended_cleanly: bool,
+    unclean_since_ms: Option<u64>,
     session_starts: AtomicU64,
     session_ends: AtomicU64,
 }
@@ -50,6 +52,7 @@ async fn session_start(State(fake): State<Arc<Fake>>) -> Response {
     fake.session_starts.fetch_add(1, Ordering::SeqCst);
     Json(serde_json::json!({
         "predecessorEndedCleanly": fake.predecessor_ended_cleanly, "startedAtMs": 1_000_000,
+        "uncleanSinceMs": fake.unclean_since_ms,
     }))
     .into_response()
 }
@@ -118,6 +121,7 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         grants_unavailable: false,
         fallback_in_window_tokens: 0,
         predecessor_ended_cleanly: true,
+        unclean_since_ms: None,
         session_starts: AtomicU64::new(0),
         session_ends: AtomicU64::new(0),
     })
@@ -297,6 +301,7 @@ async fn after_an_unclean_end_the_start_window_admits_no_fallback() {
         fallback_per_region_tokens: 10,
         grants_unavailable: true,
         predecessor_ended_cleanly: false,
+        unclean_since_ms: Some(1_000_000),
         ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
     });
     let (agent, clock) = setup(&fake).await;
@@ -353,4 +358,33 @@ async fn a_session_ends_only_with_every_fallback_admit_reported() {
         "nothing in fallback: ends cleanly"
     );
     assert_eq!(quiet.session_ends.load(Ordering::SeqCst), 1);
+}
+
+/// The previous run ended cleanly, but the one before it crashed earlier in this window and the
+/// run in between never took this pool up: nobody knows what the crashed run admitted of it. The
+/// allocator names when the latest run after an unclean end started, and a window containing that
+/// instant counts its allowance as used.
+#[tokio::test]
+async fn a_clean_end_does_not_vouch_for_an_earlier_crash_in_the_window() {
+    let tainted = Arc::new(Fake {
+        fallback_per_region_tokens: 10,
+        grants_unavailable: true,
+        predecessor_ended_cleanly: true,
+        // 10 s before this run, in the same minute window (from 960,000).
+        unclean_since_ms: Some(990_000),
+        ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
+    });
+    let (agent, _clock) = setup(&tainted).await;
+    let decision = admit(&agent, 0).await;
+    assert!(!decision.allowed && decision.fallback, "{decision:?}");
+    // A taint from an earlier window leaves this one whole.
+    let earlier = Arc::new(Fake {
+        fallback_per_region_tokens: 10,
+        grants_unavailable: true,
+        unclean_since_ms: Some(950_000),
+        ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
+    });
+    let (agent, _) = setup(&earlier).await;
+    let decision = admit(&agent, 0).await;
+    assert!(decision.allowed && decision.fallback, "{decision:?}");
 }

@@ -166,7 +166,7 @@ string_id!(
 );
 string_id!(
     /// A region agent's id, in policy status: `[A-Za-z0-9._-]{1,64}` (by default
-    /// `<region>-<listen port>`).
+    /// `<region>-<host name>-<listen port>`).
     AgentId, "agent id", 64, "A-Z, a-z, 0-9, '-', '_' and '.'", alnum_dash_underscore_dot
 );
 string_id!(

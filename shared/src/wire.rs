@@ -301,6 +301,12 @@ pub struct AgentSessionStarted {
     pub predecessor_ended_cleanly: bool,
     /// When the allocator first heard of this run, epoch ms.
     pub started_at_ms: u64,
+    /// When the latest run of this agent id that followed an unclean end started (this run's
+    /// start, when its predecessor did not end cleanly), epoch ms on the allocator's clock. A
+    /// window containing it may hold fallback admits nobody reported, whatever the runs after it
+    /// did: a run without a journal counts such a window's allowance as used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unclean_since_ms: Option<u64>,
 }
 
 /// `POST /v1/agent-sessions/end` answer.

@@ -22,11 +22,11 @@ pub async fn post_session_start(
     let credential = authorize(&state, &headers, Needs::Agent)?;
     let session: AgentSession = parse_json(&headers, &body)?;
     check_region(&credential, &session.region)?;
-    let started = state
-        .ledger
-        .start_agent_session(&session, state.clock.now_ms())
-        .await?;
-    if !started.predecessor_ended_cleanly {
+    let now_ms = state.clock.now_ms();
+    let started = state.ledger.start_agent_session(&session, now_ms).await?;
+    // A retried start is answered as first recorded, with its own start time: counted once.
+    let first_call = started.started_at_ms == now_ms;
+    if first_call && !started.predecessor_ended_cleanly {
         tracing::info!(region = %session.region, agent = %session.agent_id,
             "an agent's previous run did not end cleanly: its fallback allowance of this window \
              counts as used");

@@ -12,10 +12,16 @@ use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 /// Records `session` as its agent's latest run (at `now_ms`, its first start) and answers how the
 /// run before it ended. Postgres numbering; SQLite takes the same numbers as `?N`.
 const START_SQL: &str = "\
-INSERT INTO agent_sessions (region, agent_id, incarnation, started_at_ms, ended_at_ms, predecessor_ended)
+INSERT INTO agent_sessions
+    (region, agent_id, incarnation, started_at_ms, ended_at_ms, predecessor_ended, unclean_start_ms)
 VALUES ($1, $2, $3, $4, NULL,
-        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $5) THEN 0 ELSE 1 END)
+        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $5) THEN 0 ELSE 1 END,
+        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $6) THEN $7 ELSE NULL END)
 ON CONFLICT (region, agent_id) DO UPDATE SET
+    unclean_start_ms = CASE
+        WHEN agent_sessions.incarnation = excluded.incarnation THEN agent_sessions.unclean_start_ms
+        WHEN agent_sessions.ended_at_ms IS NULL THEN excluded.started_at_ms
+        ELSE agent_sessions.unclean_start_ms END,
     predecessor_ended = CASE
         WHEN agent_sessions.incarnation = excluded.incarnation THEN agent_sessions.predecessor_ended
         WHEN agent_sessions.ended_at_ms IS NULL THEN 0
@@ -27,7 +33,7 @@ ON CONFLICT (region, agent_id) DO UPDATE SET
         WHEN agent_sessions.incarnation = excluded.incarnation THEN agent_sessions.ended_at_ms
         ELSE NULL END,
     incarnation = excluded.incarnation
-RETURNING predecessor_ended, started_at_ms";
+RETURNING predecessor_ended, started_at_ms, unclean_start_ms";
 
 /// Marks the run ended, if it is still its agent's latest.
 const END_SQL: &str = "\
@@ -38,6 +44,7 @@ WHERE region = $2 AND agent_id = $3 AND incarnation = $4";
 struct Started {
     predecessor_ended: i64,
     started_at_ms: i64,
+    unclean_start_ms: Option<i64>,
 }
 
 /// `sql` with Postgres's `$N` placeholders as SQLite's `?N`.
@@ -47,7 +54,8 @@ fn for_sqlite(sql: &str) -> String {
 
 impl Ledger {
     /// Starts `session` at `now_ms` (idempotent for one incarnation) and says how the agent's run
-    /// before it ended: cleanly when it said so, or when no agent of the region ever ran.
+    /// before it ended: cleanly when it said so, or when no agent of the region ever ran; and when
+    /// the latest run of the agent that followed an unclean end started.
     pub async fn start_agent_session(
         &self,
         session: &AgentSession,
@@ -62,6 +70,8 @@ impl Ledger {
                     .bind(&incarnation)
                     .bind(i64_of(now_ms))
                     .bind(&region)
+                    .bind(&region)
+                    .bind(i64_of(now_ms))
                     .fetch_one(pool)
                     .await?
             }
@@ -72,6 +82,8 @@ impl Ledger {
                     .bind(&incarnation)
                     .bind(i64_of(now_ms))
                     .bind(&region)
+                    .bind(&region)
+                    .bind(i64_of(now_ms))
                     .fetch_one(pool)
                     .await?
             }
@@ -79,6 +91,7 @@ impl Ledger {
         Ok(AgentSessionStarted {
             predecessor_ended_cleanly: started.predecessor_ended == 1,
             started_at_ms: u64_of(started.started_at_ms),
+            unclean_since_ms: started.unclean_start_ms.map(u64_of),
         })
     }
 

@@ -55,6 +55,10 @@ pub async fn stub_allocator(grants: Arc<AtomicU64>, chunk_tokens: u64) -> String
             get(move || async move { Json(terms.clone()) }),
         )
         .route(
+            "/v1/agent-sessions",
+            post(|| async { Json(json!({ "predecessorEndedCleanly": true, "startedAtMs": 0 })) }),
+        )
+        .route(
             "/v1/grants",
             post(move |Json(body): Json<Value>| {
                 let grants = grants.clone();

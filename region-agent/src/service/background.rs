@@ -48,8 +48,9 @@ impl Agent {
         }
     }
 
-    /// Runs the background loops until `shutdown` resolves: reports every `report_every`; policy
-    /// refresh and pool upkeep every `policy_every`; with a state directory, the journal every
+    /// Runs the background loops until `shutdown` resolves: reports every `report_every`; the
+    /// session's start (until it has started), policy refresh and pool upkeep every
+    /// `policy_every`; with a state directory, the journal every
     /// [`JOURNAL_INTERVAL`](super::JOURNAL_INTERVAL) when something changed. The loops are
     /// independent (a slow allocator holds up neither the other loops nor shutdown), each round
     /// has [`ROUND_TIMEOUT`], and a last round of reports is sent within
@@ -74,6 +75,7 @@ impl Agent {
             stopped.clone(),
             "policy and pool upkeep",
             || async {
+                self.keep_session_started().await;
                 self.refresh_policy().await;
                 self.maintain_pools().await;
             },

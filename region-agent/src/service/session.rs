@@ -1,13 +1,14 @@
 //! This run of the agent, as the allocator knows it: an incarnation minted at start, started at the
-//! allocator before the first pool's terms are fetched, ended when the agent stops with every
-//! fallback admit reported.
+//! allocator as soon as it is reached (and always before a pool's terms are fetched), ended when
+//! the agent stops with every fallback admit reported.
 //!
 //! Why: an agent keeps its fallback count in memory. A run that crashes during a partition takes
 //! with it the fallback it admitted and had not reported, and the ledger never learns of it. A run
-//! with a state directory recovers it from the journal's claims. A run without one cannot; it asks
-//! the allocator how the previous run of its agent id ended, and if not cleanly, counts its
-//! allowance of the window it started in as used ([`crate::global::driver::take_over_window`]).
-//! It fails closed for the rest of that window (for a monthly pool, the month), never open.
+//! that restores its state directory's journal recovers it from the journal's claims. A run that
+//! cannot asks the allocator how the previous run of its agent id ended; the allocator answers
+//! with the start of the latest run that followed an unclean end, and a window containing it
+//! counts its allowance as used ([`crate::global::driver::take_over_window`]). It fails closed for
+//! the rest of that window (for a monthly pool, the month), never open.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,6 +75,7 @@ impl Agent {
                     .unwrap_or(AgentSessionStarted {
                         predecessor_ended_cleanly: false,
                         started_at_ms: self.session.started_at_ms,
+                        unclean_since_ms: Some(self.session.started_at_ms),
                     });
                 if !started.predecessor_ended_cleanly
                     && !self.session.journal_restored.load(Ordering::Relaxed)
@@ -89,18 +91,37 @@ impl Agent {
             .copied()
     }
 
-    /// What a holder created now takes over (with the ledger's count from the pool's terms).
+    /// Starts this run's session if it has not started yet (the upkeep round's step: a run whose
+    /// pools all came from its journal fetches no terms, yet must be known to the allocator before
+    /// it could crash unseen).
+    pub(super) async fn keep_session_started(&self) {
+        if self.session.started.initialized() {
+            return;
+        }
+        let Some(allocator) = self.allocator.clone() else {
+            return;
+        };
+        if let Err(error) = self.start_session(&allocator).await {
+            tracing::debug!(%error, "session not started yet");
+        }
+    }
+
+    /// What a holder created now, not restored from a journal, takes over (with the ledger's
+    /// count from the pool's terms): the latest instant a window may hold fallback admits nobody
+    /// reported, if any.
     pub(super) fn inherited(
         &self,
         ledger_fallback: Option<allot_shared::wire::FallbackInWindow>,
     ) -> Inherited {
-        let unclean = self
-            .session
-            .started
-            .get()
-            .is_none_or(|started| !started.predecessor_ended_cleanly);
-        let unclean_start_ms = (unclean && !self.session.journal_restored.load(Ordering::Relaxed))
-            .then_some(self.session.started_at_ms);
+        let unclean_start_ms = if self.session.journal_restored.load(Ordering::Relaxed) {
+            // The journal's claims cover the previous run, and that run's journal the one before.
+            None
+        } else {
+            match self.session.started.get() {
+                Some(started) => started.unclean_since_ms,
+                None => Some(self.session.started_at_ms),
+            }
+        };
         Inherited {
             ledger_fallback,
             unclean_start_ms,

@@ -39,8 +39,9 @@ pub struct Allocator {
     pub settle_debt_by_window: Mutex<HashMap<u64, u64>>,
     pub written_off_by_window: Mutex<HashMap<u64, u64>>,
     /// The agent's latest run as the session record keeps it: (incarnation, verdict given to it,
-    /// ended cleanly).
+    /// ended cleanly), and the start of the latest run that followed an unclean end.
     pub session: Mutex<Option<(String, bool, bool)>>,
+    pub unclean_since_ms: Mutex<Option<u64>>,
     /// Its clock (the agents' under test should read the same one).
     pub clock: Arc<dyn Clock>,
 }
@@ -62,6 +63,7 @@ impl Allocator {
             settle_debt_by_window: Mutex::new(HashMap::new()),
             written_off_by_window: Mutex::new(HashMap::new()),
             session: Mutex::new(None),
+            unclean_since_ms: Mutex::new(None),
             clock: Arc::new(SystemClock),
         })
     }
@@ -193,9 +195,19 @@ async fn session_start(
         Some((latest, verdict, _)) if *latest == incarnation => *verdict,
         Some((_, _, ended)) => *ended,
     };
-    *session = Some((incarnation, clean, false));
+    let retried = session
+        .as_ref()
+        .is_some_and(|(latest, _, _)| *latest == incarnation);
+    let mut unclean_since_ms = fake.unclean_since_ms.lock().expect("lock");
+    if !clean && !retried {
+        *unclean_since_ms = Some(fake.clock.now_ms());
+    }
+    if !retried {
+        *session = Some((incarnation, clean, false));
+    }
     Json(serde_json::json!({
         "predecessorEndedCleanly": clean, "startedAtMs": fake.clock.now_ms(),
+        "uncleanSinceMs": *unclean_since_ms,
     }))
     .into_response()
 }
