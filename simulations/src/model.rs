@@ -6,8 +6,9 @@
 //!
 //! What the model adds is only what the real system gets from its surroundings: time advancing in
 //! steps, a network that loses, duplicates, delays and reorders messages, an allocator failover
-//! (a deposed leader keeps serving until it notices), agent restarts from the state directory's
-//! journal, and the gateway's requests. Each of those is an action; the checker tries every order.
+//! (a deposed leader keeps serving until it notices), agent restarts (from the state directory's
+//! journal, or, without one, from what the ledger and the allocator's session record say), and
+//! the gateway's requests. Each of those is an action; the checker tries every order.
 //! Faults are bounded (a count of each) and happen before the *heal*; after it, every message is
 //! delivered before time moves on, so renewals must resume.
 //!
@@ -20,14 +21,16 @@
 //! Properties, per window of the allocator's clock: admitted tokens stay within
 //! [`OvershootBound`]; a token is spent only before its lease's end and inside its window; no grant
 //! from a stale epoch is held; a denial debits nothing; after the heal every renewal is answered
-//! within a step. [`Variant`]s break one guard each so a test can show the checker catches it.
+//! within a step; without a state directory, no region admits more than its allowance in
+//! fallback in a window, however often its agent restarts. [`Variant`]s break one guard each so a test can show the checker catches it.
 
 use std::collections::BTreeMap;
 
 use allot_allocator::grants::plan_batch;
 use allot_allocator::pools::GrantRecord;
 use allot_region_agent::global::driver::{
-    RenewalAnswer, RenewalAsk, finish_renewal, finish_report, start_renewal, start_report,
+    Inherited, RenewalAnswer, RenewalAsk, finish_renewal, finish_report, start_renewal,
+    start_report, take_over_window,
 };
 use allot_region_agent::global::{
     Denial, HolderConfig, HolderSnapshot, LeaseGrant, PoolHolder, Spend,
@@ -37,7 +40,7 @@ use allot_shared::lease::{
     GrantRequest, LeaseClamping, OvershootBound, PoolConfig, PoolConfigError, PoolWindowState,
 };
 use allot_shared::window::{CalendarUnit, CalendarWindow, WindowSpec};
-use allot_shared::wire::GrantAnswer;
+use allot_shared::wire::{FallbackInWindow, GrantAnswer};
 use stateright::{Model, Property};
 
 /// Most regions a model may have (the state grows with each).
@@ -66,6 +69,9 @@ pub enum Variant {
     /// An agent times a grant from when its answer arrives, as if it were new, rather than from
     /// its own ask with what was left of the lease when the allocator answered.
     RecoveredTimedFromReceipt,
+    /// An agent without a state directory, restarted after a crash, trusts the ledger's count of
+    /// its region's fallback, which misses what the crashed run admitted and never reported.
+    UncleanRestartTrusted,
 }
 
 /// A configuration to explore.
@@ -97,8 +103,11 @@ pub struct ModelConfig {
     pub duplicates: u8,
     /// Allocator failovers.
     pub failovers: u8,
-    /// Agent restarts (from the state directory's journal).
+    /// Agent restarts (crashes): from the state directory's journal, or without one.
     pub restarts: u8,
+    /// Whether agents keep a state directory (fallback within durable claims, restarts from the
+    /// journal); without one a restart starts from the ledger and the session record.
+    pub state_dir: bool,
     /// The tick from which nothing fails: no loss, duplicate, failover or restart, and every
     /// message is delivered before time moves on.
     pub heal_at_step: u32,
@@ -126,6 +135,7 @@ impl ModelConfig {
             duplicates: 0,
             failovers: 0,
             restarts: 0,
+            state_dir: true,
             heal_at_step: 2,
             variant: Variant::Shipped,
         }
@@ -216,8 +226,8 @@ impl LeaseModel {
             round_trip_ms: 20,
             // A renewal unanswered for a whole step counts as an unreachable allocator.
             renewal_patience_ms: config.step_ms,
-            // A state directory: fallback only within durable claims, one token at a time.
-            fallback_claim_block_tokens: 1,
+            // With a state directory: fallback only within durable claims, one token at a time.
+            fallback_claim_block_tokens: u64::from(config.state_dir),
             settle_debt_tokens: 0,
         };
         // Leases are clamped, grant records survive a failover (etcd), and nothing is settled.
@@ -279,6 +289,8 @@ pub enum Breach {
     RenewalUnansweredAfterHeal,
     /// A window that ended admitted more than the bound.
     OverBound,
+    /// A region admitted more than its allowance in fallback in a window.
+    FallbackOverAllowance,
 }
 
 impl Breach {
@@ -378,6 +390,11 @@ pub struct ModelState {
     restarts: u8,
     /// Tokens admitted per window (its start on the allocator's clock).
     admitted: BTreeMap<u64, u64>,
+    /// Without a state directory: tokens each region admitted in fallback per window, in truth
+    /// and as the ledger holds them (reported), by (window start, region). Kept only then, so
+    /// the configurations with one explore the states they always did.
+    fallback_admitted: BTreeMap<(u64, u8), u64>,
+    ledger_fallback: BTreeMap<(u64, u8), u64>,
     breaches: u8,
 }
 
@@ -417,7 +434,7 @@ pub enum Action {
     Duplicate(u8),
     /// The allocator fails over to a new leader of the next epoch.
     FailOver,
-    /// Region `r`'s agent crashes and restarts from its journal.
+    /// Region `r`'s agent crashes and restarts (from its journal, if it keeps a state directory).
     Restart(u8),
 }
 
@@ -584,6 +601,15 @@ impl LeaseModel {
                 // The agent's report round: what the allocator acknowledges is done with.
                 for part in start_report(&mut region.holder, now_ms) {
                     finish_report(&mut region.holder, &part, now_ms);
+                    if !self.config.state_dir {
+                        for line in &part.lines.fallback {
+                            let held = state
+                                .ledger_fallback
+                                .entry((line.window_start_ms, r as u8))
+                                .or_default();
+                            *held = (*held).max(line.admitted_tokens);
+                        }
+                    }
                 }
             }
             region.journal = region.holder.snapshot(None);
@@ -603,6 +629,12 @@ impl LeaseModel {
             over |= admitted > bound_tokens;
             start_ms >= current_start_ms
         });
+        state
+            .fallback_admitted
+            .retain(|&(start_ms, _), _| start_ms >= current_start_ms);
+        state
+            .ledger_fallback
+            .retain(|&(start_ms, _), _| start_ms >= current_start_ms);
         if over {
             state.breaches |= Breach::OverBound.bit();
         }
@@ -654,7 +686,19 @@ impl LeaseModel {
                 }
                 *state.admitted.entry(window_start_ms).or_default() += 1;
             }
-            Spend::Fallback { .. } => *state.admitted.entry(window_start_ms).or_default() += 1,
+            Spend::Fallback { .. } => {
+                *state.admitted.entry(window_start_ms).or_default() += 1;
+                if !self.config.state_dir {
+                    let admitted = state
+                        .fallback_admitted
+                        .entry((window_start_ms, r as u8))
+                        .or_default();
+                    *admitted += 1;
+                    if *admitted > self.config.fallback_per_region_tokens {
+                        state.breaches |= Breach::FallbackOverAllowance.bit();
+                    }
+                }
+            }
             Spend::Denied { .. } => {
                 let region = &mut state.regions[r];
                 let after = (
@@ -767,8 +811,33 @@ impl LeaseModel {
         let Some(region) = state.regions.get_mut(r) else {
             return;
         };
+        let now_ms = self.origin_ms + u64::from(state.step) * self.config.step_ms;
         let mut holder = PoolHolder::new(self.holder.clone());
-        holder.restore(&region.journal);
+        if self.config.state_dir {
+            holder.restore(&region.journal);
+        } else {
+            // A crash never ends the run's session: the new run is told so, and takes over the
+            // window from the ledger's count of its region's fallback.
+            let window_start_ms = self.pool.window_at(now_ms).start_ms;
+            let ledger_fallback =
+                state
+                    .ledger_fallback
+                    .get(&(window_start_ms, r as u8))
+                    .map(|&admitted_tokens| FallbackInWindow {
+                        window_start_ms,
+                        admitted_tokens,
+                    });
+            let unclean_start_ms =
+                (self.config.variant != Variant::UncleanRestartTrusted).then_some(now_ms);
+            take_over_window(
+                &mut holder,
+                Inherited {
+                    ledger_fallback,
+                    unclean_start_ms,
+                },
+                now_ms,
+            );
+        }
         region.holder = holder;
         region.reachable = true;
         region.highest_epoch_held = region.holder.highest_epoch();
@@ -810,6 +879,8 @@ impl Model for LeaseModel {
             failovers: self.config.failovers,
             restarts: self.config.restarts,
             admitted: BTreeMap::new(),
+            fallback_admitted: BTreeMap::new(),
+            ledger_fallback: BTreeMap::new(),
             breaches: 0,
         }]
     }
@@ -922,6 +993,9 @@ impl Model for LeaseModel {
             always(RESUMES_AFTER_HEAL, |m, s| {
                 m.keeps(Breach::RenewalUnansweredAfterHeal, s)
             }),
+            always(FALLBACK_WITHIN_ALLOWANCE, |m, s| {
+                m.keeps(Breach::FallbackOverAllowance, s)
+            }),
             Property::sometimes(REACHES_LIMIT, |model: &Self, state: &ModelState| {
                 state
                     .admitted
@@ -965,13 +1039,14 @@ impl LeaseModel {
 }
 
 /// The safety properties, each with the breach that breaks it.
-pub const SAFETY: [(&str, Breach); 6] = [
+pub const SAFETY: [(&str, Breach); 7] = [
     (WITHIN_BOUND, Breach::OverBound),
     (SPENT_IN_LEASE_LIFE, Breach::SpentPastLeaseEnd),
     (SPENT_IN_WINDOW, Breach::SpentOutsideWindow),
     (NO_STALE_EPOCH, Breach::StaleEpochHeld),
     (DENIAL_DEBITS_NOTHING, Breach::DenialDebited),
     (RESUMES_AFTER_HEAL, Breach::RenewalUnansweredAfterHeal),
+    (FALLBACK_WITHIN_ALLOWANCE, Breach::FallbackOverAllowance),
 ];
 
 /// Per window, admitted tokens stay within the overshoot bound.
@@ -986,6 +1061,8 @@ pub const NO_STALE_EPOCH: &str = "no stale epoch held";
 pub const DENIAL_DEBITS_NOTHING: &str = "a denial debits nothing";
 /// After the heal, every renewal is answered within a step.
 pub const RESUMES_AFTER_HEAL: &str = "renewals resume after the heal";
+/// Without a state directory, no region admits more than its allowance in fallback in a window.
+pub const FALLBACK_WITHIN_ALLOWANCE: &str = "fallback within the allowance";
 /// Coverage: some window admits its whole limit.
 pub const REACHES_LIMIT: &str = "a window admits its limit";
 /// Coverage: a grant of the failover's epoch is held.

@@ -8,8 +8,9 @@
 use std::time::Instant;
 
 use allot_simulations::model::{
-    ADMITS_IN_FALLBACK, HOLDS_AFTER_FAILOVER, LeaseModel, ModelConfig, ModelWindow, REACHES_LIMIT,
-    SAFETY, SPENT_IN_LEASE_LIFE, SPENT_IN_WINDOW, Variant, WITHIN_BOUND,
+    ADMITS_IN_FALLBACK, FALLBACK_WITHIN_ALLOWANCE, HOLDS_AFTER_FAILOVER, LeaseModel, ModelConfig,
+    ModelWindow, REACHES_LIMIT, SAFETY, SPENT_IN_LEASE_LIFE, SPENT_IN_WINDOW, Variant,
+    WITHIN_BOUND,
 };
 use stateright::{Checker, Model};
 
@@ -172,6 +173,40 @@ fn calendar_days_across_daylight_saving_keep_every_property() {
         "calendar day, loss",
         config,
         &[REACHES_LIMIT, ADMITS_IN_FALLBACK],
+    );
+}
+
+/// One region's agent without a state directory and a crash, in 4 s windows healed after 3 s: it
+/// can fall back (its renewal left unanswered), crash, come back and be cut off again within one
+/// window. (What a region admits in fallback is its own agent's doing: one region shows it.)
+fn stateless() -> ModelConfig {
+    ModelConfig {
+        window: ModelWindow::Fixed(4_000),
+        steps: 5,
+        heal_at_step: 3,
+        regions: 1,
+        losses: 1,
+        duplicates: 1,
+        restarts: 2,
+        state_dir: false,
+        ..ModelConfig::small()
+    }
+}
+
+#[test]
+fn a_restart_without_a_state_directory_keeps_every_property() {
+    holds(
+        "stateless restart",
+        stateless(),
+        &[REACHES_LIMIT, ADMITS_IN_FALLBACK],
+    );
+}
+
+#[test]
+fn a_restart_that_trusts_the_ledger_after_a_crash_is_caught() {
+    caught(
+        stateless().with_variant(Variant::UncleanRestartTrusted),
+        FALLBACK_WITHIN_ALLOWANCE,
     );
 }
 
