@@ -1,7 +1,8 @@
 //! A region cut off from the allocator for longer than a lease: it spends what its leases hold, then
 //! its pool's fallback allowance for the window (and says so), then denies until the window ends.
 //! After the allocator is back, the fallback admits reach the ledger and the window stays within
-//! its bound.
+//! its bound. An agent without a state directory killed while cut off does not get its allowance
+//! back in its next run.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -210,5 +211,132 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
     // Connected again, leases flow again and nothing comes from fallback.
     let d = agent.admit(&request(500)).await.expect("decision");
     assert!(d.allowed && !d.fallback, "{d:?}");
+    let _ = allocator.stop.send(());
+}
+
+/// An agent without a state directory, killed inside a partition, and its next run cut off again
+/// in the same window: the killed run's fallback admits never reached the ledger, yet the new run
+/// admits none, because the allocator's session record says the last run did not end cleanly. A
+/// later run that follows a clean end still admits none in that window: the clean end does not
+/// vouch for the crash before it. Real allocator on etcd, real agent service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_inside_a_partition_does_not_reopen_the_fallback_allowance() {
+    let etcd = EtcdCluster::single();
+    let endpoints = etcd.endpoints();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port");
+    let allocator = start_allocator(&endpoints, dir.path(), port).await;
+    let url = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
+    let pool = json!({ "limit": 1000, "windowMs": 3_600_000, "chunk": 10, "leaseTtlMs": 1000,
+                       "fallbackPerRegion": 20, "regions": ["eu", "us"] });
+    let put = http
+        .put(format!("{url}/v1/pools/atlas/api"))
+        .bearer_auth(OPERATOR)
+        .json(&pool)
+        .send()
+        .await
+        .expect("put");
+    assert_eq!(put.status(), 200);
+    let run = || {
+        let bundle = allot_shared::policy::parse_bundle(
+            &json!({ "rules": [{ "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" }] })
+                .to_string(),
+        )
+        .and_then(|d| d.into_file_bundle())
+        .expect("bundle");
+        let clock = Arc::new(SystemClock);
+        let limiter = Limiter::new(
+            Arc::new(InProcessStore::new(clock.clone(), 1_000)),
+            LimiterConfig::default(),
+        )
+        .expect("limiter");
+        Agent::new(
+            AgentSettings::new(
+                RegionId::parse("eu").expect("region"),
+                allot_shared::ids::AgentId::parse("eu-1").expect("agent id"),
+                Pepper::new(b"partition-pepper-0123".to_vec()).expect("pepper"),
+            ),
+            clock,
+            limiter,
+            Some(Arc::new(
+                AllocatorClient::new(vec![url.clone()], AGENT.to_owned()).expect("client"),
+            )),
+            Some(bundle),
+        )
+    };
+    // Cut off past every lease's end, `agent` admits what it can: how many in fallback.
+    let fallback_admits = async |agent: &Arc<Agent>, from: usize| {
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        let mut admitted = 0;
+        for n in from..from + 30 {
+            let d = agent.admit(&request(n)).await.expect("decision");
+            assert!(
+                d.fallback,
+                "cut off, every decision is the fallback's: {d:?}"
+            );
+            admitted += u64::from(d.allowed);
+        }
+        admitted
+    };
+
+    // The first run leases, is cut off, admits its whole allowance in fallback, and is killed.
+    let first = run();
+    assert!(first.admit(&request(0)).await.expect("decision").allowed);
+    let _ = allocator.stop.send(());
+    let _ = allocator.task.await;
+    assert_eq!(fallback_admits(&first, 100).await, 20);
+    drop(first);
+
+    // The next run starts while the allocator is back, then is cut off again in the same window.
+    let allocator = start_allocator(&endpoints, dir.path(), port).await;
+    let second = run();
+    let d = second.admit(&request(200)).await.expect("decision");
+    assert!(d.allowed && !d.fallback, "leases flow: {d:?}");
+    let _ = allocator.stop.send(());
+    let _ = allocator.task.await;
+    assert_eq!(
+        fallback_admits(&second, 300).await,
+        0,
+        "the killed run's unreported fallback counts as used"
+    );
+
+    // The second run stops cleanly: its reports reach the ledger and its session ends.
+    let allocator = start_allocator(&endpoints, dir.path(), port).await;
+    second.send_reports().await;
+    assert!(
+        second.end_session().await,
+        "nothing unreported: a clean end"
+    );
+    drop(second);
+    let third = run();
+    assert!(third.admit(&request(400)).await.expect("decision").allowed);
+    let _ = allocator.stop.send(());
+    let _ = allocator.task.await;
+    assert_eq!(
+        fallback_admits(&third, 500).await,
+        0,
+        "a clean end does not vouch for the crash earlier in the window"
+    );
+    drop(third);
+
+    // The ledger never learnt the killed run's admits: only the session record stood for them.
+    let allocator = start_allocator(&endpoints, dir.path(), port).await;
+    let windows: Value = http
+        .get(format!("{url}/v1/pools/atlas/api/windows?last=1"))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("windows")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(windows["windows"][0]["fallbackAdmitted"], 0, "{windows}");
     let _ = allocator.stop.send(());
 }

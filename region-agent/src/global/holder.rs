@@ -344,6 +344,9 @@ struct FallbackCount {
     /// Allowance an earlier incarnation of this agent may have admitted without the journal
     /// showing it (it claimed it durably): counted as used, never reported.
     unknown_tokens: u64,
+    /// Allowance counted as used because an earlier run of the agent ended uncleanly and left no
+    /// journal (the allocator keeps that fact for every later run: this run owes no report of it).
+    presumed_tokens: u64,
     /// Durably claimed for this window (with claims on): admits + reservations + unknown stay
     /// within it.
     claimed_tokens: u64,
@@ -352,7 +355,7 @@ struct FallbackCount {
 impl FallbackCount {
     /// Allowance taken: admitted, reserved, or possibly admitted before a restart.
     fn used_tokens(&self) -> u64 {
-        self.admitted_tokens + self.reserved_tokens + self.unknown_tokens
+        self.admitted_tokens + self.reserved_tokens + self.unknown_tokens + self.presumed_tokens
     }
 }
 
@@ -1326,7 +1329,7 @@ impl PoolHolder {
             .map(|(&window_start_ms, count)| JournaledFallback {
                 window_start_ms,
                 admitted_tokens: count.admitted_tokens,
-                used_tokens: count.admitted_tokens + count.unknown_tokens,
+                used_tokens: count.admitted_tokens + count.unknown_tokens + count.presumed_tokens,
                 claimed_tokens: count.claimed_tokens,
             })
             .collect();
@@ -1595,12 +1598,13 @@ impl PoolHolder {
         let allowance = self.config.fallback_per_region_tokens;
         let count = self.fallback.entry(window_start_ms).or_default();
         let used = count.used_tokens();
-        count.unknown_tokens += allowance.saturating_sub(used);
+        count.presumed_tokens += allowance.saturating_sub(used);
         debug_assert!(count.used_tokens() >= allowance, "the allowance is used up");
     }
 
     /// Whether every fallback admit of windows starting at or after `window_start_ms` is reported
-    /// and none is reserved or of unknown fate: what the ledger holds of them is all there is.
+    /// and none is reserved or of unknown fate: what the ledger holds of them, with what the
+    /// allocator already knows was presumed, is all there is.
     pub fn fallback_settled_from(&self, window_start_ms: u64) -> bool {
         self.fallback.range(window_start_ms..).all(|(_, count)| {
             count.admitted_tokens == count.reported_tokens
