@@ -12,6 +12,19 @@ fn pool_body() -> Value {
             "fallbackPerRegion": 100, "regions": ["eu", "us"] })
 }
 
+/// An answer's status and JSON body; an error must be problem+json.
+async fn status_and_body(response: reqwest::Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    if status != 200 {
+        assert_eq!(
+            response.headers()["content-type"],
+            "application/problem+json",
+            "errors are problem+json"
+        );
+    }
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
 impl Server {
     async fn put_pool(&self, path: &str, token: &str, body: String) -> (u16, Value) {
         let response = self
@@ -23,15 +36,19 @@ impl Server {
             .send()
             .await
             .expect("send");
-        let status = response.status().as_u16();
-        if status != 200 {
-            assert_eq!(
-                response.headers()["content-type"],
-                "application/problem+json",
-                "errors are problem+json"
-            );
-        }
-        (status, response.json().await.unwrap_or(Value::Null))
+        status_and_body(response).await
+    }
+
+    async fn post(&self, path: &str, token: &str, body: &Value) -> (u16, Value) {
+        let response = self
+            .client
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(token)
+            .json(body)
+            .send()
+            .await
+            .expect("send");
+        status_and_body(response).await
     }
 
     async fn get(&self, path: &str, token: &str) -> (u16, Value) {
@@ -868,25 +885,10 @@ async fn calendar_pools_grant_within_the_local_month() {
 async fn agent_sessions_say_how_the_last_run_ended() {
     let server = start().await;
     let call = async |path: &'static str, token: &'static str, body: Value| {
-        let response = server
-            .client
-            .post(format!("{}{path}", server.url))
-            .bearer_auth(token)
-            .json(&body)
-            .send()
-            .await
-            .expect("send");
-        let status = response.status().as_u16();
-        if status != 200 {
-            assert_eq!(
-                response.headers()["content-type"],
-                "application/problem+json",
-                "errors are problem+json"
-            );
-        }
+        let (status, body) = server.post(path, token, &body).await;
         Answered {
             status,
-            body: response.json().await.unwrap_or(Value::Null),
+            body,
             location: None,
         }
     };

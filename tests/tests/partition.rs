@@ -94,22 +94,67 @@ fn request(n: usize) -> AdmissionRequest {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
-    let etcd = EtcdCluster::single();
-    let endpoints = etcd.endpoints();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port");
-    let allocator = start_allocator(&endpoints, dir.path(), port).await;
-    let url = format!("http://127.0.0.1:{port}");
-    let http = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(5))
-        .build()
-        .expect("http client");
-    // An hour-long window, 1 s leases, 20 tokens of fallback per region.
+/// One etcd, an allocator that can be stopped and started again on the same port (same store,
+/// same ledger), and the pool `atlas/api`.
+struct Stage {
+    _etcd: EtcdCluster,
+    endpoints: Vec<String>,
+    dir: tempfile::TempDir,
+    port: u16,
+    url: String,
+    http: reqwest::Client,
+}
+
+impl Stage {
+    async fn start() -> (Self, RunningAllocator) {
+        let etcd = EtcdCluster::single();
+        let endpoints = etcd.endpoints();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("free port");
+        let allocator = start_allocator(&endpoints, dir.path(), port).await;
+        let url = format!("http://127.0.0.1:{port}");
+        let http = reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(5))
+            .build()
+            .expect("http client");
+        configure_pool(&http, &url).await;
+        let stage = Self {
+            _etcd: etcd,
+            endpoints,
+            dir,
+            port,
+            url,
+            http,
+        };
+        (stage, allocator)
+    }
+
+    /// The allocator back after a stop.
+    async fn restart_allocator(&self) -> RunningAllocator {
+        start_allocator(&self.endpoints, self.dir.path(), self.port).await
+    }
+
+    /// The ledger's row of the current window.
+    async fn current_window(&self) -> Value {
+        let windows: Value = self
+            .http
+            .get(format!("{}/v1/pools/atlas/api/windows?last=1", self.url))
+            .bearer_auth(OPERATOR)
+            .send()
+            .await
+            .expect("windows")
+            .json()
+            .await
+            .expect("json");
+        windows["windows"][0].clone()
+    }
+}
+
+/// An hour-long window, 1 s leases, 20 tokens of fallback per region: `atlas/api` at `url`.
+async fn configure_pool(http: &reqwest::Client, url: &str) {
     let pool = json!({ "limit": 1000, "windowMs": 3_600_000, "chunk": 10, "leaseTtlMs": 1000,
                        "fallbackPerRegion": 20, "regions": ["eu", "us"] });
     let put = http
@@ -120,6 +165,11 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
         .await
         .expect("put");
     assert_eq!(put.status(), 200);
+}
+
+/// A run of agent `eu-1` (no state directory) with one global rule on `atlas/api`, taking leases
+/// from the allocator at `url`.
+fn agent_run(url: &str) -> Arc<Agent> {
     let bundle = allot_shared::policy::parse_bundle(
         &json!({ "rules": [{ "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" }] })
             .to_string(),
@@ -132,7 +182,7 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
         LimiterConfig::default(),
     )
     .expect("limiter");
-    let agent = Agent::new(
+    Agent::new(
         AgentSettings::new(
             RegionId::parse("eu").expect("region"),
             allot_shared::ids::AgentId::parse("eu-1").expect("agent id"),
@@ -141,10 +191,17 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
         clock,
         limiter,
         Some(Arc::new(
-            AllocatorClient::new(vec![url.clone()], AGENT.to_owned()).expect("client"),
+            AllocatorClient::new(vec![url.to_owned()], AGENT.to_owned()).expect("client"),
         )),
         Some(bundle),
-    );
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
+    let (stage, allocator) = Stage::start().await;
+    let url = stage.url.clone();
+    let agent = agent_run(&url);
 
     // Connected: leases flow.
     let mut leased = 0;
@@ -187,18 +244,9 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
     assert!(!agent.allocator_reachable());
 
     // Healed: the allocator is back (same etcd, same ledger); the agent reports.
-    let allocator = start_allocator(&endpoints, dir.path(), port).await;
+    let allocator = stage.restart_allocator().await;
     agent.send_reports().await;
-    let windows: Value = http
-        .get(format!("{url}/v1/pools/atlas/api/windows?last=1"))
-        .bearer_auth(OPERATOR)
-        .send()
-        .await
-        .expect("windows")
-        .json()
-        .await
-        .expect("json");
-    let row = &windows["windows"][0];
+    let row = &stage.current_window().await;
     assert_eq!(row["fallbackAdmitted"], 20, "{row}");
     assert_eq!(row["fallbackAdmittedByRegion"]["eu"], 20);
     assert_eq!(row["spent"], leased, "{row}");
@@ -221,56 +269,9 @@ async fn a_cut_off_region_spends_its_leases_then_its_fallback_then_denies() {
 /// vouch for the crash before it. Real allocator on etcd, real agent service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_inside_a_partition_does_not_reopen_the_fallback_allowance() {
-    let etcd = EtcdCluster::single();
-    let endpoints = etcd.endpoints();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port");
-    let allocator = start_allocator(&endpoints, dir.path(), port).await;
-    let url = format!("http://127.0.0.1:{port}");
-    let http = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(5))
-        .build()
-        .expect("http client");
-    let pool = json!({ "limit": 1000, "windowMs": 3_600_000, "chunk": 10, "leaseTtlMs": 1000,
-                       "fallbackPerRegion": 20, "regions": ["eu", "us"] });
-    let put = http
-        .put(format!("{url}/v1/pools/atlas/api"))
-        .bearer_auth(OPERATOR)
-        .json(&pool)
-        .send()
-        .await
-        .expect("put");
-    assert_eq!(put.status(), 200);
-    let run = || {
-        let bundle = allot_shared::policy::parse_bundle(
-            &json!({ "rules": [{ "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed" }] })
-                .to_string(),
-        )
-        .and_then(|d| d.into_file_bundle())
-        .expect("bundle");
-        let clock = Arc::new(SystemClock);
-        let limiter = Limiter::new(
-            Arc::new(InProcessStore::new(clock.clone(), 1_000)),
-            LimiterConfig::default(),
-        )
-        .expect("limiter");
-        Agent::new(
-            AgentSettings::new(
-                RegionId::parse("eu").expect("region"),
-                allot_shared::ids::AgentId::parse("eu-1").expect("agent id"),
-                Pepper::new(b"partition-pepper-0123".to_vec()).expect("pepper"),
-            ),
-            clock,
-            limiter,
-            Some(Arc::new(
-                AllocatorClient::new(vec![url.clone()], AGENT.to_owned()).expect("client"),
-            )),
-            Some(bundle),
-        )
-    };
+    let (stage, allocator) = Stage::start().await;
+    let url = stage.url.clone();
+    let run = || agent_run(&url);
     // Cut off past every lease's end, `agent` admits what it can: how many in fallback.
     let fallback_admits = async |agent: &Arc<Agent>, from: usize| {
         tokio::time::sleep(Duration::from_millis(1_200)).await;
@@ -295,7 +296,7 @@ async fn a_crash_inside_a_partition_does_not_reopen_the_fallback_allowance() {
     drop(first);
 
     // The next run starts while the allocator is back, then is cut off again in the same window.
-    let allocator = start_allocator(&endpoints, dir.path(), port).await;
+    let allocator = stage.restart_allocator().await;
     let second = run();
     let d = second.admit(&request(200)).await.expect("decision");
     assert!(d.allowed && !d.fallback, "leases flow: {d:?}");
@@ -308,7 +309,7 @@ async fn a_crash_inside_a_partition_does_not_reopen_the_fallback_allowance() {
     );
 
     // The second run stops cleanly: its reports reach the ledger and its session ends.
-    let allocator = start_allocator(&endpoints, dir.path(), port).await;
+    let allocator = stage.restart_allocator().await;
     second.send_reports().await;
     assert!(
         second.end_session().await,
@@ -327,16 +328,8 @@ async fn a_crash_inside_a_partition_does_not_reopen_the_fallback_allowance() {
     drop(third);
 
     // The ledger never learnt the killed run's admits: only the session record stood for them.
-    let allocator = start_allocator(&endpoints, dir.path(), port).await;
-    let windows: Value = http
-        .get(format!("{url}/v1/pools/atlas/api/windows?last=1"))
-        .bearer_auth(OPERATOR)
-        .send()
-        .await
-        .expect("windows")
-        .json()
-        .await
-        .expect("json");
-    assert_eq!(windows["windows"][0]["fallbackAdmitted"], 0, "{windows}");
+    let allocator = stage.restart_allocator().await;
+    let row = stage.current_window().await;
+    assert_eq!(row["fallbackAdmitted"], 0, "{row}");
     let _ = allocator.stop.send(());
 }

@@ -19,9 +19,7 @@ pub async fn post_session_start(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let credential = authorize(&state, &headers, Needs::Agent)?;
-    let session: AgentSession = parse_json(&headers, &body)?;
-    check_region(&credential, &session.region)?;
+    let session = agent_session(&state, &headers, &body)?;
     let now_ms = state.clock.now_ms();
     let started = state.ledger.start_agent_session(&session, now_ms).await?;
     // A retried start is answered as first recorded, with its own start time: counted once.
@@ -44,12 +42,22 @@ pub async fn post_session_end(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let credential = authorize(&state, &headers, Needs::Agent)?;
-    let session: AgentSession = parse_json(&headers, &body)?;
-    check_region(&credential, &session.region)?;
+    let session = agent_session(&state, &headers, &body)?;
     let ended = state
         .ledger
         .end_agent_session(&session, state.clock.now_ms())
         .await?;
     Ok(json_response(StatusCode::OK, &AgentSessionEnded { ended }))
+}
+
+/// The session a request's body names, from an agent of its region.
+fn agent_session(
+    state: &ApiState,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<AgentSession, ApiError> {
+    let credential = authorize(state, headers, Needs::Agent)?;
+    let session: AgentSession = parse_json(headers, body)?;
+    check_region(&credential, &session.region)?;
+    Ok(session)
 }

@@ -62,31 +62,24 @@ impl Ledger {
         now_ms: u64,
     ) -> Result<AgentSessionStarted, LedgerError> {
         let (region, agent, incarnation) = texts(session);
+        // One statement for either database: only the placeholders' spelling differs.
+        macro_rules! start {
+            ($sql:expr, $pool:expr) => {
+                sqlx::query_as($sql)
+                    .bind(&region)
+                    .bind(&agent)
+                    .bind(&incarnation)
+                    .bind(i64_of(now_ms))
+                    .bind(&region)
+                    .bind(&region)
+                    .bind(i64_of(now_ms))
+                    .fetch_one($pool)
+                    .await?
+            };
+        }
         let started: Started = match &self.database {
-            Database::Sqlite(pool) => {
-                sqlx::query_as(&for_sqlite(START_SQL))
-                    .bind(&region)
-                    .bind(&agent)
-                    .bind(&incarnation)
-                    .bind(i64_of(now_ms))
-                    .bind(&region)
-                    .bind(&region)
-                    .bind(i64_of(now_ms))
-                    .fetch_one(pool)
-                    .await?
-            }
-            Database::Postgres(pool) => {
-                sqlx::query_as(START_SQL)
-                    .bind(&region)
-                    .bind(&agent)
-                    .bind(&incarnation)
-                    .bind(i64_of(now_ms))
-                    .bind(&region)
-                    .bind(&region)
-                    .bind(i64_of(now_ms))
-                    .fetch_one(pool)
-                    .await?
-            }
+            Database::Sqlite(pool) => start!(&for_sqlite(START_SQL), pool),
+            Database::Postgres(pool) => start!(START_SQL, pool),
         };
         Ok(AgentSessionStarted {
             predecessor_ended_cleanly: started.predecessor_ended == 1,
@@ -103,23 +96,21 @@ impl Ledger {
         now_ms: u64,
     ) -> Result<bool, LedgerError> {
         let (region, agent, incarnation) = texts(session);
+        macro_rules! end {
+            ($sql:expr, $pool:expr) => {
+                sqlx::query($sql)
+                    .bind(i64_of(now_ms))
+                    .bind(&region)
+                    .bind(&agent)
+                    .bind(&incarnation)
+                    .execute($pool)
+                    .await?
+                    .rows_affected()
+            };
+        }
         let ended = match &self.database {
-            Database::Sqlite(pool) => sqlx::query(&for_sqlite(END_SQL))
-                .bind(i64_of(now_ms))
-                .bind(&region)
-                .bind(&agent)
-                .bind(&incarnation)
-                .execute(pool)
-                .await?
-                .rows_affected(),
-            Database::Postgres(pool) => sqlx::query(END_SQL)
-                .bind(i64_of(now_ms))
-                .bind(&region)
-                .bind(&agent)
-                .bind(&incarnation)
-                .execute(pool)
-                .await?
-                .rows_affected(),
+            Database::Sqlite(pool) => end!(&for_sqlite(END_SQL), pool),
+            Database::Postgres(pool) => end!(END_SQL, pool),
         };
         Ok(ended == 1)
     }
