@@ -378,13 +378,15 @@ pub async fn get_grant(
     }
 }
 
-/// Reads a pool's grant records (at most [`MAX_PREFIX_KEYS`]).
+/// Reads a pool's grant records, the newest first (at most [`MAX_PREFIX_KEYS`]: lease ids sort by
+/// time, so a pool with more records in the store loses its oldest from the listing, never the
+/// grants a new leader's ledger round must copy).
 pub async fn list_grants(
     kv: &dyn Kv,
     tenant: &TenantId,
     pool: &PoolId,
 ) -> Result<Vec<GrantRecord>, PoolStoreError> {
-    kv.get_prefix(&grant_prefix(tenant, pool), MAX_PREFIX_KEYS)
+    kv.get_prefix_newest(&grant_prefix(tenant, pool), MAX_PREFIX_KEYS)
         .await?
         .into_iter()
         .map(|(key, value)| decode(&key, &value.value))

@@ -117,6 +117,15 @@ async fn contract(kv: &dyn Kv) {
         .collect();
     assert_eq!(keys, vec!["/c/p/1", "/c/p/2", "/c/p/3"]);
     assert_eq!(kv.get_prefix("/c/p/", 2).await.expect("prefix").len(), 2);
+    // Newest first: the last keys in key order, and a limit that keeps those, not the first.
+    let newest: Vec<String> = kv
+        .get_prefix_newest("/c/p/", 2)
+        .await
+        .expect("prefix")
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert_eq!(newest, vec!["/c/p/3", "/c/p/2"]);
 
     // Deletes.
     kv.txn(

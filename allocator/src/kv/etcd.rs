@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare as EtcdCompare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp,
+    Client, Compare as EtcdCompare, CompareOp, ConnectOptions, GetOptions, PutOptions, SortOrder,
+    SortTarget, Txn, TxnOp,
 };
 
 use super::{Compare, Kv, KvError, Op, TxnOutcome, Versioned};
@@ -77,6 +78,30 @@ impl Kv for EtcdKv {
         let mut kv = self.client.kv_client();
         let limit = i64::try_from(limit.min(super::MAX_PREFIX_KEYS)).unwrap_or(i64::MAX);
         let options = GetOptions::new().with_prefix().with_limit(limit);
+        let response = within(None, kv.get(prefix, Some(options))).await?;
+        Ok(response
+            .kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    to_versioned(kv),
+                )
+            })
+            .collect())
+    }
+
+    async fn get_prefix_newest(
+        &self,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, Versioned)>, KvError> {
+        let mut kv = self.client.kv_client();
+        let limit = i64::try_from(limit.min(super::MAX_PREFIX_KEYS)).unwrap_or(i64::MAX);
+        let options = GetOptions::new()
+            .with_prefix()
+            .with_limit(limit)
+            .with_sort(SortTarget::Key, SortOrder::Descend);
         let response = within(None, kv.get(prefix, Some(options))).await?;
         Ok(response
             .kvs()

@@ -126,6 +126,25 @@ impl Kv for MemoryKv {
             .collect())
     }
 
+    async fn get_prefix_newest(
+        &self,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, Versioned)>, KvError> {
+        let state = self.lock();
+        let matching: Vec<(&String, &Entry)> = state
+            .entries
+            .range(prefix.to_owned()..)
+            .take_while(|(key, _)| key.starts_with(prefix))
+            .collect();
+        Ok(matching
+            .into_iter()
+            .rev()
+            .take(limit.min(super::MAX_PREFIX_KEYS))
+            .map(|(key, entry)| (key.clone(), versioned(entry)))
+            .collect())
+    }
+
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> Result<TxnOutcome, KvError> {
         if compares.len() > super::MAX_TXN_OPS || ops.len() > super::MAX_TXN_OPS {
             return Err(KvError::Refused(

@@ -104,6 +104,14 @@ pub trait Kv: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<(String, Versioned)>, KvError>;
 
+    /// Reads up to `limit` keys starting with `prefix`, the last in key order first: where keys
+    /// sort by time (UUID v7 lease ids), the newest, which a capped listing must not drop.
+    async fn get_prefix_newest(
+        &self,
+        prefix: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, Versioned)>, KvError>;
+
     /// Applies `ops` atomically if every compare holds.
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> Result<TxnOutcome, KvError>;
 
