@@ -33,8 +33,7 @@ pub mod subleases;
 pub mod together;
 pub mod upkeep;
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use allot_shared::policy::PolicyBundle;
@@ -56,7 +55,6 @@ pub use settings::{
 use crate::allocator_client::AllocatorClient;
 use crate::clock::Clock;
 use crate::limiter::Limiter;
-use pools::{Lookup, PoolKey, PoolSlots};
 
 /// Why a request could not even be decided: the field at fault.
 pub type RequestRejected = allot_shared::FieldError;
@@ -68,11 +66,8 @@ pub struct Agent {
     bundle: bundle::BundleSlot,
     limiter: Limiter,
     allocator: Option<Arc<AllocatorClient>>,
-    pools: Mutex<PoolSlots>,
-    /// Pools being looked up, or recently not found (at most [`MAX_POOLS`]).
-    lookups: Mutex<HashMap<PoolKey, Lookup>>,
-    /// Report lines dropped by holders since forgotten (the live ones count their own).
-    dropped_reports_of_evicted: AtomicU64,
+    /// The pools held and their lookups.
+    pools: pools::PoolRegistry,
     /// Where the next report round starts, so a round cut short does not starve the same pools.
     report_cursor: AtomicUsize,
     reachable: AtomicBool,
@@ -115,9 +110,7 @@ impl Agent {
             clock,
             limiter,
             allocator,
-            pools: Mutex::new(PoolSlots::default()),
-            lookups: Mutex::new(HashMap::new()),
-            dropped_reports_of_evicted: AtomicU64::new(0),
+            pools: pools::PoolRegistry::default(),
             report_cursor: AtomicUsize::new(0),
             reachable: AtomicBool::new(true),
             decision_log: std::sync::OnceLock::new(),
@@ -208,8 +201,8 @@ impl Agent {
         } else {
             0.0
         });
-        let pools = lock(&self.pools);
-        let mut dropped = self.dropped_reports_of_evicted.load(Ordering::Relaxed);
+        let pools = self.pools.slots();
+        let mut dropped = self.pools.dropped_reports_of_evicted();
         for ((tenant, pool), slot) in pools.iter() {
             let holder = lock(&slot.holder);
             dropped += holder.dropped_reports();
@@ -239,7 +232,7 @@ impl Agent {
 
     /// Pools held now (with terms), and pools being looked up or recently not found.
     pub fn pool_counts(&self) -> (usize, usize) {
-        (lock(&self.pools).len(), lock(&self.lookups).len())
+        self.pools.counts()
     }
 
     /// The regional limiter's counters.

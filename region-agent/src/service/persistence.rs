@@ -132,7 +132,7 @@ impl Agent {
             let Some(config) = self.holder_config(&saved.terms) else {
                 continue;
             };
-            let mut pools = lock(&self.pools);
+            let mut pools = self.pools.slots();
             if pools.len() >= super::pools::MAX_POOLS {
                 break;
             }
@@ -219,7 +219,7 @@ impl Agent {
     /// The journal as of now, with `claims` (slot, (window start, claimed tokens)) added. Taken
     /// under the writer, so a later snapshot holds every claim made durable before it.
     fn journal(&self, claims: &[(Arc<PoolSlot>, (u64, u64))]) -> Journal {
-        let slots = lock(&self.pools).snapshot();
+        let slots = self.pools.snapshot();
         let pools = slots
             .into_iter()
             .map(|((tenant, pool), slot)| {

@@ -201,6 +201,55 @@ pub(super) struct PoolSlots {
     pub(super) len: usize,
 }
 
+/// The pools an agent holds, the lookups of pools' terms under way or remembered, and the report
+/// lines of pools forgotten since. Lock order: lookups before slots, and a slot's own locks after
+/// both.
+#[derive(Default)]
+pub(super) struct PoolRegistry {
+    slots: Mutex<PoolSlots>,
+    /// Pools being looked up, or recently not found (at most [`MAX_POOLS`]).
+    lookups: Mutex<HashMap<PoolKey, Lookup>>,
+    /// Report lines dropped by holders since forgotten (the live ones count their own).
+    dropped_reports_of_evicted: AtomicU64,
+}
+
+impl PoolRegistry {
+    pub(super) fn slots(&self) -> std::sync::MutexGuard<'_, PoolSlots> {
+        lock(&self.slots)
+    }
+
+    pub(super) fn lookups(&self) -> std::sync::MutexGuard<'_, HashMap<PoolKey, Lookup>> {
+        lock(&self.lookups)
+    }
+
+    /// The slot of `tenant`'s `pool`, if held.
+    pub(super) fn get(&self, tenant: &TenantId, pool: &PoolId) -> Option<Arc<PoolSlot>> {
+        self.slots().get(tenant, pool).cloned()
+    }
+
+    /// Every slot with its key, for work done outside the lock.
+    pub(super) fn snapshot(&self) -> Vec<(PoolKey, Arc<PoolSlot>)> {
+        self.slots().snapshot()
+    }
+
+    /// A forgotten holder had dropped `lines` report lines.
+    pub(super) fn note_evicted_drops(&self, lines: u64) {
+        self.dropped_reports_of_evicted
+            .fetch_add(lines, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Report lines dropped by holders since forgotten.
+    pub(super) fn dropped_reports_of_evicted(&self) -> u64 {
+        self.dropped_reports_of_evicted
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Pools held, and pools being looked up or recently not found.
+    pub(super) fn counts(&self) -> (usize, usize) {
+        (self.slots().len(), self.lookups().len())
+    }
+}
+
 impl PoolSlots {
     pub(super) fn get(&self, tenant: &TenantId, pool: &PoolId) -> Option<&Arc<PoolSlot>> {
         self.by_tenant.get(tenant)?.get(pool)
@@ -257,7 +306,7 @@ impl Agent {
     /// The length of the window of `tenant`'s pool `pool` in force now, ms, when the agent holds
     /// the pool (no fetch: for what a caller is told of a decision already made).
     pub fn pool_window_ms(&self, tenant: &TenantId, pool: &PoolId) -> Option<u64> {
-        let slot = lock(&self.pools).get(tenant, pool)?.clone();
+        let slot = self.pools.get(tenant, pool)?;
         let now_ms = self.clock.now_ms();
         let length_ms = lock(&slot.holder)
             .config()
@@ -279,15 +328,15 @@ impl Agent {
         tenant: &TenantId,
         pool: &PoolId,
     ) -> Option<Arc<PoolSlot>> {
-        if let Some(slot) = lock(&self.pools).get(tenant, pool) {
+        if let Some(slot) = self.pools.slots().get(tenant, pool) {
             return Some(slot.clone());
         }
         let allocator = self.allocator.clone()?;
         let key = (tenant.clone(), pool.clone());
         let mut fetched = {
-            let mut lookups = lock(&self.lookups);
+            let mut lookups = self.pools.lookups();
             // The fetch may have finished since the first look (it installs, then forgets).
-            if let Some(slot) = lock(&self.pools).get(tenant, pool) {
+            if let Some(slot) = self.pools.slots().get(tenant, pool) {
                 return Some(slot.clone());
             }
             let now_ms = self.clock.now_ms();
@@ -313,7 +362,7 @@ impl Agent {
         // Ends when the fetch's sender is dropped; the fetch goes on without a caller who stops
         // waiting.
         let _ = tokio::time::timeout(FIRST_GRANT_WAIT, fetched.changed()).await;
-        lock(&self.pools).get(tenant, pool).cloned()
+        self.pools.get(tenant, pool)
     }
 
     /// Fetches a pool's terms and installs its slot, or remembers why not. Dropping `done` wakes
@@ -347,7 +396,7 @@ impl Agent {
                 let fallback_in_window = terms.fallback_in_window.take();
                 match self.holder_config(&terms) {
                     Some(config) => {
-                        let mut pools = lock(&self.pools);
+                        let mut pools = self.pools.slots();
                         if pools.len() < MAX_POOLS {
                             let inherited = self.inherited(fallback_in_window);
                             pools.get_or_insert_with(key.clone(), || {
@@ -390,7 +439,7 @@ impl Agent {
                 Some(TERMS_RETRY_MS)
             }
         };
-        let mut lookups = lock(&self.lookups);
+        let mut lookups = self.pools.lookups();
         match retry_in_ms {
             None => lookups.remove(&key),
             Some(retry_ms) => lookups.insert(

@@ -16,7 +16,7 @@ impl Agent {
         let Some(allocator) = self.allocator.as_ref() else {
             return;
         };
-        let mut slots = lock(&self.pools).snapshot();
+        let mut slots = self.pools.snapshot();
         if slots.is_empty() {
             return;
         }

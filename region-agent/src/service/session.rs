@@ -137,11 +137,7 @@ impl Agent {
             return false;
         };
         let now_ms = self.clock.now_ms();
-        let slots: Vec<_> = lock(&self.pools)
-            .iter()
-            .map(|(_, slot)| slot.clone())
-            .collect();
-        let settled = slots.iter().all(|slot| {
+        let settled = self.pools.snapshot().iter().all(|(_, slot)| {
             let current_start_ms = slot.window_at(now_ms).start_ms;
             lock(&slot.holder).fallback_settled_from(current_start_ms)
         });

@@ -19,10 +19,10 @@ impl Agent {
     /// [`MAX_TERMS_REFRESH_PER_ROUND`] per call), so pool updates reach the holders.
     pub async fn maintain_pools(&self) {
         let now_ms = self.clock.now_ms();
-        let slots = lock(&self.pools).snapshot();
+        let slots = self.pools.snapshot();
         let mut stale = Vec::new();
         for (key, slot) in slots {
-            let mut pools = lock(&self.pools);
+            let mut pools = self.pools.slots();
             let mut holder = lock(&slot.holder);
             let current = pools
                 .get(&key.0, &key.1)
@@ -35,8 +35,7 @@ impl Agent {
                 && lock(&slot.written_off).may_forget(window_start_ms)
             {
                 slot.evicted.store(true, Ordering::Release);
-                self.dropped_reports_of_evicted
-                    .fetch_add(holder.dropped_reports(), Ordering::Relaxed);
+                self.pools.note_evicted_drops(holder.dropped_reports());
                 pools.remove(&key);
                 continue;
             }
