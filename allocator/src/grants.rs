@@ -30,6 +30,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use crate::clock::Clock;
 use crate::kv::{Compare, Kv, KvError, Op};
 use crate::leader::{LeaderRecord, Leadership, Role, current_leader};
+use crate::ledger_sync::{CommittedGrants, LEDGER_RECONCILE_INTERVAL};
 use crate::pools::{
     GrantRecord, PoolStoreError, StoredWindow, encode_record, get_grant, get_pool, get_window,
     grant_key, window_key,
@@ -95,17 +96,6 @@ struct Pending {
 
 type PoolKey = (TenantId, PoolId);
 
-/// Grants just committed to the store, for the ledger.
-#[derive(Debug, Clone)]
-pub struct CommittedGrants {
-    /// The tenant.
-    pub tenant: TenantId,
-    /// The pool.
-    pub pool: PoolId,
-    /// The new grant records.
-    pub records: Vec<GrantRecord>,
-}
-
 /// The leader lease the allocator runs with unless told otherwise (`--leader-lease-ttl-s`), ms.
 pub const DEFAULT_LEADER_LEASE_TTL_MS: u64 = 5_000;
 
@@ -114,8 +104,7 @@ pub const DEFAULT_LEADER_LEASE_TTL_MS: u64 = 5_000;
 /// from the store at least once a round and at once when a node takes the lead, so a grant whose
 /// leader died before feeding it to the ledger is still in the store when the next leader looks.
 pub fn record_min_lifetime_ms(leader_lease_ttl_ms: u64) -> u64 {
-    let round_ms = u64::try_from(crate::ledger_sync::LEDGER_RECONCILE_INTERVAL.as_millis())
-        .unwrap_or(u64::MAX);
+    let round_ms = u64::try_from(LEDGER_RECONCILE_INTERVAL.as_millis()).unwrap_or(u64::MAX);
     round_ms
         .saturating_mul(2)
         .saturating_add(leader_lease_ttl_ms)

@@ -9,11 +9,21 @@ use allot_shared::ids::{PoolId, TenantId};
 use tokio::sync::watch;
 
 use crate::clock::Clock;
-use crate::grants::CommittedGrants;
 use crate::kv::Kv;
 use crate::leader::Role;
 use crate::ledger::{Ledger, WindowRow};
-use crate::pools::{StoredPool, list_grants, list_pools};
+use crate::pools::{GrantRecord, StoredPool, list_grants, list_pools};
+
+/// Grants just committed to the store, for the ledger: what the grantor sends down the feed.
+#[derive(Debug, Clone)]
+pub struct CommittedGrants {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// The new grant records.
+    pub records: Vec<GrantRecord>,
+}
 
 /// Grants copied to the ledger per batch of the feed, and the feed's capacity in batches (I10).
 pub const LEDGER_FEED_BATCHES: usize = 1_024;
