@@ -62,6 +62,35 @@ fn to_versioned(kv: &etcd_client::KeyValue) -> Versioned {
     }
 }
 
+impl EtcdKv {
+    /// Up to `limit` keys under `prefix` (at most `MAX_PREFIX_KEYS`), in key order (`None`: etcd's
+    /// own, ascending by key) or `Descend`.
+    async fn read_prefix(
+        &self,
+        prefix: &str,
+        limit: usize,
+        order: SortOrder,
+    ) -> Result<Vec<(String, Versioned)>, KvError> {
+        let mut kv = self.client.kv_client();
+        let limit = i64::try_from(limit.min(super::MAX_PREFIX_KEYS)).unwrap_or(i64::MAX);
+        let mut options = GetOptions::new().with_prefix().with_limit(limit);
+        if order != SortOrder::None {
+            options = options.with_sort(SortTarget::Key, order);
+        }
+        let response = within(None, kv.get(prefix, Some(options))).await?;
+        Ok(response
+            .kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    to_versioned(kv),
+                )
+            })
+            .collect())
+    }
+}
+
 #[async_trait]
 impl Kv for EtcdKv {
     async fn get(&self, key: &str) -> Result<Option<Versioned>, KvError> {
@@ -75,20 +104,7 @@ impl Kv for EtcdKv {
         prefix: &str,
         limit: usize,
     ) -> Result<Vec<(String, Versioned)>, KvError> {
-        let mut kv = self.client.kv_client();
-        let limit = i64::try_from(limit.min(super::MAX_PREFIX_KEYS)).unwrap_or(i64::MAX);
-        let options = GetOptions::new().with_prefix().with_limit(limit);
-        let response = within(None, kv.get(prefix, Some(options))).await?;
-        Ok(response
-            .kvs()
-            .iter()
-            .map(|kv| {
-                (
-                    String::from_utf8_lossy(kv.key()).into_owned(),
-                    to_versioned(kv),
-                )
-            })
-            .collect())
+        self.read_prefix(prefix, limit, SortOrder::None).await
     }
 
     async fn get_prefix_newest(
@@ -96,23 +112,7 @@ impl Kv for EtcdKv {
         prefix: &str,
         limit: usize,
     ) -> Result<Vec<(String, Versioned)>, KvError> {
-        let mut kv = self.client.kv_client();
-        let limit = i64::try_from(limit.min(super::MAX_PREFIX_KEYS)).unwrap_or(i64::MAX);
-        let options = GetOptions::new()
-            .with_prefix()
-            .with_limit(limit)
-            .with_sort(SortTarget::Key, SortOrder::Descend);
-        let response = within(None, kv.get(prefix, Some(options))).await?;
-        Ok(response
-            .kvs()
-            .iter()
-            .map(|kv| {
-                (
-                    String::from_utf8_lossy(kv.key()).into_owned(),
-                    to_versioned(kv),
-                )
-            })
-            .collect())
+        self.read_prefix(prefix, limit, SortOrder::Descend).await
     }
 
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> Result<TxnOutcome, KvError> {
