@@ -10,13 +10,14 @@ use allot_shared::wire::{AgentSession, AgentSessionStarted};
 use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 
 /// Records `session` as its agent's latest run (at `now_ms`, its first start) and answers how the
-/// run before it ended. Postgres numbering; SQLite takes the same numbers as `?N`.
+/// run before it ended. `$1` region, `$2` agent id, `$3` incarnation, `$4` now (both databases
+/// read `$N`, each number as often as it appears).
 const START_SQL: &str = "\
 INSERT INTO agent_sessions
     (region, agent_id, incarnation, started_at_ms, ended_at_ms, predecessor_ended, unclean_start_ms)
 VALUES ($1, $2, $3, $4, NULL,
-        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $5) THEN 0 ELSE 1 END,
-        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $6) THEN $7 ELSE NULL END)
+        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $1) THEN 0 ELSE 1 END,
+        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $1) THEN $4 ELSE NULL END)
 ON CONFLICT (region, agent_id) DO UPDATE SET
     unclean_start_ms = CASE
         WHEN agent_sessions.incarnation = excluded.incarnation THEN agent_sessions.unclean_start_ms
@@ -47,11 +48,6 @@ struct Started {
     unclean_start_ms: Option<i64>,
 }
 
-/// `sql` with Postgres's `$N` placeholders as SQLite's `?N`.
-fn for_sqlite(sql: &str) -> String {
-    sql.replace('$', "?")
-}
-
 impl Ledger {
     /// Starts `session` at `now_ms` (idempotent for one incarnation) and says how the agent's run
     /// before it ended: cleanly when it said so, or when no agent of the region ever ran; and when
@@ -62,24 +58,21 @@ impl Ledger {
         now_ms: u64,
     ) -> Result<AgentSessionStarted, LedgerError> {
         let (region, agent, incarnation) = texts(session);
-        // One statement for either database: only the placeholders' spelling differs.
+        // One statement for either database's pool.
         macro_rules! start {
-            ($sql:expr, $pool:expr) => {
-                sqlx::query_as($sql)
+            ($pool:expr) => {
+                sqlx::query_as(START_SQL)
                     .bind(&region)
                     .bind(&agent)
                     .bind(&incarnation)
-                    .bind(i64_of(now_ms))
-                    .bind(&region)
-                    .bind(&region)
                     .bind(i64_of(now_ms))
                     .fetch_one($pool)
                     .await?
             };
         }
         let started: Started = match &self.database {
-            Database::Sqlite(pool) => start!(&for_sqlite(START_SQL), pool),
-            Database::Postgres(pool) => start!(START_SQL, pool),
+            Database::Sqlite(pool) => start!(pool),
+            Database::Postgres(pool) => start!(pool),
         };
         Ok(AgentSessionStarted {
             predecessor_ended_cleanly: started.predecessor_ended == 1,
@@ -97,8 +90,8 @@ impl Ledger {
     ) -> Result<bool, LedgerError> {
         let (region, agent, incarnation) = texts(session);
         macro_rules! end {
-            ($sql:expr, $pool:expr) => {
-                sqlx::query($sql)
+            ($pool:expr) => {
+                sqlx::query(END_SQL)
                     .bind(i64_of(now_ms))
                     .bind(&region)
                     .bind(&agent)
@@ -109,8 +102,8 @@ impl Ledger {
             };
         }
         let ended = match &self.database {
-            Database::Sqlite(pool) => end!(&for_sqlite(END_SQL), pool),
-            Database::Postgres(pool) => end!(END_SQL, pool),
+            Database::Sqlite(pool) => end!(pool),
+            Database::Postgres(pool) => end!(pool),
         };
         Ok(ended == 1)
     }
