@@ -66,10 +66,7 @@ pub async fn feed_ledger(
                     election_over = true;
                     continue;
                 }
-                let term = match *role.borrow_and_update() {
-                    Role::Leader(leadership) => Some(leadership.epoch),
-                    _ => None,
-                };
+                let term = leading_term(&role.borrow_and_update());
                 let took_lead = term.is_some() && term != led_term;
                 if term.is_some() {
                     led_term = term;
@@ -84,16 +81,21 @@ pub async fn feed_ledger(
             _ = reconcile.tick() => {
                 // The leader's ledger is the one reports reach; a follower would re-read every
                 // pool's grants for nothing.
-                let term = match *role.borrow() {
-                    Role::Leader(leadership) => Some(leadership.epoch),
-                    _ => None,
-                };
+                let term = leading_term(&role.borrow());
                 if term.is_some() {
                     led_term = term;
                     ledger_round(&ledger, &*kv, &*clock).await;
                 }
             }
         }
+    }
+}
+
+/// The term this node leads in, if it leads.
+fn leading_term(role: &Role) -> Option<allot_shared::ids::Epoch> {
+    match role {
+        Role::Leader(leadership) => Some(leadership.epoch),
+        _ => None,
     }
 }
 
