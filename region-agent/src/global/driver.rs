@@ -19,9 +19,9 @@
 //! in that the allocator took a part. A part not taken stays owed, whole, for the next round.
 //!
 //! A holder starts with [`take_over_window`]: an agent that comes up counts what its region already
-//! admitted in fallback in the current window (the ledger's count) and, when its previous run did
-//! not end cleanly and left no journal, the whole of its allowance of the window it started in
-//! (that run may have admitted it unreported). So no run of an agent re-opens an allowance.
+//! admitted in fallback in the current window (the ledger's count) and, without a journal, the
+//! whole of its allowance in a window containing the start of the latest run that followed an
+//! unclean end (a crashed run may have admitted it unreported). So no run re-opens an allowance.
 
 use allot_shared::ids::LeaseId;
 
@@ -211,9 +211,9 @@ pub fn finish_report(holder: &mut PoolHolder, part: &ReportPart, now_ms: u64) {
 pub struct Inherited {
     /// What the region admitted in fallback in the current window, as the ledger holds it.
     pub ledger_fallback: Option<FallbackInWindow>,
-    /// When this run of the agent started, epoch ms, if the run before it did not end cleanly and
-    /// this one has no journal of it: that run may have admitted fallback nobody knows of, up to
-    /// the allowance, in the window this run started in.
+    /// When the latest run of the agent that followed an unclean end started, epoch ms, if this
+    /// run has no journal to cover it: a window containing that instant may hold fallback nobody
+    /// reported, up to the allowance.
     pub unclean_start_ms: Option<u64>,
 }
 

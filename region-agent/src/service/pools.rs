@@ -374,19 +374,19 @@ impl Agent {
         done: tokio::sync::watch::Sender<()>,
     ) {
         let (tenant, pool) = &key;
-        let stopwatch = crate::clock::Stopwatch::start();
         // This run's session starts before its first holder: the holder takes over how the last
-        // run ended.
-        let answer = match self.start_session(&allocator).await {
-            Ok(_) => {
-                allocator
-                    .pool_terms(tenant, pool, Some(&self.settings.region))
-                    .await
-            }
-            Err(error) => Err(error),
-        };
-        metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
-            .record(stopwatch.elapsed().as_secs_f64());
+        // run ended. Once per run; only the terms call is timed.
+        let answer = async {
+            self.start_session(&allocator).await?;
+            let stopwatch = crate::clock::Stopwatch::start();
+            let terms = allocator
+                .pool_terms(tenant, pool, Some(&self.settings.region))
+                .await;
+            metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
+                .record(stopwatch.elapsed().as_secs_f64());
+            terms
+        }
+        .await;
         self.note_allocator(&answer);
         let now_ms = self.clock.now_ms();
         let retry_in_ms = match answer {

@@ -77,12 +77,14 @@ impl Agent {
                         started_at_ms: self.session.started_at_ms,
                         unclean_since_ms: Some(self.session.started_at_ms),
                     });
-                if !started.predecessor_ended_cleanly
+                if started.unclean_since_ms.is_some()
                     && !self.session.journal_restored.load(Ordering::Relaxed)
                 {
                     tracing::warn!(
-                        "the previous run of this agent did not end cleanly and left no journal: \
-                         its fallback allowance of the current window counts as used"
+                        unclean_since_ms = started.unclean_since_ms,
+                        "a run of this agent ended uncleanly and this one has no journal: the \
+                         fallback allowance of the window containing that run's successor's \
+                         start counts as used"
                     );
                 }
                 Ok(started)
