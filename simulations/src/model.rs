@@ -808,10 +808,10 @@ impl LeaseModel {
     }
 
     fn restart(&self, state: &mut ModelState, r: usize) {
+        let now_ms = self.now_ms(state);
         let Some(region) = state.regions.get_mut(r) else {
             return;
         };
-        let now_ms = self.origin_ms + u64::from(state.step) * self.config.step_ms;
         let mut holder = PoolHolder::new(self.holder.clone());
         if self.config.state_dir {
             holder.restore(&region.journal);
