@@ -385,3 +385,157 @@ fn every_alert_has_its_runbook() {
     assert!(alert.is_none(), "{alert:?} has no runbook_url");
     assert!(checked >= 10, "only {checked} alerts were read");
 }
+
+/// The agent service's layers as ARCHITECTURE.md states them: the line starting `Layers:` in the
+/// service's code map row up to the sentence's end, groups of files separated by `→`, the top
+/// first.
+fn service_layers(architecture: &str) -> Vec<Vec<String>> {
+    let line = section(architecture, "Code map")
+        .lines()
+        .find(|line| line.starts_with("| `region-agent/src/service/`"))
+        .expect("the code map has a row for the agent service");
+    let layers = line
+        .split("Layers")
+        .nth(1)
+        .and_then(|rest| rest.split_once(':'))
+        .map(|(_, rest)| rest.split(". ").next().unwrap_or_default())
+        .expect("the agent service's row states its layers (`Layers ...: a → b, c → d.`)");
+    layers
+        .split('→')
+        .map(|group| {
+            group
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(|name| name.trim_end_matches(".rs").to_owned())
+                .collect()
+        })
+        .collect()
+}
+
+/// The names of the functions `source` defines (`fn name`).
+fn defined_functions(source: &str) -> Vec<&str> {
+    source
+        .split("fn ")
+        .skip(1)
+        .filter_map(|rest| {
+            let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))?;
+            (end > 0).then(|| &rest[..end])
+        })
+        .collect()
+}
+
+/// Calls `self.name(` in `source`.
+fn self_calls(source: &str) -> Vec<&str> {
+    source
+        .split("self.")
+        .skip(1)
+        .filter_map(|rest| {
+            let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))?;
+            (end > 0 && rest[end..].starts_with('(')).then(|| &rest[..end])
+        })
+        .collect()
+}
+
+/// Calls between the files of `files` (name, source) that go up the `layers`, or touch a file the
+/// layers do not place: `caller -> callee (function)`. A function defined in more than one file is
+/// not attributed to any.
+fn upward_calls(files: &[(String, String)], layers: &[Vec<String>]) -> Vec<String> {
+    let layer_of = |file: &str| {
+        layers
+            .iter()
+            .position(|group| group.iter().any(|f| f == file))
+    };
+    let mut defined_in: std::collections::HashMap<&str, Vec<&str>> = Default::default();
+    for (file, source) in files {
+        for name in defined_functions(source) {
+            let files = defined_in.entry(name).or_default();
+            if !files.contains(&file.as_str()) {
+                files.push(file);
+            }
+        }
+    }
+    let mut found = Vec::new();
+    for (caller, source) in files {
+        for name in self_calls(source) {
+            let Some(&[callee]) = defined_in.get(name).map(Vec::as_slice) else {
+                continue;
+            };
+            if callee == caller {
+                continue;
+            }
+            match (layer_of(caller), layer_of(callee)) {
+                (Some(from), Some(to)) if from < to => {}
+                _ => found.push(format!("{caller} -> {callee} ({name})")),
+            }
+        }
+    }
+    found.sort();
+    found.dedup();
+    found
+}
+
+/// The agent service's files call one another only downward, in the layers ARCHITECTURE.md
+/// states (admission is a pipeline over the parts below it, never called back by them), and every
+/// file has its layer.
+#[test]
+fn the_agent_service_calls_only_downward() {
+    let root = repo_root();
+    let layers = service_layers(&read(&root.join("ARCHITECTURE.md")));
+    let folder = root.join("region-agent/src/service");
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(&folder).expect("the service folder") {
+        let path = entry.expect("a service file").path();
+        if path.extension().is_some_and(|e| e == "rs") {
+            let name = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .expect("a file name")
+                .to_owned();
+            files.push((name, read(&path)));
+        }
+    }
+    let unplaced: Vec<&str> = files
+        .iter()
+        .map(|(name, _)| name.as_str())
+        .filter(|name| !layers.iter().flatten().any(|f| f == name))
+        .collect();
+    assert!(
+        unplaced.is_empty(),
+        "ARCHITECTURE.md places no layer for {unplaced:?}"
+    );
+    let upward = upward_calls(&files, &layers);
+    assert!(
+        upward.is_empty(),
+        "calls against the layers in ARCHITECTURE.md: {upward:?}"
+    );
+}
+
+#[test]
+fn the_layer_check_catches_a_call_back_up() {
+    let layers = service_layers(
+        "\n## Code map\n\n| `region-agent/src/service/` | | files. Layers, each calling only those \
+         below: `top.rs` → `mid.rs`, `side.rs` → `mod.rs`. More. |\n",
+    );
+    assert_eq!(layers, [vec!["top"], vec!["mid", "side"], vec!["mod"]]);
+    let file = |name: &str, source: &str| (name.to_owned(), source.to_owned());
+    let downward = [
+        file("top", "fn run(&self) { self.step(); self.helper(); }"),
+        file(
+            "mid",
+            "fn step(&self) { self.helper(); self.own(); } fn own(&self) {}",
+        ),
+        file("side", "fn other(&self) {}"),
+        file("mod", "fn helper(&self) {}"),
+    ];
+    assert!(upward_calls(&downward, &layers).is_empty());
+    let back_up = [
+        file("top", "fn run(&self) {}"),
+        file("mid", "fn step(&self) { self.run(); self.other(); }"),
+        file("side", "fn other(&self) {}"),
+    ];
+    assert_eq!(
+        upward_calls(&back_up, &layers),
+        ["mid -> side (other)", "mid -> top (run)"]
+    );
+}

@@ -31,26 +31,19 @@
 //! The allocator is never called on the request path except when a pool has no lease at all (the
 //! request waits up to [`FIRST_GRANT_WAIT`] for the renewal it triggered).
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Duration;
-
-use allot_shared::contract::{
-    AdmissionRequest, AdvisoryMode, Decision, DeniedScope, PrincipalType, Reason,
-};
+use allot_shared::contract::{AdmissionRequest, AdvisoryMode, Decision, DeniedScope, Reason};
 use allot_shared::ids::{PoolId, RuleId, TenantId};
 use allot_shared::limit::multi::Algorithm;
 use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use super::pools::{PoolSlot, TERMS_RETRY_MS};
 use super::replays::{Begin, ORIGINAL_WAIT, Ticket};
 use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, RequestRejected, lock};
 use crate::global::{Denial, Refusal, Reservation};
-use crate::limiter::{
-    DEFAULT_SOURCE_PREFIXES, LeaseCall, LeaseOp, PlannedBatch, Screened, SourceId, Verdict,
-    plan_request,
-};
+use crate::limiter::{LeaseCall, LeaseOp, PlannedBatch, Screened, Verdict, plan_request};
 
 /// Retry hint of a concurrency denial, ms: a slot frees when a holder finishes, at no known time.
 pub const CONCURRENCY_RETRY_MS: u64 = 1_000;
@@ -238,14 +231,6 @@ impl Agent {
         if let Some(log) = self.decision_log.get() {
             log.record(self.clock.now_ms(), request, decision);
         }
-    }
-
-    /// How long global tokens stay reserved at most while the regional rules are decided: two
-    /// decision budgets (concurrency slots, then the store call). Past it the request is answered
-    /// `LIMITER_UNAVAILABLE` and the reservation cancelled. Holders never reserve within this long
-    /// (plus the expiry margin) of a lease's end, so a committed token is spent before it.
-    pub fn regional_hold(&self) -> Duration {
-        self.limiter.decision_budget().saturating_mul(2)
     }
 
     async fn decide(
@@ -461,19 +446,6 @@ impl Agent {
             .into_iter()
             .chain(bundle.global_rules_for(tenant, route, kind))
             .find(|rule| rule.strict && !rule.mode.is_advisory())
-    }
-
-    /// Pre-authentication requests count against the cardinality cap of their source: the coarse
-    /// prefix of the client address (/24, /48), so the addresses one party controls share one count.
-    /// Authenticated principals are not capped.
-    pub(super) fn source_of(&self, request: &AdmissionRequest) -> Option<SourceId> {
-        (request.principal.kind == PrincipalType::Ip).then(|| {
-            SourceId::for_address(
-                &self.settings.pepper,
-                &request.principal.id,
-                DEFAULT_SOURCE_PREFIXES,
-            )
-        })
     }
 
     /// Reserves every global rule's cost, in bundle order; the first refusal cancels what was

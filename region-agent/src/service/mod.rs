@@ -17,6 +17,7 @@
 //! - [`subleases`]: assignments carved for gateways that enforce quota themselves (Envoy's RLQS).
 //! - [`together`]: several requests decided all or none (an Envoy call's descriptors).
 //! - [`settings`]: the agent's settings and their defaults.
+//! - `terms`: what a pool's terms become in this agent (its holder's configuration).
 
 pub mod admission;
 pub mod background;
@@ -30,6 +31,7 @@ mod session;
 pub mod settings;
 pub mod settlement;
 pub mod subleases;
+mod terms;
 pub mod together;
 pub mod upkeep;
 
@@ -258,6 +260,23 @@ impl Agent {
             .as_ref()
             .map_or_else(|e| !e.is_unreachable(), |_| true);
         self.reachable.store(reachable, Ordering::Relaxed);
+    }
+
+    /// Pre-authentication requests count against the cardinality cap of their source: the coarse
+    /// prefix of the client address (/24, /48), so the addresses one party controls share one count.
+    /// Authenticated principals are not capped.
+    fn source_of(
+        &self,
+        request: &allot_shared::contract::AdmissionRequest,
+    ) -> Option<crate::limiter::SourceId> {
+        use allot_shared::contract::PrincipalType;
+        (request.principal.kind == PrincipalType::Ip).then(|| {
+            crate::limiter::SourceId::for_address(
+                &self.settings.pepper,
+                &request.principal.id,
+                crate::limiter::DEFAULT_SOURCE_PREFIXES,
+            )
+        })
     }
 
     /// Whether the allocator answered the last call.

@@ -321,13 +321,4 @@ impl Agent {
             tracing::warn!(%error, "bundle not saved to the state directory");
         }
     }
-
-    /// Claim blocks for a pool's holder: `fallbackPerRegion / FALLBACK_CLAIM_BLOCKS`, at least 1;
-    /// 0 (no claims) without a state directory.
-    pub(super) fn fallback_claim_block_tokens(&self, fallback_per_region_tokens: u64) -> u64 {
-        if !self.persistence.keeps_state() {
-            return 0;
-        }
-        (fallback_per_region_tokens / FALLBACK_CLAIM_BLOCKS).max(1)
-    }
 }

@@ -298,10 +298,6 @@ impl PoolSlots {
     }
 }
 
-fn duration_ms(duration: std::time::Duration) -> u64 {
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
 impl Agent {
     /// The length of the window of `tenant`'s pool `pool` in force now, ms, when the agent holds
     /// the pool (no fetch: for what a caller is told of a decision already made).
@@ -451,28 +447,5 @@ impl Agent {
         };
         drop(lookups);
         drop(done);
-    }
-
-    pub(super) fn holder_config(&self, terms: &PoolTerms) -> Option<HolderConfig> {
-        Some(HolderConfig {
-            window: terms.window_spec()?,
-            chunk_tokens: terms.chunk_tokens,
-            lease_ttl_ms: terms.lease_ttl_ms,
-            fallback_per_region_tokens: terms.fallback_per_region_tokens
-                / self.settings.region_agents.max(1),
-            // A reservation is committed within the regional hold: reserving no later than the
-            // margin plus the hold before a lease's end keeps every spend the margin ahead of it.
-            expiry_margin_ms: self
-                .settings
-                .expiry_margin_ms
-                .saturating_add(duration_ms(self.regional_hold())),
-            round_trip_ms: self.settings.allocator_round_trip_ms,
-            renewal_patience_ms: duration_ms(FIRST_GRANT_WAIT),
-            fallback_claim_block_tokens: self.fallback_claim_block_tokens(
-                terms.fallback_per_region_tokens / self.settings.region_agents.max(1),
-            ),
-            settle_debt_tokens: terms.settle_debt_per_region_tokens
-                / self.settings.region_agents.max(1),
-        })
     }
 }
