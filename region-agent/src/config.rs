@@ -85,6 +85,12 @@ pub struct AgentArgs {
     /// (1,000 to 3,600,000; default 300,000). Unsettled, the estimate stands.
     #[arg(long, env = "ALLOT_SETTLE_WINDOW_MS")]
     pub settle_window_ms: Option<u64>,
+    /// The most this agent's clock may be off the allocator's, ms (0 to 10,000; default 100). No
+    /// fallback is admitted within this long of a window's edges, so fallback stays within its
+    /// allowance per window on the allocator's clock; `allot_agent_clock_offset_ms` shows the
+    /// offset measured.
+    #[arg(long, env = "ALLOT_CLOCK_MARGIN_MS")]
+    pub clock_margin_ms: Option<u64>,
     /// Longest one regional decision may wait for the limiter store, ms (1 to 1,000; default 10).
     /// Past it the rule's fail mode answers (local bucket or 503). Raise it on slow hosts or links.
     #[arg(long, env = "ALLOT_DECISION_BUDGET_MS")]
@@ -173,6 +179,7 @@ struct FileSettings {
     policy_max_age_ms: Option<u64>,
     region_agents: Option<u64>,
     settle_window_ms: Option<u64>,
+    clock_margin_ms: Option<u64>,
     decision_budget_ms: Option<u64>,
     coalesce_hot_keys: Option<bool>,
     write_state_as_hashes: Option<bool>,
@@ -233,6 +240,8 @@ pub struct AgentConfig {
     pub region_agents: u64,
     /// The settle window of metered admissions, ms.
     pub settle_window_ms: u64,
+    /// The most the agent's clock may be off the allocator's, ms.
+    pub clock_margin_ms: u64,
     /// The limiter's decision budget, ms.
     pub decision_budget_ms: u64,
     /// Whether the Redis store coalesces a tenant's decisions.
@@ -396,6 +405,18 @@ impl AgentArgs {
                 other => {
                     return Err(format!(
                         "--settle-window-ms must be in [1000, 3600000], got {other}"
+                    ));
+                }
+            },
+            clock_margin_ms: match self
+                .clock_margin_ms
+                .or(file.clock_margin_ms)
+                .unwrap_or(crate::service::settings::DEFAULT_CLOCK_MARGIN_MS)
+            {
+                margin @ 0..=crate::service::settings::MAX_CLOCK_MARGIN_MS => margin,
+                other => {
+                    return Err(format!(
+                        "--clock-margin-ms must be in [0, 10000], got {other}"
                     ));
                 }
             },

@@ -120,6 +120,12 @@ pub const STATE_WRITES: &str = "allot_agent_state_writes_total";
 /// up, by `tenant` and `pool`: the previous run of the agent did not end cleanly and left no
 /// journal, so it may have admitted that allowance unreported.
 pub const FALLBACK_PRESUMED_USED: &str = "allot_agent_fallback_presumed_used_total";
+/// The agent's clock less the allocator's, ms (gauge): the middle of what the last grant exchange
+/// bounds it to. Fallback windows are cut on the agent's clock within `--clock-margin-ms` of it.
+pub const CLOCK_OFFSET_MS: &str = "allot_agent_clock_offset_ms";
+/// Grant exchanges that showed the agent's clock certainly further off the allocator's than
+/// `--clock-margin-ms`: fallback may then fall in a neighbouring window of the allocator's clock.
+pub const CLOCK_BEYOND_MARGIN: &str = "allot_agent_clock_beyond_margin_total";
 /// Fallback claims made durable before admitting beyond the last one, by outcome (ok, failed).
 pub const FALLBACK_CLAIMS: &str = "allot_agent_fallback_claims_total";
 /// What a restarted agent took over from its state directory, by what (bundle, pools, leases,

@@ -19,6 +19,7 @@ fn config(fallback: u64) -> HolderConfig {
         lease_ttl_ms: 15_000,
         fallback_per_region_tokens: fallback,
         expiry_margin_ms: 50,
+        clock_margin_ms: 0,
         round_trip_ms: 50,
         renewal_patience_ms: 200,
         fallback_claim_block_tokens: 0,
@@ -648,7 +649,7 @@ proptest! {
                     }
                     Err(refusal) => prop_assert!(matches!(
                         refusal.denial,
-                        Denial::FallbackSpent | Denial::CostAboveChunk
+                        Denial::FallbackSpent | Denial::CostAboveChunk | Denial::FallbackAtWindowEdge
                     )),
                 },
                 Crash::Settle { which, commit } => {
@@ -910,4 +911,145 @@ fn the_report_steps_split_by_window_and_keep_what_was_not_taken() {
         start_report(&mut holder, t1 + 20).is_empty(),
         "all reported"
     );
+}
+
+/// A holder of 1 s windows whose agent's clock may be `margin` ms off the allocator's.
+fn skewed_config(fallback: u64, margin: u64) -> HolderConfig {
+    HolderConfig {
+        window: WindowSpec::Fixed(NonZeroU64::new(1_000).expect("non-zero")),
+        clock_margin_ms: margin,
+        ..config(fallback)
+    }
+}
+
+/// Fallback opens the clock margin after a window's start and closes the clock margin plus the
+/// expiry margin before its end; outside, the refusal says when it opens again.
+#[test]
+fn fallback_waits_out_the_clock_margin_at_a_windows_edges() {
+    let mut holder = PoolHolder::new(skewed_config(10, 100));
+    let start = 7_000;
+    let refused_for = |holder: &mut PoolHolder, now: u64| match holder.reserve(1, now, false) {
+        Err(Refusal {
+            denial: Denial::FallbackAtWindowEdge,
+            retry_after_ms,
+        }) => retry_after_ms,
+        other => panic!("at {now}: expected an edge refusal, got {other:?}"),
+    };
+    assert_eq!(refused_for(&mut holder, start), 100);
+    assert_eq!(refused_for(&mut holder, start + 99), 1);
+    assert!(matches!(
+        holder.spend(1, start + 100, false),
+        Spend::Fallback { .. }
+    ));
+    // The end: 100 ms of clock margin and 50 of expiry margin.
+    assert!(matches!(
+        holder.spend(1, start + 849, false),
+        Spend::Fallback { .. }
+    ));
+    assert_eq!(
+        refused_for(&mut holder, start + 850),
+        250,
+        "until the next window opens"
+    );
+    assert_eq!(refused_for(&mut holder, start + 1_050), 50);
+    assert_eq!(holder.spendable_tokens(start + 900, false), 0);
+    assert_eq!(holder.spendable_tokens(start + 500, false), 8);
+    // A reservation (a sub-lease's) must be spent before the span closes.
+    let reservation = holder
+        .reserve_for_sublease(3, start + 500, false)
+        .expect("fallback in the span");
+    assert_eq!(holder.usable_until_ms(&reservation), start + 850);
+    // Margins that take the whole window leave no fallback at all: it fails safe, not open.
+    let mut closed = PoolHolder::new(skewed_config(10, 500));
+    assert_eq!(closed.spendable_tokens(start + 500, false), 0);
+    assert!(matches!(
+        closed.reserve(1, start + 500, false),
+        Err(Refusal {
+            denial: Denial::FallbackAtWindowEdge,
+            ..
+        })
+    ));
+}
+
+#[derive(Debug, Clone)]
+enum Skewed {
+    /// Real time moves on; the agent's clock is then `offset` ms off it (within the margin).
+    Advance {
+        ms: u64,
+        offset: i64,
+    },
+    Reserve {
+        cost: u64,
+    },
+    /// An outstanding reservation is committed or cancelled.
+    Settle {
+        which: usize,
+        commit: bool,
+    },
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Whatever the agent's clock reads within the margin of the allocator's (ahead, behind,
+    /// stepping between), what it admits in fallback in any window of the allocator's clock stays
+    /// within the allowance: every admit lands in the window its own clock named.
+    #[test]
+    fn fallback_stays_within_the_allowance_on_the_allocators_clock(
+        allowance in 1u64..8,
+        margin in 0u64..300,
+        start in 0u64..(1 << 40),
+        events in prop::collection::vec(prop_oneof![
+            3 => (1u64..400, -300i64..300).prop_map(|(ms, offset)| Skewed::Advance { ms, offset }),
+            4 => (1u64..3).prop_map(|cost| Skewed::Reserve { cost }),
+            3 => (any::<usize>(), any::<bool>()).prop_map(|(which, commit)| Skewed::Settle { which, commit }),
+        ], 1..300),
+    ) {
+        let config = skewed_config(allowance, margin);
+        let mut holder = PoolHolder::new(config.clone());
+        let bound = i64::try_from(margin).expect("a small margin");
+        let mut real = start;
+        let mut agent = start;
+        let mut outstanding: Vec<(Reservation, u64)> = Vec::new();
+        let mut admitted_by_real_window: HashMap<u64, u64> = HashMap::new();
+        for event in events {
+            match event {
+                Skewed::Advance { ms, offset } => {
+                    real += ms;
+                    // The agent's clock never runs backwards, and stays within the margin.
+                    agent = agent.max(real.saturating_add_signed(offset.clamp(-bound, bound)));
+                }
+                Skewed::Reserve { cost } => {
+                    if let Ok(reservation) = holder.reserve(cost, agent, false) {
+                        outstanding.push((reservation, real));
+                    }
+                }
+                Skewed::Settle { which, commit } => {
+                    if outstanding.is_empty() {
+                        continue;
+                    }
+                    let (reservation, reserved_real) =
+                        outstanding.swap_remove(which % outstanding.len());
+                    let cost = reservation.tokens();
+                    if !commit {
+                        holder.cancel(reservation);
+                        continue;
+                    }
+                    holder.commit(reservation);
+                    // The request passes within the hold (the expiry margin) of its reservation:
+                    // that whole span lies in one window of the allocator's clock.
+                    let window = reserved_real - reserved_real % 1_000;
+                    let passed_by = reserved_real + config.expiry_margin_ms - 1;
+                    prop_assert_eq!(passed_by - passed_by % 1_000, window);
+                    let count = admitted_by_real_window.entry(window).or_default();
+                    *count += cost;
+                    prop_assert!(
+                        *count <= allowance,
+                        "{} admitted in fallback in the allocator's window at {}, allowance {}",
+                        *count, window, allowance
+                    );
+                }
+            }
+        }
+    }
 }

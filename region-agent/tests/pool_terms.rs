@@ -319,8 +319,8 @@ async fn after_an_unclean_end_the_start_window_admits_no_fallback() {
         "started once"
     );
     // The next minute window (the agent's clock started at 1,000,000 ms, in the window from
-    // 960,000).
-    clock.set(1_020_000);
+    // 960,000), past the clock margin at its start.
+    clock.set(1_020_000 + allot_region_agent::service::DEFAULT_CLOCK_MARGIN_MS);
     let fallback_admits = {
         let mut admitted = 0;
         for n in 5..20 {

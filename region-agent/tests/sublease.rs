@@ -20,6 +20,7 @@ fn config(fallback: u64) -> HolderConfig {
         lease_ttl_ms: 15_000,
         fallback_per_region_tokens: fallback,
         expiry_margin_ms: 50,
+        clock_margin_ms: 0,
         round_trip_ms: 50,
         renewal_patience_ms: 200,
         fallback_claim_block_tokens: 0,

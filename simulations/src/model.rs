@@ -72,6 +72,9 @@ pub enum Variant {
     /// An agent without a state directory, restarted after a crash, trusts the ledger's count of
     /// its region's fallback, which misses what the crashed run admitted and never reported.
     UncleanRestartTrusted,
+    /// Agents cut fallback windows on their own clocks with no clock margin at the windows'
+    /// edges, as if their clocks agreed with the allocator's.
+    ClockMarginIgnored,
 }
 
 /// A configuration to explore.
@@ -108,6 +111,9 @@ pub struct ModelConfig {
     /// Whether agents keep a state directory (fallback within durable claims, restarts from the
     /// journal); without one a restart starts from the ledger and the session record.
     pub state_dir: bool,
+    /// Each region's clock less the allocator's, ms (regions past [`regions`](Self::regions) are
+    /// ignored). The agents' clock margin is the largest of them: the margin holds.
+    pub clock_offsets_ms: [i64; MAX_MODEL_REGIONS],
     /// The tick from which nothing fails: no loss, duplicate, failover or restart, and every
     /// message is delivered before time moves on.
     pub heal_at_step: u32,
@@ -136,6 +142,7 @@ impl ModelConfig {
             failovers: 0,
             restarts: 0,
             state_dir: true,
+            clock_offsets_ms: [0; MAX_MODEL_REGIONS],
             heal_at_step: 2,
             variant: Variant::Shipped,
         }
@@ -217,12 +224,26 @@ impl LeaseModel {
             config.fallback_per_region_tokens,
             regions.clone(),
         )?;
+        let offsets = &config.clock_offsets_ms[..config.regions];
+        if offsets
+            .iter()
+            .any(|offset| offset.unsigned_abs() >= config.step_ms)
+        {
+            return Err(ModelConfigError::Invalid(
+                "clock offsets must be shorter than a step",
+            ));
+        }
+        let clock_margin_ms = match config.variant {
+            Variant::ClockMarginIgnored => 0,
+            _ => offsets.iter().map(|o| o.unsigned_abs()).max().unwrap_or(0),
+        };
         let holder = HolderConfig {
             window,
             chunk_tokens: config.chunk_tokens,
             lease_ttl_ms: config.lease_ttl_ms,
             fallback_per_region_tokens: config.fallback_per_region_tokens,
             expiry_margin_ms: 50,
+            clock_margin_ms,
             round_trip_ms: 20,
             // A renewal unanswered for a whole step counts as an unreachable allocator.
             renewal_patience_ms: config.step_ms,
@@ -258,8 +279,23 @@ impl LeaseModel {
         self.bound_tokens
     }
 
+    /// Now on the allocator's clock (the one windows are checked on).
     fn now_ms(&self, state: &ModelState) -> u64 {
         self.origin_ms + u64::from(state.step) * self.config.step_ms
+    }
+
+    /// Now on region `r`'s agent's clock: everything the agent does is timed on it.
+    fn agent_ms(&self, state: &ModelState, r: usize) -> u64 {
+        let offset_ms = self.config.clock_offsets_ms.get(r).copied().unwrap_or(0);
+        self.now_ms(state).saturating_add_signed(offset_ms)
+    }
+
+    /// Whether what each region admits in fallback per window is counted and checked against its
+    /// allowance: without state directories (restarts start from the ledger) or with clock
+    /// offsets (windows are cut on two clocks). Otherwise it is not kept, so the configurations
+    /// without either explore exactly the states they always did.
+    fn tracks_fallback(&self) -> bool {
+        !self.config.state_dir || self.config.clock_offsets_ms.iter().any(|&o| o != 0)
     }
 
     fn healed(&self, state: &ModelState) -> bool {
@@ -547,7 +583,8 @@ impl LeaseModel {
     }
 
     /// The agent's upkeep: start a renewal if the holder wants one and no call is out.
-    fn renew(&self, state: &mut ModelState, r: usize, now_ms: u64) {
+    fn renew(&self, state: &mut ModelState, r: usize) {
+        let now_ms = self.agent_ms(state, r);
         let Some(region) = state.regions.get_mut(r) else {
             return;
         };
@@ -576,14 +613,14 @@ impl LeaseModel {
     fn tick(&self, state: &mut ModelState) {
         let healed_before = self.healed(state);
         state.step += 1;
-        let now_ms = self.now_ms(state);
         for r in 0..state.regions.len() {
+            let now_ms = self.agent_ms(state, r);
             let region = &mut state.regions[r];
             region.spends_this_step = 0;
             if let Some(call) = region.call
                 && now_ms.saturating_sub(call.asked_at_ms) >= self.config.step_ms
             {
-                if healed_before && call.asked_at_ms >= self.heal_ms() {
+                if healed_before && call.asked_at_ms >= self.heal_ms(r) {
                     state.breaches |= Breach::RenewalUnansweredAfterHeal.bit();
                 }
                 // The call times out: no answer, so the grant may exist and the id is kept.
@@ -601,7 +638,7 @@ impl LeaseModel {
                 // The agent's report round: what the allocator acknowledges is done with.
                 for part in start_report(&mut region.holder, now_ms) {
                     finish_report(&mut region.holder, &part, now_ms);
-                    if !self.config.state_dir {
+                    if self.tracks_fallback() {
                         for line in &part.lines.fallback {
                             let held = state
                                 .ledger_fallback
@@ -613,9 +650,9 @@ impl LeaseModel {
                 }
             }
             region.journal = region.holder.snapshot(None);
-            self.renew(state, r, now_ms);
+            self.renew(state, r);
         }
-        self.close_windows(state, now_ms);
+        self.close_windows(state, self.now_ms(state));
     }
 
     /// Windows that ended are checked against the bound and forgotten, and grant records past
@@ -644,31 +681,37 @@ impl LeaseModel {
         });
     }
 
-    fn heal_ms(&self) -> u64 {
-        self.origin_ms + u64::from(self.config.heal_at_step) * self.config.step_ms
+    /// The heal, on region `r`'s agent's clock.
+    fn heal_ms(&self, r: usize) -> u64 {
+        let offset_ms = self.config.clock_offsets_ms.get(r).copied().unwrap_or(0);
+        (self.origin_ms + u64::from(self.config.heal_at_step) * self.config.step_ms)
+            .saturating_add_signed(offset_ms)
     }
 
     fn spend(&self, state: &mut ModelState, r: usize) {
+        // The request is decided on the agent's clock and checked on the allocator's.
         let now_ms = self.now_ms(state);
+        let agent_ms = self.agent_ms(state, r);
         let Some(region) = state.regions.get_mut(r) else {
             return;
         };
         region.spends_this_step += 1;
         let before = (
             used_tokens(&region.holder.snapshot(None)),
-            region.holder.available_tokens(now_ms),
+            region.holder.available_tokens(agent_ms),
         );
-        let mut outcome = region.holder.spend(1, now_ms, region.reachable);
+        let mut outcome = region.holder.spend(1, agent_ms, region.reachable);
         if let Spend::Denied {
             denial: Denial::FallbackUnclaimed,
             ..
         } = outcome
-            && let Some((window_start_ms, claimed)) = region.holder.fallback_claim_wanted(1, now_ms)
+            && let Some((window_start_ms, claimed)) =
+                region.holder.fallback_claim_wanted(1, agent_ms)
         {
             // The agent makes the claim durable (journal written and synced), then admits.
             region.journal = region.holder.snapshot(Some((window_start_ms, claimed)));
             region.holder.claim_durable(window_start_ms, claimed);
-            outcome = region.holder.spend(1, now_ms, region.reachable);
+            outcome = region.holder.spend(1, agent_ms, region.reachable);
         }
         let window_start_ms = self.pool.window_at(now_ms).start_ms;
         match outcome {
@@ -688,7 +731,7 @@ impl LeaseModel {
             }
             Spend::Fallback { .. } => {
                 *state.admitted.entry(window_start_ms).or_default() += 1;
-                if !self.config.state_dir {
+                if self.tracks_fallback() {
                     let admitted = state
                         .fallback_admitted
                         .entry((window_start_ms, r as u8))
@@ -703,14 +746,14 @@ impl LeaseModel {
                 let region = &mut state.regions[r];
                 let after = (
                     used_tokens(&region.holder.snapshot(None)),
-                    region.holder.available_tokens(now_ms),
+                    region.holder.available_tokens(agent_ms),
                 );
                 if after != before {
                     state.breaches |= Breach::DenialDebited.bit();
                 }
             }
         }
-        self.renew(state, r, now_ms);
+        self.renew(state, r);
     }
 
     /// Message `index` arrives (an ask at `leader`); with `round_trip`, an ask's answer arrives at
@@ -754,6 +797,7 @@ impl LeaseModel {
                 reply,
             } => {
                 let r = usize::from(r);
+                let now_ms = self.agent_ms(state, r);
                 let region = &mut state.regions[r];
                 // Answers of calls that ended are dropped with them (see `end_call`).
                 let Some(call) = region.call.filter(|c| c.ask.lease_id == lease_id) else {
@@ -775,7 +819,7 @@ impl LeaseModel {
                 }
                 region.reachable = answer.reached_allocator();
                 end_call(state, r);
-                self.renew(state, r, now_ms);
+                self.renew(state, r);
             }
         }
     }
@@ -808,7 +852,10 @@ impl LeaseModel {
     }
 
     fn restart(&self, state: &mut ModelState, r: usize) {
-        let now_ms = self.now_ms(state);
+        // The session record is stamped on the allocator's clock; the new run takes over the
+        // window it is in on its own.
+        let allocator_ms = self.now_ms(state);
+        let now_ms = self.agent_ms(state, r);
         let Some(region) = state.regions.get_mut(r) else {
             return;
         };
@@ -828,7 +875,7 @@ impl LeaseModel {
                         admitted_tokens,
                     });
             let unclean_start_ms =
-                (self.config.variant != Variant::UncleanRestartTrusted).then_some(now_ms);
+                (self.config.variant != Variant::UncleanRestartTrusted).then_some(allocator_ms);
             take_over_window(
                 &mut holder,
                 Inherited {

@@ -171,6 +171,7 @@ async fn start(args: AgentConfig) -> Result<(), String> {
         policy_max_age_ms: args.policy_max_age_ms,
         region_agents: args.region_agents,
         settle_window_ms: args.settle_window_ms,
+        clock_margin_ms: args.clock_margin_ms,
         ..AgentSettings::new(region, agent_id, pepper)
     };
     let log_pepper = settings.pepper.clone();

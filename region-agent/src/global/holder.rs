@@ -14,6 +14,10 @@
 //! - admits from leases never exceed what the leases granted; admits in fallback never exceed the
 //!   pool's `fallbackPerRegion` per window; so per window and region:
 //!   admitted <= granted to this region + fallbackPerRegion;
+//! - fallback windows are cut on the agent's clock, so no fallback is admitted within the clock
+//!   margin of a window's edges: with the agent's clock within that margin of the allocator's,
+//!   every fallback admit falls in the same window on both clocks, and the per-window allowance
+//!   holds on the allocator's clock too;
 //! - nothing is refunded: what a lease did not spend by its end is stranded, and reported as such;
 //! - a reservation ([`PoolHolder::reserve`]) takes tokens out of what may be spent until it is
 //!   committed (the request was admitted: the tokens are spent) or cancelled (another rule denied:
@@ -56,6 +60,11 @@ pub struct HolderConfig {
     /// Tokens are never spent within this many ms of a lease's end (clock-rate error between the
     /// agent and the allocator).
     pub expiry_margin_ms: u64,
+    /// The most the agent's clock may be off the allocator's, ms. Fallback windows are cut on the
+    /// agent's clock: no fallback is reserved within this long of a window's start, nor within
+    /// this plus `expiry_margin_ms` of its end ([`PoolHolder::fallback_span`]), so a fallback admit
+    /// lands in the same window on the allocator's clock as on the agent's. 0: clocks agree.
+    pub clock_margin_ms: u64,
     /// The allocator round trip the agent assumes, ms: sizes the renewal watermark, and no lease is
     /// asked for (or waited for) within `expiry_margin_ms + round_trip_ms` of a window's end.
     pub round_trip_ms: u64,
@@ -213,6 +222,10 @@ pub enum Denial {
     /// ([`HolderConfig::fallback_claim_block_tokens`]): claim more
     /// ([`PoolHolder::fallback_claim_wanted`]), then reserve again.
     FallbackUnclaimed,
+    /// The allocator is unreachable and the agent's clock is within the clock margin of a window's
+    /// edge, where it cannot tell which window the allocator's clock is in: no fallback until the
+    /// retry hint (the edge zone's end).
+    FallbackAtWindowEdge,
 }
 
 /// A request the holder could not reserve for.
@@ -935,6 +948,19 @@ impl PoolHolder {
                 retry_after_ms: until_window_end_ms,
             });
         }
+        let span = self.fallback_span(window);
+        if !span.contains(&now_ms) {
+            let usable_from_ms = if now_ms < span.start {
+                span.start
+            } else {
+                self.fallback_span(self.config.window.containing(window.end_ms))
+                    .start
+            };
+            return Err(Refusal {
+                denial: Denial::FallbackAtWindowEdge,
+                retry_after_ms: usable_from_ms.saturating_sub(now_ms).max(1),
+            });
+        }
         let claims = self.config.fallback_claim_block_tokens > 0;
         let count = self.fallback.entry(window.start_ms).or_default();
         if count.used_tokens() + cost_tokens > allowance {
@@ -1193,11 +1219,28 @@ impl PoolHolder {
             return leased;
         }
         let window = self.config.window.containing(now_ms);
+        if !self.fallback_span(window).contains(&now_ms) {
+            return 0;
+        }
         let used = self
             .fallback
             .get(&window.start_ms)
             .map_or(0, FallbackCount::used_tokens);
         self.config.fallback_per_region_tokens.saturating_sub(used)
+    }
+
+    /// When, on the agent's clock, fallback may be reserved in `window` (start inclusive, end
+    /// exclusive): the window less the clock margin at its start, and less the clock margin and
+    /// the expiry margin (within which a reservation is committed) at its end. An agent whose
+    /// clock is within the margin of the allocator's admits fallback only when both clocks are in
+    /// `window`. Empty when the margins take the whole window (fallback then never applies).
+    pub fn fallback_span(&self, window: Window) -> std::ops::Range<u64> {
+        let clock_ms = self.config.clock_margin_ms;
+        let start = window.start_ms.saturating_add(clock_ms);
+        let end = window
+            .end_ms
+            .saturating_sub(clock_ms.saturating_add(self.config.expiry_margin_ms));
+        start..end.max(start)
     }
 
     /// Ends a sub-lease: what its reservation still holds is never spendable again (its gateway
@@ -1231,11 +1274,12 @@ impl PoolHolder {
 
     /// The instant (epoch ms, exclusive) by which what `reservation` holds must be spent: the end
     /// of the first-ending lease it holds tokens of (less the expiry margin), or the end of its
-    /// fallback window.
+    /// window's [fallback span](Self::fallback_span).
     pub fn usable_until_ms(&self, reservation: &Reservation) -> u64 {
         match &reservation.from {
             ReservedFrom::Fallback { window_start_ms } => {
-                self.config.window.containing(*window_start_ms).end_ms
+                self.fallback_span(self.config.window.containing(*window_start_ms))
+                    .end
             }
             ReservedFrom::Leases { .. } => reservation
                 .lease_parts()

@@ -5,8 +5,10 @@
 //! [`holder`] is the per-pool state machine (reserve, commit or cancel, renew, fall back, report);
 //! [`driver`] the protocol's steps on it (a renewal started and finished), which the agent service
 //! (`crate::service`, with the allocator client, its clock and its reachability) and the drills
-//! both take.
+//! both take; [`clock_offset`] what a grant exchange says of the agent's clock against the
+//! allocator's.
 
+pub mod clock_offset;
 pub mod driver;
 pub mod holder;
 pub mod sublease;

@@ -852,8 +852,9 @@ impl Agent {
             ),
             Denial::CostAboveChunk => (Reason::CostTooHigh, false, -1),
             // A fallback claim that could not be made durable: refused rather than admitted
-            // beyond what a restart would know.
-            Denial::FailClosed | Denial::FallbackUnclaimed => (
+            // beyond what a restart would know. At a window's edge, the agent cannot tell which
+            // window the allocator's clock is in: refused until the edge has passed.
+            Denial::FailClosed | Denial::FallbackUnclaimed | Denial::FallbackAtWindowEdge => (
                 Reason::LimiterUnavailable,
                 false,
                 i64::try_from(retry_after_ms).unwrap_or(i64::MAX),

@@ -51,7 +51,8 @@ pub use pools::{
     UNKNOWN_POOL_RETRY_MS,
 };
 pub use settings::{
-    AgentSettings, DEFAULT_ALLOCATOR_ROUND_TRIP_MS, DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT,
+    AgentSettings, DEFAULT_ALLOCATOR_ROUND_TRIP_MS, DEFAULT_CLOCK_MARGIN_MS,
+    DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT,
 };
 
 use crate::allocator_client::AllocatorClient;
@@ -73,6 +74,8 @@ pub struct Agent {
     /// Where the next report round starts, so a round cut short does not starve the same pools.
     report_cursor: AtomicUsize,
     reachable: AtomicBool,
+    /// Whether this run has warned that its clock is beyond the clock margin (once a run).
+    clock_warned: AtomicBool,
     /// The sampled decision log, when configured.
     /// Set once at startup; read lock-free on every admit.
     decision_log: std::sync::OnceLock<crate::decision_log::DecisionLog>,
@@ -115,6 +118,7 @@ impl Agent {
             pools: pools::PoolRegistry::default(),
             report_cursor: AtomicUsize::new(0),
             reachable: AtomicBool::new(true),
+            clock_warned: AtomicBool::new(false),
             decision_log: std::sync::OnceLock::new(),
             decision_counters: crate::metrics::DecisionCounters::default(),
             persistence: persistence::Persistence::default(),

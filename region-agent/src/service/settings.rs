@@ -13,6 +13,14 @@ pub const FIRST_GRANT_WAIT: Duration = Duration::from_millis(200);
 /// and the allocator): the shipped default.
 pub const DEFAULT_EXPIRY_MARGIN_MS: u64 = 50;
 
+/// The most an agent's clock may be off the allocator's, ms, unless configured: hosts kept by NTP
+/// are within a few ms; this leaves room for a stepped clock. No fallback is admitted within it of
+/// a window's edges.
+pub const DEFAULT_CLOCK_MARGIN_MS: u64 = 100;
+/// The largest clock margin an agent accepts, ms: beyond it, fallback windows of seconds would
+/// never open, and a clock that far off needs fixing, not a margin.
+pub const MAX_CLOCK_MARGIN_MS: u64 = 10_000;
+
 /// The agent's settings.
 #[derive(Debug, Clone)]
 pub struct AgentSettings {
@@ -28,6 +36,9 @@ pub struct AgentSettings {
     pub decision_record_ttl_ms: u64,
     /// Safety margin before a lease's end, ms.
     pub expiry_margin_ms: u64,
+    /// The most this agent's clock may be off the allocator's, ms: no fallback within it of a
+    /// window's edges.
+    pub clock_margin_ms: u64,
     /// An estimate of the allocator round trip, ms (sizes the renewal watermark).
     pub allocator_round_trip_ms: u64,
     /// Once the bundle has not been confirmed by the allocator for this long, rules marked `strict`
@@ -54,7 +65,7 @@ impl AgentSettings {
     /// Settings of agent `agent_id` in `region` keying principals with `pepper`, everything else at
     /// its shipped default: /32 and /64 address keys, decision records for
     /// [`DEFAULT_DECISION_RECORD_TTL_MS`](crate::limiter::DEFAULT_DECISION_RECORD_TTL_MS), the
-    /// [`DEFAULT_EXPIRY_MARGIN_MS`] margin, a [`DEFAULT_ALLOCATOR_ROUND_TRIP_MS`] round trip, a
+    /// [`DEFAULT_EXPIRY_MARGIN_MS`] and [`DEFAULT_CLOCK_MARGIN_MS`] margins, a [`DEFAULT_ALLOCATOR_ROUND_TRIP_MS`] round trip, a
     /// bundle that never ages, one agent in the region.
     pub fn new(region: RegionId, agent_id: AgentId, pepper: Pepper) -> Self {
         Self {
@@ -64,6 +75,7 @@ impl AgentSettings {
             ip_prefixes: IpPrefixes::default(),
             decision_record_ttl_ms: crate::limiter::DEFAULT_DECISION_RECORD_TTL_MS,
             expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS,
+            clock_margin_ms: DEFAULT_CLOCK_MARGIN_MS,
             allocator_round_trip_ms: DEFAULT_ALLOCATOR_ROUND_TRIP_MS,
             policy_max_age_ms: 0,
             region_agents: 1,

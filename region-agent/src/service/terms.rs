@@ -26,6 +26,7 @@ impl Agent {
                 .settings
                 .expiry_margin_ms
                 .saturating_add(duration_ms(self.regional_hold())),
+            clock_margin_ms: self.settings.clock_margin_ms,
             round_trip_ms: self.settings.allocator_round_trip_ms,
             renewal_patience_ms: duration_ms(FIRST_GRANT_WAIT),
             fallback_claim_block_tokens: self

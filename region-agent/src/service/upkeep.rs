@@ -11,6 +11,7 @@ use super::pools::{
 };
 use super::{Agent, lock};
 use crate::global::LeaseGrant;
+use crate::global::clock_offset::ClockOffset;
 use crate::global::driver::{RenewalAnswer, RenewalOutcome, finish_renewal, start_renewal};
 
 impl Agent {
@@ -116,6 +117,9 @@ impl Agent {
             metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "grant")
                 .record(stopwatch.elapsed().as_secs_f64());
             agent.note_allocator(&called);
+            if let Ok(Some(answer)) = &called {
+                agent.note_clock_offset(asked_at_ms, answer);
+            }
             let answer = match &called {
                 Ok(Some(answer)) => {
                     RenewalAnswer::Granted(LeaseGrant::from_answer(answer, asked_at_ms))
@@ -159,6 +163,35 @@ impl Agent {
             }
             slot.renewed.notify_waiters();
         });
+    }
+}
+
+impl Agent {
+    /// Notes what a grant answer, asked at `asked_at_ms` and received now, says of this agent's
+    /// clock against the allocator's: the estimate as a gauge, and a count (and a warning, once a
+    /// run) when it is certainly beyond the clock margin.
+    fn note_clock_offset(&self, asked_at_ms: u64, answer: &GrantAnswer) {
+        let received_at_ms = self.clock.now_ms();
+        let Some(offset) =
+            ClockOffset::from_exchange(asked_at_ms, received_at_ms, answer.answered_at_ms())
+        else {
+            return;
+        };
+        metrics::gauge!(crate::metrics::CLOCK_OFFSET_MS).set(offset.estimate_ms() as f64);
+        let margin_ms = self.settings.clock_margin_ms;
+        if offset.beyond(margin_ms) {
+            metrics::counter!(crate::metrics::CLOCK_BEYOND_MARGIN).increment(1);
+            if !self.clock_warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    offset_low_ms = offset.low_ms,
+                    offset_high_ms = offset.high_ms,
+                    margin_ms,
+                    "this agent's clock is further off the allocator's than --clock-margin-ms: \
+                     fallback admits may land in a neighbouring window; fix the clock (NTP) or \
+                     raise the margin"
+                );
+            }
+        }
     }
 }
 

@@ -29,7 +29,9 @@ use allot_region_agent::global::holder::{
     Denial, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
 };
 use allot_region_agent::limiter::LimiterConfig;
-use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
+use allot_region_agent::service::{
+    DEFAULT_CLOCK_MARGIN_MS, DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT,
+};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, PoolConfig};
 use allot_shared::window::{Window, WindowSpec};
@@ -599,6 +601,7 @@ fn holder_config(scenario: &Scenario, window: WindowSpec) -> HolderConfig {
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region_tokens,
         expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS + regional_hold_ms,
+        clock_margin_ms: DEFAULT_CLOCK_MARGIN_MS,
         round_trip_ms: ROUND_TRIP_MS,
         renewal_patience_ms: ms(FIRST_GRANT_WAIT),
         // The drills' agents keep no state directory: a restart starts from the ledger's count.
@@ -883,7 +886,7 @@ impl Step<'_> {
                     }
                     false
                 }
-                Denial::FallbackSpent | Denial::FailClosed => {
+                Denial::FallbackSpent | Denial::FailClosed | Denial::FallbackAtWindowEdge => {
                     record.denied_fallback_spent += 1;
                     true
                 }
