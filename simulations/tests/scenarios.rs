@@ -155,6 +155,40 @@ fn a_clock_offset_is_harmless_and_a_rate_error_beyond_the_margin_is_caught() {
 }
 
 #[test]
+fn a_clock_behind_by_less_than_the_margin_keeps_fallback_in_its_window_and_beyond_it_does_not() {
+    // 400 ms behind with a 500 ms margin: the cut-off windows admit exactly the allowance each.
+    let skewed = scenario("clock-skew-partition");
+    let report = block_on(run(&skewed)).expect("runs");
+    assert!(report.passed(), "{}", report.table());
+    let us_fallback: Vec<u64> = report
+        .windows
+        .iter()
+        .map(|w| w.regions[1].fallback)
+        .collect();
+    assert_eq!(
+        us_fallback[1],
+        skewed.fallback_per_region_tokens,
+        "{}",
+        report.table()
+    );
+    // With no margin, the agent's last admits of one window land in the allocator's next.
+    let unguarded = Scenario {
+        clock_margin_ms: 0,
+        ..skewed
+    };
+    let report = block_on(run(&unguarded)).expect("runs");
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|v| v.contains("in fallback > allowance")),
+        "{:?}\n{}",
+        report.violations,
+        report.table()
+    );
+}
+
+#[test]
 fn convergence_after_the_heal_is_checked_against_its_limit() {
     let fallback = scenario("fallback");
     let report = block_on(run(&fallback)).expect("runs");

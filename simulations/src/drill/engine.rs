@@ -29,9 +29,7 @@ use allot_region_agent::global::holder::{
     Denial, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
 };
 use allot_region_agent::limiter::LimiterConfig;
-use allot_region_agent::service::{
-    DEFAULT_CLOCK_MARGIN_MS, DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT,
-};
+use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, PoolConfig};
 use allot_shared::window::{Window, WindowSpec};
@@ -386,7 +384,8 @@ impl<'s> Drill<'s> {
                 crash(&mut self.agents[r], &mut self.checker, r, agent_now_ms);
                 self.agents[r].down_until_ms = Some(at_ms + down_ms);
                 let back_in_ms = (at_ms + down_ms).saturating_sub(elapsed_ms);
-                self.agents[r].unclean_start_ms = Some(agent_now_ms + back_in_ms);
+                // The allocator stamps the new run's session on its own clock.
+                self.agents[r].unclean_start_ms = Some(now_ms + back_in_ms);
             }
         }
         let agent = &mut self.agents[r];
@@ -601,7 +600,7 @@ fn holder_config(scenario: &Scenario, window: WindowSpec) -> HolderConfig {
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region_tokens,
         expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS + regional_hold_ms,
-        clock_margin_ms: DEFAULT_CLOCK_MARGIN_MS,
+        clock_margin_ms: scenario.clock_margin_ms,
         round_trip_ms: ROUND_TRIP_MS,
         renewal_patience_ms: ms(FIRST_GRANT_WAIT),
         // The drills' agents keep no state directory: a restart starts from the ledger's count.

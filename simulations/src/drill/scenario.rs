@@ -56,6 +56,11 @@ pub struct Scenario {
     /// Fallback tokens per region per window.
     #[serde(rename = "fallback_per_region")]
     pub fallback_per_region_tokens: u64,
+    /// The agents' clock margin, ms (default: the agent's, 100): no fallback within it of a
+    /// window's edges (on the agent's clock), so a clock off by less admits fallback in the right
+    /// window. At most 10,000.
+    #[serde(default = "default_clock_margin_ms")]
+    pub clock_margin_ms: u64,
     /// Whether leases are clamped to their window (`"clamped"`, the default, or `"unclamped"`).
     #[serde(default = "clamped", with = "clamping_text")]
     pub clamping: LeaseClamping,
@@ -120,6 +125,10 @@ pub struct GatewayPlan {
 
 /// Most gateways per region in a drill.
 pub const MAX_GATEWAYS_PER_REGION: u64 = 64;
+
+fn default_clock_margin_ms() -> u64 {
+    allot_region_agent::service::DEFAULT_CLOCK_MARGIN_MS
+}
 
 fn default_report_interval_ms() -> u64 {
     1_000
@@ -466,6 +475,9 @@ impl Scenario {
                     format!("must divide {CALENDAR_STEP_MS} with calendar windows"),
                 );
             }
+        }
+        if self.clock_margin_ms > allot_region_agent::service::settings::MAX_CLOCK_MARGIN_MS {
+            return fail("clock_margin_ms", "must be 0 to 10000".into());
         }
         if self.chunk_tokens == 0 || self.lease_ttl_ms == 0 {
             return fail("chunk", "chunk and lease_ttl_ms must be at least 1".into());
