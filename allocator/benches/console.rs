@@ -84,6 +84,7 @@ async fn main() {
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 5,
         tls: None,
+        retention: Default::default(),
         ledger_url: String::new(),
     };
     let (_stop, stopped) = tokio::sync::oneshot::channel::<()>();

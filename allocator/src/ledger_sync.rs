@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use crate::clock::Clock;
 use crate::kv::Kv;
 use crate::leader::Role;
-use crate::ledger::{Ledger, WindowRow};
+use crate::ledger::{Ledger, Retention, WindowRow};
 use crate::pools::{GrantRecord, StoredPool, list_grants, list_pools};
 
 /// Grants just committed to the store, for the ledger: what the grantor sends down the feed.
@@ -37,6 +37,7 @@ pub const LEDGER_RECONCILE_INTERVAL: std::time::Duration = std::time::Duration::
 /// than a round's period plus an election, so some leader's round always sees each one.
 pub async fn feed_ledger(
     ledger: Ledger,
+    retention: Retention,
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
     mut role: watch::Receiver<Role>,
@@ -74,7 +75,7 @@ pub async fn feed_ledger(
                 if took_lead {
                     // The last leader may have died with grants in its feed: copy them while
                     // their records are still in the store.
-                    ledger_round(&ledger, &*kv, &*clock).await;
+                    ledger_round(&ledger, retention, &*kv, &*clock).await;
                     reconcile.reset();
                 }
             }
@@ -84,7 +85,7 @@ pub async fn feed_ledger(
                 let term = leading_term(&role.borrow());
                 if term.is_some() {
                     led_term = term;
-                    ledger_round(&ledger, &*kv, &*clock).await;
+                    ledger_round(&ledger, retention, &*kv, &*clock).await;
                 }
             }
         }
@@ -99,8 +100,9 @@ fn leading_term(role: &Role) -> Option<allot_shared::ids::Epoch> {
     }
 }
 
-/// One leader's round: copy the grants the ledger lacks, publish gauges, check settled windows.
-async fn ledger_round(ledger: &Ledger, kv: &dyn Kv, clock: &dyn Clock) {
+/// One leader's round: copy the grants the ledger lacks, publish gauges, check settled windows,
+/// remove what the ledger no longer keeps.
+async fn ledger_round(ledger: &Ledger, retention: Retention, kv: &dyn Kv, clock: &dyn Clock) {
     // One listing of the pools serves both passes.
     let pools = match list_pools(kv).await {
         Ok(pools) => pools,
@@ -114,6 +116,19 @@ async fn ledger_round(ledger: &Ledger, kv: &dyn Kv, clock: &dyn Clock) {
     }
     if let Err(error) = publish_ledger_gauges(ledger, kv, &pools, clock.now_ms()).await {
         tracing::warn!(%error, "ledger gauges not updated");
+    }
+    match ledger.remove_expired(retention, clock.now_ms()).await {
+        Ok(removed) => {
+            for (table, rows) in [
+                ("lease_reports", removed.reports),
+                ("bound_checks", removed.bound_checks),
+                ("agent_sessions", removed.agent_sessions),
+            ] {
+                metrics::counter!(crate::metrics::LEDGER_ROWS_REMOVED, "table" => table)
+                    .increment(rows);
+            }
+        }
+        Err(error) => tracing::warn!(%error, "ledger retention round failed; the next one retries"),
     }
 }
 

@@ -24,6 +24,9 @@ use crate::kv::etcd::EtcdKv;
 use crate::kv::memory::MemoryKv;
 use crate::leader::{ElectionConfig, Role, run_election};
 use crate::ledger::Ledger;
+use crate::ledger::retention::{
+    DEFAULT_RAW_RETENTION_DAYS, DEFAULT_ROLLUP_RETENTION_DAYS, MAX_RETENTION_DAYS, Retention,
+};
 use crate::ledger_sync::{LEDGER_FEED_BATCHES, feed_ledger};
 
 pub use crate::auth::MIN_TOKEN_LEN;
@@ -79,6 +82,14 @@ pub struct Args {
     /// one of them (mutual TLS), in addition to its bearer token.
     #[arg(long, env = "ALLOT_TLS_CLIENT_CA")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Days the ledger keeps raw reports (the JSON agents sent) [default: 7; 0 keeps them for
+    /// ever]. Their amounts stay in the per-lease and per-window tables.
+    #[arg(long, env = "ALLOT_LEDGER_RAW_RETENTION_DAYS")]
+    pub ledger_raw_retention_days: Option<u64>,
+    /// Days the ledger keeps window checks and inactive agents' sessions [default: 400, so a
+    /// yearly invoice can be checked; 0 keeps them for ever].
+    #[arg(long, env = "ALLOT_LEDGER_ROLLUP_RETENTION_DAYS")]
+    pub ledger_rollup_retention_days: Option<u64>,
     /// TOML file with any of the settings above (keys as the flags, with underscores).
     #[arg(long, env = "ALLOT_CONFIG")]
     pub config: Option<PathBuf>,
@@ -99,6 +110,8 @@ struct FileSettings {
     tls_cert: Option<PathBuf>,
     tls_key: Option<PathBuf>,
     tls_client_ca: Option<PathBuf>,
+    ledger_raw_retention_days: Option<u64>,
+    ledger_rollup_retention_days: Option<u64>,
 }
 
 /// Resolved settings.
@@ -118,6 +131,8 @@ pub struct Settings {
     pub leader_lease_ttl_s: i64,
     /// The ledger URL.
     pub ledger_url: String,
+    /// What the ledger keeps, and how long.
+    pub retention: Retention,
     /// TLS for the API (none: plain TCP).
     pub tls: Option<allot_net::ServerTls>,
 }
@@ -190,8 +205,30 @@ impl Args {
                 format!("sqlite://{}", data_dir.join("allot.db").display())
             }
         };
+        let retention_days =
+            |flag: &str, value: Option<u64>, default: u64| match value.unwrap_or(default) {
+                days @ 0..=MAX_RETENTION_DAYS => Ok(days),
+                other => Err(format!(
+                    "--{flag} must be in [0, {MAX_RETENTION_DAYS}], got {other}"
+                )),
+            };
+        let retention = Retention {
+            raw_days: retention_days(
+                "ledger-raw-retention-days",
+                self.ledger_raw_retention_days
+                    .or(file.ledger_raw_retention_days),
+                DEFAULT_RAW_RETENTION_DAYS,
+            )?,
+            rollup_days: retention_days(
+                "ledger-rollup-retention-days",
+                self.ledger_rollup_retention_days
+                    .or(file.ledger_rollup_retention_days),
+                DEFAULT_ROLLUP_RETENTION_DAYS,
+            )?,
+        };
         Ok(Settings {
             ledger_url,
+            retention,
             listen,
             etcd: self.etcd.or(file.etcd).unwrap_or_default(),
             tokens,
@@ -252,6 +289,7 @@ pub async fn run(
     let (feed_sender, feed) = tokio::sync::mpsc::channel(LEDGER_FEED_BATCHES);
     let ledger_task = tokio::spawn(feed_ledger(
         ledger.clone(),
+        settings.retention,
         kv.clone(),
         clock.clone(),
         role.clone(),

@@ -581,3 +581,180 @@ async fn postgres_agent_sessions() {
     let ledger = Ledger::connect(&url).await.expect("postgres ledger");
     agent_sessions(ledger).await;
 }
+
+/// Retention: raw reports past the raw retention, window checks and inactive agents' sessions past
+/// the rollup retention, removed in batches; what is kept stays whole, a report's amounts outlive
+/// its raw row, and an agent whose session row was removed is never taken for its region's first.
+async fn retention(ledger: Ledger) {
+    use allot_allocator::ledger::Retention;
+    use allot_allocator::ledger::retention::RETENTION_BATCH_ROWS;
+    use allot_shared::ids::{AgentId, AgentIncarnation};
+    use allot_shared::wire::AgentSession;
+    const DAY_MS: u64 = 86_400_000;
+    let retention = Retention {
+        raw_days: 7,
+        rollup_days: 30,
+    };
+    ledger
+        .record_grants(&tenant(), &pool(), &[grant(1, "eu", W0, 500, W0 + 15_000)])
+        .await
+        .expect("granted");
+    // More old reports than a batch, sent 10 days before now; one recent one.
+    let old_reports = RETENTION_BATCH_ROWS + 250;
+    for n in 0..old_reports {
+        ledger
+            .record_report(
+                &report(
+                    &format!("old-{n}"),
+                    "eu",
+                    W0,
+                    vec![(1, n.min(400), false)],
+                    0,
+                ),
+                W0 + n,
+            )
+            .await
+            .expect("reported");
+    }
+    let now = W0 + 10 * DAY_MS;
+    ledger
+        .record_report(&report("recent", "us", W0, vec![], 3), now - DAY_MS)
+        .await
+        .expect("reported");
+    // Window checks: one of a window that ended 40 days before now, one 20 days before.
+    let ended_40_days_ago = now - 40 * DAY_MS;
+    let old_check = checked_window(ended_40_days_ago - WINDOW_MS, 10, 1_200);
+    let young_check = checked_window(now - 20 * DAY_MS - WINDOW_MS, 20, 1_200);
+    ledger
+        .record_bound_checks(&tenant(), &pool(), &[old_check, young_check], now)
+        .await
+        .expect("checked");
+    // Agent sessions: one inactive for 40 days, one started 40 days ago and crashed (its row says
+    // so: it never ended), one recent.
+    let session = |region_name: &str, agent: &str| AgentSession {
+        region: region(region_name),
+        agent_id: AgentId::parse(agent).expect("agent id"),
+        incarnation: AgentIncarnation::from_parts(W0, 7),
+    };
+    let long_ago = now - 40 * DAY_MS;
+    ledger
+        .start_agent_session(&session("ap", "ap-1"), long_ago)
+        .await
+        .expect("started");
+    assert!(
+        ledger
+            .end_agent_session(&session("ap", "ap-1"), long_ago + 1_000)
+            .await
+            .expect("ended")
+    );
+    ledger
+        .start_agent_session(&session("sa", "sa-1"), long_ago)
+        .await
+        .expect("started");
+    ledger
+        .start_agent_session(&session("us", "us-1"), now - DAY_MS)
+        .await
+        .expect("started");
+
+    let removed = ledger
+        .remove_expired(retention, now)
+        .await
+        .expect("removed");
+    assert_eq!(
+        removed.reports, old_reports,
+        "every old report, over several batches"
+    );
+    assert_eq!(
+        removed.bound_checks, 1,
+        "the check of the window that ended 40 days ago"
+    );
+    assert_eq!(
+        removed.agent_sessions, 2,
+        "the two runs inactive for 40 days"
+    );
+    let again = ledger
+        .remove_expired(retention, now)
+        .await
+        .expect("removed");
+    assert_eq!(
+        (again.reports, again.bound_checks, again.agent_sessions),
+        (0, 0, 0),
+        "nothing twice"
+    );
+
+    // What stays: the recent report, the younger check, the recent session.
+    let reports = ledger.last_reports(0).await.expect("last reports");
+    assert_eq!(reports.get(&region("us")), Some(&(now - DAY_MS)));
+    assert_eq!(
+        reports.get(&region("eu")),
+        None,
+        "eu's reports were all old"
+    );
+    let summary = ledger.bound_check_summary(10).await.expect("summary");
+    assert_eq!(summary.windows_checked, 1);
+    // A report's amounts outlive its raw row: the window still shows what eu spent.
+    let windows = ledger
+        .windows(&tenant(), &pool(), &config(), 10, now)
+        .await
+        .expect("windows");
+    assert_eq!(windows[0].spent_tokens, 400);
+    assert_eq!(windows[0].fallback_admitted_tokens, 3);
+    // A retried old report is applied again, harmlessly: amounts are the largest reported.
+    ledger
+        .record_report(&report("old-7", "eu", W0, vec![(1, 7, false)], 0), now)
+        .await
+        .expect("reported again");
+    let windows = ledger
+        .windows(&tenant(), &pool(), &config(), 10, now)
+        .await
+        .expect("windows");
+    assert_eq!(
+        windows[0].spent_tokens, 400,
+        "a late duplicate lowers nothing"
+    );
+    // The agent whose row went is judged as after an unclean end, not as its region's first.
+    let back = ledger
+        .start_agent_session(
+            &AgentSession {
+                incarnation: AgentIncarnation::from_parts(W0, 8),
+                ..session("ap", "ap-1")
+            },
+            now,
+        )
+        .await
+        .expect("started");
+    assert!(!back.predecessor_ended_cleanly, "its region had agents");
+    assert_eq!(back.unclean_since_ms, Some(now));
+    // Retention 0 keeps everything.
+    let forever = ledger
+        .remove_expired(
+            Retention {
+                raw_days: 0,
+                rollup_days: 0,
+            },
+            now + 1_000 * DAY_MS,
+        )
+        .await
+        .expect("removed");
+    assert_eq!(
+        (
+            forever.reports,
+            forever.bound_checks,
+            forever.agent_sessions
+        ),
+        (0, 0, 0)
+    );
+}
+
+#[tokio::test]
+async fn sqlite_retention() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    retention(ledger).await;
+}
+
+#[tokio::test]
+async fn postgres_retention() {
+    let (_database, url) = PostgresDatabase::create().await;
+    let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+    retention(ledger).await;
+}

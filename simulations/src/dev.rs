@@ -88,6 +88,7 @@ pub async fn run_dev(
         advertise_url: format!("http://{allocator_addr}"),
         leader_lease_ttl_s: 5,
         tls: None,
+        retention: Default::default(),
         ledger_url: format!(
             "sqlite://{}",
             options.data_dir.join("allot-dev.db").display()

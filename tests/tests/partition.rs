@@ -45,6 +45,7 @@ async fn start_allocator(etcd: &[String], dir: &std::path::Path, port: u16) -> R
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 2,
         tls: None,
+        retention: Default::default(),
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
     };
     let kv = Arc::new(EtcdKv::connect(etcd).await.expect("etcd"));

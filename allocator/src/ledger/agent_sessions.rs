@@ -2,7 +2,9 @@
 //! without a state directory forgets, when it crashes, the fallback it admitted but had not yet
 //! reported; its next run asks here whether that can have happened, and if so counts its
 //! allowance of the window it starts in as used. One row per (region, agent id); the verdict a run
-//! receives is stored with it, so a retried start gets the same answer.
+//! receives is stored with it, so a retried start gets the same answer. Rows of agents inactive
+//! past the rollup retention are removed ([`super::retention`]); `agent_session_regions` keeps
+//! that the region had agents.
 
 use allot_shared::ids::{AgentId, AgentIncarnation, RegionId};
 use allot_shared::wire::{AgentSession, AgentSessionStarted};
@@ -16,8 +18,8 @@ const START_SQL: &str = "\
 INSERT INTO agent_sessions
     (region, agent_id, incarnation, started_at_ms, ended_at_ms, predecessor_ended, unclean_start_ms)
 VALUES ($1, $2, $3, $4, NULL,
-        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $1) THEN 0 ELSE 1 END,
-        CASE WHEN EXISTS (SELECT 1 FROM agent_sessions WHERE region = $1) THEN $4 ELSE NULL END)
+        CASE WHEN EXISTS (SELECT 1 FROM agent_session_regions WHERE region = $1) THEN 0 ELSE 1 END,
+        CASE WHEN EXISTS (SELECT 1 FROM agent_session_regions WHERE region = $1) THEN $4 ELSE NULL END)
 ON CONFLICT (region, agent_id) DO UPDATE SET
     unclean_start_ms = CASE
         WHEN agent_sessions.incarnation = excluded.incarnation THEN agent_sessions.unclean_start_ms
@@ -35,6 +37,12 @@ ON CONFLICT (region, agent_id) DO UPDATE SET
         ELSE NULL END,
     incarnation = excluded.incarnation
 RETURNING predecessor_ended, started_at_ms, unclean_start_ms";
+
+/// Marks the region as having had an agent (after [`START_SQL`], in its transaction): a later
+/// agent of the region is never taken for its first, even once this one's row is removed.
+const MARK_REGION_SQL: &str = "\
+INSERT INTO agent_session_regions (region, first_started_at_ms) VALUES ($1, $2)
+ON CONFLICT (region) DO NOTHING";
 
 /// Marks the run ended, if it is still its agent's latest.
 const END_SQL: &str = "\
@@ -59,16 +67,25 @@ impl Ledger {
     ) -> Result<AgentSessionStarted, LedgerError> {
         let (region, agent, incarnation) = texts(session);
         // One statement for either database's pool.
+        // The verdict and the region's mark in one transaction.
         macro_rules! start {
-            ($pool:expr) => {
-                sqlx::query_as(START_SQL)
+            ($pool:expr) => {{
+                let mut transaction = $pool.begin().await?;
+                let started: Started = sqlx::query_as(START_SQL)
                     .bind(&region)
                     .bind(&agent)
                     .bind(&incarnation)
                     .bind(i64_of(now_ms))
-                    .fetch_one($pool)
-                    .await?
-            };
+                    .fetch_one(&mut *transaction)
+                    .await?;
+                sqlx::query(MARK_REGION_SQL)
+                    .bind(&region)
+                    .bind(i64_of(now_ms))
+                    .execute(&mut *transaction)
+                    .await?;
+                transaction.commit().await?;
+                started
+            }};
         }
         let started: Started = match &self.database {
             Database::Sqlite(pool) => start!(pool),

@@ -10,7 +10,7 @@
 //!
 //! A file per job: `schema` (tables and columns), [`audit`] (the change history: audit log, pool
 //! configurations, bundles), [`reports`] (grants and reports), [`accounting`] (per-window accounts,
-//! the arithmetic pure and tested without SQL).
+//! the arithmetic pure and tested without SQL), [`retention`] (what is removed, and when).
 
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
@@ -39,6 +39,7 @@ pub mod audit;
 pub mod bound_checks;
 pub mod regions;
 pub mod reports;
+pub mod retention;
 mod schema;
 
 pub use accounting::{MAX_WINDOWS, WindowAmounts, WindowRow, account};
@@ -47,6 +48,7 @@ pub use audit::{AuditEntry, MAX_AUDIT_ENTRIES, PoolChange};
 pub use bound_checks::{BoundCheckSummary, BoundViolation, MAX_RECENT_VIOLATIONS};
 pub use regions::{FallbackRow, MAX_RECENT_FALLBACK_ROWS};
 pub use reports::MAX_LEASES_PER_REPORT;
+pub use retention::{Removed, Retention};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 

@@ -48,6 +48,7 @@ pub async fn start() -> Server {
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 5,
         tls: None,
+        retention: Default::default(),
         ledger_url: String::new(),
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);

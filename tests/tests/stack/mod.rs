@@ -62,6 +62,7 @@ pub async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> Strin
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 5,
         tls: None,
+        retention: Default::default(),
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
     };
     let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
