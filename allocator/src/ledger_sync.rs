@@ -119,11 +119,9 @@ async fn ledger_round(ledger: &Ledger, retention: Retention, kv: &dyn Kv, clock:
     }
     match ledger.remove_expired(retention, clock.now_ms()).await {
         Ok(removed) => {
-            for (table, rows) in [
-                ("lease_reports", removed.reports),
-                ("bound_checks", removed.bound_checks),
-                ("agent_sessions", removed.agent_sessions),
-            ] {
+            metrics::counter!(crate::metrics::LEDGER_WINDOWS_ROLLED_UP)
+                .increment(removed.windows_rolled_up);
+            for (table, rows) in removed.rows {
                 metrics::counter!(crate::metrics::LEDGER_ROWS_REMOVED, "table" => table)
                     .increment(rows);
             }

@@ -44,8 +44,10 @@ pub const POLICY_CURRENT_VERSION: &str = "allot_policy_current_version";
 pub const WINDOW_ADMITTED: &str = "allot_pool_window_admitted_tokens";
 /// The stated bound of that window (G + carry-over + fallback terms), by `tenant` and `pool`.
 pub const WINDOW_BOUND: &str = "allot_pool_window_bound_tokens";
-/// Rows the ledger's retention removed, by table (lease_reports, bound_checks, agent_sessions).
+/// Rows the ledger's retention removed, by table.
 pub const LEDGER_ROWS_REMOVED: &str = "allot_ledger_rows_removed_total";
+/// Windows whose raw rows the ledger rolled up into one row a region (and removed).
+pub const LEDGER_WINDOWS_ROLLED_UP: &str = "allot_ledger_windows_rolled_up_total";
 /// Windows checked against their overshoot bound once they settled (each window once, ledger-wide).
 pub const BOUND_WINDOWS_CHECKED: &str = "allot_bound_windows_checked_total";
 /// Checked windows that admitted more than their bound: the design's promise broken (page).

@@ -82,12 +82,12 @@ pub struct Args {
     /// one of them (mutual TLS), in addition to its bearer token.
     #[arg(long, env = "ALLOT_TLS_CLIENT_CA")]
     pub tls_client_ca: Option<PathBuf>,
-    /// Days the ledger keeps raw reports (the JSON agents sent) [default: 7; 0 keeps them for
-    /// ever]. Their amounts stay in the per-lease and per-window tables.
+    /// Days the ledger keeps raw reports (the JSON agents sent) and a window's raw rows after it
+    /// ended [default: 7; 0 keeps them for ever]; then the window is rolled up, one row a region.
     #[arg(long, env = "ALLOT_LEDGER_RAW_RETENTION_DAYS")]
     pub ledger_raw_retention_days: Option<u64>,
-    /// Days the ledger keeps window checks and inactive agents' sessions [default: 400, so a
-    /// yearly invoice can be checked; 0 keeps them for ever].
+    /// Days the ledger keeps rolled-up windows, window checks and inactive agents' sessions
+    /// [default: 400, so a yearly invoice can be checked; 0 keeps them for ever].
     #[arg(long, env = "ALLOT_LEDGER_ROLLUP_RETENTION_DAYS")]
     pub ledger_rollup_retention_days: Option<u64>,
     /// TOML file with any of the settings above (keys as the flags, with underscores).

@@ -582,9 +582,10 @@ async fn postgres_agent_sessions() {
     agent_sessions(ledger).await;
 }
 
-/// Retention: raw reports past the raw retention, window checks and inactive agents' sessions past
-/// the rollup retention, removed in batches; what is kept stays whole, a report's amounts outlive
-/// its raw row, and an agent whose session row was removed is never taken for its region's first.
+/// Retention: a window past the raw retention is rolled up (its grants, spend and admits become one
+/// row a region) and reads exactly as before; raw reports go after the raw retention; rolled-up
+/// windows, window checks and inactive agents' sessions after the rollup retention; all in batches.
+/// An agent whose session row went is never taken for its region's first.
 async fn retention(ledger: Ledger) {
     use allot_allocator::ledger::Retention;
     use allot_allocator::ledger::retention::RETENTION_BATCH_ROWS;
@@ -595,20 +596,33 @@ async fn retention(ledger: Ledger) {
         raw_days: 7,
         rollup_days: 30,
     };
+    let now = W0 + 10 * DAY_MS;
+    let recent = now - DAY_MS - (now - DAY_MS) % WINDOW_MS;
+    // An old window (W0) with two regions' grants, spend, a final report and fallback, and a
+    // recent one.
     ledger
-        .record_grants(&tenant(), &pool(), &[grant(1, "eu", W0, 500, W0 + 15_000)])
+        .record_grants(
+            &tenant(),
+            &pool(),
+            &[
+                grant(1, "eu", W0, 500, W0 + 15_000),
+                grant(2, "us", W0, 200, W0 + 15_000),
+                grant(3, "eu", recent, 300, recent + 15_000),
+            ],
+        )
         .await
         .expect("granted");
-    // More old reports than a batch, sent 10 days before now; one recent one.
+    // More old reports than a batch, sent in W0; eu's lease 1 ends at 400 spent (final).
     let old_reports = RETENTION_BATCH_ROWS + 250;
     for n in 0..old_reports {
+        let last = n + 1 == old_reports;
         ledger
             .record_report(
                 &report(
                     &format!("old-{n}"),
                     "eu",
                     W0,
-                    vec![(1, n.min(400), false)],
+                    vec![(1, n.min(400), last)],
                     0,
                 ),
                 W0 + n,
@@ -616,21 +630,29 @@ async fn retention(ledger: Ledger) {
             .await
             .expect("reported");
     }
-    let now = W0 + 10 * DAY_MS;
     ledger
-        .record_report(&report("recent", "us", W0, vec![], 3), now - DAY_MS)
+        .record_report(
+            &report("us-old", "us", W0, vec![(2, 150, false)], 3),
+            W0 + 9_000,
+        )
+        .await
+        .expect("reported");
+    ledger
+        .record_report(
+            &report("recent", "eu", recent, vec![(3, 120, false)], 0),
+            now - DAY_MS,
+        )
         .await
         .expect("reported");
     // Window checks: one of a window that ended 40 days before now, one 20 days before.
-    let ended_40_days_ago = now - 40 * DAY_MS;
-    let old_check = checked_window(ended_40_days_ago - WINDOW_MS, 10, 1_200);
+    let old_check = checked_window(now - 40 * DAY_MS - WINDOW_MS, 10, 1_200);
     let young_check = checked_window(now - 20 * DAY_MS - WINDOW_MS, 20, 1_200);
     ledger
         .record_bound_checks(&tenant(), &pool(), &[old_check, young_check], now)
         .await
         .expect("checked");
-    // Agent sessions: one inactive for 40 days, one started 40 days ago and crashed (its row says
-    // so: it never ended), one recent.
+    // Agent sessions: one ended 40 days ago, one started 40 days ago and never ended (a crash),
+    // one recent.
     let session = |region_name: &str, agent: &str| AgentSession {
         region: region(region_name),
         agent_id: AgentId::parse(agent).expect("agent id"),
@@ -655,63 +677,94 @@ async fn retention(ledger: Ledger) {
         .start_agent_session(&session("us", "us-1"), now - DAY_MS)
         .await
         .expect("started");
+    let windows = async || {
+        ledger
+            .windows(&tenant(), &pool(), &config(), 10, now)
+            .await
+            .expect("windows")
+    };
+    let before = windows().await;
+    assert_eq!(before.len(), 2);
 
     let removed = ledger
         .remove_expired(retention, now)
         .await
         .expect("removed");
     assert_eq!(
-        removed.reports, old_reports,
+        removed.windows_rolled_up, 1,
+        "only the old window: {removed:?}"
+    );
+    assert_eq!(removed.from("grants"), 2);
+    assert_eq!(removed.from("lease_spend"), 2);
+    assert_eq!(removed.from("fallback_admits"), 1);
+    assert_eq!(
+        removed.from("lease_reports"),
+        old_reports + 1,
         "every old report, over several batches"
     );
     assert_eq!(
-        removed.bound_checks, 1,
-        "the check of the window that ended 40 days ago"
+        removed.from("bound_checks"),
+        1,
+        "the window that ended 40 days ago"
     );
     assert_eq!(
-        removed.agent_sessions, 2,
+        removed.from("agent_sessions"),
+        2,
         "the two runs inactive for 40 days"
     );
+    assert_eq!(
+        windows().await,
+        before,
+        "a rolled-up window reads exactly as before"
+    );
+    let old = &before[1];
+    assert_eq!(
+        (
+            old.granted_tokens,
+            old.spent_tokens,
+            old.stranded_tokens,
+            old.unreported_tokens
+        ),
+        (700, 550, 100, 50)
+    );
+    assert_eq!(old.fallback_admitted_tokens, 3);
     let again = ledger
         .remove_expired(retention, now)
         .await
         .expect("removed");
-    assert_eq!(
-        (again.reports, again.bound_checks, again.agent_sessions),
-        (0, 0, 0),
-        "nothing twice"
+    assert_eq!(again.windows_rolled_up, 0);
+    assert!(
+        again.rows.values().all(|&rows| rows == 0),
+        "nothing twice: {again:?}"
     );
+
+    // A report naming a rolled-up lease is refused and changes nothing; a late fallback report of
+    // the old window raises its figure, read at once and rolled up again the next round.
+    assert!(matches!(
+        ledger
+            .record_report(&report("late", "eu", W0, vec![(1, 450, true)], 0), now)
+            .await,
+        Err(LedgerError::Invalid(_))
+    ));
+    ledger
+        .record_report(&report("late-us", "us", W0, vec![], 5), now)
+        .await
+        .expect("a fallback line of an old window");
+    assert_eq!(windows().await[1].fallback_admitted_tokens, 5);
+    let rolled_again = ledger
+        .remove_expired(retention, now)
+        .await
+        .expect("removed");
+    assert_eq!(rolled_again.windows_rolled_up, 1);
+    let after = windows().await;
+    assert_eq!(after[1].fallback_admitted_tokens, 5);
+    assert_eq!(after[1].spent_tokens, 550, "rolling again lowers nothing");
 
     // What stays: the recent report, the younger check, the recent session.
     let reports = ledger.last_reports(0).await.expect("last reports");
-    assert_eq!(reports.get(&region("us")), Some(&(now - DAY_MS)));
-    assert_eq!(
-        reports.get(&region("eu")),
-        None,
-        "eu's reports were all old"
-    );
+    assert_eq!(reports.get(&region("eu")), Some(&(now - DAY_MS)));
     let summary = ledger.bound_check_summary(10).await.expect("summary");
     assert_eq!(summary.windows_checked, 1);
-    // A report's amounts outlive its raw row: the window still shows what eu spent.
-    let windows = ledger
-        .windows(&tenant(), &pool(), &config(), 10, now)
-        .await
-        .expect("windows");
-    assert_eq!(windows[0].spent_tokens, 400);
-    assert_eq!(windows[0].fallback_admitted_tokens, 3);
-    // A retried old report is applied again, harmlessly: amounts are the largest reported.
-    ledger
-        .record_report(&report("old-7", "eu", W0, vec![(1, 7, false)], 0), now)
-        .await
-        .expect("reported again");
-    let windows = ledger
-        .windows(&tenant(), &pool(), &config(), 10, now)
-        .await
-        .expect("windows");
-    assert_eq!(
-        windows[0].spent_tokens, 400,
-        "a late duplicate lowers nothing"
-    );
     // The agent whose row went is judged as after an unclean end, not as its region's first.
     let back = ledger
         .start_agent_session(
@@ -725,25 +778,38 @@ async fn retention(ledger: Ledger) {
         .expect("started");
     assert!(!back.predecessor_ended_cleanly, "its region had agents");
     assert_eq!(back.unclean_since_ms, Some(now));
-    // Retention 0 keeps everything.
-    let forever = ledger
-        .remove_expired(
-            Retention {
-                raw_days: 0,
-                rollup_days: 0,
-            },
-            now + 1_000 * DAY_MS,
-        )
+
+    // Past the rollup retention the old window is gone, while the recent one, rolled up by then,
+    // stays; retention 0 keeps everything.
+    let much_later = now + 25 * DAY_MS;
+    let forever = Retention {
+        raw_days: 0,
+        rollup_days: 0,
+    };
+    let kept = ledger
+        .remove_expired(forever, much_later)
+        .await
+        .expect("removed");
+    assert!(kept.rows.values().all(|&rows| rows == 0), "{kept:?}");
+    let removed = ledger
+        .remove_expired(retention, much_later)
         .await
         .expect("removed");
     assert_eq!(
-        (
-            forever.reports,
-            forever.bound_checks,
-            forever.agent_sessions
-        ),
-        (0, 0, 0)
+        removed.from("window_amounts"),
+        2,
+        "eu's and us's rows of the old window"
     );
+    let left = ledger
+        .windows(&tenant(), &pool(), &config(), 10, much_later)
+        .await
+        .expect("windows");
+    assert_eq!(
+        left.iter().map(|w| w.window_start_ms).collect::<Vec<_>>(),
+        [recent],
+        "{left:?}"
+    );
+    assert_eq!((left[0].granted_tokens, left[0].spent_tokens), (300, 120));
 }
 
 #[tokio::test]
@@ -757,4 +823,102 @@ async fn postgres_retention() {
     let (_database, url) = PostgresDatabase::create().await;
     let ledger = Ledger::connect(&url).await.expect("postgres ledger");
     retention(ledger).await;
+}
+
+/// Over random histories (grants, spend, final reports, fallback, shadow, debt and write-offs in
+/// several windows and regions), every window reads the same after its raw rows are rolled up.
+async fn rollup_reads_as_raw(ledger: Ledger, seed: u64) {
+    use allot_allocator::ledger::Retention;
+    const DAY_MS: u64 = 86_400_000;
+    let mut state = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    let mut next = |below: u64| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % below.max(1)
+    };
+    let mut lease_n = 0u128;
+    for w in 0..6u64 {
+        let window_start_ms = W0 + w * WINDOW_MS;
+        for region_name in ["eu", "us"] {
+            let mut leases = Vec::new();
+            for _ in 0..next(4) {
+                lease_n += 1;
+                let granted = 1 + next(100);
+                ledger
+                    .record_grants(
+                        &tenant(),
+                        &pool(),
+                        &[grant(
+                            lease_n,
+                            region_name,
+                            window_start_ms,
+                            granted,
+                            window_start_ms + 15_000,
+                        )],
+                    )
+                    .await
+                    .expect("granted");
+                if next(3) > 0 {
+                    leases.push((lease_n, next(granted + 1), next(2) == 1));
+                }
+            }
+            let mut line = report(
+                &format!("r-{seed}-{w}-{region_name}"),
+                region_name,
+                window_start_ms,
+                leases,
+                next(3) * next(20),
+            );
+            line.shadow_admitted_tokens = next(2) * next(50);
+            line.settle_debt_tokens = next(2) * next(10);
+            line.written_off_tokens = next(2) * next(5);
+            ledger
+                .record_report(&line, window_start_ms + 20_000)
+                .await
+                .expect("reported");
+        }
+    }
+    let now = W0 + 30 * DAY_MS;
+    let before = ledger
+        .windows(&tenant(), &pool(), &config(), 10, now)
+        .await
+        .expect("windows");
+    let removed = ledger
+        .remove_expired(
+            Retention {
+                raw_days: 7,
+                rollup_days: 0,
+            },
+            now,
+        )
+        .await
+        .expect("rolled up");
+    assert_eq!(
+        removed.windows_rolled_up,
+        before.len() as u64,
+        "seed {seed}"
+    );
+    let after = ledger
+        .windows(&tenant(), &pool(), &config(), 10, now)
+        .await
+        .expect("windows");
+    assert_eq!(after, before, "seed {seed}");
+}
+
+#[tokio::test]
+async fn sqlite_rollup_reads_as_raw_over_random_histories() {
+    for seed in 0..64 {
+        let (ledger, _dir) = sqlite_ledger().await;
+        rollup_reads_as_raw(ledger, seed).await;
+    }
+}
+
+#[tokio::test]
+async fn postgres_rollup_reads_as_raw_over_random_histories() {
+    for seed in 0..4 {
+        let (_database, url) = PostgresDatabase::create().await;
+        let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+        rollup_reads_as_raw(ledger, seed).await;
+    }
 }

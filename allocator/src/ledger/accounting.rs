@@ -1,5 +1,6 @@
 //! Per-window accounting: what a pool granted, what was spent, stranded, left unreported and
-//! admitted in fallback, against its limit and the design's bound. The SQL gathers the amounts;
+//! admitted in fallback, against its limit and the design's bound. The SQL gathers the amounts,
+//! from the raw rows of recent windows and the rollup of older ones ([`super::rollup`]);
 //! [`account`] is the arithmetic, pure.
 
 use std::collections::BTreeMap;
@@ -199,7 +200,7 @@ impl Ledger {
         let written_off_rows = self
             .admits_rows(WrittenOff::Table, tenant, pool, last)
             .await?;
-        let keys = self
+        let mut keys = self
             .window_keys(
                 tenant,
                 pool,
@@ -208,6 +209,25 @@ impl Ledger {
                 &[&fallback_rows, &shadow_rows, &debt_rows, &written_off_rows],
             )
             .await?;
+        // Windows past the raw retention are read from their rollup (and merged with any raw row
+        // a late report wrote since).
+        let rolled = self.rolled_windows(tenant, pool, last).await?;
+        for (&window_start_ms, window) in &rolled {
+            let start = i64_of(window_start_ms);
+            if !keys.iter().any(|k| k.window_start_ms == start) {
+                let end_ms = if window.window_end_ms > window_start_ms {
+                    window.window_end_ms
+                } else {
+                    config.window_at(window_start_ms).end_ms
+                };
+                keys.push(WindowKey {
+                    window_start_ms: start,
+                    window_end_ms: i64_of(end_ms),
+                });
+            }
+        }
+        keys.sort_by_key(|k| std::cmp::Reverse(k.window_start_ms));
+        keys.truncate(usize::try_from(last).unwrap_or(usize::MAX));
         let Some(oldest) = keys.last().map(|k| k.window_start_ms) else {
             return Ok(Vec::new());
         };
@@ -233,7 +253,7 @@ impl Ledger {
                         .iter()
                         .fold(0u64, |total, a| total.saturating_add(u64_of(of(a))))
                 };
-                let amounts = WindowAmounts {
+                let mut amounts = WindowAmounts {
                     window_start_ms: u64_of(key.window_start_ms),
                     window_end_ms: u64_of(key.window_end_ms),
                     granted_tokens_by_region: by_region(&granted_rows, key.window_start_ms),
@@ -251,6 +271,9 @@ impl Ledger {
                     settle_debt_tokens_by_region: by_region(&debt_rows, key.window_start_ms),
                     written_off_tokens_by_region: by_region(&written_off_rows, key.window_start_ms),
                 };
+                if let Some(window) = rolled.get(&amounts.window_start_ms) {
+                    window.merge_into(&mut amounts);
+                }
                 account(amounts, limit, bound)
             })
             .collect();

@@ -10,7 +10,8 @@
 //!
 //! A file per job: `schema` (tables and columns), [`audit`] (the change history: audit log, pool
 //! configurations, bundles), [`reports`] (grants and reports), [`accounting`] (per-window accounts,
-//! the arithmetic pure and tested without SQL), [`retention`] (what is removed, and when).
+//! the arithmetic pure and tested without SQL), [`rollup`] (old windows' raw rows as one row a
+//! region), [`retention`] (what is removed, and when).
 
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
@@ -40,6 +41,7 @@ pub mod bound_checks;
 pub mod regions;
 pub mod reports;
 pub mod retention;
+pub mod rollup;
 mod schema;
 
 pub use accounting::{MAX_WINDOWS, WindowAmounts, WindowRow, account};

@@ -6,11 +6,18 @@
 //! - raw reports (`lease_reports`, each with the JSON an agent sent) after the raw retention: their
 //!   amounts live on in `lease_spend` and `fallback_admits`, and a retried report older than that
 //!   is applied again harmlessly (every amount kept is the largest reported);
-//! - window checks (`bound_checks`) whose window ended before the rollup retention;
+//! - the raw rows of windows that ended before the raw retention (grants, each lease's spend, the
+//!   per-window admits), once rolled up into `window_amounts` ([`super::rollup`]), at most
+//!   [`MAX_ROLLUP_WINDOWS_PER_ROUND`](super::rollup::MAX_ROLLUP_WINDOWS_PER_ROUND) windows a
+//!   round;
+//! - rolled-up windows (`window_amounts`) and window checks (`bound_checks`) whose window ended
+//!   before the rollup retention;
 //! - agent sessions (`agent_sessions`) whose run ended, or started, before the rollup retention
 //!   and whose unclean start is as old: the region's mark in `agent_session_regions` stays, so the
 //!   agent's next run is judged as after an unclean end (it presumes its window's fallback used),
 //!   never as the region's first.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -35,9 +42,9 @@ const DAY_MS: u64 = 86_400_000;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Retention {
-    /// Raw reports.
+    /// Raw reports, grants, lease spend and per-window admits.
     pub raw_days: u64,
-    /// Window checks and agent sessions.
+    /// Rolled-up windows, window checks and agent sessions.
     pub rollup_days: u64,
 }
 
@@ -57,15 +64,20 @@ impl Retention {
     }
 }
 
-/// What one round removed, rows per table.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What one round removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Removed {
-    /// From `lease_reports`.
-    pub reports: u64,
-    /// From `bound_checks`.
-    pub bound_checks: u64,
-    /// From `agent_sessions`.
-    pub agent_sessions: u64,
+    /// Windows rolled up, their raw rows removed.
+    pub windows_rolled_up: u64,
+    /// Rows removed, by table.
+    pub rows: BTreeMap<&'static str, u64>,
+}
+
+impl Removed {
+    /// Rows removed from `table`.
+    pub fn from(&self, table: &str) -> u64 {
+        self.rows.get(table).copied().unwrap_or(0)
+    }
 }
 
 /// Each table's removal: a batch of the oldest rows past `$1`, at most `$2` of them, by key.
@@ -75,6 +87,10 @@ DELETE FROM lease_reports WHERE report_id IN (
 const REMOVE_BOUND_CHECKS_SQL: &str = "\
 DELETE FROM bound_checks WHERE (tenant, pool, window_start_ms) IN (
     SELECT tenant, pool, window_start_ms FROM bound_checks WHERE window_end_ms < $1 LIMIT $2)";
+const REMOVE_WINDOW_AMOUNTS_SQL: &str = "\
+DELETE FROM window_amounts WHERE (tenant, pool, window_start_ms, region) IN (
+    SELECT tenant, pool, window_start_ms, region FROM window_amounts WHERE window_end_ms < $1
+    LIMIT $2)";
 const REMOVE_AGENT_SESSIONS_SQL: &str = "\
 DELETE FROM agent_sessions WHERE (region, agent_id) IN (
     SELECT region, agent_id FROM agent_sessions
@@ -91,15 +107,22 @@ impl Ledger {
     ) -> Result<Removed, LedgerError> {
         let raw = Retention::cutoff_ms(retention.raw_days, now_ms);
         let rollup = Retention::cutoff_ms(retention.rollup_days, now_ms);
-        Ok(Removed {
-            reports: self.remove_in_batches(REMOVE_REPORTS_SQL, raw).await?,
-            bound_checks: self
-                .remove_in_batches(REMOVE_BOUND_CHECKS_SQL, rollup)
-                .await?,
-            agent_sessions: self
-                .remove_in_batches(REMOVE_AGENT_SESSIONS_SQL, rollup)
-                .await?,
-        })
+        let mut removed = Removed::default();
+        if let Some(cutoff_ms) = raw {
+            let rolled = self.roll_up_windows(cutoff_ms, now_ms).await?;
+            removed.windows_rolled_up = rolled.windows;
+            removed.rows = rolled.rows_removed;
+        }
+        for (table, sql, cutoff) in [
+            ("lease_reports", REMOVE_REPORTS_SQL, raw),
+            ("window_amounts", REMOVE_WINDOW_AMOUNTS_SQL, rollup),
+            ("bound_checks", REMOVE_BOUND_CHECKS_SQL, rollup),
+            ("agent_sessions", REMOVE_AGENT_SESSIONS_SQL, rollup),
+        ] {
+            let rows = self.remove_in_batches(sql, cutoff).await?;
+            *removed.rows.entry(table).or_default() += rows;
+        }
+        Ok(removed)
     }
 
     /// Runs `sql` (`$1` the cutoff, `$2` the batch) until a batch removes less than a whole one,

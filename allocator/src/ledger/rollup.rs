@@ -1,0 +1,420 @@
+//! Windows rolled up: once a window ended more than the raw retention ago, its raw rows (every
+//! grant, each lease's spend, the per-window admits of each region) become one row a region in
+//! `window_amounts`, and go, in one transaction a window. The windows view reads both as one
+//! ([`RolledWindow::merge_into`]): a rolled window's lease figures come from its rollup (its
+//! grants are gone, so a report naming one of its leases is refused as of an unknown lease), its
+//! admits from the larger of the rollup and a raw row a late report wrote since, which the next
+//! round rolls up again. Every figure of a rollup row is the larger of what it held and what is
+//! rolled, so rolling a window twice changes nothing.
+
+use std::collections::BTreeMap;
+
+use allot_shared::ids::{PoolId, RegionId, TenantId};
+
+use super::accounting::WindowAmounts;
+use super::{Database, Ledger, LedgerError, i64_of, u64_of};
+
+/// Windows rolled up per round at most (I10); the rest the next round.
+pub const MAX_ROLLUP_WINDOWS_PER_ROUND: u64 = 500;
+
+/// A window of a pool with raw rows past the raw retention.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+struct RawWindow {
+    tenant: String,
+    pool: String,
+    window_start_ms: i64,
+    /// Its end, or its start for a window with admits only (the ledger knows no end for it).
+    window_end_ms: i64,
+}
+
+/// Windows with grants that ended before `$1`, and windows with admits only that started before
+/// it, at most `$2` of each.
+const RAW_WINDOWS_SQL: &str = "\
+SELECT DISTINCT tenant, pool, window_start_ms, window_end_ms FROM (
+    SELECT tenant, pool, window_start_ms, window_end_ms FROM grants WHERE window_end_ms < $1 LIMIT $2
+) AS granted
+UNION
+SELECT DISTINCT tenant, pool, window_start_ms, window_start_ms AS window_end_ms FROM (
+    SELECT * FROM (SELECT tenant, pool, window_start_ms FROM fallback_admits
+        WHERE window_start_ms < $1 LIMIT $2) AS fallback
+    UNION ALL SELECT * FROM (SELECT tenant, pool, window_start_ms FROM shadow_admits
+        WHERE window_start_ms < $1 LIMIT $2) AS shadow
+    UNION ALL SELECT * FROM (SELECT tenant, pool, window_start_ms FROM settle_debts
+        WHERE window_start_ms < $1 LIMIT $2) AS debts
+    UNION ALL SELECT * FROM (SELECT tenant, pool, window_start_ms FROM written_off
+        WHERE window_start_ms < $1 LIMIT $2) AS written
+) AS admitted";
+
+/// One window's lease figures per region (`$1` tenant, `$2` pool, `$3` window start). Every
+/// lease of a window past the raw retention has expired: what its final report says it left is
+/// stranded, what no final report accounts for is unreported.
+const LEASE_FIGURES_SQL: &str = "\
+SELECT g.region AS region,
+       CAST(SUM(g.granted) AS BIGINT) AS granted,
+       CAST(SUM(COALESCE(s.spent, 0)) AS BIGINT) AS spent,
+       CAST(SUM(CASE WHEN s.final_report = 1 THEN g.granted - COALESCE(s.spent, 0) ELSE 0 END)
+            AS BIGINT) AS stranded,
+       CAST(SUM(CASE WHEN s.final_report = 1 THEN 0 ELSE g.granted - COALESCE(s.spent, 0) END)
+            AS BIGINT) AS unreported
+FROM grants g LEFT JOIN lease_spend s ON s.lease_id = g.lease_id
+WHERE g.tenant = $1 AND g.pool = $2 AND g.window_start_ms = $3
+GROUP BY g.region";
+
+/// One window's admits per region from each admits table, tagged with the table's column in
+/// `window_amounts`.
+const ADMITS_SQL: &str = "\
+SELECT 'fallback_admitted' AS figure, region, admitted FROM fallback_admits
+    WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3
+UNION ALL SELECT 'shadow_admitted', region, admitted FROM shadow_admits
+    WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3
+UNION ALL SELECT 'settle_debt', region, admitted FROM settle_debts
+    WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3
+UNION ALL SELECT 'written_off', region, admitted FROM written_off
+    WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3";
+
+/// Keeps the larger of each figure: rolling up again never lowers one.
+const UPSERT_SQL: &str = "\
+INSERT INTO window_amounts (tenant, pool, window_start_ms, window_end_ms, region, granted, spent,
+    stranded, unreported, fallback_admitted, shadow_admitted, settle_debt, written_off, rolled_at_ms)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+ON CONFLICT (tenant, pool, window_start_ms, region) DO UPDATE SET
+    window_end_ms = CASE WHEN excluded.window_end_ms > window_amounts.window_end_ms
+        THEN excluded.window_end_ms ELSE window_amounts.window_end_ms END,
+    granted = CASE WHEN excluded.granted > window_amounts.granted
+        THEN excluded.granted ELSE window_amounts.granted END,
+    spent = CASE WHEN excluded.spent > window_amounts.spent
+        THEN excluded.spent ELSE window_amounts.spent END,
+    stranded = CASE WHEN excluded.stranded > window_amounts.stranded
+        THEN excluded.stranded ELSE window_amounts.stranded END,
+    unreported = CASE WHEN excluded.unreported > window_amounts.unreported
+        THEN excluded.unreported ELSE window_amounts.unreported END,
+    fallback_admitted = CASE WHEN excluded.fallback_admitted > window_amounts.fallback_admitted
+        THEN excluded.fallback_admitted ELSE window_amounts.fallback_admitted END,
+    shadow_admitted = CASE WHEN excluded.shadow_admitted > window_amounts.shadow_admitted
+        THEN excluded.shadow_admitted ELSE window_amounts.shadow_admitted END,
+    settle_debt = CASE WHEN excluded.settle_debt > window_amounts.settle_debt
+        THEN excluded.settle_debt ELSE window_amounts.settle_debt END,
+    written_off = CASE WHEN excluded.written_off > window_amounts.written_off
+        THEN excluded.written_off ELSE window_amounts.written_off END,
+    rolled_at_ms = excluded.rolled_at_ms";
+
+/// The raw rows of one window (`$1` tenant, `$2` pool, `$3` window start), each spend before the
+/// grant it joins on.
+const REMOVE_RAW_SQL: [(&str, &str); 6] = [
+    (
+        "lease_spend",
+        "DELETE FROM lease_spend WHERE lease_id IN (SELECT lease_id FROM grants \
+         WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3)",
+    ),
+    (
+        "grants",
+        "DELETE FROM grants WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
+    ),
+    (
+        "fallback_admits",
+        "DELETE FROM fallback_admits WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
+    ),
+    (
+        "shadow_admits",
+        "DELETE FROM shadow_admits WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
+    ),
+    (
+        "settle_debts",
+        "DELETE FROM settle_debts WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
+    ),
+    (
+        "written_off",
+        "DELETE FROM written_off WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
+    ),
+];
+
+/// A pool's rolled-up windows, newest first (`$1` tenant, `$2` pool, `$3` rows at most).
+const ROLLED_SQL: &str = "\
+SELECT window_start_ms, window_end_ms, region, granted, spent, stranded, unreported,
+       fallback_admitted, shadow_admitted, settle_debt, written_off
+FROM window_amounts WHERE tenant = $1 AND pool = $2
+ORDER BY window_start_ms DESC LIMIT $3";
+
+#[derive(Debug, Clone, Default, sqlx::FromRow)]
+struct RegionFigures {
+    region: String,
+    granted: i64,
+    spent: i64,
+    stranded: i64,
+    unreported: i64,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+struct AdmitFigure {
+    figure: String,
+    region: String,
+    admitted: i64,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+struct RolledRow {
+    window_start_ms: i64,
+    window_end_ms: i64,
+    region: String,
+    granted: i64,
+    spent: i64,
+    stranded: i64,
+    unreported: i64,
+    fallback_admitted: i64,
+    shadow_admitted: i64,
+    settle_debt: i64,
+    written_off: i64,
+}
+
+/// What rolling windows up did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RolledUp {
+    /// Windows rolled up.
+    pub windows: u64,
+    /// Raw rows removed, by table.
+    pub rows_removed: BTreeMap<&'static str, u64>,
+}
+
+/// One region's figures of a window, as `window_amounts` holds them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Figures {
+    granted: u64,
+    spent: u64,
+    stranded: u64,
+    unreported: u64,
+    fallback_admitted: u64,
+    shadow_admitted: u64,
+    settle_debt: u64,
+    written_off: u64,
+}
+
+/// A rolled-up window of a pool: its end and each region's figures.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RolledWindow {
+    /// Window end, epoch ms (its start, for a window with admits only).
+    pub window_end_ms: u64,
+    regions: BTreeMap<RegionId, Figures>,
+}
+
+impl RolledWindow {
+    /// Folds this rollup into `amounts` (the same window as its raw rows give it, if any): every
+    /// figure the larger of the two, per region. A rolled window's raw lease figures are gone (0),
+    /// so they are the rollup's; its admits may have grown since in a late report's raw row.
+    pub fn merge_into(&self, amounts: &mut WindowAmounts) {
+        let larger = |map: &mut BTreeMap<RegionId, u64>, region: &RegionId, value: u64| {
+            if value > 0 {
+                let entry = map.entry(region.clone()).or_default();
+                *entry = (*entry).max(value);
+            }
+        };
+        let (mut stranded, mut unreported) = (0u64, 0u64);
+        for (region, figures) in &self.regions {
+            larger(
+                &mut amounts.granted_tokens_by_region,
+                region,
+                figures.granted,
+            );
+            if figures.granted > 0 {
+                // A region with grants has a spend figure, 0 included, as its raw rows give it.
+                let spent = amounts
+                    .spent_tokens_by_region
+                    .entry(region.clone())
+                    .or_default();
+                *spent = (*spent).max(figures.spent);
+            }
+            larger(
+                &mut amounts.fallback_admitted_tokens_by_region,
+                region,
+                figures.fallback_admitted,
+            );
+            larger(
+                &mut amounts.shadow_admitted_tokens_by_region,
+                region,
+                figures.shadow_admitted,
+            );
+            larger(
+                &mut amounts.settle_debt_tokens_by_region,
+                region,
+                figures.settle_debt,
+            );
+            larger(
+                &mut amounts.written_off_tokens_by_region,
+                region,
+                figures.written_off,
+            );
+            stranded = stranded.saturating_add(figures.stranded);
+            unreported = unreported.saturating_add(figures.unreported);
+        }
+        amounts.stranded_tokens = amounts.stranded_tokens.max(stranded);
+        amounts.unreported_tokens = amounts.unreported_tokens.max(unreported);
+        amounts.window_end_ms = amounts.window_end_ms.max(self.window_end_ms);
+    }
+}
+
+macro_rules! on_pool {
+    ($ledger:expr, |$pool:ident| $body:expr) => {
+        match &$ledger.database {
+            Database::Sqlite($pool) => $body,
+            Database::Postgres($pool) => $body,
+        }
+    };
+}
+
+impl Ledger {
+    /// Rolls up, at `now_ms`, at most [`MAX_ROLLUP_WINDOWS_PER_ROUND`] windows whose raw rows are
+    /// older than `cutoff_ms` (grants of windows that ended before it, admits of windows that
+    /// started before it), removing those rows.
+    pub async fn roll_up_windows(
+        &self,
+        cutoff_ms: u64,
+        now_ms: u64,
+    ) -> Result<RolledUp, LedgerError> {
+        let windows: Vec<RawWindow> = on_pool!(self, |pool| {
+            sqlx::query_as(RAW_WINDOWS_SQL)
+                .bind(i64_of(cutoff_ms))
+                .bind(i64_of(MAX_ROLLUP_WINDOWS_PER_ROUND))
+                .fetch_all(pool)
+                .await?
+        });
+        // A window with grants and admits is listed twice (once with its end, once with its
+        // start as its end): roll it once, with its end.
+        let mut by_key: BTreeMap<(String, String, i64), i64> = BTreeMap::new();
+        for window in windows {
+            let end = by_key
+                .entry((window.tenant, window.pool, window.window_start_ms))
+                .or_insert(window.window_end_ms);
+            *end = (*end).max(window.window_end_ms);
+        }
+        let mut rolled = RolledUp::default();
+        for ((tenant, pool, window_start_ms), window_end_ms) in by_key
+            .into_iter()
+            .take(usize::try_from(MAX_ROLLUP_WINDOWS_PER_ROUND).unwrap_or(usize::MAX))
+        {
+            let removed = on_pool!(self, |db| {
+                let mut transaction = db.begin().await?;
+                let leases: Vec<RegionFigures> = sqlx::query_as(LEASE_FIGURES_SQL)
+                    .bind(&tenant)
+                    .bind(&pool)
+                    .bind(window_start_ms)
+                    .fetch_all(&mut *transaction)
+                    .await?;
+                let admits: Vec<AdmitFigure> = sqlx::query_as(ADMITS_SQL)
+                    .bind(&tenant)
+                    .bind(&pool)
+                    .bind(window_start_ms)
+                    .fetch_all(&mut *transaction)
+                    .await?;
+                for (region, figures) in figures_by_region(leases, admits) {
+                    sqlx::query(UPSERT_SQL)
+                        .bind(&tenant)
+                        .bind(&pool)
+                        .bind(window_start_ms)
+                        .bind(window_end_ms)
+                        .bind(region)
+                        .bind(i64_of(figures.granted))
+                        .bind(i64_of(figures.spent))
+                        .bind(i64_of(figures.stranded))
+                        .bind(i64_of(figures.unreported))
+                        .bind(i64_of(figures.fallback_admitted))
+                        .bind(i64_of(figures.shadow_admitted))
+                        .bind(i64_of(figures.settle_debt))
+                        .bind(i64_of(figures.written_off))
+                        .bind(i64_of(now_ms))
+                        .execute(&mut *transaction)
+                        .await?;
+                }
+                let mut removed = Vec::with_capacity(REMOVE_RAW_SQL.len());
+                for (table, sql) in REMOVE_RAW_SQL {
+                    let rows = sqlx::query(sql)
+                        .bind(&tenant)
+                        .bind(&pool)
+                        .bind(window_start_ms)
+                        .execute(&mut *transaction)
+                        .await?
+                        .rows_affected();
+                    removed.push((table, rows));
+                }
+                transaction.commit().await?;
+                removed
+            });
+            rolled.windows += 1;
+            for (table, rows) in removed {
+                *rolled.rows_removed.entry(table).or_default() += rows;
+            }
+        }
+        Ok(rolled)
+    }
+
+    /// The latest `last` rolled-up windows of `tenant`'s `pool`, by window start.
+    pub async fn rolled_windows(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        last: u64,
+    ) -> Result<BTreeMap<u64, RolledWindow>, LedgerError> {
+        let rows: Vec<RolledRow> = on_pool!(self, |db| {
+            sqlx::query_as(ROLLED_SQL)
+                .bind(tenant.as_str())
+                .bind(pool.as_str())
+                .bind(i64_of(last.saturating_mul(64)))
+                .fetch_all(db)
+                .await?
+        });
+        let limit_reached = rows.len() as u64 >= last.saturating_mul(64);
+        let mut windows: BTreeMap<u64, RolledWindow> = BTreeMap::new();
+        for row in rows {
+            let Ok(region) = RegionId::parse(&row.region) else {
+                continue;
+            };
+            let window = windows.entry(u64_of(row.window_start_ms)).or_default();
+            window.window_end_ms = window.window_end_ms.max(u64_of(row.window_end_ms));
+            window.regions.insert(
+                region,
+                Figures {
+                    granted: u64_of(row.granted),
+                    spent: u64_of(row.spent),
+                    stranded: u64_of(row.stranded),
+                    unreported: u64_of(row.unreported),
+                    fallback_admitted: u64_of(row.fallback_admitted),
+                    shadow_admitted: u64_of(row.shadow_admitted),
+                    settle_debt: u64_of(row.settle_debt),
+                    written_off: u64_of(row.written_off),
+                },
+            );
+        }
+        // The oldest window may have been cut short by the row limit: only whole windows count.
+        if limit_reached {
+            windows.pop_first();
+        }
+        while windows.len() as u64 > last {
+            windows.pop_first();
+        }
+        Ok(windows)
+    }
+}
+
+/// Each region's figures of a window from its lease and admits rows.
+fn figures_by_region(
+    leases: Vec<RegionFigures>,
+    admits: Vec<AdmitFigure>,
+) -> BTreeMap<String, Figures> {
+    let mut by_region: BTreeMap<String, Figures> = BTreeMap::new();
+    for lease in leases {
+        let figures = by_region.entry(lease.region).or_default();
+        figures.granted = u64_of(lease.granted);
+        figures.spent = u64_of(lease.spent);
+        figures.stranded = u64_of(lease.stranded);
+        figures.unreported = u64_of(lease.unreported);
+    }
+    for admit in admits {
+        let figures = by_region.entry(admit.region).or_default();
+        let amount = u64_of(admit.admitted);
+        match admit.figure.as_str() {
+            "fallback_admitted" => figures.fallback_admitted = amount,
+            "shadow_admitted" => figures.shadow_admitted = amount,
+            "settle_debt" => figures.settle_debt = amount,
+            _ => figures.written_off = amount,
+        }
+    }
+    by_region
+}
