@@ -84,6 +84,8 @@ async fn main() {
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 5,
         tls: None,
+        etcd_history_minutes: 60,
+        etcd_defragment: true,
         retention: Default::default(),
         ledger_url: String::new(),
     };

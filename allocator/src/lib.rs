@@ -11,6 +11,7 @@ pub mod auth;
 pub mod clock;
 pub mod console;
 pub mod ctl;
+pub mod etcd_upkeep;
 pub mod grants;
 pub mod http;
 pub mod kv;

@@ -44,6 +44,18 @@ pub const POLICY_CURRENT_VERSION: &str = "allot_policy_current_version";
 pub const WINDOW_ADMITTED: &str = "allot_pool_window_admitted_tokens";
 /// The stated bound of that window (G + carry-over + fallback terms), by `tenant` and `pool`.
 pub const WINDOW_BOUND: &str = "allot_pool_window_bound_tokens";
+/// Each etcd member's database file, bytes (`member`: its id in hex), from the leader's upkeep.
+pub const ETCD_DB_SIZE: &str = "allot_etcd_db_size_bytes";
+/// The part of each etcd member's database in use, bytes (the rest is freed by defragmenting).
+pub const ETCD_DB_IN_USE: &str = "allot_etcd_db_in_use_bytes";
+/// Each etcd member's quota, bytes: past it etcd refuses writes (`NOSPACE`).
+pub const ETCD_DB_QUOTA: &str = "allot_etcd_db_quota_bytes";
+/// Compactions of etcd's key history the leader made.
+pub const ETCD_COMPACTIONS: &str = "allot_etcd_compactions_total";
+/// etcd members the leader defragmented.
+pub const ETCD_DEFRAGMENTATIONS: &str = "allot_etcd_defragmentations_total";
+/// Upkeep rounds that failed (no member answered, or a compaction was refused).
+pub const ETCD_HOUSEKEEPING_FAILURES: &str = "allot_etcd_housekeeping_failures_total";
 /// Rows the ledger's retention removed, by table.
 pub const LEDGER_ROWS_REMOVED: &str = "allot_ledger_rows_removed_total";
 /// Windows whose raw rows the ledger rolled up into one row a region (and removed).

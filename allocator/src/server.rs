@@ -21,6 +21,7 @@ use crate::grants::Grantor;
 use crate::http::ApiState;
 use crate::kv::Kv;
 use crate::kv::etcd::EtcdKv;
+use crate::kv::housekeeping::{DEFAULT_HISTORY_MS, HousekeepingSettings};
 use crate::kv::memory::MemoryKv;
 use crate::leader::{ElectionConfig, Role, run_election};
 use crate::ledger::Ledger;
@@ -90,6 +91,13 @@ pub struct Args {
     /// [default: 400, so a yearly invoice can be checked; 0 keeps them for ever].
     #[arg(long, env = "ALLOT_LEDGER_ROLLUP_RETENTION_DAYS")]
     pub ledger_rollup_retention_days: Option<u64>,
+    /// Minutes of etcd key history the leader keeps when it compacts [default: 60].
+    #[arg(long, env = "ALLOT_ETCD_HISTORY_MINUTES")]
+    pub etcd_history_minutes: Option<u64>,
+    /// Whether the leader defragments etcd members whose files are mostly free space, one at a
+    /// time, followers first [default: true].
+    #[arg(long, env = "ALLOT_ETCD_DEFRAGMENT")]
+    pub etcd_defragment: Option<bool>,
     /// TOML file with any of the settings above (keys as the flags, with underscores).
     #[arg(long, env = "ALLOT_CONFIG")]
     pub config: Option<PathBuf>,
@@ -112,6 +120,8 @@ struct FileSettings {
     tls_client_ca: Option<PathBuf>,
     ledger_raw_retention_days: Option<u64>,
     ledger_rollup_retention_days: Option<u64>,
+    etcd_history_minutes: Option<u64>,
+    etcd_defragment: Option<bool>,
 }
 
 /// Resolved settings.
@@ -121,6 +131,10 @@ pub struct Settings {
     pub listen: SocketAddr,
     /// etcd endpoints; empty for the embedded store.
     pub etcd: Vec<String>,
+    /// Minutes of etcd key history kept when compacting.
+    pub etcd_history_minutes: u64,
+    /// Whether mostly free etcd files are defragmented.
+    pub etcd_defragment: bool,
     /// Accepted tokens.
     pub tokens: Tokens,
     /// Election id.
@@ -226,9 +240,26 @@ impl Args {
                 DEFAULT_ROLLUP_RETENTION_DAYS,
             )?,
         };
+        let etcd_history_minutes = match self
+            .etcd_history_minutes
+            .or(file.etcd_history_minutes)
+            .unwrap_or(DEFAULT_HISTORY_MS / 60_000)
+        {
+            minutes @ 1..=10_080 => minutes,
+            other => {
+                return Err(format!(
+                    "--etcd-history-minutes must be in [1, 10080], got {other}"
+                ));
+            }
+        };
         Ok(Settings {
             ledger_url,
             retention,
+            etcd_history_minutes,
+            etcd_defragment: self
+                .etcd_defragment
+                .or(file.etcd_defragment)
+                .unwrap_or(true),
             listen,
             etcd: self.etcd.or(file.etcd).unwrap_or_default(),
             tokens,
@@ -314,6 +345,19 @@ pub async fn run(
     if let Err(error) = crate::auth::refresh(&*kv, &tokens).await {
         tracing::warn!(%error, "stored tokens not read at start; retrying in the background");
     }
+    // On etcd, the leader keeps its history compacted and its files defragmented.
+    let etcd_task = (!settings.etcd.is_empty()).then(|| {
+        tokio::spawn(crate::etcd_upkeep::keep_etcd(
+            HousekeepingSettings {
+                history_ms: settings.etcd_history_minutes.saturating_mul(60_000),
+                defragment: settings.etcd_defragment,
+                ..HousekeepingSettings::new(settings.etcd.clone())
+            },
+            clock.clone(),
+            role.clone(),
+            shutdown.clone(),
+        ))
+    });
     let token_task = tokio::spawn(crate::auth::keep_fresh(
         kv.clone(),
         tokens.clone(),
@@ -350,6 +394,9 @@ pub async fn run(
         tracing::warn!(%error, "ledger task ended abnormally");
     }
     token_task.abort();
+    if let Some(task) = etcd_task {
+        task.abort();
+    }
     served
 }
 

@@ -88,6 +88,8 @@ pub async fn run_dev(
         advertise_url: format!("http://{allocator_addr}"),
         leader_lease_ttl_s: 5,
         tls: None,
+        etcd_history_minutes: 60,
+        etcd_defragment: true,
         retention: Default::default(),
         ledger_url: format!(
             "sqlite://{}",

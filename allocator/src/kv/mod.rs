@@ -8,6 +8,7 @@
 //! held to the same behaviour by one contract test suite run against both.
 
 pub mod etcd;
+pub mod housekeeping;
 pub mod memory;
 
 use async_trait::async_trait;

@@ -62,6 +62,8 @@ pub async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> Strin
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 5,
         tls: None,
+        etcd_history_minutes: 60,
+        etcd_defragment: true,
         retention: Default::default(),
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
     };
