@@ -922,3 +922,52 @@ async fn postgres_rollup_reads_as_raw_over_random_histories() {
         rollup_reads_as_raw(ledger, seed).await;
     }
 }
+
+/// A window longer than the raw retention is rolled up only once its grant records have left the
+/// store (a window's length after its end): before, the leader's reconciliation would copy them
+/// back.
+async fn long_windows_wait_for_their_records(ledger: Ledger) {
+    use allot_allocator::ledger::Retention;
+    const DAY_MS: u64 = 86_400_000;
+    let month_start = W0;
+    let month_end = W0 + 30 * DAY_MS;
+    ledger
+        .record_grants(
+            &tenant(),
+            &pool(),
+            &[GrantRecord {
+                window_end_ms: month_end,
+                expires_at_ms: month_end,
+                ..grant(1, "eu", month_start, 500, month_end)
+            }],
+        )
+        .await
+        .expect("granted");
+    let retention = Retention::default();
+    // Ten days after the month ended: past the 7-day raw retention, but its records live on.
+    let early = ledger
+        .remove_expired(retention, month_end + 10 * DAY_MS)
+        .await
+        .expect("removed");
+    assert_eq!(early.windows_rolled_up, 0, "{early:?}");
+    // A month and a day after its end: rolled up.
+    let late = ledger
+        .remove_expired(retention, month_end + 31 * DAY_MS)
+        .await
+        .expect("removed");
+    assert_eq!(late.windows_rolled_up, 1, "{late:?}");
+    assert_eq!(late.from("grants"), 1);
+}
+
+#[tokio::test]
+async fn sqlite_long_windows_wait_for_their_records() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    long_windows_wait_for_their_records(ledger).await;
+}
+
+#[tokio::test]
+async fn postgres_long_windows_wait_for_their_records() {
+    let (_database, url) = PostgresDatabase::create().await;
+    let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+    long_windows_wait_for_their_records(ledger).await;
+}

@@ -16,6 +16,10 @@ use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 
 /// Windows rolled up per round at most (I10); the rest the next round.
 pub const MAX_ROLLUP_WINDOWS_PER_ROUND: u64 = 500;
+/// A window's grant records leave the store a window's length after its end, and no sooner than
+/// their least lifetime after their commit (65 s by default): a window is rolled up only this much
+/// later still, ms.
+pub const RECORDS_GONE_MARGIN_MS: u64 = 300_000;
 
 /// A window of a pool with raw rows past the raw retention.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -28,10 +32,13 @@ struct RawWindow {
 }
 
 /// Windows with grants that ended before `$1`, and windows with admits only that started before
-/// it, at most `$2` of each.
+/// it, at most `$2` of each. A window with grants waits, besides, until its grant records have left
+/// the store (a window's length after its end, `$3` the instant that must be past), or the
+/// leader's reconciliation would copy them back into `grants`.
 const RAW_WINDOWS_SQL: &str = "\
 SELECT DISTINCT tenant, pool, window_start_ms, window_end_ms FROM (
-    SELECT tenant, pool, window_start_ms, window_end_ms FROM grants WHERE window_end_ms < $1 LIMIT $2
+    SELECT tenant, pool, window_start_ms, window_end_ms FROM grants
+    WHERE window_end_ms < $1 AND 2 * window_end_ms - window_start_ms < $3 LIMIT $2
 ) AS granted
 UNION
 SELECT DISTINCT tenant, pool, window_start_ms, window_start_ms AS window_end_ms FROM (
@@ -273,6 +280,7 @@ impl Ledger {
             sqlx::query_as(RAW_WINDOWS_SQL)
                 .bind(i64_of(cutoff_ms))
                 .bind(i64_of(MAX_ROLLUP_WINDOWS_PER_ROUND))
+                .bind(i64_of(now_ms.saturating_sub(RECORDS_GONE_MARGIN_MS)))
                 .fetch_all(pool)
                 .await?
         });
