@@ -443,3 +443,66 @@ fn calendar_drills_name_a_bad_unit_zone_start_or_tick() {
         assert!(error.starts_with(field), "{to}: {error}");
     }
 }
+
+/// A year of calendar-month pools (`long/year-monthly.toml`, with fewer tenants than its 1,000 so a
+/// debug build runs it in seconds) in three time zones: 2028's months as each zone cuts them (29
+/// days in February, an hour less in the month clocks go forward, half an hour on Lord Howe
+/// Island), each within its bound, EU's fallback across the leap day within its allowance.
+#[test]
+fn a_year_of_monthly_pools_keeps_every_month_within_its_bound_in_every_time_zone() {
+    const DAY_MS: u64 = 86_400_000;
+    const HOUR_MS: u64 = 3_600_000;
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scenarios/long/year-monthly.toml"
+    ))
+    .expect("the year file");
+    let year = Scenario::from_toml(&text).expect("parses");
+    assert_eq!(year.tenants, 1_000, "the file runs a thousand tenants");
+    // Each zone: the lengths of March 2028 and of the month its clocks go back in.
+    for (zone, march_ms, (back_month, back_ms)) in [
+        (
+            "America/New_York",
+            31 * DAY_MS - HOUR_MS,
+            (11, 30 * DAY_MS + HOUR_MS),
+        ),
+        (
+            "Europe/Berlin",
+            31 * DAY_MS - HOUR_MS,
+            (10, 31 * DAY_MS + HOUR_MS),
+        ),
+        (
+            "Australia/Lord_Howe",
+            31 * DAY_MS,
+            (4, 30 * DAY_MS + HOUR_MS / 2),
+        ),
+    ] {
+        let mut scenario = Scenario {
+            tenants: 1,
+            ..year.clone()
+        };
+        if let Some(calendar) = scenario.calendar.as_mut() {
+            calendar.time_zone = zone.to_owned();
+        }
+        let report = block_on(run(&scenario)).expect("runs");
+        assert!(report.passed(), "{zone}: {:?}", report.violations);
+        // December 2027 (from the start), the twelve months of 2028, January 2029 (to the end).
+        assert_eq!(report.windows.len(), 14, "{zone}");
+        let length =
+            |month: usize| report.windows[month + 1].offset_ms - report.windows[month].offset_ms;
+        assert_eq!(length(2), 29 * DAY_MS, "{zone}: February 2028 has 29 days");
+        assert_eq!(length(3), march_ms, "{zone}: March 2028");
+        assert_eq!(
+            length(back_month),
+            back_ms,
+            "{zone}: the month the clocks go back"
+        );
+        // EU was cut off from 28 February to 1 March. February's pool ran out before (demand is
+        // twice the limit), so only March's first hours fall back: within its allowance, and
+        // at most the allowance in February (the drill checks both per tenant and month).
+        let eu_fallback = |month: usize| report.windows[month].regions[0].fallback;
+        let allowance = scenario.fallback_per_region_tokens * scenario.tenants;
+        assert!(eu_fallback(3) > 0, "{zone}: {}", report.table());
+        assert!(eu_fallback(2) <= allowance && eu_fallback(3) <= allowance);
+    }
+}

@@ -17,8 +17,12 @@ pub const DEFAULT_TICK_MS: u64 = 100;
 pub const MAX_TENANTS: u64 = 100_000;
 /// Most regions one drill simulates.
 pub const MAX_REGIONS: usize = 16;
-/// Longest virtual duration, ms (7 days).
-pub const MAX_DURATION_MS: u64 = 7 * 24 * 3_600_000;
+/// Longest virtual duration, ms (400 days: a year of calendar months, and the days around it).
+pub const MAX_DURATION_MS: u64 = 400 * 24 * 3_600_000;
+/// Most ticks one drill takes (I10): a day at 10 ms, a year at 5 s.
+pub const MAX_TICKS: u64 = 10_000_000;
+/// Most fixed windows one drill spans (their records are kept per window) (I10).
+pub const MAX_FIXED_WINDOWS: u64 = 1_000_000;
 /// Most faults per scenario.
 pub const MAX_FAULTS: usize = 64;
 /// Largest clock rate error an agent may be given, parts per million.
@@ -489,6 +493,18 @@ impl Scenario {
             return fail(
                 "duration_ms",
                 format!("must be tick_ms to {MAX_DURATION_MS}"),
+            );
+        }
+        if self.duration_ms / self.tick_ms.max(1) > MAX_TICKS {
+            return fail(
+                "duration_ms",
+                format!("at most {MAX_TICKS} ticks of tick_ms; raise tick_ms"),
+            );
+        }
+        if self.calendar.is_none() && self.duration_ms / self.window_ms.max(1) > MAX_FIXED_WINDOWS {
+            return fail(
+                "duration_ms",
+                format!("at most {MAX_FIXED_WINDOWS} windows of window_ms"),
             );
         }
         if self.regions.is_empty() || self.regions.len() > MAX_REGIONS {
