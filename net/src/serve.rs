@@ -27,10 +27,10 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::time::{Instant, Sleep};
 
+use crate::listen::Listener;
 use crate::tls::TlsServing;
 
 /// Paths served without a client certificate under mutual TLS: liveness, readiness, metrics.
@@ -189,19 +189,21 @@ fn certificate_required(app: Router) -> Router {
     ))
 }
 
-/// Serves `app` on `listener` (through TLS when `tls` is given) until `shutdown` resolves; then stops
+/// Serves `app` on `listener` (TCP or a Unix domain socket; through TLS when `tls` is given) until
+/// `shutdown` resolves; then stops
 /// accepting, lets requests in flight finish for up to [`ServeLimits::shutdown_grace`], drops every
 /// connection left and returns. HTTP/1.1 and HTTP/2 (prior knowledge, or ALPN over TLS) are served.
 /// Long by design: the accept loop and its shutdown together, so every bound it applies is seen in
 /// one place.
 pub async fn serve(
-    listener: TcpListener,
+    listener: impl Into<Listener>,
     app: Router,
     tls: Option<TlsServing>,
     limits: ServeLimits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     debug_assert!(limits.max_connections > 0);
+    let listener = listener.into();
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
     let mut connections = tokio::task::JoinSet::new();
@@ -226,7 +228,7 @@ pub async fn serve(
         let stream = tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(stream) => stream,
                 Err(error) => {
                     // Out of descriptors, or a connection reset before it was accepted: back off
                     // briefly rather than spin.
@@ -236,7 +238,6 @@ pub async fn serve(
                 }
             },
         };
-        let _ = stream.set_nodelay(true);
         let builder = builder.clone();
         let watcher = graceful.watcher();
         let tls = tls.clone();

@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use allot_net::ListenAddr;
 use clap::Parser;
 use serde::Deserialize;
 
@@ -24,12 +25,14 @@ pub struct AgentArgs {
     /// This agent's region, e.g. eu (required).
     #[arg(long, env = "ALLOT_REGION")]
     pub region: Option<String>,
-    /// Address to serve gateways on (default 127.0.0.1:7700).
+    /// Address to serve gateways on: host:port, or unix:/path for a Unix domain socket (default
+    /// 127.0.0.1:7700).
     #[arg(long, env = "ALLOT_LISTEN")]
-    pub listen: Option<SocketAddr>,
-    /// Address to serve Envoy's rate limit service (gRPC, RLS v3) on (default 127.0.0.1:8081).
+    pub listen: Option<ListenAddr>,
+    /// Address to serve Envoy's rate limit service (gRPC, RLS v3) on: host:port or unix:/path
+    /// (default 127.0.0.1:8081).
     #[arg(long, env = "ALLOT_GRPC_LISTEN")]
-    pub grpc_listen: Option<SocketAddr>,
+    pub grpc_listen: Option<ListenAddr>,
     /// Allocator URLs, comma-separated. Without it only policies without global rules can be served.
     #[arg(long, env = "ALLOT_ALLOCATOR", value_delimiter = ',')]
     pub allocator: Option<Vec<String>>,
@@ -160,8 +163,8 @@ pub struct AgentArgs {
 #[serde(deny_unknown_fields)]
 struct FileSettings {
     region: Option<String>,
-    listen: Option<SocketAddr>,
-    grpc_listen: Option<SocketAddr>,
+    listen: Option<String>,
+    grpc_listen: Option<String>,
     allocator: Option<Vec<String>>,
     agent_token_file: Option<PathBuf>,
     gateway_token_file: Option<PathBuf>,
@@ -207,9 +210,9 @@ pub struct AgentConfig {
     /// The region.
     pub region: String,
     /// Gateway HTTP address.
-    pub listen: SocketAddr,
+    pub listen: ListenAddr,
     /// gRPC address.
-    pub grpc_listen: SocketAddr,
+    pub grpc_listen: ListenAddr,
     /// Allocator URLs (empty: none).
     pub allocator: Vec<String>,
     /// The agent token file.
@@ -276,10 +279,23 @@ impl AgentArgs {
             }
         };
         let region = self.region.or(file.region).ok_or("--region is required")?;
-        let listen = self
-            .listen
-            .or(file.listen)
-            .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 7700)));
+        let from_file = |key: &str, text: Option<String>| {
+            text.map(|text| {
+                text.parse::<ListenAddr>()
+                    .map_err(|e| format!("--config: {key}: {e}"))
+            })
+            .transpose()
+        };
+        let listen = match self.listen {
+            Some(listen) => listen,
+            None => from_file("listen", file.listen)?
+                .unwrap_or(ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 7700)))),
+        };
+        let grpc_listen = match self.grpc_listen {
+            Some(listen) => listen,
+            None => from_file("grpc_listen", file.grpc_listen)?
+                .unwrap_or(ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 8081)))),
+        };
         let tls = allot_net::ServerTls::from_flags(
             self.tls_cert.or(file.tls_cert),
             self.tls_key.or(file.tls_key),
@@ -352,13 +368,10 @@ impl AgentArgs {
             agent_id: self
                 .agent_id
                 .or(file.agent_id)
-                .unwrap_or_else(|| default_agent_id(&region, &host_name(), listen.port())),
+                .unwrap_or_else(|| default_agent_id(&region, &host_name(), listen_suffix(&listen))),
             region,
             listen,
-            grpc_listen: self
-                .grpc_listen
-                .or(file.grpc_listen)
-                .unwrap_or(SocketAddr::from(([127, 0, 0, 1], 8081))),
+            grpc_listen,
             allocator: self.allocator.or(file.allocator).unwrap_or_default(),
             agent_token_file: self.agent_token_file.or(file.agent_token_file),
             gateway_token_file: self
@@ -450,28 +463,45 @@ impl AgentArgs {
 
 /// `--hot-tenant` entries (or the file's `hot_tenants` table) as the limiter's [`HotTenants`], or
 /// one line naming the entry that is wrong.
-/// The agent id when none is given: `<region>-<host>-<port>`, the same across the agent's
-/// restarts on one host and distinct between agents of a region on different hosts (the
-/// allocator's agent sessions tell one agent's runs apart by it). At most 64 characters of
-/// `[A-Za-z0-9._-]`.
-pub fn default_agent_id(region: &str, host: &str, port: u16) -> String {
-    let host: String = host
+/// The agent id when none is given: `<region>-<host>-<port>` (for a Unix socket, its file name
+/// instead of the port), the same across the agent's restarts on one host and distinct between
+/// agents of a region on different hosts (the allocator's agent sessions tell one agent's runs
+/// apart by it). At most 64 characters of `[A-Za-z0-9._-]`.
+pub fn default_agent_id(region: &str, host: &str, listen: impl std::fmt::Display) -> String {
+    let safe = |text: &str| -> String {
+        text.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .collect()
+    };
+    let host = safe(host);
+    let suffix: String = format!("-{}", safe(&listen.to_string()))
         .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                c
-            } else {
-                '-'
-            }
-        })
+        .take(32)
         .collect();
-    let suffix = format!("-{port}");
     let room = 64usize.saturating_sub(region.len() + 1 + suffix.len());
     let host: String = host.chars().take(room).collect();
     if host.is_empty() {
         format!("{region}{suffix}")
     } else {
         format!("{region}-{host}{suffix}")
+    }
+}
+
+/// What tells one listener of a host from another in a default agent id: the port, or a Unix
+/// socket's file name.
+fn listen_suffix(listen: &ListenAddr) -> String {
+    match listen {
+        ListenAddr::Tcp(address) => address.port().to_string(),
+        ListenAddr::Unix(path) => path.file_stem().map_or_else(
+            || "unix".to_owned(),
+            |stem| stem.to_string_lossy().into_owned(),
+        ),
     }
 }
 
@@ -550,12 +580,20 @@ mod tests {
         let config = args.resolve().expect("valid");
         assert_eq!(config.region, "eu", "the flag wins");
         assert_eq!(
-            config.listen.port(),
-            9700,
+            config.listen.to_string(),
+            "127.0.0.1:9700",
             "the file fills what flags leave"
         );
         assert_eq!(config.policy_max_age_ms, 5);
-        assert_eq!(config.grpc_listen.port(), 8081, "defaults fill the rest");
+        assert_eq!(
+            config.grpc_listen.to_string(),
+            "127.0.0.1:8081",
+            "defaults fill the rest"
+        );
+        assert_eq!(
+            listen_suffix(&"unix:/run/allot/agent-eu.sock".parse().expect("unix")),
+            "agent-eu"
+        );
         assert_eq!(config.agent_id, default_agent_id("eu", &host_name(), 9700));
         assert_eq!(
             default_agent_id("eu", "node-7.example", 9700),

@@ -622,7 +622,7 @@ impl RateLimitApi {
 /// [`REQUEST_TIMEOUT`]; RLQS streams are long-lived and bounded by their own count
 /// ([`crate::rlqs::MAX_STREAMS`]).
 pub async fn serve_grpc(
-    listener: tokio::net::TcpListener,
+    listener: impl Into<allot_net::Listener>,
     api: AgentApi,
     tls: Option<allot_net::TlsServing>,
     shutdown: impl Future<Output = ()> + Send + 'static,

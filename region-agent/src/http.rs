@@ -417,7 +417,7 @@ pub fn router(api: AgentApi) -> Router {
 /// finishing requests in flight. Connections, handshakes and header reads are bounded
 /// ([`allot_net::ServeLimits`]).
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    listener: impl Into<allot_net::Listener>,
     api: AgentApi,
     tls: Option<allot_net::TlsServing>,
     shutdown: impl Future<Output = ()> + Send + 'static,

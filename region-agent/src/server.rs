@@ -13,12 +13,12 @@ pub const REPORT_EVERY: Duration = Duration::from_secs(1);
 /// How often the agent asks for its region's policy bundle.
 pub const POLICY_EVERY: Duration = Duration::from_secs(5);
 
-/// Where the agent serves gateways.
+/// Where the agent serves gateways: TCP, or Unix domain sockets for gateways on its host.
 pub struct Listeners {
     /// The HTTP API.
-    pub http: tokio::net::TcpListener,
+    pub http: allot_net::Listener,
     /// Envoy's rate limit service and rate limit quota service (none: not served).
-    pub grpc: Option<tokio::net::TcpListener>,
+    pub grpc: Option<allot_net::Listener>,
 }
 
 /// How the agent serves them.

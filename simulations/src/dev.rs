@@ -202,7 +202,7 @@ pub async fn run_dev(
             metrics: allot_allocator::metrics::handle(),
         };
         let listeners = allot_region_agent::server::Listeners {
-            http: listener,
+            http: listener.into(),
             grpc: None,
         };
         agent_tasks.push(tokio::spawn(allot_region_agent::server::run(

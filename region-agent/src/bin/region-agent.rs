@@ -215,10 +215,10 @@ async fn start(args: AgentConfig) -> Result<(), String> {
         .map_err(|e| format!("--decision-log {}: {e}", path.display()))?;
         agent.set_decision_log(log);
     }
-    let listener = tokio::net::TcpListener::bind(args.listen)
+    let listener = allot_net::Listener::bind(&args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
-    let grpc_listener = tokio::net::TcpListener::bind(args.grpc_listen)
+    let grpc_listener = allot_net::Listener::bind(&args.grpc_listen)
         .await
         .map_err(|e| format!("cannot listen on {} (--grpc-listen): {e}", args.grpc_listen))?;
     let acceptor = args

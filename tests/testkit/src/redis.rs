@@ -130,6 +130,8 @@ pub struct RedisServer {
     node: Node,
     /// The TLS port, for a server started with [`RedisServer::start_tls`].
     tls_port: Option<u16>,
+    /// The Unix socket, for a server started with [`RedisServer::start_unix`].
+    unix_socket: Option<std::path::PathBuf>,
     _dir: TempDir,
 }
 
@@ -160,6 +162,7 @@ impl RedisServer {
         let mut server = Self {
             node: Node::new(redis_server, dir.path(), port, &[]),
             tls_port: None,
+            unix_socket: None,
             _dir: dir,
         };
         server.node.start();
@@ -198,6 +201,7 @@ impl RedisServer {
             let mut server = Self {
                 node: Node::new(&redis_server, dir.path(), port, &extra),
                 tls_port: Some(tls_port),
+                unix_socket: None,
                 _dir: dir,
             };
             server.node.start();
@@ -211,6 +215,58 @@ impl RedisServer {
             }
             Err(failure) => panic!("{failure}"),
         }
+    }
+
+    /// Starts a server that also listens on a Unix domain socket in its temp dir
+    /// ([`RedisServer::unix_url`]), readable by this user only. Its TCP port stays open for
+    /// readiness probes and test inspection.
+    ///
+    /// # Panics
+    /// As [`RedisServer::start`].
+    #[must_use]
+    pub fn start_unix() -> Self {
+        let redis_server = Binary::RedisServer.require();
+        let attempt = || -> Result<Self, String> {
+            let dir = temp_dir()?;
+            let [port] = free_ports(1)[..] else {
+                unreachable!("free_ports(1) returns one port")
+            };
+            let socket = dir.path().join("redis.sock");
+            let socket_arg = socket.to_string_lossy().into_owned();
+            let extra = [
+                ("--unixsocket", socket_arg.as_str()),
+                ("--unixsocketperm", "700"),
+            ];
+            let mut server = Self {
+                node: Node::new(&redis_server, dir.path(), port, &extra),
+                tls_port: None,
+                unix_socket: Some(socket),
+                _dir: dir,
+            };
+            server.node.start();
+            server.try_wait_ready()?;
+            Ok(server)
+        };
+        match attempt() {
+            Ok(server) => server,
+            Err(failure) if lost_port_race(&failure) => {
+                attempt().unwrap_or_else(|failure| panic!("{failure}"))
+            }
+            Err(failure) => panic!("{failure}"),
+        }
+    }
+
+    /// `redis+unix:///path/to/redis.sock`, for a server started with [`RedisServer::start_unix`].
+    ///
+    /// # Panics
+    /// If it was started without a Unix socket.
+    #[must_use]
+    pub fn unix_url(&self) -> String {
+        let socket = self
+            .unix_socket
+            .as_ref()
+            .expect("a server started with start_unix");
+        format!("redis+unix://{}", socket.display())
     }
 
     /// `rediss://localhost:TLS_PORT` (the server certificate's name), for a server started with
