@@ -336,7 +336,34 @@ pub async fn list_pools(
     kv: &dyn Kv,
 ) -> Result<Vec<(TenantId, PoolId, StoredPool)>, PoolStoreError> {
     let mut pools = Vec::new();
-    for (key, value) in kv.get_prefix("/allot/pools/", MAX_PREFIX_KEYS).await? {
+    let mut after: Option<(TenantId, PoolId)> = None;
+    // Page by page: no listing is cut short at one read's cap, however many pools there are.
+    loop {
+        let page = list_pools_page(kv, after.as_ref(), MAX_PREFIX_KEYS).await?;
+        let full = page.len() >= MAX_PREFIX_KEYS;
+        after = page
+            .last()
+            .map(|(tenant, pool, _)| (tenant.clone(), pool.clone()));
+        pools.extend(page);
+        if !full {
+            return Ok(pools);
+        }
+    }
+}
+
+/// Up to `limit` pools in (tenant, pool) order, after `after` (from the first when `None`): one
+/// page, costing its own size whatever the number of pools.
+pub async fn list_pools_page(
+    kv: &dyn Kv,
+    after: Option<&(TenantId, PoolId)>,
+    limit: usize,
+) -> Result<Vec<(TenantId, PoolId, StoredPool)>, PoolStoreError> {
+    let after_key = after.map_or_else(String::new, |(tenant, pool)| pool_key(tenant, pool));
+    let mut pools = Vec::new();
+    for (key, value) in kv
+        .get_prefix_after("/allot/pools/", &after_key, limit)
+        .await?
+    {
         let mut parts = key.trim_start_matches("/allot/pools/").splitn(2, '/');
         let (Some(tenant), Some(pool)) = (parts.next(), parts.next()) else {
             return Err(PoolStoreError::Corrupt(key));

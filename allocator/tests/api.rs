@@ -94,6 +94,64 @@ async fn pools_round_trip_with_versions() {
     assert_eq!(server.get("/v1/pools/atlas/api", OPERATOR).await.0, 404);
 }
 
+/// The pool list pages: `limit` pools at a time in (tenant, pool) order, each page after the last
+/// one's `next`, until a page without one; without `limit`, every pool at once.
+#[tokio::test]
+async fn the_pool_list_pages_in_order() {
+    let server = start().await;
+    let names = ["zeta/a", "atlas/b", "atlas/a", "beta/x", "atlas/c"];
+    for name in names {
+        let (status, _) = server
+            .put_pool(name, OPERATOR, pool_body().to_string())
+            .await;
+        assert_eq!(status, 200, "{name}");
+    }
+    let listed = |page: &Value| -> Vec<String> {
+        page["pools"]
+            .as_array()
+            .expect("pools")
+            .iter()
+            .map(|p| {
+                format!(
+                    "{}/{}",
+                    p["tenant"].as_str().expect("tenant"),
+                    p["pool"].as_str().expect("pool")
+                )
+            })
+            .collect()
+    };
+    let mut paged = Vec::new();
+    let mut path = "/v1/pools?limit=2".to_owned();
+    let mut pages = 0;
+    loop {
+        let (status, page) = server.get(&path, OPERATOR).await;
+        assert_eq!(status, 200, "{page}");
+        pages += 1;
+        paged.extend(listed(&page));
+        let Some(next) = page["next"].as_str() else {
+            break;
+        };
+        path = format!("/v1/pools?limit=2&after={next}");
+    }
+    assert_eq!(paged, ["atlas/a", "atlas/b", "atlas/c", "beta/x", "zeta/a"]);
+    assert_eq!(pages, 3, "2 + 2 + 1");
+    let (_, all) = server.get("/v1/pools", OPERATOR).await;
+    assert_eq!(listed(&all), paged, "without limit, every pool");
+    assert!(all.get("next").is_none());
+    for (query, field) in [
+        ("limit=0", "limit"),
+        ("limit=1001", "limit"),
+        ("limit=x", "limit"),
+        ("limit=2&after=nopool", "after"),
+        ("limit=2&after=Bad%20Tenant/x", "after"),
+        ("after=atlas/a", "after"),
+    ] {
+        let (status, problem) = server.get(&format!("/v1/pools?{query}"), OPERATOR).await;
+        assert_eq!(status, 400, "{query}: {problem}");
+        assert_eq!(problem["field"], field, "{query}: {problem}");
+    }
+}
+
 #[tokio::test]
 async fn bad_pools_are_refused_naming_the_field_and_change_nothing() {
     let server = start().await;

@@ -39,6 +39,15 @@ impl Kv for HangingRenewals {
         self.inner.get_prefix_newest(prefix, limit).await
     }
 
+    async fn get_prefix_after(
+        &self,
+        prefix: &str,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, Versioned)>, KvError> {
+        self.inner.get_prefix_after(prefix, after, limit).await
+    }
+
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> Result<TxnOutcome, KvError> {
         self.inner.txn(compares, ops).await
     }

@@ -126,6 +126,27 @@ async fn contract(kv: &dyn Kv) {
         .map(|(k, _)| k)
         .collect();
     assert_eq!(newest, vec!["/c/p/3", "/c/p/2"]);
+    // Pages: from the start, then after the last key of each page, to the end of the prefix.
+    let page = |after: &'static str, limit: usize| {
+        let kv = &kv;
+        async move {
+            kv.get_prefix_after("/c/p/", after, limit)
+                .await
+                .expect("page")
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect::<Vec<String>>()
+        }
+    };
+    assert_eq!(page("", 2).await, vec!["/c/p/1", "/c/p/2"]);
+    assert_eq!(page("/c/p/2", 2).await, vec!["/c/p/3"]);
+    assert_eq!(page("/c/p/3", 2).await, Vec::<String>::new());
+    assert_eq!(page("/c/p/1", 10).await, vec!["/c/p/2", "/c/p/3"]);
+    assert_eq!(
+        page("/c/a", 1).await,
+        vec!["/c/p/1"],
+        "an `after` before the prefix"
+    );
 
     // Deletes.
     kv.txn(

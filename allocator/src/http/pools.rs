@@ -133,8 +133,24 @@ pub struct LiveWindow {
 /// `GET /v1/pools` answer.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct PoolList {
-    /// Every pool, without live windows.
+    /// Every pool (or, with `limit`, one page), in (tenant, pool) order, without live windows.
     pub pools: Vec<PoolView>,
+    /// With `limit`: `tenant/pool` to ask `after` for the next page; absent on the last.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
+}
+
+/// Most pools one page of `GET /v1/pools` holds.
+pub const MAX_POOLS_PER_PAGE: usize = 1_000;
+
+/// `GET /v1/pools` query: without `limit`, every pool; with it, one page.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolsQuery {
+    /// Pools per page (1 to [`MAX_POOLS_PER_PAGE`]).
+    pub limit: Option<usize>,
+    /// The `next` of the page before: the page starts after this `tenant/pool`.
+    pub after: Option<String>,
 }
 
 /// `GET /v1/pools/{tenant}/{pool}/windows` query.
@@ -184,15 +200,59 @@ async fn stored_pool(
 
 pub async fn list_pools(
     State(state): State<ApiState>,
+    query: Result<Query<PoolsQuery>, QueryRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
-    let pools = pools::list_pools(&*state.kv)
-        .await?
+    let Query(query) = query.map_err(|e| {
+        let text = e.body_text();
+        let field = if text.contains("after") {
+            "after"
+        } else {
+            "limit"
+        };
+        ApiError::invalid(field, text)
+    })?;
+    let after = match &query.after {
+        None => None,
+        Some(text) => {
+            let (tenant, pool) = text.split_once('/').ok_or_else(|| {
+                ApiError::invalid("after", "must be tenant/pool, as `next` gives it")
+            })?;
+            Some(pool_path(tenant, pool).map_err(|_| {
+                ApiError::invalid("after", "must be tenant/pool, as `next` gives it")
+            })?)
+        }
+    };
+    let Some(limit) = query.limit else {
+        if after.is_some() {
+            return Err(ApiError::invalid("after", "needs limit"));
+        }
+        let pools = pools::list_pools(&*state.kv)
+            .await?
+            .into_iter()
+            .map(|(tenant, pool, stored)| view(tenant, pool, stored))
+            .collect();
+        return Ok(json_response(
+            StatusCode::OK,
+            &PoolList { pools, next: None },
+        ));
+    };
+    if !(1..=MAX_POOLS_PER_PAGE).contains(&limit) {
+        return Err(ApiError::invalid("limit", "must be in [1, 1000]"));
+    }
+    let page = pools::list_pools_page(&*state.kv, after.as_ref(), limit).await?;
+    let next = (page.len() == limit)
+        .then(|| {
+            page.last()
+                .map(|(tenant, pool, _)| format!("{tenant}/{pool}"))
+        })
+        .flatten();
+    let pools = page
         .into_iter()
         .map(|(tenant, pool, stored)| view(tenant, pool, stored))
         .collect();
-    Ok(json_response(StatusCode::OK, &PoolList { pools }))
+    Ok(json_response(StatusCode::OK, &PoolList { pools, next }))
 }
 
 pub async fn get_pool(

@@ -115,6 +115,44 @@ impl Kv for EtcdKv {
         self.read_prefix(prefix, limit, SortOrder::Descend).await
     }
 
+    async fn get_prefix_after(
+        &self,
+        prefix: &str,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, Versioned)>, KvError> {
+        let mut kv = self.client.kv_client();
+        let limit = i64::try_from(limit.min(super::MAX_PREFIX_KEYS)).unwrap_or(i64::MAX);
+        // From just past `after` (its successor: the key with a zero byte appended) to the end of
+        // the prefix's range (the prefix with its last byte raised).
+        let start: Vec<u8> = if after.is_empty() || after < prefix {
+            prefix.as_bytes().to_vec()
+        } else {
+            let mut successor = after.as_bytes().to_vec();
+            successor.push(0);
+            successor
+        };
+        let mut end = prefix.as_bytes().to_vec();
+        if let Some(last) = end.last_mut() {
+            *last = last.saturating_add(1);
+        }
+        let options = GetOptions::new()
+            .with_range(end)
+            .with_limit(limit)
+            .with_sort(SortTarget::Key, SortOrder::Ascend);
+        let response = within(None, kv.get(start, Some(options))).await?;
+        Ok(response
+            .kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    String::from_utf8_lossy(kv.key()).into_owned(),
+                    to_versioned(kv),
+                )
+            })
+            .collect())
+    }
+
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> Result<TxnOutcome, KvError> {
         if compares.len() > super::MAX_TXN_OPS || ops.len() > super::MAX_TXN_OPS {
             return Err(KvError::Refused(

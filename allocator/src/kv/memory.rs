@@ -126,6 +126,29 @@ impl Kv for MemoryKv {
             .collect())
     }
 
+    async fn get_prefix_after(
+        &self,
+        prefix: &str,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, Versioned)>, KvError> {
+        use std::ops::Bound;
+        let state = self.lock();
+        let start = if after.is_empty() {
+            Bound::Included(prefix.to_owned())
+        } else {
+            Bound::Excluded(after.to_owned())
+        };
+        Ok(state
+            .entries
+            .range((start, Bound::Unbounded))
+            .skip_while(|(key, _)| !key.starts_with(prefix) && key.as_str() < prefix)
+            .take_while(|(key, _)| key.starts_with(prefix))
+            .take(limit.min(super::MAX_PREFIX_KEYS))
+            .map(|(key, entry)| (key.clone(), versioned(entry)))
+            .collect())
+    }
+
     async fn get_prefix_newest(
         &self,
         prefix: &str,

@@ -113,6 +113,16 @@ pub trait Kv: Send + Sync + 'static {
         limit: usize,
     ) -> Result<Vec<(String, Versioned)>, KvError>;
 
+    /// Reads up to `limit` keys starting with `prefix` that sort after `after` (from the first when
+    /// `after` is empty), in key order: one page of a listing too long for one read, whatever its
+    /// length. A page costs its own size, not the listing's.
+    async fn get_prefix_after(
+        &self,
+        prefix: &str,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<(String, Versioned)>, KvError>;
+
     /// Applies `ops` atomically if every compare holds.
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> Result<TxnOutcome, KvError>;
 
