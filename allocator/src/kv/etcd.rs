@@ -62,6 +62,20 @@ fn to_versioned(kv: &etcd_client::KeyValue) -> Versioned {
     }
 }
 
+/// A read's keys and their values, in the order etcd answered them.
+fn keyed(response: &etcd_client::GetResponse) -> Vec<(String, Versioned)> {
+    response
+        .kvs()
+        .iter()
+        .map(|kv| {
+            (
+                String::from_utf8_lossy(kv.key()).into_owned(),
+                to_versioned(kv),
+            )
+        })
+        .collect()
+}
+
 impl EtcdKv {
     /// Up to `limit` keys under `prefix` (at most `MAX_PREFIX_KEYS`), in key order (`None`: etcd's
     /// own, ascending by key) or `Descend`.
@@ -78,16 +92,7 @@ impl EtcdKv {
             options = options.with_sort(SortTarget::Key, order);
         }
         let response = within(None, kv.get(prefix, Some(options))).await?;
-        Ok(response
-            .kvs()
-            .iter()
-            .map(|kv| {
-                (
-                    String::from_utf8_lossy(kv.key()).into_owned(),
-                    to_versioned(kv),
-                )
-            })
-            .collect())
+        Ok(keyed(&response))
     }
 }
 
@@ -141,16 +146,7 @@ impl Kv for EtcdKv {
             .with_limit(limit)
             .with_sort(SortTarget::Key, SortOrder::Ascend);
         let response = within(None, kv.get(start, Some(options))).await?;
-        Ok(response
-            .kvs()
-            .iter()
-            .map(|kv| {
-                (
-                    String::from_utf8_lossy(kv.key()).into_owned(),
-                    to_versioned(kv),
-                )
-            })
-            .collect())
+        Ok(keyed(&response))
     }
 
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> Result<TxnOutcome, KvError> {
