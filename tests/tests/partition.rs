@@ -21,8 +21,9 @@ use allot_shared::keys::Pepper;
 use allot_testkit::EtcdCluster;
 use serde_json::{Value, json};
 
-const OPERATOR: &str = "operator-token-for-e2e-0001";
-const AGENT: &str = "agent-token-for-e2e-000001";
+mod stack;
+
+use stack::{AGENT, OPERATOR};
 
 struct RunningAllocator {
     stop: tokio::sync::oneshot::Sender<()>,
@@ -105,7 +106,6 @@ struct Stage {
     dir: tempfile::TempDir,
     port: u16,
     url: String,
-    http: reqwest::Client,
 }
 
 impl Stage {
@@ -119,18 +119,16 @@ impl Stage {
             .expect("free port");
         let allocator = start_allocator(&endpoints, dir.path(), port).await;
         let url = format!("http://127.0.0.1:{port}");
-        let http = reqwest::Client::builder()
-            .timeout(std::time::Duration::from_secs(5))
-            .build()
-            .expect("http client");
-        configure_pool(&http, &url).await;
+        // An hour-long window, 1 s leases, 20 tokens of fallback per region.
+        let pool = json!({ "limit": 1000, "windowMs": 3_600_000, "chunk": 10, "leaseTtlMs": 1000,
+                           "fallbackPerRegion": 20, "regions": ["eu", "us"] });
+        stack::put_pool(&url, "atlas", "api", &pool).await;
         let stage = Self {
             _etcd: etcd,
             endpoints,
             dir,
             port,
             url,
-            http,
         };
         (stage, allocator)
     }
@@ -142,32 +140,12 @@ impl Stage {
 
     /// The ledger's row of the current window.
     async fn current_window(&self) -> Value {
-        let windows: Value = self
-            .http
-            .get(format!("{}/v1/pools/atlas/api/windows?last=1", self.url))
-            .bearer_auth(OPERATOR)
-            .send()
+        stack::windows(&self.url, "atlas", "api", 1)
             .await
-            .expect("windows")
-            .json()
-            .await
-            .expect("json");
-        windows["windows"][0].clone()
+            .into_iter()
+            .next()
+            .unwrap_or_default()
     }
-}
-
-/// An hour-long window, 1 s leases, 20 tokens of fallback per region: `atlas/api` at `url`.
-async fn configure_pool(http: &reqwest::Client, url: &str) {
-    let pool = json!({ "limit": 1000, "windowMs": 3_600_000, "chunk": 10, "leaseTtlMs": 1000,
-                       "fallbackPerRegion": 20, "regions": ["eu", "us"] });
-    let put = http
-        .put(format!("{url}/v1/pools/atlas/api"))
-        .bearer_auth(OPERATOR)
-        .json(&pool)
-        .send()
-        .await
-        .expect("put");
-    assert_eq!(put.status(), 200);
 }
 
 /// A run of agent `eu-1` (no state directory) with one global rule on `atlas/api`, taking leases
