@@ -8,6 +8,7 @@
 //! rolled, so rolling a window twice changes nothing.
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
 use allot_shared::ids::{PoolId, RegionId, TenantId};
 
@@ -35,22 +36,38 @@ struct RawWindow {
 /// it, at most `$2` of each. A window with grants waits, besides, until its grant records have left
 /// the store (a window's length after its end, `$3` the instant that must be past), or the
 /// leader's reconciliation would copy them back into `grants`.
-const RAW_WINDOWS_SQL: &str = "\
-SELECT DISTINCT tenant, pool, window_start_ms, window_end_ms FROM (
-    SELECT tenant, pool, window_start_ms, window_end_ms FROM grants
-    WHERE window_end_ms < $1 AND 2 * window_end_ms - window_start_ms < $3 LIMIT $2
-) AS granted
-UNION
-SELECT DISTINCT tenant, pool, window_start_ms, window_start_ms AS window_end_ms FROM (
-    SELECT * FROM (SELECT tenant, pool, window_start_ms FROM fallback_admits
-        WHERE window_start_ms < $1 LIMIT $2) AS fallback
-    UNION ALL SELECT * FROM (SELECT tenant, pool, window_start_ms FROM shadow_admits
-        WHERE window_start_ms < $1 LIMIT $2) AS shadow
-    UNION ALL SELECT * FROM (SELECT tenant, pool, window_start_ms FROM settle_debts
-        WHERE window_start_ms < $1 LIMIT $2) AS debts
-    UNION ALL SELECT * FROM (SELECT tenant, pool, window_start_ms FROM written_off
-        WHERE window_start_ms < $1 LIMIT $2) AS written
-) AS admitted";
+static RAW_WINDOWS_SQL: LazyLock<String> = LazyLock::new(|| {
+    let admitted: Vec<String> = ADMITS_TABLES
+        .iter()
+        .map(|(table, _)| {
+            format!(
+                "SELECT * FROM (SELECT tenant, pool, window_start_ms FROM {table} \
+                 WHERE window_start_ms < $1 LIMIT $2) AS {table}"
+            )
+        })
+        .collect();
+    format!(
+        "SELECT DISTINCT tenant, pool, window_start_ms, window_end_ms FROM (\
+         SELECT tenant, pool, window_start_ms, window_end_ms FROM grants \
+         WHERE window_end_ms < $1 AND 2 * window_end_ms - window_start_ms < $3 LIMIT $2\
+         ) AS granted \
+         UNION \
+         SELECT DISTINCT tenant, pool, window_start_ms, window_start_ms AS window_end_ms \
+         FROM ({}) AS admitted",
+        admitted.join(" UNION ALL ")
+    )
+});
+
+/// Each per-window admits table, with the figure of `window_amounts` it is rolled into.
+const ADMITS_TABLES: [(&str, &str); 4] = [
+    ("fallback_admits", "fallback_admitted"),
+    ("shadow_admits", "shadow_admitted"),
+    ("settle_debts", "settle_debt"),
+    ("written_off", "written_off"),
+];
+
+/// One window's rows of a table: `$1` tenant, `$2` pool, `$3` window start.
+const OF_WINDOW: &str = "tenant = $1 AND pool = $2 AND window_start_ms = $3";
 
 /// One window's lease figures per region (`$1` tenant, `$2` pool, `$3` window start). Every
 /// lease of a window past the raw retention has expired: what its final report says it left is
@@ -67,73 +84,70 @@ FROM grants g LEFT JOIN lease_spend s ON s.lease_id = g.lease_id
 WHERE g.tenant = $1 AND g.pool = $2 AND g.window_start_ms = $3
 GROUP BY g.region";
 
-/// One window's admits per region from each admits table, tagged with the table's column in
+/// One window's admits per region from each admits table, tagged with the table's figure in
 /// `window_amounts`.
-const ADMITS_SQL: &str = "\
-SELECT 'fallback_admitted' AS figure, region, admitted FROM fallback_admits
-    WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3
-UNION ALL SELECT 'shadow_admitted', region, admitted FROM shadow_admits
-    WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3
-UNION ALL SELECT 'settle_debt', region, admitted FROM settle_debts
-    WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3
-UNION ALL SELECT 'written_off', region, admitted FROM written_off
-    WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3";
+static ADMITS_SQL: LazyLock<String> = LazyLock::new(|| {
+    ADMITS_TABLES
+        .iter()
+        .map(|(table, figure)| {
+            format!("SELECT '{figure}' AS figure, region, admitted FROM {table} WHERE {OF_WINDOW}")
+        })
+        .collect::<Vec<_>>()
+        .join(" UNION ALL ")
+});
+
+/// A `window_amounts` row's figures, each kept at the larger of what it held and what is rolled.
+const KEPT_LARGER: [&str; 9] = [
+    "window_end_ms",
+    "granted",
+    "spent",
+    "stranded",
+    "unreported",
+    "fallback_admitted",
+    "shadow_admitted",
+    "settle_debt",
+    "written_off",
+];
 
 /// Keeps the larger of each figure: rolling up again never lowers one.
-const UPSERT_SQL: &str = "\
-INSERT INTO window_amounts (tenant, pool, window_start_ms, window_end_ms, region, granted, spent,
-    stranded, unreported, fallback_admitted, shadow_admitted, settle_debt, written_off, rolled_at_ms)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
-ON CONFLICT (tenant, pool, window_start_ms, region) DO UPDATE SET
-    window_end_ms = CASE WHEN excluded.window_end_ms > window_amounts.window_end_ms
-        THEN excluded.window_end_ms ELSE window_amounts.window_end_ms END,
-    granted = CASE WHEN excluded.granted > window_amounts.granted
-        THEN excluded.granted ELSE window_amounts.granted END,
-    spent = CASE WHEN excluded.spent > window_amounts.spent
-        THEN excluded.spent ELSE window_amounts.spent END,
-    stranded = CASE WHEN excluded.stranded > window_amounts.stranded
-        THEN excluded.stranded ELSE window_amounts.stranded END,
-    unreported = CASE WHEN excluded.unreported > window_amounts.unreported
-        THEN excluded.unreported ELSE window_amounts.unreported END,
-    fallback_admitted = CASE WHEN excluded.fallback_admitted > window_amounts.fallback_admitted
-        THEN excluded.fallback_admitted ELSE window_amounts.fallback_admitted END,
-    shadow_admitted = CASE WHEN excluded.shadow_admitted > window_amounts.shadow_admitted
-        THEN excluded.shadow_admitted ELSE window_amounts.shadow_admitted END,
-    settle_debt = CASE WHEN excluded.settle_debt > window_amounts.settle_debt
-        THEN excluded.settle_debt ELSE window_amounts.settle_debt END,
-    written_off = CASE WHEN excluded.written_off > window_amounts.written_off
-        THEN excluded.written_off ELSE window_amounts.written_off END,
-    rolled_at_ms = excluded.rolled_at_ms";
+static UPSERT_SQL: LazyLock<String> = LazyLock::new(|| {
+    let larger: Vec<String> = KEPT_LARGER
+        .iter()
+        .map(|c| {
+            format!(
+                "{c} = CASE WHEN excluded.{c} > window_amounts.{c} \
+                 THEN excluded.{c} ELSE window_amounts.{c} END"
+            )
+        })
+        .collect();
+    format!(
+        "INSERT INTO window_amounts (tenant, pool, window_start_ms, region, {}, rolled_at_ms) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+         ON CONFLICT (tenant, pool, window_start_ms, region) DO UPDATE SET {}, \
+         rolled_at_ms = excluded.rolled_at_ms",
+        KEPT_LARGER.join(", "),
+        larger.join(", ")
+    )
+});
 
-/// The raw rows of one window (`$1` tenant, `$2` pool, `$3` window start), each spend before the
-/// grant it joins on.
-const REMOVE_RAW_SQL: [(&str, &str); 6] = [
-    (
-        "lease_spend",
-        "DELETE FROM lease_spend WHERE lease_id IN (SELECT lease_id FROM grants \
-         WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3)",
-    ),
-    (
-        "grants",
-        "DELETE FROM grants WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
-    ),
-    (
-        "fallback_admits",
-        "DELETE FROM fallback_admits WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
-    ),
-    (
-        "shadow_admits",
-        "DELETE FROM shadow_admits WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
-    ),
-    (
-        "settle_debts",
-        "DELETE FROM settle_debts WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
-    ),
-    (
-        "written_off",
-        "DELETE FROM written_off WHERE tenant = $1 AND pool = $2 AND window_start_ms = $3",
-    ),
-];
+/// The raw rows of one window, table by table, each spend before the grant it joins on.
+static REMOVE_RAW_SQL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| {
+    let mut statements = vec![
+        (
+            "lease_spend",
+            format!(
+                "DELETE FROM lease_spend WHERE lease_id IN (SELECT lease_id FROM grants WHERE {OF_WINDOW})"
+            ),
+        ),
+        ("grants", format!("DELETE FROM grants WHERE {OF_WINDOW}")),
+    ];
+    statements.extend(
+        ADMITS_TABLES
+            .iter()
+            .map(|(table, _)| (*table, format!("DELETE FROM {table} WHERE {OF_WINDOW}"))),
+    );
+    statements
+});
 
 /// A pool's rolled-up windows, newest first (`$1` tenant, `$2` pool, `$3` rows at most).
 const ROLLED_SQL: &str = "\
@@ -277,7 +291,7 @@ impl Ledger {
         now_ms: u64,
     ) -> Result<RolledUp, LedgerError> {
         let windows: Vec<RawWindow> = on_pool!(self, |pool| {
-            sqlx::query_as(RAW_WINDOWS_SQL)
+            sqlx::query_as(RAW_WINDOWS_SQL.as_str())
                 .bind(i64_of(cutoff_ms))
                 .bind(i64_of(MAX_ROLLUP_WINDOWS_PER_ROUND))
                 .bind(i64_of(now_ms.saturating_sub(RECORDS_GONE_MARGIN_MS)))
@@ -306,19 +320,19 @@ impl Ledger {
                     .bind(window_start_ms)
                     .fetch_all(&mut *transaction)
                     .await?;
-                let admits: Vec<AdmitFigure> = sqlx::query_as(ADMITS_SQL)
+                let admits: Vec<AdmitFigure> = sqlx::query_as(ADMITS_SQL.as_str())
                     .bind(&tenant)
                     .bind(&pool)
                     .bind(window_start_ms)
                     .fetch_all(&mut *transaction)
                     .await?;
                 for (region, figures) in figures_by_region(leases, admits) {
-                    sqlx::query(UPSERT_SQL)
+                    sqlx::query(UPSERT_SQL.as_str())
                         .bind(&tenant)
                         .bind(&pool)
                         .bind(window_start_ms)
-                        .bind(window_end_ms)
                         .bind(region)
+                        .bind(window_end_ms)
                         .bind(i64_of(figures.granted))
                         .bind(i64_of(figures.spent))
                         .bind(i64_of(figures.stranded))
@@ -332,7 +346,7 @@ impl Ledger {
                         .await?;
                 }
                 let mut removed = Vec::with_capacity(REMOVE_RAW_SQL.len());
-                for (table, sql) in REMOVE_RAW_SQL {
+                for (table, sql) in REMOVE_RAW_SQL.iter() {
                     let rows = sqlx::query(sql)
                         .bind(&tenant)
                         .bind(&pool)
@@ -340,7 +354,7 @@ impl Ledger {
                         .execute(&mut *transaction)
                         .await?
                         .rows_affected();
-                    removed.push((table, rows));
+                    removed.push((*table, rows));
                 }
                 transaction.commit().await?;
                 removed
