@@ -943,6 +943,14 @@ async fn long_windows_wait_for_their_records(ledger: Ledger) {
         )
         .await
         .expect("granted");
+    // Fallback admits in the same window must not roll it up early either.
+    ledger
+        .record_report(
+            &report("month-fallback", "us", month_start, vec![], 4),
+            month_start,
+        )
+        .await
+        .expect("reported");
     let retention = Retention::default();
     // Ten days after the month ended: past the 7-day raw retention, but its records live on.
     let early = ledger
@@ -950,6 +958,11 @@ async fn long_windows_wait_for_their_records(ledger: Ledger) {
         .await
         .expect("removed");
     assert_eq!(early.windows_rolled_up, 0, "{early:?}");
+    assert_eq!(
+        early.from("grants"),
+        0,
+        "the open month's grants stay: {early:?}"
+    );
     // A month and a day after its end: rolled up.
     let late = ledger
         .remove_expired(retention, month_end + 31 * DAY_MS)
@@ -957,6 +970,7 @@ async fn long_windows_wait_for_their_records(ledger: Ledger) {
         .expect("removed");
     assert_eq!(late.windows_rolled_up, 1, "{late:?}");
     assert_eq!(late.from("grants"), 1);
+    assert_eq!(late.from("fallback_admits"), 1);
 }
 
 #[tokio::test]

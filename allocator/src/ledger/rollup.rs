@@ -33,23 +33,31 @@ struct RawWindow {
 }
 
 /// Windows with grants that ended before `$1`, and windows with admits only that started before
-/// it, at most `$2` of each. A window with grants waits, besides, until its grant records have left
+/// it, at most `$2` windows of each table, the oldest first. A window with grants waits, besides, until its grant records have left
 /// the store (a window's length after its end, `$3` the instant that must be past), or the
 /// leader's reconciliation would copy them back into `grants`.
 static RAW_WINDOWS_SQL: LazyLock<String> = LazyLock::new(|| {
+    // Each branch lists windows, oldest first, not rows: a window of many grants is one of `$2`.
+    // A window that still has grants is left to the grants branch, whose guard keeps it until
+    // its records are gone, whatever admits it also has.
     let admitted: Vec<String> = ADMITS_TABLES
         .iter()
         .map(|(table, _)| {
             format!(
-                "SELECT * FROM (SELECT tenant, pool, window_start_ms FROM {table} \
-                 WHERE window_start_ms < $1 LIMIT $2) AS {table}"
+                "SELECT * FROM (SELECT tenant, pool, window_start_ms FROM {table} a \
+                 WHERE window_start_ms < $1 AND NOT EXISTS (SELECT 1 FROM grants g \
+                 WHERE g.tenant = a.tenant AND g.pool = a.pool \
+                 AND g.window_start_ms = a.window_start_ms) \
+                 GROUP BY tenant, pool, window_start_ms ORDER BY window_start_ms LIMIT $2) \
+                 AS {table}"
             )
         })
         .collect();
     format!(
         "SELECT DISTINCT tenant, pool, window_start_ms, window_end_ms FROM (\
          SELECT tenant, pool, window_start_ms, window_end_ms FROM grants \
-         WHERE window_end_ms < $1 AND 2 * window_end_ms - window_start_ms < $3 LIMIT $2\
+         WHERE window_end_ms < $1 AND 2 * window_end_ms - window_start_ms < $3 \
+         GROUP BY tenant, pool, window_start_ms, window_end_ms ORDER BY window_end_ms LIMIT $2\
          ) AS granted \
          UNION \
          SELECT DISTINCT tenant, pool, window_start_ms, window_start_ms AS window_end_ms \
