@@ -114,11 +114,20 @@ impl Drop for Listener {
     }
 }
 
-/// Removes a socket file a process that died left at `path`; refuses any other kind of file.
+/// Removes a socket file a process that died left at `path`; refuses a socket something still
+/// listens on (another agent's), and any other kind of file.
 fn remove_stale_socket(path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::FileTypeExt;
     match std::fs::symlink_metadata(path) {
-        Ok(metadata) if metadata.file_type().is_socket() => std::fs::remove_file(path),
+        Ok(metadata) if metadata.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("{} is a socket another process listens on", path.display()),
+                ));
+            }
+            std::fs::remove_file(path)
+        }
         Ok(_) => Err(std::io::Error::new(
             std::io::ErrorKind::AlreadyExists,
             format!("{} exists and is not a socket", path.display()),
@@ -222,12 +231,15 @@ mod tests {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("agent.sock");
         let address = ListenAddr::Unix(path.clone());
-        // A socket left by a process that died.
-        let stale = std::os::unix::net::UnixListener::bind(&path).expect("bind");
-        std::mem::forget(stale);
+        // A socket left by a process that died: its file is there, nothing listens.
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("bind"));
+        assert!(path.exists());
         let listener = Listener::bind(&address)
             .await
             .expect("replaces the stale socket");
+        // A live one is another agent's: refused, and left alone.
+        let refused = Listener::bind(&address).await.expect_err("in use");
+        assert_eq!(refused.kind(), std::io::ErrorKind::AddrInUse, "{refused}");
         let client = tokio::spawn({
             let path = path.clone();
             async move { UnixStream::connect(path).await }
