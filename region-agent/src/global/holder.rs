@@ -950,11 +950,12 @@ impl PoolHolder {
         }
         let span = self.fallback_span(window);
         if !span.contains(&now_ms) {
+            // Before the span it opens at its start; after it, the next window's span opens the
+            // clock margin after this window's end.
             let usable_from_ms = if now_ms < span.start {
                 span.start
             } else {
-                self.fallback_span(self.config.window.containing(window.end_ms))
-                    .start
+                window.end_ms.saturating_add(self.config.clock_margin_ms)
             };
             return Err(Refusal {
                 denial: Denial::FallbackAtWindowEdge,
