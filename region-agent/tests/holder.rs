@@ -1053,3 +1053,22 @@ proptest! {
         }
     }
 }
+
+/// An allowance presumed used (an earlier run may have admitted it unreported) survives a restart
+/// from the journal as presumed: still not spendable, and not owed to the ledger, so it never
+/// keeps the restored run from ending cleanly.
+#[test]
+fn a_presumed_allowance_survives_the_journal_as_presumed() {
+    let mut holder = PoolHolder::new(config(10));
+    let now = 10 * MINUTE + 1_000;
+    let window_start = 10 * MINUTE;
+    holder.presume_fallback_used(window_start);
+    assert!(holder.fallback_settled_from(window_start));
+    let mut restored = PoolHolder::new(config(10));
+    restored.restore(&holder.snapshot(None));
+    assert_eq!(restored.spendable_tokens(now, false), 0, "still used");
+    assert!(
+        restored.fallback_settled_from(window_start),
+        "nothing of it is owed to the ledger"
+    );
+}

@@ -419,6 +419,14 @@ pub struct JournaledFallback {
     pub used_tokens: u64,
     /// Durably claimed (0 without claims).
     pub claimed_tokens: u64,
+    /// Counted as used because an earlier run may have admitted it unreported (apart from
+    /// `usedTokens`: it never needs reporting, so it does not keep a run from ending cleanly).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub presumed_tokens: u64,
+}
+
+fn is_zero(tokens: &u64) -> bool {
+    *tokens == 0
 }
 
 /// Demand, as two integer EWMAs over one-second buckets: a fast one (alpha 1/4) that says how soon
@@ -1374,8 +1382,9 @@ impl PoolHolder {
             .map(|(&window_start_ms, count)| JournaledFallback {
                 window_start_ms,
                 admitted_tokens: count.admitted_tokens,
-                used_tokens: count.admitted_tokens + count.unknown_tokens + count.presumed_tokens,
+                used_tokens: count.admitted_tokens + count.unknown_tokens,
                 claimed_tokens: count.claimed_tokens,
+                presumed_tokens: count.presumed_tokens,
             })
             .collect();
         if let Some((window_start_ms, claimed_tokens)) = claim {
@@ -1389,6 +1398,7 @@ impl PoolHolder {
                     admitted_tokens: 0,
                     used_tokens: 0,
                     claimed_tokens,
+                    presumed_tokens: 0,
                 }),
             }
         }
@@ -1449,6 +1459,7 @@ impl PoolHolder {
                 .max(line.admitted_tokens);
             count.unknown_tokens = used.saturating_sub(count.admitted_tokens);
             count.claimed_tokens = count.claimed_tokens.max(line.claimed_tokens);
+            count.presumed_tokens = count.presumed_tokens.max(line.presumed_tokens);
         }
     }
 
