@@ -429,7 +429,8 @@ impl AgentArgs {
                 margin @ 0..=crate::service::settings::MAX_CLOCK_MARGIN_MS => margin,
                 other => {
                     return Err(format!(
-                        "--clock-margin-ms must be in [0, 10000], got {other}"
+                        "--clock-margin-ms must be in [0, {}], got {other}",
+                        crate::service::settings::MAX_CLOCK_MARGIN_MS
                     ));
                 }
             },
@@ -461,8 +462,6 @@ impl AgentArgs {
     }
 }
 
-/// `--hot-tenant` entries (or the file's `hot_tenants` table) as the limiter's [`HotTenants`], or
-/// one line naming the entry that is wrong.
 /// The agent id when none is given: `<region>-<host>-<port>` (for a Unix socket, its file name
 /// instead of the port), the same across the agent's restarts on one host and distinct between
 /// agents of a region on different hosts (the allocator's agent sessions tell one agent's runs
@@ -513,6 +512,8 @@ pub fn host_name() -> String {
         .unwrap_or_default()
 }
 
+/// `--hot-tenant` entries (or the file's `hot_tenants` table) as the limiter's [`HotTenants`], or
+/// one line naming the entry that is wrong.
 fn hot_tenants(
     entries: impl Iterator<Item = Result<(String, Result<u32, std::num::ParseIntError>), String>>,
 ) -> Result<HotTenants, String> {
