@@ -23,14 +23,6 @@ impl Kv for HangingRenewals {
         self.inner.get(key).await
     }
 
-    async fn get_prefix(
-        &self,
-        prefix: &str,
-        limit: usize,
-    ) -> Result<Vec<(String, Versioned)>, KvError> {
-        self.inner.get_prefix(prefix, limit).await
-    }
-
     async fn get_prefix_newest(
         &self,
         prefix: &str,

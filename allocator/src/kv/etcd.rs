@@ -30,7 +30,7 @@ fn classify(error: etcd_client::Error, lease: Option<i64>) -> KvError {
 }
 
 /// Runs an etcd call under [`ETCD_CALL_TIMEOUT`].
-async fn within<T>(
+pub(super) async fn within<T>(
     lease: Option<i64>,
     future: impl Future<Output = Result<T, etcd_client::Error>>,
 ) -> Result<T, KvError> {
@@ -46,14 +46,23 @@ impl EtcdKv {
     /// Connects to the cluster at `endpoints` (e.g. `http://127.0.0.1:2379`). The client balances
     /// over all endpoints and fails over between them.
     pub async fn connect(endpoints: &[String]) -> Result<Self, KvError> {
-        let options = ConnectOptions::new()
-            .with_connect_timeout(ETCD_CALL_TIMEOUT)
-            .with_timeout(ETCD_CALL_TIMEOUT)
-            .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
-        let client = within(None, Client::connect(endpoints, Some(options))).await?;
-        Ok(Self { client })
+        Ok(Self {
+            client: connect_client(endpoints).await?,
+        })
     }
 }
+
+/// A client of `endpoints` with every call under [`ETCD_CALL_TIMEOUT`] and keep-alives, so a
+/// dead member is noticed within seconds.
+pub(super) async fn connect_client(endpoints: &[impl AsRef<str>]) -> Result<Client, KvError> {
+    let options = ConnectOptions::new()
+        .with_connect_timeout(ETCD_CALL_TIMEOUT)
+        .with_timeout(ETCD_CALL_TIMEOUT)
+        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
+    within(None, Client::connect(endpoints, Some(options))).await
+}
+
+impl EtcdKv {}
 
 fn to_versioned(kv: &etcd_client::KeyValue) -> Versioned {
     Versioned {
@@ -102,14 +111,6 @@ impl Kv for EtcdKv {
         let mut kv = self.client.kv_client();
         let response = within(None, kv.get(key, None)).await?;
         Ok(response.kvs().first().map(to_versioned))
-    }
-
-    async fn get_prefix(
-        &self,
-        prefix: &str,
-        limit: usize,
-    ) -> Result<Vec<(String, Versioned)>, KvError> {
-        self.read_prefix(prefix, limit, SortOrder::None).await
     }
 
     async fn get_prefix_newest(

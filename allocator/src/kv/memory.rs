@@ -111,21 +111,6 @@ impl Kv for MemoryKv {
         Ok(self.lock().entries.get(key).map(versioned))
     }
 
-    async fn get_prefix(
-        &self,
-        prefix: &str,
-        limit: usize,
-    ) -> Result<Vec<(String, Versioned)>, KvError> {
-        let state = self.lock();
-        Ok(state
-            .entries
-            .range(prefix.to_owned()..)
-            .take_while(|(key, _)| key.starts_with(prefix))
-            .take(limit.min(super::MAX_PREFIX_KEYS))
-            .map(|(key, entry)| (key.clone(), versioned(entry)))
-            .collect())
-    }
-
     async fn get_prefix_after(
         &self,
         prefix: &str,

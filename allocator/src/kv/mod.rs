@@ -98,12 +98,14 @@ pub trait Kv: Send + Sync + 'static {
     /// Reads one key (linearizable).
     async fn get(&self, key: &str) -> Result<Option<Versioned>, KvError>;
 
-    /// Reads up to `limit` keys starting with `prefix`, in key order.
+    /// Reads up to `limit` keys starting with `prefix`, in key order: the first page.
     async fn get_prefix(
         &self,
         prefix: &str,
         limit: usize,
-    ) -> Result<Vec<(String, Versioned)>, KvError>;
+    ) -> Result<Vec<(String, Versioned)>, KvError> {
+        self.get_prefix_after(prefix, "", limit).await
+    }
 
     /// Reads up to `limit` keys starting with `prefix`, the last in key order first: where keys
     /// sort by time (UUID v7 lease ids), the newest, which a capped listing must not drop.
