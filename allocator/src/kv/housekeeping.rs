@@ -12,10 +12,10 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use etcd_client::{Client, CompactionOptions, ConnectOptions};
+use etcd_client::{Client, CompactionOptions};
 
 use super::KvError;
-use super::etcd::ETCD_CALL_TIMEOUT;
+use super::etcd::{connect_client, within};
 
 /// How often the leader keeps house.
 pub const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(300);
@@ -131,23 +131,9 @@ pub struct Housekeeping {
     compacted: i64,
 }
 
-async fn within<T>(
-    future: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, KvError> {
-    match tokio::time::timeout(ETCD_CALL_TIMEOUT, future).await {
-        Ok(result) => result.map_err(|e| KvError::Unavailable(e.to_string())),
-        Err(_) => Err(KvError::Unavailable(format!(
-            "no answer from etcd within {ETCD_CALL_TIMEOUT:?}"
-        ))),
-    }
-}
-
 /// A client of `endpoint` alone: status and defragmentation speak of the member answering.
 async fn member_client(endpoint: &str) -> Result<Client, KvError> {
-    let options = ConnectOptions::new()
-        .with_connect_timeout(ETCD_CALL_TIMEOUT)
-        .with_timeout(ETCD_CALL_TIMEOUT);
-    within(Client::connect([endpoint], Some(options))).await
+    connect_client(&[endpoint]).await
 }
 
 impl Housekeeping {
@@ -191,9 +177,11 @@ impl Housekeeping {
         ) {
             let endpoint = &outcome.members[0].endpoint;
             let mut client = member_client(endpoint).await?;
-            let compacted =
-                within(client.compact(target, Some(CompactionOptions::new().with_physical())))
-                    .await;
+            let compacted = within(
+                None,
+                client.compact(target, Some(CompactionOptions::new().with_physical())),
+            )
+            .await;
             match compacted {
                 Ok(_) => outcome.compacted_to = Some(target),
                 // etcd's own auto-compaction got there first: as good.
@@ -224,7 +212,7 @@ impl Housekeeping {
 
     async fn status(endpoint: &str) -> Result<MemberStatus, KvError> {
         let mut client = member_client(endpoint).await?;
-        let status = within(client.status()).await?;
+        let status = within(None, client.status()).await?;
         let header = status.header();
         let member_id = header.map_or(0, |h| h.member_id());
         let to_u64 = |bytes: i64| u64::try_from(bytes).unwrap_or(0);
