@@ -14,11 +14,14 @@ use allot_shared::window::Window;
 use allot_shared::wire::{CalendarWindowSpec, GrantAnswer};
 use serde::{Deserialize, Serialize};
 
-use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, Op};
+use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, MAX_TXN_OPS, Op};
+
+/// Where pool configurations live in the store.
+const POOLS_PREFIX: &str = "/allot/pools/";
 
 /// Key of a pool's configuration.
 pub fn pool_key(tenant: &TenantId, pool: &PoolId) -> String {
-    format!("/allot/pools/{tenant}/{pool}")
+    format!("{POOLS_PREFIX}{tenant}/{pool}")
 }
 
 /// Key of a pool's current window.
@@ -309,6 +312,88 @@ pub async fn put_pool(
     Err(PoolStoreError::Contended)
 }
 
+/// What writing a pool in bulk did to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum BulkOutcome {
+    /// It did not exist; it is at version 1.
+    Created,
+    /// Its spec differed; its version went up by one.
+    Updated,
+    /// Its spec was already this one: nothing was written, so a repeated bulk write is a no-op.
+    Unchanged,
+}
+
+/// Creates or replaces many pools, each a store transaction of up to [`MAX_TXN_OPS`] pools
+/// guarded by every written key's revision. A pool whose stored spec equals the given one is left
+/// alone (its version too), so sending the same pools again changes nothing. Not atomic across
+/// transactions: a failure part way leaves the earlier ones written, and the same call again
+/// finishes the rest. Every spec is validated before anything is written.
+pub async fn put_pools(
+    kv: &dyn Kv,
+    pools: &[(TenantId, PoolId, PoolSpec)],
+    now_ms: u64,
+) -> Result<Vec<(StoredPool, BulkOutcome)>, PoolStoreError> {
+    for (_, _, spec) in pools {
+        spec.validate()?;
+    }
+    let mut written = Vec::with_capacity(pools.len());
+    for chunk in pools.chunks(MAX_TXN_OPS) {
+        written.extend(put_pools_at_once(kv, chunk, now_ms).await?);
+    }
+    Ok(written)
+}
+
+/// One transaction of [`put_pools`], retried while concurrent writers win.
+async fn put_pools_at_once(
+    kv: &dyn Kv,
+    pools: &[(TenantId, PoolId, PoolSpec)],
+    now_ms: u64,
+) -> Result<Vec<(StoredPool, BulkOutcome)>, PoolStoreError> {
+    debug_assert!(pools.len() <= MAX_TXN_OPS, "one transaction's worth");
+    for _ in 0..8 {
+        let existing = futures::future::try_join_all(
+            pools
+                .iter()
+                .map(|(tenant, pool, _)| get_pool(kv, tenant, pool)),
+        )
+        .await?;
+        let mut compares = Vec::new();
+        let mut ops = Vec::new();
+        let mut written = Vec::with_capacity(pools.len());
+        for ((tenant, pool, spec), existing) in pools.iter().zip(existing) {
+            let (version, revision, outcome) = match existing {
+                Some((stored, _)) if stored.spec == *spec => {
+                    written.push((stored, BulkOutcome::Unchanged));
+                    continue;
+                }
+                Some((stored, revision)) => (stored.version + 1, revision, BulkOutcome::Updated),
+                None => (1, 0, BulkOutcome::Created),
+            };
+            let stored = StoredPool {
+                spec: spec.clone(),
+                version,
+                updated_at_ms: now_ms,
+            };
+            let key = pool_key(tenant, pool);
+            compares.push(Compare::ModRevision {
+                key: key.clone(),
+                revision,
+            });
+            ops.push(Op::Put {
+                key,
+                value: encode(&stored),
+                lease: None,
+            });
+            written.push((stored, outcome));
+        }
+        if ops.is_empty() || kv.txn(compares, ops).await?.succeeded {
+            return Ok(written);
+        }
+    }
+    Err(PoolStoreError::Contended)
+}
+
 /// Deletes a pool and its window record. Returns whether it existed. Outstanding leases stay valid
 /// until they expire (no refunds, no revocations); new grants get 404.
 pub async fn delete_pool(
@@ -331,15 +416,60 @@ pub async fn delete_pool(
     Ok(existed)
 }
 
-/// Lists pools (at most [`MAX_PREFIX_KEYS`]).
+/// Which pools a listing reaches: those whose `tenant/pool` starts with this text. A tenant
+/// prefix (`acme`), a whole tenant (`acme/`), or a tenant and a pool prefix (`acme/api`); empty
+/// reaches every pool. A prefix of a valid id is a valid id, so each part is checked as one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolPrefix(String);
+
+impl PoolPrefix {
+    /// Every pool.
+    pub fn all() -> Self {
+        Self::default()
+    }
+
+    /// Parses `tenant-prefix`, `tenant/` or `tenant/pool-prefix` (empty: every pool).
+    pub fn parse(text: &str) -> Result<Self, allot_shared::ids::IdError> {
+        match text.split_once('/') {
+            None if text.is_empty() => Ok(Self::all()),
+            None => TenantId::parse(text).map(|_| Self(text.to_owned())),
+            Some((tenant, pool)) => {
+                TenantId::parse(tenant)?;
+                if !pool.is_empty() {
+                    PoolId::parse(pool)?;
+                }
+                Ok(Self(text.to_owned()))
+            }
+        }
+    }
+
+    /// The prefix as written.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    fn key_prefix(&self) -> String {
+        format!("{POOLS_PREFIX}{}", self.0)
+    }
+}
+
+/// Lists every pool.
 pub async fn list_pools(
     kv: &dyn Kv,
+) -> Result<Vec<(TenantId, PoolId, StoredPool)>, PoolStoreError> {
+    list_pools_matching(kv, &PoolPrefix::all()).await
+}
+
+/// Lists every pool `prefix` reaches, in key order.
+pub async fn list_pools_matching(
+    kv: &dyn Kv,
+    prefix: &PoolPrefix,
 ) -> Result<Vec<(TenantId, PoolId, StoredPool)>, PoolStoreError> {
     let mut pools = Vec::new();
     let mut after: Option<(TenantId, PoolId)> = None;
     // Page by page: no listing is cut short at one read's cap, however many pools there are.
     loop {
-        let page = list_pools_page(kv, after.as_ref(), MAX_PREFIX_KEYS).await?;
+        let page = list_pools_page(kv, prefix, after.as_ref(), MAX_PREFIX_KEYS).await?;
         let full = page.len() >= MAX_PREFIX_KEYS;
         after = page
             .last()
@@ -351,20 +481,21 @@ pub async fn list_pools(
     }
 }
 
-/// Up to `limit` pools in (tenant, pool) order, after `after` (from the first when `None`): one
-/// page, costing its own size whatever the number of pools.
+/// Up to `limit` pools that `prefix` reaches, in key order, after `after` (from the first when
+/// `None`): one page, costing its own size whatever the number of pools.
 pub async fn list_pools_page(
     kv: &dyn Kv,
+    prefix: &PoolPrefix,
     after: Option<&(TenantId, PoolId)>,
     limit: usize,
 ) -> Result<Vec<(TenantId, PoolId, StoredPool)>, PoolStoreError> {
     let after_key = after.map_or_else(String::new, |(tenant, pool)| pool_key(tenant, pool));
     let mut pools = Vec::new();
     for (key, value) in kv
-        .get_prefix_after("/allot/pools/", &after_key, limit)
+        .get_prefix_after(&prefix.key_prefix(), &after_key, limit)
         .await?
     {
-        let mut parts = key.trim_start_matches("/allot/pools/").splitn(2, '/');
+        let mut parts = key.trim_start_matches(POOLS_PREFIX).splitn(2, '/');
         let (Some(tenant), Some(pool)) = (parts.next(), parts.next()) else {
             return Err(PoolStoreError::Corrupt(key));
         };

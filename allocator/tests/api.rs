@@ -5,7 +5,7 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{AGENT, AUTHOR, OPERATOR, Server, start};
+use common::{AGENT, AUTHOR, OPERATOR, Server, VIEWER, start};
 
 fn pool_body() -> Value {
     json!({ "limit": 1000, "windowMs": 60000, "chunk": 100, "leaseTtlMs": 15000,
@@ -99,7 +99,14 @@ async fn pools_round_trip_with_versions() {
 #[tokio::test]
 async fn the_pool_list_pages_in_order() {
     let server = start().await;
-    let names = ["zeta/a", "atlas/b", "atlas/a", "beta/x", "atlas/c"];
+    let names = [
+        "zeta/a",
+        "atlas/b",
+        "atlas/a",
+        "beta/x",
+        "atlas/c",
+        "atlas-2/q",
+    ];
     for name in names {
         let (status, _) = server
             .put_pool(name, OPERATOR, pool_body().to_string())
@@ -133,11 +140,63 @@ async fn the_pool_list_pages_in_order() {
         };
         path = format!("/v1/pools?limit=2&after={next}");
     }
-    assert_eq!(paged, ["atlas/a", "atlas/b", "atlas/c", "beta/x", "zeta/a"]);
-    assert_eq!(pages, 3, "2 + 2 + 1");
+    // Key order: `-` sorts before `/`.
+    let every = [
+        "atlas-2/q",
+        "atlas/a",
+        "atlas/b",
+        "atlas/c",
+        "beta/x",
+        "zeta/a",
+    ];
+    assert_eq!(paged, every);
+    assert_eq!(
+        pages, 4,
+        "2 + 2 + 2, and an empty last page after a full one"
+    );
     let (_, all) = server.get("/v1/pools", OPERATOR).await;
     assert_eq!(listed(&all), paged, "without limit, every pool");
     assert!(all.get("next").is_none());
+    for (prefix, expected) in [
+        ("atlas", &every[..4]),
+        ("atlas/", &every[1..4]),
+        ("atlas/b", &every[2..3]),
+        ("atlas-2/", &every[..1]),
+        ("z", &every[5..]),
+        ("nomatch", &[][..]),
+        ("", &every[..]),
+    ] {
+        let (status, page) = server
+            .get(&format!("/v1/pools?prefix={prefix}"), OPERATOR)
+            .await;
+        assert_eq!(status, 200, "{prefix}: {page}");
+        assert_eq!(
+            listed(&page),
+            expected,
+            "prefix {prefix:?}, every page at once"
+        );
+        let (_, first) = server
+            .get(&format!("/v1/pools?prefix={prefix}&limit=1"), OPERATOR)
+            .await;
+        assert_eq!(
+            listed(&first),
+            expected[..expected.len().min(1)],
+            "{prefix:?}"
+        );
+        if let Some(next) = first["next"].as_str() {
+            let (_, second) = server
+                .get(
+                    &format!("/v1/pools?prefix={prefix}&limit=1&after={next}"),
+                    OPERATOR,
+                )
+                .await;
+            assert_eq!(
+                listed(&second),
+                expected[1..expected.len().min(2)],
+                "{prefix:?}"
+            );
+        }
+    }
     for (query, field) in [
         ("limit=0", "limit"),
         ("limit=1001", "limit"),
@@ -145,11 +204,109 @@ async fn the_pool_list_pages_in_order() {
         ("limit=2&after=nopool", "after"),
         ("limit=2&after=Bad%20Tenant/x", "after"),
         ("after=atlas/a", "after"),
+        ("prefix=Atlas", "prefix"),
+        ("prefix=atlas/b/c", "prefix"),
+        ("prefix=/a", "prefix"),
+        ("limit=2&prefix=a%20b", "prefix"),
     ] {
         let (status, problem) = server.get(&format!("/v1/pools?{query}"), OPERATOR).await;
         assert_eq!(status, 400, "{query}: {problem}");
         assert_eq!(problem["field"], field, "{query}: {problem}");
     }
+}
+
+#[tokio::test]
+async fn pools_are_written_in_bulk_idempotently_and_bad_entries_change_nothing() {
+    let server = start().await;
+    let entry = |n: usize, limit: u64| {
+        let mut spec = pool_body();
+        spec["limit"] = json!(limit);
+        json!({ "tenant": format!("bulk{}", n % 7), "pool": format!("p{n:04}"), "spec": spec })
+    };
+    let body = |entries: Vec<Value>| json!({ "pools": entries });
+    // 1,000 pools: past the API's usual 64 KiB body and across many store transactions.
+    let thousand: Vec<Value> = (0..1_000).map(|n| entry(n, 1_000)).collect();
+    assert!(body(thousand.clone()).to_string().len() > 64 * 1024);
+    let (status, first) = server
+        .post("/v1/pools/bulk", OPERATOR, &body(thousand.clone()))
+        .await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(
+        (first["created"].as_u64(), first["unchanged"].as_u64()),
+        (Some(1_000), Some(0))
+    );
+    assert_eq!(
+        first["pools"][999]["pool"], "p0999",
+        "answers in the body's order"
+    );
+    assert_eq!(first["pools"][999]["outcome"], "created");
+    let (_, again) = server
+        .post("/v1/pools/bulk", OPERATOR, &body(thousand.clone()))
+        .await;
+    assert_eq!(again["unchanged"], 1_000, "{again}");
+    assert!(
+        again["pools"]
+            .as_array()
+            .expect("pools")
+            .iter()
+            .all(|p| p["version"] == 1)
+    );
+    let mut changed = thousand.clone();
+    changed[3] = entry(3, 2_000);
+    let (_, update) = server
+        .post("/v1/pools/bulk", OPERATOR, &body(changed))
+        .await;
+    assert_eq!(
+        (update["updated"].as_u64(), update["unchanged"].as_u64()),
+        (Some(1), Some(999))
+    );
+    let (_, pool) = server.get("/v1/pools/bulk3/p0003", OPERATOR).await;
+    assert_eq!(
+        (pool["version"].as_u64(), pool["limit"].as_u64()),
+        (Some(2), Some(2_000))
+    );
+    let (_, audit) = server.get("/v1/audit?last=5", OPERATOR).await;
+    assert!(audit.to_string().contains("pool.bulk"), "{audit}");
+
+    let mut bad_spec: Vec<Value> = (1_000..1_010).map(|n| entry(n, 1_000)).collect();
+    bad_spec[5]["spec"]["chunk"] = json!(0);
+    let mut twice: Vec<Value> = (1_000..1_003).map(|n| entry(n, 1_000)).collect();
+    twice.push(entry(1_001, 2_000));
+    let mut unknown = entry(1_000, 1_000);
+    unknown["color"] = json!("red");
+    let too_many: Vec<Value> = (0..1_001).map(|n| entry(n, 1_000)).collect();
+    for (bad, field) in [
+        (body(bad_spec), "pools[5].spec.chunk"),
+        (body(twice), "pools[3].pool"),
+        (body(vec![unknown]), "pools[0]"),
+        (body(vec![]), "pools"),
+        (body(too_many), "pools"),
+        (
+            body(vec![
+                json!({ "tenant": "Bad Tenant", "pool": "p", "spec": pool_body() }),
+            ]),
+            "pools[0].tenant",
+        ),
+    ] {
+        let (status, problem) = server.post("/v1/pools/bulk", OPERATOR, &bad).await;
+        assert_eq!(status, 400, "{problem}");
+        assert!(
+            problem["field"]
+                .as_str()
+                .is_some_and(|f| f.starts_with(field)),
+            "{field}: {problem}"
+        );
+    }
+    let (_, listed) = server.get("/v1/pools?prefix=bulk", OPERATOR).await;
+    assert_eq!(
+        listed["pools"].as_array().map(Vec::len),
+        Some(1_000),
+        "a refused body writes nothing"
+    );
+    let (status, _) = server
+        .post("/v1/pools/bulk", VIEWER, &body(vec![entry(2_000, 1_000)]))
+        .await;
+    assert_eq!(status, 403, "viewers cannot write pools");
 }
 
 #[tokio::test]

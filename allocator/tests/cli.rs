@@ -434,3 +434,92 @@ async fn tokens_and_audit_with_allotctl() {
         allot_allocator::auth::TokenDigest::of("some-token-of-32-characters-0001").to_string()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_apply_a_file_and_list_walks_every_page() {
+    let server = start().await;
+    let url = server.url.as_str();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let line = |n: usize, limit: u64| {
+        serde_json::json!({ "tenant": format!("team{}", n % 3), "pool": format!("p{n:04}"),
+            "spec": { "limit": limit, "windowMs": 60000, "chunk": 10, "leaseTtlMs": 10000,
+                      "fallbackPerRegion": 0, "regions": ["eu"] } })
+        .to_string()
+    };
+    // 1,001 pools: two calls of the bulk API, and two pages of the list.
+    let file = dir.path().join("pools.jsonl");
+    let lines: Vec<String> = (0..1_001).map(|n| line(n, 100)).collect();
+    std::fs::write(&file, format!("{}\n\n", lines.join("\n"))).expect("write");
+    let path = file.to_str().expect("utf-8 path");
+    let applied = stdout(&allotctl(url, OPERATOR, &["pools", "apply", "--file", path]).await);
+    assert_eq!(applied, "created 1001, updated 0, unchanged 0\n");
+    let again = stdout(&allotctl(url, OPERATOR, &["pools", "apply", "--file", path]).await);
+    assert_eq!(
+        again, "created 0, updated 0, unchanged 1001\n",
+        "applying again is a no-op"
+    );
+
+    let list = stdout(&allotctl(url, OPERATOR, &["pools", "list"]).await);
+    assert_eq!(
+        list.lines().count(),
+        1 + 1_001,
+        "a header and every pool: {}",
+        &list[..200]
+    );
+    let team1 = stdout(&allotctl(url, OPERATOR, &["pools", "list", "--prefix", "team1/"]).await);
+    assert_eq!(team1.lines().count(), 1 + 334);
+    assert!(team1.lines().skip(1).all(|l| l.starts_with("team1")));
+    let page = stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &["pools", "list", "--prefix", "team2/", "--limit", "2"],
+        )
+        .await,
+    );
+    assert!(
+        page.contains("more: the next page is --after team2/p0005"),
+        "{page}"
+    );
+    let next = stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &[
+                "pools",
+                "list",
+                "--prefix",
+                "team2/",
+                "--limit",
+                "2",
+                "--after",
+                "team2/p0005",
+            ],
+        )
+        .await,
+    );
+    assert!(
+        next.lines().nth(1).is_some_and(|l| l.contains("p0008")),
+        "{next}"
+    );
+
+    // A bad line is named with its number, and nothing of the file is sent.
+    let mut bad_lines = vec![line(5_000, 100), line(5_001, 100)];
+    bad_lines.push(line(5_002, 0));
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, bad_lines.join("\n")).expect("write");
+    let stderr = failure(
+        url,
+        &["pools", "apply", "--file", bad.to_str().expect("path")],
+    )
+    .await;
+    assert!(stderr.contains("bad.jsonl line 3:"), "{stderr}");
+    assert!(stderr.contains("(field spec.limit)"), "{stderr}");
+    let list = stdout(&allotctl(url, OPERATOR, &["pools", "list", "--prefix", "team"]).await);
+    assert!(
+        !list.contains("p5000"),
+        "nothing of a refused file is written"
+    );
+    let usage = allotctl(url, OPERATOR, &["pools", "list", "--after", "team1/p0001"]).await;
+    assert_eq!(usage.status.code(), Some(2), "--after needs --limit");
+}

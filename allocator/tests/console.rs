@@ -795,33 +795,61 @@ async fn the_pool_list_pages_and_searches() {
     }
     let viewer = signed_in(&server, VIEWER).await;
     let rows = |page: &Page| page.text.matches(r#"<a href="/console/pools/"#).count();
+    let next_href = |page: &Page| {
+        let end = page.text.find(r#"" rel="next""#)?;
+        let start = page.text[..end].rfind(r#"href=""#)? + r#"href=""#.len();
+        Some(page.text[start..end].replace("&amp;", "&"))
+    };
     let first = viewer.get("/console/pools").await;
     assert!(
-        first.text.contains("120 of 120 pools · page 1 of 3"),
+        first.text.contains("50 pools from the first"),
         "{}",
         first.text
     );
     assert_eq!(rows(&first), 50);
-    assert!(first.text.contains(r#"rel="next""#) && !first.text.contains(r#"rel="prev""#));
-    let last = viewer.get("/console/pools?page=3").await;
+    assert!(first.text.contains(r#"href="/console/pools/even/p098""#));
+    assert!(!first.text.contains(r#"rel="first""#));
+    // Each page is the API's cursor page: following `next` walks every pool once, in key order.
+    let second_href = next_href(&first).expect("a next page");
+    assert!(second_href.contains("after=even%2Fp098"), "{second_href}");
+    let second = viewer.get(&second_href).await;
+    assert_eq!(rows(&second), 50);
+    assert!(second.text.contains(r#"href="/console/pools/even/p118""#));
+    assert!(second.text.contains(r#"href="/console/pools/odd/p079""#));
+    assert!(second.text.contains(r#"rel="first""#));
+    let last = viewer.get(&next_href(&second).expect("a third page")).await;
     assert_eq!(rows(&last), 20);
     assert!(
         last.text.contains(r#"href="/console/pools/odd/p119""#),
         "sorted by tenant, then pool"
     );
     assert!(!last.text.contains(r#"href="/console/pools/even/"#));
+    assert_eq!(next_href(&last), None, "the last page has no next");
     let odd = viewer.get("/console/pools?q=odd%2Fp1").await;
     assert!(
-        odd.text.contains("10 of 120 pools · page 1 of 1"),
+        odd.text
+            .contains("10 pools starting with “odd/p1” from the first"),
         "{}",
         odd.text
     );
     assert_eq!(rows(&odd), 10);
     assert!(odd.text.contains(r#"href="/console/pools/odd/p101""#));
     assert!(!odd.text.contains(r#"href="/console/pools/even/"#));
-    let beyond = viewer.get("/console/pools?page=99").await;
+    let tenant = viewer.get("/console/pools?q=even").await;
+    assert_eq!(rows(&tenant), 50, "a tenant prefix reaches its pools");
+    let unmatchable = viewer.get("/console/pools?q=no%20such").await;
+    assert_eq!(unmatchable.status, StatusCode::OK);
+    assert_eq!(rows(&unmatchable), 0);
     assert!(
-        beyond.text.contains("page 3 of 3"),
-        "a page past the end shows the last"
+        unmatchable.text.contains("No pool starts with"),
+        "{}",
+        unmatchable.text
     );
+    let beyond = viewer.get("/console/pools?after=zzz%2Fzzz").await;
+    assert_eq!(
+        rows(&beyond),
+        0,
+        "a cursor past the end shows an empty page"
+    );
+    assert_eq!(next_href(&beyond), None);
 }

@@ -1,5 +1,6 @@
 //! One contract for the allocator's store seam, run against the in-process store and a real etcd.
-//! Whatever the allocator relies on from etcd must hold for both.
+//! Whatever the allocator relies on from etcd must hold for both, and so must the pool records
+//! built on it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,6 +9,8 @@ use allot_allocator::clock::ManualClock;
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::kv::memory::MemoryKv;
 use allot_allocator::kv::{Compare, Kv, KvError, Op};
+use allot_allocator::pools::{self, BulkOutcome, PoolSpec};
+use allot_shared::ids::{PoolId, TenantId};
 use allot_testkit::EtcdCluster;
 
 fn put(key: &str, value: &str) -> Op {
@@ -274,4 +277,107 @@ async fn both_stores_refuse_oversized_transactions() {
     let etcd = EtcdCluster::single();
     let kv = EtcdKv::connect(&etcd.endpoints()).await.expect("connect");
     oversized_transactions_are_refused(&kv).await;
+}
+
+fn spec(limit_tokens: u64) -> PoolSpec {
+    serde_json::from_value(
+        serde_json::json!({ "limit": limit_tokens, "windowMs": 60000,
+        "chunk": 10, "leaseTtlMs": 10000, "fallbackPerRegion": 0, "regions": ["eu"] }),
+    )
+    .expect("a pool spec")
+}
+
+/// Bulk pool writes span several store transactions and are idempotent; prefix pages read only
+/// their own pools.
+async fn bulk_pools_and_prefix_pages(kv: &dyn Kv) {
+    let names: Vec<(TenantId, PoolId)> = (0..300)
+        .map(|n| {
+            (
+                TenantId::parse(&format!("t{}", n / 100)).expect("tenant"),
+                PoolId::parse(&format!("p{:03}", n % 100)).expect("pool"),
+            )
+        })
+        .collect();
+    let with = |limit: u64| -> Vec<(TenantId, PoolId, PoolSpec)> {
+        names
+            .iter()
+            .map(|(tenant, pool)| (tenant.clone(), pool.clone(), spec(limit)))
+            .collect()
+    };
+    let outcomes = |written: &[(pools::StoredPool, BulkOutcome)], wanted| {
+        written.iter().filter(|(_, o)| *o == wanted).count()
+    };
+    let created = pools::put_pools(kv, &with(100), 1).await.expect("bulk");
+    assert_eq!(outcomes(&created, BulkOutcome::Created), 300);
+    assert!(created.iter().all(|(stored, _)| stored.version == 1));
+    let again = pools::put_pools(kv, &with(100), 2).await.expect("bulk");
+    assert_eq!(
+        outcomes(&again, BulkOutcome::Unchanged),
+        300,
+        "a repeat writes nothing"
+    );
+    assert!(
+        again
+            .iter()
+            .all(|(stored, _)| stored.version == 1 && stored.updated_at_ms == 1)
+    );
+    // 130 changed across the 128-pool transactions, one new, the rest as they were.
+    let mut mixed = with(100);
+    for entry in &mut mixed[100..230] {
+        entry.2 = spec(200);
+    }
+    mixed.push((
+        TenantId::parse("t9").expect("tenant"),
+        PoolId::parse("new").expect("pool"),
+        spec(50),
+    ));
+    let written = pools::put_pools(kv, &mixed, 3).await.expect("bulk");
+    assert_eq!(outcomes(&written, BulkOutcome::Updated), 130);
+    assert_eq!(outcomes(&written, BulkOutcome::Created), 1);
+    assert_eq!(outcomes(&written, BulkOutcome::Unchanged), 170);
+    let (stored, _) = pools::get_pool(kv, &names[150].0, &names[150].1)
+        .await
+        .expect("get")
+        .expect("present");
+    assert_eq!((stored.version, stored.spec.limit_tokens), (2, 200));
+
+    let prefix = |text: &str| pools::PoolPrefix::parse(text).expect("a prefix");
+    let tenant_1 = pools::list_pools_matching(kv, &prefix("t1/"))
+        .await
+        .expect("list");
+    assert_eq!(tenant_1.len(), 100);
+    assert!(
+        tenant_1
+            .iter()
+            .all(|(tenant, _, _)| tenant.as_str() == "t1")
+    );
+    assert_eq!(
+        pools::list_pools_matching(kv, &prefix("t"))
+            .await
+            .expect("list")
+            .len(),
+        301
+    );
+    let page = pools::list_pools_page(kv, &prefix("t1/p05"), None, 5)
+        .await
+        .expect("page");
+    let pool_names = |page: &[(TenantId, PoolId, pools::StoredPool)]| -> Vec<String> {
+        page.iter().map(|(_, pool, _)| pool.to_string()).collect()
+    };
+    assert_eq!(pool_names(&page), ["p050", "p051", "p052", "p053", "p054"]);
+    let after = page.last().map(|(t, p, _)| (t.clone(), p.clone()));
+    let next = pools::list_pools_page(kv, &prefix("t1/p05"), after.as_ref(), 10)
+        .await
+        .expect("page");
+    assert_eq!(pool_names(&next), ["p055", "p056", "p057", "p058", "p059"]);
+    let bad = pools::put_pools(kv, &[(names[0].0.clone(), names[0].1.clone(), spec(0))], 4).await;
+    assert!(matches!(bad, Err(pools::PoolStoreError::Invalid(_))));
+}
+
+#[tokio::test]
+async fn both_stores_write_pools_in_bulk_and_page_by_prefix() {
+    bulk_pools_and_prefix_pages(&MemoryKv::new(Arc::new(ManualClock::new(1)))).await;
+    let etcd = EtcdCluster::single();
+    let kv = EtcdKv::connect(&etcd.endpoints()).await.expect("connect");
+    bulk_pools_and_prefix_pages(&kv).await;
 }

@@ -6,7 +6,9 @@ use std::process::ExitCode;
 use allot_allocator::ctl::{
     Answer, Call, Target, bundle_file, perform, render, replay_comparison, sample_file,
 };
-use allot_allocator::http::MintBody;
+use allot_allocator::http::{
+    BulkPool, BulkPools, MAX_POOLS_PER_BULK, MAX_POOLS_PER_PAGE, MintBody,
+};
 use allot_allocator::pools::PoolSpec;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::replay::ReplayOptions;
@@ -15,6 +17,7 @@ use allot_shared::wire::GrantBody;
 use clap::{Parser, Subcommand};
 use reqwest::Method;
 use serde::Serialize;
+use serde_json::Value;
 
 #[derive(Parser)]
 #[command(
@@ -142,10 +145,28 @@ enum PoolsCommand {
         #[arg(long, value_delimiter = ',', required = true)]
         regions: Vec<String>,
     },
+    /// Create or replace many pools from a file of JSON lines, each
+    /// {"tenant": ..., "pool": ..., "spec": {the body of `pools set`'s PUT}}; sent 1,000 a call.
+    /// Pools already at their spec are left alone, so applying a file again changes nothing.
+    Apply {
+        /// The JSON lines file.
+        #[arg(long)]
+        file: PathBuf,
+    },
     /// Show a pool and its live window.
     Get { tenant: String, pool: String },
-    /// List pools.
-    List,
+    /// List pools: every one, read a page of 1,000 at a time, or with --limit one page.
+    List {
+        /// Only pools whose tenant/pool starts with this (acme, acme/ or acme/api).
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// One page of at most this many pools (1 to 1,000); it ends with the next page's cursor.
+        #[arg(long)]
+        limit: Option<usize>,
+        /// With --limit: the page after this tenant/pool (the cursor a page ends with).
+        #[arg(long, requires = "limit")]
+        after: Option<String>,
+    },
     /// Delete a pool.
     Delete { tenant: String, pool: String },
 }
@@ -328,10 +349,24 @@ fn pools_call(command: PoolsCommand) -> Result<Call, String> {
             };
             call_with(Method::PUT, pool_path(&tenant, &pool), &spec, Answer::Pool)?
         }
+        PoolsCommand::Apply { .. } => {
+            return Err("pools apply sends its file in calls of its own".to_owned());
+        }
         PoolsCommand::Get { tenant, pool } => {
             call(Method::GET, pool_path(&tenant, &pool), Answer::Pool)
         }
-        PoolsCommand::List => call(Method::GET, "/v1/pools".to_owned(), Answer::Pools),
+        PoolsCommand::List {
+            prefix,
+            limit,
+            after,
+        } => {
+            let limit = limit.unwrap_or(MAX_POOLS_PER_PAGE);
+            let mut path = format!("/v1/pools?limit={limit}&prefix={}", encode(&prefix));
+            if let Some(after) = after {
+                path.push_str(&format!("&after={}", encode(&after)));
+            }
+            call(Method::GET, path, Answer::Pools)
+        }
         PoolsCommand::Delete { tenant, pool } => {
             call(Method::DELETE, pool_path(&tenant, &pool), Answer::Nothing)
         }
@@ -475,10 +510,115 @@ async fn replay(
     ))
 }
 
+/// Every pool `prefix` reaches, read a page at a time (each answer stays bounded however many
+/// pools there are), as one list.
+async fn every_pool(target: &Target, prefix: &str) -> Result<Value, String> {
+    let mut pools = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let page = perform(
+            target,
+            pools_call(PoolsCommand::List {
+                prefix: prefix.to_owned(),
+                limit: Some(MAX_POOLS_PER_PAGE),
+                after: after.take(),
+            })?,
+        )
+        .await?;
+        if let Some(listed) = page.get("pools").and_then(Value::as_array) {
+            pools.extend(listed.iter().cloned());
+        }
+        match page.get("next").and_then(Value::as_str) {
+            Some(next) => after = Some(next.to_owned()),
+            None => return Ok(serde_json::json!({ "pools": pools })),
+        }
+    }
+}
+
+/// The pools of a `pools apply` file, each line checked (its spec validated) before any is sent,
+/// so a bad line changes nothing.
+fn bulk_file(path: &Path) -> Result<Vec<BulkPool>, String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("--file {}: {e}", path.display()))?;
+    let mut pools = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (index, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let at = |what: String| format!("{} line {}: {what}", path.display(), index + 1);
+        let pool: BulkPool = allot_shared::FieldError::parse_json(line.as_bytes(), "line")
+            .map_err(|e| at(format!("{} (field {})", e.message, e.field)))?;
+        pool.spec
+            .validate()
+            .map_err(|e| at(format!("{} (field spec.{})", e.message, e.field)))?;
+        if !seen.insert((pool.tenant.clone(), pool.pool.clone())) {
+            return Err(at(format!("{}/{} is listed twice", pool.tenant, pool.pool)));
+        }
+        pools.push(pool);
+    }
+    if pools.is_empty() {
+        return Err(format!("--file {}: no pools in it", path.display()));
+    }
+    Ok(pools)
+}
+
+/// `pools apply`: the file's pools, [`MAX_POOLS_PER_BULK`] a call; the totals of every call.
+async fn apply(target: &Target, file: &Path) -> Result<Value, String> {
+    let pools = bulk_file(file)?;
+    let (mut created, mut updated, mut unchanged) = (0u64, 0u64, 0u64);
+    for chunk in pools.chunks(MAX_POOLS_PER_BULK) {
+        let body = BulkPools {
+            pools: chunk.to_vec(),
+        };
+        let answer = perform(
+            target,
+            call_with(
+                Method::POST,
+                "/v1/pools/bulk".to_owned(),
+                &body,
+                Answer::Bulk,
+            )?,
+        )
+        .await?;
+        let count = |field: &str| answer.get(field).and_then(Value::as_u64).unwrap_or(0);
+        created += count("created");
+        updated += count("updated");
+        unchanged += count("unchanged");
+    }
+    Ok(serde_json::json!({ "created": created, "updated": updated, "unchanged": unchanged }))
+}
+
 async fn execute(cli: Cli) -> Result<String, String> {
     let target = target_of(&cli)?;
     let json = cli.json;
     let request = match cli.command {
+        Command::Pools {
+            command:
+                PoolsCommand::List {
+                    prefix,
+                    limit: None,
+                    ..
+                },
+        } => {
+            let value = every_pool(&target, &prefix).await?;
+            return if json {
+                Ok(format!("{value}\n"))
+            } else {
+                render(Answer::Pools, &value)
+            };
+        }
+        Command::Pools {
+            command: PoolsCommand::Apply { file },
+        } => {
+            let value = apply(&target, &file).await?;
+            return if json {
+                Ok(format!("{value}\n"))
+            } else {
+                render(Answer::Bulk, &value)
+            };
+        }
         Command::Pools { command } => pools_call(command)?,
         Command::Tokens { command } => match tokens_step(command)? {
             TokensStep::Call(call) => call,

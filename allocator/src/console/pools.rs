@@ -27,14 +27,15 @@ pub const WINDOWS_SHOWN: u64 = 20;
 /// Longest search text.
 const MAX_SEARCH_LEN: usize = 200;
 
-/// `GET /console/pools` query.
+/// `GET /console/pools` query. Pages are read from the API one at a time after a cursor, so a
+/// page costs the same however many pools there are.
 #[derive(Debug, Default, Deserialize)]
 pub struct ListQuery {
-    /// Pools whose `tenant/pool` contains this text.
+    /// Pools whose `tenant/pool` starts with this text.
     #[serde(default)]
     q: String,
-    /// The page, from 1.
-    page: Option<usize>,
+    /// The page starts after this `tenant/pool` (the API's `next`); the first page without it.
+    after: Option<String>,
 }
 
 /// The API's address of a pool, its segments escaped as typed (the API names an invalid one).
@@ -65,32 +66,35 @@ pub async fn list(
     let SignedIn { session, api, .. } = &signed_in;
     let Query(query) = query.unwrap_or_default();
     let search: String = query.q.trim().chars().take(MAX_SEARCH_LEN).collect();
-    let all = match api.get::<PoolList>("/v1/pools").await {
-        Ok(list) => list.pools,
-        Err(problem) => {
-            return console.failed(&signed_in, Section::Pools, &problem);
+    let after = query.after.filter(|after| !after.is_empty());
+    // A search no pool's name can start with matches nothing; it is not an error.
+    let unmatchable = crate::pools::PoolPrefix::parse(&search).err();
+    let (shown, next) = if unmatchable.is_some() {
+        (Vec::new(), None)
+    } else {
+        let mut path = format!(
+            "/v1/pools?limit={POOLS_PER_PAGE}&prefix={}",
+            query_escape(&search)
+        );
+        if let Some(after) = &after {
+            path.push_str(&format!("&after={}", query_escape(after)));
+        }
+        match api.get::<PoolList>(&path).await {
+            Ok(list) => (list.pools, list.next),
+            Err(problem) => {
+                return console.failed(&signed_in, Section::Pools, &problem);
+            }
         }
     };
-    let mut matching: Vec<&PoolView> = all
-        .iter()
-        .filter(|p| format!("{}/{}", p.tenant, p.pool).contains(&search))
-        .collect();
-    matching.sort_by(|a, b| (&a.tenant, &a.pool).cmp(&(&b.tenant, &b.pool)));
-    let pages = matching.len().div_ceil(POOLS_PER_PAGE).max(1);
-    let page_number = query.page.unwrap_or(1).clamp(1, pages);
-    let shown = matching
-        .iter()
-        .skip((page_number - 1) * POOLS_PER_PAGE)
-        .take(POOLS_PER_PAGE);
     let mut rows = Vec::new();
-    for pool in shown {
+    for pool in &shown {
         let path = format!("/v1/pools/{}/{}/windows?last=1", pool.tenant, pool.pool);
         let window = api
             .get::<WindowList>(&path)
             .await
             .ok()
             .and_then(|list| list.windows.into_iter().next());
-        rows.push((*pool, window));
+        rows.push((pool, window));
     }
     // The bound checks of every settled window: a line, and the newest violations if any.
     let checks = api
@@ -98,11 +102,19 @@ pub async fn list(
         .await
         .ok();
     let may_edit = session.role >= OperatorRole::Author;
-    let page_href = |n: usize| format!("/console/pools?q={}&page={n}", query_escape(&search));
+    let first_href = format!("/console/pools?q={}", query_escape(&search));
+    let next_href = next
+        .as_ref()
+        .map(|next| format!("{first_href}&after={}", query_escape(next)));
+    let reach = if search.is_empty() {
+        "pools".to_owned()
+    } else {
+        format!("pools starting with “{search}”")
+    };
     let body = html! {
         form.toolbar method="get" action="/console/pools" role="search" {
             div {
-                label for="q" { "Search tenant/pool" }
+                label for="q" { "Tenant/pool starts with" }
                 input id="q" name="q" type="search" value=(search);
             }
             button type="submit" { "Search" }
@@ -128,7 +140,15 @@ pub async fn list(
                 }
             }
         }
-        p.muted { (matching.len()) " of " (all.len()) " pools · page " (page_number) " of " (pages) }
+        p.muted id="reach" {
+            @match &unmatchable {
+                Some(reason) => { "No pool starts with “" (search) "”: " (reason) }
+                None => {
+                    (shown.len()) " " (reach)
+                    @match &after { Some(after) => { " after " (after) } None => { " from the first" } }
+                }
+            }
+        }
         div.table-wrap {
             table {
                 thead { tr {
@@ -158,8 +178,8 @@ pub async fn list(
             }
         }
         nav.pager aria-label="Pages" {
-            @if page_number > 1 { a href=(page_href(page_number - 1)) rel="prev" { "← Previous" } }
-            @if page_number < pages { a href=(page_href(page_number + 1)) rel="next" { "Next →" } }
+            @if after.is_some() { a href=(first_href) rel="first" { "← First page" } }
+            @if let Some(next_href) = &next_href { a href=(next_href) rel="next" { "Next →" } }
         }
     };
     html_response(StatusCode::OK, page(session, Section::Pools, "Pools", body))

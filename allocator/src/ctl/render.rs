@@ -21,6 +21,8 @@ pub enum Answer {
     Pools,
     /// `PUT` or `GET /v1/pools/{tenant}/{pool}`.
     Pool,
+    /// `POST /v1/pools/bulk` (its totals, summed over every call of a file).
+    Bulk,
     /// `GET /v1/pools/{tenant}/{pool}/windows`.
     Windows,
     /// `GET /v1/tokens`.
@@ -49,6 +51,7 @@ impl Answer {
         match self {
             Self::Pools => "a pool list",
             Self::Pool => "a pool",
+            Self::Bulk => "a bulk write's outcome",
             Self::Windows => "a window list",
             Self::Tokens => "a token list",
             Self::Minted => "a minted token",
@@ -67,8 +70,22 @@ impl Answer {
 /// of its type is an error naming what was expected.
 pub fn render(answer: Answer, value: &Value) -> Result<String, String> {
     Ok(match answer {
-        Answer::Pools => pools_table(&read::<PoolList>(answer, value)?.pools),
+        Answer::Pools => {
+            let list = read::<PoolList>(answer, value)?;
+            let mut text = pools_table(&list.pools);
+            if let Some(next) = &list.next {
+                text.push_str(&format!("more: the next page is --after {next}\n"));
+            }
+            text
+        }
         Answer::Pool => pool_detail(&read::<PoolView>(answer, value)?),
+        Answer::Bulk => {
+            let total = read::<BulkTotals>(answer, value)?;
+            format!(
+                "created {}, updated {}, unchanged {}\n",
+                total.created, total.updated, total.unchanged
+            )
+        }
         Answer::Windows => windows_table(&read::<WindowList>(answer, value)?),
         Answer::Tokens => tokens_table(&read::<TokenList>(answer, value)?),
         Answer::Minted => minted(&read::<MintAnswer>(answer, value)?),
@@ -80,6 +97,14 @@ pub fn render(answer: Answer, value: &Value) -> Result<String, String> {
         Answer::Grant => grant_lines(&read::<GrantAnswer>(answer, value)?),
         Answer::Nothing => "ok\n".to_owned(),
     })
+}
+
+/// The totals of a bulk write.
+#[derive(serde::Deserialize)]
+struct BulkTotals {
+    created: u64,
+    updated: u64,
+    unchanged: u64,
 }
 
 fn read<T: DeserializeOwned>(answer: Answer, value: &Value) -> Result<T, String> {

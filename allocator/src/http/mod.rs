@@ -34,7 +34,10 @@ use tokio::sync::watch;
 pub use self::errors::ApiError;
 pub use self::ops::{AuditList, AuditQuery};
 pub use self::policies::{CurrentQuery, PolicyStatus, PublishQuery};
-pub use self::pools::{LiveWindow, PoolList, PoolView, TermsQuery, WindowList, WindowsQuery};
+pub use self::pools::{
+    BulkAnswer, BulkPool, BulkPools, BulkWritten, LiveWindow, MAX_POOLS_PER_BULK,
+    MAX_POOLS_PER_PAGE, PoolList, PoolView, TermsQuery, WindowList, WindowsQuery,
+};
 pub use self::regions::{REPORT_LOOKBACK_MS, RegionList, RegionView};
 pub use self::tokens::{MintAnswer, MintBody, TokenList, TokenView};
 use crate::auth::TokenBook;
@@ -92,6 +95,12 @@ pub fn routes(state: ApiState) -> Router {
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics_text))
         .route("/v1/pools", get(pools::list_pools))
+        .route(
+            "/v1/pools/bulk",
+            post(pools::bulk_put_pools).layer(axum::extract::DefaultBodyLimit::max(
+                pools::MAX_BULK_BODY_BYTES,
+            )),
+        )
         .route(
             "/v1/pools/{tenant}/{pool}",
             get(pools::get_pool)

@@ -149,6 +149,8 @@ pub const MAX_POOLS_PER_PAGE: usize = 1_000;
 pub struct PoolsQuery {
     /// Pools per page (1 to [`MAX_POOLS_PER_PAGE`]).
     pub limit: Option<usize>,
+    /// Only pools whose `tenant/pool` starts with this (`acme`, `acme/`, `acme/api`).
+    pub prefix: Option<String>,
     /// The `next` of the page before: the page starts after this `tenant/pool`.
     pub after: Option<String>,
 }
@@ -206,13 +208,19 @@ pub async fn list_pools(
     authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
     let Query(query) = query.map_err(|e| {
         let text = e.body_text();
-        let field = if text.contains("after") {
-            "after"
-        } else {
-            "limit"
-        };
+        let field = ["after", "prefix"]
+            .into_iter()
+            .find(|field| text.contains(field))
+            .unwrap_or("limit");
         ApiError::invalid(field, text)
     })?;
+    let prefix =
+        pools::PoolPrefix::parse(query.prefix.as_deref().unwrap_or_default()).map_err(|e| {
+            ApiError::invalid(
+                "prefix",
+                format!("must be tenant, tenant/ or tenant/pool, each a prefix of an id: {e}"),
+            )
+        })?;
     let after = match &query.after {
         None => None,
         Some(text) => {
@@ -228,7 +236,7 @@ pub async fn list_pools(
         if after.is_some() {
             return Err(ApiError::invalid("after", "needs limit"));
         }
-        let pools = pools::list_pools(&*state.kv)
+        let pools = pools::list_pools_matching(&*state.kv, &prefix)
             .await?
             .into_iter()
             .map(|(tenant, pool, stored)| view(tenant, pool, stored))
@@ -241,7 +249,7 @@ pub async fn list_pools(
     if !(1..=MAX_POOLS_PER_PAGE).contains(&limit) {
         return Err(ApiError::invalid("limit", "must be in [1, 1000]"));
     }
-    let page = pools::list_pools_page(&*state.kv, after.as_ref(), limit).await?;
+    let page = pools::list_pools_page(&*state.kv, &prefix, after.as_ref(), limit).await?;
     let next = (page.len() == limit)
         .then(|| {
             page.last()
@@ -450,4 +458,180 @@ pub async fn get_windows(
         .windows(&tenant, &pool, &config, last, state.clock.now_ms())
         .await?;
     Ok(json_response(StatusCode::OK, &WindowList { windows }))
+}
+
+/// Most pools one `POST /v1/pools/bulk` writes.
+pub const MAX_POOLS_PER_BULK: usize = 1_000;
+
+/// Largest `POST /v1/pools/bulk` body: room for [`MAX_POOLS_PER_BULK`] specs of any shape.
+pub const MAX_BULK_BODY_BYTES: usize = 1024 * 1024;
+
+/// `POST /v1/pools/bulk` body: pools to create or replace in one call.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BulkPools {
+    /// 1 to [`MAX_POOLS_PER_BULK`] pools, each named once.
+    pub pools: Vec<BulkPool>,
+}
+
+/// One pool of a bulk write: where it is and its spec (the body of `PUT /v1/pools/{tenant}/{pool}`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BulkPool {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// Its configuration.
+    pub spec: PoolSpec,
+}
+
+/// `POST /v1/pools/bulk` answer: what happened to each pool, in the body's order, and the totals.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BulkAnswer {
+    /// Pools that did not exist.
+    pub created: u64,
+    /// Pools whose spec changed.
+    pub updated: u64,
+    /// Pools already at the given spec: nothing written, version kept.
+    pub unchanged: u64,
+    /// Each pool's outcome.
+    pub pools: Vec<BulkWritten>,
+}
+
+/// One pool's outcome in a [`BulkAnswer`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BulkWritten {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+    /// Its version now.
+    pub version: u64,
+    /// What the call did to it.
+    pub outcome: pools::BulkOutcome,
+}
+
+/// Refuses a bulk body naming the entry and field at fault (`pools[3].spec.chunk`): too few or too
+/// many pools, a pool named twice, an invalid spec. Nothing is written when any entry is refused.
+fn check_bulk(body: &BulkPools) -> Result<(), ApiError> {
+    if !(1..=MAX_POOLS_PER_BULK).contains(&body.pools.len()) {
+        return Err(ApiError::invalid(
+            "pools",
+            format!(
+                "must list 1 to {MAX_POOLS_PER_BULK} pools, got {}",
+                body.pools.len()
+            ),
+        ));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(body.pools.len());
+    for (index, entry) in body.pools.iter().enumerate() {
+        if !seen.insert((&entry.tenant, &entry.pool)) {
+            return Err(ApiError::invalid(
+                format!("pools[{index}].pool"),
+                format!("{}/{} is listed twice", entry.tenant, entry.pool),
+            ));
+        }
+        entry.spec.validate().map_err(|invalid| {
+            ApiError::invalid(
+                format!("pools[{index}].spec.{}", invalid.field),
+                invalid.message,
+            )
+        })?;
+    }
+    Ok(())
+}
+
+pub async fn bulk_put_pools(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
+    let body: BulkPools = parse_json(&headers, &body)?;
+    check_bulk(&body)?;
+    run_change(
+        state,
+        credential,
+        "pool.bulk",
+        async move |state, credential| {
+            let now_ms = state.clock.now_ms();
+            let entries: Vec<_> = body
+                .pools
+                .into_iter()
+                .map(|entry| (entry.tenant, entry.pool, entry.spec))
+                .collect();
+            let written = pools::put_pools(&*state.kv, &entries, now_ms).await?;
+            let target = format!("{} pools", entries.len());
+            let actor = credential.actor();
+            let changed: Vec<_> = entries
+                .iter()
+                .zip(&written)
+                .filter(|(_, (_, outcome))| *outcome != pools::BulkOutcome::Unchanged)
+                .map(|((tenant, pool, _), (stored, _))| {
+                    let config_json = serde_json::to_string(&stored.spec).unwrap_or_default();
+                    (tenant, pool, stored.version, config_json, record_id(now_ms))
+                })
+                .collect();
+            let change_ids: Vec<String> = changed.iter().map(|c| c.4.to_string()).collect();
+            let records: Vec<PoolChange> = changed
+                .iter()
+                .zip(&change_ids)
+                .map(
+                    |((tenant, pool, version, config_json, _), change_id)| PoolChange {
+                        change_id,
+                        tenant,
+                        pool,
+                        version: *version,
+                        actor: &actor,
+                        changed_at_ms: now_ms,
+                        config_json,
+                    },
+                )
+                .collect();
+            state
+                .ledger
+                .record_pool_changes(&records)
+                .await
+                .map_err(|e| unrecorded("pool history", "pool.bulk", &target, e))?;
+            let count = |wanted: pools::BulkOutcome| {
+                written
+                    .iter()
+                    .filter(|(_, outcome)| *outcome == wanted)
+                    .count() as u64
+            };
+            let answer = BulkAnswer {
+                created: count(pools::BulkOutcome::Created),
+                updated: count(pools::BulkOutcome::Updated),
+                unchanged: count(pools::BulkOutcome::Unchanged),
+                pools: entries
+                    .into_iter()
+                    .zip(written)
+                    .map(|((tenant, pool, _), (stored, outcome))| BulkWritten {
+                        tenant,
+                        pool,
+                        version: stored.version,
+                        outcome,
+                    })
+                    .collect(),
+            };
+            tracing::info!(
+                created = answer.created,
+                updated = answer.updated,
+                unchanged = answer.unchanged,
+                "pools configured in bulk"
+            );
+            Ok(Changed {
+                version: 0,
+                detail: serde_json::json!({
+                    "created": answer.created,
+                    "updated": answer.updated,
+                    "unchanged": answer.unchanged,
+                }),
+                target,
+                response: json_response(StatusCode::OK, &answer),
+            })
+        },
+    )
+    .await
 }

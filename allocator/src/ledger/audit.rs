@@ -54,33 +54,46 @@ pub struct PoolChange<'a> {
     pub config_json: &'a str,
 }
 
+/// Pool changes one insert statement writes: 7 parameters each, well under SQLite's and
+/// PostgreSQL's limits on a statement's parameters.
+pub const POOL_CHANGES_PER_STATEMENT: usize = 100;
+
 impl Ledger {
     /// Records a pool configuration change.
     pub async fn record_pool_change(&self, change: &PoolChange<'_>) -> Result<(), LedgerError> {
-        let statement = Query::insert()
-            .into_table(PoolConfigHistory::Table)
-            .columns([
-                PoolConfigHistory::ChangeId,
-                PoolConfigHistory::Tenant,
-                PoolConfigHistory::Pool,
-                PoolConfigHistory::Version,
-                PoolConfigHistory::Actor,
-                PoolConfigHistory::ChangedAtMs,
-                PoolConfigHistory::ConfigJson,
-            ])
-            .values_panic([
-                change.change_id.into(),
-                change.tenant.as_str().into(),
-                change.pool.as_str().into(),
-                i64_of(change.version).into(),
-                change.actor.into(),
-                i64_of(change.changed_at_ms).into(),
-                change.config_json.into(),
-            ])
-            .to_owned();
-        on_db!(self, statement, |sql, values, pool| {
-            sqlx::query_with(&sql, values).execute(pool).await?;
-        });
+        self.record_pool_changes(std::slice::from_ref(change)).await
+    }
+
+    /// Records many pool configuration changes, [`POOL_CHANGES_PER_STATEMENT`] rows a statement.
+    pub async fn record_pool_changes(&self, changes: &[PoolChange<'_>]) -> Result<(), LedgerError> {
+        for chunk in changes.chunks(POOL_CHANGES_PER_STATEMENT) {
+            let mut statement = Query::insert()
+                .into_table(PoolConfigHistory::Table)
+                .columns([
+                    PoolConfigHistory::ChangeId,
+                    PoolConfigHistory::Tenant,
+                    PoolConfigHistory::Pool,
+                    PoolConfigHistory::Version,
+                    PoolConfigHistory::Actor,
+                    PoolConfigHistory::ChangedAtMs,
+                    PoolConfigHistory::ConfigJson,
+                ])
+                .to_owned();
+            for change in chunk {
+                statement.values_panic([
+                    change.change_id.into(),
+                    change.tenant.as_str().into(),
+                    change.pool.as_str().into(),
+                    i64_of(change.version).into(),
+                    change.actor.into(),
+                    i64_of(change.changed_at_ms).into(),
+                    change.config_json.into(),
+                ]);
+            }
+            on_db!(self, statement, |sql, values, pool| {
+                sqlx::query_with(&sql, values).execute(pool).await?;
+            });
+        }
         Ok(())
     }
 
