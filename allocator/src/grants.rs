@@ -11,7 +11,9 @@
 //!
 //! Pool commits that wait at the same moment are merged by one committer into a single transaction
 //! (within etcd's operation limit), so a thousand quiet pools cost one round trip, not a thousand; if
-//! any merged guard fails, each pool's commit is retried alone.
+//! any merged guard fails, each pool's commit is retried alone. Cold workers' loads are merged
+//! the same way by one loader: a failover's thousand first grants read their pools in a few round
+//! trips.
 //!
 //! Because of the last guard, retrying a transaction whose outcome is unknown (a timeout) is safe: if it
 //! had applied, the retry fails its guard and the grants are answered from the stored records. A new
@@ -32,8 +34,8 @@ use crate::kv::{Compare, Kv, KvError, Op};
 use crate::leader::{LeaderRecord, Leadership, Role, current_leader};
 use crate::ledger_sync::{CommittedGrants, LEDGER_RECONCILE_INTERVAL};
 use crate::pools::{
-    GrantRecord, PoolStoreError, StoredWindow, encode_record, get_grant, get_pool, get_window,
-    grant_key, window_key,
+    GrantRecord, PoolAndWindow, PoolStoreError, StoredWindow, encode_record, get_grant,
+    get_pools_and_windows, grant_key, window_key,
 };
 
 /// Most grants of one pool committed in one transaction. With the window put and three guards a
@@ -41,6 +43,8 @@ use crate::pools::{
 pub const MAX_BATCH: usize = 120;
 /// Pool commits waiting for the committer before pool workers wait in turn (I10).
 pub const COMMIT_QUEUE: usize = 4_096;
+/// Cold pools waiting for the loader before their workers wait in turn (I10).
+pub const LOAD_QUEUE: usize = 4_096;
 /// Pending grants queued per pool before new ones are refused as overloaded (I10).
 pub const QUEUE_PER_POOL: usize = 4_096;
 /// Transaction attempts per batch before giving up.
@@ -127,6 +131,14 @@ struct Shared {
     record_min_lifetime_ms: u64,
     /// The committer that merges concurrent pool commits into shared transactions.
     commits: mpsc::Sender<CommitJob>,
+    /// The loader that merges cold workers' reads into shared reads.
+    loads: mpsc::Sender<LoadJob>,
+}
+
+/// One cold pool's read of its configuration and window, and where to say what it found.
+struct LoadJob {
+    pool: PoolKey,
+    reply: oneshot::Sender<Result<PoolAndWindow, PoolStoreError>>,
 }
 
 /// One pool's commit: its guards and writes, and where to say how it went.
@@ -157,6 +169,49 @@ impl Shared {
                 "the committer dropped a commit".to_owned(),
             ))
         })
+    }
+}
+
+impl Shared {
+    /// Reads one pool's configuration and window through the loader.
+    async fn load(&self, pool: PoolKey) -> Result<PoolAndWindow, PoolStoreError> {
+        let (reply, loaded) = oneshot::channel();
+        if self.loads.send(LoadJob { pool, reply }).await.is_err() {
+            return Err(KvError::Unavailable("the loader has stopped".to_owned()).into());
+        }
+        loaded.await.unwrap_or_else(|_| {
+            Err(KvError::Unavailable("the loader dropped a read".to_owned()).into())
+        })
+    }
+}
+
+/// Merges the reads of cold pools that wait at the same moment into one store read (two keys a
+/// pool, within etcd's operation limit), so many pools' first grants cost one round trip to load,
+/// not one each. Each pool's answer is its own: one unreadable pool fails no other.
+async fn run_loader(kv: Arc<dyn Kv>, mut jobs: mpsc::Receiver<LoadJob>) {
+    const POOLS_PER_READ: usize = crate::kv::MAX_TXN_OPS / 2;
+    while let Some(first) = jobs.recv().await {
+        let mut group = vec![first];
+        while group.len() < POOLS_PER_READ {
+            match jobs.try_recv() {
+                Ok(next) => group.push(next),
+                Err(_) => break,
+            }
+        }
+        metrics::histogram!(crate::metrics::POOLS_PER_LOAD).record(group.len() as f64);
+        let pools: Vec<PoolKey> = group.iter().map(|job| job.pool.clone()).collect();
+        match get_pools_and_windows(&*kv, &pools).await {
+            Ok(found) => {
+                for (job, found) in group.into_iter().zip(found) {
+                    let _ = job.reply.send(found);
+                }
+            }
+            Err(error) => {
+                for job in group {
+                    let _ = job.reply.send(Err(error.clone()));
+                }
+            }
+        }
     }
 }
 
@@ -247,6 +302,8 @@ impl Grantor {
     ) -> Self {
         let (commits, jobs) = mpsc::channel(COMMIT_QUEUE);
         tokio::spawn(run_committer(kv.clone(), jobs));
+        let (loads, load_jobs) = mpsc::channel(LOAD_QUEUE);
+        tokio::spawn(run_loader(kv.clone(), load_jobs));
         Self {
             shared: Arc::new(Shared {
                 kv,
@@ -259,6 +316,7 @@ impl Grantor {
                 max_batch: MAX_BATCH,
                 record_min_lifetime_ms: record_min_lifetime_ms(DEFAULT_LEADER_LEASE_TTL_MS),
                 commits,
+                loads,
             }),
         }
     }
@@ -487,15 +545,15 @@ impl PoolWorker {
         );
     }
 
-    /// Loads configuration and window from the store, both reads at once (a cold worker's first
-    /// grant waits one round trip for them, not two). `Ok(false)` when the pool does not exist.
+    /// Loads configuration and window from the store in one read shared with other cold pools (a
+    /// cold worker's first grant waits one round trip for them). `Ok(false)` when the pool does not
+    /// exist.
     async fn load(&mut self, leadership: Leadership) -> Result<bool, GrantFailure> {
-        let kv = &*self.shared.kv;
-        let (pool, window) = tokio::join!(
-            get_pool(kv, &self.tenant, &self.pool),
-            get_window(kv, &self.tenant, &self.pool)
-        );
-        let Some((stored_pool, pool_revision)) = pool? else {
+        let (pool, window) = self
+            .shared
+            .load((self.tenant.clone(), self.pool.clone()))
+            .await?;
+        let Some((stored_pool, pool_revision)) = pool else {
             self.cache = None;
             return Ok(false);
         };
@@ -503,7 +561,7 @@ impl PoolWorker {
             .spec
             .validate()
             .map_err(|e| GrantFailure::Unavailable(format!("stored pool is invalid: {e}")))?;
-        let (window, window_revision) = match window? {
+        let (window, window_revision) = match window {
             Some((window, revision)) => (Some(window), revision),
             None => (None, 0),
         };

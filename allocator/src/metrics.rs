@@ -16,6 +16,8 @@ pub const GRANT_SECONDS: &str = "allot_grant_seconds";
 pub const GRANT_BATCH: &str = "allot_grant_batch_size";
 /// Pool commits merged into one store transaction.
 pub const POOLS_PER_TXN: &str = "allot_pools_per_txn";
+/// Cold pools whose configuration and window were read together in one store read.
+pub const POOLS_PER_LOAD: &str = "allot_pools_per_load";
 /// Store operations that failed, by `op`.
 pub const STORE_ERRORS: &str = "allot_store_errors_total";
 /// This node's epoch while it leads, 0 otherwise.
@@ -74,7 +76,8 @@ pub const WINDOW_OVERSHOOT: &str = "allot_pool_window_overshoot_tokens";
 pub const AGENT_UNCLEAN_RESTARTS: &str = "allot_agent_unclean_restarts_total";
 
 /// The process-wide Prometheus recorder (installed on first use, `allot_net::metrics`) and its
-/// handle for `/metrics`: the grant batch and pools-per-transaction sizes count items.
+/// handle for `/metrics`: the grant batch, pools-per-transaction and pools-per-load sizes count
+/// items.
 pub fn handle() -> Option<PrometheusHandle> {
-    allot_net::metrics::prometheus(&[GRANT_BATCH, POOLS_PER_TXN])
+    allot_net::metrics::prometheus(&[GRANT_BATCH, POOLS_PER_TXN, POOLS_PER_LOAD])
 }

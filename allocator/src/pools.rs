@@ -352,12 +352,21 @@ async fn put_pools_at_once(
 ) -> Result<Vec<(StoredPool, BulkOutcome)>, PoolStoreError> {
     debug_assert!(pools.len() <= MAX_TXN_OPS, "one transaction's worth");
     for _ in 0..8 {
-        let existing = futures::future::try_join_all(
-            pools
-                .iter()
-                .map(|(tenant, pool, _)| get_pool(kv, tenant, pool)),
-        )
-        .await?;
+        let keys: Vec<String> = pools
+            .iter()
+            .map(|(tenant, pool, _)| pool_key(tenant, pool))
+            .collect();
+        let existing = kv
+            .get_many(&keys)
+            .await?
+            .into_iter()
+            .zip(&keys)
+            .map(|(value, key)| {
+                value
+                    .map(|v| Ok((decode::<StoredPool>(key, &v.value)?, v.mod_revision)))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, PoolStoreError>>()?;
         let mut compares = Vec::new();
         let mut ops = Vec::new();
         let mut written = Vec::with_capacity(pools.len());
@@ -520,6 +529,41 @@ pub async fn get_window(
             Ok(Some((stored.into(), v.mod_revision)))
         }
     }
+}
+
+/// A pool's configuration and current window as one read found them, with their keys' revisions
+/// (`None`: the key is absent).
+pub type PoolAndWindow = (Option<(StoredPool, i64)>, Option<(PoolWindowState, i64)>);
+
+/// Reads the configuration and window of up to [`MAX_TXN_OPS`] / 2 pools in one store round trip,
+/// each pool's at its place. A pool whose records cannot be decoded fails alone.
+pub async fn get_pools_and_windows(
+    kv: &dyn Kv,
+    pools: &[(TenantId, PoolId)],
+) -> Result<Vec<Result<PoolAndWindow, PoolStoreError>>, PoolStoreError> {
+    let keys: Vec<String> = pools
+        .iter()
+        .flat_map(|(tenant, pool)| [pool_key(tenant, pool), window_key(tenant, pool)])
+        .collect();
+    let values = kv.get_many(&keys).await?;
+    Ok(keys
+        .chunks(2)
+        .zip(values.chunks(2))
+        .map(|(keys, values)| {
+            let pool = match &values[0] {
+                Some(v) => Some((decode::<StoredPool>(&keys[0], &v.value)?, v.mod_revision)),
+                None => None,
+            };
+            let window = match &values[1] {
+                Some(v) => {
+                    let stored: StoredWindow = decode(&keys[1], &v.value)?;
+                    Some((stored.into(), v.mod_revision))
+                }
+                None => None,
+            };
+            Ok((pool, window))
+        })
+        .collect())
 }
 
 /// Reads one grant record.

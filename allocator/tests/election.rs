@@ -23,6 +23,10 @@ impl Kv for HangingRenewals {
         self.inner.get(key).await
     }
 
+    async fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Versioned>>, KvError> {
+        self.inner.get_many(keys).await
+    }
+
     async fn get_prefix_newest(
         &self,
         prefix: &str,

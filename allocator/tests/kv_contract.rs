@@ -150,6 +150,37 @@ async fn contract(kv: &dyn Kv) {
         vec!["/c/p/1"],
         "an `after` before the prefix"
     );
+    // Many reads at once: each answer at its key's place, absent keys as None.
+    let keys: Vec<String> = ["/c/p/2", "/c/none", "/c/p/1", "/c/p/2"]
+        .map(str::to_owned)
+        .to_vec();
+    let many = kv.get_many(&keys).await.expect("get many");
+    let values: Vec<Option<String>> = many
+        .iter()
+        .map(|v| {
+            v.as_ref()
+                .map(|v| String::from_utf8(v.value.clone()).expect("utf-8"))
+        })
+        .collect();
+    let single = value_of(kv, "/c/p/2").await;
+    assert_eq!(values.len(), 4);
+    assert_eq!(
+        (values[0].clone(), values[1].clone(), values[3].clone()),
+        (single.clone(), None, single)
+    );
+    assert_eq!(values[2], value_of(kv, "/c/p/1").await);
+    assert_eq!(
+        many[0].as_ref().map(|v| v.mod_revision),
+        kv.get("/c/p/2").await.expect("get").map(|v| v.mod_revision)
+    );
+    assert_eq!(kv.get_many(&[]).await.expect("no keys"), Vec::new());
+    let too_many: Vec<String> = (0..=allot_allocator::kv::MAX_TXN_OPS)
+        .map(|n| format!("/c/{n}"))
+        .collect();
+    assert!(matches!(
+        kv.get_many(&too_many).await,
+        Err(KvError::Refused(_))
+    ));
 
     // Deletes.
     kv.txn(

@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use etcd_client::{
     Client, Compare as EtcdCompare, CompareOp, ConnectOptions, GetOptions, PutOptions, SortOrder,
-    SortTarget, Txn, TxnOp,
+    SortTarget, Txn, TxnOp, TxnOpResponse,
 };
 
 use super::{Compare, Kv, KvError, Op, TxnOutcome, Versioned};
@@ -111,6 +111,36 @@ impl Kv for EtcdKv {
         let mut kv = self.client.kv_client();
         let response = within(None, kv.get(key, None)).await?;
         Ok(response.kvs().first().map(to_versioned))
+    }
+
+    async fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Versioned>>, KvError> {
+        if keys.len() > super::MAX_TXN_OPS {
+            return Err(KvError::Refused(
+                "too many operations in txn request".to_owned(),
+            ));
+        }
+        let reads: Vec<TxnOp> = keys
+            .iter()
+            .map(|key| TxnOp::get(key.as_str(), None))
+            .collect();
+        let mut kv = self.client.kv_client();
+        let response = within(None, kv.txn(Txn::new().and_then(reads))).await?;
+        let values: Vec<Option<Versioned>> = response
+            .op_responses()
+            .into_iter()
+            .map(|answer| match answer {
+                TxnOpResponse::Get(read) => read.kvs().first().map(to_versioned),
+                _ => None,
+            })
+            .collect();
+        if values.len() != keys.len() {
+            return Err(KvError::Unavailable(format!(
+                "etcd answered {} of {} reads",
+                values.len(),
+                keys.len()
+            )));
+        }
+        Ok(values)
     }
 
     async fn get_prefix_newest(

@@ -111,6 +111,19 @@ impl Kv for MemoryKv {
         Ok(self.lock().entries.get(key).map(versioned))
     }
 
+    async fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Versioned>>, KvError> {
+        if keys.len() > super::MAX_TXN_OPS {
+            return Err(KvError::Refused(
+                "too many operations in txn request".to_owned(),
+            ));
+        }
+        let state = self.lock();
+        Ok(keys
+            .iter()
+            .map(|key| state.entries.get(key).map(versioned))
+            .collect())
+    }
+
     async fn get_prefix_after(
         &self,
         prefix: &str,

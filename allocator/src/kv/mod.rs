@@ -98,6 +98,10 @@ pub trait Kv: Send + Sync + 'static {
     /// Reads one key (linearizable).
     async fn get(&self, key: &str) -> Result<Option<Versioned>, KvError>;
 
+    /// Reads up to [`MAX_TXN_OPS`] keys at one revision in one round trip (linearizable), each
+    /// answer at its key's place: a cold start's reads of many pools cost one call, not one each.
+    async fn get_many(&self, keys: &[String]) -> Result<Vec<Option<Versioned>>, KvError>;
+
     /// Reads up to `limit` keys starting with `prefix`, in key order: the first page.
     async fn get_prefix(
         &self,
