@@ -12,7 +12,7 @@ use crate::clock::Clock;
 use crate::kv::Kv;
 use crate::leader::Role;
 use crate::ledger::{Ledger, Retention, WindowRow};
-use crate::pools::{GrantRecord, StoredPool, list_grants, list_pools};
+use crate::pools::{GrantRecord, StoredPool, list_grants, list_pools, pool_key};
 
 /// Grants just committed to the store, for the ledger: what the grantor sends down the feed.
 #[derive(Debug, Clone)]
@@ -49,6 +49,7 @@ pub async fn feed_ledger(
     // The term this node last led in: a new term (even one reached through a lapse that a long
     // round hid) is a new lead, whose predecessor's unfed grants are copied at once.
     let (mut led_term, mut election_over) = (None, false);
+    let mut rotation = CheckRotation::default();
     loop {
         tokio::select! {
             () = &mut shutdown => return,
@@ -75,7 +76,7 @@ pub async fn feed_ledger(
                 if took_lead {
                     // The last leader may have died with grants in its feed: copy them while
                     // their records are still in the store.
-                    ledger_round(&ledger, retention, &*kv, &*clock).await;
+                    ledger_round(&ledger, retention, &*kv, &*clock, &mut rotation).await;
                     reconcile.reset();
                 }
             }
@@ -85,7 +86,7 @@ pub async fn feed_ledger(
                 let term = leading_term(&role.borrow());
                 if term.is_some() {
                     led_term = term;
-                    ledger_round(&ledger, retention, &*kv, &*clock).await;
+                    ledger_round(&ledger, retention, &*kv, &*clock, &mut rotation).await;
                 }
             }
         }
@@ -102,7 +103,13 @@ fn leading_term(role: &Role) -> Option<allot_shared::ids::Epoch> {
 
 /// One leader's round: copy the grants the ledger lacks, publish gauges, check settled windows,
 /// remove what the ledger no longer keeps.
-async fn ledger_round(ledger: &Ledger, retention: Retention, kv: &dyn Kv, clock: &dyn Clock) {
+async fn ledger_round(
+    ledger: &Ledger,
+    retention: Retention,
+    kv: &dyn Kv,
+    clock: &dyn Clock,
+    rotation: &mut CheckRotation,
+) {
     // One listing of the pools serves both passes.
     let pools = match list_pools(kv).await {
         Ok(pools) => pools,
@@ -114,7 +121,7 @@ async fn ledger_round(ledger: &Ledger, retention: Retention, kv: &dyn Kv, clock:
     if let Err(error) = reconcile_grants(ledger, kv, &pools).await {
         tracing::warn!(%error, "ledger reconciliation failed");
     }
-    if let Err(error) = publish_ledger_gauges(ledger, kv, &pools, clock.now_ms()).await {
+    if let Err(error) = publish_ledger_gauges(ledger, kv, &pools, rotation, clock.now_ms()).await {
         tracing::warn!(%error, "ledger gauges not updated");
     }
     match ledger.remove_expired(retention, clock.now_ms()).await {
@@ -165,21 +172,61 @@ pub async fn reconcile_grants(
     Ok(())
 }
 
-/// Most pools whose last window is published as gauges per round (I10).
+/// Most pools whose windows are checked and published as gauges per round (I10); with more pools,
+/// each round takes the next ones ([`CheckRotation`]).
 pub const MAX_WINDOW_GAUGE_POOLS: usize = 1_000;
+
+/// Where the bound checks go on next round. A round checks at most [`MAX_WINDOW_GAUGE_POOLS`]
+/// pools: the ones after the last round's, in key order, wrapping around; so with `n` pools each
+/// is visited every `ceil(n / MAX_WINDOW_GAUGE_POOLS)` rounds, and the windows it re-checks on a
+/// visit reach back over the gap since the last one. No pool is left out, however many there are.
+#[derive(Debug, Default, Clone)]
+pub struct CheckRotation {
+    /// The store key of the last pool checked.
+    after_key: Option<String>,
+}
+
+impl CheckRotation {
+    /// The pools of `pools` (all of them, in key order, as [`list_pools`] gives them) this round
+    /// checks; and moves on past them.
+    pub fn next_round<'a>(
+        &mut self,
+        pools: &'a [(TenantId, PoolId, StoredPool)],
+    ) -> Vec<&'a (TenantId, PoolId, StoredPool)> {
+        let start = self.after_key.as_ref().map_or(0, |after| {
+            pools.partition_point(|(tenant, pool, _)| pool_key(tenant, pool) <= *after)
+        });
+        let visited: Vec<_> = pools
+            .iter()
+            .cycle()
+            .skip(start)
+            .take(pools.len().min(MAX_WINDOW_GAUGE_POOLS))
+            .collect();
+        self.after_key = visited
+            .last()
+            .map(|(tenant, pool, _)| pool_key(tenant, pool));
+        visited
+    }
+
+    /// Rounds between two visits of a pool when there are `pool_count` pools.
+    pub fn rounds_per_visit(pool_count: usize) -> u64 {
+        pool_count.div_ceil(MAX_WINDOW_GAUGE_POOLS).max(1) as u64
+    }
+}
 /// A window's row is published once it ended this long ago, ms: its last reports (every second,
 /// and a final one at lease expiry) have arrived by then.
 pub const WINDOW_GAUGE_SETTLE_MS: u64 = 5_000;
 
 /// Publishes the ledger's view as gauges: the rollout's current bundle version, and for each pool
-/// (at most [`MAX_WINDOW_GAUGE_POOLS`]) the admitted tokens and the bound of its latest settled
-/// window. On the way, checks every window that settled against its bound (the ledger's
-/// `bound_checks`), again each round for [`BOUND_RECHECK_MS`] after it ended, counting windows
-/// checked and violations.
+/// this round visits (`rotation`'s next, out of every pool in `pools`) the admitted tokens and the
+/// bound of its latest settled window. On the way, checks every window that settled against its
+/// bound (the ledger's `bound_checks`), again on each visit for [`BOUND_RECHECK_MS`] after it ended
+/// (and over the gap between visits), counting windows checked and violations.
 pub async fn publish_ledger_gauges(
     ledger: &Ledger,
     kv: &dyn Kv,
     pools: &[(TenantId, PoolId, StoredPool)],
+    rotation: &mut CheckRotation,
     now_ms: u64,
 ) -> Result<(), String> {
     let rollout = crate::policies::rollout(kv)
@@ -211,16 +258,23 @@ pub async fn publish_ledger_gauges(
             reported.insert(region.to_string());
         }
     }
-    for (tenant, pool, stored) in pools.iter().take(MAX_WINDOW_GAUGE_POOLS) {
+    let recheck_ms = recheck_span_ms(CheckRotation::rounds_per_visit(pools.len()));
+    for (tenant, pool, stored) in rotation.next_round(pools) {
         let Ok(config) = stored.spec.validate() else {
             continue;
         };
         let rows = ledger
-            .windows(tenant, pool, &config, windows_to_read(&config), now_ms)
+            .windows(
+                tenant,
+                pool,
+                &config,
+                windows_to_read(&config, recheck_ms),
+                now_ms,
+            )
             .await
             .map_err(|e| e.to_string())?;
         let to_check: Vec<WindowRow> = settled_windows(&rows, now_ms)
-            .filter(|row| row.window_end_ms.saturating_add(BOUND_RECHECK_MS) >= now_ms)
+            .filter(|row| row.window_end_ms.saturating_add(recheck_ms) >= now_ms)
             .cloned()
             .collect();
         let added = ledger
@@ -262,10 +316,17 @@ pub const BOUND_RECHECK_MS: u64 = 600_000;
 /// for less than [`BOUND_RECHECK_MS`].
 pub const MAX_CHECKED_WINDOWS_PER_ROUND: u64 = 256;
 
-/// Windows to read per pool per round: every window that ended within the re-check span, the
-/// round and the settling time, and the ones not settled yet.
-pub fn windows_to_read(config: &allot_shared::lease::PoolConfig) -> u64 {
-    let span_ms = BOUND_RECHECK_MS
+/// How far back a pool's visit re-checks windows, ms, when it is visited every
+/// `rounds_per_visit` rounds: [`BOUND_RECHECK_MS`], and the gap since its last visit.
+pub fn recheck_span_ms(rounds_per_visit: u64) -> u64 {
+    let round_ms = u64::try_from(LEDGER_RECONCILE_INTERVAL.as_millis()).unwrap_or(u64::MAX);
+    BOUND_RECHECK_MS.saturating_add(round_ms.saturating_mul(rounds_per_visit.saturating_sub(1)))
+}
+
+/// Windows to read per pool per visit: every window that ended within the re-check span
+/// (`recheck_ms`), the round and the settling time, and the ones not settled yet.
+pub fn windows_to_read(config: &allot_shared::lease::PoolConfig, recheck_ms: u64) -> u64 {
+    let span_ms = recheck_ms
         + u64::try_from(LEDGER_RECONCILE_INTERVAL.as_millis()).unwrap_or(u64::MAX)
         + WINDOW_GAUGE_SETTLE_MS;
     let shortest_ms = config.window().shortest_ms().max(1);
@@ -293,13 +354,67 @@ mod tests {
     #[test]
     fn every_window_of_the_recheck_span_is_read_within_the_bound() {
         // A minute: the 10-minute span, the round and the settling time, and two more.
-        assert_eq!(windows_to_read(&config(60_000)), 13);
+        let one_round = recheck_span_ms(1);
+        assert_eq!(one_round, BOUND_RECHECK_MS);
+        assert_eq!(windows_to_read(&config(60_000), one_round), 13);
+        // Visited every 10 rounds: 9 more rounds of 30 s reach back 4.5 minutes further.
+        assert_eq!(windows_to_read(&config(60_000), recheck_span_ms(10)), 18);
         // An hour or a day: the newest three.
-        assert_eq!(windows_to_read(&config(3_600_000)), 3);
+        assert_eq!(windows_to_read(&config(3_600_000), one_round), 3);
         // A second: at most the bound, a shorter span re-checked.
         assert_eq!(
-            windows_to_read(&config(1_000)),
+            windows_to_read(&config(1_000), one_round),
             MAX_CHECKED_WINDOWS_PER_ROUND
         );
+    }
+
+    fn named(count: usize) -> Vec<(TenantId, PoolId, StoredPool)> {
+        let spec: crate::pools::PoolSpec = serde_json::from_value(serde_json::json!({
+            "limit": 10, "windowMs": 60000, "chunk": 1, "leaseTtlMs": 1000,
+            "fallbackPerRegion": 0, "regions": ["eu"] }))
+        .expect("spec");
+        let mut pools: Vec<_> = (0..count)
+            .map(|n| {
+                (
+                    TenantId::parse(&format!("t{}", n % 7)).expect("tenant"),
+                    PoolId::parse(&format!("p{n}")).expect("pool"),
+                    StoredPool {
+                        spec: spec.clone(),
+                        version: 1,
+                        updated_at_ms: 0,
+                    },
+                )
+            })
+            .collect();
+        pools.sort_by_key(|(tenant, pool, _)| pool_key(tenant, pool));
+        pools
+    }
+
+    #[test]
+    fn the_rotation_visits_every_pool_once_per_cycle_whatever_their_number() {
+        for count in [0, 1, 999, 1_000, 1_001, 2_500, 10_000] {
+            let pools = named(count);
+            let mut rotation = CheckRotation::default();
+            let rounds = CheckRotation::rounds_per_visit(count);
+            let mut visits = std::collections::HashMap::new();
+            for _ in 0..rounds {
+                let round = rotation.next_round(&pools);
+                assert!(round.len() <= MAX_WINDOW_GAUGE_POOLS);
+                for (tenant, pool, _) in round {
+                    *visits.entry((tenant.clone(), pool.clone())).or_insert(0) += 1;
+                }
+            }
+            assert_eq!(
+                visits.len(),
+                count,
+                "{count} pools: every one visited in a cycle"
+            );
+            // A pool removed, or one added, between rounds: the rotation goes on from where it was.
+            let mut fewer = pools.clone();
+            if fewer.len() > 3 {
+                fewer.remove(1);
+            }
+            assert!(rotation.next_round(&fewer).len() <= MAX_WINDOW_GAUGE_POOLS);
+        }
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::ledger::Ledger;
-use allot_allocator::ledger_sync::{WINDOW_GAUGE_SETTLE_MS, publish_ledger_gauges};
+use allot_allocator::ledger_sync::{CheckRotation, WINDOW_GAUGE_SETTLE_MS, publish_ledger_gauges};
 use allot_region_agent::service::Agent;
 use allot_testkit::{EtcdCluster, RedisServer};
 use serde_json::{Value, json};
@@ -205,9 +205,16 @@ async fn two_regions_share_one_pool_without_overshoot() {
     let pools = allot_allocator::pools::list_pools(&kv)
         .await
         .expect("pools");
-    publish_ledger_gauges(&ledger, &kv, &pools, window_end_ms + WINDOW_GAUGE_SETTLE_MS)
-        .await
-        .expect("gauges");
+    let mut rotation = CheckRotation::default();
+    publish_ledger_gauges(
+        &ledger,
+        &kv,
+        &pools,
+        &mut rotation,
+        window_end_ms + WINDOW_GAUGE_SETTLE_MS,
+    )
+    .await
+    .expect("gauges");
     let rendered = allot_allocator::metrics::handle()
         .expect("recorder")
         .render();
@@ -232,6 +239,7 @@ async fn two_regions_share_one_pool_without_overshoot() {
         &ledger,
         &kv,
         &pools,
+        &mut rotation,
         window_end_ms + WINDOW_GAUGE_SETTLE_MS + 1,
     )
     .await
