@@ -12,7 +12,7 @@ use crate::clock::Clock;
 use crate::kv::Kv;
 use crate::leader::Role;
 use crate::ledger::{Ledger, Retention, WindowRow};
-use crate::pools::{GrantRecord, StoredPool, list_grants, list_pools, pool_key};
+use crate::pools::{GrantRecord, StoredPool, list_all_grants_page, list_pools, pool_key};
 
 /// Grants just committed to the store, for the ledger: what the grantor sends down the feed.
 #[derive(Debug, Clone)]
@@ -118,7 +118,7 @@ async fn ledger_round(
             return;
         }
     };
-    if let Err(error) = reconcile_grants(ledger, kv, &pools).await {
+    if let Err(error) = reconcile_grants(ledger, kv).await {
         tracing::warn!(%error, "ledger reconciliation failed");
     }
     if let Err(error) = publish_ledger_gauges(ledger, kv, &pools, rotation, clock.now_ms()).await {
@@ -137,39 +137,30 @@ async fn ledger_round(
     }
 }
 
-/// Copies every grant record of `pools` (as [`list_pools`] returns them) that the ledger lacks.
-/// Listings stop at [`MAX_PREFIX_KEYS`](crate::kv::MAX_PREFIX_KEYS) keys (I10); reaching that is
-/// logged and counted (`allot_ledger_reconcile_truncated_total`), never silent.
-pub async fn reconcile_grants(
-    ledger: &Ledger,
-    kv: &dyn Kv,
-    pools: &[(TenantId, PoolId, StoredPool)],
-) -> Result<(), String> {
-    let truncated = |what: &str| {
-        tracing::warn!(
-            what,
-            max = crate::kv::MAX_PREFIX_KEYS,
-            "ledger reconciliation read a listing at its cap; the rest waits for a later round"
-        );
-        metrics::counter!(crate::metrics::LEDGER_RECONCILE_TRUNCATED, "listing" => what.to_owned())
-            .increment(1);
-    };
-    if pools.len() >= crate::kv::MAX_PREFIX_KEYS {
-        truncated("pools");
-    }
-    for (tenant, pool, _) in pools {
-        let records = list_grants(kv, tenant, pool)
+/// Copies every grant record in the store that the ledger lacks, reading the records of all pools
+/// a page of [`MAX_PREFIX_KEYS`](crate::kv::MAX_PREFIX_KEYS) at a time: a round costs one store
+/// read per page of records, not one per pool, and no listing is cut short at a cap.
+pub async fn reconcile_grants(ledger: &Ledger, kv: &dyn Kv) -> Result<(), String> {
+    let mut after = String::new();
+    loop {
+        let (records, next) = list_all_grants_page(kv, &after, crate::kv::MAX_PREFIX_KEYS)
             .await
             .map_err(|e| e.to_string())?;
-        if records.len() >= crate::kv::MAX_PREFIX_KEYS {
-            truncated("grants");
+        // A page is in key order, so each pool's records are one run of it.
+        for run in records.chunk_by(|a, b| (&a.0, &a.1) == (&b.0, &b.1)) {
+            let (tenant, pool, _) = &run[0];
+            let grants: Vec<GrantRecord> =
+                run.iter().map(|(_, _, record)| record.clone()).collect();
+            ledger
+                .record_grants(tenant, pool, &grants)
+                .await
+                .map_err(|e| e.to_string())?;
         }
-        ledger
-            .record_grants(tenant, pool, &records)
-            .await
-            .map_err(|e| e.to_string())?;
+        match next {
+            Some(last) => after = last,
+            None => return Ok(()),
+        }
     }
-    Ok(())
 }
 
 /// Most pools whose windows are checked and published as gauges per round (I10); with more pools,

@@ -28,8 +28,6 @@ pub const IS_LEADER: &str = "allot_is_leader";
 pub const POOL_REMAINING: &str = "allot_pool_remaining_tokens";
 /// Committed grants the ledger feed could not take (reconciliation copies them later).
 pub const LEDGER_FEED_FULL: &str = "allot_ledger_feed_full_total";
-/// Ledger reconciliation rounds that read a listing at its key cap, by `listing` (pools, grants).
-pub const LEDGER_RECONCILE_TRUNCATED: &str = "allot_ledger_reconcile_truncated_total";
 /// Changes applied whose ledger or audit record could not be written (each also logged as an error).
 pub const AUDIT_WRITE_FAILURES: &str = "allot_audit_write_failures_total";
 /// Stored token records this allocator could not read at its last refresh (skipped).

@@ -29,9 +29,12 @@ pub fn window_key(tenant: &TenantId, pool: &PoolId) -> String {
     format!("/allot/windows/{tenant}/{pool}")
 }
 
+/// Where grant records live in the store.
+const GRANTS_PREFIX: &str = "/allot/grants/";
+
 /// Prefix of a pool's grant records.
 pub fn grant_prefix(tenant: &TenantId, pool: &PoolId) -> String {
-    format!("/allot/grants/{tenant}/{pool}/")
+    format!("{GRANTS_PREFIX}{tenant}/{pool}/")
 }
 
 /// Key of one grant record.
@@ -593,6 +596,30 @@ pub async fn list_grants(
         .into_iter()
         .map(|(key, value)| decode(&key, &value.value))
         .collect()
+}
+
+/// One page of every pool's grant records: up to `limit` records after the store key `after`
+/// (from the first when empty), in key order (so by pool), each with its pool; and the last key
+/// read, to ask for the next page after (`None` when this page is the last).
+pub async fn list_all_grants_page(
+    kv: &dyn Kv,
+    after: &str,
+    limit: usize,
+) -> Result<(Vec<(TenantId, PoolId, GrantRecord)>, Option<String>), PoolStoreError> {
+    let page = kv.get_prefix_after(GRANTS_PREFIX, after, limit).await?;
+    let full = page.len() >= limit.min(MAX_PREFIX_KEYS);
+    let last = page.last().map(|(key, _)| key.clone());
+    let mut records = Vec::with_capacity(page.len());
+    for (key, value) in page {
+        let mut parts = key.trim_start_matches(GRANTS_PREFIX).splitn(3, '/');
+        let (Some(tenant), Some(pool), Some(_)) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(PoolStoreError::Corrupt(key));
+        };
+        let tenant = TenantId::parse(tenant).map_err(|_| PoolStoreError::Corrupt(key.clone()))?;
+        let pool = PoolId::parse(pool).map_err(|_| PoolStoreError::Corrupt(key.clone()))?;
+        records.push((tenant, pool, decode(&key, &value.value)?));
+    }
+    Ok((records, last.filter(|_| full)))
 }
 
 pub(crate) fn encode_record<T: Serialize>(value: &T) -> Vec<u8> {

@@ -509,3 +509,54 @@ async fn a_new_leader_copies_unfed_grants_into_the_ledger_at_once() {
     let _ = stop.send(());
     sync.await.expect("the sync stops");
 }
+
+/// Reconciliation reads every pool's records a page at a time: more records than one read holds,
+/// over several pools, all reach the ledger.
+#[tokio::test]
+async fn reconciliation_copies_every_record_across_pages() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ledger = allot_allocator::ledger::Ledger::connect(&format!(
+        "sqlite://{}",
+        dir.path().join("ledger.db").display()
+    ))
+    .await
+    .expect("ledger");
+    let kv = memory();
+    let records = allot_allocator::kv::MAX_PREFIX_KEYS + 250;
+    let eu = RegionId::parse("eu").expect("region");
+    let mut leases = Vec::with_capacity(records);
+    let mut ops = Vec::new();
+    for n in 0..records {
+        let tenant = TenantId::parse(&format!("t{}", n % 3)).expect("tenant");
+        let pool = PoolId::parse(&format!("p{}", n % 2)).expect("pool");
+        let lease_id = LeaseId::from_parts(T0_MS + n as u64, rand::random());
+        let record: allot_allocator::pools::GrantRecord =
+            serde_json::from_value(serde_json::json!({
+            "leaseId": lease_id.to_string(), "region": eu.to_string(), "granted": 1,
+            "epoch": 1, "windowStartMs": T0_MS, "windowEndMs": T0_MS + 60_000,
+            "expiresAtMs": T0_MS + 30_000, "retryAfterMs": 0 }))
+            .expect("a grant record");
+        ops.push(allot_allocator::kv::Op::Put {
+            key: allot_allocator::pools::grant_key(&tenant, &pool, &lease_id),
+            value: serde_json::to_vec(&record).expect("json"),
+            lease: None,
+        });
+        leases.push(lease_id);
+        if ops.len() == allot_allocator::kv::MAX_TXN_OPS {
+            kv.txn(vec![], std::mem::take(&mut ops)).await.expect("put");
+        }
+    }
+    kv.txn(vec![], ops).await.expect("put");
+    assert_eq!(
+        ledger.missing_grants(&leases).await.expect("ledger").len(),
+        records
+    );
+    allot_allocator::ledger_sync::reconcile_grants(&ledger, &*kv)
+        .await
+        .expect("reconciled");
+    assert_eq!(
+        ledger.missing_grants(&leases).await.expect("ledger"),
+        Vec::<LeaseId>::new(),
+        "every record of every pool, past one read's cap"
+    );
+}
