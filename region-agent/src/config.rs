@@ -94,6 +94,11 @@ pub struct AgentArgs {
     /// offset measured.
     #[arg(long, env = "ALLOT_CLOCK_MARGIN_MS")]
     pub clock_margin_ms: Option<u64>,
+    /// Most pools held at once (1 to 1,000,000; default 10,000). A pool idle for 10 minutes is
+    /// forgotten; past the most, a request for a new pool fails as its rule's fail mode says
+    /// (`allot_agent_pools` shows the count; docs/operations.md sizes the memory per pool).
+    #[arg(long, env = "ALLOT_MAX_POOLS")]
+    pub max_pools: Option<usize>,
     /// Longest one regional decision may wait for the limiter store, ms (1 to 1,000; default 10).
     /// Past it the rule's fail mode answers (local bucket or 503). Raise it on slow hosts or links.
     #[arg(long, env = "ALLOT_DECISION_BUDGET_MS")]
@@ -183,6 +188,7 @@ struct FileSettings {
     region_agents: Option<u64>,
     settle_window_ms: Option<u64>,
     clock_margin_ms: Option<u64>,
+    max_pools: Option<usize>,
     decision_budget_ms: Option<u64>,
     coalesce_hot_keys: Option<bool>,
     write_state_as_hashes: Option<bool>,
@@ -245,6 +251,8 @@ pub struct AgentConfig {
     pub settle_window_ms: u64,
     /// The most the agent's clock may be off the allocator's, ms.
     pub clock_margin_ms: u64,
+    /// Most pools held at once.
+    pub max_pools: usize,
     /// The limiter's decision budget, ms.
     pub decision_budget_ms: u64,
     /// Whether the Redis store coalesces a tenant's decisions.
@@ -431,6 +439,19 @@ impl AgentArgs {
                     return Err(format!(
                         "--clock-margin-ms must be in [0, {}], got {other}",
                         crate::service::settings::MAX_CLOCK_MARGIN_MS
+                    ));
+                }
+            },
+            max_pools: match self
+                .max_pools
+                .or(file.max_pools)
+                .unwrap_or(crate::service::settings::DEFAULT_MAX_POOLS)
+            {
+                most @ 1..=crate::service::settings::MAX_MAX_POOLS => most,
+                other => {
+                    return Err(format!(
+                        "--max-pools must be in [1, {}], got {other}",
+                        crate::service::settings::MAX_MAX_POOLS
                     ));
                 }
             },
@@ -650,6 +671,27 @@ mod tests {
             slow.resolve().expect_err("out of range"),
             "--decision-budget-ms must be in [1, 1000], got 0"
         );
+        assert_eq!(config.max_pools, crate::service::DEFAULT_MAX_POOLS);
+        for (most, answer) in [
+            (1, Ok(1)),
+            (100_000, Ok(100_000)),
+            (0, Err("--max-pools must be in [1, 1000000], got 0")),
+            (
+                1_000_001,
+                Err("--max-pools must be in [1, 1000000], got 1000001"),
+            ),
+        ] {
+            let sized = AgentArgs {
+                region: Some("eu".to_owned()),
+                config: Some(path.clone()),
+                max_pools: Some(most),
+                ..AgentArgs::default()
+            };
+            assert_eq!(
+                sized.resolve().map(|c| c.max_pools),
+                answer.map_err(str::to_owned)
+            );
+        }
 
         assert_eq!(
             config.ip_prefixes,

@@ -388,3 +388,37 @@ async fn a_clean_end_does_not_vouch_for_an_earlier_crash_in_the_window() {
     let decision = admit(&agent, 0).await;
     assert!(decision.allowed && decision.fallback, "{decision:?}");
 }
+
+#[tokio::test]
+async fn an_agent_holds_at_most_max_pools_and_takes_a_new_one_once_an_idle_one_is_forgotten() {
+    let fake = fake(Some(1_000), Duration::ZERO);
+    let settings = AgentSettings {
+        max_pools: 2,
+        ..common::settings()
+    };
+    let (agent, clock) = setup_with(&fake, settings).await;
+    let for_tenant = |tenant: &str, n: u64| {
+        let mut request = request(n);
+        request.tenant_id = TenantId::parse(tenant).expect("tenant");
+        request
+    };
+    for (n, tenant) in ["a", "b"].into_iter().enumerate() {
+        let decision = agent
+            .admit(&for_tenant(tenant, n as u64))
+            .await
+            .expect("decision");
+        assert_eq!(decision.limit_units, 1_000, "pool {tenant} is held");
+    }
+    assert_eq!(agent.pool_counts().0, 2);
+    // A third pool: refused as its rule fails (closed), and not held.
+    let third = agent.admit(&for_tenant("c", 2)).await.expect("decision");
+    assert!(!third.allowed, "{third:?}");
+    assert_eq!(agent.pool_counts().0, 2, "never more than --max-pools");
+    // Once the held pools have gone idle and are forgotten, the new pool is taken.
+    clock.advance(POOL_IDLE_MS + TERMS_RETRY_MS);
+    agent.maintain_pools().await;
+    assert_eq!(agent.pool_counts().0, 0);
+    let later = agent.admit(&for_tenant("c", 3)).await.expect("decision");
+    assert_eq!(later.limit_units, 1_000, "{later:?}");
+    assert_eq!(agent.pool_counts().0, 1);
+}

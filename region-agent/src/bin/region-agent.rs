@@ -172,6 +172,7 @@ async fn start(args: AgentConfig) -> Result<(), String> {
         region_agents: args.region_agents,
         settle_window_ms: args.settle_window_ms,
         clock_margin_ms: args.clock_margin_ms,
+        max_pools: args.max_pools,
         ..AgentSettings::new(region, agent_id, pepper)
     };
     let log_pepper = settings.pepper.clone();

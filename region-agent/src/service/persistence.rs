@@ -133,7 +133,7 @@ impl Agent {
                 continue;
             };
             let mut pools = self.pools.slots();
-            if pools.len() >= super::pools::MAX_POOLS {
+            if pools.len() >= self.settings.max_pools {
                 break;
             }
             let key = (saved.tenant.clone(), saved.pool.clone());

@@ -14,8 +14,6 @@ use crate::allocator_client::{AllocatorClient, PoolTerms};
 use crate::global::{HolderConfig, PoolHolder, driver};
 use crate::state_dir::TallyWindow;
 
-/// Most pools an agent holds at once (I10).
-pub const MAX_POOLS: usize = 10_000;
 /// After a pool's terms could not be fetched (allocator unreachable), requests for it fail closed
 /// from memory for this long, ms, instead of each calling the allocator again.
 pub const TERMS_RETRY_MS: u64 = 1_000;
@@ -207,7 +205,7 @@ pub(super) struct PoolSlots {
 #[derive(Default)]
 pub(super) struct PoolRegistry {
     slots: Mutex<PoolSlots>,
-    /// Pools being looked up, or recently not found (at most [`MAX_POOLS`]).
+    /// Pools being looked up, or recently not found (at most the settings' `max_pools`).
     lookups: Mutex<HashMap<PoolKey, Lookup>>,
     /// Report lines dropped by holders since forgotten (the live ones count their own).
     dropped_reports_of_evicted: AtomicU64,
@@ -340,11 +338,11 @@ impl Agent {
                 Some(Lookup::Missing { retry_at_ms }) if now_ms < *retry_at_ms => return None,
                 Some(Lookup::Fetching(fetched)) => fetched.clone(),
                 _ => {
-                    if lookups.len() >= MAX_POOLS {
+                    if lookups.len() >= self.settings.max_pools {
                         lookups.retain(|_, lookup| {
                             !matches!(lookup, Lookup::Missing { retry_at_ms } if *retry_at_ms <= now_ms)
                         });
-                        if lookups.len() >= MAX_POOLS {
+                        if lookups.len() >= self.settings.max_pools {
                             return None;
                         }
                     }
@@ -393,7 +391,7 @@ impl Agent {
                 match self.holder_config(&terms) {
                     Some(config) => {
                         let mut pools = self.pools.slots();
-                        if pools.len() < MAX_POOLS {
+                        if pools.len() < self.settings.max_pools {
                             let inherited = self.inherited(fallback_in_window);
                             pools.get_or_insert_with(key.clone(), || {
                                 let slot = PoolSlot::new(key.1.clone(), config, terms, now_ms);
@@ -415,7 +413,10 @@ impl Agent {
                             self.note_change();
                             None
                         } else {
-                            tracing::warn!(max = MAX_POOLS, "agent holds its maximum of pools");
+                            tracing::warn!(
+                                max = self.settings.max_pools,
+                                "agent holds its maximum of pools (--max-pools)"
+                            );
                             Some(TERMS_RETRY_MS)
                         }
                     }

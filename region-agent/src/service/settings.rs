@@ -51,7 +51,15 @@ pub struct AgentSettings {
     /// How long a metered admission may be settled after it was decided, ms (at most
     /// [`MAX_SETTLE_WINDOW_MS`]); past it the estimate stands.
     pub settle_window_ms: u64,
+    /// Most pools held at once (I10): a request for one more pool fails as its rule's fail mode
+    /// says until an idle pool is forgotten.
+    pub max_pools: usize,
 }
+
+/// The most pools an agent holds unless told otherwise (`--max-pools`).
+pub const DEFAULT_MAX_POOLS: usize = 10_000;
+/// The most pools an agent may be told to hold.
+pub const MAX_MAX_POOLS: usize = 1_000_000;
 
 /// The shipped settle window, ms: long enough for a slow streamed response.
 pub const DEFAULT_SETTLE_WINDOW_MS: u64 = 300_000;
@@ -80,6 +88,7 @@ impl AgentSettings {
             policy_max_age_ms: 0,
             region_agents: 1,
             settle_window_ms: DEFAULT_SETTLE_WINDOW_MS,
+            max_pools: DEFAULT_MAX_POOLS,
         }
     }
 }
