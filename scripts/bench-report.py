@@ -97,16 +97,33 @@ def main():
         print("are merged into one transaction by the committer in both cases. `pools`: `warm` when every")
         print("pool had a grant from the same grant service before the run (its worker holds the pool's")
         print("configuration and window, the steady state), `cold` when none had (each pool's first grant")
-        print("reads them from etcd, as after a failover).")
+        print("reads them from etcd, as after a failover: the loads of cold pools waiting at the same moment")
+        print("are merged into one etcd read, as commits are). `p50`/`p99`: each grant's latency through the")
+        print("grant service.")
         print()
         print("What to look for: on one hot pool, per-pool group commit is what keeps throughput far above")
         print("a compare-and-put loop (whose transactions mostly conflict); on many pools, merging pool")
         print("commits into shared transactions is what takes the allocator past the blind single-put")
-        print("ceiling (the target is at least 0.8 of it at 64 clients on 1,000 and on 10,000 warm pools).")
+        print("ceiling (the targets: at least 0.8 of it at 64 clients on 10,000 cold pools, and 1.0 on")
+        print("100,000 warm ones).")
         print()
-        table_header("shape", "pools", "clients", "per pool", "grants/s", "blind txn/s", "x blind", "shaped txn/s", "x shaped", "CAS txn/s", "x CAS", "CAS conflicts", left=("shape", "pools"))
-        for r in grants:
+        setup = [r for r in grants if r.get("bench") == "allocator_pools" and "createSeconds" in r]
+        memory = [r for r in grants if r.get("bench") == "allocator_pools" and "residentBytesPerWarmPool" in r]
+        for r in setup:
+            per_pool = (r["etcdDbInUseBytes"] - r["etcdDbEmptyBytes"]) / max(r["pools"], 1)
+            print(f"The bench creates its {r['pools']:,} pools through the bulk path (`put_pools`, 128 a transaction) in "
+                  f"{r['createSeconds']:.1f} s ({r['pools'] / max(r['createSeconds'], 1e-9):,.0f} pools/s); etcd's database holds "
+                  f"{r['etcdDbInUseBytes'] / 2**20:.1f} MiB in use with them ({per_pool:,.0f} B a pool, its configuration and its history).")
+        for r in memory:
+            print(f"The allocator's resident memory grows {r['residentBytesPerWarmPool']:,} B per warm pool "
+                  f"(per-pool batch {r['maxBatch']}: its worker task, queue and cached configuration and window; "
+                  f"{r['residentBytesPerWarmPool'] * r['pools'] / 2**20:,.0f} MiB at {r['pools']:,} pools).")
+        if setup or memory:
+            print()
+        table_header("shape", "pools", "clients", "per pool", "grants/s", "p50 ms", "p99 ms", "blind txn/s", "x blind", "shaped txn/s", "x shaped", "CAS txn/s", "x CAS", "CAS conflicts", left=("shape", "pools"))
+        for r in [r for r in grants if r.get("bench", "allocator_grants") == "allocator_grants"]:
             print(f"| {r['shape']} | {r.get('pools', 'cold')} | {r['clients']} | {r['maxBatch']} | {r['grantsPerSecond']:.0f} | "
+                  f"{r.get('p50Ms', float('nan')):.2f} | {r.get('p99Ms', float('nan')):.2f} | "
                   f"{r['blindTxnPerSecond']:.0f} | {r['ratioToBlind']:.2f} | "
                   f"{r['shapedTxnPerSecond']:.0f} | {r['ratioToShaped']:.2f} | {r['casTxnPerSecond']:.0f} | "
                   f"{r['ratioToCas']:.2f} | {r['casConflictShare']:.0f}% |")
@@ -413,17 +430,61 @@ def main():
 
     console = bench_lines("console.log")
     if console:
-        print("## The operator console's pool list at 10,000 pools")
+        print("## The operator console's pool list at 100,000 pools")
         print()
-        print("The allocator in the bench's process (embedded store, SQLite ledger) with 10,000 pools, called")
-        print("over loopback HTTP one request at a time, 30 rounds each. The ceiling is the API's `GET")
-        print("/v1/pools`, which every list page reads whole before it searches, pages and reads the ledger's")
-        print("current window for its 50 pools and renders; `x api` is the ceiling's median over the page's.")
-        print("Reproduce this section alone with `cargo bench -p allot-allocator --bench console`.")
+        print(f"Run {datetime.date.today().isoformat()} on {machine()}.")
+        print("The allocator in the bench's process (embedded store, SQLite ledger) at 100 pools and at")
+        print("100,000, called over loopback HTTP one request at a time, 30 rounds each. A console page reads")
+        print("one page of the API's list after a cursor, then the ledger's current window of its 50 pools,")
+        print("and renders. The ceiling is the API's own page read (`GET /v1/pools?limit=50`) at the same")
+        print("size: `x api` is its median over the row's. `x at 100` is the row's median over the same row's")
+        print("at 100 pools: a page should cost the same however many pools there are. The API's whole list")
+        print("is timed too, for what paging saves. Reproduce with `cargo bench -p allot-allocator --bench console`.")
         print()
-        table_header("path", "p50 ms", "p99 ms", "x api")
+        table_header("path", "pools", "p50 ms", "p99 ms", "x api", "x at 100", left=("path",))
         for r in console:
-            print(f"| {r['path']} | {r['p50Ms']:.1f} | {r['p99Ms']:.1f} | {r['xApi']:.2f} |")
+            print(f"| {r['path']} | {r['pools']:,} | {r['p50Ms']:.1f} | {r['p99Ms']:.1f} | {r['xApi']:.2f} | {r.get('xAtSmallest', 1.0):.2f} |")
+        print()
+
+    ledger = bench_lines("ledger_size.log")
+    if ledger:
+        first = ledger[0]
+        print("## The ledger's size over 30 days")
+        print()
+        print(f"Run {datetime.date.today().isoformat()} on {machine()}.")
+        print(f"{first['pools']:,} pools in {first['regions']} regions with daily windows, {first['days']} simulated days: each day")
+        print("a lease a region and its final report, the leader's check of every pool's closed window, and")
+        print("with retention on (raw rows 7 days, rolled-up windows 400) the leader's retention rounds until")
+        print("nothing is left to do. Written through the ledger's own calls. `in use`: the tables and their")
+        print("indexes (SQLite: their pages; PostgreSQL: their relations, after VACUUM); `on disk`: the file")
+        print("or database, free pages included. Per row, from the first day: a grant, a report with its")
+        print("lease's spend row, a window check, and a rolled-up window (one row a region). The sizing table")
+        print("in [operations](operations.md#sizing) multiplies these out. Reproduce with")
+        print("`LEDGER_POOLS=1000 LEDGER_DAYS=30 ALLOT_BENCH_POSTGRES_URL=postgres://... cargo bench -p allot-allocator --bench ledger_size`.")
+        print()
+        table_header("backend", "retention", "in use MiB", "on disk MiB", "grant B", "report B", "check B", "rolled-up window B", "rows", left=("backend", "retention"))
+        for r in ledger:
+            rows = sum(r["rows"].values())
+            rolled = f"{r['rolledUpWindowBytes']:.0f}" if r["retention"] else "-"
+            print(f"| {r['backend']} | {'on' if r['retention'] else 'off'} | {r['inUseBytes'] / 2**20:.1f} | "
+                  f"{r['onDiskBytes'] / 2**20:.1f} | {r['grantBytes']:.0f} | {r['reportBytes']:.0f} | "
+                  f"{r['checkBytes']:.0f} | {rolled} | {rows:,} |")
+        print()
+
+    held = bench_lines("pools_memory.log")
+    if held:
+        print("## The agent's memory per pool")
+        print()
+        print(f"Run {datetime.date.today().isoformat()} on {machine()}.")
+        print("An agent (lease-only policy, in-process limiter, `--max-pools` 200,000) admits one request for")
+        print("each new tenant's pool, 64 at a time, until it holds 1,000, then 10,000, then 100,000 pools,")
+        print("each with its first lease; its process's resident memory is read after each step (the")
+        print("stand-in allocator runs in the same process). Reproduce with")
+        print("`cargo bench -p allot-region-agent --bench pools_memory`.")
+        print()
+        table_header("pools held", "resident MiB", "B per pool added")
+        for r in held:
+            print(f"| {r['pools']:,} | {r['residentBytes'] / 2**20:.1f} | {r['residentBytesPerPoolAdded']:,} |")
         print()
 
     peer_all = bench_lines("peer.log")

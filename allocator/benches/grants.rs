@@ -2,7 +2,7 @@
 //! same shape, against the same single etcd member, in the same run.
 //!
 //! Shapes: one hot pool (every request on one window key) and 1,000 pools, 1 and 64 concurrent
-//! clients; and, for how cost grows with pools, 10 and 10,000 pools at 64 clients. Per-pool group commit on (up to 120 grants of a pool per commit) and off (1). Commits of
+//! clients; and, for how cost grows with pools, 10, 10,000 and 100,000 pools at 64 clients. Per-pool group commit on (up to 120 grants of a pool per commit) and off (1). Commits of
 //! different pools are merged by the committer either way. The raw loop is what a
 //! naive allocator would do: read the window key, then compare-and-put it; on one hot key most of those
 //! transactions conflict. Run with `scripts/bench` (or `cargo bench -p allot-allocator --bench grants`).
@@ -10,8 +10,10 @@
 //!
 //! `warm`: every pool has had a grant from this grant service before the run (its worker holds the
 //! pool's configuration and window, as in steady state); `cold`: none has (every pool's first grant
-//! in the run reads them from etcd first, as after a failover). The 10,000-pool shape is measured
-//! both ways; the others warm.
+//! in the run reads them from etcd first, as after a failover). The 10,000- and 100,000-pool
+//! shapes are measured both ways; the others warm. Each row also has the grant latency's median
+//! and 99th percentile; the 100,000-pool shape adds the allocator's resident memory per warm pool
+//! (its growth while the warm-up loads every pool, over the pools) and etcd's database size.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,7 +24,7 @@ use allot_allocator::grants::Grantor;
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::kv::{Compare, Kv, Op};
 use allot_allocator::leader::{Role, try_acquire};
-use allot_allocator::pools::{PoolSpec, put_pool};
+use allot_allocator::pools::{PoolSpec, put_pools};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping};
 use tokio::sync::watch;
@@ -162,12 +164,12 @@ async fn warm_up(grantor: &Grantor, targets: &Arc<Vec<(TenantId, PoolId)>>) {
     }
 }
 
-/// Grants per second through the grant service.
+/// Grants per second through the grant service, and the grants' latency quantiles (p50, p99), ms.
 async fn grant_loop(
     grantor: Grantor,
     targets: Arc<Vec<(TenantId, PoolId)>>,
     clients: usize,
-) -> f64 {
+) -> (f64, f64, f64) {
     let done = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
@@ -177,6 +179,7 @@ async fn grant_loop(
         tasks.push(tokio::spawn(async move {
             let mut n = client;
             let eu = RegionId::parse("eu").expect("region");
+            let mut latencies_ms = Vec::new();
             while !stop.load(Ordering::Relaxed) {
                 let (tenant, pool) = &targets[n % targets.len()];
                 let request = GrantRequest {
@@ -185,8 +188,10 @@ async fn grant_loop(
                     want_tokens: 1,
                 };
                 n += clients;
+                let stopwatch = Stopwatch::start();
                 match grantor.grant(tenant, pool, request).await {
                     Ok(g) if g.granted_tokens == 1 => {
+                        latencies_ms.push(stopwatch.elapsed_seconds() * 1_000.0);
                         done.fetch_add(1, Ordering::Relaxed);
                     }
                     other => {
@@ -196,15 +201,42 @@ async fn grant_loop(
                     }
                 }
             }
+            latencies_ms
         }));
     }
     let stopwatch = Stopwatch::start();
     tokio::time::sleep(RUN).await;
     stop.store(true, Ordering::Relaxed);
+    let mut latencies_ms = Vec::new();
     for task in tasks {
-        let _ = task.await;
+        latencies_ms.extend(task.await.unwrap_or_default());
     }
-    done.load(Ordering::Relaxed) as f64 / stopwatch.elapsed_seconds()
+    let rate = done.load(Ordering::Relaxed) as f64 / stopwatch.elapsed_seconds();
+    latencies_ms.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        latencies_ms
+            .get(((latencies_ms.len().saturating_sub(1)) as f64 * q).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    (rate, at(0.5), at(0.99))
+}
+
+/// This process's resident memory, bytes (Linux).
+fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4_096)
+}
+
+/// etcd's database size on disk, and the part in use, bytes.
+async fn etcd_db_bytes(endpoints: &[String]) -> (i64, i64) {
+    let mut client = etcd_client::Client::connect(endpoints, None)
+        .await
+        .expect("etcd client");
+    let status = client.status().await.expect("etcd status");
+    (status.db_size(), status.raft_used_db_size())
 }
 
 #[tokio::main(flavor = "multi_thread")]
@@ -228,19 +260,39 @@ async fn main() {
         settle_debt_per_region_tokens: 0,
         regions: vec![RegionId::parse("eu").expect("region")],
     };
-    let all = pools(10_000);
-    for (tenant, pool) in &all {
-        put_pool(&*kv, tenant, pool, spec.clone(), clock.now_ms())
-            .await
-            .expect("pool");
-    }
+    let all = pools(100_000);
+    let (db_empty, _) = etcd_db_bytes(&etcd.endpoints()).await;
+    let specs: Vec<_> = all
+        .iter()
+        .map(|(tenant, pool)| (tenant.clone(), pool.clone(), spec.clone()))
+        .collect();
+    let created = Stopwatch::start();
+    put_pools(&*kv, &specs, clock.now_ms())
+        .await
+        .expect("pools");
+    let create_seconds = created.elapsed_seconds();
+    let (db_pools, db_pools_in_use) = etcd_db_bytes(&etcd.endpoints()).await;
     println!(
-        "{:<12} {:>5} {:>8} {:>8} {:>10} {:>10} {:>8} {:>10} {:>8} {:>10} {:>8} {:>9}",
+        "{} pools created in bulk in {create_seconds:.1} s ({:.0}/s); etcd database {db_empty} B empty, {db_pools} B ({db_pools_in_use} B in use) with them: {:.0} B a pool",
+        all.len(),
+        all.len() as f64 / create_seconds,
+        (db_pools_in_use - db_empty) as f64 / all.len() as f64
+    );
+    println!(
+        "BENCH {}",
+        serde_json::json!({ "bench": "allocator_pools", "pools": all.len(),
+            "createSeconds": create_seconds, "etcdDbEmptyBytes": db_empty,
+            "etcdDbBytes": db_pools, "etcdDbInUseBytes": db_pools_in_use })
+    );
+    println!(
+        "{:<12} {:>5} {:>8} {:>8} {:>10} {:>8} {:>8} {:>10} {:>8} {:>10} {:>8} {:>10} {:>8} {:>9}",
         "shape",
         "pools",
         "clients",
         "batch",
         "grants/s",
+        "p50 ms",
+        "p99 ms",
         "blind/s",
         "x blind",
         "shaped/s",
@@ -250,11 +302,12 @@ async fn main() {
         "CAS fail"
     );
     // How cost grows with pools: 10 and 10,000 beside the hot pool and 1,000 (64 clients only).
-    let shapes: [(&str, usize, &[usize]); 4] = [
+    let shapes: [(&str, usize, &[usize]); 5] = [
         ("hot pool", 1, &[1, 64]),
         ("10 pools", 10, &[64]),
         ("1000 pools", 1_000, &[1, 64]),
         ("10000 pools", 10_000, &[64]),
+        ("100000 pools", 100_000, &[64]),
     ];
     for (shape, pool_count, client_counts) in shapes {
         let targets = Arc::new(all[..pool_count].to_vec());
@@ -282,13 +335,25 @@ async fn main() {
                 )
                 .with_max_batch(max_batch);
                 if state == "warm" {
+                    let before = resident_bytes();
                     warm_up(&grantor, &targets).await;
+                    if pool_count >= 100_000 {
+                        let per_pool = resident_bytes().saturating_sub(before) / pool_count as u64;
+                        println!(
+                            "allocator memory per warm pool: {per_pool} B (resident growth over the warm-up)"
+                        );
+                        println!(
+                            "BENCH {}",
+                            serde_json::json!({ "bench": "allocator_pools", "pools": pool_count,
+                                "maxBatch": max_batch, "residentBytesPerWarmPool": per_pool })
+                        );
+                    }
                 }
-                let grants = grant_loop(grantor, targets.clone(), clients).await;
+                let (grants, p50_ms, p99_ms) = grant_loop(grantor, targets.clone(), clients).await;
                 let (x_blind, x_cas) = (grants / blind.max(1.0), grants / cas.max(1.0));
                 let x_shaped = grants / shaped.max(1.0);
                 println!(
-                    "{shape:<12} {state:>5} {clients:>8} {max_batch:>8} {grants:>10.0} {blind:>10.0} {x_blind:>8.2} {shaped:>10.0} {x_shaped:>8.2} {cas:>10.0} {x_cas:>8.2} {:>8.0}%",
+                    "{shape:<12} {state:>5} {clients:>8} {max_batch:>8} {grants:>10.0} {p50_ms:>8.2} {p99_ms:>8.2} {blind:>10.0} {x_blind:>8.2} {shaped:>10.0} {x_shaped:>8.2} {cas:>10.0} {x_cas:>8.2} {:>8.0}%",
                     cas_failed * 100.0
                 );
                 let round2 = |x: f64| (x * 100.0).round() / 100.0;
@@ -297,6 +362,7 @@ async fn main() {
                     serde_json::json!({ "bench": "allocator_grants", "shape": shape, "clients": clients,
                         "pools": state,
                         "maxBatch": max_batch, "grantsPerSecond": grants.round(),
+                        "p50Ms": p50_ms, "p99Ms": p99_ms,
                         "blindTxnPerSecond": blind.round(), "ratioToBlind": round2(x_blind),
                         "shapedTxnPerSecond": shaped.round(), "ratioToShaped": round2(x_shaped),
                         "casTxnPerSecond": cas.round(), "ratioToCas": round2(x_cas),

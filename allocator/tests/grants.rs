@@ -449,13 +449,7 @@ async fn a_grant_record_outlives_a_short_window_until_a_ledger_round_has_seen_it
 /// never fed it, not a reconciliation period later (by then a short window's records could be gone).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_leader_copies_unfed_grants_into_the_ledger_at_once() {
-    let dir = tempfile::tempdir().expect("dir");
-    let ledger = allot_allocator::ledger::Ledger::connect(&format!(
-        "sqlite://{}",
-        dir.path().join("ledger.db").display()
-    ))
-    .await
-    .expect("ledger");
+    let (ledger, _dir) = sqlite_ledger().await;
     let kv = memory();
     configure(&*kv, 1_000, 100).await;
     // The old leader commits a grant and dies before its feed reached the ledger (no feed here).
@@ -514,13 +508,7 @@ async fn a_new_leader_copies_unfed_grants_into_the_ledger_at_once() {
 /// over several pools, all reach the ledger.
 #[tokio::test]
 async fn reconciliation_copies_every_record_across_pages() {
-    let dir = tempfile::tempdir().expect("dir");
-    let ledger = allot_allocator::ledger::Ledger::connect(&format!(
-        "sqlite://{}",
-        dir.path().join("ledger.db").display()
-    ))
-    .await
-    .expect("ledger");
+    let (ledger, _dir) = sqlite_ledger().await;
     let kv = memory();
     let records = allot_allocator::kv::MAX_PREFIX_KEYS + 250;
     let eu = RegionId::parse("eu").expect("region");
@@ -559,4 +547,16 @@ async fn reconciliation_copies_every_record_across_pages() {
         Vec::<LeaseId>::new(),
         "every record of every pool, past one read's cap"
     );
+}
+
+/// A ledger on SQLite in a temp dir (kept while the guard lives).
+async fn sqlite_ledger() -> (allot_allocator::ledger::Ledger, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("dir");
+    let ledger = allot_allocator::ledger::Ledger::connect(&format!(
+        "sqlite://{}",
+        dir.path().join("ledger.db").display()
+    ))
+    .await
+    .expect("ledger");
+    (ledger, dir)
 }

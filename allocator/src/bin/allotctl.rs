@@ -602,22 +602,12 @@ async fn execute(cli: Cli) -> Result<String, String> {
                     ..
                 },
         } => {
-            let value = every_pool(&target, &prefix).await?;
-            return if json {
-                Ok(format!("{value}\n"))
-            } else {
-                render(Answer::Pools, &value)
-            };
+            return shown(json, Answer::Pools, &every_pool(&target, &prefix).await?);
         }
         Command::Pools {
             command: PoolsCommand::Apply { file },
         } => {
-            let value = apply(&target, &file).await?;
-            return if json {
-                Ok(format!("{value}\n"))
-            } else {
-                render(Answer::Bulk, &value)
-            };
+            return shown(json, Answer::Bulk, &apply(&target, &file).await?);
         }
         Command::Pools { command } => pools_call(command)?,
         Command::Tokens { command } => match tokens_step(command)? {
@@ -661,11 +651,15 @@ async fn execute(cli: Cli) -> Result<String, String> {
         Command::Policies { command } => policies_call(command)?,
     };
     let answer = request.answer;
-    let value = perform(&target, request).await?;
+    shown(json, answer, &perform(&target, request).await?)
+}
+
+/// An answer as printed: its JSON with `--json`, else rendered for humans.
+fn shown(json: bool, answer: Answer, value: &Value) -> Result<String, String> {
     if json {
         Ok(format!("{value}\n"))
     } else {
-        render(answer, &value)
+        render(answer, value)
     }
 }
 

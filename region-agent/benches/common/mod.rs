@@ -44,14 +44,14 @@ pub fn bundle(with_regional: bool) -> allot_shared::policy::PolicyBundle {
         .expect("bundle")
 }
 
-/// A stand-in allocator: terms for atlas/api with `chunk_tokens` (100 in the reference design), and
-/// grants of min(want, chunk) tokens per call, counted.
+/// A stand-in allocator: terms for every tenant's `api` pool with `chunk_tokens` (100 in the
+/// reference design), and grants of min(want, chunk) tokens per call, counted.
 pub async fn stub_allocator(grants: Arc<AtomicU64>, chunk_tokens: u64) -> String {
     let terms = json!({ "limit": 1u64 << 40, "windowMs": 3_600_000, "chunk": chunk_tokens, "leaseTtlMs": 600_000,
                         "fallbackPerRegion": 0, "regions": ["eu"], "version": 1 });
     let app = axum::Router::new()
         .route(
-            "/v1/pools/atlas/api/terms",
+            "/v1/pools/{tenant}/api/terms",
             get(move || async move { Json(terms.clone()) }),
         )
         .route(
@@ -146,28 +146,43 @@ pub fn request(n: u64) -> AdmissionRequest {
     }
 }
 
+/// The benchmarks' agent settings: region `eu`, a 5 ms allocator round trip.
+pub fn settings() -> AgentSettings {
+    AgentSettings {
+        allocator_round_trip_ms: 5,
+        ..AgentSettings::new(
+            RegionId::parse("eu").expect("region"),
+            allot_shared::ids::AgentId::parse("bench").expect("agent id"),
+            Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper"),
+        )
+    }
+}
+
+/// An agent with `settings` over `store`, calling the allocator at `allocator`.
+pub fn agent(
+    store: Arc<dyn LimiterStore>,
+    allocator: &str,
+    with_regional: bool,
+    settings: AgentSettings,
+) -> Arc<Agent> {
+    let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
+    let client = AllocatorClient::new(vec![allocator.to_owned()], "agent-token-bench".to_owned())
+        .expect("client");
+    Agent::new(
+        settings,
+        Arc::new(SystemClock),
+        limiter,
+        Some(Arc::new(client)),
+        Some(bundle(with_regional)),
+    )
+}
+
 pub async fn start_agent(
     store: Arc<dyn LimiterStore>,
     allocator: &str,
     with_regional: bool,
 ) -> (String, AgentApi) {
-    let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
-    let client = AllocatorClient::new(vec![allocator.to_owned()], "agent-token-bench".to_owned())
-        .expect("client");
-    let agent = Agent::new(
-        AgentSettings {
-            allocator_round_trip_ms: 5,
-            ..AgentSettings::new(
-                RegionId::parse("eu").expect("region"),
-                allot_shared::ids::AgentId::parse("bench").expect("agent id"),
-                Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("pepper"),
-            )
-        },
-        Arc::new(SystemClock),
-        limiter,
-        Some(Arc::new(client)),
-        Some(bundle(with_regional)),
-    );
+    let agent = agent(store, allocator, with_regional, settings());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

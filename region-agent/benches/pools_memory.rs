@@ -1,0 +1,94 @@
+//! The agent's memory per pool it holds: an agent (lease-only policy, in-process limiter) admits
+//! one request for each of 1,000, then 10,000, then 100,000 tenants' pools, each a pool it then
+//! holds with its first lease; its process's resident memory is read after each step. The
+//! allocator is the benches' stand-in in this process (its answers are not kept). Run with
+//! `scripts/bench` (or `cargo bench -p allot-region-agent --bench pools_memory`). Prints one JSON
+//! object per line for the report, and a table.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use allot_region_agent::clock::SystemClock;
+use allot_region_agent::limiter::{InProcessStore, LimiterStore};
+use allot_region_agent::service::AgentSettings;
+use allot_shared::ids::TenantId;
+
+mod common;
+
+/// The pool counts measured, in order: each step adds pools to those already held.
+const STEPS: [u64; 3] = [1_000, 10_000, 100_000];
+/// Admissions in flight at once while pools are added.
+const CALLERS: u64 = 64;
+
+/// This process's resident memory, bytes (Linux).
+fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4_096)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let grants = Arc::new(AtomicU64::new(0));
+    let allocator = common::stub_allocator(grants.clone(), 100).await;
+    let store: Arc<dyn LimiterStore> =
+        Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));
+    let agent = common::agent(
+        store,
+        &allocator,
+        false,
+        AgentSettings {
+            max_pools: 200_000,
+            ..common::settings()
+        },
+    );
+    println!(
+        "{:>8} {:>14} {:>14} {:>10}",
+        "pools", "resident B", "B per pool", "allowed"
+    );
+    let mut held = 0;
+    let mut resident_before = resident_bytes();
+    for step in STEPS {
+        let next = Arc::new(AtomicU64::new(held));
+        let allowed = Arc::new(AtomicU64::new(0));
+        let mut callers = Vec::new();
+        for _ in 0..CALLERS {
+            let (agent, next, allowed) = (agent.clone(), next.clone(), allowed.clone());
+            callers.push(tokio::spawn(async move {
+                loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    if n >= step {
+                        return;
+                    }
+                    let mut request = common::request(n);
+                    request.tenant_id = TenantId::parse(&format!("tenant-{n:06}")).expect("tenant");
+                    if agent.admit(&request).await.is_ok_and(|d| d.allowed) {
+                        allowed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+        for caller in callers {
+            caller.await.expect("caller");
+        }
+        let resident = resident_bytes();
+        let added = step - held;
+        let per_pool = resident.saturating_sub(resident_before) / added;
+        let allowed = allowed.load(Ordering::Relaxed);
+        assert_eq!(
+            agent.pool_counts().0 as u64,
+            step,
+            "every pool is held ({allowed} of {added} new pools' first requests allowed)"
+        );
+        println!("{step:>8} {resident:>14} {per_pool:>14} {allowed:>10}");
+        println!(
+            "BENCH {}",
+            serde_json::json!({ "bench": "agent_pools_memory", "pools": step,
+                "residentBytes": resident, "residentBytesPerPoolAdded": per_pool,
+                "allocatorGrantCalls": grants.load(Ordering::Relaxed) })
+        );
+        held = step;
+        resident_before = resident;
+    }
+}
