@@ -309,7 +309,24 @@ async fn main() {
         ("10000 pools", 10_000, &[64]),
         ("100000 pools", 100_000, &[64]),
     ];
+    // `GRANTS_POOLS=10000,100000` runs only those shapes (all by default).
+    let only: Option<Vec<usize>> = std::env::var("GRANTS_POOLS").ok().map(|list| {
+        list.split(',')
+            .filter_map(|n| n.trim().parse().ok())
+            .collect()
+    });
+    // With `BENCH_DEBUG`, each row also prints the grant service's own metrics.
+    let recorder = std::env::var_os("BENCH_DEBUG")
+        .is_some()
+        .then(allot_allocator::metrics::handle)
+        .flatten();
     for (shape, pool_count, client_counts) in shapes {
+        if only
+            .as_ref()
+            .is_some_and(|only| !only.contains(&pool_count))
+        {
+            continue;
+        }
         let targets = Arc::new(all[..pool_count].to_vec());
         for &clients in client_counts {
             let (blind, _) = raw_loop(kv.clone(), pool_count, clients, Raw::Blind).await;
@@ -356,6 +373,16 @@ async fn main() {
                     "{shape:<12} {state:>5} {clients:>8} {max_batch:>8} {grants:>10.0} {p50_ms:>8.2} {p99_ms:>8.2} {blind:>10.0} {x_blind:>8.2} {shaped:>10.0} {x_shaped:>8.2} {cas:>10.0} {x_cas:>8.2} {:>8.0}%",
                     cas_failed * 100.0
                 );
+                if let Some(recorder) = &recorder {
+                    for line in recorder.render().lines().filter(|line| {
+                        line.starts_with("allot_pools_per_txn")
+                            || line.starts_with("allot_pools_per_load")
+                            || line.starts_with("allot_store_errors")
+                            || line.starts_with("allot_grants_total")
+                    }) {
+                        eprintln!("  {line}");
+                    }
+                }
                 let round2 = |x: f64| (x * 100.0).round() / 100.0;
                 println!(
                     "BENCH {}",

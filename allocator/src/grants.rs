@@ -119,7 +119,7 @@ struct Shared {
     clock: Arc<dyn Clock>,
     role: watch::Receiver<Role>,
     clamping: LeaseClamping,
-    workers: Mutex<HashMap<PoolKey, mpsc::Sender<Pending>>>,
+    workers: Mutex<Workers>,
     /// Store leases that carry grant records, by (window end, window length) in ms.
     record_leases: Mutex<HashMap<(u64, u64), i64>>,
     /// Where committed grants are sent for the ledger. Bounded: when it is full the copy is skipped
@@ -310,7 +310,7 @@ impl Grantor {
                 clock,
                 role,
                 clamping,
-                workers: Mutex::new(HashMap::new()),
+                workers: Mutex::new(Workers::default()),
                 record_leases: Mutex::new(HashMap::new()),
                 commit_feed,
                 max_batch: MAX_BATCH,
@@ -397,7 +397,7 @@ impl Grantor {
                 }
                 Err(mpsc::error::TrySendError::Full(_)) => return Err(GrantFailure::Overloaded),
                 Err(mpsc::error::TrySendError::Closed(returned)) => {
-                    self.lock_workers().remove(&key);
+                    self.lock_workers().live.remove(&key);
                     pending = returned;
                 }
             }
@@ -407,7 +407,7 @@ impl Grantor {
         ))
     }
 
-    fn lock_workers(&self) -> std::sync::MutexGuard<'_, HashMap<PoolKey, mpsc::Sender<Pending>>> {
+    fn lock_workers(&self) -> std::sync::MutexGuard<'_, Workers> {
         self.shared
             .workers
             .lock()
@@ -416,14 +416,12 @@ impl Grantor {
 
     fn worker(&self, key: &PoolKey) -> mpsc::Sender<Pending> {
         let mut workers = self.lock_workers();
-        if let Some(sender) = workers.get(key).filter(|s| !s.is_closed()) {
+        if let Some(sender) = workers.live.get(key).filter(|s| !s.is_closed()) {
             return sender.clone();
         }
-        // Workers exit when idle (or find no pool); forget them here so the map holds live pools
-        // only, whatever names callers send.
-        workers.retain(|_, sender| !sender.is_closed());
+        workers.forget_exited();
         let (sender, receiver) = mpsc::channel(QUEUE_PER_POOL);
-        workers.insert(key.clone(), sender.clone());
+        workers.live.insert(key.clone(), sender.clone());
         let worker = PoolWorker {
             shared: self.shared.clone(),
             tenant: key.0.clone(),
@@ -433,6 +431,28 @@ impl Grantor {
         };
         tokio::spawn(worker.run(receiver));
         sender
+    }
+}
+
+/// The pool workers, by pool.
+#[derive(Default)]
+struct Workers {
+    live: HashMap<PoolKey, mpsc::Sender<Pending>>,
+    /// The map's size at which exited workers are next swept out.
+    sweep_at_len: usize,
+}
+
+impl Workers {
+    /// Forgets workers that exited (idle, or no such pool), so the map holds live pools only
+    /// whatever names callers send. A sweep reads the whole map, so it runs only once the map has
+    /// doubled since the last: a new worker costs amortised constant time at 100,000 pools, not a
+    /// read of all of them.
+    fn forget_exited(&mut self) {
+        if self.live.len() < self.sweep_at_len {
+            return;
+        }
+        self.live.retain(|_, sender| !sender.is_closed());
+        self.sweep_at_len = (self.live.len() * 2).max(1_024);
     }
 }
 
@@ -852,5 +872,47 @@ pub fn plan_batch<'a>(
         answers,
         new_records,
         window,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: usize) -> PoolKey {
+        (
+            TenantId::parse(&format!("t{n}")).expect("tenant"),
+            PoolId::parse("api").expect("pool"),
+        )
+    }
+
+    #[test]
+    fn exited_workers_are_swept_once_the_map_doubles_and_live_ones_stay() {
+        let mut workers = Workers::default();
+        let mut receivers = Vec::new();
+        for n in 0..3_000 {
+            let (sender, receiver) = mpsc::channel(1);
+            // Every third worker is still running; the rest have exited.
+            if n % 3 == 0 {
+                receivers.push(receiver);
+            }
+            workers.forget_exited();
+            workers.live.insert(key(n), sender);
+            assert!(
+                workers.live.len() <= (receivers.len() * 2).max(1_024) + 1,
+                "at most twice the live workers (or the floor) are kept: {} with {} live",
+                workers.live.len(),
+                receivers.len()
+            );
+        }
+        workers.sweep_at_len = 0;
+        workers.forget_exited();
+        assert_eq!(
+            workers.live.len(),
+            receivers.len(),
+            "a sweep keeps the live ones"
+        );
+        assert!(workers.live.contains_key(&key(2_997)));
+        assert!(!workers.live.contains_key(&key(2_998)));
     }
 }
