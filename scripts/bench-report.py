@@ -86,6 +86,7 @@ def main():
     if grants:
         print("## Allocator grants against raw etcd transaction loops")
         print()
+        print(f"Run {datetime.date.today().isoformat()} on {machine()}.")
         print("One etcd member (started by the bench), grants of 1 token from pools that never run out,")
         print("4 s per figure. Three raw loops with the same keys and client count, in the same run:")
         print("`blind` is one unconditional single-put transaction per operation (etcd's ceiling);")
