@@ -1176,3 +1176,190 @@ async fn agent_sessions_say_how_the_last_run_ended() {
         );
     }
 }
+
+/// Writes into the ledger what the allocator and agents would have for `tenant/pool` in the
+/// minute windows `minutes_ago` before now: a grant to each of eu and us and its final report.
+async fn usage_history(server: &Server, tenant: &str, pool: &str, minutes_ago: &[u64]) {
+    let now_ms = allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock);
+    let tenant_id = allot_shared::ids::TenantId::parse(tenant).expect("tenant");
+    let pool_id = allot_shared::ids::PoolId::parse(pool).expect("pool");
+    for &ago in minutes_ago {
+        let start_ms = (now_ms / 60_000 - ago) * 60_000;
+        for (n, region) in ["eu", "us"].into_iter().enumerate() {
+            let lease = allot_shared::ids::LeaseId::from_parts(start_ms + 1, rand::random());
+            let granted = 100 + ago * 10 + n as u64;
+            let record: allot_allocator::pools::GrantRecord = serde_json::from_value(json!({
+                "leaseId": lease, "region": region, "granted": granted, "epoch": 1,
+                "windowStartMs": start_ms, "windowEndMs": start_ms + 60_000,
+                "expiresAtMs": start_ms + 30_000, "retryAfterMs": 0 }))
+            .expect("grant record");
+            server
+                .ledger
+                .record_grants(&tenant_id, &pool_id, &[record])
+                .await
+                .expect("grant");
+            let report: allot_shared::wire::Report = serde_json::from_value(json!({
+                "reportId": format!("r-{lease}"), "region": region, "tenant": tenant,
+                "pool": pool, "windowStartMs": start_ms,
+                "leases": [{ "leaseId": lease, "spent": granted - 7, "final": true }],
+                "fallbackAdmitted": 2 }))
+            .expect("report");
+            server
+                .ledger
+                .record_report(&report, start_ms + 40_000)
+                .await
+                .expect("report");
+        }
+    }
+}
+
+#[tokio::test]
+async fn usage_exports_every_region_and_window_once_in_pages_as_json_lines_or_csv() {
+    let server = start().await;
+    for name in ["atlas/api", "atlas/web", "beta/api"] {
+        let mut body = pool_body();
+        body["limit"] = json!(100_000);
+        body["chunk"] = json!(1_000);
+        assert_eq!(
+            server.put_pool(name, OPERATOR, body.to_string()).await.0,
+            200
+        );
+        let (tenant, pool) = name.split_once('/').expect("name");
+        usage_history(&server, tenant, pool, &[2, 3, 4, 5, 6]).await;
+    }
+    let now_ms = allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock);
+    let (from, to) = (now_ms - 10 * 60_000, now_ms);
+    let export = async |query: String| -> (u16, reqwest::header::HeaderMap, String) {
+        let response = server
+            .client
+            .get(format!("{}/v1/usage?{query}", server.url))
+            .bearer_auth(OPERATOR)
+            .send()
+            .await
+            .expect("usage");
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        (status, headers, response.text().await.expect("text"))
+    };
+    let records = |text: &str| -> Vec<Value> {
+        text.lines()
+            .map(|line| serde_json::from_str(line).expect("a JSON line"))
+            .collect()
+    };
+    let (status, headers, whole) = export(format!("from={from}&to={to}")).await;
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(headers["content-type"], "application/x-ndjson");
+    assert!(
+        headers.get("allot-next-after").is_none(),
+        "one page holds it all"
+    );
+    let all = records(&whole);
+    assert_eq!(all.len(), 3 * 5 * 2, "a record per pool, window and region");
+    let first = &all[0];
+    assert_eq!(
+        (
+            first["tenant"].as_str(),
+            first["pool"].as_str(),
+            first["region"].as_str()
+        ),
+        (Some("atlas"), Some("api"), Some("eu"))
+    );
+    // Newest window first within a pool: 2 minutes ago, eu granted 100 + 20.
+    assert_eq!(first["granted"], 120);
+    assert_eq!(first["spent"], 113);
+    assert_eq!(first["fallbackAdmitted"], 2);
+    assert_eq!(first["admitted"], 115);
+    assert_eq!(first["closed"], true);
+    let ids: std::collections::BTreeSet<String> = all
+        .iter()
+        .map(|r| r["recordId"].as_str().expect("id").to_owned())
+        .collect();
+    assert_eq!(ids.len(), all.len(), "every record has an id of its own");
+    let (_, _, again) = export(format!("from={from}&to={to}")).await;
+    assert_eq!(
+        again, whole,
+        "an export run twice gives the same records and ids"
+    );
+
+    // Pages of 3 records: a window's two regions are never split, and following the cursor
+    // gives every record once.
+    let mut paged = Vec::new();
+    let mut pages = 0;
+    let mut after: Option<String> = None;
+    loop {
+        let mut query = format!("from={from}&to={to}&limit=3");
+        if let Some(after) = &after {
+            query.push_str(&format!(
+                "&after={}",
+                after.replace('/', "%2F").replace('@', "%40")
+            ));
+        }
+        let (status, headers, text) = export(query).await;
+        assert_eq!(status, 200, "{text}");
+        let page = records(&text);
+        assert!(page.len() <= 3 && page.len() % 2 == 0, "{text}");
+        paged.extend(page);
+        pages += 1;
+        match headers.get("allot-next-after") {
+            Some(next) => after = Some(next.to_str().expect("ascii").to_owned()),
+            None => break,
+        }
+        assert!(pages < 100, "the cursor moves on");
+    }
+    assert_eq!(paged, all, "the pages are the whole export, in order");
+
+    let (_, _, atlas) = export(format!("from={from}&to={to}&prefix=atlas%2F")).await;
+    assert_eq!(records(&atlas).len(), 2 * 5 * 2);
+    let narrow = format!(
+        "from={}&to={}",
+        now_ms - 4 * 60_000 - now_ms % 60_000,
+        now_ms - 2 * 60_000 - now_ms % 60_000
+    );
+    let (_, _, two_windows) = export(narrow).await;
+    assert_eq!(
+        records(&two_windows).len(),
+        3 * 2 * 2,
+        "windows starting in [from, to)"
+    );
+
+    let (status, headers, csv) = export(format!("from={from}&to={to}&format=csv")).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "text/csv; charset=utf-8");
+    let mut lines = csv.lines();
+    assert_eq!(lines.next(), Some(allot_allocator::http::USAGE_CSV_HEADER));
+    let rows: Vec<&str> = lines.collect();
+    assert_eq!(rows.len(), all.len());
+    assert!(rows[0].starts_with(all[0]["recordId"].as_str().expect("id")));
+    assert!(rows[0].contains(",atlas,api,eu,"), "{}", rows[0]);
+
+    for (query, field) in [
+        (format!("from={to}&to={from}"), "to"),
+        (format!("from={from}&to={to}&format=xml"), "format"),
+        (format!("from={from}&to={to}&limit=0"), "limit"),
+        (format!("from={from}&to={to}&limit=10001"), "limit"),
+        (format!("from={from}&to={to}&after=nonsense"), "after"),
+        (format!("from={from}&to={to}&prefix=Bad%20Prefix"), "prefix"),
+        (format!("to={to}"), "from"),
+    ] {
+        let (status, _, text) = export(query.clone()).await;
+        assert_eq!(status, 400, "{query}: {text}");
+        let problem: Value = serde_json::from_str(&text).expect("problem+json");
+        assert_eq!(problem["field"], field, "{query}: {text}");
+    }
+    let viewer = server
+        .client
+        .get(format!("{}/v1/usage?from={from}&to={to}", server.url))
+        .bearer_auth(VIEWER)
+        .send()
+        .await
+        .expect("usage");
+    assert_eq!(viewer.status(), 200, "viewers may export usage");
+    let agent = server
+        .client
+        .get(format!("{}/v1/usage?from={from}&to={to}", server.url))
+        .bearer_auth(AGENT)
+        .send()
+        .await
+        .expect("usage");
+    assert_eq!(agent.status(), 403, "agents may not");
+}

@@ -523,3 +523,76 @@ async fn pools_apply_a_file_and_list_walks_every_page() {
     let usage = allotctl(url, OPERATOR, &["pools", "list", "--after", "team1/p0001"]).await;
     assert_eq!(usage.status.code(), Some(2), "--after needs --limit");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_export_prints_every_record_as_json_lines_or_csv() {
+    let server = start().await;
+    let url = server.url.as_str();
+    stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &[
+                "pools",
+                "set",
+                "atlas",
+                "api",
+                "--limit",
+                "1000",
+                "--chunk",
+                "100",
+                "--regions",
+                "eu,us",
+            ],
+        )
+        .await,
+    );
+    let now_ms = allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock);
+    let start_ms = (now_ms / 60_000 - 2) * 60_000;
+    let (tenant, pool) = (
+        allot_shared::ids::TenantId::parse("atlas").expect("tenant"),
+        allot_shared::ids::PoolId::parse("api").expect("pool"),
+    );
+    for region in ["eu", "us"] {
+        let record: allot_allocator::pools::GrantRecord = serde_json::from_value(serde_json::json!({
+            "leaseId": allot_shared::ids::LeaseId::from_parts(start_ms, rand::random()),
+            "region": region, "granted": 50, "epoch": 1, "windowStartMs": start_ms,
+            "windowEndMs": start_ms + 60_000, "expiresAtMs": start_ms + 30_000, "retryAfterMs": 0 }))
+        .expect("grant record");
+        server
+            .ledger
+            .record_grants(&tenant, &pool, &[record])
+            .await
+            .expect("grant");
+    }
+    let (from, to) = ((now_ms - 600_000).to_string(), now_ms.to_string());
+    let jsonl = stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &["usage", "export", "--from", &from, "--to", &to],
+        )
+        .await,
+    );
+    let lines: Vec<serde_json::Value> = jsonl
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{jsonl}");
+    assert_eq!(lines[0]["region"], "eu");
+    assert_eq!(lines[1]["granted"], 50);
+    let csv = stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &[
+                "usage", "export", "--from", &from, "--to", &to, "--format", "csv",
+            ],
+        )
+        .await,
+    );
+    assert_eq!(csv.lines().count(), 3, "a header and two records: {csv}");
+    assert!(csv.starts_with("recordId,tenant,pool,region,"), "{csv}");
+    let bad = failure(url, &["usage", "export", "--from", &to, "--to", &from]).await;
+    assert!(bad.contains("(field to)"), "{bad}");
+}

@@ -4,10 +4,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use allot_allocator::ctl::{
-    Answer, Call, Target, bundle_file, perform, render, replay_comparison, sample_file,
+    Answer, Call, Target, bundle_file, exchange, perform, render, replay_comparison, sample_file,
 };
 use allot_allocator::http::{
-    BulkPool, BulkPools, MAX_POOLS_PER_BULK, MAX_POOLS_PER_PAGE, MintBody,
+    BulkPool, BulkPools, MAX_POOLS_PER_BULK, MAX_POOLS_PER_PAGE, MAX_USAGE_PAGE, MintBody,
 };
 use allot_allocator::pools::PoolSpec;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
@@ -82,6 +82,11 @@ enum Command {
         #[command(subcommand)]
         command: TokensCommand,
     },
+    /// Usage for billing, from the ledger.
+    Usage {
+        #[command(subcommand)]
+        command: UsageCommand,
+    },
     /// The audit log of operator changes, newest first.
     Audit {
         /// How many entries.
@@ -107,6 +112,27 @@ enum Command {
         /// Repeat an earlier request by its lease id (default: a new one).
         #[arg(long)]
         lease_id: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum UsageCommand {
+    /// Every record of windows starting in [--from, --to), per tenant, pool, region and window,
+    /// read a page at a time and printed as JSON lines or CSV. Each record has a stable
+    /// `recordId`: load by it, and an export run twice counts nothing twice.
+    Export {
+        /// Windows that start at or after this instant, epoch ms.
+        #[arg(long)]
+        from: u64,
+        /// Windows that start before this instant, epoch ms.
+        #[arg(long)]
+        to: u64,
+        /// Only pools whose tenant/pool starts with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// jsonl or csv.
+        #[arg(long, default_value = "jsonl")]
+        format: String,
     },
 }
 
@@ -590,6 +616,43 @@ async fn apply(target: &Target, file: &Path) -> Result<Value, String> {
     Ok(serde_json::json!({ "created": created, "updated": updated, "unchanged": unchanged }))
 }
 
+/// `usage export`: every page, following each page's `Allot-Next-After`; a CSV header once.
+async fn usage_export(
+    target: &Target,
+    (from, to): (u64, u64),
+    prefix: &str,
+    format: &str,
+) -> Result<String, String> {
+    let mut out = String::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut path = format!(
+            "/v1/usage?from={from}&to={to}&format={}&limit={MAX_USAGE_PAGE}&prefix={}",
+            encode(format),
+            encode(prefix)
+        );
+        if let Some(after) = &after {
+            path.push_str(&format!("&after={}", encode(after)));
+        }
+        let (headers, text) = exchange(target, call(Method::GET, path, Answer::Nothing)).await?;
+        let mut lines = text.lines();
+        if format == "csv" && !out.is_empty() {
+            lines.next();
+        }
+        for line in lines {
+            out.push_str(line);
+            out.push('\n');
+        }
+        match headers
+            .get("allot-next-after")
+            .and_then(|value| value.to_str().ok())
+        {
+            Some(next) => after = Some(next.to_owned()),
+            None => return Ok(out),
+        }
+    }
+}
+
 async fn execute(cli: Cli) -> Result<String, String> {
     let target = target_of(&cli)?;
     let json = cli.json;
@@ -614,6 +677,15 @@ async fn execute(cli: Cli) -> Result<String, String> {
             TokensStep::Call(call) => call,
             TokensStep::Printed(text) => return Ok(text),
         },
+        Command::Usage {
+            command:
+                UsageCommand::Export {
+                    from,
+                    to,
+                    prefix,
+                    format,
+                },
+        } => return usage_export(&target, (from, to), &prefix, &format).await,
         Command::Audit { last } => {
             call(Method::GET, format!("/v1/audit?last={last}"), Answer::Audit)
         }

@@ -47,6 +47,24 @@ pub struct Call {
 
 /// Performs `call`, returning the response JSON (`Null` for an empty body) or a one-line error.
 pub async fn perform(target: &Target, call: Call) -> Result<Value, String> {
+    let (_, text) = exchange(target, call).await?;
+    Ok(json_or_text(text))
+}
+
+/// The answer's text as JSON, or as a JSON string when it is not JSON (`Null` when empty).
+fn json_or_text(text: String) -> Value {
+    if text.trim().is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&text).unwrap_or(Value::String(text))
+    }
+}
+
+/// Performs `call`, returning the successful answer's headers and text, or a one-line error.
+pub async fn exchange(
+    target: &Target,
+    call: Call,
+) -> Result<(reqwest::header::HeaderMap, String), String> {
     let client = target
         .tls
         .configure(reqwest::Client::builder().timeout(CALL_TIMEOUT))
@@ -68,18 +86,15 @@ pub async fn perform(target: &Target, call: Call) -> Result<Value, String> {
         .await
         .map_err(|e| format!("cannot reach {url}: {}", one_line(&e.to_string())))?;
     let status = response.status();
+    let headers = response.headers().clone();
     let text = response
         .text()
         .await
         .map_err(|e| format!("reading the answer from {url}: {e}"))?;
-    let value: Value = if text.trim().is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_str(&text).unwrap_or(Value::String(text))
-    };
     if status.is_success() {
-        return Ok(value);
+        return Ok((headers, text));
     }
+    let value = json_or_text(text);
     let mut message = format!(
         "{} {}",
         status.as_u16(),

@@ -23,6 +23,7 @@ mod policies;
 mod pools;
 mod regions;
 mod tokens;
+mod usage;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,6 +41,9 @@ pub use self::pools::{
 };
 pub use self::regions::{REPORT_LOOKBACK_MS, RegionList, RegionView};
 pub use self::tokens::{MintAnswer, MintBody, TokenList, TokenView};
+pub use self::usage::{
+    CSV_HEADER as USAGE_CSV_HEADER, DEFAULT_USAGE_PAGE, MAX_USAGE_PAGE, UsageQuery, UsageRecord,
+};
 use crate::auth::TokenBook;
 /// The token files' lines (see [`crate::auth`]).
 pub use crate::auth::Tokens;
@@ -147,6 +151,7 @@ pub fn routes(state: ApiState) -> Router {
             axum::routing::delete(tokens::delete_token),
         )
         .route("/v1/audit", get(ops::get_audit))
+        .route("/v1/usage", get(usage::get_usage))
         .route("/v1/bound-checks", get(ops::get_bound_checks))
         .fallback(ops::not_found)
         .with_state(state)

@@ -83,6 +83,20 @@ pub struct WindowRow {
     /// Tokens metered requests consumed beyond the debt their region could carry: never charged.
     #[serde(rename = "writtenOff", default)]
     pub written_off_tokens: u64,
+    /// Settle debt per region (regions with none left out).
+    #[serde(
+        rename = "settleDebtByRegion",
+        default,
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub settle_debt_tokens_by_region: BTreeMap<RegionId, u64>,
+    /// Tokens written off per region (regions with none left out).
+    #[serde(
+        rename = "writtenOffByRegion",
+        default,
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub written_off_tokens_by_region: BTreeMap<RegionId, u64>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -173,7 +187,15 @@ pub fn account(amounts: WindowAmounts, limit_tokens: u64, bound_tokens: u64) -> 
         shadow_admitted_tokens_by_region: amounts.shadow_admitted_tokens_by_region,
         settle_debt_tokens: total(&amounts.settle_debt_tokens_by_region),
         written_off_tokens: total(&amounts.written_off_tokens_by_region),
+        settle_debt_tokens_by_region: nonzero(amounts.settle_debt_tokens_by_region),
+        written_off_tokens_by_region: nonzero(amounts.written_off_tokens_by_region),
     }
+}
+
+/// `by_region` without its zero entries.
+fn nonzero(mut by_region: BTreeMap<RegionId, u64>) -> BTreeMap<RegionId, u64> {
+    by_region.retain(|_, tokens| *tokens > 0);
+    by_region
 }
 
 impl Ledger {
@@ -187,31 +209,49 @@ impl Ledger {
         last: u64,
         now_ms: u64,
     ) -> Result<Vec<WindowRow>, LedgerError> {
+        self.windows_before(tenant, pool, config, last, now_ms, u64::MAX)
+            .await
+    }
+
+    /// The same, of the windows that start before `before_ms`: the page of a pool's windows that
+    /// follows one whose oldest window started there.
+    pub async fn windows_before(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        config: &PoolConfig,
+        last: u64,
+        now_ms: u64,
+        before_ms: u64,
+    ) -> Result<Vec<WindowRow>, LedgerError> {
         let last = last.clamp(1, MAX_WINDOWS);
+        let before = i64_of(before_ms);
         let fallback_rows = self
-            .admits_rows(FallbackAdmits::Table, tenant, pool, last)
+            .admits_rows(FallbackAdmits::Table, tenant, pool, last, before)
             .await?;
         let shadow_rows = self
-            .admits_rows(ShadowAdmits::Table, tenant, pool, last)
+            .admits_rows(ShadowAdmits::Table, tenant, pool, last, before)
             .await?;
         let debt_rows = self
-            .admits_rows(SettleDebts::Table, tenant, pool, last)
+            .admits_rows(SettleDebts::Table, tenant, pool, last, before)
             .await?;
         let written_off_rows = self
-            .admits_rows(WrittenOff::Table, tenant, pool, last)
+            .admits_rows(WrittenOff::Table, tenant, pool, last, before)
             .await?;
         let mut keys = self
             .window_keys(
                 tenant,
                 pool,
                 config,
-                last,
+                (last, before),
                 &[&fallback_rows, &shadow_rows, &debt_rows, &written_off_rows],
             )
             .await?;
         // Windows past the raw retention are read from their rollup (and merged with any raw row
         // a late report wrote since).
-        let rolled = self.rolled_windows(tenant, pool, last).await?;
+        let rolled = self
+            .rolled_windows_before(tenant, pool, last, before_ms)
+            .await?;
         for (&window_start_ms, window) in &rolled {
             let start = i64_of(window_start_ms);
             if !keys.iter().any(|k| k.window_start_ms == start) {
@@ -288,13 +328,17 @@ impl Ledger {
         tenant: &TenantId,
         pool: &PoolId,
         last: u64,
+        before: i64,
     ) -> Result<Vec<RegionAmount>, LedgerError> {
         let statement = Query::select()
             .column(FallbackAdmits::WindowStartMs)
             .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
             .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
             .from(table)
-            .cond_where(of_pool(table, tenant, pool))
+            .cond_where(
+                of_pool(table, tenant, pool)
+                    .add(Expr::col((table, Alias::new("window_start_ms"))).lt(before)),
+            )
             .order_by(FallbackAdmits::WindowStartMs, Order::Desc)
             .limit(last * 64)
             .to_owned();
@@ -303,20 +347,24 @@ impl Ledger {
         }))
     }
 
-    /// The latest `last` windows with grants, fallback or shadow admits, newest first.
+    /// The latest `last` windows starting before `before` with grants, fallback or shadow admits,
+    /// newest first.
     async fn window_keys(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
         config: &PoolConfig,
-        last: u64,
+        (last, before): (u64, i64),
         admits_rows: &[&[RegionAmount]],
     ) -> Result<Vec<WindowKey>, LedgerError> {
         let statement = Query::select()
             .distinct()
             .columns([Grants::WindowStartMs, Grants::WindowEndMs])
             .from(Grants::Table)
-            .cond_where(of_pool(Alias::new("grants"), tenant, pool))
+            .cond_where(
+                of_pool(Alias::new("grants"), tenant, pool)
+                    .add(Expr::col((Grants::Table, Grants::WindowStartMs)).lt(before)),
+            )
             .order_by(Grants::WindowStartMs, Order::Desc)
             .limit(last)
             .to_owned();

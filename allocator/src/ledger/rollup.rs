@@ -161,7 +161,7 @@ static REMOVE_RAW_SQL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
 const ROLLED_SQL: &str = "\
 SELECT window_start_ms, window_end_ms, region, granted, spent, stranded, unreported,
        fallback_admitted, shadow_admitted, settle_debt, written_off
-FROM window_amounts WHERE tenant = $1 AND pool = $2
+FROM window_amounts WHERE tenant = $1 AND pool = $2 AND window_start_ms < $4
 ORDER BY window_start_ms DESC LIMIT $3";
 
 #[derive(Debug, Clone, Default, sqlx::FromRow)]
@@ -382,11 +382,24 @@ impl Ledger {
         pool: &PoolId,
         last: u64,
     ) -> Result<BTreeMap<u64, RolledWindow>, LedgerError> {
+        self.rolled_windows_before(tenant, pool, last, u64::MAX)
+            .await
+    }
+
+    /// The same, of the windows that start before `before_ms`.
+    pub async fn rolled_windows_before(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        last: u64,
+        before_ms: u64,
+    ) -> Result<BTreeMap<u64, RolledWindow>, LedgerError> {
         let rows: Vec<RolledRow> = on_pool!(self, |db| {
             sqlx::query_as(ROLLED_SQL)
                 .bind(tenant.as_str())
                 .bind(pool.as_str())
                 .bind(i64_of(last.saturating_mul(64)))
+                .bind(i64_of(before_ms))
                 .fetch_all(db)
                 .await?
         });

@@ -24,6 +24,9 @@ pub const AGENT_EU: &str = "agent-eu-token-for-tests-001";
 pub struct Server {
     pub url: String,
     pub client: reqwest::Client,
+    /// The allocator's ledger, to write what agents would have reported.
+    #[allow(dead_code)]
+    pub ledger: Ledger,
     _stop: tokio::sync::oneshot::Sender<()>,
     _dir: tempfile::TempDir,
 }
@@ -63,15 +66,23 @@ pub async fn start() -> Server {
     .await
     .expect("ledger");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(run(settings, kv, ledger, clock, listener, async move {
-        let _ = stopped.await;
-    }));
+    tokio::spawn(run(
+        settings,
+        kv,
+        ledger.clone(),
+        clock,
+        listener,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
     let server = Server {
         url: format!("http://{addr}"),
         client: reqwest::Client::builder()
             .timeout(std::time::Duration::from_secs(5))
             .build()
             .expect("http client"),
+        ledger,
         _stop: stop,
         _dir: dir,
     };
