@@ -884,6 +884,11 @@ async fn rollup_reads_as_raw(ledger: Ledger, seed: u64) {
         .windows(&tenant(), &pool(), &config(), 10, now)
         .await
         .expect("windows");
+    assert_eq!(
+        paged_windows(&ledger, now).await,
+        before,
+        "seed {seed}: pages of two windows, each before the last page's oldest, are the whole"
+    );
     let removed = ledger
         .remove_expired(
             Retention {
@@ -904,6 +909,30 @@ async fn rollup_reads_as_raw(ledger: Ledger, seed: u64) {
         .await
         .expect("windows");
     assert_eq!(after, before, "seed {seed}");
+    assert_eq!(
+        paged_windows(&ledger, now).await,
+        before,
+        "seed {seed}: rolled up too"
+    );
+}
+
+/// Every window of the pool, read two at a time, each page the windows before the last one's
+/// oldest (`windows_before`).
+async fn paged_windows(ledger: &Ledger, now_ms: u64) -> Vec<WindowRow> {
+    let mut all = Vec::new();
+    let mut before_ms = u64::MAX;
+    loop {
+        let page = ledger
+            .windows_before(&tenant(), &pool(), &config(), 2, now_ms, before_ms)
+            .await
+            .expect("windows");
+        let Some(oldest) = page.last().map(|row| row.window_start_ms) else {
+            return all;
+        };
+        assert!(page.iter().all(|row| row.window_start_ms < before_ms));
+        all.extend(page);
+        before_ms = oldest;
+    }
 }
 
 #[tokio::test]
