@@ -263,6 +263,11 @@ def main():
         print("bench then moves every figure alike, and a ratio compares like with like. Reproduce with")
         print("`cargo bench -p allot-region-agent --bench agent`.")
         print()
+        print("The `uds` rows are the same endpoints and agents over a Unix domain socket, as a gateway on the")
+        print("agent's host would call them (`--listen unix:/path`): no loopback TCP. `CPU x trivial` is a")
+        print("row's agent CPU per decision over the `trivial` endpoint's on the same transport (the targets:")
+        print("`lease-only` at most 1.5, `lease+3-redis` at most 2).")
+        print()
         print("Where that CPU goes (`perf record --call-graph dwarf` on this bench, the agent's thread, 2026-12-02):")
         print("about a third in the kernel, and on loopback a sender's write also runs the receiving socket's")
         print("TCP input in the sender's thread, so part of it is the callers' receive path; over half, counted")
@@ -275,12 +280,12 @@ def main():
         print("95,952 after). Request deadlines now compare against one coarse tick per server")
         print("(`net/src/deadline.rs`).")
         print()
-        table_header("path", "callers", "decisions/s", "p50 us", "p99 us", "x ceiling", "unavailable %", "agent us/decision", "per agent core", "load us/decision", "Redis us/decision")
+        table_header("path", "callers", "decisions/s", "p50 us", "p99 us", "x ceiling", "unavailable %", "agent us/decision", "CPU x trivial", "per agent core", "load us/decision", "Redis us/decision")
         calls = []
         for r in agent:
             print(f"| {r['path']} | {r['callers']} | {r['admitsPerSecond']:.0f} | {r['p50Us']} | "
                   f"{r['p99Us']} | {r['ratio']:.2f} | {r.get('unavailablePercent', 0)} | "
-                  f"{r.get('agentCpuUsPerDecision', '-')} | {r.get('decisionsPerAgentCoreSecond', '-')} | "
+                  f"{r.get('agentCpuUsPerDecision', '-')} | {r.get('agentCpuXTrivial', '-')} | {r.get('decisionsPerAgentCoreSecond', '-')} | "
                   f"{r.get('loadCpuUsPerDecision', '-')} | {r.get('redisCpuUsPerDecision', '-')} |")
             if r['callers'] not in [c[0] for c in calls]:
                 calls.append((r['callers'], r['allocatorCallsPer1000Admits']))

@@ -12,6 +12,9 @@
 //!   a call of its own (`--coalesce-hot-keys false`).
 //! - `raw-evalsha`: the same decision function and arguments sent straight to Redis, one call per
 //!   decision (the store's ceiling; the name is kept for the report's history).
+//! - `trivial uds`, `lease-only uds`, `lease+3-redis uds`: the same endpoints and agents over a
+//!   Unix domain socket (a gateway on the agent's host), past the kernel's loopback TCP path. Every
+//!   row also gives the agent's CPU per decision over `trivial`'s on the same transport.
 //! - `open 0.5x`, `open 0.65x`, `open 0.8x`: `lease+3-redis` offered open loop, evenly spaced,
 //!   at those fractions of what it decided closed loop at 64 callers: below capacity, where every
 //!   request should be decided (64 closed-loop callers are at capacity by construction: by Little's
@@ -458,19 +461,25 @@ struct AdmitConnection {
 }
 
 impl AdmitConnection {
-    /// Connects to `url` (`http://host:port`) for posts to `path`.
+    /// Connects to `url` (`http://host:port`, or `unix:/path` for a Unix domain socket) for posts
+    /// to `path`.
     async fn open(url: &str, path: &str) -> Self {
-        let authority = url.strip_prefix("http://").expect("an http:// URL");
-        let stream = tokio::net::TcpStream::connect(authority)
-            .await
-            .expect("connect");
-        stream.set_nodelay(true).expect("TCP_NODELAY");
-        let (sender, connection) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                .await
-                .expect("HTTP/1.1 handshake");
-        // Drives the connection until `sender` is dropped.
-        tokio::spawn(connection);
+        let (sender, authority) = match url.strip_prefix("unix:") {
+            Some(socket) => {
+                let stream = tokio::net::UnixStream::connect(socket)
+                    .await
+                    .expect("connect");
+                (Self::handshake(stream).await, "localhost")
+            }
+            None => {
+                let authority = url.strip_prefix("http://").expect("an http:// URL");
+                let stream = tokio::net::TcpStream::connect(authority)
+                    .await
+                    .expect("connect");
+                stream.set_nodelay(true).expect("TCP_NODELAY");
+                (Self::handshake(stream).await, authority)
+            }
+        };
         Self {
             sender,
             path: format!("/{path}").parse().expect("path"),
@@ -479,6 +488,19 @@ impl AdmitConnection {
                 .parse()
                 .expect("authorization header"),
         }
+    }
+
+    /// An HTTP/1.1 client connection over `stream`, driven on a task of its own until its sender
+    /// is dropped.
+    async fn handshake(
+        stream: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+    ) -> hyper::client::conn::http1::SendRequest<http_body_util::Full<bytes::Bytes>> {
+        let (sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .expect("HTTP/1.1 handshake");
+        tokio::spawn(connection);
+        sender
     }
 
     /// Posts admit `n` and says how it was answered (see [`answer_of`]).
@@ -792,8 +814,18 @@ async fn run(agents: tokio::runtime::Handle) {
         .get_multiplexed_async_connection()
         .await
         .expect("redis");
+    // The Unix domain sockets the same endpoints also listen on (gateways on the agent's host).
+    let sockets = tempfile::tempdir().expect("a folder for the sockets");
+    let socket = |name: &str| sockets.path().join(format!("{name}.sock"));
+    let (trivial_socket, lease_socket, redis_socket) =
+        (socket("trivial"), socket("lease"), socket("redis"));
     let on_agents = {
         let (allocator, redis_url) = (allocator.clone(), redis.url());
+        let (trivial_socket, lease_socket, redis_socket) = (
+            trivial_socket.clone(),
+            lease_socket.clone(),
+            redis_socket.clone(),
+        );
         agents.spawn(async move {
             // Connected here, so that the connection's task (which writes the calls and reads the
             // replies) runs on the agent's thread, as in the agent, and its CPU is the agent's.
@@ -818,17 +850,46 @@ async fn run(agents: tokio::runtime::Handle) {
                 "/constant",
                 post(|_body: axum::body::Bytes| async { Json(json!({ "allowed": true })) }),
             );
-            let trivial = serve_on_free_port(app).await;
+            let trivial = serve_on_free_port(app.clone()).await;
             let in_process: Arc<dyn LimiterStore> =
                 Arc::new(InProcessStore::new(Arc::new(SystemClock), 100_000));
-            let (lease_only, _) = start_agent(in_process, &allocator, false).await;
+            let (lease_only, lease_only_api) = start_agent(in_process, &allocator, false).await;
             let (with_redis, with_redis_api) = start_agent(redis_store, &allocator, true).await;
             let (alone, _) = start_agent(alone_store, &allocator, true).await;
+            let bind = async |path: &std::path::Path| {
+                allot_net::Listener::bind(&allot_net::ListenAddr::Unix(path.to_owned()))
+                    .await
+                    .expect("bind a Unix socket")
+            };
+            tokio::spawn(allot_net::serve(
+                bind(&trivial_socket).await,
+                app,
+                None,
+                allot_net::ServeLimits::default(),
+                std::future::pending(),
+            ));
+            for (path, api) in [
+                (&lease_socket, lease_only_api),
+                (&redis_socket, with_redis_api.clone()),
+            ] {
+                tokio::spawn(allot_region_agent::http::serve(
+                    bind(path).await,
+                    api,
+                    None,
+                    std::future::pending(),
+                ));
+            }
             (trivial, lease_only, with_redis, with_redis_api, alone)
         })
     };
     let (trivial, lease_only, with_redis, with_redis_api, alone) =
         on_agents.await.expect("the agents' runtime");
+    let over_unix = |path: &std::path::Path| format!("unix:{}", path.display());
+    let (trivial_uds, lease_only_uds, with_redis_uds) = (
+        over_unix(&trivial_socket),
+        over_unix(&lease_socket),
+        over_unix(&redis_socket),
+    );
     let grpc_url = serve_grpc_on(&agents, with_redis_api.clone()).await;
     println!(
         "{:<24} {:>8} {:>12} {:>8} {:>8} {:>12} {:>14} {:>16} {:>12} {:>12}",
@@ -866,16 +927,30 @@ async fn run(agents: tokio::runtime::Handle) {
                 callers,
             },
             closed(&alone, "v1/admit"),
+            closed(&trivial_uds, "constant"),
+            closed(&lease_only_uds, "v1/admit"),
+            closed(&with_redis_uds, "v1/admit"),
         ];
         // Only the agent paths take grants; the ceilings' slices add none.
         let admits_before = grants.load(Ordering::Relaxed);
         let figures = measure_in_rounds(&loads, &mut redis_info, |_| {}).await;
-        let [ceiling, raw, lease, redis_path, grpc_path, alone_path] =
-            <[Figure; 6]>::try_from(figures).unwrap_or_else(|_| panic!("six figures"));
+        let [
+            ceiling,
+            raw,
+            lease,
+            redis_path,
+            grpc_path,
+            alone_path,
+            ceiling_uds,
+            lease_uds,
+            redis_uds,
+        ] = <[Figure; 9]>::try_from(figures).unwrap_or_else(|_| panic!("nine figures"));
         let admits = (lease.per_second
             + redis_path.per_second
             + grpc_path.per_second
-            + alone_path.per_second)
+            + alone_path.per_second
+            + lease_uds.per_second
+            + redis_uds.per_second)
             * RUN.as_secs_f64()
             * ROUNDS as f64;
         let calls = grants.load(Ordering::Relaxed) - admits_before;
@@ -896,16 +971,36 @@ async fn run(agents: tokio::runtime::Handle) {
                 "coalescedDecisions": limiter.coalesced_decisions - limiter_before.coalesced_decisions,
                 "coalescedCalls": limiter.coalesced_calls - limiter_before.coalesced_calls })
         );
-        for (path, figure, against) in [
-            ("trivial", &ceiling, ceiling.per_second),
-            ("raw-evalsha", &raw, raw.per_second),
-            ("lease-only", &lease, ceiling.per_second),
-            ("lease+3-redis", &redis_path, raw.per_second),
-            ("grpc+3-redis", &grpc_path, raw.per_second),
-            ("lease+3-redis alone", &alone_path, raw.per_second),
+        // Each path's agent CPU per decision over the trivial endpoint's on the same transport.
+        for (path, figure, against, trivial_cpu) in [
+            ("trivial", &ceiling, ceiling.per_second, &ceiling),
+            ("raw-evalsha", &raw, raw.per_second, &ceiling),
+            ("lease-only", &lease, ceiling.per_second, &ceiling),
+            ("lease+3-redis", &redis_path, raw.per_second, &ceiling),
+            ("grpc+3-redis", &grpc_path, raw.per_second, &ceiling),
+            ("lease+3-redis alone", &alone_path, raw.per_second, &ceiling),
+            (
+                "trivial uds",
+                &ceiling_uds,
+                ceiling_uds.per_second,
+                &ceiling_uds,
+            ),
+            (
+                "lease-only uds",
+                &lease_uds,
+                ceiling_uds.per_second,
+                &ceiling_uds,
+            ),
+            (
+                "lease+3-redis uds",
+                &redis_uds,
+                raw.per_second,
+                &ceiling_uds,
+            ),
         ] {
             let ratio = figure.per_second / against.max(1.0);
             let agent_cpu_us = figure.agent_cpu_us_per_decision;
+            let cpu_x_trivial = agent_cpu_us / trivial_cpu.agent_cpu_us_per_decision.max(0.001);
             // Decisions one agent core decides per second at this CPU per decision.
             let per_agent_core = if agent_cpu_us > 0.0 {
                 1e6 / agent_cpu_us
@@ -926,6 +1021,7 @@ async fn run(agents: tokio::runtime::Handle) {
                     "admitsPerSecond": figure.per_second.round(), "p50Us": figure.p50_us,
                     "p99Us": figure.p99_us, "ratio": (ratio * 100.0).round() / 100.0,
                     "agentCpuUsPerDecision": (agent_cpu_us * 10.0).round() / 10.0,
+                    "agentCpuXTrivial": (cpu_x_trivial * 100.0).round() / 100.0,
                     "decisionsPerAgentCoreSecond": per_agent_core.round(),
                     "loadCpuUsPerDecision": (figure.load_cpu_us_per_decision * 10.0).round() / 10.0,
                     "redisCpuUsPerDecision": (figure.redis_cpu_us_per_decision * 10.0).round() / 10.0,
