@@ -486,12 +486,15 @@ def main():
         print("An agent (lease-only policy, in-process limiter, `--max-pools` 200,000) admits one request for")
         print("each new tenant's pool, 64 at a time, until it holds 1,000, then 10,000, then 100,000 pools,")
         print("each with its first lease; its process's resident memory is read after each step (the")
-        print("stand-in allocator runs in the same process). Reproduce with")
+        print("stand-in allocator runs in the same process), then its journal (what `--state-dir` keeps,")
+        print("rewritten up to 4 times a second while anything changes) is written once. Reproduce with")
         print("`cargo bench -p allot-region-agent --bench pools_memory`.")
         print()
-        table_header("pools held", "resident MiB", "B per pool added")
+        table_header("pools held", "resident MiB", "B per pool added", "journal MiB", "journal write ms")
         for r in held:
-            print(f"| {r['pools']:,} | {r['residentBytes'] / 2**20:.1f} | {r['residentBytesPerPoolAdded']:,} |")
+            journal = f"{r['journalBytes'] / 2**20:.1f}" if "journalBytes" in r else "-"
+            write = f"{r['journalWriteMs']:.0f}" if "journalWriteMs" in r else "-"
+            print(f"| {r['pools']:,} | {r['residentBytes'] / 2**20:.1f} | {r['residentBytesPerPoolAdded']:,} | {journal} | {write} |")
         print()
 
     peer_all = bench_lines("peer.log")

@@ -1,7 +1,8 @@
 //! The agent's memory per pool it holds: an agent (lease-only policy, in-process limiter) admits
 //! one request for each of 1,000, then 10,000, then 100,000 tenants' pools, each a pool it then
-//! holds with its first lease; its process's resident memory is read after each step. The
-//! allocator is the benches' stand-in in this process (its answers are not kept). Run with
+//! holds with its first lease; its process's resident memory is read after each step. Then the
+//! agent's journal (what `--state-dir` keeps) is written once: its size and how long the write took.
+//! The allocator is the benches' stand-in in this process (its answers are not kept). Run with
 //! `scripts/bench` (or `cargo bench -p allot-region-agent --bench pools_memory`). Prints one JSON
 //! object per line for the report, and a table.
 
@@ -28,6 +29,20 @@ fn resident_bytes() -> u64 {
         .map_or(0, |pages| pages * 4_096)
 }
 
+/// Bytes of the files under `path` (the state folder's journal and whatever else it holds).
+fn folder_bytes(path: &std::path::Path) -> u64 {
+    std::fs::read_dir(path).map_or(0, |entries| {
+        entries
+            .flatten()
+            .map(|entry| match entry.metadata() {
+                Ok(meta) if meta.is_dir() => folder_bytes(&entry.path()),
+                Ok(meta) => meta.len(),
+                Err(_) => 0,
+            })
+            .sum()
+    })
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let grants = Arc::new(AtomicU64::new(0));
@@ -43,9 +58,17 @@ async fn main() {
             ..common::settings()
         },
     );
+    let state = tempfile::tempdir().expect("a state folder");
+    agent.set_state_dir(
+        allot_region_agent::state_dir::StateDir::open(
+            state.path(),
+            allot_shared::ids::RegionId::parse("eu").expect("region"),
+        )
+        .expect("the state folder"),
+    );
     println!(
-        "{:>8} {:>14} {:>14} {:>10}",
-        "pools", "resident B", "B per pool", "allowed"
+        "{:>8} {:>14} {:>14} {:>10} {:>14} {:>10}",
+        "pools", "resident B", "B per pool", "allowed", "journal B", "write ms"
     );
     let mut held = 0;
     let mut resident_before = resident_bytes();
@@ -81,14 +104,22 @@ async fn main() {
             step,
             "every pool is held ({allowed} of {added} new pools' first requests allowed)"
         );
-        println!("{step:>8} {resident:>14} {per_pool:>14} {allowed:>10}");
+        let stopwatch = allot_region_agent::clock::Stopwatch::start();
+        agent.write_journal_if_changed().await;
+        let write_ms = stopwatch.elapsed().as_secs_f64() * 1_000.0;
+        let journal_bytes = folder_bytes(state.path());
+        println!(
+            "{step:>8} {resident:>14} {per_pool:>14} {allowed:>10} {journal_bytes:>14} {write_ms:>10.1}"
+        );
         println!(
             "BENCH {}",
             serde_json::json!({ "bench": "agent_pools_memory", "pools": step,
                 "residentBytes": resident, "residentBytesPerPoolAdded": per_pool,
+                "journalBytes": journal_bytes, "journalWriteMs": write_ms,
                 "allocatorGrantCalls": grants.load(Ordering::Relaxed) })
         );
         held = step;
-        resident_before = resident;
+        // The journal's write allocates; the next step's growth starts after it.
+        resident_before = resident_bytes();
     }
 }
