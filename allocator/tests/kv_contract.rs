@@ -150,6 +150,16 @@ async fn contract(kv: &dyn Kv) {
         vec!["/c/p/1"],
         "an `after` before the prefix"
     );
+    assert_eq!(
+        page("/c/q", 10).await,
+        Vec::<String>::new(),
+        "an `after` past the prefix's keys: nothing, not an error"
+    );
+    assert_eq!(
+        page("/d", 10).await,
+        Vec::<String>::new(),
+        "past the whole range"
+    );
     // Many reads at once: each answer at its key's place, absent keys as None.
     let keys: Vec<String> = ["/c/p/2", "/c/none", "/c/p/1", "/c/p/2"]
         .map(str::to_owned)
