@@ -118,6 +118,7 @@ async fn gateways_enforcing_assignments_in_two_regions_stay_within_the_pool() {
         .await
         .expect("put pool");
     assert_eq!(put.status(), 200);
+    stack::away_from_window_edges(3_600_000).await;
     let (eu, eu_url) = start_agent("eu", &allocator, &eu_redis).await;
     let (us, us_url) = start_agent("us", &allocator, &us_redis).await;
 

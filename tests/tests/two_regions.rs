@@ -61,6 +61,7 @@ async fn two_regions_share_one_pool_without_overshoot() {
         .await
         .expect("put pool");
     assert_eq!(put.status(), 200);
+    stack::away_from_window_edges(3_600_000).await;
     let (eu, eu_url) = start_agent("eu", &allocator, &eu_redis).await;
     let (us, us_url) = start_agent("us", &allocator, &us_redis).await;
 
@@ -290,6 +291,7 @@ async fn one_user_flooding_past_their_bucket_leaves_the_pool_to_the_tenants_othe
         .await
         .expect("put pool");
     assert_eq!(put.status(), 200);
+    stack::away_from_window_edges(3_600_000).await;
     let text = json!({ "rules": [
         { "id": "user-read", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
           "limit": 2, "windowMs": 3_600_000, "failMode": "closed" },

@@ -91,7 +91,8 @@ pub async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> Strin
     panic!("the allocator never became ready");
 }
 
-/// Configures `tenant`/`pool` on the allocator at `url` (the pool's JSON spec).
+/// Configures `tenant`/`pool` on the allocator at `url` (the pool's JSON spec); a pool with a
+/// fixed window then waits [`away_from_window_edges`].
 pub async fn put_pool(url: &str, tenant: &str, pool: &str, spec: &Value) {
     let put = http()
         .put(format!("{url}/v1/pools/{tenant}/{pool}"))
@@ -106,6 +107,26 @@ pub async fn put_pool(url: &str, tenant: &str, pool: &str, spec: &Value) {
         "{}",
         put.text().await.unwrap_or_default()
     );
+    if let Some(window_ms) = spec["windowMs"].as_u64() {
+        away_from_window_edges(window_ms).await;
+    }
+}
+
+/// Waits, when the current fixed window of `window_ms` (on the wall clock these tests run on) is
+/// about to end, until the next has begun, and past the first second of a window: a test that
+/// reads one window's figures, or spends one window's fallback allowance, must not straddle two,
+/// whatever time of day it runs. Waits at most a quarter of the window, and never over a minute.
+pub async fn away_from_window_edges(window_ms: u64) {
+    use allot_region_agent::clock::Clock;
+    let margin_ms = (window_ms / 4).min(60_000);
+    let into_ms = SystemClock.now_ms() % window_ms.max(1);
+    let left_ms = window_ms - into_ms;
+    let wait_ms = if left_ms < margin_ms {
+        left_ms + 1_000
+    } else {
+        1_000u64.saturating_sub(into_ms)
+    };
+    tokio::time::sleep(Duration::from_millis(wait_ms)).await;
 }
 
 /// The ledger's latest `last` windows of `tenant`/`pool`, newest first.
