@@ -8,7 +8,6 @@
 use std::sync::Arc;
 
 use allot_region_agent::clock::SystemClock;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
@@ -53,31 +52,11 @@ fn entries(user: &str, request_id: Option<&str>, on_stream_done: bool) -> Vec<En
     if on_stream_done {
         entries.push(("allot_release", "stream_done"));
     }
-    entries
-        .into_iter()
-        .map(|(key, value)| Entry {
-            key: key.to_owned(),
-            value: value.to_owned(),
-        })
-        .collect()
+    common::rls_entries(&entries)
 }
 
 fn envoy_call(entries: Vec<Entry>) -> tonic::Request<RateLimitRequest> {
-    let mut call = tonic::Request::new(RateLimitRequest {
-        domain: "allot".to_owned(),
-        descriptors: vec![RateLimitDescriptor {
-            entries,
-            limit: None,
-            hits_addend: None,
-            is_negative_hits: false,
-        }],
-        hits_addend: 0,
-    });
-    call.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {TOKEN}").parse().expect("header value"),
-    );
-    call
+    common::rls_call(TOKEN, entries)
 }
 
 /// The request's start: Envoy admits it when the overall code is not `OVER_LIMIT`.

@@ -8,9 +8,6 @@ use std::sync::Arc;
 use allot_net::{ListenAddr, Listener};
 use allot_region_agent::clock::SystemClock;
 use allot_region_agent::http::AgentApi;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use http_body_util::{BodyExt, Full};
@@ -54,26 +51,9 @@ async fn over_limit_over_socket(path: PathBuf, user: &str) -> bool {
         .await
         .expect("channel");
     let mut client = RateLimitServiceClient::new(channel);
-    let entries = [("tenant", "atlas"), ("user", user), ("route_group", "read")]
-        .into_iter()
-        .map(|(key, value)| Entry {
-            key: key.to_owned(),
-            value: value.to_owned(),
-        })
-        .collect();
-    let mut call = tonic::Request::new(RateLimitRequest {
-        domain: "allot".to_owned(),
-        descriptors: vec![RateLimitDescriptor {
-            entries,
-            limit: None,
-            hits_addend: None,
-            is_negative_hits: false,
-        }],
-        hits_addend: 0,
-    });
-    call.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {GATEWAY}").parse().expect("header value"),
+    let call = common::rls_call(
+        GATEWAY,
+        common::rls_entries(&[("tenant", "atlas"), ("user", user), ("route_group", "read")]),
     );
     let answer = client
         .should_rate_limit(call)

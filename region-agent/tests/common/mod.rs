@@ -133,3 +133,45 @@ pub fn user_request(id: &str, user: &str, route: &str) -> allot_shared::contract
         metered: false,
     }
 }
+
+/// A descriptor's entries, as Envoy sends them, from `(key, value)` pairs.
+pub fn rls_entries(
+    pairs: &[(&str, &str)],
+) -> Vec<envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry> {
+    pairs
+        .iter()
+        .map(|(key, value)| {
+            envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry {
+                key: (*key).to_owned(),
+                value: (*value).to_owned(),
+            }
+        })
+        .collect()
+}
+
+/// Envoy's `ShouldRateLimit` call in domain `allot` for one descriptor of `entries`, its gateway
+/// `token` as the bearer, as Envoy's filter sends it (no hits addend, no per-descriptor limit).
+pub fn rls_call(
+    token: &str,
+    entries: Vec<
+        envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry,
+    >,
+) -> tonic::Request<envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest> {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    let mut call = tonic::Request::new(RateLimitRequest {
+        domain: "allot".to_owned(),
+        descriptors: vec![RateLimitDescriptor {
+            entries,
+            limit: None,
+            hits_addend: None,
+            is_negative_hits: false,
+        }],
+        hits_addend: 0,
+    });
+    call.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("header value"),
+    );
+    call
+}
