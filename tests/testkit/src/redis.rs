@@ -120,6 +120,19 @@ fn answers_pong(reply: &Reply) -> Result<(), String> {
     }
 }
 
+/// What a server listens on besides its plain loopback port.
+enum Also<'a> {
+    /// Nothing more.
+    Nothing,
+    /// TLS on a second port, with `pki`'s server certificate.
+    Tls {
+        pki: &'a crate::TestPki,
+        client_certificates: bool,
+    },
+    /// A Unix domain socket in its dir.
+    Unix,
+}
+
 /// A single real `redis-server` on loopback, in a temp dir.
 ///
 /// Dropping it kills the server and deletes the dir.
@@ -143,31 +156,7 @@ impl RedisServer {
     /// within 20 s, quoting its log.
     #[must_use]
     pub fn start() -> Self {
-        let redis_server = Binary::RedisServer.require();
-        match Self::try_start(&redis_server) {
-            Ok(server) => server,
-            // Lost the race for the port (see `free_ports`): once more, fresh port.
-            Err(failure) if lost_port_race(&failure) => {
-                Self::try_start(&redis_server).unwrap_or_else(|failure| panic!("{failure}"))
-            }
-            Err(failure) => panic!("{failure}"),
-        }
-    }
-
-    fn try_start(redis_server: &Path) -> Result<Self, String> {
-        let dir = temp_dir()?;
-        let [port] = free_ports(1)[..] else {
-            unreachable!("free_ports(1) returns one port")
-        };
-        let mut server = Self {
-            node: Node::new(redis_server, dir.path(), port, &[]),
-            tls_port: None,
-            unix_socket: None,
-            _dir: dir,
-        };
-        server.node.start();
-        server.try_wait_ready()?;
-        Ok(server)
+        Self::launch(&Also::Nothing)
     }
 
     /// Starts a server that also serves TLS ([`RedisServer::tls_url`]) with `pki`'s server
@@ -178,43 +167,10 @@ impl RedisServer {
     /// As [`RedisServer::start`]; also if this `redis-server` was built without TLS.
     #[must_use]
     pub fn start_tls(pki: &crate::TestPki, client_certificates: bool) -> Self {
-        let redis_server = Binary::RedisServer.require();
-        let attempt = || -> Result<Self, String> {
-            let dir = temp_dir()?;
-            let [port, tls_port] = free_ports(2)[..] else {
-                unreachable!("free_ports(2) returns two ports")
-            };
-            let tls_port_arg = tls_port.to_string();
-            let (cert, key, ca) = (
-                pki.server_cert().to_string_lossy().into_owned(),
-                pki.server_key().to_string_lossy().into_owned(),
-                pki.ca().to_string_lossy().into_owned(),
-            );
-            let auth = if client_certificates { "yes" } else { "no" };
-            let extra = [
-                ("--tls-port", tls_port_arg.as_str()),
-                ("--tls-cert-file", cert.as_str()),
-                ("--tls-key-file", key.as_str()),
-                ("--tls-ca-cert-file", ca.as_str()),
-                ("--tls-auth-clients", auth),
-            ];
-            let mut server = Self {
-                node: Node::new(&redis_server, dir.path(), port, &extra),
-                tls_port: Some(tls_port),
-                unix_socket: None,
-                _dir: dir,
-            };
-            server.node.start();
-            server.try_wait_ready()?;
-            Ok(server)
-        };
-        match attempt() {
-            Ok(server) => server,
-            Err(failure) if lost_port_race(&failure) => {
-                attempt().unwrap_or_else(|failure| panic!("{failure}"))
-            }
-            Err(failure) => panic!("{failure}"),
-        }
+        Self::launch(&Also::Tls {
+            pki,
+            client_certificates,
+        })
     }
 
     /// Starts a server that also listens on a Unix domain socket in its temp dir
@@ -225,35 +181,68 @@ impl RedisServer {
     /// As [`RedisServer::start`].
     #[must_use]
     pub fn start_unix() -> Self {
+        Self::launch(&Also::Unix)
+    }
+
+    /// Starts a server listening on `also` besides its plain port; once more on a fresh port
+    /// when another process took the one it was given (see `free_ports`).
+    fn launch(also: &Also<'_>) -> Self {
         let redis_server = Binary::RedisServer.require();
-        let attempt = || -> Result<Self, String> {
-            let dir = temp_dir()?;
-            let [port] = free_ports(1)[..] else {
-                unreachable!("free_ports(1) returns one port")
-            };
-            let socket = dir.path().join("redis.sock");
-            let socket_arg = socket.to_string_lossy().into_owned();
-            let extra = [
-                ("--unixsocket", socket_arg.as_str()),
-                ("--unixsocketperm", "700"),
-            ];
-            let mut server = Self {
-                node: Node::new(&redis_server, dir.path(), port, &extra),
-                tls_port: None,
-                unix_socket: Some(socket),
-                _dir: dir,
-            };
-            server.node.start();
-            server.try_wait_ready()?;
-            Ok(server)
-        };
-        match attempt() {
+        match Self::try_launch(&redis_server, also) {
             Ok(server) => server,
             Err(failure) if lost_port_race(&failure) => {
-                attempt().unwrap_or_else(|failure| panic!("{failure}"))
+                Self::try_launch(&redis_server, also).unwrap_or_else(|failure| panic!("{failure}"))
             }
             Err(failure) => panic!("{failure}"),
         }
+    }
+
+    fn try_launch(redis_server: &Path, also: &Also<'_>) -> Result<Self, String> {
+        let dir = temp_dir()?;
+        let ports = free_ports(if matches!(also, Also::Tls { .. }) {
+            2
+        } else {
+            1
+        });
+        let port = ports[0];
+        let (mut tls_port, mut unix_socket) = (None, None);
+        let extra: Vec<(&str, String)> = match also {
+            Also::Nothing => Vec::new(),
+            Also::Tls {
+                pki,
+                client_certificates,
+            } => {
+                tls_port = Some(ports[1]);
+                let path = |path: std::path::PathBuf| path.to_string_lossy().into_owned();
+                let auth = if *client_certificates { "yes" } else { "no" };
+                vec![
+                    ("--tls-port", ports[1].to_string()),
+                    ("--tls-cert-file", path(pki.server_cert())),
+                    ("--tls-key-file", path(pki.server_key())),
+                    ("--tls-ca-cert-file", path(pki.ca())),
+                    ("--tls-auth-clients", auth.to_owned()),
+                ]
+            }
+            Also::Unix => {
+                let socket = dir.path().join("redis.sock");
+                let arg = socket.to_string_lossy().into_owned();
+                unix_socket = Some(socket);
+                vec![
+                    ("--unixsocket", arg),
+                    ("--unixsocketperm", "700".to_owned()),
+                ]
+            }
+        };
+        let extra: Vec<(&str, &str)> = extra.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut server = Self {
+            node: Node::new(redis_server, dir.path(), port, &extra),
+            tls_port,
+            unix_socket,
+            _dir: dir,
+        };
+        server.node.start();
+        server.try_wait_ready()?;
+        Ok(server)
     }
 
     /// `redis+unix:///path/to/redis.sock`, for a server started with [`RedisServer::start_unix`].
