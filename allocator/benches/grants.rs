@@ -222,14 +222,6 @@ async fn grant_loop(
     (rate, at(0.5), at(0.99))
 }
 
-/// This process's resident memory, bytes (Linux).
-fn resident_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |pages| pages * 4_096)
-}
-
 /// etcd's database size on disk, and the part in use, bytes.
 async fn etcd_db_bytes(endpoints: &[String]) -> (i64, i64) {
     let mut client = etcd_client::Client::connect(endpoints, None)
@@ -352,10 +344,11 @@ async fn main() {
                 )
                 .with_max_batch(max_batch);
                 if state == "warm" {
-                    let before = resident_bytes();
+                    let before = allot_testkit::resident_bytes();
                     warm_up(&grantor, &targets).await;
                     if pool_count >= 100_000 {
-                        let per_pool = resident_bytes().saturating_sub(before) / pool_count as u64;
+                        let per_pool = allot_testkit::resident_bytes().saturating_sub(before)
+                            / pool_count as u64;
                         println!(
                             "allocator memory per warm pool: {per_pool} B (resident growth over the warm-up)"
                         );

@@ -21,14 +21,6 @@ const STEPS: [u64; 3] = [1_000, 10_000, 100_000];
 /// Admissions in flight at once while pools are added.
 const CALLERS: u64 = 64;
 
-/// This process's resident memory, bytes (Linux).
-fn resident_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|statm| statm.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |pages| pages * 4_096)
-}
-
 /// Bytes of the files under `path` (the state folder's journal and whatever else it holds).
 fn folder_bytes(path: &std::path::Path) -> u64 {
     std::fs::read_dir(path).map_or(0, |entries| {
@@ -71,7 +63,7 @@ async fn main() {
         "pools", "resident B", "B per pool", "allowed", "journal B", "write ms"
     );
     let mut held = 0;
-    let mut resident_before = resident_bytes();
+    let mut resident_before = allot_testkit::resident_bytes();
     for step in STEPS {
         let next = Arc::new(AtomicU64::new(held));
         let allowed = Arc::new(AtomicU64::new(0));
@@ -95,7 +87,7 @@ async fn main() {
         for caller in callers {
             caller.await.expect("caller");
         }
-        let resident = resident_bytes();
+        let resident = allot_testkit::resident_bytes();
         let added = step - held;
         let per_pool = resident.saturating_sub(resident_before) / added;
         let allowed = allowed.load(Ordering::Relaxed);
@@ -120,6 +112,6 @@ async fn main() {
         );
         held = step;
         // The journal's write allocates; the next step's growth starts after it.
-        resident_before = resident_bytes();
+        resident_before = allot_testkit::resident_bytes();
     }
 }

@@ -59,7 +59,7 @@ pub use binary::{Binary, MissingBinary};
 pub use browser::ChromeDriver;
 pub use etcd::EtcdCluster;
 pub use pki::{TEST_SERVER_NAME, TestPki};
-pub use process::log_tail;
+pub use process::{log_tail, resident_bytes};
 pub use proxy::{FaultProxy, MAX_CONNECTIONS, ProxyMode};
 pub use redis::{RedisCluster, RedisServer};
 pub use workspace::workspace_binary;

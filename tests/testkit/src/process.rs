@@ -207,6 +207,19 @@ pub(crate) fn run_to_completion(launch: &Launch, timeout: Duration) -> Result<()
     }
 }
 
+/// This process's resident memory, bytes (`VmRSS` in `/proc/self/status`; 0 where there is none):
+/// what the benchmarks divide by the pools they hold.
+#[must_use]
+pub fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib * 1_024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
