@@ -14,7 +14,7 @@ use allot_shared::window::Window;
 use allot_shared::wire::{CalendarWindowSpec, GrantAnswer};
 use serde::{Deserialize, Serialize};
 
-use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, MAX_TXN_OPS, Op};
+use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, MAX_TXN_OPS, Op, Versioned};
 
 /// Where pool configurations live in the store.
 const POOLS_PREFIX: &str = "/allot/pools/";
@@ -262,6 +262,37 @@ fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).unwrap_or_default()
 }
 
+/// A pool's configuration as stored at `key`, and the revision of the key.
+fn stored_pool(key: &str, value: &Versioned) -> Result<(StoredPool, i64), PoolStoreError> {
+    Ok((decode(key, &value.value)?, value.mod_revision))
+}
+
+/// A pool's window as stored at `key`, and the revision of the key.
+fn stored_window(key: &str, value: &Versioned) -> Result<(PoolWindowState, i64), PoolStoreError> {
+    let stored: StoredWindow = decode(key, &value.value)?;
+    Ok((stored.into(), value.mod_revision))
+}
+
+/// The tenant and pool a store key under `prefix` names: `<prefix><tenant>/<pool>`, and with
+/// `more` (a pool's grant record) a further `/<lease>`.
+fn pool_of_key(key: &str, prefix: &str, more: bool) -> Result<(TenantId, PoolId), PoolStoreError> {
+    let corrupt = || PoolStoreError::Corrupt(key.to_owned());
+    let mut parts = key
+        .strip_prefix(prefix)
+        .ok_or_else(corrupt)?
+        .splitn(if more { 3 } else { 2 }, '/');
+    let (Some(tenant), Some(pool)) = (parts.next(), parts.next()) else {
+        return Err(corrupt());
+    };
+    if more && parts.next().is_none() {
+        return Err(corrupt());
+    }
+    Ok((
+        TenantId::parse(tenant).map_err(|_| corrupt())?,
+        PoolId::parse(pool).map_err(|_| corrupt())?,
+    ))
+}
+
 /// Reads a pool and the revision of its key.
 pub async fn get_pool(
     kv: &dyn Kv,
@@ -269,10 +300,10 @@ pub async fn get_pool(
     pool: &PoolId,
 ) -> Result<Option<(StoredPool, i64)>, PoolStoreError> {
     let key = pool_key(tenant, pool);
-    match kv.get(&key).await? {
-        None => Ok(None),
-        Some(v) => Ok(Some((decode(&key, &v.value)?, v.mod_revision))),
-    }
+    kv.get(&key)
+        .await?
+        .map(|value| stored_pool(&key, &value))
+        .transpose()
 }
 
 /// Creates or replaces a pool, bumping its version. Concurrent writers are serialised by the store.
@@ -364,11 +395,7 @@ async fn put_pools_at_once(
             .await?
             .into_iter()
             .zip(&keys)
-            .map(|(value, key)| {
-                value
-                    .map(|v| Ok((decode::<StoredPool>(key, &v.value)?, v.mod_revision)))
-                    .transpose()
-            })
+            .map(|(value, key)| value.map(|v| stored_pool(key, &v)).transpose())
             .collect::<Result<Vec<_>, PoolStoreError>>()?;
         let mut compares = Vec::new();
         let mut ops = Vec::new();
@@ -507,12 +534,7 @@ pub async fn list_pools_page(
         .get_prefix_after(&prefix.key_prefix(), &after_key, limit)
         .await?
     {
-        let mut parts = key.trim_start_matches(POOLS_PREFIX).splitn(2, '/');
-        let (Some(tenant), Some(pool)) = (parts.next(), parts.next()) else {
-            return Err(PoolStoreError::Corrupt(key));
-        };
-        let tenant = TenantId::parse(tenant).map_err(|_| PoolStoreError::Corrupt(key.clone()))?;
-        let pool = PoolId::parse(pool).map_err(|_| PoolStoreError::Corrupt(key.clone()))?;
+        let (tenant, pool) = pool_of_key(&key, POOLS_PREFIX, false)?;
         pools.push((tenant, pool, decode(&key, &value.value)?));
     }
     Ok(pools)
@@ -525,13 +547,10 @@ pub async fn get_window(
     pool: &PoolId,
 ) -> Result<Option<(PoolWindowState, i64)>, PoolStoreError> {
     let key = window_key(tenant, pool);
-    match kv.get(&key).await? {
-        None => Ok(None),
-        Some(v) => {
-            let stored: StoredWindow = decode(&key, &v.value)?;
-            Ok(Some((stored.into(), v.mod_revision)))
-        }
-    }
+    kv.get(&key)
+        .await?
+        .map(|value| stored_window(&key, &value))
+        .transpose()
 }
 
 /// A pool's configuration and current window as one read found them, with their keys' revisions
@@ -553,17 +572,14 @@ pub async fn get_pools_and_windows(
         .chunks(2)
         .zip(values.chunks(2))
         .map(|(keys, values)| {
-            let pool = match &values[0] {
-                Some(v) => Some((decode::<StoredPool>(&keys[0], &v.value)?, v.mod_revision)),
-                None => None,
-            };
-            let window = match &values[1] {
-                Some(v) => {
-                    let stored: StoredWindow = decode(&keys[1], &v.value)?;
-                    Some((stored.into(), v.mod_revision))
-                }
-                None => None,
-            };
+            let pool = values[0]
+                .as_ref()
+                .map(|v| stored_pool(&keys[0], v))
+                .transpose()?;
+            let window = values[1]
+                .as_ref()
+                .map(|v| stored_window(&keys[1], v))
+                .transpose()?;
             Ok((pool, window))
         })
         .collect())
@@ -611,12 +627,7 @@ pub async fn list_all_grants_page(
     let last = page.last().map(|(key, _)| key.clone());
     let mut records = Vec::with_capacity(page.len());
     for (key, value) in page {
-        let mut parts = key.trim_start_matches(GRANTS_PREFIX).splitn(3, '/');
-        let (Some(tenant), Some(pool), Some(_)) = (parts.next(), parts.next(), parts.next()) else {
-            return Err(PoolStoreError::Corrupt(key));
-        };
-        let tenant = TenantId::parse(tenant).map_err(|_| PoolStoreError::Corrupt(key.clone()))?;
-        let pool = PoolId::parse(pool).map_err(|_| PoolStoreError::Corrupt(key.clone()))?;
+        let (tenant, pool) = pool_of_key(&key, GRANTS_PREFIX, true)?;
         records.push((tenant, pool, decode(&key, &value.value)?));
     }
     Ok((records, last.filter(|_| full)))
