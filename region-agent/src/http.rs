@@ -283,16 +283,11 @@ async fn quota(
     if let Err(response) = authorized(&api, &headers) {
         return *response;
     }
-    let text = query.unwrap_or_default();
-    let deserializer = serde_urlencoded::Deserializer::new(form_urlencoded::parse(text.as_bytes()));
-    let query: QuotaQuery = match serde_path_to_error::deserialize(deserializer) {
-        Ok(query) => query,
-        Err(error) => {
-            let path = error.path().to_string();
-            let named = FieldError::from_serde(&path, error.into_inner().to_string(), "query");
-            return invalid(&named.field, &named.message);
-        }
-    };
+    let query: QuotaQuery =
+        match FieldError::parse_query(query.as_deref().unwrap_or_default(), "query") {
+            Ok(query) => query,
+            Err(named) => return invalid(&named.field, &named.message),
+        };
     let status = match api.agent.quota(&query).await {
         Ok(Some(status)) => status,
         Ok(None) => {

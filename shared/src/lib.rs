@@ -97,6 +97,18 @@ impl FieldError {
             .map_err(|error| Self::new(whole, error.to_string()))?;
         Ok(parsed)
     }
+
+    /// A URL query string (`a=1&b=x`, without the `?`) as `T`, or the error naming the parameter
+    /// at fault: a value that does not parse by its own name, a missing or unknown one by its
+    /// name, `whole` otherwise.
+    pub fn parse_query<T: serde::de::DeserializeOwned>(text: &str, whole: &str) -> Result<T, Self> {
+        let deserializer =
+            serde_urlencoded::Deserializer::new(form_urlencoded::parse(text.as_bytes()));
+        serde_path_to_error::deserialize(deserializer).map_err(|error| {
+            let path = error.path().to_string();
+            Self::from_serde(&path, error.into_inner().to_string(), whole)
+        })
+    }
 }
 
 /// Millitokens in one token.
@@ -126,6 +138,32 @@ mod tests {
     #[serde(rename_all = "camelCase")]
     struct Window {
         time_zone: String,
+    }
+
+    #[derive(Debug, PartialEq, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Query {
+        from: u64,
+        limit: Option<u64>,
+        prefix: Option<String>,
+    }
+
+    #[test]
+    fn queries_parse_or_name_the_parameter_at_fault() {
+        let parse = |text: &str| FieldError::parse_query::<Query>(text, "query");
+        assert_eq!(
+            parse("from=5&prefix=acme%2Fapi"),
+            Ok(Query {
+                from: 5,
+                limit: None,
+                prefix: Some("acme/api".to_owned())
+            })
+        );
+        let field = |text: &str| parse(text).expect_err(text).field;
+        assert_eq!(field("from=5&limit=x"), "limit", "a value by its own name");
+        assert_eq!(field("from=-1"), "from");
+        assert_eq!(field("limit=1"), "from", "a missing one");
+        assert_eq!(field("from=1&colour=red"), "colour", "an unknown one");
     }
 
     #[test]

@@ -39,6 +39,12 @@ pub fn parse_json<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Res
         .map_err(|named| ApiError::invalid(named.field, named.message))
 }
 
+/// Parses a URL query (without the `?`; none is empty), naming the parameter at fault on error.
+pub fn parse_query<T: DeserializeOwned>(query: Option<&str>) -> Result<T, ApiError> {
+    FieldError::parse_query(query.unwrap_or_default(), "query")
+        .map_err(|named| ApiError::invalid(named.field, named.message))
+}
+
 /// Parses the `{tenant}/{pool}` path segments.
 pub fn pool_path(tenant: &str, pool: &str) -> Result<(TenantId, PoolId), ApiError> {
     Ok((

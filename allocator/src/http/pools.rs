@@ -5,7 +5,7 @@ use allot_shared::ids::{PoolId, RegionId, TenantId};
 use allot_shared::wire::{FallbackInWindow, PoolTerms};
 use axum::body::Bytes;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Path, Query, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -14,7 +14,7 @@ use super::ApiState;
 use super::access::{Needs, authorize, check_region};
 use super::changes::{Changed, record_id, run_change, unrecorded};
 use super::errors::{ApiError, invalid_id};
-use super::io::{json_response, parse_json, pool_path};
+use super::io::{json_response, parse_json, parse_query, pool_path};
 use crate::auth::OperatorRole;
 use crate::ledger::PoolChange;
 use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
@@ -202,18 +202,11 @@ async fn stored_pool(
 
 pub async fn list_pools(
     State(state): State<ApiState>,
-    query: Result<Query<PoolsQuery>, QueryRejection>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
-    let Query(query) = query.map_err(|e| {
-        let text = e.body_text();
-        let field = ["after", "prefix"]
-            .into_iter()
-            .find(|field| text.contains(field))
-            .unwrap_or("limit");
-        ApiError::invalid(field, text)
-    })?;
+    let query: PoolsQuery = parse_query(query.as_deref())?;
     let prefix =
         pools::PoolPrefix::parse(query.prefix.as_deref().unwrap_or_default()).map_err(|e| {
             ApiError::invalid(

@@ -4,8 +4,7 @@
 //! again after late reports moved it, replaces a record instead of counting it twice.
 
 use allot_shared::ids::{PoolId, RegionId, TenantId};
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
+use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
@@ -14,7 +13,7 @@ use sha2::{Digest, Sha256};
 use super::ApiState;
 use super::access::{Needs, authorize};
 use super::errors::ApiError;
-use super::io::pool_path;
+use super::io::{parse_query, pool_path};
 use crate::auth::OperatorRole;
 use crate::ledger::WindowRow;
 use crate::pools::{self, PoolPrefix};
@@ -269,18 +268,11 @@ async fn page(
 
 pub async fn get_usage(
     State(state): State<ApiState>,
-    query: Result<Query<UsageQuery>, QueryRejection>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
-    let Query(query) = query.map_err(|e| {
-        let text = e.body_text();
-        let field = ["from", "to", "prefix", "format", "limit", "after"]
-            .into_iter()
-            .find(|field| text.contains(field))
-            .unwrap_or("from");
-        ApiError::invalid(field, text)
-    })?;
+    let query: UsageQuery = parse_query(query.as_deref())?;
     if query.to <= query.from {
         return Err(ApiError::invalid("to", "must be after from"));
     }
