@@ -224,13 +224,16 @@ async fn page(
         };
         let mut before_ms = (*resume_before_ms).min(query.to);
         while before_ms > query.from {
+            // No more windows than can start in [from, before): a day's export of a pool with a
+            // year in the ledger reads a day of windows, not the newest thousand.
+            let in_range = (before_ms - query.from).div_ceil(config.window().shortest_ms().max(1));
             let rows = state
                 .ledger
                 .windows_before(
                     tenant,
                     pool,
                     &config,
-                    crate::ledger::MAX_WINDOWS,
+                    in_range.min(crate::ledger::MAX_WINDOWS),
                     now_ms,
                     before_ms,
                 )
