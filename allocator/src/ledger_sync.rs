@@ -146,15 +146,32 @@ pub async fn reconcile_grants(ledger: &Ledger, kv: &dyn Kv) -> Result<(), String
         let (records, next) = list_all_grants_page(kv, &after, crate::kv::MAX_PREFIX_KEYS)
             .await
             .map_err(|e| e.to_string())?;
+        // Most records are in the ledger already (the feed copied them): one read says which are
+        // not, and only those are written, so a round is reads, not a rewrite of every record.
+        let leases: Vec<_> = records
+            .iter()
+            .map(|(_, _, record)| record.lease_id)
+            .collect();
+        let missing: std::collections::HashSet<_> = ledger
+            .missing_grants(&leases)
+            .await
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .collect();
         // A page is in key order, so each pool's records are one run of it.
         for run in records.chunk_by(|a, b| (&a.0, &a.1) == (&b.0, &b.1)) {
             let (tenant, pool, _) = &run[0];
-            let grants: Vec<GrantRecord> =
-                run.iter().map(|(_, _, record)| record.clone()).collect();
-            ledger
-                .record_grants(tenant, pool, &grants)
-                .await
-                .map_err(|e| e.to_string())?;
+            let grants: Vec<GrantRecord> = run
+                .iter()
+                .filter(|(_, _, record)| missing.contains(&record.lease_id))
+                .map(|(_, _, record)| record.clone())
+                .collect();
+            if !grants.is_empty() {
+                ledger
+                    .record_grants(tenant, pool, &grants)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
         }
         match next {
             Some(last) => after = last,
