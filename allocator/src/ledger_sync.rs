@@ -417,12 +417,27 @@ mod tests {
                 count,
                 "{count} pools: every one visited in a cycle"
             );
-            // A pool removed, or one added, between rounds: the rotation goes on from where it was.
-            let mut fewer = pools.clone();
-            if fewer.len() > 3 {
-                fewer.remove(1);
-            }
-            assert!(rotation.next_round(&fewer).len() <= MAX_WINDOW_GAUGE_POOLS);
         }
+        // A pool removed between rounds: the rotation goes on after the last pool it checked,
+        // found by its key, not by a position the removal shifted.
+        let pools = named(2_500);
+        let mut rotation = CheckRotation::default();
+        let first = rotation.next_round(&pools);
+        let last_checked = first.last().map(|(t, p, _)| pool_key(t, p));
+        let mut fewer = pools.clone();
+        fewer.remove(10);
+        let second = rotation.next_round(&fewer);
+        let resumed = second.first().map(|(t, p, _)| pool_key(t, p));
+        assert_eq!(
+            resumed.as_deref(),
+            Some(
+                pool_key(
+                    &pools[MAX_WINDOW_GAUGE_POOLS].0,
+                    &pools[MAX_WINDOW_GAUGE_POOLS].1
+                )
+                .as_str()
+            )
+        );
+        assert!(resumed > last_checked);
     }
 }

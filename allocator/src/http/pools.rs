@@ -557,21 +557,21 @@ pub async fn bulk_put_pools(
             let written = pools::put_pools(&*state.kv, &entries, now_ms).await?;
             let target = format!("{} pools", entries.len());
             let actor = credential.actor();
+            // Each changed pool's history row: its id and stored spec, owned here, borrowed below.
             let changed: Vec<_> = entries
                 .iter()
                 .zip(&written)
                 .filter(|(_, (_, outcome))| *outcome != pools::BulkOutcome::Unchanged)
                 .map(|((tenant, pool, _), (stored, _))| {
                     let config_json = serde_json::to_string(&stored.spec).unwrap_or_default();
-                    (tenant, pool, stored.version, config_json, record_id(now_ms))
+                    let change_id = record_id(now_ms).to_string();
+                    (tenant, pool, stored.version, config_json, change_id)
                 })
                 .collect();
-            let change_ids: Vec<String> = changed.iter().map(|c| c.4.to_string()).collect();
             let records: Vec<PoolChange> = changed
                 .iter()
-                .zip(&change_ids)
                 .map(
-                    |((tenant, pool, version, config_json, _), change_id)| PoolChange {
+                    |(tenant, pool, version, config_json, change_id)| PoolChange {
                         change_id,
                         tenant,
                         pool,
