@@ -6,7 +6,7 @@
 //! as the detail, so a client never has to parse two error formats.
 
 use axum::http::{HeaderValue, header};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 
 /// The problem+json media type.
 pub const PROBLEM_CONTENT_TYPE: &str = "application/problem+json";
@@ -26,8 +26,9 @@ pub async fn problem_for_plain_errors(response: Response) -> Response {
     if !(status.is_client_error() || status.is_server_error()) || is_problem || is_page {
         return response;
     }
-    let retry_after = response.headers().get(header::RETRY_AFTER).cloned();
-    let text = axum::body::to_bytes(response.into_body(), MAX_DETAIL_BYTES)
+    // Every header but the body's own stays (Retry-After, a proxy's X-Allot-Status, ...).
+    let (mut parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, MAX_DETAIL_BYTES)
         .await
         .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
         .unwrap_or_default();
@@ -43,17 +44,12 @@ pub async fn problem_for_plain_errors(response: Response) -> Response {
         status.as_u16(),
         json_string(&detail)
     );
-    let mut rewritten = (status, body).into_response();
-    rewritten.headers_mut().insert(
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static(PROBLEM_CONTENT_TYPE),
     );
-    if let Some(retry_after) = retry_after {
-        rewritten
-            .headers_mut()
-            .insert(header::RETRY_AFTER, retry_after);
-    }
-    rewritten
+    Response::from_parts(parts, axum::body::Body::from(body))
 }
 
 /// `text` as a JSON string literal.
@@ -76,6 +72,7 @@ fn json_string(text: &str) -> String {
 mod tests {
     use super::*;
     use axum::http::StatusCode;
+    use axum::response::IntoResponse;
 
     #[tokio::test]
     async fn plain_errors_become_problems_and_the_rest_passes() {
@@ -92,6 +89,21 @@ mod tests {
         assert_eq!(
             String::from_utf8_lossy(&body),
             r#"{"type":"about:blank","title":"Payload Too Large","status":413,"detail":"length limit \"exceeded\""}"#
+        );
+        // The answer's own headers stay; only the body's change.
+        let mut refused = (StatusCode::FORBIDDEN, "no").into_response();
+        refused
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("7"));
+        refused
+            .headers_mut()
+            .insert("x-allot-status", HeaderValue::from_static("429"));
+        let refused = problem_for_plain_errors(refused).await;
+        assert_eq!(refused.headers()[header::RETRY_AFTER], "7");
+        assert_eq!(refused.headers()["x-allot-status"], "429");
+        assert_eq!(
+            refused.headers()[header::CONTENT_TYPE],
+            PROBLEM_CONTENT_TYPE
         );
         let ok = problem_for_plain_errors((StatusCode::OK, "fine").into_response()).await;
         assert_eq!(ok.status(), 200);

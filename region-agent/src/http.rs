@@ -14,6 +14,9 @@
 //!   ([`crate::service::settlement`]): 200 with how the difference was charged, 404 when nothing
 //!   of that id is open, 409 when settled before with another cost. `/v1/check` answers a
 //!   metered admission's deadline in `x-allot-settle-by-ms`.
+//! - `GET /v1/auth-request` (or `POST`, without a body): `/v1/check` for nginx's `auth_request`,
+//!   which passes on 2xx, 401 and 403 only: 204 when allowed, 403 with `X-Allot-Status: 429|503`
+//!   and `Retry-After` when not; the request from `X-Allot-*` headers.
 //! - `POST /v1/release`: the same request, when it has finished: gives back its concurrency slots
 //!   (idempotent; a slot a gateway never releases lapses with its lease TTL).
 //! - `/healthz`, `/readyz`, `/metrics`.
@@ -25,8 +28,8 @@ use std::time::Duration;
 
 use allot_shared::FieldError;
 use allot_shared::contract::{
-    AdmissionRequest, PROBLEM_CONTENT_TYPE, Problem, QuotaQuery, SettleRequest, http_status,
-    retry_after_header,
+    AdmissionRequest, Decision, PROBLEM_CONTENT_TYPE, Problem, QuotaQuery, SettleRequest,
+    http_status, retry_after_header,
 };
 use allot_shared::ids::PoolId;
 use axum::Router;
@@ -42,6 +45,10 @@ use crate::service::settlement::SettleError;
 /// The response header of `/v1/check` that carries a metered admission's settle deadline, epoch
 /// ms.
 pub const SETTLE_BY_HEADER: &str = "x-allot-settle-by-ms";
+
+/// The response header of `/v1/auth-request` that carries, on a denial, the status the caller
+/// should see (429 or 503).
+pub const AUTH_REQUEST_STATUS_HEADER: &str = "x-allot-status";
 
 /// Largest admission request body, in bytes.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;
@@ -236,43 +243,91 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
     let mut response = if decision.allowed {
         StatusCode::OK.into_response()
     } else {
-        let status =
-            StatusCode::from_u16(http_status(&decision)).unwrap_or(StatusCode::TOO_MANY_REQUESTS);
         problem(
-            status,
+            denial_status(&decision),
             Problem::for_denial(&decision, request.principal.kind),
         )
     };
-    if let Some(seconds) = retry_after_header(&decision)
-        && let Ok(value) = HeaderValue::from_str(&seconds.to_string())
-    {
-        response.headers_mut().insert(header::RETRY_AFTER, value);
+    add_decision_headers(&api, &request, &decision, response.headers_mut());
+    response
+}
+
+/// The status a proxy answers a denial with: 429, or 503 when a fail-closed rule could not decide.
+fn denial_status(decision: &Decision) -> StatusCode {
+    StatusCode::from_u16(http_status(decision)).unwrap_or(StatusCode::TOO_MANY_REQUESTS)
+}
+
+/// `POST|GET /v1/auth-request`: for nginx's `auth_request`, which knows three answers only: 2xx
+/// lets the request through, 401 and 403 refuse it with that status, and anything else is an
+/// error (nginx answers 500). So an admission answers 204; a denial answers 403 with the status
+/// the caller should see in `X-Allot-Status` (429 or 503) beside `Retry-After`, which the shipped
+/// configuration (`deploy/nginx/`) turns into that answer. The request comes from `X-Allot-*`
+/// headers only (nginx sends no body), as for [`check`]. A wrong gateway token still answers 401
+/// and bad input 400: the configuration maps both to errors, never to an admission.
+async fn auth_request(State(api): State<AgentApi>, headers: HeaderMap) -> Response {
+    if let Err(response) = authorized(&api, &headers) {
+        return *response;
     }
-    if let Some(settle_by_ms) = decision.settle_by_ms
-        && let Ok(value) = HeaderValue::from_str(&settle_by_ms.to_string())
-    {
-        response.headers_mut().insert(SETTLE_BY_HEADER, value);
+    let request = match from_headers(&headers) {
+        Ok(request) => request,
+        Err(response) => return *response,
+    };
+    let decision = match api.agent.admit(&request).await {
+        Ok(decision) => decision,
+        Err(rejected) => return invalid(&rejected.field, &rejected.message),
+    };
+    let mut response = if decision.allowed {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        // The body (the denial as `/v1/check` words it) is for people reading the exchange;
+        // nginx drops it.
+        let mut refused = problem(
+            StatusCode::FORBIDDEN,
+            Problem::for_denial(&decision, request.principal.kind),
+        );
+        refused.headers_mut().insert(
+            AUTH_REQUEST_STATUS_HEADER,
+            HeaderValue::from(denial_status(&decision).as_u16()),
+        );
+        refused
+    };
+    add_decision_headers(&api, &request, &decision, response.headers_mut());
+    response
+}
+
+/// What a proxy passes on about a decision: `Retry-After` on a denial with a finite hint, a
+/// metered admission's settle deadline, and what the caller may be told of its limits (RateLimit
+/// fields, soft-limit and shadow notes), from one look at the bundle in force.
+fn add_decision_headers(
+    api: &AgentApi,
+    request: &AdmissionRequest,
+    decision: &Decision,
+    headers: &mut HeaderMap,
+) {
+    if let Some(seconds) = retry_after_header(decision) {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
     }
-    // What the caller may be told, from one look at the bundle in force.
-    if let Some(bundle) = api.agent.bundle() {
-        let kind = request.principal.kind;
-        let (soft, shadow) = crate::visibility::violation_headers(&bundle, kind, &decision);
-        let pool_window_ms = |pool: &PoolId| api.agent.pool_window_ms(&request.tenant_id, pool);
-        let (policy, current) =
-            crate::visibility::rate_limit_headers(&bundle, kind, &decision, &pool_window_ms);
-        let headers = response.headers_mut();
-        for (name, value) in [
-            (crate::visibility::SOFT_LIMIT_HEADER, soft),
-            (crate::visibility::SHADOW_DENIED_HEADER, shadow),
-            ("ratelimit-policy", policy),
-            ("ratelimit", current),
-        ] {
-            if let Some(value) = value.and_then(|v| HeaderValue::from_str(&v).ok()) {
-                headers.insert(name, value);
-            }
+    if let Some(settle_by_ms) = decision.settle_by_ms {
+        headers.insert(SETTLE_BY_HEADER, HeaderValue::from(settle_by_ms));
+    }
+    let Some(bundle) = api.agent.bundle() else {
+        return;
+    };
+    let kind = request.principal.kind;
+    let (soft, shadow) = crate::visibility::violation_headers(&bundle, kind, decision);
+    let pool_window_ms = |pool: &PoolId| api.agent.pool_window_ms(&request.tenant_id, pool);
+    let (policy, current) =
+        crate::visibility::rate_limit_headers(&bundle, kind, decision, &pool_window_ms);
+    for (name, value) in [
+        (crate::visibility::SOFT_LIMIT_HEADER, soft),
+        (crate::visibility::SHADOW_DENIED_HEADER, shadow),
+        ("ratelimit-policy", policy),
+        ("ratelimit", current),
+    ] {
+        if let Some(value) = value.and_then(|v| HeaderValue::from_str(&v).ok()) {
+            headers.insert(name, value);
         }
     }
-    response
 }
 
 async fn quota(
@@ -393,6 +448,7 @@ pub fn router(api: AgentApi) -> Router {
         .route("/metrics", get(metrics_text))
         .route("/v1/admit", post(admit))
         .route("/v1/check", post(check))
+        .route("/v1/auth-request", get(auth_request).post(auth_request))
         .route("/v1/quota", get(quota))
         .route("/v1/settle", post(settle))
         .route("/v1/release", post(release))

@@ -132,6 +132,66 @@ async fn check_answers_with_the_status_a_proxy_needs() {
     }
 }
 
+/// nginx's `auth_request` passes on 2xx, 401 and 403 only: a denial is a 403 that carries the status
+/// the caller should get, and the subrequest (GET, or POST with an empty body) is read from headers.
+#[tokio::test]
+async fn auth_request_answers_in_the_statuses_nginx_passes_on() {
+    let url = start().await;
+    let http = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(5))
+        .build()
+        .expect("http client");
+    let ask = |method: reqwest::Method, id: &str, token: &str| {
+        http.request(method, format!("{url}/v1/auth-request"))
+            .bearer_auth(token)
+            .header("x-allot-request-id", id)
+            .header("x-allot-tenant", "atlas")
+            .header("x-allot-principal-type", "user")
+            .header("x-allot-principal-id", "U-41")
+            .header("x-allot-route-group", "read")
+            .header("x-allot-method", "POST")
+            .send()
+    };
+    let admitted = ask(reqwest::Method::GET, "n-1", GATEWAY)
+        .await
+        .expect("auth");
+    assert_eq!(admitted.status(), 204);
+    assert!(admitted.headers().get("x-allot-status").is_none());
+    assert_eq!(
+        admitted.headers()["ratelimit-policy"],
+        "\"per-user\";q=1;w=60"
+    );
+    let denied = ask(reqwest::Method::POST, "n-2", GATEWAY)
+        .await
+        .expect("auth");
+    assert_eq!(denied.status(), 403);
+    assert_eq!(denied.headers()["x-allot-status"], "429");
+    let retry: u64 = denied.headers()["retry-after"]
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("seconds");
+    assert!((1..=60).contains(&retry), "Retry-After {retry}");
+    // A wrong gateway token and bad input keep their statuses, which nginx makes errors, never
+    // admissions.
+    assert_eq!(
+        ask(reqwest::Method::GET, "n-3", "not-a-gateway-token-00001")
+            .await
+            .expect("auth")
+            .status(),
+        401
+    );
+    let missing = http
+        .get(format!("{url}/v1/auth-request"))
+        .bearer_auth(GATEWAY)
+        .header("x-allot-request-id", "n-4")
+        .header("x-allot-tenant", "atlas")
+        .send()
+        .await
+        .expect("auth");
+    assert_refused(missing, "x-allot-principal-type").await;
+}
+
 #[tokio::test]
 async fn check_takes_headers_and_refuses_bad_input() {
     let url = start().await;

@@ -539,3 +539,81 @@ fn the_layer_check_catches_a_call_back_up() {
         ["mid -> side (other)", "mid -> top (run)"]
     );
 }
+
+/// A heading's anchor as GitHub makes it: lower case, spaces to `-`, punctuation but `-` and `_`
+/// dropped.
+fn anchor_of(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The anchors of a Markdown page's headings (outside code blocks).
+fn anchors(text: &str) -> Vec<String> {
+    let mut in_code = false;
+    let mut found = Vec::new();
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            in_code = !in_code;
+        } else if !in_code && line.starts_with('#') {
+            found.push(anchor_of(line.trim_start_matches('#')));
+        }
+    }
+    found
+}
+
+#[test]
+fn every_anchor_the_docs_link_to_exists() {
+    assert_eq!(
+        anchor_of(" Unauthenticated callers (the gateway's contract)"),
+        "unauthenticated-callers-the-gateways-contract"
+    );
+    assert_eq!(
+        anchor_of("Charging: `metered` and `POST /v1/settle`"),
+        "charging-metered-and-post-v1settle"
+    );
+    let root = repo_root();
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for document in documents(&root) {
+        let text = read(&document);
+        for link in text.split("](").skip(1) {
+            let Some((target, _)) = link.split_once(')') else {
+                continue;
+            };
+            let Some((file, anchor)) = target.split_once('#') else {
+                continue;
+            };
+            if file.contains("://") {
+                continue;
+            }
+            let page = if file.is_empty() {
+                document.clone()
+            } else {
+                document.parent().expect("in a folder").join(file)
+            };
+            if page.extension().is_none_or(|e| e != "md") {
+                continue;
+            }
+            checked += 1;
+            if !page.exists() || !anchors(&read(&page)).iter().any(|a| a == anchor) {
+                broken.push(format!("{}: {target}", document.display()));
+            }
+        }
+    }
+    assert!(
+        checked > 20,
+        "only {checked} links found: the scan is broken"
+    );
+    assert!(
+        broken.is_empty(),
+        "links to headings that do not exist: {broken:?}"
+    );
+}

@@ -23,6 +23,8 @@ pub enum Binary {
     Chromium,
     /// `chromedriver`, Chromium's WebDriver server.
     ChromeDriver,
+    /// `nginx`, the second gateway the end-to-end tests put in front of an application.
+    Nginx,
 }
 
 impl Binary {
@@ -35,6 +37,7 @@ impl Binary {
             Self::RedisCli => "redis-cli",
             Self::Chromium => "chromium",
             Self::ChromeDriver => "chromedriver",
+            Self::Nginx => "nginx",
         }
     }
 
@@ -46,6 +49,7 @@ impl Binary {
             Self::RedisServer | Self::RedisCli => "redis-server",
             Self::Chromium => "chromium",
             Self::ChromeDriver => "chromium-driver",
+            Self::Nginx => "nginx",
         }
     }
 
@@ -59,18 +63,24 @@ impl Binary {
             Self::RedisCli => "ALLOT_REDIS_CLI_BIN",
             Self::Chromium => "ALLOT_CHROMIUM_BIN",
             Self::ChromeDriver => "ALLOT_CHROMEDRIVER_BIN",
+            Self::Nginx => "ALLOT_NGINX_BIN",
         }
     }
 
     /// Finds the program from this process's environment: the override variable
-    /// if set, else `PATH`.
+    /// if set, else `PATH` and then the system dirs Debian puts daemons in
+    /// (`/usr/sbin`, `/sbin`), which a non-root `PATH` may lack.
     ///
     /// # Errors
     /// [`MissingBinary`] when there is no executable file there; its message says
     /// what to install.
     pub fn locate(self) -> Result<PathBuf, MissingBinary> {
         let override_path = std::env::var_os(self.override_var());
-        let search_path = std::env::var_os("PATH");
+        let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+            .map(|path| std::env::split_paths(&path).collect())
+            .unwrap_or_default();
+        dirs.extend(["/usr/sbin", "/sbin"].map(PathBuf::from));
+        let search_path = std::env::join_paths(dirs).ok();
         self.locate_in(override_path.as_deref(), search_path.as_deref())
     }
 

@@ -13,6 +13,8 @@
 //!   latency, for partitions between real processes.
 //! - [`ChromeDriver`]: `chromedriver` and the headless `chromium` it drives, for the operator
 //!   console's browser tests.
+//! - [`Nginx`]: a real `nginx` in the foreground, for the tests of Allot as nginx's
+//!   `auth_request` service.
 //! - [`workspace_binary`]: this workspace's own binaries, to run as processes.
 //!
 //! # Guarantees
@@ -43,12 +45,13 @@
 //! worker, a helper thread) or kept in a `static` shared by tests dies early.
 //!
 //! Binaries come from `PATH`, or from `ALLOT_ETCD_BIN`, `ALLOT_REDIS_SERVER_BIN`
-//! and `ALLOT_REDIS_CLI_BIN` when set ([`Binary::override_var`]).
+//! and `ALLOT_REDIS_CLI_BIN` (and so on, one per [`Binary`]) when set ([`Binary::override_var`]).
 
 mod binary;
 mod browser;
 mod etcd;
 mod net;
+mod nginx;
 mod pki;
 mod process;
 mod proxy;
@@ -58,6 +61,7 @@ mod workspace;
 pub use binary::{Binary, MissingBinary};
 pub use browser::ChromeDriver;
 pub use etcd::EtcdCluster;
+pub use nginx::Nginx;
 pub use pki::{TEST_SERVER_NAME, TestPki};
 pub use process::{log_tail, resident_bytes};
 pub use proxy::{FaultProxy, MAX_CONNECTIONS, ProxyMode};
