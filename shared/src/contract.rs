@@ -227,6 +227,19 @@ pub struct PoolCharge {
     pub written_off: u64,
 }
 
+/// The answer to `POST /v1/renew`: what a heartbeat did to the concurrency slots of a request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SlotRenewal {
+    /// Slots extended by their lease TTL.
+    pub renewed: u32,
+    /// Slots that had lapsed (or were never held): not taken again.
+    pub lapsed: u32,
+    /// Slots the store could not be asked about (they lapse with their TTL unless a later
+    /// heartbeat reaches them).
+    pub failed: u32,
+}
+
 /// Which rule said no.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

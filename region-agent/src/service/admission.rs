@@ -56,17 +56,7 @@ pub const AWAITING_GRANT_RETRY_MS: u64 = 100;
 pub const RETRY_JITTER_MAX_MS: u64 = 1_000;
 
 /// What a heartbeat ([`Agent::renew`]) did to the concurrency slots of a request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SlotRenewal {
-    /// Slots extended by their lease TTL.
-    pub renewed: u32,
-    /// Slots that had lapsed (or were never held): not taken again.
-    pub lapsed: u32,
-    /// Slots the store could not be asked about (they lapse with their TTL unless a later
-    /// heartbeat reaches them).
-    pub failed: u32,
-}
+pub use allot_shared::contract::SlotRenewal;
 
 /// Most reservation passes over a request's global rules: one per kind of wait (a renewal, a
 /// fallback claim), one more for a pool forgotten meanwhile, and the last.
