@@ -14,7 +14,7 @@
 //!   ([`crate::service::settlement`]): 200 with how the difference was charged, 404 when nothing
 //!   of that id is open, 409 when settled before with another cost. `/v1/check` answers a
 //!   metered admission's deadline in `x-allot-settle-by-ms`.
-//! - `GET /v1/auth-request` (or `POST`, without a body): `/v1/check` for nginx's `auth_request`,
+//! - `GET /v1/auth-request`: `/v1/check` for nginx's `auth_request`,
 //!   which passes on 2xx, 401 and 403 only: 204 when allowed, 403 with `X-Allot-Status: 429|503`
 //!   and `Retry-After` when not; the request from `X-Allot-*` headers.
 //! - `POST /v1/release`: the same request, when it has finished: gives back its concurrency slots
@@ -28,10 +28,10 @@ use std::time::Duration;
 
 use allot_shared::FieldError;
 use allot_shared::contract::{
-    AdmissionRequest, Decision, PROBLEM_CONTENT_TYPE, Problem, QuotaQuery, SettleRequest,
-    http_status, retry_after_header,
+    AdmissionRequest, Decision, PROBLEM_CONTENT_TYPE, PrincipalType, Problem, QuotaQuery,
+    QuotaStatus, SettleAnswer, SettleRequest, SlotRenewal, http_status, retry_after_header,
 };
-use allot_shared::ids::PoolId;
+use allot_shared::ids::{DecisionId, PoolId, RouteGroup, TenantId};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -137,7 +137,18 @@ fn parse<T: serde::de::DeserializeOwned>(
         .map_err(|named| Box::new(invalid(&named.field, &named.message)))
 }
 
-async fn admit(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+/// Decides a request; the decision is the answer, whatever it says.
+#[utoipa::path(post, path = "/v1/admit", tag = "gateway",
+    request_body = AdmissionRequest,
+    responses(
+        (status = 200, description = "The decision, allowed or not", body = Decision),
+        crate::openapi::JsonCallRefused,
+    ))]
+pub(crate) async fn admit(
+    State(api): State<AgentApi>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(response) = authorized(&api, &headers) {
         return *response;
     }
@@ -167,11 +178,15 @@ async fn admit(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
 /// `X-Allot-Route-Group` (required), `X-Allot-Api-Key-Id`, `X-Allot-Method` (default GET),
 /// `X-Allot-Cost` (default 1) and `X-Allot-Metered` (`true` or `false`, the default).
 fn from_headers(headers: &HeaderMap) -> Result<AdmissionRequest, Box<Response>> {
+    // Bytes past ASCII are read as ISO-8859-1, as HTTP has always read them, so every value has
+    // one reading and two different values never read the same.
     let get = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
+        headers.get(name).map(|v| {
+            v.as_bytes()
+                .iter()
+                .map(|&b| char::from(b))
+                .collect::<String>()
+        })
     };
     let required = |name: &'static str| {
         get(name).ok_or_else(|| Box::new(invalid(name, "is required without a JSON body")))
@@ -217,17 +232,52 @@ fn from_headers(headers: &HeaderMap) -> Result<AdmissionRequest, Box<Response>> 
     }
     serde_path_to_error::deserialize(&value).map_err(|error| {
         Box::new(invalid(
-            &format!("x-allot-{}", error.path()),
+            header_of(&error.path().to_string()),
             &error.into_inner().to_string(),
         ))
     })
 }
 
-async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+/// The `X-Allot-*` header a field of the admission request comes from, for errors about a request
+/// read from headers (the field's own name when no header carries it).
+fn header_of(field: &str) -> &str {
+    match field {
+        "requestId" => "x-allot-request-id",
+        "tenantId" => "x-allot-tenant",
+        "principal.type" => "x-allot-principal-type",
+        "principal.id" => "x-allot-principal-id",
+        "principal.apiKeyId" => "x-allot-api-key-id",
+        "routeGroup" => "x-allot-route-group",
+        "method" => "x-allot-method",
+        "costHint" => "x-allot-cost",
+        "metered" => "x-allot-metered",
+        other => other,
+    }
+}
+
+/// Decides a request and answers as a proxy should: 200, or the caller's refusal. The request may
+/// come as `X-Allot-*` headers instead of a body (see `/v1/auth-request`).
+#[utoipa::path(post, path = "/v1/check", tag = "gateway",
+    request_body = AdmissionRequest,
+    responses(
+        (status = 200, description = "Admitted; `RateLimit-Policy` and `RateLimit` when the caller may see its limit",
+            headers(("ratelimit-policy" = String), ("ratelimit" = String), ("x-allot-settle-by-ms" = u64))),
+        (status = 429, description = "A limit said no; `Retry-After` in whole seconds unless it never will",
+            body = Problem, content_type = "application/problem+json", headers(("retry-after" = u64))),
+        (status = 503, description = "A fail-closed rule could not be decided", body = Problem, content_type = "application/problem+json",
+            headers(("retry-after" = u64))),
+        crate::openapi::JsonCallRefused,
+    ))]
+pub(crate) async fn check(
+    State(api): State<AgentApi>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(response) = authorized(&api, &headers) {
         return *response;
     }
-    let parsed = if body.is_empty() && headers.contains_key("x-allot-request-id") {
+    let from_header_fields = body.is_empty() && headers.contains_key("x-allot-request-id");
+    let parsed = if from_header_fields {
         from_headers(&headers)
     } else {
         parse(&headers, &body)
@@ -238,6 +288,9 @@ async fn check(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
     };
     let decision = match api.agent.admit(&request).await {
         Ok(decision) => decision,
+        Err(rejected) if from_header_fields => {
+            return invalid(header_of(&rejected.field), &rejected.message);
+        }
         Err(rejected) => return invalid(&rejected.field, &rejected.message),
     };
     let mut response = if decision.allowed {
@@ -257,14 +310,36 @@ fn denial_status(decision: &Decision) -> StatusCode {
     StatusCode::from_u16(http_status(decision)).unwrap_or(StatusCode::TOO_MANY_REQUESTS)
 }
 
-/// `POST|GET /v1/auth-request`: for nginx's `auth_request`, which knows three answers only: 2xx
+/// `GET /v1/auth-request`: for nginx's `auth_request`, which knows three answers only: 2xx
 /// lets the request through, 401 and 403 refuse it with that status, and anything else is an
 /// error (nginx answers 500). So an admission answers 204; a denial answers 403 with the status
 /// the caller should see in `X-Allot-Status` (429 or 503) beside `Retry-After`, which the shipped
 /// configuration (`deploy/nginx/`) turns into that answer. The request comes from `X-Allot-*`
 /// headers only (nginx sends no body), as for [`check`]. A wrong gateway token still answers 401
 /// and bad input 400: the configuration maps both to errors, never to an admission.
-async fn auth_request(State(api): State<AgentApi>, headers: HeaderMap) -> Response {
+#[utoipa::path(get, path = "/v1/auth-request", tag = "gateway",
+    params(
+        ("x-allot-request-id" = DecisionId, Header, description = "Unique per request, stable across retries"),
+        ("x-allot-tenant" = TenantId, Header, description = "The verified tenant"),
+        ("x-allot-principal-type" = PrincipalType, Header, description = "user, api_key or ip"),
+        ("x-allot-principal-id" = String, Header, min_length = 1, max_length = 256,
+            description = "The verified principal"),
+        ("x-allot-route-group" = RouteGroup, Header, description = "The request's route group"),
+        ("x-allot-method" = Option<String>, Header, nullable = false, pattern = "^[A-Z]{1,16}$",
+            description = "The request's method (GET)"),
+        ("x-allot-cost" = Option<u64>, Header, nullable = false, minimum = 1, maximum = 1_073_741_824,
+            description = "Cost in whole units (1)"),
+        ("x-allot-metered" = Option<bool>, Header, nullable = false, description = "Charge the cost as an estimate (false)"),
+        ("x-allot-api-key-id" = Option<String>, Header, nullable = false, min_length = 1, max_length = 256,
+            description = "The API key the request came with"),
+    ),
+    responses(
+        (status = 204, description = "Admitted", headers(("ratelimit-policy" = String), ("ratelimit" = String))),
+        (status = 403, description = "Refused: `X-Allot-Status` says how to answer the caller (429 or 503)",
+            body = Problem, content_type = "application/problem+json", headers(("x-allot-status" = u16), ("retry-after" = u64))),
+        crate::openapi::CallRefused,
+    ))]
+pub(crate) async fn auth_request(State(api): State<AgentApi>, headers: HeaderMap) -> Response {
     if let Err(response) = authorized(&api, &headers) {
         return *response;
     }
@@ -274,7 +349,7 @@ async fn auth_request(State(api): State<AgentApi>, headers: HeaderMap) -> Respon
     };
     let decision = match api.agent.admit(&request).await {
         Ok(decision) => decision,
-        Err(rejected) => return invalid(&rejected.field, &rejected.message),
+        Err(rejected) => return invalid(header_of(&rejected.field), &rejected.message),
     };
     let mut response = if decision.allowed {
         StatusCode::NO_CONTENT.into_response()
@@ -330,7 +405,15 @@ fn add_decision_headers(
     }
 }
 
-async fn quota(
+/// The caller's own quotas and what is left of them (only the rules it may see).
+#[utoipa::path(get, path = "/v1/quota", tag = "gateway",
+    params(QuotaQuery),
+    responses(
+        (status = 200, description = "The caller's quotas", body = QuotaStatus),
+        (status = 503, description = "No policy bundle yet", body = Problem, content_type = "application/problem+json"),
+        crate::openapi::CallRefused,
+    ))]
+pub(crate) async fn quota(
     State(api): State<AgentApi>,
     headers: HeaderMap,
     axum::extract::RawQuery(query): axum::extract::RawQuery,
@@ -362,7 +445,20 @@ async fn quota(
     response
 }
 
-async fn settle(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+/// States the actual cost of a metered admission (idempotent by decision id).
+#[utoipa::path(post, path = "/v1/settle", tag = "gateway",
+    request_body = SettleRequest,
+    responses(
+        (status = 200, description = "How the difference was charged", body = SettleAnswer),
+        (status = 404, description = "Nothing of that id is open for settlement", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Settled before with another cost", body = Problem, content_type = "application/problem+json"),
+        crate::openapi::JsonCallRefused,
+    ))]
+pub(crate) async fn settle(
+    State(api): State<AgentApi>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(response) = authorized(&api, &headers) {
         return *response;
     }
@@ -385,7 +481,18 @@ async fn settle(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) ->
     }
 }
 
-async fn release(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+/// Gives back the concurrency slots a finished request holds (idempotent).
+#[utoipa::path(post, path = "/v1/release", tag = "gateway",
+    request_body = AdmissionRequest,
+    responses(
+        (status = 204, description = "Released (or nothing was held)"),
+        crate::openapi::JsonCallRefused,
+    ))]
+pub(crate) async fn release(
+    State(api): State<AgentApi>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(response) = authorized(&api, &headers) {
         return *response;
     }
@@ -399,7 +506,18 @@ async fn release(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -
     }
 }
 
-async fn renew(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> Response {
+/// Extends the concurrency slots a running request holds (a heartbeat).
+#[utoipa::path(post, path = "/v1/renew", tag = "gateway",
+    request_body = AdmissionRequest,
+    responses(
+        (status = 200, description = "What the heartbeat did", body = SlotRenewal),
+        crate::openapi::JsonCallRefused,
+    ))]
+pub(crate) async fn renew(
+    State(api): State<AgentApi>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(response) = authorized(&api, &headers) {
         return *response;
     }
@@ -413,7 +531,13 @@ async fn renew(State(api): State<AgentApi>, headers: HeaderMap, body: Bytes) -> 
     }
 }
 
-async fn metrics_text(State(api): State<AgentApi>) -> Response {
+/// Prometheus metrics.
+#[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
+    responses(
+        (status = 200, description = "The Prometheus text format", body = String, content_type = "text/plain"),
+        (status = 404, description = "No metrics registry in this process", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn metrics_text(State(api): State<AgentApi>) -> Response {
     let Some(handle) = api.metrics.as_ref() else {
         return StatusCode::NOT_FOUND.into_response();
     };
@@ -425,11 +549,20 @@ async fn metrics_text(State(api): State<AgentApi>) -> Response {
         .into_response()
 }
 
-async fn healthz() -> &'static str {
+/// Liveness.
+#[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
+    responses((status = 200, description = "Alive", body = String, content_type = "text/plain")))]
+pub(crate) async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn readyz(State(api): State<AgentApi>) -> Response {
+/// Readiness: ready once a policy bundle is in force.
+#[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
+    responses(
+        (status = 200, description = "Ready, and the policy version", body = String, content_type = "text/plain"),
+        (status = 503, description = "No policy bundle yet", body = Problem, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn readyz(State(api): State<AgentApi>) -> Response {
     match api.agent.bundle() {
         Some(bundle) => (
             StatusCode::OK,
@@ -440,15 +573,27 @@ async fn readyz(State(api): State<AgentApi>) -> Response {
     }
 }
 
+/// This API's OpenAPI document.
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", security(()),
+    responses((status = 200, description = "The OpenAPI 3.1 document", body = Object)))]
+pub(crate) async fn openapi_json() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        crate::openapi::document_json(),
+    )
+        .into_response()
+}
+
 /// The agent's router with its bounds.
 pub fn router(api: AgentApi) -> Router {
     let routes = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi_json))
         .route("/v1/admit", post(admit))
         .route("/v1/check", post(check))
-        .route("/v1/auth-request", get(auth_request).post(auth_request))
+        .route("/v1/auth-request", get(auth_request))
         .route("/v1/quota", get(quota))
         .route("/v1/settle", post(settle))
         .route("/v1/release", post(release))

@@ -34,6 +34,7 @@ pub mod grpc;
 pub mod http;
 pub mod limiter;
 pub mod metrics;
+pub mod openapi;
 pub mod rlqs;
 pub mod server;
 pub mod service;

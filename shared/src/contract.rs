@@ -17,11 +17,32 @@ use serde::{Deserialize, Serialize};
 use crate::FieldError;
 use crate::ids::{DecisionId, RouteGroup, TenantId};
 
-/// Longest principal id or API key id accepted, in bytes (I10). They are hashed, never stored raw.
+/// Longest principal id or API key id accepted, in characters (I10: at most 1 KiB of UTF-8), as
+/// JSON Schema's `maxLength` counts them. They are hashed, never stored raw.
 pub const MAX_PRINCIPAL_ID_LEN: usize = 256;
 
+/// Whether `id` is a principal or API key id of 1 to [`MAX_PRINCIPAL_ID_LEN`] characters. The byte
+/// length is looked at first, so a hostile megabyte is refused without counting it.
+pub fn principal_id_in_bounds(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 4 * MAX_PRINCIPAL_ID_LEN
+        && id.chars().count() <= MAX_PRINCIPAL_ID_LEN
+}
+
 /// The kind of verified identity a request carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum PrincipalType {
     /// A user, from a verified token.
@@ -49,21 +70,23 @@ impl PrincipalType {
 }
 
 /// Who the request is from, derived by the gateway from verified credentials only.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Principal {
     /// The identity kind.
     #[serde(rename = "type")]
     pub kind: PrincipalType,
     /// The identity (user id, or the client address for `ip`). Never stored raw: keys hold its HMAC.
+    #[schema(min_length = 1, max_length = 256)]
     pub id: String,
     /// The API key the request came with, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(min_length = 1, max_length = 256)]
     pub api_key_id: Option<String>,
 }
 
 /// The admission request a gateway sends for every request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AdmissionRequest {
     /// Minted at ingress and stable across retries: the idempotency scope of the decision.
@@ -75,12 +98,19 @@ pub struct AdmissionRequest {
     /// The route group the request maps to, e.g. `read`.
     pub route_group: RouteGroup,
     /// The HTTP method, for logs and matching.
+    #[schema(pattern = "^[A-Z]{1,16}$")]
     pub method: String,
     /// Cost in whole units (default 1); a policy may override it per route group.
-    #[serde(default = "one")]
+    #[serde(default = "one", deserialize_with = "crate::json_number::whole")]
+    #[schema(minimum = 1, maximum = 1_073_741_824)]
     pub cost_hint: u64,
     /// The policy bundle version the gateway evaluated against, if it tracks one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "crate::json_number::optional_whole"
+    )]
+    #[schema(minimum = 0, maximum = 9_007_199_254_740_992_u64)]
     pub policy_epoch: Option<u64>,
     /// Decide without spending: the answer says what a real request would get now, and nothing is
     /// debited anywhere (no regional write, no lease spent, no fallback claimed, no concurrency
@@ -102,16 +132,19 @@ impl AdmissionRequest {
     /// Checks what serde cannot: bounded, non-empty identities, a plausible method and a cost in
     /// `[1, 2^30]` units.
     pub fn validate(&self) -> Result<(), FieldError> {
-        let bounded = |s: &str| !s.is_empty() && s.len() <= MAX_PRINCIPAL_ID_LEN;
+        let bounded = principal_id_in_bounds;
         if !bounded(&self.principal.id) {
-            return Err(FieldError::new("principal.id", "must be 1 to 256 bytes"));
+            return Err(FieldError::new(
+                "principal.id",
+                "must be 1 to 256 characters",
+            ));
         }
         if let Some(key) = &self.principal.api_key_id
             && !bounded(key)
         {
             return Err(FieldError::new(
                 "principal.apiKeyId",
-                "must be 1 to 256 bytes",
+                "must be 1 to 256 characters",
             ));
         }
         if self.method.is_empty()
@@ -144,7 +177,7 @@ pub const MAX_SETTLE_COST_UNITS: u64 = 1 << 30;
 
 /// `POST /v1/settle`: the actual cost of a metered admission, once the response is known.
 /// Idempotent by decision id: the same body again gets the same answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SettleRequest {
     /// The metered admission's decision id (its `requestId`).
@@ -152,7 +185,8 @@ pub struct SettleRequest {
     /// The tenant it was admitted for.
     pub tenant_id: TenantId,
     /// What the request actually cost, whole units, in `[0, 2^30]`.
-    #[serde(rename = "actualCost")]
+    #[serde(rename = "actualCost", deserialize_with = "crate::json_number::whole")]
+    #[schema(minimum = 0, maximum = 1_073_741_824)]
     pub actual_cost_units: u64,
 }
 
@@ -174,7 +208,7 @@ impl SettleRequest {
 /// An actual cost below the estimate gives nothing back (`unused`; no refunds). Above it, the
 /// difference (`extra`) is charged at once where it fits; what does not fit becomes debt that the
 /// next admissions pay first (`owed`), up to a bound; beyond it, it is written off and counted.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SettleAnswer {
     /// The admission settled.
@@ -202,7 +236,7 @@ pub struct SettleAnswer {
 }
 
 /// How one limit took a settlement's extra cost.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Charge {
     /// Charged at once.
@@ -214,7 +248,7 @@ pub struct Charge {
 }
 
 /// How one global pool took a settlement's extra cost, tokens.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolCharge {
     /// The pool.
@@ -228,7 +262,7 @@ pub struct PoolCharge {
 }
 
 /// The answer to `POST /v1/renew`: what a heartbeat did to the concurrency slots of a request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SlotRenewal {
     /// Slots extended by their lease TTL.
@@ -241,7 +275,19 @@ pub struct SlotRenewal {
 }
 
 /// Which rule said no.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DeniedScope {
     /// A per-principal rule.
@@ -257,7 +303,7 @@ pub enum DeniedScope {
 }
 
 /// Why a request was not admitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Reason {
     /// A rate rule is exhausted.
@@ -274,7 +320,7 @@ pub enum Reason {
 }
 
 /// The decision: a structured record first, an HTTP response second.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Decision {
     /// Whether the request may proceed.
@@ -312,7 +358,7 @@ pub struct Decision {
 }
 
 /// A shadow or soft rule that would have denied a request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Violation {
     /// The rule.
@@ -324,7 +370,7 @@ pub struct Violation {
 }
 
 /// The mode of a rule that advises instead of denying.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum AdvisoryMode {
     /// Dark-launched: metrics, the decision log and the gateway's headers say what it would have
@@ -336,14 +382,19 @@ pub enum AdvisoryMode {
 
 /// `GET /v1/quota` on the agent: whose quotas to show. A query string of these fields, set by the
 /// gateway from verified credentials, like an [`AdmissionRequest`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema, utoipa::IntoParams,
+)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct QuotaQuery {
     /// The verified tenant.
     pub tenant_id: TenantId,
     /// The verified principal's kind.
     pub principal_type: PrincipalType,
     /// The verified principal (hashed, never stored).
+    #[schema(min_length = 1, max_length = 256)]
+    #[param(min_length = 1, max_length = 256)]
     pub principal_id: String,
     /// Only the rules of this route group (and those of every route group); absent: all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -353,15 +404,18 @@ pub struct QuotaQuery {
 impl QuotaQuery {
     /// Checks what serde cannot: a bounded, non-empty principal id.
     pub fn validate(&self) -> Result<(), FieldError> {
-        if self.principal_id.is_empty() || self.principal_id.len() > MAX_PRINCIPAL_ID_LEN {
-            return Err(FieldError::new("principalId", "must be 1 to 256 bytes"));
+        if !principal_id_in_bounds(&self.principal_id) {
+            return Err(FieldError::new(
+                "principalId",
+                "must be 1 to 256 characters",
+            ));
         }
         Ok(())
     }
 }
 
 /// The answer to `GET /v1/quota`: the caller's own quotas, only those its rules let it see.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct QuotaStatus {
     /// The tenant asked about.
@@ -373,7 +427,7 @@ pub struct QuotaStatus {
 }
 
 /// One quota as its caller may see it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct QuotaLine {
     /// The rule's id.
@@ -480,7 +534,7 @@ pub fn rate_limit_fields(view: &QuotaView) -> (String, String) {
 }
 
 /// An RFC 9457 problem details body.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Problem {
     /// A URI naming the problem type; `about:blank` when the status says it all.

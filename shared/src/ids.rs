@@ -92,7 +92,7 @@ fn alnum_dash_underscore_dot(c: char) -> bool {
 }
 
 macro_rules! string_id {
-    ($(#[$doc:meta])* $name:ident, $kind:literal, $max:literal, $charset:literal, $allowed:expr) => {
+    ($(#[$doc:meta])* $name:ident, $kind:literal, $max:literal, $charset:literal, $pattern:literal, $allowed:expr) => {
         $(#[$doc])*
         #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
         #[serde(try_from = "String", into = "String")]
@@ -101,6 +101,8 @@ macro_rules! string_id {
         impl $name {
             /// Largest allowed length, in bytes.
             pub const MAX_LEN: usize = $max;
+            /// Valid values as a regular expression (the OpenAPI documents' `pattern`).
+            pub const PATTERN: &'static str = $pattern;
 
             /// Parses and validates `value`.
             pub fn parse(value: &str) -> Result<Self, IdError> {
@@ -128,6 +130,19 @@ macro_rules! string_id {
             }
         }
 
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .min_length(Some(1))
+                    .max_length(Some($max))
+                    .pattern(Some($pattern))
+                    .into()
+            }
+        }
+
+        impl utoipa::ToSchema for $name {}
+
         impl std::str::FromStr for $name {
             type Err = IdError;
             fn from_str(value: &str) -> Result<Self, IdError> {
@@ -146,34 +161,38 @@ macro_rules! string_id {
 string_id!(
     /// A tenant: `[a-z0-9-]{1,32}`. Sits inside the Redis hash tag `{t:<tenant>}`, so the charset is a
     /// security boundary (a `}` or `:` could otherwise shape keys).
-    TenantId, "tenant id", 32, "a-z, 0-9 and '-'", lower_alnum_dash
+    TenantId, "tenant id", 32, "a-z, 0-9 and '-'", "^[a-z0-9-]{1,32}$", lower_alnum_dash
 );
 string_id!(
     /// A tenant's quota pool at the allocator, e.g. `api`: `[a-z0-9-]{1,32}`.
-    PoolId, "pool id", 32, "a-z, 0-9 and '-'", lower_alnum_dash
+    PoolId, "pool id", 32, "a-z, 0-9 and '-'", "^[a-z0-9-]{1,32}$", lower_alnum_dash
 );
 string_id!(
     /// A region, e.g. `eu`: `[a-z0-9-]{1,32}`.
-    RegionId, "region id", 32, "a-z, 0-9 and '-'", lower_alnum_dash
+    RegionId, "region id", 32, "a-z, 0-9 and '-'", "^[a-z0-9-]{1,32}$", lower_alnum_dash
 );
 string_id!(
     /// A route group, e.g. `read` or `export`: `[a-z0-9_-]{1,32}`.
-    RouteGroup, "route group", 32, "a-z, 0-9, '-' and '_'", |c| lower_alnum_dash(c) || c == '_'
+    RouteGroup, "route group", 32, "a-z, 0-9, '-' and '_'", "^[a-z0-9_-]{1,32}$", |c| lower_alnum_dash(c) || c == '_'
 );
 string_id!(
     /// A policy rule id, e.g. `read-user-v3`: `[a-z0-9._-]{1,64}`.
-    RuleId, "rule id", 64, "a-z, 0-9, '-', '_' and '.'", lower_alnum_dash_underscore_dot
+    RuleId, "rule id", 64, "a-z, 0-9, '-', '_' and '.'", "^[a-z0-9._-]{1,64}$", lower_alnum_dash_underscore_dot
 );
 string_id!(
     /// A region agent's id, in policy status: `[A-Za-z0-9._-]{1,64}` (by default
     /// `<region>-<host name>-<listen port>`).
-    AgentId, "agent id", 64, "A-Z, a-z, 0-9, '-', '_' and '.'", alnum_dash_underscore_dot
+    AgentId, "agent id", 64, "A-Z, a-z, 0-9, '-', '_' and '.'", "^[A-Za-z0-9._-]{1,64}$", alnum_dash_underscore_dot
 );
 string_id!(
     /// A decision id, minted by the gateway at ingress and stable across retries (the idempotency scope):
     /// `[A-Za-z0-9._-]{1,64}`. It names idempotency records and sliding-log members in the store.
-    DecisionId, "decision id", 64, "A-Z, a-z, 0-9, '-', '_' and '.'", alnum_dash_underscore_dot
+    DecisionId, "decision id", 64, "A-Z, a-z, 0-9, '-', '_' and '.'", "^[A-Za-z0-9._-]{1,64}$", alnum_dash_underscore_dot
 );
+
+/// A hyphenated version-7 UUID, as the OpenAPI documents' `pattern`.
+pub const UUID_V7_PATTERN: &str =
+    "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-7[0-9a-fA-F]{3}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$";
 
 macro_rules! uuid_v7_id {
     ($(#[$doc:meta])* $name:ident, $kind:literal) => {
@@ -221,6 +240,20 @@ macro_rules! uuid_v7_id {
                 id.0.hyphenated().to_string()
             }
         }
+
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .format(Some(utoipa::openapi::SchemaFormat::Custom(
+                        "uuid".to_owned(),
+                    )))
+                    .pattern(Some(UUID_V7_PATTERN))
+                    .into()
+            }
+        }
+
+        impl utoipa::ToSchema for $name {}
 
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -30,6 +30,7 @@
 pub mod clock;
 pub mod contract;
 pub mod ids;
+pub mod json_number;
 pub mod keys;
 pub mod lease;
 pub mod limit;

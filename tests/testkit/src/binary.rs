@@ -25,6 +25,10 @@ pub enum Binary {
     ChromeDriver,
     /// `nginx`, the second gateway the end-to-end tests put in front of an application.
     Nginx,
+    /// `openapi-spec-validator` (PyPI), which checks the services' OpenAPI documents.
+    OpenapiSpecValidator,
+    /// `schemathesis` (PyPI), which tests running services against their OpenAPI documents.
+    Schemathesis,
 }
 
 impl Binary {
@@ -38,6 +42,22 @@ impl Binary {
             Self::Chromium => "chromium",
             Self::ChromeDriver => "chromedriver",
             Self::Nginx => "nginx",
+            Self::OpenapiSpecValidator => "openapi-spec-validator",
+            Self::Schemathesis => "schemathesis",
+        }
+    }
+
+    /// How to install the program: a Debian package or a PyPI one.
+    #[must_use]
+    pub fn install_hint(self) -> String {
+        match self {
+            Self::OpenapiSpecValidator | Self::Schemathesis => {
+                format!("the PyPI package `{0}` (`pip install {0}`)", self.name())
+            }
+            _ => format!(
+                "the Debian package `{0}` (`apt-get install {0}`)",
+                self.debian_package()
+            ),
         }
     }
 
@@ -50,6 +70,7 @@ impl Binary {
             Self::Chromium => "chromium",
             Self::ChromeDriver => "chromium-driver",
             Self::Nginx => "nginx",
+            Self::OpenapiSpecValidator | Self::Schemathesis => "python3-pip",
         }
     }
 
@@ -64,6 +85,8 @@ impl Binary {
             Self::Chromium => "ALLOT_CHROMIUM_BIN",
             Self::ChromeDriver => "ALLOT_CHROMEDRIVER_BIN",
             Self::Nginx => "ALLOT_NGINX_BIN",
+            Self::OpenapiSpecValidator => "ALLOT_OPENAPI_SPEC_VALIDATOR_BIN",
+            Self::Schemathesis => "ALLOT_SCHEMATHESIS_BIN",
         }
     }
 
@@ -161,12 +184,12 @@ impl fmt::Display for MissingBinary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "allot-testkit: `{name}` not found: {looked_in}. Install the Debian package \
-             `{package}` (`apt-get install {package}`); `scripts/ensure-deps` installs \
-             every test dependency. Integration tests never skip when a server is missing.",
+            "allot-testkit: `{name}` not found: {looked_in}. Install {hint}; \
+             `scripts/ensure-deps` installs every test dependency. Integration tests never \
+             skip when a server is missing.",
             name = self.binary.name(),
             looked_in = self.looked_in,
-            package = self.binary.debian_package(),
+            hint = self.binary.install_hint(),
         )
     }
 }

@@ -15,6 +15,8 @@
 //!   console's browser tests.
 //! - [`Nginx`]: a real `nginx` in the foreground, for the tests of Allot as nginx's
 //!   `auth_request` service.
+//! - [`validate_openapi`] and [`schemathesis`]: outside tools (PyPI) that judge a service's
+//!   OpenAPI document and the running service against it.
 //! - [`workspace_binary`]: this workspace's own binaries, to run as processes.
 //!
 //! # Guarantees
@@ -47,6 +49,7 @@
 //! Binaries come from `PATH`, or from `ALLOT_ETCD_BIN`, `ALLOT_REDIS_SERVER_BIN`
 //! and `ALLOT_REDIS_CLI_BIN` (and so on, one per [`Binary`]) when set ([`Binary::override_var`]).
 
+mod api_checks;
 mod binary;
 mod browser;
 mod etcd;
@@ -58,6 +61,7 @@ mod proxy;
 mod redis;
 mod workspace;
 
+pub use api_checks::{SchemathesisRun, schemathesis, validate_openapi};
 pub use binary::{Binary, MissingBinary};
 pub use browser::ChromeDriver;
 pub use etcd::EtcdCluster;
