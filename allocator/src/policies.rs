@@ -47,7 +47,7 @@ fn bundle_key(version: u64) -> String {
 }
 
 /// Which bundle regions should run.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Rollout {
     /// The version every region runs (0 before the first promotion).
@@ -61,7 +61,7 @@ pub struct Rollout {
 }
 
 /// A staged version.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Canary {
     /// The staged version.

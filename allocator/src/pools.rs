@@ -49,7 +49,7 @@ pub fn grant_key(tenant: &TenantId, pool: &PoolId, lease: &LeaseId) -> String {
 /// by construction, [`PoolSpec::validate`] the one way in); [`PoolTerms`](allot_shared::wire::PoolTerms)
 /// is what agents are told (the same terms plus the version and a region's fallback so far, read
 /// tolerantly by agents of other versions).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolSpec {
     /// `G`: tokens per window.
@@ -347,7 +347,7 @@ pub async fn put_pool(
 }
 
 /// What writing a pool in bulk did to it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub enum BulkOutcome {
     /// It did not exist; it is at version 1.

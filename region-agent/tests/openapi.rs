@@ -3,8 +3,6 @@
 //! bad input included: no undocumented status, no 5xx but those documented, every answer's body,
 //! headers and content type as documented, every call without a token refused).
 
-use std::collections::BTreeSet;
-
 use serde_json::Value;
 
 mod common;
@@ -20,57 +18,10 @@ include-path = "/v1/auth-request"
 generation.allow-extra-parameters = false
 "#;
 
-fn document() -> Value {
-    serde_json::from_str(allot_region_agent::openapi::document_json()).expect("JSON")
-}
-
-/// (path, method) of every operation in the document.
-fn documented(document: &Value) -> BTreeSet<(String, String)> {
-    let mut operations = BTreeSet::new();
-    for (path, item) in document["paths"].as_object().expect("paths") {
-        for method in item.as_object().expect("path item").keys() {
-            operations.insert((path.clone(), method.clone()));
-        }
-    }
-    operations
-}
-
-/// (path, method) of every route `source` (a router's code) declares: `.route("/p", get(a).post(b))`.
-fn routed(source: &str) -> BTreeSet<(String, String)> {
-    let mut operations = BTreeSet::new();
-    for declaration in source.split(".route(").skip(1) {
-        let Some(path) = declaration.split('"').nth(1) else {
-            continue;
-        };
-        // The method routers up to the route's closing parenthesis.
-        let mut depth = 1;
-        let end = declaration
-            .char_indices()
-            .find_map(|(i, c)| {
-                match c {
-                    '(' => depth += 1,
-                    ')' => depth -= 1,
-                    _ => {}
-                }
-                (depth == 0).then_some(i)
-            })
-            .unwrap_or(declaration.len());
-        let methods = &declaration[..end];
-        for method in ["get", "post", "put", "delete", "patch"] {
-            let called = methods
-                .match_indices(&format!("{method}("))
-                .any(|(i, _)| i == 0 || !methods.as_bytes()[i - 1].is_ascii_alphanumeric());
-            if called {
-                operations.insert((path.to_owned(), method.to_owned()));
-            }
-        }
-    }
-    operations
-}
-
 #[test]
 fn the_document_is_valid_openapi_3_1() {
-    let document = document();
+    let document: Value =
+        serde_json::from_str(allot_region_agent::openapi::document_json()).expect("JSON");
     assert!(
         document["openapi"]
             .as_str()
@@ -83,28 +34,13 @@ fn the_document_is_valid_openapi_3_1() {
 
 #[test]
 fn the_document_names_every_route_and_only_routes() {
-    let source = include_str!("../src/http.rs");
-    let routed = routed(source);
+    let routed = allot_testkit::routed_operations(include_str!("../src/http.rs"));
     assert!(routed.len() >= 10, "the scan is broken: {routed:?}");
     assert_eq!(
         routed,
-        documented(&document()),
+        allot_testkit::documented_operations(allot_region_agent::openapi::document_json()),
         "routes (left) and the document (right) differ"
     );
-    // The scan itself: a route with two methods, a path, and a handler named like a method.
-    assert_eq!(
-        routed_pairs(r#".route("/a", get(x).post(y)).route("/b", post(get_all))"#),
-        [("/a", "get"), ("/a", "post"), ("/b", "post")]
-    );
-}
-
-fn routed_pairs(source: &str) -> Vec<(&'static str, &'static str)> {
-    routed(source)
-        .into_iter()
-        .map(|(p, m)| -> (&'static str, &'static str) {
-            (Box::leak(p.into_boxed_str()), Box::leak(m.into_boxed_str()))
-        })
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

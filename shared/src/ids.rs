@@ -286,7 +286,18 @@ uuid_v7_id!(
 /// grant. An agent ignores any grant whose epoch is below the highest it has seen, which fences off a
 /// deposed allocator.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
 )]
 #[serde(transparent)]
 pub struct Epoch(pub u64);

@@ -22,7 +22,7 @@ use crate::ids::{AgentId, AgentIncarnation, Epoch, LeaseId, PoolId, RegionId, Te
 
 /// Calendar windows as pool specs and terms write them: `{"calendar": "month", "timeZone":
 /// "Europe/Berlin"}` (`calendar`: `day`, `week` or `month`; an IANA time zone name).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CalendarWindowSpec {
     /// `day`, `week` (from Monday) or `month`.
@@ -59,7 +59,7 @@ impl CalendarWindowSpec {
 /// asked for one region, its fallback admits so far. A wire message, so agents of another version
 /// read it tolerantly (`windowMs` is always set, for calendar windows the longest one); agents
 /// validate it into a [`PoolConfig`](crate::lease::PoolConfig) before using it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PoolTerms {
     /// `G`, tokens per window.
@@ -97,7 +97,7 @@ pub struct PoolTerms {
 }
 
 /// A region's fallback admits in one window, as the allocator's ledger holds them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct FallbackInWindow {
     /// The window's start, epoch ms.
@@ -119,7 +119,7 @@ impl PoolTerms {
 }
 
 /// `POST /v1/grants` body: a region asks a pool for tokens.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GrantBody {
     /// Idempotency key, a UUID v7: asking again with it returns what was granted.
@@ -136,7 +136,9 @@ pub struct GrantBody {
 }
 
 /// `POST /v1/grants` answer: a grant (idempotent by lease id) and when this answer was made.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "camelCase")]
 pub struct GrantAnswer {
     /// The request's lease id.
@@ -186,7 +188,7 @@ impl GrantAnswer {
 }
 
 /// One lease's line in a [`Report`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReportLease {
     /// The lease.
@@ -200,7 +202,7 @@ pub struct ReportLease {
 }
 
 /// `POST /v1/reports` body: what a region spent and admitted in fallback for one pool and window.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Report {
     /// Idempotency key chosen by the agent (1 to 64 characters).
@@ -251,7 +253,7 @@ pub fn is_zero(amount: &u64) -> bool {
 }
 
 /// `POST /v1/reports` answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ReportReceipt {
     /// True when this report id had been received before (nothing was applied again).
@@ -259,7 +261,7 @@ pub struct ReportReceipt {
 }
 
 /// `POST /v1/policies/status` body: which bundle an agent runs (the allocator stamps when).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AgentStatus {
     /// The agent's region.
@@ -279,7 +281,7 @@ pub struct AgentStatus {
 
 /// One run of an agent (`POST /v1/agent-sessions` when it first reaches the allocator, and
 /// `POST /v1/agent-sessions/end` when it stops with every fallback admit reported).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AgentSession {
     /// The agent's region.
@@ -292,7 +294,7 @@ pub struct AgentSession {
 
 /// `POST /v1/agent-sessions` answer: how the agent's previous run ended. The same for every retry
 /// of one run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct AgentSessionStarted {
     /// Whether the previous run of this agent id ended with every fallback admit reported (or no
@@ -310,7 +312,7 @@ pub struct AgentSessionStarted {
 }
 
 /// `POST /v1/agent-sessions/end` answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct AgentSessionEnded {
     /// Whether this run is recorded as ended cleanly (false: a later run of the agent id started

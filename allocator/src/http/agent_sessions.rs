@@ -2,6 +2,7 @@
 //! ended) and when it ends cleanly, with every fallback admit reported. See
 //! [`crate::ledger::agent_sessions`].
 
+use allot_shared::wire::AgentSessionStarted;
 use allot_shared::wire::{AgentSession, AgentSessionEnded};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -14,6 +15,12 @@ use super::errors::ApiError;
 use super::io::{json_response, parse_json};
 
 /// `POST /v1/agent-sessions`: a run starts; answers `AgentSessionStarted`.
+#[utoipa::path(post, path = "/v1/agent-sessions", tag = "agents",
+    request_body = AgentSession,
+    responses(
+        (status = 200, description = "The run recorded", body = AgentSessionStarted),
+        crate::http::openapi::JsonRefused,
+    ))]
 pub async fn post_session_start(
     State(state): State<ApiState>,
     headers: HeaderMap,
@@ -37,6 +44,12 @@ pub async fn post_session_start(
 
 /// `POST /v1/agent-sessions/end`: a run ends with every fallback admit reported; answers
 /// `AgentSessionEnded`.
+#[utoipa::path(post, path = "/v1/agent-sessions/end", tag = "agents",
+    request_body = AgentSession,
+    responses(
+        (status = 200, description = "The run's end recorded", body = AgentSessionEnded),
+        crate::http::openapi::JsonRefused,
+    ))]
 pub async fn post_session_end(
     State(state): State<ApiState>,
     headers: HeaderMap,

@@ -1,7 +1,9 @@
 //! Agents: grants (`POST /v1/grants`) and reports (`POST /v1/reports`), for their own region only.
 
+use allot_shared::contract::Problem;
 use allot_shared::ids::LeaseId;
 use allot_shared::lease::GrantRequest;
+use allot_shared::wire::{GrantAnswer, ReportReceipt};
 use allot_shared::wire::{GrantBody, Report};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -14,6 +16,13 @@ use super::errors::ApiError;
 use super::io::{json_response, parse_json};
 use crate::pools;
 
+#[utoipa::path(post, path = "/v1/grants", tag = "agents",
+    request_body = GrantBody,
+    responses(
+        (status = 200, description = "The grant (idempotent by lease id)", body = GrantAnswer),
+        (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::JsonRefused,
+    ))]
 pub async fn post_grant(
     State(state): State<ApiState>,
     headers: HeaderMap,
@@ -37,6 +46,12 @@ pub async fn post_grant(
     Ok(json_response(StatusCode::OK, &answer))
 }
 
+#[utoipa::path(post, path = "/v1/reports", tag = "agents",
+    request_body = Report,
+    responses(
+        (status = 200, description = "The report, recorded once", body = ReportReceipt),
+        crate::http::openapi::JsonRefused,
+    ))]
 pub async fn post_report(
     State(state): State<ApiState>,
     headers: HeaderMap,

@@ -18,6 +18,7 @@ mod changes;
 mod errors;
 mod grants;
 mod io;
+pub mod openapi;
 mod ops;
 mod policies;
 mod pools;
@@ -98,6 +99,7 @@ pub fn routes(state: ApiState) -> Router {
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics_text))
+        .route("/openapi.json", get(openapi::openapi_json))
         .route("/v1/pools", get(pools::list_pools))
         .route(
             "/v1/pools/bulk",

@@ -1,5 +1,7 @@
 //! Operations: the audit log, metrics, health and readiness, and what no route matches.
 
+use crate::ledger::BoundCheckSummary;
+use allot_shared::contract::Problem;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -15,20 +17,28 @@ use crate::leader::Role;
 use crate::ledger::AuditEntry;
 
 /// `GET /v1/audit` query.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct AuditQuery {
     /// How many of the latest entries (default 50, at most 1,000).
+    #[param(minimum = 1, maximum = 1000)]
     pub last: Option<u64>,
 }
 
 /// `GET /v1/audit` answer.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AuditList {
     /// Newest first.
     pub entries: Vec<AuditEntry>,
 }
 
+#[utoipa::path(get, path = "/v1/audit", tag = "operations",
+    params(AuditQuery),
+    responses(
+        (status = 200, description = "The latest changes, newest first", body = AuditList),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn get_audit(
     State(state): State<ApiState>,
     query: Result<Query<AuditQuery>, QueryRejection>,
@@ -46,6 +56,12 @@ pub async fn get_audit(
 
 /// `GET /v1/bound-checks?recent=N`: every window checked against its overshoot bound so far, the
 /// violations, and the newest `N` of them (default 20, at most 100).
+#[utoipa::path(get, path = "/v1/bound-checks", tag = "operations",
+    params(BoundChecksQuery),
+    responses(
+        (status = 200, description = "Windows checked against their bound", body = BoundCheckSummary),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn get_bound_checks(
     State(state): State<ApiState>,
     query: Result<Query<BoundChecksQuery>, QueryRejection>,
@@ -65,13 +81,20 @@ pub async fn get_bound_checks(
 }
 
 /// The query of `GET /v1/bound-checks`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct BoundChecksQuery {
     /// How many of the newest violations to list.
+    #[param(minimum = 0, maximum = 100)]
     pub recent: Option<u64>,
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "operations", security(()),
+    responses(
+        (status = 200, description = "The Prometheus text format", body = String, content_type = "text/plain"),
+        (status = 503, description = "No metrics registry", body = Problem, content_type = "application/problem+json"),
+    ))]
 pub async fn metrics_text() -> Response {
     match crate::metrics::handle() {
         Some(handle) => (
@@ -87,10 +110,19 @@ pub async fn metrics_text() -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/healthz", tag = "operations", security(()),
+    responses(
+        (status = 200, description = "Alive", body = String, content_type = "text/plain"),
+    ))]
 pub async fn healthz() -> &'static str {
     "ok\n"
 }
 
+#[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
+    responses(
+        (status = 200, description = "Ready: leader, or a follower that knows the leader", body = String, content_type = "text/plain"),
+        (status = 503, description = "No known leader", body = String, content_type = "text/plain"),
+    ))]
 pub async fn readyz(State(state): State<ApiState>) -> Response {
     let role = state.role.borrow().clone();
     match role {

@@ -1,6 +1,8 @@
 //! Policy bundles: publish (with an optional canary), read, promote, roll back, and what every agent
 //! runs.
 
+use crate::policies::Rollout;
+use allot_shared::contract::Problem;
 use allot_shared::ids::RegionId;
 use allot_shared::policy::{PolicyBundle, parse_bundle};
 use axum::body::Bytes;
@@ -19,23 +21,27 @@ use crate::auth::OperatorRole;
 use crate::policies::{self, AgentStatus, PolicyStoreError};
 
 /// `PUT /v1/policies` query.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct PublishQuery {
     /// Comma-separated regions to stage the bundle to before everyone.
+    #[param(pattern = "^[a-z0-9-]{1,32}(,[a-z0-9-]{1,32})*$")]
     pub canary: Option<String>,
 }
 
 /// `GET /v1/policies/current` query.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct CurrentQuery {
     /// The asking region: a canary region gets the staged bundle.
+    #[param(pattern = "^[a-z0-9-]{1,32}$")]
     pub region: Option<String>,
 }
 
 /// `GET /v1/policies/status` answer: the rollout and what every live agent runs.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PolicyStatus {
     /// What regions should run.
@@ -70,6 +76,14 @@ fn bundle_response(bundle: &PolicyBundle) -> Response {
     response
 }
 
+#[utoipa::path(put, path = "/v1/policies", tag = "policies",
+    params(PublishQuery),
+    request_body(content = Object, description = "A policy bundle (docs/limiter.md): its rules; version and checksum are computed"),
+    responses(
+        (status = 201, description = "The bundle as published", body = Object),
+        (status = 409, description = "Conflicts with the bundle in force", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::JsonRefused,
+    ))]
 pub async fn put_policy(
     State(state): State<ApiState>,
     query: Result<Query<PublishQuery>, QueryRejection>,
@@ -118,6 +132,13 @@ pub async fn put_policy(
     .await
 }
 
+#[utoipa::path(get, path = "/v1/policies/current", tag = "policies",
+    params(CurrentQuery),
+    responses(
+        (status = 200, description = "The bundle a region should run", body = Object, headers(("etag" = String))),
+        (status = 404, description = "Nothing published yet", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn get_current_policy(
     State(state): State<ApiState>,
     query: Result<Query<CurrentQuery>, QueryRejection>,
@@ -136,6 +157,13 @@ pub async fn get_current_policy(
     Ok(bundle_response(&bundle))
 }
 
+#[utoipa::path(get, path = "/v1/policies/{version}", tag = "policies",
+    params(("version" = u64, Path, minimum = 1, description = "A bundle version")),
+    responses(
+        (status = 200, description = "That bundle", body = Object, headers(("etag" = String))),
+        (status = 404, description = "No such version", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn get_policy_version(
     State(state): State<ApiState>,
     Path(version): Path<String>,
@@ -147,6 +175,14 @@ pub async fn get_policy_version(
     Ok(bundle_response(&bundle))
 }
 
+#[utoipa::path(post, path = "/v1/policies/{version}/promote", tag = "policies",
+    params(("version" = u64, Path, minimum = 1, description = "A bundle version")),
+    responses(
+        (status = 200, description = "The rollout: the canary bundle everywhere", body = Rollout),
+        (status = 404, description = "No such version", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Not the canary bundle", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn promote_policy(
     State(state): State<ApiState>,
     Path(version): Path<String>,
@@ -174,6 +210,14 @@ pub async fn promote_policy(
 
 /// `POST /v1/policies/{version}/rollback`: publishes `version`'s content as the next version,
 /// current everywhere at once. Answers 201 with the new bundle (its location in `Location`).
+#[utoipa::path(post, path = "/v1/policies/{version}/rollback", tag = "policies",
+    params(("version" = u64, Path, minimum = 1, description = "A bundle version")),
+    responses(
+        (status = 201, description = "The old bundle published again as a new version", body = Object),
+        (status = 404, description = "No such version", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Conflicts with the bundle in force", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn rollback_policy(
     State(state): State<ApiState>,
     Path(version): Path<String>,
@@ -222,6 +266,12 @@ fn created_bundle_response(bundle: &PolicyBundle) -> Response {
     response
 }
 
+#[utoipa::path(post, path = "/v1/policies/status", tag = "agents",
+    request_body = AgentStatus,
+    responses(
+        (status = 204, description = "Recorded"),
+        crate::http::openapi::JsonRefused,
+    ))]
 pub async fn post_agent_status(
     State(state): State<ApiState>,
     headers: HeaderMap,
@@ -252,6 +302,11 @@ pub async fn post_agent_status(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+#[utoipa::path(get, path = "/v1/policies/status", tag = "policies",
+    responses(
+        (status = 200, description = "The rollout and what every live agent runs", body = PolicyStatus),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn get_policy_status(
     State(state): State<ApiState>,
     headers: HeaderMap,

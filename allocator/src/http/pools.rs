@@ -1,6 +1,7 @@
 //! Pools: operators configure them (`/v1/pools`), agents read their terms, and the ledger's windows
 //! are read per pool.
 
+use allot_shared::contract::Problem;
 use allot_shared::ids::{PoolId, RegionId, TenantId};
 use allot_shared::wire::{FallbackInWindow, PoolTerms};
 use axum::body::Bytes;
@@ -109,8 +110,66 @@ impl TryFrom<PoolViewWire> for PoolView {
     }
 }
 
+/// The schema of a [`PoolView`], from its parts' own: the spec's fields (its `window` replaced by
+/// one object of the calendar's fields and the live window's, all optional), the tenant, pool,
+/// version and update time.
+impl utoipa::PartialSchema for PoolView {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::RefOr;
+        use utoipa::openapi::schema::{ObjectBuilder, Schema};
+        let object_of = |schema: RefOr<Schema>| match schema {
+            RefOr::T(Schema::Object(object)) => Some(object),
+            _ => None,
+        };
+        let Some(mut view) = object_of(<PoolSpec as utoipa::PartialSchema>::schema()) else {
+            return <PoolSpec as utoipa::PartialSchema>::schema();
+        };
+        view.description =
+            Some("A pool: its spec, version and, when asked, its live window.".into());
+        view.properties.shift_remove("window");
+        view.required.retain(|name| name != "window");
+        let mut window = ObjectBuilder::new()
+            .description(Some(
+                "A calendar pool's calendar and time zone, and on GET of one pool the live window.",
+            ))
+            .build();
+        for part in [
+            <allot_shared::wire::CalendarWindowSpec as utoipa::PartialSchema>::schema(),
+            <LiveWindow as utoipa::PartialSchema>::schema(),
+        ] {
+            if let Some(part) = object_of(part) {
+                window.properties.extend(part.properties);
+            }
+        }
+        view.properties.insert("window".to_owned(), window.into());
+        for (name, schema) in [
+            ("tenant", <TenantId as utoipa::PartialSchema>::schema()),
+            ("pool", <PoolId as utoipa::PartialSchema>::schema()),
+            ("version", <u64 as utoipa::PartialSchema>::schema()),
+            ("updatedAtMs", <u64 as utoipa::PartialSchema>::schema()),
+        ] {
+            view.properties.insert(name.to_owned(), schema);
+            view.required.push(name.to_owned());
+        }
+        RefOr::T(Schema::Object(view))
+    }
+}
+
+impl utoipa::ToSchema for PoolView {
+    fn schemas(
+        schemas: &mut Vec<(
+            String,
+            utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>,
+        )>,
+    ) {
+        <PoolSpec as utoipa::ToSchema>::schemas(schemas);
+        <LiveWindow as utoipa::ToSchema>::schemas(schemas);
+        <allot_shared::wire::CalendarWindowSpec as utoipa::ToSchema>::schemas(schemas);
+    }
+}
+
 /// A pool's current window.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LiveWindow {
     /// Window start, epoch ms.
@@ -131,7 +190,7 @@ pub struct LiveWindow {
 }
 
 /// `GET /v1/pools` answer.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PoolList {
     /// Every pool (or, with `limit`, one page), in (tenant, pool) order, without live windows.
     pub pools: Vec<PoolView>,
@@ -144,36 +203,45 @@ pub struct PoolList {
 pub const MAX_POOLS_PER_PAGE: usize = 1_000;
 
 /// `GET /v1/pools` query: without `limit`, every pool; with it, one page.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct PoolsQuery {
     /// Pools per page (1 to [`MAX_POOLS_PER_PAGE`]).
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<usize>,
     /// Only pools whose `tenant/pool` starts with this (`acme`, `acme/`, `acme/api`).
+    #[param(pattern = "^[a-z0-9-]{0,32}(/[a-z0-9-]{0,32})?$")]
     pub prefix: Option<String>,
     /// The `next` of the page before: the page starts after this `tenant/pool`.
+    #[param(pattern = "^[a-z0-9-]{1,32}/[a-z0-9-]{1,32}$")]
     pub after: Option<String>,
 }
 
 /// `GET /v1/pools/{tenant}/{pool}/windows` query.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct WindowsQuery {
     /// How many of the latest windows (default 10, at most 1,000).
+    #[param(minimum = 1, maximum = 1000)]
     pub last: Option<u64>,
 }
 
 /// `GET /v1/pools/{tenant}/{pool}/windows` answer.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct WindowList {
     /// Newest first.
     pub windows: Vec<crate::ledger::WindowRow>,
 }
 
 /// `GET /v1/pools/{tenant}/{pool}/terms` query.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct TermsQuery {
+    /// The asking region: the answer adds its fallback admitted so far in the window.
+    #[param(pattern = "^[a-z0-9-]{1,32}$")]
     region: Option<String>,
 }
 
@@ -200,6 +268,12 @@ async fn stored_pool(
     Ok(stored)
 }
 
+#[utoipa::path(get, path = "/v1/pools", tag = "pools",
+    params(PoolsQuery),
+    responses(
+        (status = 200, description = "Every pool, or one page", body = PoolList),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn list_pools(
     State(state): State<ApiState>,
     RawQuery(query): RawQuery,
@@ -256,6 +330,13 @@ pub async fn list_pools(
     Ok(json_response(StatusCode::OK, &PoolList { pools, next }))
 }
 
+#[utoipa::path(get, path = "/v1/pools/{tenant}/{pool}", tag = "pools",
+    params(("tenant" = TenantId, Path, description = "The tenant"), ("pool" = PoolId, Path, description = "The pool")),
+    responses(
+        (status = 200, description = "The pool and its live window", body = PoolView),
+        (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn get_pool(
     State(state): State<ApiState>,
     Path((tenant, pool)): Path<(String, String)>,
@@ -294,6 +375,13 @@ pub async fn get_pool(
     Ok(json_response(StatusCode::OK, &answer))
 }
 
+#[utoipa::path(put, path = "/v1/pools/{tenant}/{pool}", tag = "pools",
+    params(("tenant" = TenantId, Path, description = "The tenant"), ("pool" = PoolId, Path, description = "The pool")),
+    request_body = PoolSpec,
+    responses(
+        (status = 200, description = "The pool as stored", body = PoolView),
+        crate::http::openapi::JsonRefused,
+    ))]
 pub async fn put_pool(
     State(state): State<ApiState>,
     Path((tenant, pool)): Path<(String, String)>,
@@ -337,6 +425,13 @@ pub async fn put_pool(
     .await
 }
 
+#[utoipa::path(delete, path = "/v1/pools/{tenant}/{pool}", tag = "pools",
+    params(("tenant" = TenantId, Path, description = "The tenant"), ("pool" = PoolId, Path, description = "The pool")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn delete_pool(
     State(state): State<ApiState>,
     Path((tenant, pool)): Path<(String, String)>,
@@ -379,6 +474,13 @@ pub async fn delete_pool(
     .await
 }
 
+#[utoipa::path(get, path = "/v1/pools/{tenant}/{pool}/terms", tag = "agents",
+    params(("tenant" = TenantId, Path, description = "The tenant"), ("pool" = PoolId, Path, description = "The pool"), TermsQuery),
+    responses(
+        (status = 200, description = "The pool's terms, as agents read them", body = PoolTerms),
+        (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn get_pool_terms(
     State(state): State<ApiState>,
     Path((tenant, pool)): Path<(String, String)>,
@@ -431,6 +533,13 @@ pub async fn get_pool_terms(
     Ok(json_response(StatusCode::OK, &terms))
 }
 
+#[utoipa::path(get, path = "/v1/pools/{tenant}/{pool}/windows", tag = "pools",
+    params(("tenant" = TenantId, Path, description = "The tenant"), ("pool" = PoolId, Path, description = "The pool"), WindowsQuery),
+    responses(
+        (status = 200, description = "The latest windows, newest first", body = WindowList),
+        (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn get_windows(
     State(state): State<ApiState>,
     Path((tenant, pool)): Path<(String, String)>,
@@ -460,7 +569,7 @@ pub const MAX_POOLS_PER_BULK: usize = 1_000;
 pub const MAX_BULK_BODY_BYTES: usize = 1024 * 1024;
 
 /// `POST /v1/pools/bulk` body: pools to create or replace in one call.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BulkPools {
     /// 1 to [`MAX_POOLS_PER_BULK`] pools, each named once.
@@ -468,7 +577,7 @@ pub struct BulkPools {
 }
 
 /// One pool of a bulk write: where it is and its spec (the body of `PUT /v1/pools/{tenant}/{pool}`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BulkPool {
     /// The tenant.
@@ -480,7 +589,7 @@ pub struct BulkPool {
 }
 
 /// `POST /v1/pools/bulk` answer: what happened to each pool, in the body's order, and the totals.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct BulkAnswer {
     /// Pools that did not exist.
     pub created: u64,
@@ -493,7 +602,7 @@ pub struct BulkAnswer {
 }
 
 /// One pool's outcome in a [`BulkAnswer`].
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct BulkWritten {
     /// The tenant.
     pub tenant: TenantId,
@@ -535,6 +644,12 @@ fn check_bulk(body: &BulkPools) -> Result<(), ApiError> {
     Ok(())
 }
 
+#[utoipa::path(post, path = "/v1/pools/bulk", tag = "pools",
+    request_body = BulkPools,
+    responses(
+        (status = 200, description = "What happened to each pool", body = BulkAnswer),
+        crate::http::openapi::JsonRefused,
+    ))]
 pub async fn bulk_put_pools(
     State(state): State<ApiState>,
     headers: HeaderMap,

@@ -20,7 +20,7 @@ use crate::pools;
 pub const REPORT_LOOKBACK_MS: u64 = 15 * 60 * 1_000;
 
 /// One region as `GET /v1/regions` answers it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RegionView {
     /// The region.
@@ -39,7 +39,7 @@ pub struct RegionView {
 }
 
 /// `GET /v1/regions` answer.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RegionList {
     /// By region id.
     pub regions: Vec<RegionView>,
@@ -54,6 +54,11 @@ struct Seen {
     fallback_admitted_tokens: u64,
 }
 
+#[utoipa::path(get, path = "/v1/regions", tag = "pools",
+    responses(
+        (status = 200, description = "Every region pools name", body = RegionList),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn list_regions(
     State(state): State<ApiState>,
     headers: HeaderMap,

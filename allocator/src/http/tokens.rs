@@ -1,5 +1,6 @@
 //! Tokens (admins): mint (shown once), list (never a token or digest), revoke.
 
+use allot_shared::contract::Problem;
 use allot_shared::ids::RegionId;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -15,21 +16,24 @@ use super::io::{json_response, parse_json};
 use crate::auth::{self, Holder, OperatorRole, TokenId, TokenIdError};
 
 /// `POST /v1/tokens` body.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MintBody {
     /// `viewer`, `author`, `admin` or `agent`.
+    #[schema(pattern = "^(viewer|author|admin|agent)$")]
     pub role: String,
     /// The region an agent token is scoped to (required for `agent`, refused otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[a-z0-9-]{1,32}$")]
     pub region: Option<String>,
     /// A name for humans (at most 64 characters).
     #[serde(default)]
+    #[schema(max_length = 64)]
     pub name: String,
 }
 
 /// A token as listed: never the token, never its digest.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TokenView {
     /// `file-<hex>` (from a token file) or `tok-<hex>` (minted).
@@ -67,7 +71,7 @@ impl TokenView {
 }
 
 /// `POST /v1/tokens` answer: the token is shown once and never again.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MintAnswer {
     /// The token's listing.
@@ -78,7 +82,7 @@ pub struct MintAnswer {
 }
 
 /// `GET /v1/tokens` answer.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TokenList {
     /// File tokens first, then minted ones.
     pub tokens: Vec<TokenView>,
@@ -107,6 +111,12 @@ fn holder(body: &MintBody) -> Result<Holder, ApiError> {
     }
 }
 
+#[utoipa::path(post, path = "/v1/tokens", tag = "tokens",
+    request_body = MintBody,
+    responses(
+        (status = 201, description = "The token, shown this once", body = MintAnswer),
+        crate::http::openapi::JsonRefused,
+    ))]
 pub async fn post_token(
     State(state): State<ApiState>,
     headers: HeaderMap,
@@ -150,6 +160,11 @@ pub async fn post_token(
     .await
 }
 
+#[utoipa::path(get, path = "/v1/tokens", tag = "tokens",
+    responses(
+        (status = 200, description = "Every token (never the token itself)", body = TokenList),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn list_tokens(
     State(state): State<ApiState>,
     headers: HeaderMap,
@@ -177,6 +192,15 @@ pub async fn list_tokens(
     Ok(json_response(StatusCode::OK, &TokenList { tokens }))
 }
 
+#[utoipa::path(delete, path = "/v1/tokens/{id}", tag = "tokens",
+    params(("id" = String, Path, pattern = "^(tok-[0-9A-Fa-f]{16}|file-.*)$",
+        description = "A minted token's id (`tok-<hex>`)")),
+    responses(
+        (status = 204, description = "Revoked"),
+        (status = 404, description = "No such token", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "A token from a file: revoke it there", body = Problem, content_type = "application/problem+json"),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn delete_token(
     State(state): State<ApiState>,
     Path(id): Path<String>,

@@ -28,25 +28,31 @@ pub const USAGE_SETTLE_MS: u64 = crate::ledger_sync::WINDOW_GAUGE_SETTLE_MS;
 const POOLS_PER_PAGE: usize = 1_000;
 
 /// `GET /v1/usage` query.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct UsageQuery {
     /// Windows that start at or after this instant, epoch ms.
+    #[param(maximum = 9_007_199_254_740_992_u64)]
     pub from: u64,
-    /// Windows that start before this instant, epoch ms.
+    /// Windows that start before this instant, epoch ms (after `from`).
+    #[param(maximum = 9_007_199_254_740_992_u64)]
     pub to: u64,
     /// Only pools whose `tenant/pool` starts with this (`acme`, `acme/`, `acme/api`).
+    #[param(pattern = "^[a-z0-9-]{0,32}(/[a-z0-9-]{0,32})?$")]
     pub prefix: Option<String>,
     /// `jsonl` (the default) or `csv`.
+    #[param(pattern = "^(jsonl|csv)$")]
     pub format: Option<String>,
     /// Records per page (1 to [`MAX_USAGE_PAGE`]; default [`DEFAULT_USAGE_PAGE`]).
+    #[param(minimum = 1, maximum = 10000)]
     pub limit: Option<usize>,
     /// The cursor the page before ended with (its `Allot-Next-After` header).
     pub after: Option<String>,
 }
 
 /// One exported record: a region's figures in one window of one pool.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct UsageRecord {
     /// Stable for the tenant, pool, region and window: the key to load the record by.
@@ -269,6 +275,13 @@ async fn page(
     Ok((records, next))
 }
 
+#[utoipa::path(get, path = "/v1/usage", tag = "usage",
+    params(UsageQuery),
+    responses(
+        (status = 200, description = "A page of usage records, JSON lines or CSV; `Allot-Next-After` names the next page",
+            content((UsageRecord = "application/x-ndjson"), (String = "text/csv")), headers(("allot-next-after" = String))),
+        crate::http::openapi::Refused,
+    ))]
 pub async fn get_usage(
     State(state): State<ApiState>,
     RawQuery(query): RawQuery,

@@ -22,7 +22,7 @@ use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 pub const MAX_WINDOWS: u64 = 1_000;
 
 /// One window of a pool, as the ledger accounts for it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct WindowRow {
     /// Window start, epoch ms.

@@ -13,7 +13,7 @@ use super::{Database, Ledger, LedgerError, i64_of};
 pub const MAX_AUDIT_ENTRIES: u64 = 1_000;
 
 /// One operator change, as the audit log keeps it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct AuditEntry {
     /// UUID v7.

@@ -31,7 +31,7 @@ fn violated() -> sea_query::SimpleExpr {
 pub const MAX_RECENT_VIOLATIONS: u64 = 100;
 
 /// One window that admitted more than its bound.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct BoundViolation {
     /// The pool's tenant.
@@ -56,7 +56,7 @@ pub struct BoundViolation {
 }
 
 /// What the checks have found, over every window checked so far.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct BoundCheckSummary {
     /// Windows checked.

@@ -2,6 +2,7 @@
 //! through `openapi-spec-validator`, and the running service through Schemathesis (both from PyPI;
 //! `scripts/ensure-deps` installs them). Either one failing fails the test with its whole report.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::binary::Binary;
@@ -49,8 +50,9 @@ pub struct SchemathesisRun<'a> {
     pub config: &'a str,
 }
 
-/// Runs Schemathesis (`--checks all`) against the running service; panics with its report when
-/// any check fails. Returns the report of a passing run. `ALLOT_SCHEMATHESIS_SEED` and
+/// Runs Schemathesis against the running service with every check (its default; a per-operation
+/// exception belongs in the config, with its reason, since a `--checks` flag would override it);
+/// panics with its report when any check fails. Returns the report of a passing run. `ALLOT_SCHEMATHESIS_SEED` and
 /// `ALLOT_SCHEMATHESIS_EXAMPLES`, when set, replace the run's seed and examples (for sweeps).
 pub fn schemathesis(run: &SchemathesisRun<'_>) -> String {
     let from_env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
@@ -60,7 +62,13 @@ pub fn schemathesis(run: &SchemathesisRun<'_>) -> String {
     let program = Binary::Schemathesis.require();
     let dir = tempfile::tempdir().expect("allot-testkit: temp dir for Schemathesis");
     let config = dir.path().join("schemathesis.toml");
-    std::fs::write(&config, run.config).expect("allot-testkit: cannot write schemathesis.toml");
+    // Nothing kept between runs (no cache, no example database in the caller's directory): a run
+    // depends on its seed alone.
+    let config_text = format!(
+        "[cache]\nenabled = false\n\n[generation]\ndatabase = \"none\"\n\n{}",
+        run.config
+    );
+    std::fs::write(&config, config_text).expect("allot-testkit: cannot write schemathesis.toml");
     let mut args = vec![
         "--config-file".to_owned(),
         config.display().to_string(),
@@ -68,8 +76,6 @@ pub fn schemathesis(run: &SchemathesisRun<'_>) -> String {
         run.schema_url.to_owned(),
         "--header".to_owned(),
         format!("Authorization: {}", run.authorization),
-        "--checks".to_owned(),
-        "all".to_owned(),
         "--max-examples".to_owned(),
         max_examples.to_string(),
         "--seed".to_owned(),
@@ -101,4 +107,84 @@ fn whole_log(launch: &Launch) -> String {
     let text = std::fs::read_to_string(&launch.log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(REPORT_LINES)..].join("\n")
+}
+
+/// `(path, method)` of every operation an OpenAPI document (JSON) describes.
+#[must_use]
+pub fn documented_operations(document: &str) -> BTreeSet<(String, String)> {
+    let document: serde_json::Value =
+        serde_json::from_str(document).expect("allot-testkit: the document is not JSON");
+    let mut operations = BTreeSet::new();
+    for (path, item) in document["paths"].as_object().into_iter().flatten() {
+        for method in item.as_object().into_iter().flatten().map(|(m, _)| m) {
+            operations.insert((path.clone(), method.clone()));
+        }
+    }
+    operations
+}
+
+/// `(path, method)` of every route a router's source declares:
+/// `.route("/p", get(a).post(b))`, methods as lower-case names. A method router's handler named
+/// like a method (`get_all`) is not a method.
+#[must_use]
+pub fn routed_operations(source: &str) -> BTreeSet<(String, String)> {
+    let mut operations = BTreeSet::new();
+    for declaration in source.split(".route(").skip(1) {
+        let Some(path) = declaration.split('"').nth(1) else {
+            continue;
+        };
+        // The method routers, up to the route's closing parenthesis.
+        let mut depth = 1;
+        let end = declaration
+            .char_indices()
+            .find_map(|(i, c)| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+                (depth == 0).then_some(i)
+            })
+            .unwrap_or(declaration.len());
+        let methods = &declaration[..end];
+        for method in ["get", "post", "put", "delete", "patch"] {
+            let called = methods.match_indices(&format!("{method}(")).any(|(i, _)| {
+                i == 0
+                    || !methods.as_bytes()[i - 1].is_ascii_alphanumeric()
+                        && methods.as_bytes()[i - 1] != b'_'
+            });
+            if called {
+                operations.insert((path.to_owned(), method.to_owned()));
+            }
+        }
+    }
+    operations
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_are_read_with_their_methods() {
+        let routed = routed_operations(
+            r#".route("/a", get(x).post(y)).route("/b/{id}", post(get_all))
+               .route("/c", axum::routing::put(z).layer(limit(1)))"#,
+        );
+        let expected: BTreeSet<(String, String)> = [
+            ("/a", "get"),
+            ("/a", "post"),
+            ("/b/{id}", "post"),
+            ("/c", "put"),
+        ]
+        .into_iter()
+        .map(|(p, m)| (p.to_owned(), m.to_owned()))
+        .collect();
+        assert_eq!(routed, expected);
+        let documented = documented_operations(
+            r#"{"paths": {"/a": {"get": {}, "post": {}}, "/b/{id}": {"post": {}}}}"#,
+        );
+        assert_eq!(documented.len(), 3);
+        assert!(documented.contains(&("/b/{id}".to_owned(), "post".to_owned())));
+    }
 }

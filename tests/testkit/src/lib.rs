@@ -61,7 +61,9 @@ mod proxy;
 mod redis;
 mod workspace;
 
-pub use api_checks::{SchemathesisRun, schemathesis, validate_openapi};
+pub use api_checks::{
+    SchemathesisRun, documented_operations, routed_operations, schemathesis, validate_openapi,
+};
 pub use binary::{Binary, MissingBinary};
 pub use browser::ChromeDriver;
 pub use etcd::EtcdCluster;
