@@ -40,6 +40,11 @@ fn request(n: usize, user: &str) -> Value {
             "principal": { "type": "user", "id": user }, "routeGroup": "read", "method": "GET" })
 }
 
+/// The longest retry hint of a denial while tokens are on their way, ms: the grant wait plus the
+/// jitter every such hint carries.
+const MOMENT_MS: u64 = allot_region_agent::service::AWAITING_GRANT_RETRY_MS
+    + allot_region_agent::service::RETRY_JITTER_MAX_MS;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_regions_share_one_pool_without_overshoot() {
     let etcd = EtcdCluster::single();
@@ -66,8 +71,9 @@ async fn two_regions_share_one_pool_without_overshoot() {
     let (us, us_url) = start_agent("us", &allocator, &us_redis).await;
 
     // 3,000 requests, 90% at EU, from 8 concurrent gateways. A denial whose hint is a moment (the
-    // region's tokens are on their way: a burst beyond what it holds, on a loaded machine) is
-    // retried after the hint, as a gateway would; one until the window's end is final.
+    // region's tokens are on their way: a burst beyond what it holds, on a loaded machine; the
+    // grant wait plus up to a second of jitter) is retried after the hint, as a gateway would; one
+    // until the window's end is final.
     let mut tasks = Vec::new();
     for gateway in 0..8usize {
         let (http, eu_url, us_url) = (http.clone(), eu_url.clone(), us_url.clone());
@@ -99,7 +105,7 @@ async fn two_regions_share_one_pool_without_overshoot() {
                     assert_eq!(decision["deniedScope"], "global", "{decision}");
                     assert_eq!(decision["policyVersion"], 1);
                     match decision["retryAfterMs"].as_u64() {
-                        Some(hint_ms @ 0..=1_000) => {
+                        Some(hint_ms @ 0..=MOMENT_MS) => {
                             tokio::time::sleep(std::time::Duration::from_millis(hint_ms)).await;
                         }
                         _ => break,
