@@ -102,6 +102,7 @@ async fn serve(
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        webhook_ca: None,
         ledger_url: String::new(),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -22,3 +22,4 @@ pub mod metrics;
 pub mod policies;
 pub mod pools;
 pub mod server;
+pub mod webhooks;

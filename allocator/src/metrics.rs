@@ -5,6 +5,13 @@
 
 use metrics_exporter_prometheus::PrometheusHandle;
 
+/// Webhook crossings found, by `outcome`: `recorded` (queued for delivery) or `dropped` (the queue
+/// was full).
+pub const WEBHOOK_EVENTS: &str = "allot_webhook_events_total";
+/// Webhook delivery attempts, by `outcome`: `delivered`, `retried` or `failed` (the last attempt).
+pub const WEBHOOK_DELIVERIES: &str = "allot_webhook_deliveries_total";
+/// Webhook events awaiting delivery.
+pub const WEBHOOK_PENDING: &str = "allot_webhook_pending_events";
 /// Grant requests by outcome: `granted`, `partial`, `exhausted`, `not_leader`, `unknown_pool`,
 /// `refused`, `overloaded`, `unavailable`.
 pub const GRANTS: &str = "allot_grants_total";

@@ -98,6 +98,10 @@ pub struct Args {
     /// time, followers first [default: true].
     #[arg(long, env = "ALLOT_ETCD_DEFRAGMENT")]
     pub etcd_defragment: Option<bool>,
+    /// PEM file of the CAs webhook endpoints' certificates are checked against [default: the
+    /// system's].
+    #[arg(long, env = "ALLOT_WEBHOOK_CA")]
+    pub webhook_ca: Option<PathBuf>,
     /// TOML file with any of the settings above (keys as the flags, with underscores).
     #[arg(long, env = "ALLOT_CONFIG")]
     pub config: Option<PathBuf>,
@@ -122,6 +126,7 @@ struct FileSettings {
     ledger_rollup_retention_days: Option<u64>,
     etcd_history_minutes: Option<u64>,
     etcd_defragment: Option<bool>,
+    webhook_ca: Option<PathBuf>,
 }
 
 /// Resolved settings.
@@ -149,6 +154,8 @@ pub struct Settings {
     pub retention: Retention,
     /// TLS for the API (none: plain TCP).
     pub tls: Option<allot_net::ServerTls>,
+    /// The CAs webhook deliveries trust instead of the system's.
+    pub webhook_ca: Option<PathBuf>,
 }
 
 fn read_token_lines(flag: &str, path: Option<&Path>) -> Result<Vec<String>, String> {
@@ -273,6 +280,7 @@ impl Args {
                 .unwrap_or_else(|| format!("{scheme}://{listen}")),
             leader_lease_ttl_s,
             tls,
+            webhook_ca: self.webhook_ca.or(file.webhook_ca),
         })
     }
 }
@@ -358,6 +366,25 @@ pub async fn run(
             shutdown.clone(),
         ))
     });
+    let webhook_http = allot_net::ClientTls {
+        ca: settings.webhook_ca.clone(),
+        ..Default::default()
+    }
+    .configure(reqwest::Client::builder().timeout(crate::webhooks::DELIVERY_TIMEOUT))
+    .and_then(|builder| {
+        builder
+            .build()
+            .map_err(|e| allot_net::TlsError::Config(e.to_string()))
+    })
+    .map_err(|e| std::io::Error::other(format!("--webhook-ca: {e}")))?;
+    let webhook_task = tokio::spawn(crate::webhooks::keep_webhooks(
+        ledger.clone(),
+        kv.clone(),
+        clock.clone(),
+        role.clone(),
+        webhook_http,
+        shutdown.clone(),
+    ));
     let token_task = tokio::spawn(crate::auth::keep_fresh(
         kv.clone(),
         tokens.clone(),
@@ -394,6 +421,7 @@ pub async fn run(
         tracing::warn!(%error, "ledger task ended abnormally");
     }
     token_task.abort();
+    webhook_task.abort();
     if let Some(task) = etcd_task {
         task.abort();
     }

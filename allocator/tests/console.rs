@@ -129,7 +129,7 @@ fn pool_form<'a>(csrf: &'a str, chunk: &'a str) -> Vec<(&'static str, &'a str)> 
     ]
 }
 
-const PAGES: [&str; 11] = [
+const PAGES: [&str; 12] = [
     "/console/",
     "/console/pools",
     "/console/pools/new",
@@ -141,6 +141,7 @@ const PAGES: [&str; 11] = [
     "/console/policies",
     "/console/tokens",
     "/console/audit",
+    "/console/webhooks",
 ];
 
 const CHANGES: [&str; 8] = [
@@ -852,4 +853,32 @@ async fn the_pool_list_pages_and_searches() {
         "a cursor past the end shows an empty page"
     );
     assert_eq!(next_href(&beyond), None);
+}
+
+#[tokio::test]
+async fn a_viewer_sees_webhooks_and_their_deliveries_but_never_a_secret() {
+    let server = start().await;
+    let created: serde_json::Value = server
+        .client
+        .post(format!("{}/v1/webhooks", server.url))
+        .bearer_auth(OPERATOR)
+        .json(
+            &serde_json::json!({ "url": "https://billing.example/allot", "tenant": "atlas",
+                                   "pool": "api", "thresholdsPct": [90] }),
+        )
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let id = created["id"].as_str().expect("id");
+    let secret = created["secret"].as_str().expect("secret");
+    let viewer = signed_in(&server, VIEWER).await;
+    let page = viewer.get("/console/webhooks").await;
+    assert_eq!(page.status, StatusCode::OK);
+    for shown in [id, "https://billing.example/allot", "atlas/api", "90 %"] {
+        assert!(page.text.contains(shown), "{shown} not on the page");
+    }
+    assert!(!page.text.contains(secret), "a secret is never on a page");
 }

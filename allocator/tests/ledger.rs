@@ -1014,3 +1014,197 @@ async fn postgres_long_windows_wait_for_their_records() {
     let ledger = Ledger::connect(&url).await.expect("postgres ledger");
     long_windows_wait_for_their_records(ledger).await;
 }
+
+/// Webhook registrations and their events: bounded registrations, each event recorded once and
+/// only while the queue has room, due events oldest first with their endpoint and secrets, a
+/// rotation keeping the old secret beside the new, deliveries and failures recorded, done events
+/// pruned in batches, a deleted webhook's events gone with it.
+async fn webhooks(ledger: Ledger) {
+    use allot_allocator::ledger::{EventRecorded, StoredWebhook};
+    use allot_allocator::webhooks::{ThresholdEvent, event_id};
+    let webhook = |id: &str| StoredWebhook {
+        id: id.to_owned(),
+        url: format!("https://hooks.example/{id}"),
+        tenant: TenantId::parse("acme").expect("tenant"),
+        pool: None,
+        thresholds_pct: vec![80, 100],
+        secret: format!("whsec_{id}"),
+        previous_secret: None,
+        previous_secret_until_ms: None,
+        created_at_ms: 1_000,
+        created_by: "operator".to_owned(),
+    };
+    assert!(
+        ledger
+            .insert_webhook(&webhook("wh-a"), 2)
+            .await
+            .expect("insert")
+    );
+    assert!(
+        ledger
+            .insert_webhook(&webhook("wh-b"), 2)
+            .await
+            .expect("insert")
+    );
+    assert!(
+        !ledger
+            .insert_webhook(&webhook("wh-c"), 2)
+            .await
+            .expect("insert"),
+        "full"
+    );
+    assert_eq!(
+        ledger.webhooks().await.expect("list"),
+        [webhook("wh-a"), webhook("wh-b")]
+    );
+
+    let (tenant, pool) = (
+        TenantId::parse("acme").expect("tenant"),
+        PoolId::parse("api").expect("pool"),
+    );
+    let event = |webhook_id: &str, threshold_pct: u8, window_start_ms: u64| ThresholdEvent {
+        event_id: event_id(webhook_id, &tenant, &pool, window_start_ms, threshold_pct),
+        kind: "quota.threshold".to_owned(),
+        webhook_id: webhook_id.to_owned(),
+        tenant: tenant.clone(),
+        pool: pool.clone(),
+        threshold_pct,
+        window_start_ms,
+        window_end_ms: window_start_ms + 60_000,
+        limit: 10,
+        granted: 8,
+        detected_at_ms: window_start_ms + 1,
+    };
+    let record = |e: ThresholdEvent, now_ms: u64| {
+        let ledger = ledger.clone();
+        async move {
+            ledger
+                .record_webhook_event(&e, now_ms, 2)
+                .await
+                .expect("record")
+        }
+    };
+    assert_eq!(record(event("wh-a", 80, 0), 10).await, EventRecorded::New);
+    assert_eq!(
+        record(event("wh-a", 80, 0), 11).await,
+        EventRecorded::Known,
+        "once"
+    );
+    assert_eq!(record(event("wh-b", 80, 0), 12).await, EventRecorded::New);
+    assert_eq!(
+        record(event("wh-a", 100, 0), 13).await,
+        EventRecorded::QueueFull
+    );
+    assert_eq!(ledger.pending_webhook_events().await.expect("pending"), 2);
+
+    assert!(
+        ledger
+            .rotate_webhook_secret("wh-a", "whsec_new", 5_000)
+            .await
+            .expect("rotate")
+    );
+    assert!(
+        !ledger
+            .rotate_webhook_secret("wh-x", "s", 5_000)
+            .await
+            .expect("rotate")
+    );
+    let due = ledger.due_webhook_events(100, 10).await.expect("due");
+    assert_eq!(due.len(), 2);
+    assert_eq!(due[0].webhook_id, "wh-a", "oldest first");
+    assert_eq!(due[0].url, "https://hooks.example/wh-a");
+    assert_eq!(due[0].secret, "whsec_new");
+    assert_eq!(due[0].previous_secret.as_deref(), Some("whsec_wh-a"));
+    assert_eq!(due[0].previous_secret_until_ms, Some(5_000));
+    assert_eq!(due[0].attempts, 0);
+    assert_eq!(
+        ledger.due_webhook_events(5, 10).await.expect("due").len(),
+        0,
+        "not due yet"
+    );
+
+    // wh-a's event fails once (tried again at 2,000), wh-b's is delivered.
+    ledger
+        .webhook_event_failed(&due[0].event_id, 1, Some(502), "answered 502", 2_000, None)
+        .await
+        .expect("failed");
+    ledger
+        .webhook_event_delivered(&due[1].event_id, 1, 204, 150)
+        .await
+        .expect("delivered");
+    assert_eq!(
+        ledger
+            .due_webhook_events(1_999, 10)
+            .await
+            .expect("due")
+            .len(),
+        0
+    );
+    let retry = ledger.due_webhook_events(2_000, 10).await.expect("due");
+    assert_eq!((retry.len(), retry[0].attempts), (1, 1));
+    let listed = ledger
+        .webhook_deliveries("wh-a", 10)
+        .await
+        .expect("deliveries");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (
+            listed[0].state.as_str(),
+            listed[0].last_status,
+            listed[0].next_attempt_at_ms
+        ),
+        ("pending", Some(502), Some(2_000))
+    );
+    assert_eq!(listed[0].event.threshold_pct, 80);
+    assert_eq!(
+        ledger
+            .webhook_deliveries("wh-b", 10)
+            .await
+            .expect("deliveries")[0]
+            .state,
+        "delivered"
+    );
+    // Given up: no longer due, room in the queue again.
+    ledger
+        .webhook_event_failed(&retry[0].event_id, 15, None, "refused", 9_000, Some(3_000))
+        .await
+        .expect("failed");
+    assert_eq!(ledger.pending_webhook_events().await.expect("pending"), 0);
+    assert_eq!(
+        ledger
+            .webhook_deliveries("wh-a", 10)
+            .await
+            .expect("deliveries")[0]
+            .state,
+        "failed"
+    );
+    assert_eq!(record(event("wh-a", 100, 0), 20).await, EventRecorded::New);
+
+    // Done events found before 15 go, one batch at a time; the pending one stays.
+    assert_eq!(ledger.prune_webhook_events(15, 1).await.expect("prune"), 1);
+    assert_eq!(ledger.prune_webhook_events(15, 1).await.expect("prune"), 1);
+    assert_eq!(ledger.prune_webhook_events(15, 1).await.expect("prune"), 0);
+    assert_eq!(ledger.pending_webhook_events().await.expect("pending"), 1);
+
+    assert!(ledger.delete_webhook("wh-a").await.expect("delete"));
+    assert!(!ledger.delete_webhook("wh-a").await.expect("delete"));
+    assert_eq!(
+        ledger.pending_webhook_events().await.expect("pending"),
+        0,
+        "its events went too"
+    );
+    assert_eq!(ledger.webhooks().await.expect("list"), [webhook("wh-b")]);
+}
+
+#[tokio::test]
+async fn sqlite_webhooks() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    webhooks(ledger).await;
+}
+
+#[tokio::test]
+async fn postgres_webhooks() {
+    let (_database, url) = PostgresDatabase::create().await;
+    let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+    webhooks(ledger).await;
+}

@@ -91,6 +91,7 @@ pub async fn run_dev(
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        webhook_ca: None,
         ledger_url: format!(
             "sqlite://{}",
             options.data_dir.join("allot-dev.db").display()

@@ -50,6 +50,7 @@ async fn start_allocator(pki: &TestPki, dir: &std::path::Path) -> String {
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        webhook_ca: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
         tls: Some(ServerTls {
             cert: pki.server_cert(),

@@ -59,11 +59,13 @@ pub enum Section {
     Policies,
     /// Operator and agent tokens.
     Tokens,
+    /// Threshold webhooks and their deliveries.
+    Webhooks,
     /// The audit log.
     Audit,
 }
 
-const SECTIONS: [(Section, &str, &str, OperatorRole); 5] = [
+const SECTIONS: [(Section, &str, &str, OperatorRole); 6] = [
     (
         Section::Pools,
         "Pools",
@@ -87,6 +89,12 @@ const SECTIONS: [(Section, &str, &str, OperatorRole); 5] = [
         "Tokens",
         "/console/tokens",
         OperatorRole::Admin,
+    ),
+    (
+        Section::Webhooks,
+        "Webhooks",
+        "/console/webhooks",
+        OperatorRole::Viewer,
     ),
     (
         Section::Audit,

@@ -24,6 +24,7 @@ mod pools;
 mod regions;
 pub mod session;
 mod tokens;
+mod webhooks;
 
 use std::sync::Arc;
 
@@ -102,6 +103,7 @@ pub fn router(state: ConsoleState) -> Router {
         .route("/console/tokens", get(tokens::page).post(tokens::mint))
         .route("/console/tokens/{id}/revoke", post(tokens::revoke))
         .route("/console/audit", get(audit::page))
+        .route("/console/webhooks", get(webhooks::page))
         .layer(axum::middleware::map_response(secure_response))
         .with_state(state)
 }

@@ -58,6 +58,12 @@ impl ApiError {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, title, detail)
     }
 
+    /// The field at fault, if the error names one.
+    #[cfg(test)]
+    pub fn field(&self) -> Option<&str> {
+        self.problem.field.as_deref()
+    }
+
     /// Names the field at fault.
     pub fn with_field(mut self, field: impl Into<String>) -> Self {
         self.problem = Box::new(self.problem.with_field(field));

@@ -25,6 +25,7 @@ mod pools;
 mod regions;
 mod tokens;
 mod usage;
+mod webhooks;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,6 +46,7 @@ pub use self::tokens::{MintAnswer, MintBody, TokenList, TokenView};
 pub use self::usage::{
     CSV_HEADER as USAGE_CSV_HEADER, DEFAULT_USAGE_PAGE, MAX_USAGE_PAGE, UsageQuery, UsageRecord,
 };
+pub use self::webhooks::{DeliveryList, WebhookList, WebhookSpec, WebhookView, WebhookWithSecret};
 use crate::auth::TokenBook;
 /// The token files' lines (see [`crate::auth`]).
 pub use crate::auth::Tokens;
@@ -151,6 +153,22 @@ pub fn routes(state: ApiState) -> Router {
         .route(
             "/v1/tokens/{id}",
             axum::routing::delete(tokens::delete_token),
+        )
+        .route(
+            "/v1/webhooks",
+            get(webhooks::list_webhooks).post(webhooks::post_webhook),
+        )
+        .route(
+            "/v1/webhooks/{id}",
+            axum::routing::delete(webhooks::delete_webhook),
+        )
+        .route(
+            "/v1/webhooks/{id}/rotate-secret",
+            post(webhooks::rotate_webhook_secret),
+        )
+        .route(
+            "/v1/webhooks/{id}/deliveries",
+            get(webhooks::list_deliveries),
         )
         .route("/v1/audit", get(ops::get_audit))
         .route("/v1/usage", get(usage::get_usage))

@@ -17,6 +17,16 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use sqlx::{PgPool, SqlitePool};
 
+/// Runs `$body` with `$pool` bound to whichever database's pool is connected.
+macro_rules! on_pool {
+    ($ledger:expr, |$pool:ident| $body:expr) => {
+        match &$ledger.database {
+            Database::Sqlite($pool) => $body,
+            Database::Postgres($pool) => $body,
+        }
+    };
+}
+
 /// Runs a sea-query statement on whichever database is connected. `$run` is a closure-like pair of
 /// (sql, values) -> future, applied with the dialect's pool.
 macro_rules! on_db {
@@ -43,6 +53,7 @@ pub mod reports;
 pub mod retention;
 pub mod rollup;
 mod schema;
+pub mod webhooks;
 
 pub use accounting::{MAX_WINDOWS, WindowAmounts, WindowRow, account};
 pub use allot_shared::wire::{Report, ReportLease, ReportReceipt};
@@ -51,6 +62,7 @@ pub use bound_checks::{BoundCheckSummary, BoundViolation, MAX_RECENT_VIOLATIONS}
 pub use regions::{FallbackRow, MAX_RECENT_FALLBACK_ROWS};
 pub use reports::MAX_LEASES_PER_REPORT;
 pub use retention::{Removed, Retention};
+pub use webhooks::{DeliveryView, EventRecorded, PendingEvent, StoredWebhook};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 

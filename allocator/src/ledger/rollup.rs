@@ -280,15 +280,6 @@ impl RolledWindow {
     }
 }
 
-macro_rules! on_pool {
-    ($ledger:expr, |$pool:ident| $body:expr) => {
-        match &$ledger.database {
-            Database::Sqlite($pool) => $body,
-            Database::Postgres($pool) => $body,
-        }
-    };
-}
-
 impl Ledger {
     /// Rolls up, at `now_ms`, at most [`MAX_ROLLUP_WINDOWS_PER_ROUND`] windows whose raw rows are
     /// older than `cutoff_ms` (grants of windows that ended before it, admits of windows that

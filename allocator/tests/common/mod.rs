@@ -31,7 +31,18 @@ pub struct Server {
     _dir: tempfile::TempDir,
 }
 
+/// What a test changes of the allocator's settings.
+#[derive(Default)]
+pub struct Options {
+    /// The CAs webhook deliveries trust.
+    pub webhook_ca: Option<std::path::PathBuf>,
+}
+
 pub async fn start() -> Server {
+    start_with(Options::default()).await
+}
+
+pub async fn start_with(options: Options) -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -54,6 +65,7 @@ pub async fn start() -> Server {
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        webhook_ca: options.webhook_ca,
         ledger_url: String::new(),
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);

@@ -65,6 +65,7 @@ pub async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> Strin
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        webhook_ca: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
     };
     let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
