@@ -4,19 +4,12 @@
 //! input included, no undocumented status, no 5xx but those documented, every answer as
 //! documented, every call without a token refused.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use allot_allocator::http::Tokens;
 use allot_allocator::http::openapi::document_json;
-use allot_allocator::kv::etcd::EtcdKv;
-use allot_allocator::ledger::Ledger;
-use allot_allocator::server::{Settings, run};
 use allot_testkit::{EtcdCluster, SchemathesisRun};
-use serde_json::Value;
 
-const OPERATOR: &str = "operator-token-for-openapi-01";
-const AGENT: &str = "agent-token-for-openapi-0001";
+mod common;
+
+use common::{AGENT, OPERATOR};
 
 /// Where the allocator's contract is deliberately looser than its schemas can say.
 const SCHEMATHESIS_CONFIG: &str = r#"
@@ -50,82 +43,19 @@ checks.positive_data_acceptance.enabled = false
 "#;
 
 #[test]
-fn the_document_is_valid_openapi_3_1() {
-    let document: Value = serde_json::from_str(document_json()).expect("JSON");
-    assert!(
-        document["openapi"]
-            .as_str()
-            .is_some_and(|v| v.starts_with("3.1")),
-        "{}",
-        document["openapi"]
-    );
-    allot_testkit::validate_openapi(document_json());
-}
-
-#[test]
-fn the_document_names_every_route_and_only_routes() {
-    let routed = allot_testkit::routed_operations(include_str!("../src/http/mod.rs"));
-    assert!(routed.len() >= 25, "the scan is broken: {routed:?}");
-    assert_eq!(
-        routed,
-        allot_testkit::documented_operations(document_json()),
-        "routes (left) and the document (right) differ"
-    );
-}
-
-/// An allocator on `etcd` with its ledger in `dir`, ready: its URL.
-async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let settings = Settings {
-        listen: addr,
-        etcd: etcd.endpoints(),
-        tokens: Tokens {
-            operator: vec![OPERATOR.to_owned()],
-            agent: vec![AGENT.to_owned()],
-        },
-        node_id: "alloc-openapi".to_owned(),
-        advertise_url: format!("http://{addr}"),
-        leader_lease_ttl_s: 5,
-        tls: None,
-        etcd_history_minutes: 60,
-        etcd_defragment: true,
-        retention: Default::default(),
-        webhook_ca: None,
-        ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
-    };
-    let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
-    let ledger = Ledger::connect(&settings.ledger_url).await.expect("ledger");
-    let clock = allot_allocator::server::system_clock();
-    tokio::spawn(run(
-        settings,
-        kv,
-        ledger,
-        clock,
-        listener,
-        std::future::pending(),
-    ));
-    let url = format!("http://{addr}");
-    let client = reqwest::Client::new();
-    for _ in 0..400 {
-        if let Ok(answer) = client.get(format!("{url}/readyz")).send().await
-            && answer.status() == 200
-        {
-            return url;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("the allocator never became ready");
+fn the_document_is_valid_and_names_every_route_and_only_routes() {
+    allot_testkit::check_openapi_document(document_json(), include_str!("../src/http/mod.rs"), 25);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_running_allocator_answers_as_its_document_says() {
     let etcd = EtcdCluster::single();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let url = start_allocator(&etcd, dir.path()).await;
-    let schema_url = format!("{url}/openapi.json");
+    let server = common::start_with(common::Options {
+        etcd: etcd.endpoints(),
+        ..Default::default()
+    })
+    .await;
+    let schema_url = format!("{}/openapi.json", server.url);
     for token in [OPERATOR, AGENT] {
         let report = tokio::task::block_in_place(|| {
             allot_testkit::schemathesis(&SchemathesisRun {

@@ -1,4 +1,4 @@
-//! Threshold webhooks end to end: a real HTTPS receiver (the test PKI's certificate, which the
+//! Threshold webhooks end to end, on a real etcd: a real HTTPS receiver (the test PKI's certificate, which the
 //! allocator trusts through its webhook CA) hears each threshold of a pool's window once, signed
 //! with the webhook's secret; while it is down the delivery is retried with backoff, and once back
 //! it gets the event exactly once, signed by both secrets after a rotation.
@@ -115,8 +115,10 @@ async fn deliveries(server: &common::Server, id: &str) -> Vec<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thresholds_are_delivered_once_signed_and_retried_while_the_receiver_is_down() {
     let pki = TestPki::generate();
+    let etcd = allot_testkit::EtcdCluster::single();
     let server = common::start_with(common::Options {
         webhook_ca: Some(pki.ca()),
+        etcd: etcd.endpoints(),
     })
     .await;
     let put = server

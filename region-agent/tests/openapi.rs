@@ -3,8 +3,6 @@
 //! bad input included: no undocumented status, no 5xx but those documented, every answer's body,
 //! headers and content type as documented, every call without a token refused).
 
-use serde_json::Value;
-
 mod common;
 
 const GATEWAY: &str = "gateway-token-for-openapi-1";
@@ -19,27 +17,11 @@ generation.allow-extra-parameters = false
 "#;
 
 #[test]
-fn the_document_is_valid_openapi_3_1() {
-    let document: Value =
-        serde_json::from_str(allot_region_agent::openapi::document_json()).expect("JSON");
-    assert!(
-        document["openapi"]
-            .as_str()
-            .is_some_and(|v| v.starts_with("3.1")),
-        "{}",
-        document["openapi"]
-    );
-    allot_testkit::validate_openapi(allot_region_agent::openapi::document_json());
-}
-
-#[test]
-fn the_document_names_every_route_and_only_routes() {
-    let routed = allot_testkit::routed_operations(include_str!("../src/http.rs"));
-    assert!(routed.len() >= 10, "the scan is broken: {routed:?}");
-    assert_eq!(
-        routed,
-        allot_testkit::documented_operations(allot_region_agent::openapi::document_json()),
-        "routes (left) and the document (right) differ"
+fn the_document_is_valid_and_names_every_route_and_only_routes() {
+    allot_testkit::check_openapi_document(
+        allot_region_agent::openapi::document_json(),
+        include_str!("../src/http.rs"),
+        10,
     );
 }
 

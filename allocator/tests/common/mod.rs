@@ -36,6 +36,8 @@ pub struct Server {
 pub struct Options {
     /// The CAs webhook deliveries trust.
     pub webhook_ca: Option<std::path::PathBuf>,
+    /// etcd endpoints to run on (none: the embedded store).
+    pub etcd: Vec<String>,
 }
 
 pub async fn start() -> Server {
@@ -49,7 +51,7 @@ pub async fn start_with(options: Options) -> Server {
     let addr = listener.local_addr().expect("addr");
     let settings = Settings {
         listen: addr,
-        etcd: vec![],
+        etcd: options.etcd.clone(),
         tokens: Tokens {
             operator: vec![
                 OPERATOR.to_owned(),
@@ -69,7 +71,15 @@ pub async fn start_with(options: Options) -> Server {
         ledger_url: String::new(),
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let kv = Arc::new(MemoryKv::new(clock.clone()));
+    let kv: Arc<dyn allot_allocator::kv::Kv> = if options.etcd.is_empty() {
+        Arc::new(MemoryKv::new(clock.clone()))
+    } else {
+        Arc::new(
+            allot_allocator::kv::etcd::EtcdKv::connect(&options.etcd)
+                .await
+                .expect("etcd"),
+        )
+    };
     let dir = tempfile::tempdir().expect("temp dir");
     let ledger = Ledger::connect(&format!(
         "sqlite://{}",

@@ -33,6 +33,36 @@ pub fn validate_openapi(document: &str) {
     }
 }
 
+/// Checks a service's OpenAPI `document` (JSON) as CI does: OpenAPI 3.1, accepted by
+/// `openapi-spec-validator`, and naming exactly the operations `router_source` (the code that
+/// builds the service's router) routes, at least `min_operations` of them (fewer means the reading
+/// broke). Panics saying what differs.
+pub fn check_openapi_document(document: &str, router_source: &str, min_operations: usize) {
+    let parsed: serde_json::Value =
+        serde_json::from_str(document).expect("allot-testkit: the document is not JSON");
+    assert!(
+        parsed["openapi"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("3.1")),
+        "not OpenAPI 3.1: {}",
+        parsed["openapi"]
+    );
+    let routed = routed_operations(router_source);
+    assert!(
+        routed.len() >= min_operations,
+        "only {} routes read: the reading is broken: {routed:?}",
+        routed.len()
+    );
+    let documented = documented_operations(document);
+    let undocumented: Vec<_> = routed.difference(&documented).collect();
+    let unrouted: Vec<_> = documented.difference(&routed).collect();
+    assert!(
+        undocumented.is_empty() && unrouted.is_empty(),
+        "routed but not in the document: {undocumented:?}; in the document but not routed: {unrouted:?}"
+    );
+    validate_openapi(document);
+}
+
 /// What Schemathesis runs against.
 #[derive(Debug, Clone)]
 pub struct SchemathesisRun<'a> {

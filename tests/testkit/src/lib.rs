@@ -62,7 +62,8 @@ mod redis;
 mod workspace;
 
 pub use api_checks::{
-    SchemathesisRun, documented_operations, routed_operations, schemathesis, validate_openapi,
+    SchemathesisRun, check_openapi_document, documented_operations, routed_operations,
+    schemathesis, validate_openapi,
 };
 pub use binary::{Binary, MissingBinary};
 pub use browser::ChromeDriver;
