@@ -3,6 +3,8 @@
 //! problem+json of a refusal.
 
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -11,7 +13,6 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 
 use crate::client::AgentClient;
-use crate::layer::MeteredCost;
 
 /// Calls that failed when a response ended: `allot_client_completion_failures_total{call}`.
 pub const COMPLETION_FAILURES: &str = "allot_client_completion_failures_total";
@@ -95,6 +96,40 @@ where
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
         }
+    }
+}
+
+/// A metered request's actual cost, for the service to state (in the request's extensions of a
+/// request admitted with [`Admission::metered`]); settled when the response ends.
+#[derive(Debug, Clone, Default)]
+pub struct MeteredCost(Arc<AtomicU64>);
+
+/// The meter's "not stated" value.
+const UNSTATED: u64 = u64::MAX;
+
+impl MeteredCost {
+    pub(crate) fn new() -> Self {
+        Self(Arc::new(AtomicU64::new(UNSTATED)))
+    }
+
+    /// States the actual cost, whole units (the last statement counts).
+    pub fn set(&self, units: u64) {
+        self.0.store(units.min(UNSTATED - 1), Ordering::Relaxed);
+    }
+
+    /// Adds `units` to the actual cost (for a response that counts as it streams).
+    pub fn add(&self, units: u64) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+                let base = if now == UNSTATED { 0 } else { now };
+                Some(base.saturating_add(units).min(UNSTATED - 1))
+            });
+    }
+
+    /// The stated cost, if any.
+    pub fn get(&self) -> Option<u64> {
+        Some(self.0.load(Ordering::Relaxed)).filter(|&units| units != UNSTATED)
     }
 }
 
@@ -186,5 +221,23 @@ impl Drop for Completion {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_meter_counts_what_the_service_states() {
+        let meter = MeteredCost::new();
+        assert_eq!(meter.get(), None, "unstated: the estimate stands");
+        meter.add(3);
+        meter.add(4);
+        assert_eq!(meter.get(), Some(7));
+        meter.set(2);
+        assert_eq!(meter.get(), Some(2));
+        meter.set(u64::MAX);
+        assert_eq!(meter.get(), Some(u64::MAX - 1), "never reads as unstated");
     }
 }

@@ -10,7 +10,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -20,7 +19,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use tower::{Layer, Service};
 
-use crate::body::{AllotBody, Completion};
+use crate::body::{AllotBody, Completion, MeteredCost};
 use crate::client::{AgentClient, Checked};
 
 /// Requests let through or refused without a decision: `allot_client_undecided_total{outcome}`.
@@ -133,40 +132,6 @@ impl Admission {
             dry_run: false,
             metered: self.metered,
         })
-    }
-}
-
-/// A metered request's actual cost, for the service to state (in the request's extensions of a
-/// request admitted with [`Admission::metered`]); settled when the response ends.
-#[derive(Debug, Clone, Default)]
-pub struct MeteredCost(Arc<AtomicU64>);
-
-/// The meter's "not stated" value.
-const UNSTATED: u64 = u64::MAX;
-
-impl MeteredCost {
-    fn new() -> Self {
-        Self(Arc::new(AtomicU64::new(UNSTATED)))
-    }
-
-    /// States the actual cost, whole units (the last statement counts).
-    pub fn set(&self, units: u64) {
-        self.0.store(units.min(UNSTATED - 1), Ordering::Relaxed);
-    }
-
-    /// Adds `units` to the actual cost (for a response that counts as it streams).
-    pub fn add(&self, units: u64) {
-        let _ = self
-            .0
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
-                let base = if now == UNSTATED { 0 } else { now };
-                Some(base.saturating_add(units).min(UNSTATED - 1))
-            });
-    }
-
-    /// The stated cost, if any.
-    pub fn get(&self) -> Option<u64> {
-        Some(self.0.load(Ordering::Relaxed)).filter(|&units| units != UNSTATED)
     }
 }
 
@@ -406,19 +371,6 @@ fn problem_response<B>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_meter_counts_what_the_service_states() {
-        let meter = MeteredCost::new();
-        assert_eq!(meter.get(), None, "unstated: the estimate stands");
-        meter.add(3);
-        meter.add(4);
-        assert_eq!(meter.get(), Some(7));
-        meter.set(2);
-        assert_eq!(meter.get(), Some(2));
-        meter.set(u64::MAX);
-        assert_eq!(meter.get(), Some(u64::MAX - 1), "never reads as unstated");
-    }
 
     #[test]
     fn an_admission_becomes_the_wire_request() {

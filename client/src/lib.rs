@@ -42,9 +42,9 @@ pub use allot_shared::contract::{
     SettleAnswer, SettleRequest, SlotRenewal,
 };
 pub use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
-pub use body::{AllotBody, COMPLETION_FAILURES, Completion};
+pub use body::{AllotBody, COMPLETION_FAILURES, Completion, MeteredCost};
 pub use client::{
     AgentClient, Checked, ClientBuilder, ClientError, DEFAULT_CALL_TIMEOUT, DEFAULT_MAX_ATTEMPTS,
     DEFAULT_RETRY_BACKOFF, MAX_ATTEMPTS, MAX_CALL_TIMEOUT, RETRIES,
 };
-pub use layer::{Admission, Allot, AllotLayer, FailMode, MeteredCost, UNDECIDED};
+pub use layer::{Admission, Allot, AllotLayer, FailMode, UNDECIDED};

@@ -2,7 +2,8 @@
 //! contract's types (served at `/openapi.json`). Every route of [`crate::http::router`] is in it;
 //! `region-agent/tests/openapi.rs` holds the two together.
 
-use allot_shared::contract::Problem;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
@@ -17,17 +18,17 @@ use utoipa::{Modify, OpenApi};
         license(name = "Apache-2.0", identifier = "Apache-2.0"),
     ),
     paths(
-        crate::http::admit,
-        crate::http::check,
-        crate::http::auth_request,
-        crate::http::quota,
-        crate::http::settle,
-        crate::http::release,
-        crate::http::renew,
-        crate::http::healthz,
-        crate::http::readyz,
-        crate::http::metrics_text,
-        crate::http::openapi_json,
+        crate::http::gateway::admit,
+        crate::http::gateway::check,
+        crate::http::gateway::auth_request,
+        crate::http::gateway::quota,
+        crate::http::gateway::settle,
+        crate::http::gateway::release,
+        crate::http::gateway::renew,
+        crate::http::gateway::healthz,
+        crate::http::gateway::readyz,
+        crate::http::gateway::metrics_text,
+        openapi_json,
     ),
     modifiers(&GatewayToken),
     security(("gateway_token" = [])),
@@ -56,36 +57,6 @@ impl Modify for GatewayToken {
     }
 }
 
-/// The refusals of a call with a JSON body.
-#[derive(utoipa::IntoResponses)]
-#[allow(dead_code)]
-pub(crate) enum JsonCallRefused {
-    /// Bad input: problem+json naming the field at fault.
-    #[response(status = 400, content_type = "application/problem+json")]
-    Invalid(#[to_schema] Problem),
-    /// No gateway token, or an unknown one.
-    #[response(status = 401, content_type = "application/problem+json")]
-    Unauthorized(#[to_schema] Problem),
-    /// The body is larger than 16 KiB.
-    #[response(status = 413, content_type = "application/problem+json")]
-    TooLarge(#[to_schema] Problem),
-    /// The body is not `application/json`.
-    #[response(status = 415, content_type = "application/problem+json")]
-    NotJson(#[to_schema] Problem),
-}
-
-/// The refusals of a call without a body.
-#[derive(utoipa::IntoResponses)]
-#[allow(dead_code)]
-pub(crate) enum CallRefused {
-    /// Bad input: problem+json naming the field (the query parameter or header) at fault.
-    #[response(status = 400, content_type = "application/problem+json")]
-    Invalid(#[to_schema] Problem),
-    /// No gateway token, or an unknown one.
-    #[response(status = 401, content_type = "application/problem+json")]
-    Unauthorized(#[to_schema] Problem),
-}
-
 /// The document as JSON, built once.
 pub fn document_json() -> &'static str {
     static DOCUMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
@@ -111,4 +82,15 @@ fn add_what_types_cannot_say(document: &mut serde_json::Value) {
             }),
         );
     }
+}
+
+/// This API's OpenAPI document.
+#[utoipa::path(get, path = "/openapi.json", tag = "operations", security(()),
+    responses((status = 200, description = "The OpenAPI 3.1 document", body = Object)))]
+pub(crate) async fn openapi_json() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        document_json(),
+    )
+        .into_response()
 }

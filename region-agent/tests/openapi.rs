@@ -20,7 +20,7 @@ generation.allow-extra-parameters = false
 fn the_document_is_valid_and_names_every_route_and_only_routes() {
     allot_testkit::check_openapi_document(
         allot_region_agent::openapi::document_json(),
-        include_str!("../src/http.rs"),
+        include_str!("../src/http/mod.rs"),
         10,
     );
 }

@@ -19,7 +19,7 @@ use super::io::{json_response, parse_json};
     request_body = AgentSession,
     responses(
         (status = 200, description = "The run recorded", body = AgentSessionStarted),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn post_session_start(
     State(state): State<ApiState>,
@@ -48,7 +48,7 @@ pub async fn post_session_start(
     request_body = AgentSession,
     responses(
         (status = 200, description = "The run's end recorded", body = AgentSessionEnded),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn post_session_end(
     State(state): State<ApiState>,

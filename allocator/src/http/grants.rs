@@ -21,7 +21,7 @@ use crate::pools;
     responses(
         (status = 200, description = "The grant (idempotent by lease id)", body = GrantAnswer),
         (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn post_grant(
     State(state): State<ApiState>,
@@ -50,7 +50,7 @@ pub async fn post_grant(
     request_body = Report,
     responses(
         (status = 200, description = "The report, recorded once", body = ReportReceipt),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn post_report(
     State(state): State<ApiState>,

@@ -37,7 +37,7 @@ pub struct AuditList {
     params(AuditQuery),
     responses(
         (status = 200, description = "The latest changes, newest first", body = AuditList),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn get_audit(
     State(state): State<ApiState>,
@@ -60,7 +60,7 @@ pub async fn get_audit(
     params(BoundChecksQuery),
     responses(
         (status = 200, description = "Windows checked against their bound", body = BoundCheckSummary),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn get_bound_checks(
     State(state): State<ApiState>,

@@ -82,7 +82,7 @@ fn bundle_response(bundle: &PolicyBundle) -> Response {
     responses(
         (status = 201, description = "The bundle as published", body = Object),
         (status = 409, description = "Conflicts with the bundle in force", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn put_policy(
     State(state): State<ApiState>,
@@ -137,7 +137,7 @@ pub async fn put_policy(
     responses(
         (status = 200, description = "The bundle a region should run", body = Object, headers(("etag" = String))),
         (status = 404, description = "Nothing published yet", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn get_current_policy(
     State(state): State<ApiState>,
@@ -162,7 +162,7 @@ pub async fn get_current_policy(
     responses(
         (status = 200, description = "That bundle", body = Object, headers(("etag" = String))),
         (status = 404, description = "No such version", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn get_policy_version(
     State(state): State<ApiState>,
@@ -181,7 +181,7 @@ pub async fn get_policy_version(
         (status = 200, description = "The rollout: the canary bundle everywhere", body = Rollout),
         (status = 404, description = "No such version", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Not the canary bundle", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn promote_policy(
     State(state): State<ApiState>,
@@ -216,7 +216,7 @@ pub async fn promote_policy(
         (status = 201, description = "The old bundle published again as a new version", body = Object),
         (status = 404, description = "No such version", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Conflicts with the bundle in force", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn rollback_policy(
     State(state): State<ApiState>,
@@ -270,7 +270,7 @@ fn created_bundle_response(bundle: &PolicyBundle) -> Response {
     request_body = AgentStatus,
     responses(
         (status = 204, description = "Recorded"),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn post_agent_status(
     State(state): State<ApiState>,
@@ -305,7 +305,7 @@ pub async fn post_agent_status(
 #[utoipa::path(get, path = "/v1/policies/status", tag = "policies",
     responses(
         (status = 200, description = "The rollout and what every live agent runs", body = PolicyStatus),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn get_policy_status(
     State(state): State<ApiState>,

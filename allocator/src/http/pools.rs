@@ -272,7 +272,7 @@ async fn stored_pool(
     params(PoolsQuery),
     responses(
         (status = 200, description = "Every pool, or one page", body = PoolList),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn list_pools(
     State(state): State<ApiState>,
@@ -335,7 +335,7 @@ pub async fn list_pools(
     responses(
         (status = 200, description = "The pool and its live window", body = PoolView),
         (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn get_pool(
     State(state): State<ApiState>,
@@ -380,7 +380,7 @@ pub async fn get_pool(
     request_body = PoolSpec,
     responses(
         (status = 200, description = "The pool as stored", body = PoolView),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn put_pool(
     State(state): State<ApiState>,
@@ -430,7 +430,7 @@ pub async fn put_pool(
     responses(
         (status = 204, description = "Deleted"),
         (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn delete_pool(
     State(state): State<ApiState>,
@@ -479,7 +479,7 @@ pub async fn delete_pool(
     responses(
         (status = 200, description = "The pool's terms, as agents read them", body = PoolTerms),
         (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn get_pool_terms(
     State(state): State<ApiState>,
@@ -538,7 +538,7 @@ pub async fn get_pool_terms(
     responses(
         (status = 200, description = "The latest windows, newest first", body = WindowList),
         (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn get_windows(
     State(state): State<ApiState>,
@@ -648,7 +648,7 @@ fn check_bulk(body: &BulkPools) -> Result<(), ApiError> {
     request_body = BulkPools,
     responses(
         (status = 200, description = "What happened to each pool", body = BulkAnswer),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn bulk_put_pools(
     State(state): State<ApiState>,

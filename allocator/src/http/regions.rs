@@ -57,7 +57,7 @@ struct Seen {
 #[utoipa::path(get, path = "/v1/regions", tag = "pools",
     responses(
         (status = 200, description = "Every region pools name", body = RegionList),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn list_regions(
     State(state): State<ApiState>,

@@ -115,7 +115,7 @@ fn holder(body: &MintBody) -> Result<Holder, ApiError> {
     request_body = MintBody,
     responses(
         (status = 201, description = "The token, shown this once", body = MintAnswer),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn post_token(
     State(state): State<ApiState>,
@@ -163,7 +163,7 @@ pub async fn post_token(
 #[utoipa::path(get, path = "/v1/tokens", tag = "tokens",
     responses(
         (status = 200, description = "Every token (never the token itself)", body = TokenList),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn list_tokens(
     State(state): State<ApiState>,
@@ -199,7 +199,7 @@ pub async fn list_tokens(
         (status = 204, description = "Revoked"),
         (status = 404, description = "No such token", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "A token from a file: revoke it there", body = Problem, content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn delete_token(
     State(state): State<ApiState>,

@@ -280,7 +280,7 @@ async fn page(
     responses(
         (status = 200, description = "A page of usage records, JSON lines or CSV; `Allot-Next-After` names the next page",
             content((UsageRecord = "application/x-ndjson"), (String = "text/csv")), headers(("allot-next-after" = String))),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn get_usage(
     State(state): State<ApiState>,

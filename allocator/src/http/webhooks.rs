@@ -178,7 +178,7 @@ fn url(spec: &WebhookSpec) -> Result<String, ApiError> {
         (status = 201, description = "Registered; the secret is shown this once", body = WebhookWithSecret),
         (status = 409, description = "1,000 webhooks are registered already", body = Problem,
             content_type = "application/problem+json"),
-        crate::http::openapi::JsonRefused,
+        crate::http::errors::JsonRefused,
     ))]
 pub async fn post_webhook(
     State(state): State<ApiState>,
@@ -233,7 +233,7 @@ pub async fn post_webhook(
 #[utoipa::path(get, path = "/v1/webhooks", tag = "webhooks",
     responses(
         (status = 200, description = "Every webhook (never its secret)", body = WebhookList),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn list_webhooks(
     State(state): State<ApiState>,
@@ -263,7 +263,7 @@ fn webhook_id(id: &str) -> Result<&str, ApiError> {
         (status = 204, description = "Removed, with its undelivered events"),
         (status = 404, description = "No such webhook", body = Problem,
             content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn delete_webhook(
     State(state): State<ApiState>,
@@ -299,7 +299,7 @@ pub async fn delete_webhook(
             body = WebhookWithSecret),
         (status = 404, description = "No such webhook", body = Problem,
             content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn rotate_webhook_secret(
     State(state): State<ApiState>,
@@ -352,7 +352,7 @@ pub async fn rotate_webhook_secret(
         (status = 200, description = "The latest events and how their delivery went", body = DeliveryList),
         (status = 404, description = "No such webhook", body = Problem,
             content_type = "application/problem+json"),
-        crate::http::openapi::Refused,
+        crate::http::errors::Refused,
     ))]
 pub async fn list_deliveries(
     State(state): State<ApiState>,

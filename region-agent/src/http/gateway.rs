@@ -1,27 +1,4 @@
-//! The gateway-facing HTTP API of the agent.
-//!
-//! - `POST /v1/admit`: the decision as JSON (an RPC: the answer is in the body, status 200).
-//! - `POST /v1/check`: for proxies that want an HTTP answer (forward-auth style): 200 when allowed, 429
-//!   with `Retry-After` when a limit says no, 503 when a fail-closed rule cannot be decided; the body is
-//!   problem+json. Pre-authentication callers (principal type `ip`) get a plain 429 with no limits,
-//!   names or counts.
-//! - `GET /v1/quota?tenantId=&principalType=&principalId=[&routeGroup=]`: the caller's own quotas
-//!   and what is left of them, for an API's rate limit status endpoint (only the rules the caller
-//!   may see: [`crate::service::quota`]); 503 before the agent has a policy bundle.
-//! - `POST /v1/admit` with `"dryRun": true` answers what a real request would get, spending nothing.
-//! - `POST /v1/admit` with `"metered": true` charges `costHint` as an estimate; `POST /v1/settle`
-//!   (`{decisionId, tenantId, actualCost}`) states the actual cost within the settle window
-//!   ([`crate::service::settlement`]): 200 with how the difference was charged, 404 when nothing
-//!   of that id is open, 409 when settled before with another cost. `/v1/check` answers a
-//!   metered admission's deadline in `x-allot-settle-by-ms`.
-//! - `GET /v1/auth-request`: `/v1/check` for nginx's `auth_request`,
-//!   which passes on 2xx, 401 and 403 only: 204 when allowed, 403 with `X-Allot-Status: 429|503`
-//!   and `Retry-After` when not; the request from `X-Allot-*` headers.
-//! - `POST /v1/release`: the same request, when it has finished: gives back its concurrency slots
-//!   (idempotent; a slot a gateway never releases lapses with its lease TTL).
-//! - `/healthz`, `/readyz`, `/metrics`.
-//!
-//! Gateways authenticate with a bearer token; every request is bounded (body, time, concurrency).
+//! The gateway API's handlers, what they share, and the refusals every call can get.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,12 +9,10 @@ use allot_shared::contract::{
     QuotaStatus, SettleAnswer, SettleRequest, SlotRenewal, http_status, retry_after_header,
 };
 use allot_shared::ids::{DecisionId, PoolId, RouteGroup, TenantId};
-use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 
 use crate::service::Agent;
 use crate::service::settlement::SettleError;
@@ -142,7 +117,7 @@ fn parse<T: serde::de::DeserializeOwned>(
     request_body = AdmissionRequest,
     responses(
         (status = 200, description = "The decision, allowed or not", body = Decision),
-        crate::openapi::JsonCallRefused,
+        JsonCallRefused,
     ))]
 pub(crate) async fn admit(
     State(api): State<AgentApi>,
@@ -266,7 +241,7 @@ fn header_of(field: &str) -> &str {
             body = Problem, content_type = "application/problem+json", headers(("retry-after" = u64))),
         (status = 503, description = "A fail-closed rule could not be decided", body = Problem, content_type = "application/problem+json",
             headers(("retry-after" = u64))),
-        crate::openapi::JsonCallRefused,
+        JsonCallRefused,
     ))]
 pub(crate) async fn check(
     State(api): State<AgentApi>,
@@ -337,7 +312,7 @@ fn denial_status(decision: &Decision) -> StatusCode {
         (status = 204, description = "Admitted", headers(("ratelimit-policy" = String), ("ratelimit" = String))),
         (status = 403, description = "Refused: `X-Allot-Status` says how to answer the caller (429 or 503)",
             body = Problem, content_type = "application/problem+json", headers(("x-allot-status" = u16), ("retry-after" = u64))),
-        crate::openapi::CallRefused,
+        CallRefused,
     ))]
 pub(crate) async fn auth_request(State(api): State<AgentApi>, headers: HeaderMap) -> Response {
     if let Err(response) = authorized(&api, &headers) {
@@ -411,7 +386,7 @@ fn add_decision_headers(
     responses(
         (status = 200, description = "The caller's quotas", body = QuotaStatus),
         (status = 503, description = "No policy bundle yet", body = Problem, content_type = "application/problem+json"),
-        crate::openapi::CallRefused,
+        CallRefused,
     ))]
 pub(crate) async fn quota(
     State(api): State<AgentApi>,
@@ -452,7 +427,7 @@ pub(crate) async fn quota(
         (status = 200, description = "How the difference was charged", body = SettleAnswer),
         (status = 404, description = "Nothing of that id is open for settlement", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Settled before with another cost", body = Problem, content_type = "application/problem+json"),
-        crate::openapi::JsonCallRefused,
+        JsonCallRefused,
     ))]
 pub(crate) async fn settle(
     State(api): State<AgentApi>,
@@ -486,7 +461,7 @@ pub(crate) async fn settle(
     request_body = AdmissionRequest,
     responses(
         (status = 204, description = "Released (or nothing was held)"),
-        crate::openapi::JsonCallRefused,
+        JsonCallRefused,
     ))]
 pub(crate) async fn release(
     State(api): State<AgentApi>,
@@ -511,7 +486,7 @@ pub(crate) async fn release(
     request_body = AdmissionRequest,
     responses(
         (status = 200, description = "What the heartbeat did", body = SlotRenewal),
-        crate::openapi::JsonCallRefused,
+        JsonCallRefused,
     ))]
 pub(crate) async fn renew(
     State(api): State<AgentApi>,
@@ -573,57 +548,32 @@ pub(crate) async fn readyz(State(api): State<AgentApi>) -> Response {
     }
 }
 
-/// This API's OpenAPI document.
-#[utoipa::path(get, path = "/openapi.json", tag = "operations", security(()),
-    responses((status = 200, description = "The OpenAPI 3.1 document", body = Object)))]
-pub(crate) async fn openapi_json() -> Response {
-    (
-        [(header::CONTENT_TYPE, "application/json")],
-        crate::openapi::document_json(),
-    )
-        .into_response()
+/// The refusals of a call with a JSON body.
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum JsonCallRefused {
+    /// Bad input: problem+json naming the field at fault.
+    #[response(status = 400, content_type = "application/problem+json")]
+    Invalid(#[to_schema] Problem),
+    /// No gateway token, or an unknown one.
+    #[response(status = 401, content_type = "application/problem+json")]
+    Unauthorized(#[to_schema] Problem),
+    /// The body is larger than 16 KiB.
+    #[response(status = 413, content_type = "application/problem+json")]
+    TooLarge(#[to_schema] Problem),
+    /// The body is not `application/json`.
+    #[response(status = 415, content_type = "application/problem+json")]
+    NotJson(#[to_schema] Problem),
 }
 
-/// The agent's router with its bounds.
-pub fn router(api: AgentApi) -> Router {
-    let routes = Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
-        .route("/openapi.json", get(openapi_json))
-        .route("/v1/admit", post(admit))
-        .route("/v1/check", post(check))
-        .route("/v1/auth-request", get(auth_request))
-        .route("/v1/quota", get(quota))
-        .route("/v1/settle", post(settle))
-        .route("/v1/release", post(release))
-        .route("/v1/renew", post(renew));
-    allot_net::bounded_router(
-        routes,
-        allot_net::RouterLimits {
-            max_body_bytes: MAX_BODY_BYTES,
-            max_concurrent_requests: MAX_CONCURRENT_REQUESTS,
-            request_timeout: REQUEST_TIMEOUT,
-        },
-    )
-    .with_state(api)
-}
-
-/// Serves gateways on `listener` (through TLS when `tls` is given) until `shutdown` resolves,
-/// finishing requests in flight. Connections, handshakes and header reads are bounded
-/// ([`allot_net::ServeLimits`]).
-pub async fn serve(
-    listener: impl Into<allot_net::Listener>,
-    api: AgentApi,
-    tls: Option<allot_net::TlsServing>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    allot_net::serve(
-        listener,
-        router(api),
-        tls,
-        allot_net::ServeLimits::default(),
-        shutdown,
-    )
-    .await
+/// The refusals of a call without a body.
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum CallRefused {
+    /// Bad input: problem+json naming the field (the query parameter or header) at fault.
+    #[response(status = 400, content_type = "application/problem+json")]
+    Invalid(#[to_schema] Problem),
+    /// No gateway token, or an unknown one.
+    #[response(status = 401, content_type = "application/problem+json")]
+    Unauthorized(#[to_schema] Problem),
 }
