@@ -100,7 +100,7 @@ where
 }
 
 /// A metered request's actual cost, for the service to state (in the request's extensions of a
-/// request admitted with [`Admission::metered`]); settled when the response ends.
+/// request admitted with [`crate::Admission::metered`]); settled when the response ends.
 #[derive(Debug, Clone, Default)]
 pub struct MeteredCost(Arc<AtomicU64>);
 
