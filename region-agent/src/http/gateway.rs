@@ -94,6 +94,17 @@ fn authorized(api: &AgentApi, headers: &HeaderMap) -> Result<(), Box<Response>> 
     )))
 }
 
+/// A call with a JSON body: from a known gateway ([`authorized`]), and the body read as `T`
+/// ([`parse`]); or the refusal to answer.
+fn authorized_json<T: serde::de::DeserializeOwned>(
+    api: &AgentApi,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<T, Box<Response>> {
+    authorized(api, headers)?;
+    parse(headers, body)
+}
+
 fn parse<T: serde::de::DeserializeOwned>(
     headers: &HeaderMap,
     body: &Bytes,
@@ -124,10 +135,7 @@ pub(crate) async fn admit(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(response) = authorized(&api, &headers) {
-        return *response;
-    }
-    let request = match parse(&headers, &body) {
+    let request: AdmissionRequest = match authorized_json(&api, &headers, &body) {
         Ok(request) => request,
         Err(response) => return *response,
     };
@@ -434,10 +442,7 @@ pub(crate) async fn settle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(response) = authorized(&api, &headers) {
-        return *response;
-    }
-    let body: SettleRequest = match parse(&headers, &body) {
+    let body: SettleRequest = match authorized_json(&api, &headers, &body) {
         Ok(body) => body,
         Err(response) => return *response,
     };
@@ -468,10 +473,7 @@ pub(crate) async fn release(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(response) = authorized(&api, &headers) {
-        return *response;
-    }
-    let request = match parse(&headers, &body) {
+    let request: AdmissionRequest = match authorized_json(&api, &headers, &body) {
         Ok(request) => request,
         Err(response) => return *response,
     };
@@ -493,10 +495,7 @@ pub(crate) async fn renew(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    if let Err(response) = authorized(&api, &headers) {
-        return *response;
-    }
-    let request = match parse(&headers, &body) {
+    let request: AdmissionRequest = match authorized_json(&api, &headers, &body) {
         Ok(request) => request,
         Err(response) => return *response,
     };
