@@ -16,7 +16,7 @@ use std::time::Duration;
 use allot_shared::ids::{PoolId, TenantId};
 use hmac::{Hmac, KeyInit, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 use tokio::sync::watch;
 
 use crate::clock::Clock;
@@ -103,10 +103,9 @@ pub fn event_id(
     window_start_ms: u64,
     threshold_pct: u8,
 ) -> String {
-    let digest = Sha256::digest(format!(
-        "{webhook}\n{tenant}\n{pool}\n{window_start_ms}\n{threshold_pct}"
-    ));
-    format!("evt-{}", hex::encode(&digest[..16]))
+    let id =
+        allot_shared::ids::content_id(&[&webhook, tenant, pool, &window_start_ms, &threshold_pct]);
+    format!("evt-{id}")
 }
 
 /// The `Allot-Signature` value for `body` sent at `timestamp_ms`: one `v1` per secret, each the

@@ -8,7 +8,6 @@ use axum::extract::{RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use super::ApiState;
 use super::access::{Needs, authorize};
@@ -101,11 +100,7 @@ impl UsageRecord {
         region: &RegionId,
         window_start_ms: u64,
     ) -> String {
-        let digest = Sha256::digest(format!("{tenant}\n{pool}\n{region}\n{window_start_ms}"));
-        digest[..16]
-            .iter()
-            .map(|byte| format!("{byte:02x}"))
-            .collect()
+        allot_shared::ids::content_id(&[tenant, pool, region, &window_start_ms])
     }
 
     /// The record as a CSV line (ids and numbers only: nothing to quote).
