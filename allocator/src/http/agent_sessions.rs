@@ -19,7 +19,8 @@ use super::io::{json_response, parse_json};
     request_body = AgentSession,
     responses(
         (status = 200, description = "The run recorded", body = AgentSessionStarted),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn post_session_start(
     State(state): State<ApiState>,
@@ -48,7 +49,8 @@ pub async fn post_session_start(
     request_body = AgentSession,
     responses(
         (status = 200, description = "The run's end recorded", body = AgentSessionEnded),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn post_session_end(
     State(state): State<ApiState>,

@@ -194,26 +194,14 @@ pub(crate) enum Refused {
     Unavailable(#[to_schema] Problem),
 }
 
-/// The refusals of a call with a JSON body: [`Refused`]'s, and the body's own.
+/// The refusals of a call's JSON body, beside [`Refused`]'s.
 #[derive(utoipa::IntoResponses)]
 #[allow(dead_code)]
-pub(crate) enum JsonRefused {
-    /// Bad input: problem+json naming the field at fault.
-    #[response(status = 400, content_type = "application/problem+json")]
-    Invalid(#[to_schema] Problem),
-    /// No token, or an unknown one.
-    #[response(status = 401, content_type = "application/problem+json")]
-    Unauthorized(#[to_schema] Problem),
-    /// The token's role or region may not do this.
-    #[response(status = 403, content_type = "application/problem+json")]
-    Forbidden(#[to_schema] Problem),
+pub(crate) enum BodyRefused {
     /// The body is larger than the route allows.
     #[response(status = 413, content_type = "application/problem+json")]
     TooLarge(#[to_schema] Problem),
     /// The body is not `application/json`.
     #[response(status = 415, content_type = "application/problem+json")]
     NotJson(#[to_schema] Problem),
-    /// Not the leader (a change; `leader` names it), or the store or ledger unavailable.
-    #[response(status = 503, content_type = "application/problem+json")]
-    Unavailable(#[to_schema] Problem),
 }

@@ -21,7 +21,8 @@ use crate::pools;
     responses(
         (status = 200, description = "The grant (idempotent by lease id)", body = GrantAnswer),
         (status = 404, description = "No such pool", body = Problem, content_type = "application/problem+json"),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn post_grant(
     State(state): State<ApiState>,
@@ -50,7 +51,8 @@ pub async fn post_grant(
     request_body = Report,
     responses(
         (status = 200, description = "The report, recorded once", body = ReportReceipt),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn post_report(
     State(state): State<ApiState>,

@@ -82,7 +82,8 @@ fn bundle_response(bundle: &PolicyBundle) -> Response {
     responses(
         (status = 201, description = "The bundle as published", body = Object),
         (status = 409, description = "Conflicts with the bundle in force", body = Problem, content_type = "application/problem+json"),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn put_policy(
     State(state): State<ApiState>,
@@ -270,7 +271,8 @@ fn created_bundle_response(bundle: &PolicyBundle) -> Response {
     request_body = AgentStatus,
     responses(
         (status = 204, description = "Recorded"),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn post_agent_status(
     State(state): State<ApiState>,

@@ -380,7 +380,8 @@ pub async fn get_pool(
     request_body = PoolSpec,
     responses(
         (status = 200, description = "The pool as stored", body = PoolView),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn put_pool(
     State(state): State<ApiState>,
@@ -648,7 +649,8 @@ fn check_bulk(body: &BulkPools) -> Result<(), ApiError> {
     request_body = BulkPools,
     responses(
         (status = 200, description = "What happened to each pool", body = BulkAnswer),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn bulk_put_pools(
     State(state): State<ApiState>,

@@ -115,7 +115,8 @@ fn holder(body: &MintBody) -> Result<Holder, ApiError> {
     request_body = MintBody,
     responses(
         (status = 201, description = "The token, shown this once", body = MintAnswer),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn post_token(
     State(state): State<ApiState>,

@@ -178,7 +178,8 @@ fn url(spec: &WebhookSpec) -> Result<String, ApiError> {
         (status = 201, description = "Registered; the secret is shown this once", body = WebhookWithSecret),
         (status = 409, description = "1,000 webhooks are registered already", body = Problem,
             content_type = "application/problem+json"),
-        crate::http::errors::JsonRefused,
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
     ))]
 pub async fn post_webhook(
     State(state): State<ApiState>,

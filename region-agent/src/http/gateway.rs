@@ -128,7 +128,8 @@ fn parse<T: serde::de::DeserializeOwned>(
     request_body = AdmissionRequest,
     responses(
         (status = 200, description = "The decision, allowed or not", body = Decision),
-        JsonCallRefused,
+        CallRefused,
+        BodyRefused,
     ))]
 pub(crate) async fn admit(
     State(api): State<AgentApi>,
@@ -249,7 +250,8 @@ fn header_of(field: &str) -> &str {
             body = Problem, content_type = "application/problem+json", headers(("retry-after" = u64))),
         (status = 503, description = "A fail-closed rule could not be decided", body = Problem, content_type = "application/problem+json",
             headers(("retry-after" = u64))),
-        JsonCallRefused,
+        CallRefused,
+        BodyRefused,
     ))]
 pub(crate) async fn check(
     State(api): State<AgentApi>,
@@ -435,7 +437,8 @@ pub(crate) async fn quota(
         (status = 200, description = "How the difference was charged", body = SettleAnswer),
         (status = 404, description = "Nothing of that id is open for settlement", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "Settled before with another cost", body = Problem, content_type = "application/problem+json"),
-        JsonCallRefused,
+        CallRefused,
+        BodyRefused,
     ))]
 pub(crate) async fn settle(
     State(api): State<AgentApi>,
@@ -466,7 +469,8 @@ pub(crate) async fn settle(
     request_body = AdmissionRequest,
     responses(
         (status = 204, description = "Released (or nothing was held)"),
-        JsonCallRefused,
+        CallRefused,
+        BodyRefused,
     ))]
 pub(crate) async fn release(
     State(api): State<AgentApi>,
@@ -488,7 +492,8 @@ pub(crate) async fn release(
     request_body = AdmissionRequest,
     responses(
         (status = 200, description = "What the heartbeat did", body = SlotRenewal),
-        JsonCallRefused,
+        CallRefused,
+        BodyRefused,
     ))]
 pub(crate) async fn renew(
     State(api): State<AgentApi>,
@@ -547,32 +552,26 @@ pub(crate) async fn readyz(State(api): State<AgentApi>) -> Response {
     }
 }
 
-/// The refusals of a call with a JSON body.
+/// The refusals every gateway call can get.
 #[derive(utoipa::IntoResponses)]
 #[allow(dead_code)]
-pub(crate) enum JsonCallRefused {
-    /// Bad input: problem+json naming the field at fault.
+pub(crate) enum CallRefused {
+    /// Bad input: problem+json naming the field (in the body, the query or a header) at fault.
     #[response(status = 400, content_type = "application/problem+json")]
     Invalid(#[to_schema] Problem),
     /// No gateway token, or an unknown one.
     #[response(status = 401, content_type = "application/problem+json")]
     Unauthorized(#[to_schema] Problem),
+}
+
+/// The refusals of a call's JSON body, beside [`CallRefused`]'s.
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum BodyRefused {
     /// The body is larger than 16 KiB.
     #[response(status = 413, content_type = "application/problem+json")]
     TooLarge(#[to_schema] Problem),
     /// The body is not `application/json`.
     #[response(status = 415, content_type = "application/problem+json")]
     NotJson(#[to_schema] Problem),
-}
-
-/// The refusals of a call without a body.
-#[derive(utoipa::IntoResponses)]
-#[allow(dead_code)]
-pub(crate) enum CallRefused {
-    /// Bad input: problem+json naming the field (the query parameter or header) at fault.
-    #[response(status = 400, content_type = "application/problem+json")]
-    Invalid(#[to_schema] Problem),
-    /// No gateway token, or an unknown one.
-    #[response(status = 401, content_type = "application/problem+json")]
-    Unauthorized(#[to_schema] Problem),
 }
