@@ -63,7 +63,6 @@ async fn the_running_allocator_answers_as_its_document_says() {
                 authorization: &format!("Bearer {token}"),
                 max_examples: 20,
                 seed: 20_261_206,
-                exclude_checks: &[],
                 config: SCHEMATHESIS_CONFIG,
             })
         });

@@ -50,7 +50,6 @@ async fn the_running_agent_answers_as_its_document_says() {
             authorization: &format!("Bearer {GATEWAY}"),
             max_examples: 30,
             seed: 20_261_206,
-            exclude_checks: &[],
             config: SCHEMATHESIS_CONFIG,
         })
     });

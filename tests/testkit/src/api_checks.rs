@@ -74,8 +74,6 @@ pub struct SchemathesisRun<'a> {
     pub max_examples: u32,
     /// The seed, so a failure can be run again.
     pub seed: u64,
-    /// Checks to leave out, each with the reason in the caller's comment.
-    pub exclude_checks: &'a [&'a str],
     /// A `schemathesis.toml` (per-operation settings, each with its reason in a comment), or "".
     pub config: &'a str,
 }
@@ -99,7 +97,7 @@ pub fn schemathesis(run: &SchemathesisRun<'_>) -> String {
         run.config
     );
     std::fs::write(&config, config_text).expect("allot-testkit: cannot write schemathesis.toml");
-    let mut args = vec![
+    let args = vec![
         "--config-file".to_owned(),
         config.display().to_string(),
         "run".to_owned(),
@@ -117,10 +115,6 @@ pub fn schemathesis(run: &SchemathesisRun<'_>) -> String {
         "--wait-for-schema".to_owned(),
         "10".to_owned(),
     ];
-    if !run.exclude_checks.is_empty() {
-        args.push("--exclude-checks".to_owned());
-        args.push(run.exclude_checks.join(","));
-    }
     let launch = Launch {
         label: format!("schemathesis against {}", run.schema_url),
         program,
