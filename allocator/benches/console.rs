@@ -103,6 +103,7 @@ async fn serve(
         etcd_defragment: true,
         retention: Default::default(),
         webhook_ca: None,
+        pepper: None,
         ledger_url: String::new(),
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

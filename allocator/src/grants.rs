@@ -460,6 +460,8 @@ impl Workers {
 struct Cached {
     epoch_leadership: Leadership,
     config: PoolConfig,
+    /// The pool's limit overrides; guarded with the pool's revision like the configuration.
+    overrides: Vec<allot_shared::overrides::PoolOverride>,
     pool_revision: i64,
     window: Option<PoolWindowState>,
     window_revision: i64,
@@ -588,6 +590,7 @@ impl PoolWorker {
         self.cache = Some(Cached {
             epoch_leadership: leadership,
             config,
+            overrides: stored_pool.overrides,
             pool_revision,
             window,
             window_revision,
@@ -649,8 +652,15 @@ impl PoolWorker {
             return Attempt::Retry;
         };
         let now_ms = self.shared.clock.now_ms();
+        // The limit in force now: an override's while one is (its start and end are on this
+        // clock, as the windows are).
+        let config = cache.config.limited_to(allot_shared::overrides::limit_at(
+            cache.config.limit_tokens(),
+            &cache.overrides,
+            now_ms,
+        ));
         let plan = plan_batch(
-            &cache.config,
+            &config,
             cache.window.as_ref(),
             leadership.epoch,
             now_ms,
@@ -698,15 +708,13 @@ impl PoolWorker {
                         .record(plan.new_records.len() as f64);
                     let granted: u64 = plan.new_records.iter().map(|r| r.granted_tokens).sum();
                     metrics::counter!(crate::metrics::TOKENS_GRANTED).increment(granted);
-                    if let Some(cache) = self.cache.as_ref() {
-                        metrics::gauge!(crate::metrics::POOL_REMAINING,
-                            "tenant" => self.tenant.to_string(), "pool" => self.pool.to_string())
-                        .set(window_state.remaining_tokens(&cache.config) as f64);
-                    }
+                    metrics::gauge!(crate::metrics::POOL_REMAINING,
+                        "tenant" => self.tenant.to_string(), "pool" => self.pool.to_string())
+                    .set(window_state.remaining_tokens(&config) as f64);
                     if let Some(cache) = self.cache.as_mut() {
                         debug_assert!(
-                            window_state.granted_tokens() <= cache.config.limit_tokens(),
-                            "committed grants never exceed the pool"
+                            granted == 0 || window_state.granted_tokens() <= config.limit_tokens(),
+                            "committed grants never exceed the limit in force"
                         );
                         cache.window = plan.window.clone();
                         cache.window_revision = outcome.revision;

@@ -275,7 +275,10 @@ pub async fn publish_ledger_gauges(
             .windows(
                 tenant,
                 pool,
-                &config,
+                crate::ledger::PoolLimits {
+                    config: &config,
+                    overrides: &stored.overrides,
+                },
                 windows_to_read(&config, recheck_ms),
                 now_ms,
             )
@@ -390,6 +393,7 @@ mod tests {
                         spec: spec.clone(),
                         version: 1,
                         updated_at_ms: 0,
+                        overrides: Vec::new(),
                     },
                 )
             })

@@ -19,6 +19,7 @@ pub mod leader;
 pub mod ledger;
 pub mod ledger_sync;
 pub mod metrics;
+pub mod overrides;
 pub mod policies;
 pub mod pools;
 pub mod server;

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 
 use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{Grant, PoolConfig, PoolConfigError, PoolWindowState};
+use allot_shared::overrides::PoolOverride;
 use allot_shared::window::Window;
 use allot_shared::wire::{CalendarWindowSpec, GrantAnswer};
 use serde::{Deserialize, Serialize};
@@ -131,6 +132,18 @@ pub struct StoredPool {
     pub version: u64,
     /// When it was last written, epoch ms (allocator clock).
     pub updated_at_ms: u64,
+    /// Its limit's overrides: the one in force, if any, and ended ones kept for the accounting of
+    /// the windows they touched (`crate::overrides`; at most
+    /// [`MAX_POOL_OVERRIDES_KEPT`](allot_shared::overrides::MAX_POOL_OVERRIDES_KEPT)).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<PoolOverride>,
+}
+
+impl StoredPool {
+    /// Its `G` at `now_ms`: the override's in force, else the spec's.
+    pub fn limit_at(&self, now_ms: u64) -> u64 {
+        allot_shared::overrides::limit_at(self.spec.limit_tokens, &self.overrides, now_ms)
+    }
 }
 
 /// The stored form of a window's accounting.
@@ -318,13 +331,15 @@ pub async fn put_pool(
     let key = pool_key(tenant, pool);
     for _ in 0..8 {
         let existing = get_pool(kv, tenant, pool).await?;
-        let (version, revision) = existing
-            .as_ref()
-            .map_or((1, 0), |(stored, revision)| (stored.version + 1, *revision));
+        let (version, revision, overrides) = existing
+            .map_or((1, 0, Vec::new()), |(stored, revision)| {
+                (stored.version + 1, revision, stored.overrides)
+            });
         let stored = StoredPool {
             spec: spec.clone(),
             version,
             updated_at_ms: now_ms,
+            overrides,
         };
         let outcome = kv
             .txn(
@@ -401,18 +416,24 @@ async fn put_pools_at_once(
         let mut ops = Vec::new();
         let mut written = Vec::with_capacity(pools.len());
         for ((tenant, pool, spec), existing) in pools.iter().zip(existing) {
-            let (version, revision, outcome) = match existing {
+            let (version, revision, overrides, outcome) = match existing {
                 Some((stored, _)) if stored.spec == *spec => {
                     written.push((stored, BulkOutcome::Unchanged));
                     continue;
                 }
-                Some((stored, revision)) => (stored.version + 1, revision, BulkOutcome::Updated),
-                None => (1, 0, BulkOutcome::Created),
+                Some((stored, revision)) => (
+                    stored.version + 1,
+                    revision,
+                    stored.overrides,
+                    BulkOutcome::Updated,
+                ),
+                None => (1, 0, Vec::new(), BulkOutcome::Created),
             };
             let stored = StoredPool {
                 spec: spec.clone(),
                 version,
                 updated_at_ms: now_ms,
+                overrides,
             };
             let key = pool_key(tenant, pool);
             compares.push(Compare::ModRevision {

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use allot_shared::keys::Pepper;
 use allot_shared::lease::LeaseClamping;
 use clap::Parser;
 use futures::FutureExt;
@@ -102,6 +103,10 @@ pub struct Args {
     /// system's].
     #[arg(long, env = "ALLOT_WEBHOOK_CA")]
     pub webhook_ca: Option<PathBuf>,
+    /// The agents' HMAC pepper file (at least 16 bytes), to hash the user or API key an override
+    /// names as agents do; without it, such overrides must give the principal's hash.
+    #[arg(long, env = "ALLOT_PEPPER_FILE")]
+    pub pepper_file: Option<PathBuf>,
     /// TOML file with any of the settings above (keys as the flags, with underscores).
     #[arg(long, env = "ALLOT_CONFIG")]
     pub config: Option<PathBuf>,
@@ -127,6 +132,7 @@ struct FileSettings {
     etcd_history_minutes: Option<u64>,
     etcd_defragment: Option<bool>,
     webhook_ca: Option<PathBuf>,
+    pepper_file: Option<PathBuf>,
 }
 
 /// Resolved settings.
@@ -156,6 +162,8 @@ pub struct Settings {
     pub tls: Option<allot_net::ServerTls>,
     /// The CAs webhook deliveries trust instead of the system's.
     pub webhook_ca: Option<PathBuf>,
+    /// The agents' pepper, to hash principals that overrides name.
+    pub pepper: Option<Pepper>,
 }
 
 fn read_token_lines(flag: &str, path: Option<&Path>) -> Result<Vec<String>, String> {
@@ -281,6 +289,15 @@ impl Args {
             leader_lease_ttl_s,
             tls,
             webhook_ca: self.webhook_ca.or(file.webhook_ca),
+            pepper: self
+                .pepper_file
+                .or(file.pepper_file)
+                .map(|path| {
+                    let bytes = std::fs::read(&path)
+                        .map_err(|e| format!("--pepper-file {}: {e}", path.display()))?;
+                    Pepper::new(bytes).map_err(|e| format!("--pepper-file: {e}"))
+                })
+                .transpose()?,
         })
     }
 }
@@ -398,6 +415,7 @@ pub async fn run(
         tokens,
         ledger,
         status_leases: Arc::default(),
+        overrides: Arc::new(crate::http::OverrideService::new(settings.pepper.clone())),
     };
     tracing::info!(listen = %settings.listen, node = %settings.node_id, "allocator serving");
     let acceptor = settings

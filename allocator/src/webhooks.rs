@@ -222,7 +222,9 @@ async fn sweep(
             Some((state, _)) if state.window == window => state.granted_tokens(),
             _ => 0,
         };
-        for threshold_pct in reached(granted, config.limit_tokens(), &webhook.thresholds_pct) {
+        // The limit in force now: an override's while one is.
+        let limit_tokens = stored.limit_at(now_ms);
+        for threshold_pct in reached(granted, limit_tokens, &webhook.thresholds_pct) {
             let event = ThresholdEvent {
                 event_id: event_id(&webhook.id, tenant, pool, window.start_ms, threshold_pct),
                 kind: "quota.threshold".to_owned(),
@@ -232,7 +234,7 @@ async fn sweep(
                 threshold_pct,
                 window_start_ms: window.start_ms,
                 window_end_ms: window.end_ms,
-                limit: config.limit_tokens(),
+                limit: limit_tokens,
                 granted,
                 detected_at_ms: now_ms,
             };

@@ -596,3 +596,139 @@ async fn usage_export_prints_every_record_as_json_lines_or_csv() {
     let bad = failure(url, &["usage", "export", "--from", &to, "--to", &from]).await;
     assert!(bad.contains("(field to)"), "{bad}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_are_set_listed_and_ended_with_allotctl() {
+    let server = start().await;
+    let url = server.url.as_str();
+    stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &[
+                "pools",
+                "set",
+                "atlas",
+                "api",
+                "--limit",
+                "1000",
+                "--chunk",
+                "100",
+                "--regions",
+                "eu",
+            ],
+        )
+        .await,
+    );
+    let set = stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &[
+                "--json",
+                "overrides",
+                "set",
+                "atlas",
+                "--pool",
+                "api",
+                "--limit",
+                "5000",
+                "--for",
+                "7d",
+                "--reason",
+                "launch week",
+            ],
+        )
+        .await,
+    );
+    let created: serde_json::Value = serde_json::from_str(&set).expect("json");
+    let id = created["id"].as_str().expect("id").to_owned();
+    let week_ms = 7 * 86_400_000;
+    let lasts_ms = created["expiresAtMs"].as_u64().expect("an end")
+        - created["startsAtMs"].as_u64().expect("a start");
+    assert!(lasts_ms.abs_diff(week_ms) < 60_000, "{created}");
+    let list = stdout(&allotctl(url, OPERATOR, &["overrides", "list", "--tenant", "atlas"]).await);
+    assert!(
+        list.contains(&id) && list.contains("pool api") && list.contains("limit 5000"),
+        "{list}"
+    );
+    let ended =
+        stdout(&allotctl(url, OPERATOR, &["--json", "overrides", "end", "atlas", &id]).await);
+    let ended: serde_json::Value = serde_json::from_str(&ended).expect("json");
+    assert!(ended["expiresAtMs"].as_u64() < created["expiresAtMs"].as_u64());
+
+    // Bad input: one line and exit 1, naming what was wrong.
+    let line = failure(
+        url,
+        &[
+            "overrides",
+            "set",
+            "atlas",
+            "--pool",
+            "api",
+            "--reason",
+            "x",
+        ],
+    )
+    .await;
+    assert!(line.contains("limit"), "{line}");
+    let line = failure(
+        url,
+        &[
+            "overrides",
+            "set",
+            "atlas",
+            "--pool",
+            "api",
+            "--limit",
+            "5",
+            "--for",
+            "soon",
+            "--reason",
+            "x",
+        ],
+    )
+    .await;
+    assert!(line.contains("--for"), "{line}");
+
+    // The hash agents key a user by, worked out offline from their pepper.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let pepper_file = dir.path().join("pepper");
+    std::fs::write(&pepper_file, b"cli-test-pepper-0123").expect("pepper");
+    let pepper_path = pepper_file.to_str().expect("utf-8 path");
+    let hash = stdout(
+        &allotctl(
+            url,
+            OPERATOR,
+            &[
+                "principal-hash",
+                "--type",
+                "user",
+                "--pepper-file",
+                pepper_path,
+                "alice",
+            ],
+        )
+        .await,
+    );
+    let expected = allot_shared::keys::principal_hash(
+        &allot_shared::keys::Pepper::new(b"cli-test-pepper-0123".to_vec()).expect("pepper"),
+        allot_shared::contract::PrincipalType::User,
+        "alice",
+        allot_shared::keys::IpPrefixes::default(),
+    );
+    assert_eq!(hash.trim(), expected.as_str());
+    let line = failure(
+        url,
+        &[
+            "principal-hash",
+            "--type",
+            "ip",
+            "--pepper-file",
+            pepper_path,
+            "x",
+        ],
+    )
+    .await;
+    assert!(line.contains("--type"), "{line}");
+}

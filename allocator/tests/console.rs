@@ -129,7 +129,7 @@ fn pool_form<'a>(csrf: &'a str, chunk: &'a str) -> Vec<(&'static str, &'a str)> 
     ]
 }
 
-const PAGES: [&str; 12] = [
+const PAGES: [&str; 13] = [
     "/console/",
     "/console/pools",
     "/console/pools/new",
@@ -142,6 +142,7 @@ const PAGES: [&str; 12] = [
     "/console/tokens",
     "/console/audit",
     "/console/webhooks",
+    "/console/overrides",
 ];
 
 const CHANGES: [&str; 8] = [
@@ -853,6 +854,64 @@ async fn the_pool_list_pages_and_searches() {
         "a cursor past the end shows an empty page"
     );
     assert_eq!(next_href(&beyond), None);
+}
+
+#[tokio::test]
+async fn a_viewer_sees_overrides_in_force_and_ended_by_tenant() {
+    let server = start().await;
+    let put = server
+        .client
+        .put(format!("{}/v1/pools/atlas/api", server.url))
+        .bearer_auth(OPERATOR)
+        .json(
+            &serde_json::json!({ "limit": 100, "windowMs": 60_000, "chunk": 10,
+                                    "leaseTtlMs": 5_000, "fallbackPerRegion": 0,
+                                    "regions": ["eu"] }),
+        )
+        .send()
+        .await
+        .expect("pool");
+    assert_eq!(put.status(), StatusCode::OK);
+    let created: serde_json::Value = server
+        .client
+        .post(format!("{}/v1/overrides", server.url))
+        .bearer_auth(OPERATOR)
+        .json(
+            &serde_json::json!({ "tenant": "atlas", "pool": "api", "limit": 250,
+                                    "reason": "launch week" }),
+        )
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let id = created["id"].as_str().expect("id");
+    let viewer = signed_in(&server, VIEWER).await;
+    let page = viewer.get("/console/overrides?tenant=atlas").await;
+    assert_eq!(page.status, StatusCode::OK);
+    for shown in [id, "pool api", "limit 250", "in force", "launch week"] {
+        assert!(page.text.contains(shown), "{shown} not on the page");
+    }
+    assert!(!page.text.contains(r#"<span class="muted">ended</span>"#));
+    let other = viewer.get("/console/overrides?tenant=other").await;
+    assert!(
+        !other.text.contains(id),
+        "another tenant's page lists none of atlas's"
+    );
+    let ended = server
+        .client
+        .delete(format!("{}/v1/overrides/atlas/{id}", server.url))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("end");
+    assert_eq!(ended.status(), StatusCode::OK);
+    let page = viewer.get("/console/overrides").await;
+    assert!(
+        page.text.contains(id) && page.text.contains(r#"<span class="muted">ended</span>"#),
+        "an ended override stays listed, ended"
+    );
 }
 
 #[tokio::test]

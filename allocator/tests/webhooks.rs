@@ -119,6 +119,7 @@ async fn thresholds_are_delivered_once_signed_and_retried_while_the_receiver_is_
     let server = common::start_with(common::Options {
         webhook_ca: Some(pki.ca()),
         etcd: etcd.endpoints(),
+        ..Default::default()
     })
     .await;
     let put = server

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use allot_shared::ids::{AgentId, LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::overrides::OverrideSet;
 use allot_shared::policy::{PolicyBundle, parse_bundle};
 pub use allot_shared::wire::{
     AgentSession, AgentSessionEnded, AgentSessionStarted, AgentStatus, FallbackInWindow,
@@ -19,8 +20,9 @@ use serde::{Deserialize, Serialize};
 
 /// Deadline of one allocator call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
-/// Largest answer body read from an allocator (the biggest is a policy bundle: at most 1,000 rules);
-/// a longer one is refused, not buffered (I10).
+/// Largest answer body read from an allocator (the biggest are a policy bundle of at most 1,000
+/// rules, and the override set: at most 10,000 overrides of under 300 bytes each); a longer one is
+/// refused, not buffered (I10).
 pub const MAX_ANSWER_BYTES: usize = 4 << 20;
 
 /// Why an allocator call failed.
@@ -305,6 +307,24 @@ impl AllocatorClient {
             .map_err(|e| ClientError::Refused {
                 status: 200,
                 detail: format!("the published bundle does not verify: {e}"),
+            })
+    }
+
+    /// The rule overrides in force, verified, when their version is above `held` (the version
+    /// this agent holds); `None` when it holds the latest.
+    pub async fn overrides(&self, held: u64) -> Result<Option<OverrideSet>, ClientError> {
+        let set: Option<OverrideSet> = self
+            .call(
+                reqwest::Method::GET,
+                &format!("/v1/overrides/current?after={held}"),
+                None,
+            )
+            .await?;
+        set.map(OverrideSet::verify)
+            .transpose()
+            .map_err(|e| ClientError::Refused {
+                status: 200,
+                detail: format!("the override set does not verify: {e}"),
             })
     }
 

@@ -148,6 +148,13 @@ pub const RLQS_ADMITTED_BEYOND_ASSIGNMENT: &str =
     "allot_agent_rlqs_admitted_beyond_assignment_total";
 /// RLQS streams ended, by `cause`.
 pub const RLQS_STREAMS_ENDED: &str = "allot_agent_rlqs_streams_ended_total";
+/// Operators' rule overrides laid over the bundle in force.
+pub const OVERRIDES_LAID: &str = "allot_agent_overrides_laid";
+/// Overrides in force that could not be laid over the bundle (an unknown rule, amounts its
+/// algorithm has not): each changes nothing and is logged.
+pub const OVERRIDES_NOT_LAID: &str = "allot_agent_overrides_not_laid";
+/// The version of the override set held (0: none).
+pub const OVERRIDE_VERSION: &str = "allot_agent_override_version";
 
 /// Installs the process-wide Prometheus recorder on first use and returns its handle; `None` when
 /// another recorder is already installed (then pass that recorder's handle around instead).

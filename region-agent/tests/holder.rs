@@ -162,6 +162,17 @@ fn stale_epochs_are_ignored_and_exhaustion_is_cached() {
         None,
         "no renewals while exhausted"
     );
+    // The pool's terms changed (an override raised its limit): the next request asks again.
+    let mut raised = holder.clone();
+    raised.forget_exhaustion();
+    assert!(matches!(
+        raised.spend(1, t0 + 2_000, true),
+        Spend::Denied {
+            denial: Denial::AwaitingGrant,
+            ..
+        }
+    ));
+    assert!(raised.wants(t0 + 2_000).is_some(), "a renewal is wanted");
     let fresh = grant(4, 8, 0, 6 * MINUTE);
     assert!(matches!(
         holder.accept(fresh, 6 * MINUTE),

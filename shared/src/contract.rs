@@ -458,6 +458,10 @@ pub struct QuotaLine {
     /// have spent some of theirs since.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub age_ms: Option<u64>,
+    /// The override the limit comes from, when an operator set one for this tenant or this
+    /// caller (or, for a global pool, for the pool) instead of the policy's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub override_id: Option<crate::ids::RecordId>,
 }
 
 /// `application/problem+json`.

@@ -145,15 +145,57 @@ pub fn ip_prefix(addr: IpAddr, prefixes: IpPrefixes) -> String {
 }
 
 /// The 16-hex-character keyed hash of a principal.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(
+    Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(try_from = "String", into = "String")]
 pub struct PrincipalHash(String);
+
+/// The hash's text pattern, as the OpenAPI documents' `pattern`.
+pub const PRINCIPAL_HASH_PATTERN: &str = "^[0-9a-f]{16}$";
 
 impl PrincipalHash {
     /// The hash text.
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// Reads a hash written as [`principal_hash`] writes it: 16 lowercase hex digits.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        if text.len() == 16 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            Ok(Self(text.to_owned()))
+        } else {
+            Err(format!(
+                "a principal hash is 16 lowercase hex digits, got {:?}",
+                text.chars().take(32).collect::<String>()
+            ))
+        }
+    }
 }
+
+impl TryFrom<String> for PrincipalHash {
+    type Error = String;
+    fn try_from(text: String) -> Result<Self, String> {
+        Self::parse(&text)
+    }
+}
+
+impl From<PrincipalHash> for String {
+    fn from(hash: PrincipalHash) -> String {
+        hash.0
+    }
+}
+
+impl utoipa::PartialSchema for PrincipalHash {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::String)
+            .pattern(Some(PRINCIPAL_HASH_PATTERN))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for PrincipalHash {}
 
 impl fmt::Display for PrincipalHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -152,6 +152,18 @@ impl PoolConfig {
         Ok(self)
     }
 
+    /// This configuration with `G` replaced by `limit_tokens` (an override in force, see
+    /// `crate::overrides`), its chunk cut to fit: everything else, the bound's other terms
+    /// included, unchanged. A limit out of `[1, 2^40]` is brought into it.
+    pub fn limited_to(&self, limit_tokens: u64) -> Self {
+        let limit_tokens = limit_tokens.clamp(1, MAX_RULE_PARAMETER);
+        Self {
+            limit_tokens,
+            chunk_tokens: self.chunk_tokens.min(limit_tokens),
+            ..self.clone()
+        }
+    }
+
     /// The global quota `G` per window, in tokens.
     pub fn limit_tokens(&self) -> u64 {
         self.limit_tokens

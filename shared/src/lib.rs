@@ -34,6 +34,7 @@ pub mod json_number;
 pub mod keys;
 pub mod lease;
 pub mod limit;
+pub mod overrides;
 pub mod policy;
 pub mod replay;
 pub mod window;

@@ -28,6 +28,7 @@ use crate::limit::sliding_counter::SlidingCounter;
 use crate::limit::sliding_log::SlidingLog;
 use crate::limit::token_bucket::TokenBucket;
 use crate::limit::{ParamError, check_param};
+use crate::overrides::{Overlay, OverrideProblem, OverrideSet, RuleAmounts};
 use crate::{MAX_RULE_PARAMETER, MILLITOKENS_PER_TOKEN};
 
 /// Most rules in one bundle (I10).
@@ -219,6 +220,9 @@ pub struct Rule {
     /// Its own prefix lengths for anonymous principals (`ipPrefixV4`, `ipPrefixV6`; per-principal
     /// rules of `principalType: ip` only); `None` keeps the agent's.
     pub ip_prefixes: Option<crate::keys::RulePrefixes>,
+    /// The override its amounts come from, when it is a rule as overridden for a tenant or a
+    /// principal (`crate::overrides`); `None` for the bundle's own rule.
+    pub override_id: Option<crate::ids::RecordId>,
     canonical: Value,
 }
 
@@ -265,6 +269,99 @@ impl Rule {
     /// The rule in canonical wire form (all defaults explicit).
     pub fn to_json(&self) -> Value {
         self.canonical.clone()
+    }
+
+    /// This regional rule with `amounts` in place of its own (an override): its period or window,
+    /// key, cost and everything else unchanged. Errors name the amount's field: one its algorithm
+    /// has not, a value out of range, or a capacity or limit below the rule's own cost.
+    pub fn with_amounts(&self, amounts: &RuleAmounts) -> Result<Rule, PolicyError> {
+        let Limit::Regional(algorithm) = &self.limit else {
+            return Err(error(
+                "rule",
+                format!(
+                    "{} is a global rule, spent from a pool: override the pool's limit instead",
+                    self.id
+                ),
+            ));
+        };
+        let misfit = |field: &str, kind: &str| {
+            error(
+                field,
+                format!("rule {} is a {kind} rule, which has no {field}", self.id),
+            )
+        };
+        let rate = |capacity: u64, refill: u64| {
+            (
+                amounts.capacity_millis.unwrap_or(capacity),
+                amounts.refill_millis.unwrap_or(refill),
+            )
+        };
+        let overridden = match algorithm {
+            Algorithm::TokenBucket(_) | Algorithm::Gcra(_) if amounts.limit.is_some() => {
+                return Err(misfit("limit", "rate"));
+            }
+            Algorithm::TokenBucket(bucket) => {
+                let (capacity, refill) =
+                    rate(bucket.capacity_millitokens(), bucket.refill_millitokens());
+                TokenBucket::new(capacity, refill, bucket.period_ms(), bucket.slack_ms())
+                    .map(Algorithm::TokenBucket)
+            }
+            Algorithm::Gcra(gcra) => {
+                let (capacity, refill) =
+                    rate(gcra.capacity_millitokens(), gcra.refill_millitokens());
+                Gcra::new(capacity, refill, gcra.period_ms()).map(Algorithm::Gcra)
+            }
+            _ if amounts.capacity_millis.is_some() => {
+                return Err(misfit("capacityMillis", "window"));
+            }
+            _ if amounts.refill_millis.is_some() => {
+                return Err(misfit("refillMillis", "window"));
+            }
+            Algorithm::FixedWindow(w) => {
+                FixedWindow::new(amounts.limit.unwrap_or(w.limit_units()), w.window_ms())
+                    .map(Algorithm::FixedWindow)
+            }
+            Algorithm::SlidingCounter(w) => {
+                SlidingCounter::new(amounts.limit.unwrap_or(w.limit_units()), w.window_ms())
+                    .map(Algorithm::SlidingCounter)
+            }
+            Algorithm::SlidingLog(w) => {
+                SlidingLog::new(amounts.limit.unwrap_or(w.limit_units()), w.window_ms())
+                    .map(Algorithm::SlidingLog)
+            }
+        }
+        .map_err(|e| error(e.field, e.to_string()))?;
+        // As when the bundle was read: the rule's cost (per unit of the hint, when it charges
+        // the hint) must fit, or the override would refuse every request.
+        if !overridden.can_ever_admit(self.cost_millitokens) {
+            let field = if amounts.limit.is_some() {
+                "limit"
+            } else {
+                "capacityMillis"
+            };
+            return Err(error(
+                field,
+                format!(
+                    "would leave rule {} unable to admit its own cost of {} millitokens",
+                    self.id, self.cost_millitokens
+                ),
+            ));
+        }
+        let mut rule = self.clone();
+        rule.limit = Limit::Regional(overridden);
+        if let Value::Object(canonical) = &mut rule.canonical {
+            let fields = [
+                ("capacityMillis", amounts.capacity_millis),
+                ("refillMillis", amounts.refill_millis),
+                ("limit", amounts.limit),
+            ];
+            for (field, value) in fields {
+                if let Some(value) = value {
+                    canonical.insert(field.to_owned(), Value::from(value));
+                }
+            }
+        }
+        Ok(rule)
     }
 
     /// The principal segment of this per-principal rule's keys for a principal of
@@ -336,6 +433,8 @@ pub struct PolicyBundle {
     published_at: Option<String>,
     checksum: String,
     rules: Vec<Rule>,
+    /// The overrides in force over these rules (not part of the content or the checksum).
+    overlay: Overlay,
 }
 
 /// Field reader for one JSON object that remembers what it read, for unknown-field detection and for
@@ -673,6 +772,7 @@ fn parse_rule_body(f: &mut Fields<'_>, path: &str, id: RuleId) -> Result<Rule, P
         exposure,
         mode,
         ip_prefixes,
+        override_id: None,
         canonical: Value::Null,
     })
 }
@@ -1032,6 +1132,7 @@ impl DraftBundle {
             published_at,
             checksum,
             rules: self.rules,
+            overlay: Overlay::default(),
         }
     }
 
@@ -1130,6 +1231,40 @@ impl PolicyBundle {
         value
     }
 
+    /// This bundle with `set`'s overrides in force at `now_ms` laid over its rules (replacing any
+    /// laid before), and the overrides that could not be laid (an unknown rule, amounts its
+    /// algorithm has not, ...), which change nothing.
+    pub fn with_overrides(
+        &self,
+        set: &OverrideSet,
+        now_ms: u64,
+    ) -> (PolicyBundle, Vec<OverrideProblem>) {
+        let (overlay, problems) = Overlay::build(&self.rules, set, now_ms);
+        let bundle = PolicyBundle {
+            overlay,
+            ..self.clone()
+        };
+        (bundle, problems)
+    }
+
+    /// The overrides laid over the rules.
+    pub fn overlay(&self) -> &Overlay {
+        &self.overlay
+    }
+
+    /// `rule` (one of this bundle's regional rules, as [`regional_rules_for`](Self::regional_rules_for)
+    /// returned it for `tenant`) as it applies to the principal of `kind` whose keyed hash is
+    /// `hash`: with that principal's override, if one is laid.
+    pub fn rule_for_principal<'a>(
+        &'a self,
+        rule: &'a Rule,
+        tenant: &TenantId,
+        kind: PrincipalType,
+        hash: &crate::keys::PrincipalHash,
+    ) -> &'a Rule {
+        self.overlay.for_principal(rule, tenant, kind, hash)
+    }
+
     /// Whether `candidate` may replace this bundle: only a strictly higher version. (Its checksum was
     /// verified when it was parsed.) A delayed old snapshot can therefore never overwrite a newer one.
     pub fn is_superseded_by(&self, candidate: &PolicyBundle) -> bool {
@@ -1164,6 +1299,7 @@ impl PolicyBundle {
             .collect();
         // Stable: bundle order within (scope, route-specific before route-wide).
         selected.sort_by_key(|r| (r.scope, r.matcher.route_group.is_none()));
+        self.overlay.for_tenant(&mut selected, tenant);
         selected
     }
 

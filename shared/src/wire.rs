@@ -94,6 +94,10 @@ pub struct PoolTerms {
     /// When asked for a region: what it has reported admitting in fallback in the current window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback_in_window: Option<FallbackInWindow>,
+    /// The override of `limit` in force when the terms were answered: the pool's `G` until it
+    /// ends (the allocator grants against it; agents show it).
+    #[serde(default, rename = "override", skip_serializing_if = "Option::is_none")]
+    pub limit_override: Option<crate::overrides::PoolOverride>,
 }
 
 /// A region's fallback admits in one window, as the allocator's ledger holds them.
@@ -108,6 +112,11 @@ pub struct FallbackInWindow {
 }
 
 impl PoolTerms {
+    /// `G` at `now_ms`: the override's while it is in force, else `limit`.
+    pub fn limit_at(&self, now_ms: u64) -> u64 {
+        crate::overrides::limit_at(self.limit_tokens, self.limit_override.as_slice(), now_ms)
+    }
+
     /// How the pool's windows are cut: calendar windows when given, else `windowMs` (`None` when
     /// neither is valid).
     pub fn window_spec(&self) -> Option<crate::window::WindowSpec> {

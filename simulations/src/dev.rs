@@ -92,6 +92,7 @@ pub async fn run_dev(
         etcd_defragment: true,
         retention: Default::default(),
         webhook_ca: None,
+        pepper: None,
         ledger_url: format!(
             "sqlite://{}",
             options.data_dir.join("allot-dev.db").display()

@@ -50,6 +50,7 @@ async fn start_allocator(etcd: &[String], dir: &std::path::Path, port: u16) -> R
         etcd_defragment: true,
         retention: Default::default(),
         webhook_ca: None,
+        pepper: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
     };
     let kv = Arc::new(EtcdKv::connect(etcd).await.expect("etcd"));

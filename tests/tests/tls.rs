@@ -51,6 +51,7 @@ async fn start_allocator(pki: &TestPki, dir: &std::path::Path) -> String {
         etcd_defragment: true,
         retention: Default::default(),
         webhook_ca: None,
+        pepper: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
         tls: Some(ServerTls {
             cert: pki.server_cert(),

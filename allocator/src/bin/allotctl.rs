@@ -82,6 +82,22 @@ enum Command {
         #[command(subcommand)]
         command: TokensCommand,
     },
+    /// Overrides: a different limit for one tenant, user or API key, until a set time.
+    Overrides {
+        #[command(subcommand)]
+        command: OverridesCommand,
+    },
+    /// Print the keyed hash agents key a user or API key by (offline; needs the agents' pepper).
+    PrincipalHash {
+        /// `user` or `api_key`.
+        #[arg(long = "type")]
+        kind: String,
+        /// The agents' `--pepper-file`.
+        #[arg(long)]
+        pepper_file: PathBuf,
+        /// The user id or API key id, as gateways send it.
+        id: String,
+    },
     /// Usage for billing, from the ledger.
     Usage {
         #[command(subcommand)]
@@ -195,6 +211,66 @@ enum PoolsCommand {
     },
     /// Delete a pool.
     Delete { tenant: String, pool: String },
+}
+
+// Parsed once per run: the size of the enum costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand)]
+enum OverridesCommand {
+    /// Put an override in force from now: a pool's limit, or a rule's amounts for the tenant or
+    /// one of its users or API keys.
+    Set {
+        tenant: String,
+        /// The pool whose limit (`--limit`, tokens per window) it replaces.
+        #[arg(long, conflicts_with = "rule")]
+        pool: Option<String>,
+        /// The regional rule whose amounts it replaces.
+        #[arg(long)]
+        rule: Option<String>,
+        /// Only this user (hashed by the allocator; needs its `--pepper-file`).
+        #[arg(long, conflicts_with_all = ["api_key", "principal_hash"])]
+        user: Option<String>,
+        /// Only this API key (hashed by the allocator; needs its `--pepper-file`).
+        #[arg(long, conflicts_with = "principal_hash")]
+        api_key: Option<String>,
+        /// Only the principal with this hash (`allotctl principal-hash`); with --principal-type.
+        #[arg(long, requires = "principal_type")]
+        principal_hash: Option<String>,
+        /// `user` or `api_key`, for --principal-hash.
+        #[arg(long)]
+        principal_type: Option<String>,
+        /// A pool's limit, or a window rule's.
+        #[arg(long)]
+        limit: Option<u64>,
+        /// A rate rule's capacity, millitokens.
+        #[arg(long)]
+        capacity_millis: Option<u64>,
+        /// A rate rule's refill per period, millitokens.
+        #[arg(long)]
+        refill_millis: Option<u64>,
+        /// How long it lasts: 90s, 30m, 12h or 7d (default: until ended).
+        #[arg(long = "for")]
+        lasts: Option<String>,
+        /// Why.
+        #[arg(long)]
+        reason: String,
+    },
+    /// List overrides, in force and ended.
+    List {
+        /// Only this tenant's.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Overrides per page (1 to 1,000).
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// The page after this `tenant/id` (the `next` of the page before).
+        #[arg(long)]
+        after: Option<String>,
+    },
+    /// One override.
+    Get { tenant: String, id: String },
+    /// End an override now.
+    End { tenant: String, id: String },
 }
 
 #[derive(Subcommand)]
@@ -397,6 +473,122 @@ fn pools_call(command: PoolsCommand) -> Result<Call, String> {
             call(Method::DELETE, pool_path(&tenant, &pool), Answer::Nothing)
         }
     })
+}
+
+/// `90s`, `30m`, `12h` or `7d` in ms.
+fn duration_ms(text: &str) -> Result<u64, String> {
+    let refused = || format!("--for: {text:?} is not a duration such as 90s, 30m, 12h or 7d");
+    let (number, unit_ms) = match text.char_indices().last() {
+        Some((at, 's')) => (&text[..at], 1_000),
+        Some((at, 'm')) => (&text[..at], 60_000),
+        Some((at, 'h')) => (&text[..at], 3_600_000),
+        Some((at, 'd')) => (&text[..at], 86_400_000),
+        _ => return Err(refused()),
+    };
+    number
+        .parse::<u64>()
+        .ok()
+        .filter(|n| *n > 0)
+        .and_then(|n| n.checked_mul(unit_ms))
+        .ok_or_else(refused)
+}
+
+fn overrides_call(command: OverridesCommand) -> Result<Call, String> {
+    let path = |tenant: &str, id: &str| format!("/v1/overrides/{}/{}", encode(tenant), encode(id));
+    Ok(match command {
+        OverridesCommand::Set {
+            tenant,
+            pool,
+            rule,
+            user,
+            api_key,
+            principal_hash,
+            principal_type,
+            limit,
+            capacity_millis,
+            refill_millis,
+            lasts,
+            reason,
+        } => {
+            let principal = match (user, api_key, principal_hash) {
+                (Some(id), _, _) => Some(serde_json::json!({"type": "user", "id": id})),
+                (_, Some(id), _) => Some(serde_json::json!({"type": "api_key", "id": id})),
+                (_, _, Some(hash)) => {
+                    Some(serde_json::json!({"type": principal_type, "hash": hash}))
+                }
+                _ => None,
+            };
+            let expires_at_ms = lasts
+                .map(|text| {
+                    let now_ms =
+                        allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock);
+                    duration_ms(&text).map(|ms| now_ms.saturating_add(ms))
+                })
+                .transpose()?;
+            let body = serde_json::json!({
+                "tenant": tenant, "pool": pool, "rule": rule, "principal": principal,
+                "limit": limit, "capacityMillis": capacity_millis, "refillMillis": refill_millis,
+                "expiresAtMs": expires_at_ms, "reason": reason,
+            });
+            // Absent, not null: the server reads only what is given.
+            let body: serde_json::Map<String, Value> = body
+                .as_object()
+                .into_iter()
+                .flatten()
+                .filter(|(_, value)| !value.is_null())
+                .map(|(key, value)| (key.clone(), value.clone()))
+                .collect();
+            call_with(
+                Method::POST,
+                "/v1/overrides".to_owned(),
+                &body,
+                Answer::Override,
+            )?
+        }
+        OverridesCommand::List {
+            tenant,
+            limit,
+            after,
+        } => {
+            let mut query = format!("/v1/overrides?limit={limit}");
+            if let Some(tenant) = tenant {
+                query.push_str(&format!("&tenant={}", encode(&tenant)));
+            }
+            if let Some(after) = after {
+                query.push_str(&format!("&after={}", encode(&after)));
+            }
+            call(Method::GET, query, Answer::Overrides)
+        }
+        OverridesCommand::Get { tenant, id } => {
+            call(Method::GET, path(&tenant, &id), Answer::Override)
+        }
+        OverridesCommand::End { tenant, id } => {
+            call(Method::DELETE, path(&tenant, &id), Answer::Override)
+        }
+    })
+}
+
+/// `principal-hash`: the keyed hash agents compute, worked out here with the pepper file.
+fn principal_hash(kind: &str, pepper_file: &Path, id: &str) -> Result<String, String> {
+    let kind = match kind {
+        "user" => allot_shared::contract::PrincipalType::User,
+        "api_key" => allot_shared::contract::PrincipalType::ApiKey,
+        other => return Err(format!("--type must be user or api_key, got {other:?}")),
+    };
+    let bytes = std::fs::read(pepper_file)
+        .map_err(|e| format!("--pepper-file {}: {e}", pepper_file.display()))?;
+    let pepper =
+        allot_shared::keys::Pepper::new(bytes).map_err(|e| format!("--pepper-file: {e}"))?;
+    let hash = allot_shared::keys::principal_hash(
+        &pepper,
+        kind,
+        id,
+        allot_shared::keys::IpPrefixes::default(),
+    );
+    Ok(format!(
+        "{hash}
+"
+    ))
 }
 
 /// What a token command does: a call, or (the digest) text worked out here.
@@ -673,6 +865,12 @@ async fn execute(cli: Cli) -> Result<String, String> {
             return shown(json, Answer::Bulk, &apply(&target, &file).await?);
         }
         Command::Pools { command } => pools_call(command)?,
+        Command::Overrides { command } => overrides_call(command)?,
+        Command::PrincipalHash {
+            kind,
+            pepper_file,
+            id,
+        } => return principal_hash(&kind, &pepper_file, &id),
         Command::Tokens { command } => match tokens_step(command)? {
             TokensStep::Call(call) => call,
             TokensStep::Printed(text) => return Ok(text),

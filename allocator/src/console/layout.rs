@@ -59,13 +59,15 @@ pub enum Section {
     Policies,
     /// Operator and agent tokens.
     Tokens,
+    /// Overrides of pools' and rules' limits.
+    Overrides,
     /// Threshold webhooks and their deliveries.
     Webhooks,
     /// The audit log.
     Audit,
 }
 
-const SECTIONS: [(Section, &str, &str, OperatorRole); 6] = [
+const SECTIONS: [(Section, &str, &str, OperatorRole); 7] = [
     (
         Section::Pools,
         "Pools",
@@ -89,6 +91,12 @@ const SECTIONS: [(Section, &str, &str, OperatorRole); 6] = [
         "Tokens",
         "/console/tokens",
         OperatorRole::Admin,
+    ),
+    (
+        Section::Overrides,
+        "Overrides",
+        "/console/overrides",
+        OperatorRole::Viewer,
     ),
     (
         Section::Webhooks,

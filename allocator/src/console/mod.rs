@@ -19,6 +19,7 @@ mod assets;
 mod audit;
 mod chart;
 mod layout;
+mod overrides;
 mod policies;
 mod pools;
 mod regions;
@@ -104,6 +105,7 @@ pub fn router(state: ConsoleState) -> Router {
         .route("/console/tokens/{id}/revoke", post(tokens::revoke))
         .route("/console/audit", get(audit::page))
         .route("/console/webhooks", get(webhooks::page))
+        .route("/console/overrides", get(overrides::page))
         .layer(axum::middleware::map_response(secure_response))
         .with_state(state)
 }

@@ -10,8 +10,11 @@ use allot_shared::wire::GrantAnswer;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::http::{AuditList, MintAnswer, PolicyStatus, PoolList, PoolView, TokenList, WindowList};
+use crate::http::{
+    AuditList, MintAnswer, OverrideList, PolicyStatus, PoolList, PoolView, TokenList, WindowList,
+};
 use crate::ledger::BoundCheckSummary;
+use crate::overrides::Override;
 use crate::policies::Rollout;
 
 /// What an API call answers.
@@ -41,6 +44,10 @@ pub enum Answer {
     PolicyStatus,
     /// `POST /v1/grants`.
     Grant,
+    /// `GET /v1/overrides`.
+    Overrides,
+    /// `POST /v1/overrides`, `GET` or `DELETE /v1/overrides/{tenant}/{id}`.
+    Override,
     /// An empty answer (deletions, revocations).
     Nothing,
 }
@@ -57,6 +64,8 @@ impl Answer {
             Self::Minted => "a minted token",
             Self::Audit => "an audit list",
             Self::BoundChecks => "a bound check summary",
+            Self::Overrides => "an override list",
+            Self::Override => "an override",
             Self::Bundle => "a policy bundle",
             Self::Rollout => "a rollout",
             Self::PolicyStatus => "a policy status",
@@ -95,6 +104,15 @@ pub fn render(answer: Answer, value: &Value) -> Result<String, String> {
         Answer::Rollout => format!("{}\n", rollout_line(&read::<Rollout>(answer, value)?)),
         Answer::PolicyStatus => policy_status(&read::<PolicyStatus>(answer, value)?),
         Answer::Grant => grant_lines(&read::<GrantAnswer>(answer, value)?),
+        Answer::Overrides => {
+            let list = read::<OverrideList>(answer, value)?;
+            let mut text = overrides_table(&list.overrides);
+            if let Some(next) = &list.next {
+                text.push_str(&format!("more: the next page is --after {next}\n"));
+            }
+            text
+        }
+        Answer::Override => overrides_table(&[read::<Override>(answer, value)?]),
         Answer::Nothing => "ok\n".to_owned(),
     })
 }
@@ -250,6 +268,42 @@ fn tokens_table(list: &TokenList) -> String {
             token.region.as_ref().map_or("*", |r| r.as_str()),
             token.source,
             token.name
+        );
+    }
+    out
+}
+
+/// Overrides, one a line: what they limit, to what, until when, and why.
+fn overrides_table(overrides: &[Override]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<36} {:<12} {:<28} {:<30} {:<20} reason",
+        "id", "tenant", "limits", "to", "until"
+    );
+    for o in overrides {
+        let what = match (&o.pool, &o.rule, &o.principal) {
+            (Some(pool), _, _) => format!("pool {pool}"),
+            (_, Some(rule), Some(p)) => format!("rule {rule} for {}", p.hash),
+            (_, Some(rule), None) => format!("rule {rule}"),
+            _ => "?".to_owned(),
+        };
+        let amounts = [
+            ("limit", o.limit),
+            ("capacityMillis", o.capacity_millis),
+            ("refillMillis", o.refill_millis),
+        ]
+        .iter()
+        .filter_map(|(name, value)| value.map(|v| format!("{name} {v}")))
+        .collect::<Vec<_>>()
+        .join(", ");
+        let until = o
+            .expires_at_ms
+            .map_or_else(|| "until ended".to_owned(), rfc3339_utc);
+        let _ = writeln!(
+            out,
+            "{:<36} {:<12} {:<28} {:<30} {:<20} {}",
+            o.id, o.tenant, what, amounts, until, o.reason
         );
     }
     out

@@ -20,6 +20,7 @@ mod grants;
 mod io;
 pub mod openapi;
 mod ops;
+mod overrides;
 mod policies;
 mod pools;
 mod regions;
@@ -36,6 +37,7 @@ use tokio::sync::watch;
 
 pub use self::errors::ApiError;
 pub use self::ops::{AuditList, AuditQuery};
+pub use self::overrides::{OverrideList, OverrideService, OverrideSpec, PrincipalSpec};
 pub use self::policies::{CurrentQuery, PolicyStatus, PublishQuery};
 pub use self::pools::{
     BulkAnswer, BulkPool, BulkPools, BulkWritten, LiveWindow, MAX_POOLS_PER_BULK,
@@ -91,6 +93,8 @@ pub struct ApiState {
     pub ledger: Ledger,
     /// The store lease agent status keys are written with.
     pub status_leases: Arc<crate::policies::StatusLeases>,
+    /// Overrides: the agents' set and the pepper principals are hashed with.
+    pub overrides: Arc<OverrideService>,
 }
 
 /// The API's routes, without the listener's bounds ([`listener_limits`]): the listener applies
@@ -169,6 +173,15 @@ pub fn routes(state: ApiState) -> Router {
         .route(
             "/v1/webhooks/{id}/deliveries",
             get(webhooks::list_deliveries),
+        )
+        .route(
+            "/v1/overrides",
+            get(overrides::list_overrides).post(overrides::post_override),
+        )
+        .route("/v1/overrides/current", get(overrides::current_overrides))
+        .route(
+            "/v1/overrides/{tenant}/{id}",
+            get(overrides::get_override).delete(overrides::end_override),
         )
         .route("/v1/audit", get(ops::get_audit))
         .route("/v1/usage", get(usage::get_usage))

@@ -13,7 +13,7 @@ use utoipa::{Modify, OpenApi};
     info(
         title = "Allot allocator",
         description = "The home region's authority over global quota pools: operators configure \
-                       pools, policies and tokens and read the ledger; region agents take grants, \
+                       pools, policies, overrides and tokens and read the ledger; region agents take grants, \
                        report and read their terms. Every call but the probes carries a bearer \
                        token: an operator's (viewer, author or admin) or a region agent's.",
         license(name = "Apache-2.0", identifier = "Apache-2.0"),
@@ -46,6 +46,11 @@ use utoipa::{Modify, OpenApi};
         super::webhooks::delete_webhook,
         super::webhooks::rotate_webhook_secret,
         super::webhooks::list_deliveries,
+        super::overrides::list_overrides,
+        super::overrides::post_override,
+        super::overrides::current_overrides,
+        super::overrides::get_override,
+        super::overrides::end_override,
         super::ops::get_audit,
         super::usage::get_usage,
         super::ops::get_bound_checks,
@@ -61,6 +66,7 @@ use utoipa::{Modify, OpenApi};
         (name = "policies", description = "Operators: policy bundles and their rollout."),
         (name = "tokens", description = "Admins: tokens minted and revoked."),
         (name = "usage", description = "Operators: usage for billing."),
+        (name = "overrides", description = "Operators: a different limit for one tenant, user or API key, until a set time; agents: the rule overrides in force."),
         (name = "webhooks", description = "Operators: endpoints told when a window reaches a share of its quota."),
         (name = "agents", description = "Region agents: grants, reports, terms, runs, status."),
         (name = "operations", description = "Audit, bound checks, probes, metrics, this document."),

@@ -17,7 +17,7 @@ use super::changes::{Changed, record_id, run_change, unrecorded};
 use super::errors::{ApiError, invalid_id};
 use super::io::{json_response, parse_json, parse_query, pool_path};
 use crate::auth::OperatorRole;
-use crate::ledger::PoolChange;
+use crate::ledger::{PoolChange, PoolLimits};
 use crate::pools::{self, PoolSpec, PoolStoreError, StoredPool};
 
 /// The pool as answered by the API: its spec flattened, its version, and when asked the live window.
@@ -179,6 +179,12 @@ pub struct LiveWindow {
     /// Tokens not yet granted.
     #[serde(rename = "remaining")]
     pub remaining_tokens: u64,
+    /// `G` in force now: the spec's, or an override's.
+    #[serde(default, rename = "limitNow", skip_serializing_if = "Option::is_none")]
+    pub limit_now_tokens: Option<u64>,
+    /// The override in force now, if any (`/v1/overrides`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub override_id: Option<allot_shared::ids::RecordId>,
     /// Tokens granted per region.
     #[serde(rename = "grantedByRegion")]
     pub granted_tokens_by_region: std::collections::BTreeMap<RegionId, u64>,
@@ -363,11 +369,19 @@ pub async fn get_pool(
         }
     }
     let leases_outstanding = leases_outstanding_by_region.values().sum();
+    let limit_now_tokens = stored.limit_at(now_ms);
+    let override_id = stored
+        .overrides
+        .iter()
+        .find(|o| o.in_force_at(now_ms))
+        .map(|o| o.id);
     let mut answer = view(tenant, pool, stored);
     answer.window = Some(LiveWindow {
         window_start_ms: current.start_ms,
         window_end_ms: current.end_ms,
-        remaining_tokens: window.remaining_tokens(&config),
+        remaining_tokens: window.remaining_tokens(&config.limited_to(limit_now_tokens)),
+        limit_now_tokens: Some(limit_now_tokens),
+        override_id,
         granted_tokens_by_region: window.granted_by_region,
         leases_outstanding,
         leases_outstanding_by_region,
@@ -501,10 +515,11 @@ pub async fn get_pool_terms(
     }
     let stored = stored_pool(&state, &tenant, &pool).await?;
     let config = stored.spec.validate().ok();
+    let now_ms = state.clock.now_ms();
     let spec = stored.spec;
     let fallback_in_window = match (&region, &config) {
         (Some(region), Some(config)) => {
-            let window = config.window_at(state.clock.now_ms());
+            let window = config.window_at(now_ms);
             let admitted_tokens = state
                 .ledger
                 .fallback_admitted(&tenant, &pool, region, window.start_ms)
@@ -530,6 +545,11 @@ pub async fn get_pool_terms(
         regions: spec.regions,
         version: stored.version,
         fallback_in_window,
+        limit_override: stored
+            .overrides
+            .iter()
+            .find(|o| o.in_force_at(now_ms))
+            .cloned(),
     };
     Ok(json_response(StatusCode::OK, &terms))
 }
@@ -558,7 +578,16 @@ pub async fn get_windows(
     let config = stored.spec.validate().map_err(PoolStoreError::from)?;
     let windows = state
         .ledger
-        .windows(&tenant, &pool, &config, last, state.clock.now_ms())
+        .windows(
+            &tenant,
+            &pool,
+            PoolLimits {
+                config: &config,
+                overrides: &stored.overrides,
+            },
+            last,
+            state.clock.now_ms(),
+        )
         .await?;
     Ok(json_response(StatusCode::OK, &WindowList { windows }))
 }

@@ -233,7 +233,10 @@ async fn page(
                 .windows_before(
                     tenant,
                     pool,
-                    &config,
+                    crate::ledger::PoolLimits {
+                        config: &config,
+                        overrides: &stored.overrides,
+                    },
                     in_range.min(crate::ledger::MAX_WINDOWS),
                     now_ms,
                     before_ms,

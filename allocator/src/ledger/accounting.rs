@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 
 use allot_shared::ids::{PoolId, RegionId, TenantId};
 use allot_shared::lease::{LeaseClamping, OvershootBound, PoolConfig, overshoot_tokens};
+use allot_shared::overrides::PoolOverride;
+use allot_shared::window::Window;
 use sea_query::{
     Alias, Cond, Expr, Func, JoinType, Order, PostgresQueryBuilder, Query, SqliteQueryBuilder,
 };
@@ -20,6 +22,38 @@ use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 
 /// Most windows one `windows` query returns.
 pub const MAX_WINDOWS: u64 = 1_000;
+
+/// What a pool's windows are accounted against: its configuration, and the overrides of its limit
+/// (in force or ended), so each window is held to the highest limit in force during it.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolLimits<'a> {
+    /// The configuration.
+    pub config: &'a PoolConfig,
+    /// Its limit's overrides.
+    pub overrides: &'a [PoolOverride],
+}
+
+impl<'a> From<&'a PoolConfig> for PoolLimits<'a> {
+    fn from(config: &'a PoolConfig) -> Self {
+        Self {
+            config,
+            overrides: &[],
+        }
+    }
+}
+
+impl PoolLimits<'_> {
+    /// The configuration a window is held to: the highest limit in force during it.
+    pub fn for_window(&self, window: Window) -> PoolConfig {
+        let base = self.config.limit_tokens();
+        let limit = allot_shared::overrides::window_limit(base, self.overrides, window);
+        if limit == base {
+            self.config.clone()
+        } else {
+            self.config.limited_to(limit)
+        }
+    }
+}
 
 /// One window of a pool, as the ledger accounts for it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -201,29 +235,31 @@ fn nonzero(mut by_region: BTreeMap<RegionId, u64>) -> BTreeMap<RegionId, u64> {
 impl Ledger {
     /// The last `last` windows of a pool that saw grants or fallback admits, newest first, each
     /// accounted for ([`account`]) against the pool's limit and the design's bound.
-    pub async fn windows(
+    pub async fn windows<'a>(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
-        config: &PoolConfig,
+        limits: impl Into<PoolLimits<'a>>,
         last: u64,
         now_ms: u64,
     ) -> Result<Vec<WindowRow>, LedgerError> {
-        self.windows_before(tenant, pool, config, last, now_ms, u64::MAX)
+        self.windows_before(tenant, pool, limits, last, now_ms, u64::MAX)
             .await
     }
 
     /// The same, of the windows that start before `before_ms`: the page of a pool's windows that
     /// follows one whose oldest window started there.
-    pub async fn windows_before(
+    pub async fn windows_before<'a>(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
-        config: &PoolConfig,
+        limits: impl Into<PoolLimits<'a>>,
         last: u64,
         now_ms: u64,
         before_ms: u64,
     ) -> Result<Vec<WindowRow>, LedgerError> {
+        let limits = limits.into();
+        let config = limits.config;
         let last = last.clamp(1, MAX_WINDOWS);
         let before = i64_of(before_ms);
         let fallback_rows = self
@@ -273,8 +309,6 @@ impl Ledger {
         };
         let granted_rows = self.granted_rows(tenant, pool, oldest).await?;
         let amounts = self.lease_amounts(tenant, pool, oldest, now_ms).await?;
-        let bound = OvershootBound::for_design(config, LeaseClamping::Clamped, 1, 0).total_tokens();
-        let limit = config.limit_tokens();
         let by_region = |rows: &[RegionAmount], window_start_ms: i64| -> BTreeMap<RegionId, u64> {
             rows.iter()
                 .filter(|r| r.window_start_ms == window_start_ms)
@@ -314,7 +348,12 @@ impl Ledger {
                 if let Some(window) = rolled.get(&amounts.window_start_ms) {
                     window.merge_into(&mut amounts);
                 }
-                account(amounts, limit, bound)
+                let held_to = limits.for_window(Window {
+                    start_ms: amounts.window_start_ms,
+                    end_ms: amounts.window_end_ms,
+                });
+                let bound = OvershootBound::for_design(&held_to, LeaseClamping::Clamped, 1, 0);
+                account(amounts, held_to.limit_tokens(), bound.total_tokens())
             })
             .collect();
         Ok(rows)

@@ -55,7 +55,7 @@ pub mod rollup;
 mod schema;
 pub mod webhooks;
 
-pub use accounting::{MAX_WINDOWS, WindowAmounts, WindowRow, account};
+pub use accounting::{MAX_WINDOWS, PoolLimits, WindowAmounts, WindowRow, account};
 pub use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 pub use audit::{AuditEntry, MAX_AUDIT_ENTRIES, PoolChange};
 pub use bound_checks::{BoundCheckSummary, BoundViolation, MAX_RECENT_VIOLATIONS};

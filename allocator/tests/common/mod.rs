@@ -38,6 +38,8 @@ pub struct Options {
     pub webhook_ca: Option<std::path::PathBuf>,
     /// etcd endpoints to run on (none: the embedded store).
     pub etcd: Vec<String>,
+    /// The agents' pepper, to hash principals overrides name.
+    pub pepper: Option<allot_shared::keys::Pepper>,
 }
 
 pub async fn start() -> Server {
@@ -68,6 +70,7 @@ pub async fn start_with(options: Options) -> Server {
         etcd_defragment: true,
         retention: Default::default(),
         webhook_ca: options.webhook_ca,
+        pepper: options.pepper,
         ledger_url: String::new(),
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);

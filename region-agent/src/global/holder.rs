@@ -653,6 +653,13 @@ impl PoolHolder {
         self.config = config;
     }
 
+    /// The pool's terms changed (an operator raised or lowered its limit, say): a window the
+    /// allocator said was spent may have tokens again, so the next request asks for them instead
+    /// of waiting for the window's end.
+    pub fn forget_exhaustion(&mut self) {
+        self.exhausted_until_ms = 0;
+    }
+
     /// The configuration in force.
     pub fn config(&self) -> &HolderConfig {
         &self.config

@@ -517,7 +517,7 @@ pub fn plan_request<'a>(
 ) -> Result<Option<PlannedBatch<'a>>, BatchError> {
     let tenant = &request.tenant_id;
     let kind = request.principal.kind;
-    let rules = bundle.regional_rules_for(tenant, &request.route_group, kind);
+    let mut rules = bundle.regional_rules_for(tenant, &request.route_group, kind);
     if rules.is_empty() {
         return Ok(None);
     }
@@ -525,7 +525,8 @@ pub fn plan_request<'a>(
     // rule with its own prefix lengths hashes the address at them).
     let principal_hash = std::cell::OnceCell::new();
     let mut batch_rules = Vec::with_capacity(rules.len());
-    for rule in &rules {
+    let overridden = bundle.overlay().has_principal_overrides(tenant);
+    for rule in &mut rules {
         let route_group = rule.matcher.route_group.as_ref();
         let rule_key = match rule.scope {
             Scope::User if kind == PrincipalType::Ip && rule.ip_prefixes.is_some() => {
@@ -537,6 +538,10 @@ pub fn plan_request<'a>(
                 let hash = principal_hash.get_or_init(|| {
                     keys::principal_hash(pepper, kind, &request.principal.id, ip_prefixes)
                 });
+                // The principal's own override, if one is laid: same key, other amounts.
+                if overridden {
+                    *rule = bundle.rule_for_principal(rule, tenant, kind, hash);
+                }
                 keys::principal_key(tenant, kind, hash, route_group)
             }
             Scope::Route | Scope::Tenant => keys::tenant_key(tenant, route_group),

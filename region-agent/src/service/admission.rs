@@ -31,16 +31,19 @@
 //! The allocator is never called on the request path except when a pool has no lease at all (the
 //! request waits up to [`FIRST_GRANT_WAIT`] for the renewal it triggered).
 
-use allot_shared::contract::{AdmissionRequest, AdvisoryMode, Decision, DeniedScope, Reason};
+use allot_shared::contract::{
+    AdmissionRequest, AdvisoryMode, Decision, DeniedScope, Principal, Reason,
+};
 use allot_shared::ids::{PoolId, RuleId, TenantId};
+use allot_shared::keys;
 use allot_shared::limit::multi::Algorithm;
-use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule};
+use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule, Scope};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::pools::{PoolSlot, TERMS_RETRY_MS};
 use super::replays::{Begin, ORIGINAL_WAIT, Ticket};
-use super::settings::FIRST_GRANT_WAIT;
+use super::settings::{AgentSettings, FIRST_GRANT_WAIT};
 use super::{Agent, RequestRejected, lock};
 use crate::global::{Denial, Refusal, Reservation};
 use crate::limiter::{LeaseCall, LeaseOp, PlannedBatch, Screened, Verdict, plan_request};
@@ -315,7 +318,7 @@ impl Agent {
             ));
         }
         // A cost no rule state could ever admit is refused before anything is paid or asked.
-        if let Some(denied) = inadmissible_cost(&bundle, request, version) {
+        if let Some(denied) = inadmissible_cost(&bundle, request, version, &self.settings) {
             return Ok(denied);
         }
         // A principal owing extra cost of a metered request pays it first.
@@ -529,7 +532,7 @@ impl Agent {
                             _ => None,
                         };
                         let Some(next) = next else {
-                            let limit_tokens = slot.limit.load(Ordering::Relaxed);
+                            let limit_tokens = slot.limit.at(self.clock.now_ms());
                             let refused = GlobalRefusal {
                                 refusal,
                                 limit_tokens,
@@ -574,7 +577,7 @@ impl Agent {
                 denial: Denial::AwaitingGrant,
                 retry_after_ms: AWAITING_GRANT_RETRY_MS,
             },
-            limit_tokens: slot.limit.load(Ordering::Relaxed),
+            limit_tokens: slot.limit.at(self.clock.now_ms()),
         };
         Err(self.global_denial(requests[*index].0, version, rule, refused))
     }
@@ -982,11 +985,19 @@ pub(super) fn inadmissible_cost(
     bundle: &PolicyBundle,
     request: &AdmissionRequest,
     version: u64,
+    settings: &AgentSettings,
 ) -> Option<Decision> {
-    let rules = bundle.regional_rules_for(
+    let mut rules = bundle.regional_rules_for(
         &request.tenant_id,
         &request.route_group,
         request.principal.kind,
+    );
+    lay_principal_overrides(
+        bundle,
+        &mut rules,
+        &request.tenant_id,
+        &request.principal,
+        settings,
     );
     let (rule, algorithm) = rules.into_iter().find_map(|rule| {
         let Limit::Regional(algorithm) = &rule.limit else {
@@ -1005,6 +1016,30 @@ pub(super) fn inadmissible_cost(
     decision.limit_units = crate::limiter::algorithm_limit_units(algorithm);
     decision.retry_after_ms = -1;
     Some(decision)
+}
+
+/// Replaces each per-principal rule of `rules` (from `bundle`, for `tenant`) with `principal`'s
+/// own override of it, if an operator set one. Hashes the principal only when some principal of
+/// the tenant has an override.
+pub(super) fn lay_principal_overrides<'b>(
+    bundle: &'b PolicyBundle,
+    rules: &mut [&'b Rule],
+    tenant: &TenantId,
+    principal: &Principal,
+    settings: &AgentSettings,
+) {
+    if !principal.kind.is_authenticated() || !bundle.overlay().has_principal_overrides(tenant) {
+        return;
+    }
+    let hash = keys::principal_hash(
+        &settings.pepper,
+        principal.kind,
+        &principal.id,
+        settings.ip_prefixes,
+    );
+    for rule in rules.iter_mut().filter(|rule| rule.scope == Scope::User) {
+        *rule = bundle.rule_for_principal(rule, tenant, principal.kind, &hash);
+    }
 }
 
 /// Whether any rule that applies to `request` is `idempotent`: a retry with the same request id is

@@ -34,6 +34,7 @@ impl Agent {
                 tracing::warn!(%error, "policy refresh failed; keeping the bundle in force")
             }
         }
+        self.refresh_overrides(allocator).await;
         let version = self.bundle.version();
         if let Err(error) = allocator
             .report_status(
@@ -46,6 +47,26 @@ impl Agent {
         {
             tracing::debug!(%error, "policy status not reported");
         }
+    }
+
+    /// Fetches the rule overrides when the allocator has a newer set, and lays them over the
+    /// bundle in force; lays them again when one has ended.
+    async fn refresh_overrides(&self, allocator: &crate::allocator_client::AllocatorClient) {
+        let held = self.bundle.override_version();
+        let answer = allocator.overrides(held).await;
+        self.note_allocator(&answer);
+        match answer {
+            Ok(Some(set)) => {
+                if self.bundle.offer_overrides(set, self.clock.now_ms()) {
+                    self.note_change();
+                }
+            }
+            Ok(None) => {}
+            Err(error) => {
+                tracing::warn!(%error, "override refresh failed; keeping the overrides in force")
+            }
+        }
+        self.bundle.expire_overrides(self.clock.now_ms());
     }
 
     /// Runs the background loops until `shutdown` resolves: reports every `report_every`; the

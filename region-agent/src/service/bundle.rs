@@ -1,15 +1,20 @@
 //! The policy bundle in force: which one, when it was installed and when the allocator last
-//! confirmed it. Read lock-free on every decision; replaced only by a higher version (I13).
+//! confirmed it, with the operators' rule overrides laid over it. Read lock-free on every
+//! decision; replaced only by a higher version (I13), and so is the override set.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
+use allot_shared::overrides::OverrideSet;
 use allot_shared::policy::PolicyBundle;
 use arc_swap::ArcSwapOption;
 
 /// The bundle slot.
 pub(super) struct BundleSlot {
+    /// The bundle in force, with `overrides` laid over it.
     current: ArcSwapOption<PolicyBundle>,
+    /// The latest override set received (version 0: none yet).
+    overrides: Mutex<Arc<OverrideSet>>,
     /// When the bundle in force was installed, epoch ms (0: none).
     installed_at_ms: AtomicU64,
     /// When the allocator last confirmed the bundle in force (installed it, or answered the same
@@ -23,6 +28,7 @@ impl BundleSlot {
         let installed_at_ms = if bundle.is_some() { now_ms } else { 0 };
         Self {
             current: ArcSwapOption::from(bundle.map(Arc::new)),
+            overrides: Mutex::new(Arc::new(OverrideSet::default())),
             installed_at_ms: AtomicU64::new(installed_at_ms),
             confirmed_at_ms: AtomicU64::new(installed_at_ms),
         }
@@ -64,11 +70,81 @@ impl BundleSlot {
     }
 
     fn install(&self, bundle: PolicyBundle, installed_at_ms: u64, confirmed_at_ms: u64) {
+        let bundle = self.laid(&bundle, installed_at_ms);
         self.current.store(Some(Arc::new(bundle)));
         self.installed_at_ms
             .store(installed_at_ms, Ordering::Relaxed);
         self.confirmed_at_ms
             .store(confirmed_at_ms, Ordering::Relaxed);
+    }
+
+    /// Takes `set` if it is newer than the set held, and lays it over the bundle in force.
+    pub(super) fn offer_overrides(&self, set: OverrideSet, now_ms: u64) -> bool {
+        {
+            let mut held = self
+                .overrides
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if set.version <= held.version {
+                return false;
+            }
+            tracing::info!(
+                version = set.version,
+                count = set.overrides.len(),
+                "override set received"
+            );
+            *held = Arc::new(set);
+        }
+        self.lay_again(now_ms);
+        true
+    }
+
+    /// Lays the held overrides over the bundle in force again when one of them has ended by
+    /// `now_ms`.
+    pub(super) fn expire_overrides(&self, now_ms: u64) {
+        let ended = self.current.load().as_ref().is_some_and(|bundle| {
+            bundle
+                .overlay()
+                .next_expiry_ms()
+                .is_some_and(|end| end <= now_ms)
+        });
+        if ended {
+            self.lay_again(now_ms);
+        }
+    }
+
+    /// The held override set's version (0: none).
+    pub(super) fn override_version(&self) -> u64 {
+        self.overrides
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .version
+    }
+
+    fn lay_again(&self, now_ms: u64) {
+        if let Some(bundle) = self.current.load_full() {
+            self.current
+                .store(Some(Arc::new(self.laid(&bundle, now_ms))));
+        }
+    }
+
+    /// `bundle` with the held overrides in force at `now_ms` laid over it; those that cannot be
+    /// laid are logged and counted.
+    fn laid(&self, bundle: &PolicyBundle, now_ms: u64) -> PolicyBundle {
+        let set = Arc::clone(
+            &self
+                .overrides
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        let (laid, problems) = bundle.with_overrides(&set, now_ms);
+        for problem in &problems {
+            tracing::warn!(id = %problem.id, problem = %problem.message, "override not laid");
+        }
+        metrics::gauge!(crate::metrics::OVERRIDES_LAID).set(laid.overlay().len() as f64);
+        metrics::gauge!(crate::metrics::OVERRIDES_NOT_LAID).set(problems.len() as f64);
+        metrics::gauge!(crate::metrics::OVERRIDE_VERSION).set(set.version as f64);
+        laid
     }
 
     /// The allocator confirmed the bundle in force at `now_ms`.

@@ -2,7 +2,7 @@
 //! how a request finds its pool, and the single-flight lookup of a pool's terms.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use allot_shared::ids::{PoolId, TenantId};
@@ -32,8 +32,8 @@ pub(super) struct PoolSlot {
     /// The pool (its tenant is the map's key): named in metrics without a copy per request.
     pub(super) pool: PoolId,
     pub(super) holder: Mutex<PoolHolder>,
-    /// `G` of the terms in force, tokens (read on every global denial).
-    pub(super) limit: AtomicU64,
+    /// `G` of the terms in force, and its override (read on every global denial).
+    pub(super) limit: PoolLimit,
     /// The terms in force and when they were last fetched, epoch ms.
     pub(super) terms: Mutex<(PoolTerms, u64)>,
     pub(super) renewed: Notify,
@@ -169,7 +169,7 @@ impl PoolSlot {
         Self {
             pool,
             holder: Mutex::new(PoolHolder::new(config)),
-            limit: AtomicU64::new(terms.limit_tokens),
+            limit: PoolLimit::new(&terms),
             terms: Mutex::new((terms, fetched_at_ms)),
             renewed: Notify::new(),
             evicted: AtomicBool::new(false),
@@ -177,6 +177,56 @@ impl PoolSlot {
             shadow: Mutex::new(WindowTally::default()),
             settle_debt: Mutex::new(WindowTally::default()),
             written_off: Mutex::new(WindowTally::default()),
+        }
+    }
+}
+
+/// A pool's `G` as its terms state it, read lock-free: the base limit, and an override's limit
+/// between its start and end (epoch ms; `u64::MAX`: no end).
+pub(super) struct PoolLimit {
+    base_tokens: AtomicU64,
+    override_tokens: AtomicU64,
+    override_from_ms: AtomicU64,
+    override_until_ms: AtomicU64,
+}
+
+impl PoolLimit {
+    fn new(terms: &PoolTerms) -> Self {
+        let limit = Self {
+            base_tokens: AtomicU64::new(0),
+            override_tokens: AtomicU64::new(0),
+            override_from_ms: AtomicU64::new(u64::MAX),
+            override_until_ms: AtomicU64::new(0),
+        };
+        limit.set(terms);
+        limit
+    }
+
+    /// Takes `terms`' limit and override.
+    pub(super) fn set(&self, terms: &PoolTerms) {
+        let (tokens, from_ms, until_ms) =
+            terms.limit_override.as_ref().map_or((0, u64::MAX, 0), |o| {
+                (
+                    o.limit_tokens,
+                    o.starts_at_ms,
+                    o.expires_at_ms.unwrap_or(u64::MAX),
+                )
+            });
+        self.base_tokens
+            .store(terms.limit_tokens, Ordering::Relaxed);
+        self.override_tokens.store(tokens, Ordering::Relaxed);
+        self.override_from_ms.store(from_ms, Ordering::Relaxed);
+        self.override_until_ms.store(until_ms, Ordering::Relaxed);
+    }
+
+    /// `G` at `now_ms`.
+    pub(super) fn at(&self, now_ms: u64) -> u64 {
+        let from_ms = self.override_from_ms.load(Ordering::Relaxed);
+        let until_ms = self.override_until_ms.load(Ordering::Relaxed);
+        if (from_ms..until_ms).contains(&now_ms) {
+            self.override_tokens.load(Ordering::Relaxed)
+        } else {
+            self.base_tokens.load(Ordering::Relaxed)
         }
     }
 }

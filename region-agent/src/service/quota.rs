@@ -15,15 +15,15 @@
 //!   pool's window end (the agent's clock).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use allot_shared::MILLITOKENS_PER_TOKEN;
-use allot_shared::contract::{QuotaLine, QuotaQuery, QuotaStatus};
+use allot_shared::contract::{Principal, QuotaLine, QuotaQuery, QuotaStatus};
 use allot_shared::ids::{DecisionId, PoolId, RouteGroup, TenantId};
 use allot_shared::keys;
 use allot_shared::limit::multi::{Algorithm, MAX_RULES_PER_REQUEST};
 use allot_shared::policy::{Limit, PolicyBundle, Rule};
 
+use super::admission::lay_principal_overrides;
 use super::pools::PoolSlot;
 use super::{Agent, RequestRejected, lock};
 use crate::limiter::{BatchRule, Holding, PlannedBatch, RuleBatch, RuleParams};
@@ -46,6 +46,18 @@ impl Agent {
             return Ok(None);
         };
         let mut rules = visible_rules(&bundle, query);
+        let caller = Principal {
+            kind: query.principal_type,
+            id: query.principal_id.clone(),
+            api_key_id: None,
+        };
+        lay_principal_overrides(
+            &bundle,
+            &mut rules,
+            &query.tenant_id,
+            &caller,
+            &self.settings,
+        );
         // A read costs a store call per MAX_RULES_PER_REQUEST rules: bounded (I10).
         rules.truncate(MAX_QUOTA_LINES);
         let (regional, global): (Vec<&Rule>, Vec<&Rule>) = rules
@@ -106,6 +118,7 @@ impl Agent {
                     reset_ms: holding.map_or(0, |h| reset_ms(algorithm, h, now_ms)),
                     fallback,
                     age_ms: None,
+                    override_id: rule.override_id,
                 })
             })
             .collect()
@@ -186,10 +199,17 @@ impl Agent {
             reset_ms: 0,
             fallback: false,
             age_ms: None,
+            override_id: None,
         };
         let Some(slot) = self.slot(tenant, pool).await else {
             return line;
         };
+        line.override_id = lock(&slot.terms)
+            .0
+            .limit_override
+            .as_ref()
+            .filter(|o| o.in_force_at(now_ms))
+            .map(|o| o.id);
         let figures = pool_figures(&slot, now_ms);
         line.limit_units = figures.limit_tokens;
         line.window_ms = figures.window_ms;
@@ -220,7 +240,7 @@ pub(super) struct PoolFigures {
 }
 
 pub(super) fn pool_figures(slot: &PoolSlot, now_ms: u64) -> PoolFigures {
-    let limit_tokens = slot.limit.load(Ordering::Relaxed);
+    let limit_tokens = slot.limit.at(now_ms);
     // The holder's lock first, as a grant takes them: the figure and the grant it follows.
     let holder = lock(&slot.holder);
     let window = holder.config().window.containing(now_ms);

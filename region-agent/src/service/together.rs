@@ -138,7 +138,7 @@ impl Agent {
                     POLICY_UNAVAILABLE_RETRY_MS,
                 )));
             }
-            if let Some(denied) = inadmissible_cost(bundle, request, version) {
+            if let Some(denied) = inadmissible_cost(bundle, request, version, &self.settings) {
                 return Ok(Err(denied));
             }
             if let Some(denied) = self.pay_regional_debt(request, bundle).await {

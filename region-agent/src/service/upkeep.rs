@@ -62,8 +62,11 @@ impl Agent {
                     let mut in_force = lock(&slot.terms);
                     if in_force.0 != terms {
                         tracing::info!(%tenant, %pool, version = terms.version, "pool terms updated");
-                        lock(&slot.holder).reconfigure(config);
-                        slot.limit.store(terms.limit_tokens, Ordering::Relaxed);
+                        let mut holder = lock(&slot.holder);
+                        holder.reconfigure(config);
+                        holder.forget_exhaustion();
+                        drop(holder);
+                        slot.limit.set(&terms);
                         in_force.0 = terms;
                         self.note_change();
                     }

@@ -29,6 +29,8 @@ pub const OPERATOR: &str = "operator-token-for-e2e-0001";
 pub const AGENT: &str = "agent-token-for-e2e-000001";
 /// The gateways' token.
 pub const GATEWAY: &str = "gateway-token-for-e2e-0001";
+/// The agents' pepper, which the allocator holds too (to hash the principals overrides name).
+pub const PEPPER: &[u8] = b"e2e-pepper-0123456789";
 
 /// An HTTP client with a deadline.
 pub fn http() -> reqwest::Client {
@@ -66,6 +68,7 @@ pub async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> Strin
         etcd_defragment: true,
         retention: Default::default(),
         webhook_ca: None,
+        pepper: Some(Pepper::new(PEPPER.to_vec()).expect("pepper")),
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
     };
     let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
@@ -186,7 +189,7 @@ pub async fn agent_with(
     let settings = AgentSettings::new(
         RegionId::parse(region).expect("region"),
         allot_shared::ids::AgentId::parse(&format!("{region}-1")).expect("agent id"),
-        Pepper::new(b"e2e-pepper-0123456789".to_vec()).expect("pepper"),
+        Pepper::new(PEPPER.to_vec()).expect("pepper"),
     );
     Agent::new(
         settings,
