@@ -1,7 +1,7 @@
 //! The built-in drills on the shipped allocator and agent logic: each meets its expected outcome, the
 //! numbers are the ones the design predicts, and a run is reproducible.
 
-use allot_simulations::drill::{DrillReport, Scenario, builtin, run};
+use allot_simulations::drill::{DrillReport, RegionWindow, Scenario, builtin, run};
 
 fn scenario(name: &str) -> Scenario {
     builtin()
@@ -182,6 +182,38 @@ fn independent_regional_limits_admit_up_to_regions_times_g() {
             "{}",
             report.table()
         );
+    }
+}
+
+#[test]
+fn an_override_raises_then_lowers_the_windows_it_is_in_force_in() {
+    let report = drill("override");
+    let limits: Vec<u64> = report.windows.iter().map(|w| w.limit_tokens).collect();
+    let admitted: Vec<u64> = report
+        .windows
+        .iter()
+        .map(|w| w.sum(RegionWindow::admitted))
+        .collect();
+    // Raised for 70-220 s, lowered for 240-365 s (ended by hand), windows of 60 s from 0.
+    assert_eq!(
+        limits,
+        [1_000, 1_500, 1_500, 1_500, 500, 500, 1_000],
+        "{}",
+        report.table()
+    );
+    assert_eq!(
+        admitted[1],
+        1_500,
+        "the raise is granted: {}",
+        report.table()
+    );
+    assert!(
+        admitted[4] <= 500 && admitted[5] <= 500,
+        "the lowering holds: {}",
+        report.table()
+    );
+    for (w, window) in report.windows.iter().enumerate() {
+        assert!(admitted[w] <= report.window_bound(window));
     }
 }
 

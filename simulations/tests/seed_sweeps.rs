@@ -82,4 +82,5 @@ sweeps! {
     rlqs_partition => "rlqs-partition",
     rlqs_agent_restart => "rlqs-agent-restart",
     calendar_dst => "calendar-dst",
+    pool_override => "override",
 }

@@ -7,6 +7,8 @@
 //! in memory, not a day's.
 
 use allot_shared::lease::OvershootBound;
+use allot_shared::overrides::PoolOverride;
+use allot_shared::window::{Window, WindowSpec};
 
 use super::results::{MAX_VIOLATION_LINES, RegionWindow, WindowRecord};
 use super::scenario::{Expectation, Scenario};
@@ -26,6 +28,10 @@ pub(super) struct TenantChecker {
     current: Vec<Vec<RegionWindow>>,
     /// Lost grant records per tenant in the window in progress.
     lost: Vec<u64>,
+    /// How windows are cut (to find the window in progress from its offset).
+    window_spec: Option<WindowSpec>,
+    /// Each tenant's pool overrides, as the allocator stored them.
+    overrides: Vec<Vec<PoolOverride>>,
     windows: Vec<WindowRecord>,
     /// What failed, at most [`MAX_VIOLATION_LINES`] lines.
     pub violations: Vec<String>,
@@ -57,6 +63,8 @@ impl TenantChecker {
             offset_ms: 0,
             current: vec![vec![RegionWindow::default(); regions]; tenants],
             lost: vec![0; tenants],
+            window_spec: scenario.windows().ok().map(|windows| windows.spec),
+            overrides: vec![Vec::new(); tenants],
             windows: Vec::new(),
             violations: Vec::new(),
             violations_not_listed: 0,
@@ -88,6 +96,29 @@ impl TenantChecker {
             "grants are made in the window in progress"
         );
         self.current[tenant][region].granted_tokens += tokens;
+    }
+
+    /// Takes `tenant`'s pool overrides as they stand now (made or ended).
+    pub(super) fn set_overrides(&mut self, tenant: usize, overrides: Vec<PoolOverride>) {
+        self.overrides[tenant] = overrides;
+    }
+
+    /// The bound `tenant`'s window in progress is held to: its terms with the highest limit in
+    /// force during the window.
+    fn bound_of(&self, tenant: usize) -> OvershootBound {
+        let overrides = &self.overrides[tenant];
+        let Some(spec) = self.window_spec.as_ref().filter(|_| !overrides.is_empty()) else {
+            return self.bound;
+        };
+        let window: Window = spec.containing(self.base_ms + self.offset_ms);
+        OvershootBound {
+            limit_tokens: allot_shared::overrides::window_limit(
+                self.bound.limit_tokens,
+                overrides,
+                window,
+            ),
+            ..self.bound
+        }
     }
 
     /// Records grant records a failover lost for `tenant` in the window in progress.
@@ -128,6 +159,9 @@ impl TenantChecker {
         );
         let lost = std::mem::replace(&mut self.lost, vec![0; self.tenant_names.len()]);
         let mut any = false;
+        let limit_tokens: u64 = (0..current.len())
+            .map(|t| self.bound_of(t).limit_tokens)
+            .sum();
         for (t, records) in current.iter().enumerate() {
             let who = self.tenant_names[t].clone();
             let admitted: u64 = records.iter().map(RegionWindow::admitted).sum();
@@ -136,7 +170,7 @@ impl TenantChecker {
             let carried: u64 = records.iter().map(|r| r.carried_over).sum();
             let bound = OvershootBound {
                 lost_grant_record_tokens: lost[t],
-                ..self.bound
+                ..self.bound_of(t)
             };
             if !bound.holds(admitted) {
                 self.violation(format!(
@@ -196,6 +230,7 @@ impl TenantChecker {
                 offset_ms: self.offset_ms,
                 lost_grant_record_tokens: lost_sum,
                 regions: sum,
+                limit_tokens,
             });
         }
     }
@@ -315,6 +350,13 @@ pub(super) fn check_expectation(
             }
         }
         Expectation::WithinBound => {}
+        Expectation::OverrideHonoured => {
+            if max_admitted <= limit {
+                violations.push(format!(
+                    "expected a window above G {limit} under a raised override; the most was {max_admitted}"
+                ));
+            }
+        }
         Expectation::SpendPastLeaseEnd => {
             if spent_after_end == 0 {
                 violations.push(

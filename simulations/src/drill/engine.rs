@@ -78,6 +78,11 @@ struct HeldPool {
     admitted_since_report: u64,
     /// The region's gateways for this tenant, in RLQS drills (they outlive an agent crash).
     gateways: Option<Gateways>,
+    /// When the agent next fetches the pool's terms after an operator changed its limit (true
+    /// time, epoch ms): the shipped agent refreshes held terms every `TERMS_REFRESH_MS`, so it
+    /// learns of the change that much later at worst, and asks again for a window it was told
+    /// was spent.
+    terms_change_seen_at_ms: Option<u64>,
 }
 
 /// One region's agent process.
@@ -253,6 +258,8 @@ struct Drill<'s> {
     checker: TenantChecker,
     /// Per region, the last tick with an abnormal decision (fallback, waiting, agent down).
     last_abnormal_ms: Vec<Option<u64>>,
+    /// Per tenant, its pool's overrides as the allocator stored them.
+    overrides: Vec<Vec<allot_shared::overrides::PoolOverride>>,
 }
 
 impl<'s> Drill<'s> {
@@ -324,6 +331,7 @@ impl<'s> Drill<'s> {
             bound,
             checker: TenantChecker::new(scenario, bound, tenant_count, regions.len()),
             last_abnormal_ms: vec![None; regions.len()],
+            overrides: vec![Vec::new(); tenant_count],
         })
     }
 
@@ -352,10 +360,73 @@ impl<'s> Drill<'s> {
                 }
             }
         }
+        self.apply_overrides(elapsed_ms, now_ms).await?;
         for r in 0..self.agents.len() {
             let abnormal = self.serve_region(r, elapsed_ms, now_ms, window).await?;
             if abnormal {
                 self.last_abnormal_ms[r] = Some(elapsed_ms);
+            }
+        }
+        Ok(())
+    }
+
+    /// The operator's overrides due this tick, made or ended through the allocator's own override
+    /// store (the grant workers see them as production's do: in the pool's record, under its
+    /// revision guard); the checker learns each tenant's overrides as stored.
+    async fn apply_overrides(&mut self, elapsed_ms: u64, now_ms: u64) -> Result<(), DrillError> {
+        use allot_allocator::overrides::{NewOverride, Target, create, end};
+        let tick_ms = self.scenario.tick_ms;
+        let due = |at_ms: u64| (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms);
+        let pool = PoolId::parse("api").map_err(invalid)?;
+        for (index, planned) in self.scenario.overrides.iter().enumerate() {
+            let starts = due(planned.at_ms);
+            let ends = planned
+                .ended_after_ms
+                .is_some_and(|after| due(planned.at_ms + after));
+            if !starts && !ends {
+                continue;
+            }
+            for t in 0..self.allocator.tenants.len() {
+                if planned.tenant.is_some_and(|only| only != t as u64) {
+                    continue;
+                }
+                let tenant = self.allocator.tenants[t].clone();
+                // Reproducible ids: the override's schedule and tenant.
+                let id = allot_shared::ids::RecordId::from_parts(
+                    self.run_start_ms + planned.at_ms,
+                    ((index as u128) << 32) | t as u128,
+                );
+                if starts {
+                    let new = NewOverride {
+                        tenant: tenant.clone(),
+                        target: Target::Pool {
+                            pool: pool.clone(),
+                            limit_tokens: planned.limit,
+                        },
+                        expires_at_ms: planned.lasts_ms.map(|ms| now_ms + ms),
+                        reason: format!("drill override {index}"),
+                        created_by: "drill".to_owned(),
+                    };
+                    create(&*self.allocator.kv, new, id, now_ms)
+                        .await
+                        .map_err(store)?;
+                }
+                if ends {
+                    end(&*self.allocator.kv, &tenant, &id, now_ms)
+                        .await
+                        .map_err(store)?;
+                }
+                let stored = allot_allocator::pools::get_pool(&*self.allocator.kv, &tenant, &pool)
+                    .await
+                    .map_err(store)?
+                    .map(|(stored, _)| stored.overrides)
+                    .unwrap_or_default();
+                self.checker.set_overrides(t, stored.clone());
+                self.overrides[t] = stored;
+                let seen_at_ms = now_ms + allot_region_agent::service::TERMS_REFRESH_MS;
+                for agent in &mut self.agents {
+                    agent.pools[t].terms_change_seen_at_ms = Some(seen_at_ms);
+                }
             }
         }
         Ok(())
@@ -393,6 +464,16 @@ impl<'s> Drill<'s> {
         let report_due = elapsed_ms.is_multiple_of(REPORT_EVERY_MS.max(tick_ms));
         let mut abnormal = down;
         for t in 0..agent.pools.len() {
+            let held = &mut agent.pools[t];
+            if !down
+                && !c.partitioned
+                && held.terms_change_seen_at_ms.is_some_and(|at| at <= now_ms)
+            {
+                held.terms_change_seen_at_ms = None;
+                if let Some(holder) = held.holder.as_mut() {
+                    holder.forget_exhaustion();
+                }
+            }
             let arrivals = {
                 let held = &mut agent.pools[t];
                 let per_minute = plan.per_minute_at(elapsed_ms, scenario.duration_ms);
@@ -444,7 +525,11 @@ impl<'s> Drill<'s> {
                 window_start_ms: window.start_ms,
                 tick_ms,
                 first_grant_wait_ms: ms(FIRST_GRANT_WAIT),
-                limit_tokens: scenario.limit_tokens,
+                limit_tokens: allot_shared::overrides::limit_at(
+                    scenario.limit_tokens,
+                    &self.overrides[t],
+                    now_ms,
+                ),
             };
             abnormal |= match scenario.gateways {
                 Some(plan) => {

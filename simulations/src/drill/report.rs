@@ -13,14 +13,18 @@ pub const MAX_TABLE_WINDOWS: usize = 60;
 impl DrillReport {
     /// The bound of `window`, summed over tenants (with its lost-record term).
     pub fn window_bound(&self, window: &WindowRecord) -> u64 {
-        self.bound.total_tokens() * self.scenario.tenants + window.lost_grant_record_tokens
+        // The design's terms over the pools' own limits, with the window's limits in their place
+        // (they differ only where an override was in force).
+        let tenants = self.scenario.tenants;
+        (self.bound.total_tokens() * tenants - self.bound.limit_tokens * tenants)
+            + window.limit_tokens
+            + window.lost_grant_record_tokens
     }
 
     /// The report for machines: the scenario, the seed, the bound's terms, every window with its
     /// regions, convergence and the violations. Deterministic: the same run gives the same bytes.
     pub fn json(&self) -> serde_json::Value {
         let s = &self.scenario;
-        let g = s.limit_tokens * s.tenants;
         let windows: Vec<serde_json::Value> = self
             .windows
             .iter()
@@ -40,7 +44,8 @@ impl DrillReport {
                 serde_json::json!({
                     "offsetMs": w.offset_ms,
                     "admitted": admitted,
-                    "overshoot": overshoot_tokens(admitted, g),
+                    "limit": w.limit_tokens,
+                    "overshoot": overshoot_tokens(admitted, w.limit_tokens),
                     "bound": self.window_bound(w),
                     "lostGrantRecordTokens": w.lost_grant_record_tokens,
                     "regions": regions,
@@ -114,7 +119,6 @@ impl DrillReport {
             self.bound.fallback_allowance_tokens,
             self.bound.lost_grant_record_tokens,
         );
-        let g = s.limit_tokens * s.tenants;
         if self.windows.len() <= MAX_TABLE_WINDOWS {
             out.push_str(
                 "  window  region  demand  leased  carried  fallback  denied  (tokens left)  granted  stranded\n",
@@ -145,8 +149,8 @@ impl DrillReport {
                     "  {:>5}s  total   admitted {} of G {} (overshoot {}, bound {}{})\n",
                     window.offset_ms / 1_000,
                     admitted,
-                    g,
-                    overshoot_tokens(admitted, g),
+                    window.limit_tokens,
+                    overshoot_tokens(admitted, window.limit_tokens),
                     self.window_bound(window),
                     if lost > 0 {
                         format!(" with {lost} lost grant records")
@@ -190,7 +194,6 @@ impl DrillReport {
 
     fn summary(&self) -> String {
         let s = &self.scenario;
-        let g = s.limit_tokens * s.tenants;
         let mut out = format!(
             "  {} windows; per region over the run:\n",
             self.windows.len()
@@ -223,8 +226,8 @@ impl DrillReport {
                 "  busiest window {}s: admitted {} of G {} (overshoot {}, bound {})\n",
                 w.offset_ms / 1_000,
                 admitted,
-                g,
-                overshoot_tokens(admitted, g),
+                w.limit_tokens,
+                overshoot_tokens(admitted, w.limit_tokens),
                 self.window_bound(w)
             ));
         }
@@ -284,13 +287,12 @@ impl DrillReport {
     /// Admitted per window (each region and the total) against G and the bound.
     fn admitted_plot(&self) -> Result<String, String> {
         let s = &self.scenario;
-        let g = s.limit_tokens * s.tenants;
         let mut series: Vec<(String, Vec<(u64, u64)>)> = vec![
             (
                 "admitted".into(),
                 self.steps(&|w| w.sum(RegionWindow::admitted)),
             ),
-            ("G".into(), self.steps(&|_| g)),
+            ("G".into(), self.steps(&|w| w.limit_tokens)),
             ("bound".into(), self.steps(&|w| self.window_bound(w))),
         ];
         for (r, plan) in s.regions.iter().enumerate() {

@@ -110,6 +110,9 @@ pub struct WindowRecord {
     pub lost_grant_record_tokens: u64,
     /// Per region, in scenario order, summed over tenants.
     pub regions: Vec<RegionWindow>,
+    /// The window's G summed over tenants: each tenant's pool limit, or the highest an override
+    /// put in force during the window.
+    pub limit_tokens: u64,
 }
 
 impl WindowRecord {

@@ -99,7 +99,35 @@ pub struct Scenario {
     /// agent per request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateways: Option<GatewayPlan>,
+    /// Operators' overrides of the tenants' pool limit, on a schedule: made and ended through the
+    /// allocator's own override store, and each window checked against the highest limit in force
+    /// during it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<DrillOverride>,
 }
+
+/// An override of a tenant's pool limit (`G`), on a schedule; times are ms since the drill's
+/// start. The shared pool layout only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrillOverride {
+    /// Which tenant, by index from 0; absent: every tenant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<u64>,
+    /// When the operator creates it.
+    pub at_ms: u64,
+    /// `G` while it is in force, tokens per window.
+    pub limit: u64,
+    /// How long until it expires on its own; absent: until it is ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lasts_ms: Option<u64>,
+    /// When the operator ends it by hand, ms after it was created (before it expires).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_after_ms: Option<u64>,
+}
+
+/// Most overrides a drill schedules.
+pub const MAX_DRILL_OVERRIDES: usize = 16;
 
 /// A drill's calendar windows: `calendar = { unit = "day", time_zone = "Europe/Berlin", start =
 /// "2026-03-29T20:00:00Z" }`. The run starts at `start` (seeds but 0 up to an hour later); window
@@ -376,6 +404,9 @@ pub enum Expectation {
     /// An agent spends a lease after its end (a clock error beyond the safety margin): the checker
     /// must see it. The invariant is then reported, not failed.
     SpendPastLeaseEnd,
+    /// Some window admits more than G under a raised override (it took effect), and every window
+    /// stays within the bound of the highest limit in force during it.
+    OverrideHonoured,
 }
 
 impl Scenario {
@@ -442,6 +473,63 @@ impl Scenario {
     /// The scenario as TOML text.
     pub fn to_toml(&self) -> Result<String, String> {
         toml::to_string(self).map_err(|e| e.to_string())
+    }
+
+    /// Checks the overrides: bounded, on the shared layout, one in force per tenant at a time,
+    /// under an expectation that does not compare windows with G itself.
+    fn validate_overrides(&self) -> Result<(), String> {
+        if self.overrides.is_empty() {
+            return Ok(());
+        }
+        if self.overrides.len() > MAX_DRILL_OVERRIDES {
+            return Err(format!("overrides: at most {MAX_DRILL_OVERRIDES}"));
+        }
+        if self.layout != PoolLayout::Shared {
+            return Err("overrides: only with the shared pool layout".to_owned());
+        }
+        // Expectations stated against G itself cannot hold once an override raises it.
+        if !matches!(
+            self.expect,
+            Expectation::WithinBound | Expectation::OverrideHonoured
+        ) {
+            return Err("overrides: expect must be within_bound or override_honoured".to_owned());
+        }
+        for (index, o) in self.overrides.iter().enumerate() {
+            let field = format!("overrides[{index}]");
+            if o.limit == 0 || o.limit > allot_shared::MAX_RULE_PARAMETER {
+                return Err(format!("{field}.limit: 1 to 2^40"));
+            }
+            if o.tenant.is_some_and(|t| t >= self.tenants) {
+                return Err(format!(
+                    "{field}.tenant: one of the {} tenants, from 0",
+                    self.tenants
+                ));
+            }
+            if o.lasts_ms == Some(0) || o.ended_after_ms == Some(0) {
+                return Err(format!(
+                    "{field}: lasts_ms and ended_after_ms are at least 1"
+                ));
+            }
+            // One in force per pool at a time, as the allocator keeps them.
+            let end = |o: &DrillOverride| {
+                let until = o
+                    .lasts_ms
+                    .min(o.ended_after_ms)
+                    .or(o.lasts_ms)
+                    .or(o.ended_after_ms);
+                until.map_or(u64::MAX, |ms| o.at_ms + ms)
+            };
+            for earlier in &self.overrides[..index] {
+                let same_tenant =
+                    earlier.tenant.is_none() || o.tenant.is_none() || earlier.tenant == o.tenant;
+                if same_tenant && o.at_ms < end(earlier) && earlier.at_ms < end(o) {
+                    return Err(format!(
+                        "{field}: overlaps an earlier override of the same tenant (one is in force at a time)"
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Checks every field; the error names the field. Long by design: one check per field, in the
@@ -546,6 +634,7 @@ impl Scenario {
                 return fail("gateways.report_interval_ms", "100 to 60000".into());
             }
         }
+        self.validate_overrides()?;
         if self.faults.len() > MAX_FAULTS {
             return fail("faults", format!("at most {MAX_FAULTS}"));
         }
