@@ -102,7 +102,7 @@ fn leading_term(role: &Role) -> Option<allot_shared::ids::Epoch> {
 }
 
 /// One leader's round: copy the grants the ledger lacks, publish gauges, check settled windows,
-/// remove what the ledger no longer keeps.
+/// remove what the ledger no longer keeps, and the overrides the store no longer keeps.
 async fn ledger_round(
     ledger: &Ledger,
     retention: Retention,
@@ -134,6 +134,12 @@ async fn ledger_round(
             }
         }
         Err(error) => tracing::warn!(%error, "ledger retention round failed; the next one retries"),
+    }
+    // Overrides ended long enough ago leave the store (one read until the first is due).
+    match crate::overrides::remove_ended(kv, clock.now_ms()).await {
+        Ok(0) => {}
+        Ok(removed) => tracing::info!(removed, "ended overrides removed"),
+        Err(error) => tracing::warn!(%error, "ended overrides not removed; the next round retries"),
     }
 }
 

@@ -12,10 +12,10 @@
 //!   same revision guard, so a grant never races an override's start or end.
 //!
 //! Agents receive every stored rule override, ended ones included, as one
-//! [`OverrideSet`](allot_shared::overrides::OverrideSet) stamped with the meta version: the same
+//! [`OverrideSet`] stamped with the meta version: the same
 //! version always has the same content, and each agent lays only those in force on its clock.
 //! Ended overrides are removed by the leader after
-//! [`ENDED_OVERRIDE_KEPT_MS`](allot_shared::overrides::ENDED_OVERRIDE_KEPT_MS) ([`remove_ended`]).
+//! [`ENDED_OVERRIDE_KEPT_MS`] ([`remove_ended`]).
 
 use std::sync::{Arc, Mutex};
 
@@ -160,11 +160,31 @@ pub struct NewOverride {
     pub created_by: String,
 }
 
-/// The store's count of changes and of stored overrides.
+/// The store's count of changes and of stored overrides, and when the first stored one is due
+/// to be removed (so a cleanup round before then is one read).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct Meta {
     version: u64,
     count: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    next_removal_ms: Option<u64>,
+}
+
+impl Meta {
+    /// The next version, with an override that ends at `end_ms` (if it ends) in the count of
+    /// what is due for removal.
+    fn changed(self, count: u64, end_ms: Option<u64>) -> Self {
+        let due = end_ms.map(|end| end.saturating_add(ENDED_OVERRIDE_KEPT_MS));
+        Self {
+            version: self.version + 1,
+            count,
+            next_removal_ms: match (self.next_removal_ms, due) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
+        }
+    }
 }
 
 /// Why an override operation failed.
@@ -430,10 +450,7 @@ pub async fn create(
             put(item_key(&created.tenant, &created.id), encode(&created)),
             put(
                 META_KEY.to_owned(),
-                encode(&Meta {
-                    version: meta.version + 1,
-                    count: meta.count + 1,
-                }),
+                encode(&meta.changed(meta.count + 1, created.expires_at_ms)),
             ),
         ];
         if let (Some(pool), Some(change)) = (&created.pool, created.pool_override()) {
@@ -485,10 +502,7 @@ pub async fn end(
             put(item_key(tenant, id), encode(&stored)),
             put(
                 META_KEY.to_owned(),
-                encode(&Meta {
-                    version: meta.version + 1,
-                    ..meta
-                }),
+                encode(&meta.changed(meta.count, stored.expires_at_ms)),
             ),
         ];
         if let (Some(pool), Some(change)) = (&stored.pool, stored.pool_override()) {
@@ -581,23 +595,27 @@ impl SetCache {
 }
 
 /// Removes up to [`MAX_REMOVED_PER_ROUND`] overrides that ended more than
-/// [`ENDED_OVERRIDE_KEPT_MS`] before `now_ms`, in one transaction; returns how many.
+/// [`ENDED_OVERRIDE_KEPT_MS`] before `now_ms`, in one transaction; returns how many. Before the
+/// first is due, one read.
 pub async fn remove_ended(kv: &dyn Kv, now_ms: u64) -> Result<usize, OverrideStoreError> {
     let (meta, meta_revision) = meta(kv).await?;
-    let old: Vec<(String, i64)> = kv
-        .get_prefix(ITEM_PREFIX, MAX_PREFIX_KEYS)
-        .await?
-        .into_iter()
-        .filter_map(|(key, value)| {
-            let stored: Override = decode(&key, &value.value).ok()?;
-            let end = stored.expires_at_ms?;
-            (end.saturating_add(ENDED_OVERRIDE_KEPT_MS) <= now_ms)
-                .then_some((key, value.mod_revision))
-        })
-        .take(MAX_REMOVED_PER_ROUND)
-        .collect();
-    if old.is_empty() {
+    if meta.next_removal_ms.is_none_or(|due| now_ms < due) {
         return Ok(0);
+    }
+    let mut old: Vec<(String, i64)> = Vec::new();
+    let mut next_removal_ms: Option<u64> = None;
+    for (key, value) in kv.get_prefix(ITEM_PREFIX, MAX_PREFIX_KEYS).await? {
+        let Some(due) = decode::<Override>(&key, &value.value)?
+            .expires_at_ms
+            .map(|end| end.saturating_add(ENDED_OVERRIDE_KEPT_MS))
+        else {
+            continue;
+        };
+        if due <= now_ms && old.len() < MAX_REMOVED_PER_ROUND {
+            old.push((key, value.mod_revision));
+        } else {
+            next_removal_ms = Some(next_removal_ms.map_or(due, |next| next.min(due)));
+        }
     }
     let mut compares = vec![meta_guard(meta_revision)];
     let mut ops = vec![put(
@@ -605,6 +623,7 @@ pub async fn remove_ended(kv: &dyn Kv, now_ms: u64) -> Result<usize, OverrideSto
         encode(&Meta {
             version: meta.version + 1,
             count: meta.count.saturating_sub(old.len() as u64),
+            next_removal_ms,
         }),
     )];
     for (key, revision) in &old {
