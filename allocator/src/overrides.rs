@@ -563,24 +563,33 @@ impl SetCache {
     /// Every stored rule override as one set at the store's version: from the cache when the
     /// version is unchanged (one read), else read whole (at most [`MAX_OVERRIDES`]).
     pub async fn current(&self, kv: &dyn Kv) -> Result<Arc<OverrideSet>, OverrideStoreError> {
-        let (meta, _) = meta(kv).await?;
-        if let Some(set) = self.cached().filter(|set| set.version == meta.version) {
-            return Ok(set);
+        let mut attempts = 0;
+        loop {
+            let (before, _) = meta(kv).await?;
+            if let Some(set) = self.cached().filter(|set| set.version == before.version) {
+                return Ok(set);
+            }
+            let items = kv.get_prefix(ITEM_PREFIX, MAX_PREFIX_KEYS).await?;
+            let overrides = items
+                .iter()
+                .map(|(key, value)| decode::<Override>(key, &value.value))
+                .filter_map(|o| o.map(|o| o.rule_override()).transpose())
+                .collect::<Result<Vec<RuleOverride>, _>>()?;
+            let set = Arc::new(OverrideSet::seal(before.version, overrides));
+            // Every change moves the version: the same version read after the listing means the
+            // listing is that version's content, and may be kept as it.
+            let (after, _) = meta(kv).await?;
+            attempts += 1;
+            if after.version == before.version {
+                *self.lock() = Some(Arc::clone(&set));
+                return Ok(set);
+            }
+            if attempts == 3 {
+                // Still changing: the listing is at least as new as `before`, so an agent that
+                // takes it asks again for the newer version; it is not kept as `before`'s.
+                return Ok(set);
+            }
         }
-        let items = kv.get_prefix(ITEM_PREFIX, MAX_PREFIX_KEYS).await?;
-        // The items and the meta are two reads: read the meta again, and build nothing from a
-        // listing that a change may have overtaken.
-        let (after, _) = self::meta(kv).await?;
-        let overrides = items
-            .iter()
-            .map(|(key, value)| decode::<Override>(key, &value.value))
-            .filter_map(|o| o.map(|o| o.rule_override()).transpose())
-            .collect::<Result<Vec<RuleOverride>, _>>()?;
-        let set = Arc::new(OverrideSet::seal(after.version, overrides));
-        if after.version == meta.version {
-            *self.lock() = Some(Arc::clone(&set));
-        }
-        Ok(set)
     }
 
     fn cached(&self) -> Option<Arc<OverrideSet>> {

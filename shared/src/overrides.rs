@@ -335,13 +335,19 @@ impl Overlay {
 
     /// Whether some principal of `tenant` has an override.
     pub fn has_principal_overrides(&self, tenant: &TenantId) -> bool {
-        self.tenants
-            .get(tenant)
-            .is_some_and(|t| !t.principals.is_empty())
+        // Without any override, not even a lookup (the request path asks on every decision).
+        !self.tenants.is_empty()
+            && self
+                .tenants
+                .get(tenant)
+                .is_some_and(|t| !t.principals.is_empty())
     }
 
     /// Replaces each of `rules` that `tenant` has an override of with the overridden rule.
     pub(crate) fn for_tenant<'a>(&'a self, rules: &mut [&'a Rule], tenant: &TenantId) {
+        if self.tenants.is_empty() {
+            return;
+        }
         let Some(overrides) = self.tenants.get(tenant) else {
             return;
         };

@@ -149,7 +149,7 @@ pub struct OverridesQuery {
 #[serde(deny_unknown_fields)]
 pub struct CurrentSetQuery {
     /// The set version the caller holds: the answer is empty (204) while it is the latest.
-    #[param(minimum = 0)]
+    #[param(minimum = 0, maximum = 9_007_199_254_740_992_u64)]
     pub after: Option<u64>,
 }
 
@@ -464,6 +464,12 @@ pub async fn current_overrides(
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers, Needs::Reader)?;
     let Query(query) = query.map_err(|e| ApiError::invalid("after", e.body_text()))?;
+    if query
+        .after
+        .is_some_and(|after| after > allot_shared::json_number::MAX_WHOLE)
+    {
+        return Err(ApiError::invalid("after", "must be at most 2^53"));
+    }
     let set = state.overrides.cache.current(&*state.kv).await?;
     if query.after == Some(set.version) {
         return Ok(StatusCode::NO_CONTENT.into_response());

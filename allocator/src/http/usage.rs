@@ -287,6 +287,11 @@ pub async fn get_usage(
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers, Needs::Operator(OperatorRole::Viewer))?;
     let query: UsageQuery = parse_query(query.as_deref())?;
+    for (field, ms) in [("from", query.from), ("to", query.to)] {
+        if ms > allot_shared::json_number::MAX_WHOLE {
+            return Err(ApiError::invalid(field, "must be at most 2^53"));
+        }
+    }
     if query.to <= query.from {
         return Err(ApiError::invalid("to", "must be after from"));
     }
