@@ -433,19 +433,57 @@ fn a_lost_renewal_answer_is_asked_again_with_the_same_lease_id() {
     let t0 = 10 * MINUTE + 1_000;
     let first = LeaseId::from_parts(t0, 1);
     let second = LeaseId::from_parts(t0 + 100, 2);
-    assert_eq!(holder.renewal_lease_id(first), first);
+    assert_eq!(holder.renewal_lease_id(first, t0), first);
     holder.renewal_failed(first, true);
-    assert_eq!(holder.renewal_lease_id(second), first, "the lost one again");
+    assert_eq!(
+        holder.renewal_lease_id(second, t0 + 100),
+        first,
+        "the lost one again"
+    );
     // The answer to the retry arrives: the next renewal is a new lease.
     assert_eq!(
         holder.accept(grant(1, 1, 10, t0), t0 + 100),
         GrantVerdict::Accepted
     );
-    assert_eq!(holder.renewal_lease_id(second), second);
+    assert_eq!(holder.renewal_lease_id(second, t0 + 100), second);
     // A refusal (the pool is gone, a 4xx) is final: nothing to recover.
     holder.renewal_failed(second, false);
     let third = LeaseId::from_parts(t0 + 200, 3);
-    assert_eq!(holder.renewal_lease_id(third), third);
+    assert_eq!(holder.renewal_lease_id(third, t0 + 200), third);
+}
+
+/// A lost answer is asked for again only while the allocator surely keeps the grant's record (a
+/// window, and at least a minute, past the end of the window the id was made in, less the clocks'
+/// allowance); past that the id is given up, so a grant can never be taken twice under one id.
+#[test]
+fn a_lost_answer_is_given_up_once_its_record_may_be_gone() {
+    let t0 = 10 * MINUTE + 1_000;
+    let lost = LeaseId::from_parts(t0, 1);
+    let until = allot_region_agent::global::holder::lost_answer_recoverable_until_ms(
+        &config(0).window,
+        lost,
+    );
+    // Made in [10 min, 11 min): kept until 12 min at least, less 10 s.
+    assert_eq!(until, 12 * MINUTE - 10_000);
+    let fresh = LeaseId::from_parts(until, 2);
+    let mut holder = PoolHolder::new(config(0));
+    holder.renewal_failed(lost, true);
+    assert_eq!(holder.renewal_lease_id(fresh, until - 1), lost);
+    assert_eq!(holder.renewal_lease_id(fresh, until), fresh, "given up");
+    assert_eq!(
+        holder.renewal_lease_id(LeaseId::from_parts(until + 1, 3), until + 1),
+        LeaseId::from_parts(until + 1, 3),
+        "and not asked for again"
+    );
+    // Hour-long windows keep it an hour past the window's end.
+    let hourly = HolderConfig {
+        window: WindowSpec::Fixed(NonZeroU64::new(60 * MINUTE).expect("non-zero")),
+        ..config(0)
+    };
+    assert_eq!(
+        allot_region_agent::global::holder::lost_answer_recoverable_until_ms(&hourly.window, lost),
+        2 * 60 * MINUTE - 10_000
+    );
 }
 
 /// A lost answer asked again after a failover longer than the lease TTL comes back expired: it

@@ -226,6 +226,15 @@ macro_rules! uuid_v7_id {
             pub fn as_uuid(&self) -> uuid::Uuid {
                 self.0
             }
+
+            /// When it was made, epoch ms: its UUID v7 timestamp, on the maker's clock.
+            pub fn unix_ms(&self) -> u64 {
+                self.0.get_timestamp().map_or(0, |at| {
+                    let (secs, nanos) = at.to_unix();
+                    secs.saturating_mul(1_000)
+                        .saturating_add(u64::from(nanos) / 1_000_000)
+                })
+            }
         }
 
         impl TryFrom<String> for $name {

@@ -578,8 +578,14 @@ fn end_call(state: &mut ModelState, r: usize) {
 }
 
 impl LeaseModel {
-    fn lease_id(region: usize, n: u32) -> LeaseId {
-        LeaseId::from_parts(0, ((region as u128) << 32) | u128::from(n) | (1 << 64))
+    /// Region `region`'s `n`th lease id. Every id carries the run's start as when it was made: a
+    /// run is shorter than a grant record is kept, so no lost answer is ever given up for age
+    /// (`lost_answer_recoverable_until_ms`), and ids made at different steps stay one state.
+    fn lease_id(&self, region: usize, n: u32) -> LeaseId {
+        LeaseId::from_parts(
+            self.origin_ms,
+            ((region as u128) << 32) | u128::from(n) | (1 << 64),
+        )
     }
 
     /// The agent's upkeep: start a renewal if the holder wants one and no call is out.
@@ -591,7 +597,7 @@ impl LeaseModel {
         if region.call.is_some() {
             return;
         }
-        let fresh = Self::lease_id(r, region.next_lease);
+        let fresh = self.lease_id(r, region.next_lease);
         if let Some(ask) = start_renewal(&mut region.holder, now_ms, fresh) {
             if ask.lease_id == fresh {
                 region.next_lease += 1;

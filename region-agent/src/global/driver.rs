@@ -106,7 +106,7 @@ pub fn start_renewal(holder: &mut PoolHolder, now_ms: u64, fresh: LeaseId) -> Op
     let want_tokens = holder.wants(now_ms)?;
     holder.begin_renewal(now_ms);
     Some(RenewalAsk {
-        lease_id: holder.renewal_lease_id(fresh),
+        lease_id: holder.renewal_lease_id(fresh, now_ms),
         want_tokens,
     })
 }

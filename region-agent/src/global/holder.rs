@@ -32,6 +32,26 @@ use allot_shared::ids::{Epoch, LeaseId};
 use allot_shared::window::{Window, WindowSpec};
 use allot_shared::wire::GrantAnswer;
 
+/// How long past the end of its window the allocator keeps a grant's record at the least, ms:
+/// a window, and never less than two of its ledger rounds and an election (over a minute,
+/// `allot_allocator::grants::record_min_lifetime_ms`). A lost answer is recovered from it.
+pub const GRANT_RECORD_KEPT_MIN_MS: u64 = 60_000;
+/// What the agent's clock may be off the allocator's when it judges whether a grant's record is
+/// still kept, ms (the most `--clock-margin-ms` allows).
+pub const GRANT_RECORD_CLOCK_ALLOWANCE_MS: u64 = 10_000;
+
+/// Until when a renewal asked with `lease` (made on this agent's clock) can still be asked again
+/// for its lost answer: while the allocator surely keeps the record of any grant it committed
+/// for it. A grant is committed after the id was made, so in its window or a later one, and its
+/// record is kept a window, and at least [`GRANT_RECORD_KEPT_MIN_MS`], past that window's end.
+pub fn lost_answer_recoverable_until_ms(window: &WindowSpec, lease: LeaseId) -> u64 {
+    let made_in = window.containing(lease.unix_ms());
+    made_in
+        .end_ms
+        .saturating_add(made_in.length_ms().max(GRANT_RECORD_KEPT_MIN_MS))
+        .saturating_sub(GRANT_RECORD_CLOCK_ALLOWANCE_MS)
+}
+
 /// Leases held at once per pool (the current one and a prefetched renewal, with room to spare).
 pub const MAX_LIVE_LEASES: usize = 4;
 /// Ended leases whose final report has not been acknowledged, kept per pool (I10). Past it the oldest
@@ -1548,9 +1568,17 @@ impl PoolHolder {
         self.renewal_started_at_ms = 0;
     }
 
-    /// The lease id to ask the next renewal with: the id of a renewal whose answer was lost, if any
-    /// (idempotent by lease id, the allocator answers it with what it granted then), else `fresh`.
-    pub fn renewal_lease_id(&self, fresh: LeaseId) -> LeaseId {
+    /// The lease id to ask the next renewal with at `now_ms`: the id of a renewal whose answer was
+    /// lost, if any (idempotent by lease id, the allocator answers it with what it granted then),
+    /// else `fresh`. A lost id is given up once the allocator may have forgotten its grant
+    /// ([`lost_answer_recoverable_until_ms`]): asked again then, it could be granted twice, once
+    /// in each window. What it may have granted is never spent (the ledger counts it unreported).
+    pub fn renewal_lease_id(&mut self, fresh: LeaseId, now_ms: u64) -> LeaseId {
+        if let Some(lost) = self.unanswered_lease
+            && now_ms >= lost_answer_recoverable_until_ms(&self.config.window, lost)
+        {
+            self.unanswered_lease = None;
+        }
         self.unanswered_lease.unwrap_or(fresh)
     }
 
