@@ -416,6 +416,7 @@ pub async fn run(
         ledger,
         status_leases: Arc::default(),
         overrides: Arc::new(crate::http::OverrideService::new(settings.pepper.clone())),
+        pool_listing: Arc::default(),
     };
     tracing::info!(listen = %settings.listen, node = %settings.node_id, "allocator serving");
     let acceptor = settings

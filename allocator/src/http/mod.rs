@@ -95,6 +95,8 @@ pub struct ApiState {
     pub status_leases: Arc<crate::policies::StatusLeases>,
     /// Overrides: the agents' set and the pepper principals are hashed with.
     pub overrides: Arc<OverrideService>,
+    /// The listing of every pool `GET /v1/regions` reuses for half a minute.
+    pub pool_listing: Arc<regions::PoolListing>,
 }
 
 /// The API's routes, without the listener's bounds ([`listener_limits`]): the listener applies
