@@ -9,7 +9,9 @@
 //!   hold when it commits;
 //! - a pool override is also written, in the same transaction, into its pool's record
 //!   (`StoredPool::overrides`): grant workers read it with the pool's configuration under the
-//!   same revision guard, so a grant never races an override's start or end.
+//!   same revision guard. The transaction is guarded by the pool's window record too, and the
+//!   override starts (or ends) after the window the pool last granted in began, so a window whose
+//!   grants were made under one limit is never held to another alone (`PoolRead`).
 //!
 //! Agents receive every stored rule override, ended ones included, as one
 //! [`OverrideSet`] stamped with the meta version: the same
@@ -22,14 +24,15 @@ use std::sync::{Arc, Mutex};
 use allot_shared::FieldError;
 use allot_shared::ids::{PoolId, RecordId, RuleId, TenantId};
 use allot_shared::overrides::{
-    ENDED_OVERRIDE_KEPT_MS, MAX_OVERRIDES, MAX_OVERRIDES_PER_TENANT, MAX_POOL_OVERRIDES_KEPT,
-    OverridePrincipal, OverrideSet, PoolOverride, RuleAmounts, RuleOverride,
+    ENDED_OVERRIDE_KEPT_MS, ENDED_POOL_OVERRIDE_KEPT_MS, MAX_OVERRIDES, MAX_OVERRIDES_PER_TENANT,
+    MAX_POOL_OVERRIDES_KEPT, OverridePrincipal, OverrideSet, PoolOverride, RuleAmounts,
+    RuleOverride,
 };
 use allot_shared::policy::PolicyBundle;
 use serde::{Deserialize, Serialize};
 
-use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, Op};
-use crate::pools::{StoredPool, get_pool, pool_key};
+use crate::kv::{Compare, Kv, KvError, MAX_PREFIX_KEYS, Op, Versioned};
+use crate::pools::{StoredPool, StoredWindow, pool_key, window_key};
 
 const ITEM_PREFIX: &str = "/allot/overrides/items/";
 const META_KEY: &str = "/allot/overrides/meta";
@@ -37,6 +40,9 @@ const META_KEY: &str = "/allot/overrides/meta";
 pub const MAX_REASON_CHARS: usize = 200;
 /// Most ended overrides one cleanup round removes (one transaction).
 pub const MAX_REMOVED_PER_ROUND: usize = 100;
+/// Stored overrides read per store call when all of them are read (a page well within a store
+/// answer's size, however long their reasons).
+const ITEMS_PER_READ: usize = 1_000;
 
 fn item_key(tenant: &TenantId, id: &RecordId) -> String {
     format!("{ITEM_PREFIX}{tenant}/{id}")
@@ -254,19 +260,42 @@ fn put(key: String, value: Vec<u8>) -> Op {
     }
 }
 
-/// The tenant's stored overrides (at most [`MAX_OVERRIDES`], so one read).
+/// Every stored override under `prefix` (at most [`MAX_OVERRIDES`]), a page of
+/// [`ITEMS_PER_READ`] a store call.
+async fn every_item(
+    kv: &dyn Kv,
+    prefix: &str,
+) -> Result<Vec<(String, Versioned)>, OverrideStoreError> {
+    let mut items: Vec<(String, Versioned)> = Vec::new();
+    loop {
+        let after = items.last().map(|(key, _)| key.clone()).unwrap_or_default();
+        let page = kv.get_prefix_after(prefix, &after, ITEMS_PER_READ).await?;
+        let full = page.len() == ITEMS_PER_READ;
+        items.extend(page);
+        if !full || items.len() >= MAX_OVERRIDES {
+            return Ok(items);
+        }
+    }
+}
+
+/// The tenant's stored overrides.
 async fn of_tenant(kv: &dyn Kv, tenant: &TenantId) -> Result<Vec<Override>, OverrideStoreError> {
-    kv.get_prefix(&format!("{ITEM_PREFIX}{tenant}/"), MAX_PREFIX_KEYS)
+    every_item(kv, &format!("{ITEM_PREFIX}{tenant}/"))
         .await?
         .iter()
         .map(|(key, value)| decode(key, &value.value))
         .collect()
 }
 
-/// `pool`'s overrides with `change` applied, ended ones kept at most
-/// [`ENDED_OVERRIDE_KEPT_MS`] and at most [`MAX_POOL_OVERRIDES_KEPT`] in all (the oldest ended
-/// first out).
-fn kept_on_pool(pool: &StoredPool, change: PoolOverride, now_ms: u64) -> Vec<PoolOverride> {
+/// `pool`'s overrides with `change` applied. Ended ones stay on the pool for
+/// [`ENDED_POOL_OVERRIDE_KEPT_MS`] (the ledger's windows, rolled up, are accounted against them as
+/// long); a pool keeping [`MAX_POOL_OVERRIDES_KEPT`] already refuses another rather than forget
+/// one a kept window was held to.
+fn kept_on_pool(
+    pool: &StoredPool,
+    change: PoolOverride,
+    now_ms: u64,
+) -> Result<Vec<PoolOverride>, OverrideStoreError> {
     let changed = change.id;
     let mut kept: Vec<PoolOverride> = pool
         .overrides
@@ -274,44 +303,91 @@ fn kept_on_pool(pool: &StoredPool, change: PoolOverride, now_ms: u64) -> Vec<Poo
         .filter(|o| o.id != changed)
         .filter(|o| {
             o.expires_at_ms
-                .is_none_or(|end| end.saturating_add(ENDED_OVERRIDE_KEPT_MS) > now_ms)
+                .is_none_or(|end| end.saturating_add(ENDED_POOL_OVERRIDE_KEPT_MS) > now_ms)
         })
         .cloned()
         .chain(std::iter::once(change))
         .collect();
     kept.sort_by_key(|o| o.starts_at_ms);
-    while kept.len() > MAX_POOL_OVERRIDES_KEPT {
-        // Never more than one in force per pool, so an ended one is always there to drop.
-        match kept.iter().position(|o| !o.in_force_at(now_ms)) {
-            Some(oldest_ended) => kept.remove(oldest_ended),
-            None => break,
-        };
+    if kept.len() > MAX_POOL_OVERRIDES_KEPT {
+        let frees_at_ms = kept
+            .iter()
+            .filter_map(|o| o.expires_at_ms)
+            .min()
+            .map_or(u64::MAX, |end| {
+                end.saturating_add(ENDED_POOL_OVERRIDE_KEPT_MS)
+            });
+        return Err(OverrideStoreError::Conflict(format!(
+            "the pool keeps {MAX_POOL_OVERRIDES_KEPT} overrides for the accounting of the windows \
+             they touched; the oldest may go at {}",
+            allot_shared::window::rfc3339_utc(frees_at_ms)
+        )));
     }
-    kept
+    Ok(kept)
 }
 
-/// The pool's record with `change` written into its overrides, and the guard and put of it.
-async fn pool_write(
-    kv: &dyn Kv,
-    tenant: &TenantId,
-    pool: &PoolId,
-    change: PoolOverride,
-    now_ms: u64,
-) -> Result<(Compare, Op), OverrideStoreError> {
-    let (mut stored, revision) = get_pool(kv, tenant, pool)
-        .await?
-        .ok_or(OverrideStoreError::UnknownPool)?;
-    stored.overrides = kept_on_pool(&stored, change, now_ms);
-    stored.version += 1;
-    stored.updated_at_ms = now_ms;
-    let key = pool_key(tenant, pool);
-    Ok((
-        Compare::ModRevision {
-            key: key.clone(),
-            revision,
-        },
-        put(key, encode(&stored)),
-    ))
+/// A pool's record and window, read together: what an override of its limit is written over.
+struct PoolRead {
+    stored: StoredPool,
+    pool_revision: i64,
+    window_revision: i64,
+    window_start_ms: Option<u64>,
+}
+
+impl PoolRead {
+    async fn of(kv: &dyn Kv, tenant: &TenantId, pool: &PoolId) -> Result<Self, OverrideStoreError> {
+        let keys = [pool_key(tenant, pool), window_key(tenant, pool)];
+        let mut read = kv.get_many(&keys).await?.into_iter();
+        let (Some(Some(pool_value)), window_value) = (read.next(), read.next().flatten()) else {
+            return Err(OverrideStoreError::UnknownPool);
+        };
+        let window = window_value
+            .as_ref()
+            .map(|value| decode::<StoredWindow>(&keys[1], &value.value))
+            .transpose()?;
+        Ok(Self {
+            stored: decode(&keys[0], &pool_value.value)?,
+            pool_revision: pool_value.mod_revision,
+            window_revision: window_value.map_or(0, |value| value.mod_revision),
+            window_start_ms: window.map(|w| w.window_start_ms),
+        })
+    }
+
+    /// When an override written now takes effect on this pool: `now_ms`, or just after the start
+    /// of the window the pool last granted in when that is later (the leader that granted it may
+    /// run a clock ahead of this one). So a window whose grants were made under the old limit is
+    /// never held to the new one alone; a grant after this read fails the write's guard, and the
+    /// change is made again over what it left.
+    fn effective_ms(&self, now_ms: u64) -> u64 {
+        self.window_start_ms
+            .map_or(now_ms, |start| now_ms.max(start.saturating_add(1)))
+    }
+
+    /// The guards (the pool's record and its window, as read) and the write of the record with
+    /// `change` in its overrides.
+    fn write(
+        mut self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        change: PoolOverride,
+        now_ms: u64,
+    ) -> Result<(Vec<Compare>, Op), OverrideStoreError> {
+        self.stored.overrides = kept_on_pool(&self.stored, change, now_ms)?;
+        self.stored.version += 1;
+        self.stored.updated_at_ms = now_ms;
+        let key = pool_key(tenant, pool);
+        let guards = vec![
+            Compare::ModRevision {
+                key: key.clone(),
+                revision: self.pool_revision,
+            },
+            Compare::ModRevision {
+                key: window_key(tenant, pool),
+                revision: self.window_revision,
+            },
+        ];
+        Ok((guards, put(key, encode(&self.stored))))
+    }
 }
 
 /// Checks `new` against `bundle` (the policy in force everywhere), when it overrides a rule: the
@@ -409,7 +485,7 @@ pub async fn create(
             amounts,
         } => (None, Some(rule.clone()), principal.clone(), amounts.clone()),
     };
-    let created = Override {
+    let mut created = Override {
         id,
         tenant: new.tenant.clone(),
         pool,
@@ -425,6 +501,16 @@ pub async fn create(
     };
     for _ in 0..8 {
         let (meta, meta_revision) = meta(kv).await?;
+        // A pool override takes effect after the pool's latest grants (see PoolRead).
+        let pool_read = match &created.pool {
+            Some(pool) => Some(PoolRead::of(kv, &created.tenant, pool).await?),
+            None => None,
+        };
+        let at_ms = pool_read
+            .as_ref()
+            .map_or(now_ms, |read| read.effective_ms(now_ms));
+        created.starts_at_ms = at_ms;
+        created.expires_at_ms = new.expires_at_ms.map(|end| end.max(at_ms + 1));
         if meta.count >= MAX_OVERRIDES as u64 {
             return Err(OverrideStoreError::Conflict(format!(
                 "{MAX_OVERRIDES} overrides are stored already (ended ones are removed {} days after they end)",
@@ -432,7 +518,7 @@ pub async fn create(
             )));
         }
         let tenants = of_tenant(kv, &created.tenant).await?;
-        let in_force: Vec<&Override> = tenants.iter().filter(|o| o.in_force_at(now_ms)).collect();
+        let in_force: Vec<&Override> = tenants.iter().filter(|o| o.in_force_at(at_ms)).collect();
         if let Some(same) = in_force.iter().find(|o| o.same_target(&created)) {
             return Err(OverrideStoreError::Conflict(format!(
                 "override {} of the same target is in force; end it first",
@@ -453,9 +539,11 @@ pub async fn create(
                 encode(&meta.changed(meta.count + 1, created.expires_at_ms)),
             ),
         ];
-        if let (Some(pool), Some(change)) = (&created.pool, created.pool_override()) {
-            let (guard, write) = pool_write(kv, &created.tenant, pool, change, now_ms).await?;
-            compares.push(guard);
+        if let (Some(read), Some(pool), Some(change)) =
+            (pool_read, &created.pool, created.pool_override())
+        {
+            let (guards, write) = read.write(&created.tenant, pool, change, at_ms)?;
+            compares.extend(guards);
             ops.push(write);
         }
         if kv.txn(compares, ops).await?.succeeded {
@@ -494,9 +582,22 @@ pub async fn end(
         if stored.expires_at_ms.is_some_and(|end| end <= now_ms) {
             return Ok(stored);
         }
-        // Ended now; one not started yet (none are, but a clock step back could make one) ends
-        // before it starts.
-        stored.expires_at_ms = Some(now_ms.max(stored.starts_at_ms));
+        // A pool override ends after the pool's latest grants under it (see PoolRead); one not
+        // started yet (a clock step back could make one) ends as it starts.
+        let pool_read = match &stored.pool {
+            Some(pool) => match PoolRead::of(kv, tenant, pool).await {
+                Ok(read) => Some(read),
+                // The pool is gone, and its overrides with it.
+                Err(OverrideStoreError::UnknownPool) => None,
+                Err(other) => return Err(other),
+            },
+            None => None,
+        };
+        let at_ms = pool_read
+            .as_ref()
+            .map_or(now_ms, |read| read.effective_ms(now_ms));
+        let end_ms = at_ms.max(stored.starts_at_ms);
+        stored.expires_at_ms = Some(stored.expires_at_ms.map_or(end_ms, |due| due.min(end_ms)));
         let mut compares = vec![meta_guard(meta_revision)];
         let mut ops = vec![
             put(item_key(tenant, id), encode(&stored)),
@@ -505,16 +606,12 @@ pub async fn end(
                 encode(&meta.changed(meta.count, stored.expires_at_ms)),
             ),
         ];
-        if let (Some(pool), Some(change)) = (&stored.pool, stored.pool_override()) {
-            match pool_write(kv, tenant, pool, change, now_ms).await {
-                Ok((guard, write)) => {
-                    compares.push(guard);
-                    ops.push(write);
-                }
-                // The pool is gone, and its overrides with it.
-                Err(OverrideStoreError::UnknownPool) => {}
-                Err(other) => return Err(other),
-            }
+        if let (Some(read), Some(pool), Some(change)) =
+            (pool_read, &stored.pool, stored.pool_override())
+        {
+            let (guards, write) = read.write(tenant, pool, change, at_ms)?;
+            compares.extend(guards);
+            ops.push(write);
         }
         if kv.txn(compares, ops).await?.succeeded {
             return Ok(stored);
@@ -569,7 +666,7 @@ impl SetCache {
             if let Some(set) = self.cached().filter(|set| set.version == before.version) {
                 return Ok(set);
             }
-            let items = kv.get_prefix(ITEM_PREFIX, MAX_PREFIX_KEYS).await?;
+            let items = every_item(kv, ITEM_PREFIX).await?;
             let overrides = items
                 .iter()
                 .map(|(key, value)| decode::<Override>(key, &value.value))
@@ -613,7 +710,7 @@ pub async fn remove_ended(kv: &dyn Kv, now_ms: u64) -> Result<usize, OverrideSto
     }
     let mut old: Vec<(String, i64)> = Vec::new();
     let mut next_removal_ms: Option<u64> = None;
-    for (key, value) in kv.get_prefix(ITEM_PREFIX, MAX_PREFIX_KEYS).await? {
+    for (key, value) in every_item(kv, ITEM_PREFIX).await? {
         let Some(due) = decode::<Override>(&key, &value.value)?
             .expires_at_ms
             .map(|end| end.saturating_add(ENDED_OVERRIDE_KEPT_MS))
@@ -657,7 +754,7 @@ mod tests {
 
     use super::*;
     use crate::kv::memory::MemoryKv;
-    use crate::pools::{PoolSpec, put_pool};
+    use crate::pools::{PoolSpec, get_pool, put_pool};
 
     fn tenant() -> TenantId {
         TenantId::parse("acme").expect("tenant")
@@ -744,6 +841,44 @@ mod tests {
             create(&kv, unknown, id(3), 40_000).await,
             Err(OverrideStoreError::UnknownPool)
         );
+    }
+
+    #[tokio::test]
+    async fn a_change_made_behind_a_leader_ahead_takes_effect_inside_its_window() {
+        let kv = store_with_pool().await;
+        // The leader, its clock ahead, has granted in the window from 60 s.
+        let window = StoredWindow {
+            window_start_ms: 60_000,
+            window_end_ms: 120_000,
+            granted_by_region: [(
+                allot_shared::ids::RegionId::parse("eu").expect("region"),
+                900,
+            )]
+            .into_iter()
+            .collect(),
+        };
+        let put_window = Op::Put {
+            key: window_key(&tenant(), &pool()),
+            value: encode(&window),
+            lease: None,
+        };
+        assert!(
+            kv.txn(vec![], vec![put_window])
+                .await
+                .expect("txn")
+                .succeeded
+        );
+        let lowered = create(&kv, raise(100, None), id(1), 59_998)
+            .await
+            .expect("created");
+        assert_eq!(
+            lowered.starts_at_ms, 60_001,
+            "not before the window's grants"
+        );
+        let ended = end(&kv, &tenant(), &lowered.id, 60_000)
+            .await
+            .expect("ended");
+        assert_eq!(ended.expires_at_ms, Some(60_001));
     }
 
     #[tokio::test]
@@ -834,7 +969,7 @@ mod tests {
     }
 
     #[test]
-    fn a_pool_keeps_its_override_in_force_and_a_bounded_few_ended() {
+    fn a_pool_keeps_every_override_a_kept_window_was_held_to() {
         let spec: PoolSpec = serde_json::from_value(serde_json::json!({
             "limit": 1000, "windowMs": 60000, "chunk": 100, "leaseTtlMs": 5000,
             "fallbackPerRegion": 0, "regions": ["eu"] }))
@@ -846,38 +981,60 @@ mod tests {
             overrides: Vec::new(),
         };
         let now_ms = 1_000_000;
-        for n in 0..20 {
-            let change = PoolOverride {
-                id: id(n),
-                limit_tokens: n + 1,
-                starts_at_ms: n * 10,
-                expires_at_ms: Some(n * 10 + 5),
-            };
-            pool.overrides = kept_on_pool(&pool, change, now_ms);
+        let ended = |n: u64| PoolOverride {
+            id: id(n),
+            limit_tokens: n + 1,
+            starts_at_ms: n * 10,
+            expires_at_ms: Some(n * 10 + 5),
+        };
+        for n in 0..MAX_POOL_OVERRIDES_KEPT as u64 {
+            pool.overrides = kept_on_pool(&pool, ended(n), now_ms).expect("kept");
         }
+        // One more is refused, not kept by forgetting one a window was held to.
         let open = PoolOverride {
             id: id(99),
             limit_tokens: 5,
             starts_at_ms: 500,
             expires_at_ms: None,
         };
-        pool.overrides = kept_on_pool(&pool, open, now_ms);
-        assert_eq!(pool.overrides.len(), MAX_POOL_OVERRIDES_KEPT);
-        assert!(
-            pool.overrides.iter().any(|o| o.id == id(99)),
-            "the one in force stays"
-        );
-        assert!(
-            pool.overrides.iter().any(|o| o.id == id(19)),
-            "the newest ended stay"
-        );
-        // Long ended ones go.
-        let later = now_ms + ENDED_OVERRIDE_KEPT_MS;
-        let touch = PoolOverride {
-            expires_at_ms: Some(later),
-            ..pool.overrides[MAX_POOL_OVERRIDES_KEPT - 1].clone()
+        assert!(matches!(
+            kept_on_pool(&pool, open.clone(), now_ms),
+            Err(OverrideStoreError::Conflict(_))
+        ));
+        // Ending one changes it in place.
+        let touched = PoolOverride {
+            expires_at_ms: Some(3),
+            ..ended(0)
         };
-        let kept = kept_on_pool(&pool, touch, later);
-        assert_eq!(kept.len(), 1);
+        let kept = kept_on_pool(&pool, touched, now_ms).expect("kept");
+        assert_eq!(kept.len(), MAX_POOL_OVERRIDES_KEPT);
+        // Once the oldest ended ones have been kept as long as the ledger keeps windows, they go.
+        let later = 5 + ENDED_POOL_OVERRIDE_KEPT_MS;
+        let kept = kept_on_pool(&pool, open, later).expect("kept");
+        assert_eq!(kept.len(), MAX_POOL_OVERRIDES_KEPT);
+        assert!(kept.iter().all(|o| o.id != id(0)) && kept.iter().any(|o| o.id == id(99)));
+    }
+
+    #[test]
+    fn an_override_takes_effect_after_the_pools_latest_grants() {
+        let read = |window_start_ms: Option<u64>| PoolRead {
+            stored: StoredPool {
+                spec: serde_json::from_value(serde_json::json!({
+                    "limit": 1000, "windowMs": 60000, "chunk": 100, "leaseTtlMs": 5000,
+                    "fallbackPerRegion": 0, "regions": ["eu"] }))
+                .expect("spec"),
+                version: 1,
+                updated_at_ms: 0,
+                overrides: Vec::new(),
+            },
+            pool_revision: 1,
+            window_revision: 0,
+            window_start_ms,
+        };
+        assert_eq!(read(None).effective_ms(5_000), 5_000);
+        assert_eq!(read(Some(0)).effective_ms(5_000), 5_000);
+        // The leader, its clock ahead, granted in a window that starts after this clock's now:
+        // the change takes effect inside that window, not before it.
+        assert_eq!(read(Some(60_000)).effective_ms(59_998), 60_001);
     }
 }

@@ -33,11 +33,16 @@ use crate::window::Window;
 pub const MAX_OVERRIDES: usize = 10_000;
 /// Most overrides of one tenant in force at once (I10).
 pub const MAX_OVERRIDES_PER_TENANT: usize = 100;
-/// Most overrides one pool record keeps, in force or ended (the oldest ended ones go first) (I10).
-pub const MAX_POOL_OVERRIDES_KEPT: usize = 8;
-/// How long an ended pool override is kept on its pool, in ms: longer than the longest window (a
-/// calendar month) plus the time the leader takes to check a settled window's bound, so every
-/// window it touched is checked against it.
+/// Most overrides one pool record keeps, in force or ended (I10): past it a new one is refused
+/// until the oldest ended one has been kept [`ENDED_POOL_OVERRIDE_KEPT_MS`].
+pub const MAX_POOL_OVERRIDES_KEPT: usize = 32;
+/// How long an ended override stays on its pool's record, ms: as long as the ledger keeps the
+/// windows it touched, rolled up (400 days by default), whose accounting holds them to it.
+pub const ENDED_POOL_OVERRIDE_KEPT_MS: u64 = 400 * 24 * 3_600_000;
+/// How long an ended override stays listed (`/v1/overrides`) and in the agents' set, in ms: longer
+/// than the longest window (a calendar month) plus the time the leader takes to check a settled
+/// window's bound. Its pool's record keeps a pool override longer
+/// ([`ENDED_POOL_OVERRIDE_KEPT_MS`]).
 pub const ENDED_OVERRIDE_KEPT_MS: u64 = 40 * 24 * 3_600_000;
 
 /// A tenant pool's limit replaced for a while.
@@ -258,7 +263,10 @@ impl Overlay {
             ..Overlay::default()
         };
         let mut problems = Vec::new();
-        for o in set.overrides.iter().filter(|o| o.in_force_at(now_ms)) {
+        // The tenant-wide ones first: a principal's override starts from its tenant's rule.
+        let in_force = || set.overrides.iter().filter(|o| o.in_force_at(now_ms));
+        let tenant_wide = in_force().filter(|o| o.principal.is_none());
+        for o in tenant_wide.chain(in_force().filter(|o| o.principal.is_some())) {
             match overlay.lay(&by_id, o) {
                 Ok(()) => {
                     overlay.laid += 1;
@@ -291,11 +299,26 @@ impl Overlay {
                 o.rule
             ));
         }
-        let mut overridden = rule.with_amounts(&o.amounts).map_err(|e| e.to_string())?;
+        // A principal's amounts replace those of its tenant's rule, overridden or not.
+        let base = match &o.principal {
+            Some(_) => self
+                .tenants
+                .get(&o.tenant)
+                .and_then(|t| t.whole.get(&o.rule))
+                .unwrap_or(rule),
+            None => rule,
+        };
+        let mut overridden = base.with_amounts(&o.amounts).map_err(|e| e.to_string())?;
         overridden.override_id = Some(o.id);
         let tenant = self.tenants.entry(o.tenant.clone()).or_default();
         let taken = match &o.principal {
-            None => tenant.whole.insert(o.rule.clone(), overridden).is_some(),
+            None => match tenant.whole.entry(o.rule.clone()) {
+                std::collections::hash_map::Entry::Occupied(_) => true,
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(overridden);
+                    false
+                }
+            },
             Some(principal) => {
                 let slot = tenant.principals.entry(principal.hash.clone()).or_default();
                 let taken = slot
@@ -554,16 +577,27 @@ mod tests {
                 laid(5, "read-user", None, limit(5)),
                 laid(6, "tenant-all", Some("00000000000000bb"), limit(5)),
                 laid(7, "tenant-all", None, limit(0)),
+                // Laid before the principal's (whatever the ids): alice's starts from it.
+                laid(
+                    8,
+                    "read-user",
+                    None,
+                    RuleAmounts {
+                        refill_millis: Some(5_000),
+                        ..RuleAmounts::default()
+                    },
+                ),
             ],
         );
         let (laid_bundle, problems) = bundle().with_overrides(&set, 5_000);
         let failed: Vec<RecordId> = problems.iter().map(|p| p.id).collect();
         assert_eq!(
             failed,
-            vec![id(3), id(4), id(5), id(6), id(7)],
+            // Tenant-wide ones are laid first, then principals'.
+            vec![id(3), id(4), id(5), id(7), id(6)],
             "{problems:?}"
         );
-        assert_eq!(laid_bundle.overlay().len(), 2);
+        assert_eq!(laid_bundle.overlay().len(), 3);
         assert_eq!(laid_bundle.overlay().version(), 7);
         assert_eq!(laid_bundle.overlay().next_expiry_ms(), Some(10_001));
         assert_eq!(
@@ -597,12 +631,19 @@ mod tests {
         assert_eq!(window_limit(vec![as_key], "read-user"), Some(20_000));
         assert_eq!(for_alice.to_json()["capacityMillis"], 90_000);
         assert_eq!(
+            for_alice.to_json()["refillMillis"],
+            5_000,
+            "on top of the tenant's"
+        );
+        assert_eq!(read_user.to_json()["refillMillis"], 5_000);
+        assert_eq!(read_user.to_json()["capacityMillis"], 20_000);
+        assert_eq!(
             (for_alice.override_id, for_bob.override_id),
-            (Some(id(2)), None)
+            (Some(id(2)), Some(id(8)))
         );
 
         // Past their end they are not laid.
-        let (later, problems) = bundle().with_overrides(&set, 10_007);
+        let (later, problems) = bundle().with_overrides(&set, 10_008);
         assert!(
             later.overlay().is_empty() && problems.is_empty(),
             "{problems:?}"
