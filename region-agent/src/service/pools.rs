@@ -2,10 +2,11 @@
 //! how a request finds its pool, and the single-flight lookup of a pool's terms.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 
 use allot_shared::ids::{PoolId, TenantId};
+use allot_shared::overrides::PoolOverride;
 use tokio::sync::Notify;
 
 use super::settings::FIRST_GRANT_WAIT;
@@ -181,53 +182,28 @@ impl PoolSlot {
     }
 }
 
-/// A pool's `G` as its terms state it, read lock-free: the base limit, and an override's limit
-/// between its start and end (epoch ms; `u64::MAX`: no end).
-pub(super) struct PoolLimit {
-    base_tokens: AtomicU64,
-    override_tokens: AtomicU64,
-    override_from_ms: AtomicU64,
-    override_until_ms: AtomicU64,
-}
+/// A pool's `G` as its terms state it, read lock-free and whole: the base limit, and the
+/// override in force when the terms were fetched (its limit between its start and end).
+pub(super) struct PoolLimit(arc_swap::ArcSwap<(u64, Option<PoolOverride>)>);
 
 impl PoolLimit {
     fn new(terms: &PoolTerms) -> Self {
-        let limit = Self {
-            base_tokens: AtomicU64::new(0),
-            override_tokens: AtomicU64::new(0),
-            override_from_ms: AtomicU64::new(u64::MAX),
-            override_until_ms: AtomicU64::new(0),
-        };
-        limit.set(terms);
-        limit
+        Self(arc_swap::ArcSwap::from_pointee((
+            terms.limit_tokens,
+            terms.limit_override.clone(),
+        )))
     }
 
     /// Takes `terms`' limit and override.
     pub(super) fn set(&self, terms: &PoolTerms) {
-        let (tokens, from_ms, until_ms) =
-            terms.limit_override.as_ref().map_or((0, u64::MAX, 0), |o| {
-                (
-                    o.limit_tokens,
-                    o.starts_at_ms,
-                    o.expires_at_ms.unwrap_or(u64::MAX),
-                )
-            });
-        self.base_tokens
-            .store(terms.limit_tokens, Ordering::Relaxed);
-        self.override_tokens.store(tokens, Ordering::Relaxed);
-        self.override_from_ms.store(from_ms, Ordering::Relaxed);
-        self.override_until_ms.store(until_ms, Ordering::Relaxed);
+        self.0
+            .store(Arc::new((terms.limit_tokens, terms.limit_override.clone())));
     }
 
     /// `G` at `now_ms`.
     pub(super) fn at(&self, now_ms: u64) -> u64 {
-        let from_ms = self.override_from_ms.load(Ordering::Relaxed);
-        let until_ms = self.override_until_ms.load(Ordering::Relaxed);
-        if (from_ms..until_ms).contains(&now_ms) {
-            self.override_tokens.load(Ordering::Relaxed)
-        } else {
-            self.base_tokens.load(Ordering::Relaxed)
-        }
+        let limits = self.0.load();
+        allot_shared::overrides::limit_at(limits.0, limits.1.as_slice(), now_ms)
     }
 }
 
