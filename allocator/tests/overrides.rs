@@ -40,6 +40,10 @@ async fn post(server: &common::Server, body: Value) -> (u16, Value) {
     .await
 }
 
+async fn get(server: &common::Server, path: &str, token: &str) -> (u16, Value) {
+    send(server, reqwest::Method::GET, path, token, None).await
+}
+
 async fn setup(server: &common::Server) {
     let (status, _) = send(
         server,
@@ -157,17 +161,10 @@ async fn overrides_are_checked_bounded_and_served_to_agents() {
     )
     .await;
     assert_eq!(status, 403);
-    let (status, _) = send(&server, reqwest::Method::GET, "/v1/overrides", AGENT, None).await;
+    let (status, _) = get(&server, "/v1/overrides", AGENT).await;
     assert_eq!(status, 403);
 
-    let (status, set) = send(
-        &server,
-        reqwest::Method::GET,
-        "/v1/overrides/current",
-        AGENT,
-        None,
-    )
-    .await;
+    let (status, set) = get(&server, "/v1/overrides/current", AGENT).await;
     assert_eq!(status, 200, "{set}");
     assert_eq!(set["version"], 0);
 
@@ -183,14 +180,7 @@ async fn overrides_are_checked_bounded_and_served_to_agents() {
     let (status, pool) = post(&server, with(json!({ "pool": "api", "limit": 500 }))).await;
     assert_eq!(status, 201, "{pool}");
 
-    let (status, set) = send(
-        &server,
-        reqwest::Method::GET,
-        "/v1/overrides/current",
-        AGENT,
-        None,
-    )
-    .await;
+    let (status, set) = get(&server, "/v1/overrides/current", AGENT).await;
     assert_eq!(status, 200);
     let set: OverrideSet = serde_json::from_value(set).expect("a set");
     let set = set.verify().expect("checksummed");
@@ -211,43 +201,20 @@ async fn overrides_are_checked_bounded_and_served_to_agents() {
     );
 
     // Terms carry the pool's override; the pool shows the limit in force.
-    let (_, terms) = send(
-        &server,
-        reqwest::Method::GET,
-        "/v1/pools/acme/api/terms",
-        AGENT,
-        None,
-    )
-    .await;
+    let (_, terms) = get(&server, "/v1/pools/acme/api/terms", AGENT).await;
     assert_eq!(terms["override"]["limit"], 500, "{terms}");
-    let (_, shown) = send(
-        &server,
-        reqwest::Method::GET,
-        "/v1/pools/acme/api",
-        VIEWER,
-        None,
-    )
-    .await;
+    let (_, shown) = get(&server, "/v1/pools/acme/api", VIEWER).await;
     assert_eq!(shown["window"]["limitNow"], 500, "{shown}");
     assert_eq!(shown["window"]["remaining"], 500, "{shown}");
 
     // Paged with a cursor; a viewer can read one.
-    let (status, first) = send(
-        &server,
-        reqwest::Method::GET,
-        "/v1/overrides?limit=2",
-        VIEWER,
-        None,
-    )
-    .await;
+    let (status, first) = get(&server, "/v1/overrides?limit=2", VIEWER).await;
     assert_eq!(status, 200);
     let next = first["next"].as_str().expect("a next page").to_owned();
-    let (_, second) = send(
+    let (_, second) = get(
         &server,
-        reqwest::Method::GET,
         &format!("/v1/overrides?limit=2&after={next}"),
         VIEWER,
-        None,
     )
     .await;
     let ids: Vec<&Value> = first["overrides"]
@@ -258,30 +225,16 @@ async fn overrides_are_checked_bounded_and_served_to_agents() {
         .map(|o| &o["id"])
         .collect();
     assert_eq!(ids.len(), 3);
-    let (status, _) = send(
-        &server,
-        reqwest::Method::GET,
-        "/v1/overrides?after=junk",
-        VIEWER,
-        None,
-    )
-    .await;
+    let (status, _) = get(&server, "/v1/overrides?after=junk", VIEWER).await;
     assert_eq!(status, 400);
     let one = format!("/v1/overrides/acme/{}", pool["id"].as_str().expect("id"));
-    let (status, read) = send(&server, reqwest::Method::GET, &one, VIEWER, None).await;
+    let (status, read) = get(&server, &one, VIEWER).await;
     assert_eq!((status, &read["limit"]), (200, &json!(500)));
 
     // Ended: the pool is back to its own limit, and its terms carry no override.
     let (status, ended) = send(&server, reqwest::Method::DELETE, &one, AUTHOR, None).await;
     assert_eq!(status, 200, "{ended}");
-    let (_, terms) = send(
-        &server,
-        reqwest::Method::GET,
-        "/v1/pools/acme/api/terms",
-        AGENT,
-        None,
-    )
-    .await;
+    let (_, terms) = get(&server, "/v1/pools/acme/api/terms", AGENT).await;
     assert!(terms.get("override").is_none(), "{terms}");
     let (status, _) = send(
         &server,

@@ -2,14 +2,16 @@
 //! raises one user's limit of a shared per-user rule and one tenant's global pool; the agent takes
 //! the rule override with its next policy refresh, the allocator grants the raised pool at once,
 //! `GET /v1/quota` shows where each limit comes from, and ending them puts the policy's limits
-//! back, while the ledger holds the window to the highest limit that was in force in it.
+//! back, while the ledger holds the window to the highest limit that was in force in it. Run on a
+//! SQLite ledger and on a PostgreSQL one.
 
 use serde_json::{Value, json};
 
 mod stack;
+mod topology;
 
 use allot_testkit::{EtcdCluster, RedisServer};
-use stack::{GATEWAY, OPERATOR, put_pool, start_agent, start_allocator, windows};
+use stack::{GATEWAY, OPERATOR, put_pool, start_agent, start_allocator_with_ledger, windows};
 
 fn request(n: usize, user: &str, route: &str) -> Value {
     json!({ "requestId": format!("o-{n}"), "tenantId": "atlas",
@@ -29,10 +31,22 @@ async fn call(method: reqwest::Method, url: String, body: Option<Value>) -> (u16
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overrides_change_one_users_rule_and_one_tenants_pool_until_they_end() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    overrides_end_to_end(&ledger).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_end_to_end_on_a_postgresql_ledger() {
+    let (url, name) = topology::create_database("allot_overrides").await;
+    overrides_end_to_end(&url).await;
+    topology::drop_database(&name).await;
+}
+
+async fn overrides_end_to_end(ledger_url: &str) {
     let etcd = EtcdCluster::single();
     let redis = RedisServer::start();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let allocator = start_allocator(&etcd, dir.path()).await;
+    let allocator = start_allocator_with_ledger(&etcd, ledger_url).await;
     put_pool(
         &allocator,
         "atlas",

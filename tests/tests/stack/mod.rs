@@ -49,6 +49,13 @@ pub fn bundle(rules: &Value) -> PolicyBundle {
 
 /// Starts an allocator on `etcd` with its ledger in `dir`; its URL once it is ready.
 pub async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> String {
+    let ledger_url = format!("sqlite://{}", dir.join("ledger.db").display());
+    start_allocator_with_ledger(etcd, &ledger_url).await
+}
+
+/// Starts an allocator on `etcd` with its ledger at `ledger_url` (SQLite or PostgreSQL); its URL
+/// once it is ready.
+pub async fn start_allocator_with_ledger(etcd: &EtcdCluster, ledger_url: &str) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -69,7 +76,7 @@ pub async fn start_allocator(etcd: &EtcdCluster, dir: &std::path::Path) -> Strin
         retention: Default::default(),
         webhook_ca: None,
         pepper: Some(Pepper::new(PEPPER.to_vec()).expect("pepper")),
-        ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
+        ledger_url: ledger_url.to_owned(),
     };
     let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
     let ledger = Ledger::connect(&settings.ledger_url).await.expect("ledger");
