@@ -9,8 +9,9 @@
 //! - a [`RuleOverride`] replaces the amounts of one regional rule (`capacityMillis`/`refillMillis`
 //!   of a rate rule, `limit` of a window rule) for one tenant, or for one principal of that tenant
 //!   on a per-principal rule. Agents receive every rule override in force as an [`OverrideSet`]:
-//!   versioned (only a higher version replaces the one held) and checksummed, like a bundle.
-//!   Periods and windows are the rule's own: an override changes how much, never how often.
+//!   versioned (only a higher version replaces the one held) and checksummed, like a bundle, and
+//!   lay those in force over it (`crate::policy::Overlay`). Periods and windows are the rule's
+//!   own: an override changes how much, never how often.
 //!
 //! Principals are named by their keyed hash ([`PrincipalHash`]), never by their id: an override
 //! stores and carries no raw user id or API key.
@@ -18,15 +19,12 @@
 //! Overrides on one pool, or on one (tenant, rule, principal), never overlap in time: a new one is
 //! refused while another is in force, so "which override applies" never depends on order.
 
-use std::collections::HashMap;
-
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::contract::PrincipalType;
 use crate::ids::{RecordId, RuleId, TenantId};
 use crate::keys::PrincipalHash;
-use crate::policy::{Rule, Scope};
 use crate::window::Window;
 
 /// Most overrides stored at once, in force or kept after they ended (I10).
@@ -224,183 +222,6 @@ fn checksum_of(version: u64, overrides: &[RuleOverride]) -> String {
     format!("sha256:{}", hex::encode(digest))
 }
 
-/// An override an agent could not lay over its bundle; it changes nothing.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OverrideProblem {
-    /// The override's id.
-    pub id: RecordId,
-    /// Why, naming the rule or the field.
-    pub message: String,
-}
-
-/// The rule overrides in force laid over one bundle's rules: each a copy of its rule with the
-/// overridden amounts, looked up by tenant (and principal) on the request path. Empty unless an
-/// override applies, so a tenant without one pays one failed lookup.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Overlay {
-    /// The set's version (0: none laid).
-    version: u64,
-    tenants: HashMap<TenantId, TenantRules>,
-    /// The earliest end of a laid override, epoch ms: the overlay must be laid again by then.
-    next_expiry_ms: Option<u64>,
-    laid: usize,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct TenantRules {
-    /// The tenant's overrides for all its principals, by rule.
-    whole: HashMap<RuleId, Rule>,
-    /// One principal's overrides: (its type, the rule as overridden for it).
-    principals: HashMap<PrincipalHash, Vec<(PrincipalType, Rule)>>,
-}
-
-impl Overlay {
-    /// Lays `set`'s overrides in force at `now_ms` over `rules`; returns what could not be laid.
-    pub fn build(rules: &[Rule], set: &OverrideSet, now_ms: u64) -> (Self, Vec<OverrideProblem>) {
-        let by_id: HashMap<&RuleId, &Rule> = rules.iter().map(|r| (&r.id, r)).collect();
-        let mut overlay = Overlay {
-            version: set.version,
-            ..Overlay::default()
-        };
-        let mut problems = Vec::new();
-        // The tenant-wide ones first: a principal's override starts from its tenant's rule.
-        let in_force = || set.overrides.iter().filter(|o| o.in_force_at(now_ms));
-        let tenant_wide = in_force().filter(|o| o.principal.is_none());
-        for o in tenant_wide.chain(in_force().filter(|o| o.principal.is_some())) {
-            match overlay.lay(&by_id, o) {
-                Ok(()) => {
-                    overlay.laid += 1;
-                    if let Some(end) = o.expires_at_ms {
-                        overlay.next_expiry_ms =
-                            Some(overlay.next_expiry_ms.map_or(end, |e| e.min(end)));
-                    }
-                }
-                Err(message) => problems.push(OverrideProblem { id: o.id, message }),
-            }
-        }
-        (overlay, problems)
-    }
-
-    fn lay(&mut self, rules: &HashMap<&RuleId, &Rule>, o: &RuleOverride) -> Result<(), String> {
-        let rule = rules
-            .get(&o.rule)
-            .ok_or_else(|| format!("the bundle has no rule {}", o.rule))?;
-        if rule.matcher.tenant.as_ref().is_some_and(|t| t != &o.tenant) {
-            return Err(format!(
-                "rule {} applies to another tenant, not {}",
-                o.rule, o.tenant
-            ));
-        }
-        if let Some(principal) = &o.principal
-            && (rule.scope != Scope::User || !principal.kind.is_authenticated())
-        {
-            return Err(format!(
-                "rule {} is not a per-principal rule of authenticated callers",
-                o.rule
-            ));
-        }
-        // A principal's amounts replace those of its tenant's rule, overridden or not.
-        let base = match &o.principal {
-            Some(_) => self
-                .tenants
-                .get(&o.tenant)
-                .and_then(|t| t.whole.get(&o.rule))
-                .unwrap_or(rule),
-            None => rule,
-        };
-        let mut overridden = base.with_amounts(&o.amounts).map_err(|e| e.to_string())?;
-        overridden.override_id = Some(o.id);
-        let tenant = self.tenants.entry(o.tenant.clone()).or_default();
-        let taken = match &o.principal {
-            None => match tenant.whole.entry(o.rule.clone()) {
-                std::collections::hash_map::Entry::Occupied(_) => true,
-                std::collections::hash_map::Entry::Vacant(slot) => {
-                    slot.insert(overridden);
-                    false
-                }
-            },
-            Some(principal) => {
-                let slot = tenant.principals.entry(principal.hash.clone()).or_default();
-                let taken = slot
-                    .iter()
-                    .any(|(kind, r)| *kind == principal.kind && r.id == o.rule);
-                if !taken {
-                    slot.push((principal.kind, overridden));
-                }
-                taken
-            }
-        };
-        if taken {
-            return Err(format!("another override of rule {} came first", o.rule));
-        }
-        Ok(())
-    }
-
-    /// The laid set's version (0: none).
-    pub fn version(&self) -> u64 {
-        self.version
-    }
-
-    /// How many overrides are laid.
-    pub fn len(&self) -> usize {
-        self.laid
-    }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.laid == 0
-    }
-
-    /// When the first laid override ends, epoch ms: the set must be laid again then.
-    pub fn next_expiry_ms(&self) -> Option<u64> {
-        self.next_expiry_ms
-    }
-
-    /// Whether some principal of `tenant` has an override.
-    pub fn has_principal_overrides(&self, tenant: &TenantId) -> bool {
-        // Without any override, not even a lookup (the request path asks on every decision).
-        !self.tenants.is_empty()
-            && self
-                .tenants
-                .get(tenant)
-                .is_some_and(|t| !t.principals.is_empty())
-    }
-
-    /// Replaces each of `rules` that `tenant` has an override of with the overridden rule.
-    pub(crate) fn for_tenant<'a>(&'a self, rules: &mut [&'a Rule], tenant: &TenantId) {
-        if self.tenants.is_empty() {
-            return;
-        }
-        let Some(overrides) = self.tenants.get(tenant) else {
-            return;
-        };
-        for rule in rules.iter_mut() {
-            if let Some(overridden) = overrides.whole.get(&rule.id) {
-                *rule = overridden;
-            }
-        }
-    }
-
-    /// `rule` as it applies to one principal of `tenant`.
-    pub(crate) fn for_principal<'a>(
-        &'a self,
-        rule: &'a Rule,
-        tenant: &TenantId,
-        kind: PrincipalType,
-        hash: &PrincipalHash,
-    ) -> &'a Rule {
-        self.tenants
-            .get(tenant)
-            .and_then(|t| t.principals.get(hash))
-            .and_then(|slot| {
-                slot.iter()
-                    .find(|(k, r)| *k == kind && r.id == rule.id)
-                    .map(|(_, r)| r)
-            })
-            .unwrap_or(rule)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -511,143 +332,6 @@ mod tests {
             },
             expires_at_ms: Some(5_000),
         }
-    }
-
-    const BUNDLE: &str = r#"{"bundleVersion": 4, "rules": [
-        {"id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "token_bucket",
-         "capacityMillis": 20000, "refillMillis": 2000, "periodMs": 1000, "failMode": "closed"},
-        {"id": "tenant-all", "scope": "tenant", "algorithm": "fixed_window",
-         "limit": 100, "windowMs": 60000, "failMode": "closed"},
-        {"id": "global", "scope": "global", "pool": "api", "failMode": "closed"}
-    ]}"#;
-
-    fn bundle() -> crate::policy::PolicyBundle {
-        crate::policy::parse_bundle(BUNDLE)
-            .expect("bundle")
-            .into_file_bundle()
-            .expect("sealed")
-    }
-
-    fn laid(n: u64, rule: &str, principal: Option<&str>, amounts: RuleAmounts) -> RuleOverride {
-        RuleOverride {
-            id: id(n),
-            tenant: TenantId::parse("acme").expect("tenant"),
-            rule: RuleId::parse(rule).expect("rule"),
-            principal: principal.map(|hash| OverridePrincipal {
-                kind: PrincipalType::User,
-                hash: PrincipalHash::parse(hash).expect("hash"),
-            }),
-            amounts,
-            expires_at_ms: Some(10_000 + n),
-        }
-    }
-
-    fn limit(units: u64) -> RuleAmounts {
-        RuleAmounts {
-            limit: Some(units),
-            ..RuleAmounts::default()
-        }
-    }
-
-    fn capacity(millis: u64) -> RuleAmounts {
-        RuleAmounts {
-            capacity_millis: Some(millis),
-            ..RuleAmounts::default()
-        }
-    }
-
-    #[test]
-    fn overrides_change_the_tenants_or_the_principals_rule_and_nobody_elses() {
-        use crate::limit::multi::Algorithm;
-        use crate::policy::Limit;
-        let acme = TenantId::parse("acme").expect("tenant");
-        let other = TenantId::parse("other").expect("tenant");
-        let read = crate::ids::RouteGroup::parse("read").expect("group");
-        let alice = PrincipalHash::parse("00000000000000aa").expect("hash");
-        let bob = PrincipalHash::parse("00000000000000bb").expect("hash");
-        let set = OverrideSet::seal(
-            7,
-            vec![
-                laid(1, "tenant-all", None, limit(500)),
-                laid(2, "read-user", Some("00000000000000aa"), capacity(90_000)),
-                // Problems: an unknown rule, a global rule, amounts of another algorithm, a
-                // principal on a tenant-wide rule, and a cost the rule could never admit.
-                laid(3, "nope", None, limit(5)),
-                laid(4, "global", None, limit(5)),
-                laid(5, "read-user", None, limit(5)),
-                laid(6, "tenant-all", Some("00000000000000bb"), limit(5)),
-                laid(7, "tenant-all", None, limit(0)),
-                // Laid before the principal's (whatever the ids): alice's starts from it.
-                laid(
-                    8,
-                    "read-user",
-                    None,
-                    RuleAmounts {
-                        refill_millis: Some(5_000),
-                        ..RuleAmounts::default()
-                    },
-                ),
-            ],
-        );
-        let (laid_bundle, problems) = bundle().with_overrides(&set, 5_000);
-        let failed: Vec<RecordId> = problems.iter().map(|p| p.id).collect();
-        assert_eq!(
-            failed,
-            // Tenant-wide ones are laid first, then principals'.
-            vec![id(3), id(4), id(5), id(7), id(6)],
-            "{problems:?}"
-        );
-        assert_eq!(laid_bundle.overlay().len(), 3);
-        assert_eq!(laid_bundle.overlay().version(), 7);
-        assert_eq!(laid_bundle.overlay().next_expiry_ms(), Some(10_001));
-        assert_eq!(
-            laid_bundle.checksum(),
-            bundle().checksum(),
-            "content unchanged"
-        );
-
-        let window_limit = |rules: Vec<&Rule>, id: &str| {
-            rules
-                .into_iter()
-                .find(|r| r.id.as_str() == id)
-                .map(|r| match &r.limit {
-                    Limit::Regional(Algorithm::FixedWindow(w)) => w.limit_units(),
-                    Limit::Regional(Algorithm::TokenBucket(b)) => b.capacity_millitokens(),
-                    other => panic!("unexpected {other:?}"),
-                })
-        };
-        let kind = PrincipalType::User;
-        let acme_rules = laid_bundle.regional_rules_for(&acme, &read, kind);
-        assert_eq!(window_limit(acme_rules.clone(), "tenant-all"), Some(500));
-        let other_rules = laid_bundle.regional_rules_for(&other, &read, kind);
-        assert_eq!(window_limit(other_rules, "tenant-all"), Some(100));
-        let read_user = acme_rules[0];
-        let for_alice = laid_bundle.rule_for_principal(read_user, &acme, kind, &alice);
-        let for_bob = laid_bundle.rule_for_principal(read_user, &acme, kind, &bob);
-        let as_key =
-            laid_bundle.rule_for_principal(read_user, &acme, PrincipalType::ApiKey, &alice);
-        assert_eq!(window_limit(vec![for_alice], "read-user"), Some(90_000));
-        assert_eq!(window_limit(vec![for_bob], "read-user"), Some(20_000));
-        assert_eq!(window_limit(vec![as_key], "read-user"), Some(20_000));
-        assert_eq!(for_alice.to_json()["capacityMillis"], 90_000);
-        assert_eq!(
-            for_alice.to_json()["refillMillis"],
-            5_000,
-            "on top of the tenant's"
-        );
-        assert_eq!(read_user.to_json()["refillMillis"], 5_000);
-        assert_eq!(read_user.to_json()["capacityMillis"], 20_000);
-        assert_eq!(
-            (for_alice.override_id, for_bob.override_id),
-            (Some(id(2)), Some(id(8)))
-        );
-
-        // Past their end they are not laid.
-        let (later, problems) = bundle().with_overrides(&set, 10_008);
-        assert!(
-            later.overlay().is_empty() && problems.is_empty(),
-            "{problems:?}"
-        );
     }
 
     #[test]

@@ -31,16 +31,14 @@
 //! The allocator is never called on the request path except when a pool has no lease at all (the
 //! request waits up to [`FIRST_GRANT_WAIT`] for the renewal it triggered).
 
-use allot_shared::contract::{
-    AdmissionRequest, AdvisoryMode, Decision, DeniedScope, Principal, Reason,
-};
+use allot_shared::contract::{AdmissionRequest, AdvisoryMode, Decision, DeniedScope, Reason};
 use allot_shared::ids::{PoolId, RuleId, TenantId};
-use allot_shared::keys;
 use allot_shared::limit::multi::Algorithm;
-use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule, Scope};
+use allot_shared::policy::{FailMode, Limit, PolicyBundle, Rule};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use super::bundle::lay_principal_overrides;
 use super::pools::{PoolSlot, TERMS_RETRY_MS};
 use super::replays::{Begin, ORIGINAL_WAIT, Ticket};
 use super::settings::{AgentSettings, FIRST_GRANT_WAIT};
@@ -1016,30 +1014,6 @@ pub(super) fn inadmissible_cost(
     decision.limit_units = crate::limiter::algorithm_limit_units(algorithm);
     decision.retry_after_ms = -1;
     Some(decision)
-}
-
-/// Replaces each per-principal rule of `rules` (from `bundle`, for `tenant`) with `principal`'s
-/// own override of it, if an operator set one. Hashes the principal only when some principal of
-/// the tenant has an override.
-pub(super) fn lay_principal_overrides<'b>(
-    bundle: &'b PolicyBundle,
-    rules: &mut [&'b Rule],
-    tenant: &TenantId,
-    principal: &Principal,
-    settings: &AgentSettings,
-) {
-    if !principal.kind.is_authenticated() || !bundle.overlay().has_principal_overrides(tenant) {
-        return;
-    }
-    let hash = keys::principal_hash(
-        &settings.pepper,
-        principal.kind,
-        &principal.id,
-        settings.ip_prefixes,
-    );
-    for rule in rules.iter_mut().filter(|rule| rule.scope == Scope::User) {
-        *rule = bundle.rule_for_principal(rule, tenant, principal.kind, &hash);
-    }
 }
 
 /// Whether any rule that applies to `request` is `idempotent`: a retry with the same request id is

@@ -5,8 +5,13 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use allot_shared::contract::Principal;
+use allot_shared::ids::TenantId;
+use allot_shared::keys;
 use allot_shared::overrides::OverrideSet;
-use allot_shared::policy::PolicyBundle;
+use allot_shared::policy::{PolicyBundle, Rule, Scope};
+
+use super::settings::AgentSettings;
 use arc_swap::ArcSwapOption;
 
 /// The bundle slot.
@@ -160,5 +165,29 @@ impl BundleSlot {
     /// When the allocator last confirmed the bundle in force, epoch ms.
     pub(super) fn confirmed_at_ms(&self) -> u64 {
         self.confirmed_at_ms.load(Ordering::Relaxed)
+    }
+}
+
+/// Replaces each per-principal rule of `rules` (from `bundle`, for `tenant`) with `principal`'s
+/// own override of it, if an operator set one. Hashes the principal only when some principal of
+/// the tenant has an override.
+pub(super) fn lay_principal_overrides<'b>(
+    bundle: &'b PolicyBundle,
+    rules: &mut [&'b Rule],
+    tenant: &TenantId,
+    principal: &Principal,
+    settings: &AgentSettings,
+) {
+    if !principal.kind.is_authenticated() || !bundle.overlay().has_principal_overrides(tenant) {
+        return;
+    }
+    let hash = keys::principal_hash(
+        &settings.pepper,
+        principal.kind,
+        &principal.id,
+        settings.ip_prefixes,
+    );
+    for rule in rules.iter_mut().filter(|rule| rule.scope == Scope::User) {
+        *rule = bundle.rule_for_principal(rule, tenant, principal.kind, &hash);
     }
 }

@@ -23,7 +23,7 @@ use allot_shared::keys;
 use allot_shared::limit::multi::{Algorithm, MAX_RULES_PER_REQUEST};
 use allot_shared::policy::{Limit, PolicyBundle, Rule};
 
-use super::admission::lay_principal_overrides;
+use super::bundle::lay_principal_overrides;
 use super::pools::PoolSlot;
 use super::{Agent, RequestRejected, lock};
 use crate::limiter::{BatchRule, Holding, PlannedBatch, RuleBatch, RuleParams};
