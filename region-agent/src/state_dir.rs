@@ -41,6 +41,8 @@ pub enum StateFile {
     Bundle,
     /// Pool terms, pending accounting and fallback claims.
     Journal,
+    /// The last verified set of operators' rule overrides.
+    Overrides,
 }
 
 impl StateFile {
@@ -49,6 +51,7 @@ impl StateFile {
         match self {
             StateFile::Bundle => "bundle.state",
             StateFile::Journal => "journal.state",
+            StateFile::Overrides => "overrides.state",
         }
     }
 
@@ -57,6 +60,7 @@ impl StateFile {
         match self {
             StateFile::Bundle => "bundle",
             StateFile::Journal => "journal",
+            StateFile::Overrides => "overrides",
         }
     }
 }

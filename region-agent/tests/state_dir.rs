@@ -262,6 +262,83 @@ async fn a_restored_bundle_keeps_aging_from_its_last_confirmation() {
     }
 }
 
+/// The operators' rule overrides the agent last took survive a restart while the allocator is
+/// away: the new run lays them over the restored bundle; a tampered file is ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_keeps_the_overrides_it_last_verified() {
+    use allot_region_agent::clock::Clock;
+    use allot_region_agent::state_dir::SavedBundle;
+    use allot_shared::overrides::{OverrideSet, RuleAmounts, RuleOverride};
+    const READ_RULE: &str = r#"{ "bundleVersion": 3, "rules": [
+        { "id": "user-read", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
+          "limit": 1000, "windowMs": 3600000, "failMode": "closed" } ] }"#;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let state = StateDir::open(dir.path(), RegionId::parse("eu").expect("region")).expect("opens");
+    state
+        .write(
+            StateFile::Bundle,
+            &SavedBundle {
+                bundle: common::bundle(READ_RULE).to_json(),
+            },
+        )
+        .expect("bundle saved");
+    let set = OverrideSet::seal(
+        4,
+        vec![RuleOverride {
+            id: allot_shared::ids::RecordId::from_parts(SystemClock.now_ms(), 1),
+            tenant: allot_shared::ids::TenantId::parse("atlas").expect("tenant"),
+            rule: allot_shared::ids::RuleId::parse("user-read").expect("rule"),
+            principal: None,
+            amounts: RuleAmounts {
+                limit: Some(7),
+                ..RuleAmounts::default()
+            },
+            expires_at_ms: None,
+        }],
+    );
+    let first = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        Some(unreachable()),
+        None,
+    );
+    first.set_state_dir(state.clone());
+    assert_eq!(
+        first.restore_state().override_version,
+        None,
+        "none saved yet"
+    );
+    assert!(first.offer_overrides(set.clone()));
+    first.save_overrides().await;
+    drop(first);
+
+    let second = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        Some(unreachable()),
+        None,
+    );
+    second.set_state_dir(state.clone());
+    assert_eq!(second.restore_state().override_version, Some(4));
+    let bundle = second.bundle().expect("restored bundle");
+    assert_eq!((bundle.overlay().version(), bundle.overlay().len()), (4, 1));
+
+    // A set whose checksum does not match its content is not taken.
+    let mut tampered = set;
+    tampered.overrides[0].amounts.limit = Some(7_000);
+    state
+        .write(StateFile::Overrides, &tampered)
+        .expect("written");
+    let third = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        Some(unreachable()),
+        None,
+    );
+    third.set_state_dir(state);
+    assert_eq!(third.restore_state().override_version, None);
+}
+
 /// Killed between journal writes, after fallback admits the journal never saw: the next
 /// incarnation counts the window's allowance as used up to the last durable claim, so it never
 /// re-opens the allowance, and leaves at most one claim block of it unused.

@@ -57,7 +57,8 @@ impl Agent {
         self.note_allocator(&answer);
         match answer {
             Ok(Some(set)) => {
-                if self.bundle.offer_overrides(set, self.clock.now_ms()) {
+                if self.offer_overrides(set) {
+                    self.save_overrides().await;
                     self.note_change();
                 }
             }

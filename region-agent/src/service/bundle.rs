@@ -118,6 +118,16 @@ impl BundleSlot {
         }
     }
 
+    /// The override set held.
+    pub(super) fn overrides(&self) -> Arc<OverrideSet> {
+        Arc::clone(
+            &self
+                .overrides
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
     /// The held override set's version (0: none).
     pub(super) fn override_version(&self) -> u64 {
         self.overrides

@@ -151,6 +151,12 @@ impl Agent {
         self.bundle.offer(candidate, self.clock.now_ms())
     }
 
+    /// Takes `set` (verified) if it is newer than the override set held, and lays it over the
+    /// bundle in force.
+    pub fn offer_overrides(&self, set: allot_shared::overrides::OverrideSet) -> bool {
+        self.bundle.offer_overrides(set, self.clock.now_ms())
+    }
+
     /// Sets the gauges that describe the agent's state now (called at each metrics scrape).
     pub fn observe(&self) {
         use crate::limiter::BreakerState;

@@ -6,7 +6,8 @@
 //!   none was given (aged from when the allocator last confirmed it, so `strict` rules keep their
 //!   maximum age); every journaled pool with its terms, so global rules are decided at once (from
 //!   the fallback allowance while the allocator stays away); each pool's journaled leases as ended
-//!   ones owing a final report, and its fallback counts and claims.
+//!   ones owing a final report, and its fallback counts and claims; the last verified set of
+//!   operators' rule overrides, laid over the bundle until the allocator sends a newer one.
 //! - **Journal** (every [`JOURNAL_INTERVAL`] when anything changed): every pool's terms and holder
 //!   snapshot. Batched: admits between two writes are what a crash can lose from the ledger.
 //! - **Fallback claims**: admits from a fallback allowance never go beyond a claim that is
@@ -27,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use allot_shared::ids::{PoolId, TenantId};
+use allot_shared::overrides::OverrideSet;
 
 use super::pools::PoolSlot;
 use super::{Agent, lock};
@@ -74,6 +76,8 @@ impl Persistence {
 pub struct Restored {
     /// The bundle's version, when one was installed from the directory.
     pub bundle_version: Option<u64>,
+    /// The override set's version, when one was taken from the directory.
+    pub override_version: Option<u64>,
     /// Pools held again, with their terms.
     pub pools: usize,
     /// Leases owing a final report.
@@ -124,6 +128,23 @@ impl Agent {
                     tracing::warn!(%error, "saved bundle does not verify; ignored");
                     metrics::counter!(crate::metrics::STATE_FILES_IGNORED,
                         "file" => StateFile::Bundle.name(), "reason" => "corrupt")
+                    .increment(1);
+                }
+            }
+        }
+        // The overrides as last verified: laid over the bundle until the allocator sends newer.
+        if let Some(saved) = dir.load::<OverrideSet>(StateFile::Overrides) {
+            match saved.verify() {
+                Ok(set) => {
+                    let version = set.version;
+                    if self.bundle.offer_overrides(set, self.clock.now_ms()) {
+                        restored.override_version = Some(version);
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "saved overrides do not verify; ignored");
+                    metrics::counter!(crate::metrics::STATE_FILES_IGNORED,
+                        "file" => StateFile::Overrides.name(), "reason" => "corrupt")
                     .increment(1);
                 }
             }
@@ -297,6 +318,25 @@ impl Agent {
             for (slot, (window_start_ms, claimed_tokens)) in claims {
                 lock(&slot.holder).claim_durable(window_start_ms, claimed_tokens);
             }
+        }
+    }
+
+    /// Keeps the override set held in the state directory (the background refresh does so for
+    /// every set it takes from the allocator).
+    pub async fn save_overrides(&self) {
+        let Some(dir) = self.persistence.dir().cloned() else {
+            return;
+        };
+        let set = self.bundle.overrides();
+        let written = tokio::task::spawn_blocking(move || dir.write(StateFile::Overrides, &*set))
+            .await
+            .unwrap_or_else(|joined| Err(std::io::Error::other(joined)));
+        let outcome = if written.is_ok() { "ok" } else { "failed" };
+        metrics::counter!(crate::metrics::STATE_WRITES,
+            "file" => StateFile::Overrides.name(), "outcome" => outcome)
+        .increment(1);
+        if let Err(error) = written {
+            tracing::warn!(%error, "overrides not saved to the state directory");
         }
     }
 
