@@ -711,9 +711,10 @@ impl PoolWorker {
                     metrics::gauge!(crate::metrics::POOL_REMAINING,
                         "tenant" => self.tenant.to_string(), "pool" => self.pool.to_string())
                     .set(window_state.remaining_tokens(&config) as f64);
+                    let limit_in_force_tokens = config.limit_tokens();
                     if let Some(cache) = self.cache.as_mut() {
                         debug_assert!(
-                            granted == 0 || window_state.granted_tokens() <= config.limit_tokens(),
+                            granted == 0 || window_state.granted_tokens() <= limit_in_force_tokens,
                             "committed grants never exceed the limit in force"
                         );
                         cache.window = plan.window.clone();

@@ -154,14 +154,18 @@ impl PoolConfig {
 
     /// This configuration with `G` replaced by `limit_tokens` (an override in force, see
     /// `crate::overrides`), its chunk cut to fit: everything else, the bound's other terms
-    /// included, unchanged. A limit out of `[1, 2^40]` is brought into it.
-    pub fn limited_to(&self, limit_tokens: u64) -> Self {
+    /// included, unchanged. A limit out of `[1, 2^40]` is brought into it. Borrowed, not
+    /// copied, when the limit is the configuration's own (no override: every grant's case).
+    pub fn limited_to(&self, limit_tokens: u64) -> std::borrow::Cow<'_, Self> {
         let limit_tokens = limit_tokens.clamp(1, MAX_RULE_PARAMETER);
-        Self {
+        if limit_tokens == self.limit_tokens {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        std::borrow::Cow::Owned(Self {
             limit_tokens,
             chunk_tokens: self.chunk_tokens.min(limit_tokens),
             ..self.clone()
-        }
+        })
     }
 
     /// The global quota `G` per window, in tokens.

@@ -44,14 +44,14 @@ impl<'a> From<&'a PoolConfig> for PoolLimits<'a> {
 
 impl PoolLimits<'_> {
     /// The configuration a window is held to: the highest limit in force during it.
-    pub fn for_window(&self, window: Window) -> PoolConfig {
+    pub fn for_window(&self, window: Window) -> std::borrow::Cow<'_, PoolConfig> {
         let base = self.config.limit_tokens();
-        let limit = allot_shared::overrides::window_limit(base, self.overrides, window);
-        if limit == base {
-            self.config.clone()
-        } else {
-            self.config.limited_to(limit)
-        }
+        self.config
+            .limited_to(allot_shared::overrides::window_limit(
+                base,
+                self.overrides,
+                window,
+            ))
     }
 }
 
