@@ -1267,6 +1267,26 @@ impl PolicyBundle {
         self.overlay.for_principal(rule, tenant, kind, hash)
     }
 
+    /// Replaces each per-principal rule of `rules` (as [`regional_rules_for`](Self::regional_rules_for)
+    /// returned them for `tenant`) with the override laid for the principal of `kind` whose keyed
+    /// hash `hash` gives, if one is. `hash` is called only when an authenticated principal of the
+    /// tenant has an override: otherwise nothing is hashed and nothing looked up.
+    pub fn lay_principal_overrides<'a>(
+        &'a self,
+        rules: &mut [&'a Rule],
+        tenant: &TenantId,
+        kind: PrincipalType,
+        hash: impl FnOnce() -> crate::keys::PrincipalHash,
+    ) {
+        if !kind.is_authenticated() || !self.overlay.has_principal_overrides(tenant) {
+            return;
+        }
+        let hash = hash();
+        for rule in rules.iter_mut().filter(|rule| rule.scope == Scope::User) {
+            *rule = self.rule_for_principal(rule, tenant, kind, &hash);
+        }
+    }
+
     /// Whether `candidate` may replace this bundle: only a strictly higher version. (Its checksum was
     /// verified when it was parsed.) A delayed old snapshot can therefore never overwrite a newer one.
     pub fn is_superseded_by(&self, candidate: &PolicyBundle) -> bool {

@@ -524,9 +524,13 @@ pub fn plan_request<'a>(
     // The keyed hash of the principal, computed once and only if a user-scope rule needs it (a
     // rule with its own prefix lengths hashes the address at them).
     let principal_hash = std::cell::OnceCell::new();
+    let hash_principal = || keys::principal_hash(pepper, kind, &request.principal.id, ip_prefixes);
+    // The principal's own overrides, if any are laid: same keys, other amounts.
+    bundle.lay_principal_overrides(&mut rules, tenant, kind, || {
+        principal_hash.get_or_init(hash_principal).clone()
+    });
     let mut batch_rules = Vec::with_capacity(rules.len());
-    let overridden = bundle.overlay().has_principal_overrides(tenant);
-    for rule in &mut rules {
+    for rule in &rules {
         let route_group = rule.matcher.route_group.as_ref();
         let rule_key = match rule.scope {
             Scope::User if kind == PrincipalType::Ip && rule.ip_prefixes.is_some() => {
@@ -535,13 +539,7 @@ pub fn plan_request<'a>(
                 keys::principal_key_in(tenant, &rule.principal_segment(kind), &hash, route_group)
             }
             Scope::User => {
-                let hash = principal_hash.get_or_init(|| {
-                    keys::principal_hash(pepper, kind, &request.principal.id, ip_prefixes)
-                });
-                // The principal's own override, if one is laid: same key, other amounts.
-                if overridden {
-                    *rule = bundle.rule_for_principal(rule, tenant, kind, hash);
-                }
+                let hash = principal_hash.get_or_init(hash_principal);
                 keys::principal_key(tenant, kind, hash, route_group)
             }
             Scope::Route | Scope::Tenant => keys::tenant_key(tenant, route_group),

@@ -9,7 +9,7 @@ use allot_shared::contract::Principal;
 use allot_shared::ids::TenantId;
 use allot_shared::keys;
 use allot_shared::overrides::OverrideSet;
-use allot_shared::policy::{PolicyBundle, Rule, Scope};
+use allot_shared::policy::{PolicyBundle, Rule};
 
 use super::settings::AgentSettings;
 use arc_swap::ArcSwapOption;
@@ -179,8 +179,8 @@ impl BundleSlot {
 }
 
 /// Replaces each per-principal rule of `rules` (from `bundle`, for `tenant`) with `principal`'s
-/// own override of it, if an operator set one. Hashes the principal only when some principal of
-/// the tenant has an override.
+/// own override of it, if an operator set one ([`PolicyBundle::lay_principal_overrides`], keyed
+/// with this agent's pepper).
 pub(super) fn lay_principal_overrides<'b>(
     bundle: &'b PolicyBundle,
     rules: &mut [&'b Rule],
@@ -188,16 +188,12 @@ pub(super) fn lay_principal_overrides<'b>(
     principal: &Principal,
     settings: &AgentSettings,
 ) {
-    if !principal.kind.is_authenticated() || !bundle.overlay().has_principal_overrides(tenant) {
-        return;
-    }
-    let hash = keys::principal_hash(
-        &settings.pepper,
-        principal.kind,
-        &principal.id,
-        settings.ip_prefixes,
-    );
-    for rule in rules.iter_mut().filter(|rule| rule.scope == Scope::User) {
-        *rule = bundle.rule_for_principal(rule, tenant, principal.kind, &hash);
-    }
+    bundle.lay_principal_overrides(rules, tenant, principal.kind, || {
+        keys::principal_hash(
+            &settings.pepper,
+            principal.kind,
+            &principal.id,
+            settings.ip_prefixes,
+        )
+    });
 }
