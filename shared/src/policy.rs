@@ -1361,7 +1361,6 @@ pub struct Overlay {
     tenants: HashMap<TenantId, TenantRules>,
     /// The earliest end of a laid override, epoch ms: the overlay must be laid again by then.
     next_expiry_ms: Option<u64>,
-    laid: usize,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -1387,7 +1386,6 @@ impl Overlay {
         for o in tenant_wide.chain(in_force().filter(|o| o.principal.is_some())) {
             match overlay.lay(&by_id, o) {
                 Ok(()) => {
-                    overlay.laid += 1;
                     if let Some(end) = o.expires_at_ms {
                         overlay.next_expiry_ms =
                             Some(overlay.next_expiry_ms.map_or(end, |e| e.min(end)));
@@ -1461,12 +1459,15 @@ impl Overlay {
 
     /// How many overrides are laid.
     pub fn len(&self) -> usize {
-        self.laid
+        self.tenants
+            .values()
+            .map(|t| t.whole.len() + t.principals.values().map(Vec::len).sum::<usize>())
+            .sum()
     }
 
-    /// Whether none is.
+    /// Whether none is (a tenant is only entered with an override laid).
     pub fn is_empty(&self) -> bool {
-        self.laid == 0
+        self.tenants.is_empty()
     }
 
     /// When the first laid override ends, epoch ms: the set must be laid again then.
