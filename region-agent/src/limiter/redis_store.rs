@@ -47,7 +47,7 @@ pub(crate) use super::redis_calls::Connection;
 use super::redis_calls::{Calls, Code, Library, Script};
 pub use super::scripts::StateLayout;
 use super::scripts::{
-    CONCURRENCY_SOURCE, DECIDE_SOURCE, SERVER_TIME, decide_args, decide_keys, lease_args,
+    CONCURRENCY_SOURCE, SERVER_TIME, decide_args, decide_keys, decide_library, lease_args,
     parse_decide_reply, parse_lease_reply,
 };
 use super::store::{
@@ -335,7 +335,7 @@ impl RedisStore {
         let store = Self {
             calls: Arc::new(Calls {
                 connection: connection.clone(),
-                decide_library: Library::new(DECIDE_SOURCE),
+                decide_library: Library::new(&decide_library()),
                 concurrency_script: Script::new(CONCURRENCY_SOURCE),
                 call_timeout: config.call_timeout,
                 script_reloads: AtomicU64::new(0),
@@ -396,6 +396,20 @@ impl RedisStore {
     #[cfg(test)]
     pub(crate) fn with_test_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.time = ScriptTime::Driven(clock);
+        self
+    }
+
+    /// Makes the store call the decide library as written, its marked steps called rather than
+    /// inlined: for the differential test that holds the two texts to the same decisions.
+    #[cfg(test)]
+    pub(crate) async fn with_decide_library_as_written(mut self) -> Self {
+        let calls = Arc::get_mut(&mut self.calls).expect("the store is not shared yet");
+        calls.decide_library = Library::new(super::scripts::DECIDE_SOURCE);
+        let mut connection = calls.connection.clone();
+        connection
+            .load_everywhere(Code::Library(&calls.decide_library))
+            .await
+            .expect("loads the library as written");
         self
     }
 

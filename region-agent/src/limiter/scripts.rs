@@ -10,11 +10,20 @@ use allot_shared::limit::RetryAfter;
 use allot_shared::limit::multi::MAX_RULES_PER_REQUEST;
 
 use super::batch::{RuleBatch, RuleParams};
+use super::lua_inline;
 use super::store::{BatchDecision, LeaseCall, LeaseOperation, LeaseOutcome};
 
-/// The multi-rule decision function library, with `LIBRARY_VERSION` where its version goes
-/// ([`crate::limiter::redis_store`] puts the first 16 hex digits of the text's SHA-1 there).
+/// The multi-rule decision function library as written, with `LIBRARY_VERSION` where its version
+/// goes ([`crate::limiter::redis_store`] puts the first 16 hex digits of the loaded text's SHA-1
+/// there). Each decision step is written once, marked for inlining: the store loads
+/// [`decide_library`].
 pub(crate) const DECIDE_SOURCE: &str = include_str!("scripts/decide.lua");
+
+/// The decide library the store loads: [`DECIDE_SOURCE`] with its marked steps inlined at their
+/// call sites (`lua_inline`), so that the paths that share a step pay no Lua call for it.
+pub fn decide_library() -> String {
+    lua_inline::expand(DECIDE_SOURCE).text
+}
 
 /// What [`DECIDE_SOURCE`] says where its version goes.
 pub(crate) const LIBRARY_VERSION_PLACEHOLDER: &str = "LIBRARY_VERSION";
@@ -442,6 +451,20 @@ mod tests {
         let name = format!("allot_decide_{LIBRARY_VERSION_PLACEHOLDER}");
         assert!(DECIDE_SOURCE.starts_with(&format!("#!lua name={name}\n")));
         assert!(DECIDE_SOURCE.contains(&format!("redis.register_function('{name}', decide)")));
+    }
+
+    /// Every call of a marked step is inlined: a call left would cost the path it is on a Lua
+    /// call per rule, which is what writing each step once must not cost.
+    #[test]
+    fn every_marked_step_is_inlined_where_it_is_called() {
+        let expanded = lua_inline::expand(DECIDE_SOURCE);
+        assert!(expanded.calls_left.is_empty(), "{:?}", expanded.calls_left);
+        // refilled, the two algorithms' steps, the plain step, what a plain rule has left and its
+        // write, at each of their call sites: at least one each.
+        assert!(expanded.inlined >= 6, "{}", expanded.inlined);
+        for step in ["token_bucket_step", "fixed_window_step", "plain_step"] {
+            assert!(DECIDE_SOURCE.contains(&format!("--@inline\nlocal function {step}(")));
+        }
     }
 
     #[test]

@@ -508,42 +508,102 @@ end
 
 -- A token bucket's tokens at `now` and the time it then holds, from the tokens and time it
 -- stored (both nil when the key is empty: a full bucket). Every path of the library refills
--- through here, but for decide_plain_run's loop, which writes it out (a change here goes there).
+-- through here. Inlined where it is called (scripts.rs expands the library): a call would cost
+-- about 900 instructions, more than the refill itself.
+--@inline
 local function refilled(rule, stored_tokens, stored_at, now)
+  local tokens, at = stored_tokens, stored_at
+  local capacity = rule.capacity
   if stored_tokens == nil then
-    return rule.capacity, now
+    tokens, at = capacity, now
+  elseif now > stored_at then
+    -- Refilled since it was stored. Nothing is when it was written at this instant (each request
+    -- of a coalesced call after the first), or when the clock stepped back, which never moves
+    -- the stored time back.
+    local delta_ms = now - stored_at
+    if delta_ms > rule.full_refill_ms then
+      delta_ms = rule.full_refill_ms
+    end
+    -- delta_ms * refill <= capacity * period + refill < 2^53; its floor division by period is
+    -- div_floor's, written out.
+    local gained, period = delta_ms * rule.refill, rule.period
+    tokens, at = stored_tokens + (gained - gained % period) / period, now
   end
-  local capacity, delta_ms = rule.capacity, now - stored_at
-  -- Nothing refilled: the bucket was written at this instant (each request of a coalesced call
-  -- after the first), or the clock stepped back, which never moves the stored time back. The
-  -- clamp to capacity also covers tokens stored under a larger capacity: a tightened policy
+  -- The clamp to capacity also covers tokens stored under a larger capacity: a tightened policy
   -- applies on the next call.
-  if delta_ms <= 0 then
-    return stored_tokens > capacity and capacity or stored_tokens, stored_at
+  if tokens > capacity then
+    tokens = capacity
   end
-  if delta_ms > rule.full_refill_ms then
-    delta_ms = rule.full_refill_ms
+  return tokens, at
+end
+
+-- The two plain algorithms' decisions, each written once: every path of the library decides a
+-- token bucket or a fixed window through these (the general path through decide_token_bucket and
+-- decide_fixed_window, the plain paths through plain_step), and each is inlined where it is
+-- called. From the rule and the two numbers its state holds (nil when the key is empty), each
+-- returns what the rule holds before any debit (reported when the request is denied); the wait
+-- when it denies (ms, -1 for never), else nil; and the two numbers an admission writes (tokens
+-- left and the time they are counted at; the window's start and its count), the second nil when
+-- it denies. An admission leaves the rule holding what it held less the cost, for both.
+
+--@inline
+local function token_bucket_step(spec, now, stored_tokens, stored_at)
+  local held, wait_ms, tokens_left, updated_at = 0, -1, nil, nil
+  local cost = spec.cost
+  if cost <= spec.capacity then
+    held, updated_at = refilled(spec, stored_tokens, stored_at, now)
+    if held < cost then
+      -- deficit <= capacity, so deficit * period <= 2^52.
+      wait_ms = div_ceil((cost - held) * spec.period, spec.refill)
+    else
+      wait_ms, tokens_left = nil, held - cost
+    end
   end
-  -- delta_ms * refill <= capacity * period + refill < 2^53; its floor division by period is
-  -- div_floor's, written out on the path every decision takes.
-  local gained = delta_ms * rule.refill
-  local tokens = stored_tokens + (gained - gained % rule.period) / rule.period
-  return tokens > capacity and capacity or tokens, now
+  return held, wait_ms, tokens_left, updated_at
+end
+
+--@inline
+local function fixed_window_step(spec, now, stored_start, stored_count)
+  local window = spec.window
+  local held, wait_ms, window_start, new_count = 0, -1, now - now % window, nil
+  local limit, cost, count = spec.limit, spec.cost, 0
+  -- A stored window later than now's (the clock stepped back) is kept: stricter, never a reset.
+  if stored_start and stored_start >= window_start then
+    window_start, count = stored_start, stored_count
+  end
+  if cost <= limit then
+    held = limit > count and limit - count or 0
+    if count + cost > limit then
+      wait_ms = window_start + window - now
+    else
+      wait_ms, new_count = nil, count + cost
+    end
+  end
+  return held, wait_ms, window_start, new_count
+end
+
+-- A plain rule's decision (a token bucket's or a fixed window's), as the two steps above return it.
+--@inline
+local function plain_step(spec, kind, now, stored_first, stored_second)
+  local held, wait_ms, first, second
+  if kind == 'fw' then
+    held, wait_ms, first, second = fixed_window_step(spec, now, stored_first, stored_second)
+  else
+    held, wait_ms, first, second = token_bucket_step(spec, now, stored_first, stored_second)
+  end
+  return held, wait_ms, first, second
 end
 
 local function decide_token_bucket(rule, state, now)
-  if rule.cost > rule.capacity then return never() end
-  local tokens, updated_at = refilled(rule, state and state.tk, state and state.ts, now)
-  if tokens < rule.cost then
-    -- deficit <= capacity, so deficit * period <= 2^52.
-    local retry = div_ceil((rule.cost - tokens) * rule.period, rule.refill)
-    return { allowed = false, remaining = tokens, available = tokens, retry = retry }
+  local stored_tokens, stored_at = state and state.tk, state and state.ts
+  local held, wait_ms, tokens_left, updated_at = token_bucket_step(rule, now, stored_tokens, stored_at)
+  if wait_ms then
+    return { allowed = false, remaining = held, available = held, retry = wait_ms }
   end
-  local remaining = tokens - rule.cost
   -- The key lives until the stored state would be full again: full refill + slack counted from
   -- updated_at, which a clock that stepped back leaves ahead of now (as the core does).
   return {
-    allowed = true, remaining = remaining, available = tokens,
+    allowed = true, remaining = tokens_left, available = held,
     write = true, updated_at = updated_at, expires_at = updated_at + rule.full_refill_ms + rule.slack,
   }
 end
@@ -576,23 +636,15 @@ local function decide_gcra(rule, tat, now)
 end
 
 local function decide_fixed_window(rule, state, now)
-  local current_start = now - now % rule.window
-  -- A stored window later than now's (the clock stepped back) is kept: stricter, never a reset.
-  local window_start, count = current_start, 0
-  if state and state.w >= current_start then
-    window_start, count = state.w, state.n
+  local stored_start, stored_count = state and state.w, state and state.n
+  local held, wait_ms, window_start, count = fixed_window_step(rule, now, stored_start, stored_count)
+  if wait_ms then
+    return { allowed = false, remaining = held, available = held, retry = wait_ms }
   end
-  local available = rule.limit - count
-  if available < 0 then available = 0 end
-  if rule.cost > rule.limit then return never() end
-  local left_ms = window_start + rule.window - now
-  if count + rule.cost > rule.limit then
-    return { allowed = false, remaining = available, available = available, retry = left_ms }
-  end
-  local new_count = count + rule.cost
+  -- The key lives until the window ends.
   return {
-    allowed = true, remaining = rule.limit - new_count, available = available,
-    write = true, window_start = window_start, count = new_count, expires_at = now + left_ms,
+    allowed = true, remaining = rule.limit - count, available = held,
+    write = true, window_start = window_start, count = count, expires_at = window_start + rule.window,
   }
 end
 
@@ -682,15 +734,20 @@ local function set_string_state(kind, key, first, second, expires_at)
   redis_call('SET', key, format(STATE_FORMAT[kind], first, second), 'PXAT', shared_text(expires_at))
 end
 
--- Writes a plain rule's new state (`first` and `second` as the string holds them) at once, with
--- the expiry the plain paths give it: a bucket lives until it would be full again (full refill +
--- slack from its time, which a clock that stepped back leaves ahead of now, as the core does); a
--- window until its end. (plain_write computes the same expiry for a key it carries.) It writes
--- the SET itself rather than through set_string_state: a Lua call costs about 600 instructions,
--- and the run's loop writes every user's key through here.
-local function set_plain_state(spec, key, first, second)
-  local kind = spec.kind
-  local expires_at = kind == 'tb' and second + spec.full_refill_ms + spec.slack or first + spec.window
+-- When a plain rule's state `first` and `second` (as the string holds them) expires: a bucket
+-- lives until it would be full again (full refill + slack from its time, which a clock that
+-- stepped back leaves ahead of now, as the core does); a window until its end.
+--@inline
+local function plain_expires_at(spec, kind, first, second)
+  return kind == 'tb' and second + spec.full_refill_ms + spec.slack or first + spec.window
+end
+
+-- Writes a plain rule's new state at once, with its expiry. It writes the SET itself rather than
+-- through set_string_state, and is inlined where it is called: a Lua call costs about 600
+-- instructions, and the plain paths write every user's key through here.
+--@inline
+local function set_plain_state(spec, kind, key, first, second)
+  local expires_at = plain_expires_at(spec, kind, first, second)
   redis_call('SET', key, format(STATE_FORMAT[kind], first, second), 'PXAT', shared_text(expires_at))
 end
 
@@ -773,51 +830,23 @@ local function decide_single(spec, key, now, batch)
   if batch and (batch.pending[key] or batch.read[key] ~= nil) then
     return nil
   end
-  local stored = redis_pcall('GET', key)
+  local stored, kind = redis_pcall('GET', key), spec.kind
   local first, second
   if stored then
     if stored.err then
       return nil
     end
-    first, second = state_numbers(stored, spec.kind)
+    first, second = state_numbers(stored, kind)
     if first == nil then
       return nil
     end
   end
-  local cost = spec.cost
-  if spec.kind == 'fw' then
-    local limit, window = spec.limit, spec.window
-    if cost > limit then
-      return '0 1 -1 0 0 0'
-    end
-    local window_start, count = now - now % window, 0
-    -- A stored window later than now's (the clock stepped back) is kept: stricter, never a reset.
-    if stored and first >= window_start then
-      window_start, count = first, second
-    end
-    local left_ms = window_start + window - now
-    if count + cost > limit then
-      local available = limit - count
-      if available < 0 then available = 0 end
-      return format(DENIED_FORMAT[1], 1, left_ms, available)
-    end
-    count = count + cost
-    -- set_plain_state's write, with the expiry this path has in hand (its lookups cost about
-    -- 600 instructions of a lone decision).
-    set_string_state('fw', key, window_start, count, now + left_ms)
-    return format(ADMITTED_FORMAT[1], limit - count)
+  local held, wait_ms, new_first, new_second = plain_step(spec, kind, now, first, second)
+  if wait_ms then
+    return format(DENIED_FORMAT[1], 1, wait_ms, held)
   end
-  if cost > spec.capacity then
-    return '0 1 -1 0 0 0'
-  end
-  local tokens, updated_at = refilled(spec, first, second, now)
-  if tokens < cost then
-    local wait_ms = div_ceil((cost - tokens) * spec.period, spec.refill)
-    return format(DENIED_FORMAT[1], 1, wait_ms, tokens)
-  end
-  local remaining = tokens - cost
-  set_string_state('tb', key, remaining, updated_at, updated_at + spec.full_refill_ms + spec.slack)
-  return format(ADMITTED_FORMAT[1], remaining)
+  set_plain_state(spec, kind, key, new_first, new_second)
+  return format(ADMITTED_FORMAT[1], held - spec.cost)
 end
 
 -- Per rule of a plain request (reused: one request at a time), what an admission writes: the
@@ -907,8 +936,8 @@ end
 local function plain_write(spec, key, first, second, batch)
   local kind = spec.kind
   if batch then
-    -- set_plain_state's expiry, kept for the write at the call's end.
-    local expires_at = kind == 'tb' and second + spec.full_refill_ms + spec.slack or first + spec.window
+    -- The expiry, kept for the write at the call's end.
+    local expires_at = plain_expires_at(spec, kind, first, second)
     local pending = batch.pending[key]
     if pending == nil then
       pending = { write = true }
@@ -923,7 +952,7 @@ local function plain_write(spec, key, first, second, batch)
       pending.window_start, pending.count = first, second
     end
   else
-    set_plain_state(spec, key, first, second)
+    set_plain_state(spec, kind, key, first, second)
   end
 end
 
@@ -974,38 +1003,12 @@ local function decide_plain(keys, key_base, specs, n, now, batch)
         PLAIN_READ_FIRST[i], PLAIN_READ_SECOND[i] = first, second
       end
     end
-    -- The rule's decision, step for step as decide_token_bucket and decide_fixed_window (and the
-    -- run loop of decide_plain_run) make it: what it holds before any debit (reported when the
-    -- request is denied), and either its wait or what its admission writes.
-    local cost, wait_ms = spec.cost, nil
-    if kind == 'fw' then
-      local limit, window = spec.limit, spec.window
-      local window_start, count = now - now % window, 0
-      -- A stored window later than now's (the clock stepped back) is kept: stricter, never a
-      -- reset.
-      if first and first >= window_start then
-        window_start, count = first, second
-      end
-      if cost > limit then
-        held[i], wait_ms = 0, -1
-      else
-        held[i] = limit > count and limit - count or 0
-        if count + cost > limit then
-          wait_ms = window_start + window - now
-        else
-          firsts[i], seconds[i] = window_start, count + cost
-        end
-      end
-    elseif cost > spec.capacity then
-      held[i], wait_ms = 0, -1
-    else
-      local tokens, updated_at = refilled(spec, first, second, now)
-      held[i] = tokens
-      if tokens < cost then
-        wait_ms = div_ceil((cost - tokens) * spec.period, spec.refill)
-      else
-        firsts[i], seconds[i] = tokens - cost, updated_at
-      end
+    -- The rule's decision: what it holds before any debit (reported when the request is denied),
+    -- and either its wait or what its admission writes.
+    local rule_held, wait_ms, new_first, new_second = plain_step(spec, kind, now, first, second)
+    held[i] = rule_held
+    if not wait_ms then
+      firsts[i], seconds[i] = new_first, new_second
     end
     if wait_ms then
       if denied_by == 0 then denied_by = i end
@@ -1022,7 +1025,7 @@ local function decide_plain(keys, key_base, specs, n, now, batch)
   -- before the debit a denial would have reported), and writes.
   for i = 1, n do
     local spec, first, second = specs[i], firsts[i], seconds[i]
-    held[i] = spec.kind == 'tb' and first or spec.limit - second
+    held[i] = held[i] - spec.cost
     plain_write(spec, keys[key_base + 1 + i], first, second, shared[i] and batch)
   end
   return format(ADMITTED_FORMAT[n], held[1], held[2], held[3], held[4], held[5], held[6],
@@ -1585,51 +1588,11 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
           end
         end
       end
-      -- The rule's decision, step for step as decide_plain makes it (written out again here: a
-      -- function call per rule cost about 1,100 instructions).
-      local cost, wait_ms = spec.cost, nil
-      if kind == 'fw' then
-        local limit, window = spec.limit, spec.window
-        local window_start, count = at - at % window, 0
-        -- A stored window later than the call's (the clock stepped back) is kept: stricter, never a
-        -- reset.
-        if first and first >= window_start then
-          window_start, count = first, second
-        end
-        if cost > limit then
-          held[i], wait_ms = 0, -1
-        else
-          held[i] = limit > count and limit - count or 0
-          if count + cost > limit then
-            wait_ms = window_start + window - at
-          else
-            firsts[i], seconds[i] = window_start, count + cost
-          end
-        end
-      elseif cost > spec.capacity then
-        held[i], wait_ms = 0, -1
-      else
-        -- refilled(spec, first, second, at), written out (its call cost about 900 instructions).
-        local capacity, tokens, updated_at = spec.capacity, first, second
-        if first == nil then
-          tokens, updated_at = capacity, at
-        elseif at > second then
-          local delta_ms = at - second
-          if delta_ms > spec.full_refill_ms then
-            delta_ms = spec.full_refill_ms
-          end
-          local gained, period = delta_ms * spec.refill, spec.period
-          tokens, updated_at = first + (gained - gained % period) / period, at
-        end
-        if tokens > capacity then
-          tokens = capacity
-        end
-        held[i] = tokens
-        if tokens < cost then
-          wait_ms = div_ceil((cost - tokens) * spec.period, spec.refill)
-        else
-          firsts[i], seconds[i] = tokens - cost, updated_at
-        end
+      -- The rule's decision, as decide_plain makes it.
+      local rule_held, wait_ms, new_first, new_second = plain_step(spec, kind, at, first, second)
+      held[i] = rule_held
+      if not wait_ms then
+        firsts[i], seconds[i] = new_first, new_second
       end
       if wait_ms then
         if denied_by == 0 then denied_by = i end
@@ -1656,7 +1619,7 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
       -- written at once.
       for i = 1, n do
         local spec, first, second = specs[i], firsts[i], seconds[i]
-        held[i] = spec.kind == 'tb' and first or spec.limit - second
+        held[i] = held[i] - spec.cost
         if run_key[i] then
           run_first[i], run_second[i] = first, second
         else
@@ -1665,7 +1628,7 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
             plain_write(spec, key, first, second, batch)
           else
             -- plain_write's write at once, without its call.
-            set_plain_state(spec, key, first, second)
+            set_plain_state(spec, spec.kind, key, first, second)
           end
         end
       end

@@ -1006,13 +1006,36 @@ fn decisions_agree_across_the_pure_core_the_in_process_store_and_redis() {
     check_decisions(&redis, &runtime, 96);
 }
 
+/// The store loads the decide library with its marked steps inlined; the library as written calls
+/// them. Both decide as the pure core does, alone and coalesced, on every path (the plain shape
+/// takes the paths the steps were inlined into).
+#[test]
+fn the_library_as_written_decides_as_the_inlined_one() {
+    let runtime = runtime();
+    let redis = runtime.block_on(Subject::redis_single_as_written());
+    check_decisions(&redis, &runtime, 32);
+    let tally = random_decisions(&redis, &runtime, Shape::Plain, 32, 60);
+    assert!(
+        tally.borrow().allowed_multi_rule > 0 && tally.borrow().denied_with_a_wait > 0,
+        "{:?}",
+        tally.borrow()
+    );
+    check_coalesced(&redis, &runtime, &[(Shape::Any, 16), (Shape::Plain, 16)]);
+}
+
 /// Coalesced calls decide as their requests would one by one: runs of 1 to 8 requests of random
 /// rules (several requests of a run sharing keys, as a hot tenant's do) in one call.
 #[test]
 fn coalesced_calls_decide_as_their_requests_one_by_one() {
     let runtime = runtime();
     let redis = runtime.block_on(Subject::redis_single());
-    for (shape, cases) in [(Shape::Any, 64), (Shape::Plain, 48)] {
+    check_coalesced(&redis, &runtime, &[(Shape::Any, 64), (Shape::Plain, 48)]);
+}
+
+/// Each shape's `cases` random runs of coalesced calls, which must decide as lone calls in a row
+/// and reach every outcome.
+fn check_coalesced(redis: &Subject, runtime: &tokio::runtime::Runtime, shapes: &[(Shape, u32)]) {
+    for &(shape, cases) in shapes {
         let scenario = (
             0u64..1_000_000,
             pool(shape),
@@ -1021,7 +1044,7 @@ fn coalesced_calls_decide_as_their_requests_one_by_one() {
         );
         let tally = RefCell::new(Tally::default());
         let result = runner(cases).run(&scenario, |(start, pool, steps, sizes)| {
-            runtime.block_on(run_coalesced(&tally, &redis, start, pool, steps, sizes))
+            runtime.block_on(run_coalesced(&tally, redis, start, pool, steps, sizes))
         });
         if let Err(failure) = result {
             panic!("{shape:?}: {failure}");

@@ -166,6 +166,18 @@ impl Subject {
         Self::redis(store, Some(server), None)
     }
 
+    /// A fresh Redis server and a store on it that calls the decide library as written (its marked
+    /// steps called, not inlined).
+    pub(super) async fn redis_single_as_written() -> Self {
+        let server = RedisServer::start();
+        let store = RedisStore::connect(&server.url(), TEST_CONFIG)
+            .await
+            .expect("connects")
+            .with_decide_library_as_written()
+            .await;
+        Self::redis(store, Some(server), None)
+    }
+
     /// A fresh Redis server shared, as in a rolling upgrade, by a store that writes rule state as
     /// strings and one that writes it as hashes: decisions alternate between them, so each finds
     /// the other's layout. Key inspection and coalesced calls use the hash-writing store.
