@@ -50,7 +50,8 @@ use std::time::Duration;
 use allot_region_agent::clock::{Stopwatch, SystemClock, monotonic_now};
 use allot_region_agent::http::AgentApi;
 use allot_region_agent::limiter::{
-    InProcessStore, LimiterStats, LimiterStore, RedisStore, RedisStoreConfig, plan_request,
+    InProcessStore, LimiterStats, LimiterStore, RedisStore, RedisStoreConfig, decide_reply_admits,
+    plan_request,
 };
 use allot_shared::keys::{IpPrefixes, Pepper};
 use axum::Json;
@@ -781,8 +782,9 @@ async fn raw_evalsha(redis_url: &str, callers: u64) -> Outcome {
                         .expect("regional rules");
                 let command = store.decide_command(&planned.batch);
                 let stopwatch = Stopwatch::start();
-                let reply: String = command.query_async(&mut connection).await.expect("FCALL");
-                assert!(reply.starts_with("1 "), "admitted: {reply}");
+                let reply: redis::Value =
+                    command.query_async(&mut connection).await.expect("FCALL");
+                assert!(decide_reply_admits(&reply), "admitted: {reply:?}");
                 latencies.push(stopwatch.elapsed().as_micros() as u64);
                 n += callers;
             }

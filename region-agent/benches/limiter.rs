@@ -36,7 +36,7 @@ use std::time::Duration;
 use allot_region_agent::clock::Stopwatch;
 use allot_region_agent::limiter::{
     DegradeCause, Limiter, LimiterConfig, LimiterStore, PlannedBatch, RedisStore, RedisStoreConfig,
-    Verdict, plan_request,
+    Verdict, decide_reply_admits, plan_request,
 };
 use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
 use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
@@ -215,8 +215,9 @@ async fn measure(
                         let spread_evalsha =
                             spread.as_ref().map(|p| store.decide_command(&p.batch));
                         let evalsha = spread_evalsha.as_ref().unwrap_or(&fixed_evalsha);
-                        let reply: String = evalsha.query_async(&mut raw).await.expect("FCALL");
-                        assert!(reply.starts_with("1 "), "admitted: {reply}");
+                        let reply: redis::Value =
+                            evalsha.query_async(&mut raw).await.expect("FCALL");
+                        assert!(decide_reply_admits(&reply), "admitted: {reply:?}");
                     }
                 }
                 if latencies_us.len() < MAX_SAMPLES_PER_CALLER {
@@ -537,7 +538,7 @@ async fn principals_growth(subjects: &Subjects) {
         let mut raw = subjects.raw.clone();
         for user in 0..principals {
             let planned = planned_for(&subjects.bundle, 0, user);
-            let _: String = subjects
+            let _: redis::Value = subjects
                 .store
                 .decide_command(&planned.batch)
                 .query_async(&mut raw)

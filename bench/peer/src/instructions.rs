@@ -129,7 +129,7 @@ async fn decide(shape: Shape, path: Path, subjects: &Subjects) {
             for _ in 0..DECISIONS / CALLERS {
                 match path {
                     Path::Raw => {
-                        let _: String = fcall.query_async(&mut raw).await.expect("FCALL");
+                        let _: redis::Value = fcall.query_async(&mut raw).await.expect("FCALL");
                     }
                     Path::Allot => {
                         let _ = limiter.decide(&planned, None).await;

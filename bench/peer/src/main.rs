@@ -320,8 +320,8 @@ async fn measure(
                 let stopwatch = Stopwatch::start();
                 let admitted = match path {
                     Path::Raw => {
-                        let reply: String = fcall.query_async(&mut raw).await.expect("FCALL");
-                        reply.starts_with("1 ")
+                        let reply: redis::Value = fcall.query_async(&mut raw).await.expect("FCALL");
+                        allot_region_agent::limiter::decide_reply_admits(&reply)
                     }
                     Path::Allot | Path::AllotCoalescing => {
                         let client = if path == Path::Allot {

@@ -82,5 +82,5 @@ pub use in_process::{DEFAULT_IN_PROCESS_MAX_KEYS, InProcessStore};
 pub use negative_cache::CachedDenial;
 pub use overload::{ConcurrencyConfig, MAX_WAITING_PER_SHARD, ShardLoad};
 pub use redis_store::{RedisStore, RedisStoreConfig, RedisTls, StateLayout};
-pub use scripts::decide_library;
+pub use scripts::{decide_library, decide_reply_admits};
 pub use store::{BatchDecision, LeaseCall, LeaseOutcome, LimiterStore, Rejection, StoreError};

@@ -13,7 +13,8 @@ use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErrorKind};
 
 use super::scripts::{
-    LIBRARY_VERSION_PLACEHOLDER, coalesced_call, repeated_key_refusal, reply_integers,
+    LIBRARY_VERSION_PLACEHOLDER, coalesced_call, is_sliding_log, keeps_record, lone_reply,
+    repeated_key_refusal, reply_integers,
 };
 use super::store::{Rejection, StoreError};
 
@@ -66,9 +67,24 @@ impl Library {
         }
     }
 
+    /// One request's `FCALL`, from its keys and arguments as [`super::scripts::decide_keys`] and
+    /// [`super::scripts::decide_args`] build them. A request that keeps no decision record and has
+    /// no sliding log goes without the record's key and the decision id, which the function reads
+    /// for nothing else: two strings fewer for Redis to hand to Lua on every such call.
     pub(super) fn fcall(&self, keys: &[&str], args: &[String]) -> Cmd {
         let mut cmd = redis::cmd("FCALL");
-        cmd.arg(&self.function).arg(keys.len()).arg(keys).arg(args);
+        cmd.arg(&self.function);
+        match compact_layout(keys, args) {
+            Some((rule_keys, header, rules)) => {
+                cmd.arg(rule_keys.len())
+                    .arg(rule_keys)
+                    .arg(header)
+                    .arg(rules);
+            }
+            None => {
+                cmd.arg(keys.len()).arg(keys).arg(args);
+            }
+        }
         cmd
     }
 
@@ -88,6 +104,23 @@ impl Library {
         cmd.arg("LOAD").arg(&self.source);
         cmd
     }
+}
+
+/// A lone request's rule keys, header and rules when it can go without its decision record's key
+/// and its decision id (it keeps no record and has no sliding log); None otherwise, or when it is
+/// not laid out as [`super::scripts::decide_keys`] and [`super::scripts::decide_args`] lay it.
+fn compact_layout<'k, 'a>(
+    keys: &'k [&'k str],
+    args: &'a [String],
+) -> Option<(&'k [&'k str], &'a String, &'a [String])> {
+    let (header, rest) = args.split_first()?;
+    let (_decision_id, rules) = rest.split_first()?;
+    let (_record_key, rule_keys) = keys.split_first()?;
+    let fits = !rules.is_empty()
+        && rules.len() == rule_keys.len()
+        && !keeps_record(header)
+        && !rules.iter().any(|rule| is_sliding_log(rule));
+    fits.then_some((rule_keys, header, rules))
 }
 
 /// Whether `error` says the library was loaded before (`FUNCTION LOAD` of a name that exists).
@@ -250,10 +283,10 @@ impl Calls {
         keys: &[&str],
         args: &[String],
     ) -> Result<Vec<i64>, StoreError> {
-        let reply: Vec<u8> = self
+        let reply: redis::Value = self
             .run(Code::Library(&self.decide_library), keys, args)
             .await?;
-        reply_integers(&reply).map_err(|detail| StoreError::MalformedReply { detail })
+        lone_reply(reply).map_err(|detail| StoreError::MalformedReply { detail })
     }
 
     /// Several requests of one slot in one call, decided one after another in this order; each
@@ -403,5 +436,48 @@ pub(super) fn classify(error: RedisError) -> StoreError {
         | ErrorKind::AuthenticationFailed => StoreError::NotExecuted { detail },
         // Anything else: assume the worst that is safe.
         _ => StoreError::Ambiguous { detail },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn texts(items: &[&str]) -> Vec<String> {
+        items.iter().map(|item| (*item).to_owned()).collect()
+    }
+
+    /// A request without a decision record or a sliding log goes without the record's key and
+    /// the id; any other, and anything not laid out as a lone call, goes as it is.
+    #[test]
+    fn only_a_request_that_reads_no_id_goes_without_it() {
+        let keys = ["{t:a}:d:1", "{t:a}:u", "{t:a}:t"];
+        let plain = texts(&["0 0 2 0 0 0", "id-1", "tb 1 1 1 0 1", "fw 5 1000 0 0 1000"]);
+        let (rule_keys, header, rules) = compact_layout(&keys, &plain).expect("compact");
+        assert_eq!(rule_keys, &keys[1..]);
+        assert_eq!(header, "0 0 2 0 0 0");
+        assert_eq!(rules, &plain[2..]);
+        let recorded = texts(&[
+            "0 30000 2 0 0 0",
+            "id-1",
+            "tb 1 1 1 0 1",
+            "fw 5 1000 0 0 1000",
+        ]);
+        assert!(compact_layout(&keys, &recorded).is_none());
+        let sliding_log = texts(&["0 0 2 0 0 0", "id-1", "tb 1 1 1 0 1", "sl 5 1000 0 0 1000"]);
+        assert!(compact_layout(&keys, &sliding_log).is_none());
+        // Already without them (tests of the function's own refusals send such calls).
+        assert!(compact_layout(&keys[1..2], &texts(&["0 0 1 0 0 0", "tb 1 1 1 0 1"])).is_none());
+    }
+
+    #[test]
+    fn an_integer_reply_is_an_admission_by_the_one_rule() {
+        assert_eq!(lone_reply(redis::Value::Int(7)), Ok(vec![1, 0, 0, 0, 0, 7]));
+        let text = redis::Value::BulkString(b"0 1 250 0 0 0".to_vec());
+        assert_eq!(lone_reply(text), Ok(vec![0, 1, 250, 0, 0, 0]));
+        assert!(lone_reply(redis::Value::Nil).is_err());
+        assert!(super::super::scripts::decide_reply_admits(
+            &redis::Value::Int(0)
+        ));
     }
 }

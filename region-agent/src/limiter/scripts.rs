@@ -57,12 +57,12 @@ const SLIDING_LOG: &str = "sl";
 
 /// Whether a header [`decide_args`] wrote keeps a decision record (its second field, the record's
 /// TTL, is not 0).
-fn keeps_record(header: &str) -> bool {
+pub(crate) fn keeps_record(header: &str) -> bool {
     header.split(' ').nth(1) != Some("0")
 }
 
 /// Whether a rule text [`decide_args`] wrote is a sliding log's.
-fn is_sliding_log(rule: &str) -> bool {
+pub(crate) fn is_sliding_log(rule: &str) -> bool {
     rule.split(' ').next() == Some(SLIDING_LOG)
 }
 
@@ -255,6 +255,28 @@ fn advisory_mask(batch: &RuleBatch) -> u64 {
 }
 
 /// The integers of the decide library's reply: one string of decimal integers, one space apart.
+/// A lone call's reply as its integers: the reply text's (see [`reply_integers`]), or, for an
+/// integer reply (a lone request admitted by its one rule), those of `1 0 0 0 0 <remaining>`.
+pub(crate) fn lone_reply(reply: redis::Value) -> Result<Vec<i64>, String> {
+    match reply {
+        redis::Value::Int(remaining) => Ok(vec![1, 0, 0, 0, 0, remaining]),
+        redis::Value::BulkString(text) => reply_integers(&text),
+        other => Err(format!(
+            "the reply is neither text nor an integer: {other:?}"
+        )),
+    }
+}
+
+/// Whether a lone call's reply admits the request, for benchmarks that call the library
+/// themselves ([`crate::limiter::RedisStore::decide_command`]).
+pub fn decide_reply_admits(reply: &redis::Value) -> bool {
+    match reply {
+        redis::Value::Int(_) => true,
+        redis::Value::BulkString(text) => text.starts_with(b"1 "),
+        _ => false,
+    }
+}
+
 pub(crate) fn reply_integers(reply: &[u8]) -> Result<Vec<i64>, String> {
     let text = std::str::from_utf8(reply).map_err(|_| "the reply is not text".to_owned())?;
     text.split(' ')

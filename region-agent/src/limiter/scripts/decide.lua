@@ -9,7 +9,11 @@ returns (allowed, first denying rule, retry hint, advisory denials, per-rule rem
 exactly its writes.
 
 KEYS[1]        the decision record (a string). Read and written only when record_ttl_ms > 0.
-KEYS[2..n+1]   one key per rule, all distinct. Every key, KEYS[1] included, carries the same
+KEYS[2..n+1]   one key per rule, all distinct.
+               A request that keeps no decision record and has no sliding log may go without
+               KEYS[1] and without the decision id (ARGV[2]): n keys and 1 + n arguments, the
+               rules from ARGV[2]. The agent sends such requests so; the function tells the two
+               layouts apart by their counts. Every key, KEYS[1] included, carries the same
                {t:<tenant>} hash tag, so they share one Redis Cluster slot and this one call
                decides them atomically.
 
@@ -21,7 +25,7 @@ ARGV[1]  the header, five decimal fields separated by one space:
          record_ttl_ms   0: no decision record. In [1, 2^40]: an admission is recorded under
                          KEYS[1] for this long, and a call that finds the record replays it
                          without deciding (or debiting) again.
-         n               the number of rules, 1 to 8. #KEYS = n + 1 and #ARGV = 2 + n.
+         n               the number of rules, 1 to 8. #KEYS = n + 1 and #ARGV = 2 + n (or n and 1 + n).
          dry_run         1: decide and reply as usual, but write nothing (no rule state, no
                          decision record): a check that spends nothing. 0: a decision.
          advisory        a bit mask in [0, 2^n - 1]: bit i-1 set when rule i only advises (a shadow
@@ -53,6 +57,9 @@ validated parse: identical bytes in, identical parse out, so no check is skipped
 (docs/limiter.md argues it).
 
 Reply "allowed denied_by retry_ms replayed advisory_denied remaining_1 ... remaining_n": one string,
+or, for a request of one rule that the rule admits, decided on its own path (the single-rule
+path, not a replay, no advisory rule), the integer remaining_1 alone: the same as
+"1 0 0 0 0 remaining_1", without a string made for it. The string is
 decimal integers one space apart (Redis turns a table reply into its protocol at a cost per element
 and per table, several times a string's):
   allowed     1 or 0.
@@ -142,16 +149,19 @@ local last_value, last_digits, other_value, other_digits
 -- text(value) for numbers many writes share: an expiry (a window's end, or the call's clock plus a
 -- bucket's refill time) and a sliding counter's window start. string.format costs as much as a small Redis command, and the
 -- decisions of a call (and of one window) write the same few of these again and again.
+--@inline
 local function shared_text(value)
-  if value == last_value then
-    return last_digits
+  local digits = last_digits
+  if value ~= last_value then
+    if value == other_value then
+      digits = other_digits
+    else
+      other_value, other_digits = last_value, last_digits
+      last_value, last_digits = value, format('%d', value)
+      digits = last_digits
+    end
   end
-  if value == other_value then
-    return other_digits
-  end
-  other_value, other_digits = last_value, last_digits
-  last_value, last_digits = value, format('%d', value)
-  return last_digits
+  return digits
 end
 
 -- floor(a / b) for integers 0 <= a < 2^53 and b >= 1. Lua's `a % b` is a - floor(a / b) * b: the
@@ -325,13 +335,15 @@ local function parse_rule(argument)
 end
 
 -- `argument` parsed by `parse`, from the table when this exact text was seen before.
+--@inline
 local function parsed(argument, parse)
   local entry = parsed_by_text[argument]
   if entry == nil then
     if argument == nil then
-      return parse(argument)
+      entry = parse(argument)
+    else
+      entry = remember(argument, parse(argument))
     end
-    entry = remember(argument, parse(argument))
   end
   return entry
 end
@@ -410,19 +422,18 @@ end
 -- The numbers of a tb, fw or sc state string, or nil when it does not hold exactly `kind`'s
 -- layout: one match checks the layout and captures every field, each at most 16 digits and below
 -- 2^53 (exact integers, as integer() requires). The third number is nil but for sc.
+--@inline
 local function state_numbers(stored, kind)
   local a, b, c = match(stored, STATE_PATTERNS[kind])
   if a == nil or #a > 16 or #b > 16 or (c and #c > 16) then
-    return nil
-  end
-  a, b = a + 0, b + 0
-  if a > MAX_STORED or b > MAX_STORED then
-    return nil
-  end
-  if c then
-    c = c + 0
-    if c > MAX_STORED then
-      return nil
+    a = nil
+  else
+    a, b = a + 0, b + 0
+    if c then
+      c = c + 0
+    end
+    if a > MAX_STORED or b > MAX_STORED or (c and c > MAX_STORED) then
+      a = nil
     end
   end
   return a, b, c
@@ -731,7 +742,8 @@ local STATE_FORMAT = { tb = 't%d %d', fw = 'f%d %d' }
 -- Writes a tb or fw state string (its two numbers as STATE_PATTERNS lays them out) and its expiry
 -- in one SET, which also replaces an earlier version's hash.
 local function set_string_state(kind, key, first, second, expires_at)
-  redis_call('SET', key, format(STATE_FORMAT[kind], first, second), 'PXAT', shared_text(expires_at))
+  local expiry = shared_text(expires_at)
+  redis_call('SET', key, format(STATE_FORMAT[kind], first, second), 'PXAT', expiry)
 end
 
 -- When a plain rule's state `first` and `second` (as the string holds them) expires: a bucket
@@ -748,7 +760,8 @@ end
 --@inline
 local function set_plain_state(spec, kind, key, first, second)
   local expires_at = plain_expires_at(spec, kind, first, second)
-  redis_call('SET', key, format(STATE_FORMAT[kind], first, second), 'PXAT', shared_text(expires_at))
+  local expiry = shared_text(expires_at)
+  redis_call('SET', key, format(STATE_FORMAT[kind], first, second), 'PXAT', expiry)
 end
 
 -- Writes a tb, fw or sc state as the hash of earlier versions, replacing whatever the key held
@@ -780,9 +793,10 @@ local function write(spec, key, outcome, now, decision_id, hashes)
     local tat = text(outcome.new_tat)
     redis_call('SET', key, tat, 'PXAT', tat)
   elseif kind == 'sc' then
-    local state = 's' .. shared_text(outcome.window_start) .. ' ' .. text(outcome.count) .. ' '
-      .. text(outcome.prev)
-    redis_call('SET', key, state, 'PXAT', shared_text(outcome.expires_at))
+    local start = shared_text(outcome.window_start)
+    local state = 's' .. start .. ' ' .. text(outcome.count) .. ' ' .. text(outcome.prev)
+    local expiry = shared_text(outcome.expires_at)
+    redis_call('SET', key, state, 'PXAT', expiry)
   else
     -- Trim the entries that have left the window, so the set holds at most `limit` members. The
     -- key lives until its newest entry leaves the window; after a clock step back that entry can
@@ -846,7 +860,11 @@ local function decide_single(spec, key, now, batch)
     return format(DENIED_FORMAT[1], 1, wait_ms, held)
   end
   set_plain_state(spec, kind, key, new_first, new_second)
-  return format(ADMITTED_FORMAT[1], held - spec.cost)
+  if batch then
+    return format(ADMITTED_FORMAT[1], held - spec.cost)
+  end
+  -- A lone call's admission by its one rule: what the rule has left, as an integer reply.
+  return held - spec.cost
 end
 
 -- Per rule of a plain request (reused: one request at a time), what an admission writes: the
@@ -1036,7 +1054,8 @@ end
 -- token bucket or a fixed window): the array `into`, filled; else nil.
 local function plain_specs(texts, offset, n, into)
   for i = 1, n do
-    local spec = parsed(texts[offset + i], parse_rule).ok
+    local entry = parsed(texts[offset + i], parse_rule)
+    local spec = entry.ok
     if not (spec and spec.plain) then
       return nil
     end
@@ -1077,22 +1096,23 @@ local function state_after(spec, outcome)
   return outcome.new_tat
 end
 
--- One request, whose keys start after keys[key_base] and arguments after args[arg_base], at
--- `now` (the server's clock, read by the caller) unless its header names a test clock. `batch`
+-- One request, whose keys start after keys[key_base], with its header in args[1] and its rules
+-- after args[rules_at], and its decision id (nil when none was sent: then it may keep no record
+-- and have no sliding log), at `now` (the server's clock, read by the caller) unless its header
+-- names a test clock. `batch`
 -- is nil for a lone call; in a coalesced call it holds, by key, the state earlier requests of the
 -- call left (read once, then carried) and the writes they made, performed once at the call's end
 -- (a sliding log, whose reads need its set, is written at once): `read` holds each key's state
 -- as read (false when absent), `pending` its latest admitting outcome, `order` the keys to write.
 -- Returns the reply, or an error reply (then nothing of this request was written or carried).
-local function decide_request(keys, key_base, args, arg_base, now, batch)
-  local header_entry = parsed(args[arg_base + 1], parse_header)
+local function decide_request(keys, key_base, args, rules_at, decision_id, now, batch)
+  local header_entry = parsed(args[1], parse_header)
   if header_entry.err then
     return arg_error(header_entry.err)
   end
   local header = header_entry.ok
   local n = header.n
-  local decision_id = args[arg_base + 2]
-  if decision_id == nil or #decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES then
+  if decision_id ~= nil and (#decision_id == 0 or #decision_id > MAX_DECISION_ID_BYTES) then
     return arg_error('decision id must be 1 to ' .. MAX_DECISION_ID_BYTES .. ' bytes')
   end
   local record_key = keys[key_base + 1]
@@ -1104,14 +1124,18 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
     now = header.now
   end
   local record_ttl_ms = header.record_ttl_ms
+  if record_ttl_ms > 0 and decision_id == nil then
+    return arg_error('a decision record needs its key and the decision id')
+  end
   -- The plain shape on its own paths; whatever they leave, the general path below decides.
   if header.plain then
     local reply
     if n == 1 then
-      local spec = parsed(args[arg_base + 3], parse_rule).ok
+      local entry = parsed(args[rules_at + 1], parse_rule)
+      local spec = entry.ok
       reply = spec and spec.plain and decide_single(spec, keys[key_base + 2], now, batch)
     end
-    local plain = not reply and plain_specs(args, arg_base + 2, n, SPECS)
+    local plain = not reply and plain_specs(args, rules_at, n, SPECS)
     reply = reply or plain and decide_plain(keys, key_base, plain, n, now, batch)
     if reply then
       return reply
@@ -1144,11 +1168,14 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
   -- The library's own arrays, reused: requests are decided one at a time, each to its end.
   local specs, outcomes = SPECS, OUTCOMES
   for i = 1, n do
-    local entry = parsed(args[arg_base + 2 + i], parse_rule)
+    local entry = parsed(args[rules_at + i], parse_rule)
     if entry.err then
       return arg_error('rule ' .. i .. ' ' .. entry.err)
     end
     local spec = entry.ok
+    if spec.kind == 'sl' and decision_id == nil then
+      return arg_error('rule ' .. i .. ' is a sliding log, which needs the decision id')
+    end
     local key = keys[key_base + 1 + i]
     local state, problem
     local carries = batch and spec.kind ~= 'sl'
@@ -1221,7 +1248,8 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
       end
     end
     if record_ttl_ms > 0 then
-      redis_call('SET', record_key, sub(remaining, 2), 'PXAT', shared_text(now + record_ttl_ms))
+      local expiry = shared_text(now + record_ttl_ms)
+      redis_call('SET', record_key, sub(remaining, 2), 'PXAT', expiry)
     end
   end
   if denied_by == 0 and advisory_denied == 0 then
@@ -1232,6 +1260,7 @@ local function decide_request(keys, key_base, args, arg_base, now, batch)
 end
 
 -- The server's clock, ms.
+--@inline
 local function server_now()
   local time = redis_call('TIME')
   -- Seconds and microseconds, as digit strings: arithmetic coerces them exactly.
@@ -1249,11 +1278,22 @@ local function decide(keys, args)
     return arg_error(header_entry.err)
   end
   local n = header_entry.ok.n
-  if #keys ~= n + 1 or #args ~= 2 + n then
-    return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (2 + n) .. ' arguments')
+  local key_count, arg_count = #keys, #args
+  local key_base, rules_at, decision_id
+  if key_count == n + 1 and arg_count == 2 + n then
+    key_base, rules_at, decision_id = 0, 2, args[2]
+  elseif key_count == n and arg_count == 1 + n then
+    -- Without the decision record's key and the decision id.
+    key_base, rules_at = -1, 1
+  else
+    return arg_error('expected ' .. (n + 1) .. ' keys and ' .. (2 + n) .. ' arguments, or ' .. n
+      .. ' and ' .. (1 + n) .. ' without a decision record or id')
   end
-  local now = header_entry.ok.server_time and server_now() or 0
-  return decide_request(keys, 0, args, 0, now, nil)
+  local now = 0
+  if header_entry.ok.server_time then
+    now = server_now()
+  end
+  return decide_request(keys, key_base, args, rules_at, decision_id, now, nil)
 end
 
 -- Most requests one coalesced call decides, and most distinct texts (headers and rules) it sends.
@@ -1437,7 +1477,8 @@ local function decide_taken(keys, taken, layout, meaning, decision_id, now, batc
     for i = 1, n do
       request_args[2 + i] = meaning.rules[i]
     end
-    reply = decide_request(request_keys, 0, request_args, 0, now, batch)
+    reply = decide_request(request_keys, 0, request_args, 2, decision_id ~= NO_ID and decision_id or nil,
+      now, batch)
     -- A refused request's error goes back as its text, not as an error reply: clients may take an
     -- error anywhere in a reply for the whole reply's. (A string's `err` is nil.)
     reply = reply.err or reply

@@ -388,7 +388,9 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     );
     header(4, "-1", "a negative advisory mask");
     header(5, "2", "a state layout neither 0 nor 1");
+    // Sent with a decision record: a request without one goes without its id.
     let mut long_id = valid.clone();
+    long_id[0] = format!("{now} 30000 1 0 0 0");
     long_id[1] = "x".repeat(65);
     cases.push(("a 65-byte decision id", long_id));
     let mut seven_fields = valid.clone();
@@ -405,6 +407,22 @@ async fn the_decide_script_refuses_malformed_arguments_and_writes_nothing() {
     cases.push(("a missing rule", short));
     for (name, args) in &cases {
         let refused = store.run_decide_raw(&keys, args).await;
+        assert!(refused_for_its_arguments(&refused), "{name}: {refused:?}");
+    }
+    // Without the record's key and the decision id: a request that keeps no record and has no
+    // sliding log is sent so, and nothing else may be.
+    let without_id = |header: String, rule: &str| vec![header, rule.to_owned()];
+    for (name, args) in [
+        (
+            "a decision record without its key and id",
+            without_id(format!("{now} 30000 1 0 0 0"), &valid[2]),
+        ),
+        (
+            "a sliding log without the decision id",
+            without_id(format!("{now} 0 1 0 0 0"), "sl 5 1000 0 0 1000"),
+        ),
+    ] {
+        let refused = store.run_decide_raw(&keys[1..], &args).await;
         assert!(refused_for_its_arguments(&refused), "{name}: {refused:?}");
     }
     let duplicate = {
