@@ -60,6 +60,91 @@ def bench_lines(log):
     return rows
 
 
+def number(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def targets():
+    """The performance targets measured per core and per instruction: each figure beside its
+    ceiling from this run, met or not, whether it holds across machines, and the command."""
+    agent = [r for r in bench_lines("agent.log") if r.get("bench", "agent") == "agent"]
+    opened = [r for r in bench_lines("agent.log") if r.get("bench") == "agent_open"]
+    instructions = [r for r in bench_lines("peer.log") if r.get("bench") == "peer_instructions"]
+    if not (agent or instructions):
+        return
+    agent_command = "`cargo bench -p allot-region-agent --bench agent`"
+    peer_command = "`scripts/bench-peer` (`--instructions` half)"
+    rows = []
+
+    def agent_row(path, callers=64):
+        return next((r for r in agent if r["path"] == path and r["callers"] == callers), None)
+
+    for path, transport, ceiling_path, limit in [
+        ("lease-only", "TCP", "trivial", 1.5),
+        ("lease-only uds", "UDS", "trivial uds", 1.5),
+        ("lease+3-redis", "TCP", "trivial", 2.0),
+        ("lease+3-redis uds", "UDS", "trivial uds", 2.0),
+    ]:
+        row, ceiling = agent_row(path), agent_row(ceiling_path)
+        ratio = number(row.get("agentCpuXTrivial")) if row else None
+        if row is None or ceiling is None or ratio is None:
+            continue
+        rows.append((f"`{path.replace(' uds', '')}` agent CPU per decision, {transport}, 64 callers",
+                     f"{row['agentCpuUsPerDecision']} us", f"`{ceiling_path}` {ceiling['agentCpuUsPerDecision']} us",
+                     f"{ratio:.2f}x", f"<= {limit}x", "met" if ratio <= limit else "not met",
+                     "ratio: roughly; the microseconds: no", agent_command))
+    rls, trivial = agent_row("grpc+3-redis"), agent_row("trivial")
+    per_core = number(rls.get("decisionsPerAgentCoreSecond")) if rls else None
+    if per_core is not None:
+        rows.append(("Envoy RLS `ShouldRateLimit` decisions per agent core-second (`grpc+3-redis`)",
+                     f"{per_core:,.0f}", f"`trivial` {number(trivial.get('decisionsPerAgentCoreSecond')):,.0f}" if trivial else "-",
+                     f"{rls['agentCpuUsPerDecision']} us a decision", ">= 40,000", "met" if per_core >= 40000 else "not met",
+                     "no: CPU time of this machine's cores", agent_command))
+    by_path = {(r["rules"], r["path"]): r for r in instructions}
+    for rules, path, limit, label in [
+        (1, "allot", 0.8, "sent alone"),
+        (3, "allot", 0.7, "sent alone"),
+        (1, "allot coalescing", 0.60, "coalesced"),
+        (3, "allot coalescing", 0.34, "coalesced"),
+    ]:
+        row, peer = by_path.get((rules, path)), by_path.get((rules, "limitador"))
+        if row is None or peer is None:
+            continue
+        ratio = row["ratioToLimitador"]
+        rows.append((f"Redis instructions per decision, {rules} rule{'s' if rules > 1 else ''}, {label}, 32 callers",
+                     f"{row['redisInstructionsPerDecision']:,.0f}", f"Limitador {peer['redisInstructionsPerDecision']:,.0f}",
+                     f"{ratio:.2f}x", f"<= {limit}x", "met" if ratio <= limit else "not met",
+                     "yes: instructions, for the same Redis build", peer_command))
+    for fraction in (0.5, 0.8):
+        row = next((r for r in opened if abs(float(r["fraction"]) - fraction) < 1e-9), None)
+        if row is None:
+            continue
+        unavailable = number(row["unavailablePercent"]) or 0.0
+        rows.append((f"LIMITER_UNAVAILABLE open loop at {fraction}x of the closed-loop peak (`lease+3-redis`)",
+                     f"{row['unavailablePercent']} %", f"the generator sent {row.get('lateSendPercent', '-')} % late (up to {row.get('maxLateMs', '-')} ms)",
+                     "-", "0 %", "met" if unavailable == 0 else "not met",
+                     "no: it moves with what shares the cores", agent_command))
+    print("## Targets: CPU per decision and instructions per decision")
+    print()
+    print("Each target of the agent's and the store's cost per decision, from this run, beside the ceiling")
+    print("measured with it. Which figures hold on another machine: instructions Redis executes per")
+    print("decision (counted under callgrind) repeat exactly for the same Redis build and inputs, whatever")
+    print("else the machine runs; CPU time per decision is this machine's (its cores, its kernel, what")
+    print("shares them), so its ratio to a ceiling measured in the same run travels better than its")
+    print("microseconds, and throughput and open-loop refusals depend on the cores the processes share. The")
+    print("decision of each algorithm is written once in `decide.lua` (`--@inline` steps, expanded where")
+    print("they are called; `scripts/decide-instructions` counts the library the store loads).")
+    print()
+    table_header("figure", "measured", "ceiling", "ratio", "target", "met", "holds across machines", "command",
+                 left=("figure", "ceiling", "met", "holds across machines", "command"))
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+    print()
+
+
 def main():
     print("# Benchmarks")
     print()
@@ -70,6 +155,7 @@ def main():
     print()
     print(f"Last run: {datetime.date.today().isoformat()} on {machine()}.")
     print()
+    targets()
     means = criterion_means()
     if means:
         print("## Decision core (`allot-shared`, criterion)")
@@ -240,7 +326,10 @@ def main():
         print("at most about a chunk per grant round trip: the reference design's 100 last 3 ms at this bench's")
         print("rate, less than a renewal takes on a loaded 2-core machine); renewals are prefetched off the")
         print("request path. `grpc+3-redis` is the")
-        print("same decision through Envoy's rate limit service (tonic). The Redis agent coalesces, as agents")
+        print("same decision through Envoy's rate limit service (tonic), its callers over 4 HTTP/2 connections")
+        print("as an Envoy with 4 worker threads holds them (one per worker, its calls multiplexed; until")
+        print("2026-12-06 this bench opened one connection per caller, which cost the agent a socket read and")
+        print("write per call: 24,727 decisions per agent core-second then). The Redis agent coalesces, as agents")
         print("do by default: a tenant's decisions that arrive while its call is in flight share its next call")
         print("(every caller's route and tenant keys are shared); `lease+3-redis alone` is the same path")
         print("through an agent that sends every decision in a call of its own (`--coalesce-hot-keys false`).")
@@ -403,7 +492,8 @@ def main():
         print("## Gateways deciding locally (RLQS) beside one call per request (RLS)")
         print()
         print("The same agent, policy (one global pool, three regional rules on Redis) and Redis. `rls`: 64")
-        print("tonic callers, one `ShouldRateLimit` per decision. `rlqs same load`: 8 reference gateways (one")
+        print("tonic callers over 4 HTTP/2 connections (an Envoy's 4 workers), one `ShouldRateLimit` per")
+        print("decision. `rlqs same load`: 8 reference gateways (one")
         print("stream each) deciding at the rate `rls` reached, spread over 100 users: every decision is")
         print("local, against the token-bucket assignments the agent pushes; the agent only takes usage")
         print("reports (one a second per gateway) and carves assignments (one Redis call each for the")

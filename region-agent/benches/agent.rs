@@ -40,7 +40,8 @@
 //! ([`AdmitConnection`]): the cheapest caller takes the least of the cores the agent shares.
 //! Prints a table and `BENCH {json}` lines with bench = "agent", and per caller count one with
 //! bench = "agent_limiter": why the Redis agent's limiter did not decide (shed, waited in vain,
-//! refused by an open breaker). `ALLOT_BENCH_LOG=1` prints the agent's warnings to stderr.
+//! refused by an open breaker). `ALLOT_BENCH_LOG=1` prints the agent's log (info and above) to
+//! stderr.
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -138,9 +139,9 @@ struct Outcome {
 mod common;
 
 use common::{
-    AGENT_THREADS, GATEWAY, agent_and_load_runtimes, bundle, machine_cpu_ticks,
-    process_cpu_seconds, redis_cpu_seconds, request, rls_request, serve_on_free_port, start_agent,
-    stub_allocator, thread_cpu_seconds, threads_named,
+    AGENT_THREADS, GATEWAY, agent_and_load_runtimes, bundle, envoy_channels, logging_as_deployed,
+    machine_cpu_ticks, process_cpu_seconds, redis_cpu_seconds, request, rls_request,
+    serve_on_free_port, start_agent, stub_allocator, thread_cpu_seconds, threads_named,
 };
 
 /// Serves Envoy's RLS v3 for `api` on the agents' runtime; its URL.
@@ -163,16 +164,19 @@ async fn serve_grpc_on(agents: &tokio::runtime::Handle, api: AgentApi) -> String
         .expect("the agents' runtime")
 }
 
-/// Envoy's RLS v3 path: the agent served over gRPC at `url`, called by `callers` tonic clients.
+/// Envoy's RLS v3 path: the agent served over gRPC at `url`, called by `callers` tonic clients
+/// over an Envoy's connections ([`envoy_channels`]).
 async fn drive_grpc(url: String, callers: u64) -> Outcome {
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_response::Code;
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
+    let channels = envoy_channels(&url, callers).await;
     for caller in 0..callers {
-        let (url, stop) = (url.clone(), stop.clone());
+        let stop = stop.clone();
+        let channel = channels[caller as usize % channels.len()].clone();
         tasks.push(tokio::spawn(async move {
-            let mut client = RateLimitServiceClient::connect(url).await.expect("connect");
+            let mut client = RateLimitServiceClient::new(channel);
             let mut latencies = Vec::new();
             let mut refusals = Refusals::default();
             let mut n = caller;
@@ -795,13 +799,9 @@ async fn raw_evalsha(redis_url: &str, callers: u64) -> Outcome {
 }
 
 fn main() {
+    logging_as_deployed();
     if let Ok(load) = std::env::var(LOAD_ENV) {
         return generate_load(&load);
-    }
-    if std::env::var_os("ALLOT_BENCH_LOG").is_some() {
-        tracing_subscriber::fmt()
-            .with_writer(std::io::stderr)
-            .init();
     }
     let (agents, load) = agent_and_load_runtimes();
     load.block_on(run(agents.handle().clone()));

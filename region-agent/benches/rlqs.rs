@@ -30,8 +30,8 @@ use serde_json::json;
 mod common;
 
 use common::{
-    AGENT_THREADS, GATEWAY, agent_and_load_runtimes, redis_cpu_seconds, rls_request, start_agent,
-    stub_allocator, thread_cpu_seconds,
+    AGENT_THREADS, GATEWAY, agent_and_load_runtimes, envoy_channels, logging_as_deployed,
+    redis_cpu_seconds, rls_request, start_agent, stub_allocator, thread_cpu_seconds,
 };
 
 #[global_allocator]
@@ -92,10 +92,12 @@ async fn rls(url: String) -> Run {
     use allot_region_agent::grpc::proto::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
+    let channels = envoy_channels(&url, RLS_CALLERS).await;
     for caller in 0..RLS_CALLERS {
-        let (url, stop) = (url.clone(), stop.clone());
+        let stop = stop.clone();
+        let channel = channels[caller as usize % channels.len()].clone();
         tasks.push(tokio::spawn(async move {
-            let mut client = RateLimitServiceClient::connect(url).await.expect("connect");
+            let mut client = RateLimitServiceClient::new(channel);
             let (mut decisions, mut admitted, mut unavailable) = (0u64, 0u64, 0u64);
             let mut n = caller;
             while !stop.load(Ordering::Relaxed) {
@@ -253,6 +255,7 @@ fn local_bucket() -> Run {
 }
 
 fn main() {
+    logging_as_deployed();
     let redis = allot_testkit::RedisServer::start();
     let (agent_runtime, load) = agent_and_load_runtimes();
     let redis_url = redis.url();

@@ -264,6 +264,38 @@ pub fn machine_cpu_ticks() -> (u64, u64) {
     (total - idle, total)
 }
 
+/// Installs the agent binary's logging (the `info` level, as `region-agent` without `ALLOT_LOG`),
+/// so that the agents (and the load generators' clients) here pay what deployed ones pay for it:
+/// a callsite below the level (the HTTP/2 stack's trace spans) is disabled once, and costs nothing
+/// after; with no subscriber at all, every such span was built and recorded. Written to stderr
+/// with `ALLOT_BENCH_LOG` set, else dropped.
+pub fn logging_as_deployed() {
+    let subscriber =
+        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new("info"));
+    if std::env::var_os("ALLOT_BENCH_LOG").is_some() {
+        subscriber.with_writer(std::io::stderr).init();
+    } else {
+        subscriber.with_writer(std::io::sink).init();
+    }
+}
+
+/// HTTP/2 connections an Envoy opens to the rate limit service: one per worker thread (its
+/// connection pool per worker and upstream host opens a second only past the stream limit, which
+/// is 2^31 by default), the calls of the worker's requests multiplexed over it. Four workers: a
+/// 4-core Envoy.
+pub const ENVOY_WORKERS: u64 = 4;
+
+/// `callers` gRPC callers' channels to `url`, as an Envoy's workers hold them: at most
+/// [`ENVOY_WORKERS`] connections, caller `i` on connection `i % ENVOY_WORKERS`.
+pub async fn envoy_channels(url: &str, callers: u64) -> Vec<tonic::transport::Channel> {
+    let mut channels = Vec::new();
+    for _ in 0..callers.clamp(1, ENVOY_WORKERS) {
+        let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned()).expect("a URL");
+        channels.push(endpoint.connect().await.expect("connect"));
+    }
+    channels
+}
+
 /// The name of the threads the benchmarks run agents on, so that their CPU can be told apart
 /// from the load generators'.
 pub const AGENT_THREADS: &str = "agent-rt";
