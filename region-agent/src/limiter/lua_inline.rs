@@ -50,6 +50,9 @@ pub struct Expanded {
     /// Statements that call a marked function but were left calls: the line and its number
     /// (1-based), outside the marked functions' own definitions.
     pub calls_left: Vec<(usize, String)>,
+    /// Marked functions whose bodies cannot be inlined (module documentation): every call of
+    /// theirs stays a call.
+    pub refused: Vec<String>,
 }
 
 /// A marked function: its parameters, the body's statements but for the final `return` (without
@@ -62,8 +65,12 @@ struct Inlined {
     body: Vec<String>,
     returns: String,
     bound: Vec<String>,
-    /// The names the body assigns or declares: a parameter among them is copied at a call site.
+    /// The names the body assigns or declares: a parameter among them is copied at a call site,
+    /// and so is a name passed that the body assigns as a variable of its own outside.
     assigned: Vec<String>,
+    /// The names the body reads or writes from outside it (not its parameters or locals, nor
+    /// fields): a call site may not assign a target of the same name.
+    free: Vec<String>,
     /// The body's outputs: the index of the statement at its top level that declares exactly the
     /// names it returns, in their order (`local held, wait_ms = 0, -1` before `return held,
     /// wait_ms`). A call site that assigns them to names of its own has the body work on those
@@ -75,6 +82,8 @@ struct Inlined {
 #[derive(Debug, Default)]
 struct Inliner {
     functions: HashMap<String, Inlined>,
+    /// Marked functions that could not be inlined.
+    refused: Vec<String>,
     serial: usize,
 }
 
@@ -87,21 +96,29 @@ pub fn expand(source: &str) -> Expanded {
         text: String::with_capacity(source.len() * 2),
         inlined: 0,
         calls_left: Vec::new(),
+        refused: Vec::new(),
     };
     let mut index = 0;
     while index < lines.len() {
         let line = lines[index];
-        if line.trim_end() == MARK
-            && let Some((name, function, end)) = inliner.marked_function(&lines, index + 1)
-        {
-            // The definition stays, for call sites that cannot take the body.
-            for kept in &lines[index..=end] {
-                expanded.text.push_str(kept);
-                expanded.text.push('\n');
+        if line.trim_end() == MARK {
+            match inliner.marked_function(&lines, index + 1) {
+                Some((name, function, end)) => {
+                    // The definition stays, for call sites that cannot take the body.
+                    for kept in &lines[index..=end] {
+                        expanded.text.push_str(kept);
+                        expanded.text.push('\n');
+                    }
+                    inliner.functions.insert(name, function);
+                    index = end + 1;
+                    continue;
+                }
+                None => {
+                    let refused = lines.get(index + 1).and_then(|header| defined_name(header));
+                    expanded.refused.extend(refused.clone());
+                    inliner.refused.extend(refused);
+                }
             }
-            inliner.functions.insert(name, function);
-            index = end + 1;
-            continue;
         }
         match inliner.inline_call(line) {
             Some(body) => {
@@ -145,11 +162,24 @@ impl Inliner {
             }
             _ => String::new(),
         };
-        let unsafe_word = |word: &String| word == "return" || word == "function";
+        // What the renaming and the scans below do not read as Lua reads it: an early return, a
+        // nested function, a loop's own variables, a table constructor's keys, a statement that
+        // assigns twice on one line, a local declared after other code on its line.
+        let unsafe_word = |word: &String| {
+            ["return", "function", "for", "while", "repeat", "goto"].contains(&word.as_str())
+        };
+        let unsafe_line = |line: &&str| {
+            let code = code_of(line);
+            !plain_code(line)
+                || words(code).iter().any(unsafe_word)
+                || code.contains('{')
+                || code.matches(" = ").count() > 1
+                || (code.contains("local ") && !code.trim_start().starts_with("local "))
+        };
         if statements
             .iter()
             .chain(std::iter::once(&returns.as_str()))
-            .any(|line| !plain_code(line) || words(code_of(line)).iter().any(unsafe_word))
+            .any(unsafe_line)
         {
             return None;
         }
@@ -170,12 +200,21 @@ impl Inliner {
         bound.extend(body.iter().flat_map(|line| declared_locals(line)));
         let assigned = body.iter().flat_map(|line| assigned_names(line)).collect();
         let outputs = outputs_statement(&body, &returns, &bound);
+        let mut free: Vec<String> = body
+            .iter()
+            .chain(std::iter::once(&returns))
+            .flat_map(|line| names_in(line))
+            .filter(|name| !bound.contains(name))
+            .collect();
+        free.sort();
+        free.dedup();
         let function = Inlined {
             params,
             body,
             returns,
             bound,
             assigned,
+            free,
             outputs,
         };
         Some((name.to_owned(), function, end))
@@ -199,12 +238,21 @@ impl Inliner {
             return None;
         }
         let args = split_arguments(args);
-        if args.len() != function.params.len() {
+        let target_list = split_list(targets);
+        let arg_words: Vec<String> = args.iter().flat_map(|arg| names_in(arg)).collect();
+        let refused = args.len() != function.params.len()
+            // A value the call drops: the body's result is what the call is for.
+            || (target_list.is_empty() && !function.returns.is_empty())
+            // A target the body reads from outside (the assignment would change what it reads),
+            // or, declared here, one the arguments read (they would read the new local).
+            || target_list.iter().any(|target| {
+                function.free.contains(target) || (declare && arg_words.contains(target))
+            });
+        if refused {
             return None;
         }
         self.serial += 1;
         let suffix = format!("_{}", self.serial);
-        let target_list = split_list(targets);
         let returned = split_list(&function.returns);
         // A parameter the body never assigns, passed a name, is that name: no copy of it.
         let passed: HashMap<&str, &str> = function
@@ -212,14 +260,16 @@ impl Inliner {
             .iter()
             .zip(&args)
             .filter(|(param, arg)| {
+                // A variable of its own outside the body that the body assigns.
+                let outer_assigned = function.free.contains(arg) && function.assigned.contains(arg);
                 is_name(arg)
                     && !KEYWORDS.contains(&arg.as_str())
                     && !function.assigned.contains(param)
+                    && !outer_assigned
             })
             .map(|(param, arg)| (param.as_str(), arg.as_str()))
             .collect();
         // Outputs worked on under the call site's names: plain names, none of them passed in.
-        let arg_words: Vec<String> = args.iter().flat_map(|arg| words(arg)).collect();
         let outputs = function.outputs.filter(|_| {
             target_list.len() == returned.len()
                 && target_list.iter().all(|target| is_name(target))
@@ -309,8 +359,12 @@ impl Inliner {
     /// Whether `line`'s code calls a marked function.
     fn calls_marked(&self, line: &str) -> bool {
         let code = code_of(line);
+        if code.starts_with("local function ") {
+            return false;
+        }
         self.functions
             .keys()
+            .chain(&self.refused)
             .any(|name| words(code).contains(name) && code.contains(&format!("{name}(")))
     }
 }
@@ -374,35 +428,70 @@ fn outputs_statement(body: &[String], returns: &str, bound: &[String]) -> Option
     (declared_once && values_fit).then_some(index)
 }
 
-/// `code` with every name that is not a field (after `.` or `:`) replaced as `rename` says.
+/// The names `code` holds outside quoted strings, as (start, end, whether it is a field: after a
+/// single `.` or a `:`); numbers and keywords left out.
+fn name_spans(code: &str) -> Vec<(usize, usize, bool)> {
+    let bytes = code.as_bytes();
+    let mut spans = Vec::new();
+    let mut quoted = false;
+    let mut index = 0;
+    while index < bytes.len() {
+        let byte = bytes[index];
+        if byte == b'\'' {
+            quoted = !quoted;
+            index += 1;
+        } else if !quoted && (byte.is_ascii_alphabetic() || byte == b'_') {
+            let start = index;
+            while index < bytes.len()
+                && (bytes[index].is_ascii_alphanumeric() || bytes[index] == b'_')
+            {
+                index += 1;
+            }
+            let before = code[..start].trim_end_matches(' ');
+            let field = before.ends_with(':') || (before.ends_with('.') && !before.ends_with(".."));
+            if !KEYWORDS.contains(&&code[start..index]) {
+                spans.push((start, index, field));
+            }
+        } else if !quoted && byte.is_ascii_digit() {
+            // A number, its fraction, exponent or hex digits included.
+            while index < bytes.len()
+                && (bytes[index].is_ascii_alphanumeric() || bytes[index] == b'.')
+            {
+                index += 1;
+            }
+        } else {
+            index += 1;
+        }
+    }
+    spans
+}
+
+/// The names (not fields) `code` reads or writes, its comment left out.
+fn names_in(code: &str) -> Vec<String> {
+    let code = code_of(code);
+    name_spans(code)
+        .into_iter()
+        .filter(|&(_, _, field)| !field)
+        .map(|(start, end, _)| code[start..end].to_owned())
+        .collect()
+}
+
+/// `code` with every name that is not a field replaced as `rename` says; quoted strings as they
+/// are.
 fn renamed(code: &str, rename: impl Fn(&str) -> Option<String>) -> String {
     let mut out = String::with_capacity(code.len() + 16);
-    let mut word = String::new();
-    let mut before_word = ' ';
-    let mut previous = ' ';
-    let flush = |word: &mut String, out: &mut String, before_word: char| {
-        if word.is_empty() {
-            return;
+    let mut copied = 0;
+    for (start, end, field) in name_spans(code) {
+        if field {
+            continue;
         }
-        match rename(word) {
-            Some(name) if before_word != '.' && before_word != ':' => out.push_str(&name),
-            _ => out.push_str(word),
+        if let Some(name) = rename(&code[start..end]) {
+            out.push_str(&code[copied..start]);
+            out.push_str(&name);
+            copied = end;
         }
-        word.clear();
-    };
-    for c in code.chars() {
-        if c.is_ascii_alphanumeric() || c == '_' {
-            if word.is_empty() {
-                before_word = previous;
-            }
-            word.push(c);
-        } else {
-            flush(&mut word, &mut out, before_word);
-            out.push(c);
-        }
-        previous = c;
     }
-    flush(&mut word, &mut out, before_word);
+    out.push_str(&code[copied..]);
     out
 }
 
@@ -412,33 +501,18 @@ const KEYWORDS: [&str; 21] = [
     "nil", "not", "or", "repeat", "return", "then", "true", "until", "while",
 ];
 
-/// The names a statement assigns or declares: the words before ` = ` (and a `for`'s variables).
+/// The names a statement assigns or declares: those before its ` = ` (a body has one a line).
 fn assigned_names(line: &str) -> Vec<String> {
-    let code = code_of(line);
-    match code.split_once(" = ") {
-        Some((left, _)) => {
-            let mut previous = ' ';
-            let mut names = Vec::new();
-            let mut word = String::new();
-            let mut before_word = ' ';
-            for c in left.chars().chain(std::iter::once(' ')) {
-                if c.is_ascii_alphanumeric() || c == '_' {
-                    if word.is_empty() {
-                        before_word = previous;
-                    }
-                    word.push(c);
-                } else {
-                    if !word.is_empty() && before_word != '.' && before_word != ':' {
-                        names.push(std::mem::take(&mut word));
-                    }
-                    word.clear();
-                }
-                previous = c;
-            }
-            names
-        }
-        None => Vec::new(),
-    }
+    code_of(line)
+        .split_once(" = ")
+        .map(|(left, _)| names_in(left))
+        .unwrap_or_default()
+}
+
+/// The name a `local function` line defines.
+fn defined_name(line: &str) -> Option<String> {
+    let header = line.strip_prefix("local function ")?;
+    header.split_once('(').map(|(name, _)| name.to_owned())
 }
 
 /// A line without its comment (`--` to the end).
@@ -648,6 +722,51 @@ end
         assert!(
             expanded.text.ends_with(
                 "do\n  local value_2 = x\n  if value_2 > y then\n    value_2 = y\n  end\n  y, x = value_2, y\nend\n"
+            ),
+            "{}",
+            expanded.text
+        );
+    }
+
+    /// What would change meaning if inlined stays a call: a declared target the arguments read, a
+    /// target the body reads from outside, a dropped result; bodies the scans cannot read are
+    /// refused whole, and their calls named.
+    #[test]
+    fn calls_that_would_change_meaning_stay_calls() {
+        let source = format!("{STEP}local limit = step(limit, 1)\n");
+        assert_eq!(expand(&source).text, source);
+        let cached = "--@inline\nlocal function bump(by)\n  local next = last + by\n  last = next\n  return next\nend\nlast = bump(1)\nlocal n = bump(last)\n";
+        let expanded = expand(cached);
+        assert!(
+            expanded.text.contains("\nlast = bump(1)\n"),
+            "{}",
+            expanded.text
+        );
+        // Passed a name the body assigns outside itself: copied, not substituted.
+        assert!(
+            expanded.text.contains("local by_1 = last\n"),
+            "{}",
+            expanded.text
+        );
+        let dropped = format!("{STEP}step(3, 1)\n");
+        let expanded = expand(&dropped);
+        assert_eq!(expanded.text, dropped);
+        assert_eq!(expanded.calls_left.len(), 1);
+        let table = "--@inline\nlocal function pair(n)\n  local t = { n = n }\n  return t\nend\nlocal p = pair(1)\n";
+        let expanded = expand(table);
+        assert_eq!(expanded.text, table);
+        assert_eq!(expanded.refused, vec!["pair".to_owned()]);
+        assert_eq!(expanded.calls_left.len(), 1);
+    }
+
+    /// Quoted strings keep their text; a name after `..` is a name, not a field.
+    #[test]
+    fn renaming_reads_strings_and_concatenation() {
+        let source = "--@inline\nlocal function put(key, n)\n  local text = 'n'..n\n  redis.call('HSET', key, 'n', text)\nend\nput(k, m)\n";
+        let expanded = expand(source);
+        assert!(
+            expanded.text.ends_with(
+                "do\n  local text_1 = 'n'..m\n  redis.call('HSET', k, 'n', text_1)\nend\n"
             ),
             "{}",
             expanded.text

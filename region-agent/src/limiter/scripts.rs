@@ -480,6 +480,7 @@ mod tests {
     #[test]
     fn every_marked_step_is_inlined_where_it_is_called() {
         let expanded = lua_inline::expand(DECIDE_SOURCE);
+        assert!(expanded.refused.is_empty(), "{:?}", expanded.refused);
         assert!(expanded.calls_left.is_empty(), "{:?}", expanded.calls_left);
         // refilled, the two algorithms' steps, the plain step, what a plain rule has left and its
         // write, at each of their call sites: at least one each.

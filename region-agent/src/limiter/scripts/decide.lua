@@ -1313,10 +1313,6 @@ local MAX_LAYOUT_BYTES = 96
 local MAX_KEY_CALLS = 256
 local key_calls, key_calls_count, call_serial = {}, 0, 0
 
--- The decision id handed to a request of a coalesced call that sends none: it has no sliding log
--- and no decision record, the only parts of a decision that read the id.
-local NO_ID = '-'
-
 -- A key slot of a layout: 0 for the call's next key not yet taken, j for KEYS[j], false for none
 -- ('-'), or nil.
 local function key_slot(field)
@@ -1449,8 +1445,9 @@ end
 
 -- One request of a coalesced call, its keys taken from KEYS after `taken` as its layout's slots
 -- say, decided as a lone call would be with the state earlier requests left in `batch`: its reply,
--- and the keys taken after it. `general` sends it straight to the general path (the plain paths
--- found a state they do not decide: trying them again would read its keys again for nothing).
+-- and the keys taken after it. `decision_id` is nil when the call sends none for it. `general`
+-- sends it straight to the general path (the plain paths found a state they do not decide: trying
+-- them again would read its keys again for nothing).
 local function decide_taken(keys, taken, layout, meaning, decision_id, now, batch, general)
   local request_keys, n, slots = REQUEST_KEYS, layout.n, layout.slots
   for s = 1, n + 1 do
@@ -1465,7 +1462,7 @@ local function decide_taken(keys, taken, layout, meaning, decision_id, now, batc
   -- other request, as a lone call's arguments on the general path.
   local reply
   local specs = not general and meaning.specs
-  local id_fits = decision_id == NO_ID or (#decision_id > 0 and #decision_id <= MAX_DECISION_ID_BYTES)
+  local id_fits = decision_id == nil or (#decision_id > 0 and #decision_id <= MAX_DECISION_ID_BYTES)
   if specs and id_fits and not (n > 1 and repeated_key(request_keys, 0, n)) then
     local at = meaning.now
     reply = n == 1 and decide_single(specs[1], request_keys[2], at, batch)
@@ -1477,8 +1474,7 @@ local function decide_taken(keys, taken, layout, meaning, decision_id, now, batc
     for i = 1, n do
       request_args[2 + i] = meaning.rules[i]
     end
-    reply = decide_request(request_keys, 0, request_args, 2, decision_id ~= NO_ID and decision_id or nil,
-      now, batch)
+    reply = decide_request(request_keys, 0, request_args, 2, decision_id, now, batch)
     -- A refused request's error goes back as its text, not as an error reply: clients may take an
     -- error anywhere in a reply for the whole reply's. (A string's `err` is nil.)
     reply = reply.err or reply
@@ -1648,7 +1644,7 @@ local function decide_plain_run(keys, taken, run, layout, meaning, now, batch, r
         run_to_batch(specs, n, batch)
         changed = false
       end
-      reply, taken = decide_taken(keys, taken_before, layout, meaning, NO_ID, now, batch, true)
+      reply, taken = decide_taken(keys, taken_before, layout, meaning, nil, now, batch, true)
       -- The request may have changed what the run holds.
       for i = 1, n do
         loaded[i] = false
@@ -1798,7 +1794,9 @@ local function decide_many(keys, args)
       taken, decided = decide_plain_run(keys, taken, run, layout, meaning, now, batch, replies, decided)
     else
       for _ = 1, run do
-        local decision_id = NO_ID
+        -- nil when the run sends none: its requests have no sliding log and keep no record, the
+        -- only parts of a decision that read the id.
+        local decision_id
         if layout.id then
           decision_id, arg = args[arg], arg + 1
         end

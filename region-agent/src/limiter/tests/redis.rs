@@ -611,6 +611,35 @@ async fn the_coalesced_function_refuses_malformed_layouts_and_writes_nothing() {
     );
 }
 
+/// A decision id is any id the contract admits, `-` too: in a coalesced call it keeps its record
+/// and is replayed to a retry, as alone.
+#[tokio::test]
+async fn a_coalesced_request_with_the_id_dash_keeps_its_record() {
+    let s = Subject::redis_single().await;
+    let store = s.redis_store();
+    let now = FUTURE_BASE_MS;
+    let keys = ["rl:v1:{t:m}:d:-".to_owned(), "rl:v1:{t:m}:u:1".to_owned()];
+    let args = vec![
+        format!("{now} 30000 1 0 0 0"),
+        "-".to_owned(),
+        "tb 20000 2000 1000 5000 1000".to_owned(),
+    ];
+    let first = store
+        .decide_many_requests(&[(&keys, &args)])
+        .await
+        .expect("the call runs");
+    assert_eq!(first, [Ok(vec![1, 0, 0, 0, 0, 19_000])]);
+    let retried = store
+        .decide_many_requests(&[(&keys, &args)])
+        .await
+        .expect("the call runs");
+    assert_eq!(
+        retried,
+        [Ok(vec![1, 0, 0, 1, 0, 19_000])],
+        "replayed, not debited again"
+    );
+}
+
 #[tokio::test]
 async fn corrupt_state_is_refused_not_reset() {
     let s = Subject::redis_single().await;
