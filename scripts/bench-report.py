@@ -80,7 +80,7 @@ def targets():
     rows = []
 
     def agent_row(path, callers=64):
-        return next((r for r in agent if r["path"] == path and r["callers"] == callers), None)
+        return next((r for r in agent if r.get("path") == path and r.get("callers") == callers), None)
 
     for path, transport, ceiling_path, limit in [
         ("lease-only", "TCP", "trivial", 1.5),
@@ -93,17 +93,18 @@ def targets():
         if row is None or ceiling is None or ratio is None:
             continue
         rows.append((f"`{path.replace(' uds', '')}` agent CPU per decision, {transport}, 64 callers",
-                     f"{row['agentCpuUsPerDecision']} us", f"`{ceiling_path}` {ceiling['agentCpuUsPerDecision']} us",
+                     f"{row.get('agentCpuUsPerDecision', '-')} us", f"`{ceiling_path}` {ceiling.get('agentCpuUsPerDecision', '-')} us",
                      f"{ratio:.2f}x", f"<= {limit}x", "met" if ratio <= limit else "not met",
                      "ratio: roughly; the microseconds: no", agent_command))
     rls, trivial = agent_row("grpc+3-redis"), agent_row("trivial")
     per_core = number(rls.get("decisionsPerAgentCoreSecond")) if rls else None
+    trivial_per_core = number(trivial.get("decisionsPerAgentCoreSecond")) if trivial else None
     if per_core is not None:
         rows.append(("Envoy RLS `ShouldRateLimit` decisions per agent core-second (`grpc+3-redis`)",
-                     f"{per_core:,.0f}", f"`trivial` {number(trivial.get('decisionsPerAgentCoreSecond')):,.0f}" if trivial else "-",
-                     f"{rls['agentCpuUsPerDecision']} us a decision", ">= 40,000", "met" if per_core >= 40000 else "not met",
+                     f"{per_core:,.0f}", f"`trivial` {trivial_per_core:,.0f}" if trivial_per_core is not None else "-",
+                     f"{rls.get('agentCpuUsPerDecision', '-')} us a decision", ">= 40,000", "met" if per_core >= 40000 else "not met",
                      "no: CPU time of this machine's cores", agent_command))
-    by_path = {(r["rules"], r["path"]): r for r in instructions}
+    by_path = {(r.get("rules"), r.get("path")): r for r in instructions}
     for rules, path, limit, label in [
         (1, "allot", 0.8, "sent alone"),
         (3, "allot", 0.7, "sent alone"),
@@ -111,22 +112,24 @@ def targets():
         (3, "allot coalescing", 0.34, "coalesced"),
     ]:
         row, peer = by_path.get((rules, path)), by_path.get((rules, "limitador"))
-        if row is None or peer is None:
+        ratio = number(row.get("ratioToLimitador")) if row else None
+        if row is None or peer is None or ratio is None:
             continue
-        ratio = row["ratioToLimitador"]
         rows.append((f"Redis instructions per decision, {rules} rule{'s' if rules > 1 else ''}, {label}, 32 callers",
                      f"{row['redisInstructionsPerDecision']:,.0f}", f"Limitador {peer['redisInstructionsPerDecision']:,.0f}",
                      f"{ratio:.2f}x", f"<= {limit}x", "met" if ratio <= limit else "not met",
                      "yes: instructions, for the same Redis build", peer_command))
     for fraction in (0.5, 0.8):
-        row = next((r for r in opened if abs(float(r["fraction"]) - fraction) < 1e-9), None)
-        if row is None:
+        row = next((r for r in opened if number(r.get("fraction")) == fraction), None)
+        unavailable = number(row.get("unavailablePercent")) if row else None
+        if unavailable is None:
             continue
-        unavailable = number(row["unavailablePercent"]) or 0.0
         rows.append((f"LIMITER_UNAVAILABLE open loop at {fraction}x of the closed-loop peak (`lease+3-redis`)",
                      f"{row['unavailablePercent']} %", f"the generator sent {row.get('lateSendPercent', '-')} % late (up to {row.get('maxLateMs', '-')} ms)",
                      "-", "0 %", "met" if unavailable == 0 else "not met",
                      "no: it moves with what shares the cores", agent_command))
+    if not rows:
+        return
     print("## Targets: CPU per decision and instructions per decision")
     print()
     print("Each target of the agent's and the store's cost per decision, from this run, beside the ceiling")
