@@ -76,6 +76,12 @@ def targets():
     if not (agent or instructions):
         return
     agent_command = "`cargo bench -p allot-region-agent --bench agent`"
+
+    def at_most(figure, measured, ceiling, ratio, limit, holds, command):
+        """A row of a figure whose ratio to its ceiling must be at most `limit`."""
+        return (figure, measured, ceiling, f"{ratio:.2f}x", f"<= {limit}x",
+                "met" if ratio <= limit else "not met", holds, command)
+
     peer_command = "`scripts/bench-peer` (`--instructions` half)"
     rows = []
 
@@ -92,10 +98,10 @@ def targets():
         ratio = number(row.get("agentCpuXTrivial")) if row else None
         if row is None or ceiling is None or ratio is None:
             continue
-        rows.append((f"`{path.replace(' uds', '')}` agent CPU per decision, {transport}, 64 callers",
-                     f"{row.get('agentCpuUsPerDecision', '-')} us", f"`{ceiling_path}` {ceiling.get('agentCpuUsPerDecision', '-')} us",
-                     f"{ratio:.2f}x", f"<= {limit}x", "met" if ratio <= limit else "not met",
-                     "ratio: roughly; the microseconds: no", agent_command))
+        rows.append(at_most(f"`{path.replace(' uds', '')}` agent CPU per decision, {transport}, 64 callers",
+                            f"{row.get('agentCpuUsPerDecision', '-')} us",
+                            f"`{ceiling_path}` {ceiling.get('agentCpuUsPerDecision', '-')} us",
+                            ratio, limit, "ratio: roughly; the microseconds: no", agent_command))
     rls, trivial = agent_row("grpc+3-redis"), agent_row("trivial")
     per_core = number(rls.get("decisionsPerAgentCoreSecond")) if rls else None
     trivial_per_core = number(trivial.get("decisionsPerAgentCoreSecond")) if trivial else None
@@ -115,10 +121,10 @@ def targets():
         ratio = number(row.get("ratioToLimitador")) if row else None
         if row is None or peer is None or ratio is None:
             continue
-        rows.append((f"Redis instructions per decision, {rules} rule{'s' if rules > 1 else ''}, {label}, 32 callers",
-                     f"{row['redisInstructionsPerDecision']:,.0f}", f"Limitador {peer['redisInstructionsPerDecision']:,.0f}",
-                     f"{ratio:.2f}x", f"<= {limit}x", "met" if ratio <= limit else "not met",
-                     "yes: instructions, for the same Redis build", peer_command))
+        rows.append(at_most(f"Redis instructions per decision, {rules} rule{'s' if rules > 1 else ''}, {label}, 32 callers",
+                            f"{row['redisInstructionsPerDecision']:,.0f}",
+                            f"Limitador {peer['redisInstructionsPerDecision']:,.0f}",
+                            ratio, limit, "yes: instructions, for the same Redis build", peer_command))
     for fraction in (0.5, 0.8):
         row = next((r for r in opened if number(r.get("fraction")) == fraction), None)
         unavailable = number(row.get("unavailablePercent")) if row else None
