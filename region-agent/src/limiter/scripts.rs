@@ -19,7 +19,7 @@ use super::store::{BatchDecision, LeaseCall, LeaseOperation, LeaseOutcome};
 /// [`decide_library`].
 pub(crate) const DECIDE_SOURCE: &str = include_str!("scripts/decide.lua");
 
-/// The decide library the store loads: [`DECIDE_SOURCE`] with its marked steps inlined at their
+/// The decide library the store loads: `scripts/decide.lua` with its marked steps inlined at their
 /// call sites (`lua_inline`), so that the paths that share a step pay no Lua call for it.
 pub fn decide_library() -> String {
     lua_inline::expand(DECIDE_SOURCE).text
