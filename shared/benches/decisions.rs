@@ -89,5 +89,33 @@ fn decisions(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, decisions);
+/// The store keys one request of three regional rules names (a user's, its route's and its
+/// tenant's state, and the decision record), built as the agent builds them for every decision.
+fn request_keys(c: &mut Criterion) {
+    use allot_shared::contract::PrincipalType;
+    use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+    use allot_shared::keys::{
+        IpPrefixes, Pepper, decision_key, principal_hash, principal_key, rule_state_key, tenant_key,
+    };
+    let pepper = Pepper::new(b"bench-pepper-0123456789".to_vec()).expect("long enough");
+    let hash = principal_hash(&pepper, PrincipalType::User, "U-17", IpPrefixes::default());
+    let tenant = TenantId::parse("atlas").expect("tenant");
+    let route = RouteGroup::parse("read").expect("route");
+    let decision = DecisionId::parse("r-9f3a61c2e07b4d18").expect("id");
+    c.bench_function("request keys (3 rules and a record)", |b| {
+        b.iter(|| {
+            let user = principal_key(black_box(&tenant), PrincipalType::User, &hash, Some(&route));
+            let route_key = tenant_key(black_box(&tenant), Some(&route));
+            let tenant_wide = tenant_key(black_box(&tenant), None);
+            [
+                rule_state_key(&user, "tb"),
+                rule_state_key(&route_key, "tb"),
+                rule_state_key(&tenant_wide, "tb"),
+                decision_key(black_box(&tenant), &decision),
+            ]
+        })
+    });
+}
+
+criterion_group!(benches, decisions, request_keys);
 criterion_main!(benches);

@@ -234,7 +234,41 @@ pub fn route_segment(route_group: Option<&RouteGroup>) -> &str {
 
 /// The hash tag of a tenant's keys, `{t:<tenant>}`.
 pub fn hash_tag(tenant: &TenantId) -> String {
-    format!("{{t:{tenant}}}")
+    let mut tag = String::with_capacity(tenant.as_str().len() + 4);
+    push_tag(&mut tag, tenant);
+    tag
+}
+
+/// Appends `tenant`'s hash tag to `key`.
+fn push_tag(key: &mut String, tenant: &TenantId) {
+    key.push_str("{t:");
+    key.push_str(tenant.as_str());
+    key.push('}');
+}
+
+/// What every key of a rule's state begins with: `rl:v<STATE_VERSION>:`.
+const KEY_PREFIX: &str = "rl:v1:";
+
+/// A key of `tenant`'s: [`KEY_PREFIX`], its hash tag, then `segments`, one `:` apart. Every
+/// decision builds several, so each is built in one allocation, without the formatting
+/// machinery (which cost about 5 % of an agent's CPU per decision on the Redis path).
+fn tenant_scoped_key(tenant: &TenantId, segments: &[&str]) -> String {
+    let length = KEY_PREFIX.len()
+        + tenant.as_str().len()
+        + 4
+        + segments
+            .iter()
+            .map(|segment| segment.len() + 1)
+            .sum::<usize>();
+    let mut key = String::with_capacity(length);
+    key.push_str(KEY_PREFIX);
+    push_tag(&mut key, tenant);
+    for segment in segments {
+        key.push(':');
+        key.push_str(segment);
+    }
+    debug_assert_eq!(key.len(), length);
+    key
 }
 
 /// The hash tag of sub-slot `index` of a hot `tenant`, `{t:<tenant>:<index>}`: a hot tenant's
@@ -279,22 +313,17 @@ pub fn principal_key_in(
     hash: &PrincipalHash,
     route_group: Option<&RouteGroup>,
 ) -> String {
-    format!(
-        "rl:v{STATE_VERSION}:{}:{}:{}:{}",
-        hash_tag(tenant),
-        segment,
-        hash,
-        route_segment(route_group)
+    tenant_scoped_key(
+        tenant,
+        &[segment, hash.as_str(), route_segment(route_group)],
     )
 }
 
 /// The key of a tenant-wide rule (`route_group = None`) or of a tenant's route budget.
 pub fn tenant_key(tenant: &TenantId, route_group: Option<&RouteGroup>) -> String {
-    format!(
-        "rl:v{STATE_VERSION}:{}:tenant:{}:{}",
-        hash_tag(tenant),
+    tenant_scoped_key(
         tenant,
-        route_segment(route_group)
+        &["tenant", tenant.as_str(), route_segment(route_group)],
     )
 }
 
@@ -302,7 +331,11 @@ pub fn tenant_key(tenant: &TenantId, route_group: Option<&RouteGroup>) -> String
 /// the shape of the state its algorithm stores (`Algorithm::state_shape`).
 pub fn rule_state_key(rule_key: &str, state_shape: &str) -> String {
     debug_assert!(!state_shape.contains(':'));
-    format!("{rule_key}:{state_shape}")
+    let mut key = String::with_capacity(rule_key.len() + 1 + state_shape.len());
+    key.push_str(rule_key);
+    key.push(':');
+    key.push_str(state_shape);
+    key
 }
 
 /// The concurrency-lease set that belongs to a rule: named after the rule's key without its state
@@ -317,7 +350,7 @@ pub fn concurrency_key(rule_state_key: &str) -> String {
 
 /// The idempotency record of a decision, under the tenant's tag so it shares the rules' slot.
 pub fn decision_key(tenant: &TenantId, decision_id: &DecisionId) -> String {
-    format!("rl:v{STATE_VERSION}:{}:d:{decision_id}", hash_tag(tenant))
+    tenant_scoped_key(tenant, &["d", decision_id.as_str()])
 }
 
 /// The hash tag a key belongs to (the text between the first `{` and the next `}`), as Redis Cluster
@@ -338,6 +371,12 @@ mod tests {
 
     fn tenant(t: &str) -> TenantId {
         TenantId::parse(t).expect("tenant")
+    }
+
+    /// The prefix the keys are built with is the state version's.
+    #[test]
+    fn the_key_prefix_names_the_state_version() {
+        assert_eq!(KEY_PREFIX, format!("rl:v{STATE_VERSION}:"));
     }
 
     #[test]
