@@ -204,14 +204,20 @@ impl StateDir {
         match self.read(file) {
             Ok(content) => content,
             Err(unusable) => {
-                tracing::warn!(file = file.name(), dir = %self.path.display(), %unusable,
-                    "state file ignored");
-                metrics::counter!(crate::metrics::STATE_FILES_IGNORED,
-                    "file" => file.name(), "reason" => unusable.reason())
-                .increment(1);
+                self.ignored(file, unusable.reason(), &unusable);
                 None
             }
         }
+    }
+
+    /// Logs and counts `file` as ignored for `reason` (`detail` says more): one read of it, or
+    /// content that read well and then did not verify.
+    pub fn ignored(&self, file: StateFile, reason: &'static str, detail: &dyn std::fmt::Display) {
+        tracing::warn!(file = file.name(), dir = %self.path.display(), reason, %detail,
+            "state file ignored");
+        metrics::counter!(crate::metrics::STATE_FILES_IGNORED,
+            "file" => file.name(), "reason" => reason)
+        .increment(1);
     }
 
     /// Reads `file`: `Ok(None)` when it does not exist.

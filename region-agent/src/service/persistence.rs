@@ -124,12 +124,7 @@ impl Agent {
                         restored.bundle_version = Some(version);
                     }
                 }
-                Err(error) => {
-                    tracing::warn!(%error, "saved bundle does not verify; ignored");
-                    metrics::counter!(crate::metrics::STATE_FILES_IGNORED,
-                        "file" => StateFile::Bundle.name(), "reason" => "corrupt")
-                    .increment(1);
-                }
+                Err(error) => dir.ignored(StateFile::Bundle, "corrupt", &error),
             }
         }
         // The overrides as last verified: laid over the bundle until the allocator sends newer.
@@ -141,12 +136,7 @@ impl Agent {
                         restored.override_version = Some(version);
                     }
                 }
-                Err(error) => {
-                    tracing::warn!(%error, "saved overrides do not verify; ignored");
-                    metrics::counter!(crate::metrics::STATE_FILES_IGNORED,
-                        "file" => StateFile::Overrides.name(), "reason" => "corrupt")
-                    .increment(1);
-                }
+                Err(error) => dir.ignored(StateFile::Overrides, "corrupt", &error),
             }
         }
         for saved in journal.iter().flat_map(|j| &j.pools) {
