@@ -13,7 +13,7 @@ use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, ServerErrorKind};
 
 use super::scripts::{
-    LIBRARY_VERSION_PLACEHOLDER, coalesced_call, is_sliding_log, keeps_record, lone_reply,
+    LIBRARY_VERSION_PLACEHOLDER, coalesced_call, lone_reply, reads_decision_id,
     repeated_key_refusal, reply_integers,
 };
 use super::store::{Rejection, StoreError};
@@ -116,10 +116,8 @@ fn compact_layout<'k, 'a>(
     let (header, rest) = args.split_first()?;
     let (_decision_id, rules) = rest.split_first()?;
     let (_record_key, rule_keys) = keys.split_first()?;
-    let fits = !rules.is_empty()
-        && rules.len() == rule_keys.len()
-        && !keeps_record(header)
-        && !rules.iter().any(|rule| is_sliding_log(rule));
+    let fits =
+        !rules.is_empty() && rules.len() == rule_keys.len() && !reads_decision_id(header, rules);
     fits.then_some((rule_keys, header, rules))
 }
 

@@ -57,13 +57,20 @@ const SLIDING_LOG: &str = "sl";
 
 /// Whether a header [`decide_args`] wrote keeps a decision record (its second field, the record's
 /// TTL, is not 0).
-pub(crate) fn keeps_record(header: &str) -> bool {
+fn keeps_record(header: &str) -> bool {
     header.split(' ').nth(1) != Some("0")
 }
 
 /// Whether a rule text [`decide_args`] wrote is a sliding log's.
-pub(crate) fn is_sliding_log(rule: &str) -> bool {
+fn is_sliding_log(rule: &str) -> bool {
     rule.split(' ').next() == Some(SLIDING_LOG)
+}
+
+/// Whether the decide library reads a request's decision id: for its decision record, or for a
+/// sliding log's member. A request it does not read it for goes without the id (and without the
+/// record's key), alone and in a coalesced call.
+pub(crate) fn reads_decision_id(header: &str, rules: &[String]) -> bool {
+    keeps_record(header) || rules.iter().any(|rule| is_sliding_log(rule))
 }
 
 /// The decide script's `KEYS`: the decision record, then one key per rule.
@@ -200,7 +207,7 @@ pub(crate) fn coalesced_call<'a>(
             })
         };
         let keeps_record = keeps_record(header);
-        let sends_id = keeps_record || rules.iter().any(|rule| is_sliding_log(rule));
+        let sends_id = reads_decision_id(header, rules);
         let mut layout = format!(
             "{} {}",
             text_index(header),
@@ -270,11 +277,7 @@ pub(crate) fn lone_reply(reply: redis::Value) -> Result<Vec<i64>, String> {
 /// Whether a lone call's reply admits the request, for benchmarks that call the library
 /// themselves ([`crate::limiter::RedisStore::decide_command`]).
 pub fn decide_reply_admits(reply: &redis::Value) -> bool {
-    match reply {
-        redis::Value::Int(_) => true,
-        redis::Value::BulkString(text) => text.starts_with(b"1 "),
-        _ => false,
-    }
+    lone_reply(reply.clone()).is_ok_and(|fields| fields.first() == Some(&1))
 }
 
 pub(crate) fn reply_integers(reply: &[u8]) -> Result<Vec<i64>, String> {
