@@ -251,7 +251,8 @@ const KEY_PREFIX: &str = "rl:v1:";
 
 /// A key of `tenant`'s: [`KEY_PREFIX`], its hash tag, then `segments`, one `:` apart. Every
 /// decision builds several, so each is built in one allocation, without the formatting
-/// machinery (which cost about 5 % of an agent's CPU per decision on the Redis path).
+/// machinery: a request of three rules and its record built its keys in 590 ns with `format!`,
+/// 104 ns so (the decisions bench, `request keys`).
 fn tenant_scoped_key(tenant: &TenantId, segments: &[&str]) -> String {
     let length = KEY_PREFIX.len()
         + tenant.as_str().len()
