@@ -55,6 +55,19 @@ fn unreachable() -> Arc<AllocatorClient> {
 /// Half past 10:00 on 2026-12-01 (UTC): the tests' hour-long windows never end under them.
 const MID_HOUR_MS: u64 = 1_796_119_200_000 + 1_800_000;
 
+/// An agent on the system clock, cut off from the allocator, that keeps its state in `state`
+/// (nothing restored yet).
+fn cut_off_agent_on(state: StateDir) -> Arc<Agent> {
+    let agent = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        Some(unreachable()),
+        None,
+    );
+    agent.set_state_dir(state);
+    agent
+}
+
 fn clock() -> Arc<ManualClock> {
     Arc::new(ManualClock::new(MID_HOUR_MS))
 }
@@ -179,13 +192,7 @@ async fn a_damaged_or_foreign_state_directory_is_ignored_not_fatal() {
     first.write_journal_if_changed().await;
     drop(first);
     // Another region's agent finds nothing it may use.
-    let us = common::agent(
-        common::settings(),
-        Arc::new(SystemClock),
-        Some(unreachable()),
-        None,
-    );
-    us.set_state_dir(
+    let us = cut_off_agent_on(
         StateDir::open(dir.path(), RegionId::parse("us").expect("region")).expect("dir"),
     );
     let restored = us.restore_state();
@@ -296,13 +303,7 @@ async fn a_restart_keeps_the_overrides_it_last_verified() {
             expires_at_ms: None,
         }],
     );
-    let first = common::agent(
-        common::settings(),
-        Arc::new(SystemClock),
-        Some(unreachable()),
-        None,
-    );
-    first.set_state_dir(state.clone());
+    let first = cut_off_agent_on(state.clone());
     assert_eq!(
         first.restore_state().override_version,
         None,
@@ -312,13 +313,7 @@ async fn a_restart_keeps_the_overrides_it_last_verified() {
     first.save_overrides().await;
     drop(first);
 
-    let second = common::agent(
-        common::settings(),
-        Arc::new(SystemClock),
-        Some(unreachable()),
-        None,
-    );
-    second.set_state_dir(state.clone());
+    let second = cut_off_agent_on(state.clone());
     assert_eq!(second.restore_state().override_version, Some(4));
     let bundle = second.bundle().expect("restored bundle");
     assert_eq!((bundle.overlay().version(), bundle.overlay().len()), (4, 1));
@@ -329,13 +324,7 @@ async fn a_restart_keeps_the_overrides_it_last_verified() {
     state
         .write(StateFile::Overrides, &tampered)
         .expect("written");
-    let third = common::agent(
-        common::settings(),
-        Arc::new(SystemClock),
-        Some(unreachable()),
-        None,
-    );
-    third.set_state_dir(state);
+    let third = cut_off_agent_on(state);
     assert_eq!(third.restore_state().override_version, None);
 }
 
