@@ -181,6 +181,8 @@ async fn day(ledger: &Ledger, pools: &[(TenantId, PoolId)], day: u64, retention:
                 shadow_admitted_tokens: 0,
                 settle_debt_tokens: 0,
                 written_off_tokens: 0,
+                agent_id: None,
+                incarnation: None,
             };
             ledger
                 .record_report(&report, start_ms + 62_000)

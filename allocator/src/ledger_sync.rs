@@ -27,8 +27,31 @@ pub struct CommittedGrants {
 
 /// Grants copied to the ledger per batch of the feed, and the feed's capacity in batches (I10).
 pub const LEDGER_FEED_BATCHES: usize = 1_024;
-/// How often every pool's grant records in the store are reconciled into the ledger.
+/// How often every pool's grant records in the store are reconciled into the ledger, unless
+/// `--ledger-round-seconds` says otherwise.
 pub const LEDGER_RECONCILE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+/// The longest ledger round an operator may set, seconds: grant records outlive their commit by
+/// more than a round and an election (`grants::record_min_lifetime_ms`), so a round may not grow
+/// past what that lifetime covers.
+pub const MAX_LEDGER_ROUND_SECONDS: u64 = 30;
+
+/// What the leader's ledger rounds do, and how often.
+#[derive(Debug, Clone, Copy)]
+pub struct LedgerRounds {
+    /// What the ledger keeps, and how long.
+    pub retention: Retention,
+    /// How often a round runs (at most [`MAX_LEDGER_ROUND_SECONDS`]).
+    pub every: std::time::Duration,
+}
+
+impl Default for LedgerRounds {
+    fn default() -> Self {
+        Self {
+            retention: Retention::default(),
+            every: LEDGER_RECONCILE_INTERVAL,
+        }
+    }
+}
 
 /// Copies committed grants into the ledger, and reconciles the ledger with the store every
 /// [`LEDGER_RECONCILE_INTERVAL`] and at once when this node takes the lead, so that a grant the
@@ -37,7 +60,7 @@ pub const LEDGER_RECONCILE_INTERVAL: std::time::Duration = std::time::Duration::
 /// than a round's period plus an election, so some leader's round always sees each one.
 pub async fn feed_ledger(
     ledger: Ledger,
-    retention: Retention,
+    rounds: LedgerRounds,
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
     mut role: watch::Receiver<Role>,
@@ -45,7 +68,11 @@ pub async fn feed_ledger(
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
-    let mut reconcile = tokio::time::interval(LEDGER_RECONCILE_INTERVAL);
+    let LedgerRounds {
+        retention,
+        every: round,
+    } = rounds;
+    let mut reconcile = tokio::time::interval(round);
     // The term this node last led in: a new term (even one reached through a lapse that a long
     // round hid) is a new lead, whose predecessor's unfed grants are copied at once.
     let (mut led_term, mut election_over) = (None, false);
@@ -277,6 +304,9 @@ pub async fn publish_ledger_gauges(
         let Ok(config) = stored.spec.validate() else {
             continue;
         };
+        for region in config.regions() {
+            crate::metrics::region_named(region);
+        }
         let rows = ledger
             .windows(
                 tenant,
@@ -302,9 +332,18 @@ pub async fn publish_ledger_gauges(
         if added.violations > 0 {
             tracing::error!(
                 %tenant, %pool, windows = added.violations,
-                "a window admitted more than its overshoot bound"
+                "a window broke its overshoot bound"
             );
             metrics::counter!(crate::metrics::BOUND_VIOLATIONS).increment(added.violations);
+        }
+        for region in &added.regions_over_allowance {
+            tracing::error!(
+                %tenant, %pool, %region,
+                "a region's agents together admitted more fallback than the region's allowance: \
+                 --region-agents set below the region's agent count, or agents sharing an id"
+            );
+            metrics::counter!(crate::metrics::FALLBACK_OVER_ALLOWANCE, "region" => region.to_string())
+                .increment(1);
         }
         if let Some(row) = settled_windows(&rows, now_ms).next() {
             let labels = [("tenant", tenant.to_string()), ("pool", pool.to_string())];

@@ -3,6 +3,7 @@
 //! Label values are bounded sets only: outcomes, and tenant and pool ids (configured by operators,
 //! validated charset). Never principals, tokens or lease ids.
 
+use allot_net::metrics::AtStart;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Webhook crossings found, by `outcome`: `recorded` (queued for delivery) or `dropped` (the queue
@@ -69,8 +70,13 @@ pub const LEDGER_ROWS_REMOVED: &str = "allot_ledger_rows_removed_total";
 pub const LEDGER_WINDOWS_ROLLED_UP: &str = "allot_ledger_windows_rolled_up_total";
 /// Windows checked against their overshoot bound once they settled (each window once, ledger-wide).
 pub const BOUND_WINDOWS_CHECKED: &str = "allot_bound_windows_checked_total";
-/// Checked windows that admitted more than their bound: the design's promise broken (page).
+/// Checked windows that broke their bound: admitted more than it, or a region admitted more than
+/// its fallback allowance. The design's promise broken (page).
 pub const BOUND_VIOLATIONS: &str = "allot_bound_violations_total";
+/// Windows in which a region's agents together admitted more fallback than the region's
+/// allowance, by `region` (each such window once): agents each taking a larger share than the
+/// region's agent count leaves them (`--region-agents` too low), or agents sharing an id.
+pub const FALLBACK_OVER_ALLOWANCE: &str = "allot_region_fallback_over_allowance_total";
 /// Violations the ledger holds, over all time and every allocator (gauge, set by the leader).
 pub const BOUND_VIOLATIONS_RECORDED: &str = "allot_bound_violations_recorded";
 /// Tokens admitted beyond G in that window, by `tenant` and `pool`.
@@ -82,7 +88,156 @@ pub const AGENT_UNCLEAN_RESTARTS: &str = "allot_agent_unclean_restarts_total";
 
 /// The process-wide Prometheus recorder (installed on first use, `allot_net::metrics`) and its
 /// handle for `/metrics`: the grant batch, pools-per-transaction and pools-per-load sizes count
-/// items.
+/// items. Every counter and gauge of [`AT_START`] is exported from then on, at 0 until it moves.
 pub fn handle() -> Option<PrometheusHandle> {
-    allot_net::metrics::prometheus(&[GRANT_BATCH, POOLS_PER_TXN, POOLS_PER_LOAD])
+    let handle = allot_net::metrics::prometheus(&[GRANT_BATCH, POOLS_PER_TXN, POOLS_PER_LOAD])?;
+    static EXPORTED: std::sync::Once = std::sync::Once::new();
+    EXPORTED.call_once(|| allot_net::metrics::export_at_zero(AT_START));
+    Some(handle)
+}
+
+/// The counters and gauges whose labels are all known before anything happened, each with its
+/// label sets: exported at 0 from the start, so a dashboard or an alert tells 0 from absent.
+/// The rest appear with their subject ([`WITH_THEIR_SUBJECT`]), and histograms with their first
+/// observation ([`HISTOGRAMS`]).
+pub const AT_START: &[AtStart] = &[
+    AtStart::counter(WEBHOOK_EVENTS, &[("outcome", &["recorded", "dropped"])]),
+    AtStart::counter(
+        WEBHOOK_DELIVERIES,
+        &[("outcome", &["delivered", "retried", "failed"])],
+    ),
+    AtStart::gauge(WEBHOOK_PENDING, &[]),
+    AtStart::counter(
+        GRANTS,
+        &[(
+            "outcome",
+            &[
+                "granted",
+                "partial",
+                "exhausted",
+                "not_leader",
+                "unknown_pool",
+                "refused",
+                "overloaded",
+                "unavailable",
+            ],
+        )],
+    ),
+    AtStart::counter(TOKENS_GRANTED, &[]),
+    AtStart::counter(STORE_ERRORS, &[("op", &["grant_txn"])]),
+    AtStart::gauge(LEADER_EPOCH, &[]),
+    AtStart::gauge(IS_LEADER, &[]),
+    AtStart::counter(LEDGER_FEED_FULL, &[]),
+    AtStart::counter(AUDIT_WRITE_FAILURES, &[]),
+    AtStart::gauge(TOKEN_RECORDS_UNREADABLE, &[]),
+    AtStart::counter(AUTH_REFUSALS, &[("status", &["401", "403"])]),
+    AtStart::gauge(POLICY_CURRENT_VERSION, &[]),
+    AtStart::counter(ETCD_COMPACTIONS, &[]),
+    AtStart::counter(ETCD_DEFRAGMENTATIONS, &[]),
+    AtStart::counter(ETCD_HOUSEKEEPING_FAILURES, &[]),
+    AtStart::counter(
+        LEDGER_ROWS_REMOVED,
+        &[(
+            "table",
+            &[
+                "lease_reports",
+                "window_amounts",
+                "bound_checks",
+                "agent_sessions",
+                "lease_spend",
+                "grants",
+                "fallback_admits",
+                "shadow_admits",
+                "settle_debts",
+                "written_off",
+            ],
+        )],
+    ),
+    AtStart::counter(LEDGER_WINDOWS_ROLLED_UP, &[]),
+    AtStart::counter(BOUND_WINDOWS_CHECKED, &[]),
+    AtStart::counter(BOUND_VIOLATIONS, &[]),
+    AtStart::gauge(BOUND_VIOLATIONS_RECORDED, &[]),
+];
+
+/// Metrics labelled by what they are about (a tenant's pool, a region, an etcd member): each
+/// appears, at 0 where it counts, once its subject is first seen. The region counters appear for
+/// every region a pool names at the leader's first ledger round.
+pub const WITH_THEIR_SUBJECT: &[&str] = &[
+    POOL_REMAINING,
+    REGION_PEPPER_FINGERPRINTS,
+    WINDOW_ADMITTED,
+    WINDOW_BOUND,
+    WINDOW_OVERSHOOT,
+    ETCD_DB_SIZE,
+    ETCD_DB_IN_USE,
+    ETCD_DB_QUOTA,
+    FALLBACK_OVER_ALLOWANCE,
+    AGENT_UNCLEAN_RESTARTS,
+];
+
+/// Histograms: they appear with their first observation.
+pub const HISTOGRAMS: &[&str] = &[GRANT_SECONDS, GRANT_BATCH, POOLS_PER_TXN, POOLS_PER_LOAD];
+
+/// The region counters of `region` at 0 (unless they count already): called for every region a
+/// pool names, so a region's counters are there before anything happens in it.
+pub fn region_named(region: &allot_shared::ids::RegionId) {
+    for name in [FALLBACK_OVER_ALLOWANCE, AGENT_UNCLEAN_RESTARTS] {
+        metrics::counter!(name, "region" => region.to_string()).increment(0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every metric name the module declares (its `pub const ...: &str = "allot_..."` lines).
+    fn declared(source: &str) -> Vec<String> {
+        source
+            .lines()
+            .filter_map(|line| line.trim().strip_prefix("pub const "))
+            .filter_map(|line| line.split_once(": &str = \"")?.1.split_once('"'))
+            .map(|(name, _)| name.to_owned())
+            .filter(|name| name.starts_with("allot_"))
+            .collect()
+    }
+
+    #[test]
+    fn every_counter_and_gauge_is_exported_from_the_start_at_zero() {
+        let handle = handle().expect("the recorder");
+        let rendered = handle.render();
+        for metric in AT_START {
+            for labels in metric.label_sets() {
+                let shown: Vec<String> = labels
+                    .iter()
+                    .map(|l| format!("{}=\"{}\"", l.key(), l.value()))
+                    .collect();
+                let series = if shown.is_empty() {
+                    metric.name.to_owned()
+                } else {
+                    format!("{}{{{}}}", metric.name, shown.join(","))
+                };
+                assert!(
+                    rendered.lines().any(|line| line == format!("{series} 0")),
+                    "{series} is exported at 0 from the start:\n{rendered}"
+                );
+            }
+        }
+        // And every metric declared is exported at start, or documented as appearing later.
+        let later: Vec<&str> = WITH_THEIR_SUBJECT
+            .iter()
+            .chain(HISTOGRAMS)
+            .copied()
+            .collect();
+        for name in [include_str!("metrics.rs")]
+            .iter()
+            .flat_map(|source| declared(source))
+        {
+            let at_start = AT_START.iter().any(|metric| metric.name == name);
+            assert!(
+                at_start != later.contains(&name.as_str()),
+                "{name}: exported at start, or listed as appearing with its subject or first \
+                 observation (exactly one)"
+            );
+        }
+    }
 }

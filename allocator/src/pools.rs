@@ -144,6 +144,36 @@ impl StoredPool {
     pub fn limit_at(&self, now_ms: u64) -> u64 {
         allot_shared::overrides::limit_at(self.spec.limit_tokens, &self.overrides, now_ms)
     }
+
+    /// Its terms as agents are given them at `now_ms` (`GET .../terms`), with what the asking
+    /// agent has admitted in fallback in the current window when it asked as one.
+    pub fn terms(
+        &self,
+        now_ms: u64,
+        fallback_in_window: Option<allot_shared::wire::FallbackInWindow>,
+    ) -> allot_shared::wire::PoolTerms {
+        let spec = &self.spec;
+        allot_shared::wire::PoolTerms {
+            limit_tokens: spec.limit_tokens,
+            // Old agents read windowMs alone: for calendar windows it is the longest one.
+            window_ms: spec
+                .validate()
+                .map_or(spec.window_ms, |c| c.window().longest_ms()),
+            window: spec.window.clone(),
+            chunk_tokens: spec.chunk_tokens,
+            lease_ttl_ms: spec.lease_ttl_ms,
+            fallback_per_region_tokens: spec.fallback_per_region_tokens,
+            settle_debt_per_region_tokens: spec.settle_debt_per_region_tokens,
+            regions: spec.regions.clone(),
+            version: self.version,
+            fallback_in_window,
+            limit_override: self
+                .overrides
+                .iter()
+                .find(|o| o.in_force_at(now_ms))
+                .cloned(),
+        }
+    }
 }
 
 /// The stored form of a window's accounting.

@@ -92,6 +92,10 @@ pub struct Args {
     /// [default: 400, so a yearly invoice can be checked; 0 keeps them for ever].
     #[arg(long, env = "ALLOT_LEDGER_ROLLUP_RETENTION_DAYS")]
     pub ledger_rollup_retention_days: Option<u64>,
+    /// Seconds between the leader's ledger rounds: grants reconciled, settled windows checked
+    /// against their bound and published as gauges, retention [default: 30; 1 to 300].
+    #[arg(long, env = "ALLOT_LEDGER_ROUND_SECONDS")]
+    pub ledger_round_seconds: Option<u64>,
     /// Minutes of etcd key history the leader keeps when it compacts [default: 60].
     #[arg(long, env = "ALLOT_ETCD_HISTORY_MINUTES")]
     pub etcd_history_minutes: Option<u64>,
@@ -129,6 +133,7 @@ struct FileSettings {
     tls_client_ca: Option<PathBuf>,
     ledger_raw_retention_days: Option<u64>,
     ledger_rollup_retention_days: Option<u64>,
+    ledger_round_seconds: Option<u64>,
     etcd_history_minutes: Option<u64>,
     etcd_defragment: Option<bool>,
     webhook_ca: Option<PathBuf>,
@@ -158,6 +163,8 @@ pub struct Settings {
     pub ledger_url: String,
     /// What the ledger keeps, and how long.
     pub retention: Retention,
+    /// How often the leader's ledger round runs.
+    pub ledger_round: std::time::Duration,
     /// TLS for the API (none: plain TCP).
     pub tls: Option<allot_net::ServerTls>,
     /// The CAs webhook deliveries trust instead of the system's.
@@ -255,6 +262,19 @@ impl Args {
                 DEFAULT_ROLLUP_RETENTION_DAYS,
             )?,
         };
+        let ledger_round_seconds = match self
+            .ledger_round_seconds
+            .or(file.ledger_round_seconds)
+            .unwrap_or(crate::ledger_sync::LEDGER_RECONCILE_INTERVAL.as_secs())
+        {
+            seconds @ 1..=crate::ledger_sync::MAX_LEDGER_ROUND_SECONDS => seconds,
+            other => {
+                return Err(format!(
+                    "--ledger-round-seconds must be in [1, {}], got {other}",
+                    crate::ledger_sync::MAX_LEDGER_ROUND_SECONDS
+                ));
+            }
+        };
         let etcd_history_minutes = match self
             .etcd_history_minutes
             .or(file.etcd_history_minutes)
@@ -270,6 +290,7 @@ impl Args {
         Ok(Settings {
             ledger_url,
             retention,
+            ledger_round: std::time::Duration::from_secs(ledger_round_seconds),
             etcd_history_minutes,
             etcd_defragment: self
                 .etcd_defragment
@@ -345,7 +366,10 @@ pub async fn run(
     let (feed_sender, feed) = tokio::sync::mpsc::channel(LEDGER_FEED_BATCHES);
     let ledger_task = tokio::spawn(feed_ledger(
         ledger.clone(),
-        settings.retention,
+        crate::ledger_sync::LedgerRounds {
+            retention: settings.retention,
+            every: settings.ledger_round,
+        },
         kv.clone(),
         clock.clone(),
         role.clone(),

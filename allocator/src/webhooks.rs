@@ -83,14 +83,19 @@ pub struct ThresholdEvent {
     pub limit: u64,
     /// Tokens granted in the window when the crossing was found.
     pub granted: u64,
+    /// Tokens admitted in fallback in the window by then, as the ledger holds them (every agent of
+    /// every region): admitted beyond any grant while a region was cut off. A threshold is reached
+    /// by `granted + fallbackAdmitted`.
+    #[serde(default)]
+    pub fallback_admitted: u64,
     /// When it was found, epoch ms.
     pub detected_at_ms: u64,
 }
 
-/// The thresholds in `thresholds_pct` that `granted` of `limit` has reached.
-pub fn reached(granted: u64, limit: u64, thresholds_pct: &[u8]) -> impl Iterator<Item = u8> + '_ {
+/// The thresholds in `thresholds_pct` that `consumed` of `limit` has reached.
+pub fn reached(consumed: u64, limit: u64, thresholds_pct: &[u8]) -> impl Iterator<Item = u8> + '_ {
     thresholds_pct.iter().copied().filter(move |&pct| {
-        limit > 0 && u128::from(granted) * 100 >= u128::from(pct) * u128::from(limit)
+        limit > 0 && u128::from(consumed) * 100 >= u128::from(pct) * u128::from(limit)
     })
 }
 
@@ -222,9 +227,14 @@ async fn sweep(
             Some((state, _)) if state.window == window => state.granted_tokens(),
             _ => 0,
         };
+        // What regions cut off from the allocator admitted beyond their grants counts too.
+        let fallback_admitted = ledger
+            .pool_fallback_admitted(tenant, pool, window.start_ms)
+            .await?;
+        let consumed = granted.saturating_add(fallback_admitted);
         // The limit in force now: an override's while one is.
         let limit_tokens = stored.limit_at(now_ms);
-        for threshold_pct in reached(granted, limit_tokens, &webhook.thresholds_pct) {
+        for threshold_pct in reached(consumed, limit_tokens, &webhook.thresholds_pct) {
             let event = ThresholdEvent {
                 event_id: event_id(&webhook.id, tenant, pool, window.start_ms, threshold_pct),
                 kind: "quota.threshold".to_owned(),
@@ -236,6 +246,7 @@ async fn sweep(
                 window_end_ms: window.end_ms,
                 limit: limit_tokens,
                 granted,
+                fallback_admitted,
                 detected_at_ms: now_ms,
             };
             match ledger

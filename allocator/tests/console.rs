@@ -941,3 +941,52 @@ async fn a_viewer_sees_webhooks_and_their_deliveries_but_never_a_secret() {
     }
     assert!(!page.text.contains(secret), "a secret is never on a page");
 }
+
+/// A pool's page lists what each agent of a region admitted in fallback, beside the region's
+/// allowance; a window whose region's agents together took more is marked.
+#[tokio::test]
+async fn a_pool_shows_fallback_by_agent() {
+    let server = start().await;
+    let body = serde_json::json!({ "limit": 100, "windowMs": 3_600_000, "chunk": 10,
+        "leaseTtlMs": 10000, "fallbackPerRegion": 6, "regions": ["eu"] });
+    let response = server
+        .client
+        .put(format!("{}/v1/pools/acme/api", server.url))
+        .bearer_auth(OPERATOR)
+        .json(&body)
+        .send()
+        .await
+        .expect("put");
+    assert_eq!(response.status(), 200);
+    let now_ms = allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock);
+    for (agent, admitted) in [("eu-a", 3), ("eu-b", 5)] {
+        let report = serde_json::json!({ "reportId": format!("r-{agent}"), "region": "eu",
+            "tenant": "acme", "pool": "api", "windowStartMs": now_ms - now_ms % 3_600_000,
+            "fallbackAdmitted": admitted, "agentId": agent });
+        let answer = server
+            .client
+            .post(format!("{}/v1/reports", server.url))
+            .bearer_auth(AGENT)
+            .json(&report)
+            .send()
+            .await
+            .expect("report");
+        assert_eq!(answer.status(), 200);
+    }
+    let viewer = signed_in(&server, VIEWER).await;
+    let live = viewer.get("/console/pools/acme/api/live").await;
+    assert_eq!(live.status, StatusCode::OK);
+    let table = live
+        .text
+        .split(r#"id="fallback-by-agent""#)
+        .nth(1)
+        .expect("the fallback-by-agent table");
+    for cell in ["eu-a", "eu-b", ">3<", ">5<", ">6<"] {
+        assert!(table.contains(cell), "{cell} in {table}");
+    }
+    assert!(
+        live.text.contains("fallback over the allowance in eu"),
+        "8 of 6: {}",
+        live.text
+    );
+}

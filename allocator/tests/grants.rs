@@ -464,7 +464,7 @@ async fn a_new_leader_copies_unfed_grants_into_the_ledger_at_once() {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let sync = tokio::spawn(allot_allocator::ledger_sync::feed_ledger(
         ledger.clone(),
-        allot_allocator::ledger::Retention::default(),
+        allot_allocator::ledger_sync::LedgerRounds::default(),
         kv.clone(),
         clock.clone(),
         role,

@@ -8,7 +8,7 @@ use allot_allocator::ledger::{
     AuditEntry, Ledger, LedgerError, PoolChange, Report, ReportLease, WindowRow,
 };
 use allot_allocator::pools::GrantRecord;
-use allot_shared::ids::{Epoch, LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::ids::{AgentId, Epoch, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::PoolConfig;
 use sqlx::Connection;
 
@@ -86,6 +86,8 @@ fn report(
         shadow_admitted_tokens: 0,
         settle_debt_tokens: 0,
         written_off_tokens: 0,
+        agent_id: None,
+        incarnation: None,
     }
 }
 
@@ -714,8 +716,8 @@ async fn retention(ledger: Ledger) {
     );
     assert_eq!(
         windows().await,
-        before,
-        "a rolled-up window reads exactly as before"
+        by_region_only(&before),
+        "a rolled-up window reads exactly as before, but for its breakdown by agent"
     );
     let old = &before[1];
     assert_eq!(
@@ -873,10 +875,31 @@ async fn rollup_reads_as_raw(ledger: Ledger, seed: u64) {
             line.shadow_admitted_tokens = next(2) * next(50);
             line.settle_debt_tokens = next(2) * next(10);
             line.written_off_tokens = next(2) * next(5);
+            // Named or not; and sometimes a second agent of the region with figures of its own.
+            line.agent_id = [None, Some(agent("a1"))][next(2) as usize].clone();
             ledger
                 .record_report(&line, window_start_ms + 20_000)
                 .await
                 .expect("reported");
+            if next(2) == 1 {
+                let other = Report {
+                    shadow_admitted_tokens: next(2) * next(50),
+                    settle_debt_tokens: next(2) * next(10),
+                    written_off_tokens: next(2) * next(5),
+                    agent_id: Some(agent("a2")),
+                    ..report(
+                        &format!("r2-{seed}-{w}-{region_name}"),
+                        region_name,
+                        window_start_ms,
+                        vec![],
+                        next(3) * next(20),
+                    )
+                };
+                ledger
+                    .record_report(&other, window_start_ms + 21_000)
+                    .await
+                    .expect("reported");
+            }
         }
     }
     let now = W0 + 30 * DAY_MS;
@@ -908,12 +931,27 @@ async fn rollup_reads_as_raw(ledger: Ledger, seed: u64) {
         .windows(&tenant(), &pool(), &config(), 10, now)
         .await
         .expect("windows");
-    assert_eq!(after, before, "seed {seed}");
+    assert_eq!(after, by_region_only(&before), "seed {seed}");
     assert_eq!(
         paged_windows(&ledger, now).await,
-        before,
+        by_region_only(&before),
         "seed {seed}: rolled up too"
     );
+}
+
+/// `rows` as a rolled-up window reads: every figure, each region's the sum over its agents, but
+/// not the breakdown by agent, which the rollup does not keep.
+fn by_region_only(rows: &[WindowRow]) -> Vec<WindowRow> {
+    rows.iter()
+        .map(|row| WindowRow {
+            fallback_admitted_tokens_by_agent: Default::default(),
+            ..row.clone()
+        })
+        .collect()
+}
+
+fn agent(name: &str) -> AgentId {
+    AgentId::parse(name).expect("agent id")
 }
 
 /// Every window of the pool, read two at a time, each page the windows before the last one's
@@ -1073,6 +1111,7 @@ async fn webhooks(ledger: Ledger) {
         window_end_ms: window_start_ms + 60_000,
         limit: 10,
         granted: 8,
+        fallback_admitted: 0,
         detected_at_ms: window_start_ms + 1,
     };
     let record = |e: ThresholdEvent, now_ms: u64| {
@@ -1207,4 +1246,358 @@ async fn postgres_webhooks() {
     let (_database, url) = PostgresDatabase::create().await;
     let ledger = Ledger::connect(&url).await.expect("postgres ledger");
     webhooks(ledger).await;
+}
+
+/// A report of `region`'s agent `agent` (`None`: one that names no agent) of its cumulative
+/// fallback admits in the window starting at `window_start_ms`.
+fn fallback_report(id: &str, region_name: &str, agent_name: Option<&str>, tokens: u64) -> Report {
+    Report {
+        agent_id: agent_name.map(agent),
+        incarnation: agent_name.map(|_| allot_shared::ids::AgentIncarnation::from_parts(W0, 3)),
+        ..report(id, region_name, W0, vec![], tokens)
+    }
+}
+
+/// Several agents of a region: each agent's figures kept apart (the larger reported, whatever the
+/// order and however often), the region's figure their sum, everywhere the ledger is read.
+async fn agents_of_a_region(ledger: Ledger) {
+    // eu runs two agents, each admitting its share; us one agent that names none.
+    for (id, region_name, agent_name, tokens) in [
+        ("eu-1-a", "eu", Some("eu-1"), 5),
+        ("eu-2-a", "eu", Some("eu-2"), 8),
+        ("eu-1-b", "eu", Some("eu-1"), 8),
+        // Late and out of order: a smaller cumulative figure changes nothing.
+        ("eu-1-c", "eu", Some("eu-1"), 6),
+        ("us-a", "us", None, 3),
+        ("us-b", "us", None, 7),
+    ] {
+        let receipt = ledger
+            .record_report(
+                &fallback_report(id, region_name, agent_name, tokens),
+                W0 + 9,
+            )
+            .await
+            .expect("reported");
+        assert!(!receipt.duplicate);
+    }
+    // A retried report is taken once.
+    let retried = ledger
+        .record_report(&fallback_report("eu-2-a", "eu", Some("eu-2"), 8), W0 + 10)
+        .await
+        .expect("retried");
+    assert!(retried.duplicate);
+
+    let windows = ledger
+        .windows(&tenant(), &pool(), &config(), 10, W0 + 120_000)
+        .await
+        .expect("windows");
+    let [window] = windows.as_slice() else {
+        panic!("one window: {windows:?}");
+    };
+    assert_eq!(
+        window.fallback_admitted_tokens_by_region,
+        [(region("eu"), 16), (region("us"), 7)].into(),
+        "each region's figure is the sum of its agents'"
+    );
+    assert_eq!(window.fallback_admitted_tokens, 23);
+    assert_eq!(window.admitted_tokens, 23);
+    assert_eq!(
+        window.fallback_admitted_tokens_by_agent,
+        [
+            (
+                region("eu"),
+                [("eu-1".to_owned(), 8), ("eu-2".to_owned(), 8)].into()
+            ),
+            (
+                region("us"),
+                [(allot_allocator::ledger::UNNAMED_AGENT_LABEL.to_owned(), 7)].into()
+            ),
+        ]
+        .into()
+    );
+    // A restarting agent starts from its own count; one that names none, from its region's.
+    let admitted = async |region_name: &str, agent_name: Option<&str>| {
+        let named = agent_name.map(agent);
+        ledger
+            .fallback_admitted(&tenant(), &pool(), &region(region_name), named.as_ref(), W0)
+            .await
+            .expect("fallback admitted")
+    };
+    assert_eq!(admitted("eu", Some("eu-1")).await, 8);
+    assert_eq!(
+        admitted("eu", Some("eu-3")).await,
+        0,
+        "an agent never heard of"
+    );
+    assert_eq!(admitted("eu", None).await, 16);
+    assert_eq!(admitted("us", None).await, 7);
+    // The regions view counts each pool once per region, with the region's sum.
+    let recent = ledger.recent_fallback(W0).await.expect("recent");
+    let eu: Vec<_> = recent
+        .iter()
+        .filter(|row| row.region == region("eu"))
+        .collect();
+    assert_eq!(eu.len(), 1, "{recent:?}");
+    assert_eq!(eu[0].admitted_tokens, 16);
+    // Within the allowance of 100 a region, no violation; two agents each taking the whole
+    // allowance are one.
+    assert!(window.fallback_over_allowance_tokens_by_region.is_empty());
+    for (id, agent_name) in [("eu-1-d", "eu-1"), ("eu-2-d", "eu-2")] {
+        ledger
+            .record_report(&fallback_report(id, "eu", Some(agent_name), 100), W0 + 20)
+            .await
+            .expect("reported");
+    }
+    let windows = ledger
+        .windows(&tenant(), &pool(), &config(), 10, W0 + 120_000)
+        .await
+        .expect("windows");
+    assert_eq!(
+        windows[0].fallback_over_allowance_tokens_by_region,
+        [(region("eu"), 100)].into()
+    );
+    assert!(
+        windows[0].admitted_tokens <= windows[0].bound_tokens,
+        "within the window's bound, yet over the region's allowance"
+    );
+    let added = ledger
+        .record_bound_checks(&tenant(), &pool(), &windows, W0 + 120_000)
+        .await
+        .expect("checked");
+    assert_eq!(added.violations, 1);
+    assert_eq!(added.regions_over_allowance, vec![region("eu")]);
+    let summary = ledger.bound_check_summary(10).await.expect("summary");
+    let [violation] = summary.recent_violations.as_slice() else {
+        panic!("one violation: {summary:?}");
+    };
+    assert_eq!(violation.fallback_over_allowance, 100);
+    assert_eq!(violation.regions_over_allowance, vec!["eu".to_owned()]);
+    // A report naming a run but no agent is refused, naming the field, and writes nothing.
+    let orphan = Report {
+        incarnation: Some(allot_shared::ids::AgentIncarnation::from_parts(W0, 4)),
+        ..report("orphan", "eu", W0, vec![], 500)
+    };
+    match ledger.record_report(&orphan, W0 + 30).await {
+        Err(LedgerError::Invalid(error)) => assert_eq!(error.field, "incarnation"),
+        other => panic!("refused: {other:?}"),
+    }
+    assert_eq!(admitted("eu", None).await, 200);
+}
+
+#[tokio::test]
+async fn sqlite_agents_of_a_region() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    agents_of_a_region(ledger).await;
+}
+
+#[tokio::test]
+async fn postgres_agents_of_a_region() {
+    let (_database, url) = PostgresDatabase::create().await;
+    let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+    agents_of_a_region(ledger).await;
+}
+
+/// The pool's configuration as its history records a change to it.
+async fn record_config(ledger: &Ledger, change_id: &str, at_ms: u64, fallback: u64) {
+    let spec = serde_json::json!({ "limit": 1000, "windowMs": WINDOW_MS, "chunk": 100,
+        "leaseTtlMs": 15000, "fallbackPerRegion": fallback, "regions": ["eu", "us"] });
+    ledger
+        .record_pool_change(&PoolChange {
+            change_id,
+            tenant: &tenant(),
+            pool: &pool(),
+            version: 1,
+            actor: "operator:test",
+            changed_at_ms: at_ms,
+            config_json: &spec.to_string(),
+        })
+        .await
+        .expect("pool change");
+}
+
+/// Each window is judged by the terms in force while it ran: lowering the fallback allowance after
+/// a partition (as the runbook says) leaves the partition's windows within their bound, and a
+/// window after the change is held to the new terms.
+async fn windows_judged_by_their_terms(ledger: Ledger) {
+    const DAY_MS: u64 = 86_400_000;
+    record_config(&ledger, "c-1", W0 - DAY_MS, 100).await;
+    // Both regions cut off in the first window: each admits its allowance of 100.
+    for region_name in ["eu", "us"] {
+        ledger
+            .record_report(
+                &fallback_report(&format!("p-{region_name}"), region_name, Some("a"), 100),
+                W0 + 30_000,
+            )
+            .await
+            .expect("reported");
+    }
+    // Ten minutes later the operator sets the allowance to 0.
+    let lowered_at_ms = W0 + 10 * WINDOW_MS;
+    record_config(&ledger, "c-2", lowered_at_ms, 0).await;
+    let today = PoolConfig::new(
+        1_000,
+        WINDOW_MS,
+        100,
+        15_000,
+        0,
+        vec![region("eu"), region("us")],
+    )
+    .expect("valid");
+    // A window well after the change, where us admitted 5 in fallback anyway.
+    let after_ms = lowered_at_ms + 2 * WINDOW_MS;
+    let late = Report {
+        window_start_ms: after_ms,
+        ..fallback_report("late-us", "us", Some("a"), 5)
+    };
+    ledger
+        .record_report(&late, after_ms + 1)
+        .await
+        .expect("reported");
+    let windows = ledger
+        .windows(&tenant(), &pool(), &today, 10, after_ms + 120_000)
+        .await
+        .expect("windows");
+    let [after, during] = windows.as_slice() else {
+        panic!("two windows: {windows:?}");
+    };
+    assert_eq!(during.window_start_ms, W0);
+    assert_eq!(
+        (during.fallback_per_region_tokens, during.bound_tokens),
+        (100, 1_200),
+        "the partition's window is held to the allowance in force while it ran"
+    );
+    assert!(!during.violates_bound(), "{during:?}");
+    assert_eq!(
+        (after.fallback_per_region_tokens, after.bound_tokens),
+        (0, 1_000)
+    );
+    assert_eq!(
+        after.fallback_over_allowance_tokens_by_region,
+        [(region("us"), 5)].into(),
+        "after the change, the new allowance"
+    );
+    let added = ledger
+        .record_bound_checks(&tenant(), &pool(), &windows, after_ms + 120_000)
+        .await
+        .expect("checked");
+    assert_eq!((added.windows, added.violations), (2, 1));
+}
+
+#[tokio::test]
+async fn sqlite_windows_judged_by_their_terms() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    windows_judged_by_their_terms(ledger).await;
+}
+
+#[tokio::test]
+async fn postgres_windows_judged_by_their_terms() {
+    let (_database, url) = PostgresDatabase::create().await;
+    let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+    windows_judged_by_their_terms(ledger).await;
+}
+
+/// The migrations before fallback was kept per agent.
+fn migrator_before_agents() -> sqlx::migrate::Migrator {
+    let mut migrator = sqlx::migrate!("../migrations");
+    let before: Vec<_> = migrator
+        .migrations
+        .iter()
+        .filter(|migration| migration.version < 10)
+        .cloned()
+        .collect();
+    assert_eq!(before.len(), 9);
+    migrator.migrations = std::borrow::Cow::Owned(before);
+    migrator
+}
+
+/// Rows a ledger held before it kept agents apart, in every per-window table.
+const LEGACY_ROWS: &str = "\
+INSERT INTO fallback_admits VALUES ('atlas', 'api', 'eu', 1767225600000, 12);
+INSERT INTO shadow_admits VALUES ('atlas', 'api', 'eu', 1767225600000, 40);
+INSERT INTO settle_debts VALUES ('atlas', 'api', 'us', 1767225600000, 3);
+INSERT INTO written_off VALUES ('atlas', 'api', 'us', 1767225600000, 2);
+INSERT INTO bound_checks VALUES ('atlas', 'api', 1767225540000, 1767225600000, 1300, 1200, 1767225700000)";
+
+/// Upgrading a ledger carries its rows over: each becomes the unnamed agent's of its region, read
+/// as before, and a report naming no agent still raises it.
+async fn carried_over(ledger: Ledger) {
+    let windows = ledger
+        .windows(&tenant(), &pool(), &config(), 10, W0 + 120_000)
+        .await
+        .expect("windows");
+    let window = windows
+        .iter()
+        .find(|w| w.window_start_ms == W0)
+        .expect("the window");
+    assert_eq!(
+        window.fallback_admitted_tokens_by_region,
+        [(region("eu"), 12)].into()
+    );
+    assert_eq!(window.shadow_admitted_tokens, 40);
+    assert_eq!(
+        (window.settle_debt_tokens, window.written_off_tokens),
+        (3, 2)
+    );
+    ledger
+        .record_report(&report("after", "eu", W0, vec![], 15), W0 + 50_000)
+        .await
+        .expect("reported");
+    assert_eq!(
+        ledger
+            .fallback_admitted(&tenant(), &pool(), &region("eu"), None, W0)
+            .await
+            .expect("admitted"),
+        15,
+        "the same unnamed agent: the larger kept"
+    );
+    let summary = ledger.bound_check_summary(10).await.expect("summary");
+    assert_eq!(summary.violations, 1, "the violation carried over");
+    assert_eq!(summary.recent_violations[0].fallback_over_allowance, 0);
+}
+
+#[tokio::test]
+async fn sqlite_upgrade_carries_rows_over() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("ledger.db");
+    let url = format!("sqlite://{}", path.display());
+    {
+        let options = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true);
+        let pool = sqlx::SqlitePool::connect_with(options)
+            .await
+            .expect("sqlite");
+        migrator_before_agents()
+            .run(&pool)
+            .await
+            .expect("old migrations");
+        for statement in LEGACY_ROWS.split(';') {
+            sqlx::query(statement)
+                .execute(&pool)
+                .await
+                .expect("legacy row");
+        }
+        pool.close().await;
+    }
+    carried_over(Ledger::connect(&url).await.expect("upgraded")).await;
+}
+
+#[tokio::test]
+async fn postgres_upgrade_carries_rows_over() {
+    let (_database, url) = PostgresDatabase::create().await;
+    {
+        let pool = sqlx::PgPool::connect(&url).await.expect("postgres");
+        migrator_before_agents()
+            .run(&pool)
+            .await
+            .expect("old migrations");
+        for statement in LEGACY_ROWS.split(';') {
+            sqlx::query(statement)
+                .execute(&pool)
+                .await
+                .expect("legacy row");
+        }
+        pool.close().await;
+    }
+    carried_over(Ledger::connect(&url).await.expect("upgraded")).await;
 }

@@ -342,3 +342,87 @@ async fn registrations_are_checked_and_bounded_by_role() {
         .expect("delete");
     assert_eq!(malformed.status(), 400);
 }
+
+/// A region cut off from the allocator admits beyond its grants: what its agents admitted in
+/// fallback, every agent's counted, reaches a threshold as grants do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_admits_of_every_agent_count_towards_a_threshold() {
+    let pki = TestPki::generate();
+    let etcd = allot_testkit::EtcdCluster::single();
+    let server = common::start_with(common::Options {
+        webhook_ca: Some(pki.ca()),
+        etcd: etcd.endpoints(),
+        ..Default::default()
+    })
+    .await;
+    let put = server
+        .client
+        .put(format!("{}/v1/pools/acme/api", server.url))
+        .bearer_auth(OPERATOR)
+        .json(
+            &json!({ "limit": 10, "windowMs": 3_600_000, "chunk": 5, "leaseTtlMs": 60_000,
+                       "fallbackPerRegion": 8, "regions": ["eu"] }),
+        )
+        .send()
+        .await
+        .expect("put pool");
+    assert_eq!(put.status(), 200);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("addr");
+    let received: Received = Arc::default();
+    let (_stop, stopped) = tokio::sync::oneshot::channel();
+    serve_receiver(listener, &pki, received.clone(), stopped);
+    let created = server
+        .client
+        .post(format!("{}/v1/webhooks", server.url))
+        .bearer_auth(OPERATOR)
+        .json(
+            &json!({ "url": format!("https://{address}/hook"), "tenant": "acme",
+                       "thresholdsPct": [80] }),
+        )
+        .send()
+        .await
+        .expect("create");
+    assert_eq!(created.status(), 201);
+
+    // Nothing granted; eu's two agents each report 4 admitted in fallback: 8 of 10.
+    let now_ms = allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock);
+    let window_start_ms = now_ms - now_ms % 3_600_000;
+    for agent in ["eu-a", "eu-b"] {
+        let report = json!({ "reportId": format!("r-{agent}"), "region": "eu", "tenant": "acme",
+            "pool": "api", "windowStartMs": window_start_ms, "fallbackAdmitted": 4,
+            "agentId": agent,
+            "incarnation": allot_shared::ids::AgentIncarnation::from_parts(now_ms, 1) });
+        let answer = server
+            .client
+            .post(format!("{}/v1/reports", server.url))
+            .bearer_auth(AGENT)
+            .json(&report)
+            .send()
+            .await
+            .expect("report");
+        assert_eq!(
+            answer.status(),
+            200,
+            "{}",
+            answer.text().await.unwrap_or_default()
+        );
+    }
+    within(15, "the 80 % event delivered", async || {
+        !received.lock().expect("received").is_empty()
+    })
+    .await;
+    let received = received.lock().expect("received").clone();
+    let event: Value = serde_json::from_str(&received[0].1).expect("event json");
+    assert_eq!(event["thresholdPct"], 80);
+    assert_eq!(
+        (
+            event["granted"].as_u64(),
+            event["fallbackAdmitted"].as_u64()
+        ),
+        (Some(0), Some(8)),
+        "{event}"
+    );
+}

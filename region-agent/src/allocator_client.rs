@@ -212,15 +212,17 @@ impl AllocatorClient {
         Err(ClientError::Unreachable(last_error))
     }
 
-    /// A pool's terms, or `None` when the pool does not exist; with `region`, also what that
-    /// region has reported admitting in fallback in the current window.
+    /// A pool's terms, or `None` when the pool does not exist; asked by an agent (its region and
+    /// id), also what that agent has reported admitting in fallback in the current window.
     pub async fn pool_terms(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
-        region: Option<&RegionId>,
+        asker: Option<(&RegionId, &AgentId)>,
     ) -> Result<Option<PoolTerms>, ClientError> {
-        let query = region.map_or(String::new(), |region| format!("?region={region}"));
+        let query = asker.map_or(String::new(), |(region, agent)| {
+            format!("?region={region}&agentId={agent}")
+        });
         self.call(
             reqwest::Method::GET,
             &format!("/v1/pools/{tenant}/{pool}/terms{query}"),

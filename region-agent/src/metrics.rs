@@ -4,6 +4,7 @@
 //! (from the published bundle), tenant and pool ids (operator-configured). Never principals, keys,
 //! addresses or decision ids (those appear nowhere but in keyed hashes).
 
+use allot_net::metrics::AtStart;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 /// Decisions by `outcome` (allowed, denied), `scope`, `reason`, `rule` and `policy_version`.
@@ -157,9 +158,217 @@ pub const OVERRIDES_NOT_LAID: &str = "allot_agent_overrides_not_laid";
 pub const OVERRIDE_VERSION: &str = "allot_agent_override_version";
 
 /// Installs the process-wide Prometheus recorder on first use and returns its handle; `None` when
-/// another recorder is already installed (then pass that recorder's handle around instead).
+/// another recorder is already installed (then pass that recorder's handle around instead). Every
+/// counter and gauge of [`AT_START`] is exported from then on, at 0 until it moves.
 pub fn install() -> Option<PrometheusHandle> {
-    allot_net::metrics::prometheus(&[])
+    let handle = allot_net::metrics::prometheus(&[])?;
+    static EXPORTED: std::sync::Once = std::sync::Once::new();
+    EXPORTED.call_once(|| allot_net::metrics::export_at_zero(AT_START));
+    Some(handle)
+}
+
+/// The counters and gauges whose labels are all known before anything happened, each with its
+/// label values: exported at 0 from the start, so a dashboard or an alert tells 0 from absent.
+/// The rest appear with their subject ([`WITH_THEIR_SUBJECT`]), and histograms with their first
+/// observation ([`HISTOGRAMS`]).
+pub const AT_START: &[AtStart] = &[
+    AtStart::counter(DRY_RUNS, &[("outcome", &["allowed", "denied"])]),
+    AtStart::counter(REPLAYED_ADMISSIONS, &[("tier", &["agent", "store"])]),
+    AtStart::counter(IDEMPOTENCY_FORGOTTEN_EARLY, &[]),
+    AtStart::counter(
+        SETTLEMENTS,
+        &[(
+            "outcome",
+            &[
+                "exact",
+                "under",
+                "over",
+                "expired",
+                "evicted",
+                "after_response",
+            ],
+        )],
+    ),
+    AtStart::gauge(OPEN_SETTLEMENTS, &[]),
+    AtStart::counter(SETTLE_UNUSED_UNITS, &[]),
+    AtStart::counter(
+        SETTLE_REGIONAL_UNITS,
+        &[("outcome", &["paid", "owed", "repaid", "written_off"])],
+    ),
+    AtStart::gauge(REGIONAL_DEBTORS, &[]),
+    AtStart::counter(QUOTA_READS, &[("outcome", &["answered", "refused"])]),
+    AtStart::counter(
+        RENEWALS,
+        &[(
+            "outcome",
+            &[
+                "granted",
+                "partial",
+                "exhausted",
+                "stale_epoch",
+                "expired",
+                "gone",
+                "failed",
+            ],
+        )],
+    ),
+    AtStart::counter(TOKENS_GRANTED, &[]),
+    AtStart::counter(ALLOCATOR_ERRORS, &[("call", &["terms", "grant"])]),
+    AtStart::gauge(ALLOCATOR_REACHABLE, &[]),
+    AtStart::gauge(POLICY_VERSION, &[]),
+    AtStart::gauge(
+        LIMITER_DECISIONS,
+        &[(
+            "path",
+            &[
+                "decisions",
+                "store_calls",
+                "store_retries",
+                "negative_cache_hits",
+                "cardinality_refusals",
+                "fallback",
+                "unavailable",
+                "policy_errors",
+                "breaker_refusals",
+                "in_flight_exhausted",
+                "shed",
+                "slow_calls",
+                "breaker_failures",
+                "held_up",
+                "coalesced",
+                "coalesced_calls",
+            ],
+        )],
+    ),
+    AtStart::counter(
+        RLS_REQUESTS,
+        &[(
+            "code",
+            &[
+                "ok",
+                "over_limit",
+                "invalid_argument",
+                "unauthenticated",
+                "unavailable",
+                "other_error",
+            ],
+        )],
+    ),
+    AtStart::gauge(POOLS_HELD, &[]),
+    AtStart::gauge(REPORT_LINES_DROPPED, &[]),
+    AtStart::counter(
+        STATE_FILES_IGNORED,
+        &[
+            (
+                "file",
+                &["bundle.state", "journal.state", "overrides.state"],
+            ),
+            (
+                "reason",
+                &[
+                    "unreadable",
+                    "too_large",
+                    "foreign",
+                    "other_region",
+                    "corrupt",
+                ],
+            ),
+        ],
+    ),
+    AtStart::counter(
+        STATE_WRITES,
+        &[
+            (
+                "file",
+                &["bundle.state", "journal.state", "overrides.state"],
+            ),
+            ("outcome", &["ok", "failed"]),
+        ],
+    ),
+    AtStart::counter(CLOCK_BEYOND_MARGIN, &[]),
+    AtStart::counter(FALLBACK_CLAIMS, &[("outcome", &["ok", "failed"])]),
+    AtStart::gauge(
+        STATE_RESTORED,
+        &[("what", &["bundle", "pools", "leases", "fallback_windows"])],
+    ),
+    AtStart::gauge(RLQS_STREAMS, &[]),
+    AtStart::gauge(RLQS_BUCKETS, &[]),
+    AtStart::counter(
+        RLQS_ACTIONS,
+        &[(
+            "action",
+            &["token_bucket", "allow_all", "deny_all", "abandon"],
+        )],
+    ),
+    AtStart::counter(
+        RLQS_ADMITTED_BEYOND_ASSIGNMENT,
+        &[("backed", &["true", "false"])],
+    ),
+    AtStart::counter(
+        RLQS_STREAMS_ENDED,
+        &[(
+            "cause",
+            &["invalid_argument", "closed", "broken", "not_reading"],
+        )],
+    ),
+    AtStart::gauge(OVERRIDES_LAID, &[]),
+    AtStart::gauge(OVERRIDES_NOT_LAID, &[]),
+    AtStart::gauge(OVERRIDE_VERSION, &[]),
+    AtStart::counter(crate::decision_log::DROPPED, &[]),
+];
+
+/// Metrics labelled by what they are about: a tenant's pool (its counters appear at 0 when the
+/// agent first holds the pool, [`pool_held`]; its gauges at the next scrape), a limiter shard, a
+/// hot tenant, a rule or a bundle version (with the first decision). The policy age appears once
+/// a bundle is installed, the clock offset once a grant measured it: 0 would claim either.
+pub const WITH_THEIR_SUBJECT: &[&str] = &[
+    DECISIONS,
+    ADVISORY_DENIALS,
+    HOT_TENANT_SUB_SLOTS,
+    SHADOW_ADMITTED_TOKENS,
+    SETTLE_GLOBAL_TOKENS,
+    SETTLE_DEBT,
+    SETTLE_DEBT_LIMIT,
+    FALLBACK_ADMITS,
+    TOKENS_STRANDED,
+    BREAKER_STATE,
+    POLICY_AGE_SECONDS,
+    STORE_IN_FLIGHT_LIMIT,
+    STORE_IN_FLIGHT,
+    STORE_WAITING,
+    FALLBACK_ALLOWANCE,
+    LEASE_DEPLETIONS,
+    FALLBACK_PRESUMED_USED,
+    CLOCK_OFFSET_MS,
+    RLQS_TOKENS_SUBLEASED,
+    RLQS_TOKENS_EXPIRED_UNUSED,
+];
+
+/// Histograms: they appear with their first observation.
+pub const HISTOGRAMS: &[&str] = &[ALLOCATOR_SECONDS, STORE_SECONDS, RLS_SECONDS];
+
+/// The counters of a pool the agent now holds, at 0 (unless they count already).
+pub fn pool_held(tenant: &allot_shared::ids::TenantId, pool: &allot_shared::ids::PoolId) {
+    let (tenant, pool) = (tenant.to_string(), pool.to_string());
+    for name in [
+        FALLBACK_ADMITS,
+        SHADOW_ADMITTED_TOKENS,
+        FALLBACK_PRESUMED_USED,
+        RLQS_TOKENS_SUBLEASED,
+        RLQS_TOKENS_EXPIRED_UNUSED,
+    ] {
+        metrics::counter!(name, "tenant" => tenant.clone(), "pool" => pool.clone()).increment(0);
+    }
+    for state in ["available", "exhausted"] {
+        metrics::counter!(LEASE_DEPLETIONS,
+            "tenant" => tenant.clone(), "pool" => pool.clone(), "pool_state" => state)
+        .increment(0);
+    }
+    for outcome in ["paid", "owed", "written_off"] {
+        metrics::counter!(SETTLE_GLOBAL_TOKENS,
+            "tenant" => tenant.clone(), "pool" => pool.clone(), "outcome" => outcome)
+        .increment(0);
+    }
 }
 
 /// Most label sets [`DecisionCounters`] keeps handles for (I10): outcomes x scopes x reasons x
@@ -221,5 +430,61 @@ impl DecisionCounters {
             }
         }
         counter
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every metric name the module declares (its `pub const ...: &str = "allot_..."` lines).
+    fn declared(source: &str) -> Vec<String> {
+        source
+            .lines()
+            .filter_map(|line| line.trim().strip_prefix("pub const "))
+            .filter_map(|line| line.split_once(": &str = \"")?.1.split_once('"'))
+            .map(|(name, _)| name.to_owned())
+            .filter(|name| name.starts_with("allot_"))
+            .collect()
+    }
+
+    #[test]
+    fn every_counter_and_gauge_is_exported_from_the_start_at_zero() {
+        let handle = install().expect("the recorder");
+        let rendered = handle.render();
+        for metric in AT_START {
+            for labels in metric.label_sets() {
+                let shown: Vec<String> = labels
+                    .iter()
+                    .map(|l| format!("{}=\"{}\"", l.key(), l.value()))
+                    .collect();
+                let series = if shown.is_empty() {
+                    metric.name.to_owned()
+                } else {
+                    format!("{}{{{}}}", metric.name, shown.join(","))
+                };
+                assert!(
+                    rendered.lines().any(|line| line == format!("{series} 0")),
+                    "{series} is exported at 0 from the start:\n{rendered}"
+                );
+            }
+        }
+        // And every metric declared is exported at start, or documented as appearing later.
+        let later: Vec<&str> = WITH_THEIR_SUBJECT
+            .iter()
+            .chain(HISTOGRAMS)
+            .copied()
+            .collect();
+        for name in [include_str!("metrics.rs"), include_str!("decision_log.rs")]
+            .iter()
+            .flat_map(|source| declared(source))
+        {
+            let at_start = AT_START.iter().any(|metric| metric.name == name);
+            assert!(
+                at_start != later.contains(&name.as_str()),
+                "{name}: exported at start, or listed as appearing with its subject or first \
+                 observation (exactly one)"
+            );
+        }
     }
 }

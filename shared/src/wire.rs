@@ -254,6 +254,14 @@ pub struct Report {
         skip_serializing_if = "crate::wire::is_zero"
     )]
     pub written_off_tokens: u64,
+    /// The reporting agent's id (as in its session). The ledger keeps the fallback, shadow and
+    /// settle figures per agent, and a region's figure is the sum over its agents; a report that
+    /// names no agent is counted as one unnamed agent of its region (its largest figure kept).
+    #[serde(default, rename = "agentId", skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<AgentId>,
+    /// The run of the agent that sent it (as in its session; only with `agentId`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incarnation: Option<AgentIncarnation>,
 }
 
 /// For `skip_serializing_if`: a zero amount is not sent (older allocators refuse unknown fields).

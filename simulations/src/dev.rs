@@ -91,6 +91,7 @@ pub async fn run_dev(
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: None,
         pepper: None,
         ledger_url: format!(

@@ -386,6 +386,48 @@ fn every_alert_has_its_runbook() {
     assert!(checked >= 10, "only {checked} alerts were read");
 }
 
+/// Every Allot metric the alerts and their runbooks name is one a service declares: an alert on a
+/// metric nobody exports never fires, and a runbook that points at one sends the operator nowhere.
+#[test]
+fn every_metric_the_alerts_and_runbooks_name_is_exported() {
+    let root = repo_root();
+    let declared: String = [
+        "allocator/src/metrics.rs",
+        "region-agent/src/metrics.rs",
+        "region-agent/src/decision_log.rs",
+    ]
+    .iter()
+    .map(|path| read(&root.join(path)))
+    .collect();
+    let named = |text: &str| -> Vec<String> {
+        let mut names: Vec<String> = text
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|word| word.starts_with("allot_") && word.len() > "allot_".len())
+            .map(str::to_owned)
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+    };
+    let alerts = read(&root.join("deploy/prometheus/allot-alerts.yml"));
+    let operations = read(&root.join("docs/operations.md"));
+    let runbooks = section(&operations, "Runbooks");
+    let mut checked = 0;
+    for name in named(&alerts).into_iter().chain(named(runbooks)) {
+        // Histograms are exported as series of their name with a suffix.
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix))
+            .unwrap_or(&name);
+        assert!(
+            declared.contains(&format!("\"{base}\"")),
+            "{name} is named by an alert or runbook but no service declares it"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 20, "only {checked} metric names were read");
+}
+
 /// The agent service's layers as ARCHITECTURE.md states them: the line starting `Layers:` in the
 /// service's code map row up to the sentence's end, groups of files separated by `→`, the top
 /// first.

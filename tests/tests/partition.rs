@@ -49,6 +49,7 @@ async fn start_allocator(etcd: &[String], dir: &std::path::Path, port: u16) -> R
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: None,
         pepper: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),

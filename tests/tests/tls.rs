@@ -50,6 +50,7 @@ async fn start_allocator(pki: &TestPki, dir: &std::path::Path) -> String {
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: None,
         pepper: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),

@@ -51,6 +51,13 @@ fn pool_href(tenant: &str, pool: &str) -> String {
 fn standing(row: &WindowRow) -> Markup {
     if row.admitted_tokens > row.bound_tokens {
         html! { span.over { "over its bound" } }
+    } else if !row.fallback_over_allowance_tokens_by_region.is_empty() {
+        let regions: Vec<&str> = row
+            .fallback_over_allowance_tokens_by_region
+            .keys()
+            .map(|r| r.as_str())
+            .collect();
+        html! { span.over { "fallback over the allowance in " (regions.join(", ")) } }
     } else if row.admitted_tokens > row.limit_tokens {
         html! { span { "within bound (fallback in use)" } }
     } else {
@@ -128,14 +135,20 @@ pub async fn list(
             } @else {
                 p.error id="bound-checks" role="alert" {
                     (checks.violations) " of " (checks.windows_checked)
-                    " checked windows admitted more than their bound (a correctness defect): "
+                    " checked windows broke their bound (a correctness defect, or agents of a \
+                    region over its fallback allowance): "
                     @for (i, violation) in checks.recent_violations.iter().enumerate() {
                         @if i > 0 { ", " }
                         a href=(pool_href(&violation.tenant, &violation.pool)) {
                             (violation.tenant) "/" (violation.pool)
                         }
                         " from " (utc(violation.window_start_ms)) " (" (violation.admitted)
-                        " of " (violation.bound) ")"
+                        " of " (violation.bound)
+                        @if !violation.regions_over_allowance.is_empty() {
+                            "; " (violation.regions_over_allowance.join(", ")) " "
+                            (violation.fallback_over_allowance) " over the fallback allowance"
+                        }
+                        ")"
                     }
                 }
             }
@@ -703,6 +716,37 @@ async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
                         }
                     }
                     @if windows.is_empty() { tr { td.muted colspan=(columns) { "no windows yet" } } }
+                }
+            }
+        }
+        @let by_agent: Vec<&WindowRow> = windows
+            .iter()
+            .filter(|w| !w.fallback_admitted_tokens_by_agent.is_empty())
+            .collect();
+        @if !by_agent.is_empty() {
+            h2 { "Fallback by agent" }
+            p.muted {
+                "Each agent of a region admits at most the region's allowance divided by "
+                code { "--region-agents" } "; together they stay within the allowance."
+            }
+            div.table-wrap {
+                table id="fallback-by-agent" {
+                    thead { tr {
+                        th { "Window start (UTC)" } th { "Region" } th { "Agent" }
+                        th.num { "Fallback" } th.num { "Region's allowance" }
+                    } }
+                    tbody {
+                        @for row in &by_agent {
+                            @for (region, agents) in &row.fallback_admitted_tokens_by_agent {
+                                @for (agent, tokens) in agents {
+                                    tr {
+                                        td { (utc(row.window_start_ms)) } td { (region) } td { (agent) }
+                                        td.num { (tokens) } td.num { (row.fallback_per_region_tokens) }
+                                    }
+                                }
+                            }
+                        }
+                    }
                 }
             }
         }

@@ -356,18 +356,20 @@ fn bound_checks(summary: &BoundCheckSummary) -> String {
     }
     let _ = writeln!(
         out,
-        "{:<24} {:<16} {:<16} {:>10} {:>10}",
-        "window start", "tenant", "pool", "admitted", "bound"
+        "{:<24} {:<16} {:<16} {:>10} {:>10} {:>14} regions over their fallback allowance",
+        "window start", "tenant", "pool", "admitted", "bound", "over allowance"
     );
     for violation in &summary.recent_violations {
         let _ = writeln!(
             out,
-            "{:<24} {:<16} {:<16} {:>10} {:>10}",
+            "{:<24} {:<16} {:<16} {:>10} {:>10} {:>14} {}",
             rfc3339_utc(violation.window_start_ms),
             violation.tenant,
             violation.pool,
             violation.admitted,
-            violation.bound
+            violation.bound,
+            violation.fallback_over_allowance,
+            violation.regions_over_allowance.join(",")
         );
     }
     out
@@ -471,6 +473,20 @@ mod tests {
         assert!(text.contains("1970-01-01T00:00:00.000Z"), "{text}");
         assert!(text.contains("1200"), "{text}");
         assert_eq!(render(Answer::Nothing, &Value::Null).as_deref(), Ok("ok\n"));
+    }
+
+    #[test]
+    fn a_violation_names_the_regions_over_their_allowance() {
+        let summary = json!({ "windowsChecked": 4, "violations": 1, "recentViolations": [{
+            "tenant": "atlas", "pool": "api", "windowStartMs": 0, "windowEndMs": 6000,
+            "admitted": 60, "bound": 1036, "fallbackOverAllowance": 12,
+            "regionsOverAllowance": ["ap"], "checkedAtMs": 7000 }] });
+        let text = render(Answer::BoundChecks, &summary).expect("a summary");
+        let row = text.lines().nth(2).expect("a violation row");
+        assert!(
+            row.contains("1036") && row.trim_end().ends_with("12 ap"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! are read per pool.
 
 use allot_shared::contract::Problem;
-use allot_shared::ids::{PoolId, RegionId, TenantId};
+use allot_shared::ids::{AgentId, PoolId, RegionId, TenantId};
 use allot_shared::wire::{FallbackInWindow, PoolTerms};
 use axum::body::Bytes;
 use axum::extract::rejection::QueryRejection;
@@ -246,9 +246,14 @@ pub struct WindowList {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct TermsQuery {
-    /// The asking region: the answer adds its fallback admitted so far in the window.
+    /// The asking region: the answer adds its fallback admitted so far in the window (every agent
+    /// of the region together, or, with `agentId`, that agent's own).
     #[param(pattern = "^[a-z0-9-]{1,32}$")]
     region: Option<String>,
+    /// The asking agent (with `region`): the fallback admitted is its own, as its reports named it.
+    #[serde(rename = "agentId")]
+    #[param(rename = "agentId", pattern = "^[A-Za-z0-9._-]{1,64}$")]
+    agent_id: Option<String>,
 }
 
 fn view(tenant: TenantId, pool: PoolId, stored: StoredPool) -> PoolView {
@@ -513,16 +518,26 @@ pub async fn get_pool_terms(
     if let Some(region) = &region {
         check_region(&credential, region)?;
     }
+    let agent = query
+        .agent_id
+        .as_deref()
+        .map(|agent| AgentId::parse(agent).map_err(invalid_id("agentId")))
+        .transpose()?;
+    if agent.is_some() && region.is_none() {
+        return Err(ApiError::invalid(
+            "agentId",
+            "names an agent of a region: send region with it",
+        ));
+    }
     let stored = stored_pool(&state, &tenant, &pool).await?;
     let config = stored.spec.validate().ok();
     let now_ms = state.clock.now_ms();
-    let spec = stored.spec;
     let fallback_in_window = match (&region, &config) {
         (Some(region), Some(config)) => {
             let window = config.window_at(now_ms);
             let admitted_tokens = state
                 .ledger
-                .fallback_admitted(&tenant, &pool, region, window.start_ms)
+                .fallback_admitted(&tenant, &pool, region, agent.as_ref(), window.start_ms)
                 .await?;
             Some(FallbackInWindow {
                 window_start_ms: window.start_ms,
@@ -531,26 +546,7 @@ pub async fn get_pool_terms(
         }
         _ => None,
     };
-    let terms = PoolTerms {
-        limit_tokens: spec.limit_tokens,
-        // Old agents read windowMs alone: for calendar windows it is the longest one.
-        window_ms: config
-            .as_ref()
-            .map_or(spec.window_ms, |c| c.window().longest_ms()),
-        window: spec.window.clone(),
-        chunk_tokens: spec.chunk_tokens,
-        lease_ttl_ms: spec.lease_ttl_ms,
-        fallback_per_region_tokens: spec.fallback_per_region_tokens,
-        settle_debt_per_region_tokens: spec.settle_debt_per_region_tokens,
-        regions: spec.regions,
-        version: stored.version,
-        fallback_in_window,
-        limit_override: stored
-            .overrides
-            .iter()
-            .find(|o| o.in_force_at(now_ms))
-            .cloned(),
-    };
+    let terms = stored.terms(now_ms, fallback_in_window);
     Ok(json_response(StatusCode::OK, &terms))
 }
 

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use allot_shared::ids::{PoolId, RegionId, TenantId};
-use allot_shared::lease::{LeaseClamping, OvershootBound, PoolConfig, overshoot_tokens};
+use allot_shared::lease::{PoolConfig, overshoot_tokens};
 use allot_shared::overrides::PoolOverride;
 use allot_shared::window::Window;
 use sea_query::{
@@ -16,15 +16,18 @@ use sea_query_binder::SqlxBinder;
 use serde::{Deserialize, Serialize};
 
 use super::schema::{
-    FallbackAdmits, Grants, LeaseSpend, SettleDebts, ShadowAdmits, WrittenOff, sum_as_bigint,
+    FallbackAdmits, Grants, LeaseSpend, SettleDebts, ShadowAdmits, UNNAMED_AGENT, WrittenOff,
+    sum_as_bigint,
 };
+use super::terms::{WindowTerms, window_terms};
 use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 
 /// Most windows one `windows` query returns.
 pub const MAX_WINDOWS: u64 = 1_000;
 
-/// What a pool's windows are accounted against: its configuration, and the overrides of its limit
-/// (in force or ended), so each window is held to the highest limit in force during it.
+/// What a pool's windows are accounted against: its configuration today, and the overrides of its
+/// limit (in force or ended). Each window is held to the terms in force while it ran
+/// ([`super::terms`]): the pool's history in the ledger, with these overrides laid over it.
 #[derive(Debug, Clone, Copy)]
 pub struct PoolLimits<'a> {
     /// The configuration.
@@ -42,18 +45,12 @@ impl<'a> From<&'a PoolConfig> for PoolLimits<'a> {
     }
 }
 
-impl PoolLimits<'_> {
-    /// The configuration a window is held to: the highest limit in force during it.
-    pub fn for_window(&self, window: Window) -> std::borrow::Cow<'_, PoolConfig> {
-        let base = self.config.limit_tokens();
-        self.config
-            .limited_to(allot_shared::overrides::window_limit(
-                base,
-                self.overrides,
-                window,
-            ))
-    }
-}
+/// How the windows view names the agent of reports that named none.
+pub const UNNAMED_AGENT_LABEL: &str = "(unnamed)";
+
+/// Most agents' fallback rows read per window for the view's breakdown by agent (I10); a window
+/// with more shows its regions' sums only.
+pub const MAX_AGENT_ROWS_PER_WINDOW: u64 = 1_024;
 
 /// One window of a pool, as the ledger accounts for it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -63,7 +60,7 @@ pub struct WindowRow {
     pub window_start_ms: u64,
     /// Window end, epoch ms.
     pub window_end_ms: u64,
-    /// `G` (from the pool's current configuration).
+    /// `G`: the highest limit in force while the window ran (its overrides included).
     #[serde(rename = "limit")]
     pub limit_tokens: u64,
     /// Tokens granted in the window.
@@ -87,9 +84,30 @@ pub struct WindowRow {
     /// Tokens admitted in fallback, all regions.
     #[serde(rename = "fallbackAdmitted")]
     pub fallback_admitted_tokens: u64,
-    /// Fallback admits per region.
+    /// Fallback admits per region: the sum over the region's agents.
     #[serde(rename = "fallbackAdmittedByRegion")]
     pub fallback_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
+    /// Fallback admits per region and agent, as each agent reported them (`(unnamed)`: reports
+    /// that named no agent; regions without fallback left out).
+    #[serde(
+        rename = "fallbackAdmittedByAgent",
+        default,
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub fallback_admitted_tokens_by_agent: BTreeMap<RegionId, BTreeMap<String, u64>>,
+    /// What each region's agents together may admit in fallback in the window, tokens: the
+    /// largest `fallbackPerRegion` in force while it ran.
+    #[serde(rename = "fallbackPerRegion", default)]
+    pub fallback_per_region_tokens: u64,
+    /// Fallback each region admitted beyond that allowance, tokens (regions within it left out):
+    /// its agents together took more than the region's share, a violation of the bound's
+    /// fallback term even when the window's total stays within the bound.
+    #[serde(
+        rename = "fallbackOverAllowanceByRegion",
+        default,
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub fallback_over_allowance_tokens_by_region: BTreeMap<RegionId, u64>,
     /// spent + fallbackAdmitted.
     #[serde(rename = "admitted")]
     pub admitted_tokens: u64,
@@ -99,7 +117,7 @@ pub struct WindowRow {
     /// max(0, admitted - limit).
     #[serde(rename = "overshoot")]
     pub overshoot_tokens: u64,
-    /// The design's bound for this pool's configuration.
+    /// The design's bound for the terms in force while the window ran.
     #[serde(rename = "bound")]
     pub bound_tokens: u64,
     /// Tokens a shadow global rule counted without spending, all regions: what enforcing the pool
@@ -147,6 +165,14 @@ struct RegionAmount {
 }
 
 #[derive(sqlx::FromRow)]
+struct AgentAmount {
+    window_start_ms: i64,
+    region: String,
+    agent_id: String,
+    amount: i64,
+}
+
+#[derive(sqlx::FromRow)]
 struct LeaseAmounts {
     window_start_ms: i64,
     region: String,
@@ -170,8 +196,10 @@ pub struct WindowAmounts {
     pub stranded_tokens: u64,
     /// Granted minus reported spend, over expired leases whose final report never arrived.
     pub unreported_tokens: u64,
-    /// Tokens admitted in fallback per region.
+    /// Tokens admitted in fallback per region (all its agents).
     pub fallback_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
+    /// Tokens admitted in fallback per region and agent, where known.
+    pub fallback_admitted_tokens_by_agent: BTreeMap<RegionId, BTreeMap<String, u64>>,
     /// Tokens a shadow global rule counted per region.
     pub shadow_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
     /// The most settle debt each region carried.
@@ -181,9 +209,9 @@ pub struct WindowAmounts {
 }
 
 /// A window's accounts from its amounts: everything granted, everything admitted (spent from
-/// leases plus admitted in fallback), and the overshoot beyond `limit_tokens`; `bound_tokens` is
-/// the design's bound it is held to.
-pub fn account(amounts: WindowAmounts, limit_tokens: u64, bound_tokens: u64) -> WindowRow {
+/// leases plus admitted in fallback), the overshoot beyond the window's limit, and each region's
+/// fallback beyond its allowance; `terms` are what the window is held to.
+pub fn account(amounts: WindowAmounts, terms: &WindowTerms) -> WindowRow {
     let total = |by_region: &BTreeMap<RegionId, u64>| {
         by_region
             .values()
@@ -201,10 +229,19 @@ pub fn account(amounts: WindowAmounts, limit_tokens: u64, bound_tokens: u64) -> 
         admitted_tokens == u64::MAX || total(&admitted_tokens_by_region) == admitted_tokens,
         "the regions' admits add up to the window's"
     );
+    let fallback_over_allowance_tokens_by_region = amounts
+        .fallback_admitted_tokens_by_region
+        .iter()
+        .map(|(region, tokens)| {
+            let over = tokens.saturating_sub(terms.fallback_allowance(region));
+            (region.clone(), over)
+        })
+        .filter(|(_, over)| *over > 0)
+        .collect();
     WindowRow {
         window_start_ms: amounts.window_start_ms,
         window_end_ms: amounts.window_end_ms,
-        limit_tokens,
+        limit_tokens: terms.limit_tokens,
         granted_tokens: total(&amounts.granted_tokens_by_region),
         granted_tokens_by_region: amounts.granted_tokens_by_region,
         spent_tokens,
@@ -213,16 +250,34 @@ pub fn account(amounts: WindowAmounts, limit_tokens: u64, bound_tokens: u64) -> 
         unreported_tokens: amounts.unreported_tokens,
         fallback_admitted_tokens,
         fallback_admitted_tokens_by_region: amounts.fallback_admitted_tokens_by_region,
+        fallback_admitted_tokens_by_agent: amounts.fallback_admitted_tokens_by_agent,
+        fallback_per_region_tokens: terms.fallback_per_region_tokens,
+        fallback_over_allowance_tokens_by_region,
         admitted_tokens,
         admitted_tokens_by_region,
-        overshoot_tokens: overshoot_tokens(admitted_tokens, limit_tokens),
-        bound_tokens,
+        overshoot_tokens: overshoot_tokens(admitted_tokens, terms.limit_tokens),
+        bound_tokens: terms.bound().total_tokens(),
         shadow_admitted_tokens: total(&amounts.shadow_admitted_tokens_by_region),
         shadow_admitted_tokens_by_region: amounts.shadow_admitted_tokens_by_region,
         settle_debt_tokens: total(&amounts.settle_debt_tokens_by_region),
         written_off_tokens: total(&amounts.written_off_tokens_by_region),
         settle_debt_tokens_by_region: nonzero(amounts.settle_debt_tokens_by_region),
         written_off_tokens_by_region: nonzero(amounts.written_off_tokens_by_region),
+    }
+}
+
+impl WindowRow {
+    /// Fallback admitted beyond the regions' allowances, tokens, over every region.
+    pub fn fallback_over_allowance_tokens(&self) -> u64 {
+        self.fallback_over_allowance_tokens_by_region
+            .values()
+            .fold(0, |sum, tokens| sum.saturating_add(*tokens))
+    }
+
+    /// Whether the window broke its bound: admitted more than it, or a region's agents admitted
+    /// more than its fallback allowance.
+    pub fn violates_bound(&self) -> bool {
+        self.admitted_tokens > self.bound_tokens || self.fallback_over_allowance_tokens() > 0
     }
 }
 
@@ -309,6 +364,18 @@ impl Ledger {
         };
         let granted_rows = self.granted_rows(tenant, pool, oldest).await?;
         let amounts = self.lease_amounts(tenant, pool, oldest, now_ms).await?;
+        let by_agent = self
+            .fallback_by_agent(tenant, pool, oldest, before, keys.len())
+            .await?;
+        let newest_end_ms = keys.iter().map(|k| u64_of(k.window_end_ms)).max();
+        let history = self
+            .terms_history(
+                tenant,
+                pool,
+                u64_of(oldest),
+                newest_end_ms.unwrap_or(u64::MAX),
+            )
+            .await?;
         let by_region = |rows: &[RegionAmount], window_start_ms: i64| -> BTreeMap<RegionId, u64> {
             rows.iter()
                 .filter(|r| r.window_start_ms == window_start_ms)
@@ -341,6 +408,10 @@ impl Ledger {
                         &fallback_rows,
                         key.window_start_ms,
                     ),
+                    fallback_admitted_tokens_by_agent: by_agent
+                        .get(&key.window_start_ms)
+                        .cloned()
+                        .unwrap_or_default(),
                     shadow_admitted_tokens_by_region: by_region(&shadow_rows, key.window_start_ms),
                     settle_debt_tokens_by_region: by_region(&debt_rows, key.window_start_ms),
                     written_off_tokens_by_region: by_region(&written_off_rows, key.window_start_ms),
@@ -348,19 +419,24 @@ impl Ledger {
                 if let Some(window) = rolled.get(&amounts.window_start_ms) {
                     window.merge_into(&mut amounts);
                 }
-                let held_to = limits.for_window(Window {
-                    start_ms: amounts.window_start_ms,
-                    end_ms: amounts.window_end_ms,
-                });
-                let bound = OvershootBound::for_design(&held_to, LeaseClamping::Clamped, 1, 0);
-                account(amounts, held_to.limit_tokens(), bound.total_tokens())
+                let terms = window_terms(
+                    config,
+                    limits.overrides,
+                    &history,
+                    Window {
+                        start_ms: amounts.window_start_ms,
+                        end_ms: amounts.window_end_ms,
+                    },
+                );
+                account(amounts, &terms)
             })
             .collect();
         Ok(rows)
     }
 
-    /// Fallback (or shadow, settle debt, written-off) amounts per region of the pool's latest windows, from `table` (at most
-    /// 64 regions a window).
+    /// Fallback (or shadow, settle debt, written-off) amounts per region of the pool's latest
+    /// windows, from `table`: each region's the sum over its agents (at most 64 regions a
+    /// window).
     async fn admits_rows<T: sea_query::Iden + Copy + 'static>(
         &self,
         table: T,
@@ -372,18 +448,80 @@ impl Ledger {
         let statement = Query::select()
             .column(FallbackAdmits::WindowStartMs)
             .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
-            .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
+            .expr_as(
+                sum_as_bigint(Expr::col(FallbackAdmits::Admitted)),
+                Alias::new("amount"),
+            )
             .from(table)
             .cond_where(
                 of_pool(table, tenant, pool)
                     .add(Expr::col((table, Alias::new("window_start_ms"))).lt(before)),
             )
+            .group_by_col(FallbackAdmits::WindowStartMs)
+            .group_by_col(FallbackAdmits::Region)
             .order_by(FallbackAdmits::WindowStartMs, Order::Desc)
             .limit(last * 64)
             .to_owned();
         Ok(on_db!(self, statement, |sql, values, db| {
             sqlx::query_as_with(&sql, values).fetch_all(db).await?
         }))
+    }
+
+    /// Each agent's fallback admits in the pool's windows from `oldest` to before `before`
+    /// (`windows` of them), by window start, region and agent. At most
+    /// [`MAX_AGENT_ROWS_PER_WINDOW`] rows a window are read; when the read is cut short, its oldest
+    /// window (perhaps partly read) is left out.
+    async fn fallback_by_agent(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        oldest: i64,
+        before: i64,
+        windows: usize,
+    ) -> Result<BTreeMap<i64, BTreeMap<RegionId, BTreeMap<String, u64>>>, LedgerError> {
+        let limit = (windows as u64).max(1) * MAX_AGENT_ROWS_PER_WINDOW;
+        let statement = Query::select()
+            .column(FallbackAdmits::WindowStartMs)
+            .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
+            .expr_as(Expr::col(FallbackAdmits::AgentId), Alias::new("agent_id"))
+            .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
+            .from(FallbackAdmits::Table)
+            .cond_where(
+                of_pool(FallbackAdmits::Table, tenant, pool)
+                    .add(Expr::col(FallbackAdmits::WindowStartMs).gte(oldest))
+                    .add(Expr::col(FallbackAdmits::WindowStartMs).lt(before))
+                    .add(Expr::col(FallbackAdmits::Admitted).gt(0i64)),
+            )
+            .order_by(FallbackAdmits::WindowStartMs, Order::Desc)
+            .limit(limit)
+            .to_owned();
+        let rows: Vec<AgentAmount> = on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        });
+        let cut_short = rows.len() as u64 >= limit;
+        let cut_window = rows.last().map(|row| row.window_start_ms);
+        let mut by_window: BTreeMap<i64, BTreeMap<RegionId, BTreeMap<String, u64>>> =
+            BTreeMap::new();
+        for row in rows {
+            let Ok(region) = RegionId::parse(&row.region) else {
+                continue;
+            };
+            let agent = if row.agent_id == UNNAMED_AGENT {
+                UNNAMED_AGENT_LABEL.to_owned()
+            } else {
+                row.agent_id
+            };
+            by_window
+                .entry(row.window_start_ms)
+                .or_default()
+                .entry(region)
+                .or_default()
+                .insert(agent, u64_of(row.amount));
+        }
+        if cut_short && let Some(window) = cut_window {
+            by_window.remove(&window);
+        }
+        Ok(by_window)
     }
 
     /// The latest `last` windows starting before `before` with grants, fallback or shadow admits,
@@ -540,6 +678,16 @@ mod tests {
         RegionId::parse(name).expect("region")
     }
 
+    /// `G` 1,000 and 100 tokens of fallback for each of eu and us: a bound of 1,200.
+    fn terms() -> WindowTerms {
+        WindowTerms {
+            limit_tokens: 1_000,
+            fallback_per_region_tokens: 100,
+            settle_debt_per_region_tokens: 0,
+            regions: [region("eu"), region("us")].into(),
+        }
+    }
+
     #[test]
     fn a_window_admits_what_its_leases_spent_and_its_regions_admitted_in_fallback() {
         let amounts = WindowAmounts {
@@ -550,11 +698,12 @@ mod tests {
             stranded_tokens: 40,
             unreported_tokens: 10,
             fallback_admitted_tokens_by_region: [(region("eu"), 80), (region("us"), 20)].into(),
+            fallback_admitted_tokens_by_agent: BTreeMap::new(),
             shadow_admitted_tokens_by_region: [(region("eu"), 1_500), (region("us"), 200)].into(),
             settle_debt_tokens_by_region: [(region("eu"), 30), (region("us"), 5)].into(),
             written_off_tokens_by_region: [(region("us"), 7)].into(),
         };
-        let row = account(amounts, 1_000, 1_200);
+        let row = account(amounts, &terms());
         assert_eq!(
             (row.settle_debt_tokens, row.written_off_tokens),
             (35, 7),
@@ -583,11 +732,10 @@ mod tests {
                 spent_tokens_by_region: [(region("eu"), 400)].into(),
                 ..WindowAmounts::default()
             },
-            1_000,
-            1_200,
+            &terms(),
         );
         assert_eq!((quiet.admitted_tokens, quiet.overshoot_tokens), (400, 0));
-        let empty = account(WindowAmounts::default(), 1_000, 1_200);
+        let empty = account(WindowAmounts::default(), &terms());
         assert_eq!(
             (
                 empty.granted_tokens,
@@ -603,9 +751,45 @@ mod tests {
                 fallback_admitted_tokens_by_region: [(region("eu"), 5)].into(),
                 ..WindowAmounts::default()
             },
-            1_000,
-            1_200,
+            &terms(),
         );
         assert_eq!(huge.admitted_tokens, u64::MAX);
+    }
+
+    #[test]
+    fn a_region_whose_agents_took_more_than_its_allowance_breaks_the_bound_within_the_total() {
+        // Two agents of eu each admitted the region's whole allowance: 200 of 100. The window's
+        // total (400 + 200 = 600) is far within its bound of 1,200.
+        let amounts = WindowAmounts {
+            spent_tokens_by_region: [(region("eu"), 400)].into(),
+            fallback_admitted_tokens_by_region: [(region("eu"), 200), (region("us"), 100)].into(),
+            ..WindowAmounts::default()
+        };
+        let row = account(amounts, &terms());
+        assert!(row.admitted_tokens <= row.bound_tokens);
+        assert_eq!(
+            row.fallback_over_allowance_tokens_by_region,
+            [(region("eu"), 100)].into(),
+            "us used exactly its allowance: not over"
+        );
+        assert_eq!(row.fallback_over_allowance_tokens(), 100);
+        assert!(row.violates_bound());
+        // A region no configuration in force named has no allowance at all.
+        let stranger = account(
+            WindowAmounts {
+                fallback_admitted_tokens_by_region: [(region("ap"), 1)].into(),
+                ..WindowAmounts::default()
+            },
+            &terms(),
+        );
+        assert_eq!(stranger.fallback_over_allowance_tokens(), 1);
+        let within = account(
+            WindowAmounts {
+                fallback_admitted_tokens_by_region: [(region("eu"), 100)].into(),
+                ..WindowAmounts::default()
+            },
+            &terms(),
+        );
+        assert!(!within.violates_bound());
     }
 }

@@ -10,7 +10,8 @@
 //!
 //! A file per job: `schema` (tables and columns), [`audit`] (the change history: audit log, pool
 //! configurations, bundles), [`reports`] (grants and reports), [`accounting`] (per-window accounts,
-//! the arithmetic pure and tested without SQL), [`rollup`] (old windows' raw rows as one row a
+//! the arithmetic pure and tested without SQL), [`terms`] (the terms each window is judged by,
+//! from the pool's history), [`rollup`] (old windows' raw rows as one row a
 //! region), [`retention`] (what is removed, and when).
 
 use sqlx::postgres::PgPoolOptions;
@@ -53,15 +54,19 @@ pub mod reports;
 pub mod retention;
 pub mod rollup;
 mod schema;
+pub mod terms;
 pub mod webhooks;
 
-pub use accounting::{MAX_WINDOWS, PoolLimits, WindowAmounts, WindowRow, account};
+pub use accounting::{
+    MAX_WINDOWS, PoolLimits, UNNAMED_AGENT_LABEL, WindowAmounts, WindowRow, account,
+};
 pub use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 pub use audit::{AuditEntry, MAX_AUDIT_ENTRIES, PoolChange};
 pub use bound_checks::{BoundCheckSummary, BoundViolation, MAX_RECENT_VIOLATIONS};
 pub use regions::{FallbackRow, MAX_RECENT_FALLBACK_ROWS};
 pub use reports::MAX_LEASES_PER_REPORT;
 pub use retention::{Removed, Retention};
+pub use terms::{TERMS_REACH_MS, TermsChange, TermsHistory, WindowTerms, window_terms};
 pub use webhooks::{DeliveryView, EventRecorded, PendingEvent, StoredWebhook};
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");

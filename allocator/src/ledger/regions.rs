@@ -7,7 +7,7 @@ use allot_shared::ids::{PoolId, RegionId, TenantId};
 use sea_query::{Alias, Expr, Func, PostgresQueryBuilder, Query, SqliteQueryBuilder};
 use sea_query_binder::SqlxBinder;
 
-use super::schema::{FallbackAdmits, LeaseReports};
+use super::schema::{FallbackAdmits, LeaseReports, sum_as_bigint};
 use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 
 /// Most fallback rows one read returns (regions x pools in recent windows).
@@ -24,7 +24,7 @@ pub struct FallbackRow {
     pub region: RegionId,
     /// The window's start, epoch ms.
     pub window_start_ms: u64,
-    /// Tokens admitted in fallback (cumulative over the window).
+    /// Tokens admitted in fallback (cumulative over the window; every agent of the region).
     pub admitted_tokens: u64,
 }
 
@@ -83,11 +83,18 @@ impl Ledger {
                 FallbackAdmits::Pool,
                 FallbackAdmits::Region,
                 FallbackAdmits::WindowStartMs,
-                FallbackAdmits::Admitted,
             ])
+            .expr_as(
+                sum_as_bigint(Expr::col(FallbackAdmits::Admitted)),
+                Alias::new("admitted"),
+            )
             .from(FallbackAdmits::Table)
             .and_where(Expr::col(FallbackAdmits::WindowStartMs).gte(i64_of(since_window_start_ms)))
             .and_where(Expr::col(FallbackAdmits::Admitted).gt(0i64))
+            .group_by_col(FallbackAdmits::Tenant)
+            .group_by_col(FallbackAdmits::Pool)
+            .group_by_col(FallbackAdmits::Region)
+            .group_by_col(FallbackAdmits::WindowStartMs)
             .limit(MAX_RECENT_FALLBACK_ROWS)
             .to_owned();
         let rows: Vec<StoredFallback> = on_db!(self, statement, |sql, values, db| {

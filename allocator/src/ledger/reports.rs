@@ -4,14 +4,14 @@
 use std::collections::BTreeMap;
 
 use allot_shared::FieldError;
-use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::ids::{AgentId, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 use sea_query::{Alias, Expr, OnConflict, PostgresQueryBuilder, Query, SqliteQueryBuilder};
 use sea_query_binder::SqlxBinder;
 
 use super::schema::{
-    FallbackAdmits, Grants, LeaseReports, LeaseSpend, SettleDebts, ShadowAdmits, WrittenOff,
-    keep_larger,
+    FallbackAdmits, Grants, LeaseReports, LeaseSpend, SettleDebts, ShadowAdmits, UNNAMED_AGENT,
+    WrittenOff, keep_larger, sum_as_bigint,
 };
 use super::{Database, Ledger, LedgerError, i64_of, u64_of};
 use crate::pools::GrantRecord;
@@ -159,6 +159,12 @@ impl Ledger {
                 "must be 1 to 64 characters".into(),
             ));
         }
+        if report.incarnation.is_some() && report.agent_id.is_none() {
+            return Err(invalid(
+                "incarnation".into(),
+                "names a run of an agent: send agentId with it".into(),
+            ));
+        }
         if report.leases.len() > MAX_LEASES_PER_REPORT {
             return Err(invalid(
                 "leases".into(),
@@ -194,45 +200,73 @@ impl Ledger {
         Ok(())
     }
 
-    /// Tokens `region` has reported admitting in fallback from `pool` in the window starting at
-    /// `window_start_ms` (0 when none). A restarting agent starts its count for the window here,
-    /// so a restart does not re-open the region's allowance.
+    /// Tokens reported admitted in fallback from `pool` in the window starting at
+    /// `window_start_ms` (0 when none): by `agent` when one is named, else by every agent of
+    /// `region` together. A restarting agent starts its count for the window here, so a restart
+    /// does not re-open its allowance.
     pub async fn fallback_admitted(
         &self,
         tenant: &TenantId,
         pool: &PoolId,
         region: &RegionId,
+        agent: Option<&AgentId>,
         window_start_ms: u64,
     ) -> Result<u64, LedgerError> {
-        let statement = Query::select()
-            .column(FallbackAdmits::WindowStartMs)
-            .expr_as(Expr::col(FallbackAdmits::Region), Alias::new("region"))
-            .expr_as(Expr::col(FallbackAdmits::Admitted), Alias::new("amount"))
+        let mut statement = Query::select()
+            .expr_as(
+                sum_as_bigint(Expr::col(FallbackAdmits::Admitted)),
+                Alias::new("amount"),
+            )
             .from(FallbackAdmits::Table)
             .and_where(Expr::col(FallbackAdmits::Tenant).eq(tenant.as_str()))
             .and_where(Expr::col(FallbackAdmits::Pool).eq(pool.as_str()))
             .and_where(Expr::col(FallbackAdmits::Region).eq(region.as_str()))
             .and_where(Expr::col(FallbackAdmits::WindowStartMs).eq(i64_of(window_start_ms)))
             .to_owned();
+        if let Some(agent) = agent {
+            statement.and_where(Expr::col(FallbackAdmits::AgentId).eq(agent.as_str()));
+        }
         let rows: Vec<RegionAmount> = on_db!(self, statement, |sql, values, db| {
             sqlx::query_as_with(&sql, values).fetch_all(db).await?
         });
-        Ok(rows
-            .iter()
-            .map(|row| u64::try_from(row.amount).unwrap_or(0))
-            .max()
-            .unwrap_or(0))
+        Ok(rows.iter().map(|row| u64_of(row.amount)).sum())
+    }
+}
+
+impl Ledger {
+    /// Tokens reported admitted in fallback from `pool` in the window starting at
+    /// `window_start_ms`, by every agent of every region (0 when none).
+    pub async fn pool_fallback_admitted(
+        &self,
+        tenant: &TenantId,
+        pool: &PoolId,
+        window_start_ms: u64,
+    ) -> Result<u64, LedgerError> {
+        let statement = Query::select()
+            .expr_as(
+                sum_as_bigint(Expr::col(FallbackAdmits::Admitted)),
+                Alias::new("amount"),
+            )
+            .from(FallbackAdmits::Table)
+            .and_where(Expr::col(FallbackAdmits::Tenant).eq(tenant.as_str()))
+            .and_where(Expr::col(FallbackAdmits::Pool).eq(pool.as_str()))
+            .and_where(Expr::col(FallbackAdmits::WindowStartMs).eq(i64_of(window_start_ms)))
+            .to_owned();
+        let rows: Vec<RegionAmount> = on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        });
+        Ok(rows.iter().map(|row| u64_of(row.amount)).sum())
     }
 }
 
 /// What a report writes, in one transaction: the report itself (its id makes it once only), each
-/// lease's cumulative spend, and the window's cumulative fallback and shadow admits (the larger
-/// value kept: reports are cumulative and may arrive out of order).
+/// lease's cumulative spend, and its agent's cumulative fallback and shadow admits in the window
+/// (the larger value kept: reports are cumulative and may arrive out of order).
 struct ReportStatements {
     report: sea_query::InsertStatement,
     spends: Vec<sea_query::InsertStatement>,
     fallback: Option<sea_query::InsertStatement>,
-    /// Shadow admits, settle debt and written-off tokens: per region and window, larger kept.
+    /// Shadow admits, settle debt and written-off tokens: per agent and window, larger kept.
     per_region: Vec<sea_query::InsertStatement>,
 }
 
@@ -282,6 +316,8 @@ fn insert_report(report: &Report, received_at_ms: u64) -> sea_query::InsertState
             LeaseReports::ReceivedAtMs,
             LeaseReports::FallbackAdmitted,
             LeaseReports::LeasesJson,
+            LeaseReports::AgentId,
+            LeaseReports::Incarnation,
         ])
         .values_panic([
             report.report_id.as_str().into(),
@@ -292,6 +328,12 @@ fn insert_report(report: &Report, received_at_ms: u64) -> sea_query::InsertState
             i64_of(received_at_ms).into(),
             i64_of(report.fallback_admitted_tokens).into(),
             leases_json.into(),
+            report
+                .agent_id
+                .as_ref()
+                .map(|a| a.as_str().to_owned())
+                .into(),
+            report.incarnation.map(|i| i.to_string()).into(),
         ])
         .on_conflict(
             OnConflict::column(LeaseReports::ReportId)
@@ -338,13 +380,18 @@ fn upsert_spend(lease: &ReportLease, received_at_ms: u64) -> sea_query::InsertSt
         .to_owned()
 }
 
-/// The region's cumulative fallback (or shadow) admits in the window, into `table` (both tables
-/// have the same columns): the larger value kept.
+/// The reporting agent's cumulative fallback (or shadow, settle debt, written-off) figure in the
+/// window, into `table` (all four have the same columns): the larger value kept. A report naming no
+/// agent writes the region's unnamed agent.
 fn upsert_admits<T: sea_query::Iden + Copy + 'static>(
     table: T,
     report: &Report,
     admitted_tokens: u64,
 ) -> sea_query::InsertStatement {
+    let agent = report
+        .agent_id
+        .as_ref()
+        .map_or(UNNAMED_AGENT, AgentId::as_str);
     Query::insert()
         .into_table(table)
         .columns([
@@ -352,6 +399,7 @@ fn upsert_admits<T: sea_query::Iden + Copy + 'static>(
             FallbackAdmits::Pool,
             FallbackAdmits::Region,
             FallbackAdmits::WindowStartMs,
+            FallbackAdmits::AgentId,
             FallbackAdmits::Admitted,
         ])
         .values_panic([
@@ -359,6 +407,7 @@ fn upsert_admits<T: sea_query::Iden + Copy + 'static>(
             report.pool.as_str().into(),
             report.region.as_str().into(),
             i64_of(report.window_start_ms).into(),
+            agent.into(),
             i64_of(admitted_tokens).into(),
         ])
         .on_conflict(
@@ -367,6 +416,7 @@ fn upsert_admits<T: sea_query::Iden + Copy + 'static>(
                 FallbackAdmits::Pool,
                 FallbackAdmits::Region,
                 FallbackAdmits::WindowStartMs,
+                FallbackAdmits::AgentId,
             ])
             .value(
                 FallbackAdmits::Admitted,

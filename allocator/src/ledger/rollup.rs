@@ -92,13 +92,16 @@ FROM grants g LEFT JOIN lease_spend s ON s.lease_id = g.lease_id
 WHERE g.tenant = $1 AND g.pool = $2 AND g.window_start_ms = $3
 GROUP BY g.region";
 
-/// One window's admits per region from each admits table, tagged with the table's figure in
-/// `window_amounts`.
+/// One window's admits per region from each admits table (the sum over the region's agents),
+/// tagged with the table's figure in `window_amounts`. The rollup keeps regions, not agents.
 static ADMITS_SQL: LazyLock<String> = LazyLock::new(|| {
     ADMITS_TABLES
         .iter()
         .map(|(table, figure)| {
-            format!("SELECT '{figure}' AS figure, region, admitted FROM {table} WHERE {OF_WINDOW}")
+            format!(
+                "SELECT '{figure}' AS figure, region, CAST(SUM(admitted) AS BIGINT) AS admitted \
+                 FROM {table} WHERE {OF_WINDOW} GROUP BY region"
+            )
         })
         .collect::<Vec<_>>()
         .join(" UNION ALL ")

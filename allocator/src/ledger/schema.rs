@@ -59,6 +59,8 @@ pub(super) enum BoundChecks {
     Admitted,
     Bound,
     CheckedAtMs,
+    FallbackExcess,
+    ExcessRegions,
 }
 
 #[derive(Iden, Clone, Copy)]
@@ -86,6 +88,8 @@ pub(super) enum LeaseReports {
     ReceivedAtMs,
     FallbackAdmitted,
     LeasesJson,
+    AgentId,
+    Incarnation,
 }
 
 #[derive(Iden, Clone, Copy)]
@@ -97,6 +101,8 @@ pub(super) enum LeaseSpend {
     UpdatedAtMs,
 }
 
+/// Fallback admits per agent and window (`agent_id` '' for reports that name no agent); a
+/// region's figure is the sum over its agents.
 #[derive(Iden, Clone, Copy)]
 pub(super) enum FallbackAdmits {
     Table,
@@ -104,22 +110,26 @@ pub(super) enum FallbackAdmits {
     Pool,
     Region,
     WindowStartMs,
+    AgentId,
     Admitted,
 }
 
-/// Shadow admits per region and window: the same columns as [`FallbackAdmits`].
+/// The `agent_id` of rows from reports that name no agent.
+pub(super) const UNNAMED_AGENT: &str = "";
+
+/// Shadow admits per agent and window: the same columns as [`FallbackAdmits`].
 #[derive(Iden, Clone, Copy)]
 pub(super) enum ShadowAdmits {
     Table,
 }
 
-/// The most settle debt a region carried per window: the same columns as [`FallbackAdmits`].
+/// The most settle debt an agent carried per window: the same columns as [`FallbackAdmits`].
 #[derive(Iden, Clone, Copy)]
 pub(super) enum SettleDebts {
     Table,
 }
 
-/// Tokens written off per region and window: the same columns as [`FallbackAdmits`].
+/// Tokens written off per agent and window: the same columns as [`FallbackAdmits`].
 #[derive(Iden, Clone, Copy)]
 pub(super) enum WrittenOff {
     Table,

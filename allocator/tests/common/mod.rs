@@ -69,6 +69,7 @@ pub async fn start_with(options: Options) -> Server {
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: options.webhook_ca,
         pepper: options.pepper,
         ledger_url: String::new(),

@@ -400,7 +400,11 @@ impl Agent {
             self.start_session(&allocator).await?;
             let stopwatch = crate::clock::Stopwatch::start();
             let terms = allocator
-                .pool_terms(tenant, pool, Some(&self.settings.region))
+                .pool_terms(
+                    tenant,
+                    pool,
+                    Some((&self.settings.region, &self.settings.agent_id)),
+                )
                 .await;
             metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
                 .record(stopwatch.elapsed().as_secs_f64());
@@ -411,8 +415,9 @@ impl Agent {
         let now_ms = self.clock.now_ms();
         let retry_in_ms = match answer {
             Ok(Some(mut terms)) => {
-                // What the region already admitted in fallback this window (a restart must not
-                // re-open the allowance); not part of the terms kept and compared.
+                // What this agent already admitted in fallback this window, as its reports named
+                // it (a restart must not re-open its allowance); not part of the terms kept and
+                // compared.
                 let fallback_in_window = terms.fallback_in_window.take();
                 match self.holder_config(&terms) {
                     Some(config) => {
@@ -420,6 +425,7 @@ impl Agent {
                         if pools.len() < self.settings.max_pools {
                             let inherited = self.inherited(fallback_in_window);
                             pools.get_or_insert_with(key.clone(), || {
+                                crate::metrics::pool_held(&key.0, &key.1);
                                 let slot = PoolSlot::new(key.1.clone(), config, terms, now_ms);
                                 let presumed = driver::take_over_window(
                                     &mut lock(&slot.holder),

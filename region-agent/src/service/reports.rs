@@ -92,6 +92,9 @@ impl Agent {
                     shadow_admitted_tokens: in_window(&shadow, window_start_ms),
                     settle_debt_tokens: in_window(&settle_debt, window_start_ms),
                     written_off_tokens: in_window(&written_off, window_start_ms),
+                    // The ledger keeps each agent's figures apart and sums the region's.
+                    agent_id: Some(self.settings.agent_id.clone()),
+                    incarnation: Some(self.incarnation()),
                 };
                 let sent = allocator.report(&body).await;
                 self.note_allocator(&sent);

@@ -74,6 +74,7 @@ pub async fn start_allocator_with_ledger(etcd: &EtcdCluster, ledger_url: &str) -
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),
+        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: None,
         pepper: Some(Pepper::new(PEPPER.to_vec()).expect("pepper")),
         ledger_url: ledger_url.to_owned(),
