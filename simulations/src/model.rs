@@ -75,6 +75,9 @@ pub enum Variant {
     /// Agents cut fallback windows on their own clocks with no clock margin at the windows'
     /// edges, as if their clocks agreed with the allocator's.
     ClockMarginIgnored,
+    /// Each of a region's agents takes the region's whole fallback allowance, as if it ran alone
+    /// (`--region-agents` left at 1 with two agents).
+    AllowanceNotSplit,
 }
 
 /// A configuration to explore.
@@ -82,6 +85,9 @@ pub enum Variant {
 pub struct ModelConfig {
     /// Regions sharing the pool (1 to [`MAX_MODEL_REGIONS`]).
     pub regions: usize,
+    /// Agents serving the first region (1 or 2; every other region runs one): each takes its
+    /// share of the region's fallback allowance, as the shipped agent does.
+    pub agents_in_first_region: usize,
     /// `G`, tokens per window.
     pub limit_tokens: u64,
     /// Largest grant, tokens.
@@ -129,6 +135,7 @@ impl ModelConfig {
     pub fn small() -> Self {
         Self {
             regions: 2,
+            agents_in_first_region: 1,
             limit_tokens: 3,
             chunk_tokens: 2,
             lease_ttl_ms: 2_000,
@@ -159,7 +166,10 @@ impl ModelConfig {
 pub struct LeaseModel {
     config: ModelConfig,
     pool: PoolConfig,
-    holder: HolderConfig,
+    /// Each agent's holder configuration, by agent.
+    holders: Vec<HolderConfig>,
+    /// Each agent's region, by agent (the first region's agents first).
+    agent_regions: Vec<usize>,
     regions: Vec<RegionId>,
     origin_ms: u64,
     bound_tokens: u64,
@@ -188,6 +198,11 @@ impl LeaseModel {
     pub fn new(config: ModelConfig) -> Result<Self, ModelConfigError> {
         if !(1..=MAX_MODEL_REGIONS).contains(&config.regions) {
             return Err(ModelConfigError::Invalid("regions must be 1 to 3"));
+        }
+        if !(1..=2).contains(&config.agents_in_first_region) {
+            return Err(ModelConfigError::Invalid(
+                "the first region runs 1 or 2 agents",
+            ));
         }
         if config.step_ms == 0 || config.steps == 0 || config.heal_at_step > config.steps {
             return Err(ModelConfigError::Invalid(
@@ -251,13 +266,39 @@ impl LeaseModel {
             fallback_claim_block_tokens: u64::from(config.state_dir),
             settle_debt_tokens: 0,
         };
+        let agent_regions: Vec<usize> = std::iter::repeat_n(0, config.agents_in_first_region)
+            .chain(1..config.regions)
+            .collect();
+        let holders = agent_regions
+            .iter()
+            .map(|&region| {
+                let region_agents = match config.variant {
+                    Variant::AllowanceNotSplit => 1,
+                    _ => agent_regions.iter().filter(|&&r| r == region).count() as u64,
+                };
+                // The agent's own step: its share of the region's allowance.
+                let share = allot_region_agent::global::terms::AgentShare {
+                    region_agents,
+                    expiry_margin_ms: holder.expiry_margin_ms,
+                    clock_margin_ms: holder.clock_margin_ms,
+                    round_trip_ms: holder.round_trip_ms,
+                    renewal_patience_ms: holder.renewal_patience_ms,
+                    claims: config.state_dir,
+                };
+                HolderConfig {
+                    fallback_per_region_tokens: share.of_region(config.fallback_per_region_tokens),
+                    ..holder.clone()
+                }
+            })
+            .collect();
         // Leases are clamped, grant records survive a failover (etcd), and nothing is settled.
         let bound_tokens =
             OvershootBound::for_design(&pool, LeaseClamping::Clamped, 1, 0).total_tokens();
         Ok(Self {
             config,
             pool,
-            holder,
+            holders,
+            agent_regions,
             regions,
             origin_ms,
             bound_tokens,
@@ -284,10 +325,20 @@ impl LeaseModel {
         self.origin_ms + u64::from(state.step) * self.config.step_ms
     }
 
-    /// Now on region `r`'s agent's clock: everything the agent does is timed on it.
-    fn agent_ms(&self, state: &ModelState, r: usize) -> u64 {
-        let offset_ms = self.config.clock_offsets_ms.get(r).copied().unwrap_or(0);
-        self.now_ms(state).saturating_add_signed(offset_ms)
+    /// Now on agent `a`'s clock (its region's): everything the agent does is timed on it.
+    fn agent_ms(&self, state: &ModelState, a: usize) -> u64 {
+        self.now_ms(state)
+            .saturating_add_signed(self.clock_offset_ms(a))
+    }
+
+    /// How far agent `a`'s clock (its region's) is off the allocator's, ms.
+    fn clock_offset_ms(&self, a: usize) -> i64 {
+        let region = self.agent_regions.get(a).copied().unwrap_or(a);
+        self.config
+            .clock_offsets_ms
+            .get(region)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Whether what each region admits in fallback per window is counted and checked against its
@@ -295,7 +346,9 @@ impl LeaseModel {
     /// offsets (windows are cut on two clocks). Otherwise it is not kept, so the configurations
     /// without either explore exactly the states they always did.
     fn tracks_fallback(&self) -> bool {
-        !self.config.state_dir || self.config.clock_offsets_ms.iter().any(|&o| o != 0)
+        !self.config.state_dir
+            || self.config.clock_offsets_ms.iter().any(|&o| o != 0)
+            || self.config.agents_in_first_region > 1
     }
 
     fn healed(&self, state: &ModelState) -> bool {
@@ -400,7 +453,8 @@ struct Call {
     asked_at_ms: u64,
 }
 
-/// One region's agent, for the pool.
+/// One agent, for the pool (a region's one agent, or one of the first region's two: its messages
+/// and figures are by agent).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Region {
     holder: PoolHolder,
@@ -426,9 +480,9 @@ pub struct ModelState {
     restarts: u8,
     /// Tokens admitted per window (its start on the allocator's clock).
     admitted: BTreeMap<u64, u64>,
-    /// Without a state directory: tokens each region admitted in fallback per window, in truth
-    /// and as the ledger holds them (reported), by (window start, region). Kept only then, so
-    /// the configurations with one explore the states they always did.
+    /// Without a state directory (or with a region of two agents): tokens each agent admitted in
+    /// fallback per window, in truth and as the ledger holds them (reported), by (window start,
+    /// agent). Kept only then, so the configurations with one explore the states they always did.
     fallback_admitted: BTreeMap<(u64, u8), u64>,
     ledger_fallback: BTreeMap<(u64, u8), u64>,
     breaches: u8,
@@ -687,11 +741,10 @@ impl LeaseModel {
         });
     }
 
-    /// The heal, on region `r`'s agent's clock.
-    fn heal_ms(&self, r: usize) -> u64 {
-        let offset_ms = self.config.clock_offsets_ms.get(r).copied().unwrap_or(0);
+    /// The heal, on agent `a`'s clock.
+    fn heal_ms(&self, a: usize) -> u64 {
         (self.origin_ms + u64::from(self.config.heal_at_step) * self.config.step_ms)
-            .saturating_add_signed(offset_ms)
+            .saturating_add_signed(self.clock_offset_ms(a))
     }
 
     fn spend(&self, state: &mut ModelState, r: usize) {
@@ -738,12 +791,22 @@ impl LeaseModel {
             Spend::Fallback { .. } => {
                 *state.admitted.entry(window_start_ms).or_default() += 1;
                 if self.tracks_fallback() {
-                    let admitted = state
+                    *state
                         .fallback_admitted
                         .entry((window_start_ms, r as u8))
-                        .or_default();
-                    *admitted += 1;
-                    if *admitted > self.config.fallback_per_region_tokens {
+                        .or_default() += 1;
+                    // The region's agents together, against the region's allowance.
+                    let region = self.agent_regions[r];
+                    let regions_admits: u64 = state
+                        .fallback_admitted
+                        .iter()
+                        .filter(|&(&(start_ms, agent), _)| {
+                            start_ms == window_start_ms
+                                && self.agent_regions[usize::from(agent)] == region
+                        })
+                        .map(|(_, admitted)| *admitted)
+                        .sum();
+                    if regions_admits > self.config.fallback_per_region_tokens {
                         state.breaches |= Breach::FallbackOverAllowance.bit();
                     }
                 }
@@ -776,7 +839,7 @@ impl LeaseModel {
             } => {
                 let request = GrantRequest {
                     lease_id,
-                    region: self.regions[usize::from(region)].clone(),
+                    region: self.regions[self.agent_regions[usize::from(region)]].clone(),
                     want_tokens,
                 };
                 let reply = state.allocator.serve(self, leader, &request, now_ms);
@@ -865,12 +928,12 @@ impl LeaseModel {
         let Some(region) = state.regions.get_mut(r) else {
             return;
         };
-        let mut holder = PoolHolder::new(self.holder.clone());
+        let mut holder = PoolHolder::new(self.holders[r].clone());
         if self.config.state_dir {
             holder.restore(&region.journal);
         } else {
             // A crash never ends the run's session: the new run is told so, and takes over the
-            // window from the ledger's count of its region's fallback.
+            // window from the ledger's count of its own fallback (the ledger keeps each agent's).
             let window_start_ms = self.pool.window_at(now_ms).start_ms;
             let ledger_fallback =
                 state
@@ -903,15 +966,19 @@ impl Model for LeaseModel {
     type Action = Action;
 
     fn init_states(&self) -> Vec<ModelState> {
-        let region = Region {
-            holder: PoolHolder::new(self.holder.clone()),
-            call: None,
-            reachable: true,
-            next_lease: 0,
-            journal: HolderSnapshot::default(),
-            spends_this_step: 0,
-            highest_epoch_held: Epoch(0),
-        };
+        let agents = self
+            .holders
+            .iter()
+            .map(|holder| Region {
+                holder: PoolHolder::new(holder.clone()),
+                call: None,
+                reachable: true,
+                next_lease: 0,
+                journal: HolderSnapshot::default(),
+                spends_this_step: 0,
+                highest_epoch_held: Epoch(0),
+            })
+            .collect();
         vec![ModelState {
             step: 0,
             allocator: Allocator {
@@ -925,7 +992,7 @@ impl Model for LeaseModel {
                     revision: 0,
                 }],
             },
-            regions: vec![region; self.config.regions],
+            regions: agents,
             network: Vec::new(),
             losses: self.config.losses,
             duplicates: self.config.duplicates,

@@ -486,3 +486,69 @@ fn every_scenario_file_is_a_built_in_drill_of_its_name() {
         "each parses, and names itself as its file does"
     );
 }
+
+fn run_scenario(scenario: &Scenario) -> DrillReport {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(run(scenario))
+        .expect("drill runs")
+}
+
+/// Several agents in a region, each with its share of the region's fallback allowance as the
+/// shipped agent takes it: cut off, the region's agents together admit exactly the allowance, not
+/// an agent's share and not more.
+#[test]
+fn a_regions_agents_together_admit_its_fallback_allowance_and_no_more() {
+    let report = drill("agents-per-region");
+    let s = &report.scenario;
+    // The whole middle window is cut off: EU's two agents and US's three each spend their share.
+    let cut = &report.windows[1];
+    for region in &cut.regions {
+        assert_eq!(
+            region.fallback,
+            s.fallback_per_region_tokens,
+            "{}",
+            report.table()
+        );
+        assert_eq!(region.leased, 0);
+    }
+    // Told each region runs one agent, every agent takes the whole allowance: the region admits
+    // its agent count times it, and the check says so.
+    let mut misconfigured = scenario("agents-per-region");
+    for plan in &mut misconfigured.regions {
+        plan.region_agents_setting = Some(1);
+    }
+    let broken = run_scenario(&misconfigured);
+    assert!(!broken.passed());
+    let cut = &broken.windows[1];
+    assert_eq!(cut.regions[0].fallback, 2 * s.fallback_per_region_tokens);
+    assert_eq!(cut.regions[1].fallback, 3 * s.fallback_per_region_tokens);
+    assert!(
+        broken
+            .violations
+            .iter()
+            .any(|v| v.contains("region eu admitted 180 in fallback > allowance 90")),
+        "{:?}",
+        broken.violations
+    );
+    // One agent of three restarted inside the partition: it counts its share as used (no state
+    // directory, an unclean end), and the region stays within its allowance.
+    let mut restarted = scenario("agents-per-region");
+    restarted.faults.push(toml_fault(
+        "kind = \"agent_restart\"\nregion = \"us\"\nat_ms = 100000\ndown_ms = 2000\nagent = 1",
+    ));
+    let report = run_scenario(&restarted);
+    assert!(report.passed(), "{}", report.table());
+    assert!(report.windows[1].regions[1].fallback <= s.fallback_per_region_tokens);
+    assert!(
+        report.windows[1].regions[1].denied_unavailable > 0,
+        "{}",
+        report.table()
+    );
+}
+
+fn toml_fault(text: &str) -> allot_simulations::drill::Fault {
+    toml::from_str(text).expect("fault")
+}

@@ -5,13 +5,15 @@
 //! [`holder`] is the per-pool state machine (reserve, commit or cancel, renew, fall back, report);
 //! [`driver`] the protocol's steps on it (a renewal started and finished), which the agent service
 //! (`crate::service`, with the allocator client, its clock and its reachability) and the drills
-//! both take; [`clock_offset`] what a grant exchange says of the agent's clock against the
-//! allocator's.
+//! both take; [`terms`] what a pool's terms become in one agent (its share of the region's
+//! allowances, the margins); [`clock_offset`] what a grant exchange says of the agent's clock
+//! against the allocator's.
 
 pub mod clock_offset;
 pub mod driver;
 pub mod holder;
 pub mod sublease;
+pub mod terms;
 
 pub use holder::{
     DebtCharge, Denial, FallbackLine, GrantVerdict, HeldLease, HolderConfig, HolderSnapshot,

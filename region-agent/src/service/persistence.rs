@@ -39,7 +39,7 @@ use crate::state_dir::{Journal, JournaledPool, SavedBundle, StateDir, StateFile}
 pub const JOURNAL_INTERVAL: Duration = Duration::from_millis(250);
 /// A fallback claim grows by the allowance divided by this (at least one token): what a restart can
 /// leave unused of a window's allowance, and how many syncs a window's fallback costs at most.
-pub const FALLBACK_CLAIM_BLOCKS: u64 = 8;
+pub use crate::global::terms::FALLBACK_CLAIM_BLOCKS;
 /// Longest a request waits for a fallback claim to be written and synced.
 pub const CLAIM_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
 
@@ -149,6 +149,7 @@ impl Agent {
             }
             let key = (saved.tenant.clone(), saved.pool.clone());
             pools.get_or_insert_with(key, || {
+                crate::metrics::pool_held(&saved.tenant, &saved.pool);
                 Arc::new(PoolSlot::new(
                     saved.pool.clone(),
                     config,

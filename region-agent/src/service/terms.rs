@@ -1,25 +1,25 @@
-//! What a pool's terms become in this agent: its holder's configuration. This agent's share of the
-//! region's allowances, and the margins that keep every spend inside its lease and its window.
-//! Below every other part of the service: pools, upkeep and restore all build holders from it.
+//! What a pool's terms become in this agent: its holder's configuration, through the one pure
+//! step the drills take too (`global::terms`), with this agent's settings. Below every other part
+//! of the service: pools, upkeep and restore all build holders from it.
 
 use std::time::Duration;
 
 use super::Agent;
-use super::persistence::FALLBACK_CLAIM_BLOCKS;
 use super::settings::FIRST_GRANT_WAIT;
 use crate::allocator_client::PoolTerms;
 use crate::global::HolderConfig;
+use crate::global::terms::{AgentShare, holder_config};
 
 impl Agent {
     /// The holder configuration for a pool of `terms` (`None`: a window this agent cannot cut).
     pub(super) fn holder_config(&self, terms: &PoolTerms) -> Option<HolderConfig> {
-        let agents = self.settings.region_agents.max(1);
-        let fallback_per_agent_tokens = terms.fallback_per_region_tokens / agents;
-        Some(HolderConfig {
-            window: terms.window_spec()?,
-            chunk_tokens: terms.chunk_tokens,
-            lease_ttl_ms: terms.lease_ttl_ms,
-            fallback_per_region_tokens: fallback_per_agent_tokens,
+        holder_config(terms, &self.share())
+    }
+
+    /// What this agent brings to every pool's terms.
+    fn share(&self) -> AgentShare {
+        AgentShare {
+            region_agents: self.settings.region_agents,
             // A reservation is committed within the regional hold: reserving no later than the
             // margin plus the hold before a lease's end keeps every spend the margin ahead of it.
             expiry_margin_ms: self
@@ -29,19 +29,8 @@ impl Agent {
             clock_margin_ms: self.settings.clock_margin_ms,
             round_trip_ms: self.settings.allocator_round_trip_ms,
             renewal_patience_ms: duration_ms(FIRST_GRANT_WAIT),
-            fallback_claim_block_tokens: self
-                .fallback_claim_block_tokens(fallback_per_agent_tokens),
-            settle_debt_tokens: terms.settle_debt_per_region_tokens / agents,
-        })
-    }
-
-    /// Claim blocks for a pool's holder: `fallbackPerRegion / FALLBACK_CLAIM_BLOCKS`, at least 1;
-    /// 0 (no claims) without a state directory.
-    fn fallback_claim_block_tokens(&self, fallback_per_agent_tokens: u64) -> u64 {
-        if !self.persistence.keeps_state() {
-            return 0;
+            claims: self.persistence.keeps_state(),
         }
-        (fallback_per_agent_tokens / FALLBACK_CLAIM_BLOCKS).max(1)
     }
 
     /// How long global tokens stay reserved at most while the regional rules are decided: two

@@ -28,12 +28,13 @@ use allot_region_agent::global::driver::{
 use allot_region_agent::global::holder::{
     Denial, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
 };
+use allot_region_agent::global::terms::AgentShare;
 use allot_region_agent::limiter::LimiterConfig;
 use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, OvershootBound, PoolConfig};
-use allot_shared::window::{Window, WindowSpec};
-use allot_shared::wire::{CalendarWindowSpec, FallbackInWindow, GrantAnswer};
+use allot_shared::window::Window;
+use allot_shared::wire::{CalendarWindowSpec, FallbackInWindow, GrantAnswer, PoolTerms};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
@@ -85,11 +86,15 @@ struct HeldPool {
     terms_change_seen_at_ms: Option<u64>,
 }
 
-/// One region's agent process.
+/// One agent process of a region.
 #[derive(Debug)]
 struct RegionAgent {
     region: RegionId,
-    /// Per tenant, the fallback admits the ledger holds for this region: (window start, tokens).
+    /// Its region's index in the scenario (a region may run several agents).
+    region_index: usize,
+    /// Its index among the region's agents, from 0.
+    agent_index: u64,
+    /// Per tenant, the fallback admits the ledger holds for this agent: (window start, tokens).
     /// Survives a crash: it is the allocator's, handed to a restarting agent with the pool's terms.
     ledger_fallback: Vec<(u64, u64)>,
     /// What the agent believes after its last allocator call (it decides whether fallback applies).
@@ -252,8 +257,13 @@ struct Drill<'s> {
     /// The tenant's quota as one pool (the bound's terms are computed from it).
     config: PoolConfig,
     allocator: DrillAllocator,
+    /// Every region's agents, region by region.
     agents: Vec<RegionAgent>,
-    holder_config: HolderConfig,
+    /// Per region, how its agents configure a pool's holder (each its share of the allowance).
+    holder_configs: Vec<HolderConfig>,
+    /// Per region and tenant, this tick's arrivals for each of the region's agents (dealt by its
+    /// first agent's turn, which draws them).
+    shares: Vec<Vec<Vec<u64>>>,
     bound: OvershootBound,
     checker: TenantChecker,
     /// Per region, the last tick with an abnormal decision (fallback, waiting, agent down).
@@ -273,7 +283,7 @@ impl<'s> Drill<'s> {
         // to faults, leases, renewals and arrivals.
         let mut phases = (seed != 0).then(|| StdRng::seed_from_u64(seed ^ TIMING_STREAM));
         let windows = scenario.windows().map_err(invalid)?;
-        let (window_spec, base_ms) = (windows.spec, windows.base_ms);
+        let base_ms = windows.base_ms;
         let ticks_per_window = (windows.phase_span_ms / scenario.tick_ms.max(1)).max(1);
         let run_start_ms = windows.start_ms
             + phases.as_mut().map_or(0, |rng| {
@@ -293,21 +303,49 @@ impl<'s> Drill<'s> {
         let pools = configure_pools(&*kv, scenario, &tenants, &regions, base_ms).await?;
         let allocator = DrillAllocator::lead(kv, &clock, scenario.clamping, tenants, pools).await?;
         let tenant_count = allocator.tenants.len();
-        let agents = regions
+        let mut agents = Vec::new();
+        for (region_index, (region, plan)) in regions.iter().zip(&scenario.regions).enumerate() {
+            for agent_index in 0..plan.agents {
+                agents.push(RegionAgent {
+                    region: region.clone(),
+                    region_index,
+                    agent_index,
+                    ledger_fallback: vec![(0, 0); tenant_count],
+                    believes_reachable: true,
+                    down_until_ms: None,
+                    unclean_start_ms: None,
+                    pools: (0..tenant_count)
+                        .map(|_| HeldPool {
+                            // The region's arrival phase is its first agent's: it draws the
+                            // region's arrivals.
+                            demand_remainder: if agent_index == 0 {
+                                arrival_phase(&mut phases)
+                            } else {
+                                0
+                            },
+                            ..HeldPool::default()
+                        })
+                        .collect(),
+                });
+            }
+        }
+        let terms = allot_allocator::pools::StoredPool {
+            spec: pool_spec(scenario, scenario.limit_tokens, regions.clone()),
+            version: 1,
+            updated_at_ms: base_ms,
+            overrides: Vec::new(),
+        }
+        .terms(base_ms, None);
+        let holder_configs = scenario
+            .regions
             .iter()
-            .map(|region| RegionAgent {
-                region: region.clone(),
-                ledger_fallback: vec![(0, 0); tenant_count],
-                believes_reachable: true,
-                down_until_ms: None,
-                unclean_start_ms: None,
-                pools: (0..tenant_count)
-                    .map(|_| HeldPool {
-                        demand_remainder: arrival_phase(&mut phases),
-                        ..HeldPool::default()
-                    })
-                    .collect(),
-            })
+            .map(|plan| holder_config(&terms, plan, scenario.clock_margin_ms))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| DrillError::Broken("the pool's windows cannot be cut".into()))?;
+        let shares = scenario
+            .regions
+            .iter()
+            .map(|plan| vec![vec![0; plan.agents as usize]; tenant_count])
             .collect();
         let pool_limits = match scenario.layout {
             PoolLayout::Shared => scenario.limit_tokens,
@@ -327,7 +365,8 @@ impl<'s> Drill<'s> {
             config,
             allocator,
             agents,
-            holder_config: holder_config(scenario, window_spec),
+            holder_configs,
+            shares,
             bound,
             checker: TenantChecker::new(scenario, bound, tenant_count, regions.len()),
             last_abnormal_ms: vec![None; regions.len()],
@@ -361,10 +400,10 @@ impl<'s> Drill<'s> {
             }
         }
         self.apply_overrides(elapsed_ms, now_ms).await?;
-        for r in 0..self.agents.len() {
-            let abnormal = self.serve_region(r, elapsed_ms, now_ms, window).await?;
+        for a in 0..self.agents.len() {
+            let abnormal = self.serve_agent(a, elapsed_ms, now_ms, window).await?;
             if abnormal {
-                self.last_abnormal_ms[r] = Some(elapsed_ms);
+                self.last_abnormal_ms[self.agents[a].region_index] = Some(elapsed_ms);
             }
         }
         Ok(())
@@ -432,34 +471,41 @@ impl<'s> Drill<'s> {
         Ok(())
     }
 
-    /// Region `r`'s agent during one tick: a crash due now empties its memory; then each tenant's
-    /// arrivals are served (or, while the agent is down, not). Returns whether any decision was
-    /// abnormal.
-    async fn serve_region(
+    /// Agent `a` during one tick: a crash due now empties its memory; then its share of each
+    /// tenant's arrivals in its region is served (or, while the agent is down, not). Returns
+    /// whether any decision was abnormal.
+    async fn serve_agent(
         &mut self,
-        r: usize,
+        a: usize,
         elapsed_ms: u64,
         now_ms: u64,
         window: Window,
     ) -> Result<bool, DrillError> {
         let scenario = self.scenario;
         let tick_ms = scenario.tick_ms;
+        let (r, agent_index) = (self.agents[a].region_index, self.agents[a].agent_index);
         let plan = &scenario.regions[r];
         let c = conditions(scenario, &plan.region, elapsed_ms);
         let agent_now_ms = now_ms.saturating_add_signed(c.clock_offset_ms);
         for fault in &scenario.faults {
-            if let Fault::AgentRestart { at_ms, down_ms, .. } = *fault
+            if let Fault::AgentRestart {
+                at_ms,
+                down_ms,
+                agent,
+                ..
+            } = *fault
                 && fault.touches(&plan.region)
+                && agent.is_none_or(|only| only == agent_index)
                 && (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms)
             {
-                crash(&mut self.agents[r], &mut self.checker, r, agent_now_ms);
-                self.agents[r].down_until_ms = Some(at_ms + down_ms);
+                crash(&mut self.agents[a], &mut self.checker, r, agent_now_ms);
+                self.agents[a].down_until_ms = Some(at_ms + down_ms);
                 let back_in_ms = (at_ms + down_ms).saturating_sub(elapsed_ms);
                 // The allocator stamps the new run's session on its own clock.
-                self.agents[r].unclean_start_ms = Some(now_ms + back_in_ms);
+                self.agents[a].unclean_start_ms = Some(now_ms + back_in_ms);
             }
         }
-        let agent = &mut self.agents[r];
+        let agent = &mut self.agents[a];
         let down = agent.down_until_ms.is_some_and(|until| elapsed_ms < until);
         let report_due = elapsed_ms.is_multiple_of(REPORT_EVERY_MS.max(tick_ms));
         let mut abnormal = down;
@@ -474,17 +520,27 @@ impl<'s> Drill<'s> {
                     holder.forget_exhaustion();
                 }
             }
-            let arrivals = {
-                let held = &mut agent.pools[t];
-                let per_minute = plan.per_minute_at(elapsed_ms, scenario.duration_ms);
-                if plan.random {
-                    poisson(&mut self.rng, per_minute as f64 * tick_ms as f64 / 60_000.0)
-                } else {
-                    let scaled = per_minute * tick_ms + held.demand_remainder;
-                    held.demand_remainder = scaled % 60_000;
-                    scaled / 60_000
-                }
-            };
+            // The region's first agent draws the region's arrivals and deals them out; its
+            // other agents serve what they were dealt.
+            if agent_index == 0 {
+                let region_arrivals = {
+                    let held = &mut agent.pools[t];
+                    let per_minute = plan.per_minute_at(elapsed_ms, scenario.duration_ms);
+                    if plan.random {
+                        poisson(&mut self.rng, per_minute as f64 * tick_ms as f64 / 60_000.0)
+                    } else {
+                        let scaled = per_minute * tick_ms + held.demand_remainder;
+                        held.demand_remainder = scaled % 60_000;
+                        scaled / 60_000
+                    }
+                };
+                deal(
+                    region_arrivals,
+                    elapsed_ms / tick_ms.max(1),
+                    &mut self.shares[r][t],
+                );
+            }
+            let arrivals = self.shares[r][t][agent_index as usize];
             if down {
                 match agent.pools[t].gateways.as_mut() {
                     // Gateways keep enforcing what they were given while their agent is down.
@@ -531,15 +587,13 @@ impl<'s> Drill<'s> {
                     now_ms,
                 ),
             };
+            let config = self.holder_configs[r].clone();
             abnormal |= match scenario.gateways {
                 Some(plan) => {
-                    step.run_gateways(arrivals, self.holder_config.clone(), report_due, plan)
+                    step.run_gateways(arrivals, config, report_due, plan)
                         .await?
                 }
-                None => {
-                    step.run(arrivals, self.holder_config.clone(), report_due)
-                        .await?
-                }
+                None => step.run(arrivals, config, report_due).await?,
             };
         }
         Ok(abnormal)
@@ -675,23 +729,37 @@ async fn configure_pools(
     Ok(pools)
 }
 
-/// How the shipped agent configures a pool's holder: the expiry margin includes the regional hold
-/// (two decision budgets), and a renewal unanswered for FIRST_GRANT_WAIT means fallback.
-fn holder_config(scenario: &Scenario, window: WindowSpec) -> HolderConfig {
+/// How a shipped agent of a region of `plan` configures a pool's holder from its `terms`, through
+/// the agent's own step: its share of the region's allowance (by what it is told the region runs),
+/// an expiry margin that includes the regional hold (two decision budgets), and a renewal
+/// unanswered for FIRST_GRANT_WAIT means fallback. `None`: windows it cannot cut.
+fn holder_config(
+    terms: &PoolTerms,
+    plan: &super::scenario::RegionPlan,
+    clock_margin_ms: u64,
+) -> Option<HolderConfig> {
     let regional_hold_ms = 2 * ms(LimiterConfig::default().decision_budget);
-    HolderConfig {
-        window,
-        chunk_tokens: scenario.chunk_tokens,
-        lease_ttl_ms: scenario.lease_ttl_ms,
-        fallback_per_region_tokens: scenario.fallback_per_region_tokens,
+    let share = AgentShare {
+        region_agents: plan.region_agents_setting.unwrap_or(plan.agents),
         expiry_margin_ms: DEFAULT_EXPIRY_MARGIN_MS + regional_hold_ms,
-        clock_margin_ms: scenario.clock_margin_ms,
+        clock_margin_ms,
         round_trip_ms: ROUND_TRIP_MS,
         renewal_patience_ms: ms(FIRST_GRANT_WAIT),
         // The drills' agents keep no state directory: a restart starts from the ledger's count.
-        fallback_claim_block_tokens: 0,
-        settle_debt_tokens: 0,
+        claims: false,
+    };
+    allot_region_agent::global::terms::holder_config(terms, &share)
+}
+
+/// Deals `arrivals` out over a region's agents (`shares`, one each), evenly, the remainder
+/// to the agents from `turn` on, so no agent is always the one that gets more.
+fn deal(arrivals: u64, turn: u64, shares: &mut [u64]) {
+    let agents = shares.len().max(1) as u64;
+    for (k, share) in shares.iter_mut().enumerate() {
+        let behind = (k as u64 + agents - turn % agents) % agents;
+        *share = arrivals / agents + u64::from(behind < arrivals % agents);
     }
+    debug_assert_eq!(shares.iter().sum::<u64>(), arrivals, "every arrival dealt");
 }
 
 /// Region `r`'s agent crashes: everything in its memory is gone. What its holders held is

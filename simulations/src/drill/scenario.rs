@@ -221,7 +221,24 @@ pub struct RegionPlan {
     /// Arrivals per tick are Poisson-distributed around the rate (seeded) instead of evenly spread.
     #[serde(default)]
     pub random: bool,
+    /// Agents serving the region (1 to [`MAX_AGENTS_PER_REGION`]; absent: 1): its gateways spread
+    /// the region's requests over them, and each takes up the pool's terms as the shipped agent
+    /// does, with its share of the region's fallback allowance.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub agents: u64,
+    /// What each of the region's agents is told the region runs (`--region-agents`; absent: the
+    /// true count). Below it, the agents together take more than the region's allowance: the
+    /// misconfiguration the bound check catches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region_agents_setting: Option<u64>,
 }
+
+fn is_one(value: &u64) -> bool {
+    *value == 1
+}
+
+/// Most agents a drill's region may run.
+pub const MAX_AGENTS_PER_REGION: u64 = 8;
 
 impl RegionPlan {
     /// Requests per minute per tenant at `elapsed_ms` into a drill of `duration_ms`.
@@ -333,6 +350,9 @@ pub enum Fault {
         at_ms: u64,
         /// How long it is down.
         down_ms: u64,
+        /// Which of the region's agents, from 0 (absent: every one).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        agent: Option<u64>,
     },
     /// The region's agent clock is off: by `offset_ms` from the start, plus `rate_ppm` parts per
     /// million of the elapsed time (for the whole drill).
@@ -609,6 +629,21 @@ impl Scenario {
             {
                 return fail(&format!("{field}.region"), "listed twice".into());
             }
+            if !(1..=MAX_AGENTS_PER_REGION).contains(&plan.agents) {
+                return fail(
+                    &format!("{field}.agents"),
+                    format!("1 to {MAX_AGENTS_PER_REGION}"),
+                );
+            }
+            if plan
+                .region_agents_setting
+                .is_some_and(|setting| !(1..=MAX_AGENTS_PER_REGION).contains(&setting))
+            {
+                return fail(
+                    &format!("{field}.region_agents_setting"),
+                    format!("1 to {MAX_AGENTS_PER_REGION}"),
+                );
+            }
             for (b, burst) in plan.bursts.iter().enumerate() {
                 if burst.from_ms >= burst.until_ms {
                     return fail(
@@ -670,6 +705,21 @@ impl Scenario {
                     return fail(
                         field.as_str(),
                         "an agent restart names one region and lasts at least 1 ms".into(),
+                    );
+                }
+                Fault::AgentRestart {
+                    region,
+                    agent: Some(agent),
+                    ..
+                } if self
+                    .regions
+                    .iter()
+                    .find(|p| p.region == *region)
+                    .is_none_or(|plan| *agent >= plan.agents) =>
+                {
+                    return fail(
+                        &format!("{field}.agent"),
+                        "one of the region's agents, from 0".into(),
                     );
                 }
                 Fault::ClockSkew {
