@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::global::HolderSnapshot;
+pub use crate::global::tallies::TallyWindow;
 
 /// The format name in every header.
 pub const STATE_FORMAT: &str = "allot-agent-state";
@@ -106,20 +107,6 @@ pub struct JournaledPool {
     /// Extra cost of settled metered requests written off per window.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub written_off: Vec<TallyWindow>,
-}
-
-/// One window of a per-window amount the ledger keeps the largest report of, and how much of it
-/// the ledger has taken, tokens: journaled so that a restarted agent goes on counting from it
-/// rather than from zero (which the ledger, keeping the larger report, would never see).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct TallyWindow {
-    /// The window's start, epoch ms.
-    pub start_ms: u64,
-    /// The amount counted (cumulative, or a peak).
-    pub counted_tokens: u64,
-    /// The most the ledger has acknowledged.
-    pub reported_tokens: u64,
 }
 
 /// The journal.

@@ -28,19 +28,17 @@ use std::collections::BTreeMap;
 
 use allot_allocator::grants::plan_batch;
 use allot_allocator::pools::GrantRecord;
-use allot_region_agent::global::driver::{
-    Inherited, RenewalAnswer, RenewalAsk, finish_renewal, finish_report, start_renewal,
-    start_report, take_over_window,
-};
+use allot_region_agent::global::driver::{Inherited, RenewalAnswer};
+use allot_region_agent::global::terms::{AgentShare, holder_config};
 use allot_region_agent::global::{
-    Denial, HolderConfig, HolderSnapshot, LeaseGrant, PoolHolder, Spend,
+    Denial, GrantCall, HolderConfig, HolderSnapshot, PoolAgent, PoolJournal, Refusal, Spend,
 };
 use allot_shared::ids::{Epoch, LeaseId, RegionId};
 use allot_shared::lease::{
     GrantRequest, LeaseClamping, OvershootBound, PoolConfig, PoolConfigError, PoolWindowState,
 };
 use allot_shared::window::{CalendarUnit, CalendarWindow, WindowSpec};
-use allot_shared::wire::{FallbackInWindow, GrantAnswer};
+use allot_shared::wire::{CalendarWindowSpec, FallbackInWindow, GrantAnswer, PoolTerms};
 use stateright::{Model, Property};
 
 /// Most regions a model may have (the state grows with each).
@@ -252,19 +250,22 @@ impl LeaseModel {
             Variant::ClockMarginIgnored => 0,
             _ => offsets.iter().map(|o| o.unsigned_abs()).max().unwrap_or(0),
         };
-        let holder = HolderConfig {
-            window,
+        // The pool's terms as the allocator gives them to agents.
+        let terms = PoolTerms {
+            limit_tokens: config.limit_tokens,
+            window_ms: pool.window().longest_ms(),
+            window: match &window {
+                WindowSpec::Calendar(calendar) => Some(CalendarWindowSpec::of(calendar)),
+                WindowSpec::Fixed(_) => None,
+            },
             chunk_tokens: config.chunk_tokens,
             lease_ttl_ms: config.lease_ttl_ms,
             fallback_per_region_tokens: config.fallback_per_region_tokens,
-            expiry_margin_ms: 50,
-            clock_margin_ms,
-            round_trip_ms: 20,
-            // A renewal unanswered for a whole step counts as an unreachable allocator.
-            renewal_patience_ms: config.step_ms,
-            // With a state directory: fallback only within durable claims, one token at a time.
-            fallback_claim_block_tokens: u64::from(config.state_dir),
-            settle_debt_tokens: 0,
+            settle_debt_per_region_tokens: 0,
+            regions: regions.clone(),
+            version: 1,
+            fallback_in_window: None,
+            limit_override: None,
         };
         let agent_regions: Vec<usize> = std::iter::repeat_n(0, config.agents_in_first_region)
             .chain(1..config.regions)
@@ -276,21 +277,22 @@ impl LeaseModel {
                     Variant::AllowanceNotSplit => 1,
                     _ => agent_regions.iter().filter(|&&r| r == region).count() as u64,
                 };
-                // The agent's own step: its share of the region's allowance.
-                let share = allot_region_agent::global::terms::AgentShare {
+                // The agent's own step from terms to its holder's configuration: its share of the
+                // region's allowance, and the margins.
+                let share = AgentShare {
                     region_agents,
-                    expiry_margin_ms: holder.expiry_margin_ms,
-                    clock_margin_ms: holder.clock_margin_ms,
-                    round_trip_ms: holder.round_trip_ms,
-                    renewal_patience_ms: holder.renewal_patience_ms,
+                    expiry_margin_ms: 50,
+                    clock_margin_ms,
+                    round_trip_ms: 20,
+                    // A renewal unanswered for a whole step counts as an unreachable allocator.
+                    renewal_patience_ms: config.step_ms,
+                    // With a state directory: fallback only within durable claims.
                     claims: config.state_dir,
                 };
-                HolderConfig {
-                    fallback_per_region_tokens: share.of_region(config.fallback_per_region_tokens),
-                    ..holder.clone()
-                }
+                holder_config(&terms, &share)
             })
-            .collect();
+            .collect::<Option<Vec<_>>>()
+            .ok_or(ModelConfigError::Invalid("windows the agents cannot cut"))?;
         // Leases are clamped, grant records survive a failover (etcd), and nothing is settled.
         let bound_tokens =
             OvershootBound::for_design(&pool, LeaseClamping::Clamped, 1, 0).total_tokens();
@@ -446,10 +448,10 @@ struct Allocator {
     leaders: Vec<Leader>,
 }
 
-/// A renewal call the agent is waiting on.
+/// A renewal call the agent is waiting on (the renewal is its pool agent's in flight).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Call {
-    ask: RenewalAsk,
+    lease_id: LeaseId,
     asked_at_ms: u64,
 }
 
@@ -457,11 +459,11 @@ struct Call {
 /// and figures are by agent).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Region {
-    holder: PoolHolder,
+    agent: PoolAgent,
     call: Option<Call>,
     reachable: bool,
     next_lease: u32,
-    journal: HolderSnapshot,
+    journal: PoolJournal,
     spends_this_step: u8,
     highest_epoch_held: Epoch,
 }
@@ -602,7 +604,7 @@ impl Allocator {
     }
 }
 
-/// Tokens a holder has spent or admitted in fallback, as its journal would say.
+/// Tokens a holder has spent or admitted in fallback, as its snapshot would say.
 fn used_tokens(snapshot: &HolderSnapshot) -> u64 {
     let leased: u64 = snapshot.leases.iter().map(|l| l.spent_tokens).sum();
     let fallback: u64 = snapshot.fallback.iter().map(|f| f.admitted_tokens).sum();
@@ -652,12 +654,12 @@ impl LeaseModel {
             return;
         }
         let fresh = self.lease_id(r, region.next_lease);
-        if let Some(ask) = start_renewal(&mut region.holder, now_ms, fresh) {
+        if let Some(ask) = region.agent.renewal_to_ask(now_ms, fresh) {
             if ask.lease_id == fresh {
                 region.next_lease += 1;
             }
             region.call = Some(Call {
-                ask,
+                lease_id: ask.lease_id,
                 asked_at_ms: now_ms,
             });
             state.network.push(Message::Ask {
@@ -684,32 +686,27 @@ impl LeaseModel {
                     state.breaches |= Breach::RenewalUnansweredAfterHeal.bit();
                 }
                 // The call times out: no answer, so the grant may exist and the id is kept.
-                finish_renewal(
-                    &mut region.holder,
-                    &call.ask,
-                    RenewalAnswer::Unanswered,
-                    now_ms,
-                );
-                region.reachable = RenewalAnswer::Unanswered.reached_allocator();
+                let timed_out = GrantCall::Unanswered;
+                region.agent.renewal_answered(&timed_out, now_ms);
+                region.reachable = timed_out.answer().reached_allocator();
                 end_call(state, r);
             }
             let region = &mut state.regions[r];
             if region.reachable {
                 // The agent's report round: what the allocator acknowledges is done with.
-                for part in start_report(&mut region.holder, now_ms) {
-                    finish_report(&mut region.holder, &part, now_ms);
-                    if self.tracks_fallback() {
-                        for line in &part.lines.fallback {
-                            let held = state
-                                .ledger_fallback
-                                .entry((line.window_start_ms, r as u8))
-                                .or_default();
-                            *held = (*held).max(line.admitted_tokens);
-                        }
+                for part in region.agent.report(now_ms) {
+                    region.agent.reported(&part, now_ms);
+                    let admitted = part.fallback_admitted_tokens();
+                    if self.tracks_fallback() && admitted > 0 {
+                        let held = state
+                            .ledger_fallback
+                            .entry((part.window_start_ms, r as u8))
+                            .or_default();
+                        *held = (*held).max(admitted);
                     }
                 }
             }
-            region.journal = region.holder.snapshot(None);
+            region.journal = region.agent.journal(None);
             self.renew(state, r);
         }
         self.close_windows(state, self.now_ms(state));
@@ -756,22 +753,30 @@ impl LeaseModel {
         };
         region.spends_this_step += 1;
         let before = (
-            used_tokens(&region.holder.snapshot(None)),
-            region.holder.available_tokens(agent_ms),
+            used_tokens(&region.agent.holder().snapshot(None)),
+            region.agent.holder().available_tokens(agent_ms),
         );
-        let mut outcome = region.holder.spend(1, agent_ms, region.reachable);
-        if let Spend::Denied {
+        let mut reserved = region.agent.reserve(1, agent_ms, region.reachable, false);
+        if let Err(Refusal {
             denial: Denial::FallbackUnclaimed,
             ..
-        } = outcome
+        }) = reserved
             && let Some((window_start_ms, claimed)) =
-                region.holder.fallback_claim_wanted(1, agent_ms)
+                region.agent.fallback_claim_wanted(1, agent_ms)
         {
             // The agent makes the claim durable (journal written and synced), then admits.
-            region.journal = region.holder.snapshot(Some((window_start_ms, claimed)));
-            region.holder.claim_durable(window_start_ms, claimed);
-            outcome = region.holder.spend(1, agent_ms, region.reachable);
+            region.journal = region.agent.journal(Some((window_start_ms, claimed)));
+            region.agent.claim_durable(window_start_ms, claimed);
+            reserved = region.agent.reserve(1, agent_ms, region.reachable, false);
         }
+        // The pool is the request's only rule: admitted, what it reserved is committed.
+        let outcome = match reserved {
+            Ok(reservation) => region.agent.commit(reservation),
+            Err(refusal) => Spend::Denied {
+                denial: refusal.denial,
+                retry_after_ms: refusal.retry_after_ms,
+            },
+        };
         let window_start_ms = self.pool.window_at(now_ms).start_ms;
         match outcome {
             Spend::Leased(lease_id) => {
@@ -814,8 +819,8 @@ impl LeaseModel {
             Spend::Denied { .. } => {
                 let region = &mut state.regions[r];
                 let after = (
-                    used_tokens(&region.holder.snapshot(None)),
-                    region.holder.available_tokens(agent_ms),
+                    used_tokens(&region.agent.holder().snapshot(None)),
+                    region.agent.holder().available_tokens(agent_ms),
                 );
                 if after != before {
                     state.breaches |= Breach::DenialDebited.bit();
@@ -869,17 +874,18 @@ impl LeaseModel {
                 let now_ms = self.agent_ms(state, r);
                 let region = &mut state.regions[r];
                 // Answers of calls that ended are dropped with them (see `end_call`).
-                let Some(call) = region.call.filter(|c| c.ask.lease_id == lease_id) else {
+                let Some(call) = region.call.filter(|c| c.lease_id == lease_id) else {
                     return;
                 };
-                let answer = match &reply {
-                    Reply::Grant(answer) => {
-                        RenewalAnswer::Granted(self.lease_grant(answer, call.asked_at_ms, now_ms))
-                    }
-                    Reply::Refused => RenewalAnswer::Refused,
-                    Reply::NotLeader => RenewalAnswer::Unanswered,
+                let grant_call = match &reply {
+                    Reply::Grant(answer) => self.grant_call(answer, call.asked_at_ms, now_ms),
+                    Reply::Refused => GrantCall::Refused,
+                    Reply::NotLeader => GrantCall::Unanswered,
                 };
-                let outcome = finish_renewal(&mut region.holder, &call.ask, answer, now_ms);
+                let answer = grant_call.answer();
+                let Some(outcome) = region.agent.renewal_answered(&grant_call, now_ms) else {
+                    return;
+                };
                 if let (true, RenewalAnswer::Granted(grant)) = (outcome.held(), answer) {
                     if grant.epoch < region.highest_epoch_held {
                         state.breaches |= Breach::StaleEpochHeld.bit();
@@ -893,16 +899,22 @@ impl LeaseModel {
         }
     }
 
-    /// The grant the agent takes from `answer`, asked at `asked_at_ms`, arriving at `now_ms`.
-    fn lease_grant(&self, answer: &GrantAnswer, asked_at_ms: u64, now_ms: u64) -> LeaseGrant {
-        let grant = LeaseGrant::from_answer(answer, asked_at_ms);
+    /// The call's outcome as the agent's transport gives it: `answer`, to a call asked at
+    /// `asked_at_ms`, arriving at `now_ms`.
+    fn grant_call(&self, answer: &GrantAnswer, asked_at_ms: u64, now_ms: u64) -> GrantCall {
         match self.config.variant {
-            Variant::RecoveredTimedFromReceipt => LeaseGrant {
-                expires_at_ms: now_ms
-                    .saturating_add(answer.expires_at_ms.saturating_sub(answer.issued_at_ms)),
-                ..grant
+            // Timed as if new: from its arrival, for the lease's whole original length.
+            Variant::RecoveredTimedFromReceipt => GrantCall::Answered {
+                answer: GrantAnswer {
+                    answered_at_ms: answer.issued_at_ms,
+                    ..answer.clone()
+                },
+                asked_at_ms: now_ms,
             },
-            _ => grant,
+            _ => GrantCall::Answered {
+                answer: answer.clone(),
+                asked_at_ms,
+            },
         }
     }
 
@@ -928,35 +940,30 @@ impl LeaseModel {
         let Some(region) = state.regions.get_mut(r) else {
             return;
         };
-        let mut holder = PoolHolder::new(self.holders[r].clone());
-        if self.config.state_dir {
-            holder.restore(&region.journal);
-        } else {
-            // A crash never ends the run's session: the new run is told so, and takes over the
-            // window from the ledger's count of its own fallback (the ledger keeps each agent's).
-            let window_start_ms = self.pool.window_at(now_ms).start_ms;
-            let ledger_fallback =
-                state
-                    .ledger_fallback
-                    .get(&(window_start_ms, r as u8))
-                    .map(|&admitted_tokens| FallbackInWindow {
+        let config = self.holders[r].clone();
+        region.agent =
+            if self.config.state_dir {
+                PoolAgent::restored(config, &region.journal)
+            } else {
+                // A crash never ends the run's session: the new run is told so, and takes over the
+                // window from the ledger's count of its own fallback (the ledger keeps each agent's).
+                let window_start_ms = self.pool.window_at(now_ms).start_ms;
+                let ledger_fallback = state.ledger_fallback.get(&(window_start_ms, r as u8)).map(
+                    |&admitted_tokens| FallbackInWindow {
                         window_start_ms,
                         admitted_tokens,
-                    });
-            let unclean_start_ms =
-                (self.config.variant != Variant::UncleanRestartTrusted).then_some(allocator_ms);
-            take_over_window(
-                &mut holder,
-                Inherited {
+                    },
+                );
+                let unclean_start_ms =
+                    (self.config.variant != Variant::UncleanRestartTrusted).then_some(allocator_ms);
+                let inherited = Inherited {
                     ledger_fallback,
                     unclean_start_ms,
-                },
-                now_ms,
-            );
-        }
-        region.holder = holder;
+                };
+                PoolAgent::taking_over(config, inherited, now_ms).0
+            };
         region.reachable = true;
-        region.highest_epoch_held = region.holder.highest_epoch();
+        region.highest_epoch_held = region.agent.holder().highest_epoch();
         end_call(state, r);
     }
 }
@@ -970,11 +977,12 @@ impl Model for LeaseModel {
             .holders
             .iter()
             .map(|holder| Region {
-                holder: PoolHolder::new(holder.clone()),
+                agent: PoolAgent::taking_over(holder.clone(), Inherited::default(), self.origin_ms)
+                    .0,
                 call: None,
                 reachable: true,
                 next_lease: 0,
-                journal: HolderSnapshot::default(),
+                journal: PoolJournal::default(),
                 spends_this_step: 0,
                 highest_epoch_held: Epoch(0),
             })
@@ -1130,7 +1138,8 @@ impl Model for LeaseModel {
             }),
             Property::sometimes(ADMITS_IN_FALLBACK, |_: &Self, state: &ModelState| {
                 state.regions.iter().any(|r| {
-                    r.holder
+                    r.agent
+                        .holder()
                         .snapshot(None)
                         .fallback
                         .iter()

@@ -145,7 +145,7 @@ impl GlobalHold {
                     "tenant" => tenant.to_string(), "pool" => slot.pool.to_string())
                 .increment(1);
             }
-            lock(&slot.holder).commit(reservation);
+            lock(&slot.agent).commit(reservation);
         }
         fallback
     }
@@ -154,7 +154,7 @@ impl GlobalHold {
 impl Drop for GlobalHold {
     fn drop(&mut self) {
         for (slot, reservation, _) in self.held.drain(..) {
-            lock(&slot.holder).cancel(reservation);
+            lock(&slot.agent).cancel(reservation);
         }
     }
 }
@@ -406,9 +406,8 @@ impl Agent {
             let Some(slot) = self.slot(&request.tenant_id, pool).await else {
                 continue;
             };
-            let window_start_ms = slot.window_at(self.clock.now_ms()).start_ms;
             let cost_tokens = global_cost_tokens(rule, request);
-            lock(&slot.shadow).count(window_start_ms, cost_tokens);
+            lock(&slot.agent).count_shadow(cost_tokens, self.clock.now_ms());
             // Journaled, so that a restart goes on counting the window rather than from zero.
             self.note_change();
             metrics::counter!(crate::metrics::SHADOW_ADMITTED_TOKENS,
@@ -592,16 +591,12 @@ impl Agent {
     ) -> Attempt {
         let now_ms = self.clock.now_ms();
         let reserved = {
-            let mut holder = lock(&slot.holder);
+            let mut agent = lock(&slot.agent);
             // Forgotten since it was looked up (idle for minutes): look it up again.
             if slot.evicted.load(Ordering::Acquire) {
                 return Attempt::Evicted;
             }
-            let reserved = holder.reserve(cost_tokens, now_ms, self.allocator_reachable());
-            if dry_run && reserved.is_err() {
-                holder.withdraw_demand(now_ms, cost_tokens);
-            }
-            reserved
+            agent.reserve(cost_tokens, now_ms, self.allocator_reachable(), dry_run)
         };
         self.renew_if_wanted(tenant, pool, slot);
         match reserved {
@@ -625,7 +620,7 @@ impl Agent {
         self.renew_if_wanted(tenant, pool, slot);
         // None under way: it already ended, or none was wanted; try again at once. One unanswered
         // past the holder's patience makes the next try fall back.
-        if lock(&slot.holder).renewal_in_flight() {
+        if lock(&slot.agent).renewal_in_flight() {
             let _ = tokio::time::timeout(FIRST_GRANT_WAIT, renewed).await;
         }
     }

@@ -216,7 +216,8 @@ impl Agent {
         let pools = self.pools.slots();
         let mut dropped = self.pools.dropped_reports_of_evicted();
         for ((tenant, pool), slot) in pools.iter() {
-            let holder = lock(&slot.holder);
+            let agent = lock(&slot.agent);
+            let holder = agent.holder();
             dropped += holder.dropped_reports();
             metrics::gauge!(crate::metrics::TOKENS_STRANDED,
                 "tenant" => tenant.to_string(), "pool" => pool.to_string())

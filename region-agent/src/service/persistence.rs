@@ -32,6 +32,7 @@ use allot_shared::overrides::OverrideSet;
 
 use super::pools::PoolSlot;
 use super::{Agent, lock};
+use crate::global::{PoolAgent, PoolJournal};
 use crate::state_dir::{Journal, JournaledPool, SavedBundle, StateDir, StateFile};
 
 /// How often the journal is written when something changed. A killed agent's ledger misses at most
@@ -147,25 +148,28 @@ impl Agent {
             if pools.len() >= self.settings.max_pools {
                 break;
             }
+            if pools.get(&saved.tenant, &saved.pool).is_some() {
+                continue;
+            }
+            let journaled = PoolJournal {
+                holder: saved.holder.clone(),
+                shadow: saved.shadow.clone(),
+                settle_debt: saved.settle_debt.clone(),
+                written_off: saved.written_off.clone(),
+            };
             let key = (saved.tenant.clone(), saved.pool.clone());
             pools.get_or_insert_with(key, || {
                 crate::metrics::pool_held(&saved.tenant, &saved.pool);
                 Arc::new(PoolSlot::new(
                     saved.pool.clone(),
-                    config,
+                    PoolAgent::restored(config, &journaled),
                     saved.terms.clone(),
                     saved.terms_fetched_at_ms,
                 ))
             });
-            if let Some(slot) = pools.get(&saved.tenant, &saved.pool) {
-                lock(&slot.holder).restore(&saved.holder);
-                lock(&slot.shadow).restore(&saved.shadow);
-                lock(&slot.settle_debt).restore(&saved.settle_debt);
-                lock(&slot.written_off).restore(&saved.written_off);
-                restored.pools += 1;
-                restored.leases += saved.holder.leases.len();
-                restored.fallback_windows += saved.holder.fallback.len();
-            }
+            restored.pools += 1;
+            restored.leases += saved.holder.leases.len();
+            restored.fallback_windows += saved.holder.fallback.len();
         }
         for (what, count) in [
             ("bundle", u64::from(restored.bundle_version.is_some())),
@@ -241,15 +245,21 @@ impl Agent {
                     .map(|(_, claim)| *claim)
                     .max_by_key(|(_, tokens)| *tokens);
                 let (terms, fetched_at_ms) = lock(&slot.terms).clone();
+                let PoolJournal {
+                    holder,
+                    shadow,
+                    settle_debt,
+                    written_off,
+                } = lock(&slot.agent).journal(claimed);
                 JournaledPool {
                     tenant,
                     pool,
                     terms,
                     terms_fetched_at_ms: fetched_at_ms,
-                    holder: lock(&slot.holder).snapshot(claimed),
-                    shadow: lock(&slot.shadow).snapshot(),
-                    settle_debt: lock(&slot.settle_debt).snapshot(),
-                    written_off: lock(&slot.written_off).snapshot(),
+                    holder,
+                    shadow,
+                    settle_debt,
+                    written_off,
                 }
             })
             .collect();
@@ -277,7 +287,7 @@ impl Agent {
         let agent = self.clone();
         let flush = tokio::spawn(async move { agent.flush_claims().await });
         let _ = tokio::time::timeout(CLAIM_WRITE_TIMEOUT, flush).await;
-        let claimed = lock(&slot.holder)
+        let claimed = lock(&slot.agent)
             .fallback_claim_wanted(cost_tokens, self.clock.now_ms())
             .is_none();
         let outcome = if claimed { "ok" } else { "failed" };
@@ -296,7 +306,7 @@ impl Agent {
         let claims: Vec<(Arc<PoolSlot>, (u64, u64))> = wanted
             .into_iter()
             .filter_map(|(slot, cost_tokens)| {
-                let claim = lock(&slot.holder).fallback_claim_wanted(cost_tokens, now_ms)?;
+                let claim = lock(&slot.agent).fallback_claim_wanted(cost_tokens, now_ms)?;
                 Some((slot, claim))
             })
             .collect();
@@ -307,7 +317,7 @@ impl Agent {
         let journal = self.journal(&claims);
         if self.write_journal(journal).await.is_ok() {
             for (slot, (window_start_ms, claimed_tokens)) in claims {
-                lock(&slot.holder).claim_durable(window_start_ms, claimed_tokens);
+                lock(&slot.agent).claim_durable(window_start_ms, claimed_tokens);
             }
         }
     }

@@ -1,4 +1,4 @@
-//! The pool registry: the pools an agent holds (one [`PoolHolder`] each, with the terms in force),
+//! The pool registry: the pools an agent holds (one [`PoolAgent`] each, with the terms in force),
 //! how a request finds its pool, and the single-flight lookup of a pool's terms.
 
 use std::collections::HashMap;
@@ -12,8 +12,7 @@ use tokio::sync::Notify;
 use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, lock};
 use crate::allocator_client::{AllocatorClient, PoolTerms};
-use crate::global::{HolderConfig, PoolHolder, driver};
-use crate::state_dir::TallyWindow;
+use crate::global::PoolAgent;
 
 /// After a pool's terms could not be fetched (allocator unreachable), requests for it fail closed
 /// from memory for this long, ms, instead of each calling the allocator again.
@@ -32,7 +31,8 @@ pub const POOL_IDLE_MS: u64 = 600_000;
 pub(super) struct PoolSlot {
     /// The pool (its tenant is the map's key): named in metrics without a copy per request.
     pub(super) pool: PoolId,
-    pub(super) holder: Mutex<PoolHolder>,
+    /// The pool's agent: its holder, the renewal in flight, its tallies for the ledger.
+    pub(super) agent: Mutex<PoolAgent>,
     /// `G` of the terms in force, and its override (read on every global denial).
     pub(super) limit: PoolLimit,
     /// The terms in force and when they were last fetched, epoch ms.
@@ -43,104 +43,6 @@ pub(super) struct PoolSlot {
     pub(super) evicted: AtomicBool,
     /// The allocator's view of the pool's window from its last grant answer (`GET /v1/quota`).
     pub(super) allocator_view: Mutex<Option<AllocatorView>>,
-    /// What a shadow global rule of the pool counted, for the ledger.
-    pub(super) shadow: Mutex<WindowTally>,
-    /// The most debt from settled metered requests the holder carried per window, for the ledger.
-    pub(super) settle_debt: Mutex<WindowTally>,
-    /// Extra cost of settled metered requests written off per window, for the ledger.
-    pub(super) written_off: Mutex<WindowTally>,
-}
-
-/// Most windows a per-window tally keeps unreported: the current one and those the allocator has
-/// not taken yet (I10). Past it, the oldest window's count is dropped (and logged).
-pub const MAX_TALLY_WINDOWS: usize = 4;
-
-/// An amount per window that the ledger keeps the largest report of (a shadow rule's count, the
-/// most settle debt carried, tokens written off), and how much of it the ledger has taken.
-#[derive(Debug, Default)]
-pub(super) struct WindowTally {
-    windows: Vec<TallyWindow>,
-}
-
-impl WindowTally {
-    /// Its windows, for the journal.
-    pub(super) fn snapshot(&self) -> Vec<TallyWindow> {
-        self.windows.clone()
-    }
-
-    /// Takes over what a crashed incarnation journaled: per window, the larger of its count and
-    /// this one's (both count the same window's admissions from its start), at most
-    /// [`MAX_TALLY_WINDOWS`] windows.
-    pub(super) fn restore(&mut self, journaled: &[TallyWindow]) {
-        for saved in journaled.iter().take(MAX_TALLY_WINDOWS) {
-            let window = self.window(saved.start_ms);
-            window.counted_tokens = window.counted_tokens.max(saved.counted_tokens);
-            window.reported_tokens = window.reported_tokens.max(saved.reported_tokens);
-        }
-    }
-
-    /// Counts `tokens` more in the window starting at `start_ms`.
-    pub(super) fn count(&mut self, start_ms: u64, tokens: u64) {
-        let window = self.window(start_ms);
-        window.counted_tokens = window.counted_tokens.saturating_add(tokens);
-    }
-
-    /// Raises the window's amount to at least `tokens` (a peak).
-    pub(super) fn raise(&mut self, start_ms: u64, tokens: u64) {
-        if tokens > 0 {
-            let window = self.window(start_ms);
-            window.counted_tokens = window.counted_tokens.max(tokens);
-        }
-    }
-
-    fn window(&mut self, start_ms: u64) -> &mut TallyWindow {
-        if let Some(index) = self.windows.iter().position(|w| w.start_ms == start_ms) {
-            return &mut self.windows[index];
-        }
-        if self.windows.len() >= MAX_TALLY_WINDOWS {
-            self.windows.sort_by_key(|w| w.start_ms);
-            let dropped = self.windows.remove(0);
-            tracing::warn!(
-                window_start_ms = dropped.start_ms,
-                "a pool's per-window count was dropped: the allocator took no report for it"
-            );
-        }
-        self.windows.push(TallyWindow {
-            start_ms,
-            counted_tokens: 0,
-            reported_tokens: 0,
-        });
-        let last = self.windows.len() - 1;
-        &mut self.windows[last]
-    }
-
-    /// (window start, cumulative count) of every window with counts the ledger has not taken.
-    pub(super) fn unreported(&self) -> Vec<(u64, u64)> {
-        self.windows
-            .iter()
-            .filter(|w| w.counted_tokens > w.reported_tokens)
-            .map(|w| (w.start_ms, w.counted_tokens))
-            .collect()
-    }
-
-    /// The ledger took `tokens` (cumulative) for the window at `start_ms`. Windows fully reported
-    /// and older than `now_window_start_ms` are forgotten.
-    pub(super) fn acknowledge(&mut self, start_ms: u64, tokens: u64, now_window_start_ms: u64) {
-        if let Some(window) = self.windows.iter_mut().find(|w| w.start_ms == start_ms) {
-            window.reported_tokens = window.reported_tokens.max(tokens);
-        }
-        self.windows
-            .retain(|w| w.start_ms >= now_window_start_ms || w.counted_tokens > w.reported_tokens);
-    }
-
-    /// Whether the slot may be forgotten: the ledger has been told everything, and nothing was
-    /// counted in the window that starts at `current_start_ms` (a fresh tally would count that
-    /// window again from zero, and the ledger keeps the larger count).
-    pub(super) fn may_forget(&self, current_start_ms: u64) -> bool {
-        self.windows
-            .iter()
-            .all(|w| w.counted_tokens <= w.reported_tokens && w.start_ms < current_start_ms)
-    }
 }
 
 /// What the allocator said was left of a pool's window, and when.
@@ -158,26 +60,23 @@ impl PoolSlot {
     /// The pool's window containing `now_ms`, as its holder cuts windows (from the terms in force,
     /// parsed once when they arrived).
     pub(super) fn window_at(&self, now_ms: u64) -> allot_shared::window::Window {
-        lock(&self.holder).config().window.containing(now_ms)
+        lock(&self.agent).config().window.containing(now_ms)
     }
 
     pub(super) fn new(
         pool: PoolId,
-        config: HolderConfig,
+        agent: PoolAgent,
         terms: PoolTerms,
         fetched_at_ms: u64,
     ) -> Self {
         Self {
             pool,
-            holder: Mutex::new(PoolHolder::new(config)),
+            agent: Mutex::new(agent),
             limit: PoolLimit::new(&terms),
             terms: Mutex::new((terms, fetched_at_ms)),
             renewed: Notify::new(),
             evicted: AtomicBool::new(false),
             allocator_view: Mutex::new(None),
-            shadow: Mutex::new(WindowTally::default()),
-            settle_debt: Mutex::new(WindowTally::default()),
-            written_off: Mutex::new(WindowTally::default()),
         }
     }
 }
@@ -328,7 +227,7 @@ impl Agent {
     pub fn pool_window_ms(&self, tenant: &TenantId, pool: &PoolId) -> Option<u64> {
         let slot = self.pools.get(tenant, pool)?;
         let now_ms = self.clock.now_ms();
-        let length_ms = lock(&slot.holder)
+        let length_ms = lock(&slot.agent)
             .config()
             .window
             .containing(now_ms)
@@ -426,12 +325,9 @@ impl Agent {
                             let inherited = self.inherited(fallback_in_window);
                             pools.get_or_insert_with(key.clone(), || {
                                 crate::metrics::pool_held(&key.0, &key.1);
-                                let slot = PoolSlot::new(key.1.clone(), config, terms, now_ms);
-                                let presumed = driver::take_over_window(
-                                    &mut lock(&slot.holder),
-                                    inherited,
-                                    now_ms,
-                                );
+                                let (agent, presumed) =
+                                    PoolAgent::taking_over(config, inherited, now_ms);
+                                let slot = PoolSlot::new(key.1.clone(), agent, terms, now_ms);
                                 if presumed {
                                     metrics::counter!(
                                         crate::metrics::FALLBACK_PRESUMED_USED,

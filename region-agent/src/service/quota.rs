@@ -242,7 +242,8 @@ pub(super) struct PoolFigures {
 pub(super) fn pool_figures(slot: &PoolSlot, now_ms: u64) -> PoolFigures {
     let limit_tokens = slot.limit.at(now_ms);
     // The holder's lock first, as a grant takes them: the figure and the grant it follows.
-    let holder = lock(&slot.holder);
+    let agent = lock(&slot.agent);
+    let holder = agent.holder();
     let window = holder.config().window.containing(now_ms);
     let held_tokens = holder.available_tokens(now_ms);
     let view = (*lock(&slot.allocator_view)).filter(|view| view.window == window);

@@ -141,7 +141,9 @@ impl Agent {
         let now_ms = self.clock.now_ms();
         let settled = self.pools.snapshot().iter().all(|(_, slot)| {
             let current_start_ms = slot.window_at(now_ms).start_ms;
-            lock(&slot.holder).fallback_settled_from(current_start_ms)
+            lock(&slot.agent)
+                .holder()
+                .fallback_settled_from(current_start_ms)
         });
         if !settled {
             tracing::warn!(

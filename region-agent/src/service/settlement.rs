@@ -531,14 +531,7 @@ impl Agent {
                 continue;
             };
             let now_ms = self.clock.now_ms();
-            let (charged, debt_tokens, window_start_ms) = {
-                let mut holder = lock(&slot.holder);
-                let charged = holder.charge(extra_tokens, now_ms);
-                let window_start_ms = holder.config().window.containing(now_ms).start_ms;
-                (charged, holder.debt_tokens(), window_start_ms)
-            };
-            lock(&slot.settle_debt).raise(window_start_ms, debt_tokens);
-            lock(&slot.written_off).count(window_start_ms, charged.written_off_tokens);
+            let charged = lock(&slot.agent).charge(extra_tokens, now_ms);
             for (outcome, tokens) in [
                 ("paid", charged.paid_tokens),
                 ("owed", charged.owed_tokens),

@@ -57,7 +57,7 @@ impl Drop for CarvedPool {
     fn drop(&mut self) {
         if let Some(reservation) = self.reservation.take() {
             let left = reservation.tokens();
-            lock(&self.slot.holder).withhold(reservation);
+            lock(&self.slot.agent).holder_mut().withhold(reservation);
             if left > 0 {
                 metrics::counter!(crate::metrics::RLQS_TOKENS_EXPIRED_UNUSED,
                     "tenant" => self.tenant.to_string(), "pool" => self.pool.to_string())
@@ -317,7 +317,8 @@ impl Agent {
                 ask.wanted_requests.saturating_mul(part.tokens_per_request),
                 now_ms,
             );
-            let mut holder = lock(&part.slot.holder);
+            let mut agent = lock(&part.slot.agent);
+            let holder = agent.holder_mut();
             let chunk_tokens = holder.config().chunk_tokens.max(1);
             let spendable = holder.spendable_tokens(now_ms, reachable).min(chunk_tokens);
             let wanted_tokens = ask.wanted_requests.saturating_mul(part.tokens_per_request);
@@ -346,7 +347,8 @@ impl Agent {
                 total_wanted.max(part.tokens_per_request)
             };
             let reserved = {
-                let mut holder = lock(&part.slot.holder);
+                let mut agent = lock(&part.slot.agent);
+                let holder = agent.holder_mut();
                 if part.slot.evicted.load(std::sync::atomic::Ordering::Acquire) {
                     None
                 } else {
@@ -357,12 +359,13 @@ impl Agent {
             self.renew_if_wanted(tenant, part.pool, &part.slot);
             match reserved {
                 Some(Ok(reservation)) if requests > 0 => {
-                    let holder = lock(&part.slot.holder);
+                    let agent = lock(&part.slot.agent);
+                    let holder = agent.holder();
                     carve.usable_until_ms = carve
                         .usable_until_ms
                         .min(holder.usable_until_ms(&reservation));
-                    carve.kinds.push(carve_kind(&holder, &reservation));
-                    drop(holder);
+                    carve.kinds.push(carve_kind(holder, &reservation));
+                    drop(agent);
                     carve.pools.push(CarvedPool {
                         tenant: tenant.clone(),
                         pool: part.pool.clone(),
@@ -374,7 +377,7 @@ impl Agent {
                 // Nothing to give, yet a request's worth was reservable (it came meanwhile):
                 // ask again.
                 Some(Ok(reservation)) => {
-                    lock(&part.slot.holder).cancel(reservation);
+                    lock(&part.slot.agent).cancel(reservation);
                     self.cancel_carve(carve);
                     return Err(Carving::Awaiting);
                 }
@@ -407,7 +410,7 @@ impl Agent {
         if matches!(carving, Carving::Awaiting) {
             let now_ms = self.clock.now_ms();
             for part in parts {
-                let wanted = lock(&part.slot.holder)
+                let wanted = lock(&part.slot.agent)
                     .fallback_claim_wanted(part.tokens_per_request, now_ms)
                     .is_some()
                     && self.persistence.keeps_state()
@@ -487,7 +490,9 @@ impl Agent {
         }
         for part in &mut carve.pools {
             if let Some(reservation) = part.reservation.as_mut() {
-                lock(&part.slot.holder).give_back(reservation, excess * part.tokens_per_request);
+                lock(&part.slot.agent)
+                    .holder_mut()
+                    .give_back(reservation, excess * part.tokens_per_request);
             }
         }
         carve.requests = requests;
@@ -497,7 +502,7 @@ impl Agent {
     pub fn cancel_carve(&self, mut carve: Carve) {
         for part in &mut carve.pools {
             if let Some(reservation) = part.reservation.take() {
-                lock(&part.slot.holder).cancel(reservation);
+                lock(&part.slot.agent).cancel(reservation);
             }
         }
     }
@@ -512,7 +517,11 @@ impl Agent {
         let now_ms = self.clock.now_ms();
         for part in &mut carve.pools {
             if let Some(reservation) = part.reservation.as_mut() {
-                lock(&part.slot.holder).draw(reservation, drawn * part.tokens_per_request, now_ms);
+                lock(&part.slot.agent).holder_mut().draw(
+                    reservation,
+                    drawn * part.tokens_per_request,
+                    now_ms,
+                );
             }
         }
         carve.used_requests += drawn;
@@ -525,7 +534,9 @@ impl Agent {
     pub fn note_denied(&self, carve: &Carve, requests: u64) {
         let now_ms = self.clock.now_ms();
         for part in &carve.pools {
-            lock(&part.slot.holder).note_demand(now_ms, requests * part.tokens_per_request);
+            lock(&part.slot.agent)
+                .holder_mut()
+                .note_demand(now_ms, requests * part.tokens_per_request);
         }
     }
 
@@ -574,7 +585,8 @@ impl Agent {
         let reachable = self.allocator_reachable();
         let mut backed = requests;
         for part in &parts {
-            let mut holder = lock(&part.slot.holder);
+            let mut agent = lock(&part.slot.agent);
+            let holder = agent.holder_mut();
             let spendable = holder
                 .spendable_tokens(now_ms, reachable)
                 .min(holder.config().chunk_tokens.max(1));
@@ -582,7 +594,8 @@ impl Agent {
         }
         if backed > 0 {
             for part in &parts {
-                let mut holder = lock(&part.slot.holder);
+                let mut agent = lock(&part.slot.agent);
+                let holder = agent.holder_mut();
                 let _ = holder.spend(backed * part.tokens_per_request, now_ms, reachable);
             }
             self.note_change();

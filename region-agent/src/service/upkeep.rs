@@ -10,9 +10,9 @@ use super::pools::{
     AllocatorView, MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, PoolSlot, TERMS_REFRESH_MS,
 };
 use super::{Agent, lock};
-use crate::global::LeaseGrant;
+use crate::global::GrantCall;
 use crate::global::clock_offset::ClockOffset;
-use crate::global::driver::{RenewalAnswer, RenewalOutcome, finish_renewal, start_renewal};
+use crate::global::driver::RenewalOutcome;
 
 impl Agent {
     /// Pool upkeep: forgets pools idle for [`POOL_IDLE_MS`] with nothing held or owed, and fetches
@@ -24,23 +24,18 @@ impl Agent {
         let mut stale = Vec::new();
         for (key, slot) in slots {
             let mut pools = self.pools.slots();
-            let mut holder = lock(&slot.holder);
+            let mut agent = lock(&slot.agent);
             let current = pools
                 .get(&key.0, &key.1)
                 .is_some_and(|s| Arc::ptr_eq(s, &slot));
-            let window_start_ms = holder.config().window.containing(now_ms).start_ms;
-            if current
-                && holder.is_idle(now_ms, POOL_IDLE_MS)
-                && lock(&slot.shadow).may_forget(window_start_ms)
-                && lock(&slot.settle_debt).may_forget(window_start_ms)
-                && lock(&slot.written_off).may_forget(window_start_ms)
-            {
+            if current && agent.is_idle(now_ms, POOL_IDLE_MS) {
                 slot.evicted.store(true, Ordering::Release);
-                self.pools.note_evicted_drops(holder.dropped_reports());
+                self.pools
+                    .note_evicted_drops(agent.holder().dropped_reports());
                 pools.remove(&key);
                 continue;
             }
-            drop((holder, pools));
+            drop((agent, pools));
             let fetched_at_ms = lock(&slot.terms).1;
             if now_ms.saturating_sub(fetched_at_ms) >= TERMS_REFRESH_MS {
                 stale.push((fetched_at_ms, key, slot));
@@ -62,10 +57,7 @@ impl Agent {
                     let mut in_force = lock(&slot.terms);
                     if in_force.0 != terms {
                         tracing::info!(%tenant, %pool, version = terms.version, "pool terms updated");
-                        let mut holder = lock(&slot.holder);
-                        holder.reconfigure(config);
-                        holder.forget_exhaustion();
-                        drop(holder);
+                        lock(&slot.agent).retune(config);
                         slot.limit.set(&terms);
                         in_force.0 = terms;
                         self.note_change();
@@ -98,7 +90,7 @@ impl Agent {
         let asked = {
             let now_ms = self.clock.now_ms();
             let fresh = LeaseId::from_parts(now_ms, rand::random());
-            start_renewal(&mut lock(&slot.holder), now_ms, fresh)
+            lock(&slot.agent).renewal_to_ask(now_ms, fresh)
         };
         let Some(ask) = asked else {
             return;
@@ -123,20 +115,23 @@ impl Agent {
             if let Ok(Some(answer)) = &called {
                 agent.note_clock_offset(asked_at_ms, answer);
             }
-            let answer = match &called {
-                Ok(Some(answer)) => {
-                    RenewalAnswer::Granted(LeaseGrant::from_answer(answer, asked_at_ms))
-                }
-                Ok(None) => RenewalAnswer::PoolGone,
+            let call = match &called {
+                Ok(Some(answer)) => GrantCall::Answered {
+                    answer: answer.clone(),
+                    asked_at_ms,
+                },
+                Ok(None) => GrantCall::PoolGone,
                 // No answer (or a 5xx): the grant may have been committed. A refusal is final.
-                Err(error) if error.is_unreachable() => RenewalAnswer::Unanswered,
-                Err(_) => RenewalAnswer::Refused,
+                Err(error) if error.is_unreachable() => GrantCall::Unanswered,
+                Err(_) => GrantCall::Refused,
             };
-            // Under the holder's lock, so that a quota read sees the grant and the allocator's
+            // Under the agent's lock, so that a quota read sees the grant and the allocator's
             // figure after it together.
             let outcome = {
-                let mut holder = lock(&slot.holder);
-                let outcome = finish_renewal(&mut holder, &ask, answer, agent.clock.now_ms());
+                let mut pool_agent = lock(&slot.agent);
+                let Some(outcome) = pool_agent.renewal_answered(&call, agent.clock.now_ms()) else {
+                    return;
+                };
                 if let (Ok(Some(answer)), false) = (&called, outcome == RenewalOutcome::StaleEpoch)
                 {
                     note_allocator_view(&slot, answer, asked_at_ms);

@@ -22,13 +22,10 @@ use allot_allocator::kv::{Kv, Op};
 use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
 use allot_allocator::pools::{PoolSpec, get_window, put_pool};
 use allot_region_agent::allocator_client::CALL_TIMEOUT;
-use allot_region_agent::global::driver::{
-    self, Inherited, RenewalAnswer, RenewalAsk, RenewalOutcome, finish_renewal, start_renewal,
-};
-use allot_region_agent::global::holder::{
-    Denial, HolderConfig, LeaseGrant, MAX_LIVE_LEASES, PoolHolder, Spend,
-};
+use allot_region_agent::global::driver::{Inherited, RenewalOutcome};
+use allot_region_agent::global::holder::{Denial, HolderConfig, MAX_LIVE_LEASES, Spend};
 use allot_region_agent::global::terms::AgentShare;
+use allot_region_agent::global::{GrantCall, PoolAgent};
 use allot_region_agent::limiter::LimiterConfig;
 use allot_region_agent::service::{DEFAULT_EXPIRY_MARGIN_MS, FIRST_GRANT_WAIT};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
@@ -49,8 +46,8 @@ pub const ROUND_TRIP_MS: u64 = 20;
 /// Agents report (and the holders forget what was acknowledged) this often, ms.
 pub const REPORT_EVERY_MS: u64 = 1_000;
 
-/// A grant answer on its way to an agent.
-#[derive(Debug, Clone, Copy)]
+/// A grant answer on its way to an agent (the renewal it answers is the pool agent's in flight).
+#[derive(Debug, Clone)]
 struct InFlight {
     deliver_at_ms: u64,
     /// When the agent's call gives up waiting ([`CALL_TIMEOUT`] after it was sent): an answer due
@@ -58,17 +55,17 @@ struct InFlight {
     gives_up_at_ms: u64,
     /// The lease's end on the allocator's (true) clock, to check spends against.
     true_expires_at_ms: u64,
-    /// The renewal it answers.
-    ask: RenewalAsk,
+    /// When the call was made, on the agent's clock.
+    asked_at_ms: u64,
     /// `None`: the answer is lost.
-    answer: Option<LeaseGrant>,
+    answer: Option<GrantAnswer>,
 }
 
 /// One tenant's pool in one region's agent.
 #[derive(Debug, Default)]
 struct HeldPool {
     /// `None` until the agent has the pool's terms (at start, after a restart).
-    holder: Option<PoolHolder>,
+    agent: Option<PoolAgent>,
     in_flight: Option<InFlight>,
     /// Lease ends in true time, to check that nothing is spent past them.
     lease_ends: Vec<(LeaseId, u64)>,
@@ -516,8 +513,8 @@ impl<'s> Drill<'s> {
                 && held.terms_change_seen_at_ms.is_some_and(|at| at <= now_ms)
             {
                 held.terms_change_seen_at_ms = None;
-                if let Some(holder) = held.holder.as_mut() {
-                    holder.forget_exhaustion();
+                if let Some(agent) = held.agent.as_mut() {
+                    agent.holder_mut().forget_exhaustion();
                 }
             }
             // The region's first agent draws the region's arrivals and deals them out; its
@@ -767,13 +764,13 @@ fn deal(arrivals: u64, turn: u64, shares: &mut [u64]) {
 fn crash(agent: &mut RegionAgent, checker: &mut TenantChecker, r: usize, agent_now_ms: u64) {
     for (t, held) in agent.pools.iter_mut().enumerate() {
         let record = checker.record(t, r);
-        if let Some(holder) = &held.holder {
-            record.stranded_tokens += holder.available_tokens(agent_now_ms);
+        if let Some(agent) = &held.agent {
+            record.stranded_tokens += agent.holder().available_tokens(agent_now_ms);
         }
         if let Some(InFlight {
             answer: Some(answer),
             ..
-        }) = held.in_flight
+        }) = &held.in_flight
         {
             record.stranded_tokens += answer.granted_tokens;
         }
@@ -844,7 +841,7 @@ impl Step<'_> {
     /// Hands over the allocator's answer in flight once it has arrived; a call past its deadline
     /// is handed over as a lost answer (the agent's call timed out).
     fn deliver_due_answer(&mut self) -> Result<(), DrillError> {
-        let Some(f) = self.held.in_flight else {
+        let Some(f) = self.held.in_flight.clone() else {
             return Ok(());
         };
         if f.deliver_at_ms <= self.now_ms {
@@ -866,7 +863,7 @@ impl Step<'_> {
     ) -> Result<bool, DrillError> {
         self.look_up_terms(config);
         self.deliver_due_answer()?;
-        if self.held.holder.is_none() {
+        if self.held.agent.is_none() {
             let record = self.checker.record(self.tenant, self.region_index);
             record.demand += arrivals;
             record.denied_unavailable += arrivals;
@@ -912,14 +909,19 @@ impl Step<'_> {
             }
             record_gateway_decision(record, decided, self.now_ms, self.window_start_ms);
         }
-        if let Some(holder) = self.held.holder.as_mut() {
+        if let Some(agent) = self.held.agent.as_mut() {
             let lease_ends = &self.held.lease_ends;
-            let tended = gateways.tend(holder, self.agent_now_ms, *self.believes_reachable, |id| {
-                lease_ends
-                    .iter()
-                    .find(|(lease, _)| *lease == id)
-                    .map(|(_, end)| *end)
-            });
+            let tended = gateways.tend(
+                agent.holder_mut(),
+                self.agent_now_ms,
+                *self.believes_reachable,
+                |id| {
+                    lease_ends
+                        .iter()
+                        .find(|(lease, _)| *lease == id)
+                        .map(|(_, end)| *end)
+                },
+            );
             // Waiting for a renewal is how carving keeps up with demand, not a fault: only
             // fallback admits (and no terms at all) are abnormal here.
             let _ = tended;
@@ -938,10 +940,9 @@ impl Step<'_> {
     /// already admitted in fallback this window (as the ledger holds it), and takes over the
     /// window as the shipped agent does.
     fn look_up_terms(&mut self, config: HolderConfig) {
-        if self.held.holder.is_some() || self.conditions.partitioned {
+        if self.held.agent.is_some() || self.conditions.partitioned {
             return;
         }
-        let mut holder = PoolHolder::new(config);
         let (window_start_ms, admitted_tokens) = *self.ledger_fallback;
         let inherited = Inherited {
             ledger_fallback: (window_start_ms == self.window_start_ms).then_some(
@@ -952,8 +953,8 @@ impl Step<'_> {
             ),
             unclean_start_ms: self.unclean_start_ms,
         };
-        driver::take_over_window(&mut holder, inherited, self.agent_now_ms);
-        self.held.holder = Some(holder);
+        let (agent, _presumed) = PoolAgent::taking_over(config, inherited, self.agent_now_ms);
+        self.held.agent = Some(agent);
     }
 
     /// One request, as the agent serves it: spend; if no lease is held, start a renewal and wait
@@ -970,7 +971,7 @@ impl Step<'_> {
             }
         ) {
             let answered_in_ms = self.renew().await?;
-            wait_ms = match (self.held.in_flight, answered_in_ms) {
+            wait_ms = match (self.held.in_flight.clone(), answered_in_ms) {
                 (Some(f), _) => {
                     let arrives_in_ms = f.deliver_at_ms.saturating_sub(self.now_ms);
                     if arrives_in_ms <= self.first_grant_wait_ms {
@@ -1005,9 +1006,9 @@ impl Step<'_> {
         }
         match outcome {
             Spend::Leased(lease) => {
-                let holder = self.held.holder.as_ref();
-                if holder
-                    .and_then(|h| h.lease_window_start_ms(lease))
+                let agent = self.held.agent.as_ref();
+                if agent
+                    .and_then(|a| a.holder().lease_window_start_ms(lease))
                     .is_some_and(|start| start < self.window_start_ms)
                 {
                     record.carried_over += 1;
@@ -1060,36 +1061,37 @@ impl Step<'_> {
         }
     }
 
-    /// The agent reports what its holder owes, and the ledger keeps the region's fallback count.
-    /// Reports cost an allocation each; one with nothing new since the last is skipped (ended
-    /// leases then wait for the next report, within the holder's bounds).
+    /// The agent reports what its pool owes, as the shipped agent does, and the ledger keeps this
+    /// agent's fallback count. Reports cost an allocation each; one with nothing new since the
+    /// last is skipped (ended leases then wait for the next report, within the holder's bounds).
     fn report(&mut self) {
-        let Some(holder) = self.held.holder.as_mut() else {
+        let Some(agent) = self.held.agent.as_mut() else {
             return;
         };
         if self.held.admitted_since_report == 0 {
             return;
         }
-        for part in driver::start_report(holder, self.agent_now_ms) {
-            for line in &part.lines.fallback {
-                let (window_start_ms, admitted) = self.ledger_fallback;
-                if line.window_start_ms > *window_start_ms {
-                    *self.ledger_fallback = (line.window_start_ms, line.admitted_tokens);
-                } else if line.window_start_ms == *window_start_ms {
-                    *admitted = (*admitted).max(line.admitted_tokens);
+        for part in agent.report(self.agent_now_ms) {
+            let admitted = part.fallback_admitted_tokens();
+            if admitted > 0 {
+                let (window_start_ms, held) = self.ledger_fallback;
+                if part.window_start_ms > *window_start_ms {
+                    *self.ledger_fallback = (part.window_start_ms, admitted);
+                } else if part.window_start_ms == *window_start_ms {
+                    *held = (*held).max(admitted);
                 }
             }
-            driver::finish_report(holder, &part, self.agent_now_ms);
+            agent.reported(&part, self.agent_now_ms);
         }
         self.held.admitted_since_report = 0;
     }
 
     /// Counts what the holder stranded this tick, and forgets lease ends long past.
     fn tally_strands(&mut self) {
-        let Some(holder) = self.held.holder.as_ref() else {
+        let Some(agent) = self.held.agent.as_ref() else {
             return;
         };
-        let stranded = holder.stranded_tokens();
+        let stranded = agent.holder().stranded_tokens();
         self.checker
             .record(self.tenant, self.region_index)
             .stranded_tokens += stranded - self.held.stranded_seen;
@@ -1100,8 +1102,18 @@ impl Step<'_> {
 
     /// Spends a token `after_ms` into the tick (after a wait for a grant).
     fn spend(&mut self, after_ms: u64) -> Spend {
-        match self.held.holder.as_mut() {
-            Some(holder) => holder.spend(1, self.agent_now_ms + after_ms, *self.believes_reachable),
+        match self.held.agent.as_mut() {
+            // As the agent admits a request whose only rule is the pool: reserved, then committed.
+            Some(agent) => {
+                let at_ms = self.agent_now_ms + after_ms;
+                match agent.reserve(1, at_ms, *self.believes_reachable, false) {
+                    Ok(reservation) => agent.commit(reservation),
+                    Err(refusal) => Spend::Denied {
+                        denial: refusal.denial,
+                        retry_after_ms: refusal.retry_after_ms,
+                    },
+                }
+            }
             None => Spend::Denied {
                 denial: Denial::FailClosed,
                 retry_after_ms: 1_000,
@@ -1113,21 +1125,21 @@ impl Step<'_> {
     /// delay, ms, when the allocator was reached (the answer is delivered at once when it arrives
     /// before the next tick).
     async fn renew(&mut self) -> Result<Option<u64>, DrillError> {
-        let Some(holder) = self.held.holder.as_mut() else {
+        let Some(agent) = self.held.agent.as_mut() else {
             return Ok(None);
         };
         // Lease ids are made from the virtual time and a counter of renewals asked (reproducible).
         let fresh = LeaseId::from_parts(self.now_ms, self.allocator.leases_asked + 1);
-        let Some(ask) = start_renewal(holder, self.agent_now_ms, fresh) else {
+        let Some(ask) = agent.renewal_to_ask(self.agent_now_ms, fresh) else {
             return Ok(None);
         };
         self.allocator.leases_asked += 1;
         let (lease_id, want_tokens) = (ask.lease_id, ask.want_tokens);
         if self.conditions.partitioned {
             // The call fails at once: nothing reached the allocator.
-            let answer = RenewalAnswer::Unanswered;
-            finish_renewal(holder, &ask, answer, self.agent_now_ms);
-            *self.believes_reachable = answer.reached_allocator();
+            let call = GrantCall::Unanswered;
+            agent.renewal_answered(&call, self.agent_now_ms);
+            *self.believes_reachable = call.answer().reached_allocator();
             return Ok(None);
         }
         let record = self
@@ -1152,68 +1164,70 @@ impl Step<'_> {
         }
         let lost = self.conditions.loss_percent > 0
             && self.rng.random_range(0..100) < self.conditions.loss_percent;
-        // As the agent: what is left of the lease is measured on the agent's clock from when it
-        // asked.
-        let answer = LeaseGrant::from_answer(&record, self.agent_now_ms);
         let flight = InFlight {
             true_expires_at_ms: record.expires_at_ms,
             deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.conditions.added_ms,
             gives_up_at_ms: self.now_ms + ms(CALL_TIMEOUT),
-            ask,
-            answer: (!lost).then_some(answer),
+            // As the agent: what is left of the lease is measured on the agent's clock from when
+            // it asked.
+            asked_at_ms: self.agent_now_ms,
+            answer: (!lost).then_some(record),
         };
         if lost {
             self.checker
                 .record(self.tenant, self.region_index)
                 .answers_lost += 1;
         }
-        self.held.in_flight = Some(flight);
         // An answer (or, lost, the call's failure) due before the next tick is in hand for the
         // next tick's requests.
         let delay_ms = flight.deliver_at_ms - self.now_ms;
+        self.held.in_flight = Some(flight.clone());
         if delay_ms < self.tick_ms {
             self.deliver(flight)?;
         }
         Ok(Some(delay_ms))
     }
 
-    /// Hands an answer (or its loss) to the holder.
+    /// Hands an answer (or its loss) to the pool's agent.
     fn deliver(&mut self, flight: InFlight) -> Result<(), DrillError> {
         self.held.in_flight = None;
-        let Some(holder) = self.held.holder.as_mut() else {
+        let Some(agent) = self.held.agent.as_mut() else {
             return Ok(());
         };
-        let Some(grant) = flight.answer else {
-            let answer = RenewalAnswer::Unanswered;
-            finish_renewal(holder, &flight.ask, answer, self.agent_now_ms);
-            self.held.committed_unanswered = Some(flight.ask.lease_id);
-            *self.believes_reachable = answer.reached_allocator();
+        let Some(answer) = flight.answer else {
+            let call = GrantCall::Unanswered;
+            if let Some(ask) = agent.renewal_asked() {
+                self.held.committed_unanswered = Some(ask.lease_id);
+            }
+            agent.renewal_answered(&call, self.agent_now_ms);
+            *self.believes_reachable = call.answer().reached_allocator();
             return Ok(());
         };
-        *self.believes_reachable = RenewalAnswer::Granted(grant).reached_allocator();
-        let recovered = self.held.committed_unanswered == Some(grant.lease_id);
+        let call = GrantCall::Answered {
+            answer: answer.clone(),
+            asked_at_ms: flight.asked_at_ms,
+        };
+        *self.believes_reachable = call.answer().reached_allocator();
+        let recovered = self.held.committed_unanswered == Some(answer.lease_id);
         if recovered {
             self.held.committed_unanswered = None;
         }
-        let outcome = finish_renewal(
-            holder,
-            &flight.ask,
-            RenewalAnswer::Granted(grant),
-            self.agent_now_ms,
-        );
+        let Some(outcome) = agent.renewal_answered(&call, self.agent_now_ms) else {
+            return Ok(());
+        };
         if outcome == RenewalOutcome::StaleEpoch {
             return Err(DrillError::Broken(format!(
-                "a grant from a stale epoch reached the holder ({grant:?})"
+                "a grant from a stale epoch reached the holder ({answer:?})"
             )));
         }
         if outcome.held() {
             self.held
                 .lease_ends
-                .push((grant.lease_id, flight.true_expires_at_ms));
+                .push((answer.lease_id, flight.true_expires_at_ms));
             if recovered {
                 self.checker
                     .record(self.tenant, self.region_index)
-                    .recovered_tokens += grant.granted_tokens;
+                    .recovered_tokens += answer.granted_tokens;
             }
         }
         Ok(())
