@@ -700,7 +700,7 @@ impl LeaseModel {
                     if self.tracks_fallback() && admitted > 0 {
                         let held = state
                             .ledger_fallback
-                            .entry((part.window_start_ms, r as u8))
+                            .entry((part.window_start_ms(), r as u8))
                             .or_default();
                         *held = (*held).max(admitted);
                     }

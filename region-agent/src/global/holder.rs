@@ -716,6 +716,13 @@ impl PoolHolder {
         }
     }
 
+    /// When the first live lease ends (its usable end, past which it is owed a final report
+    /// line), epoch ms; `None` with none live.
+    pub fn next_lease_end_ms(&self) -> Option<u64> {
+        let margin = self.config.expiry_margin_ms;
+        self.live.first().map(|lease| lease.usable_until_ms(margin))
+    }
+
     /// Takes a grant from the allocator.
     pub fn accept(&mut self, grant: LeaseGrant, now_ms: u64) -> GrantVerdict {
         if self.unanswered_lease == Some(grant.lease_id) {

@@ -24,7 +24,7 @@
 use allot_shared::ids::LeaseId;
 use allot_shared::wire::{GrantAnswer, ReportLease};
 
-use super::driver::{self, Inherited, RenewalAnswer, RenewalAsk, RenewalOutcome};
+use super::driver::{self, Inherited, RenewalAnswer, RenewalAsk, RenewalOutcome, ReportPart};
 use super::holder::{
     DebtCharge, HolderConfig, HolderSnapshot, LeaseGrant, PendingReport, PoolHolder, Refusal,
     Reservation, Spend,
@@ -32,12 +32,30 @@ use super::holder::{
 use super::tallies::{Tallies, TallyWindow};
 
 /// One pool's agent: its holder, the renewal it has asked for, and its tallies.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone)]
 pub struct PoolAgent {
     holder: PoolHolder,
     /// The renewal asked and not answered yet.
     asked: Option<RenewalAsk>,
     tallies: Tallies,
+    /// Whether anything changed since a report round found nothing owed: the loop visits only
+    /// such pools (and those whose lease has ended since), so an idle pool costs a report round
+    /// nothing. Decides nothing else: left out of equality.
+    changed: bool,
+}
+
+impl PartialEq for PoolAgent {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.holder, &self.asked, &self.tallies) == (&other.holder, &other.asked, &other.tallies)
+    }
+}
+
+impl Eq for PoolAgent {}
+
+impl std::hash::Hash for PoolAgent {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        (&self.holder, &self.asked, &self.tallies).hash(state);
+    }
 }
 
 /// How an allocator grant call ended, as the transport saw it.
@@ -79,10 +97,8 @@ impl GrantCall {
 /// One window's part of a pool's report: what the ledger takes per pool and window.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolReport {
-    /// The window's start, epoch ms.
-    pub window_start_ms: u64,
-    /// The holder's lines of the window: its leases' spend and its fallback admits.
-    pub lines: PendingReport,
+    /// The window and the holder's lines of it: its leases' spend and its fallback admits.
+    pub part: ReportPart,
     /// What a shadow global rule counted in the window (cumulative).
     pub shadow_admitted_tokens: u64,
     /// The most settle debt carried in the window.
@@ -92,14 +108,24 @@ pub struct PoolReport {
 }
 
 impl PoolReport {
+    /// The window's start, epoch ms.
+    pub fn window_start_ms(&self) -> u64 {
+        self.part.window_start_ms
+    }
+
     /// Fallback admitted in the window so far (cumulative; 0: none to report).
     pub fn fallback_admitted_tokens(&self) -> u64 {
-        self.lines.fallback.first().map_or(0, |f| f.admitted_tokens)
+        self.part
+            .lines
+            .fallback
+            .first()
+            .map_or(0, |f| f.admitted_tokens)
     }
 
     /// The lease lines as the wire carries them.
     pub fn lease_lines(&self) -> Vec<ReportLease> {
-        self.lines
+        self.part
+            .lines
             .leases
             .iter()
             .map(|l| ReportLease {
@@ -131,6 +157,7 @@ impl PoolAgent {
     pub fn taking_over(config: HolderConfig, inherited: Inherited, now_ms: u64) -> (Self, bool) {
         let mut agent = Self::new(config);
         let presumed = driver::take_over_window(&mut agent.holder, inherited, now_ms);
+        agent.changed = true;
         (agent, presumed)
     }
 
@@ -142,6 +169,7 @@ impl PoolAgent {
         agent.tallies.shadow.restore(&journal.shadow);
         agent.tallies.settle_debt.restore(&journal.settle_debt);
         agent.tallies.written_off.restore(&journal.written_off);
+        agent.changed = true;
         agent
     }
 
@@ -150,6 +178,7 @@ impl PoolAgent {
             holder: PoolHolder::new(config),
             asked: None,
             tallies: Tallies::default(),
+            changed: false,
         }
     }
 
@@ -160,6 +189,7 @@ impl PoolAgent {
 
     /// The holder, for the gateways' carving (sub-leases), which the holder keeps itself.
     pub fn holder_mut(&mut self) -> &mut PoolHolder {
+        self.changed = true;
         &mut self.holder
     }
 
@@ -182,6 +212,7 @@ impl PoolAgent {
         reachable: bool,
         dry_run: bool,
     ) -> Result<Reservation, Refusal> {
+        self.changed = true;
         let reserved = self.holder.reserve(cost_tokens, now_ms, reachable);
         if dry_run && reserved.is_err() {
             self.holder.withdraw_demand(now_ms, cost_tokens);
@@ -191,12 +222,14 @@ impl PoolAgent {
 
     /// The request was admitted: what it reserved is spent (from a lease, or in fallback).
     pub fn commit(&mut self, reservation: Reservation) -> Spend {
+        self.changed = true;
         self.holder.commit(reservation)
     }
 
     /// The request was denied (by a regional rule, a later pool, the hold's end) or was a dry
     /// run: what it reserved goes back to where it came from, and nothing was debited.
     pub fn cancel(&mut self, reservation: Reservation) {
+        self.changed = true;
         self.holder.cancel(reservation);
     }
 
@@ -204,6 +237,7 @@ impl PoolAgent {
     /// owed within the agent's share of the settle debt, or written off), and tallied for the
     /// ledger.
     pub fn charge(&mut self, extra_tokens: u64, now_ms: u64) -> DebtCharge {
+        self.changed = true;
         let charged = self.holder.charge(extra_tokens, now_ms);
         let window_start_ms = self.window_start_ms(now_ms);
         self.tallies
@@ -217,6 +251,7 @@ impl PoolAgent {
 
     /// A shadow global rule of the pool counted `tokens` of an admitted request.
     pub fn count_shadow(&mut self, tokens: u64, now_ms: u64) {
+        self.changed = true;
         let window_start_ms = self.window_start_ms(now_ms);
         self.tallies.shadow.count(window_start_ms, tokens);
     }
@@ -244,12 +279,25 @@ impl PoolAgent {
     /// renewal was in flight (an answer of a call given up on, or of a holder since replaced).
     pub fn renewal_answered(&mut self, call: &GrantCall, now_ms: u64) -> Option<RenewalOutcome> {
         let ask = self.asked.take()?;
+        // A grant may pay settle debt from its lease at once: a spend to report.
+        self.changed = true;
         Some(driver::finish_renewal(
             &mut self.holder,
             &ask,
             call.answer(),
             now_ms,
         ))
+    }
+
+    /// Whether the pool may owe the ledger a report at `now_ms`: something changed since a
+    /// report round found nothing owed, or a lease has ended since (its final line is owed). A
+    /// round need not ask the others.
+    pub fn owes_report(&self, now_ms: u64) -> bool {
+        self.changed
+            || self
+                .holder
+                .next_lease_end_ms()
+                .is_some_and(|end_ms| now_ms >= end_ms)
     }
 
     /// What the pool owes the ledger at `now_ms`, one part per window, oldest first (empty:
@@ -260,61 +308,51 @@ impl PoolAgent {
         self.tallies
             .settle_debt
             .raise(current_start_ms, self.holder.debt_tokens());
-        let parts = driver::start_report(&mut self.holder, now_ms);
+        let mut parts = driver::start_report(&mut self.holder, now_ms);
         let shadow = self.tallies.shadow.unreported();
         let settle_debt = self.tallies.settle_debt.unreported();
         let written_off = self.tallies.written_off.unreported();
-        let mut windows: Vec<u64> = parts
-            .iter()
-            .map(|p| p.window_start_ms)
-            .chain(
-                [&shadow, &settle_debt, &written_off]
-                    .into_iter()
-                    .flatten()
-                    .map(|(start_ms, _)| *start_ms),
-            )
-            .collect();
-        windows.sort_unstable();
-        windows.dedup();
-        windows
+        // The tallies' windows without lines of their own get parts of their own.
+        for (start_ms, _) in [&shadow, &settle_debt, &written_off].into_iter().flatten() {
+            if !parts.iter().any(|p| p.window_start_ms == *start_ms) {
+                parts.push(ReportPart {
+                    window_start_ms: *start_ms,
+                    lines: PendingReport::default(),
+                });
+            }
+        }
+        if parts.is_empty() {
+            self.changed = false;
+        }
+        parts.sort_by_key(|p| p.window_start_ms);
+        parts
             .into_iter()
-            .map(|window_start_ms| PoolReport {
-                window_start_ms,
-                lines: parts
-                    .iter()
-                    .find(|p| p.window_start_ms == window_start_ms)
-                    .map(|p| p.lines.clone())
-                    .unwrap_or_default(),
-                shadow_admitted_tokens: in_window(&shadow, window_start_ms),
-                settle_debt_tokens: in_window(&settle_debt, window_start_ms),
-                written_off_tokens: in_window(&written_off, window_start_ms),
+            .map(|part| PoolReport {
+                shadow_admitted_tokens: in_window(&shadow, part.window_start_ms),
+                settle_debt_tokens: in_window(&settle_debt, part.window_start_ms),
+                written_off_tokens: in_window(&written_off, part.window_start_ms),
+                part,
             })
             .collect()
     }
 
     /// The allocator took `part` at `now_ms`: its final lines are done with, its counts reported.
     pub fn reported(&mut self, part: &PoolReport, now_ms: u64) {
-        driver::finish_report(
-            &mut self.holder,
-            &driver::ReportPart {
-                window_start_ms: part.window_start_ms,
-                lines: part.lines.clone(),
-            },
-            now_ms,
-        );
+        driver::finish_report(&mut self.holder, &part.part, now_ms);
         let current_start_ms = self.window_start_ms(now_ms);
         for (tally, tokens) in [
             (&mut self.tallies.shadow, part.shadow_admitted_tokens),
             (&mut self.tallies.settle_debt, part.settle_debt_tokens),
             (&mut self.tallies.written_off, part.written_off_tokens),
         ] {
-            tally.acknowledge(part.window_start_ms, tokens, current_start_ms);
+            tally.acknowledge(part.window_start_ms(), tokens, current_start_ms);
         }
     }
 
     /// The pool's terms changed: the holder takes the new configuration, and a window it was told
     /// was spent is asked for again (a raised limit may have room).
     pub fn retune(&mut self, config: HolderConfig) {
+        self.changed = true;
         self.holder.reconfigure(config);
         self.holder.forget_exhaustion();
     }
@@ -335,6 +373,7 @@ impl PoolAgent {
     /// The claim of `claimed_tokens` in the window starting at `window_start_ms` is durable (the
     /// journal holding it is written and synced): fallback may be admitted within it.
     pub fn claim_durable(&mut self, window_start_ms: u64, claimed_tokens: u64) {
+        self.changed = true;
         self.holder.claim_durable(window_start_ms, claimed_tokens);
     }
 

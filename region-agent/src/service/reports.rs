@@ -28,7 +28,14 @@ impl Agent {
         slots.rotate_left(start);
         for ((tenant, pool), slot) in slots {
             self.report_cursor.fetch_add(1, Ordering::Relaxed);
-            let parts = lock(&slot.agent).report(self.clock.now_ms());
+            let parts = {
+                let mut agent = lock(&slot.agent);
+                let now_ms = self.clock.now_ms();
+                if !agent.owes_report(now_ms) {
+                    continue;
+                }
+                agent.report(now_ms)
+            };
             for part in parts {
                 let body = self.report_body(&tenant, &pool, &part);
                 let sent = allocator.report(&body).await;
@@ -59,7 +66,7 @@ impl Agent {
             region: self.settings.region.clone(),
             tenant: tenant.clone(),
             pool: pool.clone(),
-            window_start_ms: part.window_start_ms,
+            window_start_ms: part.window_start_ms(),
             leases: part.lease_lines(),
             fallback_admitted_tokens: part.fallback_admitted_tokens(),
             shadow_admitted_tokens: part.shadow_admitted_tokens,

@@ -1,14 +1,17 @@
 //! The drill engine: the shipped allocator grant service ([`Grantor`] over the embedded
-//! [`MemoryKv`]) and the shipped agent lease logic ([`PoolHolder`]) driven in virtual time, with
-//! the scenario's demand and faults applied at their seams (the store, the clock, the transport).
+//! [`MemoryKv`]) and the shipped agent lease loop ([`PoolAgent`], the very type the agent service
+//! runs, around its `PoolHolder`) driven in virtual time, with the scenario's demand and faults
+//! applied at their seams (the store, the clock, the transport).
 //!
-//! Each tick, for every region and tenant: grant answers that have arrived are handed to the holder;
-//! the tick's requests are spent as the agent spends them (a request finding no lease triggers a
-//! renewal and waits for it up to [`FIRST_GRANT_WAIT`], as the agent does; every spend may start a
-//! single-flight renewal); reports are acknowledged every [`REPORT_EVERY_MS`] while the allocator is
-//! reachable. Faults act where they would in production: a partition fails the agent's calls, lost
-//! answers are granted but never delivered, latency delays delivery, a crash loses the agent's
-//! memory, a skewed clock is the agent's clock.
+//! Each tick, for every agent and tenant: grant answers that have arrived are handed to the pool's
+//! agent; the tick's requests are reserved and committed as the agent admits a request whose only
+//! rule is the pool (a request finding no lease waits for the renewal it started up to
+//! [`FIRST_GRANT_WAIT`], as the agent does; renewals follow demand, one in flight at a time); every
+//! [`REPORT_EVERY_MS`] the agent reports what its pools owe, and learns from the call, as from any,
+//! whether the allocator is reachable. Faults act where they would in production: a partition fails
+//! the agent's calls; a lost answer is granted but never delivered, so the call ends only when the
+//! agent gives up on it ([`CALL_TIMEOUT`]); latency delays delivery; a crash loses the agent's
+//! memory; a skewed clock is the agent's clock.
 //!
 //! Determinism: one task, one virtual clock, a seeded generator for every random choice; the same
 //! scenario and seed give the same report, byte for byte. Units: tokens (cost 1 per request), ms.
@@ -841,12 +844,20 @@ impl Step<'_> {
     /// Hands over the allocator's answer in flight once it has arrived; a call past its deadline
     /// is handed over as a lost answer (the agent's call timed out).
     fn deliver_due_answer(&mut self) -> Result<(), DrillError> {
-        let Some(f) = self.held.in_flight.clone() else {
+        let due = self
+            .held
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| f.deliver_at_ms <= self.now_ms || f.gives_up_at_ms <= self.now_ms);
+        if !due {
+            return Ok(());
+        }
+        let Some(f) = self.held.in_flight.take() else {
             return Ok(());
         };
         if f.deliver_at_ms <= self.now_ms {
             self.deliver(f)?;
-        } else if f.gives_up_at_ms <= self.now_ms {
+        } else {
             self.deliver(InFlight { answer: None, ..f })?;
         }
         Ok(())
@@ -873,10 +884,7 @@ impl Step<'_> {
         for _ in 0..arrivals {
             abnormal |= self.serve_one().await?;
         }
-        if arrivals == 0 {
-            self.renew().await?;
-        }
-        if report_due && !self.conditions.partitioned {
+        if report_due {
             self.report();
         }
         self.tally_strands();
@@ -929,7 +937,7 @@ impl Step<'_> {
             abnormal |= arrivals > 0;
         }
         self.renew().await?;
-        if report_due && !self.conditions.partitioned {
+        if report_due {
             self.report();
         }
         self.tally_strands();
@@ -1061,23 +1069,34 @@ impl Step<'_> {
         }
     }
 
-    /// The agent reports what its pool owes, as the shipped agent does, and the ledger keeps this
-    /// agent's fallback count. Reports cost an allocation each; one with nothing new since the
-    /// last is skipped (ended leases then wait for the next report, within the holder's bounds).
+    /// The agent reports what its pool owes, as the shipped agent does, every
+    /// [`REPORT_EVERY_MS`]: cut off (or slower than the call's deadline) the report fails and
+    /// stays owed; taken, the ledger keeps this agent's fallback count. Either way the agent
+    /// learns from it whether the allocator is reachable, as from any call.
     fn report(&mut self) {
         let Some(agent) = self.held.agent.as_mut() else {
             return;
         };
-        if self.held.admitted_since_report == 0 {
+        if !agent.owes_report(self.agent_now_ms) {
             return;
         }
-        for part in agent.report(self.agent_now_ms) {
+        let parts = agent.report(self.agent_now_ms);
+        if parts.is_empty() {
+            return;
+        }
+        let answered = !self.conditions.partitioned
+            && ROUND_TRIP_MS + self.conditions.added_ms < ms(CALL_TIMEOUT);
+        *self.believes_reachable = answered;
+        if !answered {
+            return;
+        }
+        for part in parts {
             let admitted = part.fallback_admitted_tokens();
             if admitted > 0 {
                 let (window_start_ms, held) = self.ledger_fallback;
-                if part.window_start_ms > *window_start_ms {
-                    *self.ledger_fallback = (part.window_start_ms, admitted);
-                } else if part.window_start_ms == *window_start_ms {
+                if part.window_start_ms() > *window_start_ms {
+                    *self.ledger_fallback = (part.window_start_ms(), admitted);
+                } else if part.window_start_ms() == *window_start_ms {
                     *held = (*held).max(admitted);
                 }
             }
@@ -1128,8 +1147,9 @@ impl Step<'_> {
         let Some(agent) = self.held.agent.as_mut() else {
             return Ok(None);
         };
-        // Lease ids are made from the virtual time and a counter of renewals asked (reproducible).
-        let fresh = LeaseId::from_parts(self.now_ms, self.allocator.leases_asked + 1);
+        // Lease ids are made from the agent's clock and a counter of renewals asked
+        // (reproducible).
+        let fresh = LeaseId::from_parts(self.agent_now_ms, self.allocator.leases_asked + 1);
         let Some(ask) = agent.renewal_to_ask(self.agent_now_ms, fresh) else {
             return Ok(None);
         };
@@ -1164,10 +1184,16 @@ impl Step<'_> {
         }
         let lost = self.conditions.loss_percent > 0
             && self.rng.random_range(0..100) < self.conditions.loss_percent;
+        let gives_up_at_ms = self.now_ms + ms(CALL_TIMEOUT);
         let flight = InFlight {
             true_expires_at_ms: record.expires_at_ms,
-            deliver_at_ms: self.now_ms + ROUND_TRIP_MS + self.conditions.added_ms,
-            gives_up_at_ms: self.now_ms + ms(CALL_TIMEOUT),
+            // A lost answer ends the call only when the agent gives up on it, as its client does.
+            deliver_at_ms: if lost {
+                gives_up_at_ms
+            } else {
+                self.now_ms + ROUND_TRIP_MS + self.conditions.added_ms
+            },
+            gives_up_at_ms,
             // As the agent: what is left of the lease is measured on the agent's clock from when
             // it asked.
             asked_at_ms: self.agent_now_ms,
