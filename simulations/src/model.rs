@@ -1,5 +1,5 @@
-//! The lease protocol, model-checked: every interleaving of the shipped agent steps (the
-//! [`driver`](allot_region_agent::global::driver) on a [`PoolHolder`]) and the shipped grant
+//! The lease protocol, model-checked: every interleaving of the shipped agent loop (the
+//! [`PoolAgent`] each agent runs for the pool, around its `PoolHolder`) and the shipped grant
 //! decision ([`plan_batch`] behind the store's conditional commit, idempotent by lease id), for
 //! small configurations, explored exhaustively by [stateright] and checked against the overshoot
 //! bound.
@@ -8,21 +8,27 @@
 //! steps, a network that loses, duplicates, delays and reorders messages, an allocator failover
 //! (a deposed leader keeps serving until it notices), agent restarts (from the state directory's
 //! journal, or, without one, from what the ledger and the allocator's session record say), and
-//! the gateway's requests. Each of those is an action; the checker tries every order.
-//! Faults are bounded (a count of each) and happen before the *heal*; after it, every message is
-//! delivered before time moves on, so renewals must resume.
+//! the gateways' requests: each reserved and committed as the service admits it, or, denied by a
+//! regional rule after its reservation, cancelled; a metered one charged its extra cost after
+//! its response. Each of those is an action; the checker tries every order. Faults are bounded (a
+//! count of each) and happen before the *heal*; after it, every message is delivered before time
+//! moves on, so renewals must resume.
 //!
 //! The allocator's side is the worker's steps in order: a lease id already granted is answered
 //! from its record (idempotency across batches, which lives in the store); otherwise
-//! [`plan_batch`] decides on the leader's cached window and the commit succeeds only while the
-//! leader's fence and the window's revision still hold (etcd's compare). A commit that fails the
-//! revision reloads the cache and decides again; a deposed leader answers "not leader".
+//! [`plan_batch`] decides the asks queued together (one, or, in a configuration with batches,
+//! every ask in flight at once) on the leader's cached window, and the commit of them all
+//! succeeds only while the leader's fence and the window's revision still hold (etcd's compare).
+//! A commit that fails the revision reloads the cache and decides again; a deposed leader answers
+//! "not leader".
 //!
-//! Properties, per window of the allocator's clock: admitted tokens stay within
-//! [`OvershootBound`]; a token is spent only before its lease's end and inside its window; no grant
-//! from a stale epoch is held; a denial debits nothing; after the heal every renewal is answered
-//! within a step; without a state directory, no region admits more than its allowance in
-//! fallback in a window, however often its agent restarts. [`Variant`]s break one guard each so a test can show the checker catches it.
+//! Properties, per window of the allocator's clock: admitted tokens (what metered requests were
+//! charged beyond their estimates, paid or owed, included) stay within [`OvershootBound`]; a token
+//! is spent only before its lease's end and inside its window; no grant from a stale epoch is
+//! held; a denial debits nothing; after the heal every renewal is answered within a step; without
+//! a state directory, no region admits more than its allowance in fallback in a window, however
+//! often its agent restarts. [`Variant`]s break one guard each so a test can show the checker
+//! catches it.
 
 use std::collections::BTreeMap;
 
@@ -76,6 +82,14 @@ pub enum Variant {
     /// Each of a region's agents takes the region's whole fallback allowance, as if it ran alone
     /// (`--region-agents` left at 1 with two agents).
     AllowanceNotSplit,
+    /// The allocator decides grants against ten times the pool's limit: the guard that keeps a
+    /// window's grants within `G`, broken. Every configuration's demand exceeds its bound, so
+    /// this breaks "admitted within the bound" in each.
+    LimitIgnored,
+    /// The allocator decides each ask of a batch on the window as it was before the batch, as
+    /// if alone, and commits them together: asks decided together can be granted the same
+    /// tokens.
+    BatchDecidedApart,
 }
 
 /// A configuration to explore.
@@ -112,6 +126,18 @@ pub struct ModelConfig {
     pub failovers: u8,
     /// Agent restarts (crashes): from the state directory's journal, or without one.
     pub restarts: u8,
+    /// Requests denied by a regional rule after their global reservation (reserved, then
+    /// cancelled: a denial anywhere debits nothing anywhere), in all.
+    pub regional_denials: u8,
+    /// Metered requests settled a token above their estimate after their response (charged to
+    /// the pool: paid from leases, owed within the agent's settle debt, or written off), in all.
+    pub charges: u8,
+    /// Debt a region may carry from such charges per window, tokens (the bound's settle-debt
+    /// term).
+    pub settle_debt_per_region_tokens: u64,
+    /// Whether asks that are in flight together may be decided in one batch and committed
+    /// together, as the allocator's worker does with the asks queued for a pool.
+    pub batches: bool,
     /// Whether agents keep a state directory (fallback within durable claims, restarts from the
     /// journal); without one a restart starts from the ledger and the session record.
     pub state_dir: bool,
@@ -126,10 +152,11 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// The base of the configurations CI explores: 2 regions, `G` = 3 in chunks of 2, 2 s
+    /// The base of the configurations CI explores: 2 regions, `G` = 3 in chunks of 2, 3 s
     /// windows with leases of 2 s, 1 token of fallback per region and window, a request per
-    /// region every 1 s step, over 5 s (the first window, a whole second one, and the start of a
-    /// third), healed after 2 s; no fault (each configuration adds its own).
+    /// region every 1 s step, over 5 s (a whole window and most of the next), healed after 2 s;
+    /// no fault (each configuration adds its own). A window's demand (6) exceeds its bound (5),
+    /// so a broken guard can show as an overshoot.
     pub fn small() -> Self {
         Self {
             regions: 2,
@@ -137,7 +164,7 @@ impl ModelConfig {
             limit_tokens: 3,
             chunk_tokens: 2,
             lease_ttl_ms: 2_000,
-            window: ModelWindow::Fixed(2_000),
+            window: ModelWindow::Fixed(3_000),
             fallback_per_region_tokens: 1,
             step_ms: 1_000,
             steps: 5,
@@ -146,6 +173,10 @@ impl ModelConfig {
             duplicates: 0,
             failovers: 0,
             restarts: 0,
+            regional_denials: 0,
+            charges: 0,
+            settle_debt_per_region_tokens: 0,
+            batches: false,
             state_dir: true,
             clock_offsets_ms: [0; MAX_MODEL_REGIONS],
             heal_at_step: 2,
@@ -236,7 +267,8 @@ impl LeaseModel {
             config.lease_ttl_ms,
             config.fallback_per_region_tokens,
             regions.clone(),
-        )?;
+        )?
+        .with_settle_debt_per_region(config.settle_debt_per_region_tokens)?;
         let offsets = &config.clock_offsets_ms[..config.regions];
         if offsets
             .iter()
@@ -261,7 +293,7 @@ impl LeaseModel {
             chunk_tokens: config.chunk_tokens,
             lease_ttl_ms: config.lease_ttl_ms,
             fallback_per_region_tokens: config.fallback_per_region_tokens,
-            settle_debt_per_region_tokens: 0,
+            settle_debt_per_region_tokens: config.settle_debt_per_region_tokens,
             regions: regions.clone(),
             version: 1,
             fallback_in_window: None,
@@ -355,6 +387,17 @@ impl LeaseModel {
 
     fn healed(&self, state: &ModelState) -> bool {
         state.step >= self.config.heal_at_step
+    }
+
+    /// The pool as the allocator decides grants on it (with [`Variant::LimitIgnored`], ten times
+    /// its limit).
+    fn granting_pool(&self) -> std::borrow::Cow<'_, PoolConfig> {
+        match self.config.variant {
+            Variant::LimitIgnored => self
+                .pool
+                .limited_to(self.pool.limit_tokens().saturating_mul(10)),
+            _ => std::borrow::Cow::Borrowed(&self.pool),
+        }
     }
 
     fn clamping(&self) -> LeaseClamping {
@@ -480,6 +523,8 @@ pub struct ModelState {
     duplicates: u8,
     failovers: u8,
     restarts: u8,
+    regional_denials: u8,
+    charges: u8,
     /// Tokens admitted per window (its start on the allocator's clock).
     admitted: BTreeMap<u64, u64>,
     /// Without a state directory (or with a region of two agents): tokens each agent admitted in
@@ -528,6 +573,17 @@ pub enum Action {
     FailOver,
     /// Region `r`'s agent crashes and restarts (from its journal, if it keeps a state directory).
     Restart(u8),
+    /// Agent `r` reserves a request's token, and a regional rule then denies the request: what
+    /// was reserved is cancelled (one of the step's requests).
+    DenyRegionally(u8),
+    /// A metered request agent `r` admitted earlier is settled a token above its estimate.
+    Charge(u8),
+    /// Every ask in flight is served by leader `leader` in one batch, committed together, and
+    /// each answer arrives at once.
+    RoundTripAll {
+        /// Which leader serves them.
+        leader: u8,
+    },
 }
 
 impl Allocator {
@@ -539,60 +595,110 @@ impl Allocator {
         request: &GrantRequest,
         now_ms: u64,
     ) -> Reply {
-        if let Some(record) = self.records.get(&request.lease_id) {
-            return Reply::Grant(record.answer(now_ms));
+        self.serve_batch(model, leader, std::slice::from_ref(request), now_ms)
+            .pop()
+            .unwrap_or(Reply::NotLeader)
+    }
+
+    /// The grant worker's steps for asks queued together at `leader`, at `now_ms`: a lease id
+    /// already granted is answered from its record (idempotency across batches, which lives in
+    /// the store); the rest are decided in one [`plan_batch`] on the leader's cached window and
+    /// committed in one transaction, which succeeds only while the leader's fence and the
+    /// window's revision still hold (etcd's compare). A commit that fails the revision reloads
+    /// the cache and decides again; a deposed leader answers "not leader". One reply per ask.
+    fn serve_batch(
+        &mut self,
+        model: &LeaseModel,
+        leader: usize,
+        requests: &[GrantRequest],
+        now_ms: u64,
+    ) -> Vec<Reply> {
+        let mut replies: Vec<Option<Reply>> = requests
+            .iter()
+            .map(|request| {
+                self.records
+                    .get(&request.lease_id)
+                    .map(|record| Reply::Grant(record.answer(now_ms)))
+            })
+            .collect();
+        let new: Vec<usize> = (0..requests.len())
+            .filter(|&i| replies[i].is_none())
+            .collect();
+        let fill = |replies: Vec<Option<Reply>>, rest: &mut dyn FnMut(usize) -> Reply| {
+            replies
+                .into_iter()
+                .enumerate()
+                .map(|(i, reply)| reply.unwrap_or_else(|| rest(i)))
+                .collect::<Vec<Reply>>()
+        };
+        if new.is_empty() {
+            return fill(replies, &mut |_| Reply::NotLeader);
         }
         let fence = model.config.variant != Variant::FenceSkipped;
+        let pool = model.granting_pool();
         // The second attempt decides on a freshly read window, so it commits or is deposed.
         for _ in 0..2 {
             let Some(node) = self.leaders.get(leader) else {
-                return Reply::NotLeader;
+                return fill(replies, &mut |_| Reply::NotLeader);
             };
-            let plan = plan_batch(
-                &model.pool,
-                node.window.as_ref(),
-                node.epoch,
-                now_ms,
-                model.clamping(),
-                std::iter::once(request),
-            );
-            let deposed = node.epoch != self.epoch;
-            let Some(record) = plan.new_records.first() else {
-                if deposed {
-                    return Reply::NotLeader;
+            let plan = match model.config.variant {
+                Variant::BatchDecidedApart => {
+                    decided_apart(&pool, node, now_ms, model.clamping(), &new, requests)
                 }
-                return match plan.answers.into_iter().next() {
-                    Some(Ok(record)) => Reply::Grant(
-                        GrantRecord {
-                            ungranted_tokens: None,
-                            ..record
-                        }
-                        .answer(now_ms),
-                    ),
-                    _ => Reply::Refused,
-                };
+                _ => plan_batch(
+                    &pool,
+                    node.window.as_ref(),
+                    node.epoch,
+                    now_ms,
+                    model.clamping(),
+                    new.iter().map(|&i| &requests[i]),
+                ),
             };
+            let deposed = node.epoch != self.epoch;
+            // What the window had left is shown to callers and decides nothing; it differs
+            // only with the order of grants, which would split one state into many.
+            let answer_of = |answer: &Result<GrantRecord, _>| match answer {
+                Ok(record) => Reply::Grant(
+                    GrantRecord {
+                        ungranted_tokens: None,
+                        ..record.clone()
+                    }
+                    .answer(now_ms),
+                ),
+                Err(_) => Reply::Refused,
+            };
+            if plan.new_records.is_empty() {
+                if deposed {
+                    return fill(replies, &mut |_| Reply::NotLeader);
+                }
+                for (&i, answer) in new.iter().zip(&plan.answers) {
+                    replies[i] = Some(answer_of(answer));
+                }
+                return fill(replies, &mut |_| Reply::Refused);
+            }
             let compare_holds = !deposed && node.revision == self.window_revision;
             if compare_holds || !fence {
                 self.window_revision += 1;
                 self.window = plan.window.clone();
-                // What the window had left is shown to callers and decides nothing; it differs
-                // only with the order of grants, which would split one state into many.
-                let record = GrantRecord {
-                    ungranted_tokens: None,
-                    ..record.clone()
-                };
-                let answer = record.answer(now_ms);
-                self.records.insert(record.lease_id, record);
+                for record in &plan.new_records {
+                    let record = GrantRecord {
+                        ungranted_tokens: None,
+                        ..record.clone()
+                    };
+                    self.records.insert(record.lease_id, record);
+                }
                 let revision = self.window_revision;
                 if let Some(node) = self.leaders.get_mut(leader) {
-                    node.window = plan.window;
+                    node.window = plan.window.clone();
                     node.revision = revision;
                 }
-                return Reply::Grant(answer);
+                for (&i, answer) in new.iter().zip(&plan.answers) {
+                    replies[i] = Some(answer_of(answer));
+                }
+                return fill(replies, &mut |_| Reply::Refused);
             }
             if deposed {
-                return Reply::NotLeader;
+                return fill(replies, &mut |_| Reply::NotLeader);
             }
             let (window, revision) = (self.window.clone(), self.window_revision);
             if let Some(node) = self.leaders.get_mut(leader) {
@@ -600,8 +706,41 @@ impl Allocator {
                 node.revision = revision;
             }
         }
-        Reply::NotLeader
+        fill(replies, &mut |_| Reply::NotLeader)
     }
+}
+
+/// [`Variant::BatchDecidedApart`]: each ask decided alone on the leader's window as it was before
+/// the batch; the batch's window is the one the last ask left.
+fn decided_apart(
+    pool: &PoolConfig,
+    node: &Leader,
+    now_ms: u64,
+    clamping: LeaseClamping,
+    new: &[usize],
+    requests: &[GrantRequest],
+) -> allot_allocator::grants::BatchPlan {
+    let mut merged = allot_allocator::grants::BatchPlan {
+        answers: Vec::new(),
+        new_records: Vec::new(),
+        window: node.window.clone(),
+    };
+    for &i in new {
+        let alone = plan_batch(
+            pool,
+            node.window.as_ref(),
+            node.epoch,
+            now_ms,
+            clamping,
+            std::iter::once(&requests[i]),
+        );
+        merged.answers.extend(alone.answers);
+        merged.new_records.extend(alone.new_records);
+        if alone.window.is_some() {
+            merged.window = alone.window;
+        }
+    }
+    merged
 }
 
 /// Tokens a holder has spent or admitted in fallback, as its snapshot would say.
@@ -918,6 +1057,100 @@ impl LeaseModel {
         }
     }
 
+    /// A request at agent `r` reserves its token, and a regional rule denies it: the reservation
+    /// is cancelled, and nothing spent or spendable may have moved.
+    fn deny_regionally(&self, state: &mut ModelState, r: usize) {
+        let agent_ms = self.agent_ms(state, r);
+        let Some(region) = state.regions.get_mut(r) else {
+            return;
+        };
+        region.spends_this_step += 1;
+        let before = (
+            used_tokens(&region.agent.holder().snapshot(None)),
+            region.agent.holder().available_tokens(agent_ms),
+        );
+        if let Ok(reservation) = region.agent.reserve(1, agent_ms, region.reachable, false) {
+            region.agent.cancel(reservation);
+        }
+        let after = (
+            used_tokens(&region.agent.holder().snapshot(None)),
+            region.agent.holder().available_tokens(agent_ms),
+        );
+        if after != before {
+            state.breaches |= Breach::DenialDebited.bit();
+        }
+        self.renew(state, r);
+    }
+
+    /// A metered request agent `r` admitted is settled a token above its estimate: what its
+    /// leases pay and what it owes are consumed in the window (the bound's settle-debt term
+    /// covers what is owed); what is written off was never charged, and is outside the bound.
+    fn charge(&self, state: &mut ModelState, r: usize) {
+        let now_ms = self.now_ms(state);
+        let agent_ms = self.agent_ms(state, r);
+        let Some(region) = state.regions.get_mut(r) else {
+            return;
+        };
+        let charged = region.agent.charge(1, agent_ms);
+        let window_start_ms = self.pool.window_at(now_ms).start_ms;
+        *state.admitted.entry(window_start_ms).or_default() +=
+            charged.paid_tokens + charged.owed_tokens;
+        self.renew(state, r);
+    }
+
+    /// Every ask in flight served by `leader` in one batch and committed together; the answers
+    /// arrive at once, in the asks' order.
+    fn round_trip_all(&self, state: &mut ModelState, leader: usize) {
+        let now_ms = self.now_ms(state);
+        let (asks, rest): (Vec<Message>, Vec<Message>) = std::mem::take(&mut state.network)
+            .into_iter()
+            .partition(|m| matches!(m, Message::Ask { .. }));
+        state.network = rest;
+        let requests: Vec<GrantRequest> = asks
+            .iter()
+            .filter_map(|m| match m {
+                Message::Ask {
+                    region,
+                    lease_id,
+                    want_tokens,
+                    ..
+                } => Some(GrantRequest {
+                    lease_id: *lease_id,
+                    region: self.regions[self.agent_regions[usize::from(*region)]].clone(),
+                    want_tokens: *want_tokens,
+                }),
+                Message::Answer { .. } => None,
+            })
+            .collect();
+        let replies = state.allocator.serve_batch(self, leader, &requests, now_ms);
+        let mut answered = Vec::new();
+        for (ask, reply) in asks.into_iter().zip(replies) {
+            if let Message::Ask {
+                region,
+                orphan: false,
+                lease_id,
+                ..
+            } = ask
+            {
+                answered.push((region, lease_id));
+                state.network.push(Message::Answer {
+                    region,
+                    lease_id,
+                    reply,
+                });
+            }
+        }
+        state.network.sort();
+        // The batch's answers arrive at once, each where its call waits.
+        for (to, id) in answered {
+            if let Some(index) = state.network.iter().position(|m| {
+                matches!(m, Message::Answer { region, lease_id, .. } if *region == to && *lease_id == id)
+            }) {
+                self.deliver(state, index, 0, false);
+            }
+        }
+    }
+
     fn fail_over(&self, state: &mut ModelState) {
         let allocator = &mut state.allocator;
         allocator.epoch = Epoch(allocator.epoch.0 + 1);
@@ -1006,6 +1239,8 @@ impl Model for LeaseModel {
             duplicates: self.config.duplicates,
             failovers: self.config.failovers,
             restarts: self.config.restarts,
+            regional_denials: self.config.regional_denials,
+            charges: self.config.charges,
             admitted: BTreeMap::new(),
             fallback_admitted: BTreeMap::new(),
             ledger_fallback: BTreeMap::new(),
@@ -1033,6 +1268,22 @@ impl Model for LeaseModel {
         for (r, region) in state.regions.iter().enumerate() {
             if region.spends_this_step < self.config.spends_per_step {
                 actions.push(Action::Spend(r as u8));
+                if state.regional_denials > 0 {
+                    actions.push(Action::DenyRegionally(r as u8));
+                }
+            }
+            if state.charges > 0 {
+                actions.push(Action::Charge(r as u8));
+            }
+        }
+        let asks = state
+            .network
+            .iter()
+            .filter(|m| matches!(m, Message::Ask { .. }))
+            .count();
+        if self.config.batches && asks > 1 {
+            for leader in 0..state.allocator.leaders.len() as u8 {
+                actions.push(Action::RoundTripAll { leader });
             }
         }
         let leaders = state.allocator.leaders.len() as u8;
@@ -1099,6 +1350,17 @@ impl Model for LeaseModel {
             Action::Restart(r) => {
                 state.restarts -= 1;
                 self.restart(&mut state, usize::from(r));
+            }
+            Action::DenyRegionally(r) => {
+                state.regional_denials -= 1;
+                self.deny_regionally(&mut state, usize::from(r));
+            }
+            Action::Charge(r) => {
+                state.charges -= 1;
+                self.charge(&mut state, usize::from(r));
+            }
+            Action::RoundTripAll { leader } => {
+                self.round_trip_all(&mut state, usize::from(leader));
             }
         }
         Some(state)

@@ -552,3 +552,40 @@ fn a_regions_agents_together_admit_its_fallback_allowance_and_no_more() {
 fn toml_fault(text: &str) -> allot_simulations::drill::Fault {
     toml::from_str(text).expect("fault")
 }
+
+/// Requests as gateways send them: a regional rule denies some after their global reservation,
+/// and the agent cancels it; some are metered and settled above their estimate. No denial debits
+/// the pool, what metered requests cost beyond their estimates counts against the bound (its
+/// settle-debt term), and what a cut-off region could not pay or owe is written off, counted.
+#[test]
+fn regional_denials_debit_nothing_and_metered_costs_count_against_the_bound() {
+    let report = drill("regional-denials-metered");
+    let s = &report.scenario;
+    let mut denied = 0;
+    for window in &report.windows {
+        let eu = &window.regions[0];
+        denied += eu.denied_regional;
+        assert_eq!(eu.denials_that_debited, 0, "{}", report.table());
+        let consumed: u64 = window.regions.iter().map(|r| r.consumed()).sum();
+        assert!(report.bound.holds(consumed), "{}", report.table());
+        assert!(window.regions[1].charged_extra_tokens > 0);
+    }
+    assert!(denied > 100, "{}", report.table());
+    assert_eq!(
+        report.bound.settle_debt_tokens,
+        2 * s.settle_debt_per_region_tokens
+    );
+    // Cut off, EU's leases cannot pay what its metered requests cost beyond their estimates:
+    // owed up to its share of the debt, the rest written off.
+    assert!(
+        report.windows[1].regions[0].written_off_tokens > 0,
+        "{}",
+        report.table()
+    );
+    // Every window that charged extra: admitted requests alone stay within G, their extra cost
+    // within the settle-debt term above it.
+    for window in &report.windows {
+        let admitted: u64 = window.regions.iter().map(|r| r.admitted()).sum();
+        assert!(admitted <= s.limit_tokens + report.bound.fallback_allowance_tokens);
+    }
+}

@@ -179,12 +179,15 @@ fn calendar_days_across_daylight_saving_keep_every_property() {
 /// One region's agent without a state directory and a crash, in 4 s windows healed after 3 s: it
 /// can fall back (its renewal left unanswered), crash, come back and be cut off again within one
 /// window. (What a region admits in fallback is its own agent's doing: one region shows it.)
+/// `G` = 1 in chunks of 1: a window's demand (4) exceeds its bound (2).
 fn stateless() -> ModelConfig {
     ModelConfig {
         window: ModelWindow::Fixed(4_000),
         steps: 5,
         heal_at_step: 3,
         regions: 1,
+        limit_tokens: 1,
+        chunk_tokens: 1,
         losses: 1,
         duplicates: 1,
         restarts: 2,
@@ -213,12 +216,16 @@ fn a_restart_that_trusts_the_ledger_after_a_crash_is_caught() {
 /// One region's agent with its clock `offset_ms` off the allocator's (the clock margin), in 2 s
 /// windows healed after 3 s: it can be cut off across a window's edge, where its clock and the
 /// allocator's name different windows. (What a region admits in fallback is its own agent's
-/// doing: one region shows it; `scripts/model-check` runs two, one behind and one ahead.)
+/// doing: one region shows it; `scripts/model-check` runs two, one behind and one ahead.) `G` = 1
+/// in chunks of 1 and two requests a step: a window's demand (4) exceeds its bound (2).
 fn skewed(offset_ms: i64) -> ModelConfig {
     ModelConfig {
         regions: 1,
         clock_offsets_ms: [offset_ms, 0, 0],
-        limit_tokens: 2,
+        window: ModelWindow::Fixed(2_000),
+        limit_tokens: 1,
+        chunk_tokens: 1,
+        spends_per_step: 2,
         steps: 4,
         heal_at_step: 3,
         losses: 1,
@@ -251,12 +258,13 @@ fn fallback_windows_cut_without_a_clock_margin_are_caught() {
 }
 
 /// The variants' configuration: no fallback, so the bound is `G` itself and any grant beyond it
-/// shows.
+/// shows (in 2 s windows, as before the base grew to 3 s).
 fn tight() -> ModelConfig {
     ModelConfig {
         limit_tokens: 2,
         chunk_tokens: 1,
         fallback_per_region_tokens: 0,
+        window: ModelWindow::Fixed(2_000),
         ..ModelConfig::small()
     }
 }
@@ -424,4 +432,89 @@ fn two_agents_in_a_region_with_a_loss_and_a_restart_keep_every_property() {
         &[REACHES_LIMIT, ADMITS_IN_FALLBACK],
         Search::DepthFirst,
     );
+}
+
+/// Requests as the service takes them, and grants as the allocator makes them: one of the
+/// requests is denied by a regional rule after its global reservation (reserved, then cancelled),
+/// one admitted request is settled a token above its estimate (paid from a lease, owed within the
+/// region's settle debt of 1, or written off), and asks in flight together may be decided in one
+/// batch and committed together. `G` = 2 without fallback, so the bound is `G` plus the debt
+/// term (4) and a window's demand (6) exceeds it.
+fn as_shipped() -> ModelConfig {
+    ModelConfig {
+        limit_tokens: 2,
+        fallback_per_region_tokens: 0,
+        settle_debt_per_region_tokens: 1,
+        regional_denials: 1,
+        charges: 1,
+        batches: true,
+        ..ModelConfig::small()
+    }
+}
+
+#[test]
+fn batches_regional_denials_and_charges_keep_every_property() {
+    holds(
+        "batches, a regional denial and a charge",
+        as_shipped(),
+        &[REACHES_LIMIT],
+    );
+}
+
+#[test]
+fn a_batch_decided_ask_by_ask_on_the_same_window_is_caught() {
+    caught(
+        as_shipped().with_variant(Variant::BatchDecidedApart),
+        WITHIN_BOUND,
+    );
+}
+
+/// Every configuration CI explores can break its main property: with the allocator's guard on
+/// `G` broken, some window admits more than its bound (its demand exceeds it), so "admitted
+/// within the bound" holding there says something. Depth first: any such state will do.
+#[test]
+fn every_configuration_exceeds_its_bound_when_the_limit_is_ignored() {
+    let configurations = [
+        (
+            "loss and failover",
+            ModelConfig {
+                losses: 1,
+                failovers: 1,
+                ..ModelConfig::small()
+            },
+        ),
+        (
+            "duplicate and restart",
+            ModelConfig {
+                duplicates: 1,
+                restarts: 1,
+                ..ModelConfig::small()
+            },
+        ),
+        (
+            "calendar day, loss",
+            ModelConfig {
+                window: ModelWindow::BerlinDay,
+                losses: 1,
+                ..ModelConfig::small()
+            },
+        ),
+        ("tight", tight()),
+        ("tight, busy, failover", busy_failover()),
+        ("stateless restart", stateless()),
+        ("clock 400 ms behind", skewed(-400)),
+        ("clock 400 ms ahead", skewed(400)),
+        ("two agents in a region", two_agents()),
+        ("batches, a regional denial and a charge", as_shipped()),
+    ];
+    for (name, config) in configurations {
+        let model = LeaseModel::new(config.with_variant(Variant::LimitIgnored))
+            .expect("a valid model")
+            .checking_only(WITHIN_BOUND);
+        let checker = model.checker().threads(2).spawn_dfs().join();
+        assert!(
+            checker.discovery(WITHIN_BOUND).is_some(),
+            "{name}: no window exceeded its bound with G ignored: its demand cannot"
+        );
+    }
 }

@@ -76,6 +76,7 @@ sweeps! {
     agent_restart_fallback => "agent-restart-fallback",
     agent_crash_in_partition => "agent-crash-in-partition",
     agents_per_region => "agents-per-region",
+    regional_denials_metered => "regional-denials-metered",
     clock_skew => "clock-skew",
     clock_skew_partition => "clock-skew-partition",
     clock_rate_beyond_margin => "clock-rate-beyond-margin",

@@ -164,7 +164,7 @@ impl TenantChecker {
             .sum();
         for (t, records) in current.iter().enumerate() {
             let who = self.tenant_names[t].clone();
-            let admitted: u64 = records.iter().map(RegionWindow::admitted).sum();
+            let admitted: u64 = records.iter().map(RegionWindow::consumed).sum();
             let granted: u64 = records.iter().map(|r| r.granted_tokens).sum();
             let leased: u64 = records.iter().map(|r| r.leased).sum();
             let carried: u64 = records.iter().map(|r| r.carried_over).sum();
@@ -195,6 +195,13 @@ impl TenantChecker {
                     self.violation(format!(
                         "{who}window {at}s region {region} admitted {} in fallback > allowance {}",
                         record.fallback, self.fallback_per_region_tokens
+                    ));
+                }
+                if record.denials_that_debited > 0 {
+                    let region = self.region_names[r].clone();
+                    self.violation(format!(
+                        "{who}window {at}s region {region}: {} regional denials debited the pool",
+                        record.denials_that_debited
                     ));
                 }
                 if record.spent_after_lease_end > 0 && !self.spend_past_end_expected {
@@ -439,6 +446,20 @@ mod tests {
         assert_violation(&violations, "spent 500 leased tokens of 400");
         assert_violation(&violations, "101 in fallback > allowance 100");
         assert_violation(&violations, "spent 2 tokens after their lease's end");
+        let violations = checked(RegionWindow {
+            denied_regional: 3,
+            denials_that_debited: 1,
+            ..RegionWindow::default()
+        });
+        assert_violation(&violations, "1 regional denials debited the pool");
+        // What metered requests cost beyond their estimates counts against the bound.
+        let violations = checked(RegionWindow {
+            leased: 1_000,
+            granted_tokens: 1_000,
+            charged_extra_tokens: 250,
+            ..RegionWindow::default()
+        });
+        assert_violation(&violations, "admitted 1250 > bound 1200");
     }
 
     #[test]

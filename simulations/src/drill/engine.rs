@@ -26,7 +26,9 @@ use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
 use allot_allocator::pools::{PoolSpec, get_window, put_pool};
 use allot_region_agent::allocator_client::CALL_TIMEOUT;
 use allot_region_agent::global::driver::{Inherited, RenewalOutcome};
-use allot_region_agent::global::holder::{Denial, HolderConfig, MAX_LIVE_LEASES, Spend};
+use allot_region_agent::global::holder::{
+    DebtCharge, Denial, HolderConfig, MAX_LIVE_LEASES, Spend,
+};
 use allot_region_agent::global::terms::AgentShare;
 use allot_region_agent::global::{GrantCall, PoolAgent};
 use allot_region_agent::limiter::LimiterConfig;
@@ -42,7 +44,7 @@ use tokio::sync::watch;
 use super::check::{TenantChecker, check_expectation};
 use super::gateways::{Decided, Gateways};
 use super::results::{Convergence, DrillReport, MAX_VIOLATION_LINES};
-use super::scenario::{Fault, GatewayPlan, PoolLayout, Scenario};
+use super::scenario::{Fault, GatewayPlan, PoolLayout, RegionPlan, Scenario};
 
 /// The allocator round trip without faults, ms (the agents size their renewal watermark with it).
 pub const ROUND_TRIP_MS: u64 = 20;
@@ -180,6 +182,9 @@ fn poisson(rng: &mut StdRng, mean: f64) -> u64 {
 
 /// Mixed into the seed for the stream of timings (the run's start, arrival phases).
 const TIMING_STREAM: u64 = 0x5eed_0fa1_11e5;
+/// The stream that decides which requests a regional rule denies and which are metered: a
+/// stream of its own, so drills without either draw exactly what they always did.
+const REQUEST_KIND_STREAM: u64 = 0x5eed_0de1_7e0d;
 
 /// The starting remainder of a steady arrival count (in requests x 60,000): 0 without a phase
 /// stream, else uniform over one request.
@@ -248,6 +253,8 @@ struct Drill<'s> {
     seed: u64,
     /// Random arrivals and answer loss.
     rng: StdRng,
+    /// Which requests are denied regionally or metered.
+    kinds: StdRng,
     clock: Arc<ManualClock>,
     /// When the run starts (seed 0: the first window's start, `results::START_MS` unless the scenario
     /// has calendar windows).
@@ -359,6 +366,7 @@ impl<'s> Drill<'s> {
             scenario,
             seed,
             rng: StdRng::seed_from_u64(seed),
+            kinds: StdRng::seed_from_u64(seed ^ REQUEST_KIND_STREAM),
             clock,
             run_start_ms,
             base_ms,
@@ -567,6 +575,8 @@ impl<'s> Drill<'s> {
             let mut step = Step {
                 allocator: &mut self.allocator,
                 rng: &mut self.rng,
+                kinds: &mut self.kinds,
+                plan,
                 checker: &mut self.checker,
                 region: &agent.region,
                 believes_reachable: &mut agent.believes_reachable,
@@ -687,7 +697,7 @@ fn pool_spec(scenario: &Scenario, limit_tokens: u64, regions: Vec<RegionId>) -> 
         chunk_tokens: scenario.chunk_tokens,
         lease_ttl_ms: scenario.lease_ttl_ms,
         fallback_per_region_tokens: scenario.fallback_per_region_tokens,
-        settle_debt_per_region_tokens: 0,
+        settle_debt_per_region_tokens: scenario.settle_debt_per_region_tokens,
         regions,
     }
 }
@@ -819,10 +829,45 @@ fn record_gateway_decision(
     }
 }
 
+/// What a request is, besides its pool: decided once, before its first try.
+#[derive(Debug, Clone, Copy)]
+struct RequestKind {
+    /// A regional rule denies it after its global reservation.
+    denied_regionally: bool,
+    /// Tokens it costs beyond its estimate, settled after the response (0: not metered).
+    extra_tokens: u64,
+}
+
+/// What became of one request at its agent.
+enum Served {
+    /// Decided on the pool: admitted from a lease or in fallback, or denied; with what settling
+    /// a metered one charged the pool.
+    Pool(Spend, Option<DebtCharge>),
+    /// Its reservation held, but a regional rule denied it: cancelled (`debited`: the holder was
+    /// left other than before the reservation, which must never be).
+    DeniedRegionally { debited: bool },
+}
+
+/// What a holder has spent (leases and fallback) and can spend at `now_ms`: a denial must leave
+/// both as they were.
+fn what_is_held(holder: &allot_region_agent::global::PoolHolder, now_ms: u64) -> (u64, u64) {
+    let snapshot = holder.snapshot(None);
+    let spent: u64 = snapshot.leases.iter().map(|l| l.spent_tokens).sum::<u64>()
+        + snapshot
+            .fallback
+            .iter()
+            .map(|f| f.admitted_tokens)
+            .sum::<u64>();
+    (spent, holder.available_tokens(now_ms))
+}
+
 /// One tenant's pool in one region's agent during one tick.
 struct Step<'a> {
     allocator: &'a mut DrillAllocator,
     rng: &'a mut StdRng,
+    kinds: &'a mut StdRng,
+    /// The region's demand: which of its requests are denied regionally or metered.
+    plan: &'a RegionPlan,
     checker: &'a mut TenantChecker,
     region: &'a RegionId,
     believes_reachable: &'a mut bool,
@@ -969,14 +1014,18 @@ impl Step<'_> {
     /// for the one in flight (up to FIRST_GRANT_WAIT), then spend again; record the outcome.
     /// Returns whether it was abnormal.
     async fn serve_one(&mut self) -> Result<bool, DrillError> {
-        let mut outcome = self.spend(0);
+        let kind = self.request_kind();
+        let mut outcome = self.spend(0, kind);
         let mut wait_ms = 0;
         if matches!(
             outcome,
-            Spend::Denied {
-                denial: Denial::AwaitingGrant,
-                ..
-            }
+            Served::Pool(
+                Spend::Denied {
+                    denial: Denial::AwaitingGrant,
+                    ..
+                },
+                _
+            )
         ) {
             let answered_in_ms = self.renew().await?;
             wait_ms = match (self.held.in_flight.clone(), answered_in_ms) {
@@ -995,7 +1044,7 @@ impl Step<'_> {
             };
             // Spent again after the wait (a renewal unanswered past the holder's patience now
             // means fallback).
-            outcome = self.spend(wait_ms);
+            outcome = self.spend(wait_ms, kind);
         }
         let abnormal = self.record_outcome(outcome, wait_ms);
         // As the agent: every spend may start a renewal.
@@ -1003,8 +1052,21 @@ impl Step<'_> {
         Ok(abnormal)
     }
 
+    /// What a request of this region is: denied by a regional rule after its reservation, and
+    /// metered beyond its estimate by how many tokens (0: not metered), drawn from the drill's
+    /// own stream only when the region has either.
+    fn request_kind(&mut self) -> RequestKind {
+        let mut draw = |percent: u64| percent > 0 && self.kinds.random_range(0..100) < percent;
+        let denied_regionally = draw(self.plan.regional_deny_percent);
+        let metered = draw(self.plan.metered_percent);
+        RequestKind {
+            denied_regionally,
+            extra_tokens: if metered { self.plan.metered_extra } else { 0 },
+        }
+    }
+
     /// Counts one request's outcome in the window's record. Returns whether it was abnormal.
-    fn record_outcome(&mut self, outcome: Spend, wait_ms: u64) -> bool {
+    fn record_outcome(&mut self, served: Served, wait_ms: u64) -> bool {
         let granted_in_window = self.checker.granted_in_window(self.tenant);
         let record = self.checker.record(self.tenant, self.region_index);
         record.demand += 1;
@@ -1012,6 +1074,20 @@ impl Step<'_> {
             record.waited += 1;
             record.max_wait_ms = record.max_wait_ms.max(wait_ms);
         }
+        let outcome = match served {
+            Served::DeniedRegionally { debited } => {
+                record.denied_regional += 1;
+                record.denials_that_debited += u64::from(debited);
+                return false;
+            }
+            Served::Pool(outcome, charged) => {
+                if let Some(charged) = charged {
+                    record.charged_extra_tokens += charged.paid_tokens + charged.owed_tokens;
+                    record.written_off_tokens += charged.written_off_tokens;
+                }
+                outcome
+            }
+        };
         match outcome {
             Spend::Leased(lease) => {
                 let agent = self.held.agent.as_ref();
@@ -1120,24 +1196,41 @@ impl Step<'_> {
     }
 
     /// Spends a token `after_ms` into the tick (after a wait for a grant).
-    fn spend(&mut self, after_ms: u64) -> Spend {
-        match self.held.agent.as_mut() {
-            // As the agent admits a request whose only rule is the pool: reserved, then committed.
-            Some(agent) => {
-                let at_ms = self.agent_now_ms + after_ms;
-                match agent.reserve(1, at_ms, *self.believes_reachable, false) {
-                    Ok(reservation) => agent.commit(reservation),
-                    Err(refusal) => Spend::Denied {
-                        denial: refusal.denial,
-                        retry_after_ms: refusal.retry_after_ms,
-                    },
-                }
+    fn spend(&mut self, after_ms: u64, kind: RequestKind) -> Served {
+        let Some(agent) = self.held.agent.as_mut() else {
+            return Served::Pool(
+                Spend::Denied {
+                    denial: Denial::FailClosed,
+                    retry_after_ms: 1_000,
+                },
+                None,
+            );
+        };
+        // As the agent admits a request whose global rule is the pool: reserved; then, its
+        // regional rules decided, committed or cancelled.
+        let at_ms = self.agent_now_ms + after_ms;
+        let before = kind
+            .denied_regionally
+            .then(|| what_is_held(agent.holder(), at_ms));
+        let reservation = match agent.reserve(1, at_ms, *self.believes_reachable, false) {
+            Ok(reservation) => reservation,
+            Err(refusal) => {
+                let denied = Spend::Denied {
+                    denial: refusal.denial,
+                    retry_after_ms: refusal.retry_after_ms,
+                };
+                return Served::Pool(denied, None);
             }
-            None => Spend::Denied {
-                denial: Denial::FailClosed,
-                retry_after_ms: 1_000,
-            },
+        };
+        if let Some(before) = before {
+            agent.cancel(reservation);
+            let debited = what_is_held(agent.holder(), at_ms) != before;
+            return Served::DeniedRegionally { debited };
         }
+        let spend = agent.commit(reservation);
+        // A metered request settled after its response above its estimate.
+        let charged = (kind.extra_tokens > 0).then(|| agent.charge(kind.extra_tokens, at_ms));
+        Served::Pool(spend, charged)
     }
 
     /// Starts a renewal when the holder wants one and none is in flight. Returns the answer's

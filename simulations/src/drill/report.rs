@@ -96,7 +96,7 @@ impl DrillReport {
     pub fn table(&self) -> String {
         let s = &self.scenario;
         let mut out = format!(
-            "drill {}: {}\n  seed {}  tenants {}  G={} window={} chunk={} ttl={}ms fallback/region={} leases {}\n  bound per tenant and window = {} (pool limits {} + carry-over {} + fallback {} + lost records {})\n",
+            "drill {}: {}\n  seed {}  tenants {}  G={} window={} chunk={} ttl={}ms fallback/region={} leases {}\n  bound per tenant and window = {} (pool limits {} + carry-over {} + fallback {} + lost records {}{})\n",
             s.name,
             s.about,
             self.seed,
@@ -118,6 +118,11 @@ impl DrillReport {
             self.bound.unclamped_carry_over_tokens,
             self.bound.fallback_allowance_tokens,
             self.bound.lost_grant_record_tokens,
+            if self.bound.settle_debt_tokens > 0 {
+                format!(" + settle debt {}", self.bound.settle_debt_tokens)
+            } else {
+                String::new()
+            },
         );
         if self.windows.len() <= MAX_TABLE_WINDOWS {
             out.push_str(
@@ -143,7 +148,7 @@ impl DrillReport {
                         out.push_str(&format!("          {:<6}  {extras}\n", plan.region));
                     }
                 }
-                let admitted = window.sum(RegionWindow::admitted);
+                let admitted = window.sum(RegionWindow::consumed);
                 let lost = window.lost_grant_record_tokens;
                 out.push_str(&format!(
                     "  {:>5}s  total   admitted {} of G {} (overshoot {}, bound {}{})\n",
@@ -363,6 +368,18 @@ fn extras(r: &RegionWindow) -> String {
     }
     if r.waited > 0 {
         parts.push(format!("waited {} (max {} ms)", r.waited, r.max_wait_ms));
+    }
+    if r.denied_regional > 0 {
+        parts.push(format!(
+            "denied regionally after reserving {} ({} debited)",
+            r.denied_regional, r.denials_that_debited
+        ));
+    }
+    if r.charged_extra_tokens > 0 || r.written_off_tokens > 0 {
+        parts.push(format!(
+            "metered extra charged {}, written off {}",
+            r.charged_extra_tokens, r.written_off_tokens
+        ));
     }
     parts.join(", ")
 }

@@ -59,12 +59,36 @@ pub struct RegionWindow {
     pub waited: u64,
     /// The longest such wait, ms.
     pub max_wait_ms: u64,
+    /// Denied by a regional rule after their global reservation: cancelled, nothing debited.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub denied_regional: u64,
+    /// Of those, denials whose cancel left the pool's holder other than before the reservation
+    /// (spent or spendable moved): a debit on a denial, an invariant violation.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub denials_that_debited: u64,
+    /// Extra cost of metered requests settled above their estimate that the pool took: paid from
+    /// leases, or owed within the agent's settle debt. Consumed in the window.
+    #[serde(default, rename = "chargedExtra", skip_serializing_if = "is_zero")]
+    pub charged_extra_tokens: u64,
+    /// Extra cost beyond what the agent may owe: never charged, outside the bound.
+    #[serde(default, rename = "writtenOff", skip_serializing_if = "is_zero")]
+    pub written_off_tokens: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 impl RegionWindow {
-    /// Everything admitted.
+    /// Every request admitted.
     pub fn admitted(&self) -> u64 {
         self.leased + self.carried_over + self.fallback
+    }
+
+    /// Every token consumed against the window's bound: the requests admitted, and what metered
+    /// ones cost beyond their estimate that the pool took (paid or owed).
+    pub fn consumed(&self) -> u64 {
+        self.admitted() + self.charged_extra_tokens
     }
 
     /// Every denial.
@@ -75,6 +99,7 @@ impl RegionWindow {
             + self.denied_window_end
             + self.denied_unavailable
             + self.denied_by_gateway
+            + self.denied_regional
     }
 
     pub(super) fn add(&mut self, other: &RegionWindow) {
@@ -97,6 +122,10 @@ impl RegionWindow {
         self.spent_after_lease_end += other.spent_after_lease_end;
         self.waited += other.waited;
         self.max_wait_ms = self.max_wait_ms.max(other.max_wait_ms);
+        self.denied_regional += other.denied_regional;
+        self.denials_that_debited += other.denials_that_debited;
+        self.charged_extra_tokens += other.charged_extra_tokens;
+        self.written_off_tokens += other.written_off_tokens;
     }
 }
 

@@ -60,6 +60,14 @@ pub struct Scenario {
     /// Fallback tokens per region per window.
     #[serde(rename = "fallback_per_region")]
     pub fallback_per_region_tokens: u64,
+    /// Debt a region may carry per window from metered requests settled above their estimate,
+    /// tokens (the bound's settle-debt term; default 0: what leases cannot pay is written off).
+    #[serde(
+        default,
+        rename = "settle_debt_per_region",
+        skip_serializing_if = "is_zero"
+    )]
+    pub settle_debt_per_region_tokens: u64,
     /// The agents' clock margin, ms (default: the agent's, 100): no fallback within it of a
     /// window's edges (on the agent's clock), so a clock off by less admits fallback in the right
     /// window. At most 10,000.
@@ -231,6 +239,21 @@ pub struct RegionPlan {
     /// misconfiguration the bound check catches.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub region_agents_setting: Option<u64>,
+    /// Percent of the region's requests (seeded) that a regional rule denies after their global
+    /// reservation: reserved, then cancelled, as the agent does (a denial debits nothing).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub regional_deny_percent: u64,
+    /// Percent of the region's admitted requests (seeded) that are metered and settled above
+    /// their estimate after the response, by `metered_extra` tokens each.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub metered_percent: u64,
+    /// Tokens a metered request costs beyond its estimate.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub metered_extra: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 fn is_one(value: &u64) -> bool {
@@ -628,6 +651,23 @@ impl Scenario {
                 .any(|other| other.region == plan.region)
             {
                 return fail(&format!("{field}.region"), "listed twice".into());
+            }
+            for (name, percent) in [
+                ("regional_deny_percent", plan.regional_deny_percent),
+                ("metered_percent", plan.metered_percent),
+            ] {
+                if percent > 100 {
+                    return fail(&format!("{field}.{name}"), "0 to 100".into());
+                }
+                if percent > 0 && self.gateways.is_some() {
+                    return fail(
+                        &format!("{field}.{name}"),
+                        "only where the agent decides requests (no [gateways])".into(),
+                    );
+                }
+            }
+            if plan.metered_extra > allot_shared::MAX_RULE_PARAMETER {
+                return fail(&format!("{field}.metered_extra"), "0 to 2^40".into());
             }
             if !(1..=MAX_AGENTS_PER_REGION).contains(&plan.agents) {
                 return fail(
