@@ -22,14 +22,18 @@
 pub mod admission;
 pub mod background;
 mod bundle;
+mod global_holds;
 pub mod persistence;
 pub mod pools;
 pub mod quota;
+mod regional;
 pub mod replays;
 pub mod reports;
 mod session;
 pub mod settings;
 pub mod settlement;
+mod settlements;
+mod sublease_demand;
 pub mod subleases;
 mod terms;
 pub mod together;
@@ -40,10 +44,7 @@ use std::sync::{Arc, Mutex};
 
 use allot_shared::policy::PolicyBundle;
 
-pub use admission::{
-    AWAITING_GRANT_RETRY_MS, CONCURRENCY_RETRY_MS, POLICY_UNAVAILABLE_RETRY_MS,
-    RETRY_JITTER_MAX_MS, SlotRenewal,
-};
+pub use admission::SlotRenewal;
 pub use background::{FINAL_REPORT_TIMEOUT, ROUND_TIMEOUT};
 pub use persistence::{CLAIM_WRITE_TIMEOUT, FALLBACK_CLAIM_BLOCKS, JOURNAL_INTERVAL, Restored};
 pub use pools::{
@@ -51,8 +52,9 @@ pub use pools::{
     UNKNOWN_POOL_RETRY_MS,
 };
 pub use settings::{
-    AgentSettings, DEFAULT_ALLOCATOR_ROUND_TRIP_MS, DEFAULT_CLOCK_MARGIN_MS,
-    DEFAULT_EXPIRY_MARGIN_MS, DEFAULT_MAX_POOLS, FIRST_GRANT_WAIT, MAX_MAX_POOLS,
+    AWAITING_GRANT_RETRY_MS, AgentSettings, CONCURRENCY_RETRY_MS, DEFAULT_ALLOCATOR_ROUND_TRIP_MS,
+    DEFAULT_CLOCK_MARGIN_MS, DEFAULT_EXPIRY_MARGIN_MS, DEFAULT_MAX_POOLS, FIRST_GRANT_WAIT,
+    MAX_MAX_POOLS, POLICY_UNAVAILABLE_RETRY_MS, RETRY_JITTER_MAX_MS,
 };
 
 use crate::allocator_client::AllocatorClient;
@@ -83,9 +85,9 @@ pub struct Agent {
     /// The state directory and the journal's bookkeeping, when configured.
     persistence: persistence::Persistence,
     /// What gateways' sub-leases want of each pool.
-    subleases: Mutex<subleases::SubleaseDemand>,
+    subleases: Mutex<sublease_demand::SubleaseDemand>,
     /// Metered admissions open for settlement, and principals owing regional debt.
-    settlements: Mutex<settlement::Settlements>,
+    settlements: Mutex<settlements::Settlements>,
     /// Admitted idempotent requests, answered again to their retries.
     replays: replays::Replays,
     /// This run, as the allocator knows it.
@@ -122,8 +124,8 @@ impl Agent {
             decision_log: std::sync::OnceLock::new(),
             decision_counters: crate::metrics::DecisionCounters::default(),
             persistence: persistence::Persistence::default(),
-            subleases: Mutex::new(subleases::SubleaseDemand::default()),
-            settlements: Mutex::new(settlement::Settlements::default()),
+            subleases: Mutex::new(sublease_demand::SubleaseDemand::default()),
+            settlements: Mutex::new(settlements::Settlements::default()),
             replays: replays::Replays::default(),
         })
     }

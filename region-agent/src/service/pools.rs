@@ -378,3 +378,58 @@ impl Agent {
         drop(done);
     }
 }
+
+/// A pool as this agent sees it at one moment: what `GET /v1/quota` shows, and what a decision by
+/// global rules alone reports.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PoolFigures {
+    /// The pool's `G`.
+    pub limit_tokens: u64,
+    /// What the window had left to grant when the allocator last answered, plus what this agent
+    /// holds unspent (at most `G`); `None` without an answer in this window.
+    pub remaining_tokens: Option<u64>,
+    /// What this agent holds unspent.
+    pub held_tokens: u64,
+    /// The window's own length, ms (a calendar window's: this month's, this day's).
+    pub window_ms: u64,
+    /// Until the window ends, ms.
+    pub reset_ms: u64,
+    /// The age of the allocator's figure, ms.
+    pub age_ms: Option<u64>,
+}
+
+/// `slot`'s figures at `now_ms`.
+pub(super) fn pool_figures(slot: &PoolSlot, now_ms: u64) -> PoolFigures {
+    let limit_tokens = slot.limit.at(now_ms);
+    // The holder's lock first, as a grant takes them: the figure and the grant it follows.
+    let agent = lock(&slot.agent);
+    let holder = agent.holder();
+    let window = holder.config().window.containing(now_ms);
+    let held_tokens = holder.available_tokens(now_ms);
+    let view = (*lock(&slot.allocator_view)).filter(|view| view.window == window);
+    PoolFigures {
+        limit_tokens,
+        remaining_tokens: view.map(|view| {
+            view.ungranted_tokens
+                .saturating_add(held_tokens)
+                .min(limit_tokens)
+        }),
+        held_tokens,
+        window_ms: window.length_ms(),
+        reset_ms: window.end_ms.saturating_sub(now_ms),
+        age_ms: view.map(|view| now_ms.saturating_sub(view.as_of_ms)),
+    }
+}
+
+/// A global rule's cost for `request`, whole tokens (pools count whole tokens; policy validation
+/// keeps a global rule's cost a multiple of 1,000 millitokens), at least 1.
+pub(super) fn global_cost_tokens(
+    rule: &allot_shared::policy::Rule,
+    request: &allot_shared::contract::AdmissionRequest,
+) -> u64 {
+    rule.cost_millitokens_for(request.cost_hint)
+        .map_or(u64::MAX, |millitokens| {
+            millitokens / allot_shared::MILLITOKENS_PER_TOKEN
+        })
+        .max(1)
+}

@@ -24,7 +24,7 @@ use allot_shared::limit::multi::{Algorithm, MAX_RULES_PER_REQUEST};
 use allot_shared::policy::{Limit, PolicyBundle, Rule};
 
 use super::bundle::lay_principal_overrides;
-use super::pools::PoolSlot;
+use super::pools::pool_figures;
 use super::{Agent, RequestRejected, lock};
 use crate::limiter::{BatchRule, Holding, PlannedBatch, RuleBatch, RuleParams};
 
@@ -217,47 +217,6 @@ impl Agent {
         line.remaining_units = figures.remaining_tokens;
         line.age_ms = figures.age_ms;
         line
-    }
-}
-
-/// A pool as this agent sees it at one moment (module docs): what `GET /v1/quota` shows, and what
-/// a decision by global rules alone reports.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct PoolFigures {
-    /// The pool's `G`.
-    pub limit_tokens: u64,
-    /// What the window had left to grant when the allocator last answered, plus what this agent
-    /// holds unspent (at most `G`); `None` without an answer in this window.
-    pub remaining_tokens: Option<u64>,
-    /// What this agent holds unspent.
-    pub held_tokens: u64,
-    /// The window's own length, ms (a calendar window's: this month's, this day's).
-    pub window_ms: u64,
-    /// Until the window ends, ms.
-    pub reset_ms: u64,
-    /// The age of the allocator's figure, ms.
-    pub age_ms: Option<u64>,
-}
-
-pub(super) fn pool_figures(slot: &PoolSlot, now_ms: u64) -> PoolFigures {
-    let limit_tokens = slot.limit.at(now_ms);
-    // The holder's lock first, as a grant takes them: the figure and the grant it follows.
-    let agent = lock(&slot.agent);
-    let holder = agent.holder();
-    let window = holder.config().window.containing(now_ms);
-    let held_tokens = holder.available_tokens(now_ms);
-    let view = (*lock(&slot.allocator_view)).filter(|view| view.window == window);
-    PoolFigures {
-        limit_tokens,
-        remaining_tokens: view.map(|view| {
-            view.ungranted_tokens
-                .saturating_add(held_tokens)
-                .min(limit_tokens)
-        }),
-        held_tokens,
-        window_ms: window.length_ms(),
-        reset_ms: window.end_ms.saturating_sub(now_ms),
-        age_ms: view.map(|view| now_ms.saturating_sub(view.as_of_ms)),
     }
 }
 

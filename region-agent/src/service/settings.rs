@@ -92,3 +92,13 @@ impl AgentSettings {
         }
     }
 }
+
+/// Retry hint of a concurrency denial, ms: a slot frees when a holder finishes, at no known time.
+pub const CONCURRENCY_RETRY_MS: u64 = 1_000;
+/// Retry hint when the request cannot be evaluated (no bundle, a policy error), ms.
+pub const POLICY_UNAVAILABLE_RETRY_MS: u64 = 1_000;
+/// Retry hint of a request that found too little held while a renewal was under way, ms.
+pub const AWAITING_GRANT_RETRY_MS: u64 = 100;
+/// Largest random delay added to the retry hint of a denial at a window's edge or after a pool ran
+/// out, ms (I5): clients denied in the same instant do not all return in the same instant.
+pub const RETRY_JITTER_MAX_MS: u64 = 1_000;

@@ -19,15 +19,16 @@
 //! Concurrency caps do not apply to sub-leased buckets: a gateway enforcing a token bucket has no
 //! notion of requests in flight. They apply on the HTTP and RLS paths.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use allot_shared::contract::AdmissionRequest;
 use allot_shared::ids::{DecisionId, PoolId, TenantId};
 use allot_shared::policy::{Limit, Rule};
 
-use super::admission::{POLICY_UNAVAILABLE_RETRY_MS, global_cost_tokens};
-use super::pools::{PoolKey, PoolSlot, TERMS_RETRY_MS};
+use super::pools::global_cost_tokens;
+use super::pools::{PoolSlot, TERMS_RETRY_MS};
+use super::settings::POLICY_UNAVAILABLE_RETRY_MS;
+pub use super::sublease_demand::{DEMAND_FRESH_MS, MAX_SUBSCRIPTIONS};
 use super::{Agent, lock};
 use crate::global::sublease::{
     CarveKind, DELIVERY_MARGIN_MS, MIN_ASSIGNMENT_REQUESTS, MIN_ASSIGNMENT_TTL_MS, carve_kind,
@@ -36,10 +37,6 @@ use crate::global::sublease::{
 use crate::global::{Denial, Reservation};
 use crate::limiter::plan_request;
 
-/// Most (stream, bucket) subscriptions whose demand the agent weighs when tokens are scarce (I10).
-pub const MAX_SUBSCRIPTIONS: usize = 65_536;
-/// A subscription's demand counts toward its pool's total for this long after it was stated, ms.
-pub const DEMAND_FRESH_MS: u64 = 30_000;
 /// The longest a bucket is told to wait before it is looked at again, ms.
 pub const MAX_RETRY_MS: u64 = 60_000;
 
@@ -132,60 +129,6 @@ pub struct CarveAsk {
     /// The kinds of the bucket's carves not yet settled: a carve of other kinds waits
     /// ([`CarveKind`]). Empty: any.
     pub kinds_in_use: Vec<CarveKind>,
-}
-
-/// What every subscription wants of each pool: scarce tokens are divided in proportion.
-#[derive(Default)]
-pub(super) struct SubleaseDemand {
-    by_pool: HashMap<PoolKey, HashMap<u64, (u64, u64)>>,
-    len: usize,
-}
-
-impl SubleaseDemand {
-    /// Records that `subscription` wants `requests` of `pool` at `now_ms`, and returns the
-    /// pool's fresh total (this subscription included).
-    fn want(&mut self, pool: &PoolKey, subscription: u64, requests: u64, now_ms: u64) -> u64 {
-        if self.len >= MAX_SUBSCRIPTIONS {
-            self.forget_stale(now_ms);
-        }
-        let wants = self.by_pool.entry(pool.clone()).or_default();
-        if wants.insert(subscription, (requests, now_ms)).is_none() {
-            self.len += 1;
-        }
-        wants
-            .values()
-            .filter(|(_, at_ms)| now_ms.saturating_sub(*at_ms) <= DEMAND_FRESH_MS)
-            .map(|(wanted, _)| *wanted)
-            .fold(0u64, u64::saturating_add)
-    }
-
-    /// Forgets `subscription` (its stream ended, or it stopped reporting the bucket).
-    pub(super) fn forget(&mut self, subscription: u64) {
-        let mut removed = 0;
-        for wants in self.by_pool.values_mut() {
-            removed += usize::from(wants.remove(&subscription).is_some());
-        }
-        self.by_pool.retain(|_, wants| !wants.is_empty());
-        self.len -= removed;
-    }
-
-    fn forget_stale(&mut self, now_ms: u64) {
-        for wants in self.by_pool.values_mut() {
-            wants.retain(|_, (_, at_ms)| now_ms.saturating_sub(*at_ms) <= DEMAND_FRESH_MS);
-        }
-        self.by_pool.retain(|_, wants| !wants.is_empty());
-        self.len = self.by_pool.values().map(HashMap::len).sum();
-        // Still full of fresh entries: drop whole pools until there is room (their gateways are
-        // sized alone until they report again).
-        while self.len >= MAX_SUBSCRIPTIONS {
-            let Some(key) = self.by_pool.keys().next().cloned() else {
-                break;
-            };
-            if let Some(wants) = self.by_pool.remove(&key) {
-                self.len -= wants.len();
-            }
-        }
-    }
 }
 
 /// A global rule of a bucket, with its pool looked up.

@@ -27,10 +27,11 @@ use allot_shared::limit::multi::MAX_RULES_PER_REQUEST;
 use allot_shared::policy::{PolicyBundle, Rule};
 
 use super::Agent;
-use super::admission::{
-    GlobalHold, POLICY_UNAVAILABLE_RETRY_MS, SlotCall, SlotsHeld, admitted_by_global_rules_only,
-    concurrency_calls, global_rules_of, inadmissible_cost, refused,
-};
+use super::admission::{admitted_by_global_rules_only, global_rules_of, inadmissible_cost};
+use super::global_holds::GlobalHold;
+use super::regional::refused;
+use super::regional::{SlotCall, SlotsHeld, concurrency_calls};
+use super::settings::POLICY_UNAVAILABLE_RETRY_MS;
 use crate::limiter::{
     LeaseCall, LimitDecision, PlannedBatch, Screened, Verdict, combine_batches, plan_request,
 };
