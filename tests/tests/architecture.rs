@@ -4,6 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
+#[path = "architecture/layers.rs"]
+mod layers;
+
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -455,68 +458,6 @@ fn service_layers(architecture: &str) -> Vec<Vec<String>> {
         .collect()
 }
 
-/// The names of the functions `source` defines (`fn name`).
-fn defined_functions(source: &str) -> Vec<&str> {
-    source
-        .split("fn ")
-        .skip(1)
-        .filter_map(|rest| {
-            let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))?;
-            (end > 0).then(|| &rest[..end])
-        })
-        .collect()
-}
-
-/// Calls `self.name(` in `source`.
-fn self_calls(source: &str) -> Vec<&str> {
-    source
-        .split("self.")
-        .skip(1)
-        .filter_map(|rest| {
-            let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))?;
-            (end > 0 && rest[end..].starts_with('(')).then(|| &rest[..end])
-        })
-        .collect()
-}
-
-/// Calls between the files of `files` (name, source) that go up the `layers`, or touch a file the
-/// layers do not place: `caller -> callee (function)`. A function defined in more than one file is
-/// not attributed to any.
-fn upward_calls(files: &[(String, String)], layers: &[Vec<String>]) -> Vec<String> {
-    let layer_of = |file: &str| {
-        layers
-            .iter()
-            .position(|group| group.iter().any(|f| f == file))
-    };
-    let mut defined_in: std::collections::HashMap<&str, Vec<&str>> = Default::default();
-    for (file, source) in files {
-        for name in defined_functions(source) {
-            let files = defined_in.entry(name).or_default();
-            if !files.contains(&file.as_str()) {
-                files.push(file);
-            }
-        }
-    }
-    let mut found = Vec::new();
-    for (caller, source) in files {
-        for name in self_calls(source) {
-            let Some(&[callee]) = defined_in.get(name).map(Vec::as_slice) else {
-                continue;
-            };
-            if callee == caller {
-                continue;
-            }
-            match (layer_of(caller), layer_of(callee)) {
-                (Some(from), Some(to)) if from < to => {}
-                _ => found.push(format!("{caller} -> {callee} ({name})")),
-            }
-        }
-    }
-    found.sort();
-    found.dedup();
-    found
-}
-
 /// The agent service's files call one another only downward, in the layers ARCHITECTURE.md
 /// states (admission is a pipeline over the parts below it, never called back by them), and every
 /// file has its layer.
@@ -529,57 +470,111 @@ fn the_agent_service_calls_only_downward() {
     for entry in std::fs::read_dir(&folder).expect("the service folder") {
         let path = entry.expect("a service file").path();
         if path.extension().is_some_and(|e| e == "rs") {
-            let name = path
+            let module = path
                 .file_stem()
                 .and_then(|s| s.to_str())
                 .expect("a file name")
                 .to_owned();
-            files.push((name, read(&path)));
+            files.push(layers::SourceFile {
+                module,
+                source: read(&path),
+            });
         }
     }
-    let unplaced: Vec<&str> = files
+    assert!(
+        files.len() >= 20,
+        "only {} service files were read",
+        files.len()
+    );
+    let against: Vec<String> = layers::against_the_layers(&files, &layers)
         .iter()
-        .map(|(name, _)| name.as_str())
-        .filter(|name| !layers.iter().flatten().any(|f| f == name))
+        .map(ToString::to_string)
         .collect();
     assert!(
-        unplaced.is_empty(),
-        "ARCHITECTURE.md places no layer for {unplaced:?}"
+        against.is_empty(),
+        "references against the layers in ARCHITECTURE.md: {against:#?}"
     );
-    let upward = upward_calls(&files, &layers);
-    assert!(
-        upward.is_empty(),
-        "calls against the layers in ARCHITECTURE.md: {upward:?}"
-    );
+    // The check reads edges at all: admission reaches the parts below it.
+    let edges = layers::edges(&files);
+    for part in ["regional", "global_holds", "pools", "settlement"] {
+        assert!(
+            edges.contains(&("admission".to_owned(), part.to_owned())),
+            "no edge admission -> {part} was found: {edges:?}"
+        );
+    }
 }
 
 #[test]
-fn the_layer_check_catches_a_call_back_up() {
+fn the_layer_check_catches_every_kind_of_reference_back_up() {
     let layers = service_layers(
         "\n## Code map\n\n| `region-agent/src/service/` | | files. Layers, each calling only those \
-         below: `top.rs` → `mid.rs`, `side.rs` → `mod.rs`. More. |\n",
+         below: `top.rs` → `mid.rs`, `side.rs` → `low.rs` → `mod.rs`. More. |\n",
     );
-    assert_eq!(layers, [vec!["top"], vec!["mid", "side"], vec!["mod"]]);
-    let file = |name: &str, source: &str| (name.to_owned(), source.to_owned());
+    assert_eq!(
+        layers,
+        [vec!["top"], vec!["mid", "side"], vec!["low"], vec!["mod"]]
+    );
+    let file = |module: &str, source: &str| layers::SourceFile {
+        module: module.to_owned(),
+        source: source.to_owned(),
+    };
+    let root = file(
+        "mod",
+        "mod top; mod mid; mod low; pub use top::Thing; \
+         pub struct Agent { part: Mutex<top::Part>, own: u64 } \
+         impl Agent { fn new() -> Self { Self { part: top::Part::default(), own: 0 } } \
+         fn now(&self) -> u64 { self.own } } fn lock() {}",
+    );
+    let top = "pub struct Part { open: u64 } impl Part { fn begin(&mut self) {} } \
+               pub const LIMIT: u64 = 1; pub fn helper() {} \
+               impl Agent { fn run(&self) { self.step(); self.part.lock().begin(); } }";
+    let low = "pub struct Low { depth: u64 } \
+               impl Low { fn dig(&self) -> u64 { self.depth } } \
+               impl Agent { fn base(&self) { lock(); self.now(); let low = Low { depth: 1 }; low.dig(); } }";
     let downward = [
-        file("top", "fn run(&self) { self.step(); self.helper(); }"),
+        root,
+        file("top", top),
         file(
             "mid",
-            "fn step(&self) { self.helper(); self.own(); } fn own(&self) {}",
+            "use super::low::Low; impl Agent { fn step(&self) { self.base(); } }",
         ),
-        file("side", "fn other(&self) {}"),
-        file("mod", "fn helper(&self) {}"),
+        file("side", "impl Agent { fn other(&self) {} }"),
+        file("low", low),
     ];
-    assert!(upward_calls(&downward, &layers).is_empty());
-    let back_up = [
-        file("top", "fn run(&self) {}"),
-        file("mid", "fn step(&self) { self.run(); self.other(); }"),
-        file("side", "fn other(&self) {}"),
-    ];
-    assert_eq!(
-        upward_calls(&back_up, &layers),
-        ["mid -> side (other)", "mid -> top (run)"]
+    let against = |files: &[layers::SourceFile]| -> Vec<String> {
+        layers::against_the_layers(files, &layers)
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    };
+    assert_eq!(against(&downward), Vec::<String>::new());
+    let mut back_up = downward;
+    back_up[2] = file(
+        "mid",
+        "use super::{low::Low, top::LIMIT}; \
+         impl Agent { fn step(&self) { \
+             super::top::helper(); \
+             tracing::info!(\"{}\", self.other()); \
+             let agent = self.clone(); tokio::spawn(async move { agent.run() }); \
+             self.part.lock().begin(); \
+             Self::run(self); \
+         } }",
     );
+    assert_eq!(
+        against(&back_up),
+        [
+            "mid -> side (other)",
+            "mid -> top (run)",
+            "mid -> top (self.part)",
+            "mid -> top (top::)",
+        ]
+    );
+    // A module of the same name elsewhere is not the sibling.
+    back_up[2] = file(
+        "mid",
+        "impl Agent { fn step(&self) { crate::global::top::helper(); self.base(); client.run(); } }",
+    );
+    assert_eq!(against(&back_up), Vec::<String>::new());
 }
 
 /// A heading's anchor as GitHub makes it: lower case, spaces to `-`, punctuation but `-` and `_`

@@ -11,6 +11,7 @@ use allot_shared::keys;
 use allot_shared::overrides::OverrideSet;
 use allot_shared::policy::{PolicyBundle, Rule};
 
+use super::Agent;
 use super::settings::AgentSettings;
 use arc_swap::ArcSwapOption;
 
@@ -196,4 +197,32 @@ pub(super) fn lay_principal_overrides<'b>(
             settings.ip_prefixes,
         )
     });
+}
+
+impl Agent {
+    /// The bundle in force.
+    pub fn bundle(&self) -> Option<Arc<PolicyBundle>> {
+        self.bundle.load()
+    }
+
+    /// Installs `candidate` if it is newer than the bundle in force (only higher versions, I13).
+    pub fn offer_bundle(&self, candidate: PolicyBundle) -> bool {
+        self.bundle.offer(candidate, self.clock.now_ms())
+    }
+
+    /// Takes `set` (verified) if it is newer than the override set held, and lays it over the
+    /// bundle in force.
+    pub fn offer_overrides(&self, set: allot_shared::overrides::OverrideSet) -> bool {
+        self.bundle.offer_overrides(set, self.clock.now_ms())
+    }
+
+    /// Whether the bundle in force is past its maximum age (strict rules then fail closed).
+    pub fn bundle_is_stale(&self) -> bool {
+        let max_age_ms = self.settings.policy_max_age_ms;
+        if max_age_ms == 0 || self.allocator.is_none() {
+            return false;
+        }
+        let confirmed = self.bundle.confirmed_at_ms();
+        self.clock.now_ms().saturating_sub(confirmed) > max_age_ms
+    }
 }

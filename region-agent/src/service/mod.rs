@@ -4,25 +4,35 @@
 //! - [`admission`]: the request path (refusals from memory, global reservations, regional rules,
 //!   settle; the order and why are in its docs).
 //! - [`quota`]: the caller's own quotas and what is left of them (`GET /v1/quota`).
-//! - [`pools`]: the pools held (one `PoolHolder` each) and the single-flight lookup of their terms.
+//! - `regional` and `global_holds`: a request's regional rules and its global reservations, the
+//!   steps admission runs.
+//! - [`pools`]: the pools held (one `PoolAgent` each) and the single-flight lookup of their terms.
 //! - [`upkeep`]: renewals, and pool upkeep (idle pools forgotten, terms refreshed).
 //! - [`reports`]: what the holders owe the ledger, sent per (pool, window).
-//! - [`background`]: the loops that run reports and upkeep, and policy refresh.
+//! - [`background`]: the loops that run reports and upkeep, and policy refresh; `observe` the
+//!   gauges set at each metrics scrape.
 //! - [`persistence`]: the state directory: restore at start, the journal, durable fallback
-//!   claims.
+//!   claims (the journal's bookkeeping, below the parts that note changes, in `journaling`).
 //! - [`replays`]: admitted idempotent requests, answered again to a retry rather than decided
 //!   again on any tier.
 //! - [`settlement`]: metered admissions settled after the response (`POST /v1/settle`), and the
-//!   debt of extra cost the next admissions pay first.
-//! - [`subleases`]: assignments carved for gateways that enforce quota themselves (Envoy's RLQS).
+//!   debt of extra cost the next admissions pay first (the state behind it in `settlements`).
+//! - [`subleases`]: assignments carved for gateways that enforce quota themselves (Envoy's RLQS),
+//!   sized by what each subscription wants (`sublease_demand`).
+//! - `bundle` and `session`: the policy bundle in force, and this run as the allocator knows it.
 //! - [`together`]: several requests decided all or none (an Envoy call's descriptors).
 //! - [`settings`]: the agent's settings and their defaults.
 //! - `terms`: what a pool's terms become in this agent (its holder's configuration).
+//!
+//! This file is the composition: it declares the parts, the [`Agent`] holding them and builds
+//! them; its own methods use only its own fields, so every part may call them.
 
 pub mod admission;
 pub mod background;
 mod bundle;
 mod global_holds;
+mod journaling;
+mod observe;
 pub mod persistence;
 pub mod pools;
 pub mod quota;
@@ -82,8 +92,8 @@ pub struct Agent {
     /// Set once at startup; read lock-free on every admit.
     decision_log: std::sync::OnceLock<crate::decision_log::DecisionLog>,
     decision_counters: crate::metrics::DecisionCounters,
-    /// The state directory and the journal's bookkeeping, when configured.
-    persistence: persistence::Persistence,
+    /// The state directory, when configured, and the journal's bookkeeping.
+    journaling: journaling::Journaling,
     /// What gateways' sub-leases want of each pool.
     subleases: Mutex<sublease_demand::SubleaseDemand>,
     /// Metered admissions open for settlement, and principals owing regional debt.
@@ -123,7 +133,7 @@ impl Agent {
             clock_warned: AtomicBool::new(false),
             decision_log: std::sync::OnceLock::new(),
             decision_counters: crate::metrics::DecisionCounters::default(),
-            persistence: persistence::Persistence::default(),
+            journaling: journaling::Journaling::default(),
             subleases: Mutex::new(sublease_demand::SubleaseDemand::default()),
             settlements: Mutex::new(settlements::Settlements::default()),
             replays: replays::Replays::default(),
@@ -143,126 +153,9 @@ impl Agent {
         self.clock.now_ms()
     }
 
-    /// The bundle in force.
-    pub fn bundle(&self) -> Option<Arc<PolicyBundle>> {
-        self.bundle.load()
-    }
-
-    /// Installs `candidate` if it is newer than the bundle in force (only higher versions, I13).
-    pub fn offer_bundle(&self, candidate: PolicyBundle) -> bool {
-        self.bundle.offer(candidate, self.clock.now_ms())
-    }
-
-    /// Takes `set` (verified) if it is newer than the override set held, and lays it over the
-    /// bundle in force.
-    pub fn offer_overrides(&self, set: allot_shared::overrides::OverrideSet) -> bool {
-        self.bundle.offer_overrides(set, self.clock.now_ms())
-    }
-
-    /// Sets the gauges that describe the agent's state now (called at each metrics scrape).
-    pub fn observe(&self) {
-        use crate::limiter::BreakerState;
-        for (shard, snapshot) in self.limiter.breakers().iter().enumerate() {
-            let state = match snapshot.state {
-                BreakerState::Closed => 0.0,
-                BreakerState::HalfOpen => 1.0,
-                BreakerState::Open => 2.0,
-            };
-            metrics::gauge!(crate::metrics::BREAKER_STATE, "shard" => shard.to_string()).set(state);
-        }
-        for (shard, load) in self.limiter.shard_loads().iter().enumerate() {
-            let shard = shard.to_string();
-            metrics::gauge!(crate::metrics::STORE_IN_FLIGHT_LIMIT, "shard" => shard.clone())
-                .set(load.limit as f64);
-            metrics::gauge!(crate::metrics::STORE_IN_FLIGHT, "shard" => shard.clone())
-                .set(load.in_flight as f64);
-            metrics::gauge!(crate::metrics::STORE_WAITING, "shard" => shard)
-                .set(load.waiting as f64);
-        }
-        for (tenant, sub_slots) in self.limiter.hot_tenants().iter() {
-            metrics::gauge!(crate::metrics::HOT_TENANT_SUB_SLOTS, "tenant" => tenant.to_string())
-                .set(f64::from(sub_slots));
-        }
-        metrics::gauge!(crate::metrics::POLICY_VERSION).set(self.bundle.version() as f64);
-        let installed = self.bundle.installed_at_ms();
-        if installed > 0 {
-            let age_ms = self.clock.now_ms().saturating_sub(installed);
-            metrics::gauge!(crate::metrics::POLICY_AGE_SECONDS).set(age_ms as f64 / 1_000.0);
-        }
-        let stats = self.limiter.stats();
-        for (path, count) in [
-            ("decisions", stats.decisions),
-            ("store_calls", stats.store_calls),
-            ("store_retries", stats.store_retries),
-            ("negative_cache_hits", stats.negative_cache_hits),
-            ("cardinality_refusals", stats.cardinality_refusals),
-            ("fallback", stats.fallback_decisions),
-            ("unavailable", stats.unavailable),
-            ("policy_errors", stats.policy_errors),
-            ("breaker_refusals", stats.breaker_refusals),
-            ("in_flight_exhausted", stats.pool_exhausted),
-            ("shed", stats.shed),
-            ("slow_calls", stats.slow_calls),
-            ("breaker_failures", stats.breaker_failures),
-            ("held_up", stats.held_up),
-            ("coalesced", stats.coalesced_decisions),
-            ("coalesced_calls", stats.coalesced_calls),
-        ] {
-            metrics::gauge!(crate::metrics::LIMITER_DECISIONS, "path" => path).set(count as f64);
-        }
-        metrics::gauge!(crate::metrics::ALLOCATOR_REACHABLE).set(if self.allocator_reachable() {
-            1.0
-        } else {
-            0.0
-        });
-        let pools = self.pools.slots();
-        let mut dropped = self.pools.dropped_reports_of_evicted();
-        for ((tenant, pool), slot) in pools.iter() {
-            let agent = lock(&slot.agent);
-            let holder = agent.holder();
-            dropped += holder.dropped_reports();
-            metrics::gauge!(crate::metrics::TOKENS_STRANDED,
-                "tenant" => tenant.to_string(), "pool" => pool.to_string())
-            .set(holder.stranded_tokens() as f64);
-            metrics::gauge!(crate::metrics::FALLBACK_ALLOWANCE,
-                "tenant" => tenant.to_string(), "pool" => pool.to_string())
-            .set(holder.config().fallback_per_region_tokens as f64);
-            metrics::gauge!(crate::metrics::SETTLE_DEBT,
-                "tenant" => tenant.to_string(), "pool" => pool.to_string())
-            .set(holder.debt_tokens() as f64);
-            metrics::gauge!(crate::metrics::SETTLE_DEBT_LIMIT,
-                "tenant" => tenant.to_string(), "pool" => pool.to_string())
-            .set(holder.config().settle_debt_tokens as f64);
-        }
-        metrics::gauge!(crate::metrics::POOLS_HELD).set(pools.len() as f64);
-        drop(pools);
-        let (open, debtors) = {
-            let settlements = lock(&self.settlements);
-            (settlements.open_count(), settlements.debtor_count())
-        };
-        metrics::gauge!(crate::metrics::OPEN_SETTLEMENTS).set(open as f64);
-        metrics::gauge!(crate::metrics::REGIONAL_DEBTORS).set(debtors as f64);
-        metrics::gauge!(crate::metrics::REPORT_LINES_DROPPED).set(dropped as f64);
-    }
-
-    /// Pools held now (with terms), and pools being looked up or recently not found.
-    pub fn pool_counts(&self) -> (usize, usize) {
-        self.pools.counts()
-    }
-
     /// The regional limiter's counters.
     pub fn limiter_stats(&self) -> crate::limiter::LimiterStats {
         self.limiter.stats()
-    }
-
-    /// Whether the bundle in force is past its maximum age (strict rules then fail closed).
-    pub fn bundle_is_stale(&self) -> bool {
-        let max_age_ms = self.settings.policy_max_age_ms;
-        if max_age_ms == 0 || self.allocator.is_none() {
-            return false;
-        }
-        let confirmed = self.bundle.confirmed_at_ms();
-        self.clock.now_ms().saturating_sub(confirmed) > max_age_ms
     }
 
     /// Notes what an allocator call said about reachability: any answer (a refusal too) means

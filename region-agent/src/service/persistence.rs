@@ -23,8 +23,7 @@
 //! put an older snapshot on disk after a newer claim). Claims are group-committed: a writer takes
 //! every claim wanted when it starts.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use allot_shared::ids::{PoolId, TenantId};
@@ -43,34 +42,6 @@ pub const JOURNAL_INTERVAL: Duration = Duration::from_millis(250);
 pub use crate::global::terms::FALLBACK_CLAIM_BLOCKS;
 /// Longest a request waits for a fallback claim to be written and synced.
 pub const CLAIM_WRITE_TIMEOUT: Duration = Duration::from_millis(200);
-
-/// The state directory and the journal's bookkeeping: whether anything changed since the last
-/// write, the one writer, and the fallback claims waiting for it.
-#[derive(Default)]
-pub(super) struct Persistence {
-    /// Set once at startup.
-    dir: std::sync::OnceLock<StateDir>,
-    /// Changes the journal must keep, counted; and the count the last journal written saw.
-    generation: AtomicU64,
-    written: AtomicU64,
-    /// One journal writer at a time (the periodic write and fallback claims), held by tasks of
-    /// their own from the snapshot to the end of the write.
-    writer: tokio::sync::Mutex<()>,
-    /// Fallback claims requests are waiting for: (the pool's slot, the request's cost).
-    claims_wanted: Mutex<Vec<(Arc<PoolSlot>, u64)>>,
-}
-
-impl Persistence {
-    /// The state directory, if any.
-    pub(super) fn dir(&self) -> Option<&StateDir> {
-        self.dir.get()
-    }
-
-    /// Whether the agent keeps state (fallback then goes by durable claims).
-    pub(super) fn keeps_state(&self) -> bool {
-        self.dir.get().is_some()
-    }
-}
 
 /// What [`Agent::restore_state`] took over.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -91,20 +62,20 @@ impl Agent {
     /// Keeps state in `dir` from now on. Once per agent, before it serves (pools created before
     /// it take no fallback claims).
     pub fn set_state_dir(&self, dir: StateDir) {
-        if self.persistence.dir.set(dir).is_err() {
+        if !self.journaling.set_dir(dir) {
             tracing::warn!("a state directory is already set; the new one is ignored");
         }
     }
 
     /// The state directory, if any.
     pub fn state_dir(&self) -> Option<&StateDir> {
-        self.persistence.dir()
+        self.journaling.dir()
     }
 
     /// Takes over what the state directory holds (module docs). Call once, before serving.
     pub fn restore_state(&self) -> Restored {
         let mut restored = Restored::default();
-        let Some(dir) = self.persistence.dir() else {
+        let Some(dir) = self.journaling.dir() else {
             return restored;
         };
         let journal: Option<Journal> = dir.load(StateFile::Journal);
@@ -185,38 +156,28 @@ impl Agent {
         restored
     }
 
-    /// Notes a change the journal must keep (a spend, a grant, an acknowledged report, new terms).
-    pub(super) fn note_change(&self) {
-        if self.persistence.keeps_state() {
-            self.persistence.generation.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
     /// Writes the journal if anything changed since the last write. The write runs on a task of
     /// its own holding the writer: a caller that stops waiting (a round's deadline, shutdown) does
     /// not cut it short or let another writer in before it is done.
     pub async fn write_journal_if_changed(self: &Arc<Self>) {
-        let generation = self.persistence.generation.load(Ordering::Relaxed);
-        if generation == self.persistence.written.load(Ordering::Relaxed) {
+        let Some(generation) = self.journaling.unwritten() else {
             return;
-        }
+        };
         let agent = self.clone();
         let written = tokio::spawn(async move {
-            let _writer = agent.persistence.writer.lock().await;
+            let _writer = agent.journaling.writer().await;
             let journal = agent.journal(&[]);
             agent.write_journal(journal).await
         })
         .await;
         if matches!(written, Ok(Ok(()))) {
-            self.persistence
-                .written
-                .fetch_max(generation, Ordering::Relaxed);
+            self.journaling.mark_written(generation);
         }
     }
 
     /// Writes `journal` (the caller holds the writer). Errors are logged and counted.
     async fn write_journal(&self, journal: Journal) -> std::io::Result<()> {
-        let Some(dir) = self.persistence.dir().cloned() else {
+        let Some(dir) = self.journaling.dir().cloned() else {
             return Ok(());
         };
         let written = tokio::task::spawn_blocking(move || dir.write(StateFile::Journal, &journal))
@@ -283,7 +244,7 @@ impl Agent {
         slot: &Arc<PoolSlot>,
         cost_tokens: u64,
     ) -> bool {
-        lock(&self.persistence.claims_wanted).push((slot.clone(), cost_tokens));
+        self.pools.want_claim(slot, cost_tokens);
         let agent = self.clone();
         let flush = tokio::spawn(async move { agent.flush_claims().await });
         let _ = tokio::time::timeout(CLAIM_WRITE_TIMEOUT, flush).await;
@@ -300,8 +261,8 @@ impl Agent {
 
     /// Writes every claim wanted in one journal, then records them as durable.
     async fn flush_claims(self: Arc<Self>) {
-        let _writer = self.persistence.writer.lock().await;
-        let wanted = std::mem::take(&mut *lock(&self.persistence.claims_wanted));
+        let _writer = self.journaling.writer().await;
+        let wanted = self.pools.take_claims_wanted();
         let now_ms = self.clock.now_ms();
         let claims: Vec<(Arc<PoolSlot>, (u64, u64))> = wanted
             .into_iter()
@@ -325,7 +286,7 @@ impl Agent {
     /// Keeps the override set held in the state directory (the background refresh does so for
     /// every set it takes from the allocator).
     pub async fn save_overrides(&self) {
-        let Some(dir) = self.persistence.dir().cloned() else {
+        let Some(dir) = self.journaling.dir().cloned() else {
             return;
         };
         let set = self.bundle.overrides();
@@ -344,8 +305,7 @@ impl Agent {
     /// Keeps the bundle in force in the state directory (the background refresh does so for every
     /// bundle it installs from the allocator).
     pub async fn save_bundle(&self) {
-        let (Some(dir), Some(bundle)) = (self.persistence.dir().cloned(), self.bundle.load())
-        else {
+        let (Some(dir), Some(bundle)) = (self.journaling.dir().cloned(), self.bundle.load()) else {
             return;
         };
         let saved = SavedBundle {

@@ -134,6 +134,9 @@ pub(super) struct PoolRegistry {
     lookups: Mutex<HashMap<PoolKey, Lookup>>,
     /// Report lines dropped by holders since forgotten (the live ones count their own).
     dropped_reports_of_evicted: AtomicU64,
+    /// Fallback claims requests are waiting for the journal to make durable: (the pool's slot,
+    /// the request's cost). Taken whole by the one writer.
+    claims_wanted: Mutex<Vec<(Arc<PoolSlot>, u64)>>,
 }
 
 impl PoolRegistry {
@@ -165,6 +168,16 @@ impl PoolRegistry {
     pub(super) fn dropped_reports_of_evicted(&self) -> u64 {
         self.dropped_reports_of_evicted
             .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// A request waits for a fallback claim of `cost_tokens` on `slot`.
+    pub(super) fn want_claim(&self, slot: &Arc<PoolSlot>, cost_tokens: u64) {
+        lock(&self.claims_wanted).push((slot.clone(), cost_tokens));
+    }
+
+    /// Every fallback claim wanted so far, for one journal write.
+    pub(super) fn take_claims_wanted(&self) -> Vec<(Arc<PoolSlot>, u64)> {
+        std::mem::take(&mut *lock(&self.claims_wanted))
     }
 
     /// Pools held, and pools being looked up or recently not found.
@@ -432,4 +445,11 @@ pub(super) fn global_cost_tokens(
             millitokens / allot_shared::MILLITOKENS_PER_TOKEN
         })
         .max(1)
+}
+
+impl Agent {
+    /// Pools held now (with terms), and pools being looked up or recently not found.
+    pub fn pool_counts(&self) -> (usize, usize) {
+        self.pools.counts()
+    }
 }

@@ -2,6 +2,7 @@
 //! its shadow counts, settle debt and write-offs), one report per (pool, window), named by this
 //! agent and run.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use allot_shared::ids::LeaseId;
@@ -75,5 +76,29 @@ impl Agent {
             agent_id: Some(self.settings.agent_id.clone()),
             incarnation: Some(self.incarnation()),
         }
+    }
+
+    /// Ends this run's session if it started and every fallback admit of every pool's current
+    /// window and after is reported: the next run may then trust the ledger's count. Whether it
+    /// ended.
+    pub async fn end_session(self: &Arc<Self>) -> bool {
+        if self.allocator.is_none() || !self.session_started() {
+            return false;
+        }
+        let now_ms = self.clock.now_ms();
+        let settled = self.pools.snapshot().iter().all(|(_, slot)| {
+            let current_start_ms = slot.window_at(now_ms).start_ms;
+            lock(&slot.agent)
+                .holder()
+                .fallback_settled_from(current_start_ms)
+        });
+        if !settled {
+            tracing::warn!(
+                "fallback admits are unreported at shutdown: the next run counts this window's \
+                 allowance as used"
+            );
+            return false;
+        }
+        self.close_session().await
     }
 }

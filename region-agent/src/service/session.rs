@@ -10,12 +10,11 @@
 //! counts its allowance as used ([`crate::global::driver::take_over_window`]). It fails closed for
 //! the rest of that window (for a monthly pool, the month), never open.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use allot_shared::ids::AgentIncarnation;
 
-use super::{Agent, lock};
+use super::Agent;
 use crate::allocator_client::{AgentSession, AgentSessionStarted, AllocatorClient, ClientError};
 use crate::global::driver::Inherited;
 
@@ -130,28 +129,18 @@ impl Agent {
         }
     }
 
-    /// Ends this run's session if it started and every fallback admit of every pool's current
-    /// window and after is reported: the next run may then trust the ledger's count. Whether it
-    /// ended.
-    pub async fn end_session(self: &Arc<Self>) -> bool {
+    /// Whether this run's session started at the allocator.
+    pub(super) fn session_started(&self) -> bool {
+        self.session.started.initialized()
+    }
+
+    /// Ends this run's session at the allocator (the caller found every fallback admit reported).
+    /// Whether it ended.
+    pub(super) async fn close_session(&self) -> bool {
         let (Some(allocator), Some(_)) = (self.allocator.clone(), self.session.started.get())
         else {
             return false;
         };
-        let now_ms = self.clock.now_ms();
-        let settled = self.pools.snapshot().iter().all(|(_, slot)| {
-            let current_start_ms = slot.window_at(now_ms).start_ms;
-            lock(&slot.agent)
-                .holder()
-                .fallback_settled_from(current_start_ms)
-        });
-        if !settled {
-            tracing::warn!(
-                "fallback admits are unreported at shutdown: the next run counts this window's \
-                 allowance as used"
-            );
-            return false;
-        }
         match allocator.end_session(&self.session_message()).await {
             Ok(ended) => ended,
             Err(error) => {

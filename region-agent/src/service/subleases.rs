@@ -356,7 +356,7 @@ impl Agent {
                 let wanted = lock(&part.slot.agent)
                     .fallback_claim_wanted(part.tokens_per_request, now_ms)
                     .is_some()
-                    && self.persistence.keeps_state()
+                    && self.journaling.keeps_state()
                     && !self.allocator_reachable();
                 if wanted
                     && !self

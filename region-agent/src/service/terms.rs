@@ -29,7 +29,7 @@ impl Agent {
             clock_margin_ms: self.settings.clock_margin_ms,
             round_trip_ms: self.settings.allocator_round_trip_ms,
             renewal_patience_ms: duration_ms(FIRST_GRANT_WAIT),
-            claims: self.persistence.keeps_state(),
+            claims: self.journaling.keeps_state(),
         }
     }
 
