@@ -41,7 +41,7 @@ use super::regional::refused;
 use super::replays::{Begin, ORIGINAL_WAIT, Ticket};
 use super::settings::AgentSettings;
 use super::settings::POLICY_UNAVAILABLE_RETRY_MS;
-use super::{Agent, RequestRejected, lock};
+use super::{Agent, RequestRejected};
 use crate::limiter::plan_request;
 
 /// What a heartbeat ([`Agent::renew`]) did to the concurrency slots of a request.
@@ -295,7 +295,7 @@ impl Agent {
                 continue;
             };
             let cost_tokens = global_cost_tokens(rule, request);
-            lock(&slot.agent).count_shadow(cost_tokens, self.clock.now_ms());
+            slot.agent().count_shadow(cost_tokens, self.clock.now_ms());
             // Journaled, so that a restart goes on counting the window rather than from zero.
             self.note_change();
             metrics::counter!(crate::metrics::SHADOW_ADMITTED_TOKENS,

@@ -5,16 +5,16 @@
 //! becomes.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use allot_shared::contract::{AdmissionRequest, Decision, DeniedScope, Reason};
 use allot_shared::ids::{PoolId, RuleId, TenantId};
 use allot_shared::policy::{Limit, Rule};
 
-use super::pools::{PoolSlot, TERMS_RETRY_MS, global_cost_tokens};
+use super::Agent;
+use super::pool_slot::PoolSlot;
+use super::pools::{TERMS_RETRY_MS, global_cost_tokens};
 use super::settings::FIRST_GRANT_WAIT;
 use super::settings::{AWAITING_GRANT_RETRY_MS, RETRY_JITTER_MAX_MS};
-use super::{Agent, lock};
 use crate::global::{Denial, Refusal, Reservation};
 
 /// Most reservation passes over a request's global rules: one per kind of wait (a renewal, a
@@ -83,10 +83,10 @@ impl GlobalHold {
             if reservation.is_fallback() {
                 fallback = true;
                 metrics::counter!(crate::metrics::FALLBACK_ADMITS,
-                    "tenant" => tenant.to_string(), "pool" => slot.pool.to_string())
+                    "tenant" => tenant.to_string(), "pool" => slot.pool().to_string())
                 .increment(1);
             }
-            lock(&slot.agent).commit(reservation);
+            slot.agent().commit(reservation);
         }
         fallback
     }
@@ -95,7 +95,7 @@ impl GlobalHold {
 impl Drop for GlobalHold {
     fn drop(&mut self) {
         for (slot, reservation, _) in self.held.drain(..) {
-            lock(&slot.agent).cancel(reservation);
+            slot.agent().cancel(reservation);
         }
     }
 }
@@ -192,7 +192,7 @@ impl Agent {
                             _ => None,
                         };
                         let Some(next) = next else {
-                            let limit_tokens = slot.limit.at(self.clock.now_ms());
+                            let limit_tokens = slot.limit_at(self.clock.now_ms());
                             let refused = GlobalRefusal {
                                 refusal,
                                 limit_tokens,
@@ -237,7 +237,7 @@ impl Agent {
                 denial: Denial::AwaitingGrant,
                 retry_after_ms: AWAITING_GRANT_RETRY_MS,
             },
-            limit_tokens: slot.limit.at(self.clock.now_ms()),
+            limit_tokens: slot.limit_at(self.clock.now_ms()),
         };
         Err(self.global_denial(requests[*index].0, version, rule, refused))
     }
@@ -254,9 +254,9 @@ impl Agent {
     ) -> Attempt {
         let now_ms = self.clock.now_ms();
         let reserved = {
-            let mut agent = lock(&slot.agent);
+            let mut agent = slot.agent();
             // Forgotten since it was looked up (idle for minutes): look it up again.
-            if slot.evicted.load(Ordering::Acquire) {
+            if slot.is_evicted() {
                 return Attempt::Evicted;
             }
             agent.reserve(cost_tokens, now_ms, self.allocator_reachable(), dry_run)
@@ -277,13 +277,13 @@ impl Agent {
     ) {
         // Registered before a renewal can start (or be seen as under way), so its end cannot be
         // missed.
-        let renewed = slot.renewed.notified();
+        let renewed = slot.renewal_ended();
         tokio::pin!(renewed);
         renewed.as_mut().enable();
         self.renew_if_wanted(tenant, pool, slot);
         // None under way: it already ended, or none was wanted; try again at once. One unanswered
         // past the holder's patience makes the next try fall back.
-        if lock(&slot.agent).renewal_in_flight() {
+        if slot.agent().renewal_in_flight() {
             let _ = tokio::time::timeout(FIRST_GRANT_WAIT, renewed).await;
         }
     }
@@ -346,7 +346,7 @@ impl Agent {
         let now_ms = self.clock.now_ms();
         let mut most_constraining: Option<(&RuleId, u64, u64)> = None;
         for (slot, _, rule_id) in &hold.held {
-            let figures = super::pools::pool_figures(slot, now_ms);
+            let figures = slot.figures(now_ms);
             let remaining_tokens = figures
                 .remaining_tokens
                 .unwrap_or(figures.held_tokens)

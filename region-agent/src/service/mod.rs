@@ -34,6 +34,7 @@ mod global_holds;
 mod journaling;
 mod observe;
 pub mod persistence;
+mod pool_slot;
 pub mod pools;
 pub mod quota;
 mod regional;

@@ -64,7 +64,7 @@ impl Agent {
         let pools = self.pools.slots();
         let mut dropped = self.pools.dropped_reports_of_evicted();
         for ((tenant, pool), slot) in pools.iter() {
-            let agent = lock(&slot.agent);
+            let agent = slot.agent();
             let holder = agent.holder();
             dropped += holder.dropped_reports();
             metrics::gauge!(crate::metrics::TOKENS_STRANDED,

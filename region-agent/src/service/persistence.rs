@@ -29,8 +29,8 @@ use std::time::Duration;
 use allot_shared::ids::{PoolId, TenantId};
 use allot_shared::overrides::OverrideSet;
 
-use super::pools::PoolSlot;
-use super::{Agent, lock};
+use super::Agent;
+use super::pool_slot::PoolSlot;
 use crate::global::{PoolAgent, PoolJournal};
 use crate::state_dir::{Journal, JournaledPool, SavedBundle, StateDir, StateFile};
 
@@ -205,13 +205,13 @@ impl Agent {
                     .filter(|(claiming, _)| Arc::ptr_eq(claiming, &slot))
                     .map(|(_, claim)| *claim)
                     .max_by_key(|(_, tokens)| *tokens);
-                let (terms, fetched_at_ms) = lock(&slot.terms).clone();
+                let (terms, fetched_at_ms) = slot.terms();
                 let PoolJournal {
                     holder,
                     shadow,
                     settle_debt,
                     written_off,
-                } = lock(&slot.agent).journal(claimed);
+                } = slot.agent().journal(claimed);
                 JournaledPool {
                     tenant,
                     pool,
@@ -248,7 +248,8 @@ impl Agent {
         let agent = self.clone();
         let flush = tokio::spawn(async move { agent.flush_claims().await });
         let _ = tokio::time::timeout(CLAIM_WRITE_TIMEOUT, flush).await;
-        let claimed = lock(&slot.agent)
+        let claimed = slot
+            .agent()
             .fallback_claim_wanted(cost_tokens, self.clock.now_ms())
             .is_none();
         let outcome = if claimed { "ok" } else { "failed" };
@@ -267,7 +268,7 @@ impl Agent {
         let claims: Vec<(Arc<PoolSlot>, (u64, u64))> = wanted
             .into_iter()
             .filter_map(|(slot, cost_tokens)| {
-                let claim = lock(&slot.agent).fallback_claim_wanted(cost_tokens, now_ms)?;
+                let claim = slot.agent().fallback_claim_wanted(cost_tokens, now_ms)?;
                 Some((slot, claim))
             })
             .collect();
@@ -278,7 +279,7 @@ impl Agent {
         let journal = self.journal(&claims);
         if self.write_journal(journal).await.is_ok() {
             for (slot, (window_start_ms, claimed_tokens)) in claims {
-                lock(&slot.agent).claim_durable(window_start_ms, claimed_tokens);
+                slot.agent().claim_durable(window_start_ms, claimed_tokens);
             }
         }
     }

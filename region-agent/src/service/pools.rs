@@ -2,16 +2,15 @@
 //! how a request finds its pool, and the single-flight lookup of a pool's terms.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use allot_shared::ids::{PoolId, TenantId};
-use allot_shared::overrides::PoolOverride;
-use tokio::sync::Notify;
 
+use super::pool_slot::PoolSlot;
 use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, lock};
-use crate::allocator_client::{AllocatorClient, PoolTerms};
+use crate::allocator_client::AllocatorClient;
 use crate::global::PoolAgent;
 
 /// After a pool's terms could not be fetched (allocator unreachable), requests for it fail closed
@@ -28,86 +27,8 @@ pub const MAX_TERMS_REFRESH_PER_ROUND: usize = 64;
 /// A pool with no demand for this long, and nothing held or owed, is forgotten, ms.
 pub const POOL_IDLE_MS: u64 = 600_000;
 
-pub(super) struct PoolSlot {
-    /// The pool (its tenant is the map's key): named in metrics without a copy per request.
-    pub(super) pool: PoolId,
-    /// The pool's agent: its holder, the renewal in flight, its tallies for the ledger.
-    pub(super) agent: Mutex<PoolAgent>,
-    /// `G` of the terms in force, and its override (read on every global denial).
-    pub(super) limit: PoolLimit,
-    /// The terms in force and when they were last fetched, epoch ms.
-    pub(super) terms: Mutex<(PoolTerms, u64)>,
-    pub(super) renewed: Notify,
-    /// Set (under the holder's lock) when the slot is forgotten: a request that still holds it
-    /// looks the pool up again instead of spending on a holder nobody reports.
-    pub(super) evicted: AtomicBool,
-    /// The allocator's view of the pool's window from its last grant answer (`GET /v1/quota`).
-    pub(super) allocator_view: Mutex<Option<AllocatorView>>,
-}
-
-/// What the allocator said was left of a pool's window, and when.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct AllocatorView {
-    /// Tokens the window had left to grant.
-    pub(super) ungranted_tokens: u64,
-    /// The window it was said of.
-    pub(super) window: allot_shared::window::Window,
-    /// When it was true, on the agent's clock, epoch ms.
-    pub(super) as_of_ms: u64,
-}
-
-impl PoolSlot {
-    /// The pool's window containing `now_ms`, as its holder cuts windows (from the terms in force,
-    /// parsed once when they arrived).
-    pub(super) fn window_at(&self, now_ms: u64) -> allot_shared::window::Window {
-        lock(&self.agent).config().window.containing(now_ms)
-    }
-
-    pub(super) fn new(
-        pool: PoolId,
-        agent: PoolAgent,
-        terms: PoolTerms,
-        fetched_at_ms: u64,
-    ) -> Self {
-        Self {
-            pool,
-            agent: Mutex::new(agent),
-            limit: PoolLimit::new(&terms),
-            terms: Mutex::new((terms, fetched_at_ms)),
-            renewed: Notify::new(),
-            evicted: AtomicBool::new(false),
-            allocator_view: Mutex::new(None),
-        }
-    }
-}
-
-/// A pool's `G` as its terms state it, read lock-free and whole: the base limit, and the
-/// override in force when the terms were fetched (its limit between its start and end).
-pub(super) struct PoolLimit(arc_swap::ArcSwap<(u64, Option<PoolOverride>)>);
-
-impl PoolLimit {
-    fn new(terms: &PoolTerms) -> Self {
-        Self(arc_swap::ArcSwap::from_pointee((
-            terms.limit_tokens,
-            terms.limit_override.clone(),
-        )))
-    }
-
-    /// Takes `terms`' limit and override.
-    pub(super) fn set(&self, terms: &PoolTerms) {
-        self.0
-            .store(Arc::new((terms.limit_tokens, terms.limit_override.clone())));
-    }
-
-    /// `G` at `now_ms`.
-    pub(super) fn at(&self, now_ms: u64) -> u64 {
-        let limits = self.0.load();
-        allot_shared::overrides::limit_at(limits.0, limits.1.as_slice(), now_ms)
-    }
-}
-
 /// A pool whose terms the agent does not hold.
-pub(super) enum Lookup {
+enum Lookup {
     /// Being fetched; the sender is dropped when the fetch ends (single flight).
     Fetching(tokio::sync::watch::Receiver<()>),
     /// Could not be had; requests fail closed from memory until then, epoch ms.
@@ -120,8 +41,8 @@ pub(super) type PoolKey = (TenantId, PoolId);
 /// has, without building (allocating) a key.
 #[derive(Default)]
 pub(super) struct PoolSlots {
-    pub(super) by_tenant: HashMap<TenantId, HashMap<PoolId, Arc<PoolSlot>>>,
-    pub(super) len: usize,
+    by_tenant: HashMap<TenantId, HashMap<PoolId, Arc<PoolSlot>>>,
+    len: usize,
 }
 
 /// The pools an agent holds, the lookups of pools' terms under way or remembered, and the report
@@ -144,7 +65,7 @@ impl PoolRegistry {
         lock(&self.slots)
     }
 
-    pub(super) fn lookups(&self) -> std::sync::MutexGuard<'_, HashMap<PoolKey, Lookup>> {
+    fn lookups(&self) -> std::sync::MutexGuard<'_, HashMap<PoolKey, Lookup>> {
         lock(&self.lookups)
     }
 
@@ -240,11 +161,7 @@ impl Agent {
     pub fn pool_window_ms(&self, tenant: &TenantId, pool: &PoolId) -> Option<u64> {
         let slot = self.pools.get(tenant, pool)?;
         let now_ms = self.clock.now_ms();
-        let length_ms = lock(&slot.agent)
-            .config()
-            .window
-            .containing(now_ms)
-            .length_ms();
+        let length_ms = slot.agent().config().window.containing(now_ms).length_ms();
         Some(length_ms)
     }
 
@@ -389,48 +306,6 @@ impl Agent {
         };
         drop(lookups);
         drop(done);
-    }
-}
-
-/// A pool as this agent sees it at one moment: what `GET /v1/quota` shows, and what a decision by
-/// global rules alone reports.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct PoolFigures {
-    /// The pool's `G`.
-    pub limit_tokens: u64,
-    /// What the window had left to grant when the allocator last answered, plus what this agent
-    /// holds unspent (at most `G`); `None` without an answer in this window.
-    pub remaining_tokens: Option<u64>,
-    /// What this agent holds unspent.
-    pub held_tokens: u64,
-    /// The window's own length, ms (a calendar window's: this month's, this day's).
-    pub window_ms: u64,
-    /// Until the window ends, ms.
-    pub reset_ms: u64,
-    /// The age of the allocator's figure, ms.
-    pub age_ms: Option<u64>,
-}
-
-/// `slot`'s figures at `now_ms`.
-pub(super) fn pool_figures(slot: &PoolSlot, now_ms: u64) -> PoolFigures {
-    let limit_tokens = slot.limit.at(now_ms);
-    // The holder's lock first, as a grant takes them: the figure and the grant it follows.
-    let agent = lock(&slot.agent);
-    let holder = agent.holder();
-    let window = holder.config().window.containing(now_ms);
-    let held_tokens = holder.available_tokens(now_ms);
-    let view = (*lock(&slot.allocator_view)).filter(|view| view.window == window);
-    PoolFigures {
-        limit_tokens,
-        remaining_tokens: view.map(|view| {
-            view.ungranted_tokens
-                .saturating_add(held_tokens)
-                .min(limit_tokens)
-        }),
-        held_tokens,
-        window_ms: window.length_ms(),
-        reset_ms: window.end_ms.saturating_sub(now_ms),
-        age_ms: view.map(|view| now_ms.saturating_sub(view.as_of_ms)),
     }
 }
 

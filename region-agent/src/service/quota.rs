@@ -24,8 +24,7 @@ use allot_shared::limit::multi::{Algorithm, MAX_RULES_PER_REQUEST};
 use allot_shared::policy::{Limit, PolicyBundle, Rule};
 
 use super::bundle::lay_principal_overrides;
-use super::pools::pool_figures;
-use super::{Agent, RequestRejected, lock};
+use super::{Agent, RequestRejected};
 use crate::limiter::{BatchRule, Holding, PlannedBatch, RuleBatch, RuleParams};
 
 /// Most quotas one read shows (the first in evaluation order): at most four store calls.
@@ -204,13 +203,8 @@ impl Agent {
         let Some(slot) = self.slot(tenant, pool).await else {
             return line;
         };
-        line.override_id = lock(&slot.terms)
-            .0
-            .limit_override
-            .as_ref()
-            .filter(|o| o.in_force_at(now_ms))
-            .map(|o| o.id);
-        let figures = pool_figures(&slot, now_ms);
+        line.override_id = slot.override_in_force(now_ms);
+        let figures = slot.figures(now_ms);
         line.limit_units = figures.limit_tokens;
         line.window_ms = figures.window_ms;
         line.reset_ms = figures.reset_ms;

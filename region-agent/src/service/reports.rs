@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use allot_shared::ids::LeaseId;
 
-use super::{Agent, lock};
+use super::Agent;
 use crate::allocator_client::Report;
 use crate::global::PoolReport;
 
@@ -30,7 +30,7 @@ impl Agent {
         for ((tenant, pool), slot) in slots {
             self.report_cursor.fetch_add(1, Ordering::Relaxed);
             let parts = {
-                let mut agent = lock(&slot.agent);
+                let mut agent = slot.agent();
                 let now_ms = self.clock.now_ms();
                 if !agent.owes_report(now_ms) {
                     continue;
@@ -43,7 +43,7 @@ impl Agent {
                 self.note_allocator(&sent);
                 match sent {
                     Ok(()) => {
-                        lock(&slot.agent).reported(&part, self.clock.now_ms());
+                        slot.agent().reported(&part, self.clock.now_ms());
                         self.note_change();
                     }
                     Err(error) => {
@@ -88,7 +88,7 @@ impl Agent {
         let now_ms = self.clock.now_ms();
         let settled = self.pools.snapshot().iter().all(|(_, slot)| {
             let current_start_ms = slot.window_at(now_ms).start_ms;
-            lock(&slot.agent)
+            slot.agent()
                 .holder()
                 .fallback_settled_from(current_start_ms)
         });

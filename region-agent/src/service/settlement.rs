@@ -275,7 +275,7 @@ impl Agent {
                 continue;
             };
             let now_ms = self.clock.now_ms();
-            let charged = lock(&slot.agent).charge(extra_tokens, now_ms);
+            let charged = slot.agent().charge(extra_tokens, now_ms);
             for (outcome, tokens) in [
                 ("paid", charged.paid_tokens),
                 ("owed", charged.owed_tokens),

@@ -25,8 +25,9 @@ use allot_shared::contract::AdmissionRequest;
 use allot_shared::ids::{DecisionId, PoolId, TenantId};
 use allot_shared::policy::{Limit, Rule};
 
+use super::pool_slot::PoolSlot;
+use super::pools::TERMS_RETRY_MS;
 use super::pools::global_cost_tokens;
-use super::pools::{PoolSlot, TERMS_RETRY_MS};
 use super::settings::POLICY_UNAVAILABLE_RETRY_MS;
 pub use super::sublease_demand::{DEMAND_FRESH_MS, MAX_SUBSCRIPTIONS};
 use super::{Agent, lock};
@@ -54,7 +55,7 @@ impl Drop for CarvedPool {
     fn drop(&mut self) {
         if let Some(reservation) = self.reservation.take() {
             let left = reservation.tokens();
-            lock(&self.slot.agent).holder_mut().withhold(reservation);
+            self.slot.agent().holder_mut().withhold(reservation);
             if left > 0 {
                 metrics::counter!(crate::metrics::RLQS_TOKENS_EXPIRED_UNUSED,
                     "tenant" => self.tenant.to_string(), "pool" => self.pool.to_string())
@@ -260,7 +261,7 @@ impl Agent {
                 ask.wanted_requests.saturating_mul(part.tokens_per_request),
                 now_ms,
             );
-            let mut agent = lock(&part.slot.agent);
+            let mut agent = part.slot.agent();
             let holder = agent.holder_mut();
             let chunk_tokens = holder.config().chunk_tokens.max(1);
             let spendable = holder.spendable_tokens(now_ms, reachable).min(chunk_tokens);
@@ -290,9 +291,9 @@ impl Agent {
                 total_wanted.max(part.tokens_per_request)
             };
             let reserved = {
-                let mut agent = lock(&part.slot.agent);
+                let mut agent = part.slot.agent();
                 let holder = agent.holder_mut();
-                if part.slot.evicted.load(std::sync::atomic::Ordering::Acquire) {
+                if part.slot.is_evicted() {
                     None
                 } else {
                     let cost_tokens = cost_tokens.min(holder.config().chunk_tokens.max(1));
@@ -302,7 +303,7 @@ impl Agent {
             self.renew_if_wanted(tenant, part.pool, &part.slot);
             match reserved {
                 Some(Ok(reservation)) if requests > 0 => {
-                    let agent = lock(&part.slot.agent);
+                    let agent = part.slot.agent();
                     let holder = agent.holder();
                     carve.usable_until_ms = carve
                         .usable_until_ms
@@ -320,7 +321,7 @@ impl Agent {
                 // Nothing to give, yet a request's worth was reservable (it came meanwhile):
                 // ask again.
                 Some(Ok(reservation)) => {
-                    lock(&part.slot.agent).cancel(reservation);
+                    part.slot.agent().cancel(reservation);
                     self.cancel_carve(carve);
                     return Err(Carving::Awaiting);
                 }
@@ -353,7 +354,9 @@ impl Agent {
         if matches!(carving, Carving::Awaiting) {
             let now_ms = self.clock.now_ms();
             for part in parts {
-                let wanted = lock(&part.slot.agent)
+                let wanted = part
+                    .slot
+                    .agent()
                     .fallback_claim_wanted(part.tokens_per_request, now_ms)
                     .is_some()
                     && self.journaling.keeps_state()
@@ -433,7 +436,8 @@ impl Agent {
         }
         for part in &mut carve.pools {
             if let Some(reservation) = part.reservation.as_mut() {
-                lock(&part.slot.agent)
+                part.slot
+                    .agent()
                     .holder_mut()
                     .give_back(reservation, excess * part.tokens_per_request);
             }
@@ -445,7 +449,7 @@ impl Agent {
     pub fn cancel_carve(&self, mut carve: Carve) {
         for part in &mut carve.pools {
             if let Some(reservation) = part.reservation.take() {
-                lock(&part.slot.agent).cancel(reservation);
+                part.slot.agent().cancel(reservation);
             }
         }
     }
@@ -460,7 +464,7 @@ impl Agent {
         let now_ms = self.clock.now_ms();
         for part in &mut carve.pools {
             if let Some(reservation) = part.reservation.as_mut() {
-                lock(&part.slot.agent).holder_mut().draw(
+                part.slot.agent().holder_mut().draw(
                     reservation,
                     drawn * part.tokens_per_request,
                     now_ms,
@@ -477,7 +481,8 @@ impl Agent {
     pub fn note_denied(&self, carve: &Carve, requests: u64) {
         let now_ms = self.clock.now_ms();
         for part in &carve.pools {
-            lock(&part.slot.agent)
+            part.slot
+                .agent()
                 .holder_mut()
                 .note_demand(now_ms, requests * part.tokens_per_request);
         }
@@ -528,7 +533,7 @@ impl Agent {
         let reachable = self.allocator_reachable();
         let mut backed = requests;
         for part in &parts {
-            let mut agent = lock(&part.slot.agent);
+            let mut agent = part.slot.agent();
             let holder = agent.holder_mut();
             let spendable = holder
                 .spendable_tokens(now_ms, reachable)
@@ -537,7 +542,7 @@ impl Agent {
         }
         if backed > 0 {
             for part in &parts {
-                let mut agent = lock(&part.slot.agent);
+                let mut agent = part.slot.agent();
                 let holder = agent.holder_mut();
                 let _ = holder.spend(backed * part.tokens_per_request, now_ms, reachable);
             }

@@ -6,10 +6,9 @@ use std::sync::atomic::Ordering;
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
 use allot_shared::wire::GrantAnswer;
 
-use super::pools::{
-    AllocatorView, MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, PoolSlot, TERMS_REFRESH_MS,
-};
-use super::{Agent, lock};
+use super::Agent;
+use super::pool_slot::{AllocatorView, PoolSlot};
+use super::pools::{MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, TERMS_REFRESH_MS};
 use crate::global::GrantCall;
 use crate::global::clock_offset::ClockOffset;
 use crate::global::driver::RenewalOutcome;
@@ -24,19 +23,19 @@ impl Agent {
         let mut stale = Vec::new();
         for (key, slot) in slots {
             let mut pools = self.pools.slots();
-            let mut agent = lock(&slot.agent);
+            let mut agent = slot.agent();
             let current = pools
                 .get(&key.0, &key.1)
                 .is_some_and(|s| Arc::ptr_eq(s, &slot));
             if current && agent.is_idle(now_ms, POOL_IDLE_MS) {
-                slot.evicted.store(true, Ordering::Release);
+                slot.mark_evicted(&agent);
                 self.pools
                     .note_evicted_drops(agent.holder().dropped_reports());
                 pools.remove(&key);
                 continue;
             }
             drop((agent, pools));
-            let fetched_at_ms = lock(&slot.terms).1;
+            let fetched_at_ms = slot.terms_fetched_at_ms();
             if now_ms.saturating_sub(fetched_at_ms) >= TERMS_REFRESH_MS {
                 stale.push((fetched_at_ms, key, slot));
             }
@@ -54,20 +53,16 @@ impl Agent {
                     let Some(config) = self.holder_config(&terms) else {
                         continue;
                     };
-                    let mut in_force = lock(&slot.terms);
-                    if in_force.0 != terms {
-                        tracing::info!(%tenant, %pool, version = terms.version, "pool terms updated");
-                        lock(&slot.agent).retune(config);
-                        slot.limit.set(&terms);
-                        in_force.0 = terms;
+                    let version = terms.version;
+                    if slot.take_terms(terms, config, self.clock.now_ms()) {
+                        tracing::info!(%tenant, %pool, version, "pool terms updated");
                         self.note_change();
                     }
-                    in_force.1 = self.clock.now_ms();
                 }
                 Ok(None) => {
                     // Deleted: its leases run out, renewals answer nothing; it is forgotten when idle.
                     tracing::warn!(%tenant, %pool, "a held pool no longer exists at the allocator");
-                    lock(&slot.terms).1 = self.clock.now_ms();
+                    slot.terms_checked(self.clock.now_ms());
                 }
                 Err(error) => {
                     tracing::debug!(%error, "pool terms not refreshed; next round");
@@ -90,7 +85,7 @@ impl Agent {
         let asked = {
             let now_ms = self.clock.now_ms();
             let fresh = LeaseId::from_parts(now_ms, rand::random());
-            lock(&slot.agent).renewal_to_ask(now_ms, fresh)
+            slot.agent().renewal_to_ask(now_ms, fresh)
         };
         let Some(ask) = asked else {
             return;
@@ -128,7 +123,7 @@ impl Agent {
             // Under the agent's lock, so that a quota read sees the grant and the allocator's
             // figure after it together.
             let outcome = {
-                let mut pool_agent = lock(&slot.agent);
+                let mut pool_agent = slot.agent();
                 let Some(outcome) = pool_agent.renewal_answered(&call, agent.clock.now_ms()) else {
                     return;
                 };
@@ -159,7 +154,7 @@ impl Agent {
             if called.as_ref().is_ok_and(Option::is_some) {
                 agent.note_change();
             }
-            slot.renewed.notify_waiters();
+            slot.note_renewal_ended();
         });
     }
 }
@@ -200,7 +195,7 @@ fn note_allocator_view(slot: &PoolSlot, answer: &GrantAnswer, asked_at_ms: u64) 
         return;
     };
     let answered_late_ms = answer.answered_at_ms().saturating_sub(answer.issued_at_ms);
-    *lock(&slot.allocator_view) = Some(AllocatorView {
+    slot.set_allocator_view(AllocatorView {
         ungranted_tokens,
         window: allot_shared::window::Window {
             start_ms: answer.window_start_ms,
