@@ -1,0 +1,206 @@
+//! The shipped grant service for the drill's pools, as the agents reach it: the pools put in the
+//! embedded store, one leader granting, and a failover to the next epoch's leader.
+
+use std::sync::Arc;
+
+use allot_allocator::clock::{Clock, ManualClock};
+use allot_allocator::grants::Grantor;
+use allot_allocator::kv::memory::MemoryKv;
+use allot_allocator::kv::{Kv, Op};
+use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
+use allot_allocator::pools::get_window;
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig};
+use allot_shared::wire::GrantAnswer;
+use tokio::sync::watch;
+
+use super::{DrillError, store};
+
+/// The shipped grant service for the drill's pools, as the agents reach it.
+pub(super) struct DrillAllocator {
+    pub(super) kv: Arc<dyn Kv>,
+    leadership: Leadership,
+    /// Keeps the current leader's role readable.
+    role_sender: watch::Sender<Role>,
+    clamping: LeaseClamping,
+    grantor: Grantor,
+    pub(super) tenants: Vec<TenantId>,
+    /// The pool each region draws from, by tenant and region index.
+    pools: Vec<Vec<PoolId>>,
+    /// Lease ids are made from the virtual time and this counter (unique, reproducible).
+    pub(super) leases_asked: u128,
+}
+
+impl DrillAllocator {
+    /// The first allocator, leading over `pools` of `tenants` (its leader key outlives any drill:
+    /// failover drills replace it explicitly).
+    pub(super) async fn lead(
+        kv: Arc<dyn Kv>,
+        clock: &Arc<ManualClock>,
+        clamping: LeaseClamping,
+        tenants: Vec<TenantId>,
+        pools: Vec<Vec<PoolId>>,
+    ) -> Result<Self, DrillError> {
+        let leadership = try_acquire(&*kv, "drill-allocator", "http://drill", 1 << 40)
+            .await
+            .map_err(store)?
+            .ok_or_else(|| {
+                DrillError::Broken("the drill allocator did not become leader".into())
+            })?;
+        let (role_sender, role) = watch::channel(Role::Leader(leadership));
+        Ok(Self {
+            grantor: Grantor::new(
+                kv.clone(),
+                clock.clone() as Arc<dyn Clock>,
+                role,
+                clamping,
+                None,
+            ),
+            kv,
+            leadership,
+            role_sender,
+            clamping,
+            tenants,
+            pools,
+            leases_asked: 0,
+        })
+    }
+
+    pub(super) async fn grant(
+        &mut self,
+        tenant: usize,
+        region_index: usize,
+        region: &RegionId,
+        lease_id: LeaseId,
+        want_tokens: u64,
+    ) -> Result<GrantAnswer, DrillError> {
+        self.grantor
+            .grant(
+                &self.tenants[tenant],
+                &self.pools[tenant][region_index],
+                GrantRequest {
+                    lease_id,
+                    region: region.clone(),
+                    want_tokens,
+                },
+            )
+            .await
+            .map_err(|e| DrillError::Broken(format!("grant failed: {e}")))
+    }
+
+    /// Replaces the leader: the old one loses its store lease (it crashed or was partitioned away),
+    /// a new one takes over with the next epoch. Returns, per tenant, the tokens granted in the
+    /// current window that the new leader cannot see (0 when records are kept).
+    pub(super) async fn fail_over(
+        &mut self,
+        config: &PoolConfig,
+        clock: &Arc<ManualClock>,
+        records_kept: bool,
+        now_ms: u64,
+    ) -> Result<Vec<u64>, DrillError> {
+        let deposed = std::mem::replace(
+            &mut self.grantor,
+            Grantor::new(
+                self.kv.clone(),
+                clock.clone() as Arc<dyn Clock>,
+                self.role_sender.subscribe(),
+                self.clamping,
+                None,
+            ),
+        );
+        self.kv.revoke(self.leadership.lease).await.map_err(store)?;
+        let mut lost = vec![0; self.tenants.len()];
+        if !records_kept {
+            let current = config.window_at(now_ms);
+            for (t, tenant) in self.tenants.iter().enumerate() {
+                let mut pools = self.pools[t].clone();
+                pools.dedup();
+                for pool in &pools {
+                    lost[t] += get_window(&*self.kv, tenant, pool)
+                        .await
+                        .map_err(store)?
+                        .filter(|(state, _)| state.window == current)
+                        .map_or(0, |(state, _)| state.granted_tokens());
+                }
+            }
+            // The replica the new leader reads kept configurations and the epoch, not the grants.
+            let replica: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
+            let mut puts = Vec::new();
+            for (key, value) in self
+                .kv
+                .get_prefix("/allot/", 1 << 20)
+                .await
+                .map_err(store)?
+            {
+                if key.starts_with("/allot/pools/") || key == EPOCH_KEY {
+                    puts.push(Op::Put {
+                        key,
+                        value: value.value,
+                        lease: None,
+                    });
+                }
+            }
+            for batch in puts.chunks(allot_allocator::kv::MAX_TXN_OPS) {
+                replica
+                    .txn(Vec::new(), batch.to_vec())
+                    .await
+                    .map_err(store)?;
+            }
+            self.kv = replica;
+        }
+        let leadership = try_acquire(&*self.kv, "drill-allocator-2", "http://drill-2", 1 << 40)
+            .await
+            .map_err(store)?
+            .ok_or_else(|| DrillError::Broken("the new allocator did not become leader".into()))?;
+        debug_assert!(leadership.epoch > self.leadership.epoch);
+        self.leadership = leadership;
+        let (role_sender, role) = watch::channel(Role::Leader(leadership));
+        self.role_sender = role_sender;
+        self.grantor = Grantor::new(
+            self.kv.clone(),
+            clock.clone() as Arc<dyn Clock>,
+            role,
+            self.clamping,
+            None,
+        );
+        if records_kept {
+            // The deposed leader still believes it leads; its writes must be fenced off.
+            self.leases_asked += 1;
+            let region = config
+                .regions()
+                .first()
+                .cloned()
+                .ok_or_else(|| DrillError::Broken("a pool has at least one region".into()))?;
+            let attempt = deposed
+                .grant(
+                    &self.tenants[0],
+                    &self.pools[0][0],
+                    GrantRequest {
+                        lease_id: LeaseId::from_parts(now_ms, self.leases_asked),
+                        region,
+                        want_tokens: 1,
+                    },
+                )
+                .await;
+            // Fenced off, a deposed allocator says it does not lead. Tokens from it would be a
+            // grant the new leader cannot know of; a refusal from it, an answer from a stale cache.
+            match attempt {
+                Ok(record) if record.granted_tokens > 0 => {
+                    return Err(DrillError::Broken(format!(
+                        "a deposed allocator granted {} tokens after the failover",
+                        record.granted_tokens
+                    )));
+                }
+                Ok(_) => {
+                    return Err(DrillError::Broken(
+                        "a deposed allocator answered from its cache after the failover instead \
+                         of saying it does not lead"
+                            .to_owned(),
+                    ));
+                }
+                Err(_) => {}
+            }
+        }
+        Ok(lost)
+    }
+}
