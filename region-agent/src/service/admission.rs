@@ -29,7 +29,7 @@
 //! the tenant's pool (one user flooding past a per-user bucket must not starve the tenant's others).
 //!
 //! The allocator is never called on the request path except when a pool has no lease at all (the
-//! request waits up to [`FIRST_GRANT_WAIT`] for the renewal it triggered).
+//! request waits up to [`FIRST_GRANT_WAIT`](super::settings::FIRST_GRANT_WAIT) for the renewal it triggered).
 
 use allot_shared::contract::{AdmissionRequest, AdvisoryMode, Decision, DeniedScope, Reason};
 use allot_shared::policy::{Limit, PolicyBundle, Rule};

@@ -1,4 +1,4 @@
-//! The drill engine: the shipped allocator grant service ([`Grantor`] over the embedded
+//! The drill engine: the shipped allocator grant service ([`Grantor`](allot_allocator::grants::Grantor) over the embedded
 //! [`MemoryKv`]) and the shipped agent lease loop ([`PoolAgent`], the very type the agent service
 //! runs, around its `PoolHolder`) driven in virtual time, with the scenario's demand and faults
 //! applied at their seams (the store, the clock, the transport).
@@ -10,7 +10,7 @@
 //! [`REPORT_EVERY_MS`] the agent reports what its pools owe, and learns from the call, as from any,
 //! whether the allocator is reachable. Faults act where they would in production: a partition fails
 //! the agent's calls; a lost answer is granted but never delivered, so the call ends only when the
-//! agent gives up on it ([`CALL_TIMEOUT`]); latency delays delivery; a crash loses the agent's
+//! agent gives up on it ([`CALL_TIMEOUT`](allot_region_agent::allocator_client::CALL_TIMEOUT)); latency delays delivery; a crash loses the agent's
 //! memory; a skewed clock is the agent's clock.
 //!
 //! Determinism: one task, one virtual clock, a seeded generator for every random choice; the same
@@ -54,7 +54,7 @@ pub const REPORT_EVERY_MS: u64 = 1_000;
 #[derive(Debug, Clone)]
 struct InFlight {
     deliver_at_ms: u64,
-    /// When the agent's call gives up waiting ([`CALL_TIMEOUT`] after it was sent): an answer due
+    /// When the agent's call gives up waiting ([`CALL_TIMEOUT`](allot_region_agent::allocator_client::CALL_TIMEOUT) after it was sent): an answer due
     /// later never reaches the holder; the call fails then (the grant stays committed).
     gives_up_at_ms: u64,
     /// The lease's end on the allocator's (true) clock, to check spends against.
