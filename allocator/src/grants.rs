@@ -647,6 +647,12 @@ impl PoolWorker {
     }
 
     /// Decides the batch and commits it in one transaction.
+    ///
+    /// Long by design: its order is the grant's safety: the plan is made on the cached revisions,
+    /// committed only if the fence and those revisions still hold, the cache moved only on success,
+    /// and the answers sent only after the commit (or after the fence is checked again when nothing
+    /// was committed); split, a piece could be called out of that order, and a retry's early
+    /// returns would be spread over several functions.
     async fn attempt(&mut self, leadership: Leadership, batch: &mut Vec<Pending>) -> Attempt {
         let Some(cache) = self.cache.as_ref() else {
             return Attempt::Retry;

@@ -152,6 +152,11 @@ pub struct ElectionConfig {
 
 /// Runs the election loop until `shutdown` resolves, publishing this node's role. On shutdown a
 /// leader revokes its lease, so a successor takes over at once instead of after the TTL.
+///
+/// Long by design: the election is one state machine over the node's role, and its step-down rule
+/// (once two thirds of the TTL pass without a renewal) reads the last renewal time that both the
+/// leader's and the candidate's arms write; split, that time would be state shared between
+/// functions, and when a leader stops claiming would be read apart from when it last renewed.
 pub async fn run_election(
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,

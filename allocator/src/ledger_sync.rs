@@ -263,6 +263,11 @@ pub const WINDOW_GAUGE_SETTLE_MS: u64 = 5_000;
 /// bound of its latest settled window. On the way, checks every window that settled against its
 /// bound (the ledger's `bound_checks`), again on each visit for [`BOUND_RECHECK_MS`] after it ended
 /// (and over the gap between visits), counting windows checked and violations.
+///
+/// Long by design: it is one round of the ledger's gauges, and each pool visited reads its windows
+/// once for both uses, the bound checks and the gauges of its latest settled window; split, the
+/// windows would be read twice a visit or handed between functions, and the round's metrics would
+/// no longer be listed in one place.
 pub async fn publish_ledger_gauges(
     ledger: &Ledger,
     kv: &dyn Kv,

@@ -182,6 +182,11 @@ fn read_token_lines(flag: &str, path: Option<&Path>) -> Result<Vec<String>, Stri
 
 impl Args {
     /// Resolves flags, environment, the TOML file and defaults into settings, or a one-line error.
+    ///
+    /// Long by design: it fills the one `Settings` literal, each setting taking the flag, else the
+    /// file, else the default, with its range checked beside it, and some settings follow from
+    /// others resolved before them (the advertised URL's scheme from TLS, the ledger's file from
+    /// the data directory); split, those would be passed between the pieces.
     pub fn resolve(self) -> Result<Settings, String> {
         let file: FileSettings = match &self.config {
             None => FileSettings::default(),
@@ -340,6 +345,11 @@ pub async fn open_store(settings: &Settings, clock: Arc<dyn Clock>) -> Result<Ar
 
 /// Serves the allocator on `listener` over `kv` until `shutdown` resolves, then stops taking requests,
 /// finishes those in flight and gives up leadership.
+///
+/// Long by design: the background tasks it starts (election, ledger feed, etcd upkeep, webhooks,
+/// tokens) share its role channel and shutdown, and it ends each one once serving stops: the
+/// election and the ledger feed awaited, so leadership is given up and the feed drained, the rest
+/// aborted; split, how a task ends would be read away from where it starts.
 pub async fn run(
     settings: Settings,
     kv: Arc<dyn Kv>,

@@ -192,6 +192,11 @@ pub async fn keep_webhooks(
 
 /// Looks at the next [`POOLS_PER_SWEEP`] (webhook, pool) pairs from `rotation` and records each
 /// threshold reached in the pool's current window; the rotation to start from next time.
+///
+/// Long by design: each event records the very figures that crossed its threshold (the window's
+/// grants, the fallback admitted, the limit in force), read for its pair just above it, and the
+/// rotation returned indexes the list of pairs built in the same call; split, those figures would
+/// be handed on to the recording and the list to the rotation.
 async fn sweep(
     ledger: &Ledger,
     kv: &dyn Kv,

@@ -132,6 +132,14 @@ impl AllocatorClient {
         })
     }
 
+    /// One call to the allocators, trying each from the last that answered, and following a "not
+    /// the leader" answer to the leader it names: the answer read as `T`, `None` for an empty body
+    /// or a 404, `Err` for a refusal or when none answers.
+    ///
+    /// Long by design: one loop carries the whole failover: the next allocator to try, a redirect
+    /// to the named leader taken before it, and the last error kept for the answer when all fail;
+    /// split, that state would be passed in and out of each attempt, and which answers move on and
+    /// which end the call would be read in several places.
     async fn call<T: DeserializeOwned>(
         &self,
         method: reqwest::Method,

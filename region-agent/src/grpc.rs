@@ -508,6 +508,11 @@ impl RateLimitApi {
     /// One `ShouldRateLimit` call: its checks (`hits_addend` 0) first, then every descriptor that
     /// spends decided together, all or none ([`Agent::admit_together`]), then charges after the
     /// response; an outage answers `UNAVAILABLE` (so Envoy's `failure_mode_deny` decides).
+    ///
+    /// Long by design: its passes over the descriptors (checks, then the spending ones together,
+    /// then charges, then releases) fill one list of statuses by index and one answer whose `over`
+    /// the later passes read; split, the statuses and the answer would be threaded through every
+    /// pass, and the order that keeps an over call from spending would be read in several places.
     async fn decide(
         &self,
         request: Request<RateLimitRequest>,

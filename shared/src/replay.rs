@@ -99,6 +99,11 @@ pub fn replay(bundle: &PolicyBundle, samples: &[ReplaySample], pepper: &Pepper) 
 }
 
 /// [`replay`], with `options`.
+///
+/// Long by design: it is the data plane's admission step run once per sample, in the data plane's
+/// order (match the rules, read their states, decide them all, write the states only when nothing
+/// denied), with the report counted at each branch; split, the in-memory store and the report would
+/// be threaded through every piece, and the order would be harder to hold against the data plane's.
 pub fn replay_with(
     bundle: &PolicyBundle,
     samples: &[ReplaySample],

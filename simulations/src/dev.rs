@@ -346,6 +346,11 @@ type MeteredCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<u64, Metere
 
 /// The metered chat route: a request every 100 ms per 10 demo requests a second, through EU,
 /// admitted with an estimate and settled with what the response used once it is done.
+///
+/// Long by design: one chat request's life (admitted with the estimate, the model's answer, settled
+/// with what it used, counted in its minute) is one spawned task that carries its decision id from
+/// the admission to the settlement; split, that id and the minute's counts would be passed between
+/// pieces that each mean nothing alone.
 async fn metered_chat(
     agent: Arc<Agent>,
     counts: MeteredCounts,

@@ -1,11 +1,14 @@
 //! ARCHITECTURE.md stays true: its code map names every module of every crate and only paths that
 //! exist, every top-level folder and script has its place in it, its invariants are numbered in
-//! order, and no document speaks of issue numbers.
+//! order, no document speaks of issue numbers, the agent service calls only downward, and files
+//! and functions stay a size a reader can hold.
 
 use std::path::{Path, PathBuf};
 
 #[path = "architecture/layers.rs"]
 mod layers;
+#[path = "architecture/sizes.rs"]
+mod sizes;
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -653,4 +656,104 @@ fn every_anchor_the_docs_link_to_exists() {
         broken.is_empty(),
         "links to headings that do not exist: {broken:?}"
     );
+}
+
+/// Every production source file: each crate's `src/`, without the test crates and the files of
+/// test modules (a `tests` folder or a `tests.rs`).
+fn production_files(root: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    for member in workspace_members(root) {
+        if member == "tests" || member.starts_with("tests/") {
+            continue;
+        }
+        rust_files(root, &root.join(&member).join("src"), &mut files);
+    }
+    files.retain(|file| !file.contains("/tests/") && !file.ends_with("/tests.rs"));
+    files.sort();
+    files
+}
+
+#[test]
+fn no_production_file_is_longer_than_its_limit() {
+    let root = repo_root();
+    let files = production_files(&root);
+    assert!(files.len() > 100, "found only {} files", files.len());
+    let too_long: Vec<String> = files
+        .iter()
+        .filter_map(|file| {
+            let lines = read(&root.join(file)).lines().count();
+            let limit = if file.starts_with("region-agent/src/service/") {
+                sizes::MAX_SERVICE_FILE_LINES
+            } else {
+                sizes::MAX_FILE_LINES
+            };
+            (lines > limit).then(|| format!("{file}: {lines} lines, the limit {limit}"))
+        })
+        .collect();
+    assert!(too_long.is_empty(), "files over their limit: {too_long:#?}");
+}
+
+#[test]
+fn every_long_function_states_why() {
+    let root = repo_root();
+    let mut unexplained = Vec::new();
+    for file in production_files(&root) {
+        let found = sizes::unexplained_long_functions(&read(&root.join(&file)))
+            .unwrap_or_else(|e| panic!("{file} does not parse: {e}"));
+        unexplained.extend(found.into_iter().map(|function| {
+            format!(
+                "{file}:{} {} ({} lines)",
+                function.line, function.name, function.body_lines
+            )
+        }));
+    }
+    assert!(
+        unexplained.is_empty(),
+        "functions over {} lines whose doc comment does not say \"{}\" and why: {unexplained:#?}",
+        sizes::MAX_FUNCTION_LINES,
+        sizes::REASON_MARKER
+    );
+}
+
+/// A function of `name` whose body is `body_lines` long (braces included), after `doc`.
+fn function_of(doc: &str, name: &str, body_lines: usize) -> String {
+    let statements = "    let _ = 1;\n".repeat(body_lines - 2);
+    format!("{doc}fn {name}() {{\n{statements}}}\n")
+}
+
+#[test]
+fn the_size_check_catches_a_long_function_without_a_reason() {
+    let limit = sizes::MAX_FUNCTION_LINES;
+    let names = |source: &str| -> Vec<String> {
+        sizes::unexplained_long_functions(source)
+            .expect("parses")
+            .into_iter()
+            .map(|function| function.name)
+            .collect()
+    };
+    assert_eq!(
+        names(&function_of("", "at_the_limit", limit)),
+        Vec::<String>::new()
+    );
+    assert_eq!(names(&function_of("", "over", limit + 1)), ["over"]);
+    let explained = function_of(
+        "/// Reads as one story.\n/// Long by\n/// design: one match keeps every case in view.\n",
+        "explained",
+        limit + 1,
+    );
+    assert_eq!(names(&explained), Vec::<String>::new());
+    let method = format!(
+        "struct S;\nimpl S {{\n{}}}\n",
+        function_of("", "method", limit + 5)
+    );
+    assert_eq!(names(&method), ["method"]);
+    let nested = format!("fn outer() {{\n{}}}\n", function_of("", "inner", limit + 1));
+    assert_eq!(names(&nested), ["outer", "inner"]);
+    let in_a_test_module = format!(
+        "#[cfg(test)]\nmod tests {{\n{}}}\n",
+        function_of("", "long_test_helper", limit + 1)
+    );
+    assert_eq!(names(&in_a_test_module), Vec::<String>::new());
+    let a_test = function_of("#[tokio::test]\n", "long_test", limit + 1);
+    assert_eq!(names(&a_test), Vec::<String>::new());
 }

@@ -493,6 +493,11 @@ fn duration_ms(text: &str) -> Result<u64, String> {
         .ok_or_else(refused)
 }
 
+/// Every overrides command as the API call it makes.
+///
+/// Long by design: it is one match over the overrides commands, each arm turning its flags into
+/// that command's call; most of its length is `set`, whose flags become one body with absent fields
+/// left out, and split, that body would be built away from the flags it is made of.
 fn overrides_call(command: OverridesCommand) -> Result<Call, String> {
     let path = |tenant: &str, id: &str| format!("/v1/overrides/{}/{}", encode(tenant), encode(id));
     Ok(match command {
@@ -845,6 +850,12 @@ async fn usage_export(
     }
 }
 
+/// Runs the command against the allocator the flags name: most commands are one API call, performed
+/// and shown here; the others (paging, files, local work) answer on their own.
+///
+/// Long by design: it is one match over every command, read as the table of what each command does:
+/// an arm returns its own answer or gives the one call that is performed and shown at the end;
+/// split, which commands take the shared path would be read in several places.
 async fn execute(cli: Cli) -> Result<String, String> {
     let target = target_of(&cli)?;
     let json = cli.json;

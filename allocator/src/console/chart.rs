@@ -55,6 +55,12 @@ pub fn window_chart_svg(windows: &[WindowRow]) -> String {
     svg
 }
 
+/// Draws `windows` into `svg`: each window's stacked regions, its bars and its marks, on one pair
+/// of axes scaled to the largest of them.
+///
+/// Long by design: every series is drawn on the one chart whose y range is the largest value of all
+/// of them, and each series' x position is a slot of the same layout per window (a gap, the stack,
+/// the bars, a gap); split, the chart, its scale and that layout would be handed to every piece.
 fn draw(svg: &mut String, windows: &[WindowRow]) -> Result<(), String> {
     let oldest_first: Vec<&WindowRow> = windows.iter().rev().collect();
     let slots = oldest_first.len().max(1) as u32;

@@ -26,6 +26,13 @@ pub struct ListQuery {
     after: Option<String>,
 }
 
+/// The overrides page: a tenant's overrides or everyone's, in force and ended, paged after a cursor
+/// as the API pages them.
+///
+/// Long by design: most of it is one `html!` template in the order the page reads (search, table,
+/// pager), a row cell per field of an override, the search and the cursor shared by the query sent
+/// to the API and the page's links; split, the page's markup would be spread over fragments that
+/// are never shown alone.
 pub async fn page(
     State(console): State<ConsoleState>,
     query: Result<Query<ListQuery>, QueryRejection>,

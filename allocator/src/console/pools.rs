@@ -65,6 +65,12 @@ fn standing(row: &WindowRow) -> Markup {
     }
 }
 
+/// The pool list: a search by tenant/pool prefix, a page of pools each with its current window
+/// against its bound, and the bound checks of settled windows.
+///
+/// Long by design: most of it is one `html!` template in the order the page reads (search, bound
+/// checks, table, pager), its parts sharing the search and the cursor; split, the page's markup
+/// would be spread over fragments that are never shown alone.
 pub async fn list(
     State(console): State<ConsoleState>,
     query: Result<Query<ListQuery>, QueryRejection>,
@@ -387,6 +393,12 @@ fn form_field(problem: &ApiProblem) -> Option<&str> {
     })
 }
 
+/// The form that creates a pool (`editing` false) or edits one, its fields marked where `problem`
+/// names one of them.
+///
+/// Long by design: it is one `html!` template of the form's fields in the order they are shown,
+/// each marking itself from the one field the problem names; split, the form would be read in
+/// pieces that are never shown alone.
 fn pool_form(
     session: &super::session::Session,
     form: &PoolForm,
@@ -631,6 +643,11 @@ pub async fn detail(
 }
 
 /// The live part of a pool's page: this window, the chart and the last windows.
+///
+/// Long by design: it is one `html!` template whose parts (cards, this window by region, chart,
+/// windows, fallback by agent) all come from the one list of windows fetched at its top, and are
+/// refreshed together as one fragment; split, each part would take the same list and the page would
+/// be read in pieces.
 async fn live_fragment(api: &super::api::Api, view: &PoolView) -> Markup {
     let path = format!(
         "/v1/pools/{}/{}/windows?last={WINDOWS_SHOWN}",

@@ -14,6 +14,13 @@ use crate::http::{PolicyStatus, RegionList};
 /// seconds; their status keys expire soon after they stop).
 const LATE_AFTER_MS: u64 = 15_000;
 
+/// The regions page's status: the rollout's cards, a row per region (its agents, pools, fallback,
+/// the version it should run and its peppers) and a row per agent.
+///
+/// Long by design: it is one `html!` template whose cards and tables all read the same rollout (the
+/// version each region should run, whether each agent is current), its region rows being the list
+/// merged above it from the agents and the ledger; split, the rollout and that list would be passed
+/// to every part.
 fn status_fragment(status: &PolicyStatus, ledger: &RegionList, now_ms: u64) -> Markup {
     let mut regions: Vec<_> = status
         .agents

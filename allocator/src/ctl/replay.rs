@@ -10,6 +10,11 @@ use allot_shared::replay::{ReplayOptions, ReplayReport, ReplaySample, replay_wit
 /// Replays the sample against both bundles and renders the per-rule comparison; with
 /// `options.enforce_advisory`, the candidate's shadow and soft rules are replayed as if enforced
 /// (the current bundle runs as it does).
+///
+/// Long by design: it renders the comparison as the operator reads it, top to bottom (the overall
+/// rates, a row per rule of either bundle side by side, then what only the candidate shows), every
+/// line drawn from the same two reports and the one rate format; split, the two reports and that
+/// format would be passed to each section.
 pub fn replay_comparison(
     current: &PolicyBundle,
     candidate: &PolicyBundle,

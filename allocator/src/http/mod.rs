@@ -102,6 +102,10 @@ pub struct ApiState {
 /// The API's routes, without the listener's bounds ([`listener_limits`]): the listener applies
 /// them once around the API and the console, and the console calls these routes in-process from
 /// within a request they already cover.
+///
+/// Long by design: it is the API's one table of routes, every path with its methods and handlers,
+/// read as one list; split, what the API serves, and which route carries its own body limit, could
+/// no longer be seen in one place.
 pub fn routes(state: ApiState) -> Router {
     Router::new()
         .route("/healthz", get(ops::healthz))

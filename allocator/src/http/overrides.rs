@@ -167,6 +167,11 @@ impl From<OverrideStoreError> for ApiError {
 }
 
 /// `spec` read into an override to create, every field checked; names the field at fault.
+///
+/// Long by design: an override's fields are checked against one another (a pool or a rule, never
+/// both; the amounts each kind allows), and one match over the pair of pool and rule gives each
+/// kind its own checks beside the target it builds; split, which fields belong to which kind would
+/// be read in several places.
 fn new_override(
     spec: OverrideSpec,
     pepper: Option<&Pepper>,

@@ -670,6 +670,35 @@ fn check_bulk(body: &BulkPools) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// What a bulk call did: how many pools it created, updated and left unchanged, and each pool's
+/// version and outcome, in the order they were listed.
+fn bulk_answer(
+    entries: Vec<(TenantId, PoolId, PoolSpec)>,
+    written: Vec<(pools::StoredPool, pools::BulkOutcome)>,
+) -> BulkAnswer {
+    let count = |wanted: pools::BulkOutcome| {
+        written
+            .iter()
+            .filter(|(_, outcome)| *outcome == wanted)
+            .count() as u64
+    };
+    BulkAnswer {
+        created: count(pools::BulkOutcome::Created),
+        updated: count(pools::BulkOutcome::Updated),
+        unchanged: count(pools::BulkOutcome::Unchanged),
+        pools: entries
+            .into_iter()
+            .zip(written)
+            .map(|((tenant, pool, _), (stored, outcome))| BulkWritten {
+                tenant,
+                pool,
+                version: stored.version,
+                outcome,
+            })
+            .collect(),
+    }
+}
+
 #[utoipa::path(post, path = "/v1/pools/bulk", tag = "pools",
     request_body = BulkPools,
     responses(
@@ -729,27 +758,7 @@ pub async fn bulk_put_pools(
                 .record_pool_changes(&records)
                 .await
                 .map_err(|e| unrecorded("pool history", "pool.bulk", &target, e))?;
-            let count = |wanted: pools::BulkOutcome| {
-                written
-                    .iter()
-                    .filter(|(_, outcome)| *outcome == wanted)
-                    .count() as u64
-            };
-            let answer = BulkAnswer {
-                created: count(pools::BulkOutcome::Created),
-                updated: count(pools::BulkOutcome::Updated),
-                unchanged: count(pools::BulkOutcome::Unchanged),
-                pools: entries
-                    .into_iter()
-                    .zip(written)
-                    .map(|((tenant, pool, _), (stored, outcome))| BulkWritten {
-                        tenant,
-                        pool,
-                        version: stored.version,
-                        outcome,
-                    })
-                    .collect(),
-            };
+            let answer = bulk_answer(entries, written);
             tracing::info!(
                 created = answer.created,
                 updated = answer.updated,

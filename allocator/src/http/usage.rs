@@ -187,6 +187,11 @@ impl Cursor {
 
 /// A page of records and the cursor of the next (none after the last). Pools in key order, each
 /// pool's windows newest first; a cursor at `before_ms` 0 means its pool is done.
+///
+/// Long by design: the cursor is both read at its top (which pool to resume, and from where in it)
+/// and written at its two exits (mid-pool, never splitting a window's records, or after the last
+/// pool listed); in one body, the cursor a page hands out can be checked against how the next page
+/// reads it.
 async fn page(
     state: &ApiState,
     query: &UsageQuery,

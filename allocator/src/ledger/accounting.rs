@@ -304,6 +304,11 @@ impl Ledger {
 
     /// The same, of the windows that start before `before_ms`: the page of a pool's windows that
     /// follows one whose oldest window started there.
+    ///
+    /// Long by design: the page's windows are chosen only once every source has been read (raw
+    /// rows, rollups past the retention), and each window's amounts are then taken from all of
+    /// those sources by the same start; split, the sources would be handed between pieces, and
+    /// which windows make the page would be decided away from the reads that find them.
     pub async fn windows_before<'a>(
         &self,
         tenant: &TenantId,

@@ -287,6 +287,11 @@ impl Ledger {
     /// Rolls up, at `now_ms`, at most [`MAX_ROLLUP_WINDOWS_PER_ROUND`] windows whose raw rows are
     /// older than `cutoff_ms` (grants of windows that ended before it, admits of windows that
     /// started before it), removing those rows.
+    ///
+    /// Long by design: each window's figures are read, its rollup written and its raw rows removed
+    /// in one transaction, inside the `on_pool!` body that runs it on either database; split, the
+    /// transaction would be passed between functions generic over both databases, and that a
+    /// window's raw rows go only with its rollup would no longer be seen in one place.
     pub async fn roll_up_windows(
         &self,
         cutoff_ms: u64,

@@ -508,6 +508,11 @@ impl<'a> PlannedBatch<'a> {
 ///
 /// The request must have passed `AdmissionRequest::validate` (its principal id is hashed, never
 /// stored).
+///
+/// Long by design: the principal's keyed hash is computed at most once, lazily, and shared by the
+/// overrides laid on the rules, every user-scope rule's key and the planned batch; split, that
+/// once-only hash would be threaded through each piece, and whether the principal id is hashed at
+/// all would no longer be seen in one place.
 pub fn plan_request<'a>(
     bundle: &'a PolicyBundle,
     request: &AdmissionRequest,

@@ -136,6 +136,11 @@ impl LimitDecision {
     }
 
     /// The contract decision for this answer to `planned` (module docs).
+    ///
+    /// Long by design: it is one match over every verdict, each arm naming its rule's limit through
+    /// the two readings defined above it (the store's limit, split in a tenant's sub-slot, and the
+    /// local fallback's capacity); split, those readings would be passed to each arm, and which
+    /// limit a verdict reports would be read away from the verdict.
     pub fn to_contract(&self, planned: &PlannedBatch<'_>) -> Decision {
         let mut decision = Decision {
             allowed: self.allowed(),

@@ -102,6 +102,11 @@ impl LocalBuckets {
     }
 
     /// Decides `rules` together at `now_ms` (monotonic); a `dry_run` decides and writes nothing.
+    ///
+    /// Long by design: the decision is all or none under one lock held throughout: every rule
+    /// decided, then room made for every new key, then every state written; split, the lock guard
+    /// would be passed between the phases, and a write could happen before it was known that all
+    /// would fit.
     pub(crate) fn decide(
         &self,
         rules: &[LocalRule<'_>],

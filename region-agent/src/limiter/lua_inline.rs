@@ -141,6 +141,11 @@ pub fn expand(source: &str) -> Expanded {
 impl Inliner {
     /// The marked function defined at `lines[start]`, its body's calls of earlier marked functions
     /// expanded, and the index of its `end`; None when it is not one [`expand`] can inline.
+    ///
+    /// Long by design: the refusals at its top (no early return, nested function, loop or table
+    /// constructor) are what make the scans at its bottom sound: the bound, assigned and free names
+    /// found are complete only because such lines were refused; split, the scans would be read
+    /// without the guarantee they rely on.
     fn marked_function(
         &mut self,
         lines: &[&str],
@@ -221,6 +226,11 @@ impl Inliner {
     }
 
     /// `line` expanded when it is a call statement of a marked function.
+    ///
+    /// Long by design: the checks that refuse a call site and the renaming that writes its block
+    /// work from the same sets (the names passed through, the outputs worked on under the call
+    /// site's names, the body's free names); split, why a name may be passed through or assigned in
+    /// place would be read apart from where the text does it.
     fn inline_call(&mut self, line: &str) -> Option<String> {
         let indent = &line[..line.len() - line.trim_start().len()];
         let statement = code_of(line).trim();

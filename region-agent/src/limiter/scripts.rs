@@ -167,6 +167,11 @@ pub(crate) fn repeated_key_refusal(keys: &[String], args: &[String]) -> Option<S
 /// the function can read it: for a sliding log, or a decision record. `Err` when a request is not
 /// a lone call's layout (its keys are not its record's and one per rule), or names a key twice
 /// ([`repeated_key_refusal`]: the caller refuses such a request before).
+///
+/// Long by design: it writes the wire format `decide_many` reads, and the key slots and text
+/// indices it numbers while laying out one request are the numbers later requests refer back to;
+/// kept together, the encoder reads against the Lua decoder in one place, and the numbering cannot
+/// drift between pieces.
 pub(crate) fn coalesced_call<'a>(
     requests: &[(&'a [String], &'a [String])],
 ) -> Result<(Vec<&'a str>, Vec<String>), String> {

@@ -311,6 +311,11 @@ impl Session {
 
     /// Takes one message of usage reports: subscribes new buckets, records demand, spends what was
     /// admitted.
+    ///
+    /// Long by design: each usage's checks share one way of failing, naming the usage's index and
+    /// field, and a bucket the usage subscribes is at once the one its demand and spend are
+    /// recorded on; split, that way of failing and the stream's map of buckets would be passed to
+    /// each piece.
     async fn on_reports(&mut self, reports: RateLimitQuotaUsageReports) -> Result<(), Status> {
         self.check_domain(&reports.domain)?;
         if reports.bucket_quota_usages.len() > MAX_USAGES_PER_MESSAGE {
@@ -520,6 +525,11 @@ enum Assigned {
 }
 
 /// Carves and tells the gateway; `None` when nothing is to be said yet (tokens on their way).
+///
+/// Long by design: it is one match over every outcome of a carve, each arm recording what the
+/// bucket was told beside the action that tells it, and the carved arm either cancelling its carve
+/// or handing it over; split, what the bucket believes it was told could drift from what the
+/// gateway was sent.
 async fn assign(agent: &Arc<Agent>, bucket: &mut Bucket) -> Option<Assigned> {
     let wanted = wanted_requests(bucket.demand.rate_milli_per_s(), ASSIGNMENT_TTL_MS);
     // Every unsettled carve of a bucket is of one kind: the oldest's.

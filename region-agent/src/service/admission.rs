@@ -187,6 +187,11 @@ impl Agent {
     }
 
     /// Decides a request with no earlier admission to answer again.
+    ///
+    /// Long by design: its four numbered steps are the admission's order (refusals from memory,
+    /// global rules reserved, regional rules decided within the hold, then settled), and the global
+    /// hold taken in step 2 must be committed or dropped in step 4 on every path; in one body, what
+    /// becomes of the hold on each path can be read at once.
     async fn decide_afresh(
         self: &Arc<Self>,
         request: &AdmissionRequest,

@@ -139,6 +139,12 @@ impl Agent {
     /// request with no wait in between. A rule that must wait (for a renewal under way, or for a
     /// fallback claim to be written) ends the pass: everything held is cancelled, the wait happens,
     /// and the pass starts again (each kind of wait at most once).
+    ///
+    /// Long by design: the rule that nothing is held across an await is kept by the shape of one
+    /// loop: a pass reserves without awaiting and breaks out on the first wait, the holds are
+    /// dropped, and only then does it wait, with each kind of wait allowed once across passes;
+    /// split, the holds would cross a function boundary, where an await could be added while they
+    /// are still held.
     pub(super) async fn reserve_global_all(
         self: &Arc<Self>,
         requests: &[(&AdmissionRequest, &[&Rule])],

@@ -6,6 +6,11 @@ use super::{Agent, lock};
 
 impl Agent {
     /// Sets the gauges that describe the agent's state now (called at each metrics scrape).
+    ///
+    /// Long by design: it is the one list of the gauges a scrape sets, each a line or two read
+    /// straight from the agent's parts, with the pools' lock let go before the settlements' is
+    /// taken; split, what a scrape reports, and the order of the locks it takes, could no longer be
+    /// seen in one place.
     pub fn observe(&self) {
         use crate::limiter::BreakerState;
         for (shard, snapshot) in self.limiter.breakers().iter().enumerate() {

@@ -73,6 +73,11 @@ impl Agent {
     }
 
     /// Takes over what the state directory holds (module docs). Call once, before serving.
+    ///
+    /// Long by design: the journal is loaded once and read by more than one step (the bundle is
+    /// aged from the confirmation it records, the pools are restored from it), and every step
+    /// counts into the one `Restored` reported at the end; split, the journal and that count would
+    /// be passed through every step.
     pub fn restore_state(&self) -> Restored {
         let mut restored = Restored::default();
         let Some(dir) = self.journaling.dir() else {

@@ -216,6 +216,11 @@ impl Agent {
 
     /// Fetches a pool's terms and installs its slot, or remembers why not. Dropping `done` wakes
     /// the requests waiting for it.
+    ///
+    /// Long by design: every outcome of the fetch (slot installed, pool cap reached, unusable
+    /// terms, no such pool, allocator error) comes down to one retry time, which is written to the
+    /// lookups before `done` is dropped, so a woken request always finds the pool's slot or why it
+    /// is missing; split, that order would rest on each piece's caller.
     async fn fetch_terms(
         self: Arc<Self>,
         allocator: Arc<AllocatorClient>,

@@ -144,6 +144,11 @@ impl Agent {
     /// pool of its global rules can give (its share when the pool's gateways want more than it
     /// holds, at most one chunk), then its regional rules in one store call (less when they hold
     /// less). `request` stands for one request of the bucket (its cost hint is 1).
+    ///
+    /// Long by design: its steps are the carve's order of commitments: the global pools reserved
+    /// first, the carve given up before any regional charge if it could not be handed now, the
+    /// regional rules charged last and their refusal cancelling the global reservations; split,
+    /// each piece would have to know what the others had reserved to give it back.
     pub async fn carve(self: &Arc<Self>, request: &AdmissionRequest, ask: CarveAsk) -> Carving {
         let Some(bundle) = self.bundle.load() else {
             return Carving::Denied {
@@ -243,6 +248,12 @@ impl Agent {
     /// Reserves the same number of requests from every pool, with no wait in between: the least
     /// any pool can give (its share of what it holds, within one chunk). `Err` says why nothing
     /// could be reserved.
+    ///
+    /// Long by design: its two passes share what the first reads: the least every pool can give,
+    /// which the second reserves from each pool, and what each pool's gateways want, which the
+    /// second asks for as a probe when there is nothing to give; split, both would be carried from
+    /// one function to the other, and the "same number from every pool" would rest on the caller
+    /// passing the count through.
     fn carve_global(
         self: &Arc<Self>,
         tenant: &TenantId,

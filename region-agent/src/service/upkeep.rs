@@ -73,6 +73,12 @@ impl Agent {
     }
 
     /// Starts a renewal (single flight) when the holder wants one.
+    ///
+    /// Long by design: most of it is the one spawned task of a renewal, from the call to the
+    /// allocator to the end of the flight, its answer applied under the agent's lock so that a
+    /// quota read sees the grant and the allocator's figure together; split, the task's captured
+    /// agent, slot and ask would be passed between functions, and the flight's end would be read
+    /// apart from its start.
     pub(super) fn renew_if_wanted(
         self: &Arc<Self>,
         tenant: &TenantId,

@@ -279,6 +279,11 @@ impl Rule {
     /// This regional rule with `amounts` in place of its own (an override): its period or window,
     /// key, cost and everything else unchanged. Errors name the amount's field: one its algorithm
     /// has not, a value out of range, or a capacity or limit below the rule's own cost.
+    ///
+    /// Long by design: it is one match over every regional algorithm (its guard arms refuse an
+    /// amount the algorithm has not), then the cost check a rule passes when its bundle is read,
+    /// then the amounts written into the canonical form; kept together, an overridden rule is seen
+    /// to pass every check a rule read from a bundle does.
     pub fn with_amounts(&self, amounts: &RuleAmounts) -> Result<Rule, PolicyError> {
         let Limit::Regional(algorithm) = &self.limit else {
             return Err(error(

@@ -396,6 +396,11 @@ fn parse_ip_prefixes(
         .then_some(crate::keys::RulePrefixes { v4_bits, v6_bits }))
 }
 
+/// Reads the parameters of the regional algorithm `name` and checks the rule's cost against them.
+///
+/// Long by design: it is one match over every regional algorithm, each arm reading its own
+/// parameters and checking the cost against them; split, the checks the algorithms share (cost
+/// within capacity, whole units for windows) would be spread over as many functions.
 fn parse_algorithm(
     f: &mut Fields<'_>,
     path: &str,

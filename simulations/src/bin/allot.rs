@@ -172,6 +172,12 @@ enum PolicyCommand {
     },
 }
 
+/// Runs the command named on the command line: its output printed, or its error and exit 2 (a
+/// drill sets its own exit status).
+///
+/// Long by design: it is one match over every command, each arm moving the command's flags into the
+/// options of the function that runs it; split, the table of commands would be read in several
+/// places and every arm's flags would be named twice.
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {

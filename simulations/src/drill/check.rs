@@ -148,6 +148,13 @@ impl TenantChecker {
         }
     }
 
+    /// Checks the window in progress as it closes: each tenant's records against every invariant,
+    /// then their sums over tenants kept as the window's record.
+    ///
+    /// Long by design: each tenant's figures (admitted, granted, leased, carried over, lost grant
+    /// records) are summed once and checked against the one bound built from them, in the same pass
+    /// that adds them to the window's sums; split, every invariant would sum the same records again
+    /// or take them all as arguments.
     fn close(&mut self) {
         let regions = self.region_names.len();
         let mut sum = vec![RegionWindow::default(); regions];

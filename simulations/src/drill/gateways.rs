@@ -252,6 +252,11 @@ fn is_due(gateway: &Gateway, now_ms: u64) -> bool {
 }
 
 /// Carves a gateway's next assignment and hands it over. Returns whether it waits for tokens.
+///
+/// Long by design: it takes one reservation and then either cancels it at one of several refusals
+/// (another kind of carve in use, no usable lifetime, no spread) or hands it over, trimmed to what
+/// its bucket admits; in one body every exit is seen to settle the reservation, where split it
+/// would be passed between functions and could be dropped unsettled.
 fn assign(
     gateway: &mut Gateway,
     holder: &mut PoolHolder,

@@ -209,6 +209,11 @@ pub struct DrillOutcome {
 /// the range runs and each failing one is listed with its shortest reproduction; the report shown
 /// is the first failure's (or the scenario's own seed when all pass). An error is returned only
 /// when the drills could not run at all.
+///
+/// Long by design: each way a drill runs (a seed sweep, or one seed with its shortest reproduction)
+/// picks the report to show and writes its lines into the one output, whose form (tables, JSON
+/// only, an HTML file) is then settled once for every drill; split, the output, the failed names
+/// and the reports would be threaded through each piece.
 pub fn run_blocking(options: &DrillOptions) -> Result<DrillOutcome, String> {
     let chosen = chosen(options)?;
     if let Some(varied) = &options.vary {

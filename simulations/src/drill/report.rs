@@ -93,6 +93,11 @@ impl DrillReport {
     }
 
     /// A terminal table: one line per window and region (a summary for long runs).
+    ///
+    /// Long by design: it writes the table top to bottom as it is printed (header with the bound's
+    /// terms, a line per window and region, totals, convergence, verdict), and each line's format
+    /// string sits beside the values it lays out; split, the column headings and the rows under
+    /// them would be read in different places.
     pub fn table(&self) -> String {
         let s = &self.scenario;
         let mut out = format!(

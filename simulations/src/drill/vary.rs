@@ -273,6 +273,10 @@ impl Axes<'_> {
 
 /// The sweep as an SVG: the worst window's overshoot (mean over seeds as bars, the largest seed's
 /// as a mark, the bound's term as a line) and the denials while tokens were left, per value.
+///
+/// Long by design: the two panels are one figure: drawn on the halves of one drawing area, they
+/// share its x axis, value labels and bar shape, closures over the sweep's points; split, those
+/// closures would become parameters of each panel and the figure's layout would be read in pieces.
 pub fn svg(scenario: &Scenario, vary: &Vary, points: &[Point]) -> Result<String, String> {
     let mut svg = String::new();
     {

@@ -151,6 +151,14 @@ impl LeaseModel {
             .saturating_add_signed(self.clock_offset_ms(a))
     }
 
+    /// Agent `r` admits one request as the service does (reserving, claiming fallback durably when
+    /// it must, committing), records which of the model's properties the outcome breaks, then
+    /// renews if it wants to.
+    ///
+    /// Long by design: the properties it checks need the moments around the spend in one place: the
+    /// holder's figures taken before the reservation are compared after a denial, and the request
+    /// is decided on the agent's clock but judged on the allocator's; split, those figures and both
+    /// clocks would be passed to every check.
     pub(super) fn spend(&self, state: &mut ModelState, r: usize) {
         // The request is decided on the agent's clock and checked on the allocator's.
         let now_ms = self.now_ms(state);

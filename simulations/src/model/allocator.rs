@@ -29,6 +29,11 @@ impl Allocator {
     /// committed in one transaction, which succeeds only while the leader's fence and the
     /// window's revision still hold (etcd's compare). A commit that fails the revision reloads
     /// the cache and decides again; a deposed leader answers "not leader". One reply per ask.
+    ///
+    /// Long by design: it follows the allocator's grant worker step for step (recorded lease ids
+    /// answered first, one plan, the fence and revision compare, then commit, or reload and decide
+    /// again), each step with the variant that breaks it beside it; split otherwise than the worker
+    /// it models, the model could no longer be read against the worker.
     pub(super) fn serve_batch(
         &mut self,
         model: &LeaseModel,

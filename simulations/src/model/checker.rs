@@ -62,6 +62,13 @@ impl Model for LeaseModel {
         }]
     }
 
+    /// Every action the checker may take from `state`: time moving on, spends, deliveries, and the
+    /// faults still allowed before the heal; none once a checked property is broken.
+    ///
+    /// Long by design: it is the model's whole list of what can happen next, each action guarded by
+    /// the same two facts (whether the heal has come, what fault budget is left); split, those
+    /// guards would be read in several places, and an action allowed after the heal would be harder
+    /// to spot.
     fn actions(&self, state: &ModelState, actions: &mut Vec<Action>) {
         let broken = SAFETY
             .iter()

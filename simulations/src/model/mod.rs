@@ -221,6 +221,11 @@ const BERLIN_DST_DAY_MS: u64 = 1_774_774_800_000;
 
 impl LeaseModel {
     /// Builds the model, validating the pool terms exactly as the allocator does.
+    ///
+    /// Long by design: it derives the model's parts from one another in the order the real system
+    /// does (window, pool, the terms the allocator gives, each agent's holder configuration from
+    /// its share, the bound), with the variants' broken guards applied where each part is made;
+    /// split, the variants' effects would be scattered over several helpers.
     pub fn new(config: ModelConfig) -> Result<Self, ModelConfigError> {
         if !(1..=MAX_MODEL_REGIONS).contains(&config.regions) {
             return Err(ModelConfigError::Invalid("regions must be 1 to 3"));

@@ -91,6 +91,11 @@ impl DrillAllocator {
     /// Replaces the leader: the old one loses its store lease (it crashed or was partitioned away),
     /// a new one takes over with the next epoch. Returns, per tenant, the tokens granted in the
     /// current window that the new leader cannot see (0 when records are kept).
+    ///
+    /// Long by design: the deposed grantor is kept from its first line to its last: swapped out
+    /// before its store lease is revoked, and asked for a grant only after the new leader holds the
+    /// next epoch, to show it is fenced off; split, that grantor and the order of revoke, takeover
+    /// and probe would be handed between pieces.
     pub(super) async fn fail_over(
         &mut self,
         config: &PoolConfig,

@@ -194,6 +194,11 @@ struct Drill<'s> {
 
 impl<'s> Drill<'s> {
     /// The pools, the leader, the agents (their holders configured as the shipped agent does).
+    ///
+    /// Long by design: the timing stream seeded at its top is drawn in a fixed order (the run's
+    /// start, then each region's and tenant's arrival phase), and a seed names the same run only
+    /// while that order holds; split, the stream would be handed between helpers and the order of
+    /// its draws would rest on the order of the calls.
     async fn build(scenario: &'s Scenario, seed: u64) -> Result<Self, DrillError> {
         scenario.validate().map_err(DrillError::Scenario)?;
         // Seed 0 starts on a window boundary (the figures the docs quote); any other seed starts
@@ -395,6 +400,12 @@ impl<'s> Drill<'s> {
     /// Agent `a` during one tick: a crash due now empties its memory; then its share of each
     /// tenant's arrivals in its region is served (or, while the agent is down, not). Returns
     /// whether any decision was abnormal.
+    ///
+    /// Long by design: it is one agent's tick in the drill's order of events: a crash due in the
+    /// tick lands before any arrival, each pool's arrivals are dealt before they are served, and a
+    /// down agent's share still reaches its gateways or is denied; split, that order would hold
+    /// only by the order of calls, and the step's disjoint borrows of the engine's fields would be
+    /// taken again in each piece.
     async fn serve_agent(
         &mut self,
         a: usize,

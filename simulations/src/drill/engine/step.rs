@@ -317,6 +317,11 @@ impl Step<'_> {
     }
 
     /// Counts one request's outcome in the window's record. Returns whether it was abnormal.
+    ///
+    /// Long by design: it is one exhaustive match over every way a request is served and every
+    /// denial a pool gives, each arm naming the counter it moves and whether the outcome is
+    /// abnormal; split, a new denial could be counted in one place and judged in another, and the
+    /// table of outcomes would be read in pieces.
     fn record_outcome(&mut self, served: Served, wait_ms: u64) -> bool {
         let granted_in_window = self.checker.granted_in_window(self.tenant);
         let record = self.checker.record(self.tenant, self.region_index);
