@@ -448,8 +448,11 @@ impl<'s> Drill<'s> {
                 && held.terms_change_seen_at_ms.is_some_and(|at| at <= now_ms)
             {
                 held.terms_change_seen_at_ms = None;
+                // An override changes the pool's limit, not its holder's terms: the agent takes
+                // the same configuration again, as the service does with any change of terms.
                 if let Some(agent) = held.agent.as_mut() {
-                    agent.holder_mut().forget_exhaustion();
+                    let config = agent.config().clone();
+                    agent.retune(config);
                 }
             }
             // The region's first agent draws the region's arrivals and deals them out; its
