@@ -104,6 +104,7 @@ async fn serve(
         retention: Default::default(),
         ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: None,
+        webhook_allow_private: false,
         pepper: None,
         ledger_url: String::new(),
     };

@@ -107,6 +107,11 @@ pub struct Args {
     /// system's].
     #[arg(long, env = "ALLOT_WEBHOOK_CA")]
     pub webhook_ca: Option<PathBuf>,
+    /// Whether webhooks may be registered for, and delivered to, loopback, private, link-local
+    /// and unique-local addresses (by default they reach public addresses only, checked after
+    /// every resolution) [default: false].
+    #[arg(long, env = "ALLOT_WEBHOOK_ALLOW_PRIVATE", num_args = 0..=1, default_missing_value = "true")]
+    pub webhook_allow_private: Option<bool>,
     /// The agents' HMAC pepper file (at least 16 bytes), to hash the user or API key an override
     /// names as agents do; without it, such overrides must give the principal's hash.
     #[arg(long, env = "ALLOT_PEPPER_FILE")]
@@ -137,6 +142,7 @@ struct FileSettings {
     etcd_history_minutes: Option<u64>,
     etcd_defragment: Option<bool>,
     webhook_ca: Option<PathBuf>,
+    webhook_allow_private: Option<bool>,
     pepper_file: Option<PathBuf>,
 }
 
@@ -169,6 +175,8 @@ pub struct Settings {
     pub tls: Option<allot_net::ServerTls>,
     /// The CAs webhook deliveries trust instead of the system's.
     pub webhook_ca: Option<PathBuf>,
+    /// Whether webhooks may reach non-public addresses.
+    pub webhook_allow_private: bool,
     /// The agents' pepper, to hash principals that overrides name.
     pub pepper: Option<Pepper>,
 }
@@ -315,6 +323,10 @@ impl Args {
             leader_lease_ttl_s,
             tls,
             webhook_ca: self.webhook_ca.or(file.webhook_ca),
+            webhook_allow_private: self
+                .webhook_allow_private
+                .or(file.webhook_allow_private)
+                .unwrap_or(false),
             pepper: self
                 .pepper_file
                 .or(file.pepper_file)
@@ -417,23 +429,15 @@ pub async fn run(
             shutdown.clone(),
         ))
     });
-    let webhook_http = allot_net::ClientTls {
-        ca: settings.webhook_ca.clone(),
-        ..Default::default()
-    }
-    .configure(reqwest::Client::builder().timeout(crate::webhooks::DELIVERY_TIMEOUT))
-    .and_then(|builder| {
-        builder
-            .build()
-            .map_err(|e| allot_net::TlsError::Config(e.to_string()))
-    })
-    .map_err(|e| std::io::Error::other(format!("--webhook-ca: {e}")))?;
+    let webhook_delivery =
+        crate::webhooks::Delivery::new(settings.webhook_ca.clone(), settings.webhook_allow_private)
+            .map_err(|e| std::io::Error::other(format!("--webhook-ca: {e}")))?;
     let webhook_task = tokio::spawn(crate::webhooks::keep_webhooks(
         ledger.clone(),
         kv.clone(),
         clock.clone(),
         role.clone(),
-        webhook_http,
+        webhook_delivery,
         shutdown.clone(),
     ));
     let token_task = tokio::spawn(crate::auth::keep_fresh(
@@ -451,6 +455,7 @@ pub async fn run(
         status_leases: Arc::default(),
         overrides: Arc::new(crate::http::OverrideService::new(settings.pepper.clone())),
         pool_listing: Arc::default(),
+        webhook_allow_private: settings.webhook_allow_private,
     };
     tracing::info!(listen = %settings.listen, node = %settings.node_id, "allocator serving");
     let acceptor = settings

@@ -10,6 +10,7 @@
 //! rotation), [`DELIVERIES_PER_ROUND`] deliveries in memory at once, [`DELIVERY_TIMEOUT`] per
 //! attempt, [`MAX_ATTEMPTS`] attempts per event, done events kept [`EVENT_RETENTION_MS`].
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +24,8 @@ use crate::clock::Clock;
 use crate::kv::Kv;
 use crate::leader::Role;
 use crate::ledger::{Ledger, PendingEvent};
+
+pub mod addresses;
 
 /// Most webhooks registered at once.
 pub const MAX_WEBHOOKS: u64 = 1_000;
@@ -147,6 +150,45 @@ pub fn new_webhook_id() -> String {
     format!("wh-{}", hex::encode(rand::random::<[u8; 8]>()))
 }
 
+/// How deliveries are sent: the client, and whether private addresses may be reached
+/// ([`addresses`]).
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    http: reqwest::Client,
+    allow_private: bool,
+}
+
+impl Delivery {
+    /// The delivery client: TLS trusting `ca` (the system's CAs without one), [`DELIVERY_TIMEOUT`]
+    /// per attempt, no redirects followed, and unless `allow_private`, names resolved to their
+    /// public addresses only.
+    pub fn new(ca: Option<PathBuf>, allow_private: bool) -> Result<Self, String> {
+        let builder = reqwest::Client::builder()
+            .timeout(DELIVERY_TIMEOUT)
+            .redirect(reqwest::redirect::Policy::none());
+        let builder = if allow_private {
+            builder
+        } else {
+            builder.dns_resolver(Arc::new(addresses::PublicOnly))
+        };
+        let http = allot_net::ClientTls {
+            ca,
+            ..Default::default()
+        }
+        .configure(builder)
+        .and_then(|builder| {
+            builder
+                .build()
+                .map_err(|e| allot_net::TlsError::Config(e.to_string()))
+        })
+        .map_err(|e| e.to_string())?;
+        Ok(Self {
+            http,
+            allow_private,
+        })
+    }
+}
+
 /// The leader's webhook job: every [`ROUND_INTERVAL`], delivers what is due; every
 /// [`SWEEP_EVERY`] rounds, first looks for new crossings. Followers do nothing.
 pub async fn keep_webhooks(
@@ -154,7 +196,7 @@ pub async fn keep_webhooks(
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
     role: watch::Receiver<Role>,
-    http: reqwest::Client,
+    delivery: Delivery,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -184,7 +226,7 @@ pub async fn keep_webhooks(
             }
         }
         round = round.wrapping_add(1);
-        if let Err(error) = deliver_due(&ledger, &http, &*clock).await {
+        if let Err(error) = deliver_due(&ledger, &delivery, &*clock).await {
             tracing::warn!(%error, "webhook deliveries failed");
         }
     }
@@ -278,7 +320,7 @@ async fn sweep(
 /// Delivers up to [`DELIVERIES_PER_ROUND`] due events, each once, and records how each went.
 async fn deliver_due(
     ledger: &Ledger,
-    http: &reqwest::Client,
+    delivery: &Delivery,
     clock: &dyn Clock,
 ) -> Result<(), crate::ledger::LedgerError> {
     let due = ledger
@@ -287,7 +329,7 @@ async fn deliver_due(
     metrics::gauge!(crate::metrics::WEBHOOK_PENDING)
         .set(ledger.pending_webhook_events().await? as f64);
     for event in due {
-        let outcome = deliver(http, &event, clock.now_ms()).await;
+        let outcome = deliver(delivery, &event, clock.now_ms()).await;
         let now_ms = clock.now_ms();
         let attempts = event.attempts + 1;
         match outcome {
@@ -322,12 +364,19 @@ async fn deliver_due(
 }
 
 /// One attempt: POST the payload, signed with the webhook's secrets in force. The status on 2xx,
-/// or the status (if any) and what went wrong.
+/// or the status (if any) and what went wrong. A URL naming a non-public address is refused
+/// without a connection (registered before the rule, or the rule turned on since).
 async fn deliver(
-    http: &reqwest::Client,
+    delivery: &Delivery,
     event: &PendingEvent,
     now_ms: u64,
 ) -> Result<u16, (Option<u16>, String)> {
+    if !delivery.allow_private {
+        let url = reqwest::Url::parse(&event.url).map_err(|e| (None, e.to_string()))?;
+        if let Some(refusal) = addresses::literal_refusal(&url) {
+            return Err((None, format!("not sent: the URL {refusal}")));
+        }
+    }
     let mut secrets = vec![event.secret.as_str()];
     if let (Some(previous), Some(until_ms)) =
         (&event.previous_secret, event.previous_secret_until_ms)
@@ -336,7 +385,8 @@ async fn deliver(
         secrets.push(previous);
     }
     let body = event.payload.as_bytes().to_vec();
-    let answer = http
+    let answer = delivery
+        .http
         .post(&event.url)
         .timeout(DELIVERY_TIMEOUT)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
@@ -345,13 +395,28 @@ async fn deliver(
         .body(body)
         .send()
         .await
-        .map_err(|error| (None, error.to_string()))?;
+        .map_err(|error| (None, with_causes(&error)))?;
     let status = answer.status().as_u16();
     if answer.status().is_success() {
         Ok(status)
     } else {
         Err((Some(status), format!("answered {status}")))
     }
+}
+
+/// An error and its causes, outermost first: a client error alone says only that sending failed.
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        let inner_text = inner.to_string();
+        if !text.contains(&inner_text) {
+            text.push_str(": ");
+            text.push_str(&inner_text);
+        }
+        cause = inner.source();
+    }
+    text
 }
 
 #[cfg(test)]

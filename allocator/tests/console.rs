@@ -917,6 +917,18 @@ async fn a_viewer_sees_overrides_in_force_and_ended_by_tenant() {
 #[tokio::test]
 async fn a_viewer_sees_webhooks_and_their_deliveries_but_never_a_secret() {
     let server = start().await;
+    let pool = server
+        .client
+        .put(format!("{}/v1/pools/atlas/api", server.url))
+        .bearer_auth(OPERATOR)
+        .json(
+            &serde_json::json!({ "limit": 100, "windowMs": 60_000, "chunk": 10,
+            "leaseTtlMs": 10_000, "fallbackPerRegion": 0, "regions": ["eu"] }),
+        )
+        .send()
+        .await
+        .expect("put pool");
+    assert_eq!(pool.status(), 200, "a webhook on one pool needs the pool");
     let created: serde_json::Value = server
         .client
         .post(format!("{}/v1/webhooks", server.url))

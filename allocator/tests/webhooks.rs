@@ -118,6 +118,7 @@ async fn thresholds_are_delivered_once_signed_and_retried_while_the_receiver_is_
     let etcd = allot_testkit::EtcdCluster::single();
     let server = common::start_with(common::Options {
         webhook_ca: Some(pki.ca()),
+        webhook_allow_private: true,
         etcd: etcd.endpoints(),
         ..Default::default()
     })
@@ -333,6 +334,45 @@ async fn registrations_are_checked_and_bounded_by_role() {
     .await
     .expect("post");
     assert_eq!(viewer.status(), 403, "a viewer registers nothing");
+    let ahead_of_its_pool = post(
+        OPERATOR,
+        json!({ "url": "https://hooks.example/", "tenant": "acme", "pool": "nowhere" }),
+    )
+    .await
+    .expect("post");
+    assert_eq!(
+        ahead_of_its_pool.status(),
+        404,
+        "a webhook on a pool that does not exist"
+    );
+    let problem: Value = ahead_of_its_pool.json().await.expect("problem");
+    assert_eq!(problem["field"], "pool");
+    let listed: Value = server
+        .client
+        .get(format!("{}/v1/webhooks", server.url))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("list")
+        .json()
+        .await
+        .expect("list");
+    assert_eq!(
+        listed["webhooks"].as_array().map(Vec::len),
+        Some(0),
+        "nothing refused is registered: {listed}"
+    );
+    let tenant_wide = post(
+        OPERATOR,
+        json!({ "url": "https://hooks.example/", "tenant": "newcomer" }),
+    )
+    .await
+    .expect("post");
+    assert_eq!(
+        tenant_wide.status(),
+        201,
+        "a webhook on every pool of a tenant needs no pool yet"
+    );
     let malformed = server
         .client
         .delete(format!("{}/v1/webhooks/not-an-id", server.url))
@@ -351,6 +391,7 @@ async fn fallback_admits_of_every_agent_count_towards_a_threshold() {
     let etcd = allot_testkit::EtcdCluster::single();
     let server = common::start_with(common::Options {
         webhook_ca: Some(pki.ca()),
+        webhook_allow_private: true,
         etcd: etcd.endpoints(),
         ..Default::default()
     })
@@ -424,5 +465,91 @@ async fn fallback_admits_of_every_agent_count_towards_a_threshold() {
         ),
         (Some(0), Some(8)),
         "{event}"
+    );
+}
+
+/// Without `--webhook-allow-private`, a webhook reaches only public addresses: one naming a
+/// loopback address is refused at registration, and one naming a host that resolves to loopback
+/// is registered but never sent, its attempts saying why, the receiver hearing nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_reach_only_public_addresses_unless_the_operator_allows_private_ones() {
+    let pki = TestPki::generate();
+    let etcd = allot_testkit::EtcdCluster::single();
+    let server = common::start_with(common::Options {
+        webhook_ca: Some(pki.ca()),
+        etcd: etcd.endpoints(),
+        ..Default::default()
+    })
+    .await;
+    let put = server
+        .client
+        .put(format!("{}/v1/pools/acme/api", server.url))
+        .bearer_auth(OPERATOR)
+        .json(
+            &json!({ "limit": 10, "windowMs": 3_600_000, "chunk": 5, "leaseTtlMs": 60_000,
+                       "fallbackPerRegion": 0, "regions": ["eu"] }),
+        )
+        .send()
+        .await
+        .expect("put pool");
+    assert_eq!(put.status(), 200);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let received: Received = Arc::default();
+    let (_stop, stopped) = tokio::sync::oneshot::channel();
+    serve_receiver(listener, &pki, received.clone(), stopped);
+    let register = |url: String| {
+        server
+            .client
+            .post(format!("{}/v1/webhooks", server.url))
+            .bearer_auth(OPERATOR)
+            .json(&json!({ "url": url, "tenant": "acme", "pool": "api", "thresholdsPct": [50] }))
+            .send()
+    };
+
+    for literal in [
+        format!("https://127.0.0.1:{port}/hook"),
+        format!("https://[::1]:{port}/hook"),
+    ] {
+        let refused = register(literal.clone()).await.expect("post");
+        assert_eq!(refused.status(), 400, "{literal}");
+        let problem: Value = refused.json().await.expect("problem");
+        assert_eq!(problem["field"], "url", "{literal}");
+    }
+    let by_name = register(format!("https://localhost:{port}/hook"))
+        .await
+        .expect("post");
+    assert_eq!(
+        by_name.status(),
+        201,
+        "a name is checked when it is resolved"
+    );
+    let id = by_name.json::<Value>().await.expect("json")["id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+
+    assert_eq!(grant(&server, 1, 5).await, 5);
+    within(20, "a delivery attempted and refused", async || {
+        deliveries(&server, &id).await.iter().any(|delivery| {
+            delivery["attempts"].as_u64() >= Some(1)
+                && delivery["lastError"]
+                    .as_str()
+                    .is_some_and(|error| error.contains("no public address"))
+        })
+    })
+    .await;
+    let attempted = deliveries(&server, &id).await;
+    assert!(
+        attempted
+            .iter()
+            .all(|delivery| delivery["state"] != "delivered"),
+        "{attempted:?}"
+    );
+    assert!(
+        received.lock().expect("received").is_empty(),
+        "nothing reaches a loopback receiver"
     );
 }

@@ -93,6 +93,7 @@ pub async fn run_dev(
         retention: Default::default(),
         ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: None,
+        webhook_allow_private: false,
         pepper: None,
         ledger_url: format!(
             "sqlite://{}",

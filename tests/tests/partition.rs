@@ -51,6 +51,7 @@ async fn start_allocator(etcd: &[String], dir: &std::path::Path, port: u16) -> R
         retention: Default::default(),
         ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: None,
+        webhook_allow_private: false,
         pepper: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
     };

@@ -52,6 +52,7 @@ async fn start_allocator(pki: &TestPki, dir: &std::path::Path) -> String {
         retention: Default::default(),
         ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: None,
+        webhook_allow_private: false,
         pepper: None,
         ledger_url: format!("sqlite://{}", dir.join("ledger.db").display()),
         tls: Some(ServerTls {

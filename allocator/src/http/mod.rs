@@ -97,6 +97,8 @@ pub struct ApiState {
     pub overrides: Arc<OverrideService>,
     /// The listing of every pool `GET /v1/regions` reuses for half a minute.
     pub pool_listing: Arc<regions::PoolListing>,
+    /// Whether webhooks may name non-public addresses (`--webhook-allow-private`).
+    pub webhook_allow_private: bool,
 }
 
 /// The API's routes, without the listener's bounds ([`listener_limits`]): the listener applies

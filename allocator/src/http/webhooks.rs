@@ -17,8 +17,9 @@ use super::errors::ApiError;
 use super::io::{json_response, parse_json};
 use crate::auth::OperatorRole;
 use crate::ledger::{DeliveryView, StoredWebhook};
+use crate::pools;
 use crate::webhooks::{
-    DEFAULT_THRESHOLDS_PCT, MAX_WEBHOOKS, SECRET_OVERLAP_MS, new_secret, new_webhook_id,
+    DEFAULT_THRESHOLDS_PCT, MAX_WEBHOOKS, SECRET_OVERLAP_MS, addresses, new_secret, new_webhook_id,
 };
 
 /// Longest webhook URL, bytes.
@@ -151,8 +152,10 @@ fn thresholds(spec: &WebhookSpec) -> Result<Vec<u8>, ApiError> {
     Ok(thresholds)
 }
 
-/// `spec`'s URL, checked: `https://`, a host, at most [`MAX_URL_LEN`] bytes, no credentials.
-fn url(spec: &WebhookSpec) -> Result<String, ApiError> {
+/// `spec`'s URL, checked: `https://`, a host, at most [`MAX_URL_LEN`] bytes, no credentials, and
+/// unless `allow_private`, no non-public address (a host name is checked at every delivery, when
+/// it is resolved).
+fn url(spec: &WebhookSpec, allow_private: bool) -> Result<String, ApiError> {
     let refused = |why: &str| ApiError::invalid("url", why.to_owned());
     if spec.url.len() > MAX_URL_LEN {
         return Err(refused("must be at most 2,048 bytes"));
@@ -169,13 +172,35 @@ fn url(spec: &WebhookSpec) -> Result<String, ApiError> {
     if !parsed.username().is_empty() || parsed.password().is_some() {
         return Err(refused("must not hold credentials"));
     }
+    if !allow_private && let Some(refusal) = addresses::literal_refusal(&parsed) {
+        return Err(refused(&refusal));
+    }
     Ok(parsed.to_string())
+}
+
+/// A webhook on one pool needs the pool to exist: one registered ahead of it would hear nothing
+/// until an operator made it, with no sign of why. A webhook on every pool of a tenant (no `pool`)
+/// covers the tenant's pools as they come and go, so it needs none.
+async fn pool_exists(state: &ApiState, spec: &WebhookSpec) -> Result<(), ApiError> {
+    let Some(pool) = &spec.pool else {
+        return Ok(());
+    };
+    match pools::get_pool(&*state.kv, &spec.tenant, pool).await? {
+        Some(_) => Ok(()),
+        None => Err(ApiError::not_found(format!(
+            "no pool {}/{pool}: create it first, or leave out pool to hear every pool of the tenant",
+            spec.tenant
+        ))
+        .with_field("pool")),
+    }
 }
 
 #[utoipa::path(post, path = "/v1/webhooks", tag = "webhooks",
     request_body = WebhookSpec,
     responses(
         (status = 201, description = "Registered; the secret is shown this once", body = WebhookWithSecret),
+        (status = 404, description = "The pool named does not exist (`field`: `pool`)", body = Problem,
+            content_type = "application/problem+json"),
         (status = 409, description = "1,000 webhooks are registered already", body = Problem,
             content_type = "application/problem+json"),
         crate::http::errors::Refused,
@@ -189,7 +214,8 @@ pub async fn post_webhook(
     let credential = authorize(&state, &headers, Needs::Operator(OperatorRole::Author))?;
     let spec: WebhookSpec = parse_json(&headers, &body)?;
     let thresholds_pct = thresholds(&spec)?;
-    let url = url(&spec)?;
+    let url = url(&spec, state.webhook_allow_private)?;
+    pool_exists(&state, &spec).await?;
     run_change(
         state,
         credential,
@@ -414,7 +440,7 @@ mod tests {
     #[test]
     fn urls_must_be_https_with_a_host_and_no_credentials() {
         assert_eq!(
-            url(&spec("https://hooks.example/allot", None)).expect("url"),
+            url(&spec("https://hooks.example/allot", None), false).expect("url"),
             "https://hooks.example/allot"
         );
         for bad in [
@@ -423,9 +449,32 @@ mod tests {
             "https://user:pw@hooks.example/",
             "ftp://hooks.example/",
         ] {
-            assert!(url(&spec(bad, None)).is_err(), "{bad}");
+            assert!(url(&spec(bad, None), true).is_err(), "{bad}");
         }
         let long = format!("https://hooks.example/{}", "a".repeat(MAX_URL_LEN));
-        assert!(url(&spec(&long, None)).is_err());
+        assert!(url(&spec(&long, None), true).is_err());
+    }
+
+    #[test]
+    fn urls_naming_a_private_address_need_the_operator_to_allow_them() {
+        for private in [
+            "https://127.0.0.1:8443/hook",
+            "https://[::1]/hook",
+            "https://10.0.0.7/hook",
+            "https://169.254.169.254/latest/meta-data",
+            "https://[fd12::1]/hook",
+            "https://2130706433/hook",
+        ] {
+            let refused = format!("{:?}", url(&spec(private, None), false).expect_err(private));
+            assert!(
+                refused.contains("--webhook-allow-private"),
+                "{private}: {refused}"
+            );
+            assert!(url(&spec(private, None), true).is_ok(), "{private} allowed");
+        }
+        assert!(
+            url(&spec("https://localhost/hook", None), false).is_ok(),
+            "a name resolves later"
+        );
     }
 }

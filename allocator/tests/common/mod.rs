@@ -36,6 +36,8 @@ pub struct Server {
 pub struct Options {
     /// The CAs webhook deliveries trust.
     pub webhook_ca: Option<std::path::PathBuf>,
+    /// Whether webhooks may reach this machine's loopback receivers.
+    pub webhook_allow_private: bool,
     /// etcd endpoints to run on (none: the embedded store).
     pub etcd: Vec<String>,
     /// The agents' pepper, to hash principals overrides name.
@@ -71,6 +73,7 @@ pub async fn start_with(options: Options) -> Server {
         retention: Default::default(),
         ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: options.webhook_ca,
+        webhook_allow_private: options.webhook_allow_private,
         pepper: options.pepper,
         ledger_url: String::new(),
     };

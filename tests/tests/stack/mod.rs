@@ -76,6 +76,7 @@ pub async fn start_allocator_with_ledger(etcd: &EtcdCluster, ledger_url: &str) -
         retention: Default::default(),
         ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: None,
+        webhook_allow_private: false,
         pepper: Some(Pepper::new(PEPPER.to_vec()).expect("pepper")),
         ledger_url: ledger_url.to_owned(),
     };
