@@ -16,9 +16,12 @@ const SCHEMATHESIS_CONFIG: &str = r#"
 # A pool spec's rules across fields (chunk at most the limit, a lease shorter than the window,
 # exactly one of windowMs and window, a time zone that exists) and a policy bundle's grammar (its
 # own parser, docs/limiter.md) are checked past the schema: a schema-valid body may still be
-# refused with 400 naming the field. Every other check still runs on these operations.
+# refused with 400 naming the field. Every other check still runs on these operations. An agent's
+# status report is no bundle: its rules are each about one field, stated in the schema, so every
+# schema-valid report must be accepted.
 [[operations]]
 include-path-regex = "^/v1/(pools|policies)"
+exclude-path = "/v1/policies/status"
 checks.positive_data_acceptance.enabled = false
 
 # Tokens are minted from a role and, for agents only, a region: a pair the schema cannot tie.
@@ -43,7 +46,8 @@ checks.positive_data_acceptance.enabled = false
 include-path = "/v1/usage"
 checks.positive_data_acceptance.enabled = false
 
-# Reports, grants and runs name leases, windows and pools that must exist and agree.
+# Reports, grants and runs name leases, windows and pools that must exist and agree (their rules
+# about one field, such as `want` at least 1 and `reportId` 1 to 64 characters, are in the schema).
 [[operations]]
 include-path-regex = "^/v1/(grants|reports|agent-sessions)"
 checks.positive_data_acceptance.enabled = false
@@ -75,4 +79,20 @@ async fn the_running_allocator_answers_as_its_document_says() {
         });
         assert!(report.contains("passed"), "{report}");
     }
+}
+
+/// Rules the allocator enforces about one field are stated in the schema, so a client generated
+/// from it cannot send what is refused: `want` at least 1, `reportId` 1 to 64 characters, a
+/// pepper fingerprint of 8 lowercase hex digits.
+#[test]
+fn the_schema_states_the_rules_about_one_field() {
+    let document: serde_json::Value = serde_json::from_str(&document_json()).expect("json");
+    let property = |schema: &str, field: &str| {
+        document["components"]["schemas"][schema]["properties"][field].clone()
+    };
+    assert_eq!(property("GrantBody", "want")["minimum"], 1);
+    assert_eq!(property("Report", "reportId")["minLength"], 1);
+    assert_eq!(property("Report", "reportId")["maxLength"], 64);
+    let fingerprint = property("AgentStatus", "pepperFingerprint");
+    assert_eq!(fingerprint["pattern"], "^[0-9a-f]{8}$", "{fingerprint}");
 }

@@ -141,6 +141,7 @@ pub struct GrantBody {
     pub region: RegionId,
     /// Tokens wanted (at least 1).
     #[serde(rename = "want")]
+    #[schema(minimum = 1)]
     pub want_tokens: u64,
 }
 
@@ -215,6 +216,7 @@ pub struct ReportLease {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Report {
     /// Idempotency key chosen by the agent (1 to 64 characters).
+    #[schema(min_length = 1, max_length = 64)]
     pub report_id: String,
     /// The reporting region.
     pub region: RegionId,
@@ -293,6 +295,7 @@ pub struct AgentStatus {
     /// The fingerprint of the agent's principal-hash pepper (8 lowercase hex digits; never the
     /// pepper). Agents of one region must agree on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(pattern = "^[0-9a-f]{8}$")]
     pub pepper_fingerprint: Option<String>,
 }
 

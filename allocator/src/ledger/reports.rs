@@ -153,7 +153,8 @@ impl Ledger {
     async fn check_report(&self, report: &Report) -> Result<(), LedgerError> {
         let invalid =
             |field: String, message: String| LedgerError::Invalid(FieldError::new(field, message));
-        if report.report_id.is_empty() || report.report_id.len() > 64 {
+        // Characters, as the schema counts them (`maxLength`), not bytes.
+        if report.report_id.is_empty() || report.report_id.chars().count() > 64 {
             return Err(invalid(
                 "reportId".into(),
                 "must be 1 to 64 characters".into(),
