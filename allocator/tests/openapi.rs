@@ -86,7 +86,7 @@ async fn the_running_allocator_answers_as_its_document_says() {
 /// pepper fingerprint of 8 lowercase hex digits.
 #[test]
 fn the_schema_states_the_rules_about_one_field() {
-    let document: serde_json::Value = serde_json::from_str(&document_json()).expect("json");
+    let document: serde_json::Value = serde_json::from_str(document_json()).expect("json");
     let property = |schema: &str, field: &str| {
         document["components"]["schemas"][schema]["properties"][field].clone()
     };
