@@ -26,6 +26,32 @@ fn rejected(json: &str) -> PolicyError {
     parse_bundle(json).expect_err("the bundle must be rejected")
 }
 
+/// The bundle `client/examples/service.rs` needs (docs/gateways.md): a rule for each route group
+/// it sends, `export` holding one slot at a time.
+#[test]
+fn the_client_example_bundle_covers_every_route_group_the_example_sends() {
+    let draft = parse_bundle(include_str!(
+        "../../deploy/examples/client-service-bundle.json"
+    ))
+    .expect("valid");
+    for group in ["read", "export", "summarize"] {
+        let group = RouteGroup::parse(group).expect("group");
+        assert!(
+            draft
+                .rules
+                .iter()
+                .any(|rule| rule.matcher.route_group.as_ref() == Some(&group)),
+            "no rule for {group:?}"
+        );
+    }
+    let export = draft
+        .rules
+        .iter()
+        .find(|rule| rule.matcher.route_group.as_ref().map(RouteGroup::as_str) == Some("export"))
+        .expect("export rule");
+    assert_eq!(export.concurrency.map(|c| c.max_in_flight()), Some(1));
+}
+
 #[test]
 fn the_reference_example_parses() {
     let draft = parse_bundle(NORTHSTAR).expect("valid");

@@ -53,6 +53,9 @@ pub struct DevOptions {
     pub demo_rate_per_s: u64,
 }
 
+/// The regions `allot dev` runs an agent for.
+const DEV_REGIONS: [&str; 2] = ["eu", "us"];
+
 fn token() -> String {
     hex::encode(rand::random::<[u8; 16]>())
 }
@@ -73,7 +76,12 @@ pub async fn run_dev(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let clock = allot_allocator::server::system_clock();
-    let (operator, agent_token, gateway) = (token(), token(), token());
+    let (operator, gateway) = (token(), token());
+    // Each region's agents get a token scoped to their region, as a deployment should give them.
+    let agent_tokens: Vec<(&str, String)> = DEV_REGIONS
+        .iter()
+        .map(|region| (*region, token()))
+        .collect();
     std::fs::create_dir_all(&options.data_dir)
         .map_err(|e| format!("--data-dir {}: {e}", options.data_dir.display()))?;
     let allocator_addr = SocketAddr::from(([127, 0, 0, 1], options.base_port));
@@ -82,7 +90,10 @@ pub async fn run_dev(
         etcd: vec![],
         tokens: Tokens {
             operator: vec![operator.clone()],
-            agent: vec![agent_token.clone()],
+            agent: agent_tokens
+                .iter()
+                .map(|(region, token)| format!("{region} {token}"))
+                .collect(),
         },
         node_id: "dev".to_owned(),
         advertise_url: format!("http://{allocator_addr}"),
@@ -106,7 +117,10 @@ pub async fn run_dev(
         .map_err(|e| e.to_string())?;
     let demo_ledger = ledger.clone();
     let (tenant, pool) = (id("atlas", TenantId::parse)?, id("api", PoolId::parse)?);
-    let regions = vec![id("eu", RegionId::parse)?, id("us", RegionId::parse)?];
+    let regions = DEV_REGIONS
+        .iter()
+        .map(|region| id(region, RegionId::parse))
+        .collect::<Result<Vec<_>, _>>()?;
     let spec = PoolSpec {
         limit_tokens: 1_000,
         window_ms: 60_000,
@@ -180,7 +194,12 @@ pub async fn run_dev(
         let store = InProcessStore::new(agent_clock.clone(), DEFAULT_IN_PROCESS_MAX_KEYS);
         let limiter =
             Limiter::new(Arc::new(store), LimiterConfig::default()).map_err(|e| e.to_string())?;
-        let client = AllocatorClient::new(vec![allocator_url.clone()], agent_token.clone())
+        let agent_token = agent_tokens
+            .iter()
+            .find(|(name, _)| *name == region.as_str())
+            .map(|(_, token)| token.clone())
+            .ok_or_else(|| format!("no agent token for {region}"))?;
+        let client = AllocatorClient::new(vec![allocator_url.clone()], agent_token)
             .map_err(|e| e.to_string())?;
         let agent = Agent::new(
             AgentSettings {

@@ -81,10 +81,21 @@ async fn the_banner_names_a_console_and_an_allotctl_that_work() {
         .args(["dev", "--port", &base.to_string(), "--data-dir"])
         .arg(dir.path())
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("allot dev starts");
     let stdout = child.stdout.take().expect("stdout");
+    let stderr = child.stderr.take().expect("stderr");
+    let logged = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let logging = logged.clone();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            logging.lock().expect("log").push(line);
+        }
+    });
     let (lines_out, lines) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
         for line in std::io::BufReader::new(stdout)
@@ -105,6 +116,17 @@ async fn the_banner_names_a_console_and_an_allotctl_that_work() {
         }
     }
     let text = banner.join("\n");
+    // What dev sets up itself (its tokens, its regions) warns about nothing: a warning at start
+    // would teach a newcomer to ignore them.
+    let warnings: Vec<String> = logged
+        .lock()
+        .expect("log")
+        .iter()
+        .chain(&banner)
+        .filter(|line| line.contains("WARN"))
+        .cloned()
+        .collect();
+    assert!(warnings.is_empty(), "allot dev warned at start: {warnings:#?}");
     let console_url = format!("http://127.0.0.1:{base}/console/");
     assert!(
         text.contains(&format!("console    {console_url}")),
