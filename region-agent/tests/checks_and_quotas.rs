@@ -479,3 +479,82 @@ async fn a_decision_by_global_rules_alone_shows_the_pools_figures() {
         Some("\"global-api\";r=6;t=0")
     );
 }
+
+/// "Most constraining" is the rule with the least left relative to its quota, whatever its scope,
+/// the request's global pools included: a pool of 23 under a user rule of 500 names the pool, down
+/// to 0 left on its 23rd admission, in the decision and in the RateLimit fields; a user rule of 2
+/// on another route, tighter than the pool then, names itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_names_its_most_constraining_rule_its_pool_included() {
+    let fake = Allocator::new(23, 23, 0);
+    let agent = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        Some(client(fake.clone()).await),
+        Some(common::bundle(
+            r#"{ "rules": [
+            { "id": "client-read", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
+              "limit": 500, "windowMs": 3600000, "failMode": "closed" },
+            { "id": "client-write", "scope": "user", "routeGroup": "write", "algorithm": "fixed_window",
+              "limit": 2, "windowMs": 3600000, "failMode": "closed" },
+            { "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed",
+              "expose": true } ] }"#,
+        )),
+    );
+    let write = agent
+        .admit(&common::user_request("w-0", "U-2", "write"))
+        .await
+        .expect("decision");
+    assert!(write.allowed, "{write:?}");
+    assert_eq!(
+        (
+            write.policy_id.as_deref(),
+            write.remaining_units,
+            write.limit_units
+        ),
+        (Some("client-write"), 1, 2),
+        "1 of 2 left is tighter than 22 of 23: {write:?}"
+    );
+    let mut named = Vec::new();
+    for n in 1..22 {
+        let decision = agent
+            .admit(&common::user_request(&format!("r-{n}"), "U-1", "read"))
+            .await
+            .expect("decision");
+        assert!(decision.allowed, "{decision:?}");
+        named.push((decision.policy_id.clone(), decision.remaining_units));
+    }
+    let expected: Vec<(Option<String>, u64)> = (1..22)
+        .map(|n| (Some("global-api".to_owned()), 22 - n))
+        .collect();
+    assert_eq!(named, expected, "the pool, with what it has left");
+    let url = common::serve_http(agent.clone(), GATEWAY).await;
+    let last = reqwest::Client::new()
+        .post(format!("{url}/v1/check"))
+        .bearer_auth(GATEWAY)
+        .json(&common::user_request("r-22", "U-1", "read"))
+        .send()
+        .await
+        .expect("check");
+    assert_eq!(last.status(), 200, "the pool's 23rd token");
+    let field = |name: &str| {
+        last.headers()
+            .get(name)
+            .map(|value| value.to_str().expect("ascii").to_owned())
+    };
+    assert_eq!(
+        field("ratelimit-policy").as_deref(),
+        Some("\"global-api\";q=23;w=3600")
+    );
+    assert_eq!(
+        field("ratelimit").as_deref(),
+        Some("\"global-api\";r=0;t=3600"),
+        "the pool named with nothing left, not the user rule's 478"
+    );
+    let refused = agent
+        .admit(&common::user_request("r-23", "U-1", "read"))
+        .await
+        .expect("decision");
+    assert!(!refused.allowed);
+    assert_eq!(refused.policy_id.as_deref(), Some("global-api"));
+}

@@ -126,7 +126,10 @@ async fn the_banner_names_a_console_and_an_allotctl_that_work() {
         .filter(|line| line.contains("WARN"))
         .cloned()
         .collect();
-    assert!(warnings.is_empty(), "allot dev warned at start: {warnings:#?}");
+    assert!(
+        warnings.is_empty(),
+        "allot dev warned at start: {warnings:#?}"
+    );
     let console_url = format!("http://127.0.0.1:{base}/console/");
     assert!(
         text.contains(&format!("console    {console_url}")),

@@ -12,7 +12,9 @@
 //! - **Whole units.** Rate rules (token bucket, GCRA) count millitokens: their limit is the capacity
 //!   and their remaining the tokens left, both rounded down to whole tokens. Window rules count units.
 //! - **Most constraining** is the rule with the smallest share left (`remaining / limit`, compared
-//!   exactly in each rule's own unit); the first in evaluation order on a tie.
+//!   exactly in each rule's own unit); the first in evaluation order on a tie. The agent then
+//!   weighs the request's global pools against it (`with_pool_figures`), so an admission names the
+//!   tightest of all its rules.
 //! - **Hot tenants.** A tenant-wide rule in a sub-slot reports its part of the budget, which is what
 //!   was enforced ([`split_params`]).
 //! - A concurrency cap that refuses is reported by [`concurrency_denial`].

@@ -254,8 +254,10 @@ impl Agent {
         // 3. Regional rules, within the hold.
         let (mut decision, replayed) = match (&planned, screened) {
             (Some(planned), Some(screened)) => {
-                self.decide_regional_in_time(request, planned, screened)
-                    .await
+                let (decision, replayed) = self
+                    .decide_regional_in_time(request, planned, screened)
+                    .await;
+                (self.with_pool_figures(decision, &hold), replayed)
             }
             _ => {
                 let admitted = admitted_by_global_rules_only(request, version);

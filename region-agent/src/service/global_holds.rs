@@ -344,13 +344,24 @@ impl Agent {
         }
     }
 
-    /// An admission by global rules alone, naming its most constraining pool (the smallest share
-    /// left) with the figures `GET /v1/quota` shows: `G`, and what is left as the allocator last
-    /// said plus what this agent holds (what it holds, before the allocator's first answer in the
-    /// window), after this request.
+    /// An admission named by its most constraining rule, pools included: the one with the smallest
+    /// share left (`remaining / limit`). A pool's figures are those `GET /v1/quota` shows: `G`,
+    /// and what is left as the allocator last said plus what this agent holds (what it holds,
+    /// before the allocator's first answer in the window), after this request. A rule the
+    /// decision already names (the regional rules' most constraining) keeps its place on a tie; a
+    /// denial is left as it is (it names the rule that denied).
     pub(super) fn with_pool_figures(&self, mut decision: Decision, hold: &GlobalHold) -> Decision {
+        if !decision.allowed {
+            return decision;
+        }
         let now_ms = self.clock.now_ms();
-        let mut most_constraining: Option<(&RuleId, u64, u64)> = None;
+        let regional = decision
+            .policy_id
+            .as_ref()
+            .filter(|_| decision.limit_units > 0)
+            .map(|_| (decision.remaining_units, decision.limit_units));
+        let mut most_constraining: Option<(Option<&RuleId>, u64, u64)> =
+            regional.map(|(remaining, limit)| (None, remaining, limit));
         for (slot, _, rule_id) in &hold.held {
             let figures = slot.figures(now_ms);
             let remaining_tokens = figures
@@ -362,10 +373,10 @@ impl Agent {
                     < u128::from(remaining) * u128::from(figures.limit_tokens)
             });
             if tighter {
-                most_constraining = Some((rule_id, remaining_tokens, figures.limit_tokens));
+                most_constraining = Some((Some(rule_id), remaining_tokens, figures.limit_tokens));
             }
         }
-        if let Some((rule_id, remaining_tokens, limit_tokens)) = most_constraining {
+        if let Some((Some(rule_id), remaining_tokens, limit_tokens)) = most_constraining {
             decision.policy_id = Some(rule_id.to_string());
             decision.limit_units = limit_tokens;
             decision.remaining_units = remaining_tokens;

@@ -216,13 +216,13 @@ impl Agent {
                 return for_every(members.iter().map(|m| m.request), &denial);
             }
         };
-        // Requests with no regional rule: admitted by their global rules, with their pools'
-        // figures.
+        // Every admission named by its most constraining rule, its pools included; requests with
+        // no regional rule by their pools alone.
         decisions
             .into_iter()
             .zip(members.iter().zip(holds))
             .map(|(decision, (member, hold))| match decision {
-                Some(decision) => decision,
+                Some(decision) => self.with_pool_figures(decision, hold),
                 None => self.with_pool_figures(
                     admitted_by_global_rules_only(member.request, version),
                     hold,
