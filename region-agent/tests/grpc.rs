@@ -50,6 +50,14 @@ async fn serve(with_bundle: bool) -> Served {
 }
 
 async fn serve_bundle(bundle: Option<&str>) -> Served {
+    serve_with(bundle, None).await
+}
+
+/// An agent serving `bundle`, taking leases from `allocator` when given.
+async fn serve_with(
+    bundle: Option<&str>,
+    allocator: Option<Arc<allot_region_agent::allocator_client::AllocatorClient>>,
+) -> Served {
     let clock = Arc::new(SystemClock);
     let store = Arc::new(InProcessStore::new(clock.clone(), 1_000));
     let limiter = Limiter::new(store, LimiterConfig::default()).expect("limiter");
@@ -66,7 +74,7 @@ async fn serve_bundle(bundle: Option<&str>) -> Served {
             Pepper::new(b"a pepper of at least sixteen bytes".to_vec()).expect("pepper"),
         )
     };
-    let agent = Agent::new(settings, clock, limiter, None, bundle);
+    let agent = Agent::new(settings, clock, limiter, allocator, bundle);
     let (addr, stop) = common::serve_grpc(agent, TOKEN).await;
     let client = RateLimitServiceClient::connect(format!("http://{addr}"))
         .await
@@ -553,5 +561,52 @@ async fn a_charge_after_the_response_is_never_denied_and_what_does_not_fit_is_ow
     assert!(
         status.message().contains("descriptors[0].hits_addend"),
         "{status:?}"
+    );
+}
+
+/// Envoy is shown the same most constraining rule as the HTTP API: the tightest of all a
+/// request's rules, its global pool included, in a call of one descriptor or of several decided
+/// together. A pool of 5 under a user rule of 500 is named, down to 0 left on its fifth admission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_is_shown_the_pool_when_it_is_the_most_constraining_rule() {
+    const POOLED: &str = r#"{
+        "bundleVersion": 1,
+        "rules": [
+            {"id": "read-user", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
+             "limit": 500, "windowMs": 3600000, "failMode": "closed"},
+            {"id": "global-api", "scope": "global", "pool": "api", "failMode": "closed",
+             "expose": true}
+        ]
+    }"#;
+    let fake = common::allocator::Allocator::new(5, 5, 0);
+    let mut served = serve_with(
+        Some(POOLED),
+        Some(common::allocator::client(fake.clone()).await),
+    )
+    .await;
+    // Two descriptors in one call, decided together: each names the pool.
+    let answer = ask(&mut served, vec![user("p-a"), user("p-b")]).await;
+    assert_eq!(answer.overall_code, Code::Ok as i32, "{answer:?}");
+    for status in &answer.statuses {
+        let limit = status.current_limit.as_ref().expect("a limit shown");
+        assert_eq!(limit.name, "global-api", "{status:?}");
+    }
+    let mut shown = Vec::new();
+    for n in 0..3 {
+        let answer = ask(&mut served, vec![user(&format!("p-{n}"))]).await;
+        let status = &answer.statuses[0];
+        assert_eq!(status.code, Code::Ok as i32, "{status:?}");
+        let limit = status.current_limit.as_ref().expect("a limit shown");
+        shown.push((
+            limit.name.clone(),
+            limit.requests_per_unit,
+            status.limit_remaining,
+        ));
+    }
+    let pool = |left| ("global-api".to_owned(), 5, left);
+    assert_eq!(
+        shown,
+        [pool(2), pool(1), pool(0)],
+        "not the user rule's 499..497"
     );
 }
