@@ -54,6 +54,55 @@ fn serve_receiver(
     ));
 }
 
+/// An allocator on `etcd` whose deliveries trust `pki` (reaching loopback receivers only when
+/// `allow_private`), with the pool `acme/api`: 10 tokens an hour in chunks of 5, served to `eu`
+/// with `fallback_per_region` tokens of fallback.
+async fn allocator_with_pool(
+    etcd: &allot_testkit::EtcdCluster,
+    pki: &TestPki,
+    allow_private: bool,
+    fallback_per_region: u64,
+) -> common::Server {
+    let server = common::start_with(common::Options {
+        webhook_ca: Some(pki.ca()),
+        webhook_allow_private: allow_private,
+        etcd: etcd.endpoints(),
+        ..Default::default()
+    })
+    .await;
+    let put = server
+        .client
+        .put(format!("{}/v1/pools/acme/api", server.url))
+        .bearer_auth(OPERATOR)
+        .json(
+            &json!({ "limit": 10, "windowMs": 3_600_000, "chunk": 5, "leaseTtlMs": 60_000,
+                       "fallbackPerRegion": fallback_per_region, "regions": ["eu"] }),
+        )
+        .send()
+        .await
+        .expect("put pool");
+    assert_eq!(put.status(), 200);
+    server
+}
+
+/// A receiver on a free loopback port: its address, what it hears, and the sender that stops it.
+async fn receiver(
+    pki: &TestPki,
+) -> (
+    std::net::SocketAddr,
+    Received,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("addr");
+    let received: Received = Arc::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    serve_receiver(listener, pki, received.clone(), stopped);
+    (address, received, stop)
+}
+
 /// Whether `header` (`t=<ms>,v1=<hex>...`) holds a valid signature of `body` by `secret`.
 fn signed_by(header: &str, body: &str, secret: &str) -> bool {
     let mut parts = header.split(',');
@@ -116,33 +165,8 @@ async fn deliveries(server: &common::Server, id: &str) -> Vec<Value> {
 async fn thresholds_are_delivered_once_signed_and_retried_while_the_receiver_is_down() {
     let pki = TestPki::generate();
     let etcd = allot_testkit::EtcdCluster::single();
-    let server = common::start_with(common::Options {
-        webhook_ca: Some(pki.ca()),
-        webhook_allow_private: true,
-        etcd: etcd.endpoints(),
-        ..Default::default()
-    })
-    .await;
-    let put = server
-        .client
-        .put(format!("{}/v1/pools/acme/api", server.url))
-        .bearer_auth(OPERATOR)
-        .json(
-            &json!({ "limit": 10, "windowMs": 3_600_000, "chunk": 5, "leaseTtlMs": 60_000,
-                       "fallbackPerRegion": 0, "regions": ["eu"] }),
-        )
-        .send()
-        .await
-        .expect("put pool");
-    assert_eq!(put.status(), 200);
-
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let address = listener.local_addr().expect("addr");
-    let received: Received = Arc::default();
-    let (stop, stopped) = tokio::sync::oneshot::channel();
-    serve_receiver(listener, &pki, received.clone(), stopped);
+    let server = allocator_with_pool(&etcd, &pki, true, 0).await;
+    let (address, received, stop) = receiver(&pki).await;
 
     let created = server
         .client
@@ -389,32 +413,8 @@ async fn registrations_are_checked_and_bounded_by_role() {
 async fn fallback_admits_of_every_agent_count_towards_a_threshold() {
     let pki = TestPki::generate();
     let etcd = allot_testkit::EtcdCluster::single();
-    let server = common::start_with(common::Options {
-        webhook_ca: Some(pki.ca()),
-        webhook_allow_private: true,
-        etcd: etcd.endpoints(),
-        ..Default::default()
-    })
-    .await;
-    let put = server
-        .client
-        .put(format!("{}/v1/pools/acme/api", server.url))
-        .bearer_auth(OPERATOR)
-        .json(
-            &json!({ "limit": 10, "windowMs": 3_600_000, "chunk": 5, "leaseTtlMs": 60_000,
-                       "fallbackPerRegion": 8, "regions": ["eu"] }),
-        )
-        .send()
-        .await
-        .expect("put pool");
-    assert_eq!(put.status(), 200);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let address = listener.local_addr().expect("addr");
-    let received: Received = Arc::default();
-    let (_stop, stopped) = tokio::sync::oneshot::channel();
-    serve_receiver(listener, &pki, received.clone(), stopped);
+    let server = allocator_with_pool(&etcd, &pki, true, 8).await;
+    let (address, received, _stop) = receiver(&pki).await;
     let created = server
         .client
         .post(format!("{}/v1/webhooks", server.url))
@@ -475,31 +475,9 @@ async fn fallback_admits_of_every_agent_count_towards_a_threshold() {
 async fn webhooks_reach_only_public_addresses_unless_the_operator_allows_private_ones() {
     let pki = TestPki::generate();
     let etcd = allot_testkit::EtcdCluster::single();
-    let server = common::start_with(common::Options {
-        webhook_ca: Some(pki.ca()),
-        etcd: etcd.endpoints(),
-        ..Default::default()
-    })
-    .await;
-    let put = server
-        .client
-        .put(format!("{}/v1/pools/acme/api", server.url))
-        .bearer_auth(OPERATOR)
-        .json(
-            &json!({ "limit": 10, "windowMs": 3_600_000, "chunk": 5, "leaseTtlMs": 60_000,
-                       "fallbackPerRegion": 0, "regions": ["eu"] }),
-        )
-        .send()
-        .await
-        .expect("put pool");
-    assert_eq!(put.status(), 200);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let port = listener.local_addr().expect("addr").port();
-    let received: Received = Arc::default();
-    let (_stop, stopped) = tokio::sync::oneshot::channel();
-    serve_receiver(listener, &pki, received.clone(), stopped);
+    let server = allocator_with_pool(&etcd, &pki, false, 0).await;
+    let (address, received, _stop) = receiver(&pki).await;
+    let port = address.port();
     let register = |url: String| {
         server
             .client
