@@ -18,6 +18,15 @@ fn used_tokens(snapshot: &HolderSnapshot) -> u64 {
     leased + fallback
 }
 
+/// What an agent has spent and what it could still spend at `agent_ms`: a denial must leave both
+/// as they were.
+fn spent_and_spendable(agent: &PoolAgent, agent_ms: u64) -> (u64, u64) {
+    (
+        used_tokens(&agent.holder().snapshot(None)),
+        agent.holder().available_tokens(agent_ms),
+    )
+}
+
 /// Region `r`'s call is over (it gave up, or the agent restarted): its answer, if one is on its
 /// way, goes nowhere, and an ask still on its way is served without one.
 fn end_call(state: &mut ModelState, r: usize) {
@@ -167,10 +176,7 @@ impl LeaseModel {
             return;
         };
         region.spends_this_step += 1;
-        let before = (
-            used_tokens(&region.agent.holder().snapshot(None)),
-            region.agent.holder().available_tokens(agent_ms),
-        );
+        let before = spent_and_spendable(&region.agent, agent_ms);
         let mut reserved = region.agent.reserve(1, agent_ms, region.reachable, false);
         if let Err(Refusal {
             denial: Denial::FallbackUnclaimed,
@@ -233,10 +239,7 @@ impl LeaseModel {
             }
             Spend::Denied { .. } => {
                 let region = &mut state.regions[r];
-                let after = (
-                    used_tokens(&region.agent.holder().snapshot(None)),
-                    region.agent.holder().available_tokens(agent_ms),
-                );
+                let after = spent_and_spendable(&region.agent, agent_ms);
                 if after != before {
                     state.breaches |= Breach::DenialDebited.bit();
                 }
@@ -347,17 +350,11 @@ impl LeaseModel {
             return;
         };
         region.spends_this_step += 1;
-        let before = (
-            used_tokens(&region.agent.holder().snapshot(None)),
-            region.agent.holder().available_tokens(agent_ms),
-        );
+        let before = spent_and_spendable(&region.agent, agent_ms);
         if let Ok(reservation) = region.agent.reserve(1, agent_ms, region.reachable, false) {
             region.agent.cancel(reservation);
         }
-        let after = (
-            used_tokens(&region.agent.holder().snapshot(None)),
-            region.agent.holder().available_tokens(agent_ms),
-        );
+        let after = spent_and_spendable(&region.agent, agent_ms);
         if after != before {
             state.breaches |= Breach::DenialDebited.bit();
         }
