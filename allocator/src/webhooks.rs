@@ -166,10 +166,14 @@ impl Delivery {
         let builder = reqwest::Client::builder()
             .timeout(DELIVERY_TIMEOUT)
             .redirect(reqwest::redirect::Policy::none());
+        // Through a proxy from the environment, the proxy would resolve the host and the
+        // resolver below would never see it: deliveries limited to public addresses go direct.
         let builder = if allow_private {
             builder
         } else {
-            builder.dns_resolver(Arc::new(addresses::PublicOnly))
+            builder
+                .no_proxy()
+                .dns_resolver(Arc::new(addresses::PublicOnly))
         };
         let http = allot_net::ClientTls {
             ca,

@@ -37,18 +37,32 @@ fn private_kind_v4(ip: Ipv4Addr) -> Option<&'static str> {
         Some("unspecified")
     } else if ip.is_broadcast() || ip.is_multicast() {
         Some("broadcast or multicast")
+    } else if (first == 198 && (18..20).contains(&second))
+        || (first == 192 && second == 0 && ip.octets()[2] == 0)
+        || first >= 240
+    {
+        // 198.18.0.0/15 (benchmarking), 192.0.0.0/24 (protocol assignments), 240.0.0.0/4.
+        Some("reserved")
     } else {
         None
     }
 }
 
 fn private_kind_v6(ip: Ipv6Addr) -> Option<&'static str> {
+    let segments = ip.segments();
+    // NAT64 (64:ff9b::/96) reaches the IPv4 address in its last 32 bits: judged as that address.
+    if segments[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        let [.., a, b, c, d] = ip.octets();
+        return private_kind_v4(Ipv4Addr::new(a, b, c, d));
+    }
     if ip.is_loopback() {
         Some("loopback")
     } else if ip.is_unique_local() {
         Some("unique-local")
     } else if ip.is_unicast_link_local() {
         Some("link-local")
+    } else if segments[0] & 0xffc0 == 0xfec0 {
+        Some("site-local")
     } else if ip.is_unspecified() {
         Some("unspecified")
     } else if ip.is_multicast() {
@@ -139,6 +153,12 @@ mod tests {
             ("::", "unspecified"),
             ("::ffff:127.0.0.1", "loopback"),
             ("::ffff:10.0.0.1", "private"),
+            ("64:ff9b::7f00:1", "loopback"),
+            ("64:ff9b::a9fe:a9fe", "link-local"),
+            ("fec0::1", "site-local"),
+            ("198.18.0.1", "reserved"),
+            ("192.0.0.8", "reserved"),
+            ("240.0.0.1", "reserved"),
         ] {
             let ip: IpAddr = address.parse().expect("address");
             assert_eq!(private_kind(ip), Some(kind), "{address}");
@@ -149,6 +169,9 @@ mod tests {
             "100.128.0.1",
             "2606:4700::1111",
             "::ffff:8.8.8.8",
+            "64:ff9b::808:808",
+            "198.20.0.1",
+            "192.0.2.1",
         ] {
             let ip: IpAddr = public.parse().expect("address");
             assert_eq!(private_kind(ip), None, "{public}");
