@@ -558,3 +558,39 @@ async fn an_admission_names_its_most_constraining_rule_its_pool_included() {
     assert!(!refused.allowed);
     assert_eq!(refused.policy_id.as_deref(), Some("global-api"));
 }
+
+/// A pool the allocator has said nothing of in this window (here its grants hang, and the agent
+/// admits in fallback) is no measure of what is left: the admission names its regional rule, not
+/// the pool with a made-up 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_without_the_allocators_figure_does_not_displace_the_regional_rule() {
+    let fake = Allocator::new(10, 5, 5);
+    fake.hang_grants
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let agent = common::agent(
+        common::settings(),
+        Arc::new(SystemClock),
+        Some(client(fake.clone()).await),
+        Some(common::bundle(
+            r#"{ "rules": [
+            { "id": "client-read", "scope": "user", "routeGroup": "read", "algorithm": "fixed_window",
+              "limit": 500, "windowMs": 3600000, "failMode": "closed" },
+            { "id": "global-api", "scope": "global", "pool": "api", "failMode": "closed",
+              "expose": true } ] }"#,
+        )),
+    );
+    let decision = agent
+        .admit(&common::user_request("f-0", "U-1", "read"))
+        .await
+        .expect("decision");
+    assert!(decision.allowed && decision.fallback, "{decision:?}");
+    assert_eq!(
+        (
+            decision.policy_id.as_deref(),
+            decision.remaining_units,
+            decision.limit_units
+        ),
+        (Some("client-read"), 499, 500),
+        "{decision:?}"
+    );
+}

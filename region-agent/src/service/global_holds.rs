@@ -348,10 +348,13 @@ impl Agent {
     /// share left (`remaining / limit`). A pool's figures are those `GET /v1/quota` shows: `G`,
     /// and what is left as the allocator last said plus what this agent holds (what it holds,
     /// before the allocator's first answer in the window), after this request. A rule the
-    /// decision already names (the regional rules' most constraining) keeps its place on a tie; a
-    /// denial is left as it is (it names the rule that denied).
+    /// decision already names (the regional rules' most constraining) keeps its place on a tie,
+    /// and against a pool the allocator has said nothing of in this window (in fallback, or
+    /// before its first answer, what the agent holds is no measure of what the pool has left); a
+    /// denial is left as it is (it names the rule that denied). Most admissions hold no pool:
+    /// they return at once.
     pub(super) fn with_pool_figures(&self, mut decision: Decision, hold: &GlobalHold) -> Decision {
-        if !decision.allowed {
+        if !decision.allowed || hold.held.is_empty() {
             return decision;
         }
         let now_ms = self.clock.now_ms();
@@ -364,6 +367,9 @@ impl Agent {
             regional.map(|(remaining, limit)| (None, remaining, limit));
         for (slot, _, rule_id) in &hold.held {
             let figures = slot.figures(now_ms);
+            if regional.is_some() && figures.remaining_tokens.is_none() {
+                continue;
+            }
             let remaining_tokens = figures
                 .remaining_tokens
                 .unwrap_or(figures.held_tokens)
