@@ -359,3 +359,17 @@ async fn settle_over_http_names_the_field_at_fault() {
     .expect("settle");
     assert_eq!(answer.status(), 200);
 }
+
+/// A retried admission of a metered request still open keeps the first's settlement and its
+/// deadline: one open settlement per request, however often it is retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_metered_admission_keeps_the_first_deadline() {
+    let fake = Allocator::new(1_000, 100, 0);
+    let agent = agent_with(&fake, BUNDLE).await;
+    let first = agent.admit(&metered(9, "U-9", 1)).await.expect("decision");
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let retried = agent.admit(&metered(9, "U-9", 1)).await.expect("decision");
+    assert!(first.allowed && retried.allowed, "{first:?} {retried:?}");
+    assert!(first.settle_by_ms.is_some());
+    assert_eq!(retried.settle_by_ms, first.settle_by_ms);
+}

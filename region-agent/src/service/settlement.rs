@@ -51,8 +51,7 @@ impl Agent {
         let settle_by_ms = now_ms.saturating_add(self.settings.settle_window_ms);
         let mut settlements = lock(&self.settlements);
         settlements.prune(now_ms);
-        settlements.insert(request, bundle, settle_by_ms);
-        settle_by_ms
+        settlements.insert(request, bundle, settle_by_ms)
     }
 
     /// Settles a metered admission's actual cost (module docs). Idempotent by decision id: the

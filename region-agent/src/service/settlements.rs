@@ -194,19 +194,19 @@ impl Settlements {
         }
     }
 
-    /// Opens `request` (admitted, metered) for settlement until `settle_by_ms`.
+    /// Opens `request` (admitted, metered) for settlement until `settle_by_ms`; the deadline in
+    /// force. A retried admission of a request already open (or being or already settled) keeps
+    /// the first entry and its deadline: one entry, and one place in the eviction order, per
+    /// request, however often it is retried.
     pub(super) fn insert(
         &mut self,
         request: &AdmissionRequest,
         bundle: Arc<PolicyBundle>,
         settle_by_ms: u64,
-    ) {
+    ) -> u64 {
         let key = (request.tenant_id.clone(), request.request_id.clone());
-        if let Some(existing) = self.open.get(&key)
-            && !matches!(existing.state, OpenState::Open)
-        {
-            // A retried admission of a request being or already settled: the first stands.
-            return;
+        if let Some(existing) = self.open.get(&key) {
+            return existing.settle_by_ms;
         }
         while self.open.len() >= MAX_OPEN_SETTLEMENTS {
             let Some((_, oldest)) = self.order.pop_front() else {
@@ -226,6 +226,8 @@ impl Settlements {
             },
         );
         self.order.push_back((settle_by_ms, key));
+        debug_assert!(self.order.len() >= self.open.len());
+        settle_by_ms
     }
 
     /// Adds `units` to what the principal of `request` owes, within `cap_units`; returns what was
