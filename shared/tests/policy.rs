@@ -26,7 +26,7 @@ fn rejected(json: &str) -> PolicyError {
     parse_bundle(json).expect_err("the bundle must be rejected")
 }
 
-/// The bundle `client/examples/service.rs` needs (docs/gateways.md): a rule for each route group
+/// The bundle `clients/rust/examples/service.rs` needs (docs/gateways.md): a rule for each route group
 /// it sends, `export` holding one slot at a time.
 #[test]
 fn the_client_example_bundle_covers_every_route_group_the_example_sends() {

@@ -29,6 +29,10 @@ pub enum Binary {
     OpenapiSpecValidator,
     /// `schemathesis` (PyPI), which tests running services against their OpenAPI documents.
     Schemathesis,
+    /// `npm`, which builds and tests the TypeScript client (Node.js 20 or later).
+    Npm,
+    /// `python3`, which tests the Python client with pytest.
+    Python,
 }
 
 impl Binary {
@@ -44,6 +48,8 @@ impl Binary {
             Self::Nginx => "nginx",
             Self::OpenapiSpecValidator => "openapi-spec-validator",
             Self::Schemathesis => "schemathesis",
+            Self::Npm => "npm",
+            Self::Python => "python3",
         }
     }
 
@@ -71,6 +77,8 @@ impl Binary {
             Self::ChromeDriver => "chromium-driver",
             Self::Nginx => "nginx",
             Self::OpenapiSpecValidator | Self::Schemathesis => "python3-pip",
+            Self::Npm => "npm",
+            Self::Python => "python3",
         }
     }
 
@@ -87,6 +95,8 @@ impl Binary {
             Self::Nginx => "ALLOT_NGINX_BIN",
             Self::OpenapiSpecValidator => "ALLOT_OPENAPI_SPEC_VALIDATOR_BIN",
             Self::Schemathesis => "ALLOT_SCHEMATHESIS_BIN",
+            Self::Npm => "ALLOT_NPM_BIN",
+            Self::Python => "ALLOT_PYTHON_BIN",
         }
     }
 
@@ -152,7 +162,8 @@ impl Binary {
 
     /// [`Binary::locate`], panicking with the install hint: what server start-up
     /// calls before spawning anything.
-    pub(crate) fn require(self) -> PathBuf {
+    #[must_use]
+    pub fn require(self) -> PathBuf {
         self.locate().unwrap_or_else(|missing| panic!("{missing}"))
     }
 }
