@@ -5,7 +5,7 @@ use serde_json::{Value, json};
 
 mod common;
 
-use common::{AGENT, AUTHOR, OPERATOR, Server, VIEWER, start};
+use common::{AGENT, AGENT_EU, AUTHOR, OPERATOR, Server, VIEWER, start};
 
 fn pool_body() -> Value {
     json!({ "limit": 1000, "windowMs": 60000, "chunk": 100, "leaseTtlMs": 15000,
@@ -493,6 +493,125 @@ async fn grants_over_http() {
     assert!(
         metrics.contains("allot_pool_remaining_tokens{tenant=\"atlas\",pool=\"api\"}"),
         "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_round_of_reports_in_one_call_is_taken_report_by_report() {
+    let server = start().await;
+    for pool in ["atlas/api", "birch/api"] {
+        assert_eq!(
+            server
+                .put_pool(pool, OPERATOR, pool_body().to_string())
+                .await
+                .0,
+            200
+        );
+    }
+    let grant = async |tenant: &str, lease: allot_shared::ids::LeaseId| -> Value {
+        server
+            .client
+            .post(format!("{}/v1/grants", server.url))
+            .bearer_auth(AGENT_EU)
+            .json(&json!({ "leaseId": lease, "tenant": tenant, "pool": "api", "region": "eu", "want": 100 }))
+            .send()
+            .await
+            .expect("grant")
+            .json()
+            .await
+            .expect("json")
+    };
+    let (atlas_lease, birch_lease) = (
+        allot_shared::ids::LeaseId::from_parts(1, 11),
+        allot_shared::ids::LeaseId::from_parts(1, 12),
+    );
+    let window_start = grant("atlas", atlas_lease).await["windowStartMs"].clone();
+    grant("birch", birch_lease).await;
+    let report = |id: &str, tenant: &str, region: &str, lease, spent: u64| {
+        json!({ "reportId": id, "region": region, "tenant": tenant, "pool": "api",
+                "windowStartMs": window_start, "leases": [{ "leaseId": lease, "spent": spent }],
+                "fallbackAdmitted": 2 })
+    };
+    let post = async |token: &str, reports: Vec<Value>| {
+        let answer = server
+            .client
+            .post(format!("{}/v1/reports/batch", server.url))
+            .bearer_auth(token)
+            .json(&json!({ "reports": reports }))
+            .send()
+            .await
+            .expect("batch");
+        status_and_body(answer).await
+    };
+    let (status, answer) = post(
+        AGENT_EU,
+        vec![
+            report("round-1-atlas", "atlas", "eu", atlas_lease, 40),
+            report("round-1-atlas", "atlas", "eu", atlas_lease, 40),
+            report("round-1-birch", "birch", "eu", birch_lease, 70),
+            report("round-1-over", "birch", "eu", birch_lease, 101),
+            report("round-1-us", "birch", "us", birch_lease, 1),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let results = answer["results"].as_array().expect("results");
+    assert_eq!(
+        results.len(),
+        5,
+        "one result per report, in order: {answer}"
+    );
+    assert_eq!(results[0], json!({ "receipt": { "duplicate": false } }));
+    assert_eq!(
+        results[1],
+        json!({ "receipt": { "duplicate": true } }),
+        "the same id again in the call"
+    );
+    assert_eq!(results[2], json!({ "receipt": { "duplicate": false } }));
+    assert_eq!(results[3]["problem"]["status"], 400);
+    assert_eq!(results[3]["problem"]["field"], "reports[3].leases[0].spent");
+    assert_eq!(
+        results[4]["problem"]["status"], 403,
+        "an EU token may not report for US"
+    );
+    assert_eq!(results[4]["problem"]["field"], "reports[4].region");
+
+    // Each pool as if its report had come alone: refused reports changed nothing.
+    for (pool, spent) in [("atlas/api", 40), ("birch/api", 70)] {
+        let (status, windows) = server
+            .get(&format!("/v1/pools/{pool}/windows?last=1"), OPERATOR)
+            .await;
+        assert_eq!(status, 200, "{windows}");
+        let row = &windows["windows"][0];
+        assert_eq!(
+            (row["spent"].as_u64(), row["fallbackAdmitted"].as_u64()),
+            (Some(spent), Some(2)),
+            "{pool}: {row}"
+        );
+    }
+    // The one-at-a-time route knows the batch's report ids.
+    let again: Value = server
+        .client
+        .post(format!("{}/v1/reports", server.url))
+        .bearer_auth(AGENT_EU)
+        .json(&report("round-1-birch", "birch", "eu", birch_lease, 70))
+        .send()
+        .await
+        .expect("report")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(again["duplicate"], true);
+
+    // Bounded: reports per call.
+    let too_many = (0..=allot_shared::wire::MAX_REPORTS_PER_BATCH)
+        .map(|i| report(&format!("many-{i}"), "atlas", "eu", atlas_lease, 40))
+        .collect();
+    let (status, problem) = post(AGENT_EU, too_many).await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (400, Some("reports")),
+        "{problem}"
     );
 }
 

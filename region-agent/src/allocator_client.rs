@@ -13,7 +13,9 @@ use allot_shared::overrides::OverrideSet;
 use allot_shared::policy::{PolicyBundle, parse_bundle};
 pub use allot_shared::wire::{
     AgentSession, AgentSessionEnded, AgentSessionStarted, AgentStatus, FallbackInWindow,
-    GrantAnswer, GrantBody, PoolTerms, Report, ReportLease, ReportReceipt,
+    GrantAnswer, GrantBody, MAX_LEASE_LINES_PER_BATCH, MAX_REPORT_BATCH_BYTES,
+    MAX_REPORTS_PER_BATCH, PoolTerms, Report, ReportBatchAnswer, ReportLease, ReportReceipt,
+    ReportResult,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -294,6 +296,31 @@ impl AllocatorClient {
         )
         .await
         .map(|_| ())
+    }
+
+    /// `POST /v1/reports/batch`: a round's reports in one call, each taken once per report id; one
+    /// result per report, in order. An allocator without the route answers 404.
+    pub async fn report_batch(&self, reports: &[Report]) -> Result<Vec<ReportResult>, ClientError> {
+        let body = serde_json::json!({ "reports": reports });
+        let answer: Option<ReportBatchAnswer> = self
+            .call(reqwest::Method::POST, "/v1/reports/batch", Some(&body))
+            .await?;
+        match answer {
+            Some(answer) if answer.results.len() == reports.len() => Ok(answer.results),
+            Some(answer) => Err(ClientError::Refused {
+                status: 200,
+                detail: format!(
+                    "{} results for {} reports",
+                    answer.results.len(),
+                    reports.len()
+                ),
+            }),
+            // `call` reads a 404 as nothing: this allocator has no batch route.
+            None => Err(ClientError::Refused {
+                status: 404,
+                detail: "no POST /v1/reports/batch at this allocator".to_owned(),
+            }),
+        }
     }
 
     /// The bundle this region should run, verified; `None` when nothing is published.

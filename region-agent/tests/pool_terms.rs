@@ -46,6 +46,12 @@ struct Fake {
     unclean_since_ms: Option<u64>,
     session_starts: AtomicU64,
     session_ends: AtomicU64,
+    /// Whether it serves `POST /v1/reports/batch` (an older allocator does not).
+    takes_batches: bool,
+    /// Calls to `POST /v1/reports/batch` and `POST /v1/reports`, and the tenants reported.
+    batch_calls: AtomicU64,
+    single_calls: AtomicU64,
+    reported_tenants: Mutex<Vec<String>>,
 }
 
 async fn session_start(State(fake): State<Arc<Fake>>) -> Response {
@@ -91,13 +97,43 @@ async fn grant(State(fake): State<Arc<Fake>>, Json(body): Json<serde_json::Value
     .into_response()
 }
 
+async fn report(State(fake): State<Arc<Fake>>, Json(body): Json<serde_json::Value>) -> Response {
+    fake.single_calls.fetch_add(1, Ordering::SeqCst);
+    fake.reported_tenants
+        .lock()
+        .expect("lock")
+        .push(body["tenant"].as_str().unwrap_or_default().to_owned());
+    Json(serde_json::json!({ "duplicate": false })).into_response()
+}
+
+async fn report_batch(
+    State(fake): State<Arc<Fake>>,
+    Json(body): Json<serde_json::Value>,
+) -> Response {
+    fake.batch_calls.fetch_add(1, Ordering::SeqCst);
+    let reports = body["reports"].as_array().cloned().unwrap_or_default();
+    let mut results = Vec::new();
+    for report in &reports {
+        fake.reported_tenants
+            .lock()
+            .expect("lock")
+            .push(report["tenant"].as_str().unwrap_or_default().to_owned());
+        results.push(serde_json::json!({ "receipt": { "duplicate": false } }));
+    }
+    Json(serde_json::json!({ "results": results })).into_response()
+}
+
 async fn allocator(fake: Arc<Fake>) -> Arc<AllocatorClient> {
-    let app = axum::Router::new()
+    let mut app = axum::Router::new()
         .route("/v1/pools/{tenant}/{pool}/terms", get(terms))
         .route("/v1/grants", post(grant))
+        .route("/v1/reports", post(report))
         .route("/v1/agent-sessions", post(session_start))
-        .route("/v1/agent-sessions/end", post(session_end))
-        .with_state(fake);
+        .route("/v1/agent-sessions/end", post(session_end));
+    if fake.takes_batches {
+        app = app.route("/v1/reports/batch", post(report_batch));
+    }
+    let app = app.with_state(fake);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -124,13 +160,21 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         unclean_since_ms: None,
         session_starts: AtomicU64::new(0),
         session_ends: AtomicU64::new(0),
+        takes_batches: true,
+        batch_calls: AtomicU64::new(0),
+        single_calls: AtomicU64::new(0),
+        reported_tenants: Mutex::new(Vec::new()),
     })
 }
 
 fn request(n: u64) -> AdmissionRequest {
+    request_of("atlas", n)
+}
+
+fn request_of(tenant: &str, n: u64) -> AdmissionRequest {
     AdmissionRequest {
-        request_id: DecisionId::parse(&format!("t-{n}")).expect("id"),
-        tenant_id: TenantId::parse("atlas").expect("tenant"),
+        request_id: DecisionId::parse(&format!("t-{tenant}-{n}")).expect("id"),
+        tenant_id: TenantId::parse(tenant).expect("tenant"),
         principal: Principal {
             kind: PrincipalType::User,
             id: "U-1".to_owned(),
@@ -421,4 +465,54 @@ async fn an_agent_holds_at_most_max_pools_and_takes_a_new_one_once_an_idle_one_i
     let later = agent.admit(&for_tenant("c", 3)).await.expect("decision");
     assert_eq!(later.limit_units, 1_000, "{later:?}");
     assert_eq!(agent.pool_counts().0, 1);
+}
+
+/// A report round is one call for every pool that owes a report; an allocator without the batch
+/// route gets the same reports one by one.
+#[tokio::test]
+async fn a_report_round_is_one_call_or_one_by_one_for_an_older_allocator() {
+    for takes_batches in [true, false] {
+        let cut_off = Arc::new(Fake {
+            fallback_per_region_tokens: 10,
+            grants_unavailable: true,
+            takes_batches,
+            ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
+        });
+        let (agent, _clock) = setup(&cut_off).await;
+        for tenant in ["atlas", "birch", "cedar"] {
+            let decision = agent.admit(&request_of(tenant, 0)).await.expect("decision");
+            assert!(decision.allowed && decision.fallback, "{decision:?}");
+        }
+        agent.send_reports().await;
+        let mut reported = cut_off.reported_tenants.lock().expect("lock").clone();
+        reported.sort();
+        assert_eq!(
+            reported,
+            ["atlas", "birch", "cedar"],
+            "every pool's fallback admit"
+        );
+        let calls = (
+            cut_off.batch_calls.load(Ordering::SeqCst),
+            cut_off.single_calls.load(Ordering::SeqCst),
+        );
+        if takes_batches {
+            assert_eq!(calls, (1, 0), "one call for the round");
+        } else {
+            assert_eq!(
+                calls,
+                (0, 3),
+                "the batch route missing: one call per report"
+            );
+        }
+        assert!(
+            agent.end_session().await,
+            "every fallback admit reported: the session ends cleanly"
+        );
+        agent.send_reports().await;
+        assert_eq!(
+            cut_off.reported_tenants.lock().expect("lock").len(),
+            3,
+            "reports taken are not sent again"
+        );
+    }
 }

@@ -279,6 +279,45 @@ pub struct ReportReceipt {
     pub duplicate: bool,
 }
 
+/// Most reports one `POST /v1/reports/batch` call may carry.
+pub const MAX_REPORTS_PER_BATCH: usize = 256;
+/// Most lease lines one `POST /v1/reports/batch` call may carry, all its reports together.
+pub const MAX_LEASE_LINES_PER_BATCH: usize = 10_000;
+/// Largest `POST /v1/reports/batch` body, bytes.
+pub const MAX_REPORT_BATCH_BYTES: usize = 1024 * 1024;
+
+/// `POST /v1/reports/batch` body: an agent's report round in one call, each report taken as
+/// `POST /v1/reports` takes it (once per report id), written to the ledger in one transaction.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReportBatch {
+    /// The reports, at most [`MAX_REPORTS_PER_BATCH`], with at most
+    /// [`MAX_LEASE_LINES_PER_BATCH`] lease lines among them.
+    #[schema(max_items = 256)]
+    pub reports: Vec<Report>,
+}
+
+/// `POST /v1/reports/batch` answer: one result per report, in the order sent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReportBatchAnswer {
+    /// Each report's result, in the order of the call's `reports`.
+    pub results: Vec<ReportResult>,
+}
+
+/// One report's result in a batch: its receipt, or why it was refused (its `field` prefixed
+/// `reports[i].`). A refused report changed nothing; the others were taken all the same.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReportResult {
+    /// The receipt of a report taken (or taken before: `duplicate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt: Option<ReportReceipt>,
+    /// Why the report was refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem: Option<crate::contract::Problem>,
+}
+
 /// `POST /v1/policies/status` body: which bundle an agent runs (the allocator stamps when).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -70,6 +70,11 @@ impl ApiError {
         self
     }
 
+    /// The problem body, for an answer that carries it among others (a batch's entry).
+    pub fn into_problem(self) -> Problem {
+        *self.problem
+    }
+
     /// Adds a member to the problem body.
     pub fn with_extension(mut self, name: &str, value: impl Into<serde_json::Value>) -> Self {
         self.problem = Box::new(self.problem.with_extension(name, value));

@@ -1,10 +1,8 @@
-//! Agents: grants (`POST /v1/grants`) and reports (`POST /v1/reports`), for their own region only.
+//! Agents: grants (`POST /v1/grants`), for their own region only.
 
 use allot_shared::contract::Problem;
-use allot_shared::ids::LeaseId;
 use allot_shared::lease::GrantRequest;
-use allot_shared::wire::{GrantAnswer, ReportReceipt};
-use allot_shared::wire::{GrantBody, Report};
+use allot_shared::wire::{GrantAnswer, GrantBody};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -14,7 +12,6 @@ use super::ApiState;
 use super::access::{Needs, authorize, check_region};
 use super::errors::ApiError;
 use super::io::{json_response, parse_json};
-use crate::pools;
 
 #[utoipa::path(post, path = "/v1/grants", tag = "agents",
     request_body = GrantBody,
@@ -45,44 +42,4 @@ pub async fn post_grant(
         .grant(&body.tenant, &body.pool, request)
         .await?;
     Ok(json_response(StatusCode::OK, &answer))
-}
-
-#[utoipa::path(post, path = "/v1/reports", tag = "agents",
-    request_body = Report,
-    responses(
-        (status = 200, description = "The report, recorded once", body = ReportReceipt),
-        crate::http::errors::Refused,
-        crate::http::errors::BodyRefused,
-    ))]
-pub async fn post_report(
-    State(state): State<ApiState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    let credential = authorize(&state, &headers, Needs::Agent)?;
-    let report: Report = parse_json(&headers, &body)?;
-    check_region(&credential, &report.region)?;
-    // Grants reach the ledger asynchronously and a report may overtake them. etcd is the authority:
-    // copy what the ledger lacks from there before checking the report against it.
-    let ids: Vec<LeaseId> = report.leases.iter().map(|l| l.lease_id).collect();
-    let missing = state.ledger.missing_grants(&ids).await?;
-    let mut found = Vec::new();
-    for lease in missing {
-        if let Some(record) =
-            pools::get_grant(&*state.kv, &report.tenant, &report.pool, &lease).await?
-        {
-            found.push(record);
-        }
-    }
-    if !found.is_empty() {
-        state
-            .ledger
-            .record_grants(&report.tenant, &report.pool, &found)
-            .await?;
-    }
-    let receipt = state
-        .ledger
-        .record_report(&report, state.clock.now_ms())
-        .await?;
-    Ok(json_response(StatusCode::OK, &receipt))
 }

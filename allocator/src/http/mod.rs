@@ -24,6 +24,7 @@ mod overrides;
 mod policies;
 mod pools;
 mod regions;
+mod reports;
 mod tokens;
 mod usage;
 mod webhooks;
@@ -134,7 +135,13 @@ pub fn routes(state: ApiState) -> Router {
         )
         .route("/v1/regions", get(regions::list_regions))
         .route("/v1/grants", post(grants::post_grant))
-        .route("/v1/reports", post(grants::post_report))
+        .route("/v1/reports", post(reports::post_report))
+        .route(
+            "/v1/reports/batch",
+            post(reports::post_report_batch).layer(axum::extract::DefaultBodyLimit::max(
+                allot_shared::wire::MAX_REPORT_BATCH_BYTES,
+            )),
+        )
         .route(
             "/v1/agent-sessions",
             post(agent_sessions::post_session_start),

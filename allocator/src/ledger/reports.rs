@@ -120,24 +120,62 @@ impl Ledger {
         report: &Report,
         received_at_ms: u64,
     ) -> Result<ReportReceipt, LedgerError> {
-        self.check_report(report).await?;
-        let statements = ReportStatements::of(report, received_at_ms);
+        let mut results = self
+            .record_reports(std::slice::from_ref(report), received_at_ms)
+            .await?;
+        match results.pop() {
+            Some(result) => result.map_err(LedgerError::Invalid),
+            None => Err(LedgerError::Invalid(FieldError::new(
+                "reportId",
+                "the report was not applied",
+            ))),
+        }
+    }
+
+    /// Applies a round's reports in one transaction, each once per report id and checked as
+    /// [`Ledger::record_report`] checks it. A report that fails its checks is refused alone (its
+    /// error in its place, nothing of it written); the others are written. A report id seen before,
+    /// in an earlier call or earlier in this one, is a duplicate and changes nothing.
+    pub async fn record_reports(
+        &self,
+        reports: &[Report],
+        received_at_ms: u64,
+    ) -> Result<Vec<Result<ReportReceipt, FieldError>>, LedgerError> {
+        let ids: Vec<LeaseId> = reports
+            .iter()
+            .flat_map(|report| report.leases.iter().map(|lease| lease.lease_id))
+            .collect();
+        let grants = self.grants_of(&ids).await?;
+        let mut results: Vec<Result<ReportReceipt, FieldError>> = reports
+            .iter()
+            .map(|report| {
+                check_report(report, &grants).map(|()| ReportReceipt { duplicate: false })
+            })
+            .collect();
+        let statements: Vec<(usize, ReportStatements)> = reports
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| results[*index].is_ok())
+            .map(|(index, report)| (index, ReportStatements::of(report, received_at_ms)))
+            .collect();
+        if statements.is_empty() {
+            return Ok(results);
+        }
         macro_rules! apply {
             ($pool:expr, $builder:expr) => {{
                 let mut tx = $pool.begin().await?;
-                let (sql, values) = statements.report.build_sqlx($builder);
-                let inserted = sqlx::query_with(&sql, values).execute(&mut *tx).await?;
-                if inserted.rows_affected() == 0 {
-                    tx.rollback().await?;
-                    return Ok(ReportReceipt { duplicate: true });
-                }
-                for spend in &statements.spends {
-                    let (sql, values) = spend.build_sqlx($builder);
-                    sqlx::query_with(&sql, values).execute(&mut *tx).await?;
-                }
-                for admits in statements.fallback.iter().chain(&statements.per_region) {
-                    let (sql, values) = admits.build_sqlx($builder);
-                    sqlx::query_with(&sql, values).execute(&mut *tx).await?;
+                for (index, statements) in &statements {
+                    let (sql, values) = statements.report.build_sqlx($builder);
+                    let inserted = sqlx::query_with(&sql, values).execute(&mut *tx).await?;
+                    if inserted.rows_affected() == 0 {
+                        // Taken before: its effects are in the ledger already.
+                        results[*index] = Ok(ReportReceipt { duplicate: true });
+                        continue;
+                    }
+                    for statement in statements.effects() {
+                        let (sql, values) = statement.build_sqlx($builder);
+                        sqlx::query_with(&sql, values).execute(&mut *tx).await?;
+                    }
                 }
                 tx.commit().await?;
             }};
@@ -146,59 +184,7 @@ impl Ledger {
             Database::Sqlite(pool) => apply!(pool, SqliteQueryBuilder),
             Database::Postgres(pool) => apply!(pool, PostgresQueryBuilder),
         }
-        Ok(ReportReceipt { duplicate: false })
-    }
-
-    /// A report's bounds, and its leases against the grants the ledger holds.
-    async fn check_report(&self, report: &Report) -> Result<(), LedgerError> {
-        let invalid =
-            |field: String, message: String| LedgerError::Invalid(FieldError::new(field, message));
-        // Characters, as the schema counts them (`maxLength`), not bytes.
-        if report.report_id.is_empty() || report.report_id.chars().count() > 64 {
-            return Err(invalid(
-                "reportId".into(),
-                "must be 1 to 64 characters".into(),
-            ));
-        }
-        if report.incarnation.is_some() && report.agent_id.is_none() {
-            return Err(invalid(
-                "incarnation".into(),
-                "names a run of an agent: send agentId with it".into(),
-            ));
-        }
-        if report.leases.len() > MAX_LEASES_PER_REPORT {
-            return Err(invalid(
-                "leases".into(),
-                format!("at most {MAX_LEASES_PER_REPORT} leases per report"),
-            ));
-        }
-        let ids: Vec<LeaseId> = report.leases.iter().map(|l| l.lease_id).collect();
-        let grants = self.grants_of(&ids).await?;
-        for (index, lease) in report.leases.iter().enumerate() {
-            let field = format!("leases[{index}]");
-            let Some(grant) = grants.get(&lease.lease_id.to_string()) else {
-                return Err(invalid(field, "no such lease was granted".into()));
-            };
-            if grant.tenant != report.tenant.as_str()
-                || grant.pool != report.pool.as_str()
-                || grant.region != report.region.as_str()
-            {
-                return Err(invalid(
-                    field,
-                    "the lease belongs to another tenant, pool or region".into(),
-                ));
-            }
-            if lease.spent_tokens > u64_of(grant.granted) {
-                return Err(invalid(
-                    format!("{field}.spent"),
-                    format!(
-                        "{} exceeds the {} tokens granted to the lease",
-                        lease.spent_tokens, grant.granted
-                    ),
-                ));
-            }
-        }
-        Ok(())
+        Ok(results)
     }
 
     /// Tokens reported admitted in fallback from `pool` in the window starting at
@@ -260,6 +246,51 @@ impl Ledger {
     }
 }
 
+/// A report's bounds, and its leases against `grants`, the ledger's grants by lease id.
+fn check_report(report: &Report, grants: &BTreeMap<String, GrantRow>) -> Result<(), FieldError> {
+    // Characters, as the schema counts them (`maxLength`), not bytes.
+    if report.report_id.is_empty() || report.report_id.chars().count() > 64 {
+        return Err(FieldError::new("reportId", "must be 1 to 64 characters"));
+    }
+    if report.incarnation.is_some() && report.agent_id.is_none() {
+        return Err(FieldError::new(
+            "incarnation",
+            "names a run of an agent: send agentId with it",
+        ));
+    }
+    if report.leases.len() > MAX_LEASES_PER_REPORT {
+        return Err(FieldError::new(
+            "leases",
+            format!("at most {MAX_LEASES_PER_REPORT} leases per report"),
+        ));
+    }
+    for (index, lease) in report.leases.iter().enumerate() {
+        let field = format!("leases[{index}]");
+        let Some(grant) = grants.get(&lease.lease_id.to_string()) else {
+            return Err(FieldError::new(field, "no such lease was granted"));
+        };
+        if grant.tenant != report.tenant.as_str()
+            || grant.pool != report.pool.as_str()
+            || grant.region != report.region.as_str()
+        {
+            return Err(FieldError::new(
+                field,
+                "the lease belongs to another tenant, pool or region",
+            ));
+        }
+        if lease.spent_tokens > u64_of(grant.granted) {
+            return Err(FieldError::new(
+                format!("{field}.spent"),
+                format!(
+                    "{} exceeds the {} tokens granted to the lease",
+                    lease.spent_tokens, grant.granted
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// What a report writes, in one transaction: the report itself (its id makes it once only), each
 /// lease's cumulative spend, and its agent's cumulative fallback and shadow admits in the window
 /// (the larger value kept: reports are cumulative and may arrive out of order).
@@ -300,6 +331,14 @@ impl ReportStatements {
             .flatten()
             .collect(),
         }
+    }
+
+    /// What the report changes, after its own row: each lease's spend, then the agent's figures.
+    fn effects(&self) -> impl Iterator<Item = &sea_query::InsertStatement> {
+        self.spends
+            .iter()
+            .chain(&self.fallback)
+            .chain(&self.per_region)
     }
 }
 

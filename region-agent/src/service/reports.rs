@@ -8,25 +8,71 @@ use std::sync::atomic::Ordering;
 use allot_shared::ids::LeaseId;
 
 use super::Agent;
-use crate::allocator_client::Report;
+use super::pool_slot::PoolSlot;
+use crate::allocator_client::{
+    AllocatorClient, ClientError, MAX_LEASE_LINES_PER_BATCH, MAX_REPORT_BATCH_BYTES,
+    MAX_REPORTS_PER_BATCH, Report,
+};
 use crate::global::PoolReport;
 
+/// One report owed: the pool's slot, the part its agent owes, and the part as the wire says it.
+struct Owed {
+    slot: Arc<PoolSlot>,
+    part: PoolReport,
+    body: Report,
+}
+
 impl Agent {
-    /// Sends every pool's pending report parts, one report per (pool, window), and acknowledges
-    /// what the allocator took. Parts that fail stay pending for the next round.
+    /// Sends every pool's pending report parts, one report per (pool, window), in as few calls as
+    /// the batch bounds allow, and acknowledges what the allocator took. Parts that fail stay
+    /// pending for the next round. An allocator without the batch route gets them one by one.
     pub async fn send_reports(&self) {
         let Some(allocator) = self.allocator.as_ref() else {
             return;
         };
+        let owed = self.reports_owed();
+        for batch in batches(owed) {
+            let bodies: Vec<Report> = batch.iter().map(|owed| owed.body.clone()).collect();
+            let sent = allocator.report_batch(&bodies).await;
+            self.note_allocator(&sent);
+            match sent {
+                Ok(results) => {
+                    for (owed, result) in batch.iter().zip(results) {
+                        match (result.receipt, result.problem) {
+                            (Some(_), _) => self.reported(owed),
+                            (None, problem) => tracing::warn!(
+                                tenant = %owed.body.tenant,
+                                pool = %owed.body.pool,
+                                problem = ?problem,
+                                "report refused; kept for the next round"
+                            ),
+                        }
+                    }
+                }
+                Err(ClientError::Refused {
+                    status: 404 | 405, ..
+                }) => {
+                    self.send_one_by_one(allocator, &batch).await;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, reports = batch.len(), "reports not taken; kept for the next round");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// What every pool owes, starting where the last round stopped: a round cut short by its
+    /// deadline must not leave the same pools unreported every time.
+    fn reports_owed(&self) -> Vec<Owed> {
         let mut slots = self.pools.snapshot();
         if slots.is_empty() {
-            return;
+            return Vec::new();
         }
-        // Start where the last round stopped: a round cut short by its deadline must not leave
-        // the same pools unreported every time.
         slots.sort_by(|a, b| a.0.cmp(&b.0));
         let start = self.report_cursor.load(Ordering::Relaxed) % slots.len();
         slots.rotate_left(start);
+        let mut owed = Vec::new();
         for ((tenant, pool), slot) in slots {
             self.report_cursor.fetch_add(1, Ordering::Relaxed);
             let parts = {
@@ -39,19 +85,33 @@ impl Agent {
             };
             for part in parts {
                 let body = self.report_body(&tenant, &pool, &part);
-                let sent = allocator.report(&body).await;
-                self.note_allocator(&sent);
-                match sent {
-                    Ok(()) => {
-                        slot.agent().reported(&part, self.clock.now_ms());
-                        self.note_change();
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, %tenant, %pool, "report not taken; kept for the next round");
-                    }
+                owed.push(Owed {
+                    slot: slot.clone(),
+                    part,
+                    body,
+                });
+            }
+        }
+        owed
+    }
+
+    /// Reports to an allocator that takes them one at a time (`POST /v1/reports`).
+    async fn send_one_by_one(&self, allocator: &AllocatorClient, batch: &[Owed]) {
+        for owed in batch {
+            let sent = allocator.report(&owed.body).await;
+            self.note_allocator(&sent);
+            match sent {
+                Ok(()) => self.reported(owed),
+                Err(error) => {
+                    tracing::warn!(%error, tenant = %owed.body.tenant, pool = %owed.body.pool, "report not taken; kept for the next round");
                 }
             }
         }
+    }
+
+    fn reported(&self, owed: &Owed) {
+        owed.slot.agent().reported(&owed.part, self.clock.now_ms());
+        self.note_change();
     }
 
     /// The wire report of one pool's `part`, named by this agent and run (the ledger keeps each
@@ -101,4 +161,32 @@ impl Agent {
         }
         self.close_session().await
     }
+}
+
+/// `owed` in calls within the batch bounds: reports, lease lines and bytes (a report over a bound
+/// alone goes in a call of its own, for the allocator to refuse by name).
+fn batches(owed: Vec<Owed>) -> Vec<Vec<Owed>> {
+    /// Room for the envelope and separators, bytes.
+    const ENVELOPE_BYTES: usize = 64;
+    let mut batches: Vec<Vec<Owed>> = Vec::new();
+    let (mut lines, mut bytes) = (0usize, ENVELOPE_BYTES);
+    for report in owed {
+        let report_lines = report.body.leases.len();
+        let report_bytes = serde_json::to_vec(&report.body).map_or(0, |json| json.len()) + 1;
+        let fits = batches.last().is_some_and(|batch| {
+            batch.len() < MAX_REPORTS_PER_BATCH
+                && lines + report_lines <= MAX_LEASE_LINES_PER_BATCH
+                && bytes + report_bytes <= MAX_REPORT_BATCH_BYTES
+        });
+        if !fits {
+            batches.push(Vec::new());
+            (lines, bytes) = (0, ENVELOPE_BYTES);
+        }
+        lines += report_lines;
+        bytes += report_bytes;
+        if let Some(batch) = batches.last_mut() {
+            batch.push(report);
+        }
+    }
+    batches
 }
