@@ -417,6 +417,21 @@ fn cases() -> Vec<Case> {
             400,
             Some("version"),
         ),
+        // Beyond 2^53, as the document's maximum says.
+        (
+            Method::GET,
+            "/v1/policies/9007199254740993",
+            OPERATOR,
+            400,
+            Some("version"),
+        ),
+        (
+            Method::POST,
+            "/v1/policies/9223372036854775808/promote",
+            OPERATOR,
+            400,
+            Some("version"),
+        ),
         (
             Method::POST,
             "/v1/policies/1e3/promote",

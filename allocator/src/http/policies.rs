@@ -61,11 +61,13 @@ pub struct PolicyStatus {
         std::collections::BTreeMap<RegionId, std::collections::BTreeSet<String>>,
 }
 
+/// A bundle version from a path: 1 to 2^53, as the document states (versions count up from 1, and
+/// every JSON reader holds 2^53 exactly).
 fn parse_version(text: &str) -> Result<u64, ApiError> {
     text.parse::<u64>()
         .ok()
-        .filter(|v| *v > 0)
-        .ok_or_else(|| ApiError::invalid("version", "must be a positive integer"))
+        .filter(|v| (1..=allot_shared::json_number::MAX_WHOLE).contains(v))
+        .ok_or_else(|| ApiError::invalid("version", "must be an integer from 1 to 2^53"))
 }
 
 fn bundle_response(bundle: &PolicyBundle) -> Response {
@@ -159,7 +161,7 @@ pub async fn get_current_policy(
 }
 
 #[utoipa::path(get, path = "/v1/policies/{version}", tag = "policies",
-    params(("version" = u64, Path, minimum = 1, description = "A bundle version")),
+    params(("version" = u64, Path, minimum = 1, maximum = 9_007_199_254_740_992_u64, description = "A bundle version")),
     responses(
         (status = 200, description = "That bundle", body = Object, headers(("etag" = String))),
         (status = 404, description = "No such version", body = Problem, content_type = "application/problem+json"),
@@ -177,7 +179,7 @@ pub async fn get_policy_version(
 }
 
 #[utoipa::path(post, path = "/v1/policies/{version}/promote", tag = "policies",
-    params(("version" = u64, Path, minimum = 1, description = "A bundle version")),
+    params(("version" = u64, Path, minimum = 1, maximum = 9_007_199_254_740_992_u64, description = "A bundle version")),
     responses(
         (status = 200, description = "The rollout: the canary bundle everywhere", body = Rollout),
         (status = 404, description = "No such version", body = Problem, content_type = "application/problem+json"),
@@ -212,7 +214,7 @@ pub async fn promote_policy(
 /// `POST /v1/policies/{version}/rollback`: publishes `version`'s content as the next version,
 /// current everywhere at once. Answers 201 with the new bundle (its location in `Location`).
 #[utoipa::path(post, path = "/v1/policies/{version}/rollback", tag = "policies",
-    params(("version" = u64, Path, minimum = 1, description = "A bundle version")),
+    params(("version" = u64, Path, minimum = 1, maximum = 9_007_199_254_740_992_u64, description = "A bundle version")),
     responses(
         (status = 201, description = "The old bundle published again as a new version", body = Object),
         (status = 404, description = "No such version", body = Problem, content_type = "application/problem+json"),
