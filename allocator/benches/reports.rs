@@ -1,0 +1,272 @@
+//! An agent's report round into the ledger: one call per pool (`POST /v1/reports`, the ceiling)
+//! beside the whole round in as few calls as the batch bounds allow (`POST /v1/reports/batch`).
+//! The real allocator in this process (embedded store, SQLite ledger), `REPORT_POOLS` pools (default
+//! 1,000) each with a lease granted, each round reporting every pool once, over loopback HTTP one
+//! call at a time as an agent sends them. CPU is this whole process's (allocator and the calling
+//! client alike, which both shapes share); `x one by one`: CPU per report over the ceiling's, in
+//! the same run. Run with `cargo bench -p allot-allocator --bench reports`. Prints one JSON object
+//! per line for the report, and a table.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use allot_allocator::clock::{Clock, Stopwatch, SystemClock};
+use allot_allocator::http::Tokens;
+use allot_allocator::kv::memory::MemoryKv;
+use allot_allocator::ledger::Ledger;
+use allot_allocator::pools::{PoolSpec, put_pools};
+use allot_allocator::server::{Settings, run};
+use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::wire::MAX_REPORTS_PER_BATCH;
+use serde_json::{Value, json};
+
+const OPERATOR: &str = "operator-token-for-the-bench-01";
+const AGENT: &str = "agent-token-for-the-bench-001";
+/// Rounds of each shape, alternated (A/B/A/B), so a drift of the machine touches both.
+const ROUNDS: usize = 4;
+
+/// CPU seconds (user + system) of this whole process so far, every thread.
+fn process_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // After the command's closing parenthesis: state is field 3, utime 14, stime 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<u64>().ok()))
+        .sum();
+    // The kernel's USER_HZ, 100 on Linux.
+    ticks as f64 / 100.0
+}
+
+/// The allocator serving `pools` pools: (base URL, client, stop).
+async fn serve(pools: usize) -> (String, reqwest::Client, tokio::sync::oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let kv = Arc::new(MemoryKv::new(clock.clone()));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger = Ledger::connect(&format!(
+        "sqlite://{}",
+        dir.keep().join("ledger.db").display()
+    ))
+    .await
+    .expect("ledger");
+    let spec = PoolSpec {
+        limit_tokens: 1_000_000,
+        window_ms: 3_600_000,
+        window: None,
+        chunk_tokens: 100,
+        lease_ttl_ms: 600_000,
+        fallback_per_region_tokens: 50,
+        settle_debt_per_region_tokens: 0,
+        regions: vec![RegionId::parse("eu").expect("region")],
+    };
+    let pool = PoolId::parse("api").expect("pool");
+    let all: Vec<_> = (0..pools)
+        .map(|n| (tenant(n), pool.clone(), spec.clone()))
+        .collect();
+    put_pools(&*kv, &all, clock.now_ms()).await.expect("pools");
+    let settings = Settings {
+        listen: addr,
+        etcd: vec![],
+        tokens: Tokens {
+            operator: vec![OPERATOR.to_owned()],
+            agent: vec![AGENT.to_owned()],
+        },
+        node_id: "bench".to_owned(),
+        advertise_url: format!("http://{addr}"),
+        leader_lease_ttl_s: 5,
+        tls: None,
+        etcd_history_minutes: 60,
+        etcd_defragment: true,
+        retention: Default::default(),
+        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
+        webhook_ca: None,
+        webhook_allow_private: false,
+        pepper: None,
+        ledger_url: String::new(),
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(run(settings, kv, ledger, clock, listener, async move {
+        let _ = stopped.await;
+    }));
+    let base = format!("http://{addr}");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("client");
+    for _ in 0..500 {
+        // Ready, and leading: grants are served.
+        let leading = client
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if leading {
+            break;
+        }
+        assert!(!server.is_finished(), "the allocator stopped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (base, client, stop)
+}
+
+fn tenant(n: usize) -> TenantId {
+    TenantId::parse(&format!("tenant-{n:05}")).expect("tenant")
+}
+
+/// One lease per pool, granted: (tenant, lease, window start).
+async fn grant_each(
+    base: &str,
+    client: &reqwest::Client,
+    pools: usize,
+) -> Vec<(TenantId, LeaseId, u64)> {
+    let mut leases = Vec::with_capacity(pools);
+    for n in 0..pools {
+        let lease = LeaseId::from_parts(1, n as u128 + 1);
+        let answer: Value = client
+            .post(format!("{base}/v1/grants"))
+            .bearer_auth(AGENT)
+            .json(&json!({ "leaseId": lease, "tenant": tenant(n), "pool": "api", "region": "eu", "want": 100 }))
+            .send()
+            .await
+            .expect("grant")
+            .json()
+            .await
+            .expect("json");
+        let window_start = answer["windowStartMs"].as_u64().expect("a grant");
+        leases.push((tenant(n), lease, window_start));
+    }
+    leases
+}
+
+fn report(
+    round: usize,
+    tenant: &TenantId,
+    lease: LeaseId,
+    window_start_ms: u64,
+    spent: u64,
+) -> Value {
+    json!({ "reportId": format!("r{round}-{tenant}"), "region": "eu", "tenant": tenant, "pool": "api",
+            "windowStartMs": window_start_ms, "leases": [{ "leaseId": lease, "spent": spent }],
+            "fallbackAdmitted": round, "agentId": "eu-bench",
+            "incarnation": LeaseId::from_parts(1, u128::MAX) })
+}
+
+/// One round, every pool reported once: (CPU seconds, wall seconds).
+async fn round(
+    base: &str,
+    client: &reqwest::Client,
+    leases: &[(TenantId, LeaseId, u64)],
+    number: usize,
+    batched: bool,
+) -> (f64, f64) {
+    let reports: Vec<Value> = leases
+        .iter()
+        .map(|(tenant, lease, start)| report(number, tenant, *lease, *start, number as u64))
+        .collect();
+    let cpu_before = process_cpu_seconds();
+    let stopwatch = Stopwatch::start();
+    if batched {
+        for batch in reports.chunks(MAX_REPORTS_PER_BATCH) {
+            let answer: Value = client
+                .post(format!("{base}/v1/reports/batch"))
+                .bearer_auth(AGENT)
+                .json(&json!({ "reports": batch }))
+                .send()
+                .await
+                .expect("batch")
+                .json()
+                .await
+                .expect("json");
+            let taken = answer["results"]
+                .as_array()
+                .expect("results")
+                .iter()
+                .filter(|result| result["receipt"]["duplicate"] == false)
+                .count();
+            assert_eq!(taken, batch.len(), "{answer}");
+        }
+    } else {
+        for report in &reports {
+            let answer = client
+                .post(format!("{base}/v1/reports"))
+                .bearer_auth(AGENT)
+                .json(report)
+                .send()
+                .await
+                .expect("report");
+            let status = answer.status();
+            assert!(
+                status.is_success(),
+                "{status}: {}",
+                answer.text().await.unwrap_or_default()
+            );
+        }
+    }
+    (
+        process_cpu_seconds() - cpu_before,
+        stopwatch.elapsed().as_secs_f64(),
+    )
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let pools: usize = std::env::var("REPORT_POOLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000);
+    let (base, client, _stop) = serve(pools).await;
+    let leases = grant_each(&base, &client, pools).await;
+    let mut totals = [(0.0f64, 0.0f64); 2];
+    for number in 1..=2 * ROUNDS {
+        // A/B/A/B: one by one on odd rounds, batched on even ones.
+        let batched = number % 2 == 0;
+        let (cpu_s, wall_s) = round(&base, &client, &leases, number, batched).await;
+        let shape = &mut totals[usize::from(batched)];
+        shape.0 += cpu_s;
+        shape.1 += wall_s;
+    }
+    // Every round reached the ledger: the last (a batch) is what a pool's window shows.
+    let (status, windows) = {
+        let answer = client
+            .get(format!("{base}/v1/pools/{}/api/windows?last=1", tenant(0)))
+            .bearer_auth(OPERATOR)
+            .send()
+            .await
+            .expect("windows");
+        (answer.status(), answer.json::<Value>().await.expect("json"))
+    };
+    assert!(status.is_success(), "{windows}");
+    assert_eq!(
+        windows["windows"][0]["spent"],
+        2 * ROUNDS as u64,
+        "{windows}"
+    );
+
+    let reports = (pools * ROUNDS) as f64;
+    let per_report = |(cpu_s, wall_s): (f64, f64)| (cpu_s / reports * 1e6, reports / wall_s);
+    let (one_cpu_us, one_rate) = per_report(totals[0]);
+    let (batch_cpu_us, batch_rate) = per_report(totals[1]);
+    println!(
+        "{:<28} {:>7} {:>14} {:>12} {:>15}",
+        "shape", "pools", "CPU us/report", "reports/s", "x one by one"
+    );
+    for (shape, cpu_us, rate) in [
+        ("one call per report (ceiling)", one_cpu_us, one_rate),
+        ("a round in batch calls", batch_cpu_us, batch_rate),
+    ] {
+        let ratio = cpu_us / one_cpu_us;
+        println!("{shape:<28} {pools:>7} {cpu_us:>14.1} {rate:>12.0} {ratio:>15.3}");
+        println!(
+            "{}",
+            json!({ "bench": "reports", "shape": shape, "pools": pools, "cpuMicrosPerReport": cpu_us,
+                    "reportsPerSecond": rate, "ratioToOneByOne": ratio })
+        );
+    }
+}
