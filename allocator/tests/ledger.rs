@@ -461,6 +461,146 @@ async fn postgres_bound_checks() {
     bound_checks(ledger).await;
 }
 
+/// A round of reports from a seed: several windows, leases reported in several reports (cumulative,
+/// some late and smaller, some final), report ids repeated within the round and across rounds, a
+/// report refused (a lease it may not report), and two agents and an unnamed one per region.
+fn round_of_reports(seed: u64, round: u64) -> Vec<Report> {
+    let mut state = seed
+        .wrapping_mul(6_364_136_223_846_793_005)
+        .wrapping_add(round + 1);
+    let mut next = |bound: u64| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % bound
+    };
+    (0..12)
+        .map(|_| {
+            let window = next(2);
+            let region_name = if next(2) == 0 { "eu" } else { "us" };
+            let leases = (0..next(3))
+                .map(|_| {
+                    // Leases 1-4 are EU's in window 0, 5-8 US's; 9-12 and 13-16 in window 1.
+                    let base = window * 8 + if region_name == "eu" { 1 } else { 5 };
+                    let n = if next(10) == 0 { 99 } else { base + next(4) };
+                    (u128::from(n), next(60), next(4) == 0)
+                })
+                .collect();
+            let mut report = report(
+                &format!("r-{seed}-{}", next(16)),
+                region_name,
+                W0 + window * WINDOW_MS,
+                leases,
+                next(40),
+            );
+            report.shadow_admitted_tokens = next(5);
+            report.settle_debt_tokens = next(3);
+            report.agent_id = match next(3) {
+                0 => None,
+                n => Some(AgentId::parse(&format!("{region_name}-{n}")).expect("agent")),
+            };
+            report
+        })
+        .collect()
+}
+
+/// Batched and one by one, the same reports leave the same ledger and get the same answers.
+async fn batch_is_one_by_one(batched: Ledger, one_by_one: Ledger) {
+    for ledger in [&batched, &one_by_one] {
+        let grants: Vec<GrantRecord> = (1..=16u128)
+            .map(|n| {
+                let window = u64::from(n > 8);
+                let region_name = if (n - 1) % 8 < 4 { "eu" } else { "us" };
+                grant(
+                    n,
+                    region_name,
+                    W0 + window * WINDOW_MS,
+                    50,
+                    W0 + (window + 1) * WINDOW_MS,
+                )
+            })
+            .collect();
+        ledger
+            .record_grants(&tenant(), &pool(), &grants)
+            .await
+            .expect("grants");
+    }
+    for seed in 0..8 {
+        for round in 0..3 {
+            let reports = round_of_reports(seed, round);
+            let now_ms = W0 + 1_000 * (round + 1);
+            let answers = batched
+                .record_reports(&reports, now_ms)
+                .await
+                .expect("a batch");
+            assert_eq!(answers.len(), reports.len());
+            for (report, answer) in reports.iter().zip(answers) {
+                let alone = match one_by_one.record_report(report, now_ms).await {
+                    Ok(receipt) => Ok(receipt),
+                    Err(LedgerError::Invalid(invalid)) => Err(invalid),
+                    Err(other) => panic!("{other}"),
+                };
+                assert_eq!(answer, alone, "seed {seed}, round {round}: {report:?}");
+            }
+        }
+        let at_ms = W0 + 3 * WINDOW_MS;
+        let windows = |ledger: &Ledger| {
+            let ledger = ledger.clone();
+            async move {
+                let rows = ledger
+                    .windows(&tenant(), &pool(), &config(), 10, at_ms)
+                    .await
+                    .expect("windows");
+                format!("{rows:?}")
+            }
+        };
+        assert_eq!(
+            windows(&batched).await,
+            windows(&one_by_one).await,
+            "seed {seed}"
+        );
+        for region_name in ["eu", "us"] {
+            for agent in [None, Some("1"), Some("2")] {
+                let agent =
+                    agent.map(|n| AgentId::parse(&format!("{region_name}-{n}")).expect("agent"));
+                let fallback = async |ledger: &Ledger| {
+                    ledger
+                        .fallback_admitted(
+                            &tenant(),
+                            &pool(),
+                            &region(region_name),
+                            agent.as_ref(),
+                            W0,
+                        )
+                        .await
+                        .expect("fallback")
+                };
+                assert_eq!(
+                    fallback(&batched).await,
+                    fallback(&one_by_one).await,
+                    "seed {seed}"
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn sqlite_batch_is_one_by_one() {
+    let (batched, _first) = sqlite_ledger().await;
+    let (one_by_one, _second) = sqlite_ledger().await;
+    batch_is_one_by_one(batched, one_by_one).await;
+}
+
+#[tokio::test]
+async fn postgres_batch_is_one_by_one() {
+    let (_first, url) = PostgresDatabase::create().await;
+    let batched = Ledger::connect(&url).await.expect("postgres ledger");
+    let (_second, url) = PostgresDatabase::create().await;
+    let one_by_one = Ledger::connect(&url).await.expect("postgres ledger");
+    batch_is_one_by_one(batched, one_by_one).await;
+}
+
 #[tokio::test]
 async fn sqlite_accounting() {
     let (ledger, _dir) = sqlite_ledger().await;

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use allot_shared::FieldError;
 use allot_shared::ids::{AgentId, LeaseId, PoolId, RegionId, TenantId};
-use allot_shared::wire::{Report, ReportLease, ReportReceipt};
+use allot_shared::wire::{Report, ReportReceipt};
 use sea_query::{Alias, Expr, OnConflict, PostgresQueryBuilder, Query, SqliteQueryBuilder};
 use sea_query_binder::SqlxBinder;
 
@@ -152,30 +152,41 @@ impl Ledger {
                 check_report(report, &grants).map(|()| ReportReceipt { duplicate: false })
             })
             .collect();
-        let statements: Vec<(usize, ReportStatements)> = reports
+        let checked: Vec<&Report> = reports
             .iter()
             .enumerate()
             .filter(|(index, _)| results[*index].is_ok())
-            .map(|(index, report)| (index, ReportStatements::of(report, received_at_ms)))
+            .map(|(_, report)| report)
             .collect();
-        if statements.is_empty() {
+        if checked.is_empty() {
             return Ok(results);
         }
         macro_rules! apply {
             ($pool:expr, $builder:expr) => {{
                 let mut tx = $pool.begin().await?;
-                for (index, statements) in &statements {
-                    let (sql, values) = statements.report.build_sqlx($builder);
-                    let inserted = sqlx::query_with(&sql, values).execute(&mut *tx).await?;
-                    if inserted.rows_affected() == 0 {
-                        // Taken before: its effects are in the ledger already.
-                        results[*index] = Ok(ReportReceipt { duplicate: true });
-                        continue;
+                let mut inserted_ids = std::collections::BTreeSet::new();
+                for statement in insert_reports(&checked, received_at_ms) {
+                    let (sql, values) = statement.build_sqlx($builder);
+                    let rows: Vec<(String,)> = sqlx::query_as_with(&sql, values)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    inserted_ids.extend(rows.into_iter().map(|(id,)| id));
+                }
+                // The first report of each id inserted is new; every other is a duplicate,
+                // whether taken before or earlier in this call.
+                let mut new_reports = Vec::new();
+                for (index, report) in reports.iter().enumerate() {
+                    if results[index].is_ok() {
+                        if inserted_ids.remove(&report.report_id) {
+                            new_reports.push(report);
+                        } else {
+                            results[index] = Ok(ReportReceipt { duplicate: true });
+                        }
                     }
-                    for statement in statements.effects() {
-                        let (sql, values) = statement.build_sqlx($builder);
-                        sqlx::query_with(&sql, values).execute(&mut *tx).await?;
-                    }
+                }
+                for statement in report_effects(&new_reports, received_at_ms) {
+                    let (sql, values) = statement.build_sqlx($builder);
+                    sqlx::query_with(&sql, values).execute(&mut *tx).await?;
                 }
                 tx.commit().await?;
             }};
@@ -291,178 +302,198 @@ fn check_report(report: &Report, grants: &BTreeMap<String, GrantRow>) -> Result<
     Ok(())
 }
 
-/// What a report writes, in one transaction: the report itself (its id makes it once only), each
-/// lease's cumulative spend, and its agent's cumulative fallback and shadow admits in the window
-/// (the larger value kept: reports are cumulative and may arrive out of order).
-struct ReportStatements {
-    report: sea_query::InsertStatement,
-    spends: Vec<sea_query::InsertStatement>,
-    fallback: Option<sea_query::InsertStatement>,
-    /// Shadow admits, settle debt and written-off tokens: per agent and window, larger kept.
-    per_region: Vec<sea_query::InsertStatement>,
-}
+/// Rows a multi-row statement carries: well inside SQLite's and PostgreSQL's bound parameters.
+const ROWS_PER_STATEMENT: usize = 500;
 
-impl ReportStatements {
-    fn of(report: &Report, received_at_ms: u64) -> Self {
-        Self {
-            report: insert_report(report, received_at_ms),
-            spends: report
-                .leases
-                .iter()
-                .map(|lease| upsert_spend(lease, received_at_ms))
-                .collect(),
-            fallback: (report.fallback_admitted_tokens > 0).then(|| {
-                upsert_admits(
-                    FallbackAdmits::Table,
-                    report,
-                    report.fallback_admitted_tokens,
+/// The reports' own rows, once only by id: multi-row inserts that answer which ids they inserted.
+fn insert_reports(reports: &[&Report], received_at_ms: u64) -> Vec<sea_query::InsertStatement> {
+    reports
+        .chunks(ROWS_PER_STATEMENT)
+        .map(|chunk| {
+            let mut insert = Query::insert();
+            insert.into_table(LeaseReports::Table).columns([
+                LeaseReports::ReportId,
+                LeaseReports::Region,
+                LeaseReports::Tenant,
+                LeaseReports::Pool,
+                LeaseReports::WindowStartMs,
+                LeaseReports::ReceivedAtMs,
+                LeaseReports::FallbackAdmitted,
+                LeaseReports::LeasesJson,
+                LeaseReports::AgentId,
+                LeaseReports::Incarnation,
+            ]);
+            for report in chunk {
+                let leases_json = serde_json::to_string(&report.leases).unwrap_or_default();
+                insert.values_panic([
+                    report.report_id.as_str().into(),
+                    report.region.as_str().into(),
+                    report.tenant.as_str().into(),
+                    report.pool.as_str().into(),
+                    i64_of(report.window_start_ms).into(),
+                    i64_of(received_at_ms).into(),
+                    i64_of(report.fallback_admitted_tokens).into(),
+                    leases_json.into(),
+                    report
+                        .agent_id
+                        .as_ref()
+                        .map(|a| a.as_str().to_owned())
+                        .into(),
+                    report.incarnation.map(|i| i.to_string()).into(),
+                ]);
+            }
+            insert
+                .on_conflict(
+                    OnConflict::column(LeaseReports::ReportId)
+                        .do_nothing()
+                        .to_owned(),
                 )
-            }),
-            per_region: [
-                (report.shadow_admitted_tokens > 0).then(|| {
-                    upsert_admits(ShadowAdmits::Table, report, report.shadow_admitted_tokens)
-                }),
-                (report.settle_debt_tokens > 0)
-                    .then(|| upsert_admits(SettleDebts::Table, report, report.settle_debt_tokens)),
-                (report.written_off_tokens > 0)
-                    .then(|| upsert_admits(WrittenOff::Table, report, report.written_off_tokens)),
-            ]
-            .into_iter()
-            .flatten()
-            .collect(),
-        }
+                .returning_col(LeaseReports::ReportId)
+                .to_owned()
+        })
+        .collect()
+}
+
+/// What new reports change, as multi-row upserts: each lease's cumulative spend and finality, and
+/// each agent's cumulative fallback, shadow, settle-debt and written-off figures per window, the
+/// larger value kept (reports are cumulative and may arrive out of order). Keys are merged first:
+/// one statement may not touch a row twice.
+fn report_effects(reports: &[&Report], received_at_ms: u64) -> Vec<sea_query::InsertStatement> {
+    let mut statements = upsert_spends(reports, received_at_ms);
+    statements.extend(upsert_figures(FallbackAdmits::Table, reports, |r| {
+        r.fallback_admitted_tokens
+    }));
+    statements.extend(upsert_figures(ShadowAdmits::Table, reports, |r| {
+        r.shadow_admitted_tokens
+    }));
+    statements.extend(upsert_figures(SettleDebts::Table, reports, |r| {
+        r.settle_debt_tokens
+    }));
+    statements.extend(upsert_figures(WrittenOff::Table, reports, |r| {
+        r.written_off_tokens
+    }));
+    statements
+}
+
+/// Each lease's cumulative spend and finality: the larger values kept.
+fn upsert_spends(reports: &[&Report], received_at_ms: u64) -> Vec<sea_query::InsertStatement> {
+    let mut merged: BTreeMap<LeaseId, (u64, bool)> = BTreeMap::new();
+    for lease in reports.iter().flat_map(|report| &report.leases) {
+        let entry = merged.entry(lease.lease_id).or_default();
+        *entry = (
+            entry.0.max(lease.spent_tokens),
+            entry.1 || lease.final_report,
+        );
     }
-
-    /// What the report changes, after its own row: each lease's spend, then the agent's figures.
-    fn effects(&self) -> impl Iterator<Item = &sea_query::InsertStatement> {
-        self.spends
-            .iter()
-            .chain(&self.fallback)
-            .chain(&self.per_region)
-    }
+    let rows: Vec<(LeaseId, (u64, bool))> = merged.into_iter().collect();
+    rows.chunks(ROWS_PER_STATEMENT)
+        .map(|chunk| {
+            let mut insert = Query::insert();
+            insert.into_table(LeaseSpend::Table).columns([
+                LeaseSpend::LeaseId,
+                LeaseSpend::Spent,
+                LeaseSpend::FinalReport,
+                LeaseSpend::UpdatedAtMs,
+            ]);
+            for (lease_id, (spent_tokens, final_report)) in chunk {
+                insert.values_panic([
+                    lease_id.to_string().into(),
+                    i64_of(*spent_tokens).into(),
+                    i64::from(*final_report).into(),
+                    i64_of(received_at_ms).into(),
+                ]);
+            }
+            insert
+                .on_conflict(
+                    OnConflict::column(LeaseSpend::LeaseId)
+                        .values([
+                            (
+                                LeaseSpend::Spent,
+                                keep_larger(LeaseSpend::Table, LeaseSpend::Spent),
+                            ),
+                            (
+                                LeaseSpend::FinalReport,
+                                keep_larger(LeaseSpend::Table, LeaseSpend::FinalReport),
+                            ),
+                            (
+                                LeaseSpend::UpdatedAtMs,
+                                Expr::col((Alias::new("excluded"), LeaseSpend::UpdatedAtMs)).into(),
+                            ),
+                        ])
+                        .to_owned(),
+                )
+                .to_owned()
+        })
+        .collect()
 }
 
-/// The report itself, once only by its id.
-fn insert_report(report: &Report, received_at_ms: u64) -> sea_query::InsertStatement {
-    let leases_json = serde_json::to_string(&report.leases).unwrap_or_default();
-    Query::insert()
-        .into_table(LeaseReports::Table)
-        .columns([
-            LeaseReports::ReportId,
-            LeaseReports::Region,
-            LeaseReports::Tenant,
-            LeaseReports::Pool,
-            LeaseReports::WindowStartMs,
-            LeaseReports::ReceivedAtMs,
-            LeaseReports::FallbackAdmitted,
-            LeaseReports::LeasesJson,
-            LeaseReports::AgentId,
-            LeaseReports::Incarnation,
-        ])
-        .values_panic([
-            report.report_id.as_str().into(),
-            report.region.as_str().into(),
-            report.tenant.as_str().into(),
-            report.pool.as_str().into(),
-            i64_of(report.window_start_ms).into(),
-            i64_of(received_at_ms).into(),
-            i64_of(report.fallback_admitted_tokens).into(),
-            leases_json.into(),
-            report
-                .agent_id
-                .as_ref()
-                .map(|a| a.as_str().to_owned())
-                .into(),
-            report.incarnation.map(|i| i.to_string()).into(),
-        ])
-        .on_conflict(
-            OnConflict::column(LeaseReports::ReportId)
-                .do_nothing()
-                .to_owned(),
-        )
-        .to_owned()
-}
-
-/// A lease's cumulative spend and finality: the larger values kept.
-fn upsert_spend(lease: &ReportLease, received_at_ms: u64) -> sea_query::InsertStatement {
-    Query::insert()
-        .into_table(LeaseSpend::Table)
-        .columns([
-            LeaseSpend::LeaseId,
-            LeaseSpend::Spent,
-            LeaseSpend::FinalReport,
-            LeaseSpend::UpdatedAtMs,
-        ])
-        .values_panic([
-            lease.lease_id.to_string().into(),
-            i64_of(lease.spent_tokens).into(),
-            i64::from(lease.final_report).into(),
-            i64_of(received_at_ms).into(),
-        ])
-        .on_conflict(
-            OnConflict::column(LeaseSpend::LeaseId)
-                .values([
-                    (
-                        LeaseSpend::Spent,
-                        keep_larger(LeaseSpend::Table, LeaseSpend::Spent),
-                    ),
-                    (
-                        LeaseSpend::FinalReport,
-                        keep_larger(LeaseSpend::Table, LeaseSpend::FinalReport),
-                    ),
-                    (
-                        LeaseSpend::UpdatedAtMs,
-                        Expr::col((Alias::new("excluded"), LeaseSpend::UpdatedAtMs)).into(),
-                    ),
-                ])
-                .to_owned(),
-        )
-        .to_owned()
-}
-
-/// The reporting agent's cumulative fallback (or shadow, settle debt, written-off) figure in the
-/// window, into `table` (all four have the same columns): the larger value kept. A report naming no
-/// agent writes the region's unnamed agent.
-fn upsert_admits<T: sea_query::Iden + Copy + 'static>(
+/// The reporting agents' cumulative figure (`figure` of each report: fallback, shadow, settle debt
+/// or written-off tokens) per window, into `table` (all four have the same columns): the larger
+/// value kept, zeros not written. A report naming no agent writes the region's unnamed agent.
+fn upsert_figures<T: sea_query::Iden + Copy + 'static>(
     table: T,
-    report: &Report,
-    admitted_tokens: u64,
-) -> sea_query::InsertStatement {
-    let agent = report
-        .agent_id
-        .as_ref()
-        .map_or(UNNAMED_AGENT, AgentId::as_str);
-    Query::insert()
-        .into_table(table)
-        .columns([
-            FallbackAdmits::Tenant,
-            FallbackAdmits::Pool,
-            FallbackAdmits::Region,
-            FallbackAdmits::WindowStartMs,
-            FallbackAdmits::AgentId,
-            FallbackAdmits::Admitted,
-        ])
-        .values_panic([
-            report.tenant.as_str().into(),
-            report.pool.as_str().into(),
-            report.region.as_str().into(),
-            i64_of(report.window_start_ms).into(),
-            agent.into(),
-            i64_of(admitted_tokens).into(),
-        ])
-        .on_conflict(
-            OnConflict::columns([
+    reports: &[&Report],
+    figure: impl Fn(&Report) -> u64,
+) -> Vec<sea_query::InsertStatement> {
+    type Key<'a> = (&'a str, &'a str, &'a str, u64, &'a str);
+    let mut merged: BTreeMap<Key<'_>, u64> = BTreeMap::new();
+    for report in reports {
+        let tokens = figure(report);
+        if tokens == 0 {
+            continue;
+        }
+        let agent = report
+            .agent_id
+            .as_ref()
+            .map_or(UNNAMED_AGENT, AgentId::as_str);
+        let key = (
+            report.tenant.as_str(),
+            report.pool.as_str(),
+            report.region.as_str(),
+            report.window_start_ms,
+            agent,
+        );
+        let entry = merged.entry(key).or_default();
+        *entry = (*entry).max(tokens);
+    }
+    let rows: Vec<(Key<'_>, u64)> = merged.into_iter().collect();
+    rows.chunks(ROWS_PER_STATEMENT)
+        .map(|chunk| {
+            let mut insert = Query::insert();
+            insert.into_table(table).columns([
                 FallbackAdmits::Tenant,
                 FallbackAdmits::Pool,
                 FallbackAdmits::Region,
                 FallbackAdmits::WindowStartMs,
                 FallbackAdmits::AgentId,
-            ])
-            .value(
                 FallbackAdmits::Admitted,
-                keep_larger(table, FallbackAdmits::Admitted),
-            )
-            .to_owned(),
-        )
-        .to_owned()
+            ]);
+            for ((tenant, pool, region, window_start_ms, agent), tokens) in chunk {
+                insert.values_panic([
+                    (*tenant).into(),
+                    (*pool).into(),
+                    (*region).into(),
+                    i64_of(*window_start_ms).into(),
+                    (*agent).into(),
+                    i64_of(*tokens).into(),
+                ]);
+            }
+            insert
+                .on_conflict(
+                    OnConflict::columns([
+                        FallbackAdmits::Tenant,
+                        FallbackAdmits::Pool,
+                        FallbackAdmits::Region,
+                        FallbackAdmits::WindowStartMs,
+                        FallbackAdmits::AgentId,
+                    ])
+                    .value(
+                        FallbackAdmits::Admitted,
+                        keep_larger(table, FallbackAdmits::Admitted),
+                    )
+                    .to_owned(),
+                )
+                .to_owned()
+        })
+        .collect()
 }
