@@ -58,6 +58,7 @@ def test_the_client_speaks_every_endpoint(agent: AgentClient) -> None:
     [
         ({"requestId": "has space"}, "requestId"),
         ({"requestId": ""}, "requestId"),
+        ({"requestId": "req-1\n"}, "requestId"),
         ({"tenantId": "Atlas"}, "tenantId"),
         ({"routeGroup": "a" * 33}, "routeGroup"),
         ({"costHint": 0}, "costHint"),
@@ -121,9 +122,11 @@ def test_without_an_answer_a_call_is_bounded_in_attempts_and_time(silent_url: st
         (("http://agent", "t"), {"max_attempts": MAX_ATTEMPTS + 1}, "attempts"),
         (("http://agent", "t"), {"call_timeout_s": 0}, "timeout"),
         (("http://agent", "t"), {"call_timeout_s": 60}, "timeout"),
+        (("http://agent", "first\nsecond"), {}, "visible ASCII"),
     ],
 )
 def test_a_client_that_cannot_be_bounded_is_not_built(args: tuple, kwargs: dict, why: str) -> None:
     with pytest.raises(ClientError, match=why) as refused:
         AgentClient(*args, **kwargs)
     assert refused.value.kind == "config"
+    assert "first" not in str(refused.value), "a token is never echoed"

@@ -188,8 +188,13 @@ export class Completion {
     }
   }
 
-  /** Runs the completion when `response` closes. */
+  /** Runs the completion when `response` closes, or now when it already has (the caller went
+   * away while the agent was deciding: its `close` is past). */
   when(response: ServerResponse): void {
+    if (response.destroyed || response.writableFinished || response.closed) {
+      void this.run();
+      return;
+    }
     response.once("close", () => void this.run());
   }
 

@@ -146,7 +146,8 @@ export class AgentClient {
   readonly maxAttempts: number;
   readonly callTimeoutMs: number;
   private readonly retryBackoffMs: number;
-  private readonly authorization: string;
+  /** `Bearer <token>`: private, so that neither logging nor inspecting the client shows it. */
+  readonly #authorization: string;
   private readonly transport: typeof http | typeof https;
   private readonly agent: http.Agent;
   /** Retries made, for the service's metrics. */
@@ -159,6 +160,10 @@ export class AgentClient {
     }
     const token = options.gatewayToken.trim();
     if (token === "") throw ClientError.config("the gateway token is empty");
+    // Never echoed: a token is a secret, and a header that cannot carry it would print it.
+    if (!/^[\x21-\x7e]+$/.test(token)) {
+      throw ClientError.config("the gateway token must be visible ASCII characters, without spaces");
+    }
     const maxAttempts = options.maxAttempts ?? DEFAULT_MAX_ATTEMPTS;
     if (!Number.isInteger(maxAttempts) || maxAttempts < 1 || maxAttempts > MAX_ATTEMPTS) {
       throw ClientError.config(`max attempts must be 1 to ${MAX_ATTEMPTS}, not ${maxAttempts}`);
@@ -176,7 +181,7 @@ export class AgentClient {
     this.maxAttempts = maxAttempts;
     this.callTimeoutMs = callTimeoutMs;
     this.retryBackoffMs = retryBackoffMs;
-    this.authorization = `Bearer ${token}`;
+    this.#authorization = `Bearer ${token}`;
     this.transport = secure ? https : http;
     this.agent = secure
       ? new https.Agent({ keepAlive: true, maxSockets: 64, ca: options.ca, cert: options.cert, key: options.key })
@@ -317,7 +322,7 @@ export class AgentClient {
 
   private attempt(method: string, path: string, body: Buffer | undefined): Promise<Answer> {
     return new Promise<Answer>((resolve, reject) => {
-      const headers: http.OutgoingHttpHeaders = { authorization: this.authorization, accept: "application/json" };
+      const headers: http.OutgoingHttpHeaders = { authorization: this.#authorization, accept: "application/json" };
       if (body !== undefined) {
         headers["content-type"] = "application/json";
         headers["content-length"] = body.length;

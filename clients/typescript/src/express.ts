@@ -17,7 +17,8 @@ export function allotExpress<Request extends IncomingMessage>(
   options: MiddlewareOptions<Request>,
 ): (request: Request, response: ServerResponse, next: (error?: unknown) => void) => void {
   return (request, response, next) => {
-    decide(options, request, request.method ?? "GET").then((outcome) => {
+    decide(options, request, request.method ?? "GET")
+      .then((outcome) => {
       switch (outcome.kind) {
         case "pass":
           return next();
@@ -33,6 +34,7 @@ export function allotExpress<Request extends IncomingMessage>(
           outcome.complete?.when(response);
           return next();
       }
-    }, next);
+      })
+      .catch(next);
   };
 }

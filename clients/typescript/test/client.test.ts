@@ -2,6 +2,7 @@
 // retries that keep their request id, and calls bounded when no agent answers.
 import assert from "node:assert/strict";
 import * as http from "node:http";
+import { inspect } from "node:util";
 import { after, test } from "node:test";
 
 import { AgentClient, ClientError, MAX_ATTEMPTS, retryAfterSeconds } from "../src/index.js";
@@ -102,6 +103,7 @@ test("a refusal of the call itself is an answer, never retried", async () => {
   });
   assert.equal(wrongToken.retries, 0);
   assert.doesNotMatch(JSON.stringify(wrongToken), /not-a-gateway-token/, "the token never shows");
+  assert.doesNotMatch(inspect(wrongToken), /not-a-gateway-token/, "not even to console.log");
   wrongToken.close();
 });
 
@@ -147,6 +149,8 @@ test("a client that cannot be bounded is not built", () => {
     new AgentClient({ baseUrl: "http://agent:7701", gatewayToken: "t", ...options });
   assert.throws(build({ baseUrl: "agent:7701" }), /http:\/\//);
   assert.throws(build({ gatewayToken: " " }), /token/);
+  // A token no header can carry is refused without being echoed.
+  assert.throws(build({ gatewayToken: "first\nsecond" }), (error: Error) => /visible ASCII/.test(error.message) && !/first/.test(error.message));
   assert.throws(build({ maxAttempts: 0 }), /attempts/);
   assert.throws(build({ maxAttempts: MAX_ATTEMPTS + 1 }), /attempts/);
   assert.throws(build({ callTimeoutMs: 0 }), /timeout/);

@@ -34,9 +34,11 @@ export async function remaining(agent: AgentClient, who: string, rule: string): 
   return status.quotas.find((line) => line.policyId === rule)?.remaining;
 }
 
-/** Polls `condition` every 20 ms for up to 5 s (completions run after the response ends). */
+/** Polls `condition` every 20 ms for up to 5 s of wall time, however long each poll takes
+ * (completions run after the response ends). */
 export async function eventually(what: string, condition: () => Promise<boolean>): Promise<void> {
-  for (let i = 0; i < 250; i++) {
+  const deadline = Date.now() + 5_000;
+  while (Date.now() < deadline) {
     if (await condition()) return;
     await new Promise((resolve) => setTimeout(resolve, 20));
   }
@@ -84,4 +86,33 @@ export async function lossyFront(): Promise<{ url: string; seen: string[]; close
   });
   const url = await listen(server);
   return { url, seen, close: () => server.close() };
+}
+
+/** Between a client and the agent: passes every call on, `/v1/check` answered `delayMs` late. */
+export async function slowFront(delayMs: number): Promise<{ url: string; close: () => void }> {
+  const server = http.createServer(async (incoming, outgoing) => {
+    const chunks: Buffer[] = [];
+    for await (const chunk of incoming) chunks.push(chunk as Buffer);
+    const body = Buffer.concat(chunks);
+    const answer = await fetch(`${AGENT_URL}${incoming.url}`, {
+      method: incoming.method,
+      headers: { authorization: incoming.headers.authorization ?? "", "content-type": "application/json" },
+      body: body.length > 0 ? body : undefined,
+    });
+    const text = await answer.text();
+    if (incoming.url === "/v1/check") await new Promise((resolve) => setTimeout(resolve, delayMs));
+    const headers: Record<string, string> = {};
+    answer.headers.forEach((value, name) => {
+      if (name !== "content-length" && name !== "transfer-encoding" && name !== "connection") headers[name] = value;
+    });
+    outgoing.writeHead(answer.status, headers).end(text);
+  });
+  const url = await listen(server);
+  return {
+    url,
+    close: () => {
+      server.closeAllConnections();
+      server.close();
+    },
+  };
 }

@@ -5,7 +5,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import { AgentClient, type Admission, type FailMode } from "../src/index.js";
-import { GATEWAY_TOKEN, TENANT, client, deadUrl, eventually, remaining } from "./helpers.js";
+import { GATEWAY_TOKEN, TENANT, client, deadUrl, eventually, remaining, slowFront } from "./helpers.js";
 
 /** A service behind the middleware: `/read`; `/export`, whose body stays open until the test
  * closes it; `/summarize`, which states a cost of 30. */
@@ -113,6 +113,29 @@ export function middlewareScenarios(framework: string, start: StartService): voi
     } finally {
       await service.stop();
       agent.close();
+    }
+  });
+
+  test(`${framework}: a caller gone while the agent decides still gets its slot given back`, async () => {
+    // The agent's answer comes 300 ms late; the caller hangs up after 50 ms, before the admission
+    // is known: its response has closed before the middleware could wait for it to.
+    const front = await slowFront(300);
+    const agent = new AgentClient({ baseUrl: front.url, gatewayToken: GATEWAY_TOKEN, callTimeoutMs: 2000 });
+    const service = await start(agent, "closed");
+    try {
+      service.holdNextExport();
+      await assert.rejects(get(service.url, "/export", who(7), AbortSignal.timeout(50)));
+      const close = service.holdNextExport();
+      await eventually("the slot given back", async () => {
+        const answer = await get(service.url, "/export", who(7));
+        if (answer.status === 200) close();
+        await answer.text();
+        return answer.status === 200;
+      });
+    } finally {
+      await service.stop();
+      agent.close();
+      front.close();
     }
   });
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .client import AsyncAgentClient, Checked, ClientError
+from .client import AsyncAgentClient, Checked
 from .wire import AdmissionRequest, Principal, Problem
 
 Scope = MutableMapping[str, Any]
@@ -146,7 +146,7 @@ class AllotMiddleware:
         wire = admission.to_wire(scope.get("method", "GET"))
         try:
             checked = await self.client.check(wire)
-        except ClientError as error:
+        except Exception as error:  # noqa: BLE001 - whatever kept the decision away, the fail mode answers
             await self._undecided(mode, error, scope, receive, send)
             return
         if not checked.allowed:
@@ -170,11 +170,14 @@ class AllotMiddleware:
             for name, value in checked.caller_headers.items()
             if name != "retry-after"
         ]
+        replaced = {name for name, _ in shown}
 
         async def send_with_fields(message: Message) -> None:
+            # The agent's fields replace any of the same name the application set.
             if message["type"] == "http.response.start" and shown:
                 message = dict(message)
-                message["headers"] = [*message.get("headers", []), *shown]
+                kept = [(n, v) for n, v in message.get("headers", []) if bytes(n).lower() not in replaced]
+                message["headers"] = [*kept, *shown]
             await send(message)
 
         releases_slots = admission.releases_slots or admission.renew_every_s is not None
@@ -198,14 +201,14 @@ class AllotMiddleware:
             await asyncio.sleep(period_s)
             try:
                 await self.client.renew(wire)
-            except ClientError as error:
+            except Exception as error:  # noqa: BLE001 - a heartbeat that fails tries again next period
                 log.warning("could not renew a request's concurrency slots: %s", error)
 
     async def _complete(self, wire: AdmissionRequest, releases_slots: bool, meter: MeteredCost | None) -> None:
         if releases_slots:
             try:
                 await self.client.release(wire)
-            except ClientError as error:
+            except Exception as error:  # noqa: BLE001 - the slot lapses with its lease
                 log.warning("could not release a request's concurrency slots; they lapse with their lease: %s", error)
         actual = meter.get() if meter is not None else None
         if actual is not None:
@@ -213,10 +216,10 @@ class AllotMiddleware:
                 await self.client.settle(
                     {"decisionId": wire["requestId"], "tenantId": wire["tenantId"], "actualCost": actual}
                 )
-            except ClientError as error:
+            except Exception as error:  # noqa: BLE001 - the estimate stands
                 log.warning("could not settle a metered request; its estimate stands: %s", error)
 
-    async def _undecided(self, mode: FailMode, error: ClientError, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _undecided(self, mode: FailMode, error: Exception, scope: Scope, receive: Receive, send: Send) -> None:
         if mode == "open":
             log.warning("no decision from the agent: let through unlimited (fail open): %s", error)
             await self.app(scope, receive, send)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -95,8 +96,7 @@ class Checked:
     @property
     def retry_after_seconds(self) -> int | None:
         """The whole seconds a refused caller should wait, when the agent said."""
-        value = self.caller_headers.get("retry-after")
-        return int(value) if value is not None and value.isdigit() else None
+        return _whole_number(self.caller_headers.get("retry-after"))
 
 
 @dataclass
@@ -141,6 +141,11 @@ class _Answer:
             ) from error
 
 
+def _whole_number(value: str | None) -> int | None:
+    """A header's whole number, ASCII digits only (`isdigit` would take "²")."""
+    return int(value) if value is not None and re.fullmatch(r"[0-9]{1,18}", value) else None
+
+
 def is_no_answer(status: int) -> bool:
     """Statuses the agent never sends: a proxy's, a load balancer's or a crash's."""
     return status in (500, 502, 504)
@@ -176,6 +181,11 @@ class _Calls:
             raise ClientError("config", f"client configuration: the agent URL must start with http:// or https://, not {base_url!r}")
         if not gateway_token.strip():
             raise ClientError("config", "client configuration: the gateway token is empty")
+        # Never echoed: a token is a secret, and a header that cannot carry it would print it.
+        if not all("\x21" <= c <= "\x7e" for c in gateway_token.strip()):
+            raise ClientError(
+                "config", "client configuration: the gateway token must be visible ASCII characters, without spaces"
+            )
         if not (isinstance(max_attempts, int) and 1 <= max_attempts <= MAX_ATTEMPTS):
             raise ClientError("config", f"client configuration: max attempts must be 1 to {MAX_ATTEMPTS}, not {max_attempts}")
         if not 0 < call_timeout_s <= MAX_CALL_TIMEOUT_S:
@@ -227,7 +237,7 @@ class _Calls:
             allowed=allowed,
             caller_headers=caller_headers,
             shadow_denied=answer.headers.get("x-allot-shadow-denied"),
-            settle_by_ms=int(settle_by) if settle_by is not None and settle_by.isdigit() else None,
+            settle_by_ms=_whole_number(settle_by),
             problem=None if allowed else answer.problem(),
         )
 
@@ -351,6 +361,9 @@ class AgentClient(_Calls):
         raise self._unreachable(last)
 
     def _attempt(self, method: str, path: str, body: Any) -> _Answer:
+        # httpx bounds each step (connect, write, every read); the deadline bounds the answer as a
+        # whole, so one that trickles in is cut off too.
+        deadline = time.monotonic() + self.call_timeout_s
         response = self._http.send(self._request(self._http, method, path, body), stream=True)
         try:
             content = bytearray()
@@ -358,6 +371,8 @@ class AgentClient(_Calls):
                 content += chunk
                 if len(content) > MAX_ANSWER_BYTES:
                     raise httpx.DecodingError(f"an answer larger than {MAX_ANSWER_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(f"no whole answer within {self.call_timeout_s} s")
             return _Answer(response.status_code, response.headers, bytes(content))
         finally:
             response.close()

@@ -166,7 +166,8 @@ def _check(key: str, value: Any, path: str) -> None:
             raise FieldError(path, f"must be at least {rule['minLength']} character(s)")
         if "maxLength" in rule and len(value) > rule["maxLength"]:
             raise FieldError(path, f"must be at most {rule['maxLength']} characters")
-        if "pattern" in rule and not re.search(rule["pattern"], value):
+        # The whole value: `$` alone would let a trailing newline through.
+        if "pattern" in rule and not re.fullmatch(rule["pattern"], value):
             raise FieldError(path, f"must match {rule['pattern']}")
         return
     if isinstance(value, bool) or not isinstance(value, int):
