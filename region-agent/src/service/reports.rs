@@ -11,7 +11,7 @@ use super::Agent;
 use super::pool_slot::PoolSlot;
 use crate::allocator_client::{
     AllocatorClient, ClientError, MAX_LEASE_LINES_PER_BATCH, MAX_REPORT_BATCH_BYTES,
-    MAX_REPORTS_PER_BATCH, Report,
+    MAX_REPORTS_PER_BATCH, Report, ReportBatch,
 };
 use crate::global::PoolReport;
 
@@ -20,6 +20,16 @@ struct Owed {
     slot: Arc<PoolSlot>,
     part: PoolReport,
     body: Report,
+    /// Pools of the round visited up to and including this one: where the next round starts when
+    /// this round stops after this report's call.
+    pools_visited: usize,
+}
+
+/// A round's reports, in the order of the pools, and where the round started in that order.
+struct Round {
+    owed: Vec<Owed>,
+    start: usize,
+    pools: usize,
 }
 
 impl Agent {
@@ -30,10 +40,12 @@ impl Agent {
         let Some(allocator) = self.allocator.as_ref() else {
             return;
         };
-        let owed = self.reports_owed();
-        for batch in batches(owed) {
-            let bodies: Vec<Report> = batch.iter().map(|owed| owed.body.clone()).collect();
-            let sent = allocator.report_batch(&bodies).await;
+        let round = self.reports_owed();
+        for batch in batches(round.owed) {
+            let call = ReportBatch {
+                reports: batch.iter().map(|owed| owed.body.clone()).collect(),
+            };
+            let sent = allocator.report_batch(&call).await;
             self.note_allocator(&sent);
             match sent {
                 Ok(results) => {
@@ -59,22 +71,33 @@ impl Agent {
                     return;
                 }
             }
+            // The next round starts after the pools this call carried, should this one stop here.
+            if let Some(last) = batch.last() {
+                self.report_cursor
+                    .store(round.start + last.pools_visited, Ordering::Relaxed);
+            }
         }
+        self.report_cursor
+            .store(round.start + round.pools, Ordering::Relaxed);
     }
 
     /// What every pool owes, starting where the last round stopped: a round cut short by its
     /// deadline must not leave the same pools unreported every time.
-    fn reports_owed(&self) -> Vec<Owed> {
+    fn reports_owed(&self) -> Round {
         let mut slots = self.pools.snapshot();
+        let pools = slots.len();
         if slots.is_empty() {
-            return Vec::new();
+            return Round {
+                owed: Vec::new(),
+                start: 0,
+                pools,
+            };
         }
         slots.sort_by(|a, b| a.0.cmp(&b.0));
         let start = self.report_cursor.load(Ordering::Relaxed) % slots.len();
         slots.rotate_left(start);
         let mut owed = Vec::new();
-        for ((tenant, pool), slot) in slots {
-            self.report_cursor.fetch_add(1, Ordering::Relaxed);
+        for (index, ((tenant, pool), slot)) in slots.into_iter().enumerate() {
             let parts = {
                 let mut agent = slot.agent();
                 let now_ms = self.clock.now_ms();
@@ -89,10 +112,11 @@ impl Agent {
                     slot: slot.clone(),
                     part,
                     body,
+                    pools_visited: index + 1,
                 });
             }
         }
-        owed
+        Round { owed, start, pools }
     }
 
     /// Reports to an allocator that takes them one at a time (`POST /v1/reports`).
