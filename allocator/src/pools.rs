@@ -636,6 +636,28 @@ pub async fn get_pools_and_windows(
         .collect())
 }
 
+/// Reads the grant records of many leases, [`MAX_TXN_OPS`] to a store round trip: each
+/// `(tenant, pool, lease)` with its record, when the store has one.
+pub async fn get_grants(
+    kv: &dyn Kv,
+    leases: &[(TenantId, PoolId, LeaseId)],
+) -> Result<Vec<(TenantId, PoolId, GrantRecord)>, PoolStoreError> {
+    let mut found = Vec::new();
+    for chunk in leases.chunks(MAX_TXN_OPS) {
+        let keys: Vec<String> = chunk
+            .iter()
+            .map(|(tenant, pool, lease)| grant_key(tenant, pool, lease))
+            .collect();
+        let values = kv.get_many(&keys).await?;
+        for ((key, (tenant, pool, _)), value) in keys.iter().zip(chunk).zip(values) {
+            if let Some(value) = value {
+                found.push((tenant.clone(), pool.clone(), decode(key, &value.value)?));
+            }
+        }
+    }
+    Ok(found)
+}
+
 /// Reads one grant record.
 pub async fn get_grant(
     kv: &dyn Kv,

@@ -529,8 +529,17 @@ async fn batch_is_one_by_one(batched: Ledger, one_by_one: Ledger) {
         for round in 0..3 {
             let reports = round_of_reports(seed, round);
             let now_ms = W0 + 1_000 * (round + 1);
+            let refs: Vec<&Report> = reports.iter().collect();
+            let known = batched.known_grants(&refs).await.expect("grants");
+            assert!(
+                known
+                    .missing()
+                    .iter()
+                    .all(|(_, _, missing)| *missing == lease(99)),
+                "only lease 99 was never granted"
+            );
             let answers = batched
-                .record_reports(&reports, now_ms)
+                .record_reports_known(&refs, &known, now_ms)
                 .await
                 .expect("a batch");
             assert_eq!(answers.len(), reports.len());

@@ -271,6 +271,21 @@ pub fn is_zero(amount: &u64) -> bool {
     *amount == 0
 }
 
+impl Report {
+    /// The report id's bounds: 1 to 64 characters (as the schema counts them, not bytes).
+    pub fn check_report_id(&self) -> Result<(), crate::FieldError> {
+        let characters = self.report_id.chars().count();
+        if (1..=64).contains(&characters) {
+            Ok(())
+        } else {
+            Err(crate::FieldError::new(
+                "reportId",
+                "must be 1 to 64 characters",
+            ))
+        }
+    }
+}
+
 /// `POST /v1/reports` answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]

@@ -3,8 +3,9 @@
 
 use std::collections::BTreeMap;
 
+use allot_shared::FieldError;
 use allot_shared::contract::Problem;
-use allot_shared::ids::{LeaseId, PoolId, TenantId};
+use allot_shared::ids::{PoolId, TenantId};
 use allot_shared::wire::{
     MAX_LEASE_LINES_PER_BATCH, MAX_REPORTS_PER_BATCH, Report, ReportBatch, ReportBatchAnswer,
     ReportReceipt, ReportResult,
@@ -18,6 +19,7 @@ use super::ApiState;
 use super::access::{Needs, authorize, check_region};
 use super::errors::ApiError;
 use super::io::{json_response, parse_json};
+use crate::ledger::LedgerError;
 use crate::pools;
 
 #[utoipa::path(post, path = "/v1/reports", tag = "agents",
@@ -35,11 +37,12 @@ pub async fn post_report(
     let credential = authorize(&state, &headers, Needs::Agent)?;
     let report: Report = parse_json(&headers, &body)?;
     check_region(&credential, &report.region)?;
-    copy_grants_reported(&state, std::slice::from_ref(&report)).await?;
-    let receipt = state
-        .ledger
-        .record_report(&report, state.clock.now_ms())
-        .await?;
+    let mut results = record(&state, &[&report]).await?;
+    // One result per report.
+    let receipt = results
+        .pop()
+        .unwrap_or(Ok(ReportReceipt { duplicate: true }))
+        .map_err(|invalid| ApiError::from(LedgerError::Invalid(invalid)))?;
     Ok(json_response(StatusCode::OK, &receipt))
 }
 
@@ -78,21 +81,15 @@ pub async fn post_report_batch(
         .enumerate()
         .filter(|(index, _)| results[*index].is_none())
         .collect();
-    let reports: Vec<Report> = taken.iter().map(|(_, report)| (*report).clone()).collect();
-    copy_grants_reported(&state, &reports).await?;
-    let recorded = state
-        .ledger
-        .record_reports(&reports, state.clock.now_ms())
-        .await?;
+    let reports: Vec<&Report> = taken.iter().map(|(_, report)| *report).collect();
+    let recorded = record(&state, &reports).await?;
     for ((index, _), result) in taken.iter().zip(recorded) {
         results[*index] = Some(match result {
             Ok(receipt) => ReportResult {
                 receipt: Some(receipt),
                 problem: None,
             },
-            Err(invalid) => {
-                refused_entry(*index, ApiError::invalid(invalid.field, invalid.message))
-            }
+            Err(invalid) => refused_entry(*index, LedgerError::Invalid(invalid).into()),
         });
     }
     let results = results.into_iter().flatten().collect();
@@ -106,13 +103,12 @@ pub async fn post_report_batch(
 /// schema states them: a call that breaks the schema is refused whole, naming the field.
 fn check_bounds(batch: &ReportBatch) -> Result<(), ApiError> {
     for (index, report) in batch.reports.iter().enumerate() {
-        // Characters, as the schema counts them (`maxLength`), not bytes.
-        if report.report_id.is_empty() || report.report_id.chars().count() > 64 {
-            return Err(ApiError::invalid(
-                format!("reports[{index}].reportId"),
-                "must be 1 to 64 characters",
-            ));
-        }
+        report.check_report_id().map_err(|invalid| {
+            ApiError::invalid(
+                format!("reports[{index}].{}", invalid.field),
+                invalid.message,
+            )
+        })?;
     }
     if batch.reports.len() > MAX_REPORTS_PER_BATCH {
         return Err(ApiError::invalid(
@@ -143,31 +139,29 @@ fn refused_entry(index: usize, refused: ApiError) -> ReportResult {
     }
 }
 
-/// Grants reach the ledger asynchronously and a report may overtake them. etcd is the authority:
-/// copies what the ledger lacks of the leases `reports` name from there before they are checked.
-async fn copy_grants_reported(state: &ApiState, reports: &[Report]) -> Result<(), ApiError> {
-    let pool_of: BTreeMap<LeaseId, (&TenantId, &PoolId)> = reports
-        .iter()
-        .flat_map(|report| {
-            report
-                .leases
-                .iter()
-                .map(move |lease| (lease.lease_id, (&report.tenant, &report.pool)))
-        })
-        .collect();
-    let ids: Vec<LeaseId> = pool_of.keys().copied().collect();
-    let missing = state.ledger.missing_grants(&ids).await?;
-    let mut found: BTreeMap<(&TenantId, &PoolId), Vec<pools::GrantRecord>> = BTreeMap::new();
-    for lease in missing {
-        let Some(&(tenant, pool)) = pool_of.get(&lease) else {
-            continue;
-        };
-        if let Some(record) = pools::get_grant(&*state.kv, tenant, pool, &lease).await? {
-            found.entry((tenant, pool)).or_default().push(record);
-        }
+/// Checks and writes `reports` in the ledger, one result each, in order. Grants reach the ledger
+/// asynchronously and a report may overtake them; etcd is the authority: what the ledger lacks of
+/// the leases the reports name is copied from there first (the ledger's grants read once, the
+/// store's in round trips of many).
+async fn record(
+    state: &ApiState,
+    reports: &[&Report],
+) -> Result<Vec<Result<ReportReceipt, FieldError>>, ApiError> {
+    let mut known = state.ledger.known_grants(reports).await?;
+    let copied = pools::get_grants(&*state.kv, &known.missing()).await?;
+    let mut by_pool: BTreeMap<(&TenantId, &PoolId), Vec<pools::GrantRecord>> = BTreeMap::new();
+    for (tenant, pool, record) in &copied {
+        by_pool
+            .entry((tenant, pool))
+            .or_default()
+            .push(record.clone());
     }
-    for ((tenant, pool), records) in found {
+    for ((tenant, pool), records) in by_pool {
         state.ledger.record_grants(tenant, pool, &records).await?;
+        known.add(tenant, pool, &records);
     }
-    Ok(())
+    Ok(state
+        .ledger
+        .record_reports_known(reports, &known, state.clock.now_ms())
+        .await?)
 }

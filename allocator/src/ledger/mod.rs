@@ -64,7 +64,7 @@ pub use allot_shared::wire::{Report, ReportLease, ReportReceipt};
 pub use audit::{AuditEntry, MAX_AUDIT_ENTRIES, PoolChange};
 pub use bound_checks::{BoundCheckSummary, BoundViolation, MAX_RECENT_VIOLATIONS};
 pub use regions::{FallbackRow, MAX_RECENT_FALLBACK_ROWS};
-pub use reports::MAX_LEASES_PER_REPORT;
+pub use reports::{KnownGrants, MAX_LEASES_PER_REPORT};
 pub use retention::{Removed, Retention};
 pub use terms::{TERMS_REACH_MS, TermsChange, TermsHistory, WindowTerms, window_terms};
 pub use webhooks::{DeliveryView, EventRecorded, PendingEvent, StoredWebhook};

@@ -28,6 +28,42 @@ struct GrantRow {
     granted: i64,
 }
 
+/// The ledger's grants of the leases some reports name ([`Ledger::known_grants`]).
+pub struct KnownGrants {
+    rows: BTreeMap<String, GrantRow>,
+    /// Every lease the reports name, with the tenant and pool the report names it under.
+    named: Vec<(TenantId, PoolId, LeaseId)>,
+}
+
+impl KnownGrants {
+    /// The leases named that the ledger has no grant for, each once.
+    pub fn missing(&self) -> Vec<(TenantId, PoolId, LeaseId)> {
+        let mut seen = std::collections::BTreeSet::new();
+        self.named
+            .iter()
+            .filter(|(_, _, lease)| !self.rows.contains_key(&lease.to_string()))
+            .filter(|(_, _, lease)| seen.insert(*lease))
+            .cloned()
+            .collect()
+    }
+
+    /// Counts `records`, grants of `tenant`'s `pool` just copied into the ledger, as known.
+    pub fn add(&mut self, tenant: &TenantId, pool: &PoolId, records: &[GrantRecord]) {
+        for record in records {
+            self.rows.insert(
+                record.lease_id.to_string(),
+                GrantRow {
+                    lease_id: record.lease_id.to_string(),
+                    tenant: tenant.to_string(),
+                    pool: pool.to_string(),
+                    region: record.region.to_string(),
+                    granted: i64_of(record.granted_tokens),
+                },
+            );
+        }
+    }
+}
+
 #[derive(sqlx::FromRow)]
 struct RegionAmount {
     amount: i64,
@@ -120,43 +156,56 @@ impl Ledger {
         report: &Report,
         received_at_ms: u64,
     ) -> Result<ReportReceipt, LedgerError> {
-        let mut results = self
-            .record_reports(std::slice::from_ref(report), received_at_ms)
+        let known = self.known_grants(&[report]).await?;
+        let results = self
+            .record_reports_known(&[report], &known, received_at_ms)
             .await?;
-        match results.pop() {
-            Some(result) => result.map_err(LedgerError::Invalid),
-            None => Err(LedgerError::Invalid(FieldError::new(
-                "reportId",
-                "the report was not applied",
-            ))),
-        }
+        // One result per report.
+        results
+            .into_iter()
+            .next()
+            .unwrap_or(Ok(ReportReceipt { duplicate: true }))
+            .map_err(LedgerError::Invalid)
+    }
+
+    /// The ledger's grants of every lease `reports` name, read once: what checks them, and which of
+    /// them the ledger lacks (a report may overtake its grant's copy from the store).
+    pub async fn known_grants(&self, reports: &[&Report]) -> Result<KnownGrants, LedgerError> {
+        let named: Vec<(TenantId, PoolId, LeaseId)> = reports
+            .iter()
+            .flat_map(|report| {
+                report
+                    .leases
+                    .iter()
+                    .map(|lease| (report.tenant.clone(), report.pool.clone(), lease.lease_id))
+            })
+            .collect();
+        let ids: Vec<LeaseId> = named.iter().map(|(_, _, lease)| *lease).collect();
+        let rows = self.grants_of(&ids).await?;
+        Ok(KnownGrants { rows, named })
     }
 
     /// Applies a round's reports in one transaction, each once per report id and checked as
-    /// [`Ledger::record_report`] checks it. A report that fails its checks is refused alone (its
-    /// error in its place, nothing of it written); the others are written. A report id seen before,
-    /// in an earlier call or earlier in this one, is a duplicate and changes nothing.
-    pub async fn record_reports(
+    /// [`Ledger::record_report`] checks it against `known` (from [`Ledger::known_grants`], with what
+    /// was copied since added). A report that fails its checks is refused alone (its error in its
+    /// place, nothing of it written); the others are written. A report id seen before, in an
+    /// earlier call or earlier in this one, is a duplicate and changes nothing.
+    pub async fn record_reports_known(
         &self,
-        reports: &[Report],
+        reports: &[&Report],
+        known: &KnownGrants,
         received_at_ms: u64,
     ) -> Result<Vec<Result<ReportReceipt, FieldError>>, LedgerError> {
-        let ids: Vec<LeaseId> = reports
-            .iter()
-            .flat_map(|report| report.leases.iter().map(|lease| lease.lease_id))
-            .collect();
-        let grants = self.grants_of(&ids).await?;
+        let grants = &known.rows;
         let mut results: Vec<Result<ReportReceipt, FieldError>> = reports
             .iter()
-            .map(|report| {
-                check_report(report, &grants).map(|()| ReportReceipt { duplicate: false })
-            })
+            .map(|report| check_report(report, grants).map(|()| ReportReceipt { duplicate: false }))
             .collect();
         let checked: Vec<&Report> = reports
             .iter()
             .enumerate()
             .filter(|(index, _)| results[*index].is_ok())
-            .map(|(_, report)| report)
+            .map(|(_, report)| *report)
             .collect();
         if checked.is_empty() {
             return Ok(results);
@@ -178,7 +227,7 @@ impl Ledger {
                 for (index, report) in reports.iter().enumerate() {
                     if results[index].is_ok() {
                         if inserted_ids.remove(&report.report_id) {
-                            new_reports.push(report);
+                            new_reports.push(*report);
                         } else {
                             results[index] = Ok(ReportReceipt { duplicate: true });
                         }
@@ -259,10 +308,7 @@ impl Ledger {
 
 /// A report's bounds, and its leases against `grants`, the ledger's grants by lease id.
 fn check_report(report: &Report, grants: &BTreeMap<String, GrantRow>) -> Result<(), FieldError> {
-    // Characters, as the schema counts them (`maxLength`), not bytes.
-    if report.report_id.is_empty() || report.report_id.chars().count() > 64 {
-        return Err(FieldError::new("reportId", "must be 1 to 64 characters"));
-    }
+    report.check_report_id()?;
     if report.incarnation.is_some() && report.agent_id.is_none() {
         return Err(FieldError::new(
             "incarnation",
