@@ -14,8 +14,8 @@ use allot_shared::policy::{PolicyBundle, parse_bundle};
 pub use allot_shared::wire::{
     AgentSession, AgentSessionEnded, AgentSessionStarted, AgentStatus, FallbackInWindow,
     GrantAnswer, GrantBody, MAX_LEASE_LINES_PER_BATCH, MAX_REPORT_BATCH_BYTES,
-    MAX_REPORTS_PER_BATCH, PoolTerms, Report, ReportBatchAnswer, ReportLease, ReportReceipt,
-    ReportResult,
+    MAX_REPORTS_PER_BATCH, PoolTerms, Report, ReportBatch, ReportBatchAnswer, ReportLease,
+    ReportReceipt, ReportResult,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -300,10 +300,17 @@ impl AllocatorClient {
 
     /// `POST /v1/reports/batch`: a round's reports in one call, each taken once per report id; one
     /// result per report, in order. An allocator without the route answers 404.
-    pub async fn report_batch(&self, reports: &[Report]) -> Result<Vec<ReportResult>, ClientError> {
-        let body = serde_json::json!({ "reports": reports });
+    pub async fn report_batch(
+        &self,
+        batch: &ReportBatch,
+    ) -> Result<Vec<ReportResult>, ClientError> {
+        let reports = &batch.reports;
         let answer: Option<ReportBatchAnswer> = self
-            .call(reqwest::Method::POST, "/v1/reports/batch", Some(&body))
+            .call(
+                reqwest::Method::POST,
+                "/v1/reports/batch",
+                Some(&to_json(batch)?),
+            )
             .await?;
         match answer {
             Some(answer) if answer.results.len() == reports.len() => Ok(answer.results),

@@ -252,18 +252,15 @@ impl Agent {
             Err(denied) => return Ok(denied),
         };
         // 3. Regional rules, within the hold.
-        let (mut decision, replayed) = match (&planned, screened) {
+        let (decision, replayed) = match (&planned, screened) {
             (Some(planned), Some(screened)) => {
-                let (decision, replayed) = self
-                    .decide_regional_in_time(request, planned, screened)
-                    .await;
-                (self.with_pool_figures(decision, &hold), replayed)
+                self.decide_regional_in_time(request, planned, screened)
+                    .await
             }
-            _ => {
-                let admitted = admitted_by_global_rules_only(request, version);
-                (self.with_pool_figures(admitted, &hold), false)
-            }
+            _ => (admitted_by_global_rules_only(request, version), false),
         };
+        // Named by its most constraining rule, its pools included.
+        let mut decision = self.with_pool_figures(decision, &hold);
         // 4. Settle. A dry run spends nothing: its reservations are cancelled.
         if request.dry_run {
             decision.fallback |= decision.allowed && hold.uses_fallback();

@@ -221,12 +221,10 @@ impl Agent {
         decisions
             .into_iter()
             .zip(members.iter().zip(holds))
-            .map(|(decision, (member, hold))| match decision {
-                Some(decision) => self.with_pool_figures(decision, hold),
-                None => self.with_pool_figures(
-                    admitted_by_global_rules_only(member.request, version),
-                    hold,
-                ),
+            .map(|(decision, (member, hold))| {
+                let decision = decision
+                    .unwrap_or_else(|| admitted_by_global_rules_only(member.request, version));
+                self.with_pool_figures(decision, hold)
             })
             .collect()
     }
