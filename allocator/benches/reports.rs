@@ -2,9 +2,9 @@
 //! beside the whole round in as few calls as the batch bounds allow (`POST /v1/reports/batch`).
 //! The real allocator in this process (embedded store, SQLite ledger), `REPORT_POOLS` pools (default
 //! 1,000) each with a lease granted, each round reporting every pool once, over loopback HTTP one
-//! call at a time as an agent sends them. CPU is this whole process's (allocator and the calling
-//! client alike, which both shapes share); `x one by one`: CPU per report over the ceiling's, in
-//! the same run. Run with `cargo bench -p allot-allocator --bench reports`. Prints one JSON object
+//! call at a time as an agent sends them. CPU is the allocator's alone: its runtime's threads and
+//! the SQLite ledger's workers, not the calling client's; `x one by one`: CPU per report over the
+//! ceiling's, in the same run. Run with `cargo bench -p allot-allocator --bench reports`. Prints one JSON object
 //! per line for the report, and a table.
 
 use std::sync::Arc;
@@ -18,6 +18,7 @@ use allot_allocator::pools::{PoolSpec, put_pools};
 use allot_allocator::server::{Settings, run};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::wire::MAX_REPORTS_PER_BATCH;
+use allot_testkit::threads_cpu_seconds;
 use serde_json::{Value, json};
 
 const OPERATOR: &str = "operator-token-for-the-bench-01";
@@ -25,27 +26,54 @@ const AGENT: &str = "agent-token-for-the-bench-001";
 /// Rounds of each shape, alternated (A/B/A/B), so a drift of the machine touches both.
 const ROUNDS: usize = 4;
 
-/// CPU seconds (user + system) of this whole process so far, every thread.
-fn process_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // After the command's closing parenthesis: state is field 3, utime 14, stime 15.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks: u64 = [11, 12]
-        .iter()
-        .filter_map(|&i| fields.get(i).and_then(|f| f.parse::<u64>().ok()))
-        .sum();
-    // The kernel's USER_HZ, 100 on Linux.
-    ticks as f64 / 100.0
+/// Threads whose CPU is the allocator's: its runtime's, and the SQLite ledger's workers.
+const ALLOCATOR_THREADS: [&str; 2] = [ALLOCATOR_THREAD, "sqlx-sqlite"];
+/// The name of the allocator runtime's threads.
+const ALLOCATOR_THREAD: &str = "allocator";
+
+/// The allocator serving `pools` pools on a runtime of its own (threads named
+/// [`ALLOCATOR_THREAD`], so its CPU is told from the calling client's): (base URL, client, stop).
+async fn serve(pools: usize) -> (String, reqwest::Client, tokio::sync::oneshot::Sender<()>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name(ALLOCATOR_THREAD)
+            .enable_all()
+            .build()
+            .expect("allocator runtime")
+            .block_on(run_allocator(pools, listener, stopped));
+    });
+    let base = format!("http://{addr}");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("client");
+    for _ in 0..500 {
+        // Ready, and leading: grants are served.
+        let leading = client
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if leading {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (base, client, stop)
 }
 
-/// The allocator serving `pools` pools: (base URL, client, stop).
-async fn serve(pools: usize) -> (String, reqwest::Client, tokio::sync::oneshot::Sender<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+/// The allocator itself, with `pools` pools, until `stopped`.
+async fn run_allocator(
+    pools: usize,
+    listener: std::net::TcpListener,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) {
+    let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
     let addr = listener.local_addr().expect("addr");
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let kv = Arc::new(MemoryKv::new(clock.clone()));
@@ -91,29 +119,11 @@ async fn serve(pools: usize) -> (String, reqwest::Client, tokio::sync::oneshot::
         pepper: None,
         ledger_url: String::new(),
     };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(run(settings, kv, ledger, clock, listener, async move {
+    run(settings, kv, ledger, clock, listener, async move {
         let _ = stopped.await;
-    }));
-    let base = format!("http://{addr}");
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("client");
-    for _ in 0..500 {
-        // Ready, and leading: grants are served.
-        let leading = client
-            .get(format!("{base}/readyz"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success());
-        if leading {
-            break;
-        }
-        assert!(!server.is_finished(), "the allocator stopped");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    (base, client, stop)
+    })
+    .await
+    .expect("the allocator ran");
 }
 
 fn tenant(n: usize) -> TenantId {
@@ -170,7 +180,7 @@ async fn round(
         .iter()
         .map(|(tenant, lease, start)| report(number, tenant, *lease, *start, number as u64))
         .collect();
-    let cpu_before = process_cpu_seconds();
+    let cpu_before = threads_cpu_seconds(&ALLOCATOR_THREADS);
     let stopwatch = Stopwatch::start();
     if batched {
         for batch in reports.chunks(MAX_REPORTS_PER_BATCH) {
@@ -210,7 +220,7 @@ async fn round(
         }
     }
     (
-        process_cpu_seconds() - cpu_before,
+        threads_cpu_seconds(&ALLOCATOR_THREADS) - cpu_before,
         stopwatch.elapsed().as_secs_f64(),
     )
 }

@@ -138,10 +138,11 @@ struct Outcome {
 
 mod common;
 
+use allot_testkit::process_cpu_seconds;
 use common::{
     AGENT_THREADS, GATEWAY, agent_and_load_runtimes, bundle, envoy_channels, logging_as_deployed,
-    machine_cpu_ticks, process_cpu_seconds, redis_cpu_seconds, request, rls_request,
-    serve_on_free_port, start_agent, stub_allocator, thread_cpu_seconds, threads_named,
+    machine_cpu_ticks, redis_cpu_seconds, request, rls_request, serve_on_free_port, start_agent,
+    stub_allocator, thread_cpu_seconds, threads_named,
 };
 
 /// Serves Envoy's RLS v3 for `api` on the agents' runtime; its URL.

@@ -239,12 +239,6 @@ pub fn thread_cpu_seconds(name: &str) -> f64 {
     ticks as f64 / TICKS_PER_SECOND
 }
 
-/// CPU seconds (user + system) of this whole process so far, every thread.
-pub fn process_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    stat_cpu_ticks(&stat) as f64 / TICKS_PER_SECOND
-}
-
 /// The whole machine's CPU ticks so far, busy and in all (`/proc/stat`'s first line: every core,
 /// every process; idle and iowait are not busy), so that a run can say how busy the machine was.
 pub fn machine_cpu_ticks() -> (u64, u64) {

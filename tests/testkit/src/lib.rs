@@ -70,7 +70,7 @@ pub use browser::ChromeDriver;
 pub use etcd::EtcdCluster;
 pub use nginx::Nginx;
 pub use pki::{TEST_SERVER_NAME, TestPki};
-pub use process::{log_tail, resident_bytes};
+pub use process::{log_tail, process_cpu_seconds, resident_bytes, threads_cpu_seconds};
 pub use proxy::{FaultProxy, MAX_CONNECTIONS, ProxyMode};
 pub use redis::{RedisCluster, RedisServer};
 pub use workspace::workspace_binary;

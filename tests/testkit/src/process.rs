@@ -220,6 +220,50 @@ pub fn resident_bytes() -> u64 {
         .map_or(0, |kib| kib * 1_024)
 }
 
+/// The kernel's clock ticks per second in `/proc` (`USER_HZ`, 100 on Linux).
+const TICKS_PER_SECOND: f64 = 100.0;
+
+/// User plus system CPU ticks in a `/proc/.../stat` line.
+fn stat_cpu_ticks(stat: &str) -> u64 {
+    // Fields after the parenthesised command: state is field 3; utime 14, stime 15.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let field = |n: usize| {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    field(14) + field(15)
+}
+
+/// CPU seconds (user + system) of this whole process so far, every thread: what benchmarks divide
+/// by the work they did.
+#[must_use]
+pub fn process_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    stat_cpu_ticks(&stat) as f64 / TICKS_PER_SECOND
+}
+
+/// CPU seconds (user + system) so far of this process's live threads whose name starts with one of
+/// `prefixes`: a server's share of a process that also runs its clients.
+#[must_use]
+pub fn threads_cpu_seconds(prefixes: &[&str]) -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    let ticks: u64 = tasks
+        .flatten()
+        .map(|task| task.path())
+        .filter(|task| {
+            std::fs::read_to_string(task.join("comm"))
+                .is_ok_and(|comm| prefixes.iter().any(|p| comm.trim().starts_with(p)))
+        })
+        .map(|task| stat_cpu_ticks(&std::fs::read_to_string(task.join("stat")).unwrap_or_default()))
+        .sum();
+    ticks as f64 / TICKS_PER_SECOND
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
