@@ -110,7 +110,8 @@ def test_without_an_answer_a_call_is_bounded_in_attempts_and_time(silent_url: st
         started = time.monotonic()
         with pytest.raises(ClientError, match="did not answer after 2 attempt"):
             slow.check(request("py-d-2", "py-U-4", "read"))
-        assert time.monotonic() - started >= 0.2, "two attempts of 100 ms"
+        elapsed = time.monotonic() - started
+        assert 0.2 <= elapsed < 2.0, f"two attempts of 100 ms, not {elapsed:.2f} s"
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,9 @@
 // without a decision, and what it owes the agent when its response ends (its concurrency slots
 // back, its metered cost settled). The frameworks differ only in how they write a response.
 import { randomUUID } from "node:crypto";
-import type { ServerResponse } from "node:http";
+import type { IncomingMessage, ServerResponse } from "node:http";
 
-import { type AgentClient, type Checked, ClientError } from "./client.js";
+import { type AgentClient, type Checked, ClientError, PROBLEM_CONTENT_TYPE } from "./client.js";
 import type { AdmissionRequest, Principal, Problem } from "./wire.js";
 
 /** What to do with a request the agent gave no decision for (unreachable, timed out, or refusing
@@ -92,7 +92,20 @@ const UNAVAILABLE: Problem = {
   detail: "The request could not be checked against its quota. Retry later.",
 };
 
-export const PROBLEM_CONTENT_TYPE = "application/problem+json";
+export { PROBLEM_CONTENT_TYPE };
+
+/** Where an admitted request carries what the middleware learned of it. */
+const ADMITTED = Symbol.for("allot.admitted");
+
+/** What the middleware learned of an admitted request (its meter when metered), or undefined. */
+export function allotOf(request: IncomingMessage): Admitted | undefined {
+  return (request as IncomingMessage & { [ADMITTED]?: Admitted })[ADMITTED];
+}
+
+/** Marks `request` admitted, for {@link allotOf}. */
+export function markAdmitted(request: IncomingMessage, admitted: Admitted): void {
+  (request as IncomingMessage & { [ADMITTED]?: Admitted })[ADMITTED] = admitted;
+}
 
 /** Asks the agent about one request and says what to do with it. */
 export async function decide<Request>(
@@ -122,7 +135,8 @@ export async function decide<Request>(
       kind: "refused",
       status: checked.status,
       headers: checked.callerHeaders,
-      problem: checked.problem ?? { type: "about:blank", title: "Rate limit exceeded", status: checked.status, detail: "Too many requests." },
+      // A refusal always carries the agent's problem (`AgentClient.check`).
+      problem: checked.problem as Problem,
     };
   }
   const meter = admission.metered ? new MeteredCost() : undefined;
@@ -170,7 +184,7 @@ function defaultWarning(message: string, error: unknown): void {
  * closes (sent whole, or the caller went away); a heartbeat renewing its slots stops then too. */
 export class Completion {
   private done = false;
-  private readonly heartbeat: NodeJS.Timeout | undefined;
+  private heartbeat: NodeJS.Timeout | undefined;
 
   constructor(
     private readonly client: AgentClient,
@@ -181,10 +195,19 @@ export class Completion {
     private readonly warn: (message: string, error: unknown) => void,
   ) {
     if (releasesSlots && renewEveryMs !== undefined && renewEveryMs > 0) {
-      this.heartbeat = setInterval(() => {
-        client.renew(request).catch((error) => warn("could not renew a request's concurrency slots", error));
-      }, renewEveryMs);
-      this.heartbeat.unref();
+      // The next renewal is timed from the end of the last: a slow agent gets one call at a time.
+      const beat = (): void => {
+        this.heartbeat = setTimeout(() => {
+          client
+            .renew(request)
+            .catch((error) => warn("could not renew a request's concurrency slots", error))
+            .finally(() => {
+              if (!this.done) beat();
+            });
+        }, renewEveryMs);
+        this.heartbeat.unref();
+      };
+      beat();
     }
   }
 
@@ -202,7 +225,7 @@ export class Completion {
   async run(): Promise<void> {
     if (this.done) return;
     this.done = true;
-    if (this.heartbeat) clearInterval(this.heartbeat);
+    if (this.heartbeat) clearTimeout(this.heartbeat);
     if (this.releasesSlots) {
       await this.client
         .release(this.request)

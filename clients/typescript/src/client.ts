@@ -43,7 +43,8 @@ export const CALLER_HEADERS = [
   "x-allot-soft-limit-exceeded",
 ] as const;
 
-const PROBLEM_CONTENT_TYPE = "application/problem+json";
+/** The media type of the agent's refusals, and of the middleware's. */
+export const PROBLEM_CONTENT_TYPE = "application/problem+json";
 
 /** Why a call has no answer to give. */
 export class ClientError extends Error {
@@ -188,7 +189,8 @@ export class AgentClient {
       : new http.Agent({ keepAlive: true, maxSockets: 64 });
   }
 
-  /** Never the token. */
+  /** What `JSON.stringify` shows of a client: where it calls and how often (the token is private
+   * anyway; the connection pool is no data). */
   toJSON(): object {
     return { baseUrl: this.baseUrl, maxAttempts: this.maxAttempts };
   }

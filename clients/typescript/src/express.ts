@@ -3,14 +3,7 @@
 // problem+json with `Retry-After`; without a decision, the fail mode says which.
 import type { IncomingMessage, ServerResponse } from "node:http";
 
-import { type Admitted, type MiddlewareOptions, PROBLEM_CONTENT_TYPE, decide } from "./admission.js";
-
-const ADMITTED = Symbol.for("allot.admitted");
-
-/** What the middleware learned of an admitted request (its meter when metered), or undefined. */
-export function allotOf(request: IncomingMessage): Admitted | undefined {
-  return (request as IncomingMessage & { [ADMITTED]?: Admitted })[ADMITTED];
-}
+import { type MiddlewareOptions, PROBLEM_CONTENT_TYPE, decide, markAdmitted } from "./admission.js";
 
 /** Express middleware: `app.use(allotExpress({ client, identify }))`. */
 export function allotExpress<Request extends IncomingMessage>(
@@ -29,7 +22,7 @@ export function allotExpress<Request extends IncomingMessage>(
           response.end(JSON.stringify(outcome.problem));
           return;
         case "admitted":
-          (request as Request & { [ADMITTED]?: Admitted })[ADMITTED] = outcome.admitted;
+          markAdmitted(request, outcome.admitted);
           for (const [name, value] of Object.entries(outcome.headers)) response.setHeader(name, value);
           outcome.complete?.when(response);
           return next();

@@ -1,15 +1,11 @@
 // Fastify hook and plugin: admits each request before its route handler runs (onRequest). Answers
 // as the Express middleware does (src/express.ts); the same decisions (src/admission.ts).
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
-import type { IncomingMessage } from "node:http";
 
-import { type Admitted, type MiddlewareOptions, PROBLEM_CONTENT_TYPE, decide } from "./admission.js";
-import { allotOf } from "./express.js";
-
-const ADMITTED = Symbol.for("allot.admitted");
+import { type MiddlewareOptions, PROBLEM_CONTENT_TYPE, decide, markAdmitted } from "./admission.js";
 
 /** An `onRequest` hook: `app.addHook("onRequest", allotFastify({ client, identify }))`.
- * `identify` gets Fastify's request; {@link allotOf} reads an admission from `request.raw`. */
+ * `identify` gets Fastify's request; `allotOf(request.raw)` reads an admission. */
 export function allotFastify(
   options: MiddlewareOptions<FastifyRequest>,
 ): (request: FastifyRequest, reply: FastifyReply) => Promise<FastifyReply | undefined> {
@@ -25,7 +21,7 @@ export function allotFastify(
         // Answered early: returning the reply tells Fastify the request stops here.
         return reply.send(Buffer.from(JSON.stringify(outcome.problem)));
       case "admitted":
-        (request.raw as IncomingMessage & { [ADMITTED]?: Admitted })[ADMITTED] = outcome.admitted;
+        markAdmitted(request.raw, outcome.admitted);
         for (const [name, value] of Object.entries(outcome.headers)) reply.header(name, value);
         outcome.complete?.when(reply.raw);
         return;
@@ -47,4 +43,3 @@ export const allotPlugin = Object.assign(
   { [Symbol.for("skip-override")]: true },
 );
 
-export { allotOf };

@@ -23,6 +23,7 @@ export {
   type Identify,
   MeteredCost,
   type MiddlewareOptions,
+  allotOf,
 } from "./admission.js";
-export { allotExpress, allotOf } from "./express.js";
+export { allotExpress } from "./express.js";
 export * from "./wire.js";

@@ -126,6 +126,13 @@ class AllotMiddleware:
         self.client = client
         self.identify = identify
         self.when_undecided = when_undecided
+        #: Completions under way, kept referenced until they end (asyncio holds tasks weakly).
+        self._pending: set[asyncio.Future[None]] = set()
+
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """Waits, at most `timeout_s`, for the completions under way (at shutdown)."""
+        if self._pending:
+            await asyncio.wait(self._pending, timeout=timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -150,13 +157,9 @@ class AllotMiddleware:
             await self._undecided(mode, error, scope, receive, send)
             return
         if not checked.allowed:
-            problem = checked.problem or {
-                "type": "about:blank",
-                "title": "Rate limit exceeded",
-                "status": checked.status,
-                "detail": "Too many requests.",
-            }
-            await _problem(send, checked.status, checked.caller_headers, problem)
+            # A refusal always carries the agent's problem (`check`).
+            assert checked.problem is not None
+            await _problem(send, checked.status, checked.caller_headers, checked.problem)
             return
         await self._admitted(admission, wire, checked, scope, receive, send)
 
@@ -193,8 +196,8 @@ class AllotMiddleware:
             if heartbeat is not None:
                 heartbeat.cancel()
             completion = asyncio.ensure_future(self._complete(wire, releases_slots, meter))
-            _pending.add(completion)
-            completion.add_done_callback(_pending.discard)
+            self._pending.add(completion)
+            completion.add_done_callback(self._pending.discard)
 
     async def _heartbeat(self, wire: AdmissionRequest, period_s: float | None) -> None:
         while period_s:
@@ -226,10 +229,6 @@ class AllotMiddleware:
             return
         log.warning("no decision from the agent: refused (fail closed): %s", error)
         await _problem(send, 503, {"retry-after": "1"}, _UNAVAILABLE)
-
-
-#: Completions under way, kept referenced until they end (asyncio holds tasks weakly).
-_pending: set[asyncio.Future[None]] = set()
 
 
 async def _problem(send: Send, status: int, headers: dict[str, str], problem: Problem) -> None:
