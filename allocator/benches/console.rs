@@ -87,27 +87,12 @@ async fn serve(
         })
         .collect();
     put_pools(&*kv, &all, clock.now_ms()).await.expect("pools");
-    let settings = Settings {
-        listen: addr,
-        etcd: vec![],
-        tokens: Tokens {
-            operator: vec![OPERATOR.to_owned()],
-            // The allocator refuses to start without an agent token; no agent calls here.
-            agent: vec!["agent-token-for-the-bench-001".to_owned()],
-        },
-        node_id: "bench".to_owned(),
-        advertise_url: format!("http://{addr}"),
-        leader_lease_ttl_s: 5,
-        tls: None,
-        etcd_history_minutes: 60,
-        etcd_defragment: true,
-        retention: Default::default(),
-        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
-        webhook_ca: None,
-        webhook_allow_private: false,
-        pepper: None,
-        ledger_url: String::new(),
+    let tokens = Tokens {
+        operator: vec![OPERATOR.to_owned()],
+        // The allocator refuses to start without an agent token; no agent calls here.
+        agent: vec!["agent-token-for-the-bench-001".to_owned()],
     };
+    let settings = Settings::local(addr, tokens, "bench");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(run(settings, kv, ledger, clock, listener, async move {
         let _ = stopped.await;

@@ -99,26 +99,11 @@ async fn run_allocator(
         .map(|n| (tenant(n), pool.clone(), spec.clone()))
         .collect();
     put_pools(&*kv, &all, clock.now_ms()).await.expect("pools");
-    let settings = Settings {
-        listen: addr,
-        etcd: vec![],
-        tokens: Tokens {
-            operator: vec![OPERATOR.to_owned()],
-            agent: vec![AGENT.to_owned()],
-        },
-        node_id: "bench".to_owned(),
-        advertise_url: format!("http://{addr}"),
-        leader_lease_ttl_s: 5,
-        tls: None,
-        etcd_history_minutes: 60,
-        etcd_defragment: true,
-        retention: Default::default(),
-        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
-        webhook_ca: None,
-        webhook_allow_private: false,
-        pepper: None,
-        ledger_url: String::new(),
+    let tokens = Tokens {
+        operator: vec![OPERATOR.to_owned()],
+        agent: vec![AGENT.to_owned()],
     };
+    let settings = Settings::local(addr, tokens, "bench");
     run(settings, kv, ledger, clock, listener, async move {
         let _ = stopped.await;
     })

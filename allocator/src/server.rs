@@ -181,6 +181,31 @@ pub struct Settings {
     pub pepper: Option<Pepper>,
 }
 
+impl Settings {
+    /// A single allocator listening on `listen` in plain HTTP, on the embedded store, accepting
+    /// `tokens`, every other setting at its default: what tests, benchmarks and `allot dev` start
+    /// from (changing what they need with `..Settings::local(..)`).
+    pub fn local(listen: SocketAddr, tokens: Tokens, node_id: &str) -> Self {
+        Self {
+            listen,
+            etcd: Vec::new(),
+            etcd_history_minutes: 60,
+            etcd_defragment: true,
+            tokens,
+            node_id: node_id.to_owned(),
+            advertise_url: format!("http://{listen}"),
+            leader_lease_ttl_s: 5,
+            ledger_url: String::new(),
+            retention: Retention::default(),
+            ledger_round: crate::ledger_sync::LEDGER_RECONCILE_INTERVAL,
+            tls: None,
+            webhook_ca: None,
+            webhook_allow_private: false,
+            pepper: None,
+        }
+    }
+}
+
 fn read_token_lines(flag: &str, path: Option<&Path>) -> Result<Vec<String>, String> {
     let path = path.ok_or_else(|| format!("--{flag} is required"))?;
     let text =

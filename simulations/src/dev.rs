@@ -85,31 +85,19 @@ pub async fn run_dev(
     std::fs::create_dir_all(&options.data_dir)
         .map_err(|e| format!("--data-dir {}: {e}", options.data_dir.display()))?;
     let allocator_addr = SocketAddr::from(([127, 0, 0, 1], options.base_port));
+    let tokens = Tokens {
+        operator: vec![operator.clone()],
+        agent: agent_tokens
+            .iter()
+            .map(|(region, token)| format!("{region} {token}"))
+            .collect(),
+    };
     let settings = Settings {
-        listen: allocator_addr,
-        etcd: vec![],
-        tokens: Tokens {
-            operator: vec![operator.clone()],
-            agent: agent_tokens
-                .iter()
-                .map(|(region, token)| format!("{region} {token}"))
-                .collect(),
-        },
-        node_id: "dev".to_owned(),
-        advertise_url: format!("http://{allocator_addr}"),
-        leader_lease_ttl_s: 5,
-        tls: None,
-        etcd_history_minutes: 60,
-        etcd_defragment: true,
-        retention: Default::default(),
-        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
-        webhook_ca: None,
-        webhook_allow_private: false,
-        pepper: None,
         ledger_url: format!(
             "sqlite://{}",
             options.data_dir.join("allot-dev.db").display()
         ),
+        ..Settings::local(allocator_addr, tokens, "dev")
     };
     let kv: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
     let ledger = Ledger::connect(&settings.ledger_url)

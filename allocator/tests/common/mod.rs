@@ -53,29 +53,20 @@ pub async fn start_with(options: Options) -> Server {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
+    let tokens = Tokens {
+        operator: vec![
+            OPERATOR.to_owned(),
+            format!("viewer {VIEWER}"),
+            format!("author {AUTHOR}"),
+        ],
+        agent: vec![AGENT.to_owned(), format!("eu {AGENT_EU}")],
+    };
     let settings = Settings {
-        listen: addr,
         etcd: options.etcd.clone(),
-        tokens: Tokens {
-            operator: vec![
-                OPERATOR.to_owned(),
-                format!("viewer {VIEWER}"),
-                format!("author {AUTHOR}"),
-            ],
-            agent: vec![AGENT.to_owned(), format!("eu {AGENT_EU}")],
-        },
-        node_id: "test".to_owned(),
-        advertise_url: format!("http://{addr}"),
-        leader_lease_ttl_s: 5,
-        tls: None,
-        etcd_history_minutes: 60,
-        etcd_defragment: true,
-        retention: Default::default(),
-        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
         webhook_ca: options.webhook_ca,
         webhook_allow_private: options.webhook_allow_private,
         pepper: options.pepper,
-        ledger_url: String::new(),
+        ..Settings::local(addr, tokens, "test")
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let kv: Arc<dyn allot_allocator::kv::Kv> = if options.etcd.is_empty() {

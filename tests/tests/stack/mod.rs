@@ -60,25 +60,15 @@ pub async fn start_allocator_with_ledger(etcd: &EtcdCluster, ledger_url: &str) -
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
+    let tokens = Tokens {
+        operator: vec![OPERATOR.to_owned()],
+        agent: vec![AGENT.to_owned()],
+    };
     let settings = Settings {
-        listen: addr,
         etcd: etcd.endpoints(),
-        tokens: Tokens {
-            operator: vec![OPERATOR.to_owned()],
-            agent: vec![AGENT.to_owned()],
-        },
-        node_id: "alloc-1".to_owned(),
-        advertise_url: format!("http://{addr}"),
-        leader_lease_ttl_s: 5,
-        tls: None,
-        etcd_history_minutes: 60,
-        etcd_defragment: true,
-        retention: Default::default(),
-        ledger_round: allot_allocator::ledger_sync::LEDGER_RECONCILE_INTERVAL,
-        webhook_ca: None,
-        webhook_allow_private: false,
         pepper: Some(Pepper::new(PEPPER.to_vec()).expect("pepper")),
         ledger_url: ledger_url.to_owned(),
+        ..Settings::local(addr, tokens, "alloc-1")
     };
     let kv = Arc::new(EtcdKv::connect(&settings.etcd).await.expect("etcd"));
     let ledger = Ledger::connect(&settings.ledger_url).await.expect("ledger");
