@@ -15,6 +15,7 @@ use std::fmt::Write as _;
 use std::io::{IsTerminal as _, Write as _};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,13 +68,23 @@ fn id<T>(
     parse(text).map_err(|e| e.to_string())
 }
 
+/// What [`run_dev`] returns: the running system, finished when `shutdown` resolves.
+pub type DevRun = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
+
 /// Runs until `shutdown` resolves.
 ///
-/// Long by design: the whole system assembled in the order it comes up (stores, allocator, ledger,
-/// agents, gateways), each step a few lines that read best in sequence.
-pub async fn run_dev(
+/// Boxed and without a type parameter on purpose: this crate is optimised, and optimised crates
+/// share no monomorphised code, so a caller that polled the `async fn` itself would compile the
+/// whole allocator and agent again. Through the box, they are compiled once, here.
+pub fn run_dev(options: DevOptions, shutdown: Pin<Box<dyn Future<Output = ()> + Send>>) -> DevRun {
+    Box::pin(run_dev_until(options, shutdown))
+}
+
+/// The system assembled in the order it comes up (stores, allocator, ledger, agents, gateways):
+/// long by design, each step a few lines that read best in sequence.
+async fn run_dev_until(
     options: DevOptions,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown: Pin<Box<dyn Future<Output = ()> + Send>>,
 ) -> Result<(), String> {
     let clock = allot_allocator::server::system_clock();
     let (operator, gateway) = (token(), token());

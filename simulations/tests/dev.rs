@@ -36,9 +36,9 @@ async fn allot_dev_serves_and_stops() {
             demo: false,
             demo_rate_per_s: 1,
         },
-        async move {
+        Box::pin(async move {
             let _ = stopped.await;
-        },
+        }),
     ));
     let client = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(5))

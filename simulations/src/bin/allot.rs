@@ -30,7 +30,7 @@ fn run_dev_blocking(options: DevOptions) -> Result<String, String> {
                 () = terminate => {}
             }
         };
-        run_dev(options, stop).await
+        run_dev(options, Box::pin(stop)).await
     })?;
     Ok(String::new())
 }
