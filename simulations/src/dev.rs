@@ -80,8 +80,8 @@ pub fn run_dev(options: DevOptions, shutdown: Pin<Box<dyn Future<Output = ()> + 
     Box::pin(run_dev_until(options, shutdown))
 }
 
-/// The system assembled in the order it comes up (stores, allocator, ledger, agents, gateways):
-/// long by design, each step a few lines that read best in sequence.
+/// Long by design: the whole system assembled in the order it comes up (stores, allocator, ledger,
+/// agents, gateways), each step a few lines that read best in sequence.
 async fn run_dev_until(
     options: DevOptions,
     shutdown: Pin<Box<dyn Future<Output = ()> + Send>>,
