@@ -1,6 +1,6 @@
 //! The gateway API's OpenAPI 3.1 document, generated from the handlers' own annotations and the
 //! contract's types (served at `/openapi.json`). Every route of [`crate::http::router`] is in it;
-//! `region-agent/tests/openapi.rs` holds the two together.
+//! `region-agent/tests/integration/openapi.rs` holds the two together.
 
 use axum::http::header;
 use axum::response::{IntoResponse, Response};

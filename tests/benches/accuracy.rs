@@ -38,7 +38,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
-#[path = "../tests/stack/mod.rs"]
+#[path = "../tests/integration/stack/mod.rs"]
 mod stack;
 
 /// One pool configuration under the same kind of load.

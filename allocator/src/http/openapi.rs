@@ -1,6 +1,6 @@
 //! The allocator API's OpenAPI 3.1 document, generated from the handlers' own annotations and the
 //! types they read and answer (served at `/openapi.json`). Every route of [`super::routes`] is in
-//! it; `allocator/tests/openapi.rs` holds the two together and runs the outside judges.
+//! it; `allocator/tests/integration/openapi.rs` holds the two together and runs the outside judges.
 
 use axum::http::header;
 use axum::response::{IntoResponse, Response};

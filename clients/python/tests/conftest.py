@@ -1,4 +1,4 @@
-"""What the tests share: the real agent the harness started (clients/rust/tests/other_languages.rs
+"""What the tests share: the real agent the harness started (clients/rust/tests/integration/other_languages.rs
 starts it on a real Redis), and small tools.
 
 The agent's bundle: ``read`` 2 a minute per user; ``export`` one at a time per user; ``summarize``
@@ -23,7 +23,7 @@ def _required(name: str) -> str:
     if not value:
         raise RuntimeError(
             f"{name} is not set: these tests run against a real agent; run them through "
-            "`cargo nextest run -p allot-client --test other_languages`"
+            "`cargo nextest run -p allot-client -E 'test(/^other_languages::/)'`"
         )
     return value
 

@@ -1,4 +1,4 @@
-// What the tests share: the real agent the harness started (clients/rust/tests/other_languages.rs
+// What the tests share: the real agent the harness started (clients/rust/tests/integration/other_languages.rs
 // starts it on a real Redis with the bundle its comment describes), and small tools.
 //
 // The bundle: `read` 2 a minute per user; `export` one at a time per user; `summarize` a bucket
@@ -11,7 +11,7 @@ import { AgentClient, type AdmissionRequest, type ClientOptions } from "../src/i
 function required(name: string): string {
   const value = process.env[name];
   if (!value) {
-    throw new Error(`${name} is not set: these tests run against a real agent; run them through \`cargo nextest run -p allot-client --test other_languages\``);
+    throw new Error(`${name} is not set: these tests run against a real agent; run them through \`cargo nextest run -p allot-client -E 'test(/^other_languages::/)'\``);
   }
   return value;
 }
