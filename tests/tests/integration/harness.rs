@@ -380,7 +380,13 @@ fn a_missing_etcd_binary_fails_naming_the_package() {
     let output = Command::new(std::env::current_exe().expect("test binary path"))
         .args([
             "--exact",
-            "a_missing_etcd_binary_fails_naming_the_package",
+            // Its name in this binary: its module's path without the crate's.
+            &format!(
+                "{}::a_missing_etcd_binary_fails_naming_the_package",
+                module_path!()
+                    .split_once("::")
+                    .map_or(module_path!(), |(_, module)| module)
+            ),
             "--nocapture",
         ])
         .env("ALLOT_ETCD_BIN", "/nonexistent/etcd")
