@@ -197,6 +197,42 @@ impl GrantAnswer {
     }
 }
 
+/// Most grants one `POST /v1/grants/batch` call may ask for.
+pub const MAX_GRANTS_PER_BATCH: usize = 256;
+
+/// `POST /v1/grants/batch` body: an agent's renewals of several pools in one call, each decided as
+/// `POST /v1/grants` decides it (idempotent by lease id) by its pool's own worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GrantBatch {
+    /// The asks, at most [`MAX_GRANTS_PER_BATCH`], one lease id each.
+    #[schema(max_items = 256)]
+    pub grants: Vec<GrantBody>,
+}
+
+/// `POST /v1/grants/batch` answer: one result per ask, in the order sent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GrantBatchAnswer {
+    /// Each ask's result, in the order of the call's `grants`.
+    pub results: Vec<GrantResult>,
+}
+
+/// One ask's result in a batch: its grant, or why nothing was granted (the problem
+/// `POST /v1/grants` would have answered, its `field` prefixed `grants[i].`). A refused ask
+/// changed nothing; the others were decided all the same. An ask whose problem is a server's
+/// (status 5xx) may have been granted: asking again with the same lease id answers what was.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GrantResult {
+    /// The grant (possibly of nothing: the pool is exhausted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant: Option<GrantAnswer>,
+    /// Why the ask was not answered with a grant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem: Option<crate::contract::Problem>,
+}
+
 /// One lease's line in a [`Report`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -75,6 +75,17 @@ impl ApiError {
         *self.problem
     }
 
+    /// The problem of entry `index` of a batch's `list` refused alone: its field named within the
+    /// batch (`list[index].field`, or `list[index]` when it named none).
+    pub fn into_entry_problem(self, list: &str, index: usize) -> Problem {
+        let mut problem = self.into_problem();
+        problem.field = Some(match problem.field.take() {
+            Some(field) => format!("{list}[{index}].{field}"),
+            None => format!("{list}[{index}]"),
+        });
+        problem
+    }
+
     /// Adds a member to the problem body.
     pub fn with_extension(mut self, name: &str, value: impl Into<serde_json::Value>) -> Self {
         self.problem = Box::new(self.problem.with_extension(name, value));

@@ -1,8 +1,11 @@
-//! Agents: grants (`POST /v1/grants`), for their own region only.
+//! Agents: grants, for their own region only: one at a time (`POST /v1/grants`) or a renewal
+//! round of several pools in one call (`POST /v1/grants/batch`), each idempotent by lease id.
 
 use allot_shared::contract::Problem;
 use allot_shared::lease::GrantRequest;
-use allot_shared::wire::{GrantAnswer, GrantBody};
+use allot_shared::wire::{
+    GrantAnswer, GrantBatch, GrantBatchAnswer, GrantBody, GrantResult, MAX_GRANTS_PER_BATCH,
+};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -12,6 +15,8 @@ use super::ApiState;
 use super::access::{Needs, authorize, check_region};
 use super::errors::ApiError;
 use super::io::{json_response, parse_json};
+use crate::auth::Credential;
+use crate::grants::GrantFailure;
 
 #[utoipa::path(post, path = "/v1/grants", tag = "agents",
     request_body = GrantBody,
@@ -28,18 +33,115 @@ pub async fn post_grant(
 ) -> Result<Response, ApiError> {
     let credential = authorize(&state, &headers, Needs::Agent)?;
     let body: GrantBody = parse_json(&headers, &body)?;
-    check_region(&credential, &body.region)?;
+    let answer = decide(&state, &credential, body).await?;
+    Ok(json_response(StatusCode::OK, &answer))
+}
+
+#[utoipa::path(post, path = "/v1/grants/batch", tag = "agents",
+    request_body = GrantBatch,
+    responses(
+        (status = 200, description = "One result per ask, in order: its grant (idempotent by lease \
+            id), or the problem `POST /v1/grants` would have answered (its field prefixed \
+            `grants[i].`)", body = GrantBatchAnswer),
+        crate::http::errors::Refused,
+        crate::http::errors::BodyRefused,
+    ))]
+pub async fn post_grant_batch(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let credential = authorize(&state, &headers, Needs::Agent)?;
+    let batch: GrantBatch = parse_json(&headers, &body)?;
+    check_bounds(&batch)?;
+    // Every ask goes to its own pool's worker at once: the workers' commits that wait together
+    // are merged into shared transactions, so a round of many pools costs a few round trips.
+    let decided = futures::future::join_all(
+        batch
+            .grants
+            .into_iter()
+            .map(|ask| decide(&state, &credential, ask)),
+    )
+    .await;
+    // A follower decides nothing: the whole call goes to the leader, where each ask is answered
+    // (again, for any decided here before a failover: grants are idempotent by lease id).
+    if let Some(not_leader) = decided.iter().find_map(|result| match result {
+        Err(Decided::Failed(failure @ GrantFailure::NotLeader(_))) => Some(failure.clone()),
+        _ => None,
+    }) {
+        return Err(not_leader.into());
+    }
+    let results = decided
+        .into_iter()
+        .enumerate()
+        .map(|(index, result)| match result {
+            Ok(grant) => GrantResult {
+                grant: Some(grant),
+                problem: None,
+            },
+            Err(refused) => GrantResult {
+                grant: None,
+                problem: Some(ApiError::from(refused).into_entry_problem("grants", index)),
+            },
+        })
+        .collect();
+    Ok(json_response(StatusCode::OK, &GrantBatchAnswer { results }))
+}
+
+/// A batch's bounds, and each ask's fields as the schema states them: a call that breaks the
+/// schema is refused whole, naming the field.
+fn check_bounds(batch: &GrantBatch) -> Result<(), ApiError> {
+    if let Some(index) = batch.grants.iter().position(|ask| ask.want_tokens == 0) {
+        return Err(ApiError::invalid(
+            format!("grants[{index}].want"),
+            "must be at least 1",
+        ));
+    }
+    if batch.grants.len() > MAX_GRANTS_PER_BATCH {
+        return Err(ApiError::invalid(
+            "grants",
+            format!("at most {MAX_GRANTS_PER_BATCH} grants per call"),
+        ));
+    }
+    Ok(())
+}
+
+/// Why one ask got no grant: refused before it reached its pool, or failed there.
+enum Decided {
+    Refused(ApiError),
+    Failed(GrantFailure),
+}
+
+impl From<Decided> for ApiError {
+    fn from(decided: Decided) -> Self {
+        match decided {
+            Decided::Refused(refused) => refused,
+            Decided::Failed(failure) => failure.into(),
+        }
+    }
+}
+
+/// One ask, checked (the caller's region, at least one token) and decided by its pool's worker.
+async fn decide(
+    state: &ApiState,
+    credential: &Credential,
+    body: GrantBody,
+) -> Result<GrantAnswer, Decided> {
+    check_region(credential, &body.region).map_err(Decided::Refused)?;
     if body.want_tokens == 0 {
-        return Err(ApiError::invalid("want", "must be at least 1"));
+        return Err(Decided::Refused(ApiError::invalid(
+            "want",
+            "must be at least 1",
+        )));
     }
     let request = GrantRequest {
         lease_id: body.lease_id,
         region: body.region,
         want_tokens: body.want_tokens,
     };
-    let answer = state
+    state
         .grantor
         .grant(&body.tenant, &body.pool, request)
-        .await?;
-    Ok(json_response(StatusCode::OK, &answer))
+        .await
+        .map_err(Decided::Failed)
 }

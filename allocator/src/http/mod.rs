@@ -135,6 +135,7 @@ pub fn routes(state: ApiState) -> Router {
         )
         .route("/v1/regions", get(regions::list_regions))
         .route("/v1/grants", post(grants::post_grant))
+        .route("/v1/grants/batch", post(grants::post_grant_batch))
         .route("/v1/reports", post(reports::post_report))
         .route(
             "/v1/reports/batch",

@@ -28,6 +28,7 @@ use utoipa::{Modify, OpenApi};
         super::pools::get_pool_terms,
         super::regions::list_regions,
         super::grants::post_grant,
+        super::grants::post_grant_batch,
         super::reports::post_report,
         super::reports::post_report_batch,
         super::agent_sessions::post_session_start,

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 
 use allot_shared::FieldError;
-use allot_shared::contract::Problem;
 use allot_shared::ids::{PoolId, TenantId};
 use allot_shared::wire::{
     MAX_LEASE_LINES_PER_BATCH, MAX_REPORTS_PER_BATCH, Report, ReportBatch, ReportBatchAnswer,
@@ -126,16 +125,11 @@ fn check_bounds(batch: &ReportBatch) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// The result of report `index` refused alone: its problem, the field named within the batch.
+/// The result of report `index` refused alone.
 fn refused_entry(index: usize, refused: ApiError) -> ReportResult {
-    let mut problem: Problem = refused.into_problem();
-    problem.field = Some(match problem.field.take() {
-        Some(field) => format!("reports[{index}].{field}"),
-        None => format!("reports[{index}]"),
-    });
     ReportResult {
         receipt: None,
-        problem: Some(problem),
+        problem: Some(refused.into_entry_problem("reports", index)),
     }
 }
 

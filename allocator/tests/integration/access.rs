@@ -105,6 +105,20 @@ async fn every_endpoint_checks_the_role() {
         ),
         (Method::POST, "/v1/grants", Some(grant("eu")), None, true),
         (
+            Method::POST,
+            "/v1/grants/batch",
+            Some(json!({ "grants": [grant("eu")] })),
+            None,
+            true,
+        ),
+        (
+            Method::POST,
+            "/v1/reports/batch",
+            Some(json!({ "reports": [] })),
+            None,
+            true,
+        ),
+        (
             Method::PUT,
             "/v1/policies",
             Some(bundle),

@@ -616,6 +616,128 @@ async fn a_round_of_reports_in_one_call_is_taken_report_by_report() {
 }
 
 #[tokio::test]
+async fn a_round_of_renewals_in_one_call_is_decided_ask_by_ask() {
+    let server = start().await;
+    for pool in ["atlas/api", "birch/api"] {
+        assert_eq!(
+            server
+                .put_pool(pool, OPERATOR, pool_body().to_string())
+                .await
+                .0,
+            200
+        );
+    }
+    let ask = |lease: allot_shared::ids::LeaseId, tenant: &str, region: &str, want: u64| json!({ "leaseId": lease, "tenant": tenant, "pool": "api", "region": region, "want": want });
+    let post = async |asks: Vec<Value>| {
+        let answer = server
+            .client
+            .post(format!("{}/v1/grants/batch", server.url))
+            .bearer_auth(AGENT_EU)
+            .json(&json!({ "grants": asks }))
+            .send()
+            .await
+            .expect("batch");
+        status_and_body(answer).await
+    };
+    let lease = |n: u128| allot_shared::ids::LeaseId::from_parts(1, n);
+    let (status, answer) = post(vec![
+        ask(lease(1), "atlas", "eu", 100),
+        ask(lease(2), "birch", "eu", 60),
+        ask(lease(1), "atlas", "eu", 100),
+        ask(lease(3), "nobody", "eu", 100),
+        ask(lease(4), "birch", "us", 100),
+    ])
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let results = answer["results"].as_array().expect("results");
+    assert_eq!(results.len(), 5, "one result per ask, in order: {answer}");
+    assert_eq!(results[0]["grant"]["leaseId"], json!(lease(1)));
+    assert_eq!(results[0]["grant"]["granted"], 100);
+    assert_eq!(results[1]["grant"]["leaseId"], json!(lease(2)));
+    assert_eq!(results[1]["grant"]["granted"], 60);
+    assert_eq!(
+        results[2]["grant"]["granted"], 100,
+        "the same lease id again in the call: the same grant"
+    );
+    assert_eq!(
+        results[2]["grant"]["issuedAtMs"],
+        results[0]["grant"]["issuedAtMs"]
+    );
+    assert_eq!(
+        (
+            &results[3]["problem"]["status"],
+            &results[3]["problem"]["field"]
+        ),
+        (&json!(404), &json!("grants[3]")),
+        "no such pool: {answer}"
+    );
+    assert_eq!(
+        (
+            &results[4]["problem"]["status"],
+            &results[4]["problem"]["field"]
+        ),
+        (&json!(403), &json!("grants[4].region")),
+        "an EU token may not ask for US: {answer}"
+    );
+    // A field that breaks the schema refuses the call: nothing in it is granted.
+    let (status, problem) = post(vec![
+        ask(lease(5), "birch", "eu", 10),
+        ask(lease(6), "birch", "eu", 0),
+    ])
+    .await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (400, Some("grants[1].want")),
+        "{problem}"
+    );
+
+    // Each pool as if its asks had come alone: refused asks took nothing.
+    for (pool, granted) in [("atlas/api", 100), ("birch/api", 60)] {
+        let (status, view) = server.get(&format!("/v1/pools/{pool}"), OPERATOR).await;
+        assert_eq!(status, 200, "{view}");
+        assert_eq!(
+            view["window"]["remaining"],
+            1_000 - granted,
+            "{pool}: {view}"
+        );
+    }
+    // The one-at-a-time route knows the batch's lease ids.
+    let again: Value = server
+        .client
+        .post(format!("{}/v1/grants", server.url))
+        .bearer_auth(AGENT_EU)
+        .json(&ask(lease(2), "birch", "eu", 60))
+        .send()
+        .await
+        .expect("grant")
+        .json()
+        .await
+        .expect("json");
+    let without_answer_time = |mut grant: Value| {
+        grant
+            .as_object_mut()
+            .map(|fields| fields.remove("answeredAtMs"));
+        grant
+    };
+    assert_eq!(
+        without_answer_time(again),
+        without_answer_time(results[1]["grant"].clone()),
+        "the grant the batch made, answered again"
+    );
+
+    // Bounded: asks per call.
+    let too_many = (0..=allot_shared::wire::MAX_GRANTS_PER_BATCH)
+        .map(|n| ask(lease(100 + n as u128), "atlas", "eu", 1))
+        .collect();
+    let (status, problem) = post(too_many).await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (400, Some("grants")),
+        "{problem}"
+    );
+}
+
+#[tokio::test]
 async fn reports_reach_the_windows_view() {
     let server = start().await;
     assert_eq!(

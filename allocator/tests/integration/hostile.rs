@@ -119,10 +119,12 @@ fn cases() -> Vec<Case> {
                          "windowStartMs": 0, "leases": [], "fallbackAdmitted": 0 });
     let status = json!({ "region": "eu", "agentId": "eu-1", "version": 1 });
     let mint = json!({ "role": "viewer", "name": "n" });
-    let json_endpoints: [(Method, &str, &'static str); 6] = [
+    let json_endpoints: [(Method, &str, &'static str); 8] = [
         (Method::PUT, "/v1/pools/atlas/api", OPERATOR),
         (Method::POST, "/v1/grants", AGENT),
+        (Method::POST, "/v1/grants/batch", AGENT),
         (Method::POST, "/v1/reports", AGENT),
+        (Method::POST, "/v1/reports/batch", AGENT),
         (Method::POST, "/v1/policies/status", AGENT),
         (Method::POST, "/v1/tokens", OPERATOR),
         (Method::PUT, "/v1/policies", OPERATOR),
