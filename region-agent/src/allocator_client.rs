@@ -13,9 +13,9 @@ use allot_shared::overrides::OverrideSet;
 use allot_shared::policy::{PolicyBundle, parse_bundle};
 pub use allot_shared::wire::{
     AgentSession, AgentSessionEnded, AgentSessionStarted, AgentStatus, FallbackInWindow,
-    GrantAnswer, GrantBody, MAX_LEASE_LINES_PER_BATCH, MAX_REPORT_BATCH_BYTES,
-    MAX_REPORTS_PER_BATCH, PoolTerms, Report, ReportBatch, ReportBatchAnswer, ReportLease,
-    ReportReceipt, ReportResult,
+    GrantAnswer, GrantBatch, GrantBatchAnswer, GrantBody, GrantResult, MAX_GRANTS_PER_BATCH,
+    MAX_LEASE_LINES_PER_BATCH, MAX_REPORT_BATCH_BYTES, MAX_REPORTS_PER_BATCH, PoolTerms, Report,
+    ReportBatch, ReportBatchAnswer, ReportLease, ReportReceipt, ReportResult,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -261,6 +261,38 @@ impl AllocatorClient {
             .await
     }
 
+    /// `POST /v1/grants/batch`: several pools' renewals in one call, each idempotent by its lease
+    /// id. One answer per ask, in order, as [`AllocatorClient::grant`] would have given it: the
+    /// grant, `None` when the pool does not exist, or the error. An allocator without the route
+    /// answers 404 (`Err` for the whole call).
+    pub async fn grant_batch(&self, batch: &GrantBatch) -> Result<Vec<GrantOutcome>, ClientError> {
+        let answer: Option<GrantBatchAnswer> = self
+            .call(
+                reqwest::Method::POST,
+                "/v1/grants/batch",
+                Some(&to_json(batch)?),
+            )
+            .await?;
+        match answer {
+            Some(answer) if answer.results.len() == batch.grants.len() => {
+                Ok(answer.results.into_iter().map(grant_outcome).collect())
+            }
+            Some(answer) => Err(ClientError::Refused {
+                status: 200,
+                detail: format!(
+                    "{} results for {} grants",
+                    answer.results.len(),
+                    batch.grants.len()
+                ),
+            }),
+            // `call` reads a 404 as nothing: this allocator has no batch route.
+            None => Err(ClientError::Refused {
+                status: 404,
+                detail: "no POST /v1/grants/batch at this allocator".to_owned(),
+            }),
+        }
+    }
+
     /// Starts this run's session (idempotent for one incarnation): how the agent's previous run
     /// ended. `None` from an allocator that keeps no sessions (older than the agent).
     pub async fn start_session(
@@ -394,6 +426,26 @@ impl AllocatorClient {
         )
         .await
         .map(|_| ())
+    }
+}
+
+/// What one grant call, or one ask of a batch, came to: the grant, `None` when the pool does not
+/// exist, or why not.
+pub type GrantOutcome = Result<Option<GrantAnswer>, ClientError>;
+
+/// One ask's result in a batch as [`AllocatorClient::grant`] gives it alone. A result with neither
+/// a grant nor a problem is read as no answer: the ask may have been granted.
+fn grant_outcome(result: GrantResult) -> GrantOutcome {
+    match (result.grant, result.problem) {
+        (Some(grant), _) => Ok(Some(grant)),
+        (None, Some(problem)) if problem.status == 404 => Ok(None),
+        (None, Some(problem)) => Err(ClientError::Refused {
+            status: problem.status,
+            detail: problem.detail,
+        }),
+        (None, None) => Err(ClientError::Unreachable(
+            "a batch result with neither a grant nor a problem".to_owned(),
+        )),
     }
 }
 

@@ -103,6 +103,8 @@ pub struct Agent {
     replays: replays::Replays,
     /// This run, as the allocator knows it.
     session: session::Session,
+    /// Renewals waiting for the next call to the allocator.
+    renewals: upkeep::Renewals,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -137,6 +139,7 @@ impl Agent {
             journaling: journaling::Journaling::default(),
             subleases: Mutex::new(sublease_demand::SubleaseDemand::default()),
             settlements: Mutex::new(settlements::Settlements::default()),
+            renewals: upkeep::Renewals::default(),
             replays: replays::Replays::default(),
         })
     }

@@ -1,17 +1,25 @@
 //! Pool upkeep (idle pools forgotten, terms refreshed) and lease renewals.
+//!
+//! Renewals are queued and sent by one sender, every pool that wants one in the same call
+//! (`POST /v1/grants/batch`, up to [`MAX_GRANTS_PER_BATCH`]), one call at a time: an agent's cost
+//! to the allocator grows with its rounds, not with its pools. Each renewal keeps its own lease id
+//! and outcome: one the call did not answer is asked again alone, with the same id, when its pool
+//! next wants tokens.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
-use allot_shared::wire::GrantAnswer;
+use allot_shared::wire::{GrantAnswer, GrantBatch, GrantBody, MAX_GRANTS_PER_BATCH};
 
 use super::Agent;
 use super::pool_slot::{AllocatorView, PoolSlot};
 use super::pools::{MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, TERMS_REFRESH_MS};
+use crate::allocator_client::{AllocatorClient, ClientError, GrantOutcome};
 use crate::global::GrantCall;
 use crate::global::clock_offset::ClockOffset;
-use crate::global::driver::RenewalOutcome;
+use crate::global::driver::{RenewalAsk, RenewalOutcome};
 
 impl Agent {
     /// Pool upkeep: forgets pools idle for [`POOL_IDLE_MS`] with nothing held or owed, and fetches
@@ -72,22 +80,17 @@ impl Agent {
         }
     }
 
-    /// Starts a renewal (single flight) when the holder wants one.
-    ///
-    /// Long by design: most of it is the one spawned task of a renewal, from the call to the
-    /// allocator to the end of the flight, its answer applied under the agent's lock so that a
-    /// quota read sees the grant and the allocator's figure together; split, the task's captured
-    /// agent, slot and ask would be passed between functions, and the flight's end would be read
-    /// apart from its start.
+    /// Queues a renewal (single flight per pool) when the holder wants one, and starts the sender
+    /// when none runs.
     pub(super) fn renew_if_wanted(
         self: &Arc<Self>,
         tenant: &TenantId,
         pool: &PoolId,
         slot: &Arc<PoolSlot>,
     ) {
-        let Some(allocator) = self.allocator.clone() else {
+        if self.allocator.is_none() {
             return;
-        };
+        }
         let asked = {
             let now_ms = self.clock.now_ms();
             let fresh = LeaseId::from_parts(now_ms, rand::random());
@@ -96,73 +99,220 @@ impl Agent {
         let Some(ask) = asked else {
             return;
         };
-        let (agent, slot, tenant, pool) =
-            (self.clone(), slot.clone(), tenant.clone(), pool.clone());
-        tokio::spawn(async move {
-            let asked_at_ms = agent.clock.now_ms();
+        let renewal = QueuedRenewal {
+            tenant: tenant.clone(),
+            pool: pool.clone(),
+            slot: slot.clone(),
+            ask,
+        };
+        if self.renewals.push(renewal) {
+            let agent = self.clone();
+            tokio::spawn(async move { agent.send_renewals().await });
+        }
+    }
+
+    /// The sender: takes the queued renewals, at most a batch's worth a call, one call at a time,
+    /// until none waits. Every renewal taken is answered (its flight ended), whatever the call did.
+    async fn send_renewals(self: Arc<Self>) {
+        let Some(allocator) = self.allocator.clone() else {
+            return;
+        };
+        loop {
+            let batch = self.renewals.take(MAX_GRANTS_PER_BATCH);
+            if batch.is_empty() {
+                if self.renewals.stop_sender() {
+                    return;
+                }
+                continue;
+            }
+            let asked_at_ms = self.clock.now_ms();
+            let answers = self.ask_allocator(&allocator, &batch).await;
+            debug_assert_eq!(answers.len(), batch.len(), "one answer per renewal");
+            for (renewal, called) in batch.into_iter().zip(answers) {
+                self.renewal_answered(renewal, asked_at_ms, called);
+            }
+        }
+    }
+
+    /// Asks the allocator for `batch` in one call, or one call each (concurrently) from an
+    /// allocator without the batch route; one answer per renewal, in order: `Ok(None)` when the
+    /// pool does not exist.
+    async fn ask_allocator(
+        &self,
+        allocator: &AllocatorClient,
+        batch: &[QueuedRenewal],
+    ) -> Vec<GrantOutcome> {
+        if self.renewals.batch_route_missing(self.clock.now_ms()) {
+            return self.ask_one_by_one(allocator, batch).await;
+        }
+        let call = GrantBatch {
+            grants: batch
+                .iter()
+                .map(|renewal| GrantBody {
+                    lease_id: renewal.ask.lease_id,
+                    tenant: renewal.tenant.clone(),
+                    pool: renewal.pool.clone(),
+                    region: self.settings.region.clone(),
+                    want_tokens: renewal.ask.want_tokens,
+                })
+                .collect(),
+        };
+        let stopwatch = crate::clock::Stopwatch::start();
+        let called = allocator.grant_batch(&call).await;
+        metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "grant_batch")
+            .record(stopwatch.elapsed().as_secs_f64());
+        self.note_allocator(&called);
+        match called {
+            Ok(outcomes) => outcomes,
+            Err(ClientError::Refused {
+                status: 404 | 405, ..
+            }) => {
+                tracing::info!("the allocator has no batch route for grants: one call per renewal");
+                self.renewals.note_batch_route_missing(self.clock.now_ms());
+                self.ask_one_by_one(allocator, batch).await
+            }
+            Err(error) => vec![Err(error); batch.len()],
+        }
+    }
+
+    /// One `POST /v1/grants` per renewal, all at once, as an allocator without the batch route
+    /// takes them.
+    async fn ask_one_by_one(
+        &self,
+        allocator: &AllocatorClient,
+        batch: &[QueuedRenewal],
+    ) -> Vec<GrantOutcome> {
+        futures::future::join_all(batch.iter().map(|renewal| async move {
             let stopwatch = crate::clock::Stopwatch::start();
             let called = allocator
                 .grant(
-                    &tenant,
-                    &pool,
-                    &agent.settings.region,
-                    ask.lease_id,
-                    ask.want_tokens,
+                    &renewal.tenant,
+                    &renewal.pool,
+                    &self.settings.region,
+                    renewal.ask.lease_id,
+                    renewal.ask.want_tokens,
                 )
                 .await;
             metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "grant")
                 .record(stopwatch.elapsed().as_secs_f64());
-            agent.note_allocator(&called);
-            if let Ok(Some(answer)) = &called {
-                agent.note_clock_offset(asked_at_ms, answer);
-            }
-            let call = match &called {
-                Ok(Some(answer)) => GrantCall::Answered {
-                    answer: answer.clone(),
-                    asked_at_ms,
-                },
-                Ok(None) => GrantCall::PoolGone,
-                // No answer (or a 5xx): the grant may have been committed. A refusal is final.
-                Err(error) if error.is_unreachable() => GrantCall::Unanswered,
-                Err(_) => GrantCall::Refused,
-            };
-            // Under the agent's lock, so that a quota read sees the grant and the allocator's
-            // figure after it together.
-            let outcome = {
-                let mut pool_agent = slot.agent();
-                let Some(outcome) = pool_agent.renewal_answered(&call, agent.clock.now_ms()) else {
-                    return;
-                };
-                if let (Ok(Some(answer)), false) = (&called, outcome == RenewalOutcome::StaleEpoch)
-                {
-                    note_allocator_view(&slot, answer, asked_at_ms);
-                }
-                outcome
-            };
-            metrics::counter!(crate::metrics::RENEWALS, "outcome" => outcome.as_str()).increment(1);
-            match (&called, outcome) {
-                (Ok(Some(answer)), RenewalOutcome::StaleEpoch) => {
-                    tracing::warn!(epoch = %answer.epoch, %tenant, %pool,
-                        "grant from a stale allocator epoch ignored");
-                }
-                (Ok(Some(answer)), outcome) if outcome.held() => {
-                    metrics::counter!(crate::metrics::TOKENS_GRANTED)
-                        .increment(answer.granted_tokens);
-                }
-                (Ok(None), _) => tracing::warn!(%tenant, %pool, "the pool no longer exists"),
-                (Err(error), _) => {
-                    metrics::counter!(crate::metrics::ALLOCATOR_ERRORS, "call" => "grant")
-                        .increment(1);
-                    tracing::warn!(%error, %tenant, %pool, "renewal failed");
-                }
-                _ => {}
-            }
-            if called.as_ref().is_ok_and(Option::is_some) {
-                agent.note_change();
-            }
-            slot.note_renewal_ended();
-        });
+            self.note_allocator(&called);
+            called
+        }))
+        .await
     }
+
+    /// Takes what came back for one renewal, asked at `asked_at_ms`, into its pool and ends the
+    /// flight: under the pool agent's lock, so that a quota read sees the grant and the
+    /// allocator's figure after it together.
+    fn renewal_answered(&self, renewal: QueuedRenewal, asked_at_ms: u64, called: GrantOutcome) {
+        let QueuedRenewal {
+            tenant, pool, slot, ..
+        } = renewal;
+        if let Ok(Some(answer)) = &called {
+            self.note_clock_offset(asked_at_ms, answer);
+        }
+        let call = match &called {
+            Ok(Some(answer)) => GrantCall::Answered {
+                answer: answer.clone(),
+                asked_at_ms,
+            },
+            Ok(None) => GrantCall::PoolGone,
+            // No answer (or a 5xx): the grant may have been committed. A refusal is final.
+            Err(error) if error.is_unreachable() => GrantCall::Unanswered,
+            Err(_) => GrantCall::Refused,
+        };
+        let outcome = {
+            let mut pool_agent = slot.agent();
+            let Some(outcome) = pool_agent.renewal_answered(&call, self.clock.now_ms()) else {
+                return;
+            };
+            if let (Ok(Some(answer)), false) = (&called, outcome == RenewalOutcome::StaleEpoch) {
+                note_allocator_view(&slot, answer, asked_at_ms);
+            }
+            outcome
+        };
+        metrics::counter!(crate::metrics::RENEWALS, "outcome" => outcome.as_str()).increment(1);
+        match (&called, outcome) {
+            (Ok(Some(answer)), RenewalOutcome::StaleEpoch) => {
+                tracing::warn!(epoch = %answer.epoch, %tenant, %pool,
+                    "grant from a stale allocator epoch ignored");
+            }
+            (Ok(Some(answer)), outcome) if outcome.held() => {
+                metrics::counter!(crate::metrics::TOKENS_GRANTED).increment(answer.granted_tokens);
+            }
+            (Ok(None), _) => tracing::warn!(%tenant, %pool, "the pool no longer exists"),
+            (Err(error), _) => {
+                metrics::counter!(crate::metrics::ALLOCATOR_ERRORS, "call" => "grant").increment(1);
+                tracing::warn!(%error, %tenant, %pool, "renewal failed");
+            }
+            _ => {}
+        }
+        if called.as_ref().is_ok_and(Option::is_some) {
+            self.note_change();
+        }
+        slot.note_renewal_ended();
+    }
+}
+
+/// A renewal waiting for the sender: the pool, its slot, and what its agent asks.
+pub(super) struct QueuedRenewal {
+    tenant: TenantId,
+    pool: PoolId,
+    slot: Arc<PoolSlot>,
+    ask: RenewalAsk,
+}
+
+/// How long an allocator that answered 404 to the batch route is asked one call per renewal before
+/// the route is tried again (it may have been upgraded), ms.
+const BATCH_ROUTE_RETRY_MS: u64 = 5 * 60_000;
+
+/// The renewals waiting for the next call, and whether a sender runs. Bounded by the pools held:
+/// each pool has at most one renewal in flight (I10).
+#[derive(Default)]
+pub(super) struct Renewals {
+    waiting: Mutex<VecDeque<QueuedRenewal>>,
+    sender_running: AtomicBool,
+    /// Until when the allocator is taken to lack `POST /v1/grants/batch`, epoch ms (0: not).
+    batch_route_missing_until_ms: AtomicU64,
+}
+
+impl Renewals {
+    /// Queues `renewal`; true when no sender runs and the caller must start one.
+    fn push(&self, renewal: QueuedRenewal) -> bool {
+        lock(&self.waiting).push_back(renewal);
+        !self.sender_running.swap(true, Ordering::AcqRel)
+    }
+
+    /// Up to `most` renewals, oldest first.
+    fn take(&self, most: usize) -> Vec<QueuedRenewal> {
+        let mut waiting = lock(&self.waiting);
+        let count = waiting.len().min(most);
+        waiting.drain(..count).collect()
+    }
+
+    /// The sender found nothing waiting: true when it may stop. A renewal queued between its
+    /// look and this one found the sender running and started none, so it goes on for it.
+    fn stop_sender(&self) -> bool {
+        self.sender_running.store(false, Ordering::Release);
+        lock(&self.waiting).is_empty() || self.sender_running.swap(true, Ordering::AcqRel)
+    }
+
+    fn batch_route_missing(&self, now_ms: u64) -> bool {
+        now_ms < self.batch_route_missing_until_ms.load(Ordering::Relaxed)
+    }
+
+    fn note_batch_route_missing(&self, now_ms: u64) {
+        self.batch_route_missing_until_ms.store(
+            now_ms.saturating_add(BATCH_ROUTE_RETRY_MS),
+            Ordering::Relaxed,
+        );
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Agent {

@@ -52,6 +52,14 @@ struct Fake {
     batch_calls: AtomicU64,
     single_calls: AtomicU64,
     reported_tenants: Mutex<Vec<String>>,
+    /// Whether it serves `POST /v1/grants/batch` (an older allocator does not), and how long a
+    /// batch takes to answer.
+    takes_grant_batches: bool,
+    grant_batch_delay: Duration,
+    /// Calls to `POST /v1/grants/batch` and `POST /v1/grants`, and the tenants asked for.
+    grant_batch_calls: AtomicU64,
+    grant_calls: AtomicU64,
+    granted_tenants: Mutex<Vec<String>>,
 }
 
 async fn session_start(State(fake): State<Arc<Fake>>) -> Response {
@@ -87,14 +95,40 @@ async fn terms(State(fake): State<Arc<Fake>>) -> Response {
 /// Every grant answers "exhausted": the request is denied with the pool's `G` as its limit, which
 /// shows the terms in force.
 async fn grant(State(fake): State<Arc<Fake>>, Json(body): Json<serde_json::Value>) -> Response {
+    fake.grant_calls.fetch_add(1, Ordering::SeqCst);
     if fake.grants_unavailable {
         return StatusCode::SERVICE_UNAVAILABLE.into_response();
     }
-    Json(serde_json::json!({
-        "leaseId": body["leaseId"], "region": body["region"], "granted": 0, "epoch": 1,
+    Json(exhausted(&fake, &body)).into_response()
+}
+
+/// Nothing left: the answer to an ask, and the tenant noted.
+fn exhausted(fake: &Fake, ask: &serde_json::Value) -> serde_json::Value {
+    fake.granted_tenants
+        .lock()
+        .expect("lock")
+        .push(ask["tenant"].as_str().unwrap_or_default().to_owned());
+    serde_json::json!({
+        "leaseId": ask["leaseId"], "region": ask["region"], "granted": 0, "epoch": 1,
         "windowStartMs": 0, "windowEndMs": 60_000, "expiresAtMs": 0, "retryAfterMs": 1_000,
-    }))
-    .into_response()
+    })
+}
+
+async fn grant_batch(
+    State(fake): State<Arc<Fake>>,
+    Json(body): Json<serde_json::Value>,
+) -> Response {
+    fake.grant_batch_calls.fetch_add(1, Ordering::SeqCst);
+    if fake.grants_unavailable {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    tokio::time::sleep(fake.grant_batch_delay).await;
+    let asks = body["grants"].as_array().cloned().unwrap_or_default();
+    let results: Vec<serde_json::Value> = asks
+        .iter()
+        .map(|ask| serde_json::json!({ "grant": exhausted(&fake, ask) }))
+        .collect();
+    Json(serde_json::json!({ "results": results })).into_response()
 }
 
 async fn report(State(fake): State<Arc<Fake>>, Json(body): Json<serde_json::Value>) -> Response {
@@ -133,6 +167,9 @@ async fn allocator(fake: Arc<Fake>) -> Arc<AllocatorClient> {
     if fake.takes_batches {
         app = app.route("/v1/reports/batch", post(report_batch));
     }
+    if fake.takes_grant_batches {
+        app = app.route("/v1/grants/batch", post(grant_batch));
+    }
     let app = app.with_state(fake);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -164,6 +201,11 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         batch_calls: AtomicU64::new(0),
         single_calls: AtomicU64::new(0),
         reported_tenants: Mutex::new(Vec::new()),
+        takes_grant_batches: true,
+        grant_batch_delay: Duration::ZERO,
+        grant_batch_calls: AtomicU64::new(0),
+        grant_calls: AtomicU64::new(0),
+        granted_tenants: Mutex::new(Vec::new()),
     })
 }
 
@@ -514,5 +556,66 @@ async fn a_report_round_is_one_call_or_one_by_one_for_an_older_allocator() {
             3,
             "reports taken are not sent again"
         );
+    }
+}
+
+/// Renewals of many pools wanted at once go in a few calls, not one each, every pool asked for
+/// once; an allocator without the batch route gets one call per renewal.
+#[tokio::test]
+async fn renewals_of_many_pools_share_calls_or_go_one_by_one_to_an_older_allocator() {
+    const TENANTS: u64 = 20;
+    for takes_grant_batches in [true, false] {
+        let fake = Arc::new(Fake {
+            takes_grant_batches,
+            // While one call is answered, the other pools' renewals queue for the next.
+            grant_batch_delay: Duration::from_millis(150),
+            ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
+        });
+        let (agent, _clock) = setup(&fake).await;
+        let mut requests = tokio::task::JoinSet::new();
+        for n in 0..TENANTS {
+            let agent = agent.clone();
+            requests.spawn(async move {
+                let tenant = format!("tenant{n:02}");
+                agent
+                    .admit(&request_of(&tenant, n))
+                    .await
+                    .expect("decision")
+            });
+        }
+        for decision in requests.join_all().await {
+            assert!(!decision.allowed, "nothing granted: {decision:?}");
+            assert_eq!(
+                decision.limit_units, 1_000,
+                "the pool's terms: {decision:?}"
+            );
+        }
+        // An admit waits for its grant a bounded time; a renewal may be answered after it.
+        for _ in 0..100 {
+            if fake.granted_tenants.lock().expect("lock").len() >= TENANTS as usize {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut asked = fake.granted_tenants.lock().expect("lock").clone();
+        asked.sort();
+        let expected: Vec<String> = (0..TENANTS).map(|n| format!("tenant{n:02}")).collect();
+        assert_eq!(asked, expected, "every pool's renewal asked for once");
+        let calls = (
+            fake.grant_batch_calls.load(Ordering::SeqCst),
+            fake.grant_calls.load(Ordering::SeqCst),
+        );
+        if takes_grant_batches {
+            assert!(
+                (1..=4).contains(&calls.0) && calls.1 == 0,
+                "{TENANTS} pools' renewals in a few batch calls: {calls:?}"
+            );
+        } else {
+            assert_eq!(
+                calls,
+                (0, TENANTS),
+                "the batch route missing: one call per renewal"
+            );
+        }
     }
 }
