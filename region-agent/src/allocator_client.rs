@@ -5,7 +5,7 @@
 //! it names, and otherwise moves to the next URL, at most once around the list. The wire types mirror
 //! the allocator's API (`docs/allocator.md`); the end-to-end tests hold the two together.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use allot_shared::ids::{AgentId, LeaseId, PoolId, RegionId, TenantId};
@@ -26,6 +26,34 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// rules, and the override set: at most 10,000 overrides of under 300 bytes each); a longer one is
 /// refused, not buffered (I10).
 pub const MAX_ANSWER_BYTES: usize = 4 << 20;
+
+/// How long an allocator that answered 404 to a batch route is taken to lack it, ms: callers use
+/// the one-at-a-time route meanwhile, then try the batch route again (the allocator may have been
+/// upgraded).
+pub const MISSING_ROUTE_RETRY_MS: u64 = 5 * 60_000;
+
+/// Remembers that the allocator lacks a route (it answered 404), so a caller with a fallback pays
+/// the 404 once per [`MISSING_ROUTE_RETRY_MS`], not on every call.
+#[derive(Debug, Default)]
+pub struct MissingRoute {
+    /// Until when the route is taken to be missing, epoch ms (0: it is not).
+    until_ms: AtomicU64,
+}
+
+impl MissingRoute {
+    /// Whether the route is taken to be missing at `now_ms`.
+    pub fn is_missing(&self, now_ms: u64) -> bool {
+        now_ms < self.until_ms.load(Ordering::Relaxed)
+    }
+
+    /// The allocator answered 404 to the route at `now_ms`.
+    pub fn note_missing(&self, now_ms: u64) {
+        self.until_ms.store(
+            now_ms.saturating_add(MISSING_ROUTE_RETRY_MS),
+            Ordering::Relaxed,
+        );
+    }
+}
 
 /// Why an allocator call failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

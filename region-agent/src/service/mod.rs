@@ -105,6 +105,8 @@ pub struct Agent {
     session: session::Session,
     /// Renewals waiting for the next call to the allocator.
     renewals: upkeep::Renewals,
+    /// Whether the allocator lacks `POST /v1/reports/batch`.
+    report_batch_route: crate::allocator_client::MissingRoute,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -140,6 +142,7 @@ impl Agent {
             subleases: Mutex::new(sublease_demand::SubleaseDemand::default()),
             settlements: Mutex::new(settlements::Settlements::default()),
             renewals: upkeep::Renewals::default(),
+            report_batch_route: crate::allocator_client::MissingRoute::default(),
             replays: replays::Replays::default(),
         })
     }

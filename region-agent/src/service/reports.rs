@@ -42,6 +42,10 @@ impl Agent {
         };
         let round = self.reports_owed();
         for batch in batches(round.owed) {
+            if self.report_batch_route.is_missing(self.clock.now_ms()) {
+                self.send_one_by_one(allocator, &batch).await;
+                continue;
+            }
             let call = ReportBatch {
                 reports: batch.iter().map(|owed| owed.body.clone()).collect(),
             };
@@ -64,6 +68,10 @@ impl Agent {
                 Err(ClientError::Refused {
                     status: 404 | 405, ..
                 }) => {
+                    tracing::info!(
+                        "the allocator has no batch route for reports: one call per report"
+                    );
+                    self.report_batch_route.note_missing(self.clock.now_ms());
                     self.send_one_by_one(allocator, &batch).await;
                 }
                 Err(error) => {

@@ -7,7 +7,7 @@
 //! next wants tokens.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
@@ -16,7 +16,7 @@ use allot_shared::wire::{GrantAnswer, GrantBatch, GrantBody, MAX_GRANTS_PER_BATC
 use super::Agent;
 use super::pool_slot::{AllocatorView, PoolSlot};
 use super::pools::{MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, TERMS_REFRESH_MS};
-use crate::allocator_client::{AllocatorClient, ClientError, GrantOutcome};
+use crate::allocator_client::{AllocatorClient, ClientError, GrantOutcome, MissingRoute};
 use crate::global::GrantCall;
 use crate::global::clock_offset::ClockOffset;
 use crate::global::driver::{RenewalAsk, RenewalOutcome};
@@ -142,7 +142,7 @@ impl Agent {
         allocator: &AllocatorClient,
         batch: &[QueuedRenewal],
     ) -> Vec<GrantOutcome> {
-        if self.renewals.batch_route_missing(self.clock.now_ms()) {
+        if self.renewals.batch_route.is_missing(self.clock.now_ms()) {
             return self.ask_one_by_one(allocator, batch).await;
         }
         let call = GrantBatch {
@@ -168,7 +168,7 @@ impl Agent {
                 status: 404 | 405, ..
             }) => {
                 tracing::info!("the allocator has no batch route for grants: one call per renewal");
-                self.renewals.note_batch_route_missing(self.clock.now_ms());
+                self.renewals.batch_route.note_missing(self.clock.now_ms());
                 self.ask_one_by_one(allocator, batch).await
             }
             Err(error) => vec![Err(error); batch.len()],
@@ -262,18 +262,14 @@ pub(super) struct QueuedRenewal {
     ask: RenewalAsk,
 }
 
-/// How long an allocator that answered 404 to the batch route is asked one call per renewal before
-/// the route is tried again (it may have been upgraded), ms.
-const BATCH_ROUTE_RETRY_MS: u64 = 5 * 60_000;
-
 /// The renewals waiting for the next call, and whether a sender runs. Bounded by the pools held:
 /// each pool has at most one renewal in flight (I10).
 #[derive(Default)]
 pub(super) struct Renewals {
     waiting: Mutex<VecDeque<QueuedRenewal>>,
     sender_running: AtomicBool,
-    /// Until when the allocator is taken to lack `POST /v1/grants/batch`, epoch ms (0: not).
-    batch_route_missing_until_ms: AtomicU64,
+    /// Whether the allocator lacks `POST /v1/grants/batch`.
+    batch_route: MissingRoute,
 }
 
 impl Renewals {
@@ -295,17 +291,6 @@ impl Renewals {
     fn stop_sender(&self) -> bool {
         self.sender_running.store(false, Ordering::Release);
         lock(&self.waiting).is_empty() || self.sender_running.swap(true, Ordering::AcqRel)
-    }
-
-    fn batch_route_missing(&self, now_ms: u64) -> bool {
-        now_ms < self.batch_route_missing_until_ms.load(Ordering::Relaxed)
-    }
-
-    fn note_batch_route_missing(&self, now_ms: u64) {
-        self.batch_route_missing_until_ms.store(
-            now_ms.saturating_add(BATCH_ROUTE_RETRY_MS),
-            Ordering::Relaxed,
-        );
     }
 }
 

@@ -60,6 +60,13 @@ struct Fake {
     grant_batch_calls: AtomicU64,
     grant_calls: AtomicU64,
     granted_tenants: Mutex<Vec<String>>,
+    /// Calls to routes it does not serve (answered 404).
+    not_found_calls: AtomicU64,
+}
+
+async fn not_found(State(fake): State<Arc<Fake>>) -> Response {
+    fake.not_found_calls.fetch_add(1, Ordering::SeqCst);
+    StatusCode::NOT_FOUND.into_response()
 }
 
 async fn session_start(State(fake): State<Arc<Fake>>) -> Response {
@@ -170,6 +177,7 @@ async fn allocator(fake: Arc<Fake>) -> Arc<AllocatorClient> {
     if fake.takes_grant_batches {
         app = app.route("/v1/grants/batch", post(grant_batch));
     }
+    let app = app.fallback(not_found);
     let app = app.with_state(fake);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -206,6 +214,7 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         grant_batch_calls: AtomicU64::new(0),
         grant_calls: AtomicU64::new(0),
         granted_tenants: Mutex::new(Vec::new()),
+        not_found_calls: AtomicU64::new(0),
     })
 }
 
@@ -556,6 +565,24 @@ async fn a_report_round_is_one_call_or_one_by_one_for_an_older_allocator() {
             3,
             "reports taken are not sent again"
         );
+        // A later round: an older allocator is not asked for the batch route again.
+        let decision = agent
+            .admit(&request_of("atlas", 1))
+            .await
+            .expect("decision");
+        assert!(decision.allowed && decision.fallback, "{decision:?}");
+        agent.send_reports().await;
+        assert_eq!(cut_off.reported_tenants.lock().expect("lock").len(), 4);
+        if !takes_batches {
+            assert_eq!(
+                (
+                    cut_off.single_calls.load(Ordering::SeqCst),
+                    cut_off.not_found_calls.load(Ordering::SeqCst)
+                ),
+                (4, 1),
+                "one 404, then one call per report"
+            );
+        }
     }
 }
 
@@ -615,6 +642,11 @@ async fn renewals_of_many_pools_share_calls_or_go_one_by_one_to_an_older_allocat
                 calls,
                 (0, TENANTS),
                 "the batch route missing: one call per renewal"
+            );
+            assert_eq!(
+                fake.not_found_calls.load(Ordering::SeqCst),
+                1,
+                "the missing route is asked for once, not per call"
             );
         }
     }
