@@ -62,6 +62,8 @@ struct Fake {
     granted_tenants: Mutex<Vec<String>>,
     /// Calls to routes it does not serve (answered 404).
     not_found_calls: AtomicU64,
+    /// The `POST /v1/reports/batch` call (counted from 1) that hangs for a minute; 0: none.
+    stalled_report_batch: AtomicU64,
 }
 
 async fn not_found(State(fake): State<Arc<Fake>>) -> Response {
@@ -151,7 +153,10 @@ async fn report_batch(
     State(fake): State<Arc<Fake>>,
     Json(body): Json<serde_json::Value>,
 ) -> Response {
-    fake.batch_calls.fetch_add(1, Ordering::SeqCst);
+    let call = fake.batch_calls.fetch_add(1, Ordering::SeqCst) + 1;
+    if call == fake.stalled_report_batch.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    }
     let reports = body["reports"].as_array().cloned().unwrap_or_default();
     let mut results = Vec::new();
     for report in &reports {
@@ -215,6 +220,7 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         grant_calls: AtomicU64::new(0),
         granted_tenants: Mutex::new(Vec::new()),
         not_found_calls: AtomicU64::new(0),
+        stalled_report_batch: AtomicU64::new(0),
     })
 }
 
@@ -650,4 +656,51 @@ async fn renewals_of_many_pools_share_calls_or_go_one_by_one_to_an_older_allocat
             );
         }
     }
+}
+
+/// A report round cut short (its deadline) after its first call: the next round starts with the
+/// pools the cut round did not reach, so a round that never finishes does not starve the same
+/// pools every time.
+#[tokio::test]
+async fn a_round_cut_short_is_resumed_where_it_stopped() {
+    let pools = allot_shared::wire::MAX_REPORTS_PER_BATCH + 20;
+    let cut_off = Arc::new(Fake {
+        fallback_per_region_tokens: 10,
+        grants_unavailable: true,
+        ..Arc::into_inner(fake(Some(1_000), Duration::ZERO)).expect("sole owner")
+    });
+    let (agent, _clock) = setup(&cut_off).await;
+    let tenants: Vec<String> = (0..pools).map(|n| format!("t{n:04}")).collect();
+    let admit_everywhere = async |n: u64| {
+        for tenant in &tenants {
+            let decision = agent.admit(&request_of(tenant, n)).await.expect("decision");
+            assert!(decision.allowed && decision.fallback, "{decision:?}");
+        }
+    };
+    admit_everywhere(0).await;
+    // The second call of the round hangs: the round's deadline cuts it there.
+    cut_off.stalled_report_batch.store(2, Ordering::SeqCst);
+    let cut = tokio::time::timeout(Duration::from_secs(2), agent.send_reports()).await;
+    assert!(cut.is_err(), "the round was cut short");
+    let first_round: Vec<String> = cut_off.reported_tenants.lock().expect("lock").clone();
+    assert_eq!(
+        first_round,
+        tenants[..allot_shared::wire::MAX_REPORTS_PER_BATCH],
+        "the first call carried the first pools, in order"
+    );
+
+    // Every pool owes again; the next round starts with the pools the cut one did not reach.
+    admit_everywhere(1).await;
+    cut_off.reported_tenants.lock().expect("lock").clear();
+    agent.send_reports().await;
+    let second_round: Vec<String> = cut_off.reported_tenants.lock().expect("lock").clone();
+    let resumed: Vec<String> = tenants[allot_shared::wire::MAX_REPORTS_PER_BATCH..]
+        .iter()
+        .chain(&tenants[..allot_shared::wire::MAX_REPORTS_PER_BATCH])
+        .cloned()
+        .collect();
+    assert_eq!(
+        second_round, resumed,
+        "resumed where the cut round stopped, then the rest"
+    );
 }
