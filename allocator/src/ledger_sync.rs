@@ -259,8 +259,9 @@ impl CheckRotation {
 pub const WINDOW_GAUGE_SETTLE_MS: u64 = 5_000;
 
 /// Publishes the ledger's view as gauges: the rollout's current bundle version, and for each pool
-/// this round visits (`rotation`'s next, out of every pool in `pools`) the admitted tokens and the
-/// bound of its latest settled window. On the way, checks every window that settled against its
+/// this round visits (`rotation`'s next, out of the pools of `pools` with windows to check or
+/// publish: [`active_pools`]) the admitted tokens and the bound of its latest settled window.
+/// Returns how many pools it visited. On the way, checks every window that settled against its
 /// bound (the ledger's `bound_checks`), again on each visit for [`BOUND_RECHECK_MS`] after it ended
 /// (and over the gap between visits), counting windows checked and violations.
 ///
@@ -274,7 +275,7 @@ pub async fn publish_ledger_gauges(
     pools: &[(TenantId, PoolId, StoredPool)],
     rotation: &mut CheckRotation,
     now_ms: u64,
-) -> Result<(), String> {
+) -> Result<usize, String> {
     let rollout = crate::policies::rollout(kv)
         .await
         .map_err(|e| e.to_string())?;
@@ -305,7 +306,11 @@ pub async fn publish_ledger_gauges(
         }
     }
     let recheck_ms = recheck_span_ms(CheckRotation::rounds_per_visit(pools.len()));
-    for (tenant, pool, stored) in rotation.next_round(pools) {
+    let active = active_pools(ledger, pools, recheck_ms, now_ms).await?;
+    metrics::gauge!(crate::metrics::LEDGER_ROUND_POOLS_ACTIVE).set(active.len() as f64);
+    let visiting = rotation.next_round(&active);
+    let visited = visiting.len();
+    for (tenant, pool, stored) in visiting {
         let Ok(config) = stored.spec.validate() else {
             continue;
         };
@@ -365,7 +370,50 @@ pub async fn publish_ledger_gauges(
         .await
         .map_err(|e| e.to_string())?;
     metrics::gauge!(crate::metrics::BOUND_VIOLATIONS_RECORDED).set(violations as f64);
-    Ok(())
+    Ok(visited)
+}
+
+/// The pools of `pools` (in key order) with a window that has figures in the ledger and ended
+/// within the re-check span (`recheck_ms`), the round and the settling time, or has not ended: the
+/// only ones a round has anything to check or publish for. An idle pool is not visited.
+async fn active_pools(
+    ledger: &Ledger,
+    pools: &[(TenantId, PoolId, StoredPool)],
+    recheck_ms: u64,
+    now_ms: u64,
+) -> Result<Vec<(TenantId, PoolId, StoredPool)>, String> {
+    let round_ms = u64::try_from(LEDGER_RECONCILE_INTERVAL.as_millis()).unwrap_or(u64::MAX);
+    let from_ms = now_ms.saturating_sub(
+        recheck_ms
+            .saturating_add(round_ms)
+            .saturating_add(WINDOW_GAUGE_SETTLE_MS),
+    );
+    let longest_ms = |stored: &StoredPool| {
+        stored
+            .spec
+            .validate()
+            .map_or(0, |config| config.window().longest_ms())
+    };
+    // A report names its window's start: one received as early as the longest window before
+    // `from_ms` may be for a window that ends after it.
+    let longest_of_all_ms = pools
+        .iter()
+        .map(|(_, _, stored)| longest_ms(stored))
+        .max()
+        .unwrap_or(0);
+    let activity = ledger
+        .recent_activity(from_ms, from_ms.saturating_sub(longest_of_all_ms))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(pools
+        .iter()
+        .filter(|(tenant, pool, stored)| {
+            activity
+                .get(&(tenant.clone(), pool.clone()))
+                .is_some_and(|seen| seen.has_window_ending_from(from_ms, longest_ms(stored)))
+        })
+        .cloned()
+        .collect())
 }
 
 /// How long after its end a window is checked again each round, ms: reports that come late

@@ -68,6 +68,9 @@ pub const ETCD_HOUSEKEEPING_FAILURES: &str = "allot_etcd_housekeeping_failures_t
 pub const LEDGER_ROWS_REMOVED: &str = "allot_ledger_rows_removed_total";
 /// Windows whose raw rows the ledger rolled up into one row a region (and removed).
 pub const LEDGER_WINDOWS_ROLLED_UP: &str = "allot_ledger_windows_rolled_up_total";
+/// Pools the leader's last ledger round found with windows to check or publish (a window with
+/// figures that ended within the re-check span, or has not ended): the only ones it visits.
+pub const LEDGER_ROUND_POOLS_ACTIVE: &str = "allot_ledger_round_pools_active";
 /// Windows checked against their overshoot bound once they settled (each window once, ledger-wide).
 pub const BOUND_WINDOWS_CHECKED: &str = "allot_bound_windows_checked_total";
 /// Checked windows that broke their bound: admitted more than it, or a region admitted more than
@@ -154,6 +157,7 @@ pub const AT_START: &[AtStart] = &[
         )],
     ),
     AtStart::counter(LEDGER_WINDOWS_ROLLED_UP, &[]),
+    AtStart::gauge(LEDGER_ROUND_POOLS_ACTIVE, &[]),
     AtStart::counter(BOUND_WINDOWS_CHECKED, &[]),
     AtStart::counter(BOUND_VIOLATIONS, &[]),
     AtStart::gauge(BOUND_VIOLATIONS_RECORDED, &[]),

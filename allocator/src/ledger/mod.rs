@@ -46,6 +46,7 @@ macro_rules! on_db {
 }
 
 pub mod accounting;
+pub mod activity;
 pub mod agent_sessions;
 pub mod audit;
 pub mod bound_checks;

@@ -1750,3 +1750,157 @@ async fn postgres_upgrade_carries_rows_over() {
     }
     carried_over(Ledger::connect(&url).await.expect("upgraded")).await;
 }
+
+/// Recent activity: the pools with a grant in a window ending from an instant, or a report
+/// received from another, with the latest of each; older rows and other pools are not named.
+async fn recent_activity(ledger: Ledger) {
+    let quiet = PoolId::parse("quiet").expect("pool");
+    let busy = PoolId::parse("busy").expect("pool");
+    // `quiet` granted and reported only in an old window; `busy` in two later ones.
+    ledger
+        .record_grants(&tenant(), &quiet, &[grant(1, "eu", W0, 100, W0 + 15_000)])
+        .await
+        .expect("grants");
+    ledger
+        .record_grants(
+            &tenant(),
+            &busy,
+            &[
+                grant(2, "eu", W0 + WINDOW_MS, 100, W0 + WINDOW_MS + 15_000),
+                grant(
+                    3,
+                    "eu",
+                    W0 + 2 * WINDOW_MS,
+                    100,
+                    W0 + 2 * WINDOW_MS + 15_000,
+                ),
+            ],
+        )
+        .await
+        .expect("grants");
+    let mut old = report("old", "eu", W0, vec![(1, 10, false)], 0);
+    old.pool = quiet.clone();
+    ledger
+        .record_report(&old, W0 + 1_000)
+        .await
+        .expect("report");
+    let mut fallback_only = report("late", "eu", W0 + 2 * WINDOW_MS, vec![], 5);
+    fallback_only.pool = busy.clone();
+    ledger
+        .record_report(&fallback_only, W0 + 2 * WINDOW_MS + 1_000)
+        .await
+        .expect("report");
+
+    let from_ms = W0 + 2 * WINDOW_MS;
+    let seen = ledger
+        .recent_activity(from_ms, from_ms - WINDOW_MS)
+        .await
+        .expect("activity");
+    let busy_key = (tenant(), busy);
+    assert_eq!(
+        seen.keys().collect::<Vec<_>>(),
+        vec![&busy_key],
+        "only the pool with recent rows: {seen:?}"
+    );
+    let busy_seen = seen[&busy_key];
+    assert_eq!(
+        busy_seen.latest_grant_window_end_ms,
+        Some(W0 + 3 * WINDOW_MS)
+    );
+    assert_eq!(
+        busy_seen.latest_report_window_start_ms,
+        Some(W0 + 2 * WINDOW_MS)
+    );
+    assert!(busy_seen.has_window_ending_from(from_ms, WINDOW_MS));
+    // From the beginning, both pools; nothing at all from after every row.
+    let everything = ledger.recent_activity(0, 0).await.expect("activity");
+    assert_eq!(everything.len(), 2, "{everything:?}");
+    let nothing = ledger
+        .recent_activity(W0 + 10 * WINDOW_MS, W0 + 10 * WINDOW_MS)
+        .await
+        .expect("activity");
+    assert!(nothing.is_empty(), "{nothing:?}");
+}
+
+#[tokio::test]
+async fn sqlite_recent_activity() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    recent_activity(ledger).await;
+}
+
+#[tokio::test]
+async fn postgres_recent_activity() {
+    let (_database, url) = PostgresDatabase::create().await;
+    let ledger = Ledger::connect(&url).await.expect("postgres ledger");
+    recent_activity(ledger).await;
+}
+
+/// The leader's ledger round visits only the pools with windows to check or publish: of three
+/// pools, the one granted in the current window, not the one idle since long ago nor the one
+/// never used.
+#[tokio::test]
+async fn a_ledger_round_visits_only_pools_with_recent_windows() {
+    use allot_allocator::clock::{Clock, SystemClock};
+    use allot_allocator::kv::memory::MemoryKv;
+    use allot_allocator::ledger_sync::{CheckRotation, publish_ledger_gauges};
+    use allot_allocator::pools::{PoolSpec, list_pools, put_pools};
+    use std::sync::Arc;
+
+    let (ledger, _dir) = sqlite_ledger().await;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let kv = MemoryKv::new(clock.clone());
+    let now_ms = clock.now_ms();
+    let spec = PoolSpec {
+        limit_tokens: 1_000,
+        window_ms: WINDOW_MS,
+        window: None,
+        chunk_tokens: 100,
+        lease_ttl_ms: 15_000,
+        fallback_per_region_tokens: 0,
+        settle_debt_per_region_tokens: 0,
+        regions: vec![region("eu")],
+    };
+    let [busy, idle, unused] =
+        ["busy", "idle", "unused"].map(|name| PoolId::parse(name).expect("pool"));
+    let all: Vec<_> = [&busy, &idle, &unused]
+        .into_iter()
+        .map(|pool| (tenant(), pool.clone(), spec.clone()))
+        .collect();
+    put_pools(&kv, &all, now_ms).await.expect("pools");
+    let window_start_ms = now_ms - now_ms % WINDOW_MS;
+    ledger
+        .record_grants(
+            &tenant(),
+            &busy,
+            &[grant(1, "eu", window_start_ms, 100, now_ms)],
+        )
+        .await
+        .expect("grants");
+    let a_day_ago_ms = window_start_ms - 86_400_000;
+    ledger
+        .record_grants(
+            &tenant(),
+            &idle,
+            &[grant(2, "eu", a_day_ago_ms, 100, a_day_ago_ms)],
+        )
+        .await
+        .expect("grants");
+    let pools = list_pools(&kv).await.expect("listing");
+    assert_eq!(pools.len(), 3);
+    let visited =
+        publish_ledger_gauges(&ledger, &kv, &pools, &mut CheckRotation::default(), now_ms)
+            .await
+            .expect("round");
+    assert_eq!(visited, 1, "only the pool granted lately");
+    // A day on, nothing is left to check: the round visits nothing.
+    let visited = publish_ledger_gauges(
+        &ledger,
+        &kv,
+        &pools,
+        &mut CheckRotation::default(),
+        now_ms + 86_400_000,
+    )
+    .await
+    .expect("round");
+    assert_eq!(visited, 0, "an idle system costs a round nothing");
+}
