@@ -260,7 +260,7 @@ pub const WINDOW_GAUGE_SETTLE_MS: u64 = 5_000;
 
 /// Publishes the ledger's view as gauges: the rollout's current bundle version, and for each pool
 /// this round visits (`rotation`'s next, out of the pools of `pools` with windows to check or
-/// publish: [`active_pools`]) the admitted tokens and the bound of its latest settled window.
+/// publish: `active_pools`) the admitted tokens and the bound of its latest settled window.
 /// Returns how many pools it visited. On the way, checks every window that settled against its
 /// bound (the ledger's `bound_checks`), again on each visit for [`BOUND_RECHECK_MS`] after it ended
 /// (and over the gap between visits), counting windows checked and violations.
