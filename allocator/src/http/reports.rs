@@ -36,12 +36,7 @@ pub async fn post_report(
     let credential = authorize(&state, &headers, Needs::Agent)?;
     let report: Report = parse_json(&headers, &body)?;
     check_region(&credential, &report.region)?;
-    let mut results = record(&state, &[&report]).await?;
-    // One result per report.
-    let receipt = results
-        .pop()
-        .unwrap_or(Ok(ReportReceipt { duplicate: true }))
-        .map_err(|invalid| ApiError::from(LedgerError::Invalid(invalid)))?;
+    let receipt = crate::ledger::reports::only_result(record(&state, &[&report]).await?)?;
     Ok(json_response(StatusCode::OK, &receipt))
 }
 

@@ -160,12 +160,7 @@ impl Ledger {
         let results = self
             .record_reports_known(&[report], &known, received_at_ms)
             .await?;
-        // One result per report.
-        results
-            .into_iter()
-            .next()
-            .unwrap_or(Ok(ReportReceipt { duplicate: true }))
-            .map_err(LedgerError::Invalid)
+        only_result(results)
     }
 
     /// The ledger's grants of every lease `reports` name, read once: what checks them, and which of
@@ -303,6 +298,21 @@ impl Ledger {
             sqlx::query_as_with(&sql, values).fetch_all(db).await?
         });
         Ok(rows.iter().map(|row| u64_of(row.amount)).sum())
+    }
+}
+
+/// The result of a call to [`Ledger::record_reports_known`] with one report: there is one result
+/// per report, so its absence is the ledger's failure, never a receipt.
+pub fn only_result(
+    results: Vec<Result<ReportReceipt, FieldError>>,
+) -> Result<ReportReceipt, LedgerError> {
+    debug_assert_eq!(results.len(), 1, "one result per report");
+    match results.into_iter().next() {
+        Some(result) => result.map_err(LedgerError::Invalid),
+        None => Err(LedgerError::Invalid(FieldError::new(
+            "reportId",
+            "the report was not applied",
+        ))),
     }
 }
 
