@@ -44,6 +44,7 @@ impl Agent {
         for batch in batches(round.owed) {
             if self.report_batch_route.is_missing(self.clock.now_ms()) {
                 self.send_one_by_one(allocator, &batch).await;
+                self.advance_report_cursor(round.start, &batch);
                 continue;
             }
             let call = ReportBatch {
@@ -79,14 +80,19 @@ impl Agent {
                     return;
                 }
             }
-            // The next round starts after the pools this call carried, should this one stop here.
-            if let Some(last) = batch.last() {
-                self.report_cursor
-                    .store(round.start + last.pools_visited, Ordering::Relaxed);
-            }
+            self.advance_report_cursor(round.start, &batch);
         }
         self.report_cursor
             .store(round.start + round.pools, Ordering::Relaxed);
+    }
+
+    /// The next round starts after the pools `batch` carried (of a round that started at
+    /// `round_start`), should this round stop here.
+    fn advance_report_cursor(&self, round_start: usize, batch: &[Owed]) {
+        if let Some(last) = batch.last() {
+            self.report_cursor
+                .store(round_start + last.pools_visited, Ordering::Relaxed);
+        }
     }
 
     /// What every pool owes, starting where the last round stopped: a round cut short by its
