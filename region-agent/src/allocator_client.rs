@@ -301,24 +301,12 @@ impl AllocatorClient {
                 Some(&to_json(batch)?),
             )
             .await?;
-        match answer {
-            Some(answer) if answer.results.len() == batch.grants.len() => {
-                Ok(answer.results.into_iter().map(grant_outcome).collect())
-            }
-            Some(answer) => Err(ClientError::Refused {
-                status: 200,
-                detail: format!(
-                    "{} results for {} grants",
-                    answer.results.len(),
-                    batch.grants.len()
-                ),
-            }),
-            // `call` reads a 404 as nothing: this allocator has no batch route.
-            None => Err(ClientError::Refused {
-                status: 404,
-                detail: "no POST /v1/grants/batch at this allocator".to_owned(),
-            }),
-        }
+        let results = one_per_entry(
+            "/v1/grants/batch",
+            answer.map(|answer| answer.results),
+            batch.grants.len(),
+        )?;
+        Ok(results.into_iter().map(grant_outcome).collect())
     }
 
     /// Starts this run's session (idempotent for one incarnation): how the agent's previous run
@@ -364,7 +352,6 @@ impl AllocatorClient {
         &self,
         batch: &ReportBatch,
     ) -> Result<Vec<ReportResult>, ClientError> {
-        let reports = &batch.reports;
         let answer: Option<ReportBatchAnswer> = self
             .call(
                 reqwest::Method::POST,
@@ -372,22 +359,11 @@ impl AllocatorClient {
                 Some(&to_json(batch)?),
             )
             .await?;
-        match answer {
-            Some(answer) if answer.results.len() == reports.len() => Ok(answer.results),
-            Some(answer) => Err(ClientError::Refused {
-                status: 200,
-                detail: format!(
-                    "{} results for {} reports",
-                    answer.results.len(),
-                    reports.len()
-                ),
-            }),
-            // `call` reads a 404 as nothing: this allocator has no batch route.
-            None => Err(ClientError::Refused {
-                status: 404,
-                detail: "no POST /v1/reports/batch at this allocator".to_owned(),
-            }),
-        }
+        one_per_entry(
+            "/v1/reports/batch",
+            answer.map(|answer| answer.results),
+            batch.reports.len(),
+        )
     }
 
     /// The bundle this region should run, verified; `None` when nothing is published.
@@ -454,6 +430,26 @@ impl AllocatorClient {
         )
         .await
         .map(|_| ())
+    }
+}
+
+/// A batch route's results, one per entry sent (`sent`): `None` is the 404 of an allocator without
+/// the route (`call` reads a 404 as nothing), and a count that does not match is a refusal.
+fn one_per_entry<R>(
+    path: &str,
+    results: Option<Vec<R>>,
+    sent: usize,
+) -> Result<Vec<R>, ClientError> {
+    match results {
+        Some(results) if results.len() == sent => Ok(results),
+        Some(results) => Err(ClientError::Refused {
+            status: 200,
+            detail: format!("{} results for {sent} entries from {path}", results.len()),
+        }),
+        None => Err(ClientError::Refused {
+            status: 404,
+            detail: format!("no POST {path} at this allocator"),
+        }),
     }
 }
 
