@@ -10,13 +10,11 @@
 
 mod common;
 
-use allot_allocator::clock::Stopwatch;
 use allot_shared::ids::LeaseId;
 use allot_shared::wire::MAX_GRANTS_PER_BATCH;
-use allot_testkit::threads_cpu_seconds;
 use serde_json::{Value, json};
 
-use common::{AGENT, ALLOCATOR_THREADS, OPERATOR, ROUNDS, serve, tenant};
+use common::{AGENT, OPERATOR, ROUNDS, alternate, measured, print_shapes, serve, tenant};
 
 /// Tokens each renewal asks for (the pools' chunk).
 const WANT_TOKENS: u64 = 100;
@@ -36,47 +34,44 @@ async fn round(
     batched: bool,
 ) -> (f64, f64) {
     let asks: Vec<Value> = (0..pools).map(|pool| ask(number, pool)).collect();
-    let cpu_before = threads_cpu_seconds(&ALLOCATOR_THREADS);
-    let stopwatch = Stopwatch::start();
-    if batched {
-        for batch in asks.chunks(MAX_GRANTS_PER_BATCH) {
-            let answer: Value = client
-                .post(format!("{base}/v1/grants/batch"))
-                .bearer_auth(AGENT)
-                .json(&json!({ "grants": batch }))
-                .send()
-                .await
-                .expect("batch")
-                .json()
-                .await
-                .expect("json");
-            let granted = answer["results"]
-                .as_array()
-                .expect("results")
-                .iter()
-                .filter(|result| result["grant"]["granted"] == WANT_TOKENS)
-                .count();
-            assert_eq!(granted, batch.len(), "{answer}");
+    measured(async {
+        if batched {
+            for batch in asks.chunks(MAX_GRANTS_PER_BATCH) {
+                let answer: Value = client
+                    .post(format!("{base}/v1/grants/batch"))
+                    .bearer_auth(AGENT)
+                    .json(&json!({ "grants": batch }))
+                    .send()
+                    .await
+                    .expect("batch")
+                    .json()
+                    .await
+                    .expect("json");
+                let granted = answer["results"]
+                    .as_array()
+                    .expect("results")
+                    .iter()
+                    .filter(|result| result["grant"]["granted"] == WANT_TOKENS)
+                    .count();
+                assert_eq!(granted, batch.len(), "{answer}");
+            }
+        } else {
+            for ask in &asks {
+                let answer: Value = client
+                    .post(format!("{base}/v1/grants"))
+                    .bearer_auth(AGENT)
+                    .json(ask)
+                    .send()
+                    .await
+                    .expect("grant")
+                    .json()
+                    .await
+                    .expect("json");
+                assert_eq!(answer["granted"], WANT_TOKENS, "{answer}");
+            }
         }
-    } else {
-        for ask in &asks {
-            let answer: Value = client
-                .post(format!("{base}/v1/grants"))
-                .bearer_auth(AGENT)
-                .json(ask)
-                .send()
-                .await
-                .expect("grant")
-                .json()
-                .await
-                .expect("json");
-            assert_eq!(answer["granted"], WANT_TOKENS, "{answer}");
-        }
-    }
-    (
-        threads_cpu_seconds(&ALLOCATOR_THREADS) - cpu_before,
-        stopwatch.elapsed().as_secs_f64(),
-    )
+    })
+    .await
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -88,15 +83,7 @@ async fn main() {
     let (base, client, _stop) = serve(pools).await;
     // Every pool's worker warm, as in an agent's steady state.
     round(&base, &client, pools, 0, true).await;
-    let mut totals = [(0.0f64, 0.0f64); 2];
-    for number in 1..=2 * ROUNDS {
-        // A/B/A/B: one by one on odd rounds, batched on even ones.
-        let batched = number % 2 == 0;
-        let (cpu_s, wall_s) = round(&base, &client, pools, number, batched).await;
-        let shape = &mut totals[usize::from(batched)];
-        shape.0 += cpu_s;
-        shape.1 += wall_s;
-    }
+    let totals = alternate(|number, batched| round(&base, &client, pools, number, batched)).await;
     // Every round was granted: the first pool's window shows each renewal.
     let answer: Value = client
         .get(format!("{base}/v1/pools/{}/api", tenant(0)))
@@ -114,24 +101,12 @@ async fn main() {
         "{answer}"
     );
 
-    let grants = (pools * ROUNDS) as f64;
-    let per_grant = |(cpu_s, wall_s): (f64, f64)| (cpu_s / grants * 1e6, grants / wall_s);
-    let (one_cpu_us, one_rate) = per_grant(totals[0]);
-    let (batch_cpu_us, batch_rate) = per_grant(totals[1]);
-    println!(
-        "{:<28} {:>7} {:>14} {:>12} {:>15}",
-        "shape", "pools", "CPU us/grant", "grants/s", "x one by one"
+    print_shapes(
+        "renewals",
+        "grant",
+        "one call per renewal (ceiling)",
+        pools,
+        (pools * ROUNDS) as f64,
+        totals,
     );
-    for (shape, cpu_us, rate) in [
-        ("one call per renewal (ceiling)", one_cpu_us, one_rate),
-        ("a round in batch calls", batch_cpu_us, batch_rate),
-    ] {
-        let ratio = cpu_us / one_cpu_us;
-        println!("{shape:<28} {pools:>7} {cpu_us:>14.1} {rate:>12.0} {ratio:>15.3}");
-        println!(
-            "{}",
-            json!({ "bench": "renewals", "shape": shape, "pools": pools, "cpuMicrosPerGrant": cpu_us,
-                    "grantsPerSecond": rate, "ratioToOneByOne": ratio })
-        );
-    }
 }

@@ -9,13 +9,11 @@
 
 mod common;
 
-use allot_allocator::clock::Stopwatch;
 use allot_shared::ids::{LeaseId, TenantId};
 use allot_shared::wire::MAX_REPORTS_PER_BATCH;
-use allot_testkit::threads_cpu_seconds;
 use serde_json::{Value, json};
 
-use common::{AGENT, ALLOCATOR_THREADS, OPERATOR, ROUNDS, serve, tenant};
+use common::{AGENT, OPERATOR, ROUNDS, alternate, measured, print_shapes, serve, tenant};
 
 /// One lease per pool, granted: (tenant, lease, window start).
 async fn grant_each(
@@ -67,49 +65,46 @@ async fn round(
         .iter()
         .map(|(tenant, lease, start)| report(number, tenant, *lease, *start, number as u64))
         .collect();
-    let cpu_before = threads_cpu_seconds(&ALLOCATOR_THREADS);
-    let stopwatch = Stopwatch::start();
-    if batched {
-        for batch in reports.chunks(MAX_REPORTS_PER_BATCH) {
-            let answer: Value = client
-                .post(format!("{base}/v1/reports/batch"))
-                .bearer_auth(AGENT)
-                .json(&json!({ "reports": batch }))
-                .send()
-                .await
-                .expect("batch")
-                .json()
-                .await
-                .expect("json");
-            let taken = answer["results"]
-                .as_array()
-                .expect("results")
-                .iter()
-                .filter(|result| result["receipt"]["duplicate"] == false)
-                .count();
-            assert_eq!(taken, batch.len(), "{answer}");
+    measured(async {
+        if batched {
+            for batch in reports.chunks(MAX_REPORTS_PER_BATCH) {
+                let answer: Value = client
+                    .post(format!("{base}/v1/reports/batch"))
+                    .bearer_auth(AGENT)
+                    .json(&json!({ "reports": batch }))
+                    .send()
+                    .await
+                    .expect("batch")
+                    .json()
+                    .await
+                    .expect("json");
+                let taken = answer["results"]
+                    .as_array()
+                    .expect("results")
+                    .iter()
+                    .filter(|result| result["receipt"]["duplicate"] == false)
+                    .count();
+                assert_eq!(taken, batch.len(), "{answer}");
+            }
+        } else {
+            for report in &reports {
+                let answer = client
+                    .post(format!("{base}/v1/reports"))
+                    .bearer_auth(AGENT)
+                    .json(report)
+                    .send()
+                    .await
+                    .expect("report");
+                let status = answer.status();
+                assert!(
+                    status.is_success(),
+                    "{status}: {}",
+                    answer.text().await.unwrap_or_default()
+                );
+            }
         }
-    } else {
-        for report in &reports {
-            let answer = client
-                .post(format!("{base}/v1/reports"))
-                .bearer_auth(AGENT)
-                .json(report)
-                .send()
-                .await
-                .expect("report");
-            let status = answer.status();
-            assert!(
-                status.is_success(),
-                "{status}: {}",
-                answer.text().await.unwrap_or_default()
-            );
-        }
-    }
-    (
-        threads_cpu_seconds(&ALLOCATOR_THREADS) - cpu_before,
-        stopwatch.elapsed().as_secs_f64(),
-    )
+    })
+    .await
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -120,15 +115,7 @@ async fn main() {
         .unwrap_or(1_000);
     let (base, client, _stop) = serve(pools).await;
     let leases = grant_each(&base, &client, pools).await;
-    let mut totals = [(0.0f64, 0.0f64); 2];
-    for number in 1..=2 * ROUNDS {
-        // A/B/A/B: one by one on odd rounds, batched on even ones.
-        let batched = number % 2 == 0;
-        let (cpu_s, wall_s) = round(&base, &client, &leases, number, batched).await;
-        let shape = &mut totals[usize::from(batched)];
-        shape.0 += cpu_s;
-        shape.1 += wall_s;
-    }
+    let totals = alternate(|number, batched| round(&base, &client, &leases, number, batched)).await;
     // Every round reached the ledger: the last (a batch) is what a pool's window shows.
     let (status, windows) = {
         let answer = client
@@ -146,24 +133,12 @@ async fn main() {
         "{windows}"
     );
 
-    let reports = (pools * ROUNDS) as f64;
-    let per_report = |(cpu_s, wall_s): (f64, f64)| (cpu_s / reports * 1e6, reports / wall_s);
-    let (one_cpu_us, one_rate) = per_report(totals[0]);
-    let (batch_cpu_us, batch_rate) = per_report(totals[1]);
-    println!(
-        "{:<28} {:>7} {:>14} {:>12} {:>15}",
-        "shape", "pools", "CPU us/report", "reports/s", "x one by one"
+    print_shapes(
+        "reports",
+        "report",
+        "one call per report (ceiling)",
+        pools,
+        (pools * ROUNDS) as f64,
+        totals,
     );
-    for (shape, cpu_us, rate) in [
-        ("one call per report (ceiling)", one_cpu_us, one_rate),
-        ("a round in batch calls", batch_cpu_us, batch_rate),
-    ] {
-        let ratio = cpu_us / one_cpu_us;
-        println!("{shape:<28} {pools:>7} {cpu_us:>14.1} {rate:>12.0} {ratio:>15.3}");
-        println!(
-            "{}",
-            json!({ "bench": "reports", "shape": shape, "pools": pools, "cpuMicrosPerReport": cpu_us,
-                    "reportsPerSecond": rate, "ratioToOneByOne": ratio })
-        );
-    }
 }

@@ -108,3 +108,71 @@ async fn run_allocator(
 pub fn tenant(n: usize) -> TenantId {
     TenantId::parse(&format!("tenant-{n:05}")).expect("tenant")
 }
+
+/// Runs `round(number, batched)` for rounds 1 to `2 * ROUNDS`, alternated A/B/A/B (one by one on
+/// odd rounds, batched on even ones) so a drift of the machine touches both shapes; each round
+/// answers (CPU seconds, wall seconds). The totals: `[one by one, batched]`.
+pub async fn alternate<F, R>(mut round: F) -> [(f64, f64); 2]
+where
+    F: FnMut(usize, bool) -> R,
+    R: std::future::Future<Output = (f64, f64)>,
+{
+    let mut totals = [(0.0f64, 0.0f64); 2];
+    for number in 1..=2 * ROUNDS {
+        let batched = number % 2 == 0;
+        let (cpu_s, wall_s) = round(number, batched).await;
+        let shape = &mut totals[usize::from(batched)];
+        shape.0 += cpu_s;
+        shape.1 += wall_s;
+    }
+    totals
+}
+
+/// Runs `work` and answers the allocator's CPU seconds and the wall seconds it took.
+pub async fn measured(work: impl std::future::Future<Output = ()>) -> (f64, f64) {
+    let cpu_before = allot_testkit::threads_cpu_seconds(&ALLOCATOR_THREADS);
+    let stopwatch = allot_allocator::clock::Stopwatch::start();
+    work.await;
+    (
+        allot_testkit::threads_cpu_seconds(&ALLOCATOR_THREADS) - cpu_before,
+        stopwatch.elapsed().as_secs_f64(),
+    )
+}
+
+/// Prints the two shapes' figures per unit of work (`unit`: "report", "grant"), `units` of it per
+/// shape, beside the one-by-one ceiling (named `ceiling`): a table, and a JSON object per shape.
+pub fn print_shapes(
+    bench: &str,
+    unit: &str,
+    ceiling: &str,
+    pools: usize,
+    units: f64,
+    totals: [(f64, f64); 2],
+) {
+    let per_unit = |(cpu_s, wall_s): (f64, f64)| (cpu_s / units * 1e6, units / wall_s);
+    let (one_cpu_us, _) = per_unit(totals[0]);
+    println!(
+        "{:<30} {:>7} {:>14} {:>12} {:>15}",
+        "shape",
+        "pools",
+        format!("CPU us/{unit}"),
+        format!("{unit}s/s"),
+        "x one by one"
+    );
+    let capitalised: String = unit
+        .chars()
+        .take(1)
+        .flat_map(char::to_uppercase)
+        .chain(unit.chars().skip(1))
+        .collect();
+    for (shape, total) in [(ceiling, totals[0]), ("a round in batch calls", totals[1])] {
+        let (cpu_us, rate) = per_unit(total);
+        let ratio = cpu_us / one_cpu_us;
+        println!("{shape:<30} {pools:>7} {cpu_us:>14.1} {rate:>12.0} {ratio:>15.3}");
+        let mut line = serde_json::json!({ "bench": bench, "shape": shape, "pools": pools,
+                                           "ratioToOneByOne": ratio });
+        line[format!("cpuMicrosPer{capitalised}")] = cpu_us.into();
+        line[format!("{unit}sPerSecond")] = rate.into();
+        println!("{line}");
+    }
+}
