@@ -176,6 +176,7 @@ async fn day(ledger: &Ledger, pools: &[(TenantId, PoolId)], day: u64, retention:
                     lease_id: *lease_id,
                     spent_tokens: 800,
                     final_report: true,
+                    unspent_tokens: 0,
                 }],
                 fallback_admitted_tokens: 0,
                 shadow_admitted_tokens: 0,

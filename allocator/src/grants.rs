@@ -25,9 +25,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
-use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig, PoolWindowState, grant};
+use allot_shared::lease::{
+    GrantRequest, LeaseClamping, PoolConfig, PoolWindowState, returnable_tokens,
+};
 use allot_shared::wire::GrantAnswer;
 use tokio::sync::{mpsc, oneshot, watch};
+
+mod plan;
+mod returns;
+
+pub use plan::{BatchPlan, plan_batch};
+pub use returns::LeaseReturn;
+use returns::{PendingReturn, RecordedReturn};
 
 use crate::clock::Clock;
 use crate::kv::{Compare, Kv, KvError, Op};
@@ -35,7 +44,7 @@ use crate::leader::{LeaderRecord, Leadership, Role, current_leader};
 use crate::ledger_sync::{CommittedGrants, LEDGER_RECONCILE_INTERVAL};
 use crate::pools::{
     GrantRecord, PoolAndWindow, PoolStoreError, StoredWindow, encode_record, get_grant,
-    get_pools_and_windows, grant_key, window_key,
+    get_pools_and_windows, grant_key, return_key, window_key,
 };
 
 /// Most grants of one pool committed in one transaction. With the window put and three guards a
@@ -96,6 +105,12 @@ type Reply = oneshot::Sender<Result<GrantRecord, GrantFailure>>;
 struct Pending {
     request: GrantRequest,
     reply: Reply,
+}
+
+/// What a pool's worker is asked to do.
+enum Job {
+    Grant(Pending),
+    Return(PendingReturn),
 }
 
 type PoolKey = (TenantId, PoolId);
@@ -381,24 +396,28 @@ impl Grantor {
             ));
         }
         let (reply, answer) = oneshot::channel();
-        let mut pending = Pending { request, reply };
-        let key = (tenant.clone(), pool.clone());
-        // A worker that exited while idle is replaced once.
+        self.enqueue(
+            (tenant.clone(), pool.clone()),
+            Job::Grant(Pending { request, reply }),
+        )?;
+        match tokio::time::timeout(GRANT_DEADLINE, answer).await {
+            Ok(Ok(result)) => result,
+            _ => Err(GrantFailure::Unavailable(
+                "no answer from the pool worker in time".to_owned(),
+            )),
+        }
+    }
+
+    /// Queues `job` on its pool's worker; a worker that exited while idle is replaced once.
+    fn enqueue(&self, key: PoolKey, mut job: Job) -> Result<(), GrantFailure> {
         for _ in 0..2 {
             let sender = self.worker(&key);
-            match sender.try_send(pending) {
-                Ok(()) => {
-                    return match tokio::time::timeout(GRANT_DEADLINE, answer).await {
-                        Ok(Ok(result)) => result,
-                        _ => Err(GrantFailure::Unavailable(
-                            "no answer from the pool worker in time".to_owned(),
-                        )),
-                    };
-                }
+            match sender.try_send(job) {
+                Ok(()) => return Ok(()),
                 Err(mpsc::error::TrySendError::Full(_)) => return Err(GrantFailure::Overloaded),
                 Err(mpsc::error::TrySendError::Closed(returned)) => {
                     self.lock_workers().live.remove(&key);
-                    pending = returned;
+                    job = returned;
                 }
             }
         }
@@ -414,7 +433,7 @@ impl Grantor {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn worker(&self, key: &PoolKey) -> mpsc::Sender<Pending> {
+    fn worker(&self, key: &PoolKey) -> mpsc::Sender<Job> {
         let mut workers = self.lock_workers();
         if let Some(sender) = workers.live.get(key).filter(|s| !s.is_closed()) {
             return sender.clone();
@@ -428,6 +447,7 @@ impl Grantor {
             pool: key.1.clone(),
             cache: None,
             recent: HashMap::new(),
+            recent_returns: HashMap::new(),
         };
         tokio::spawn(worker.run(receiver));
         sender
@@ -437,7 +457,7 @@ impl Grantor {
 /// The pool workers, by pool.
 #[derive(Default)]
 struct Workers {
-    live: HashMap<PoolKey, mpsc::Sender<Pending>>,
+    live: HashMap<PoolKey, mpsc::Sender<Job>>,
     /// The map's size at which exited workers are next swept out.
     sweep_at_len: usize,
 }
@@ -473,6 +493,8 @@ struct PoolWorker {
     pool: PoolId,
     cache: Option<Cached>,
     recent: HashMap<LeaseId, GrantRecord>,
+    /// Tokens taken back per lease recently, for answering a repeated return without the store.
+    recent_returns: HashMap<LeaseId, u64>,
 }
 
 enum Attempt {
@@ -481,7 +503,7 @@ enum Attempt {
 }
 
 impl PoolWorker {
-    async fn run(mut self, mut receiver: mpsc::Receiver<Pending>) {
+    async fn run(mut self, mut receiver: mpsc::Receiver<Job>) {
         loop {
             let first = match tokio::time::timeout(WORKER_IDLE, receiver.recv()).await {
                 Ok(Some(first)) => first,
@@ -494,7 +516,7 @@ impl PoolWorker {
                         let mut late = Vec::new();
                         while late.len() < self.shared.max_batch {
                             match receiver.try_recv() {
-                                Ok(pending) => late.push(pending),
+                                Ok(job) => late.push(job),
                                 Err(_) => break,
                             }
                         }
@@ -505,14 +527,14 @@ impl PoolWorker {
                     }
                 }
             };
-            let mut batch = vec![first];
-            while batch.len() < self.shared.max_batch {
+            let mut jobs = vec![first];
+            while jobs.len() < self.shared.max_batch {
                 match receiver.try_recv() {
-                    Ok(next) => batch.push(next),
+                    Ok(next) => jobs.push(next),
                     Err(_) => break,
                 }
             }
-            self.process(batch).await;
+            self.process(jobs).await;
         }
     }
 
@@ -523,11 +545,22 @@ impl PoolWorker {
         }
     }
 
-    async fn process(&mut self, mut batch: Vec<Pending>) {
+    /// Decides and commits one batch of jobs: the returns first (their tokens can be granted at
+    /// once), then the grants, in one transaction.
+    async fn process(&mut self, jobs: Vec<Job>) {
+        let mut batch = Vec::new();
+        let mut returns = Vec::new();
+        for job in jobs {
+            match job {
+                Job::Grant(pending) => batch.push(pending),
+                Job::Return(pending) => returns.push(pending),
+            }
+        }
+        let mut returns = self.with_records(returns).await;
         for _ in 0..MAX_TXN_ATTEMPTS {
             let Some(leadership) = self.leadership() else {
                 let leader = current_leader(&*self.shared.kv).await.ok().flatten();
-                return reply_all(batch, Err(GrantFailure::NotLeader(leader)));
+                return fail_all(batch, returns, GrantFailure::NotLeader(leader));
             };
             if self
                 .cache
@@ -536,34 +569,35 @@ impl PoolWorker {
             {
                 match self.load(leadership).await {
                     Ok(true) => {}
-                    Ok(false) => return reply_all(batch, Err(GrantFailure::UnknownPool)),
-                    Err(failure) => return reply_all(batch, Err(failure)),
+                    Ok(false) => return fail_all(batch, returns, GrantFailure::UnknownPool),
+                    Err(failure) => return fail_all(batch, returns, failure),
                 }
             }
             batch = self.answer_known(batch);
-            if batch.is_empty() {
+            returns = self.answer_known_returns(returns);
+            if batch.is_empty() && returns.is_empty() {
                 return;
             }
-            match self.attempt(leadership, &mut batch).await {
+            match self.attempt(leadership, &mut batch, &mut returns).await {
                 Attempt::Done => return,
                 Attempt::Retry => {
                     self.cache = None;
                     // A broken fence means another node leads now: stop, and say who.
                     if let Some(leader) = self.deposed(leadership).await {
-                        return reply_all(batch, Err(GrantFailure::NotLeader(leader)));
+                        return fail_all(batch, returns, GrantFailure::NotLeader(leader));
                     }
                     batch = self.answer_from_store(batch).await;
-                    if batch.is_empty() {
+                    returns = self.returns_from_store(returns).await;
+                    if batch.is_empty() && returns.is_empty() {
                         return;
                     }
                 }
             }
         }
-        reply_all(
+        fail_all(
             batch,
-            Err(GrantFailure::Unavailable(
-                "could not commit the grants; retry with the same lease id".to_owned(),
-            )),
+            returns,
+            GrantFailure::Unavailable("could not commit; retry with the same lease id".to_owned()),
         );
     }
 
@@ -648,12 +682,18 @@ impl PoolWorker {
 
     /// Decides the batch and commits it in one transaction.
     ///
-    /// Long by design: its order is the grant's safety: the plan is made on the cached revisions,
-    /// committed only if the fence and those revisions still hold, the cache moved only on success,
-    /// and the answers sent only after the commit (or after the fence is checked again when nothing
-    /// was committed); split, a piece could be called out of that order, and a retry's early
-    /// returns would be spread over several functions.
-    async fn attempt(&mut self, leadership: Leadership, batch: &mut Vec<Pending>) -> Attempt {
+    /// Long by design: its order is the grant's safety: the returns taken back and the grants
+    /// planned on the cached revisions, committed only if the fence, those revisions and the
+    /// absence of each return's mark still hold, the cache moved only on success, and the answers
+    /// sent only after the commit (or after the fence is checked again when nothing was
+    /// committed); split, a piece could be called out of that order, and a retry's early returns
+    /// would be spread over several functions.
+    async fn attempt(
+        &mut self,
+        leadership: Leadership,
+        batch: &mut Vec<Pending>,
+        returns: &mut Vec<RecordedReturn>,
+    ) -> Attempt {
         let Some(cache) = self.cache.as_ref() else {
             return Attempt::Retry;
         };
@@ -665,16 +705,34 @@ impl PoolWorker {
             &cache.overrides,
             now_ms,
         ));
+        // Returns first: what they give back can be granted in this very batch.
+        let mut window_after_returns = cache.window.clone();
+        let taken_back: Vec<u64> = returns
+            .iter()
+            .map(|recorded| {
+                let lease = &recorded.pending.lease;
+                let returnable = returnable_tokens(
+                    recorded.granted_tokens,
+                    lease.spent_tokens,
+                    lease.unspent_tokens,
+                );
+                window_after_returns
+                    .as_mut()
+                    .map_or(0, |window| window.take_back(recorded.window, returnable))
+            })
+            .collect();
         let plan = plan_batch(
             &config,
-            cache.window.as_ref(),
+            window_after_returns.as_ref(),
             leadership.epoch,
             now_ms,
             self.shared.clamping,
             batch.iter().map(|p| &p.request),
         );
         let (pool_revision, window_revision) = (cache.pool_revision, cache.window_revision);
-        if let (false, Some(window_state)) = (plan.new_records.is_empty(), plan.window.as_ref()) {
+        let any_taken_back = taken_back.iter().any(|&taken| taken > 0);
+        let commits = !plan.new_records.is_empty() || any_taken_back;
+        if let (true, Some(window_state)) = (commits, plan.window.as_ref()) {
             let record_lease = match self.record_lease(window_state, now_ms).await {
                 Ok(lease) => lease,
                 Err(_) => return Attempt::Retry,
@@ -708,6 +766,22 @@ impl PoolWorker {
                     lease: Some(record_lease),
                 });
             }
+            // A lease's tokens are taken back once: its mark must be absent, whoever leads.
+            for (recorded, &taken) in returns.iter().zip(&taken_back) {
+                if taken == 0 {
+                    continue;
+                }
+                let key = return_key(&self.tenant, &self.pool, &recorded.pending.lease.lease_id);
+                compares.push(Compare::ModRevision {
+                    key: key.clone(),
+                    revision: 0,
+                });
+                ops.push(Op::Put {
+                    key,
+                    value: encode_record(&taken),
+                    lease: Some(record_lease),
+                });
+            }
             match self.shared.commit(compares, ops).await {
                 Ok(outcome) if outcome.succeeded => {
                     metrics::histogram!(crate::metrics::GRANT_BATCH)
@@ -720,7 +794,8 @@ impl PoolWorker {
                     let limit_in_force_tokens = config.limit_tokens();
                     if let Some(cache) = self.cache.as_mut() {
                         debug_assert!(
-                            granted == 0 || window_state.granted_tokens() <= limit_in_force_tokens,
+                            granted == 0
+                                || window_state.outstanding_tokens() <= limit_in_force_tokens,
                             "committed grants never exceed the limit in force"
                         );
                         cache.window = plan.window.clone();
@@ -740,14 +815,16 @@ impl PoolWorker {
                 }
             }
         }
-        if plan.new_records.is_empty()
-            && let Some(leader) = self.deposed(leadership).await
-        {
+        if !commits && let Some(leader) = self.deposed(leadership).await {
             // Nothing to commit, so no transaction met the fence: the answers (refusals, or
             // repeats of records this worker remembers) came from a cache a deposed leader may no
             // longer own. A deposed leader says who leads instead.
             self.cache = None;
-            reply_all(std::mem::take(batch), Err(GrantFailure::NotLeader(leader)));
+            fail_all(
+                std::mem::take(batch),
+                std::mem::take(returns),
+                GrantFailure::NotLeader(leader),
+            );
             return Attempt::Done;
         }
         for record in &plan.new_records {
@@ -767,6 +844,20 @@ impl PoolWorker {
         }
         for (pending, answer) in batch.drain(..).zip(plan.answers) {
             let _ = pending.reply.send(answer);
+        }
+        for (recorded, taken) in returns.drain(..).zip(taken_back) {
+            if taken > 0 {
+                self.remember_return(recorded.pending.lease.lease_id, taken);
+                let _ = recorded.pending.reply.send(Ok(taken));
+            } else {
+                // Nothing to take back now (the lease's window is over): unless an earlier
+                // attempt or leader took it back, which its mark says.
+                let stored = self.stored_return(recorded.pending.lease.lease_id).await;
+                let _ = recorded
+                    .pending
+                    .reply
+                    .send(stored.map(|taken| taken.unwrap_or(0)));
+            }
         }
         Attempt::Done
     }
@@ -830,64 +921,12 @@ fn reply_all(batch: Vec<Pending>, result: Result<GrantRecord, GrantFailure>) {
     }
 }
 
-/// The decisions for one batch, before commit.
-#[derive(Debug)]
-pub struct BatchPlan {
-    /// One answer per request, in order.
-    pub answers: Vec<Result<GrantRecord, GrantFailure>>,
-    /// The grant records to create (granted > 0, one per distinct lease id).
-    pub new_records: Vec<GrantRecord>,
-    /// The window after the batch.
-    pub window: Option<PoolWindowState>,
-}
-
-/// Decides a batch in order, as one leader would one request at a time. A lease id repeated inside the
-/// batch gets the first occurrence's answer and is granted once. Pure: the commit is the caller's.
-pub fn plan_batch<'a>(
-    config: &PoolConfig,
-    window: Option<&PoolWindowState>,
-    epoch: allot_shared::ids::Epoch,
-    now_ms: u64,
-    clamping: LeaseClamping,
-    requests: impl Iterator<Item = &'a GrantRequest>,
-) -> BatchPlan {
-    let mut window = window.cloned();
-    let mut answers = Vec::new();
-    let mut new_records = Vec::new();
-    let mut first_answer: HashMap<LeaseId, usize> = HashMap::new();
-    for request in requests {
-        if let Some(&first) = first_answer.get(&request.lease_id) {
-            let repeated = answers
-                .get(first)
-                .cloned()
-                .unwrap_or(Err(GrantFailure::Unavailable(
-                    "inconsistent batch".to_owned(),
-                )));
-            answers.push(repeated);
-            continue;
-        }
-        first_answer.insert(request.lease_id, answers.len());
-        let answer = match grant(config, window.as_ref(), epoch, now_ms, request, clamping) {
-            Ok((granted, next)) => {
-                let record = GrantRecord::from(&granted);
-                if record.granted_tokens > 0 {
-                    new_records.push(record.clone());
-                    window = Some(next);
-                }
-                Ok(record)
-            }
-            Err(allot_shared::lease::GrantError::RegionNotInPool(region)) => {
-                Err(GrantFailure::RegionNotInPool(region.to_string()))
-            }
-            Err(allot_shared::lease::GrantError::ZeroWant) => Err(GrantFailure::ZeroWant),
-        };
-        answers.push(answer);
+/// Answers every grant and return of a batch with `failure`.
+fn fail_all(batch: Vec<Pending>, returns: Vec<RecordedReturn>, failure: GrantFailure) {
+    for recorded in returns {
+        let _ = recorded.pending.reply.send(Err(failure.clone()));
     }
-    BatchPlan {
-        answers,
-        new_records,
-        window,
-    }
+    reply_all(batch, Err(failure));
 }
 
 #[cfg(test)]

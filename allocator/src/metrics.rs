@@ -18,6 +18,8 @@ pub const WEBHOOK_PENDING: &str = "allot_webhook_pending_events";
 pub const GRANTS: &str = "allot_grants_total";
 /// Tokens granted.
 pub const TOKENS_GRANTED: &str = "allot_tokens_granted_total";
+/// Tokens taken back from leases that ended unspent (grantable again in their window).
+pub const TOKENS_RETURNED: &str = "allot_tokens_returned_total";
 /// Grant latency, seconds, as seen by the API.
 pub const GRANT_SECONDS: &str = "allot_grant_seconds";
 /// Grants of one pool committed together.
@@ -127,6 +129,7 @@ pub const AT_START: &[AtStart] = &[
         )],
     ),
     AtStart::counter(TOKENS_GRANTED, &[]),
+    AtStart::counter(TOKENS_RETURNED, &[]),
     AtStart::counter(STORE_ERRORS, &[("op", &["grant_txn"])]),
     AtStart::gauge(LEADER_EPOCH, &[]),
     AtStart::gauge(IS_LEADER, &[]),

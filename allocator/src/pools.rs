@@ -43,6 +43,15 @@ pub fn grant_key(tenant: &TenantId, pool: &PoolId, lease: &LeaseId) -> String {
     format!("{}{lease}", grant_prefix(tenant, pool))
 }
 
+/// Where the marks of leases whose unspent tokens were given back live in the store.
+const RETURNS_PREFIX: &str = "/allot/returns/";
+
+/// Key of the mark that a lease's unspent tokens were given back (its value: how many): written
+/// once, guarded by its absence, so a lease's tokens are taken back at most once.
+pub fn return_key(tenant: &TenantId, pool: &PoolId, lease: &LeaseId) -> String {
+    format!("{RETURNS_PREFIX}{tenant}/{pool}/{lease}")
+}
+
 /// A pool's configuration as operators write it (`PUT /v1/pools/{tenant}/{pool}`), and as it is
 /// stored. One of three types of a pool's terms, each for its own boundary: this is the operator's
 /// document (unknown fields refused, `windowMs` or `window`, defaults for what may be left out),
@@ -186,6 +195,9 @@ pub struct StoredWindow {
     pub window_end_ms: u64,
     /// Tokens granted per region.
     pub granted_by_region: BTreeMap<RegionId, u64>,
+    /// Tokens leases gave back in the window (absent: none, as in windows stored before).
+    #[serde(default, skip_serializing_if = "allot_shared::wire::is_zero")]
+    pub returned_tokens: u64,
 }
 
 impl From<&PoolWindowState> for StoredWindow {
@@ -194,6 +206,7 @@ impl From<&PoolWindowState> for StoredWindow {
             window_start_ms: state.window.start_ms,
             window_end_ms: state.window.end_ms,
             granted_by_region: state.granted_by_region.clone(),
+            returned_tokens: state.returned_tokens,
         }
     }
 }
@@ -206,6 +219,7 @@ impl From<StoredWindow> for PoolWindowState {
                 end_ms: stored.window_end_ms,
             },
             granted_by_region: stored.granted_by_region,
+            returned_tokens: stored.returned_tokens,
         }
     }
 }
@@ -258,6 +272,7 @@ impl GrantRecord {
             issued_at_ms: self.issued_at_ms,
             answered_at_ms: answered_at_ms.max(self.issued_at_ms),
             ungranted_tokens: self.ungranted_tokens,
+            returnable: self.granted_tokens > 0,
         }
     }
 }

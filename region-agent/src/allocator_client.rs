@@ -335,15 +335,15 @@ impl AllocatorClient {
         Ok(ended.is_some_and(|e| e.ended))
     }
 
-    /// Sends a report (idempotent by its id).
-    pub async fn report(&self, report: &Report) -> Result<(), ClientError> {
+    /// Sends a report (idempotent by its id): its receipt (none from an allocator that answers
+    /// without a body).
+    pub async fn report(&self, report: &Report) -> Result<Option<ReportReceipt>, ClientError> {
         self.call::<ReportReceipt>(
             reqwest::Method::POST,
             "/v1/reports",
             Some(&to_json(report)?),
         )
         .await
-        .map(|_| ())
     }
 
     /// `POST /v1/reports/batch`: a round's reports in one call, each taken once per report id; one

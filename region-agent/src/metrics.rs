@@ -60,8 +60,12 @@ pub const FALLBACK_ADMITS: &str = "allot_agent_fallback_admits_total";
 pub const RENEWALS: &str = "allot_agent_renewals_total";
 /// Tokens granted to this agent.
 pub const TOKENS_GRANTED: &str = "allot_agent_tokens_granted_total";
-/// Tokens this agent's leases left unspent, by `tenant` and `pool` (cumulative).
+/// Tokens this agent's leases left unspent, by `tenant` and `pool` (cumulative); the allocator may
+/// have taken some of them back ([`TOKENS_RETURNED`]).
 pub const TOKENS_STRANDED: &str = "allot_agent_tokens_stranded";
+/// Tokens the allocator took back of what this agent's ended leases left unspent (grantable
+/// again in their windows): not stranded after all.
+pub const TOKENS_RETURNED: &str = "allot_agent_tokens_returned_total";
 /// Allocator call latency, seconds, by `call`.
 pub const ALLOCATOR_SECONDS: &str = "allot_agent_allocator_seconds";
 /// Allocator calls that failed, by `call`.
@@ -213,6 +217,7 @@ pub const AT_START: &[AtStart] = &[
         )],
     ),
     AtStart::counter(TOKENS_GRANTED, &[]),
+    AtStart::counter(TOKENS_RETURNED, &[]),
     AtStart::counter(ALLOCATOR_ERRORS, &[("call", &["terms", "grant"])]),
     AtStart::gauge(ALLOCATOR_REACHABLE, &[]),
     AtStart::gauge(POLICY_VERSION, &[]),

@@ -212,15 +212,20 @@ pub enum LeaseClamping {
     Unclamped,
 }
 
-/// A pool's accounting for one window: what each region was granted. What remains is derived from the
-/// limit in force, never stored, so an operator changing the limit mid-window takes effect at once
-/// (a lowered limit below what was already granted leaves nothing, it never goes negative).
+/// A pool's accounting for one window: what each region was granted, and what leases gave back.
+/// What remains is derived from the limit in force, never stored, so an operator changing the
+/// limit mid-window takes effect at once (a lowered limit below what is outstanding leaves
+/// nothing, it never goes negative).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolWindowState {
     /// The window this state belongs to.
     pub window: Window,
     /// Tokens granted in this window, per region.
     pub granted_by_region: BTreeMap<RegionId, u64>,
+    /// Tokens given back in this window ([`PoolWindowState::take_back`]): unspent at the end of
+    /// leases whose holders will never spend them, and so grantable again. At most what was
+    /// granted.
+    pub returned_tokens: u64,
 }
 
 impl PoolWindowState {
@@ -229,20 +234,53 @@ impl PoolWindowState {
         Self {
             window,
             granted_by_region: BTreeMap::new(),
+            returned_tokens: 0,
         }
     }
 
-    /// Tokens granted so far in the window.
+    /// Tokens granted so far in the window (what was given back and granted again counts twice).
     pub fn granted_tokens(&self) -> u64 {
         self.granted_by_region
             .values()
             .fold(0u64, |sum, granted| sum.saturating_add(*granted))
     }
 
-    /// Tokens not yet granted under `config`'s limit.
-    pub fn remaining_tokens(&self, config: &PoolConfig) -> u64 {
-        config.limit_tokens.saturating_sub(self.granted_tokens())
+    /// Tokens granted and not given back: what leases of this window may still spend or have
+    /// spent. Never above the limit in force when they were granted.
+    pub fn outstanding_tokens(&self) -> u64 {
+        self.granted_tokens().saturating_sub(self.returned_tokens)
     }
+
+    /// Tokens not yet granted (or given back) under `config`'s limit.
+    pub fn remaining_tokens(&self, config: &PoolConfig) -> u64 {
+        config
+            .limit_tokens
+            .saturating_sub(self.outstanding_tokens())
+    }
+
+    /// Takes back `tokens` a lease granted in `lease_window` will never spend, so they can be
+    /// granted again: only while this state is that window's (given back later, they are
+    /// stranded). Returns how many were taken back.
+    ///
+    /// The bound holds because what leases of the window may spend stays at most what is
+    /// outstanding: the caller passes no more than [`returnable_tokens`] of a lease whose holder
+    /// has ended it, and takes a lease's tokens back once.
+    pub fn take_back(&mut self, lease_window: Window, tokens: u64) -> u64 {
+        if lease_window != self.window {
+            return 0;
+        }
+        let taken = tokens.min(self.outstanding_tokens());
+        self.returned_tokens += taken;
+        debug_assert!(self.returned_tokens <= self.granted_tokens());
+        taken
+    }
+}
+
+/// What of a lease granted `granted_tokens` can be given back when its holder ends it having spent
+/// `spent_tokens` and says `unspent_tokens` are left that it will never spend: never more than the
+/// grant less the spend, whatever the holder says.
+pub fn returnable_tokens(granted_tokens: u64, spent_tokens: u64, unspent_tokens: u64) -> u64 {
+    unspent_tokens.min(granted_tokens.saturating_sub(spent_tokens))
 }
 
 /// What a region asks for.
@@ -326,7 +364,7 @@ pub fn grant(
             .or_insert(0) += granted_tokens;
     }
     debug_assert!(
-        granted_tokens == 0 || next.granted_tokens() <= config.limit_tokens,
+        granted_tokens == 0 || next.outstanding_tokens() <= config.limit_tokens,
         "a grant never takes a window past its limit"
     );
     let unclamped_expiry_ms = now_ms.saturating_add(config.lease_ttl_ms);

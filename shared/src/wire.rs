@@ -183,6 +183,12 @@ pub struct GrantAnswer {
     /// allocator's view of the pool's remaining quota. Absent from an allocator that does not say.
     #[serde(default, rename = "ungranted", skip_serializing_if = "Option::is_none")]
     pub ungranted_tokens: Option<u64>,
+    /// True when the allocator takes back what the lease leaves unspent: its final report may say
+    /// how many tokens its holder will never spend ([`ReportLease::unspent_tokens`]), and those
+    /// can be granted again in the lease's window. Absent (false) from an allocator that does not,
+    /// which refuses the field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub returnable: bool,
 }
 
 impl GrantAnswer {
@@ -242,9 +248,19 @@ pub struct ReportLease {
     /// Tokens spent from it so far (cumulative; the ledger keeps the largest value reported).
     #[serde(rename = "spent")]
     pub spent_tokens: u64,
-    /// True in the lease's last report (it ended): what is unspent is stranded.
+    /// True in the lease's last report (it ended): what is unspent is stranded, unless given back.
     #[serde(default, rename = "final")]
     pub final_report: bool,
+    /// In a final line of a lease granted `returnable`: tokens of it that its holder left unspent
+    /// and will never spend (none reserved, none held by a gateway), given back to the lease's
+    /// window. The allocator takes back at most the grant less `spent`, once per lease, and only
+    /// while the lease's window is the pool's current one; the rest is stranded.
+    #[serde(
+        default,
+        rename = "unspent",
+        skip_serializing_if = "crate::wire::is_zero"
+    )]
+    pub unspent_tokens: u64,
 }
 
 /// `POST /v1/reports` body: what a region spent and admitted in fallback for one pool and window.
@@ -328,6 +344,14 @@ impl Report {
 pub struct ReportReceipt {
     /// True when this report id had been received before (nothing was applied again).
     pub duplicate: bool,
+    /// Tokens taken back of what the report's final lines left `unspent` (grantable again in
+    /// their leases' windows); the rest of it is stranded. Absent: none.
+    #[serde(
+        default,
+        rename = "returned",
+        skip_serializing_if = "crate::wire::is_zero"
+    )]
+    pub returned_tokens: u64,
 }
 
 /// Most reports one `POST /v1/reports/batch` call may carry.

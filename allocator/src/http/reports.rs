@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use allot_shared::FieldError;
-use allot_shared::ids::{PoolId, TenantId};
+use allot_shared::ids::{LeaseId, PoolId, TenantId};
 use allot_shared::wire::{
     MAX_LEASE_LINES_PER_BATCH, MAX_REPORTS_PER_BATCH, Report, ReportBatch, ReportBatchAnswer,
     ReportReceipt, ReportResult,
@@ -18,7 +18,9 @@ use super::ApiState;
 use super::access::{Needs, authorize, check_region};
 use super::errors::ApiError;
 use super::io::{json_response, parse_json};
+use crate::grants::GrantFailure;
 use crate::ledger::LedgerError;
+use crate::ledger::reports::KnownGrants;
 use crate::pools;
 
 #[utoipa::path(post, path = "/v1/reports", tag = "agents",
@@ -36,7 +38,16 @@ pub async fn post_report(
     let credential = authorize(&state, &headers, Needs::Agent)?;
     let report: Report = parse_json(&headers, &body)?;
     check_region(&credential, &report.region)?;
-    let receipt = crate::ledger::reports::only_result(record(&state, &[&report]).await?)?;
+    let receipt = record(&state, &[&report])
+        .await?
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| {
+            Err(
+                LedgerError::Invalid(FieldError::new("reportId", "the report was not applied"))
+                    .into(),
+            )
+        })?;
     Ok(json_response(StatusCode::OK, &receipt))
 }
 
@@ -83,7 +94,7 @@ pub async fn post_report_batch(
                 receipt: Some(receipt),
                 problem: None,
             },
-            Err(invalid) => refused_entry(*index, LedgerError::Invalid(invalid).into()),
+            Err(refused) => refused_entry(*index, refused),
         });
     }
     let results = results.into_iter().flatten().collect();
@@ -128,14 +139,14 @@ fn refused_entry(index: usize, refused: ApiError) -> ReportResult {
     }
 }
 
-/// Checks and writes `reports` in the ledger, one result each, in order. Grants reach the ledger
-/// asynchronously and a report may overtake them; etcd is the authority: what the ledger lacks of
-/// the leases the reports name is copied from there first (the ledger's grants read once, the
-/// store's in round trips of many).
+/// Checks and writes `reports` in the ledger, one result each, in order, after the allocator
+/// took back what their final lines give back. Grants reach the ledger asynchronously and a report
+/// may overtake them; etcd is the authority: what the ledger lacks of the leases the reports name
+/// is copied from there first (the ledger's grants read once, the store's in round trips of many).
 async fn record(
     state: &ApiState,
     reports: &[&Report],
-) -> Result<Vec<Result<ReportReceipt, FieldError>>, ApiError> {
+) -> Result<Vec<Result<ReportReceipt, ApiError>>, ApiError> {
     let mut known = state.ledger.known_grants(reports).await?;
     let copied = pools::get_grants(&*state.kv, &known.missing()).await?;
     let mut by_pool: BTreeMap<(&TenantId, &PoolId), Vec<pools::GrantRecord>> = BTreeMap::new();
@@ -149,8 +160,69 @@ async fn record(
         state.ledger.record_grants(tenant, pool, &records).await?;
         known.add(tenant, pool, &records);
     }
-    Ok(state
+    let taken_back = take_back(state, reports, &known).await;
+    // A report whose tokens may or may not have been taken back is not written: asked again
+    // with the same report id, it is answered from the store's marks.
+    let writable: Vec<&Report> = reports
+        .iter()
+        .zip(&taken_back)
+        .filter(|(_, taken)| taken.is_ok())
+        .map(|(report, _)| *report)
+        .collect();
+    let returned: BTreeMap<LeaseId, u64> = taken_back
+        .iter()
+        .filter_map(|taken| taken.as_ref().ok())
+        .flatten()
+        .copied()
+        .collect();
+    let mut written = state
         .ledger
-        .record_reports_known(reports, &known, state.clock.now_ms())
-        .await?)
+        .record_reports_known(&writable, &known, state.clock.now_ms(), &returned)
+        .await?
+        .into_iter();
+    Ok(taken_back
+        .into_iter()
+        .map(|taken| {
+            let taken = taken?;
+            let mut receipt = written
+                .next()
+                .unwrap_or_else(|| Err(FieldError::new("reportId", "the report was not applied")))
+                .map_err(|invalid| ApiError::from(LedgerError::Invalid(invalid)))?;
+            receipt.returned_tokens = taken.iter().map(|(_, tokens)| tokens).sum();
+            Ok(receipt)
+        })
+        .collect())
+}
+
+/// Has the allocator take back what each checked report's final lines give back: per report, the
+/// tokens taken back by lease, or why it cannot be known whether they were (a store failure; the
+/// report is to be sent again). Nothing is taken back where this node does not lead (the tokens
+/// are stranded, as before returns existed).
+async fn take_back(
+    state: &ApiState,
+    reports: &[&Report],
+    known: &KnownGrants,
+) -> Vec<Result<Vec<(LeaseId, u64)>, ApiError>> {
+    let per_report = reports.iter().map(|report| async move {
+        if known.check(report).is_err() {
+            // Refused by the ledger's checks, which say why.
+            return Ok(Vec::new());
+        }
+        let returns = crate::ledger::reports::lease_returns(report);
+        let taken = futures::future::join_all(returns.into_iter().map(|lease| async move {
+            let lease_id = lease.lease_id;
+            match state
+                .grantor
+                .take_back(&report.tenant, &report.pool, lease)
+                .await
+            {
+                Ok(tokens) => Ok((lease_id, tokens)),
+                Err(GrantFailure::NotLeader(_) | GrantFailure::UnknownPool) => Ok((lease_id, 0)),
+                Err(failure) => Err(ApiError::from(failure)),
+            }
+        }))
+        .await;
+        taken.into_iter().collect()
+    });
+    futures::future::join_all(per_report).await
 }

@@ -75,9 +75,14 @@ pub struct WindowRow {
     /// Tokens reported spent per region.
     #[serde(rename = "spentByRegion", default)]
     pub spent_tokens_by_region: BTreeMap<RegionId, u64>,
-    /// Granted minus spent, over expired leases whose final report arrived.
+    /// Granted minus spent minus given back, over expired leases whose final report arrived.
     #[serde(rename = "stranded")]
     pub stranded_tokens: u64,
+    /// Tokens leases gave back unspent at their end (grantable again in the window): granted
+    /// counts them, and what was granted again, so granted is spent + stranded + unreported +
+    /// returned (+ what live leases hold).
+    #[serde(rename = "returned", default)]
+    pub returned_tokens: u64,
     /// Granted minus reported spend, over expired leases whose final report never arrived.
     #[serde(rename = "unreported")]
     pub unreported_tokens: u64,
@@ -179,6 +184,7 @@ struct LeaseAmounts {
     spent: i64,
     stranded: i64,
     unreported: i64,
+    returned: i64,
 }
 
 /// What the ledger holds for one window, as the queries gather it: the input of [`account`].
@@ -192,10 +198,12 @@ pub struct WindowAmounts {
     pub granted_tokens_by_region: BTreeMap<RegionId, u64>,
     /// Tokens reported spent from the window's leases, per region.
     pub spent_tokens_by_region: BTreeMap<RegionId, u64>,
-    /// Granted minus spent, over expired leases whose final report arrived.
+    /// Granted minus spent minus given back, over expired leases whose final report arrived.
     pub stranded_tokens: u64,
     /// Granted minus reported spend, over expired leases whose final report never arrived.
     pub unreported_tokens: u64,
+    /// Tokens leases gave back unspent at their end.
+    pub returned_tokens: u64,
     /// Tokens admitted in fallback per region (all its agents).
     pub fallback_admitted_tokens_by_region: BTreeMap<RegionId, u64>,
     /// Tokens admitted in fallback per region and agent, where known.
@@ -247,6 +255,7 @@ pub fn account(amounts: WindowAmounts, terms: &WindowTerms) -> WindowRow {
         spent_tokens,
         spent_tokens_by_region: amounts.spent_tokens_by_region,
         stranded_tokens: amounts.stranded_tokens,
+        returned_tokens: amounts.returned_tokens,
         unreported_tokens: amounts.unreported_tokens,
         fallback_admitted_tokens,
         fallback_admitted_tokens_by_region: amounts.fallback_admitted_tokens_by_region,
@@ -409,6 +418,7 @@ impl Ledger {
                         .collect(),
                     stranded_tokens: sum(|a| a.stranded),
                     unreported_tokens: sum(|a| a.unreported),
+                    returned_tokens: sum(|a| a.returned),
                     fallback_admitted_tokens_by_region: by_region(
                         &fallback_rows,
                         key.window_start_ms,
@@ -607,6 +617,7 @@ impl Ledger {
     ) -> Result<Vec<LeaseAmounts>, LedgerError> {
         let expired = Expr::col((Grants::Table, Grants::ExpiresAtMs)).lte(i64_of(now_ms));
         let spent = Expr::col((LeaseSpend::Table, LeaseSpend::Spent));
+        let returned = Expr::col((LeaseSpend::Table, LeaseSpend::Returned));
         let granted = Expr::col((Grants::Table, Grants::Granted));
         let is_final = Expr::col((LeaseSpend::Table, LeaseSpend::FinalReport)).eq(1i64);
         let unspent = || {
@@ -615,9 +626,13 @@ impl Ledger {
                 Expr::val(0i64).into(),
             ]))
         };
+        // What a final report left unspent and the allocator did not take back.
         let stranded_case = Expr::case(
             Cond::all().add(expired.clone()).add(is_final.clone()),
-            unspent(),
+            unspent().sub(Func::coalesce([
+                returned.clone().into(),
+                Expr::val(0i64).into(),
+            ])),
         )
         .finally(0i64);
         let unreported_case = Expr::case(
@@ -641,6 +656,7 @@ impl Ledger {
             .expr_as(sum_as_bigint(spent.clone()), Alias::new("spent"))
             .expr_as(sum_as_bigint(stranded_case), Alias::new("stranded"))
             .expr_as(sum_as_bigint(unreported_case), Alias::new("unreported"))
+            .expr_as(sum_as_bigint(returned), Alias::new("returned"))
             .from(Grants::Table)
             .join(
                 JoinType::LeftJoin,
@@ -702,6 +718,7 @@ mod tests {
             spent_tokens_by_region: [(region("eu"), 650), (region("us"), 300)].into(),
             stranded_tokens: 40,
             unreported_tokens: 10,
+            returned_tokens: 0,
             fallback_admitted_tokens_by_region: [(region("eu"), 80), (region("us"), 20)].into(),
             fallback_admitted_tokens_by_agent: BTreeMap::new(),
             shadow_admitted_tokens_by_region: [(region("eu"), 1_500), (region("us"), 200)].into(),

@@ -47,6 +47,12 @@ impl KnownGrants {
             .collect()
     }
 
+    /// Whether `report` passes the checks [`Ledger::record_reports_known`] makes against these
+    /// grants (its error names the field at fault).
+    pub fn check(&self, report: &Report) -> Result<(), FieldError> {
+        check_report(report, &self.rows)
+    }
+
     /// Counts `records`, grants of `tenant`'s `pool` just copied into the ledger, as known.
     pub fn add(&mut self, tenant: &TenantId, pool: &PoolId, records: &[GrantRecord]) {
         for record in records {
@@ -158,7 +164,7 @@ impl Ledger {
     ) -> Result<ReportReceipt, LedgerError> {
         let known = self.known_grants(&[report]).await?;
         let results = self
-            .record_reports_known(&[report], &known, received_at_ms)
+            .record_reports_known(&[report], &known, received_at_ms, &BTreeMap::new())
             .await?;
         only_result(results)
     }
@@ -184,17 +190,24 @@ impl Ledger {
     /// [`Ledger::record_report`] checks it against `known` (from [`Ledger::known_grants`], with what
     /// was copied since added). A report that fails its checks is refused alone (its error in its
     /// place, nothing of it written); the others are written. A report id seen before, in an
-    /// earlier call or earlier in this one, is a duplicate and changes nothing.
+    /// earlier call or earlier in this one, is a duplicate and changes nothing. `returned` is what
+    /// the allocator took back of the leases' unspent tokens, by lease.
     pub async fn record_reports_known(
         &self,
         reports: &[&Report],
         known: &KnownGrants,
         received_at_ms: u64,
+        returned: &BTreeMap<LeaseId, u64>,
     ) -> Result<Vec<Result<ReportReceipt, FieldError>>, LedgerError> {
         let grants = &known.rows;
         let mut results: Vec<Result<ReportReceipt, FieldError>> = reports
             .iter()
-            .map(|report| check_report(report, grants).map(|()| ReportReceipt { duplicate: false }))
+            .map(|report| {
+                check_report(report, grants).map(|()| ReportReceipt {
+                    duplicate: false,
+                    returned_tokens: 0,
+                })
+            })
             .collect();
         let checked: Vec<&Report> = reports
             .iter()
@@ -224,11 +237,14 @@ impl Ledger {
                         if inserted_ids.remove(&report.report_id) {
                             new_reports.push(*report);
                         } else {
-                            results[index] = Ok(ReportReceipt { duplicate: true });
+                            results[index] = Ok(ReportReceipt {
+                                duplicate: true,
+                                returned_tokens: 0,
+                            });
                         }
                     }
                 }
-                for statement in report_effects(&new_reports, received_at_ms) {
+                for statement in report_effects(&new_reports, received_at_ms, returned) {
                     let (sql, values) = statement.build_sqlx($builder);
                     sqlx::query_with(&sql, values).execute(&mut *tx).await?;
                 }
@@ -354,8 +370,39 @@ fn check_report(report: &Report, grants: &BTreeMap<String, GrantRow>) -> Result<
                 ),
             ));
         }
+        if lease.unspent_tokens > 0 && !lease.final_report {
+            return Err(FieldError::new(
+                format!("{field}.unspent"),
+                "only a final line may give tokens back: the lease must have ended",
+            ));
+        }
+        if lease.spent_tokens.saturating_add(lease.unspent_tokens) > u64_of(grant.granted) {
+            return Err(FieldError::new(
+                format!("{field}.unspent"),
+                format!(
+                    "spent {} and unspent {} exceed the {} tokens granted to the lease",
+                    lease.spent_tokens, lease.unspent_tokens, grant.granted
+                ),
+            ));
+        }
     }
     Ok(())
+}
+
+/// The leases `report` gives tokens back from, as the grant worker takes them: its final lines
+/// with unspent tokens (checked against the grants first: [`check_report`]).
+pub fn lease_returns(report: &Report) -> Vec<crate::grants::LeaseReturn> {
+    report
+        .leases
+        .iter()
+        .filter(|lease| lease.final_report && lease.unspent_tokens > 0)
+        .map(|lease| crate::grants::LeaseReturn {
+            lease_id: lease.lease_id,
+            region: report.region.clone(),
+            spent_tokens: lease.spent_tokens,
+            unspent_tokens: lease.unspent_tokens,
+        })
+        .collect()
 }
 
 /// Rows a multi-row statement carries: well inside SQLite's and PostgreSQL's bound parameters.
@@ -410,12 +457,16 @@ fn insert_reports(reports: &[&Report], received_at_ms: u64) -> Vec<sea_query::In
         .collect()
 }
 
-/// What new reports change, as multi-row upserts: each lease's cumulative spend and finality, and
-/// each agent's cumulative fallback, shadow, settle-debt and written-off figures per window, the
+/// What new reports change, as multi-row upserts: each lease's cumulative spend, finality and
+/// what was taken back of it (`returned`, by lease), and each agent's cumulative fallback, shadow, settle-debt and written-off figures per window, the
 /// larger value kept (reports are cumulative and may arrive out of order). Keys are merged first:
 /// one statement may not touch a row twice.
-fn report_effects(reports: &[&Report], received_at_ms: u64) -> Vec<sea_query::InsertStatement> {
-    let mut statements = upsert_spends(reports, received_at_ms);
+fn report_effects(
+    reports: &[&Report],
+    received_at_ms: u64,
+    returned: &BTreeMap<LeaseId, u64>,
+) -> Vec<sea_query::InsertStatement> {
+    let mut statements = upsert_spends(reports, received_at_ms, returned);
     statements.extend(upsert_figures(FallbackAdmits::Table, reports, |r| {
         r.fallback_admitted_tokens
     }));
@@ -431,17 +482,22 @@ fn report_effects(reports: &[&Report], received_at_ms: u64) -> Vec<sea_query::In
     statements
 }
 
-/// Each lease's cumulative spend and finality: the larger values kept.
-fn upsert_spends(reports: &[&Report], received_at_ms: u64) -> Vec<sea_query::InsertStatement> {
-    let mut merged: BTreeMap<LeaseId, (u64, bool)> = BTreeMap::new();
+/// Each lease's cumulative spend, finality and tokens taken back: the larger values kept.
+fn upsert_spends(
+    reports: &[&Report],
+    received_at_ms: u64,
+    returned: &BTreeMap<LeaseId, u64>,
+) -> Vec<sea_query::InsertStatement> {
+    let mut merged: BTreeMap<LeaseId, (u64, bool, u64)> = BTreeMap::new();
     for lease in reports.iter().flat_map(|report| &report.leases) {
         let entry = merged.entry(lease.lease_id).or_default();
         *entry = (
             entry.0.max(lease.spent_tokens),
             entry.1 || lease.final_report,
+            returned.get(&lease.lease_id).copied().unwrap_or(0),
         );
     }
-    let rows: Vec<(LeaseId, (u64, bool))> = merged.into_iter().collect();
+    let rows: Vec<(LeaseId, (u64, bool, u64))> = merged.into_iter().collect();
     rows.chunks(ROWS_PER_STATEMENT)
         .map(|chunk| {
             let mut insert = Query::insert();
@@ -450,13 +506,15 @@ fn upsert_spends(reports: &[&Report], received_at_ms: u64) -> Vec<sea_query::Ins
                 LeaseSpend::Spent,
                 LeaseSpend::FinalReport,
                 LeaseSpend::UpdatedAtMs,
+                LeaseSpend::Returned,
             ]);
-            for (lease_id, (spent_tokens, final_report)) in chunk {
+            for (lease_id, (spent_tokens, final_report, returned_tokens)) in chunk {
                 insert.values_panic([
                     lease_id.to_string().into(),
                     i64_of(*spent_tokens).into(),
                     i64::from(*final_report).into(),
                     i64_of(received_at_ms).into(),
+                    i64_of(*returned_tokens).into(),
                 ]);
             }
             insert
@@ -470,6 +528,10 @@ fn upsert_spends(reports: &[&Report], received_at_ms: u64) -> Vec<sea_query::Ins
                             (
                                 LeaseSpend::FinalReport,
                                 keep_larger(LeaseSpend::Table, LeaseSpend::FinalReport),
+                            ),
+                            (
+                                LeaseSpend::Returned,
+                                keep_larger(LeaseSpend::Table, LeaseSpend::Returned),
                             ),
                             (
                                 LeaseSpend::UpdatedAtMs,

@@ -79,15 +79,17 @@ const OF_WINDOW: &str = "tenant = $1 AND pool = $2 AND window_start_ms = $3";
 
 /// One window's lease figures per region (`$1` tenant, `$2` pool, `$3` window start). Every
 /// lease of a window past the raw retention has expired: what its final report says it left is
-/// stranded, what no final report accounts for is unreported.
+/// stranded (less what the allocator took back), what no final report accounts for is unreported.
 const LEASE_FIGURES_SQL: &str = "\
 SELECT g.region AS region,
        CAST(SUM(g.granted) AS BIGINT) AS granted,
        CAST(SUM(COALESCE(s.spent, 0)) AS BIGINT) AS spent,
-       CAST(SUM(CASE WHEN s.final_report = 1 THEN g.granted - COALESCE(s.spent, 0) ELSE 0 END)
+       CAST(SUM(CASE WHEN s.final_report = 1
+                     THEN g.granted - COALESCE(s.spent, 0) - COALESCE(s.returned, 0) ELSE 0 END)
             AS BIGINT) AS stranded,
        CAST(SUM(CASE WHEN s.final_report = 1 THEN 0 ELSE g.granted - COALESCE(s.spent, 0) END)
-            AS BIGINT) AS unreported
+            AS BIGINT) AS unreported,
+       CAST(COALESCE(SUM(s.returned), 0) AS BIGINT) AS returned
 FROM grants g LEFT JOIN lease_spend s ON s.lease_id = g.lease_id
 WHERE g.tenant = $1 AND g.pool = $2 AND g.window_start_ms = $3
 GROUP BY g.region";
@@ -108,12 +110,13 @@ static ADMITS_SQL: LazyLock<String> = LazyLock::new(|| {
 });
 
 /// A `window_amounts` row's figures, each kept at the larger of what it held and what is rolled.
-const KEPT_LARGER: [&str; 9] = [
+const KEPT_LARGER: [&str; 10] = [
     "window_end_ms",
     "granted",
     "spent",
     "stranded",
     "unreported",
+    "returned",
     "fallback_admitted",
     "shadow_admitted",
     "settle_debt",
@@ -133,7 +136,7 @@ static UPSERT_SQL: LazyLock<String> = LazyLock::new(|| {
         .collect();
     format!(
         "INSERT INTO window_amounts (tenant, pool, window_start_ms, region, {}, rolled_at_ms) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
          ON CONFLICT (tenant, pool, window_start_ms, region) DO UPDATE SET {}, \
          rolled_at_ms = excluded.rolled_at_ms",
         KEPT_LARGER.join(", "),
@@ -162,7 +165,7 @@ static REMOVE_RAW_SQL: LazyLock<Vec<(&'static str, String)>> = LazyLock::new(|| 
 
 /// A pool's rolled-up windows, newest first (`$1` tenant, `$2` pool, `$3` rows at most).
 const ROLLED_SQL: &str = "\
-SELECT window_start_ms, window_end_ms, region, granted, spent, stranded, unreported,
+SELECT window_start_ms, window_end_ms, region, granted, spent, stranded, unreported, returned,
        fallback_admitted, shadow_admitted, settle_debt, written_off
 FROM window_amounts WHERE tenant = $1 AND pool = $2 AND window_start_ms < $4
 ORDER BY window_start_ms DESC LIMIT $3";
@@ -174,6 +177,7 @@ struct RegionFigures {
     spent: i64,
     stranded: i64,
     unreported: i64,
+    returned: i64,
 }
 
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -192,6 +196,7 @@ struct RolledRow {
     spent: i64,
     stranded: i64,
     unreported: i64,
+    returned: i64,
     fallback_admitted: i64,
     shadow_admitted: i64,
     settle_debt: i64,
@@ -214,6 +219,7 @@ struct Figures {
     spent: u64,
     stranded: u64,
     unreported: u64,
+    returned: u64,
     fallback_admitted: u64,
     shadow_admitted: u64,
     settle_debt: u64,
@@ -239,7 +245,7 @@ impl RolledWindow {
                 *entry = (*entry).max(value);
             }
         };
-        let (mut stranded, mut unreported) = (0u64, 0u64);
+        let (mut stranded, mut unreported, mut returned) = (0u64, 0u64, 0u64);
         for (region, figures) in &self.regions {
             larger(
                 &mut amounts.granted_tokens_by_region,
@@ -276,8 +282,10 @@ impl RolledWindow {
             );
             stranded = stranded.saturating_add(figures.stranded);
             unreported = unreported.saturating_add(figures.unreported);
+            returned = returned.saturating_add(figures.returned);
         }
         amounts.stranded_tokens = amounts.stranded_tokens.max(stranded);
+        amounts.returned_tokens = amounts.returned_tokens.max(returned);
         amounts.unreported_tokens = amounts.unreported_tokens.max(unreported);
         amounts.window_end_ms = amounts.window_end_ms.max(self.window_end_ms);
     }
@@ -344,6 +352,7 @@ impl Ledger {
                         .bind(i64_of(figures.spent))
                         .bind(i64_of(figures.stranded))
                         .bind(i64_of(figures.unreported))
+                        .bind(i64_of(figures.returned))
                         .bind(i64_of(figures.fallback_admitted))
                         .bind(i64_of(figures.shadow_admitted))
                         .bind(i64_of(figures.settle_debt))
@@ -417,6 +426,7 @@ impl Ledger {
                     spent: u64_of(row.spent),
                     stranded: u64_of(row.stranded),
                     unreported: u64_of(row.unreported),
+                    returned: u64_of(row.returned),
                     fallback_admitted: u64_of(row.fallback_admitted),
                     shadow_admitted: u64_of(row.shadow_admitted),
                     settle_debt: u64_of(row.settle_debt),
@@ -447,6 +457,7 @@ fn figures_by_region(
         figures.spent = u64_of(lease.spent);
         figures.stranded = u64_of(lease.stranded);
         figures.unreported = u64_of(lease.unreported);
+        figures.returned = u64_of(lease.returned);
     }
     for admit in admits {
         let figures = by_region.entry(admit.region).or_default();

@@ -99,6 +99,7 @@ pub(super) enum LeaseSpend {
     Spent,
     FinalReport,
     UpdatedAtMs,
+    Returned,
 }
 
 /// Fallback admits per agent and window (`agent_id` '' for reports that name no agent); a

@@ -106,6 +106,7 @@ async fn a_change_made_behind_a_leader_ahead_takes_effect_inside_its_window() {
         )]
         .into_iter()
         .collect(),
+        returned_tokens: 0,
     };
     let put_window = Op::Put {
         key: window_key(&tenant(), &pool()),

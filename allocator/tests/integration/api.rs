@@ -875,6 +875,103 @@ async fn reports_reach_the_windows_view() {
     assert_eq!(status, 400, "{problem}");
 }
 
+/// A final report's unspent tokens come back to the window through the API: the receipt says how
+/// many, asking again changes nothing, a line that gives back more than the lease holds or before
+/// it ended is refused naming the field, and the windows view counts what came back.
+#[tokio::test]
+async fn unspent_tokens_given_back_are_granted_again_once() {
+    let server = start().await;
+    let body = json!({ "limit": 100, "windowMs": 60000, "chunk": 100, "leaseTtlMs": 15000,
+                       "fallbackPerRegion": 10, "regions": ["eu", "us"] });
+    assert_eq!(
+        server
+            .put_pool("atlas/api", OPERATOR, body.to_string())
+            .await
+            .0,
+        200
+    );
+    let grant = |n: u128, region: &'static str, want: u64| {
+        let lease = allot_shared::ids::LeaseId::from_parts(1, n);
+        let request = server
+            .client
+            .post(format!("{}/v1/grants", server.url))
+            .bearer_auth(AGENT)
+            .json(&json!({ "leaseId": lease, "tenant": "atlas", "pool": "api",
+                           "region": region, "want": want }));
+        async move {
+            (
+                lease,
+                status_and_body(request.send().await.expect("grant"))
+                    .await
+                    .1,
+            )
+        }
+    };
+    let (lease, first) = grant(1, "eu", 100).await;
+    assert_eq!(
+        (first["granted"].as_u64(), first["returnable"].as_bool()),
+        (Some(100), Some(true)),
+        "{first}"
+    );
+    assert_eq!(grant(2, "us", 10).await.1["granted"], 0, "used up");
+    let report = |id: &str, spent: u64, unspent: u64, last: bool| {
+        json!({ "reportId": id, "region": "eu", "tenant": "atlas", "pool": "api",
+                "windowStartMs": first["windowStartMs"],
+                "leases": [{ "leaseId": lease, "spent": spent, "final": last, "unspent": unspent }] })
+    };
+    let post = |body: Value| {
+        let request = server
+            .client
+            .post(format!("{}/v1/reports", server.url))
+            .bearer_auth(AGENT)
+            .json(&body);
+        async move { status_and_body(request.send().await.expect("report")).await }
+    };
+    let (status, problem) = post(report("early", 40, 60, false)).await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (400, Some("leases[0].unspent")),
+        "{problem}"
+    );
+    let (status, problem) = post(report("too-much", 50, 60, true)).await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (400, Some("leases[0].unspent")),
+        "{problem}"
+    );
+    let (status, receipt) = post(report("last", 40, 60, true)).await;
+    assert_eq!(status, 200, "{receipt}");
+    assert_eq!(
+        (receipt["duplicate"].as_bool(), receipt["returned"].as_u64()),
+        (Some(false), Some(60))
+    );
+    let (_, again) = post(report("last", 40, 60, true)).await;
+    assert_eq!(
+        (again["duplicate"].as_bool(), again["returned"].as_u64()),
+        (Some(true), Some(60))
+    );
+    assert_eq!(
+        grant(3, "us", 100).await.1["granted"],
+        60,
+        "granted again, once"
+    );
+    assert_eq!(grant(4, "us", 100).await.1["granted"], 0);
+    let (status, windows) = server
+        .get("/v1/pools/atlas/api/windows?last=1", OPERATOR)
+        .await;
+    assert_eq!(status, 200, "{windows}");
+    let row = &windows["windows"][0];
+    assert_eq!(
+        (
+            row["granted"].as_u64(),
+            row["returned"].as_u64(),
+            row["spent"].as_u64()
+        ),
+        (Some(160), Some(60), Some(40)),
+        "{row}"
+    );
+}
+
 #[tokio::test]
 async fn policies_publish_stage_promote_and_report() {
     let server = start().await;

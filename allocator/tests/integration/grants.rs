@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use allot_allocator::clock::{Clock, ManualClock};
-use allot_allocator::grants::{GrantFailure, Grantor};
+use allot_allocator::grants::{GrantFailure, Grantor, LeaseReturn};
 use allot_allocator::kv::Kv;
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::kv::memory::MemoryKv;
@@ -233,6 +233,96 @@ async fn tail_exhaustion_and_clamping(kv: Arc<dyn Kv>) {
     ));
 }
 
+/// What a lease leaves unspent comes back to its window once, whoever asks and however often: at
+/// most the grant less the spend, only to the lease's own region and window, and a fresh worker
+/// (another grantor on the same leadership) answers from the store's mark, never taking it twice.
+async fn unspent_tokens_come_back_once_and_only_in_their_window(kv: Arc<dyn Kv>) {
+    configure(&*kv, 100, 100).await;
+    let (grantor, clock, leadership) = leader(kv.clone()).await;
+    let (atlas, api) = (tenant(), pool());
+    let g = |grantor: &Grantor, n, region_name: &str, want| {
+        let request = request(n, region_name, want);
+        let (atlas, api) = (atlas.clone(), api.clone());
+        let grantor = grantor.clone();
+        async move { grantor.grant(&atlas, &api, request).await.expect("grant") }
+    };
+    let give_back = |grantor: &Grantor, n, region_name: &str, spent, unspent| {
+        let lease = LeaseReturn {
+            lease_id: lease(n),
+            region: region(region_name),
+            spent_tokens: spent,
+            unspent_tokens: unspent,
+        };
+        let (atlas, api) = (atlas.clone(), api.clone());
+        let grantor = grantor.clone();
+        async move {
+            grantor
+                .take_back(&atlas, &api, lease)
+                .await
+                .expect("take back")
+        }
+    };
+    let first = g(&grantor, 1, "eu", 60).await;
+    assert!(first.returnable, "this allocator takes unspent tokens back");
+    assert_eq!(g(&grantor, 2, "us", 100).await.granted_tokens, 40);
+    assert_eq!(g(&grantor, 3, "us", 10).await.granted_tokens, 0, "used up");
+    assert_eq!(give_back(&grantor, 1, "eu", 30, 30).await, 30);
+    assert_eq!(
+        give_back(&grantor, 1, "eu", 30, 30).await,
+        30,
+        "asked again"
+    );
+    let (_sender, role) = watch::channel(Role::Leader(leadership));
+    let fresh = Grantor::new(
+        kv.clone(),
+        clock.clone(),
+        role,
+        LeaseClamping::Clamped,
+        None,
+    );
+    assert_eq!(
+        give_back(&fresh, 1, "eu", 30, 30).await,
+        30,
+        "a worker that never saw it answers from the store's mark"
+    );
+    assert_eq!(
+        g(&fresh, 4, "us", 100).await.granted_tokens,
+        30,
+        "what came back is granted again, once"
+    );
+    assert_eq!(
+        give_back(&fresh, 4, "us", 25, 30).await,
+        5,
+        "never more than the grant less the spend"
+    );
+    assert_eq!(
+        give_back(&fresh, 2, "eu", 0, 40).await,
+        0,
+        "another region's lease gives nothing back"
+    );
+    assert_eq!(
+        give_back(&fresh, 99, "eu", 0, 40).await,
+        0,
+        "nor one never granted"
+    );
+    clock.advance(60_000);
+    assert_eq!(
+        g(&fresh, 5, "eu", 10).await.granted_tokens,
+        10,
+        "the next window"
+    );
+    assert_eq!(
+        give_back(&fresh, 2, "us", 0, 40).await,
+        0,
+        "a lease of a window that is over gives nothing back"
+    );
+    assert_eq!(
+        g(&fresh, 6, "eu", 100).await.granted_tokens,
+        90,
+        "the new window holds only its own"
+    );
+}
+
 /// A leader whose term has ended cannot grant, even with its old proof of leadership in hand.
 async fn a_deposed_leader_cannot_grant(kv: Arc<dyn Kv>) {
     configure(&*kv, 1_000, 100).await;
@@ -375,6 +465,11 @@ on_both_stores!(
     a_deposed_leader_answers_no_refusal_from_its_cache,
     memory_a_deposed_leader_answers_no_refusal_from_its_cache,
     etcd_a_deposed_leader_answers_no_refusal_from_its_cache
+);
+on_both_stores!(
+    unspent_tokens_come_back_once_and_only_in_their_window,
+    memory_unspent_tokens_come_back_once_and_only_in_their_window,
+    etcd_unspent_tokens_come_back_once_and_only_in_their_window
 );
 on_both_stores!(
     a_deposed_leader_cannot_grant,

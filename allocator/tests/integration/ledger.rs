@@ -80,6 +80,7 @@ fn report(
                 lease_id: lease(n),
                 spent_tokens: spent,
                 final_report,
+                unspent_tokens: 0,
             })
             .collect(),
         fallback_admitted_tokens: fallback,
@@ -539,7 +540,7 @@ async fn batch_is_one_by_one(batched: Ledger, one_by_one: Ledger) {
                 "only lease 99 was never granted"
             );
             let answers = batched
-                .record_reports_known(&refs, &known, now_ms)
+                .record_reports_known(&refs, &known, now_ms, &Default::default())
                 .await
                 .expect("a batch");
             assert_eq!(answers.len(), reports.len());

@@ -132,6 +132,7 @@ impl PoolReport {
                 lease_id: l.lease_id,
                 spent_tokens: l.spent_tokens,
                 final_report: l.final_line,
+                unspent_tokens: l.unspent_tokens,
             })
             .collect()
     }

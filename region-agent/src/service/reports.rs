@@ -56,7 +56,7 @@ impl Agent {
                 Ok(results) => {
                     for (owed, result) in batch.iter().zip(results) {
                         match (result.receipt, result.problem) {
-                            (Some(_), _) => self.reported(owed),
+                            (Some(receipt), _) => self.reported(owed, receipt.returned_tokens),
                             (None, problem) => tracing::warn!(
                                 tenant = %owed.body.tenant,
                                 pool = %owed.body.pool,
@@ -139,7 +139,9 @@ impl Agent {
             let sent = allocator.report(&owed.body).await;
             self.note_allocator(&sent);
             match sent {
-                Ok(()) => self.reported(owed),
+                Ok(receipt) => {
+                    self.reported(owed, receipt.map_or(0, |r| r.returned_tokens));
+                }
                 Err(error) => {
                     tracing::warn!(%error, tenant = %owed.body.tenant, pool = %owed.body.pool, "report not taken; kept for the next round");
                 }
@@ -147,8 +149,10 @@ impl Agent {
         }
     }
 
-    fn reported(&self, owed: &Owed) {
+    /// The allocator took `owed`, and took back `returned_tokens` of what its final lines left.
+    fn reported(&self, owed: &Owed, returned_tokens: u64) {
         owed.slot.agent().reported(&owed.part, self.clock.now_ms());
+        metrics::counter!(crate::metrics::TOKENS_RETURNED).increment(returned_tokens);
         self.note_change();
     }
 

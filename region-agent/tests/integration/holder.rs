@@ -36,6 +36,7 @@ fn grant(n: u128, epoch: u64, granted: u64, now: u64) -> LeaseGrant {
         window,
         expires_at_ms: (now + 15_000).min(window.end_ms),
         retry_after_ms: if granted == 0 { window.end_ms - now } else { 0 },
+        returnable: false,
     }
 }
 
@@ -83,6 +84,42 @@ fn a_partition_spends_leases_then_fallback_then_denies() {
     let report = holder.pending_report(end);
     assert_eq!(report.leases.len(), 1);
     assert!(report.leases[0].final_line && report.leases[0].spent_tokens == 1);
+}
+
+/// A lease the allocator takes back, ended before its window, says in its final line what it left
+/// unspent; the same lease taken over from a crashed run's journal says nothing (what was spent
+/// after the snapshot is unknown), nor does a lease the allocator does not take back.
+#[test]
+fn a_returnable_lease_gives_back_what_it_left_unspent() {
+    let t0 = 40 * MINUTE + 1_000;
+    let mut holder = PoolHolder::new(config(0));
+    let returnable = LeaseGrant {
+        returnable: true,
+        ..grant(1, 1, 10, t0)
+    };
+    let end = returnable.expires_at_ms;
+    assert!(end < returnable.window.end_ms);
+    assert_eq!(holder.accept(returnable, t0), GrantVerdict::Accepted);
+    for _ in 0..3 {
+        assert!(matches!(holder.spend(1, t0, false), Spend::Leased(_)));
+    }
+    let journal = holder.snapshot(None);
+    let line = holder.pending_report(end).leases[0];
+    assert_eq!(
+        (line.final_line, line.spent_tokens, line.unspent_tokens),
+        (true, 3, 7)
+    );
+    let mut restarted = PoolHolder::new(config(0));
+    restarted.restore(&journal);
+    let line = restarted.pending_report(end).leases[0];
+    assert_eq!(
+        (line.final_line, line.spent_tokens, line.unspent_tokens),
+        (true, 3, 0)
+    );
+    let mut plain = PoolHolder::new(config(0));
+    plain.accept(grant(2, 1, 10, t0), t0);
+    let line = plain.pending_report(end).leases[0];
+    assert_eq!((line.final_line, line.unspent_tokens), (true, 0));
 }
 
 #[test]

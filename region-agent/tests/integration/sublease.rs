@@ -95,6 +95,7 @@ proptest! {
                     window,
                     expires_at_ms: (t0 + 15_000 + n * 10_000).min(window.end_ms),
                     retry_after_ms: 0,
+                    returnable: false,
                 };
                 prop_assert_eq!(holder.accept(grant, t0), GrantVerdict::Accepted);
                 granted += 400;

@@ -1,7 +1,7 @@
 //! Invariants of the pure core, checked with proptest over random parameters, states and clocks.
 
 use allot_shared::ids::{Epoch, LeaseId, RegionId};
-use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig, grant};
+use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig, grant, returnable_tokens};
 use allot_shared::limit::RetryAfter;
 use allot_shared::limit::fixed_window::FixedWindow;
 use allot_shared::limit::gcra::Gcra;
@@ -173,6 +173,64 @@ proptest! {
             *total += g.granted_tokens;
             prop_assert!(*total <= limit);
             prop_assert_eq!(next.granted_tokens() + next.remaining_tokens(&config), limit);
+            state = Some(next);
+        }
+    }
+
+    /// Leases that end and give back what they left unspent, between grants of the same pool: what
+    /// the window's leases may spend (granted less taken back) never exceeds G, each lease is taken
+    /// back from once, never more than it left, and only in its own window.
+    #[test]
+    fn unspent_tokens_given_back_never_lift_a_window_past_its_limit(
+        limit in 1u64..2_000,
+        chunk_fraction in 1u64..=100,
+        steps in prop::collection::vec((0u64..20_000, 1u64..3_000, 0u64..=100, any::<bool>()), 1..120),
+    ) {
+        let window_ms = 60_000;
+        let chunk = (limit * chunk_fraction / 100).max(1);
+        let regions = vec![RegionId::parse("eu").expect("id"), RegionId::parse("us").expect("id")];
+        let config = PoolConfig::new(limit, window_ms, chunk, 15_000, 0, regions.clone()).expect("valid");
+        let mut state: Option<allot_shared::lease::PoolWindowState> = None;
+        let mut now = 1u64 << 40;
+        // Per window start: what each lease may still spend (its grant, less what came back).
+        let mut spendable: std::collections::BTreeMap<u64, std::collections::BTreeMap<u128, u64>> =
+            Default::default();
+        let mut leases: Vec<(u128, allot_shared::lease::Grant, bool)> = Vec::new();
+        for (n, (delta, want, spent_percent, give_back)) in steps.into_iter().enumerate() {
+            now += delta;
+            let request = GrantRequest {
+                lease_id: LeaseId::from_parts(now, n as u128),
+                region: regions[n % 2].clone(),
+                want_tokens: want,
+            };
+            let (g, mut next) = grant(&config, state.as_ref(), Epoch(1), now, &request, LeaseClamping::Clamped)
+                .expect("grant");
+            if g.granted_tokens > 0 {
+                spendable.entry(g.window.start_ms).or_default().insert(n as u128, g.granted_tokens);
+                leases.push((n as u128, g.clone(), false));
+            }
+            // Some earlier lease ends and gives back what it left (asked twice, once honoured).
+            if give_back && !leases.is_empty() {
+                let pick = (now as usize) % leases.len();
+                let (id, lease, done) = leases[pick].clone();
+                let spent = lease.granted_tokens * spent_percent / 100;
+                let unspent = lease.granted_tokens - spent;
+                let returnable = returnable_tokens(lease.granted_tokens, spent, unspent + 5);
+                prop_assert_eq!(returnable, unspent, "never more than the grant less the spend");
+                let taken = if done { 0 } else { next.take_back(lease.window, returnable) };
+                prop_assert!(taken <= unspent);
+                if lease.window != next.window {
+                    prop_assert_eq!(taken, 0, "only in the lease's own window");
+                }
+                if let Some(left) = spendable.get_mut(&lease.window.start_ms).and_then(|w| w.get_mut(&id)) {
+                    *left -= taken;
+                }
+                leases[pick].2 = true;
+            }
+            let in_window: u64 = spendable.get(&next.window.start_ms).map_or(0, |w| w.values().sum());
+            prop_assert!(in_window <= limit, "{} spendable of {}", in_window, limit);
+            prop_assert_eq!(in_window, next.outstanding_tokens());
+            prop_assert_eq!(next.outstanding_tokens() + next.remaining_tokens(&config), limit);
             state = Some(next);
         }
     }

@@ -76,9 +76,13 @@ impl TenantChecker {
         &mut self.current[tenant][region]
     }
 
-    /// Tokens granted to `tenant` in the window in progress, over all regions.
+    /// Tokens granted to `tenant` in the window in progress and not taken back, over all
+    /// regions: what the window's leases hold or spent.
     pub(super) fn granted_in_window(&self, tenant: usize) -> u64 {
-        self.current[tenant].iter().map(|r| r.granted_tokens).sum()
+        let records = &self.current[tenant];
+        let granted: u64 = records.iter().map(|r| r.granted_tokens).sum();
+        let returned: u64 = records.iter().map(|r| r.returned_tokens).sum();
+        granted.saturating_sub(returned)
     }
 
     /// Records a grant (attributed to the window in progress, which is the window the allocator
@@ -173,6 +177,9 @@ impl TenantChecker {
             let who = self.tenant_names[t].clone();
             let admitted: u64 = records.iter().map(RegionWindow::consumed).sum();
             let granted: u64 = records.iter().map(|r| r.granted_tokens).sum();
+            // Tokens taken back are granted again: what the window's leases may spend is what
+            // was granted less what came back.
+            let returned: u64 = records.iter().map(|r| r.returned_tokens).sum();
             let leased: u64 = records.iter().map(|r| r.leased).sum();
             let carried: u64 = records.iter().map(|r| r.carried_over).sum();
             let bound = OvershootBound {
@@ -185,9 +192,9 @@ impl TenantChecker {
                     bound.total_tokens()
                 ));
             }
-            if granted > bound.limit_tokens + lost[t] {
+            if granted.saturating_sub(returned) > bound.limit_tokens + lost[t] {
                 self.violation(format!(
-                    "{who}window {at}s granted {granted} > the pools' limits {}",
+                    "{who}window {at}s granted {granted} > the pools' limits {} ({returned} of it taken back)",
                     bound.limit_tokens
                 ));
             }

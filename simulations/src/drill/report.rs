@@ -214,7 +214,7 @@ impl DrillReport {
                 total.add(&w.regions[r]);
             }
             out.push_str(&format!(
-                "  {:<6}  demand {}  admitted {} (leased {}, carried {}, fallback {})  denied {}  granted {}  stranded {}\n",
+                "  {:<6}  demand {}  admitted {} (leased {}, carried {}, fallback {})  denied {}  granted {}  stranded {} (left unspent {}, taken back {})\n",
                 plan.region,
                 total.demand,
                 total.admitted(),
@@ -223,7 +223,9 @@ impl DrillReport {
                 total.fallback,
                 total.denied(),
                 total.granted_tokens,
-                total.stranded_tokens
+                total.stranded_net_tokens(),
+                total.stranded_tokens,
+                total.returned_tokens
             ));
         }
         let worst = self
@@ -361,6 +363,9 @@ fn extras(r: &RegionWindow) -> String {
     }
     if r.unreported_tokens > 0 {
         parts.push(format!("unreported {}", r.unreported_tokens));
+    }
+    if r.returned_tokens > 0 {
+        parts.push(format!("unspent tokens taken back {}", r.returned_tokens));
     }
     if r.spent_after_lease_end > 0 {
         parts.push(format!("spent after lease end {}", r.spent_after_lease_end));

@@ -45,6 +45,11 @@ pub struct RegionWindow {
     /// agent that crashed).
     #[serde(rename = "stranded")]
     pub stranded_tokens: u64,
+    /// Tokens the allocator took back of what leases left unspent at their end (counted in
+    /// `stranded` when the lease ended, grantable again since): what stayed stranded is the
+    /// difference.
+    #[serde(rename = "returned", default)]
+    pub returned_tokens: u64,
     /// Grant answers lost on the way back.
     pub answers_lost: u64,
     /// Tokens of lost answers recovered by asking again with the same lease id.
@@ -80,6 +85,13 @@ fn is_zero(value: &u64) -> bool {
 }
 
 impl RegionWindow {
+    /// Tokens that stayed stranded: unspent at a lease's end and not taken back. (A lease's
+    /// tokens are counted stranded when it ends and taken back at its final report, possibly in
+    /// the next window's record: per window this can read low, over a run it is exact.)
+    pub fn stranded_net_tokens(&self) -> u64 {
+        self.stranded_tokens.saturating_sub(self.returned_tokens)
+    }
+
     /// Every request admitted.
     pub fn admitted(&self) -> u64 {
         self.leased + self.carried_over + self.fallback
@@ -116,6 +128,7 @@ impl RegionWindow {
         self.denied_while_tokens_left += other.denied_while_tokens_left;
         self.granted_tokens += other.granted_tokens;
         self.stranded_tokens += other.stranded_tokens;
+        self.returned_tokens += other.returned_tokens;
         self.answers_lost += other.answers_lost;
         self.recovered_tokens += other.recovered_tokens;
         self.unreported_tokens += other.unreported_tokens;

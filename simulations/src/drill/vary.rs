@@ -176,7 +176,9 @@ pub async fn sweep(
             overshoot_max = overshoot_max.max(overshoot);
             for window in &report.windows {
                 denied += window.sum(denied_while_tokens_left);
-                stranded += window.sum(|r| r.stranded_tokens);
+                stranded += window
+                    .sum(|r| r.stranded_tokens)
+                    .saturating_sub(window.sum(|r| r.returned_tokens));
             }
             bound_overshoot = report.bound.total_tokens() - report.bound.limit_tokens;
             failed_seeds += u64::from(!report.passed());

@@ -46,11 +46,19 @@ impl HeldLease {
     }
 
     fn line(&self, final_line: bool) -> LeaseLine {
+        // A final line is sent once nothing is reserved: what remains then is never spent.
+        debug_assert!(!final_line || self.reserved_tokens == 0);
+        let unspent_tokens = if final_line && self.grant.returnable {
+            self.remaining_tokens()
+        } else {
+            0
+        };
         LeaseLine {
             lease_id: self.grant.lease_id,
             window_start_ms: self.grant.window.start_ms,
             spent_tokens: self.spent_tokens,
             final_line,
+            unspent_tokens,
         }
     }
 }
@@ -385,6 +393,9 @@ impl Leases {
                     },
                     expires_at_ms: 0,
                     retry_after_ms: 0,
+                    // What the crashed run spent after its snapshot is unknown: nothing is
+                    // given back.
+                    returnable: false,
                 })
             });
         }

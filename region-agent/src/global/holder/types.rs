@@ -81,6 +81,10 @@ pub struct LeaseGrant {
     pub expires_at_ms: u64,
     /// With nothing granted: ms until the pool refills (the next window).
     pub retry_after_ms: u64,
+    /// The allocator takes back what the lease leaves unspent, and the lease ends before its
+    /// window does (so what it gives back can be granted again): its final line says how many
+    /// tokens are left.
+    pub returnable: bool,
 }
 
 impl LeaseGrant {
@@ -98,6 +102,8 @@ impl LeaseGrant {
             },
             expires_at_ms: answer.expires_at_ms,
             retry_after_ms: answer.retry_after_ms,
+            // Both instants on the allocator's clock.
+            returnable: answer.returnable && answer.expires_at_ms < answer.window_end_ms,
         }
         .on_agent_clock(answer.answered_at_ms(), asked_at_ms)
     }
@@ -266,6 +272,9 @@ pub struct LeaseLine {
     pub spent_tokens: u64,
     /// The lease has ended: this is its final line.
     pub final_line: bool,
+    /// In a final line of a returnable lease: the tokens left unspent, none reserved or withheld,
+    /// that this agent will never spend (given back to the lease's window).
+    pub unspent_tokens: u64,
 }
 
 /// One window's fallback admits in a report (cumulative).

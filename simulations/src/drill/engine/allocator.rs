@@ -4,14 +4,14 @@
 use std::sync::Arc;
 
 use allot_allocator::clock::{Clock, ManualClock};
-use allot_allocator::grants::Grantor;
+use allot_allocator::grants::{Grantor, LeaseReturn};
 use allot_allocator::kv::memory::MemoryKv;
 use allot_allocator::kv::{Kv, Op};
 use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
 use allot_allocator::pools::get_window;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig};
-use allot_shared::wire::GrantAnswer;
+use allot_shared::wire::{GrantAnswer, ReportLease};
 use tokio::sync::watch;
 
 use super::{DrillError, store};
@@ -86,6 +86,31 @@ impl DrillAllocator {
             )
             .await
             .map_err(|e| DrillError::Broken(format!("grant failed: {e}")))
+    }
+
+    /// Takes back what a lease's final `line` (of `region`'s pool of `tenant`) leaves unspent, as
+    /// the allocator's report route does: how many tokens came back to the window.
+    pub(super) async fn take_back(
+        &mut self,
+        tenant: usize,
+        region_index: usize,
+        region: &RegionId,
+        line: &ReportLease,
+    ) -> Result<u64, DrillError> {
+        let lease = LeaseReturn {
+            lease_id: line.lease_id,
+            region: region.clone(),
+            spent_tokens: line.spent_tokens,
+            unspent_tokens: line.unspent_tokens,
+        };
+        self.grantor
+            .take_back(
+                &self.tenants[tenant],
+                &self.pools[tenant][region_index],
+                lease,
+            )
+            .await
+            .map_err(|e| DrillError::Broken(format!("taking back unspent tokens failed: {e}")))
     }
 
     /// Replaces the leader: the old one loses its store lease (it crashed or was partitioned away),

@@ -181,7 +181,7 @@ impl Step<'_> {
             abnormal |= self.serve_one().await?;
         }
         if report_due {
-            self.report();
+            self.report().await?;
         }
         self.tally_strands();
         Ok(abnormal)
@@ -234,7 +234,7 @@ impl Step<'_> {
         }
         self.renew().await?;
         if report_due {
-            self.report();
+            self.report().await?;
         }
         self.tally_strands();
         Ok(abnormal)
@@ -404,24 +404,43 @@ impl Step<'_> {
     /// The agent reports what its pool owes, as the shipped agent does, every
     /// [`REPORT_EVERY_MS`]: cut off (or slower than the call's deadline) the report fails and
     /// stays owed; taken, the ledger keeps this agent's fallback count. Either way the agent
-    /// learns from it whether the allocator is reachable, as from any call.
-    fn report(&mut self) {
+    /// learns from it whether the allocator is reachable, as from any call. What the report's
+    /// final lines leave unspent is given back through the shipped grant service, as the
+    /// allocator's report route does.
+    async fn report(&mut self) -> Result<(), DrillError> {
         let Some(agent) = self.held.agent.as_mut() else {
-            return;
+            return Ok(());
         };
         if !agent.owes_report(self.agent_now_ms) {
-            return;
+            return Ok(());
         }
         let parts = agent.report(self.agent_now_ms);
         if parts.is_empty() {
-            return;
+            return Ok(());
         }
         let answered = !self.conditions.partitioned
             && ROUND_TRIP_MS + self.conditions.added_ms < ms(CALL_TIMEOUT);
         *self.believes_reachable = answered;
         if !answered {
-            return;
+            return Ok(());
         }
+        for part in &parts {
+            for line in part.lease_lines() {
+                if !line.final_report || line.unspent_tokens == 0 {
+                    continue;
+                }
+                let taken = self
+                    .allocator
+                    .take_back(self.tenant, self.region_index, self.region, &line)
+                    .await?;
+                self.checker
+                    .record(self.tenant, self.region_index)
+                    .returned_tokens += taken;
+            }
+        }
+        let Some(agent) = self.held.agent.as_mut() else {
+            return Ok(());
+        };
         for part in parts {
             let admitted = part.fallback_admitted_tokens();
             if admitted > 0 {
@@ -435,6 +454,7 @@ impl Step<'_> {
             agent.reported(&part, self.agent_now_ms);
         }
         self.held.admitted_since_report = 0;
+        Ok(())
     }
 
     /// Counts what the holder stranded this tick, and forgets lease ends long past.
