@@ -2,13 +2,14 @@
 //! their reservation or charged after their response, messages delivered, failovers and restarts,
 //! each run through the shipped pool agent.
 
+use allot_allocator::grants::LeaseReturn;
 use allot_region_agent::global::driver::{Inherited, RenewalAnswer};
 use allot_region_agent::global::{Denial, GrantCall, HolderSnapshot, PoolAgent, Refusal, Spend};
 use allot_shared::ids::{Epoch, LeaseId};
 use allot_shared::lease::GrantRequest;
 use allot_shared::wire::{FallbackInWindow, GrantAnswer};
 
-use super::state::{Breach, Call, Leader, Message, ModelState, Reply};
+use super::state::{Breach, Call, GivenBack, Leader, Message, ModelState, Reply};
 use super::{LeaseModel, Variant};
 
 /// Tokens a holder has spent or admitted in fallback, as its snapshot would say.
@@ -112,6 +113,21 @@ impl LeaseModel {
                 // The agent's report round: what the allocator acknowledges is done with.
                 for part in region.agent.report(now_ms) {
                     region.agent.reported(&part, now_ms);
+                    if self.config.give_back {
+                        for line in part.lease_lines() {
+                            if line.final_report && line.unspent_tokens > 0 {
+                                state.network.push(Message::GiveBack {
+                                    region: r as u8,
+                                    line: GivenBack {
+                                        lease_id: line.lease_id,
+                                        spent_tokens: line.spent_tokens,
+                                        unspent_tokens: line.unspent_tokens,
+                                    },
+                                });
+                            }
+                        }
+                        state.network.sort();
+                    }
                     let admitted = part.fallback_admitted_tokens();
                     if self.tracks_fallback() && admitted > 0 {
                         let held = state
@@ -152,6 +168,12 @@ impl LeaseModel {
             let length_ms = record.window_end_ms - record.window_start_ms;
             record.window_end_ms + length_ms > now_ms
         });
+        // A mark lives on its grant record's store lease.
+        let records = &state.allocator.records;
+        state
+            .allocator
+            .returned
+            .retain(|lease| records.contains_key(lease));
     }
 
     /// The heal, on agent `a`'s clock.
@@ -320,7 +342,19 @@ impl LeaseModel {
                 end_call(state, r);
                 self.renew(state, r);
             }
+            Message::GiveBack { region, line } => self.give_back(state, leader, region, line),
         }
+    }
+
+    /// Agent `region`'s final `line` reaches leader `leader`, which takes back what it gives.
+    fn give_back(&self, state: &mut ModelState, leader: usize, region: u8, line: GivenBack) {
+        let lease = LeaseReturn {
+            lease_id: line.lease_id,
+            region: self.regions[self.agent_regions[usize::from(region)]].clone(),
+            spent_tokens: line.spent_tokens,
+            unspent_tokens: line.unspent_tokens,
+        };
+        state.allocator.take_back(self, leader, &lease);
     }
 
     /// The call's outcome as the agent's transport gives it: `answer`, to a call asked at
@@ -398,7 +432,7 @@ impl LeaseModel {
                     region: self.regions[self.agent_regions[usize::from(*region)]].clone(),
                     want_tokens: *want_tokens,
                 }),
-                Message::Answer { .. } => None,
+                Message::Answer { .. } | Message::GiveBack { .. } => None,
             })
             .collect();
         let replies = state.allocator.serve_batch(self, leader, &requests, now_ms);

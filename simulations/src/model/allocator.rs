@@ -2,9 +2,10 @@
 //! queued together decided by `plan_batch` on the leader's cached window and committed only while
 //! the fence and the window's revision hold.
 
-use allot_allocator::grants::plan_batch;
+use allot_allocator::grants::{LeaseReturn, plan_batch};
 use allot_allocator::pools::GrantRecord;
-use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig};
+use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig, returnable_tokens};
+use allot_shared::window::Window;
 
 use super::state::{Allocator, Leader, Reply};
 use super::{LeaseModel, Variant};
@@ -135,6 +136,69 @@ impl Allocator {
             }
         }
         fill(replies, &mut |_| Reply::NotLeader)
+    }
+}
+
+impl Allocator {
+    /// The grant worker's steps for a lease's give-back at `leader`: a lease whose tokens the
+    /// store's mark says were taken back, or with no record of the giving region's, changes
+    /// nothing; otherwise what it may give back is taken back on the leader's cached window and
+    /// committed with the mark only while the fence and the window's revision hold (a commit that
+    /// fails the revision reloads the cache and tries again; a deposed leader gives up).
+    pub(super) fn take_back(&mut self, model: &LeaseModel, leader: usize, lease: &LeaseReturn) {
+        let marked = model.config.variant != Variant::GiveBackUnmarked;
+        if marked && self.returned.contains(&lease.lease_id) {
+            return;
+        }
+        let Some(record) = self
+            .records
+            .get(&lease.lease_id)
+            .filter(|record| record.region == lease.region)
+        else {
+            return;
+        };
+        let lease_window = Window {
+            start_ms: record.window_start_ms,
+            end_ms: record.window_end_ms,
+        };
+        let returnable = returnable_tokens(
+            record.granted_tokens,
+            lease.spent_tokens,
+            lease.unspent_tokens,
+        );
+        let fence = model.config.variant != Variant::FenceSkipped;
+        for _ in 0..2 {
+            let Some(node) = self.leaders.get(leader) else {
+                return;
+            };
+            let mut window = node.window.clone();
+            let taken = window
+                .as_mut()
+                .map_or(0, |window| window.take_back(lease_window, returnable));
+            if taken == 0 {
+                return;
+            }
+            let deposed = node.epoch != self.epoch;
+            if (!deposed && node.revision == self.window_revision) || !fence {
+                self.window_revision += 1;
+                self.window = window.clone();
+                self.returned.insert(lease.lease_id);
+                let revision = self.window_revision;
+                if let Some(node) = self.leaders.get_mut(leader) {
+                    node.window = window;
+                    node.revision = revision;
+                }
+                return;
+            }
+            if deposed {
+                return;
+            }
+            let (window, revision) = (self.window.clone(), self.window_revision);
+            if let Some(node) = self.leaders.get_mut(leader) {
+                node.window = window;
+                node.revision = revision;
+            }
+        }
     }
 }
 

@@ -10,9 +10,9 @@ use stateright::{Model, Property};
 
 use super::state::{Action, Allocator, Breach, Leader, Message, ModelState, Region};
 use super::{
-    ADMITS_IN_FALLBACK, DENIAL_DEBITS_NOTHING, FALLBACK_WITHIN_ALLOWANCE, HOLDS_AFTER_FAILOVER,
-    LeaseModel, NO_STALE_EPOCH, REACHES_LIMIT, RESUMES_AFTER_HEAL, SAFETY, SPENT_IN_LEASE_LIFE,
-    SPENT_IN_WINDOW, WITHIN_BOUND,
+    ADMITS_IN_FALLBACK, DENIAL_DEBITS_NOTHING, FALLBACK_WITHIN_ALLOWANCE, GIVES_BACK,
+    HOLDS_AFTER_FAILOVER, LeaseModel, NO_STALE_EPOCH, REACHES_LIMIT, RESUMES_AFTER_HEAL, SAFETY,
+    SPENT_IN_LEASE_LIFE, SPENT_IN_WINDOW, WITHIN_BOUND,
 };
 
 impl Model for LeaseModel {
@@ -41,6 +41,7 @@ impl Model for LeaseModel {
                 window: None,
                 window_revision: 0,
                 records: BTreeMap::new(),
+                returned: std::collections::BTreeSet::new(),
                 leaders: vec![Leader {
                     epoch: Epoch(1),
                     window: None,
@@ -128,6 +129,14 @@ impl Model for LeaseModel {
                     }
                 }
                 Message::Answer { .. } => actions.push(Action::Deliver { index, leader: 0 }),
+                Message::GiveBack { .. } => {
+                    for leader in 0..leaders {
+                        actions.push(Action::Deliver { index, leader });
+                    }
+                    if !healed && state.duplicates > 0 {
+                        actions.push(Action::Duplicate(index));
+                    }
+                }
             }
             if !healed && state.losses > 0 {
                 actions.push(Action::Lose(index));
@@ -218,6 +227,9 @@ impl Model for LeaseModel {
                     .regions
                     .iter()
                     .any(|r| r.highest_epoch_held > Epoch(1))
+            }),
+            Property::sometimes(GIVES_BACK, |_: &Self, state: &ModelState| {
+                !state.allocator.returned.is_empty()
             }),
             Property::sometimes(ADMITS_IN_FALLBACK, |_: &Self, state: &ModelState| {
                 state.regions.iter().any(|r| {

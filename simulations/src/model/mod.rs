@@ -42,7 +42,7 @@ use allot_shared::lease::{LeaseClamping, OvershootBound, PoolConfig, PoolConfigE
 use allot_shared::window::{CalendarUnit, CalendarWindow, WindowSpec};
 use allot_shared::wire::{CalendarWindowSpec, PoolTerms};
 
-pub use state::{Action, Breach, Message, ModelState, Reply};
+pub use state::{Action, Breach, GivenBack, Message, ModelState, Reply};
 
 /// Most regions a model may have (the state grows with each).
 pub const MAX_MODEL_REGIONS: usize = 3;
@@ -87,6 +87,9 @@ pub enum Variant {
     /// if alone, and commits them together: asks decided together can be granted the same
     /// tokens.
     BatchDecidedApart,
+    /// The allocator takes a lease's unspent tokens back without the store's mark that it did:
+    /// a final line delivered twice gives its tokens back twice.
+    GiveBackUnmarked,
 }
 
 /// A configuration to explore.
@@ -144,6 +147,9 @@ pub struct ModelConfig {
     /// The tick from which nothing fails: no loss, duplicate, failover or restart, and every
     /// message is delivered before time moves on.
     pub heal_at_step: u32,
+    /// Whether final report lines give what their leases left unspent back to the allocator, as
+    /// agents do with an allocator that takes them back (off: those tokens stay stranded).
+    pub give_back: bool,
     /// Which guard, if any, is broken.
     pub variant: Variant,
 }
@@ -177,6 +183,7 @@ impl ModelConfig {
             state_dir: true,
             clock_offsets_ms: [0; MAX_MODEL_REGIONS],
             heal_at_step: 2,
+            give_back: false,
             variant: Variant::Shipped,
         }
     }
@@ -441,3 +448,5 @@ pub const REACHES_LIMIT: &str = "a window admits its limit";
 pub const HOLDS_AFTER_FAILOVER: &str = "a grant after a failover is held";
 /// Coverage: something is admitted in fallback.
 pub const ADMITS_IN_FALLBACK: &str = "something is admitted in fallback";
+/// Reachability: a lease's unspent tokens are taken back (with give-back on).
+pub const GIVES_BACK: &str = "unspent tokens are taken back";

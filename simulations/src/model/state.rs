@@ -2,7 +2,7 @@
 //! were served), the allocators (leader, cache, records), the messages in flight, and the actions
 //! that move it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use allot_allocator::pools::GrantRecord;
 use allot_region_agent::global::{PoolAgent, PoolJournal};
@@ -70,6 +70,25 @@ pub enum Message {
         /// What was answered.
         reply: Reply,
     },
+    /// A lease's final report line with what it left unspent, to the allocator (which takes it
+    /// back as the report route does; the agent waits for nothing).
+    GiveBack {
+        /// The reporting agent.
+        region: u8,
+        /// The line.
+        line: GivenBack,
+    },
+}
+
+/// A final report line that gives tokens back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GivenBack {
+    /// The lease that ended.
+    pub lease_id: LeaseId,
+    /// What the line says was spent.
+    pub spent_tokens: u64,
+    /// What the line says was left unspent.
+    pub unspent_tokens: u64,
 }
 
 /// One allocator node that believes it leads.
@@ -89,6 +108,8 @@ pub(super) struct Allocator {
     pub(super) window: Option<PoolWindowState>,
     pub(super) window_revision: u64,
     pub(super) records: BTreeMap<LeaseId, GrantRecord>,
+    /// The store's marks of leases whose unspent tokens were taken back.
+    pub(super) returned: BTreeSet<LeaseId>,
     /// The newest last; a deposed one serves until the model forgets it.
     pub(super) leaders: Vec<Leader>,
 }

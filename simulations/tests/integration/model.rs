@@ -8,8 +8,8 @@
 use std::time::Instant;
 
 use allot_simulations::model::{
-    ADMITS_IN_FALLBACK, FALLBACK_WITHIN_ALLOWANCE, HOLDS_AFTER_FAILOVER, LeaseModel, ModelConfig,
-    ModelWindow, REACHES_LIMIT, SAFETY, SPENT_IN_LEASE_LIFE, SPENT_IN_WINDOW, Variant,
+    ADMITS_IN_FALLBACK, FALLBACK_WITHIN_ALLOWANCE, GIVES_BACK, HOLDS_AFTER_FAILOVER, LeaseModel,
+    ModelConfig, ModelWindow, REACHES_LIMIT, SAFETY, SPENT_IN_LEASE_LIFE, SPENT_IN_WINDOW, Variant,
     WITHIN_BOUND,
 };
 use stateright::{Checker, Model};
@@ -469,6 +469,40 @@ fn a_batch_decided_ask_by_ask_on_the_same_window_is_caught() {
     );
 }
 
+/// Final lines give what their leases left unspent back, taken back as the allocator's report
+/// route does: `G` = 2 without fallback (the bound is `G`: a token given back twice shows as an
+/// overshoot), 4 s windows (a lease of 2 s ends, gives back, and its region renews and spends
+/// inside the window), over 4 s, with a final line delivered twice before the heal at 3 s.
+fn giving_back() -> ModelConfig {
+    ModelConfig {
+        limit_tokens: 2,
+        fallback_per_region_tokens: 0,
+        window: ModelWindow::Fixed(4_000),
+        steps: 4,
+        heal_at_step: 3,
+        give_back: true,
+        duplicates: 1,
+        ..ModelConfig::small()
+    }
+}
+
+#[test]
+fn unspent_tokens_given_back_keep_every_property() {
+    holds(
+        "give back and duplicate",
+        giving_back(),
+        &[REACHES_LIMIT, GIVES_BACK],
+    );
+}
+
+#[test]
+fn a_give_back_taken_without_its_mark_is_caught() {
+    caught(
+        giving_back().with_variant(Variant::GiveBackUnmarked),
+        WITHIN_BOUND,
+    );
+}
+
 /// Every configuration CI explores can break its main property: with the allocator's guard on
 /// `G` broken, some window admits more than its bound (its demand exceeds it), so "admitted
 /// within the bound" holding there says something. Depth first: any such state will do.
@@ -506,6 +540,7 @@ fn every_configuration_exceeds_its_bound_when_the_limit_is_ignored() {
         ("clock 400 ms ahead", skewed(400)),
         ("two agents in a region", two_agents()),
         ("batches, a regional denial and a charge", as_shipped()),
+        ("give back and duplicate", giving_back()),
     ];
     for (name, config) in configurations {
         let model = LeaseModel::new(config.with_variant(Variant::LimitIgnored))
