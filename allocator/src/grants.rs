@@ -26,7 +26,8 @@ use std::time::Duration;
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
 use allot_shared::lease::{
-    GrantRequest, LeaseClamping, PoolConfig, PoolWindowState, returnable_tokens,
+    GRANT_RECORD_MAX_LIFETIME_MS, GrantRequest, LeaseClamping, PoolConfig, PoolWindowState,
+    lease_id_outlived, returnable_tokens,
 };
 use allot_shared::wire::GrantAnswer;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -62,6 +63,12 @@ pub const MAX_TXN_ATTEMPTS: usize = 5;
 pub const GRANT_DEADLINE: Duration = Duration::from_secs(10);
 /// A pool worker with nothing to do for this long exits (it is re-created on demand).
 pub const WORKER_IDLE: Duration = Duration::from_secs(60);
+/// Commits of a window longer than [`GRANT_RECORD_MAX_LIFETIME_MS`] share a store lease for
+/// their records this long, ms (a record outlives its commit by the lifetime and at most this).
+pub const RECORD_LEASE_BUCKET_MS: u64 = 600_000;
+/// What an asker's clock may be ahead of the allocator's when its lease id's age is judged, ms
+/// (the most `--clock-margin-ms` allows agents).
+pub const LEASE_ID_CLOCK_ALLOWANCE_MS: u64 = 10_000;
 /// Recently committed grants remembered per pool for answering retries without the store.
 pub const RECENT_GRANTS_PER_POOL: usize = 8_192;
 
@@ -80,6 +87,13 @@ pub enum GrantFailure {
     /// `want` was 0.
     #[error("want must be at least 1")]
     ZeroWant,
+    /// The lease id was made longer ago than a grant's record is kept, in windows that outlive
+    /// that: its grant, if any, may be forgotten, so it is not granted (again).
+    #[error(
+        "was made more than an hour ago (by the time in it) and this pool's windows are longer: \
+         a grant's record may be gone; ask with a new lease id"
+    )]
+    LeaseIdOutlived,
     /// Too many grants queued for this pool.
     #[error("too many grant requests queued for this pool")]
     Overloaded,
@@ -135,8 +149,9 @@ struct Shared {
     role: watch::Receiver<Role>,
     clamping: LeaseClamping,
     workers: Mutex<Workers>,
-    /// Store leases that carry grant records, by (window end, window length) in ms.
-    record_leases: Mutex<HashMap<(u64, u64), i64>>,
+    /// Store leases that carry grant records, by (window end, window length, commit bucket) in
+    /// ms (bucket 0 where records live by their window).
+    record_leases: Mutex<HashMap<(u64, u64, u64), i64>>,
     /// Where committed grants are sent for the ledger. Bounded: when it is full the copy is skipped
     /// (and logged); the ledger's reconciliation from the store fills the gap.
     commit_feed: Option<mpsc::Sender<CommittedGrants>>,
@@ -372,7 +387,11 @@ impl Grantor {
             Ok(_) => "granted",
             Err(GrantFailure::NotLeader(_)) => "not_leader",
             Err(GrantFailure::UnknownPool) => "unknown_pool",
-            Err(GrantFailure::RegionNotInPool(_) | GrantFailure::ZeroWant) => "refused",
+            Err(
+                GrantFailure::RegionNotInPool(_)
+                | GrantFailure::ZeroWant
+                | GrantFailure::LeaseIdOutlived,
+            ) => "refused",
             Err(GrantFailure::Overloaded) => "overloaded",
             Err(GrantFailure::Unavailable(_)) => "unavailable",
         };
@@ -574,6 +593,7 @@ impl PoolWorker {
                 }
             }
             batch = self.answer_known(batch);
+            batch = self.refuse_outlived_ids(batch).await;
             returns = self.answer_known_returns(returns);
             if batch.is_empty() && returns.is_empty() {
                 return;
@@ -642,6 +662,29 @@ impl PoolWorker {
                 }
                 None => rest.push(pending),
             }
+        }
+        rest
+    }
+
+    /// Refuses asks whose lease ids are older than a grant's record is kept in this pool's windows
+    /// ([`lease_id_outlived`]), unless their record is still there (then it answers them).
+    async fn refuse_outlived_ids(&mut self, batch: Vec<Pending>) -> Vec<Pending> {
+        let Some(cache) = self.cache.as_ref() else {
+            return batch;
+        };
+        let longest_ms = cache.config.window().longest_ms();
+        let now_ms = self.shared.clock.now_ms();
+        let (outlived, rest): (Vec<Pending>, Vec<Pending>) =
+            batch.into_iter().partition(|pending| {
+                lease_id_outlived(
+                    pending.request.lease_id,
+                    longest_ms,
+                    now_ms,
+                    LEASE_ID_CLOCK_ALLOWANCE_MS,
+                )
+            });
+        for pending in self.answer_from_store(outlived).await {
+            let _ = pending.reply.send(Err(GrantFailure::LeaseIdOutlived));
         }
         rest
     }
@@ -874,9 +917,18 @@ impl PoolWorker {
     }
 
     /// The store lease for grant records of `window`: it outlives the window's end by one window
-    /// length, so records are kept at least that long and then vanish (bounded retention).
+    /// length, so records are kept at least that long and then vanish (bounded retention). In a
+    /// window longer than [`GRANT_RECORD_MAX_LIFETIME_MS`] a record is kept that long after its
+    /// commit instead, whatever the window's length (asks with older ids are refused): commits
+    /// share a store lease per [`RECORD_LEASE_BUCKET_MS`] that lasts the lifetime and a bucket.
     async fn record_lease(&self, window: &PoolWindowState, now_ms: u64) -> Result<i64, KvError> {
-        let key = (window.window.end_ms, window.window.length_ms());
+        let capped = window.window.length_ms() > GRANT_RECORD_MAX_LIFETIME_MS;
+        let bucket = if capped {
+            now_ms / RECORD_LEASE_BUCKET_MS
+        } else {
+            0
+        };
+        let key = (window.window.end_ms, window.window.length_ms(), bucket);
         if let Some(&lease) = self
             .shared
             .record_leases
@@ -893,7 +945,14 @@ impl PoolWorker {
             .window
             .length_ms()
             .max(self.shared.record_min_lifetime_ms);
-        let ttl_ms = window.window.end_ms.saturating_sub(now_ms) + after_end_ms;
+        let ttl_ms = if capped {
+            // Every commit of the bucket is at or after now: each record outlives its commit by
+            // the lifetime.
+            GRANT_RECORD_MAX_LIFETIME_MS.max(self.shared.record_min_lifetime_ms)
+                + RECORD_LEASE_BUCKET_MS
+        } else {
+            window.window.end_ms.saturating_sub(now_ms) + after_end_ms
+        };
         let ttl_s = i64::try_from(ttl_ms.div_ceil(1_000)).unwrap_or(i64::MAX);
         let lease = self.shared.kv.grant_lease(ttl_s).await?;
         let mut leases = self
@@ -901,7 +960,13 @@ impl PoolWorker {
             .record_leases
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        leases.retain(|(end, length), _| end.saturating_add(*length) > now_ms);
+        leases.retain(|&(end, length, bucket), _| {
+            if bucket == 0 {
+                end.saturating_add(length) > now_ms
+            } else {
+                bucket == now_ms / RECORD_LEASE_BUCKET_MS
+            }
+        });
         leases.insert(key, lease);
         Ok(lease)
     }
@@ -911,7 +976,9 @@ impl PoolWorker {
             .record_leases
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&(window.window.end_ms, window.window.length_ms()));
+            .retain(|&(end, length, _), _| {
+                (end, length) != (window.window.end_ms, window.window.length_ms())
+            });
     }
 }
 

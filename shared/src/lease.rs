@@ -202,6 +202,32 @@ impl PoolConfig {
     }
 }
 
+/// Longest a grant's record is kept after its commit, whatever its window's length, ms (it is
+/// kept less when its window and one more window end sooner). A record answers an ask asked again
+/// after a lost answer, and a lease's give-back; an hour covers any retry an agent makes with an
+/// unanswered lease id (it gives the id up by then) and a lease's final report, while 10,000
+/// monthly pools renewed every 10 minutes in 3 regions keep some 200,000 records, not the 260
+/// million that a window's length of them would be. The allocator refuses an ask whose lease id
+/// was made longer ago than this in a window that outlives it ([`lease_id_outlived`]).
+pub const GRANT_RECORD_MAX_LIFETIME_MS: u64 = 3_600_000;
+
+/// Whether an ask with `lease`'s id, at `now_ms` (the allocator's clock) in windows of at most
+/// `window_length_ms`, may find its grant's record gone: the id was made longer ago than a
+/// record is kept ([`GRANT_RECORD_MAX_LIFETIME_MS`], less `clock_allowance_ms` for the asker's
+/// clock) and the windows outlive that (in shorter ones a record outlives its window by one more,
+/// and the asker gives the id up by then). Granted again, it could be granted twice: it is refused
+/// instead, and the asker asks afresh.
+pub fn lease_id_outlived(
+    lease: LeaseId,
+    window_length_ms: u64,
+    now_ms: u64,
+    clock_allowance_ms: u64,
+) -> bool {
+    window_length_ms > GRANT_RECORD_MAX_LIFETIME_MS
+        && now_ms.saturating_sub(lease.unix_ms())
+            > GRANT_RECORD_MAX_LIFETIME_MS.saturating_sub(clock_allowance_ms)
+}
+
 /// Whether lease expiry is clamped to the end of its window. Production always clamps; the simulator
 /// turns it off to show the carry-over term of the bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

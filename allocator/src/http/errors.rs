@@ -180,6 +180,7 @@ impl From<GrantFailure> for ApiError {
             GrantFailure::UnknownPool => Self::not_found(detail),
             GrantFailure::RegionNotInPool(_) => Self::forbidden(detail).with_field("region"),
             GrantFailure::ZeroWant => Self::invalid("want", detail),
+            GrantFailure::LeaseIdOutlived => Self::invalid("leaseId", detail),
             GrantFailure::Overloaded | GrantFailure::Unavailable(_) => {
                 Self::unavailable("Unavailable", detail)
             }

@@ -1338,12 +1338,32 @@ async fn calendar_pools_grant_within_the_local_month() {
         (31 * 24 + 2) * 3_600_000u64,
         "old agents read the longest month"
     );
+    // A lease id made more than an hour ago is refused in windows that outlive a grant's record
+    // (its grant, if any, may be forgotten): the field is named, and a fresh id is granted.
+    let now_ms = allot_allocator::clock::Clock::now_ms(&allot_allocator::clock::SystemClock);
+    let outlived = server
+        .client
+        .post(format!("{}/v1/grants", server.url))
+        .bearer_auth(AGENT)
+        .json(
+            &json!({ "leaseId": allot_shared::ids::LeaseId::from_parts(now_ms - 2 * 3_600_000, 7),
+                       "tenant": "atlas", "pool": "plan", "region": "eu", "want": 10 }),
+        )
+        .send()
+        .await
+        .expect("grant");
+    let (status, problem) = status_and_body(outlived).await;
+    assert_eq!(
+        (status, problem["field"].as_str()),
+        (400, Some("leaseId")),
+        "{problem}"
+    );
     let grant: Value = server
         .client
         .post(format!("{}/v1/grants", server.url))
         .bearer_auth(AGENT)
         .json(
-            &json!({ "leaseId": allot_shared::ids::LeaseId::from_parts(1, 7), "tenant": "atlas",
+            &json!({ "leaseId": allot_shared::ids::LeaseId::from_parts(now_ms, 7), "tenant": "atlas",
                        "pool": "plan", "region": "eu", "want": 10 }),
         )
         .send()

@@ -323,6 +323,78 @@ async fn unspent_tokens_come_back_once_and_only_in_their_window(kv: Arc<dyn Kv>)
     );
 }
 
+/// In windows longer than a record is kept, a record lives about an hour after its commit, not a
+/// window past its window; an ask whose lease id is older than that is refused rather than risk
+/// granting it twice, and a record still kept answers its own id as before.
+#[tokio::test]
+async fn a_long_window_keeps_records_an_hour_and_refuses_older_lease_ids() {
+    let clock = Arc::new(ManualClock::new(T0_MS));
+    let kv: Arc<dyn Kv> = Arc::new(MemoryKv::new(clock.clone()));
+    let daily = PoolSpec {
+        window_ms: 86_400_000,
+        lease_ttl_ms: 600_000,
+        ..spec(1_000, 100)
+    };
+    put_pool(&*kv, &tenant(), &pool(), daily, T0_MS)
+        .await
+        .expect("pool configured");
+    let leadership = try_acquire(&*kv, "node-a", "http://a", 1 << 30)
+        .await
+        .expect("store")
+        .expect("leads");
+    let (_leading, role) = watch::channel(Role::Leader(leadership));
+    let grantor = Grantor::new(
+        kv.clone(),
+        clock.clone(),
+        role,
+        LeaseClamping::Clamped,
+        None,
+    );
+    let (atlas, api) = (tenant(), pool());
+    let ask = |n: u64| grantor.grant(&atlas, &api, request(n, "eu", 10));
+    assert_eq!(ask(1).await.expect("grant").granted_tokens, 10);
+    clock.advance(50 * 60_000);
+    let again = ask(1).await.expect("asked again within the hour");
+    assert_eq!(again.granted_tokens, 10, "answered from its record");
+    assert_eq!(ask(2).await.expect("a 50-minute-old id").granted_tokens, 10);
+    clock.advance(20 * 60_000);
+    assert_eq!(ask(3).await, Err(GrantFailure::LeaseIdOutlived));
+    assert_eq!(
+        get_grant(&*kv, &tenant(), &pool(), &lease(1))
+            .await
+            .expect("read"),
+        None,
+        "gone 70 minutes after its commit, the day far from over"
+    );
+    // A worker that does not remember it (a new leader's) refuses it: never granted twice.
+    let (_sender, role) = watch::channel(Role::Leader(leadership));
+    let fresh_worker = Grantor::new(
+        kv.clone(),
+        clock.clone(),
+        role,
+        LeaseClamping::Clamped,
+        None,
+    );
+    assert_eq!(
+        fresh_worker.grant(&atlas, &api, request(1, "eu", 10)).await,
+        Err(GrantFailure::LeaseIdOutlived),
+        "never granted twice"
+    );
+    let fresh = GrantRequest {
+        lease_id: LeaseId::from_parts(clock.now_ms(), 99),
+        region: region("eu"),
+        want_tokens: 10,
+    };
+    assert_eq!(
+        grantor
+            .grant(&tenant(), &pool(), fresh)
+            .await
+            .expect("a fresh id")
+            .granted_tokens,
+        10
+    );
+}
+
 /// A leader whose term has ended cannot grant, even with its old proof of leadership in hand.
 async fn a_deposed_leader_cannot_grant(kv: Arc<dyn Kv>) {
     configure(&*kv, 1_000, 100).await;

@@ -521,6 +521,16 @@ fn a_lost_answer_is_given_up_once_its_record_may_be_gone() {
         allot_region_agent::global::holder::lost_answer_recoverable_until_ms(&hourly.window, lost),
         2 * 60 * MINUTE - 10_000
     );
+    // Longer windows keep a record an hour after its commit, not a window after the window:
+    // an id made at t0 is given up an hour later, less the clocks' allowance.
+    let daily = HolderConfig {
+        window: WindowSpec::Fixed(NonZeroU64::new(24 * 60 * MINUTE).expect("non-zero")),
+        ..config(0)
+    };
+    assert_eq!(
+        allot_region_agent::global::holder::lost_answer_recoverable_until_ms(&daily.window, lost),
+        t0 + 60 * MINUTE - 10_000
+    );
 }
 
 /// A lost answer asked again after a failover longer than the lease TTL comes back expired: it

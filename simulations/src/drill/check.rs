@@ -76,13 +76,13 @@ impl TenantChecker {
         &mut self.current[tenant][region]
     }
 
-    /// Tokens granted to `tenant` in the window in progress and not taken back, over all
-    /// regions: what the window's leases hold or spent.
-    pub(super) fn granted_in_window(&self, tenant: usize) -> u64 {
+    /// Tokens granted to `tenant` in the window in progress, over all regions, and of them those
+    /// taken back (grantable again).
+    pub(super) fn granted_in_window(&self, tenant: usize) -> (u64, u64) {
         let records = &self.current[tenant];
         let granted: u64 = records.iter().map(|r| r.granted_tokens).sum();
         let returned: u64 = records.iter().map(|r| r.returned_tokens).sum();
-        granted.saturating_sub(returned)
+        (granted, returned)
     }
 
     /// Records a grant (attributed to the window in progress, which is the window the allocator

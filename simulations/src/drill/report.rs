@@ -367,6 +367,12 @@ fn extras(r: &RegionWindow) -> String {
     if r.returned_tokens > 0 {
         parts.push(format!("unspent tokens taken back {}", r.returned_tokens));
     }
+    if r.denied_while_a_twentieth_left > 0 {
+        parts.push(format!(
+            "denied while over 5 % of G unheld {}",
+            r.denied_while_a_twentieth_left
+        ));
+    }
     if r.spent_after_lease_end > 0 {
         parts.push(format!("spent after lease end {}", r.spent_after_lease_end));
     }

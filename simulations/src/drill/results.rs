@@ -38,6 +38,10 @@ pub struct RegionWindow {
     /// Of the pool-exhausted denials, those while the tenant's whole quota (G) was not yet granted
     /// in this window: the cost of a static split.
     pub denied_while_tokens_left: u64,
+    /// Of the pool-exhausted denials, those while more than a twentieth of G was neither granted
+    /// nor held (5 % of the quota unspent and unheld, what was taken back included).
+    #[serde(default)]
+    pub denied_while_a_twentieth_left: u64,
     /// Tokens granted to this region for this window.
     #[serde(rename = "granted")]
     pub granted_tokens: u64,
@@ -126,6 +130,7 @@ impl RegionWindow {
         self.denied_unavailable += other.denied_unavailable;
         self.denied_by_gateway += other.denied_by_gateway;
         self.denied_while_tokens_left += other.denied_while_tokens_left;
+        self.denied_while_a_twentieth_left += other.denied_while_a_twentieth_left;
         self.granted_tokens += other.granted_tokens;
         self.stranded_tokens += other.stranded_tokens;
         self.returned_tokens += other.returned_tokens;

@@ -3,6 +3,7 @@
 //! request needs the next renewal to bring.
 
 use allot_shared::ids::LeaseId;
+use allot_shared::lease::GRANT_RECORD_MAX_LIFETIME_MS;
 use allot_shared::window::WindowSpec;
 
 /// How long past the end of its window the allocator keeps a grant's record at the least, ms:
@@ -16,13 +17,20 @@ pub const GRANT_RECORD_CLOCK_ALLOWANCE_MS: u64 = 10_000;
 /// Until when a renewal asked with `lease` (made on this agent's clock) can still be asked again
 /// for its lost answer: while the allocator surely keeps the record of any grant it committed
 /// for it. A grant is committed after the id was made, so in its window or a later one, and its
-/// record is kept a window, and at least [`GRANT_RECORD_KEPT_MIN_MS`], past that window's end.
+/// record is kept a window, and at least [`GRANT_RECORD_KEPT_MIN_MS`], past that window's end; in
+/// windows longer than [`GRANT_RECORD_MAX_LIFETIME_MS`], that long after its commit (the
+/// allocator refuses older ids there).
 pub fn lost_answer_recoverable_until_ms(window: &WindowSpec, lease: LeaseId) -> u64 {
     let made_in = window.containing(lease.unix_ms());
-    made_in
+    let by_window_ms = made_in
         .end_ms
-        .saturating_add(made_in.length_ms().max(GRANT_RECORD_KEPT_MIN_MS))
-        .saturating_sub(GRANT_RECORD_CLOCK_ALLOWANCE_MS)
+        .saturating_add(made_in.length_ms().max(GRANT_RECORD_KEPT_MIN_MS));
+    let kept_until_ms = if window.longest_ms() > GRANT_RECORD_MAX_LIFETIME_MS {
+        by_window_ms.min(lease.unix_ms().saturating_add(GRANT_RECORD_MAX_LIFETIME_MS))
+    } else {
+        by_window_ms
+    };
+    kept_until_ms.saturating_sub(GRANT_RECORD_CLOCK_ALLOWANCE_MS)
 }
 
 /// The renewal state of a holder.

@@ -323,7 +323,7 @@ impl Step<'_> {
     /// abnormal; split, a new denial could be counted in one place and judged in another, and the
     /// table of outcomes would be read in pieces.
     fn record_outcome(&mut self, served: Served, wait_ms: u64) -> bool {
-        let granted_in_window = self.checker.granted_in_window(self.tenant);
+        let (granted_in_window, returned_in_window) = self.checker.granted_in_window(self.tenant);
         let record = self.checker.record(self.tenant, self.region_index);
         record.demand += 1;
         if wait_ms > 0 {
@@ -374,8 +374,15 @@ impl Step<'_> {
             Spend::Denied { denial, .. } => match denial {
                 Denial::PoolExhausted => {
                     record.denied_exhausted += 1;
+                    // Tokens never granted: a region told the pool is exhausted asks again when
+                    // the allocator said it may be refilled (the next window). Tokens taken back
+                    // since are unheld too, and may wait for that: they count in the next figure.
                     if granted_in_window < self.limit_tokens {
                         record.denied_while_tokens_left += 1;
+                    }
+                    let outstanding = granted_in_window.saturating_sub(returned_in_window);
+                    if self.limit_tokens.saturating_sub(outstanding) > self.limit_tokens / 20 {
+                        record.denied_while_a_twentieth_left += 1;
                     }
                     false
                 }
