@@ -390,7 +390,7 @@ fn check_report(report: &Report, grants: &BTreeMap<String, GrantRow>) -> Result<
 }
 
 /// The leases `report` gives tokens back from, as the grant worker takes them: its final lines
-/// with unspent tokens (checked against the grants first: [`check_report`]).
+/// with unspent tokens (checked against the grants first: [`KnownGrants::check`]).
 pub fn lease_returns(report: &Report) -> Vec<crate::grants::LeaseReturn> {
     report
         .leases
