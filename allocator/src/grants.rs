@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
 use allot_shared::lease::{
-    GrantRequest, LeaseClamping, PoolConfig, PoolWindowState, lease_id_outlived, returnable_tokens,
+    GrantRequest, LeaseClamping, PoolConfig, PoolWindowState, lease_id_outlived,
 };
 use allot_shared::wire::GrantAnswer;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -755,12 +755,7 @@ impl PoolWorker {
         let taken_back: Vec<u64> = returns
             .iter()
             .map(|recorded| {
-                let lease = &recorded.pending.lease;
-                let returnable = returnable_tokens(
-                    recorded.granted_tokens,
-                    lease.spent_tokens,
-                    lease.unspent_tokens,
-                );
+                let returnable = recorded.returnable_at(now_ms);
                 window_after_returns
                     .as_mut()
                     .map_or(0, |window| window.take_back(recorded.window, returnable))
@@ -816,7 +811,7 @@ impl PoolWorker {
                 if taken == 0 {
                     continue;
                 }
-                let key = return_key(&self.tenant, &self.pool, &recorded.pending.lease.lease_id);
+                let key = return_key(&self.tenant, &self.pool, &recorded.lease_id());
                 compares.push(Compare::ModRevision {
                     key: key.clone(),
                     revision: 0,
@@ -833,6 +828,8 @@ impl PoolWorker {
                         .record(plan.new_records.len() as f64);
                     let granted: u64 = plan.new_records.iter().map(|r| r.granted_tokens).sum();
                     metrics::counter!(crate::metrics::TOKENS_GRANTED).increment(granted);
+                    metrics::counter!(crate::metrics::TOKENS_RETURNED)
+                        .increment(taken_back.iter().sum());
                     metrics::gauge!(crate::metrics::POOL_REMAINING,
                         "tenant" => self.tenant.to_string(), "pool" => self.pool.to_string())
                     .set(window_state.remaining_tokens(&config) as f64);
@@ -892,16 +889,13 @@ impl PoolWorker {
         }
         for (recorded, taken) in returns.drain(..).zip(taken_back) {
             if taken > 0 {
-                self.remember_return(recorded.pending.lease.lease_id, taken);
-                let _ = recorded.pending.reply.send(Ok(taken));
+                self.remember_return(recorded.lease_id(), taken);
+                recorded.answer(Ok(taken));
             } else {
                 // Nothing to take back now (the lease's window is over): unless an earlier
                 // attempt or leader took it back, which its mark says.
-                let stored = self.stored_return(recorded.pending.lease.lease_id).await;
-                let _ = recorded
-                    .pending
-                    .reply
-                    .send(stored.map(|taken| taken.unwrap_or(0)));
+                let stored = self.stored_return(recorded.lease_id()).await;
+                recorded.answer(stored.map(|taken| taken.unwrap_or(0)));
             }
         }
         Attempt::Done
@@ -928,7 +922,7 @@ fn reply_all(batch: Vec<Pending>, result: Result<GrantRecord, GrantFailure>) {
 /// Answers every grant and return of a batch with `failure`.
 fn fail_all(batch: Vec<Pending>, returns: Vec<RecordedReturn>, failure: GrantFailure) {
     for recorded in returns {
-        let _ = recorded.pending.reply.send(Err(failure.clone()));
+        recorded.answer(Err(failure.clone()));
     }
     reply_all(batch, Err(failure));
 }

@@ -52,6 +52,20 @@ pub fn return_key(tenant: &TenantId, pool: &PoolId, lease: &LeaseId) -> String {
     format!("{RETURNS_PREFIX}{tenant}/{pool}/{lease}")
 }
 
+/// What a lease's give-back mark says was taken back (`None`: no mark).
+pub async fn get_return(
+    kv: &dyn Kv,
+    tenant: &TenantId,
+    pool: &PoolId,
+    lease: &LeaseId,
+) -> Result<Option<u64>, PoolStoreError> {
+    let key = return_key(tenant, pool, lease);
+    match kv.get(&key).await? {
+        Some(stored) => decode(&key, &stored.value).map(Some),
+        None => Ok(None),
+    }
+}
+
 /// A pool's configuration as operators write it (`PUT /v1/pools/{tenant}/{pool}`), and as it is
 /// stored. One of three types of a pool's terms, each for its own boundary: this is the operator's
 /// document (unknown fields refused, `windowMs` or `window`, defaults for what may be left out),

@@ -216,16 +216,20 @@ pub const GRANT_RECORD_MAX_LIFETIME_MS: u64 = 3_600_000;
 /// record is kept ([`GRANT_RECORD_MAX_LIFETIME_MS`], less `clock_allowance_ms` for the asker's
 /// clock) and the windows outlive that (in shorter ones a record outlives its window by one more,
 /// and the asker gives the id up by then). Granted again, it could be granted twice: it is refused
-/// instead, and the asker asks afresh.
+/// instead, and the asker asks afresh. An id stamped more than the allowance ahead of `now_ms` is
+/// refused too: its age would read short by as much, and a clock that far ahead is not one the
+/// allowance covers.
 pub fn lease_id_outlived(
     lease: LeaseId,
     window_length_ms: u64,
     now_ms: u64,
     clock_allowance_ms: u64,
 ) -> bool {
+    let made_ms = lease.unix_ms();
     window_length_ms > GRANT_RECORD_MAX_LIFETIME_MS
-        && now_ms.saturating_sub(lease.unix_ms())
+        && (now_ms.saturating_sub(made_ms)
             > GRANT_RECORD_MAX_LIFETIME_MS.saturating_sub(clock_allowance_ms)
+            || made_ms > now_ms.saturating_add(clock_allowance_ms))
 }
 
 /// Whether lease expiry is clamped to the end of its window. Production always clamps; the simulator

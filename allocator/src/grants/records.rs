@@ -4,6 +4,9 @@
 use allot_shared::lease::{GRANT_RECORD_MAX_LIFETIME_MS, PoolWindowState};
 
 use super::{PoolWorker, RECORD_LEASE_BUCKET_MS};
+
+/// Kept beyond the lifetime and the bucket, ms: for two leaders' clocks apart and a slow commit.
+const RECORD_LEASE_SLACK_MS: u64 = 300_000;
 use crate::kv::KvError;
 
 impl PoolWorker {
@@ -45,6 +48,7 @@ impl PoolWorker {
             // the lifetime.
             GRANT_RECORD_MAX_LIFETIME_MS.max(self.shared.record_min_lifetime_ms)
                 + RECORD_LEASE_BUCKET_MS
+                + RECORD_LEASE_SLACK_MS
         } else {
             window.window.end_ms.saturating_sub(now_ms) + after_end_ms
         };

@@ -3,6 +3,7 @@
 //! guards of a grant and the absence of the lease's mark in the store.
 
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
+use allot_shared::lease::{GRANT_RECORD_MAX_LIFETIME_MS, returnable_tokens};
 use allot_shared::window::Window;
 use tokio::sync::oneshot;
 
@@ -30,11 +31,51 @@ pub(super) struct PendingReturn {
     pub(super) reply: oneshot::Sender<Result<u64, GrantFailure>>,
 }
 
-/// A return whose grant record was found: what the lease was granted, and in which window.
+/// A return whose grant record was found: what the lease was granted, when, and in which
+/// window; with the same lease's other give-backs queued in the batch, answered alike (a lease
+/// is taken back from once, never once per line that names it).
 pub(super) struct RecordedReturn {
     pub(super) pending: PendingReturn,
+    pub(super) repeats: Vec<oneshot::Sender<Result<u64, GrantFailure>>>,
     pub(super) granted_tokens: u64,
+    pub(super) issued_at_ms: u64,
     pub(super) window: Window,
+}
+
+impl RecordedReturn {
+    /// The lease.
+    pub(super) fn lease_id(&self) -> LeaseId {
+        self.pending.lease.lease_id
+    }
+
+    /// Answers this give-back and its repeats.
+    pub(super) fn answer(self, result: Result<u64, GrantFailure>) {
+        for repeat in self.repeats {
+            let _ = repeat.send(result.clone());
+        }
+        let _ = self.pending.reply.send(result);
+    }
+
+    /// What may be taken back at `now_ms`: what the line gives, within the grant less the spend,
+    /// while the lease's window runs and, in windows longer than a record is kept, while the
+    /// record is surely kept (so its mark, which outlives its commit as long, is too: a line
+    /// replayed later can never find the record without the mark).
+    pub(super) fn returnable_at(&self, now_ms: u64) -> u64 {
+        let capped = self.window.length_ms() > GRANT_RECORD_MAX_LIFETIME_MS;
+        let record_young = now_ms
+            < self
+                .issued_at_ms
+                .saturating_add(GRANT_RECORD_MAX_LIFETIME_MS);
+        if now_ms >= self.window.end_ms || (capped && !record_young) {
+            return 0;
+        }
+        let lease = &self.pending.lease;
+        returnable_tokens(
+            self.granted_tokens,
+            lease.spent_tokens,
+            lease.unspent_tokens,
+        )
+    }
 }
 
 impl Grantor {
@@ -58,16 +99,12 @@ impl Grantor {
             (tenant.clone(), pool.clone()),
             Job::Return(PendingReturn { lease, reply }),
         )?;
-        let result = match tokio::time::timeout(GRANT_DEADLINE, answer).await {
+        match tokio::time::timeout(GRANT_DEADLINE, answer).await {
             Ok(Ok(result)) => result,
             _ => Err(GrantFailure::Unavailable(
                 "no answer from the pool worker in time".to_owned(),
             )),
-        };
-        if let Ok(taken) = result {
-            metrics::counter!(crate::metrics::TOKENS_RETURNED).increment(taken);
         }
-        result
     }
 }
 
@@ -76,10 +113,8 @@ impl PoolWorker {
     pub(super) fn answer_known_returns(&self, returns: Vec<RecordedReturn>) -> Vec<RecordedReturn> {
         let mut rest = Vec::with_capacity(returns.len());
         for recorded in returns {
-            match self.recent_returns.get(&recorded.pending.lease.lease_id) {
-                Some(&taken) => {
-                    let _ = recorded.pending.reply.send(Ok(taken));
-                }
+            match self.recent_returns.get(&recorded.lease_id()) {
+                Some(&taken) => recorded.answer(Ok(taken)),
                 None => rest.push(recorded),
             }
         }
@@ -93,9 +128,13 @@ impl PoolWorker {
         &mut self,
         returns: Vec<PendingReturn>,
     ) -> Vec<RecordedReturn> {
-        let mut recorded = Vec::with_capacity(returns.len());
+        let mut recorded: Vec<RecordedReturn> = Vec::with_capacity(returns.len());
         for pending in returns {
             let lease_id = pending.lease.lease_id;
+            if let Some(first) = recorded.iter_mut().find(|r| r.lease_id() == lease_id) {
+                first.repeats.push(pending.reply);
+                continue;
+            }
             let record = match self.recent.get(&lease_id) {
                 Some(record) => Ok(Some(record.clone())),
                 None => get_grant(&*self.shared.kv, &self.tenant, &self.pool, &lease_id).await,
@@ -103,7 +142,9 @@ impl PoolWorker {
             match record {
                 Ok(Some(record)) if record.region == pending.lease.region => {
                     recorded.push(RecordedReturn {
+                        repeats: Vec::new(),
                         granted_tokens: record.granted_tokens,
+                        issued_at_ms: record.issued_at_ms,
                         window: Window {
                             start_ms: record.window_start_ms,
                             end_ms: record.window_end_ms,
@@ -130,16 +171,13 @@ impl PoolWorker {
     ) -> Vec<RecordedReturn> {
         let mut rest = Vec::with_capacity(returns.len());
         for recorded in returns {
-            match self.stored_return(recorded.pending.lease.lease_id).await {
+            match self.stored_return(recorded.lease_id()).await {
                 Ok(Some(taken)) => {
-                    self.recent_returns
-                        .insert(recorded.pending.lease.lease_id, taken);
-                    let _ = recorded.pending.reply.send(Ok(taken));
+                    self.recent_returns.insert(recorded.lease_id(), taken);
+                    recorded.answer(Ok(taken));
                 }
                 Ok(None) => rest.push(recorded),
-                Err(failure) => {
-                    let _ = recorded.pending.reply.send(Err(failure));
-                }
+                Err(failure) => recorded.answer(Err(failure)),
             }
         }
         rest

@@ -196,8 +196,8 @@ async fn record(
 
 /// Has the allocator take back what each checked report's final lines give back: per report, the
 /// tokens taken back by lease, or why it cannot be known whether they were (a store failure; the
-/// report is to be sent again). Nothing is taken back where this node does not lead (the tokens
-/// are stranded, as before returns existed).
+/// report is to be sent again). Where this node does not lead nothing is taken back now, but an
+/// earlier call may have been (its mark says how much, and the ledger records that).
 async fn take_back(
     state: &ApiState,
     reports: &[&Report],
@@ -217,7 +217,12 @@ async fn take_back(
                 .await
             {
                 Ok(tokens) => Ok((lease_id, tokens)),
-                Err(GrantFailure::NotLeader(_) | GrantFailure::UnknownPool) => Ok((lease_id, 0)),
+                Err(GrantFailure::NotLeader(_) | GrantFailure::UnknownPool) => {
+                    let marked =
+                        pools::get_return(&*state.kv, &report.tenant, &report.pool, &lease_id)
+                            .await?;
+                    Ok((lease_id, marked.unwrap_or(0)))
+                }
                 Err(failure) => Err(ApiError::from(failure)),
             }
         }))

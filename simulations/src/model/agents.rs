@@ -354,7 +354,8 @@ impl LeaseModel {
             spent_tokens: line.spent_tokens,
             unspent_tokens: line.unspent_tokens,
         };
-        state.allocator.take_back(self, leader, &lease);
+        let now_ms = self.now_ms(state);
+        state.allocator.take_back(self, leader, &lease, now_ms);
     }
 
     /// The call's outcome as the agent's transport gives it: `answer`, to a call asked at

@@ -141,11 +141,17 @@ impl Allocator {
 
 impl Allocator {
     /// The grant worker's steps for a lease's give-back at `leader`: a lease whose tokens the
-    /// store's mark says were taken back, or with no record of the giving region's, changes
-    /// nothing; otherwise what it may give back is taken back on the leader's cached window and
+    /// store's mark says were taken back, with no record of the giving region's, or of a window
+    /// that has ended, changes nothing; otherwise what it may give back is taken back on the leader's cached window and
     /// committed with the mark only while the fence and the window's revision hold (a commit that
     /// fails the revision reloads the cache and tries again; a deposed leader gives up).
-    pub(super) fn take_back(&mut self, model: &LeaseModel, leader: usize, lease: &LeaseReturn) {
+    pub(super) fn take_back(
+        &mut self,
+        model: &LeaseModel,
+        leader: usize,
+        lease: &LeaseReturn,
+        now_ms: u64,
+    ) {
         let marked = model.config.variant != Variant::GiveBackUnmarked;
         if marked && self.returned.contains(&lease.lease_id) {
             return;
@@ -161,6 +167,10 @@ impl Allocator {
             start_ms: record.window_start_ms,
             end_ms: record.window_end_ms,
         };
+        // Only while the lease's window runs, as the worker takes back.
+        if now_ms >= lease_window.end_ms {
+            return;
+        }
         let returnable = returnable_tokens(
             record.granted_tokens,
             lease.spent_tokens,
