@@ -181,11 +181,7 @@ impl Kv for EtcdKv {
     }
 
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> Result<TxnOutcome, KvError> {
-        if compares.len() > super::MAX_TXN_OPS || ops.len() > super::MAX_TXN_OPS {
-            return Err(KvError::Refused(
-                "too many operations in txn request".to_owned(),
-            ));
-        }
+        super::check_txn(&compares, &ops)?;
         let compares: Vec<EtcdCompare> = compares
             .into_iter()
             .map(|c| match c {

@@ -167,11 +167,7 @@ impl Kv for MemoryKv {
     }
 
     async fn txn(&self, compares: Vec<Compare>, ops: Vec<Op>) -> Result<TxnOutcome, KvError> {
-        if compares.len() > super::MAX_TXN_OPS || ops.len() > super::MAX_TXN_OPS {
-            return Err(KvError::Refused(
-                "too many operations in txn request".to_owned(),
-            ));
-        }
+        super::check_txn(&compares, &ops)?;
         let mut state = self.lock();
         if !compares.iter().all(|c| state.holds(c)) {
             return Ok(TxnOutcome {

@@ -92,6 +92,29 @@ pub const MAX_PREFIX_KEYS: usize = 10_000;
 /// refuse a larger transaction.
 pub const MAX_TXN_OPS: usize = 128;
 
+/// What both stores refuse of a transaction before it is tried: more than [`MAX_TXN_OPS`]
+/// compares or ops, or one key written twice (etcd refuses that, and its refusal would read as an
+/// unknown outcome; the embedded store would apply both).
+pub fn check_txn(compares: &[Compare], ops: &[Op]) -> Result<(), KvError> {
+    if compares.len() > MAX_TXN_OPS || ops.len() > MAX_TXN_OPS {
+        return Err(KvError::Refused(
+            "too many operations in txn request".to_owned(),
+        ));
+    }
+    let mut written = std::collections::HashSet::with_capacity(ops.len());
+    for op in ops {
+        let key = match op {
+            Op::Put { key, .. } | Op::Delete { key } => key,
+        };
+        if !written.insert(key.as_str()) {
+            return Err(KvError::Refused(format!(
+                "duplicate key given in txn request: {key}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The operations the allocator needs from its store.
 #[async_trait]
 pub trait Kv: Send + Sync + 'static {

@@ -310,6 +310,17 @@ async fn oversized_transactions_are_refused(kv: &dyn Kv) {
         .map(|n| put(&format!("/big/{n}"), "v"))
         .collect();
     assert!(kv.txn(vec![], fits).await.expect("txn").succeeded);
+    // One key written twice in one transaction is refused by both, and nothing is written.
+    let twice = vec![
+        put("/twice/a", "1"),
+        put("/twice/b", "1"),
+        put("/twice/a", "2"),
+    ];
+    assert!(matches!(
+        kv.txn(vec![], twice).await,
+        Err(KvError::Refused(_))
+    ));
+    assert_eq!(value_of(kv, "/twice/b").await, None);
 }
 
 #[tokio::test]
