@@ -411,16 +411,26 @@ impl Grantor {
         if request.want_tokens == 0 {
             return Err(GrantFailure::ZeroWant);
         }
+        self.ask_worker((tenant.clone(), pool.clone()), |reply| {
+            Job::Grant(Pending { request, reply })
+        })
+        .await
+    }
+
+    /// Hands the pool's worker the job `job` makes of a reply channel, as the leader only, and
+    /// waits at most [`GRANT_DEADLINE`] for its answer.
+    async fn ask_worker<T>(
+        &self,
+        key: PoolKey,
+        job: impl FnOnce(oneshot::Sender<Result<T, GrantFailure>>) -> Job,
+    ) -> Result<T, GrantFailure> {
         if !matches!(*self.shared.role.borrow(), Role::Leader(_)) {
             return Err(GrantFailure::NotLeader(
                 current_leader(&*self.shared.kv).await.ok().flatten(),
             ));
         }
         let (reply, answer) = oneshot::channel();
-        self.enqueue(
-            (tenant.clone(), pool.clone()),
-            Job::Grant(Pending { request, reply }),
-        )?;
+        self.enqueue(key, job(reply))?;
         match tokio::time::timeout(GRANT_DEADLINE, answer).await {
             Ok(Ok(result)) => result,
             _ => Err(GrantFailure::Unavailable(

@@ -7,9 +7,10 @@ use allot_shared::lease::{GRANT_RECORD_MAX_LIFETIME_MS, returnable_tokens};
 use allot_shared::window::Window;
 use tokio::sync::oneshot;
 
-use super::{GRANT_DEADLINE, GrantFailure, Grantor, Job, PoolWorker, RECENT_GRANTS_PER_POOL};
-use crate::leader::{Role, current_leader};
-use crate::pools::{get_grant, return_key};
+use std::collections::HashMap;
+
+use super::{GrantFailure, Grantor, Job, PoolWorker, RECENT_GRANTS_PER_POOL};
+use crate::pools::{GrantRecord, get_grants, get_return};
 
 /// What a lease's holder gives back when it ends the lease (a final report line): the tokens it
 /// left unspent and will never spend.
@@ -28,7 +29,18 @@ pub struct LeaseReturn {
 /// A return waiting for its pool's worker, and where to say how many tokens were taken back.
 pub(super) struct PendingReturn {
     pub(super) lease: LeaseReturn,
-    pub(super) reply: oneshot::Sender<Result<u64, GrantFailure>>,
+    pub(super) reply: Reply,
+}
+
+/// Where a give-back's answer goes: how many tokens were taken back.
+pub(super) type Reply = oneshot::Sender<Result<u64, GrantFailure>>;
+
+/// Answers a give-back and the repeats of its lease alike.
+fn answer_all(reply: Reply, repeats: Vec<Reply>, result: Result<u64, GrantFailure>) {
+    for repeat in repeats {
+        let _ = repeat.send(result.clone());
+    }
+    let _ = reply.send(result);
 }
 
 /// A return whose grant record was found: what the lease was granted, when, and in which
@@ -36,7 +48,7 @@ pub(super) struct PendingReturn {
 /// is taken back from once, never once per line that names it).
 pub(super) struct RecordedReturn {
     pub(super) pending: PendingReturn,
-    pub(super) repeats: Vec<oneshot::Sender<Result<u64, GrantFailure>>>,
+    pub(super) repeats: Vec<Reply>,
     pub(super) granted_tokens: u64,
     pub(super) issued_at_ms: u64,
     pub(super) window: Window,
@@ -50,10 +62,7 @@ impl RecordedReturn {
 
     /// Answers this give-back and its repeats.
     pub(super) fn answer(self, result: Result<u64, GrantFailure>) {
-        for repeat in self.repeats {
-            let _ = repeat.send(result.clone());
-        }
-        let _ = self.pending.reply.send(result);
+        answer_all(self.pending.reply, self.repeats, result);
     }
 
     /// What may be taken back at `now_ms`: what the line gives, within the grant less the spend,
@@ -89,22 +98,10 @@ impl Grantor {
         pool: &PoolId,
         lease: LeaseReturn,
     ) -> Result<u64, GrantFailure> {
-        if !matches!(*self.shared.role.borrow(), Role::Leader(_)) {
-            return Err(GrantFailure::NotLeader(
-                current_leader(&*self.shared.kv).await.ok().flatten(),
-            ));
-        }
-        let (reply, answer) = oneshot::channel();
-        self.enqueue(
-            (tenant.clone(), pool.clone()),
-            Job::Return(PendingReturn { lease, reply }),
-        )?;
-        match tokio::time::timeout(GRANT_DEADLINE, answer).await {
-            Ok(Ok(result)) => result,
-            _ => Err(GrantFailure::Unavailable(
-                "no answer from the pool worker in time".to_owned(),
-            )),
-        }
+        self.ask_worker((tenant.clone(), pool.clone()), |reply| {
+            Job::Return(PendingReturn { lease, reply })
+        })
+        .await
     }
 }
 
@@ -121,43 +118,72 @@ impl PoolWorker {
         rest
     }
 
-    /// The grant record of each return's lease (remembered, or read from the store). A lease with
-    /// no record of its region's (its window's records are gone, or it names another region's
-    /// lease) gives nothing back and is answered at once.
+    /// The grant record of each return's lease (remembered, or read from the store, all in one
+    /// read), the lease's repeats in the batch with it. A lease with no record of its region's
+    /// (its window's records are gone, or it names another region's lease) gives nothing back
+    /// and is answered at once.
     pub(super) async fn with_records(
         &mut self,
         returns: Vec<PendingReturn>,
     ) -> Vec<RecordedReturn> {
-        let mut recorded: Vec<RecordedReturn> = Vec::with_capacity(returns.len());
+        let mut leases: Vec<(PendingReturn, Vec<Reply>)> = Vec::with_capacity(returns.len());
         for pending in returns {
-            let lease_id = pending.lease.lease_id;
-            if let Some(first) = recorded.iter_mut().find(|r| r.lease_id() == lease_id) {
-                first.repeats.push(pending.reply);
-                continue;
+            match leases
+                .iter_mut()
+                .find(|(first, _)| first.lease.lease_id == pending.lease.lease_id)
+            {
+                Some((_, repeats)) => repeats.push(pending.reply),
+                None => leases.push((pending, Vec::new())),
             }
-            let record = match self.recent.get(&lease_id) {
-                Some(record) => Ok(Some(record.clone())),
-                None => get_grant(&*self.shared.kv, &self.tenant, &self.pool, &lease_id).await,
-            };
+        }
+        let unknown: Vec<(TenantId, PoolId, LeaseId)> = leases
+            .iter()
+            .map(|(pending, _)| pending.lease.lease_id)
+            .filter(|lease_id| !self.recent.contains_key(lease_id))
+            .map(|lease_id| (self.tenant.clone(), self.pool.clone(), lease_id))
+            .collect();
+        let read = if unknown.is_empty() {
+            Ok(Vec::new())
+        } else {
+            get_grants(&*self.shared.kv, &unknown).await
+        };
+        let mut records: HashMap<LeaseId, GrantRecord> = match read {
+            Ok(found) => found
+                .into_iter()
+                .map(|(_, _, record)| (record.lease_id, record))
+                .collect(),
+            Err(failure) => {
+                let failure = GrantFailure::from(failure);
+                // The remembered ones can still be decided; the others cannot be known.
+                let (known, unread): (Vec<_>, Vec<_>) = leases
+                    .into_iter()
+                    .partition(|(pending, _)| self.recent.contains_key(&pending.lease.lease_id));
+                for (pending, repeats) in unread {
+                    answer_all(pending.reply, repeats, Err(failure.clone()));
+                }
+                leases = known;
+                HashMap::new()
+            }
+        };
+        let mut recorded = Vec::with_capacity(leases.len());
+        for (pending, repeats) in leases {
+            let lease_id = pending.lease.lease_id;
+            let record = records
+                .remove(&lease_id)
+                .or_else(|| self.recent.get(&lease_id).cloned())
+                .filter(|record| record.region == pending.lease.region);
             match record {
-                Ok(Some(record)) if record.region == pending.lease.region => {
-                    recorded.push(RecordedReturn {
-                        repeats: Vec::new(),
-                        granted_tokens: record.granted_tokens,
-                        issued_at_ms: record.issued_at_ms,
-                        window: Window {
-                            start_ms: record.window_start_ms,
-                            end_ms: record.window_end_ms,
-                        },
-                        pending,
-                    });
-                }
-                Ok(_) => {
-                    let _ = pending.reply.send(Ok(0));
-                }
-                Err(failure) => {
-                    let _ = pending.reply.send(Err(failure.into()));
-                }
+                Some(record) => recorded.push(RecordedReturn {
+                    repeats,
+                    granted_tokens: record.granted_tokens,
+                    issued_at_ms: record.issued_at_ms,
+                    window: Window {
+                        start_ms: record.window_start_ms,
+                        end_ms: record.window_end_ms,
+                    },
+                    pending,
+                }),
+                None => answer_all(pending.reply, repeats, Ok(0)),
             }
         }
         recorded
@@ -188,15 +214,7 @@ impl PoolWorker {
         &self,
         lease_id: LeaseId,
     ) -> Result<Option<u64>, GrantFailure> {
-        let key = return_key(&self.tenant, &self.pool, &lease_id);
-        let Some(stored) = self.shared.kv.get(&key).await? else {
-            return Ok(None);
-        };
-        serde_json::from_slice(&stored.value)
-            .map(Some)
-            .map_err(|_| {
-                GrantFailure::Unavailable(format!("stored value at {key} is not readable"))
-            })
+        Ok(get_return(&*self.shared.kv, &self.tenant, &self.pool, &lease_id).await?)
     }
 
     pub(super) fn remember_return(&mut self, lease_id: LeaseId, taken: u64) {
