@@ -51,6 +51,15 @@ fn lease(n: u64) -> LeaseId {
     LeaseId::from_parts(T0_MS, u128::from(n) + 1)
 }
 
+/// A grant service leading with `leadership` over `kv` on `clock` (a new leader's workers: they
+/// remember nothing).
+fn grantor_on(kv: Arc<dyn Kv>, clock: Arc<ManualClock>, leadership: Leadership) -> Grantor {
+    let (sender, role) = watch::channel(Role::Leader(leadership));
+    // The role never changes in these tests; a dropped sender leaves the last value readable.
+    drop(sender);
+    Grantor::new(kv, clock, role, LeaseClamping::Clamped, None)
+}
+
 /// A leader over `kv` with a manual clock, and its grant service.
 async fn leader(kv: Arc<dyn Kv>) -> (Grantor, Arc<ManualClock>, Leadership) {
     let clock = Arc::new(ManualClock::new(T0_MS));
@@ -58,10 +67,7 @@ async fn leader(kv: Arc<dyn Kv>) -> (Grantor, Arc<ManualClock>, Leadership) {
         .await
         .expect("store")
         .expect("the first node leads");
-    let (sender, role) = watch::channel(Role::Leader(leadership));
-    // The role never changes in these tests; a dropped sender leaves the last value readable.
-    drop(sender);
-    let grantor = Grantor::new(kv, clock.clone(), role, LeaseClamping::Clamped, None);
+    let grantor = grantor_on(kv, clock.clone(), leadership);
     (grantor, clock, leadership)
 }
 
@@ -272,14 +278,7 @@ async fn unspent_tokens_come_back_once_and_only_in_their_window(kv: Arc<dyn Kv>)
         30,
         "asked again"
     );
-    let (_sender, role) = watch::channel(Role::Leader(leadership));
-    let fresh = Grantor::new(
-        kv.clone(),
-        clock.clone(),
-        role,
-        LeaseClamping::Clamped,
-        None,
-    );
+    let fresh = grantor_on(kv.clone(), clock.clone(), leadership);
     assert_eq!(
         give_back(&fresh, 1, "eu", 30, 30).await,
         30,
@@ -378,14 +377,7 @@ async fn a_long_window_keeps_records_an_hour_and_refuses_older_lease_ids() {
         .await
         .expect("store")
         .expect("leads");
-    let (_leading, role) = watch::channel(Role::Leader(leadership));
-    let grantor = Grantor::new(
-        kv.clone(),
-        clock.clone(),
-        role,
-        LeaseClamping::Clamped,
-        None,
-    );
+    let grantor = grantor_on(kv.clone(), clock.clone(), leadership);
     let (atlas, api) = (tenant(), pool());
     let ask = |n: u64| grantor.grant(&atlas, &api, request(n, "eu", 10));
     assert_eq!(ask(1).await.expect("grant").granted_tokens, 10);
@@ -413,14 +405,7 @@ async fn a_long_window_keeps_records_an_hour_and_refuses_older_lease_ids() {
         "gone 75 minutes after its commit, the day far from over"
     );
     // A worker that does not remember it (a new leader's) refuses it: never granted twice.
-    let (_sender, role) = watch::channel(Role::Leader(leadership));
-    let fresh_worker = Grantor::new(
-        kv.clone(),
-        clock.clone(),
-        role,
-        LeaseClamping::Clamped,
-        None,
-    );
+    let fresh_worker = grantor_on(kv.clone(), clock.clone(), leadership);
     assert_eq!(
         fresh_worker.grant(&atlas, &api, request(1, "eu", 10)).await,
         Err(GrantFailure::LeaseIdOutlived),
