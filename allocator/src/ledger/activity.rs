@@ -47,38 +47,22 @@ impl Ledger {
         grant_window_end_from_ms: u64,
         report_received_from_ms: u64,
     ) -> Result<BTreeMap<(TenantId, PoolId), PoolActivity>, LedgerError> {
-        let grants = Query::select()
-            .columns([Grants::Tenant, Grants::Pool])
-            .expr_as(
-                Func::cast_as(
-                    Func::max(Expr::col(Grants::WindowEndMs)),
-                    Alias::new("BIGINT"),
-                ),
-                Alias::new("latest_ms"),
+        let granted = self
+            .latest_per_pool(
+                Grants::Table,
+                [Grants::Tenant, Grants::Pool],
+                Grants::WindowEndMs,
+                (Grants::WindowEndMs, grant_window_end_from_ms),
             )
-            .from(Grants::Table)
-            .and_where(Expr::col(Grants::WindowEndMs).gte(i64_of(grant_window_end_from_ms)))
-            .group_by_columns([Grants::Tenant, Grants::Pool])
-            .to_owned();
-        let granted: Vec<Latest> = on_db!(self, grants, |sql, values, db| {
-            sqlx::query_as_with(&sql, values).fetch_all(db).await?
-        });
-        let reports = Query::select()
-            .columns([LeaseReports::Tenant, LeaseReports::Pool])
-            .expr_as(
-                Func::cast_as(
-                    Func::max(Expr::col(LeaseReports::WindowStartMs)),
-                    Alias::new("BIGINT"),
-                ),
-                Alias::new("latest_ms"),
+            .await?;
+        let reported = self
+            .latest_per_pool(
+                LeaseReports::Table,
+                [LeaseReports::Tenant, LeaseReports::Pool],
+                LeaseReports::WindowStartMs,
+                (LeaseReports::ReceivedAtMs, report_received_from_ms),
             )
-            .from(LeaseReports::Table)
-            .and_where(Expr::col(LeaseReports::ReceivedAtMs).gte(i64_of(report_received_from_ms)))
-            .group_by_columns([LeaseReports::Tenant, LeaseReports::Pool])
-            .to_owned();
-        let reported: Vec<Latest> = on_db!(self, reports, |sql, values, db| {
-            sqlx::query_as_with(&sql, values).fetch_all(db).await?
-        });
+            .await?;
         let mut activity: BTreeMap<(TenantId, PoolId), PoolActivity> = BTreeMap::new();
         for (rows, is_grant) in [(granted, true), (reported, false)] {
             for row in rows {
@@ -99,6 +83,32 @@ impl Ledger {
             }
         }
         Ok(activity)
+    }
+}
+
+impl Ledger {
+    /// Per pool of `table` (its `[tenant, pool]` columns), the largest `latest` among the rows
+    /// whose `since.0` is at least `since.1` ms.
+    async fn latest_per_pool<T: sea_query::Iden + Copy + 'static>(
+        &self,
+        table: T,
+        tenant_and_pool: [T; 2],
+        latest: T,
+        since: (T, u64),
+    ) -> Result<Vec<Latest>, LedgerError> {
+        let statement = Query::select()
+            .columns(tenant_and_pool)
+            .expr_as(
+                Func::cast_as(Func::max(Expr::col(latest)), Alias::new("BIGINT")),
+                Alias::new("latest_ms"),
+            )
+            .from(table)
+            .and_where(Expr::col(since.0).gte(i64_of(since.1)))
+            .group_by_columns(tenant_and_pool)
+            .to_owned();
+        Ok(on_db!(self, statement, |sql, values, db| {
+            sqlx::query_as_with(&sql, values).fetch_all(db).await?
+        }))
     }
 }
 
