@@ -14,7 +14,7 @@ use allot_shared::ids::LeaseId;
 use allot_shared::wire::MAX_GRANTS_PER_BATCH;
 use serde_json::{Value, json};
 
-use common::{AGENT, OPERATOR, ROUNDS, alternate, measured, print_shapes, serve, tenant};
+use common::{OPERATOR, ROUNDS, agent_post, alternate, measured, print_shapes, serve, tenant};
 
 /// Tokens each renewal asks for (the pools' chunk).
 const WANT_TOKENS: u64 = 100;
@@ -37,16 +37,13 @@ async fn round(
     measured(async {
         if batched {
             for batch in asks.chunks(MAX_GRANTS_PER_BATCH) {
-                let answer: Value = client
-                    .post(format!("{base}/v1/grants/batch"))
-                    .bearer_auth(AGENT)
-                    .json(&json!({ "grants": batch }))
-                    .send()
-                    .await
-                    .expect("batch")
-                    .json()
-                    .await
-                    .expect("json");
+                let answer = agent_post(
+                    client,
+                    base,
+                    "/v1/grants/batch",
+                    &json!({ "grants": batch }),
+                )
+                .await;
                 let granted = answer["results"]
                     .as_array()
                     .expect("results")
@@ -57,16 +54,7 @@ async fn round(
             }
         } else {
             for ask in &asks {
-                let answer: Value = client
-                    .post(format!("{base}/v1/grants"))
-                    .bearer_auth(AGENT)
-                    .json(ask)
-                    .send()
-                    .await
-                    .expect("grant")
-                    .json()
-                    .await
-                    .expect("json");
+                let answer = agent_post(client, base, "/v1/grants", ask).await;
                 assert_eq!(answer["granted"], WANT_TOKENS, "{answer}");
             }
         }

@@ -13,7 +13,9 @@ use allot_shared::ids::{LeaseId, TenantId};
 use allot_shared::wire::MAX_REPORTS_PER_BATCH;
 use serde_json::{Value, json};
 
-use common::{AGENT, OPERATOR, ROUNDS, alternate, measured, print_shapes, serve, tenant};
+use common::{
+    AGENT, OPERATOR, ROUNDS, agent_post, alternate, measured, print_shapes, serve, tenant,
+};
 
 /// One lease per pool, granted: (tenant, lease, window start).
 async fn grant_each(
@@ -24,16 +26,7 @@ async fn grant_each(
     let mut leases = Vec::with_capacity(pools);
     for n in 0..pools {
         let lease = LeaseId::from_parts(1, n as u128 + 1);
-        let answer: Value = client
-            .post(format!("{base}/v1/grants"))
-            .bearer_auth(AGENT)
-            .json(&json!({ "leaseId": lease, "tenant": tenant(n), "pool": "api", "region": "eu", "want": 100 }))
-            .send()
-            .await
-            .expect("grant")
-            .json()
-            .await
-            .expect("json");
+        let answer = agent_post(client, base, "/v1/grants", &json!({ "leaseId": lease, "tenant": tenant(n), "pool": "api", "region": "eu", "want": 100 })).await;
         let window_start = answer["windowStartMs"].as_u64().expect("a grant");
         leases.push((tenant(n), lease, window_start));
     }
@@ -68,16 +61,13 @@ async fn round(
     measured(async {
         if batched {
             for batch in reports.chunks(MAX_REPORTS_PER_BATCH) {
-                let answer: Value = client
-                    .post(format!("{base}/v1/reports/batch"))
-                    .bearer_auth(AGENT)
-                    .json(&json!({ "reports": batch }))
-                    .send()
-                    .await
-                    .expect("batch")
-                    .json()
-                    .await
-                    .expect("json");
+                let answer = agent_post(
+                    client,
+                    base,
+                    "/v1/reports/batch",
+                    &json!({ "reports": batch }),
+                )
+                .await;
                 let taken = answer["results"]
                     .as_array()
                     .expect("results")

@@ -176,3 +176,22 @@ pub fn print_shapes(
         println!("{line}");
     }
 }
+
+/// An agent's `POST` of `body` to `path` on `base`, and the JSON answer.
+pub async fn agent_post(
+    client: &reqwest::Client,
+    base: &str,
+    path: &str,
+    body: &serde_json::Value,
+) -> serde_json::Value {
+    client
+        .post(format!("{base}{path}"))
+        .bearer_auth(AGENT)
+        .json(body)
+        .send()
+        .await
+        .expect("the allocator answers")
+        .json()
+        .await
+        .expect("a JSON answer")
+}
