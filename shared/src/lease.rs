@@ -306,6 +306,27 @@ impl PoolWindowState {
     }
 }
 
+/// What a lease's final line may give back at `now_ms`, the lease granted `granted_tokens` at
+/// `issued_at_ms` in `window`: [`returnable_tokens`] while the window runs and, in windows longer
+/// than a record is kept ([`GRANT_RECORD_MAX_LIFETIME_MS`]), while the grant's record surely is
+/// (so the lease's give-back mark, which outlives its own commit as long, is too: a line replayed
+/// later never finds the record without the mark); nothing after.
+pub fn returnable_tokens_at(
+    granted_tokens: u64,
+    issued_at_ms: u64,
+    window: Window,
+    spent_tokens: u64,
+    unspent_tokens: u64,
+    now_ms: u64,
+) -> u64 {
+    let capped = window.length_ms() > GRANT_RECORD_MAX_LIFETIME_MS;
+    let record_kept = now_ms < issued_at_ms.saturating_add(GRANT_RECORD_MAX_LIFETIME_MS);
+    if now_ms >= window.end_ms || (capped && !record_kept) {
+        return 0;
+    }
+    returnable_tokens(granted_tokens, spent_tokens, unspent_tokens)
+}
+
 /// What of a lease granted `granted_tokens` can be given back when its holder ends it having spent
 /// `spent_tokens` and says `unspent_tokens` are left that it will never spend: never more than the
 /// grant less the spend, whatever the holder says.

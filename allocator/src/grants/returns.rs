@@ -3,7 +3,7 @@
 //! guards of a grant and the absence of the lease's mark in the store.
 
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
-use allot_shared::lease::{GRANT_RECORD_MAX_LIFETIME_MS, returnable_tokens};
+use allot_shared::lease::returnable_tokens_at;
 use allot_shared::window::Window;
 use tokio::sync::oneshot;
 
@@ -65,24 +65,16 @@ impl RecordedReturn {
         answer_all(self.pending.reply, self.repeats, result);
     }
 
-    /// What may be taken back at `now_ms`: what the line gives, within the grant less the spend,
-    /// while the lease's window runs and, in windows longer than a record is kept, while the
-    /// record is surely kept (so its mark, which outlives its commit as long, is too: a line
-    /// replayed later can never find the record without the mark).
+    /// What may be taken back at `now_ms` ([`returnable_tokens_at`]).
     pub(super) fn returnable_at(&self, now_ms: u64) -> u64 {
-        let capped = self.window.length_ms() > GRANT_RECORD_MAX_LIFETIME_MS;
-        let record_young = now_ms
-            < self
-                .issued_at_ms
-                .saturating_add(GRANT_RECORD_MAX_LIFETIME_MS);
-        if now_ms >= self.window.end_ms || (capped && !record_young) {
-            return 0;
-        }
         let lease = &self.pending.lease;
-        returnable_tokens(
+        returnable_tokens_at(
             self.granted_tokens,
+            self.issued_at_ms,
+            self.window,
             lease.spent_tokens,
             lease.unspent_tokens,
+            now_ms,
         )
     }
 }

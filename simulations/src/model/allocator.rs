@@ -4,7 +4,7 @@
 
 use allot_allocator::grants::{LeaseReturn, plan_batch};
 use allot_allocator::pools::GrantRecord;
-use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig, returnable_tokens};
+use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig, returnable_tokens_at};
 use allot_shared::window::Window;
 
 use super::state::{Allocator, Leader, Reply};
@@ -167,15 +167,17 @@ impl Allocator {
             start_ms: record.window_start_ms,
             end_ms: record.window_end_ms,
         };
-        // Only while the lease's window runs, as the worker takes back.
-        if now_ms >= lease_window.end_ms {
-            return;
-        }
-        let returnable = returnable_tokens(
+        let returnable = returnable_tokens_at(
             record.granted_tokens,
+            record.issued_at_ms,
+            lease_window,
             lease.spent_tokens,
             lease.unspent_tokens,
+            now_ms,
         );
+        if returnable == 0 {
+            return;
+        }
         let fence = model.config.variant != Variant::FenceSkipped;
         for _ in 0..2 {
             let Some(node) = self.leaders.get(leader) else {
