@@ -113,6 +113,12 @@ pub const RLS_REQUESTS: &str = "allot_agent_rls_requests_total";
 pub const RLS_SECONDS: &str = "allot_agent_rls_seconds";
 /// Pools the agent holds terms and leases for.
 pub const POOLS_HELD: &str = "allot_agent_pools";
+/// Pools touched since a report round last found them settled (nothing owed, no lease live, no
+/// renewal asked): the only ones the background rounds and the scrape's pool gauges visit.
+pub const POOLS_BUSY: &str = "allot_agent_pools_busy";
+/// Pools the background rounds looked at, by `round` (`reports`, `upkeep`): busy pools and, in
+/// upkeep, settled ones due to be forgotten. An idle agent's rounds look at none.
+pub const POOLS_VISITED: &str = "allot_agent_pools_visited_total";
 /// Report lines dropped since start because the allocator stayed unreachable past the holders'
 /// bounds (leases then show as unreported in the ledger; fallback windows go unaccounted).
 pub const REPORT_LINES_DROPPED: &str = "allot_agent_report_lines_dropped";
@@ -260,6 +266,8 @@ pub const AT_START: &[AtStart] = &[
         )],
     ),
     AtStart::gauge(POOLS_HELD, &[]),
+    AtStart::gauge(POOLS_BUSY, &[]),
+    AtStart::counter(POOLS_VISITED, &[("round", &["reports", "upkeep"])]),
     AtStart::gauge(REPORT_LINES_DROPPED, &[]),
     AtStart::counter(
         STATE_FILES_IGNORED,
@@ -351,6 +359,24 @@ pub const WITH_THEIR_SUBJECT: &[&str] = &[
 
 /// Histograms: they appear with their first observation.
 pub const HISTOGRAMS: &[&str] = &[ALLOCATOR_SECONDS, STORE_SECONDS, RLS_SECONDS];
+
+/// The gauges of `tenant`'s pool `pool` as its `holder` stands: set at each scrape while the pool
+/// is busy, and once more when it settles (they then stay as they are until it is touched).
+pub fn set_pool_gauges(
+    tenant: &allot_shared::ids::TenantId,
+    pool: &allot_shared::ids::PoolId,
+    holder: &crate::global::PoolHolder,
+) {
+    let (tenant, pool) = (tenant.to_string(), pool.to_string());
+    metrics::gauge!(TOKENS_STRANDED, "tenant" => tenant.clone(), "pool" => pool.clone())
+        .set(holder.stranded_tokens() as f64);
+    metrics::gauge!(FALLBACK_ALLOWANCE, "tenant" => tenant.clone(), "pool" => pool.clone())
+        .set(holder.config().fallback_per_region_tokens as f64);
+    metrics::gauge!(SETTLE_DEBT, "tenant" => tenant.clone(), "pool" => pool.clone())
+        .set(holder.debt_tokens() as f64);
+    metrics::gauge!(SETTLE_DEBT_LIMIT, "tenant" => tenant, "pool" => pool)
+        .set(holder.config().settle_debt_tokens as f64);
+}
 
 /// The counters of a pool the agent now holds, at 0 (unless they count already).
 pub fn pool_held(tenant: &allot_shared::ids::TenantId, pool: &allot_shared::ids::PoolId) {

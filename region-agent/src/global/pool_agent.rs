@@ -42,6 +42,10 @@ pub struct PoolAgent {
     /// such pools (and those whose lease has ended since), so an idle pool costs a report round
     /// nothing. Decides nothing else: left out of equality.
     changed: bool,
+    /// The holder's dropped report lines already counted in the agent's total
+    /// ([`take_dropped_reports`](Self::take_dropped_reports)). Decides nothing: left out of
+    /// equality.
+    dropped_reports_counted: u64,
 }
 
 impl PartialEq for PoolAgent {
@@ -180,6 +184,7 @@ impl PoolAgent {
             asked: None,
             tallies: Tallies::default(),
             changed: false,
+            dropped_reports_counted: 0,
         }
     }
 
@@ -299,6 +304,22 @@ impl PoolAgent {
                 .holder
                 .next_lease_end_ms()
                 .is_some_and(|end_ms| now_ms >= end_ms)
+    }
+
+    /// Whether a background round has nothing to do for the pool until something acts on it
+    /// again: nothing changed since a report round found nothing owed, no lease live (its end
+    /// would owe a final line), and no renewal asked. Time alone changes none of these.
+    pub fn settled(&self) -> bool {
+        !self.changed && self.holder.next_lease_end_ms().is_none() && self.asked.is_none()
+    }
+
+    /// Report lines the holder dropped since this was last asked (the agent keeps the total
+    /// without visiting every pool).
+    pub fn take_dropped_reports(&mut self) -> u64 {
+        let dropped = self.holder.dropped_reports();
+        let new = dropped.saturating_sub(self.dropped_reports_counted);
+        self.dropped_reports_counted = dropped;
+        new
     }
 
     /// What the pool owes the ledger at `now_ms`, one part per window, oldest first (empty:

@@ -6,7 +6,8 @@
 //! - [`quota`]: the caller's own quotas and what is left of them (`GET /v1/quota`).
 //! - `regional` and `global_holds`: a request's regional rules and its global reservations, the
 //!   steps admission runs.
-//! - [`pools`]: the pools held (one `PoolAgent` each) and the single-flight lookup of their terms.
+//! - [`pools`]: the pools held (one `PoolAgent` each) and the single-flight lookup of their terms;
+//!   `busy`: the pools the background rounds visit (touched since they last settled).
 //! - [`upkeep`]: renewals, and pool upkeep (idle pools forgotten, terms refreshed).
 //! - [`reports`]: what the holders owe the ledger, sent per (pool, window).
 //! - [`background`]: the loops that run reports and upkeep, and policy refresh; `observe` the
@@ -30,6 +31,7 @@
 pub mod admission;
 pub mod background;
 mod bundle;
+mod busy;
 mod global_holds;
 mod journaling;
 mod observe;

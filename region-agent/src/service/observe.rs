@@ -1,6 +1,6 @@
 //! The gauges that describe the agent's state now, set at each metrics scrape: the regional
-//! store's breakers and load, the bundle's version and age, each pool's stranded tokens, fallback
-//! allowance and debt, and the settlements open.
+//! store's breakers and load, the bundle's version and age, each busy pool's stranded tokens,
+//! fallback allowance and debt, and the settlements open.
 
 use super::{Agent, lock};
 
@@ -66,27 +66,17 @@ impl Agent {
         } else {
             0.0
         });
-        let pools = self.pools.slots();
-        let mut dropped = self.pools.dropped_reports_of_evicted();
-        for ((tenant, pool), slot) in pools.iter() {
-            let agent = slot.agent();
-            let holder = agent.holder();
-            dropped += holder.dropped_reports();
-            metrics::gauge!(crate::metrics::TOKENS_STRANDED,
-                "tenant" => tenant.to_string(), "pool" => pool.to_string())
-            .set(holder.stranded_tokens() as f64);
-            metrics::gauge!(crate::metrics::FALLBACK_ALLOWANCE,
-                "tenant" => tenant.to_string(), "pool" => pool.to_string())
-            .set(holder.config().fallback_per_region_tokens as f64);
-            metrics::gauge!(crate::metrics::SETTLE_DEBT,
-                "tenant" => tenant.to_string(), "pool" => pool.to_string())
-            .set(holder.debt_tokens() as f64);
-            metrics::gauge!(crate::metrics::SETTLE_DEBT_LIMIT,
-                "tenant" => tenant.to_string(), "pool" => pool.to_string())
-            .set(holder.config().settle_debt_tokens as f64);
+        // The pools' gauges of busy pools only: a settled pool's were set when it settled.
+        for ((tenant, pool), slot) in self.pools.busy_slots() {
+            let mut agent = slot.agent_quietly();
+            self.pools
+                .note_dropped_reports(agent.take_dropped_reports());
+            crate::metrics::set_pool_gauges(&tenant, &pool, agent.holder());
         }
-        metrics::gauge!(crate::metrics::POOLS_HELD).set(pools.len() as f64);
-        drop(pools);
+        let (held, _) = self.pools.counts();
+        metrics::gauge!(crate::metrics::POOLS_HELD).set(held as f64);
+        metrics::gauge!(crate::metrics::POOLS_BUSY).set(self.pools.busy().listed_count() as f64);
+        let dropped = self.pools.dropped_reports();
         let (open, debtors) = {
             let settlements = lock(&self.settlements);
             (settlements.open_count(), settlements.debtor_count())

@@ -137,10 +137,11 @@ impl Agent {
             pools.get_or_insert_with(key, || {
                 crate::metrics::pool_held(&saved.tenant, &saved.pool);
                 Arc::new(PoolSlot::new(
-                    saved.pool.clone(),
+                    (saved.tenant.clone(), saved.pool.clone()),
                     PoolAgent::restored(config, &journaled),
                     saved.terms.clone(),
                     saved.terms_fetched_at_ms,
+                    self.pools.busy().clone(),
                 ))
             });
             restored.pools += 1;
@@ -216,7 +217,7 @@ impl Agent {
                     shadow,
                     settle_debt,
                     written_off,
-                } = slot.agent().journal(claimed);
+                } = slot.agent_quietly().journal(claimed);
                 JournaledPool {
                     tenant,
                     pool,

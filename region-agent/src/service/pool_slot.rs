@@ -5,25 +5,38 @@
 //! Lock order: the terms' lock before the agent's (new terms retune the holder), the agent's before
 //! the view's (a figure read under the agent's lock matches the grant it follows). A slot is marked forgotten only
 //! under its agent's lock, so a request that reserved under that lock spends on a holder that is
-//! still reported.
+//! still reported. Whether the background rounds visit the pool ([`super::busy`]) changes only
+//! under its agent's lock too.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use allot_shared::ids::{PoolId, RecordId};
+use allot_shared::ids::{PoolId, RecordId, TenantId};
 use allot_shared::overrides::PoolOverride;
 use allot_shared::window::Window;
 use tokio::sync::Notify;
 use tokio::sync::futures::Notified;
 
+use super::busy::{BusyPools, PoolKey};
 use super::lock;
 use crate::allocator_client::PoolTerms;
 use crate::global::{HolderConfig, PoolAgent};
 
 /// A pool held.
 pub(super) struct PoolSlot {
-    /// The pool (its tenant is the registry's key): named in metrics without a copy per request.
+    /// The pool's tenant.
+    tenant: TenantId,
+    /// The pool: named in metrics without a copy per request.
     pool: PoolId,
+    /// The pools the background rounds visit, and whether this one is among them (changed only
+    /// under the agent's lock).
+    busy: Arc<BusyPools>,
+    listed: AtomicBool,
+    /// When a report round last found the pool settled and unlisted it, epoch ms.
+    settled_at_ms: AtomicU64,
+    /// Whether the settled queue holds an entry of the pool (at most one: the queue is bounded by
+    /// the pools held).
+    queued: AtomicBool,
     /// The pool's agent: its holder, the renewal in flight, its tallies for the ledger.
     agent: Mutex<PoolAgent>,
     /// `G` of the terms in force, and its override (read on every global denial).
@@ -69,15 +82,23 @@ pub(super) struct PoolFigures {
 }
 
 impl PoolSlot {
-    /// A slot for `pool`, run by `agent` on `terms` fetched at `fetched_at_ms`.
+    /// A slot for `key`'s pool, run by `agent` on `terms` fetched at `fetched_at_ms`, listed in
+    /// `busy` from the start.
     pub(super) fn new(
-        pool: PoolId,
+        (tenant, pool): PoolKey,
         agent: PoolAgent,
         terms: PoolTerms,
         fetched_at_ms: u64,
+        busy: Arc<BusyPools>,
     ) -> Self {
+        busy.list(&(tenant.clone(), pool.clone()));
         Self {
+            tenant,
             pool,
+            busy,
+            listed: AtomicBool::new(true),
+            settled_at_ms: AtomicU64::new(0),
+            queued: AtomicBool::new(false),
             agent: Mutex::new(agent),
             limit: PoolLimit::new(&terms),
             terms: Mutex::new((terms, fetched_at_ms)),
@@ -91,15 +112,62 @@ impl PoolSlot {
         &self.pool
     }
 
-    /// The pool's agent, under its lock.
+    /// The pool's agent, under its lock, to act on it: the pool is listed for the background
+    /// rounds if it was not.
     pub(super) fn agent(&self) -> MutexGuard<'_, PoolAgent> {
+        let agent = lock(&self.agent);
+        // Read and written under the agent's lock only: the lock orders them.
+        if !self.listed.load(Ordering::Relaxed) {
+            self.listed.store(true, Ordering::Relaxed);
+            self.busy.list(&self.key());
+        }
+        agent
+    }
+
+    /// The pool's agent, under its lock, for a background round's look: the pool's listing is
+    /// left as it is (a round that looked at every pool would otherwise list them all).
+    pub(super) fn agent_quietly(&self) -> MutexGuard<'_, PoolAgent> {
         lock(&self.agent)
+    }
+
+    /// The pool's key.
+    pub(super) fn key(&self) -> PoolKey {
+        (self.tenant.clone(), self.pool.clone())
+    }
+
+    /// A round found the pool settled at `now_ms` (`agent` is its agent's lock, held): the rounds
+    /// stop visiting it until something acts on it again, and it waits to be forgotten.
+    pub(super) fn unlist(&self, agent: &MutexGuard<'_, PoolAgent>, now_ms: u64) {
+        debug_assert!(self.agent.try_lock().is_err(), "its agent's lock is held");
+        debug_assert!(agent.settled(), "only a settled pool is unlisted");
+        if self.listed.swap(false, Ordering::Relaxed) {
+            self.settled_at_ms.store(now_ms, Ordering::Relaxed);
+            self.busy.settle(&self.key());
+            if !self.queued.swap(true, Ordering::Relaxed) {
+                self.busy.queue(self.key(), now_ms);
+            }
+        }
+    }
+
+    /// The pool's entry left the settled queue (`agent` is its agent's lock, held): when it
+    /// settled, if it is settled still.
+    pub(super) fn dequeued(&self, _agent: &MutexGuard<'_, PoolAgent>) -> Option<u64> {
+        self.queued.store(false, Ordering::Relaxed);
+        (!self.listed.load(Ordering::Relaxed)).then(|| self.settled_at_ms.load(Ordering::Relaxed))
+    }
+
+    /// Queues the settled pool again (`agent` is its agent's lock, held), as settled at
+    /// `settled_at_ms`.
+    pub(super) fn queue_again(&self, _agent: &MutexGuard<'_, PoolAgent>, settled_at_ms: u64) {
+        self.settled_at_ms.store(settled_at_ms, Ordering::Relaxed);
+        self.queued.store(true, Ordering::Relaxed);
+        self.busy.queue(self.key(), settled_at_ms);
     }
 
     /// The pool's window containing `now_ms`, as its holder cuts windows (from the terms in force,
     /// parsed once when they arrived).
     pub(super) fn window_at(&self, now_ms: u64) -> Window {
-        self.agent().config().window.containing(now_ms)
+        self.agent_quietly().config().window.containing(now_ms)
     }
 
     /// `G` at `now_ms`: the base limit, or the override in force then.
@@ -178,7 +246,7 @@ impl PoolSlot {
     pub(super) fn figures(&self, now_ms: u64) -> PoolFigures {
         let limit_tokens = self.limit_at(now_ms);
         // The agent's lock first, as a grant takes them: the figure and the grant it follows.
-        let agent = self.agent();
+        let agent = self.agent_quietly();
         let holder = agent.holder();
         let window = holder.config().window.containing(now_ms);
         let held_tokens = holder.available_tokens(now_ms);

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use allot_shared::ids::{PoolId, TenantId};
 
+use super::busy::BusyPools;
 use super::pool_slot::PoolSlot;
 use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, lock};
@@ -24,7 +25,8 @@ pub const UNKNOWN_POOL_RETRY_MS: u64 = 5_000;
 pub const TERMS_REFRESH_MS: u64 = 30_000;
 /// Most pool terms fetched again in one upkeep round (the rest wait for the next round).
 pub const MAX_TERMS_REFRESH_PER_ROUND: usize = 64;
-/// A pool with no demand for this long, and nothing held or owed, is forgotten, ms.
+/// A pool with no demand for this long, and nothing held or owed, is forgotten, ms (looked at
+/// once this long after a report round found it settled).
 pub const POOL_IDLE_MS: u64 = 600_000;
 
 /// A pool whose terms the agent does not hold.
@@ -35,7 +37,7 @@ enum Lookup {
     Missing { retry_at_ms: u64 },
 }
 
-pub(super) type PoolKey = (TenantId, PoolId);
+pub(super) use super::busy::PoolKey;
 
 /// The pools an agent holds, by tenant then pool: a request finds its pool from the ids it already
 /// has, without building (allocating) a key.
@@ -45,16 +47,18 @@ pub(super) struct PoolSlots {
     len: usize,
 }
 
-/// The pools an agent holds, the lookups of pools' terms under way or remembered, and the report
-/// lines of pools forgotten since. Lock order: lookups before slots, and a slot's own locks after
-/// both.
+/// The pools an agent holds, those the background rounds visit, the lookups of pools' terms under
+/// way or remembered, and the report lines holders dropped. Lock order: lookups before slots, and
+/// a slot's own locks after both; the busy pools' lock last.
 #[derive(Default)]
 pub(super) struct PoolRegistry {
     slots: Mutex<PoolSlots>,
+    /// The pools touched since they settled, which the background rounds visit.
+    busy: Arc<BusyPools>,
     /// Pools being looked up, or recently not found (at most the settings' `max_pools`).
     lookups: Mutex<HashMap<PoolKey, Lookup>>,
-    /// Report lines dropped by holders since forgotten (the live ones count their own).
-    dropped_reports_of_evicted: AtomicU64,
+    /// Report lines dropped by holders, as the report rounds and evictions counted them.
+    dropped_reports: AtomicU64,
     /// Fallback claims requests are waiting for the journal to make durable: (the pool's slot,
     /// the request's cost). Taken whole by the one writer.
     claims_wanted: Mutex<Vec<(Arc<PoolSlot>, u64)>>,
@@ -79,15 +83,38 @@ impl PoolRegistry {
         self.slots().snapshot()
     }
 
-    /// A forgotten holder had dropped `lines` report lines.
-    pub(super) fn note_evicted_drops(&self, lines: u64) {
-        self.dropped_reports_of_evicted
-            .fetch_add(lines, std::sync::atomic::Ordering::Relaxed);
+    /// The pools the background rounds visit.
+    pub(super) fn busy(&self) -> &Arc<BusyPools> {
+        &self.busy
     }
 
-    /// Report lines dropped by holders since forgotten.
-    pub(super) fn dropped_reports_of_evicted(&self) -> u64 {
-        self.dropped_reports_of_evicted
+    /// The slots of the pools the background rounds visit now, in key order. A key whose slot is
+    /// gone (a forgotten pool acted on by a request that still held it) is unlisted.
+    pub(super) fn busy_slots(&self) -> Vec<(PoolKey, Arc<PoolSlot>)> {
+        let keys = self.busy.listed();
+        let slots = self.slots();
+        keys.into_iter()
+            .filter_map(|key| match slots.get(&key.0, &key.1) {
+                Some(slot) => Some((key, slot.clone())),
+                None => {
+                    self.busy.forget(&key);
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// Holders dropped `lines` more report lines.
+    pub(super) fn note_dropped_reports(&self, lines: u64) {
+        if lines > 0 {
+            self.dropped_reports
+                .fetch_add(lines, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Report lines holders dropped, as counted so far.
+    pub(super) fn dropped_reports(&self) -> u64 {
+        self.dropped_reports
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
@@ -161,7 +188,12 @@ impl Agent {
     pub fn pool_window_ms(&self, tenant: &TenantId, pool: &PoolId) -> Option<u64> {
         let slot = self.pools.get(tenant, pool)?;
         let now_ms = self.clock.now_ms();
-        let length_ms = slot.agent().config().window.containing(now_ms).length_ms();
+        let length_ms = slot
+            .agent_quietly()
+            .config()
+            .window
+            .containing(now_ms)
+            .length_ms();
         Some(length_ms)
     }
 
@@ -262,7 +294,13 @@ impl Agent {
                                 crate::metrics::pool_held(&key.0, &key.1);
                                 let (agent, presumed) =
                                     PoolAgent::taking_over(config, inherited, now_ms);
-                                let slot = PoolSlot::new(key.1.clone(), agent, terms, now_ms);
+                                let slot = PoolSlot::new(
+                                    key.clone(),
+                                    agent,
+                                    terms,
+                                    now_ms,
+                                    self.pools.busy().clone(),
+                                );
                                 if presumed {
                                     metrics::counter!(
                                         crate::metrics::FALLBACK_PRESUMED_USED,
@@ -331,5 +369,11 @@ impl Agent {
     /// Pools held now (with terms), and pools being looked up or recently not found.
     pub fn pool_counts(&self) -> (usize, usize) {
         self.pools.counts()
+    }
+
+    /// Pools touched since a report round last found them settled: the ones the background
+    /// rounds visit.
+    pub fn busy_pools(&self) -> usize {
+        self.pools.busy().listed_count()
     }
 }

@@ -95,10 +95,11 @@ impl Agent {
         }
     }
 
-    /// What every pool owes, starting where the last round stopped: a round cut short by its
-    /// deadline must not leave the same pools unreported every time.
+    /// What the busy pools owe, starting where the last round stopped: a round cut short by its
+    /// deadline must not leave the same pools unreported every time. A pool found settled is
+    /// unlisted (its gauges set a last time): idle pools cost a round nothing.
     fn reports_owed(&self) -> Round {
-        let mut slots = self.pools.snapshot();
+        let mut slots = self.pools.busy_slots();
         let pools = slots.len();
         if slots.is_empty() {
             return Round {
@@ -107,18 +108,25 @@ impl Agent {
                 pools,
             };
         }
-        slots.sort_by(|a, b| a.0.cmp(&b.0));
         let start = self.report_cursor.load(Ordering::Relaxed) % slots.len();
         slots.rotate_left(start);
         let mut owed = Vec::new();
         for (index, ((tenant, pool), slot)) in slots.into_iter().enumerate() {
             let parts = {
-                let mut agent = slot.agent();
+                let mut agent = slot.agent_quietly();
                 let now_ms = self.clock.now_ms();
-                if !agent.owes_report(now_ms) {
-                    continue;
+                let parts = if agent.owes_report(now_ms) {
+                    agent.report(now_ms)
+                } else {
+                    Vec::new()
+                };
+                self.pools
+                    .note_dropped_reports(agent.take_dropped_reports());
+                if parts.is_empty() && agent.settled() {
+                    crate::metrics::set_pool_gauges(&tenant, &pool, agent.holder());
+                    slot.unlist(&agent, now_ms);
                 }
-                agent.report(now_ms)
+                parts
             };
             for part in parts {
                 let body = self.report_body(&tenant, &pool, &part);
@@ -130,6 +138,8 @@ impl Agent {
                 });
             }
         }
+        metrics::counter!(crate::metrics::POOLS_VISITED, "round" => "reports")
+            .increment(pools as u64);
         Round { owed, start, pools }
     }
 
@@ -190,7 +200,7 @@ impl Agent {
         let now_ms = self.clock.now_ms();
         let settled = self.pools.snapshot().iter().all(|(_, slot)| {
             let current_start_ms = slot.window_at(now_ms).start_ms;
-            slot.agent()
+            slot.agent_quietly()
                 .holder()
                 .fallback_settled_from(current_start_ms)
         });

@@ -8,41 +8,39 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
 use allot_shared::wire::{GrantAnswer, GrantBatch, GrantBody, MAX_GRANTS_PER_BATCH};
 
 use super::Agent;
+use super::busy::MAX_SETTLED_CHECKS_PER_ROUND;
 use super::pool_slot::{AllocatorView, PoolSlot};
-use super::pools::{MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, TERMS_REFRESH_MS};
+use super::pools::{
+    MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, PoolKey, PoolSlots, TERMS_REFRESH_MS,
+};
 use crate::allocator_client::{AllocatorClient, ClientError, GrantOutcome, MissingRoute};
-use crate::global::GrantCall;
 use crate::global::clock_offset::ClockOffset;
 use crate::global::driver::{RenewalAsk, RenewalOutcome};
+use crate::global::{GrantCall, PoolAgent};
 
 impl Agent {
     /// Pool upkeep: forgets pools idle for [`POOL_IDLE_MS`] with nothing held or owed, and fetches
-    /// the terms of pools last fetched [`TERMS_REFRESH_MS`] ago or more (at most
-    /// [`MAX_TERMS_REFRESH_PER_ROUND`] per call), so pool updates reach the holders.
+    /// the terms of busy pools last fetched [`TERMS_REFRESH_MS`] ago or more (at most
+    /// [`MAX_TERMS_REFRESH_PER_ROUND`] per call), so pool updates reach the holders. It looks at
+    /// busy pools and at settled ones due to be forgotten, never at every pool held: a pool
+    /// touched after a long quiet is busy again, and its terms are fetched at the next round.
     pub async fn maintain_pools(&self) {
         let now_ms = self.clock.now_ms();
-        let slots = self.pools.snapshot();
+        self.forget_idle_pools(now_ms);
+        let busy = self.pools.busy_slots();
+        metrics::counter!(crate::metrics::POOLS_VISITED, "round" => "upkeep")
+            .increment(busy.len() as u64);
         let mut stale = Vec::new();
-        for (key, slot) in slots {
-            let mut pools = self.pools.slots();
-            let mut agent = slot.agent();
-            let current = pools
-                .get(&key.0, &key.1)
-                .is_some_and(|s| Arc::ptr_eq(s, &slot));
-            if current && agent.is_idle(now_ms, POOL_IDLE_MS) {
-                slot.mark_evicted(&agent);
-                self.pools
-                    .note_evicted_drops(agent.holder().dropped_reports());
-                pools.remove(&key);
+        for (key, slot) in busy {
+            if self.forget_if_idle(&key, &slot, now_ms) {
                 continue;
             }
-            drop((agent, pools));
             let fetched_at_ms = slot.terms_fetched_at_ms();
             if now_ms.saturating_sub(fetched_at_ms) >= TERMS_REFRESH_MS {
                 stale.push((fetched_at_ms, key, slot));
@@ -78,6 +76,70 @@ impl Agent {
                 }
             }
         }
+    }
+
+    /// Forgets the pools that settled [`POOL_IDLE_MS`] ago or more and are idle (at most
+    /// [`MAX_SETTLED_CHECKS_PER_ROUND`] looked at); one touched since is busy again and left
+    /// alone, one that may not be forgotten yet (its window still counts) is looked at again
+    /// later.
+    fn forget_idle_pools(&self, now_ms: u64) {
+        let due = self.pools.busy().take_settled(
+            now_ms.saturating_sub(POOL_IDLE_MS),
+            MAX_SETTLED_CHECKS_PER_ROUND,
+        );
+        metrics::counter!(crate::metrics::POOLS_VISITED, "round" => "upkeep")
+            .increment(due.len() as u64);
+        for (_, key) in due {
+            let mut pools = self.pools.slots();
+            let Some(slot) = pools.get(&key.0, &key.1).cloned() else {
+                continue;
+            };
+            let mut agent = slot.agent_quietly();
+            let Some(settled_at_ms) = slot.dequeued(&agent) else {
+                // Busy again: queued afresh when it settles.
+                continue;
+            };
+            if settled_at_ms.saturating_add(POOL_IDLE_MS) > now_ms {
+                // Settled again since it was queued.
+                slot.queue_again(&agent, settled_at_ms);
+            } else if agent.is_idle(now_ms, POOL_IDLE_MS) {
+                self.evict(&mut pools, &key, &slot, &mut agent);
+            } else {
+                // Its window still counts: looked at again later.
+                slot.queue_again(&agent, now_ms);
+            }
+        }
+    }
+
+    /// Forgets `key`'s pool if it is still `slot` and idle for [`POOL_IDLE_MS`] with nothing
+    /// held or owed; whether it did.
+    fn forget_if_idle(&self, key: &PoolKey, slot: &Arc<PoolSlot>, now_ms: u64) -> bool {
+        let mut pools = self.pools.slots();
+        let mut agent = slot.agent_quietly();
+        let current = pools
+            .get(&key.0, &key.1)
+            .is_some_and(|held| Arc::ptr_eq(held, slot));
+        if !current || !agent.is_idle(now_ms, POOL_IDLE_MS) {
+            return false;
+        }
+        self.evict(&mut pools, key, slot, &mut agent);
+        true
+    }
+
+    /// Forgets `key`'s pool, held in `slot` (`pools` and `agent`: the registry's and its agent's
+    /// locks, held).
+    fn evict(
+        &self,
+        pools: &mut PoolSlots,
+        key: &PoolKey,
+        slot: &PoolSlot,
+        agent: &mut MutexGuard<'_, PoolAgent>,
+    ) {
+        slot.mark_evicted(agent);
+        self.pools
+            .note_dropped_reports(agent.take_dropped_reports());
+        pools.remove(key);
+        self.pools.busy().forget(key);
     }
 
     /// Queues a renewal (single flight per pool) when the holder wants one, and starts the sender

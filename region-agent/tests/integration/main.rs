@@ -4,6 +4,7 @@
 mod common;
 
 mod advisory_rules;
+mod busy_pools;
 mod cardinality;
 mod checks_and_quotas;
 mod concurrency;

@@ -44,6 +44,11 @@ pub struct Allocator {
     pub unclean_since_ms: Mutex<Option<u64>>,
     /// Its clock (the agents' under test should read the same one).
     pub clock: Arc<dyn Clock>,
+    /// Calls to `GET .../terms` and `POST /v1/reports`.
+    pub terms_calls: AtomicU64,
+    pub report_calls: AtomicU64,
+    /// How long its leases last, ms.
+    pub lease_ms: AtomicU64,
 }
 
 impl Allocator {
@@ -65,6 +70,9 @@ impl Allocator {
             session: Mutex::new(None),
             unclean_since_ms: Mutex::new(None),
             clock: Arc::new(SystemClock),
+            terms_calls: AtomicU64::new(0),
+            report_calls: AtomicU64::new(0),
+            lease_ms: AtomicU64::new(600_000),
         })
     }
 
@@ -112,6 +120,7 @@ impl Allocator {
 }
 
 async fn terms(State(fake): State<Arc<Allocator>>) -> Response {
+    fake.terms_calls.fetch_add(1, Ordering::SeqCst);
     Json(serde_json::json!({
         "limit": fake.limit_tokens, "windowMs": 3_600_000, "chunk": fake.chunk_tokens, "leaseTtlMs": 600_000,
         "fallbackPerRegion": fake.fallback_per_region_tokens, "regions": ["eu"], "version": 1,
@@ -147,7 +156,7 @@ async fn grant(
     Json(serde_json::json!({
         "leaseId": body["leaseId"], "region": body["region"], "granted": granted, "epoch": 1,
         "windowStartMs": window_start_ms, "windowEndMs": window_start_ms + 3_600_000,
-        "expiresAtMs": now_ms + 600_000, "retryAfterMs": if granted == 0 { 60_000 } else { 0 },
+        "expiresAtMs": now_ms + fake.lease_ms.load(Ordering::SeqCst), "retryAfterMs": if granted == 0 { 60_000 } else { 0 },
         "issuedAtMs": now_ms, "answeredAtMs": now_ms, "ungranted": ungranted,
     }))
     .into_response()
@@ -157,6 +166,7 @@ async fn report(
     State(fake): State<Arc<Allocator>>,
     Json(body): Json<serde_json::Value>,
 ) -> Response {
+    fake.report_calls.fetch_add(1, Ordering::SeqCst);
     let mut spent = fake.spent_by_lease.lock().expect("lock");
     for line in body["leases"].as_array().into_iter().flatten() {
         let id = line["leaseId"].as_str().unwrap_or_default().to_owned();
