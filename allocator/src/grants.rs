@@ -116,7 +116,15 @@ impl From<KvError> for GrantFailure {
     }
 }
 
-type Reply = oneshot::Sender<Result<GrantRecord, GrantFailure>>;
+type Reply = oneshot::Sender<Result<Granted, GrantFailure>>;
+
+/// A grant's record as the pool's worker answers it, with the version of the pool's terms the
+/// worker held (0: it held none, as when it answered from the store after a failed commit).
+#[derive(Clone)]
+struct Granted {
+    record: GrantRecord,
+    terms_version: u64,
+}
 
 struct Pending {
     request: GrantRequest,
@@ -384,8 +392,8 @@ impl Grantor {
         let want = request.want_tokens;
         let result = self.grant_unmeasured(tenant, pool, request).await;
         let outcome = match &result {
-            Ok(record) if record.granted_tokens == 0 => "exhausted",
-            Ok(record) if record.granted_tokens < want => "partial",
+            Ok(granted) if granted.record.granted_tokens == 0 => "exhausted",
+            Ok(granted) if granted.record.granted_tokens < want => "partial",
             Ok(_) => "granted",
             Err(GrantFailure::NotLeader(_)) => "not_leader",
             Err(GrantFailure::UnknownPool) => "unknown_pool",
@@ -399,7 +407,11 @@ impl Grantor {
         };
         metrics::counter!(crate::metrics::GRANTS, "outcome" => outcome).increment(1);
         metrics::histogram!(crate::metrics::GRANT_SECONDS).record(stopwatch.elapsed_seconds());
-        result.map(|record| record.answer(self.shared.clock.now_ms()))
+        result.map(|granted| {
+            let mut answer = granted.record.answer(self.shared.clock.now_ms());
+            answer.terms_version = granted.terms_version;
+            answer
+        })
     }
 
     async fn grant_unmeasured(
@@ -407,7 +419,7 @@ impl Grantor {
         tenant: &TenantId,
         pool: &PoolId,
         request: GrantRequest,
-    ) -> Result<GrantRecord, GrantFailure> {
+    ) -> Result<Granted, GrantFailure> {
         if request.want_tokens == 0 {
             return Err(GrantFailure::ZeroWant);
         }
@@ -513,6 +525,8 @@ struct Cached {
     config: PoolConfig,
     /// The pool's limit overrides; guarded with the pool's revision like the configuration.
     overrides: Vec<allot_shared::overrides::PoolOverride>,
+    /// The version of the pool's terms (its configuration and overrides), as agents are told.
+    terms_version: u64,
     pool_revision: i64,
     window: Option<PoolWindowState>,
     window_revision: i64,
@@ -657,6 +671,7 @@ impl PoolWorker {
             epoch_leadership: leadership,
             config,
             overrides: stored_pool.overrides,
+            terms_version: stored_pool.version,
             pool_revision,
             window,
             window_revision,
@@ -670,7 +685,7 @@ impl PoolWorker {
         for pending in batch {
             match self.recent.get(&pending.request.lease_id) {
                 Some(record) => {
-                    let _ = pending.reply.send(Ok(record.clone()));
+                    let _ = pending.reply.send(Ok(self.granted(record.clone())));
                 }
                 None => rest.push(pending),
             }
@@ -716,7 +731,7 @@ impl PoolWorker {
             {
                 Ok(Some(record)) => {
                     self.remember(&record);
-                    let _ = pending.reply.send(Ok(record));
+                    let _ = pending.reply.send(Ok(self.granted(record)));
                 }
                 Ok(None) => rest.push(pending),
                 Err(failure) => {
@@ -725,6 +740,14 @@ impl PoolWorker {
             }
         }
         rest
+    }
+
+    /// `record` as this worker answers it: with the version of the terms it holds.
+    fn granted(&self, record: GrantRecord) -> Granted {
+        Granted {
+            record,
+            terms_version: self.cache.as_ref().map_or(0, |cache| cache.terms_version),
+        }
     }
 
     fn remember(&mut self, record: &GrantRecord) {
@@ -895,7 +918,9 @@ impl PoolWorker {
             }
         }
         for (pending, answer) in batch.drain(..).zip(plan.answers) {
-            let _ = pending.reply.send(answer);
+            let _ = pending
+                .reply
+                .send(answer.map(|record| self.granted(record)));
         }
         for (recorded, taken) in returns.drain(..).zip(taken_back) {
             if taken > 0 {
@@ -923,7 +948,7 @@ impl PoolWorker {
     }
 }
 
-fn reply_all(batch: Vec<Pending>, result: Result<GrantRecord, GrantFailure>) {
+fn reply_all(batch: Vec<Pending>, result: Result<Granted, GrantFailure>) {
     for pending in batch {
         let _ = pending.reply.send(result.clone());
     }

@@ -273,6 +273,7 @@ pub struct GrantRecord {
 impl GrantRecord {
     /// The answer to an agent (`POST /v1/grants`) made from this record at `answered_at_ms` (this
     /// allocator's clock): later than the issue for a lease id asked again after a lost answer.
+    /// The terms' version is the grant service's to add (a record does not keep it).
     pub fn answer(&self, answered_at_ms: u64) -> GrantAnswer {
         GrantAnswer {
             lease_id: self.lease_id,
@@ -287,6 +288,7 @@ impl GrantRecord {
             answered_at_ms: answered_at_ms.max(self.issued_at_ms),
             ungranted_tokens: self.ungranted_tokens,
             returnable: self.granted_tokens > 0,
+            terms_version: 0,
         }
     }
 }

@@ -189,6 +189,11 @@ pub struct GrantAnswer {
     /// which refuses the field.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub returnable: bool,
+    /// The version of the pool's terms ([`PoolTerms::version`]) the allocator granted under:
+    /// an agent holding older terms fetches them again, and one holding these need not ask
+    /// until the next grant says otherwise. Absent (0) from an allocator that does not say.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub terms_version: u64,
 }
 
 impl GrantAnswer {

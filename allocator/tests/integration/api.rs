@@ -475,6 +475,23 @@ async fn grants_over_http() {
         json!({ "eu": 1 })
     );
 
+    // Grants say the version of the terms they were made under: a pool update shows in the next.
+    assert_eq!(first["termsVersion"], 1, "{first}");
+    let mut raised = pool_body();
+    raised["limit"] = json!(2_000);
+    assert_eq!(
+        server
+            .put_pool("atlas/api", OPERATOR, raised.to_string())
+            .await
+            .0,
+        200
+    );
+    let next = json!({ "leaseId": allot_shared::ids::LeaseId::from_parts(2, 42), "tenant": "atlas", "pool": "api", "region": "eu", "want": 1 });
+    let next: Value = post(next).await.expect("send").json().await.expect("json");
+    let (_, terms) = server.get("/v1/pools/atlas/api/terms", AGENT).await;
+    assert_eq!(terms["version"], 2);
+    assert_eq!(next["termsVersion"], terms["version"], "{next}");
+
     let metrics = server
         .client
         .get(format!("{}/metrics", server.url))

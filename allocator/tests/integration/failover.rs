@@ -194,10 +194,12 @@ async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
                 // Ask once more: the same answer, never a second grant.
                 let again = grant_once(&client, &urls, lease, 10).await;
                 if let Some(again) = again {
-                    // The stored grant; only the answer's own instant may be later.
+                    // The stored grant; only the answer's own instant may be later, and the
+                    // terms' version says what the answering worker holds, not the grant.
                     assert!(again.answered_at_ms >= record.answered_at_ms);
                     let again = GrantAnswer {
                         answered_at_ms: record.answered_at_ms,
+                        terms_version: record.terms_version,
                         ..again
                     };
                     assert_eq!(again, record, "a retry returns the stored answer");

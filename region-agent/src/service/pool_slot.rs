@@ -209,6 +209,21 @@ impl PoolSlot {
         true
     }
 
+    /// A grant answered at `now_ms` under the pool's terms of version `terms_version` (0: the
+    /// allocator did not say): the version in force is confirmed, so a busy pool renewing often
+    /// needs no fetch of its terms; another version is fetched at the next upkeep round.
+    pub(super) fn note_terms_version(&self, terms_version: u64, now_ms: u64) {
+        if terms_version == 0 {
+            return;
+        }
+        let mut in_force = lock(&self.terms);
+        in_force.1 = if in_force.0.version == terms_version {
+            in_force.1.max(now_ms)
+        } else {
+            0
+        };
+    }
+
     /// The allocator answered about the pool at `now_ms` without new terms (it no longer holds
     /// the pool): asked again a refresh later.
     pub(super) fn terms_checked(&self, now_ms: u64) {

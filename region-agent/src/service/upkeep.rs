@@ -272,6 +272,7 @@ impl Agent {
         } = renewal;
         if let Ok(Some(answer)) = &called {
             self.note_clock_offset(asked_at_ms, answer);
+            slot.note_terms_version(answer.terms_version, self.clock.now_ms());
         }
         let call = match &called {
             Ok(Some(answer)) => GrantCall::Answered {

@@ -106,3 +106,55 @@ async fn settled_pools_cost_the_rounds_nothing_until_a_request_touches_them() {
     assert_eq!(agent.pool_counts().0, 1, "only the pool in use is held");
     assert_eq!(agent.busy_pools(), 1);
 }
+
+/// A pool in steady use: one request every 10 s for `minutes`, a round every 10 s (reports, then
+/// upkeep every fifth second as the agent runs it, here after each request).
+async fn steady_use(agent: &Arc<Agent>, clock: &ManualClock, first: u64, minutes: u64) {
+    for n in 0..minutes * 6 {
+        clock.advance(10_000);
+        admit(agent, first + n, 0).await;
+        agent.send_reports().await;
+        agent.maintain_pools().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_pool_fetches_its_terms_only_when_a_grant_says_they_changed() {
+    let clock = Arc::new(ManualClock::new(SystemClock.now_ms()));
+    // Leases of 20 s: renewed more often than terms are refreshed.
+    let fake = Allocator::with_clock(1_000_000, 10, 0, clock.clone());
+    fake.lease_ms.store(20_000, Ordering::SeqCst);
+    let agent = common::agent(
+        common::settings(),
+        clock.clone(),
+        Some(client(fake.clone()).await),
+        Some(common::bundle(TENANT_POOL)),
+    );
+    admit(&agent, 0, 0).await;
+    let terms_calls = || fake.terms_calls.load(Ordering::SeqCst);
+    assert_eq!(terms_calls(), 1, "looked up once");
+
+    // An allocator whose grants do not say their terms' version: fetched every 30 s in use.
+    steady_use(&agent, &clock, 1, 2).await;
+    let unconfirmed = terms_calls() - 1;
+    assert!(unconfirmed >= 3, "{unconfirmed} fetches in two minutes");
+
+    // Grants that say the version in force confirm it: no fetch, however long the pool is used.
+    fake.grants_say_terms_version.store(true, Ordering::SeqCst);
+    let before = terms_calls();
+    steady_use(&agent, &clock, 100, 2).await;
+    assert_eq!(
+        terms_calls(),
+        before,
+        "each lease's grant confirmed the terms"
+    );
+
+    // The operator changes the pool: the next grant says so, and the next upkeep fetches them.
+    fake.terms_version.store(2, Ordering::SeqCst);
+    steady_use(&agent, &clock, 200, 1).await;
+    assert_eq!(
+        terms_calls(),
+        before + 1,
+        "fetched once, then confirmed again"
+    );
+}

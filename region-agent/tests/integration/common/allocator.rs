@@ -49,6 +49,9 @@ pub struct Allocator {
     pub report_calls: AtomicU64,
     /// How long its leases last, ms.
     pub lease_ms: AtomicU64,
+    /// The version of its terms, and whether grants say it (`termsVersion`).
+    pub terms_version: AtomicU64,
+    pub grants_say_terms_version: AtomicBool,
 }
 
 impl Allocator {
@@ -73,6 +76,8 @@ impl Allocator {
             terms_calls: AtomicU64::new(0),
             report_calls: AtomicU64::new(0),
             lease_ms: AtomicU64::new(600_000),
+            terms_version: AtomicU64::new(1),
+            grants_say_terms_version: AtomicBool::new(false),
         })
     }
 
@@ -123,7 +128,8 @@ async fn terms(State(fake): State<Arc<Allocator>>) -> Response {
     fake.terms_calls.fetch_add(1, Ordering::SeqCst);
     Json(serde_json::json!({
         "limit": fake.limit_tokens, "windowMs": 3_600_000, "chunk": fake.chunk_tokens, "leaseTtlMs": 600_000,
-        "fallbackPerRegion": fake.fallback_per_region_tokens, "regions": ["eu"], "version": 1,
+        "fallbackPerRegion": fake.fallback_per_region_tokens, "regions": ["eu"],
+        "version": fake.terms_version.load(Ordering::SeqCst),
         "settleDebtPerRegion": fake.settle_debt_per_region_tokens.load(Ordering::SeqCst),
     }))
     .into_response()
@@ -158,6 +164,11 @@ async fn grant(
         "windowStartMs": window_start_ms, "windowEndMs": window_start_ms + 3_600_000,
         "expiresAtMs": now_ms + fake.lease_ms.load(Ordering::SeqCst), "retryAfterMs": if granted == 0 { 60_000 } else { 0 },
         "issuedAtMs": now_ms, "answeredAtMs": now_ms, "ungranted": ungranted,
+        "termsVersion": if fake.grants_say_terms_version.load(Ordering::SeqCst) {
+            fake.terms_version.load(Ordering::SeqCst)
+        } else {
+            0
+        },
     }))
     .into_response()
 }
