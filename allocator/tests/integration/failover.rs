@@ -271,9 +271,13 @@ async fn the_follower_takes_over_without_losing_or_duplicating_grants() {
             .map(|g| (g.lease_id, g))
             .collect();
     for (lease, record) in &by_lease {
-        // Stored as answered (the answer adds its own instant).
+        // Stored as answered (the answer adds its own instant, and the version of the terms
+        // its worker held, which a record does not keep).
         assert_eq!(
-            stored.get(lease).map(|s| s.answer(record.answered_at_ms)),
+            stored.get(lease).map(|s| GrantAnswer {
+                terms_version: record.terms_version,
+                ..s.answer(record.answered_at_ms)
+            }),
             Some(record.clone()),
             "grant {lease} is stored as answered"
         );
