@@ -44,7 +44,7 @@ use returns::{PendingReturn, RecordedReturn};
 use crate::clock::Clock;
 use crate::kv::{Compare, Kv, KvError, Op};
 use crate::leader::{LeaderRecord, Leadership, Role, current_leader};
-use crate::ledger_sync::{CommittedGrants, LEDGER_RECONCILE_INTERVAL};
+use crate::ledger_sync::{CommittedGrants, LEDGER_RECONCILE_INTERVAL, LedgerFeed};
 use crate::pools::{
     GrantRecord, PoolStoreError, StoredWindow, encode_record, get_grant, grant_key, return_key,
     window_key,
@@ -166,7 +166,7 @@ struct Shared {
     record_leases: Mutex<HashMap<(u64, u64, u64), i64>>,
     /// Where committed grants are sent for the ledger. Bounded: when it is full the copy is skipped
     /// (and logged); the ledger's reconciliation from the store fills the gap.
-    commit_feed: Option<mpsc::Sender<CommittedGrants>>,
+    commit_feed: Option<LedgerFeed>,
     /// Most grants per transaction (1 disables group commit; benchmarks compare both).
     max_batch: usize,
     /// Least time a grant record stays in the store after its commit, ms.
@@ -192,7 +192,7 @@ impl Grantor {
         clock: Arc<dyn Clock>,
         role: watch::Receiver<Role>,
         clamping: LeaseClamping,
-        commit_feed: Option<mpsc::Sender<CommittedGrants>>,
+        commit_feed: Option<LedgerFeed>,
     ) -> Self {
         let (commits, jobs) = mpsc::channel(COMMIT_QUEUE);
         tokio::spawn(run_committer(kv.clone(), jobs));
@@ -760,16 +760,11 @@ impl PoolWorker {
             self.remember(record);
         }
         if let (Some(feed), false) = (&self.shared.commit_feed, plan.new_records.is_empty()) {
-            let committed = CommittedGrants {
+            feed.send(CommittedGrants {
                 tenant: self.tenant.clone(),
                 pool: self.pool.clone(),
                 records: plan.new_records.clone(),
-            };
-            if feed.try_send(committed).is_err() {
-                metrics::counter!(crate::metrics::LEDGER_FEED_FULL).increment(1);
-                tracing::warn!(tenant = %self.tenant, pool = %self.pool,
-                    "ledger feed full; these grants reach the ledger at the next reconciliation");
-            }
+            });
         }
         for (pending, answer) in batch.drain(..).zip(plan.answers) {
             let _ = pending

@@ -4,6 +4,7 @@
 //! latest settled window as gauges, and checks every window that settled against its bound, once.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use allot_shared::ids::{PoolId, TenantId};
 use tokio::sync::watch;
@@ -27,6 +28,50 @@ pub struct CommittedGrants {
 
 /// Grants copied to the ledger per batch of the feed, and the feed's capacity in batches (I10).
 pub const LEDGER_FEED_BATCHES: usize = 1_024;
+
+/// The grantor's end of the ledger feed: committed grants go down it, and a batch it could not
+/// take (full) marks the feed as having missed some, for the next ledger round to reconcile.
+#[derive(Debug, Clone)]
+pub struct LedgerFeed {
+    sender: tokio::sync::mpsc::Sender<CommittedGrants>,
+    missed: Arc<AtomicBool>,
+}
+
+/// The ledger's end of the feed: the grants, and whether any were missed on the way (the feed
+/// full, or the ledger refused a batch) since the last reconciliation.
+#[derive(Debug)]
+pub struct LedgerFeedReceiver {
+    grants: tokio::sync::mpsc::Receiver<CommittedGrants>,
+    missed: Arc<AtomicBool>,
+}
+
+/// A ledger feed of [`LEDGER_FEED_BATCHES`] batches. It starts as having missed grants: the first
+/// round a leader runs reconciles whatever is in the store.
+pub fn ledger_feed() -> (LedgerFeed, LedgerFeedReceiver) {
+    let (sender, grants) = tokio::sync::mpsc::channel(LEDGER_FEED_BATCHES);
+    let missed = Arc::new(AtomicBool::new(true));
+    (
+        LedgerFeed {
+            sender,
+            missed: missed.clone(),
+        },
+        LedgerFeedReceiver { grants, missed },
+    )
+}
+
+impl LedgerFeed {
+    /// Sends `committed` to the ledger, or, the feed being full, marks it missed (counted and
+    /// logged): the next ledger round copies it from the store.
+    pub fn send(&self, committed: CommittedGrants) {
+        let (tenant, pool) = (committed.tenant.clone(), committed.pool.clone());
+        if self.sender.try_send(committed).is_err() {
+            self.missed.store(true, Ordering::Release);
+            metrics::counter!(crate::metrics::LEDGER_FEED_FULL).increment(1);
+            tracing::warn!(%tenant, %pool,
+                "ledger feed full; these grants reach the ledger at the next reconciliation");
+        }
+    }
+}
 /// How often every pool's grant records in the store are reconciled into the ledger, unless
 /// `--ledger-round-seconds` says otherwise.
 pub const LEDGER_RECONCILE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
@@ -53,20 +98,26 @@ impl Default for LedgerRounds {
     }
 }
 
-/// Copies committed grants into the ledger, and reconciles the ledger with the store every
-/// [`LEDGER_RECONCILE_INTERVAL`] and at once when this node takes the lead, so that a grant the
-/// feed dropped (full, the database down, or a leader killed with grants still in its feed) still
-/// arrives. Grant records outlive their commit by [`crate::grants::record_min_lifetime_ms`]: longer
-/// than a round's period plus an election, so some leader's round always sees each one.
+/// Copies committed grants into the ledger, and reconciles the ledger with the store at once
+/// when this node takes the lead and at the next round (every [`LEDGER_RECONCILE_INTERVAL`]) after
+/// the feed missed grants, so that a grant the feed dropped (full, the database down, or a leader
+/// killed with grants still in its feed) still arrives. While the feed misses nothing, a round
+/// reads no grant records: an idle store costs it nothing. Grant records outlive their commit by
+/// [`crate::grants::record_min_lifetime_ms`]: longer than a round's period plus an election, so
+/// some leader's round always sees each one.
 pub async fn feed_ledger(
     ledger: Ledger,
     rounds: LedgerRounds,
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
     mut role: watch::Receiver<Role>,
-    mut feed: tokio::sync::mpsc::Receiver<CommittedGrants>,
+    feed: LedgerFeedReceiver,
     shutdown: impl Future<Output = ()>,
 ) {
+    let LedgerFeedReceiver {
+        grants: mut feed,
+        missed,
+    } = feed;
     tokio::pin!(shutdown);
     let LedgerRounds {
         retention,
@@ -86,6 +137,7 @@ pub async fn feed_ledger(
                     .record_grants(&committed.tenant, &committed.pool, &committed.records)
                     .await
                 {
+                    missed.store(true, Ordering::Release);
                     tracing::warn!(%error, "could not copy grants to the ledger; reconciliation will");
                 }
             }
@@ -103,7 +155,8 @@ pub async fn feed_ledger(
                 if took_lead {
                     // The last leader may have died with grants in its feed: copy them while
                     // their records are still in the store.
-                    ledger_round(&ledger, retention, &*kv, &*clock, &mut rotation).await;
+                    missed.store(true, Ordering::Release);
+                    ledger_round(&ledger, retention, &*kv, &*clock, &mut rotation, &missed).await;
                     reconcile.reset();
                 }
             }
@@ -113,7 +166,7 @@ pub async fn feed_ledger(
                 let term = leading_term(&role.borrow());
                 if term.is_some() {
                     led_term = term;
-                    ledger_round(&ledger, retention, &*kv, &*clock, &mut rotation).await;
+                    ledger_round(&ledger, retention, &*kv, &*clock, &mut rotation, &missed).await;
                 }
             }
         }
@@ -128,14 +181,16 @@ fn leading_term(role: &Role) -> Option<allot_shared::ids::Epoch> {
     }
 }
 
-/// One leader's round: copy the grants the ledger lacks, publish gauges, check settled windows,
-/// remove what the ledger no longer keeps, and the overrides the store no longer keeps.
+/// One leader's round: copy the grants the ledger lacks (when the feed `missed` some), publish
+/// gauges, check settled windows, remove what the ledger no longer keeps, and the overrides the
+/// store no longer keeps.
 async fn ledger_round(
     ledger: &Ledger,
     retention: Retention,
     kv: &dyn Kv,
     clock: &dyn Clock,
     rotation: &mut CheckRotation,
+    missed: &AtomicBool,
 ) {
     // One listing of the pools serves both passes.
     let pools = match list_pools(kv).await {
@@ -145,8 +200,13 @@ async fn ledger_round(
             return;
         }
     };
-    if let Err(error) = reconcile_grants(ledger, kv).await {
-        tracing::warn!(%error, "ledger reconciliation failed");
+    // Taken before the read: a grant missed while it runs marks the feed again.
+    if missed.swap(false, Ordering::AcqRel) {
+        metrics::counter!(crate::metrics::LEDGER_RECONCILIATIONS).increment(1);
+        if let Err(error) = reconcile_grants(ledger, kv).await {
+            missed.store(true, Ordering::Release);
+            tracing::warn!(%error, "ledger reconciliation failed; the next round retries");
+        }
     }
     if let Err(error) = publish_ledger_gauges(ledger, kv, &pools, rotation, clock.now_ms()).await {
         tracing::warn!(%error, "ledger gauges not updated");
@@ -458,6 +518,33 @@ mod tests {
     fn config(window_ms: u64) -> PoolConfig {
         let regions = vec![RegionId::parse("eu").expect("region")];
         PoolConfig::new(1_000, window_ms, 100, 1_000, 0, regions).expect("valid")
+    }
+
+    #[test]
+    fn the_feed_marks_itself_missed_only_when_a_batch_does_not_fit() {
+        let (feed, receiver) = ledger_feed();
+        assert!(
+            receiver.missed.load(Ordering::Acquire),
+            "a new feed reconciles first"
+        );
+        receiver.missed.store(false, Ordering::Release);
+        let batch = || CommittedGrants {
+            tenant: TenantId::parse("atlas").expect("tenant"),
+            pool: PoolId::parse("api").expect("pool"),
+            records: Vec::new(),
+        };
+        for _ in 0..LEDGER_FEED_BATCHES {
+            feed.send(batch());
+        }
+        assert!(
+            !receiver.missed.load(Ordering::Acquire),
+            "every batch that fits is carried: no round needs to read the store"
+        );
+        feed.send(batch());
+        assert!(
+            receiver.missed.load(Ordering::Acquire),
+            "a batch the full feed could not take is left for the next round to copy"
+        );
     }
 
     #[test]

@@ -38,6 +38,9 @@ pub const IS_LEADER: &str = "allot_is_leader";
 pub const POOL_REMAINING: &str = "allot_pool_remaining_tokens";
 /// Committed grants the ledger feed could not take (reconciliation copies them later).
 pub const LEDGER_FEED_FULL: &str = "allot_ledger_feed_full_total";
+/// Ledger rounds that read the store's grant records to copy those the ledger lacks: a new lead,
+/// or a feed that missed grants (full, or the ledger refused them). A round reads none otherwise.
+pub const LEDGER_RECONCILIATIONS: &str = "allot_ledger_reconciliations_total";
 /// Changes applied whose ledger or audit record could not be written (each also logged as an error).
 pub const AUDIT_WRITE_FAILURES: &str = "allot_audit_write_failures_total";
 /// Stored token records this allocator could not read at its last refresh (skipped).
@@ -134,6 +137,7 @@ pub const AT_START: &[AtStart] = &[
     AtStart::gauge(LEADER_EPOCH, &[]),
     AtStart::gauge(IS_LEADER, &[]),
     AtStart::counter(LEDGER_FEED_FULL, &[]),
+    AtStart::counter(LEDGER_RECONCILIATIONS, &[]),
     AtStart::counter(AUDIT_WRITE_FAILURES, &[]),
     AtStart::gauge(TOKEN_RECORDS_UNREADABLE, &[]),
     AtStart::counter(AUTH_REFUSALS, &[("status", &["401", "403"])]),

@@ -29,7 +29,7 @@ use crate::ledger::Ledger;
 use crate::ledger::retention::{
     DEFAULT_RAW_RETENTION_DAYS, DEFAULT_ROLLUP_RETENTION_DAYS, MAX_RETENTION_DAYS, Retention,
 };
-use crate::ledger_sync::{LEDGER_FEED_BATCHES, feed_ledger};
+use crate::ledger_sync::{feed_ledger, ledger_feed};
 
 pub use crate::auth::MIN_TOKEN_LEN;
 
@@ -410,7 +410,7 @@ pub async fn run(
         role_sender,
         shutdown.clone(),
     ));
-    let (feed_sender, feed) = tokio::sync::mpsc::channel(LEDGER_FEED_BATCHES);
+    let (feed_sender, feed) = ledger_feed();
     let ledger_task = tokio::spawn(feed_ledger(
         ledger.clone(),
         crate::ledger_sync::LedgerRounds {

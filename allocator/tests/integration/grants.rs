@@ -658,7 +658,7 @@ async fn a_new_leader_copies_unfed_grants_into_the_ledger_at_once() {
         .expect("granted");
     // This node's sync starts as a follower, then takes the lead.
     let (role_sender, role) = watch::channel(Role::Follower(None));
-    let (_feed_sender, feed) = tokio::sync::mpsc::channel(1);
+    let (_feed_sender, feed) = allot_allocator::ledger_sync::ledger_feed();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let sync = tokio::spawn(allot_allocator::ledger_sync::feed_ledger(
         ledger.clone(),
