@@ -285,6 +285,8 @@ pub const MAX_WINDOW_GAUGE_POOLS: usize = 1_000;
 pub struct CheckRotation {
     /// The store key of the last pool checked.
     after_key: Option<String>,
+    /// How many pools the last round found active: how many rounds a rotation takes.
+    last_active: usize,
 }
 
 impl CheckRotation {
@@ -365,8 +367,10 @@ pub async fn publish_ledger_gauges(
             reported.insert(region.to_string());
         }
     }
-    let recheck_ms = recheck_span_ms(CheckRotation::rounds_per_visit(pools.len()));
-    let active = active_pools(ledger, pools, recheck_ms, now_ms).await?;
+    let lookback_ms = activity_lookback_ms(CheckRotation::rounds_per_visit(rotation.last_active));
+    let active = active_pools(ledger, pools, lookback_ms, now_ms).await?;
+    rotation.last_active = active.len();
+    let recheck_ms = recheck_span_ms(CheckRotation::rounds_per_visit(active.len()));
     metrics::gauge!(crate::metrics::LEDGER_ROUND_POOLS_ACTIVE).set(active.len() as f64);
     let visiting = rotation.next_round(&active);
     let visited = visiting.len();
@@ -433,21 +437,29 @@ pub async fn publish_ledger_gauges(
     Ok(visited)
 }
 
-/// The pools of `pools` (in key order) with a window that has figures in the ledger and ended
-/// within the re-check span (`recheck_ms`), the round and the settling time, or has not ended: the
-/// only ones a round has anything to check or publish for. An idle pool is not visited.
+/// How far back a round looks for pools' activity, ms, when a rotation takes `rounds_per_visit`
+/// rounds: the rotation's rounds and one more, and the settling time. A pool active in that span
+/// is visited at least once after its activity.
+pub fn activity_lookback_ms(rounds_per_visit: u64) -> u64 {
+    let round_ms = u64::try_from(LEDGER_RECONCILE_INTERVAL.as_millis()).unwrap_or(u64::MAX);
+    round_ms
+        .saturating_mul(rounds_per_visit.saturating_add(1))
+        .saturating_add(WINDOW_GAUGE_SETTLE_MS)
+}
+
+/// The pools of `pools` (in key order) a round has anything to check or publish for: those with
+/// a window that has figures in the ledger and has not ended, or ended within `lookback_ms` (it
+/// settled since the pool was last visited), and those a report arrived for within it (a late
+/// report moves a settled window's figures; a visit re-checks the windows of the re-check span).
+/// An idle pool is visited once more after its last window settles, and then no longer: its
+/// windows' checks stand until a report moves them.
 async fn active_pools(
     ledger: &Ledger,
     pools: &[(TenantId, PoolId, StoredPool)],
-    recheck_ms: u64,
+    lookback_ms: u64,
     now_ms: u64,
 ) -> Result<Vec<(TenantId, PoolId, StoredPool)>, String> {
-    let round_ms = u64::try_from(LEDGER_RECONCILE_INTERVAL.as_millis()).unwrap_or(u64::MAX);
-    let from_ms = now_ms.saturating_sub(
-        recheck_ms
-            .saturating_add(round_ms)
-            .saturating_add(WINDOW_GAUGE_SETTLE_MS),
-    );
+    let from_ms = now_ms.saturating_sub(lookback_ms);
     let longest_ms = |stored: &StoredPool| {
         stored
             .spec
@@ -470,7 +482,10 @@ async fn active_pools(
         .filter(|(tenant, pool, stored)| {
             activity
                 .get(&(tenant.clone(), pool.clone()))
-                .is_some_and(|seen| seen.has_window_ending_from(from_ms, longest_ms(stored)))
+                .is_some_and(|seen| {
+                    seen.has_window_ending_from(from_ms, longest_ms(stored))
+                        || seen.reported_from(from_ms)
+                })
         })
         .cloned()
         .collect())

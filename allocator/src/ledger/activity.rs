@@ -17,6 +17,8 @@ pub struct PoolActivity {
     pub latest_grant_window_end_ms: Option<u64>,
     /// The latest start of a window a report of the pool was for, epoch ms.
     pub latest_report_window_start_ms: Option<u64>,
+    /// When the ledger last received a report of the pool, epoch ms.
+    pub latest_report_received_ms: Option<u64>,
 }
 
 impl PoolActivity {
@@ -29,10 +31,24 @@ impl PoolActivity {
                 .latest_report_window_start_ms
                 .is_some_and(|start_ms| start_ms.saturating_add(longest_window_ms) >= from_ms)
     }
+
+    /// Whether a report of the pool arrived at or after `from_ms`.
+    pub fn reported_from(&self, from_ms: u64) -> bool {
+        self.latest_report_received_ms
+            .is_some_and(|received_ms| received_ms >= from_ms)
+    }
+}
+
+/// Which latest instant a read of [`Ledger::recent_activity`] gives.
+#[derive(Clone, Copy)]
+enum Latest {
+    GrantWindowEnd,
+    ReportWindowStart,
+    ReportReceived,
 }
 
 #[derive(sqlx::FromRow)]
-struct Latest {
+struct LatestRow {
     tenant: String,
     pool: String,
     latest_ms: i64,
@@ -40,7 +56,7 @@ struct Latest {
 
 impl Ledger {
     /// Every pool with a grant in a window ending at or after `grant_window_end_from_ms`, or a
-    /// report received at or after `report_received_from_ms`, and the latest of each. Two reads,
+    /// report received at or after `report_received_from_ms`, and the latest of each. Three reads,
     /// by indexed times: their cost follows the recent rows, not the pools configured.
     pub async fn recent_activity(
         &self,
@@ -63,8 +79,20 @@ impl Ledger {
                 (LeaseReports::ReceivedAtMs, report_received_from_ms),
             )
             .await?;
+        let received = self
+            .latest_per_pool(
+                LeaseReports::Table,
+                [LeaseReports::Tenant, LeaseReports::Pool],
+                LeaseReports::ReceivedAtMs,
+                (LeaseReports::ReceivedAtMs, report_received_from_ms),
+            )
+            .await?;
         let mut activity: BTreeMap<(TenantId, PoolId), PoolActivity> = BTreeMap::new();
-        for (rows, is_grant) in [(granted, true), (reported, false)] {
+        for (rows, field) in [
+            (granted, Latest::GrantWindowEnd),
+            (reported, Latest::ReportWindowStart),
+            (received, Latest::ReportReceived),
+        ] {
             for row in rows {
                 // Rows the ledger took were checked on the way in; one that no longer parses
                 // names no pool a round could visit.
@@ -75,10 +103,10 @@ impl Ledger {
                 };
                 let entry = activity.entry((tenant, pool)).or_default();
                 let latest_ms = Some(u64_of(row.latest_ms));
-                if is_grant {
-                    entry.latest_grant_window_end_ms = latest_ms;
-                } else {
-                    entry.latest_report_window_start_ms = latest_ms;
+                match field {
+                    Latest::GrantWindowEnd => entry.latest_grant_window_end_ms = latest_ms,
+                    Latest::ReportWindowStart => entry.latest_report_window_start_ms = latest_ms,
+                    Latest::ReportReceived => entry.latest_report_received_ms = latest_ms,
                 }
             }
         }
@@ -95,7 +123,7 @@ impl Ledger {
         tenant_and_pool: [T; 2],
         latest: T,
         since: (T, u64),
-    ) -> Result<Vec<Latest>, LedgerError> {
+    ) -> Result<Vec<LatestRow>, LedgerError> {
         let statement = Query::select()
             .columns(tenant_and_pool)
             .expr_as(
@@ -122,15 +150,17 @@ mod tests {
         assert!(!idle.has_window_ending_from(0, u64::MAX));
         let granted = PoolActivity {
             latest_grant_window_end_ms: Some(60_000),
-            latest_report_window_start_ms: None,
+            ..PoolActivity::default()
         };
         assert!(granted.has_window_ending_from(60_000, 60_000));
         assert!(!granted.has_window_ending_from(60_001, 60_000));
         // A report names its window's start: the window may last up to the longest.
         let reported = PoolActivity {
-            latest_grant_window_end_ms: None,
             latest_report_window_start_ms: Some(0),
+            latest_report_received_ms: Some(5_000),
+            ..PoolActivity::default()
         };
+        assert!(reported.reported_from(5_000) && !reported.reported_from(5_001));
         assert!(reported.has_window_ending_from(60_000, 60_000));
         assert!(!reported.has_window_ending_from(60_001, 60_000));
         assert!(reported.has_window_ending_from(u64::MAX, u64::MAX));

@@ -1836,9 +1836,10 @@ async fn postgres_recent_activity() {
     recent_activity(ledger).await;
 }
 
-/// The leader's ledger round visits only the pools with windows to check or publish: of three
-/// pools, the one granted in the current window, not the one idle since long ago nor the one
-/// never used.
+/// The leader's ledger round visits only the pools with windows to check or publish: of four
+/// pools, the one granted in the current window, not the one idle since long ago, the one whose
+/// last window settled minutes ago (it was checked then), nor the one never used; a late report
+/// of that settled window has it visited again.
 #[tokio::test]
 async fn a_ledger_round_visits_only_pools_with_recent_windows() {
     use allot_allocator::clock::{Clock, SystemClock};
@@ -1863,7 +1864,8 @@ async fn a_ledger_round_visits_only_pools_with_recent_windows() {
     };
     let [busy, idle, unused] =
         ["busy", "idle", "unused"].map(|name| PoolId::parse(name).expect("pool"));
-    let all: Vec<_> = [&busy, &idle, &unused]
+    let settled = pool();
+    let all: Vec<_> = [&busy, &idle, &unused, &settled]
         .into_iter()
         .map(|pool| (tenant(), pool.clone(), spec.clone()))
         .collect();
@@ -1886,13 +1888,39 @@ async fn a_ledger_round_visits_only_pools_with_recent_windows() {
         )
         .await
         .expect("grants");
+    // The settled pool's last window ended three minutes ago, within the ten-minute re-check.
+    let settled_window_ms = window_start_ms - 4 * WINDOW_MS;
+    ledger
+        .record_grants(
+            &tenant(),
+            &settled,
+            &[grant(3, "eu", settled_window_ms, 100, settled_window_ms)],
+        )
+        .await
+        .expect("grants");
     let pools = list_pools(&kv).await.expect("listing");
-    assert_eq!(pools.len(), 3);
+    assert_eq!(pools.len(), 4);
     let visited =
         publish_ledger_gauges(&ledger, &kv, &pools, &mut CheckRotation::default(), now_ms)
             .await
             .expect("round");
     assert_eq!(visited, 1, "only the pool granted lately");
+    // A late report of the settled window: its pool is visited, its windows checked again.
+    ledger
+        .record_report(
+            &report("late", "eu", settled_window_ms, vec![(3, 60, true)], 0),
+            now_ms,
+        )
+        .await
+        .expect("report");
+    let visited =
+        publish_ledger_gauges(&ledger, &kv, &pools, &mut CheckRotation::default(), now_ms)
+            .await
+            .expect("round");
+    assert_eq!(
+        visited, 2,
+        "the pool a report arrived for, and the busy one"
+    );
     // A day on, nothing is left to check: the round visits nothing.
     let visited = publish_ledger_gauges(
         &ledger,
