@@ -166,6 +166,19 @@ impl EtcdCluster {
         self.member(i).endpoint()
     }
 
+    /// CPU seconds (user and system) member `i` has used so far: what a benchmark charges to
+    /// etcd; 0 while it is stopped.
+    ///
+    /// # Panics
+    /// If there is no member `i`.
+    #[must_use]
+    pub fn member_cpu_seconds(&self, i: usize) -> f64 {
+        self.member(i)
+            .process
+            .as_ref()
+            .map_or(0.0, crate::process::ServerProcess::cpu_seconds)
+    }
+
     /// Kills member `i` with SIGKILL (a crash, not a graceful leave: it stays in
     /// the membership) and waits for it to exit.
     ///

@@ -108,6 +108,13 @@ pub(crate) struct ServerProcess {
 }
 
 impl ServerProcess {
+    /// CPU seconds (user and system) the process has used so far, in clock ticks (10 ms).
+    pub(crate) fn cpu_seconds(&self) -> f64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
+        stat_cpu_ticks(&stat) as f64 / TICKS_PER_SECOND
+    }
+
     /// `Some(description)` if the process has exited (it should not have).
     pub(crate) fn exited(&mut self) -> Option<String> {
         match self.child.try_wait() {

@@ -1,0 +1,686 @@
+//! The control plane at scale: what the allocator, etcd and the wire pay per 1,000 active
+//! pool-regions, with traffic and without.
+//!
+//! One process runs the real allocator (its own runtime, threads named `allocator`, on a real
+//! etcd with a SQLite ledger) and three real region agents (`eu`, `us`, `ap`: the shipped agent
+//! service, its background loops as the server runs them, an in-process regional store), each
+//! holding `PLANE_POOLS` pools (`t000000/api`, ...; one global rule). The agents reach the
+//! allocator through a proxy that counts the bytes both ways. Phases:
+//! - **light**: every pool gets a request every `PLANE_GAP_MS` (3,000) in every region, spread
+//!   evenly, for `PLANE_SECONDS` (60) after a warm-up of one lease TTL;
+//! - **lag**: the same traffic while the harness samples, for 32 pool-regions, when each admission
+//!   shows in the ledger's reported spend (a separate phase: its polling is not charged to the
+//!   allocator's CPU);
+//! - **idle**: no traffic, measured for `PLANE_SECONDS` once the leases have ended, their last
+//!   reports are in, and the last windows have settled and been checked.
+//!
+//! For each phase: allocator CPU s/s (its runtime's threads and the SQLite ledger's workers) and
+//! etcd CPU s/s, both per 1,000 pool-regions; bytes on the wire per pool-region per minute;
+//! renewals (grants) per pool-region per minute from the allocator's own counter; and denials (every pool's quota is far above its traffic, so a denial is one while
+//! the pool had tokens), before and after a pool's first admission in the region; and the reports
+//! the ledger received per pool-region per minute. Needs `etcd`.
+//! Run with `cargo bench -p allot-tests --bench control_plane` (`PLANE_POOLS` for another size).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use allot_allocator::clock::{Clock, SystemClock};
+use allot_allocator::http::Tokens;
+use allot_allocator::kv::Kv;
+use allot_allocator::kv::etcd::EtcdKv;
+use allot_allocator::ledger::Ledger;
+use allot_allocator::pools::{PoolSpec, put_pools};
+use allot_allocator::server::{Settings, run};
+use allot_region_agent::allocator_client::AllocatorClient;
+use allot_region_agent::limiter::{InProcessStore, Limiter, LimiterConfig};
+use allot_region_agent::service::{Agent, AgentSettings};
+use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
+use allot_shared::ids::{AgentId, DecisionId, PoolId, RegionId, RouteGroup, TenantId};
+use allot_shared::keys::Pepper;
+
+const REGIONS: [&str; 3] = ["eu", "us", "ap"];
+const OPERATOR: &str = "operator-token-for-the-plane-bench";
+const AGENT_TOKEN: &str = "agent-token-for-the-plane-bench-01";
+/// The pools' terms: a minute's window far above the traffic, 15 s leases.
+const WINDOW_MS: u64 = 60_000;
+const LEASE_TTL_MS: u64 = 15_000;
+/// Threads whose CPU is the allocator's.
+const ALLOCATOR_THREADS: [&str; 2] = ["allocator", "sqlx-sqlite"];
+/// Pool-regions whose report lag is sampled.
+const LAG_SAMPLES: usize = 32;
+/// How often the ledger is polled for the sampled pool-regions, ms.
+const LAG_POLL_MS: u64 = 100;
+
+const BUNDLE: &str = r#"{ "rules": [
+    { "id": "global-api", "scope": "global", "routeGroup": "read", "pool": "api",
+      "failMode": "closed" } ] }"#;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn tenant(n: usize) -> TenantId {
+    TenantId::parse(&format!("t{n:06}")).expect("tenant")
+}
+
+/// A pool whose report lag is sampled: used in the lag phase only, so all its spend in a window is
+/// what the harness saw admitted.
+fn sample_tenant(n: usize) -> TenantId {
+    TenantId::parse(&format!("s{n:06}")).expect("tenant")
+}
+
+/// Pools sampled for report lag (each in every region).
+const SAMPLE_POOLS: usize = LAG_SAMPLES.div_ceil(REGIONS.len());
+
+fn region(name: &str) -> RegionId {
+    RegionId::parse(name).expect("region")
+}
+
+/// Bytes through the proxy, both ways.
+static WIRE_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// A proxy from a loopback port to `upstream`, counting the bytes each way: the agents' calls to
+/// the allocator, as a network would carry them (HTTP/1.1 over TCP, no TLS).
+async fn counting_proxy(upstream: SocketAddr) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind proxy");
+    let address = listener.local_addr().expect("proxy address");
+    tokio::spawn(async move {
+        loop {
+            let Ok((inbound, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let Ok(outbound) = tokio::net::TcpStream::connect(upstream).await else {
+                    return;
+                };
+                let _ = inbound.set_nodelay(true);
+                let _ = outbound.set_nodelay(true);
+                let (from_agent, to_agent) = inbound.into_split();
+                let (from_allocator, to_allocator) = outbound.into_split();
+                tokio::join!(
+                    counted_copy(from_agent, to_allocator),
+                    counted_copy(from_allocator, to_agent)
+                );
+            });
+        }
+    });
+    address
+}
+
+/// Copies `from` to `to` until either closes, counting the bytes as they pass.
+async fn counted_copy(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(read) => read,
+        };
+        WIRE_BYTES.fetch_add(read as u64, Ordering::Relaxed);
+        if to.write_all(&buffer[..read]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
+
+/// Starts the allocator on a runtime of its own over `kv` and a SQLite ledger at `ledger_url`;
+/// returns its address once it leads.
+async fn start_allocator(kv: Arc<dyn Kv>, ledger_url: String) -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let address = listener.local_addr().expect("address");
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("allocator")
+            .enable_all()
+            .build()
+            .expect("allocator runtime")
+            .block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                let tokens = Tokens {
+                    operator: vec![OPERATOR.to_owned()],
+                    agent: vec![AGENT_TOKEN.to_owned()],
+                };
+                let settings = Settings {
+                    ledger_url: ledger_url.clone(),
+                    ..Settings::local(address, tokens, "plane")
+                };
+                let ledger = Ledger::connect(&ledger_url).await.expect("ledger");
+                let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+                run(
+                    settings,
+                    kv,
+                    ledger,
+                    clock,
+                    listener,
+                    std::future::pending(),
+                )
+                .await
+                .expect("the allocator ran");
+            });
+    });
+    let client = reqwest::Client::new();
+    for _ in 0..1_000 {
+        let ready = client
+            .get(format!("http://{address}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if ready {
+            return address;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the allocator did not lead within 20 s");
+}
+
+/// One region's agent, its background loops running until the process ends.
+async fn start_agent(name: &str, allocator: SocketAddr, pools: usize) -> Arc<Agent> {
+    let clock = Arc::new(allot_region_agent::clock::SystemClock);
+    let store = InProcessStore::new(clock.clone(), 4 * pools + 1_024);
+    let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
+    let client = AllocatorClient::new(vec![format!("http://{allocator}")], AGENT_TOKEN.to_owned())
+        .expect("client");
+    let settings = AgentSettings {
+        max_pools: pools + 16,
+        ..AgentSettings::new(
+            region(name),
+            AgentId::parse(&format!("{name}-plane")).expect("agent id"),
+            Pepper::new(b"plane-bench-pepper-0123456789abcdef".to_vec()).expect("pepper"),
+        )
+    };
+    let agent = Agent::new(settings, clock, limiter, Some(Arc::new(client)), None);
+    agent.refresh_policy().await;
+    tokio::spawn(agent.clone().run_background(
+        allot_region_agent::server::REPORT_EVERY,
+        allot_region_agent::server::POLICY_EVERY,
+        std::future::pending(),
+    ));
+    agent
+}
+
+/// Admissions of sampled pool-regions: (pool, region index) -> (window start, admission time),
+/// epoch ms, in order.
+type Sampled = HashMap<(usize, usize), Vec<(u64, u64)>>;
+
+/// What the traffic saw.
+#[derive(Default)]
+struct Seen {
+    allowed: AtomicU64,
+    /// Denials before, and after, the pool-region's first admission.
+    denied_before_first: AtomicU64,
+    denied_after_first: AtomicU64,
+    /// Pool-regions admitted at least once (by index: pool * 3 + region).
+    admitted_once: Mutex<Vec<bool>>,
+    /// Sampled pool-regions' admissions.
+    sampled: Mutex<Sampled>,
+}
+
+fn request(n: u64, tenant_id: TenantId) -> AdmissionRequest {
+    AdmissionRequest {
+        request_id: DecisionId::parse(&format!("p-{n}")).expect("id"),
+        tenant_id,
+        principal: Principal {
+            kind: PrincipalType::User,
+            id: "plane-user".to_owned(),
+            api_key_id: None,
+        },
+        route_group: RouteGroup::parse("read").expect("route"),
+        method: "GET".to_owned(),
+        cost_hint: 1,
+        policy_epoch: None,
+        dry_run: false,
+        metered: false,
+    }
+}
+
+/// Sends every pool (`pools` of them, named by `tenant_of`) a request every `gap_ms` in every
+/// region, spread evenly, for `seconds`; with `sample`, notes every admission's time.
+async fn traffic(
+    agents: &[Arc<Agent>],
+    (pools, tenant_of): (usize, fn(usize) -> TenantId),
+    gap_ms: u64,
+    seconds: u64,
+    seen: &Arc<Seen>,
+    sample: bool,
+) {
+    const TICK_MS: u64 = 50;
+    let per_tick = pools as f64 * TICK_MS as f64 / gap_ms as f64;
+    let mut ticks = tokio::time::interval(Duration::from_millis(TICK_MS));
+    let mut carry = 0.0f64;
+    let mut next_pool = 0usize;
+    static REQUESTS: AtomicU64 = AtomicU64::new(0);
+    for _ in 0..seconds * 1_000 / TICK_MS {
+        ticks.tick().await;
+        carry += per_tick;
+        let due = carry as usize;
+        carry -= due as f64;
+        for _ in 0..due {
+            let pool = next_pool;
+            next_pool = (next_pool + 1) % pools;
+            for (index, agent) in agents.iter().enumerate() {
+                let agent = agent.clone();
+                let seen = seen.clone();
+                let n = REQUESTS.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(async move {
+                    let Ok(decision) = agent.admit(&request(n, tenant_of(pool))).await else {
+                        return;
+                    };
+                    let slot = pool * REGIONS.len() + index;
+                    if decision.allowed {
+                        seen.allowed.fetch_add(1, Ordering::Relaxed);
+                        lock(&seen.admitted_once)[slot] = true;
+                        if sample {
+                            let now_ms = SystemClock.now_ms();
+                            lock(&seen.sampled)
+                                .entry((pool, index))
+                                .or_default()
+                                .push((now_ms - now_ms % WINDOW_MS, now_ms));
+                        }
+                    } else if lock(&seen.admitted_once)[slot] {
+                        seen.denied_after_first.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        seen.denied_before_first.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+        }
+    }
+}
+
+/// Admits one request for every pool in every region, at most `concurrency` at a time per agent,
+/// retrying a pool until admitted: every pool's terms and first lease, without the storm of every
+/// pool's first request at once (what that storm does is measured apart: the denials before a
+/// pool's first admission).
+async fn first_touch(agents: &[Arc<Agent>], pools: usize, concurrency: usize) {
+    let mut all = tokio::task::JoinSet::new();
+    for agent in agents {
+        let agent = agent.clone();
+        all.spawn(async move {
+            let permits = Arc::new(tokio::sync::Semaphore::new(concurrency));
+            let mut touches = tokio::task::JoinSet::new();
+            for pool in 0..pools {
+                let permit = permits.clone().acquire_owned().await.expect("permits");
+                let agent = agent.clone();
+                touches.spawn(async move {
+                    for attempt in 0..50u64 {
+                        let n = u64::MAX / 2 + (pool as u64) * 64 + attempt;
+                        let admitted = agent
+                            .admit(&request(n, tenant(pool)))
+                            .await
+                            .is_ok_and(|d| d.allowed);
+                        if admitted {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    drop(permit);
+                });
+            }
+            while touches.join_next().await.is_some() {}
+        });
+    }
+    while all.join_next().await.is_some() {}
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The allocator's counter `name` (summed over its label sets) from its metrics page.
+async fn counter(client: &reqwest::Client, allocator: SocketAddr, name: &str) -> f64 {
+    let mut page = None;
+    for _ in 0..5 {
+        let fetched = client
+            .get(format!("http://{allocator}/metrics"))
+            .send()
+            .await;
+        if let Ok(response) = fetched
+            && let Ok(text) = response.text().await
+        {
+            page = Some(text);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let page = page.expect("the allocator's metrics page");
+    page.lines()
+        .filter(|line| {
+            line.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// What one phase measured.
+struct Phase {
+    name: &'static str,
+    seconds: f64,
+    allocator_cpu_s: f64,
+    /// Of which the SQLite ledger's worker threads.
+    ledger_cpu_s: f64,
+    etcd_cpu_s: f64,
+    wire_bytes: f64,
+    grants: f64,
+    /// Ledger rounds that read the store's grant records.
+    reconciliations: f64,
+    /// When the phase ran, epoch ms (its reports are counted from the ledger afterwards).
+    from_ms: u64,
+    to_ms: u64,
+    reports: f64,
+}
+
+impl Phase {
+    fn print(&self, pool_regions: f64) {
+        let per_thousand = pool_regions / 1_000.0;
+        let minutes = self.seconds / 60.0;
+        let allocator = self.allocator_cpu_s / self.seconds / per_thousand;
+        let etcd = self.etcd_cpu_s / self.seconds / per_thousand;
+        let bytes = self.wire_bytes / pool_regions / minutes;
+        let renewals = self.grants / pool_regions / minutes;
+        let reports = self.reports / pool_regions / minutes;
+        println!(
+            "{:<6} {:>10.0} {:>12.5} {:>12.5} {:>14.0} {:>12.2} {:>12.2}",
+            self.name, pool_regions, allocator, etcd, bytes, renewals, reports
+        );
+        println!(
+            "{}",
+            serde_json::json!({ "bench": "control_plane", "phase": self.name,
+                "poolRegions": pool_regions, "allocatorCpuPerThousand": allocator,
+                "etcdCpuPerThousand": etcd,
+                "ledgerShareOfAllocatorCpu": self.ledger_cpu_s / self.allocator_cpu_s.max(1e-9), "wireBytesPerPoolRegionMinute": bytes,
+                "renewalsPerPoolRegionMinute": renewals,
+                "reportsPerPoolRegionMinute": reports,
+                "ledgerReconciliations": self.reconciliations })
+        );
+    }
+}
+
+/// Measures `work` as one phase.
+async fn measure(
+    name: &'static str,
+    etcd: &allot_testkit::EtcdCluster,
+    client: &reqwest::Client,
+    allocator: SocketAddr,
+    work: impl Future<Output = ()>,
+) -> Phase {
+    let grants_before = counter(client, allocator, "allot_grants_total").await;
+    let reconciliations_before =
+        counter(client, allocator, "allot_ledger_reconciliations_total").await;
+    let from_ms = SystemClock.now_ms();
+    let cpu_before = allot_testkit::threads_cpu_seconds(&ALLOCATOR_THREADS);
+    let ledger_before = allot_testkit::threads_cpu_seconds(&["sqlx-sqlite"]);
+    let etcd_before = etcd.member_cpu_seconds(0);
+    let bytes_before = WIRE_BYTES.load(Ordering::Relaxed);
+    let stopwatch = allot_allocator::clock::Stopwatch::start();
+    work.await;
+    let seconds = stopwatch.elapsed().as_secs_f64();
+    let allocator_cpu_s = allot_testkit::threads_cpu_seconds(&ALLOCATOR_THREADS) - cpu_before;
+    let ledger_cpu_s = allot_testkit::threads_cpu_seconds(&["sqlx-sqlite"]) - ledger_before;
+    let etcd_cpu_s = etcd.member_cpu_seconds(0) - etcd_before;
+    let wire_bytes = (WIRE_BYTES.load(Ordering::Relaxed) - bytes_before) as f64;
+    let to_ms = SystemClock.now_ms();
+    Phase {
+        name,
+        seconds,
+        allocator_cpu_s,
+        ledger_cpu_s,
+        etcd_cpu_s,
+        wire_bytes,
+        grants: counter(client, allocator, "allot_grants_total").await - grants_before,
+        reconciliations: counter(client, allocator, "allot_ledger_reconciliations_total").await
+            - reconciliations_before,
+        from_ms,
+        to_ms,
+        reports: 0.0,
+    }
+}
+
+/// The reported spend of `tenant`'s pool in `region`'s window starting at `window_start_ms`, as
+/// the ledger holds it.
+async fn ledger_spend(
+    ledger: &sqlx::SqlitePool,
+    tenant: &TenantId,
+    region: &str,
+    window_start_ms: u64,
+) -> u64 {
+    let spent: i64 = sqlx::query_scalar(
+        "SELECT COALESCE(SUM(s.spent), 0) FROM lease_spend s JOIN grants g ON g.lease_id = s.lease_id \
+         WHERE g.tenant = ? AND g.pool = 'api' AND g.region = ? AND g.window_start_ms = ?",
+    )
+    .bind(tenant.as_str())
+    .bind(region)
+    .bind(i64::try_from(window_start_ms).unwrap_or(i64::MAX))
+    .fetch_one(ledger)
+    .await
+    .unwrap_or(0);
+    u64::try_from(spent).unwrap_or(0)
+}
+
+/// Polls the ledger for the sampled pool-regions while `seen` fills, and answers each admission's
+/// lag to the ledger, ms: from its admission to the first poll whose reported spend covers it.
+async fn sample_lag(ledger_url: &str, seen: &Arc<Seen>, until: Duration) -> Vec<u64> {
+    let ledger = sqlx::SqlitePool::connect(ledger_url)
+        .await
+        .expect("the ledger, read");
+    let stopwatch = allot_allocator::clock::Stopwatch::start();
+    // (pool, region) -> admissions already matched to a poll.
+    let mut matched: HashMap<(usize, usize), usize> = HashMap::new();
+    let mut lags = Vec::new();
+    while stopwatch.elapsed() < until {
+        tokio::time::sleep(Duration::from_millis(LAG_POLL_MS)).await;
+        let sampled = lock(&seen.sampled).clone();
+        let now_ms = SystemClock.now_ms();
+        for ((pool, region_index), admissions) in sampled {
+            let done = matched.entry((pool, region_index)).or_default();
+            let Some(&(window_start_ms, _)) = admissions.get(*done) else {
+                continue;
+            };
+            let spent = ledger_spend(
+                &ledger,
+                &sample_tenant(pool),
+                REGIONS[region_index],
+                window_start_ms,
+            )
+            .await;
+            let in_window: Vec<&(u64, u64)> = admissions
+                .iter()
+                .filter(|(start, _)| *start == window_start_ms)
+                .collect();
+            let first_in_window = admissions
+                .iter()
+                .position(|(start, _)| *start == window_start_ms)
+                .unwrap_or(0);
+            while *done < admissions.len() && admissions[*done].0 == window_start_ms {
+                let rank = *done - first_in_window + 1;
+                if (spent as usize) < rank.min(in_window.len()) {
+                    break;
+                }
+                lags.push(now_ms.saturating_sub(admissions[*done].1));
+                *done += 1;
+            }
+            // A window over with admissions the ledger never showed (the last ones): skip them.
+            if window_start_ms + WINDOW_MS + 10_000 < now_ms {
+                while *done < admissions.len() && admissions[*done].0 == window_start_ms {
+                    *done += 1;
+                }
+            }
+        }
+    }
+    ledger.close().await;
+    lags.sort_unstable();
+    lags
+}
+
+/// Counts the reports the ledger received during each phase (read after every phase is
+/// measured: this read's threads are not the allocator's, but share their name).
+async fn count_reports(ledger_url: &str, phases: &mut [&mut Phase]) {
+    let ledger = sqlx::SqlitePool::connect(ledger_url)
+        .await
+        .expect("the ledger, read");
+    for phase in phases.iter_mut() {
+        let count: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM lease_reports WHERE received_at_ms >= ? AND received_at_ms < ?",
+        )
+        .bind(i64::try_from(phase.from_ms).unwrap_or(i64::MAX))
+        .bind(i64::try_from(phase.to_ms).unwrap_or(i64::MAX))
+        .fetch_one(&ledger)
+        .await
+        .expect("reports counted");
+        phase.reports = count as f64;
+    }
+    ledger.close().await;
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let pools = usize::try_from(env_or("PLANE_POOLS", 1_000)).unwrap_or(1_000);
+    let gap_ms = env_or("PLANE_GAP_MS", 3_000);
+    let seconds = env_or("PLANE_SECONDS", 60);
+    let pool_regions = (pools * REGIONS.len()) as f64;
+
+    let etcd = allot_testkit::EtcdCluster::single();
+    let kv: Arc<dyn Kv> = Arc::new(EtcdKv::connect(&etcd.endpoints()).await.expect("etcd"));
+    let spec = PoolSpec {
+        limit_tokens: 1_000_000,
+        window_ms: WINDOW_MS,
+        window: None,
+        chunk_tokens: 1_000,
+        lease_ttl_ms: LEASE_TTL_MS,
+        fallback_per_region_tokens: 0,
+        settle_debt_per_region_tokens: 0,
+        regions: REGIONS.iter().map(|r| region(r)).collect(),
+    };
+    let pool = PoolId::parse("api").expect("pool");
+    let all: Vec<_> = (0..pools)
+        .map(tenant)
+        .chain((0..SAMPLE_POOLS).map(sample_tenant))
+        .map(|tenant| (tenant, pool.clone(), spec.clone()))
+        .collect();
+    for chunk in all.chunks(1_000) {
+        put_pools(&*kv, chunk, SystemClock.now_ms())
+            .await
+            .expect("pools");
+    }
+    let draft = allot_shared::policy::parse_bundle(BUNDLE).expect("bundle");
+    allot_allocator::policies::publish(
+        &*kv,
+        draft,
+        allot_shared::window::rfc3339_utc(SystemClock.now_ms()),
+        None,
+    )
+    .await
+    .expect("published");
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ledger_url = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let allocator = start_allocator(kv, ledger_url.clone()).await;
+    let proxy = counting_proxy(allocator).await;
+    let mut agents = Vec::new();
+    for name in REGIONS {
+        agents.push(start_agent(name, proxy, pools + SAMPLE_POOLS).await);
+    }
+    // A connection per read: a pooled one may be closed by the server while idle.
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("client");
+    let seen = Arc::new(Seen {
+        admitted_once: Mutex::new(vec![false; pools * REGIONS.len()]),
+        ..Seen::default()
+    });
+    println!(
+        "control plane: {pools} pools x {} regions, a request every {gap_ms} ms per pool-region",
+        REGIONS.len()
+    );
+
+    // Warm-up: every pool's terms and first lease, 64 pools at a time per agent, then one lease
+    // TTL of renewals.
+    let touch = allot_allocator::clock::Stopwatch::start();
+    first_touch(&agents, pools, 64).await;
+    println!(
+        "first touch of every pool-region: {:.1} s",
+        touch.elapsed().as_secs_f64()
+    );
+    let every_pool = (pools, tenant as fn(usize) -> TenantId);
+    let warm_up_s = LEASE_TTL_MS / 1_000 + 5;
+    traffic(&agents, every_pool, gap_ms, warm_up_s, &seen, false).await;
+    let light = measure("light", &etcd, &client, allocator, async {
+        traffic(&agents, every_pool, gap_ms, seconds, &seen, false).await;
+    })
+    .await;
+    let denied_light = seen.denied_after_first.load(Ordering::Relaxed);
+    let lag_seconds = 30;
+    let sampled = Arc::new(Seen {
+        admitted_once: Mutex::new(vec![false; SAMPLE_POOLS * REGIONS.len()]),
+        ..Seen::default()
+    });
+    let sample_pools = (SAMPLE_POOLS, sample_tenant as fn(usize) -> TenantId);
+    let (_, _, lags) = tokio::join!(
+        traffic(&agents, every_pool, gap_ms, lag_seconds, &seen, false),
+        traffic(&agents, sample_pools, gap_ms, lag_seconds, &sampled, true),
+        sample_lag(&ledger_url, &sampled, Duration::from_secs(lag_seconds + 5)),
+    );
+    // Leases end (one TTL), their last reports go in, the agents settle; the last windows end,
+    // settle and are checked by a ledger round (two rounds of 30 s): from then on nothing is owed
+    // anywhere, and what the control plane spends is what idling costs.
+    tokio::time::sleep(Duration::from_millis(LEASE_TTL_MS + WINDOW_MS + 70_000)).await;
+    let mut idle = measure("idle", &etcd, &client, allocator, async {
+        tokio::time::sleep(Duration::from_secs(seconds)).await;
+    })
+    .await;
+    let mut light = light;
+    count_reports(&ledger_url, &mut [&mut light, &mut idle]).await;
+
+    println!(
+        "{:<6} {:>10} {:>12} {:>12} {:>14} {:>12} {:>12}",
+        "phase",
+        "pool-reg.",
+        "alloc s/s/k",
+        "etcd s/s/k",
+        "B/pool-reg/min",
+        "renew/min",
+        "reports/min"
+    );
+    light.print(pool_regions);
+    idle.print(pool_regions);
+    let p99 = lags
+        .get((lags.len() * 99 / 100).min(lags.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or(0);
+    let p50 = lags.get(lags.len() / 2).copied().unwrap_or(0);
+    println!(
+        "report lag to the ledger: p50 {p50} ms, p99 {p99} ms over {} admissions",
+        lags.len()
+    );
+    println!(
+        "admitted {}, denied after a pool-region's first admission {} (during light: {denied_light}), before it {}",
+        seen.allowed.load(Ordering::Relaxed),
+        seen.denied_after_first.load(Ordering::Relaxed),
+        seen.denied_before_first.load(Ordering::Relaxed),
+    );
+    println!(
+        "{}",
+        serde_json::json!({ "bench": "control_plane", "pools": pools,
+            "reportLagP50Ms": p50, "reportLagP99Ms": p99, "lagSamples": lags.len(),
+            "deniedAfterFirst": seen.denied_after_first.load(Ordering::Relaxed),
+            "deniedBeforeFirst": seen.denied_before_first.load(Ordering::Relaxed) })
+    );
+    std::process::exit(0);
+}
