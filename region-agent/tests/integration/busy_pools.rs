@@ -9,8 +9,8 @@ use std::sync::atomic::Ordering;
 use allot_region_agent::clock::{Clock, SystemClock};
 use allot_region_agent::service::{Agent, POOL_IDLE_MS, TERMS_REFRESH_MS};
 use allot_shared::clock::ManualClock;
-use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
-use allot_shared::ids::{DecisionId, RouteGroup, TenantId};
+use allot_shared::contract::AdmissionRequest;
+use allot_shared::ids::TenantId;
 
 use crate::common;
 use crate::common::allocator::{Allocator, client};
@@ -25,19 +25,8 @@ const TENANTS: u64 = 20;
 
 fn request(n: u64, tenant: u64) -> AdmissionRequest {
     AdmissionRequest {
-        request_id: DecisionId::parse(&format!("r-{n}")).expect("id"),
         tenant_id: TenantId::parse(&format!("t{tenant:03}")).expect("tenant"),
-        principal: Principal {
-            kind: PrincipalType::User,
-            id: "U-1".to_owned(),
-            api_key_id: None,
-        },
-        route_group: RouteGroup::parse("read").expect("route"),
-        method: "GET".to_owned(),
-        cost_hint: 1,
-        policy_epoch: None,
-        dry_run: false,
-        metered: false,
+        ..common::user_request(&format!("r-{n}"), "U-1", "read")
     }
 }
 
