@@ -122,7 +122,6 @@ type Reply = oneshot::Sender<Result<Granted, GrantFailure>>;
 
 /// A grant's record as the pool's worker answers it, with the version of the pool's terms the
 /// worker held (0: it held none, as when it answered from the store after a failed commit).
-#[derive(Clone)]
 struct Granted {
     record: GrantRecord,
     terms_version: u64,
@@ -797,18 +796,14 @@ impl PoolWorker {
     }
 }
 
-fn reply_all(batch: Vec<Pending>, result: Result<Granted, GrantFailure>) {
-    for pending in batch {
-        let _ = pending.reply.send(result.clone());
-    }
-}
-
 /// Answers every grant and return of a batch with `failure`.
 fn fail_all(batch: Vec<Pending>, returns: Vec<RecordedReturn>, failure: GrantFailure) {
     for recorded in returns {
         recorded.answer(Err(failure.clone()));
     }
-    reply_all(batch, Err(failure));
+    for pending in batch {
+        let _ = pending.reply.send(Err(failure.clone()));
+    }
 }
 
 #[cfg(test)]

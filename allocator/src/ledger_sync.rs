@@ -63,11 +63,13 @@ impl LedgerFeed {
     /// Sends `committed` to the ledger, or, the feed being full, marks it missed (counted and
     /// logged): the next ledger round copies it from the store.
     pub fn send(&self, committed: CommittedGrants) {
-        let (tenant, pool) = (committed.tenant.clone(), committed.pool.clone());
-        if self.sender.try_send(committed).is_err() {
+        use tokio::sync::mpsc::error::TrySendError;
+        if let Err(TrySendError::Full(missed) | TrySendError::Closed(missed)) =
+            self.sender.try_send(committed)
+        {
             self.missed.store(true, Ordering::Release);
             metrics::counter!(crate::metrics::LEDGER_FEED_FULL).increment(1);
-            tracing::warn!(%tenant, %pool,
+            tracing::warn!(tenant = %missed.tenant, pool = %missed.pool,
                 "ledger feed full; these grants reach the ledger at the next reconciliation");
         }
     }
