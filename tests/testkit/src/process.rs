@@ -110,9 +110,7 @@ pub(crate) struct ServerProcess {
 impl ServerProcess {
     /// CPU seconds (user and system) the process has used so far, in clock ticks (10 ms).
     pub(crate) fn cpu_seconds(&self) -> f64 {
-        let stat =
-            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
-        stat_cpu_ticks(&stat) as f64 / TICKS_PER_SECOND
+        stat_cpu_seconds(&format!("/proc/{}/stat", self.child.id()))
     }
 
     /// `Some(description)` if the process has exited (it should not have).
@@ -248,7 +246,13 @@ fn stat_cpu_ticks(stat: &str) -> u64 {
 /// by the work they did.
 #[must_use]
 pub fn process_cpu_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    stat_cpu_seconds("/proc/self/stat")
+}
+
+/// CPU seconds (user + system) a process's `stat` file (at `path`) says it has used, in clock
+/// ticks; 0 when it cannot be read.
+fn stat_cpu_seconds(path: &str) -> f64 {
+    let stat = std::fs::read_to_string(path).unwrap_or_default();
     stat_cpu_ticks(&stat) as f64 / TICKS_PER_SECOND
 }
 
