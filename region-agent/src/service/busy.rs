@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use allot_shared::ids::{PoolId, TenantId};
 
@@ -31,12 +32,22 @@ pub const MAX_SETTLED_CHECKS_PER_ROUND: usize = 4_096;
 pub(super) struct BusyPools {
     /// Pools touched since they last settled, sorted (the report round's order).
     listed: Mutex<BTreeSet<PoolKey>>,
-    /// Pools that settled, with when (epoch ms), in the order they were queued: at most one entry
-    /// per pool held.
-    settled: Mutex<VecDeque<(u64, PoolKey)>>,
+    /// Pools that settled, in the order they were queued: at most one entry per slot held (an
+    /// entry names its slot, so one left by a forgotten slot is told from its successor's).
+    settled: Mutex<VecDeque<Settled>>,
+    /// The next slot's number.
+    next_slot_id: AtomicU64,
 }
 
+/// A settled pool's entry in the queue: when it settled (epoch ms), its key, and its slot's number.
+pub(super) type Settled = (u64, PoolKey, u64);
+
 impl BusyPools {
+    /// A number for a new slot, never given before.
+    pub(super) fn new_slot_id(&self) -> u64 {
+        self.next_slot_id.fetch_add(1, Ordering::Relaxed)
+    }
+
     /// Lists `key` (its slot's flag went from unlisted to listed, under its agent's lock).
     pub(super) fn list(&self, key: &PoolKey) {
         lock(&self.listed).insert(key.clone());
@@ -64,21 +75,21 @@ impl BusyPools {
 
     /// Takes the settled pools that settled at or before `settled_by_ms`, oldest first, at most
     /// `max`.
-    pub(super) fn take_settled(&self, settled_by_ms: u64, max: usize) -> Vec<(u64, PoolKey)> {
+    pub(super) fn take_settled(&self, settled_by_ms: u64, max: usize) -> Vec<Settled> {
         let mut settled = lock(&self.settled);
         let due = settled
             .iter()
             .take(max)
-            .take_while(|(at_ms, _)| *at_ms <= settled_by_ms)
+            .take_while(|(at_ms, _, _)| *at_ms <= settled_by_ms)
             .count();
         settled.drain(..due).collect()
     }
 
-    /// Queues `key`, settled at `settled_at_ms`, to be looked at once it may be forgotten (at most
-    /// one entry per pool: its slot says whether it has one). An entry queued out of order is
-    /// looked at late, never early.
-    pub(super) fn queue(&self, key: PoolKey, settled_at_ms: u64) {
-        lock(&self.settled).push_back((settled_at_ms, key));
+    /// Queues `key`'s slot number `slot_id`, settled at `settled_at_ms`, to be looked at once it
+    /// may be forgotten (at most one entry per slot: the slot says whether it has one). An entry
+    /// queued out of order is looked at late, never early.
+    pub(super) fn queue(&self, key: PoolKey, slot_id: u64, settled_at_ms: u64) {
+        lock(&self.settled).push_back((settled_at_ms, key, slot_id));
     }
 }
 
@@ -100,15 +111,15 @@ mod tests {
         busy.list(&key("a"));
         assert_eq!(busy.listed(), vec![key("a"), key("b")]);
         busy.settle(&key("b"));
-        busy.queue(key("b"), 1_000);
+        busy.queue(key("b"), 7, 1_000);
         busy.settle(&key("a"));
-        busy.queue(key("a"), 2_000);
+        busy.queue(key("a"), 8, 2_000);
         assert_eq!(busy.listed_count(), 0);
         assert!(busy.take_settled(999, 10).is_empty());
-        assert_eq!(busy.take_settled(1_500, 10), vec![(1_000, key("b"))]);
-        busy.queue(key("b"), 3_000);
-        assert_eq!(busy.take_settled(5_000, 1), vec![(2_000, key("a"))]);
-        assert_eq!(busy.take_settled(5_000, 10), vec![(3_000, key("b"))]);
+        assert_eq!(busy.take_settled(1_500, 10), vec![(1_000, key("b"), 7)]);
+        busy.queue(key("b"), 7, 3_000);
+        assert_eq!(busy.take_settled(5_000, 1), vec![(2_000, key("a"), 8)]);
+        assert_eq!(busy.take_settled(5_000, 10), vec![(3_000, key("b"), 7)]);
         assert!(busy.take_settled(u64::MAX, 10).is_empty());
     }
 }

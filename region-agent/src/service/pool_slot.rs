@@ -31,6 +31,8 @@ pub(super) struct PoolSlot {
     /// The pools the background rounds visit, and whether this one is among them (changed only
     /// under the agent's lock).
     busy: Arc<BusyPools>,
+    /// This slot's number (a successor under the same key has another).
+    id: u64,
     listed: AtomicBool,
     /// When a report round last found the pool settled and unlisted it, epoch ms.
     settled_at_ms: AtomicU64,
@@ -95,6 +97,7 @@ impl PoolSlot {
         Self {
             tenant,
             pool,
+            id: busy.new_slot_id(),
             busy,
             listed: AtomicBool::new(true),
             settled_at_ms: AtomicU64::new(0),
@@ -130,6 +133,11 @@ impl PoolSlot {
         lock(&self.agent)
     }
 
+    /// This slot's number.
+    pub(super) fn id(&self) -> u64 {
+        self.id
+    }
+
     /// The pool's key.
     pub(super) fn key(&self) -> PoolKey {
         (self.tenant.clone(), self.pool.clone())
@@ -144,7 +152,7 @@ impl PoolSlot {
             self.settled_at_ms.store(now_ms, Ordering::Relaxed);
             self.busy.settle(&self.key());
             if !self.queued.swap(true, Ordering::Relaxed) {
-                self.busy.queue(self.key(), now_ms);
+                self.busy.queue(self.key(), self.id, now_ms);
             }
         }
     }
@@ -161,7 +169,7 @@ impl PoolSlot {
     pub(super) fn queue_again(&self, _agent: &MutexGuard<'_, PoolAgent>, settled_at_ms: u64) {
         self.settled_at_ms.store(settled_at_ms, Ordering::Relaxed);
         self.queued.store(true, Ordering::Relaxed);
-        self.busy.queue(self.key(), settled_at_ms);
+        self.busy.queue(self.key(), self.id, settled_at_ms);
     }
 
     /// The pool's window containing `now_ms`, as its holder cuts windows (from the terms in force,

@@ -89,9 +89,14 @@ impl Agent {
         );
         metrics::counter!(crate::metrics::POOLS_VISITED, "round" => "upkeep")
             .increment(due.len() as u64);
-        for (_, key) in due {
+        for (_, key, slot_id) in due {
             let mut pools = self.pools.slots();
-            let Some(slot) = pools.get(&key.0, &key.1).cloned() else {
+            // Gone, or a successor's: the entry was the forgotten slot's.
+            let Some(slot) = pools
+                .get(&key.0, &key.1)
+                .filter(|slot| slot.id() == slot_id)
+                .cloned()
+            else {
                 continue;
             };
             let mut agent = slot.agent_quietly();
