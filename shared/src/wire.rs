@@ -100,6 +100,57 @@ pub struct PoolTerms {
     pub limit_override: Option<crate::overrides::PoolOverride>,
 }
 
+/// Most pools one `POST /v1/terms/batch` call may ask about.
+pub const MAX_TERMS_PER_BATCH: usize = 256;
+
+/// One pool a `POST /v1/terms/batch` call asks the terms of.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TermsAsk {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// The pool.
+    pub pool: PoolId,
+}
+
+/// `POST /v1/terms/batch` body: the terms of several pools in one call (an agent's first
+/// requests for many pools at once), each answered as `GET /v1/pools/{tenant}/{pool}/terms`
+/// answers it with `region` and `agentId` as its query.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TermsBatch {
+    /// The asking region: each answer adds its fallback admitted so far in the window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<RegionId>,
+    /// The asking agent (with `region`): the fallback admitted is its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<AgentId>,
+    /// The pools, at most [`MAX_TERMS_PER_BATCH`].
+    #[schema(max_items = 256)]
+    pub pools: Vec<TermsAsk>,
+}
+
+/// `POST /v1/terms/batch` answer: one result per pool, in the order asked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TermsBatchAnswer {
+    /// Each pool's result, in the order of the call's `pools`.
+    pub results: Vec<TermsResult>,
+}
+
+/// One pool's result in a terms batch: its terms, or the problem the single route would have
+/// answered (404: no such pool), its `field` prefixed `pools[i].`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TermsResult {
+    /// The pool's terms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub terms: Option<PoolTerms>,
+    /// Why the pool has no terms to give.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem: Option<crate::contract::Problem>,
+}
+
 /// A region's fallback admits in one window, as the allocator's ledger holds them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]

@@ -25,6 +25,7 @@ mod policies;
 mod pools;
 mod regions;
 mod reports;
+mod terms;
 mod tokens;
 mod usage;
 mod webhooks;
@@ -133,6 +134,7 @@ pub fn routes(state: ApiState) -> Router {
             "/v1/pools/{tenant}/{pool}/terms",
             get(pools::get_pool_terms),
         )
+        .route("/v1/terms/batch", post(terms::post_terms_batch))
         .route("/v1/regions", get(regions::list_regions))
         .route("/v1/grants", post(grants::post_grant))
         .route("/v1/grants/batch", post(grants::post_grant_batch))

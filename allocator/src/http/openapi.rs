@@ -26,6 +26,7 @@ use utoipa::{Modify, OpenApi};
         super::pools::delete_pool,
         super::pools::get_windows,
         super::pools::get_pool_terms,
+        super::terms::post_terms_batch,
         super::regions::list_regions,
         super::grants::post_grant,
         super::grants::post_grant_batch,

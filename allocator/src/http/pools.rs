@@ -529,15 +529,28 @@ pub async fn get_pool_terms(
             "names an agent of a region: send region with it",
         ));
     }
-    let stored = stored_pool(&state, &tenant, &pool).await?;
+    let terms = pool_terms(&state, &tenant, &pool, region.as_ref(), agent.as_ref()).await?;
+    Ok(json_response(StatusCode::OK, &terms))
+}
+
+/// A pool's terms as agents read them, asked for by `region` (its agent `agent`): with what it
+/// admitted in fallback so far in the current window. The caller has checked both.
+pub(super) async fn pool_terms(
+    state: &ApiState,
+    tenant: &TenantId,
+    pool: &PoolId,
+    region: Option<&RegionId>,
+    agent: Option<&AgentId>,
+) -> Result<PoolTerms, ApiError> {
+    let stored = stored_pool(state, tenant, pool).await?;
     let config = stored.spec.validate().ok();
     let now_ms = state.clock.now_ms();
-    let fallback_in_window = match (&region, &config) {
+    let fallback_in_window = match (region, &config) {
         (Some(region), Some(config)) => {
             let window = config.window_at(now_ms);
             let admitted_tokens = state
                 .ledger
-                .fallback_admitted(&tenant, &pool, region, agent.as_ref(), window.start_ms)
+                .fallback_admitted(tenant, pool, region, agent, window.start_ms)
                 .await?;
             Some(FallbackInWindow {
                 window_start_ms: window.start_ms,
@@ -546,8 +559,7 @@ pub async fn get_pool_terms(
         }
         _ => None,
     };
-    let terms = stored.terms(now_ms, fallback_in_window);
-    Ok(json_response(StatusCode::OK, &terms))
+    Ok(stored.terms(now_ms, fallback_in_window))
 }
 
 #[utoipa::path(get, path = "/v1/pools/{tenant}/{pool}/windows", tag = "pools",

@@ -103,6 +103,13 @@ async fn every_endpoint_checks_the_role() {
             Some("viewer"),
             true,
         ),
+        (
+            Method::POST,
+            "/v1/terms/batch",
+            Some(json!({ "pools": [{ "tenant": "atlas", "pool": "api" }] })),
+            Some("viewer"),
+            true,
+        ),
         (Method::POST, "/v1/grants", Some(grant("eu")), None, true),
         (
             Method::POST,

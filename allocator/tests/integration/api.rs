@@ -890,6 +890,43 @@ async fn reports_reach_the_windows_view() {
     assert_eq!(problem["field"], "region", "{problem}");
     let (status, problem) = server.get("/v1/pools/atlas/api/terms?zone=eu", AGENT).await;
     assert_eq!(status, 400, "{problem}");
+
+    // Many pools' terms in one call: each as the single route answers it, in order; a missing
+    // pool is refused alone, naming its place.
+    let pools = json!([{ "tenant": "atlas", "pool": "api" }, { "tenant": "atlas", "pool": "none" },
+                       { "tenant": "atlas", "pool": "api" }]);
+    let (status, batch) = server
+        .post(
+            "/v1/terms/batch",
+            AGENT,
+            &json!({ "region": "eu", "pools": pools }),
+        )
+        .await;
+    assert_eq!(status, 200, "{batch}");
+    let results = batch["results"].as_array().expect("results");
+    assert_eq!(results.len(), 3, "{batch}");
+    assert_eq!(results[0]["terms"], terms, "{batch}");
+    assert_eq!(results[2]["terms"], terms, "{batch}");
+    assert_eq!(results[1]["problem"]["status"], 404, "{batch}");
+    assert_eq!(results[1]["problem"]["field"], "pools[1]", "{batch}");
+    assert!(results[1].get("terms").is_none(), "{batch}");
+    let (_, without_region) = server
+        .post("/v1/terms/batch", AGENT, &json!({ "pools": pools }))
+        .await;
+    assert_eq!(without_region["results"][0]["terms"], plain);
+    // Bounds and fields refuse the whole call, naming the field.
+    let too_many: Vec<Value> = (0..257)
+        .map(|_| json!({ "tenant": "atlas", "pool": "api" }))
+        .collect();
+    for (body, field) in [
+        (json!({ "pools": too_many }), "pools"),
+        (json!({ "agentId": "eu-1", "pools": [] }), "agentId"),
+        (json!({ "region": "Europe!", "pools": [] }), "region"),
+    ] {
+        let (status, problem) = server.post("/v1/terms/batch", AGENT, &body).await;
+        assert_eq!(status, 400, "{problem}");
+        assert_eq!(problem["field"], field, "{problem}");
+    }
 }
 
 /// A final report's unspent tokens come back to the window through the API: the receipt says how

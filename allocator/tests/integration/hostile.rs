@@ -119,8 +119,9 @@ fn cases() -> Vec<Case> {
                          "windowStartMs": 0, "leases": [], "fallbackAdmitted": 0 });
     let status = json!({ "region": "eu", "agentId": "eu-1", "version": 1 });
     let mint = json!({ "role": "viewer", "name": "n" });
-    let json_endpoints: [(Method, &str, &'static str); 8] = [
+    let json_endpoints: [(Method, &str, &'static str); 9] = [
         (Method::PUT, "/v1/pools/atlas/api", OPERATOR),
+        (Method::POST, "/v1/terms/batch", AGENT),
         (Method::POST, "/v1/grants", AGENT),
         (Method::POST, "/v1/grants/batch", AGENT),
         (Method::POST, "/v1/reports", AGENT),

@@ -48,9 +48,10 @@ include-path = "/v1/usage"
 checks.positive_data_acceptance.enabled = false
 
 # Reports, grants and runs name leases, windows and pools that must exist and agree (their rules
-# about one field, such as `want` at least 1 and `reportId` 1 to 64 characters, are in the schema).
+# about one field, such as `want` at least 1 and `reportId` 1 to 64 characters, are in the schema);
+# a terms batch names a region the token must be allowed to act for.
 [[operations]]
-include-path-regex = "^/v1/(grants|reports|agent-sessions)"
+include-path-regex = "^/v1/(grants|reports|agent-sessions|terms)"
 checks.positive_data_acceptance.enabled = false
 "#;
 
