@@ -14,8 +14,9 @@ use allot_shared::policy::{PolicyBundle, parse_bundle};
 pub use allot_shared::wire::{
     AgentSession, AgentSessionEnded, AgentSessionStarted, AgentStatus, FallbackInWindow,
     GrantAnswer, GrantBatch, GrantBatchAnswer, GrantBody, GrantResult, MAX_GRANTS_PER_BATCH,
-    MAX_LEASE_LINES_PER_BATCH, MAX_REPORT_BATCH_BYTES, MAX_REPORTS_PER_BATCH, PoolTerms, Report,
-    ReportBatch, ReportBatchAnswer, ReportLease, ReportReceipt, ReportResult,
+    MAX_LEASE_LINES_PER_BATCH, MAX_REPORT_BATCH_BYTES, MAX_REPORTS_PER_BATCH, MAX_TERMS_PER_BATCH,
+    PoolTerms, Report, ReportBatch, ReportBatchAnswer, ReportLease, ReportReceipt, ReportResult,
+    TermsAsk, TermsBatch, TermsBatchAnswer, TermsResult,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -269,6 +270,29 @@ impl AllocatorClient {
         .await
     }
 
+    /// `POST /v1/terms/batch`: several pools' terms in one call. One answer per pool, in order,
+    /// as [`AllocatorClient::pool_terms`] would have given it: the terms, `None` when the pool
+    /// does not exist, or the error. An allocator without the route answers 404 (`Err` for the
+    /// whole call).
+    pub async fn pool_terms_batch(
+        &self,
+        batch: &TermsBatch,
+    ) -> Result<Vec<TermsOutcome>, ClientError> {
+        let answer: Option<TermsBatchAnswer> = self
+            .call(
+                reqwest::Method::POST,
+                "/v1/terms/batch",
+                Some(&to_json(batch)?),
+            )
+            .await?;
+        let results = one_per_entry(
+            "/v1/terms/batch",
+            answer.map(|answer| answer.results),
+            batch.pools.len(),
+        )?;
+        Ok(results.into_iter().map(terms_outcome).collect())
+    }
+
     /// Asks for a grant; `None` when the pool does not exist.
     pub async fn grant(
         &self,
@@ -470,6 +494,26 @@ fn grant_outcome(result: GrantResult) -> GrantOutcome {
         (None, None) => Err(ClientError::Unreachable(
             "a batch result with neither a grant nor a problem".to_owned(),
         )),
+    }
+}
+
+/// What one terms call, or one pool of a batch, came to: the terms, `None` when the pool does
+/// not exist, or why not.
+pub type TermsOutcome = Result<Option<PoolTerms>, ClientError>;
+
+/// One pool's result in a terms batch as [`AllocatorClient::pool_terms`] gives it alone.
+fn terms_outcome(result: TermsResult) -> TermsOutcome {
+    match (result.terms, result.problem) {
+        (Some(terms), _) => Ok(Some(terms)),
+        (None, Some(problem)) if problem.status == 404 => Ok(None),
+        (None, Some(problem)) => Err(ClientError::Refused {
+            status: problem.status,
+            detail: problem.detail,
+        }),
+        (None, None) => Err(ClientError::Refused {
+            status: 200,
+            detail: "a batch result with neither terms nor a problem".to_owned(),
+        }),
     }
 }
 

@@ -1,8 +1,8 @@
 //! The pool registry: the pools an agent holds (one [`PoolAgent`] each, with the terms in force),
 //! how a request finds its pool, and the single-flight lookup of a pool's terms.
 
-use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use allot_shared::ids::{PoolId, TenantId};
@@ -11,7 +11,10 @@ use super::busy::BusyPools;
 use super::pool_slot::PoolSlot;
 use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, lock};
-use crate::allocator_client::AllocatorClient;
+use crate::allocator_client::{
+    AllocatorClient, ClientError, MAX_TERMS_PER_BATCH, MissingRoute, TermsAsk, TermsBatch,
+    TermsOutcome,
+};
 use crate::global::PoolAgent;
 
 /// After a pool's terms could not be fetched (allocator unreachable), requests for it fail closed
@@ -62,6 +65,41 @@ pub(super) struct PoolRegistry {
     /// Fallback claims requests are waiting for the journal to make durable: (the pool's slot,
     /// the request's cost). Taken whole by the one writer.
     claims_wanted: Mutex<Vec<(Arc<PoolSlot>, u64)>>,
+    /// Lookups waiting for the terms sender.
+    lookup_queue: LookupQueue,
+}
+
+/// The lookups waiting for the next terms call, and whether a sender runs. Bounded by the
+/// lookups under way (at most the settings' `max_pools`): one entry each.
+#[derive(Default)]
+struct LookupQueue {
+    /// Each pool's key and the sender its waiting requests watch (dropped when it is settled).
+    waiting: Mutex<VecDeque<(PoolKey, tokio::sync::watch::Sender<()>)>>,
+    sender_running: AtomicBool,
+    /// Whether the allocator lacks `POST /v1/terms/batch`.
+    batch_route: MissingRoute,
+}
+
+impl LookupQueue {
+    /// Queues a lookup; true when no sender runs and the caller must start one.
+    fn push(&self, key: PoolKey, done: tokio::sync::watch::Sender<()>) -> bool {
+        lock(&self.waiting).push_back((key, done));
+        !self.sender_running.swap(true, Ordering::AcqRel)
+    }
+
+    /// Up to `most` lookups, oldest first.
+    fn take(&self, most: usize) -> Vec<(PoolKey, tokio::sync::watch::Sender<()>)> {
+        let mut waiting = lock(&self.waiting);
+        let count = waiting.len().min(most);
+        waiting.drain(..count).collect()
+    }
+
+    /// The sender found nothing waiting: true when it may stop. A lookup queued between its look
+    /// and this one found the sender running and started none, so it goes on for it.
+    fn stop_sender(&self) -> bool {
+        self.sender_running.store(false, Ordering::Release);
+        lock(&self.waiting).is_empty() || self.sender_running.swap(true, Ordering::AcqRel)
+    }
 }
 
 impl PoolRegistry {
@@ -235,7 +273,9 @@ impl Agent {
                     }
                     let (done, fetched) = tokio::sync::watch::channel(());
                     lookups.insert(key.clone(), Lookup::Fetching(fetched.clone()));
-                    tokio::spawn(self.clone().fetch_terms(allocator, key.clone(), done));
+                    if self.pools.lookup_queue.push(key.clone(), done) {
+                        tokio::spawn(self.clone().send_lookups(allocator));
+                    }
                     fetched
                 }
             }
@@ -246,38 +286,97 @@ impl Agent {
         self.pools.get(tenant, pool)
     }
 
-    /// Fetches a pool's terms and installs its slot, or remembers why not. Dropping `done` wakes
-    /// the requests waiting for it.
+    /// The terms sender: takes the queued lookups, at most a batch's worth a call, one call at a
+    /// time, until none waits; settles every lookup it takes, whatever the call did. Pools met at
+    /// once (a cold start) cost a call per batch, not one each.
+    async fn send_lookups(self: Arc<Self>, allocator: Arc<AllocatorClient>) {
+        loop {
+            let batch = self.pools.lookup_queue.take(MAX_TERMS_PER_BATCH);
+            if batch.is_empty() {
+                if self.pools.lookup_queue.stop_sender() {
+                    return;
+                }
+                continue;
+            }
+            let keys: Vec<&PoolKey> = batch.iter().map(|(key, _)| key).collect();
+            let answers = self.ask_terms(&allocator, &keys).await;
+            debug_assert_eq!(answers.len(), batch.len(), "one answer per lookup");
+            for ((key, done), answer) in batch.into_iter().zip(answers) {
+                self.settle_lookup(key, answer, done);
+            }
+        }
+    }
+
+    /// The terms of `keys`' pools, one answer each in order: in one batch call, or one call each
+    /// (concurrently) for a single pool or from an allocator without the batch route. This run's
+    /// session starts before its first holder (the holder takes over how the last run ended).
+    async fn ask_terms(&self, allocator: &AllocatorClient, keys: &[&PoolKey]) -> Vec<TermsOutcome> {
+        if let Err(error) = self.start_session(allocator).await {
+            self.note_allocator::<()>(&Err(error.clone()));
+            return vec![Err(error); keys.len()];
+        }
+        let asker = (&self.settings.region, &self.settings.agent_id);
+        let route_missing = self
+            .pools
+            .lookup_queue
+            .batch_route
+            .is_missing(self.clock.now_ms());
+        if keys.len() > 1 && !route_missing {
+            let call = TermsBatch {
+                region: Some(asker.0.clone()),
+                agent_id: Some(asker.1.clone()),
+                pools: keys
+                    .iter()
+                    .map(|(tenant, pool)| TermsAsk {
+                        tenant: tenant.clone(),
+                        pool: pool.clone(),
+                    })
+                    .collect(),
+            };
+            let stopwatch = crate::clock::Stopwatch::start();
+            let called = allocator.pool_terms_batch(&call).await;
+            metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms_batch")
+                .record(stopwatch.elapsed().as_secs_f64());
+            self.note_allocator(&called);
+            match called {
+                Ok(outcomes) => return outcomes,
+                Err(ClientError::Refused {
+                    status: 404 | 405, ..
+                }) => {
+                    tracing::info!("the allocator has no batch route for terms: one call per pool");
+                    self.pools
+                        .lookup_queue
+                        .batch_route
+                        .note_missing(self.clock.now_ms());
+                }
+                Err(error) => return vec![Err(error); keys.len()],
+            }
+        }
+        futures::future::join_all(keys.iter().map(|(tenant, pool)| async move {
+            let stopwatch = crate::clock::Stopwatch::start();
+            let terms = allocator.pool_terms(tenant, pool, Some(asker)).await;
+            metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
+                .record(stopwatch.elapsed().as_secs_f64());
+            self.note_allocator(&terms);
+            terms
+        }))
+        .await
+    }
+
+    /// Installs the slot of `key`'s pool from `answer`, or remembers why not. Dropping `done`
+    /// wakes the requests waiting for it.
     ///
-    /// Long by design: every outcome of the fetch (slot installed, pool cap reached, unusable
+    /// Long by design: every outcome of the lookup (slot installed, pool cap reached, unusable
     /// terms, no such pool, allocator error) comes down to one retry time, which is written to the
     /// lookups before `done` is dropped, so a woken request always finds the pool's slot or why it
     /// is missing; split, that order would rest on each piece's caller.
-    async fn fetch_terms(
-        self: Arc<Self>,
-        allocator: Arc<AllocatorClient>,
+    fn settle_lookup(
+        &self,
         key: PoolKey,
+        answer: TermsOutcome,
         done: tokio::sync::watch::Sender<()>,
     ) {
         let (tenant, pool) = &key;
-        // This run's session starts before its first holder: the holder takes over how the last
-        // run ended. Once per run; only the terms call is timed.
-        let answer = async {
-            self.start_session(&allocator).await?;
-            let stopwatch = crate::clock::Stopwatch::start();
-            let terms = allocator
-                .pool_terms(
-                    tenant,
-                    pool,
-                    Some((&self.settings.region, &self.settings.agent_id)),
-                )
-                .await;
-            metrics::histogram!(crate::metrics::ALLOCATOR_SECONDS, "call" => "terms")
-                .record(stopwatch.elapsed().as_secs_f64());
-            terms
-        }
-        .await;
-        self.note_allocator(&answer);
         let now_ms = self.clock.now_ms();
         let retry_in_ms = match answer {
             Ok(Some(mut terms)) => {

@@ -64,6 +64,11 @@ struct Fake {
     not_found_calls: AtomicU64,
     /// The `POST /v1/reports/batch` call (counted from 1) that hangs for a minute; 0: none.
     stalled_report_batch: AtomicU64,
+    /// Whether it serves `POST /v1/terms/batch` (an older allocator does not); its calls, and the
+    /// pools asked for by either terms route.
+    takes_terms_batches: bool,
+    terms_batch_calls: AtomicU64,
+    terms_asked: Mutex<Vec<String>>,
 }
 
 async fn not_found(State(fake): State<Arc<Fake>>) -> Response {
@@ -85,20 +90,56 @@ async fn session_end(State(fake): State<Arc<Fake>>) -> Response {
     Json(serde_json::json!({ "ended": true })).into_response()
 }
 
-async fn terms(State(fake): State<Arc<Fake>>) -> Response {
+async fn terms(
+    State(fake): State<Arc<Fake>>,
+    axum::extract::Path((tenant, pool)): axum::extract::Path<(String, String)>,
+) -> Response {
     fake.terms_calls.fetch_add(1, Ordering::SeqCst);
     tokio::time::sleep(fake.terms_delay).await;
-    let limit = *fake.limit_tokens.lock().expect("lock");
-    match limit {
+    match terms_of(&fake, &tenant, &pool) {
         None => StatusCode::NOT_FOUND.into_response(),
-        Some(limit) => Json(serde_json::json!({
-            "limit": limit, "windowMs": 60_000, "chunk": 100, "leaseTtlMs": 15_000,
-            "fallbackPerRegion": fake.fallback_per_region_tokens, "regions": ["eu"], "version": limit,
-            // The agent's clock starts at 1,000,000 ms: its minute window starts at 960,000.
-            "fallbackInWindow": { "windowStartMs": 960_000, "admitted": fake.fallback_in_window_tokens },
-        }))
-        .into_response(),
+        Some(terms) => Json(terms).into_response(),
     }
+}
+
+/// The terms every pool has (`None`: no pool exists), the pool noted as asked for.
+fn terms_of(fake: &Fake, tenant: &str, pool: &str) -> Option<serde_json::Value> {
+    fake.terms_asked
+        .lock()
+        .expect("lock")
+        .push(format!("{tenant}/{pool}"));
+    let limit = (*fake.limit_tokens.lock().expect("lock"))?;
+    Some(serde_json::json!({
+        "limit": limit, "windowMs": 60_000, "chunk": 100, "leaseTtlMs": 15_000,
+        "fallbackPerRegion": fake.fallback_per_region_tokens, "regions": ["eu"], "version": limit,
+        // The agent's clock starts at 1,000,000 ms: its minute window starts at 960,000.
+        "fallbackInWindow": { "windowStartMs": 960_000, "admitted": fake.fallback_in_window_tokens },
+    }))
+}
+
+async fn terms_batch(
+    State(fake): State<Arc<Fake>>,
+    Json(body): Json<serde_json::Value>,
+) -> Response {
+    fake.terms_batch_calls.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(fake.terms_delay).await;
+    assert_eq!(body["region"], "eu", "asked as the agent's region: {body}");
+    let results: Vec<serde_json::Value> = body["pools"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|ask| {
+            let (tenant, pool) = (ask["tenant"].as_str(), ask["pool"].as_str());
+            match terms_of(&fake, tenant.unwrap_or_default(), pool.unwrap_or_default()) {
+                Some(terms) => serde_json::json!({ "terms": terms }),
+                None => serde_json::json!({ "problem": {
+                    "type": "about:blank", "title": "Not Found", "status": 404,
+                    "detail": "no such pool" } }),
+            }
+        })
+        .collect();
+    Json(serde_json::json!({ "results": results })).into_response()
 }
 
 /// Every grant answers "exhausted": the request is denied with the pool's `G` as its limit, which
@@ -182,6 +223,9 @@ async fn allocator(fake: Arc<Fake>) -> Arc<AllocatorClient> {
     if fake.takes_grant_batches {
         app = app.route("/v1/grants/batch", post(grant_batch));
     }
+    if fake.takes_terms_batches {
+        app = app.route("/v1/terms/batch", post(terms_batch));
+    }
     let app = app.fallback(not_found);
     let app = app.with_state(fake);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -221,6 +265,9 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         granted_tenants: Mutex::new(Vec::new()),
         not_found_calls: AtomicU64::new(0),
         stalled_report_batch: AtomicU64::new(0),
+        takes_terms_batches: true,
+        terms_batch_calls: AtomicU64::new(0),
+        terms_asked: Mutex::new(Vec::new()),
     })
 }
 
@@ -281,6 +328,55 @@ async fn concurrent_requests_for_a_new_pool_fetch_its_terms_once() {
         "the pool's terms were installed: {decisions:?}"
     );
     assert_eq!(agent.pool_counts(), (1, 0), "one pool held, no lookup left");
+}
+
+/// Forty pools met at once (a cold agent): their terms come a batch at a time, each pool asked for
+/// once; an allocator without the batch route is asked one call per pool, after one 404.
+#[tokio::test]
+async fn pools_met_at_once_are_looked_up_a_batch_at_a_time() {
+    for takes_terms_batches in [true, false] {
+        let fake = Arc::new(Fake {
+            takes_terms_batches,
+            ..Arc::into_inner(fake(Some(1_000), Duration::from_millis(50))).expect("one owner")
+        });
+        let (agent, _clock) = setup(&fake).await;
+        let mut requests = tokio::task::JoinSet::new();
+        for tenant in 0..40 {
+            let agent = agent.clone();
+            requests.spawn(async move {
+                let request = request_of(&format!("t{tenant:02}"), tenant);
+                agent.admit(&request).await.expect("decision")
+            });
+        }
+        let decisions: Vec<Decision> = requests.join_all().await;
+        assert!(
+            decisions.iter().all(|d| d.limit_units == 1_000),
+            "every pool's terms installed: {decisions:?}"
+        );
+        assert_eq!(agent.pool_counts(), (40, 0));
+        let mut asked = fake.terms_asked.lock().expect("lock").clone();
+        asked.sort();
+        asked.dedup();
+        assert_eq!(asked.len(), 40, "each pool asked for");
+        assert_eq!(
+            fake.terms_asked.lock().expect("lock").len(),
+            40,
+            "and only once"
+        );
+        let (singles, batches) = (
+            fake.terms_calls.load(Ordering::SeqCst),
+            fake.terms_batch_calls.load(Ordering::SeqCst),
+        );
+        if takes_terms_batches {
+            assert!(
+                singles + batches <= 2,
+                "{singles} single, {batches} batch calls"
+            );
+        } else {
+            assert_eq!(singles, 40);
+            assert_eq!(fake.not_found_calls.load(Ordering::SeqCst), 1, "one 404");
+        }
+    }
 }
 
 #[tokio::test]
