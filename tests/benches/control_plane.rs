@@ -6,6 +6,8 @@
 //! service, its background loops as the server runs them, an in-process regional store), each
 //! holding `PLANE_POOLS` pools (`t000000/api`, ...; one global rule). The agents reach the
 //! allocator through a proxy that counts the bytes both ways. Phases:
+//! - **first touch**: every pool-region's first admission, `PLANE_TOUCH` (64) pools at a time per
+//!   agent, each retried every 100 ms until admitted (the attempts denied are counted);
 //! - **light**: every pool gets a request every `PLANE_GAP_MS` (3,000) in every region, spread
 //!   evenly, for `PLANE_SECONDS` (60) after a warm-up of one lease TTL;
 //! - **lag**: the same traffic while the harness samples, for 32 pool-regions, when each admission
@@ -223,6 +225,9 @@ struct Seen {
     /// Denials before, and after, the pool-region's first admission.
     denied_before_first: AtomicU64,
     denied_after_first: AtomicU64,
+    /// Denials after the first admission by reason, and whether in a window's first 5 s (when
+    /// every lease of the last window has ended) or later.
+    denial_kinds: Mutex<std::collections::BTreeMap<String, u64>>,
     /// Pool-regions admitted at least once (by index: pool * 3 + region).
     admitted_once: Mutex<Vec<bool>>,
     /// Sampled pool-regions' admissions.
@@ -292,6 +297,15 @@ async fn traffic(
                         }
                     } else if lock(&seen.admitted_once)[slot] {
                         seen.denied_after_first.fetch_add(1, Ordering::Relaxed);
+                        let into_window_ms = SystemClock.now_ms() % WINDOW_MS;
+                        let when = if into_window_ms < 5_000 {
+                            "in a window's first 5 s"
+                        } else {
+                            "later in a window"
+                        };
+                        *lock(&seen.denial_kinds)
+                            .entry(format!("{:?}, {when}", decision.reason))
+                            .or_default() += 1;
                     } else {
                         seen.denied_before_first.fetch_add(1, Ordering::Relaxed);
                     }
@@ -305,16 +319,19 @@ async fn traffic(
 /// retrying a pool until admitted: every pool's terms and first lease, without the storm of every
 /// pool's first request at once (what that storm does is measured apart: the denials before a
 /// pool's first admission).
-async fn first_touch(agents: &[Arc<Agent>], pools: usize, concurrency: usize) {
+async fn first_touch(agents: &[Arc<Agent>], pools: usize, concurrency: usize) -> u64 {
+    let denied = Arc::new(AtomicU64::new(0));
     let mut all = tokio::task::JoinSet::new();
     for agent in agents {
         let agent = agent.clone();
+        let denied = denied.clone();
         all.spawn(async move {
             let permits = Arc::new(tokio::sync::Semaphore::new(concurrency));
             let mut touches = tokio::task::JoinSet::new();
             for pool in 0..pools {
                 let permit = permits.clone().acquire_owned().await.expect("permits");
                 let agent = agent.clone();
+                let denied = denied.clone();
                 touches.spawn(async move {
                     for attempt in 0..50u64 {
                         let n = u64::MAX / 2 + (pool as u64) * 64 + attempt;
@@ -325,6 +342,7 @@ async fn first_touch(agents: &[Arc<Agent>], pools: usize, concurrency: usize) {
                         if admitted {
                             break;
                         }
+                        denied.fetch_add(1, Ordering::Relaxed);
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                     drop(permit);
@@ -334,6 +352,7 @@ async fn first_touch(agents: &[Arc<Agent>], pools: usize, concurrency: usize) {
         });
     }
     while all.join_next().await.is_some() {}
+    denied.load(Ordering::Relaxed)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -618,12 +637,14 @@ async fn main() {
         REGIONS.len()
     );
 
-    // Warm-up: every pool's terms and first lease, 64 pools at a time per agent, then one lease
-    // TTL of renewals.
+    // Warm-up: every pool's terms and first lease, `PLANE_TOUCH` pools at a time per agent, then
+    // one lease TTL of renewals.
     let touch = allot_allocator::clock::Stopwatch::start();
-    first_touch(&agents, pools, 64).await;
+    let touch_concurrency = usize::try_from(env_or("PLANE_TOUCH", 64)).unwrap_or(64);
+    let touch_denied = first_touch(&agents, pools, touch_concurrency.max(1)).await;
     println!(
-        "first touch of every pool-region: {:.1} s",
+        "first touch of every pool-region, {touch_concurrency} at a time per agent: {:.1} s, \
+         {touch_denied} attempts denied (retried 100 ms later)",
         touch.elapsed().as_secs_f64()
     );
     let every_pool = (pools, tenant as fn(usize) -> TenantId);
@@ -683,6 +704,9 @@ async fn main() {
         seen.denied_after_first.load(Ordering::Relaxed),
         seen.denied_before_first.load(Ordering::Relaxed),
     );
+    for (kind, count) in lock(&seen.denial_kinds).iter() {
+        println!("  denied after the first admission: {count} {kind}");
+    }
     println!(
         "{}",
         serde_json::json!({ "bench": "control_plane", "pools": pools,
