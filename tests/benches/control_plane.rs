@@ -226,7 +226,8 @@ struct Seen {
     denied_before_first: AtomicU64,
     denied_after_first: AtomicU64,
     /// Denials after the first admission by reason, and whether in a window's first 5 s (when
-    /// every lease of the last window has ended) or later.
+    /// every lease of the last window has ended), its last second (when leases clamped to its end
+    /// may no longer be spent), or between.
     denial_kinds: Mutex<std::collections::BTreeMap<String, u64>>,
     /// Pool-regions admitted at least once (by index: pool * 3 + region).
     admitted_once: Mutex<Vec<bool>>,
@@ -300,8 +301,10 @@ async fn traffic(
                         let into_window_ms = SystemClock.now_ms() % WINDOW_MS;
                         let when = if into_window_ms < 5_000 {
                             "in a window's first 5 s"
+                        } else if into_window_ms >= WINDOW_MS - 1_000 {
+                            "in a window's last second"
                         } else {
-                            "later in a window"
+                            "between"
                         };
                         *lock(&seen.denial_kinds)
                             .entry(format!("{:?}, {when}", decision.reason))
