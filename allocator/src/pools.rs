@@ -639,6 +639,30 @@ pub async fn get_window(
 /// (`None`: the key is absent).
 pub type PoolAndWindow = (Option<(StoredPool, i64)>, Option<(PoolWindowState, i64)>);
 
+/// Reads `pools`' records, at [`MAX_TXN_OPS`] keys a round trip, each
+/// answer at its pool's place: `None` where no such pool exists, an error where its record does
+/// not decode.
+pub async fn get_pools(
+    kv: &dyn Kv,
+    pools: &[(TenantId, PoolId)],
+) -> Result<Vec<Result<Option<StoredPool>, PoolStoreError>>, PoolStoreError> {
+    let mut read = Vec::with_capacity(pools.len());
+    for chunk in pools.chunks(crate::kv::MAX_TXN_OPS) {
+        let keys: Vec<String> = chunk
+            .iter()
+            .map(|(tenant, pool)| pool_key(tenant, pool))
+            .collect();
+        let values = kv.get_many(&keys).await?;
+        read.extend(keys.iter().zip(values).map(|(key, value)| {
+            value
+                .map(|value| stored_pool(key, &value).map(|(stored, _)| stored))
+                .transpose()
+        }));
+    }
+    debug_assert_eq!(read.len(), pools.len(), "one answer per pool");
+    Ok(read)
+}
+
 /// Reads the configuration and window of up to [`MAX_TXN_OPS`] / 2 pools in one store round trip,
 /// each pool's at its place. A pool whose records cannot be decoded fails alone.
 pub async fn get_pools_and_windows(

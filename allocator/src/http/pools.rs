@@ -543,6 +543,18 @@ pub(super) async fn pool_terms(
     agent: Option<&AgentId>,
 ) -> Result<PoolTerms, ApiError> {
     let stored = stored_pool(state, tenant, pool).await?;
+    terms_of_stored(state, tenant, pool, &stored, region, agent).await
+}
+
+/// The terms of `stored`, `tenant`'s pool `pool`, as [`pool_terms`] answers them.
+pub(super) async fn terms_of_stored(
+    state: &ApiState,
+    tenant: &TenantId,
+    pool: &PoolId,
+    stored: &StoredPool,
+    region: Option<&RegionId>,
+    agent: Option<&AgentId>,
+) -> Result<PoolTerms, ApiError> {
     let config = stored.spec.validate().ok();
     let now_ms = state.clock.now_ms();
     let fallback_in_window = match (region, &config) {

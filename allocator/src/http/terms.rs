@@ -2,6 +2,7 @@
 //! `GET /v1/pools/{tenant}/{pool}/terms` answers it. An agent that starts cold, or meets many
 //! new pools at once, asks for them a batch at a time instead of one call per pool.
 
+use allot_shared::ids::{PoolId, TenantId};
 use allot_shared::wire::{MAX_TERMS_PER_BATCH, TermsBatch, TermsBatchAnswer, TermsResult};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -12,7 +13,8 @@ use super::ApiState;
 use super::access::{Needs, authorize, check_region};
 use super::errors::ApiError;
 use super::io::{json_response, parse_json};
-use super::pools::pool_terms;
+use super::pools::terms_of_stored;
+use crate::pools;
 
 #[utoipa::path(post, path = "/v1/terms/batch", tag = "agents",
     request_body = TermsBatch,
@@ -45,16 +47,27 @@ pub async fn post_terms_batch(
             "names an agent of a region: send region with it",
         ));
     }
-    let answered = futures::future::join_all(batch.pools.iter().map(|ask| {
-        pool_terms(
-            &state,
-            &ask.tenant,
-            &ask.pool,
-            batch.region.as_ref(),
-            batch.agent_id.as_ref(),
-        )
-    }))
-    .await;
+    // The pools' records in a round trip per 128, then each pool's fallback count in the ledger.
+    let keys: Vec<(TenantId, PoolId)> = batch
+        .pools
+        .iter()
+        .map(|ask| (ask.tenant.clone(), ask.pool.clone()))
+        .collect();
+    let stored = pools::get_pools(&*state.kv, &keys).await?;
+    let answered =
+        futures::future::join_all(batch.pools.iter().zip(stored).map(|(ask, stored)| async {
+            let stored = stored?.ok_or_else(|| ApiError::not_found("no such pool"))?;
+            terms_of_stored(
+                &state,
+                &ask.tenant,
+                &ask.pool,
+                &stored,
+                batch.region.as_ref(),
+                batch.agent_id.as_ref(),
+            )
+            .await
+        }))
+        .await;
     let results = answered
         .into_iter()
         .enumerate()

@@ -914,6 +914,21 @@ async fn reports_reach_the_windows_view() {
         .post("/v1/terms/batch", AGENT, &json!({ "pools": pools }))
         .await;
     assert_eq!(without_region["results"][0]["terms"], plain);
+    // More pools than one store read takes: every one still answered at its place.
+    let mut many: Vec<Value> = (0..255)
+        .map(|n| json!({ "tenant": "atlas", "pool": format!("none{n}") }))
+        .collect();
+    many.push(json!({ "tenant": "atlas", "pool": "api" }));
+    let (status, batch) = server
+        .post(
+            "/v1/terms/batch",
+            AGENT,
+            &json!({ "region": "eu", "pools": many }),
+        )
+        .await;
+    assert_eq!(status, 200, "{batch}");
+    assert_eq!(batch["results"][255]["terms"], terms);
+    assert_eq!(batch["results"][128]["problem"]["field"], "pools[128]");
     // Bounds and fields refuse the whole call, naming the field.
     let too_many: Vec<Value> = (0..257)
         .map(|_| json!({ "tenant": "atlas", "pool": "api" }))
