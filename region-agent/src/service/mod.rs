@@ -30,6 +30,7 @@
 
 pub mod admission;
 pub mod background;
+mod batch_queue;
 mod bundle;
 mod busy;
 mod global_holds;
@@ -106,7 +107,7 @@ pub struct Agent {
     /// This run, as the allocator knows it.
     session: session::Session,
     /// Renewals waiting for the next call to the allocator.
-    renewals: upkeep::Renewals,
+    renewals: batch_queue::BatchQueue<upkeep::QueuedRenewal>,
     /// Whether the allocator lacks `POST /v1/reports/batch`.
     report_batch_route: crate::allocator_client::MissingRoute,
 }
@@ -143,7 +144,7 @@ impl Agent {
             journaling: journaling::Journaling::default(),
             subleases: Mutex::new(sublease_demand::SubleaseDemand::default()),
             settlements: Mutex::new(settlements::Settlements::default()),
-            renewals: upkeep::Renewals::default(),
+            renewals: batch_queue::BatchQueue::default(),
             report_batch_route: crate::allocator_client::MissingRoute::default(),
             replays: replays::Replays::default(),
         })

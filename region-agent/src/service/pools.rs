@@ -1,19 +1,19 @@
 //! The pool registry: the pools an agent holds (one [`PoolAgent`] each, with the terms in force),
 //! how a request finds its pool, and the single-flight lookup of a pool's terms.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use allot_shared::ids::{PoolId, TenantId};
 
+use super::batch_queue::BatchQueue;
 use super::busy::BusyPools;
 use super::pool_slot::PoolSlot;
 use super::settings::FIRST_GRANT_WAIT;
 use super::{Agent, lock};
 use crate::allocator_client::{
-    AllocatorClient, ClientError, MAX_TERMS_PER_BATCH, MissingRoute, TermsAsk, TermsBatch,
-    TermsOutcome,
+    AllocatorClient, ClientError, MAX_TERMS_PER_BATCH, TermsAsk, TermsBatch, TermsOutcome,
 };
 use crate::global::PoolAgent;
 
@@ -65,41 +65,9 @@ pub(super) struct PoolRegistry {
     /// Fallback claims requests are waiting for the journal to make durable: (the pool's slot,
     /// the request's cost). Taken whole by the one writer.
     claims_wanted: Mutex<Vec<(Arc<PoolSlot>, u64)>>,
-    /// Lookups waiting for the terms sender.
-    lookup_queue: LookupQueue,
-}
-
-/// The lookups waiting for the next terms call, and whether a sender runs. Bounded by the
-/// lookups under way (at most the settings' `max_pools`): one entry each.
-#[derive(Default)]
-struct LookupQueue {
-    /// Each pool's key and the sender its waiting requests watch (dropped when it is settled).
-    waiting: Mutex<VecDeque<(PoolKey, tokio::sync::watch::Sender<()>)>>,
-    sender_running: AtomicBool,
-    /// Whether the allocator lacks `POST /v1/terms/batch`.
-    batch_route: MissingRoute,
-}
-
-impl LookupQueue {
-    /// Queues a lookup; true when no sender runs and the caller must start one.
-    fn push(&self, key: PoolKey, done: tokio::sync::watch::Sender<()>) -> bool {
-        lock(&self.waiting).push_back((key, done));
-        !self.sender_running.swap(true, Ordering::AcqRel)
-    }
-
-    /// Up to `most` lookups, oldest first.
-    fn take(&self, most: usize) -> Vec<(PoolKey, tokio::sync::watch::Sender<()>)> {
-        let mut waiting = lock(&self.waiting);
-        let count = waiting.len().min(most);
-        waiting.drain(..count).collect()
-    }
-
-    /// The sender found nothing waiting: true when it may stop. A lookup queued between its look
-    /// and this one found the sender running and started none, so it goes on for it.
-    fn stop_sender(&self) -> bool {
-        self.sender_running.store(false, Ordering::Release);
-        lock(&self.waiting).is_empty() || self.sender_running.swap(true, Ordering::AcqRel)
-    }
+    /// Lookups waiting for the terms sender: each pool's key and the sender its waiting requests
+    /// watch (dropped when the lookup is settled). At most one per lookup under way.
+    lookup_queue: BatchQueue<(PoolKey, tokio::sync::watch::Sender<()>)>,
 }
 
 impl PoolRegistry {
@@ -273,7 +241,7 @@ impl Agent {
                     }
                     let (done, fetched) = tokio::sync::watch::channel(());
                     lookups.insert(key.clone(), Lookup::Fetching(fetched.clone()));
-                    if self.pools.lookup_queue.push(key.clone(), done) {
+                    if self.pools.lookup_queue.push((key.clone(), done)) {
                         tokio::spawn(self.clone().send_lookups(allocator));
                     }
                     fetched

@@ -6,9 +6,8 @@
 //! and outcome: one the call did not answer is asked again alone, with the same id, when its pool
 //! next wants tokens.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 
 use allot_shared::ids::{LeaseId, PoolId, TenantId};
 use allot_shared::wire::{GrantAnswer, GrantBatch, GrantBody, MAX_GRANTS_PER_BATCH};
@@ -19,7 +18,7 @@ use super::pool_slot::{AllocatorView, PoolSlot};
 use super::pools::{
     MAX_TERMS_REFRESH_PER_ROUND, POOL_IDLE_MS, PoolKey, PoolSlots, TERMS_REFRESH_MS,
 };
-use crate::allocator_client::{AllocatorClient, ClientError, GrantOutcome, MissingRoute};
+use crate::allocator_client::{AllocatorClient, ClientError, GrantOutcome};
 use crate::global::clock_offset::ClockOffset;
 use crate::global::driver::{RenewalAsk, RenewalOutcome};
 use crate::global::{GrantCall, PoolAgent};
@@ -328,44 +327,6 @@ pub(super) struct QueuedRenewal {
     pool: PoolId,
     slot: Arc<PoolSlot>,
     ask: RenewalAsk,
-}
-
-/// The renewals waiting for the next call, and whether a sender runs. Bounded by the pools held:
-/// each pool has at most one renewal in flight (I10).
-#[derive(Default)]
-pub(super) struct Renewals {
-    waiting: Mutex<VecDeque<QueuedRenewal>>,
-    sender_running: AtomicBool,
-    /// Whether the allocator lacks `POST /v1/grants/batch`.
-    batch_route: MissingRoute,
-}
-
-impl Renewals {
-    /// Queues `renewal`; true when no sender runs and the caller must start one.
-    fn push(&self, renewal: QueuedRenewal) -> bool {
-        lock(&self.waiting).push_back(renewal);
-        !self.sender_running.swap(true, Ordering::AcqRel)
-    }
-
-    /// Up to `most` renewals, oldest first.
-    fn take(&self, most: usize) -> Vec<QueuedRenewal> {
-        let mut waiting = lock(&self.waiting);
-        let count = waiting.len().min(most);
-        waiting.drain(..count).collect()
-    }
-
-    /// The sender found nothing waiting: true when it may stop. A renewal queued between its
-    /// look and this one found the sender running and started none, so it goes on for it.
-    fn stop_sender(&self) -> bool {
-        self.sender_running.store(false, Ordering::Release);
-        lock(&self.waiting).is_empty() || self.sender_running.swap(true, Ordering::AcqRel)
-    }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Agent {
