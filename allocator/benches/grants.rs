@@ -23,7 +23,7 @@ use allot_allocator::clock::{Clock, Stopwatch, SystemClock};
 use allot_allocator::grants::Grantor;
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::kv::{Compare, Kv, Op};
-use allot_allocator::leader::{Role, try_acquire};
+use allot_allocator::leader::{Role, Roles, try_acquire};
 use allot_allocator::pools::{PoolSpec, put_pools};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping};
@@ -241,7 +241,7 @@ async fn main() {
         .await
         .expect("store")
         .expect("leads");
-    let (_role_sender, role) = watch::channel(Role::Leader(leadership));
+    let (_role_sender, role) = watch::channel(Roles::single(Role::Leader(leadership)));
     let spec = PoolSpec {
         limit_tokens: 1 << 40,
         window_ms: 3_600_000,

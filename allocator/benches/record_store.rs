@@ -14,7 +14,7 @@ use allot_allocator::clock::{Clock, ManualClock};
 use allot_allocator::grants::{Grantor, LeaseReturn};
 use allot_allocator::kv::Kv;
 use allot_allocator::kv::etcd::EtcdKv;
-use allot_allocator::leader::{Role, try_acquire};
+use allot_allocator::leader::{Role, Roles, try_acquire};
 use allot_allocator::pools::{PoolSpec, put_pools};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping};
@@ -100,7 +100,7 @@ async fn main() {
         .await
         .expect("store")
         .expect("leads");
-    let (_leading, role) = watch::channel(Role::Leader(leadership));
+    let (_leading, role) = watch::channel(Roles::single(Role::Leader(leadership)));
     let grantor = Grantor::new(
         kv.clone(),
         clock.clone(),

@@ -8,13 +8,13 @@ use tokio::sync::watch;
 
 use crate::clock::Clock;
 use crate::kv::housekeeping::{HOUSEKEEPING_INTERVAL, Housekeeping, HousekeepingSettings};
-use crate::leader::Role;
+use crate::leader::Roles;
 
 /// Keeps house while this node leads, until `shutdown`.
 pub async fn keep_etcd(
     settings: HousekeepingSettings,
     clock: Arc<dyn Clock>,
-    role: watch::Receiver<Role>,
+    role: watch::Receiver<Roles>,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -24,7 +24,7 @@ pub async fn keep_etcd(
         tokio::select! {
             () = &mut shutdown => return,
             _ = every.tick() => {
-                if !matches!(*role.borrow(), Role::Leader(_)) {
+                if role.borrow().coordinating().is_none() {
                     continue;
                 }
                 match housekeeping.round(clock.now_ms()).await {

@@ -43,12 +43,13 @@ use returns::{PendingReturn, RecordedReturn};
 
 use crate::clock::Clock;
 use crate::kv::{Compare, Kv, KvError, Op};
-use crate::leader::{LeaderRecord, Leadership, Role, current_leader};
+use crate::leader::{LeaderRecord, Leadership, Roles, current_leader, leader_key};
 use crate::ledger_sync::{CommittedGrants, LEDGER_RECONCILE_INTERVAL, LedgerFeed};
 use crate::pools::{
     GrantRecord, PoolStoreError, StoredWindow, encode_record, get_grant, grant_key, return_key,
     window_key,
 };
+use allot_shared::shards::{ShardCount, ShardId, shard_of};
 
 /// Most grants of one pool committed in one transaction. With the window put and three guards a
 /// pool's commit stays within etcd's default `--max-txn-ops` ([`crate::kv::MAX_TXN_OPS`]).
@@ -157,7 +158,10 @@ pub fn record_min_lifetime_ms(leader_lease_ttl_ms: u64) -> u64 {
 struct Shared {
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
-    role: watch::Receiver<Role>,
+    /// This node's role for every shard: it grants a pool only while it leads the pool's shard.
+    roles: watch::Receiver<Roles>,
+    /// How many shards the pools are split into (fixed for the process's life).
+    shard_count: ShardCount,
     clamping: LeaseClamping,
     workers: Mutex<Workers>,
     /// Store leases that carry grant records, by (window end, window length, commit bucket) in
@@ -183,16 +187,17 @@ pub struct Grantor {
 }
 
 impl Grantor {
-    /// A grantor over `kv`, granting while `role` says this node leads. Production always clamps
+    /// A grantor over `kv`, granting a pool while `roles` says this node leads its shard. Production always clamps
     /// leases to their window; [`LeaseClamping::Unclamped`] exists for drills. Committed grants are
     /// sent to `commit_feed` when given.
     pub fn new(
         kv: Arc<dyn Kv>,
         clock: Arc<dyn Clock>,
-        role: watch::Receiver<Role>,
+        roles: watch::Receiver<Roles>,
         clamping: LeaseClamping,
         commit_feed: Option<LedgerFeed>,
     ) -> Self {
+        let shard_count = roles.borrow().count();
         let (commits, jobs) = mpsc::channel(COMMIT_QUEUE);
         tokio::spawn(run_committer(kv.clone(), jobs));
         let (loads, load_jobs) = mpsc::channel(LOAD_QUEUE);
@@ -201,7 +206,8 @@ impl Grantor {
             shared: Arc::new(Shared {
                 kv,
                 clock,
-                role,
+                roles,
+                shard_count,
                 clamping,
                 workers: Mutex::new(Workers::default()),
                 record_leases: Mutex::new(HashMap::new()),
@@ -289,9 +295,10 @@ impl Grantor {
         key: PoolKey,
         job: impl FnOnce(oneshot::Sender<Result<T, GrantFailure>>) -> Job,
     ) -> Result<T, GrantFailure> {
-        if !matches!(*self.shared.role.borrow(), Role::Leader(_)) {
+        let shard = shard_of(&key.0, &key.1, self.shared.shard_count);
+        if self.shared.roles.borrow().leadership(shard).is_none() {
             return Err(GrantFailure::NotLeader(
-                current_leader(&*self.shared.kv).await.ok().flatten(),
+                current_leader(&*self.shared.kv, shard).await.ok().flatten(),
             ));
         }
         let (reply, answer) = oneshot::channel();
@@ -338,6 +345,7 @@ impl Grantor {
         let (sender, receiver) = mpsc::channel(QUEUE_PER_POOL);
         workers.live.insert(key.clone(), sender.clone());
         let worker = PoolWorker {
+            shard: shard_of(&key.0, &key.1, self.shared.shard_count),
             shared: self.shared.clone(),
             tenant: key.0.clone(),
             pool: key.1.clone(),
@@ -387,6 +395,8 @@ struct Cached {
 
 struct PoolWorker {
     shared: Arc<Shared>,
+    /// The shard the pool belongs to: the worker grants while this node leads it.
+    shard: ShardId,
     tenant: TenantId,
     pool: PoolId,
     cache: Option<Cached>,
@@ -437,10 +447,7 @@ impl PoolWorker {
     }
 
     fn leadership(&self) -> Option<Leadership> {
-        match *self.shared.role.borrow() {
-            Role::Leader(leadership) => Some(leadership),
-            _ => None,
-        }
+        self.shared.roles.borrow().leadership(self.shard)
     }
 
     /// Decides and commits one batch of jobs: the returns first (their tokens can be granted at
@@ -457,7 +464,10 @@ impl PoolWorker {
         let mut returns = self.with_records(returns).await;
         for _ in 0..MAX_TXN_ATTEMPTS {
             let Some(leadership) = self.leadership() else {
-                let leader = current_leader(&*self.shared.kv).await.ok().flatten();
+                let leader = current_leader(&*self.shared.kv, self.shard)
+                    .await
+                    .ok()
+                    .flatten();
                 return fail_all(batch, returns, GrantFailure::NotLeader(leader));
             };
             if self
@@ -788,7 +798,12 @@ impl PoolWorker {
     /// none); `None` while it holds, or when the store cannot say (the answer stands, as a
     /// refusal grants nothing).
     async fn deposed(&self, leadership: Leadership) -> Option<Option<LeaderRecord>> {
-        let current = self.shared.kv.get(crate::leader::LEADER_KEY).await.ok()?;
+        let current = self
+            .shared
+            .kv
+            .get(&leader_key(leadership.shard))
+            .await
+            .ok()?;
         if current.as_ref().map(|c| c.mod_revision) == Some(leadership.leader_revision) {
             return None;
         }

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 use crate::clock::Clock;
 use crate::kv::Kv;
-use crate::leader::Role;
+use crate::leader::{Role, Roles};
 use crate::ledger::{Ledger, Retention, WindowRow};
 use crate::pools::{GrantRecord, StoredPool, list_all_grants_page, list_pools, pool_key};
 
@@ -112,7 +112,7 @@ pub async fn feed_ledger(
     rounds: LedgerRounds,
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
-    mut role: watch::Receiver<Role>,
+    mut role: watch::Receiver<Roles>,
     feed: LedgerFeedReceiver,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -126,9 +126,10 @@ pub async fn feed_ledger(
         every: round,
     } = rounds;
     let mut reconcile = tokio::time::interval(round);
-    // The term this node last led in: a new term (even one reached through a lapse that a long
-    // round hid) is a new lead, whose predecessor's unfed grants are copied at once.
-    let (mut led_term, mut election_over) = (None, false);
+    // Every shard's term as last seen while this node coordinated: a new term of any shard (this
+    // node's lead of shard 0, even one reached through a lapse that a long round hid, or another
+    // shard's failover or hand-over) may leave a predecessor's unfed grants, copied at once.
+    let (mut seen_terms, mut election_over) = (Vec::new(), false);
     let mut rotation = CheckRotation::default();
     loop {
         tokio::select! {
@@ -149,12 +150,8 @@ pub async fn feed_ledger(
                     election_over = true;
                     continue;
                 }
-                let term = leading_term(&role.borrow_and_update());
-                let took_lead = term.is_some() && term != led_term;
-                if term.is_some() {
-                    led_term = term;
-                }
-                if took_lead {
+                let roles = role.borrow_and_update().clone();
+                if roles.coordinating().is_some() && new_terms(&mut seen_terms, &roles) {
                     // The last leader may have died with grants in its feed: copy them while
                     // their records are still in the store.
                     missed.store(true, Ordering::Release);
@@ -165,9 +162,8 @@ pub async fn feed_ledger(
             _ = reconcile.tick() => {
                 // The leader's ledger is the one reports reach; a follower would re-read every
                 // pool's grants for nothing.
-                let term = leading_term(&role.borrow());
-                if term.is_some() {
-                    led_term = term;
+                let coordinating = role.borrow().coordinating().is_some();
+                if coordinating {
                     ledger_round(&ledger, retention, &*kv, &*clock, &mut rotation, &missed).await;
                 }
             }
@@ -175,12 +171,23 @@ pub async fn feed_ledger(
     }
 }
 
-/// The term this node leads in, if it leads.
-fn leading_term(role: &Role) -> Option<allot_shared::ids::Epoch> {
-    match role {
-        Role::Leader(leadership) => Some(leadership.epoch),
-        _ => None,
+/// Whether any shard has a leader term unlike the one in `seen` (each shard's last known term),
+/// which it updates.
+fn new_terms(seen: &mut Vec<Option<allot_shared::ids::Epoch>>, roles: &Roles) -> bool {
+    seen.resize(roles.all().len(), None);
+    let mut any_new = false;
+    for (seen, role) in seen.iter_mut().zip(roles.all()) {
+        let term = match role {
+            Role::Leader(leadership) => Some(leadership.epoch),
+            Role::Follower(Some(leader)) => Some(leader.epoch),
+            Role::Follower(None) | Role::Unknown => None,
+        };
+        if term.is_some() && term != *seen {
+            *seen = term;
+            any_new = true;
+        }
     }
+    any_new
 }
 
 /// One leader's round: copy the grants the ledger lacks (when the feed `missed` some), publish

@@ -32,8 +32,11 @@ pub const POOLS_PER_LOAD: &str = "allot_pools_per_load";
 pub const STORE_ERRORS: &str = "allot_store_errors_total";
 /// This node's epoch while it leads, 0 otherwise.
 pub const LEADER_EPOCH: &str = "allot_leader_epoch";
-/// 1 while this node leads.
+/// 1 while this node leads shard 0 (with one shard, every pool; with several, also the store's
+/// once-a-round duties); `allot_leader_epoch` is that shard's epoch.
 pub const IS_LEADER: &str = "allot_is_leader";
+/// How many shards this node leads.
+pub const SHARDS_LED: &str = "allot_shards_led";
 /// Tokens not yet granted in the current window, by `tenant` and `pool`.
 pub const POOL_REMAINING: &str = "allot_pool_remaining_tokens";
 /// Committed grants the ledger feed could not take (reconciliation copies them later).
@@ -136,6 +139,7 @@ pub const AT_START: &[AtStart] = &[
     AtStart::counter(STORE_ERRORS, &[("op", &["grant_txn"])]),
     AtStart::gauge(LEADER_EPOCH, &[]),
     AtStart::gauge(IS_LEADER, &[]),
+    AtStart::gauge(SHARDS_LED, &[]),
     AtStart::counter(LEDGER_FEED_FULL, &[]),
     AtStart::counter(LEDGER_RECONCILIATIONS, &[]),
     AtStart::counter(AUDIT_WRITE_FAILURES, &[]),

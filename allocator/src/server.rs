@@ -24,12 +24,13 @@ use crate::kv::Kv;
 use crate::kv::etcd::EtcdKv;
 use crate::kv::housekeeping::{DEFAULT_HISTORY_MS, HousekeepingSettings};
 use crate::kv::memory::MemoryKv;
-use crate::leader::{ElectionConfig, Role, run_election};
+use crate::leader::{ElectionConfig, Roles, agree_shard_count, run_election};
 use crate::ledger::Ledger;
 use crate::ledger::retention::{
     DEFAULT_RAW_RETENTION_DAYS, DEFAULT_ROLLUP_RETENTION_DAYS, MAX_RETENTION_DAYS, Retention,
 };
 use crate::ledger_sync::{feed_ledger, ledger_feed};
+use allot_shared::shards::ShardCount;
 
 pub use crate::auth::MIN_TOKEN_LEN;
 
@@ -68,6 +69,11 @@ pub struct Args {
     /// [default: 5].
     #[arg(long, env = "ALLOT_LEADER_LEASE_TTL_S")]
     pub leader_lease_ttl_s: Option<i64>,
+    /// How many shards the pools are split into, each led by one allocator at a time, 1 to 256
+    /// [default: what the store holds; 1 for a new store]. Fixed for a store: the first allocator
+    /// writes it, and one started with another count refuses to start.
+    #[arg(long, env = "ALLOT_SHARDS")]
+    pub shards: Option<u32>,
     /// The accounting ledger: `sqlite://<file>` or `postgres://...` (default: `sqlite://<data-dir>/allot.db`).
     #[arg(long, env = "ALLOT_LEDGER")]
     pub ledger: Option<String>,
@@ -131,6 +137,7 @@ struct FileSettings {
     node_id: Option<String>,
     advertise_url: Option<String>,
     leader_lease_ttl_s: Option<i64>,
+    shards: Option<u32>,
     ledger: Option<String>,
     data_dir: Option<PathBuf>,
     tls_cert: Option<PathBuf>,
@@ -165,6 +172,8 @@ pub struct Settings {
     pub advertise_url: String,
     /// Leader lease TTL, seconds.
     pub leader_lease_ttl_s: i64,
+    /// The shard count asked for (`None`: the store's).
+    pub shards: Option<ShardCount>,
     /// The ledger URL.
     pub ledger_url: String,
     /// What the ledger keeps, and how long.
@@ -195,6 +204,7 @@ impl Settings {
             node_id: node_id.to_owned(),
             advertise_url: format!("http://{listen}"),
             leader_lease_ttl_s: 5,
+            shards: None,
             ledger_url: String::new(),
             retention: Retention::default(),
             ledger_round: crate::ledger_sync::LEDGER_RECONCILE_INTERVAL,
@@ -346,6 +356,11 @@ impl Args {
                 .or(file.advertise_url)
                 .unwrap_or_else(|| format!("{scheme}://{listen}")),
             leader_lease_ttl_s,
+            shards: self
+                .shards
+                .or(file.shards)
+                .map(|count| ShardCount::new(count).map_err(|e| format!("--shards: {e}")))
+                .transpose()?,
             tls,
             webhook_ca: self.webhook_ca.or(file.webhook_ca),
             webhook_allow_private: self
@@ -397,7 +412,10 @@ pub async fn run(
 ) -> std::io::Result<()> {
     // Install the recorder before anything records.
     let _ = crate::metrics::handle();
-    let (role_sender, role) = watch::channel(Role::Unknown);
+    let shard_count = agree_shard_count(&*kv, settings.shards)
+        .await
+        .map_err(std::io::Error::other)?;
+    let (role_sender, role) = watch::channel(Roles::unknown(shard_count));
     let shutdown = shutdown.shared();
     let election = tokio::spawn(run_election(
         kv.clone(),
@@ -406,6 +424,7 @@ pub async fn run(
             node_id: settings.node_id.clone(),
             advertise_url: settings.advertise_url.clone(),
             lease_ttl_s: settings.leader_lease_ttl_s,
+            shard_count,
         },
         role_sender,
         shutdown.clone(),

@@ -22,7 +22,7 @@ use tokio::sync::watch;
 
 use crate::clock::Clock;
 use crate::kv::Kv;
-use crate::leader::Role;
+use crate::leader::Roles;
 use crate::ledger::{Ledger, PendingEvent};
 
 pub mod addresses;
@@ -199,7 +199,7 @@ pub async fn keep_webhooks(
     ledger: Ledger,
     kv: Arc<dyn Kv>,
     clock: Arc<dyn Clock>,
-    role: watch::Receiver<Role>,
+    role: watch::Receiver<Roles>,
     delivery: Delivery,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -212,7 +212,7 @@ pub async fn keep_webhooks(
             () = &mut shutdown => return,
             _ = rounds.tick() => {}
         }
-        if !matches!(*role.borrow(), Role::Leader(_)) {
+        if role.borrow().coordinating().is_none() {
             continue;
         }
         if round.is_multiple_of(SWEEP_EVERY) {

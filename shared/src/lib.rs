@@ -23,6 +23,7 @@
 //! - [`contract`]: the admission request and decision, and their HTTP mapping.
 //! - [`policy`]: policy bundles, their validation, canonical checksum and rule matching.
 //! - [`keys`]: the store key model and keyed principal hashes.
+//! - [`shards`]: which shard decides a pool, and which allocator replica should lead each shard.
 //! - [`replay`]: offline replay of recorded requests against a bundle (denial rate per rule).
 //! - [`wire`]: every message that crosses the allocator-agent link (terms, grants, reports, agent
 //!   status), defined once for both sides.
@@ -37,6 +38,7 @@ pub mod limit;
 pub mod overrides;
 pub mod policy;
 pub mod replay;
+pub mod shards;
 pub mod window;
 pub mod wire;
 

@@ -19,6 +19,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{AgentId, AgentIncarnation, Epoch, LeaseId, PoolId, RegionId, TenantId};
+use crate::shards::ShardId;
 
 /// Calendar windows as pool specs and terms write them: `{"calendar": "month", "timeZone":
 /// "Europe/Berlin"}` (`calendar`: `day`, `week` or `month`; an IANA time zone name).
@@ -508,4 +509,38 @@ pub struct AgentSessionEnded {
     /// Whether this run is recorded as ended cleanly (false: a later run of the agent id started
     /// meanwhile, or this one was never started).
     pub ended: bool,
+}
+
+/// `GET /v1/shards` answer: how the pools are split into shards and who leads each. An agent sends
+/// each pool's calls to the leader of its shard ([`crate::shards::shard_of`] with `shardCount`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShardMap {
+    /// How many shards the pools are split into (fixed for a store).
+    pub shard_count: u32,
+    /// Every shard, in order.
+    pub shards: Vec<ShardLead>,
+}
+
+/// One shard and who leads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShardLead {
+    /// The shard.
+    pub shard: ShardId,
+    /// Its leader, absent while none leads (a failover or a hand-over under way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leader: Option<ShardLeader>,
+}
+
+/// A shard's leader.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShardLeader {
+    /// The leading allocator's node id.
+    pub node_id: String,
+    /// Where agents and operators reach it.
+    pub url: String,
+    /// The epoch its grants for this shard carry.
+    pub epoch: Epoch,
 }

@@ -115,6 +115,8 @@ enum Command {
         #[arg(long, default_value_t = 20)]
         recent: u64,
     },
+    /// How the pools are split into shards, and which allocator leads each.
+    Shards,
     /// Take a grant, as an agent would (for drills). Needs an agent token.
     Grant {
         tenant: String,
@@ -903,6 +905,7 @@ async fn execute(cli: Cli) -> Result<String, String> {
             format!("/v1/bound-checks?recent={recent}"),
             Answer::BoundChecks,
         ),
+        Command::Shards => call(Method::GET, "/v1/shards".to_owned(), Answer::Shards),
         Command::Windows { tenant, pool, last } => call(
             Method::GET,
             format!("{}/windows?last={last}", pool_path(&tenant, &pool)),

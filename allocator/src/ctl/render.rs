@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use allot_shared::policy::{PolicyBundle, parse_bundle};
 use allot_shared::window::rfc3339_utc;
-use allot_shared::wire::GrantAnswer;
+use allot_shared::wire::{GrantAnswer, ShardMap};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -44,6 +44,8 @@ pub enum Answer {
     PolicyStatus,
     /// `POST /v1/grants`.
     Grant,
+    /// `GET /v1/shards`.
+    Shards,
     /// `GET /v1/overrides`.
     Overrides,
     /// `POST /v1/overrides`, `GET` or `DELETE /v1/overrides/{tenant}/{id}`.
@@ -64,6 +66,7 @@ impl Answer {
             Self::Minted => "a minted token",
             Self::Audit => "an audit list",
             Self::BoundChecks => "a bound check summary",
+            Self::Shards => "a shard map",
             Self::Overrides => "an override list",
             Self::Override => "an override",
             Self::Bundle => "a policy bundle",
@@ -104,6 +107,7 @@ pub fn render(answer: Answer, value: &Value) -> Result<String, String> {
         Answer::Rollout => format!("{}\n", rollout_line(&read::<Rollout>(answer, value)?)),
         Answer::PolicyStatus => policy_status(&read::<PolicyStatus>(answer, value)?),
         Answer::Grant => grant_lines(&read::<GrantAnswer>(answer, value)?),
+        Answer::Shards => shards_table(&read::<ShardMap>(answer, value)?),
         Answer::Overrides => {
             let list = read::<OverrideList>(answer, value)?;
             let mut text = overrides_table(&list.overrides);
@@ -346,6 +350,36 @@ fn audit_table(list: &AuditList) -> String {
     out
 }
 
+/// Who leads each shard, and how many each allocator leads.
+fn shards_table(map: &ShardMap) -> String {
+    let mut out = format!("{} shards\n", map.shard_count);
+    let _ = writeln!(out, "{:>5}  {:<24} {:>6}  url", "shard", "leader", "epoch");
+    let mut led: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for lead in &map.shards {
+        match &lead.leader {
+            Some(leader) => {
+                *led.entry(leader.node_id.as_str()).or_default() += 1;
+                let _ = writeln!(
+                    out,
+                    "{:>5}  {:<24} {:>6}  {}",
+                    lead.shard, leader.node_id, leader.epoch, leader.url
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    out,
+                    "{:>5}  {:<24} {:>6}  -",
+                    lead.shard, "(none: changing hands)", "-"
+                );
+            }
+        }
+    }
+    for (node, count) in led {
+        let _ = writeln!(out, "{node} leads {count}");
+    }
+    out
+}
+
 fn bound_checks(summary: &BoundCheckSummary) -> String {
     let mut out = format!(
         "{} windows checked against their bound, {} over it\n",
@@ -496,6 +530,19 @@ mod tests {
         assert!(error.contains("not a window list"), "{error}");
         let error = render(Answer::Grant, &json!({ "granted": "lots" })).expect_err("not a grant");
         assert!(error.contains("not a grant"), "{error}");
+    }
+
+    #[test]
+    fn a_shard_map_shows_each_leader_and_a_shard_without_one() {
+        let map = json!({ "shardCount": 3, "shards": [
+            { "shard": 0, "leader": { "nodeId": "alloc-a", "url": "http://a:7600", "epoch": 7 } },
+            { "shard": 1 },
+            { "shard": 2, "leader": { "nodeId": "alloc-a", "url": "http://a:7600", "epoch": 9 } } ] });
+        let text = render(Answer::Shards, &map).expect("a shard map");
+        assert!(text.starts_with("3 shards\n"), "{text}");
+        assert!(text.contains("changing hands"), "{text}");
+        assert!(text.trim_end().ends_with("alloc-a leads 2"), "{text}");
+        assert!(render(Answer::Shards, &json!({ "shards": "none" })).is_err());
     }
 
     #[test]

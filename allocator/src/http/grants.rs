@@ -63,12 +63,18 @@ pub async fn post_grant_batch(
             .map(|ask| decide(&state, &credential, ask)),
     )
     .await;
-    // A follower decides nothing: the whole call goes to the leader, where each ask is answered
-    // (again, for any decided here before a failover: grants are idempotent by lease id).
-    if let Some(not_leader) = decided.iter().find_map(|result| match result {
-        Err(Decided::Failed(failure @ GrantFailure::NotLeader(_))) => Some(failure.clone()),
-        _ => None,
-    }) {
+    // With one shard a follower decides nothing: the whole call goes to the leader, where each
+    // ask is answered (again, for any decided here before a failover: grants are idempotent by
+    // lease id). With several, the asks this node does not lead are refused one by one, each
+    // naming its shard's leader, and the rest stand.
+    let not_split = state.role.borrow().count().get() == 1;
+    if let (true, Some(not_leader)) = (
+        not_split,
+        decided.iter().find_map(|result| match result {
+            Err(Decided::Failed(failure @ GrantFailure::NotLeader(_))) => Some(failure.clone()),
+            _ => None,
+        }),
+    ) {
         return Err(not_leader.into());
     }
     let results = decided

@@ -25,6 +25,7 @@ mod policies;
 mod pools;
 mod regions;
 mod reports;
+mod shards;
 mod terms;
 mod tokens;
 mod usage;
@@ -57,7 +58,7 @@ pub use crate::auth::Tokens;
 use crate::clock::Clock;
 use crate::grants::Grantor;
 use crate::kv::Kv;
-use crate::leader::Role;
+use crate::leader::Roles;
 use crate::ledger::Ledger;
 /// The allocator-agent messages, as this API speaks them.
 pub use allot_shared::wire::{FallbackInWindow, GrantAnswer, GrantBody, PoolTerms};
@@ -86,7 +87,7 @@ pub struct ApiState {
     /// The grant service.
     pub grantor: Grantor,
     /// This node's role.
-    pub role: watch::Receiver<Role>,
+    pub role: watch::Receiver<Roles>,
     /// The allocator clock.
     pub clock: Arc<dyn Clock>,
     /// Accepted bearer tokens.
@@ -136,6 +137,7 @@ pub fn routes(state: ApiState) -> Router {
         )
         .route("/v1/terms/batch", post(terms::post_terms_batch))
         .route("/v1/regions", get(regions::list_regions))
+        .route("/v1/shards", get(shards::get_shards))
         .route("/v1/grants", post(grants::post_grant))
         .route("/v1/grants/batch", post(grants::post_grant_batch))
         .route("/v1/reports", post(reports::post_report))

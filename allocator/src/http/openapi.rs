@@ -28,6 +28,7 @@ use utoipa::{Modify, OpenApi};
         super::pools::get_pool_terms,
         super::terms::post_terms_batch,
         super::regions::list_regions,
+        super::shards::get_shards,
         super::grants::post_grant,
         super::grants::post_grant_batch,
         super::reports::post_report,

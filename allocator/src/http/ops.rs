@@ -120,29 +120,36 @@ pub async fn healthz() -> &'static str {
 
 #[utoipa::path(get, path = "/readyz", tag = "operations", security(()),
     responses(
-        (status = 200, description = "Ready: leader, or a follower that knows the leader", body = String, content_type = "text/plain"),
-        (status = 503, description = "No known leader", body = String, content_type = "text/plain"),
+        (status = 200, description = "Ready: every shard's leader is this node or known to it", body = String, content_type = "text/plain"),
+        (status = 503, description = "A shard without a known leader", body = String, content_type = "text/plain"),
     ))]
 pub async fn readyz(State(state): State<ApiState>) -> Response {
-    let role = state.role.borrow().clone();
-    match role {
-        Role::Leader(leadership) => (
-            StatusCode::OK,
-            format!("leader, epoch {}\n", leadership.epoch),
-        )
-            .into_response(),
-        Role::Follower(Some(leader)) => (
-            StatusCode::OK,
-            format!(
-                "follower of {} (epoch {})\n",
-                leader.advertise_url, leader.epoch
-            ),
-        )
-            .into_response(),
-        Role::Follower(None) | Role::Unknown => {
-            (StatusCode::SERVICE_UNAVAILABLE, "no known leader\n").into_response()
-        }
+    let roles = state.role.borrow().clone();
+    let unled = roles
+        .all()
+        .iter()
+        .position(|role| matches!(role, Role::Follower(None) | Role::Unknown));
+    if let Some(shard) = unled {
+        let text = if roles.all().len() == 1 {
+            "no known leader\n".to_owned()
+        } else {
+            format!("no known leader of shard {shard}\n")
+        };
+        return (StatusCode::SERVICE_UNAVAILABLE, text).into_response();
     }
+    let text = match roles.all() {
+        [Role::Leader(leadership)] => format!("leader, epoch {}\n", leadership.epoch),
+        [Role::Follower(Some(leader))] => format!(
+            "follower of {} (epoch {})\n",
+            leader.advertise_url, leader.epoch
+        ),
+        shards => format!(
+            "leads {} of {} shards; every shard's leader known\n",
+            roles.leading().count(),
+            shards.len()
+        ),
+    };
+    (StatusCode::OK, text).into_response()
 }
 
 pub async fn not_found() -> ApiError {

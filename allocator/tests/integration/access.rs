@@ -172,6 +172,7 @@ async fn every_endpoint_checks_the_role() {
         (Method::GET, "/v1/audit", None, Some("viewer"), false),
         (Method::GET, "/v1/bound-checks", None, Some("viewer"), false),
         (Method::GET, "/v1/regions", None, Some("viewer"), false),
+        (Method::GET, "/v1/shards", None, Some("viewer"), true),
         (
             Method::DELETE,
             "/v1/pools/atlas/gone",

@@ -1,6 +1,8 @@
 //! Two real allocator processes on a real 3-member etcd cluster, under load: the leader is killed
 //! (SIGKILL, no goodbye), the follower takes over with a higher epoch, and no grant is lost or
 //! duplicated. Then an etcd member dies too, and grants carry on once the cluster has a quorum.
+//! And a sharded store: two allocators split its shards, each grants only its shards' pools, and
+//! one killed leaves its shards to the other.
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::{Child, Command, Stdio};
@@ -46,6 +48,16 @@ fn start_allocator_with_ttl(
     etcd: &[String],
     lease_ttl_s: u32,
 ) -> Allocator {
+    start_allocator_with(dir, name, etcd, lease_ttl_s, &[])
+}
+
+fn start_allocator_with(
+    dir: &std::path::Path,
+    name: &str,
+    etcd: &[String],
+    lease_ttl_s: u32,
+    extra_args: &[&str],
+) -> Allocator {
     let port = free_port();
     let operator = dir.join("operator.tokens");
     let agent = dir.join("agent.tokens");
@@ -63,6 +75,7 @@ fn start_allocator_with_ttl(
         .arg(&operator)
         .arg("--agent-token-file")
         .arg(&agent)
+        .args(extra_args)
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
@@ -351,5 +364,163 @@ async fn a_terminated_leader_hands_over_at_once() {
         stopwatch.elapsed_seconds() < 5.0,
         "took over in {:.1} s",
         stopwatch.elapsed_seconds()
+    );
+}
+
+/// The shard map as `url` answers it: each shard's leader node id, `None` for none.
+async fn shard_leaders(client: &reqwest::Client, url: &str) -> Option<Vec<Option<String>>> {
+    let response = client
+        .get(format!("{url}/v1/shards"))
+        .bearer_auth(AGENT_TOKEN)
+        .send()
+        .await
+        .ok()?;
+    let map: allot_shared::wire::ShardMap = response.json().await.ok()?;
+    Some(
+        map.shards
+            .into_iter()
+            .map(|lead| lead.leader.map(|l| l.node_id))
+            .collect(),
+    )
+}
+
+/// A grant of one token of `tenant/api` asked of `url`: the status and the answer's body.
+async fn ask_grant(
+    client: &reqwest::Client,
+    url: &str,
+    tenant: &str,
+    lease: LeaseId,
+) -> (u16, serde_json::Value) {
+    let response = client
+        .post(format!("{url}/v1/grants"))
+        .bearer_auth(AGENT_TOKEN)
+        .json(&json!({ "leaseId": lease, "tenant": tenant, "pool": "api", "region": "eu", "want": 1 }))
+        .send()
+        .await
+        .expect("the allocator answers");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_allocators_split_the_shards_and_one_killed_leaves_its_shards_to_the_other() {
+    use allot_shared::ids::{PoolId, TenantId};
+    use allot_shared::shards::{ShardCount, shard_of};
+    let etcd = EtcdCluster::single();
+    let endpoints = etcd.endpoints();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .expect("client");
+    let start = |name: &str, shards: &str| {
+        start_allocator_with(dir.path(), name, &endpoints, 2, &["--shards", shards])
+    };
+    let a = start("alloc-a", "4");
+    wait_until("a leads every shard", async || {
+        ready_text(&client, &a.url)
+            .await
+            .is_some_and(|t| t.starts_with("leads 4 of 4 shards"))
+    })
+    .await;
+    let mut b = start("alloc-b", "4");
+    let count = |leaders: &[Option<String>], node: &str| {
+        leaders
+            .iter()
+            .filter(|l| l.as_deref() == Some(node))
+            .count()
+    };
+    wait_until("a and b lead two shards each", async || {
+        shard_leaders(&client, &b.url)
+            .await
+            .is_some_and(|l| count(&l, "alloc-a") == 2 && count(&l, "alloc-b") == 2)
+    })
+    .await;
+
+    // An allocator started with another count refuses to start, saying why.
+    let mut wrong = start("alloc-c", "2");
+    let status = wrong.child.wait().expect("exits");
+    assert!(!status.success());
+    let log = std::fs::read_to_string(dir.path().join("alloc-c.log")).expect("log");
+    assert!(
+        log.contains("--shards 2 disagrees with the store, whose pools are split into 4 shards"),
+        "{log}"
+    );
+
+    // A pool in a shard `a` leads and one in a shard `b` leads.
+    let leaders = shard_leaders(&client, &a.url).await.expect("map");
+    let shards = ShardCount::new(4).expect("count");
+    let tenant_led_by = |node: &str| {
+        (0..64)
+            .map(|n| format!("t{n:02}"))
+            .find(|tenant| {
+                let shard = shard_of(
+                    &TenantId::parse(tenant).expect("tenant"),
+                    &PoolId::parse("api").expect("pool"),
+                    shards,
+                );
+                leaders[shard.0 as usize].as_deref() == Some(node)
+            })
+            .expect("some tenant in each node's shards")
+    };
+    let (on_a, on_b) = (tenant_led_by("alloc-a"), tenant_led_by("alloc-b"));
+    let pool = json!({ "limit": 1000, "windowMs": 60000, "chunk": 10, "leaseTtlMs": 15000,
+                       "fallbackPerRegion": 0, "regions": ["eu", "us"] });
+    for tenant in [&on_a, &on_b] {
+        let put = client
+            .put(format!("{}/v1/pools/{tenant}/api", a.url))
+            .bearer_auth(OPERATOR_TOKEN)
+            .json(&pool)
+            .send()
+            .await
+            .expect("put pool");
+        assert_eq!(put.status(), 200);
+    }
+
+    // Each pool is granted by its shard's leader only; the other names that leader.
+    let (status, refused) = ask_grant(&client, &a.url, &on_b, LeaseId::from_parts(1, 1)).await;
+    assert_eq!(status, 503);
+    assert_eq!(refused["leader"], json!(b.url));
+    let (status, granted_by_b) = ask_grant(&client, &b.url, &on_b, LeaseId::from_parts(1, 1)).await;
+    assert_eq!(status, 200, "{granted_by_b}");
+    let (status, _) = ask_grant(&client, &a.url, &on_a, LeaseId::from_parts(1, 2)).await;
+    assert_eq!(status, 200);
+
+    // A batch across both shards, sent to `a`: a's pool granted, b's refused alone, naming b.
+    let batch = client
+        .post(format!("{}/v1/grants/batch", a.url))
+        .bearer_auth(AGENT_TOKEN)
+        .json(&json!({ "grants": [
+            { "leaseId": LeaseId::from_parts(1, 3), "tenant": on_a, "pool": "api", "region": "eu", "want": 1 },
+            { "leaseId": LeaseId::from_parts(1, 4), "tenant": on_b, "pool": "api", "region": "eu", "want": 1 },
+        ] }))
+        .send()
+        .await
+        .expect("batch");
+    assert_eq!(batch.status(), 200);
+    let results: serde_json::Value = batch.json().await.expect("json");
+    assert!(results["results"][0]["grant"].is_object(), "{results}");
+    assert_eq!(
+        results["results"][1]["problem"]["status"],
+        json!(503),
+        "{results}"
+    );
+    assert_eq!(results["results"][1]["problem"]["leader"], json!(b.url));
+
+    // `b` is killed: within its lease's TTL and a few rounds, `a` leads all four shards and grants
+    // b's pool under a higher epoch.
+    let _ = b.child.kill();
+    let _ = b.child.wait();
+    wait_until("a leads every shard again", async || {
+        shard_leaders(&client, &a.url)
+            .await
+            .is_some_and(|l| count(&l, "alloc-a") == 4)
+    })
+    .await;
+    let (status, granted_by_a) = ask_grant(&client, &a.url, &on_b, LeaseId::from_parts(1, 5)).await;
+    assert_eq!(status, 200, "{granted_by_a}");
+    assert!(
+        granted_by_a["epoch"].as_u64() > granted_by_b["epoch"].as_u64(),
+        "{granted_by_a} after {granted_by_b}"
     );
 }

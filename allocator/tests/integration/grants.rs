@@ -10,7 +10,7 @@ use allot_allocator::grants::{GrantFailure, Grantor, LeaseReturn};
 use allot_allocator::kv::Kv;
 use allot_allocator::kv::etcd::EtcdKv;
 use allot_allocator::kv::memory::MemoryKv;
-use allot_allocator::leader::{Leadership, Role, try_acquire};
+use allot_allocator::leader::{Leadership, Role, Roles, try_acquire};
 use allot_allocator::pools::{PoolSpec, get_grant, list_grants, put_pool};
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping};
@@ -54,7 +54,7 @@ fn lease(n: u64) -> LeaseId {
 /// A grant service leading with `leadership` over `kv` on `clock` (a new leader's workers: they
 /// remember nothing).
 fn grantor_on(kv: Arc<dyn Kv>, clock: Arc<ManualClock>, leadership: Leadership) -> Grantor {
-    let (sender, role) = watch::channel(Role::Leader(leadership));
+    let (sender, role) = watch::channel(Roles::single(Role::Leader(leadership)));
     // The role never changes in these tests; a dropped sender leaves the last value readable.
     drop(sender);
     Grantor::new(kv, clock, role, LeaseClamping::Clamped, None)
@@ -465,7 +465,7 @@ async fn a_deposed_leader_cannot_grant(kv: Arc<dyn Kv>) {
         "and nothing was written"
     );
     // The new leader grants, stamping its own epoch, and the old grant is still answered as it was.
-    let (_sender, role) = watch::channel(Role::Leader(new));
+    let (_sender, role) = watch::channel(Roles::single(Role::Leader(new)));
     let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(T0_MS));
     let grantor = Grantor::new(kv.clone(), clock, role, LeaseClamping::Clamped, None);
     let fresh = grantor
@@ -597,7 +597,7 @@ async fn a_grant_record_outlives_a_short_window_until_a_ledger_round_has_seen_it
         .await
         .expect("store")
         .expect("the first node leads");
-    let (_role_sender, role) = watch::channel(Role::Leader(leadership));
+    let (_role_sender, role) = watch::channel(Roles::single(Role::Leader(leadership)));
     let leader_lease_ttl_ms = 5_000;
     let grantor = Grantor::new(
         kv.clone(),
@@ -657,7 +657,7 @@ async fn a_new_leader_copies_unfed_grants_into_the_ledger_at_once() {
         .await
         .expect("granted");
     // This node's sync starts as a follower, then takes the lead.
-    let (role_sender, role) = watch::channel(Role::Follower(None));
+    let (role_sender, role) = watch::channel(Roles::single(Role::Follower(None)));
     let (_feed_sender, feed) = allot_allocator::ledger_sync::ledger_feed();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let sync = tokio::spawn(allot_allocator::ledger_sync::feed_ledger(
@@ -684,7 +684,7 @@ async fn a_new_leader_copies_unfed_grants_into_the_ledger_at_once() {
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert_eq!(granted().await, 0, "a follower does not copy grants");
     role_sender
-        .send(Role::Leader(leadership))
+        .send(Roles::single(Role::Leader(leadership)))
         .expect("the sync listens");
     let mut copied = 0;
     for _ in 0..50 {

@@ -45,6 +45,7 @@ async fn start_allocator(etcd: &[String], dir: &std::path::Path, port: u16) -> R
         node_id: "alloc".to_owned(),
         advertise_url: format!("http://{addr}"),
         leader_lease_ttl_s: 2,
+        shards: None,
         tls: None,
         etcd_history_minutes: 60,
         etcd_defragment: true,

@@ -47,6 +47,7 @@ async fn start_allocator(pki: &TestPki, dir: &std::path::Path) -> String {
         node_id: "tls-1".to_owned(),
         advertise_url: format!("https://127.0.0.1:{}", addr.port()),
         leader_lease_ttl_s: 5,
+        shards: None,
         etcd_history_minutes: 60,
         etcd_defragment: true,
         retention: Default::default(),

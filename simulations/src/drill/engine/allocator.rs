@@ -7,7 +7,7 @@ use allot_allocator::clock::{Clock, ManualClock};
 use allot_allocator::grants::{Grantor, LeaseReturn};
 use allot_allocator::kv::memory::MemoryKv;
 use allot_allocator::kv::{Kv, Op};
-use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, try_acquire};
+use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, Roles, try_acquire};
 use allot_allocator::pools::get_window;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig};
@@ -21,7 +21,7 @@ pub(super) struct DrillAllocator {
     pub(super) kv: Arc<dyn Kv>,
     leadership: Leadership,
     /// Keeps the current leader's role readable.
-    role_sender: watch::Sender<Role>,
+    role_sender: watch::Sender<Roles>,
     clamping: LeaseClamping,
     grantor: Grantor,
     pub(super) tenants: Vec<TenantId>,
@@ -47,7 +47,7 @@ impl DrillAllocator {
             .ok_or_else(|| {
                 DrillError::Broken("the drill allocator did not become leader".into())
             })?;
-        let (role_sender, role) = watch::channel(Role::Leader(leadership));
+        let (role_sender, role) = watch::channel(Roles::single(Role::Leader(leadership)));
         Ok(Self {
             grantor: Grantor::new(
                 kv.clone(),
@@ -184,7 +184,7 @@ impl DrillAllocator {
             .ok_or_else(|| DrillError::Broken("the new allocator did not become leader".into()))?;
         debug_assert!(leadership.epoch > self.leadership.epoch);
         self.leadership = leadership;
-        let (role_sender, role) = watch::channel(Role::Leader(leadership));
+        let (role_sender, role) = watch::channel(Roles::single(Role::Leader(leadership)));
         self.role_sender = role_sender;
         self.grantor = Grantor::new(
             self.kv.clone(),
