@@ -2,21 +2,26 @@
 //!
 //! Off the request path only (renewals, reports, polling). Every call has a deadline; with several
 //! allocator URLs it tries the last one that answered first, follows a follower's `503` to the leader
-//! it names, and otherwise moves to the next URL, at most once around the list. The wire types mirror
+//! it names, and otherwise moves to the next URL, at most once around the list. Where the
+//! allocators split the pools into shards (`GET /v1/shards`), grants and reports go to each pool's
+//! shard leader first, a batch split into one call per leader. The wire types mirror
 //! the allocator's API (`docs/allocator.md`); the end-to-end tests hold the two together.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use allot_shared::ids::{AgentId, LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::overrides::OverrideSet;
 use allot_shared::policy::{PolicyBundle, parse_bundle};
+use allot_shared::shards::{ShardCount, shard_of};
 pub use allot_shared::wire::{
     AgentSession, AgentSessionEnded, AgentSessionStarted, AgentStatus, FallbackInWindow,
     GrantAnswer, GrantBatch, GrantBatchAnswer, GrantBody, GrantResult, MAX_GRANTS_PER_BATCH,
     MAX_LEASE_LINES_PER_BATCH, MAX_REPORT_BATCH_BYTES, MAX_REPORTS_PER_BATCH, MAX_TERMS_PER_BATCH,
     PoolTerms, Report, ReportBatch, ReportBatchAnswer, ReportLease, ReportReceipt, ReportResult,
-    TermsAsk, TermsBatch, TermsBatchAnswer, TermsResult,
+    ShardMap, TermsAsk, TermsBatch, TermsBatchAnswer, TermsResult,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -32,6 +37,22 @@ pub const MAX_ANSWER_BYTES: usize = 4 << 20;
 /// the one-at-a-time route meanwhile, then try the batch route again (the allocator may have been
 /// upgraded).
 pub const MISSING_ROUTE_RETRY_MS: u64 = 5 * 60_000;
+
+/// How long a shard map is used before it is read again, ms; an entry refused by an allocator
+/// that does not lead its shard has it read again before the next call.
+pub const SHARD_MAP_REUSED_MS: u64 = 30_000;
+
+/// Who leads each shard, as last read: where each pool's grants and reports go first.
+#[derive(Debug, Default)]
+struct ShardRoutes {
+    /// The shard count and each shard's leader URL; `None` until read (or from an allocator
+    /// without shards).
+    leaders: Option<(ShardCount, Vec<Option<String>>)>,
+    /// When it was read.
+    read_at: Option<tokio::time::Instant>,
+    /// Whether an allocator refused an entry as not its shard's leader since.
+    stale: bool,
+}
 
 /// Remembers that the allocator lacks a route (it answered 404), so a caller with a fallback pays
 /// the 404 once per [`MISSING_ROUTE_RETRY_MS`], not on every call.
@@ -95,6 +116,7 @@ pub struct AllocatorClient {
     token: String,
     http: reqwest::Client,
     preferred: AtomicUsize,
+    shard_routes: Mutex<ShardRoutes>,
 }
 
 /// Reads an answer's body, refusing one longer than `limit` bytes without buffering the rest.
@@ -160,34 +182,49 @@ impl AllocatorClient {
             token,
             http,
             preferred: AtomicUsize::new(0),
+            shard_routes: Mutex::default(),
         })
     }
 
     /// One call to the allocators, trying each from the last that answered, and following a "not
     /// the leader" answer to the leader it names: the answer read as `T`, `None` for an empty body
     /// or a 404, `Err` for a refusal or when none answers.
-    ///
-    /// Long by design: one loop carries the whole failover: the next allocator to try, a redirect
-    /// to the named leader taken before it, and the last error kept for the answer when all fail;
-    /// split, that state would be passed in and out of each attempt, and which answers move on and
-    /// which end the call would be read in several places.
     async fn call<T: DeserializeOwned>(
         &self,
         method: reqwest::Method,
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> Result<Option<T>, ClientError> {
+        self.call_via(None, method, path, body).await
+    }
+
+    /// [`AllocatorClient::call`], trying `first` (a shard's leader) before the listed URLs.
+    ///
+    /// Long by design: one loop carries the whole failover: the next allocator to try, a redirect
+    /// to the named leader taken before it, and the last error kept for the answer when all fail;
+    /// split, that state would be passed in and out of each attempt, and which answers move on and
+    /// which end the call would be read in several places.
+    async fn call_via<T: DeserializeOwned>(
+        &self,
+        first: Option<&str>,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<Option<T>, ClientError> {
         let start = self.preferred.load(Ordering::Relaxed);
         let mut last_error = String::from("no allocator tried");
-        let mut redirect: Option<String> = None;
-        for attempt in 0..=self.urls.len() {
+        let mut redirect: Option<String> = first.map(|url| url.trim_end_matches('/').to_owned());
+        let mut listed_tried = 0;
+        // Every listed URL once, and a redirect before each (at most one is followed per answer).
+        for _ in 0..=2 * self.urls.len() + 1 {
             let (index, base) = match redirect.take() {
                 Some(leader) => (self.urls.iter().position(|u| *u == leader), leader),
                 None => {
-                    if attempt == self.urls.len() {
+                    if listed_tried == self.urls.len() {
                         break;
                     }
-                    let index = (start + attempt) % self.urls.len();
+                    let index = (start + listed_tried) % self.urls.len();
+                    listed_tried += 1;
                     (Some(index), self.urls[index].clone())
                 }
             };
@@ -309,27 +346,53 @@ impl AllocatorClient {
             region: region.clone(),
             want_tokens: want,
         };
-        self.call(reqwest::Method::POST, "/v1/grants", Some(&to_json(&body)?))
-            .await
+        let leader = self.shard_leader(tenant, pool).await;
+        self.call_via(
+            leader.as_deref(),
+            reqwest::Method::POST,
+            "/v1/grants",
+            Some(&to_json(&body)?),
+        )
+        .await
     }
 
     /// `POST /v1/grants/batch`: several pools' renewals in one call, each idempotent by its lease
     /// id. One answer per ask, in order, as [`AllocatorClient::grant`] would have given it: the
     /// grant, `None` when the pool does not exist, or the error. An allocator without the route
     /// answers 404 (`Err` for the whole call).
+    /// Split into shards, the asks go in one call per shard leader, all at once.
     pub async fn grant_batch(&self, batch: &GrantBatch) -> Result<Vec<GrantOutcome>, ClientError> {
-        let answer: Option<GrantBatchAnswer> = self
-            .call(
-                reqwest::Method::POST,
+        let routes = self.shard_routes().await;
+        let groups = by_leader(
+            routes.as_ref(),
+            batch.grants.iter().map(|ask| (&ask.tenant, &ask.pool)),
+        );
+        let calls = groups.iter().map(|(leader, indices)| async move {
+            let part = GrantBatch {
+                grants: indices.iter().map(|&i| batch.grants[i].clone()).collect(),
+            };
+            let answer: Option<GrantBatchAnswer> = self
+                .call_via(
+                    leader.as_deref(),
+                    reqwest::Method::POST,
+                    "/v1/grants/batch",
+                    Some(&to_json(&part)?),
+                )
+                .await?;
+            one_per_entry(
                 "/v1/grants/batch",
-                Some(&to_json(batch)?),
+                answer.map(|answer| answer.results),
+                part.grants.len(),
             )
-            .await?;
-        let results = one_per_entry(
-            "/v1/grants/batch",
-            answer.map(|answer| answer.results),
-            batch.grants.len(),
-        )?;
+        });
+        let answers = futures::future::join_all(calls).await;
+        let results = in_order(&groups, answers, batch.grants.len())?;
+        if results
+            .iter()
+            .any(|result| result.problem.as_ref().is_some_and(|p| p.status == 503))
+        {
+            self.lock_routes().stale = true;
+        }
         Ok(results.into_iter().map(grant_outcome).collect())
     }
 
@@ -362,7 +425,9 @@ impl AllocatorClient {
     /// Sends a report (idempotent by its id): its receipt (none from an allocator that answers
     /// without a body).
     pub async fn report(&self, report: &Report) -> Result<Option<ReportReceipt>, ClientError> {
-        self.call::<ReportReceipt>(
+        let leader = self.shard_leader(&report.tenant, &report.pool).await;
+        self.call_via::<ReportReceipt>(
+            leader.as_deref(),
             reqwest::Method::POST,
             "/v1/reports",
             Some(&to_json(report)?),
@@ -371,23 +436,85 @@ impl AllocatorClient {
     }
 
     /// `POST /v1/reports/batch`: a round's reports in one call, each taken once per report id; one
-    /// result per report, in order. An allocator without the route answers 404.
+    /// result per report, in order. An allocator without the route answers 404. Split into
+    /// shards, one call per shard leader (whose give-backs only it can take back), all at once.
     pub async fn report_batch(
         &self,
         batch: &ReportBatch,
     ) -> Result<Vec<ReportResult>, ClientError> {
-        let answer: Option<ReportBatchAnswer> = self
-            .call(
-                reqwest::Method::POST,
+        let routes = self.shard_routes().await;
+        let groups = by_leader(
+            routes.as_ref(),
+            batch
+                .reports
+                .iter()
+                .map(|report| (&report.tenant, &report.pool)),
+        );
+        let calls = groups.iter().map(|(leader, indices)| async move {
+            let part = ReportBatch {
+                reports: indices.iter().map(|&i| batch.reports[i].clone()).collect(),
+            };
+            let answer: Option<ReportBatchAnswer> = self
+                .call_via(
+                    leader.as_deref(),
+                    reqwest::Method::POST,
+                    "/v1/reports/batch",
+                    Some(&to_json(&part)?),
+                )
+                .await?;
+            one_per_entry(
                 "/v1/reports/batch",
-                Some(&to_json(batch)?),
+                answer.map(|answer| answer.results),
+                part.reports.len(),
             )
-            .await?;
-        one_per_entry(
-            "/v1/reports/batch",
-            answer.map(|answer| answer.results),
-            batch.reports.len(),
-        )
+        });
+        let answers = futures::future::join_all(calls).await;
+        in_order(&groups, answers, batch.reports.len())
+    }
+
+    fn lock_routes(&self) -> std::sync::MutexGuard<'_, ShardRoutes> {
+        self.shard_routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Each shard's leader URL while the allocators split the pools into shards (`None` with one
+    /// shard, or from allocators without shards). The map is read again every
+    /// [`SHARD_MAP_REUSED_MS`], and at once after an allocator refused an entry as not its
+    /// shard's leader; a failed read keeps the last map (calls still follow redirects).
+    async fn shard_routes(&self) -> Option<(ShardCount, Vec<Option<String>>)> {
+        let due = {
+            let routes = self.lock_routes();
+            routes.stale
+                || routes
+                    .read_at
+                    .is_none_or(|at| at.elapsed() >= Duration::from_millis(SHARD_MAP_REUSED_MS))
+        };
+        if due {
+            let read = self
+                .call::<ShardMap>(reqwest::Method::GET, "/v1/shards", None)
+                .await;
+            let mut routes = self.lock_routes();
+            routes.read_at = Some(crate::clock::monotonic_now());
+            routes.stale = false;
+            match read {
+                Ok(map) => routes.leaders = map.and_then(leader_urls),
+                Err(error) => tracing::debug!(%error, "shard map not read; the last one stands"),
+            }
+        }
+        self.lock_routes()
+            .leaders
+            .clone()
+            .filter(|(count, _)| count.get() > 1)
+    }
+
+    /// The URL of the leader of `tenant/pool`'s shard, when the pools are split and it is known.
+    async fn shard_leader(&self, tenant: &TenantId, pool: &PoolId) -> Option<String> {
+        let (count, leaders) = self.shard_routes().await?;
+        leaders
+            .get(shard_of(tenant, pool, count).0 as usize)
+            .cloned()
+            .flatten()
     }
 
     /// The bundle this region should run, verified; `None` when nothing is published.
@@ -455,6 +582,67 @@ impl AllocatorClient {
         .await
         .map(|_| ())
     }
+}
+
+/// Each shard's leader URL from a shard map (`None` for a map that is not one).
+fn leader_urls(map: ShardMap) -> Option<(ShardCount, Vec<Option<String>>)> {
+    let count = ShardCount::new(map.shard_count).ok()?;
+    let mut leaders = vec![None; count.get() as usize];
+    for lead in map.shards {
+        if let Some(slot) = leaders.get_mut(lead.shard.0 as usize) {
+            *slot = lead
+                .leader
+                .map(|leader| leader.url.trim_end_matches('/').to_owned());
+        }
+    }
+    Some((count, leaders))
+}
+
+/// A batch's entries (by their pools) grouped by where they go first: their shard's leader, or
+/// (`None`) wherever calls go without shards. One group when the pools are not split.
+fn by_leader<'a>(
+    routes: Option<&(ShardCount, Vec<Option<String>>)>,
+    pools: impl Iterator<Item = (&'a TenantId, &'a PoolId)>,
+) -> Vec<(Option<String>, Vec<usize>)> {
+    let mut groups: BTreeMap<Option<String>, Vec<usize>> = BTreeMap::new();
+    for (index, (tenant, pool)) in pools.enumerate() {
+        let leader = routes.and_then(|(count, leaders)| {
+            leaders
+                .get(shard_of(tenant, pool, *count).0 as usize)
+                .cloned()
+                .flatten()
+        });
+        groups.entry(leader).or_default().push(index);
+    }
+    if groups.is_empty() {
+        groups.insert(None, Vec::new());
+    }
+    groups.into_iter().collect()
+}
+
+/// The results of a batch sent as `groups`, back in the order of its `sent` entries: `Err` when
+/// any group's call failed whole (every entry is idempotent, so the caller sends the whole batch
+/// again).
+fn in_order<R>(
+    groups: &[(Option<String>, Vec<usize>)],
+    answers: Vec<Result<Vec<R>, ClientError>>,
+    sent: usize,
+) -> Result<Vec<R>, ClientError> {
+    let mut placed: Vec<Option<R>> = (0..sent).map(|_| None).collect();
+    for ((_, indices), answer) in groups.iter().zip(answers) {
+        for (&index, result) in indices.iter().zip(answer?) {
+            placed[index] = Some(result);
+        }
+    }
+    placed
+        .into_iter()
+        .map(|result| {
+            result.ok_or_else(|| ClientError::Refused {
+                status: 200,
+                detail: "a batch entry without a result".to_owned(),
+            })
+        })
+        .collect()
 }
 
 /// A batch route's results, one per entry sent (`sent`): `None` is the 404 of an allocator without

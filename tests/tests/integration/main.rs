@@ -16,6 +16,7 @@ mod partition;
 mod quota_products;
 mod real_drill;
 mod rlqs;
+mod shards;
 mod soak;
 mod tls;
 mod two_regions;
