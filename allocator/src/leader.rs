@@ -507,16 +507,7 @@ impl Campaign {
             members.push(self.config.node_id.clone());
         }
         let mut leaders = read_leaders(kv, count).await?;
-        for (shard, held) in self.held.iter_mut().enumerate() {
-            let still = match (&*held, &leaders[shard]) {
-                (Some(leadership), Some((_, revision))) => *revision == leadership.leader_revision,
-                _ => false,
-            };
-            if let (Some(leadership), false) = (*held, still) {
-                tracing::warn!(shard, epoch = %leadership.epoch, "deposed from a shard");
-                *held = None;
-            }
-        }
+        self.drop_deposed(&leaders);
         let me = self.config.node_id.as_str();
         let member_names: Vec<&str> = members.iter().map(String::as_str).collect();
         let leader_names: Vec<Option<String>> = leaders
@@ -570,6 +561,20 @@ impl Campaign {
             }
         }
         Ok(Roles { shards: roles })
+    }
+
+    /// Forgets every held shard whose leader key is no longer the one this process wrote.
+    fn drop_deposed(&mut self, leaders: &[Option<(LeaderRecord, i64)>]) {
+        for (shard, held) in self.held.iter_mut().enumerate() {
+            let still = match (&*held, &leaders[shard]) {
+                (Some(leadership), Some((_, revision))) => *revision == leadership.leader_revision,
+                _ => false,
+            };
+            if let (Some(leadership), false) = (*held, still) {
+                tracing::warn!(shard, epoch = %leadership.epoch, "deposed from a shard");
+                *held = None;
+            }
+        }
     }
 
     /// Gives `leadership`'s shard up for another process to take: its key deleted under its own

@@ -60,8 +60,10 @@ struct Fake {
     grant_batch_calls: AtomicU64,
     grant_calls: AtomicU64,
     granted_tenants: Mutex<Vec<String>>,
-    /// Calls to routes it does not serve (answered 404).
+    /// Calls to routes it does not serve (answered 404), but for the shard map's.
     not_found_calls: AtomicU64,
+    /// Reads of the shard map (`GET /v1/shards`, answered 404: it does not split its pools).
+    shard_map_reads: AtomicU64,
     /// The `POST /v1/reports/batch` call (counted from 1) that hangs for a minute; 0: none.
     stalled_report_batch: AtomicU64,
     /// Whether it serves `POST /v1/terms/batch` (an older allocator does not); its calls, and the
@@ -71,8 +73,12 @@ struct Fake {
     terms_asked: Mutex<Vec<String>>,
 }
 
-async fn not_found(State(fake): State<Arc<Fake>>) -> Response {
-    fake.not_found_calls.fetch_add(1, Ordering::SeqCst);
+async fn not_found(State(fake): State<Arc<Fake>>, uri: axum::http::Uri) -> Response {
+    if uri.path() == "/v1/shards" {
+        fake.shard_map_reads.fetch_add(1, Ordering::SeqCst);
+    } else {
+        fake.not_found_calls.fetch_add(1, Ordering::SeqCst);
+    }
     StatusCode::NOT_FOUND.into_response()
 }
 
@@ -264,6 +270,7 @@ fn fake(limit: Option<u64>, terms_delay: Duration) -> Arc<Fake> {
         grant_calls: AtomicU64::new(0),
         granted_tenants: Mutex::new(Vec::new()),
         not_found_calls: AtomicU64::new(0),
+        shard_map_reads: AtomicU64::new(0),
         stalled_report_batch: AtomicU64::new(0),
         takes_terms_batches: true,
         terms_batch_calls: AtomicU64::new(0),
@@ -751,6 +758,9 @@ async fn renewals_of_many_pools_share_calls_or_go_one_by_one_to_an_older_allocat
                 "the missing route is asked for once, not per call"
             );
         }
+        // An allocator that does not split its pools answers the shard map 404: the agent reads
+        // it once per 30 s however many calls it makes, and routes as before.
+        assert_eq!(fake.shard_map_reads.load(Ordering::SeqCst), 1);
     }
 }
 
