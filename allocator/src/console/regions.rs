@@ -1,5 +1,6 @@
 //! Regions and their agents: which agents report, what bundle each runs against what its region
-//! should run (a canary's progress), and whether a region's agents agree on their pepper.
+//! should run (a canary's progress), and whether a region's agents agree on their pepper. Below
+//! them, the allocators: which leads each shard of the pools.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -9,6 +10,7 @@ use maud::{Markup, html};
 use super::layout::{Section, html_response, problem_banner, utc};
 use super::{ConsoleState, SignedIn};
 use crate::http::{PolicyStatus, RegionList};
+use allot_shared::wire::ShardMap;
 
 /// An agent whose last status is older than this is shown as late (agents report every few
 /// seconds; their status keys expire soon after they stop).
@@ -109,15 +111,60 @@ fn status_fragment(status: &PolicyStatus, ledger: &RegionList, now_ms: u64) -> M
     }
 }
 
+/// The allocators: how many shards each leads, and each shard's leader (a shard without one is
+/// changing hands).
+fn shards_fragment(map: &ShardMap) -> Markup {
+    let mut led: std::collections::BTreeMap<&str, (usize, &str)> =
+        std::collections::BTreeMap::new();
+    for leader in map.shards.iter().filter_map(|s| s.leader.as_ref()) {
+        let entry = led
+            .entry(leader.node_id.as_str())
+            .or_insert((0, leader.url.as_str()));
+        entry.0 += 1;
+    }
+    html! {
+        h2 { "Allocators" }
+        p.muted { "The pools are split into " (map.shard_count) " shard(s); each is led by one allocator at a time, which alone grants its pools." }
+        div.table-wrap { table id="allocators" {
+            thead { tr { th { "Allocator" } th { "URL" } th.num { "Shards led" } } }
+            tbody {
+                @for (node, (count, url)) in &led {
+                    tr { td { code { (node) } } td { (url) } td.num { (count) " of " (map.shard_count) } }
+                }
+            }
+        } }
+        div.table-wrap { table id="shards" {
+            thead { tr { th.num { "Shard" } th { "Leader" } th.num { "Epoch" } } }
+            tbody {
+                @for shard in &map.shards {
+                    tr {
+                        td.num { (shard.shard) }
+                        @match &shard.leader {
+                            Some(leader) => { td { code { (leader.node_id) } } td.num { (leader.epoch) } }
+                            None => { td { span.over { "none: changing hands" } } td.num { "-" } }
+                        }
+                    }
+                }
+            }
+        } }
+    }
+}
+
 async fn fragment(console: &ConsoleState, signed_in: &SignedIn) -> Markup {
     let status = signed_in
         .api
         .get::<PolicyStatus>("/v1/policies/status")
         .await;
     let ledger = signed_in.api.get::<RegionList>("/v1/regions").await;
-    match (status, ledger) {
-        (Ok(status), Ok(ledger)) => status_fragment(&status, &ledger, console.clock.now_ms()),
-        (Err(problem), _) | (_, Err(problem)) => problem_banner(&problem),
+    let shards = signed_in.api.get::<ShardMap>("/v1/shards").await;
+    match (status, ledger, shards) {
+        (Ok(status), Ok(ledger), Ok(shards)) => html! {
+            (status_fragment(&status, &ledger, console.clock.now_ms()))
+            (shards_fragment(&shards))
+        },
+        (Err(problem), _, _) | (_, Err(problem), _) | (_, _, Err(problem)) => {
+            problem_banner(&problem)
+        }
     }
 }
 
@@ -132,7 +179,7 @@ pub async fn page(State(console): State<ConsoleState>, signed_in: SignedIn) -> R
         super::layout::page(
             &signed_in.session,
             Section::Regions,
-            "Regions and agents",
+            "Regions, agents and allocators",
             body,
         ),
     )

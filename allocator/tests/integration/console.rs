@@ -777,6 +777,40 @@ async fn hostile_input_is_escaped_bounded_or_refused() {
 }
 
 #[tokio::test]
+async fn the_regions_page_shows_who_leads_each_shard() {
+    let server = start().await;
+    let viewer = signed_in(&server, VIEWER).await;
+    let page = viewer.get("/console/regions").await;
+    assert_eq!(page.status, StatusCode::OK);
+    let map: allot_shared::wire::ShardMap = server
+        .client
+        .get(format!("{}/v1/shards", server.url))
+        .bearer_auth(OPERATOR)
+        .send()
+        .await
+        .expect("shards")
+        .json()
+        .await
+        .expect("a shard map");
+    let leader = map.shards[0]
+        .leader
+        .as_ref()
+        .expect("the one allocator leads");
+    assert!(
+        page.text.contains(r#"<table id="shards">"#),
+        "{}",
+        page.text
+    );
+    assert!(
+        page.text
+            .contains(&format!("<code>{}</code>", leader.node_id)),
+        "{}",
+        page.text
+    );
+    assert!(page.text.contains("1 of 1"), "{}", page.text);
+}
+
+#[tokio::test]
 async fn the_pool_list_pages_and_searches() {
     let server = start().await;
     let body = serde_json::json!({ "limit": 100, "windowMs": 60000, "chunk": 10,

@@ -378,6 +378,7 @@ async fn operators_use_the_console_in_a_real_browser() {
     screenshot(&viewer, "regions").await;
     let regions = page_text(&viewer).await;
     assert!(regions.contains("Fallback in use"), "{regions}");
+    assert!(regions.contains("Shards led"), "{regions}");
 
     // Keyboard: Tab walks from the page's start into the navigation.
     viewer
