@@ -128,6 +128,14 @@ impl Roles {
         Roles { shards: vec![role] }
     }
 
+    /// A role for each shard, in order (none: one unknown shard).
+    pub fn from_shards(shards: Vec<Role>) -> Roles {
+        if shards.is_empty() {
+            return Roles::single(Role::Unknown);
+        }
+        Roles { shards }
+    }
+
     /// How many shards there are.
     pub fn count(&self) -> ShardCount {
         ShardCount::new(u32::try_from(self.shards.len()).unwrap_or(u32::MAX))
@@ -580,20 +588,26 @@ impl Campaign {
     /// Gives `leadership`'s shard up for another process to take: its key deleted under its own
     /// fence, so nothing is deleted that another process wrote.
     async fn hand_over(&self, kv: &dyn Kv, leadership: Leadership) -> Result<(), KvError> {
-        let outcome = kv
-            .txn(
-                vec![leadership.fence()],
-                vec![Op::Delete {
-                    key: leader_key(leadership.shard),
-                }],
-            )
-            .await?;
-        if outcome.succeeded {
+        if resign(kv, leadership).await? {
             tracing::info!(shard = %leadership.shard, epoch = %leadership.epoch,
                 "handing a shard over to even out the load");
         }
         Ok(())
     }
+}
+
+/// Gives up `leadership`'s shard: its key deleted under its own fence, so nothing is deleted that
+/// another process wrote. Whether it was still held.
+pub async fn resign(kv: &dyn Kv, leadership: Leadership) -> Result<bool, KvError> {
+    let outcome = kv
+        .txn(
+            vec![leadership.fence()],
+            vec![Op::Delete {
+                key: leader_key(leadership.shard),
+            }],
+        )
+        .await?;
+    Ok(outcome.succeeded)
 }
 
 /// Runs the election until `shutdown` resolves, publishing this node's role for every shard. On

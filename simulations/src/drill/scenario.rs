@@ -79,6 +79,11 @@ pub struct Scenario {
     /// Tenants, each with its own pool of G and the same demand (default 1).
     #[serde(default = "one")]
     pub tenants: u64,
+    /// Shards the pools are split into between two allocators (default 1: one allocator leads
+    /// every pool). With more, the first allocator leads them all at the start and `shard_move`
+    /// faults move them one at a time; the agents' calls go to each pool's shard leader.
+    #[serde(default = "one_shard", skip_serializing_if = "is_one_shard")]
+    pub shards: u32,
     /// Virtual time step, ms (default 100).
     #[serde(default = "default_tick_ms")]
     pub tick_ms: u64,
@@ -180,6 +185,14 @@ fn clamped() -> LeaseClamping {
 
 fn one() -> u64 {
     1
+}
+
+fn one_shard() -> u32 {
+    1
+}
+
+fn is_one_shard(shards: &u32) -> bool {
+    *shards == 1
 }
 
 fn two() -> u64 {
@@ -363,6 +376,16 @@ pub enum Fault {
         /// asynchronously replicated store can: the lost-record term of the bound.
         records_kept: bool,
     },
+    /// One shard changes allocators: its leader key is gone (handed over, or its leader cut off
+    /// from the store while its lease lapsed) and the other allocator takes it with the next
+    /// epoch, while the old one still believes it leads: its next grant for a pool of the shard
+    /// must fail on the fence. Needs `shards` above 1.
+    ShardMove {
+        /// When.
+        at_ms: u64,
+        /// Which shard, `0..shards`.
+        shard: u32,
+    },
     /// The region's agent crashes and restarts: its leases, unreported spend and fallback counts
     /// are lost; while down, its requests are not served; on restart it needs the allocator for
     /// its pools' terms.
@@ -398,7 +421,7 @@ impl Fault {
             | Fault::Latency { region, .. }
             | Fault::AgentRestart { region, .. }
             | Fault::ClockSkew { region, .. } => Some(region),
-            Fault::Failover { .. } => None,
+            Fault::Failover { .. } | Fault::ShardMove { .. } => None,
         }
     }
 
@@ -416,7 +439,7 @@ impl Fault {
             | Fault::AnswerLoss { until_ms, .. }
             | Fault::Latency { until_ms, .. } => Some(*until_ms),
             Fault::AgentRestart { at_ms, down_ms, .. } => Some(at_ms.saturating_add(*down_ms)),
-            Fault::Failover { .. } | Fault::ClockSkew { .. } => None,
+            Fault::Failover { .. } | Fault::ShardMove { .. } | Fault::ClockSkew { .. } => None,
         }
     }
 }
@@ -710,6 +733,12 @@ impl Scenario {
             }
         }
         self.validate_overrides()?;
+        if !(1..=allot_shared::shards::MAX_SHARDS).contains(&self.shards) {
+            return fail(
+                "shards",
+                format!("must be 1 to {}", allot_shared::shards::MAX_SHARDS),
+            );
+        }
         if self.faults.len() > MAX_FAULTS {
             return fail("faults", format!("at most {MAX_FAULTS}"));
         }
@@ -738,6 +767,18 @@ impl Scenario {
                 }
                 Fault::AnswerLoss { percent, .. } if *percent > 100 => {
                     return fail(&format!("{field}.percent"), "0 to 100".into());
+                }
+                Fault::ShardMove { shard, .. } if *shard >= self.shards => {
+                    return fail(
+                        &format!("{field}.shard"),
+                        format!("must be below shards ({})", self.shards),
+                    );
+                }
+                Fault::Failover { .. } if self.shards > 1 => {
+                    return fail(
+                        field.as_str(),
+                        "a failover replaces the one allocator: with shards, move them".into(),
+                    );
                 }
                 Fault::AgentRestart {
                     region, down_ms, ..

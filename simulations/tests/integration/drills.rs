@@ -150,6 +150,25 @@ fn a_failover_on_etcd_semantics_changes_nothing_and_fences_the_deposed_leader() 
 }
 
 #[test]
+fn shards_moving_between_allocators_change_nothing_and_fence_the_old_leader() {
+    // The run fails (an Err, not a report) if an allocator that lost a shard still grants for
+    // it, or if a pool's call reaches an allocator that does not lead its shard.
+    let moved = drill("shard-move");
+    let mut unsplit = scenario("shard-move");
+    unsplit.shards = 1;
+    unsplit
+        .faults
+        .retain(|fault| !matches!(fault, allot_simulations::drill::Fault::ShardMove { .. }));
+    assert!(moved.scenario.faults.len() > unsplit.faults.len());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let steady = runtime.block_on(run(&unsplit)).expect("drill runs");
+    assert_eq!(moved.windows, steady.windows, "{}", moved.table());
+}
+
+#[test]
 fn a_failover_that_loses_grant_records_overshoots_by_at_most_what_was_lost() {
     let report = drill("failover-lost");
     let s = &report.scenario;

@@ -83,6 +83,22 @@ fn bad_scenarios_are_refused_naming_the_field() {
         let error = Scenario::from_toml(&text).expect_err(field);
         assert!(error.contains(field), "{error:?} does not name {field}");
     }
+    // Shards: a count in range, moves of shards that exist, and no whole-allocator failover.
+    let sharded = scenario("shard-move").to_toml().expect("toml");
+    let failover = scenario("failover-etcd").to_toml().expect("toml");
+    let cases = [
+        (sharded.replace("shards = 4", "shards = 0"), "shards"),
+        (sharded.replace("shards = 4", "shards = 257"), "shards"),
+        (sharded.replace("shard = 2", "shard = 4"), "faults[3].shard"),
+        (
+            failover.replace("tenants = 1", "tenants = 1\nshards = 2"),
+            "faults[0]",
+        ),
+    ];
+    for (text, field) in cases {
+        let error = Scenario::from_toml(&text).expect_err(field);
+        assert!(error.contains(field), "{error:?} does not name {field}");
+    }
 }
 
 #[test]

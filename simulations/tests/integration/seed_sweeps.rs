@@ -73,6 +73,7 @@ sweeps! {
     failover_etcd => "failover-etcd",
     failover_lost => "failover-lost",
     failover_exhausted => "failover-exhausted",
+    shard_move => "shard-move",
     independent => "independent",
     static_split => "static-split",
     demand_weighted => "demand-weighted",

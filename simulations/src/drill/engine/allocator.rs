@@ -1,5 +1,7 @@
 //! The shipped grant service for the drill's pools, as the agents reach it: the pools put in the
-//! embedded store, one leader granting, and a failover to the next epoch's leader.
+//! embedded store, one leader granting, and a failover to the next epoch's leader. With the pools
+//! split into shards, a second allocator beside the first, shards moving between them one at a
+//! time, and each pool's calls sent to its shard's leader, as agents send them.
 
 use std::sync::Arc;
 
@@ -7,10 +9,13 @@ use allot_allocator::clock::{Clock, ManualClock};
 use allot_allocator::grants::{Grantor, LeaseReturn};
 use allot_allocator::kv::memory::MemoryKv;
 use allot_allocator::kv::{Kv, Op};
-use allot_allocator::leader::{EPOCH_KEY, Leadership, Role, Roles, try_acquire};
+use allot_allocator::leader::{
+    EPOCH_KEY, Leadership, Role, Roles, resign, try_acquire, try_acquire_shard,
+};
 use allot_allocator::pools::get_window;
 use allot_shared::ids::{LeaseId, PoolId, RegionId, TenantId};
 use allot_shared::lease::{GrantRequest, LeaseClamping, PoolConfig};
+use allot_shared::shards::{ShardCount, ShardId, shard_of};
 use allot_shared::wire::{GrantAnswer, ReportLease};
 use tokio::sync::watch;
 
@@ -29,7 +34,24 @@ pub(super) struct DrillAllocator {
     pools: Vec<Vec<PoolId>>,
     /// Lease ids are made from the virtual time and this counter (unique, reproducible).
     pub(super) leases_asked: u128,
+    /// With the pools split into shards: the second allocator (the first is the one above).
+    second: Option<SecondAllocator>,
 }
+
+/// The second allocator of a store split into shards: it leads the shards moved to it.
+struct SecondAllocator {
+    grantor: Grantor,
+    role_sender: watch::Sender<Roles>,
+    lease: i64,
+    /// The first allocator's store lease, which keeps its leader keys.
+    first_lease: i64,
+}
+
+/// Node ids and URLs of the drill's two allocators of a split store.
+const NODES: [(&str, &str); 2] = [
+    ("drill-allocator", "http://drill"),
+    ("drill-allocator-b", "http://drill-b"),
+];
 
 impl DrillAllocator {
     /// The first allocator, leading over `pools` of `tenants` (its leader key outlives any drill:
@@ -63,7 +85,176 @@ impl DrillAllocator {
             tenants,
             pools,
             leases_asked: 0,
+            second: None,
         })
+    }
+
+    /// Two allocators over a store split into `shards`: the first leads every shard at the start.
+    pub(super) async fn lead_shards(
+        kv: Arc<dyn Kv>,
+        clock: &Arc<ManualClock>,
+        clamping: LeaseClamping,
+        tenants: Vec<TenantId>,
+        pools: Vec<Vec<PoolId>>,
+        shards: ShardCount,
+    ) -> Result<Self, DrillError> {
+        if shards.get() == 1 {
+            return Self::lead(kv, clock, clamping, tenants, pools).await;
+        }
+        let first_lease = kv.grant_lease(1 << 40).await.map_err(store)?;
+        let mut roles = Vec::new();
+        for shard in shards.shards() {
+            let (node, url) = NODES[0];
+            let leadership = try_acquire_shard(&*kv, shard, node, url, first_lease)
+                .await
+                .map_err(store)?
+                .ok_or_else(|| DrillError::Broken(format!("shard {shard} not led at the start")))?;
+            roles.push(Role::Leader(leadership));
+        }
+        let Role::Leader(leadership) = roles[0] else {
+            return Err(DrillError::Broken("shard 0 not led".into()));
+        };
+        let (role_sender, role) = watch::channel(Roles::from_shards(roles));
+        let followed = Roles::from_shards(vec![Role::Follower(None); shards.get() as usize]);
+        let (second_sender, second_role) = watch::channel(followed);
+        let lease = kv.grant_lease(1 << 40).await.map_err(store)?;
+        let grantor = |role| {
+            Grantor::new(
+                kv.clone(),
+                clock.clone() as Arc<dyn Clock>,
+                role,
+                clamping,
+                None,
+            )
+        };
+        Ok(Self {
+            grantor: grantor(role),
+            second: Some(SecondAllocator {
+                grantor: grantor(second_role),
+                role_sender: second_sender,
+                lease,
+                first_lease,
+            }),
+            kv: kv.clone(),
+            leadership,
+            role_sender,
+            clamping,
+            tenants,
+            pools,
+            leases_asked: 0,
+        })
+    }
+
+    /// The grantor that leads the shard of `tenant`'s pool for region `region_index`: where an
+    /// agent's client sends its calls.
+    fn grantor_for(&self, tenant: usize, region_index: usize) -> &Grantor {
+        let Some(second) = &self.second else {
+            return &self.grantor;
+        };
+        let roles = second.role_sender.borrow();
+        let shard = shard_of(
+            &self.tenants[tenant],
+            &self.pools[tenant][region_index],
+            roles.count(),
+        );
+        if roles.leadership(shard).is_some() {
+            &second.grantor
+        } else {
+            &self.grantor
+        }
+    }
+
+    /// Moves `shard` to the other allocator: its leader key goes (as a hand-over deletes it, or a
+    /// lapsed lease drops it), the other takes it with the next epoch, and the old leader, still
+    /// believing it leads, is asked for a grant of a pool in the shard: the fence must refuse it.
+    ///
+    /// Long by design: the old leader's belief is kept from the key's removal to the probe, and
+    /// only then corrected; split, that window would be spread between functions.
+    pub(super) async fn move_shard(
+        &mut self,
+        shard: ShardId,
+        config: &PoolConfig,
+        now_ms: u64,
+    ) -> Result<(), DrillError> {
+        let Some(second) = &self.second else {
+            return Err(DrillError::Broken("a shard move needs shards".into()));
+        };
+        let first_leads = self.role_sender.borrow().leadership(shard);
+        let second_leads = second.role_sender.borrow().leadership(shard);
+        let (from, from_grantor, to_sender, to_lease, to_node) = match (first_leads, second_leads) {
+            (Some(held), None) => (
+                held,
+                &self.grantor,
+                &second.role_sender,
+                second.lease,
+                NODES[1],
+            ),
+            (None, Some(held)) => (
+                held,
+                &second.grantor,
+                &self.role_sender,
+                second.first_lease,
+                NODES[0],
+            ),
+            _ => {
+                return Err(DrillError::Broken(format!(
+                    "shard {shard} has no one leader"
+                )));
+            }
+        };
+        if !resign(&*self.kv, from).await.map_err(store)? {
+            return Err(DrillError::Broken(format!(
+                "shard {shard}'s key was not its leader's"
+            )));
+        }
+        let taken = try_acquire_shard(&*self.kv, shard, to_node.0, to_node.1, to_lease)
+            .await
+            .map_err(store)?
+            .ok_or_else(|| DrillError::Broken(format!("shard {shard} was not taken over")))?;
+        debug_assert!(taken.epoch > from.epoch);
+        to_sender.send_modify(|roles| *roles = with_role(roles, shard, Role::Leader(taken)));
+        // The old leader still believes it leads: a grant of one of the shard's pools must fail on
+        // the fence, not be granted from what it knew.
+        let probe = (0..self.tenants.len()).find_map(|t| {
+            (0..self.pools[t].len())
+                .find(|&r| {
+                    shard_of(
+                        &self.tenants[t],
+                        &self.pools[t][r],
+                        self.role_sender.borrow().count(),
+                    ) == shard
+                })
+                .map(|r| (t, r))
+        });
+        if let Some((tenant, region_index)) = probe {
+            self.leases_asked += 1;
+            let attempt = from_grantor
+                .grant(
+                    &self.tenants[tenant],
+                    &self.pools[tenant][region_index],
+                    GrantRequest {
+                        lease_id: LeaseId::from_parts(now_ms, self.leases_asked),
+                        region: config.regions().first().cloned().ok_or_else(|| {
+                            DrillError::Broken("a pool has at least one region".into())
+                        })?,
+                        want_tokens: 1,
+                    },
+                )
+                .await;
+            if let Ok(answer) = attempt {
+                return Err(DrillError::Broken(format!(
+                    "the allocator that lost shard {shard} still answered a grant ({} tokens)",
+                    answer.granted_tokens
+                )));
+            }
+        }
+        let from_sender = if first_leads.is_some() {
+            &self.role_sender
+        } else {
+            &second.role_sender
+        };
+        from_sender.send_modify(|roles| *roles = with_role(roles, shard, Role::Follower(None)));
+        Ok(())
     }
 
     pub(super) async fn grant(
@@ -74,7 +265,7 @@ impl DrillAllocator {
         lease_id: LeaseId,
         want_tokens: u64,
     ) -> Result<GrantAnswer, DrillError> {
-        self.grantor
+        self.grantor_for(tenant, region_index)
             .grant(
                 &self.tenants[tenant],
                 &self.pools[tenant][region_index],
@@ -103,7 +294,7 @@ impl DrillAllocator {
             spent_tokens: line.spent_tokens,
             unspent_tokens: line.unspent_tokens,
         };
-        self.grantor
+        self.grantor_for(tenant, region_index)
             .take_back(
                 &self.tenants[tenant],
                 &self.pools[tenant][region_index],
@@ -233,4 +424,13 @@ impl DrillAllocator {
         }
         Ok(lost)
     }
+}
+
+/// `roles` with `shard`'s role replaced by `role`.
+fn with_role(roles: &Roles, shard: ShardId, role: Role) -> Roles {
+    let mut shards = roles.all().to_vec();
+    if let Some(slot) = shards.get_mut(shard.0 as usize) {
+        *slot = role;
+    }
+    Roles::from_shards(shards)
 }

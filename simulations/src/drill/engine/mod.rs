@@ -226,7 +226,10 @@ impl<'s> Drill<'s> {
             .validate()
             .map_err(invalid)?;
         let pools = configure_pools(&*kv, scenario, &tenants, &regions, base_ms).await?;
-        let allocator = DrillAllocator::lead(kv, &clock, scenario.clamping, tenants, pools).await?;
+        let shards = allot_shared::shards::ShardCount::new(scenario.shards).map_err(invalid)?;
+        let allocator =
+            DrillAllocator::lead_shards(kv, &clock, scenario.clamping, tenants, pools, shards)
+                .await?;
         let tenant_count = allocator.tenants.len();
         let mut agents = Vec::new();
         for (region_index, (region, plan)) in regions.iter().zip(&scenario.regions).enumerate() {
@@ -323,6 +326,16 @@ impl<'s> Drill<'s> {
                 for (tenant, lost) in lost.into_iter().enumerate() {
                     self.checker.add_lost(tenant, lost);
                 }
+            }
+        }
+        for fault in &self.scenario.faults {
+            if let Fault::ShardMove { at_ms, shard } = *fault
+                && due(at_ms)
+            {
+                let shard = allot_shared::shards::ShardId(shard);
+                self.allocator
+                    .move_shard(shard, &self.config, now_ms)
+                    .await?;
             }
         }
         self.apply_overrides(elapsed_ms, now_ms).await?;
