@@ -1,11 +1,14 @@
 //! The control plane at scale: what the allocator, etcd and the wire pay per 1,000 active
 //! pool-regions, with traffic and without.
 //!
-//! One process runs the real allocator (its own runtime, threads named `allocator`, on a real
-//! etcd with a SQLite ledger) and three real region agents (`eu`, `us`, `ap`: the shipped agent
+//! One process runs the real allocator (its own runtime, threads named `allocator-0`, on a real
+//! etcd with a SQLite ledger), or `PLANE_ALLOCATORS` of them splitting the pools into
+//! `PLANE_SHARDS` shards (12 by default when there are several; each on its own runtime,
+//! `allocator-<i>`, one SQLite ledger file between them), and three real region agents (`eu`, `us`, `ap`: the shipped agent
 //! service, its background loops as the server runs them, an in-process regional store), each
 //! holding `PLANE_POOLS` pools (`t000000/api`, ...; one global rule). The agents reach the
-//! allocator through a proxy that counts the bytes both ways. Phases:
+//! allocators through a proxy each that counts the bytes both ways (an allocator advertises its
+//! proxy, so the shard map points agents there too). Phases:
 //! - **first touch**: every pool-region's first admission, `PLANE_TOUCH` (64) pools at a time per
 //!   agent, each retried every 100 ms until admitted (the attempts denied are counted);
 //! - **light**: every pool gets a request every `PLANE_GAP_MS` (3,000) in every region, spread
@@ -16,7 +19,8 @@
 //! - **idle**: no traffic, measured for `PLANE_SECONDS` once the leases have ended, their last
 //!   reports are in, and the last windows have settled and been checked.
 //!
-//! For each phase: allocator CPU s/s (its runtime's threads and the SQLite ledger's workers) and
+//! For each phase: allocator CPU s/s (its runtime's threads and the SQLite ledger's workers; with
+//! several, each allocator's runtime apart too) and
 //! etcd CPU s/s, both per 1,000 pool-regions; bytes on the wire per pool-region per minute;
 //! renewals (grants) per pool-region per minute from the allocator's own counter; and denials (every pool's quota is far above its traffic, so a denial is one while
 //! the pool had tokens), before and after a pool's first admission in the region; and the reports
@@ -42,6 +46,7 @@ use allot_region_agent::service::{Agent, AgentSettings};
 use allot_shared::contract::{AdmissionRequest, Principal, PrincipalType};
 use allot_shared::ids::{AgentId, DecisionId, PoolId, RegionId, RouteGroup, TenantId};
 use allot_shared::keys::Pepper;
+use allot_shared::shards::ShardCount;
 
 const REGIONS: [&str; 3] = ["eu", "us", "ap"];
 const OPERATOR: &str = "operator-token-for-the-plane-bench";
@@ -49,8 +54,8 @@ const AGENT_TOKEN: &str = "agent-token-for-the-plane-bench-01";
 /// The pools' terms: a minute's window far above the traffic, 15 s leases.
 const WINDOW_MS: u64 = 60_000;
 const LEASE_TTL_MS: u64 = 15_000;
-/// Threads whose CPU is the allocator's.
-const ALLOCATOR_THREADS: [&str; 2] = ["allocator", "sqlx-sqlite"];
+/// Threads whose CPU is the allocators': their runtimes (`allocator-<i>`) and the ledger's workers.
+const ALLOCATOR_THREADS: [&str; 2] = ["allocator-", "sqlx-sqlite"];
 /// Pool-regions whose report lag is sampled.
 const LAG_SAMPLES: usize = 32;
 /// How often the ledger is polled for the sampled pool-regions, ms.
@@ -137,16 +142,23 @@ async fn counted_copy(
     let _ = to.shutdown().await;
 }
 
-/// Starts the allocator on a runtime of its own over `kv` and a SQLite ledger at `ledger_url`;
-/// returns its address once it leads.
-async fn start_allocator(kv: Arc<dyn Kv>, ledger_url: String) -> SocketAddr {
+/// Starts allocator `index` on a runtime of its own over `kv` and a SQLite ledger at `ledger_url`,
+/// the pools split into `shards`, advertising a counting proxy in front of it; returns its address
+/// and its proxy's once every shard has a known leader.
+async fn start_allocator(
+    kv: Arc<dyn Kv>,
+    ledger_url: String,
+    index: usize,
+    shards: ShardCount,
+) -> (SocketAddr, SocketAddr) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     listener.set_nonblocking(true).expect("nonblocking");
     let address = listener.local_addr().expect("address");
+    let proxy = counting_proxy(address).await;
     std::thread::spawn(move || {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
-            .thread_name("allocator")
+            .thread_name(format!("allocator-{index}"))
             .enable_all()
             .build()
             .expect("allocator runtime")
@@ -158,7 +170,9 @@ async fn start_allocator(kv: Arc<dyn Kv>, ledger_url: String) -> SocketAddr {
                 };
                 let settings = Settings {
                     ledger_url: ledger_url.clone(),
-                    ..Settings::local(address, tokens, "plane")
+                    advertise_url: format!("http://{proxy}"),
+                    shards: Some(shards),
+                    ..Settings::local(address, tokens, &format!("plane-{index}"))
                 };
                 let ledger = Ledger::connect(&ledger_url).await.expect("ledger");
                 let clock: Arc<dyn Clock> = Arc::new(SystemClock);
@@ -182,20 +196,58 @@ async fn start_allocator(kv: Arc<dyn Kv>, ledger_url: String) -> SocketAddr {
             .await
             .is_ok_and(|r| r.status().is_success());
         if ready {
-            return address;
+            return (address, proxy);
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("the allocator did not lead within 20 s");
 }
 
+/// Waits until each of `allocators` leads its share of `shards` (at least `shards / n`).
+async fn wait_for_balanced_shards(allocators: &[SocketAddr], shards: ShardCount) {
+    let client = reqwest::Client::new();
+    let share = shards.get() as usize / allocators.len();
+    for _ in 0..600 {
+        let map = client
+            .get(format!("http://{}/v1/shards", allocators[0]))
+            .bearer_auth(AGENT_TOKEN)
+            .send()
+            .await;
+        if let Ok(response) = map
+            && let Ok(map) = response.json::<allot_shared::wire::ShardMap>().await
+        {
+            let led = |index: usize| {
+                let node = format!("plane-{index}");
+                map.shards
+                    .iter()
+                    .filter(|s| s.leader.as_ref().is_some_and(|l| l.node_id == node))
+                    .count()
+            };
+            if (0..allocators.len()).all(|index| led(index) >= share) {
+                let coordinator = map.shards[0].leader.as_ref().map(|l| l.node_id.clone());
+                let counts: Vec<String> = (0..allocators.len())
+                    .map(|index| format!("plane-{index} leads {}", led(index)))
+                    .collect();
+                println!(
+                    "shards: {}; shard 0 (the store's once-a-round duties): {}",
+                    counts.join(", "),
+                    coordinator.unwrap_or_default()
+                );
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the shards did not spread over the allocators within a minute");
+}
+
 /// One region's agent, its background loops running until the process ends.
-async fn start_agent(name: &str, allocator: SocketAddr, pools: usize) -> Arc<Agent> {
+async fn start_agent(name: &str, allocators: &[SocketAddr], pools: usize) -> Arc<Agent> {
     let clock = Arc::new(allot_region_agent::clock::SystemClock);
     let store = InProcessStore::new(clock.clone(), 4 * pools + 1_024);
     let limiter = Limiter::new(Arc::new(store), LimiterConfig::default()).expect("limiter");
-    let client = AllocatorClient::new(vec![format!("http://{allocator}")], AGENT_TOKEN.to_owned())
-        .expect("client");
+    let urls = allocators.iter().map(|a| format!("http://{a}")).collect();
+    let client = AllocatorClient::new(urls, AGENT_TOKEN.to_owned()).expect("client");
     let settings = AgentSettings {
         max_pools: pools + 16,
         ..AgentSettings::new(
@@ -364,8 +416,14 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The allocator's counter `name` (summed over its label sets) from its metrics page.
-async fn counter(client: &reqwest::Client, allocator: SocketAddr, name: &str) -> f64 {
+/// The allocators' counter `name`, summed over its label sets. The allocators of this process
+/// share one metrics recorder (metrics are process-wide), so any one's page counts for all.
+async fn counter(client: &reqwest::Client, allocators: &[SocketAddr], name: &str) -> f64 {
+    counter_of(client, allocators[0], name).await
+}
+
+/// One allocator's counter `name` (summed over its label sets) from its metrics page.
+async fn counter_of(client: &reqwest::Client, allocator: SocketAddr, name: &str) -> f64 {
     let mut page = None;
     for _ in 0..5 {
         let fetched = client
@@ -395,6 +453,8 @@ struct Phase {
     name: &'static str,
     seconds: f64,
     allocator_cpu_s: f64,
+    /// Each allocator's runtime alone (without the ledger's workers, which they share).
+    runtime_cpu_s: Vec<f64>,
     /// Of which the SQLite ledger's worker threads.
     ledger_cpu_s: f64,
     etcd_cpu_s: f64,
@@ -421,9 +481,22 @@ impl Phase {
             "{:<6} {:>10.0} {:>12.5} {:>12.5} {:>14.0} {:>12.2} {:>12.2}",
             self.name, pool_regions, allocator, etcd, bytes, renewals, reports
         );
+        let runtimes: Vec<f64> = self
+            .runtime_cpu_s
+            .iter()
+            .map(|cpu_s| cpu_s / self.seconds / per_thousand)
+            .collect();
+        if runtimes.len() > 1 {
+            let shown: Vec<String> = runtimes.iter().map(|r| format!("{r:.5}")).collect();
+            println!(
+                "       each allocator's runtime, s/s per 1,000 pool-regions: {} (the ledger's workers apart)",
+                shown.join(", ")
+            );
+        }
         println!(
             "{}",
             serde_json::json!({ "bench": "control_plane", "phase": self.name,
+                "runtimeCpuPerThousand": runtimes,
                 "poolRegions": pool_regions, "allocatorCpuPerThousand": allocator,
                 "etcdCpuPerThousand": etcd,
                 "ledgerShareOfAllocatorCpu": self.ledger_cpu_s / self.allocator_cpu_s.max(1e-9), "wireBytesPerPoolRegionMinute": bytes,
@@ -439,12 +512,19 @@ async fn measure(
     name: &'static str,
     etcd: &allot_testkit::EtcdCluster,
     client: &reqwest::Client,
-    allocator: SocketAddr,
+    allocators: &[SocketAddr],
     work: impl Future<Output = ()>,
 ) -> Phase {
-    let grants_before = counter(client, allocator, "allot_grants_total").await;
+    let runtime = |index: usize| format!("allocator-{index}");
+    let runtimes_now = || -> Vec<f64> {
+        (0..allocators.len())
+            .map(|index| allot_testkit::threads_cpu_seconds(&[&runtime(index)]))
+            .collect()
+    };
+    let runtimes_before = runtimes_now();
+    let grants_before = counter(client, allocators, "allot_grants_total").await;
     let reconciliations_before =
-        counter(client, allocator, "allot_ledger_reconciliations_total").await;
+        counter(client, allocators, "allot_ledger_reconciliations_total").await;
     let from_ms = SystemClock.now_ms();
     let cpu_before = allot_testkit::threads_cpu_seconds(&ALLOCATOR_THREADS);
     let ledger_before = allot_testkit::threads_cpu_seconds(&["sqlx-sqlite"]);
@@ -454,6 +534,11 @@ async fn measure(
     work.await;
     let seconds = stopwatch.elapsed().as_secs_f64();
     let allocator_cpu_s = allot_testkit::threads_cpu_seconds(&ALLOCATOR_THREADS) - cpu_before;
+    let runtime_cpu_s = runtimes_now()
+        .into_iter()
+        .zip(runtimes_before)
+        .map(|(after, before)| after - before)
+        .collect();
     let ledger_cpu_s = allot_testkit::threads_cpu_seconds(&["sqlx-sqlite"]) - ledger_before;
     let etcd_cpu_s = etcd.member_cpu_seconds(0) - etcd_before;
     let wire_bytes = (WIRE_BYTES.load(Ordering::Relaxed) - bytes_before) as f64;
@@ -462,11 +547,12 @@ async fn measure(
         name,
         seconds,
         allocator_cpu_s,
+        runtime_cpu_s,
         ledger_cpu_s,
         etcd_cpu_s,
         wire_bytes,
-        grants: counter(client, allocator, "allot_grants_total").await - grants_before,
-        reconciliations: counter(client, allocator, "allot_ledger_reconciliations_total").await
+        grants: counter(client, allocators, "allot_grants_total").await - grants_before,
+        reconciliations: counter(client, allocators, "allot_ledger_reconciliations_total").await
             - reconciliations_before,
         from_ms,
         to_ms,
@@ -620,11 +706,26 @@ async fn main() {
 
     let dir = tempfile::tempdir().expect("temp dir");
     let ledger_url = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    let allocator = start_allocator(kv, ledger_url.clone()).await;
-    let proxy = counting_proxy(allocator).await;
+    let allocator_count = usize::try_from(env_or("PLANE_ALLOCATORS", 1))
+        .unwrap_or(1)
+        .max(1);
+    let default_shards = if allocator_count == 1 { 1 } else { 12 };
+    let shards = u32::try_from(env_or("PLANE_SHARDS", default_shards))
+        .ok()
+        .and_then(|count| ShardCount::new(count).ok())
+        .expect("PLANE_SHARDS in [1, 256]");
+    let mut allocators = Vec::new();
+    let mut proxies = Vec::new();
+    for index in 0..allocator_count {
+        let (allocator, proxy) =
+            start_allocator(kv.clone(), ledger_url.clone(), index, shards).await;
+        allocators.push(allocator);
+        proxies.push(proxy);
+    }
+    wait_for_balanced_shards(&allocators, shards).await;
     let mut agents = Vec::new();
     for name in REGIONS {
-        agents.push(start_agent(name, proxy, pools + SAMPLE_POOLS).await);
+        agents.push(start_agent(name, &proxies, pools + SAMPLE_POOLS).await);
     }
     // A connection per read: a pooled one may be closed by the server while idle.
     let client = reqwest::Client::builder()
@@ -636,8 +737,10 @@ async fn main() {
         ..Seen::default()
     });
     println!(
-        "control plane: {pools} pools x {} regions, a request every {gap_ms} ms per pool-region",
-        REGIONS.len()
+        "control plane: {pools} pools x {} regions, a request every {gap_ms} ms per pool-region; \
+         {allocator_count} allocator(s), {} shard(s)",
+        REGIONS.len(),
+        shards.get()
     );
 
     // Warm-up: every pool's terms and first lease, `PLANE_TOUCH` pools at a time per agent, then
@@ -653,7 +756,7 @@ async fn main() {
     let every_pool = (pools, tenant as fn(usize) -> TenantId);
     let warm_up_s = LEASE_TTL_MS / 1_000 + 5;
     traffic(&agents, every_pool, gap_ms, warm_up_s, &seen, false).await;
-    let light = measure("light", &etcd, &client, allocator, async {
+    let light = measure("light", &etcd, &client, &allocators, async {
         traffic(&agents, every_pool, gap_ms, seconds, &seen, false).await;
     })
     .await;
@@ -673,7 +776,7 @@ async fn main() {
     // settle and are checked by a ledger round (two rounds of 30 s): from then on nothing is owed
     // anywhere, and what the control plane spends is what idling costs.
     tokio::time::sleep(Duration::from_millis(LEASE_TTL_MS + WINDOW_MS + 70_000)).await;
-    let mut idle = measure("idle", &etcd, &client, allocator, async {
+    let mut idle = measure("idle", &etcd, &client, &allocators, async {
         tokio::time::sleep(Duration::from_secs(seconds)).await;
     })
     .await;
