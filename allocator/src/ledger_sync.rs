@@ -130,6 +130,10 @@ pub async fn feed_ledger(
     // node's lead of shard 0, even one reached through a lapse that a long round hid, or another
     // shard's failover or hand-over) may leave a predecessor's unfed grants, copied at once.
     let (mut seen_terms, mut election_over) = (Vec::new(), false);
+    // The terms of the shards this node led when it last looked: a shard leader that is not the
+    // coordinator copies its predecessor's unfed grants itself when it takes a shard, and the
+    // grants its own feed missed at its next round.
+    let mut led_terms: Vec<allot_shared::ids::Epoch> = Vec::new();
     let mut rotation = CheckRotation::default();
     loop {
         tokio::select! {
@@ -151,20 +155,31 @@ pub async fn feed_ledger(
                     continue;
                 }
                 let roles = role.borrow_and_update().clone();
+                let leading: Vec<_> = roles.leading().map(|l| l.epoch).collect();
+                let took_a_shard = leading.iter().any(|term| !led_terms.contains(term));
+                led_terms = leading;
                 if roles.coordinating().is_some() && new_terms(&mut seen_terms, &roles) {
                     // The last leader may have died with grants in its feed: copy them while
                     // their records are still in the store.
                     missed.store(true, Ordering::Release);
                     ledger_round(&ledger, retention, &*kv, &*clock, &mut rotation, &missed).await;
                     reconcile.reset();
+                } else if took_a_shard {
+                    missed.store(true, Ordering::Release);
+                    reconcile_if_missed(&ledger, &*kv, &missed).await;
                 }
             }
             _ = reconcile.tick() => {
                 // The leader's ledger is the one reports reach; a follower would re-read every
                 // pool's grants for nothing.
-                let coordinating = role.borrow().coordinating().is_some();
+                let (coordinating, leads_any) = {
+                    let roles = role.borrow();
+                    (roles.coordinating().is_some(), roles.leading().next().is_some())
+                };
                 if coordinating {
                     ledger_round(&ledger, retention, &*kv, &*clock, &mut rotation, &missed).await;
+                } else if leads_any {
+                    reconcile_if_missed(&ledger, &*kv, &missed).await;
                 }
             }
         }
@@ -209,14 +224,7 @@ async fn ledger_round(
             return;
         }
     };
-    // Taken before the read: a grant missed while it runs marks the feed again.
-    if missed.swap(false, Ordering::AcqRel) {
-        metrics::counter!(crate::metrics::LEDGER_RECONCILIATIONS).increment(1);
-        if let Err(error) = reconcile_grants(ledger, kv).await {
-            missed.store(true, Ordering::Release);
-            tracing::warn!(%error, "ledger reconciliation failed; the next round retries");
-        }
-    }
+    reconcile_if_missed(ledger, kv, missed).await;
     if let Err(error) = publish_ledger_gauges(ledger, kv, &pools, rotation, clock.now_ms()).await {
         tracing::warn!(%error, "ledger gauges not updated");
     }
@@ -236,6 +244,18 @@ async fn ledger_round(
         Ok(0) => {}
         Ok(removed) => tracing::info!(removed, "ended overrides removed"),
         Err(error) => tracing::warn!(%error, "ended overrides not removed; the next round retries"),
+    }
+}
+
+/// Reconciles the ledger with the store when the feed `missed` grants (or a new lead says it may
+/// have). The flag is taken before the read: a grant missed while it runs marks the feed again.
+async fn reconcile_if_missed(ledger: &Ledger, kv: &dyn Kv, missed: &AtomicBool) {
+    if missed.swap(false, Ordering::AcqRel) {
+        metrics::counter!(crate::metrics::LEDGER_RECONCILIATIONS).increment(1);
+        if let Err(error) = reconcile_grants(ledger, kv).await {
+            missed.store(true, Ordering::Release);
+            tracing::warn!(%error, "ledger reconciliation failed; the next round retries");
+        }
     }
 }
 

@@ -702,6 +702,67 @@ async fn a_new_leader_copies_unfed_grants_into_the_ledger_at_once() {
     sync.await.expect("the sync stops");
 }
 
+/// With the pools split into shards, a node that takes a shard without coordinating (it does not
+/// lead shard 0) copies what that shard's last leader committed but never fed the ledger, itself
+/// and at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_of_a_shard_copies_its_unfed_grants_without_coordinating() {
+    let (ledger, _dir) = sqlite_ledger().await;
+    let kv = memory();
+    configure(&*kv, 1_000, 100).await;
+    let (grantor, clock, leadership) = leader(kv.clone()).await;
+    grantor
+        .grant(&tenant(), &pool(), request(1, "eu", 100))
+        .await
+        .expect("granted");
+    let (role_sender, role) = watch::channel(Roles::from_shards(vec![
+        Role::Follower(None),
+        Role::Follower(None),
+    ]));
+    let (_feed_sender, feed) = allot_allocator::ledger_sync::ledger_feed();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let sync = tokio::spawn(allot_allocator::ledger_sync::feed_ledger(
+        ledger.clone(),
+        allot_allocator::ledger_sync::LedgerRounds::default(),
+        kv.clone(),
+        clock.clone(),
+        role,
+        feed,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let config = spec(1_000, 100).validate().expect("valid");
+    let granted = async || {
+        ledger
+            .windows(&tenant(), &pool(), &config, 1, T0_MS)
+            .await
+            .expect("ledger")
+            .first()
+            .map_or(0, |w| w.granted_tokens)
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(granted().await, 0, "a node leading nothing copies nothing");
+    // It takes shard 1; shard 0 (the coordinator's) stays with another node.
+    role_sender
+        .send(Roles::from_shards(vec![
+            Role::Follower(None),
+            Role::Leader(leadership),
+        ]))
+        .expect("the sync listens");
+    let mut copied = 0;
+    for _ in 0..50 {
+        copied = granted().await;
+        if copied > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(copied, 100, "copied within 5 s of taking the shard");
+    let _ = stop.send(());
+    sync.await.expect("the sync stops");
+}
+
 /// Reconciliation reads every pool's records a page at a time: more records than one read holds,
 /// over several pools, all reach the ledger.
 #[tokio::test]
