@@ -28,7 +28,7 @@ pub async fn get_shards(
     // after a failover.
     let leaders = read_leaders(&*state.kv, count)
         .await
-        .map_err(|error| ApiError::unavailable("Store unavailable", error.to_string()))?;
+        .map_err(crate::pools::PoolStoreError::Store)?;
     let shards = count
         .shards()
         .zip(leaders)

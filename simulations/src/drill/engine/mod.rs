@@ -303,7 +303,7 @@ impl<'s> Drill<'s> {
         })
     }
 
-    /// One tick: the clock moves, a failover due now happens, then every region's agent serves
+    /// One tick: the clock moves, a failover or shard move due now happens, then every region's agent serves
     /// the tick's requests (unless it is down).
     async fn tick(&mut self, elapsed_ms: u64) -> Result<(), DrillError> {
         let tick_ms = self.scenario.tick_ms;
@@ -313,29 +313,26 @@ impl<'s> Drill<'s> {
         self.checker.roll_to(window.start_ms - self.base_ms);
         let due = |at_ms: u64| (elapsed_ms..elapsed_ms + tick_ms).contains(&at_ms);
         for fault in &self.scenario.faults {
-            if let Fault::Failover {
-                at_ms,
-                records_kept,
-            } = *fault
-                && due(at_ms)
-            {
-                let lost = self
-                    .allocator
-                    .fail_over(&self.config, &self.clock, records_kept, now_ms)
-                    .await?;
-                for (tenant, lost) in lost.into_iter().enumerate() {
-                    self.checker.add_lost(tenant, lost);
+            match *fault {
+                Fault::Failover {
+                    at_ms,
+                    records_kept,
+                } if due(at_ms) => {
+                    let lost = self
+                        .allocator
+                        .fail_over(&self.config, &self.clock, records_kept, now_ms)
+                        .await?;
+                    for (tenant, lost) in lost.into_iter().enumerate() {
+                        self.checker.add_lost(tenant, lost);
+                    }
                 }
-            }
-        }
-        for fault in &self.scenario.faults {
-            if let Fault::ShardMove { at_ms, shard } = *fault
-                && due(at_ms)
-            {
-                let shard = allot_shared::shards::ShardId(shard);
-                self.allocator
-                    .move_shard(shard, &self.config, now_ms)
-                    .await?;
+                Fault::ShardMove { at_ms, shard } if due(at_ms) => {
+                    let shard = allot_shared::shards::ShardId(shard);
+                    self.allocator
+                        .move_shard(shard, &self.config, now_ms)
+                        .await?;
+                }
+                _ => {}
             }
         }
         self.apply_overrides(elapsed_ms, now_ms).await?;
