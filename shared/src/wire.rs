@@ -522,6 +522,17 @@ pub struct ShardMap {
     pub shards: Vec<ShardLead>,
 }
 
+impl ShardMap {
+    /// How many shards each leader leads, by node id (shards without a leader left out).
+    pub fn led_by(&self) -> std::collections::BTreeMap<&str, usize> {
+        let mut led = std::collections::BTreeMap::new();
+        for leader in self.shards.iter().filter_map(|s| s.leader.as_ref()) {
+            *led.entry(leader.node_id.as_str()).or_default() += 1;
+        }
+        led
+    }
+}
+
 /// One shard and who leads it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]

@@ -216,12 +216,12 @@ async fn wait_for_balanced_shards(allocators: &[SocketAddr], shards: ShardCount)
         if let Ok(response) = map
             && let Ok(map) = response.json::<allot_shared::wire::ShardMap>().await
         {
+            let led_by = map.led_by();
             let led = |index: usize| {
-                let node = format!("plane-{index}");
-                map.shards
-                    .iter()
-                    .filter(|s| s.leader.as_ref().is_some_and(|l| l.node_id == node))
-                    .count()
+                led_by
+                    .get(format!("plane-{index}").as_str())
+                    .copied()
+                    .unwrap_or(0)
             };
             if (0..allocators.len()).all(|index| led(index) >= share) {
                 let coordinator = map.shards[0].leader.as_ref().map(|l| l.node_id.clone());

@@ -114,22 +114,21 @@ fn status_fragment(status: &PolicyStatus, ledger: &RegionList, now_ms: u64) -> M
 /// The allocators: how many shards each leads, and each shard's leader (a shard without one is
 /// changing hands).
 fn shards_fragment(map: &ShardMap) -> Markup {
-    let mut led: std::collections::BTreeMap<&str, (usize, &str)> =
-        std::collections::BTreeMap::new();
-    for leader in map.shards.iter().filter_map(|s| s.leader.as_ref()) {
-        let entry = led
-            .entry(leader.node_id.as_str())
-            .or_insert((0, leader.url.as_str()));
-        entry.0 += 1;
-    }
+    let url_of = |node: &str| {
+        map.shards
+            .iter()
+            .filter_map(|s| s.leader.as_ref())
+            .find(|leader| leader.node_id == node)
+            .map_or("", |leader| leader.url.as_str())
+    };
     html! {
         h2 { "Allocators" }
         p.muted { "The pools are split into " (map.shard_count) " shard(s); each is led by one allocator at a time, which alone grants its pools." }
         div.table-wrap { table id="allocators" {
             thead { tr { th { "Allocator" } th { "URL" } th.num { "Shards led" } } }
             tbody {
-                @for (node, (count, url)) in &led {
-                    tr { td { code { (node) } } td { (url) } td.num { (count) " of " (map.shard_count) } }
+                @for (node, count) in map.led_by() {
+                    tr { td { code { (node) } } td { (url_of(node)) } td.num { (count) " of " (map.shard_count) } }
                 }
             }
         } }

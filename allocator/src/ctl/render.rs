@@ -354,11 +354,9 @@ fn audit_table(list: &AuditList) -> String {
 fn shards_table(map: &ShardMap) -> String {
     let mut out = format!("{} shards\n", map.shard_count);
     let _ = writeln!(out, "{:>5}  {:<24} {:>6}  url", "shard", "leader", "epoch");
-    let mut led: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
     for lead in &map.shards {
         match &lead.leader {
             Some(leader) => {
-                *led.entry(leader.node_id.as_str()).or_default() += 1;
                 let _ = writeln!(
                     out,
                     "{:>5}  {:<24} {:>6}  {}",
@@ -374,7 +372,7 @@ fn shards_table(map: &ShardMap) -> String {
             }
         }
     }
-    for (node, count) in led {
+    for (node, count) in map.led_by() {
         let _ = writeln!(out, "{node} leads {count}");
     }
     out

@@ -87,12 +87,7 @@ async fn a_client_of_one_allocator_reaches_every_shards_leader() {
     let (url_a, _stop_a) = start_allocator(&endpoints, &ledger_url, "alloc-a").await;
     settled_map(&url_a, |_| true).await;
     let (url_b, _stop_b) = start_allocator(&endpoints, &ledger_url, "alloc-b").await;
-    let led_by = |map: &ShardMap, node: &str| {
-        map.shards
-            .iter()
-            .filter(|s| s.leader.as_ref().is_some_and(|l| l.node_id == node))
-            .count()
-    };
+    let led_by = |map: &ShardMap, node: &str| map.led_by().get(node).copied().unwrap_or(0);
     let map = settled_map(&url_a, |m| {
         led_by(m, "alloc-a") == 2 && led_by(m, "alloc-b") == 2
     })
