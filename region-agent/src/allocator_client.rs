@@ -362,31 +362,15 @@ impl AllocatorClient {
     /// answers 404 (`Err` for the whole call).
     /// Split into shards, the asks go in one call per shard leader, all at once.
     pub async fn grant_batch(&self, batch: &GrantBatch) -> Result<Vec<GrantOutcome>, ClientError> {
-        let routes = self.shard_routes().await;
-        let groups = by_leader(
-            routes.as_ref(),
-            batch.grants.iter().map(|ask| (&ask.tenant, &ask.pool)),
-        );
-        let calls = groups.iter().map(|(leader, indices)| async move {
-            let part = GrantBatch {
-                grants: indices.iter().map(|&i| batch.grants[i].clone()).collect(),
-            };
-            let answer: Option<GrantBatchAnswer> = self
-                .call_via(
-                    leader.as_deref(),
-                    reqwest::Method::POST,
-                    "/v1/grants/batch",
-                    Some(&to_json(&part)?),
-                )
-                .await?;
-            one_per_entry(
+        let results = self
+            .routed_batch(
                 "/v1/grants/batch",
-                answer.map(|answer| answer.results),
-                part.grants.len(),
+                &batch.grants,
+                |ask| (&ask.tenant, &ask.pool),
+                |grants| GrantBatch { grants },
+                |answer: GrantBatchAnswer| answer.results,
             )
-        });
-        let answers = futures::future::join_all(calls).await;
-        let results = in_order(&groups, answers, batch.grants.len())?;
+            .await?;
         if results
             .iter()
             .any(|result| result.problem.as_ref().is_some_and(|p| p.status == 503))
@@ -442,34 +426,47 @@ impl AllocatorClient {
         &self,
         batch: &ReportBatch,
     ) -> Result<Vec<ReportResult>, ClientError> {
+        self.routed_batch(
+            "/v1/reports/batch",
+            &batch.reports,
+            |report| (&report.tenant, &report.pool),
+            |reports| ReportBatch { reports },
+            |answer: ReportBatchAnswer| answer.results,
+        )
+        .await
+    }
+
+    /// `entries` of the batch route at `path`, sent as one call per shard leader (one call when
+    /// the pools are not split), all at once: one result per entry, in their order. `pool_of`
+    /// names an entry's pool, `body` makes a call's body of its entries, `results` reads its
+    /// answer's results.
+    async fn routed_batch<E: Clone, B: Serialize, A: DeserializeOwned, R>(
+        &self,
+        path: &str,
+        entries: &[E],
+        pool_of: impl Fn(&E) -> (&TenantId, &PoolId),
+        body: impl Fn(Vec<E>) -> B,
+        results: impl Fn(A) -> Vec<R>,
+    ) -> Result<Vec<R>, ClientError> {
         let routes = self.shard_routes().await;
-        let groups = by_leader(
-            routes.as_ref(),
-            batch
-                .reports
-                .iter()
-                .map(|report| (&report.tenant, &report.pool)),
-        );
-        let calls = groups.iter().map(|(leader, indices)| async move {
-            let part = ReportBatch {
-                reports: indices.iter().map(|&i| batch.reports[i].clone()).collect(),
-            };
-            let answer: Option<ReportBatchAnswer> = self
-                .call_via(
-                    leader.as_deref(),
-                    reqwest::Method::POST,
-                    "/v1/reports/batch",
-                    Some(&to_json(&part)?),
-                )
-                .await?;
-            one_per_entry(
-                "/v1/reports/batch",
-                answer.map(|answer| answer.results),
-                part.reports.len(),
-            )
+        let groups = by_leader(routes.as_ref(), entries.iter().map(&pool_of));
+        let calls = groups.iter().map(|(leader, indices)| {
+            let part = body(indices.iter().map(|&i| entries[i].clone()).collect());
+            let (results, sent) = (&results, indices.len());
+            async move {
+                let answer: Option<A> = self
+                    .call_via(
+                        leader.as_deref(),
+                        reqwest::Method::POST,
+                        path,
+                        Some(&to_json(&part)?),
+                    )
+                    .await?;
+                one_per_entry(path, answer.map(results), sent)
+            }
         });
         let answers = futures::future::join_all(calls).await;
-        in_order(&groups, answers, batch.reports.len())
+        in_order(&groups, answers, entries.len())
     }
 
     fn lock_routes(&self) -> std::sync::MutexGuard<'_, ShardRoutes> {
