@@ -439,7 +439,15 @@ async fn two_allocators_split_the_shards_and_one_killed_leaves_its_shards_to_the
 
     // An allocator started with another count refuses to start, saying why.
     let mut wrong = start("alloc-c", "2");
-    let status = wrong.child.wait().expect("exits");
+    let mut exited = None;
+    for _ in 0..200 {
+        exited = wrong.child.try_wait().expect("wait");
+        if exited.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = exited.expect("it exits within 10 s instead of serving");
     assert!(!status.success());
     let log = std::fs::read_to_string(dir.path().join("alloc-c.log")).expect("log");
     assert!(
